@@ -1,0 +1,20 @@
+"""dtp — Megatron-LM / MindSpeed training-parallel strategies on PyTorch DTensor.
+
+Every parallel strategy is a set of placements on a named device mesh plus
+redistribution rules; training is a pure function ``train_step(loss_fn, state, batch)``.
+This module only re-exports the public surface.
+"""
+
+from .comm import CommLog, CommRecord, comm_log
+from .mesh import detect_device, flatten_axes, make_mesh
+from .redistribute import reshard
+from .spec import P, from_local, shard, spec_of
+from .visualize import visualize
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "P", "make_mesh", "detect_device", "flatten_axes",
+    "shard", "from_local", "spec_of", "reshard", "visualize",
+    "comm_log", "CommLog", "CommRecord",
+]

@@ -1,0 +1,296 @@
+"""The one recorded path for collectives.
+
+Every collective dtp issues goes through this module, which runs it on the process
+group of one named mesh axis and appends a :class:`CommRecord` to every active
+:func:`comm_log`. Tests assert communication volume and overlap from those records;
+``train_step`` reports bytes per collective per mesh axis from them.
+
+Functions take and return *local* tensors (the per-rank shards); the DTensor-level
+redistribution rules live in :mod:`dtp.redistribute`. Each has ``async_op=True``, which
+returns a :class:`CommHandle` whose :meth:`CommHandle.wait` yields the result. Issue time
+is taken when the collective is posted, completion time when the backend reports it done
+(the work's future callback), not when someone gets round to waiting on it.
+
+Bytes are *sent per rank*, counted as the bandwidth-optimal (ring) algorithms move them:
+
+==============  ================================
+all_gather      (n-1) × local input bytes
+reduce_scatter  (n-1)/n × local input bytes
+all_reduce      2 (n-1)/n × bytes
+all_to_all      (n-1)/n × local input bytes (or the exact off-rank splits when uneven)
+send_recv       bytes of the tensor sent
+==============  ================================
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = [
+    "CommRecord",
+    "CommLog",
+    "CommHandle",
+    "comm_log",
+    "all_gather",
+    "reduce_scatter",
+    "all_reduce",
+    "all_to_all",
+    "send_recv",
+]
+
+
+@dataclass
+class CommRecord:
+    """One collective as one rank saw it."""
+
+    kind: str  # all_gather | reduce_scatter | all_reduce | all_to_all | send_recv
+    axis: str  # mesh axis name (a flattened view's name for several axes)
+    bytes: int  # bytes this rank sent
+    group_size: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]  # local input shape
+    issued: float  # time.perf_counter() when posted
+    completed: float | None = None  # when the backend finished it
+    async_op: bool = False
+    tag: str = ""  # free text from the caller ("ring step 2", "bucket 0", …)
+
+    @property
+    def duration(self) -> float | None:
+        return None if self.completed is None else self.completed - self.issued
+
+
+@dataclass
+class CommLog:
+    """Records of collectives issued while a :func:`comm_log` block was active."""
+
+    records: list[CommRecord] = field(default_factory=list)
+
+    def filter(self, kind: str | None = None, axis: str | None = None) -> list[CommRecord]:
+        return [r for r in self.records if (kind is None or r.kind == kind) and (axis is None or r.axis == axis)]
+
+    def bytes(self, kind: str | None = None, axis: str | None = None) -> int:
+        """Total bytes this rank sent, optionally for one kind and/or axis."""
+        return sum(r.bytes for r in self.filter(kind, axis))
+
+    def summary(self) -> dict[str, dict[str, int]]:
+        """``{axis: {kind: bytes}}`` — what ``train_step`` reports as metrics."""
+        out: dict[str, dict[str, int]] = {}
+        for r in self.records:
+            per_axis = out.setdefault(r.axis, {})
+            per_axis[r.kind] = per_axis.get(r.kind, 0) + r.bytes
+        return out
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def __str__(self) -> str:
+        lines = [f"{'kind':<15}{'axis':<10}{'bytes':>12}{'ms':>9}  tag"]
+        for r in self.records:
+            ms = f"{1e3 * r.duration:.2f}" if r.duration is not None else "-"
+            lines.append(f"{r.kind:<15}{r.axis:<10}{r.bytes:>12}{ms:>9}  {r.tag}")
+        return "\n".join(lines)
+
+
+_active = threading.local()
+
+
+def _logs() -> list[CommLog]:
+    if not hasattr(_active, "logs"):
+        _active.logs = []
+    return _active.logs
+
+
+@contextlib.contextmanager
+def comm_log() -> Iterator[CommLog]:
+    """Record every collective dtp issues inside the block (nests freely).
+
+    >>> with comm_log() as log:
+    ...     pass                                  # reshard, train_step, attention …
+    >>> log.bytes("all_to_all")
+    0
+    """
+    log = CommLog()
+    _logs().append(log)
+    try:
+        yield log
+    finally:
+        _logs().remove(log)
+
+
+def _record(kind: str, axis: str, nbytes: float, n: int, x: torch.Tensor, async_op: bool, tag: str) -> CommRecord:
+    rec = CommRecord(kind, axis, int(round(nbytes)), n, x.dtype, tuple(x.shape), time.perf_counter(), None, async_op, tag)
+    for log in _logs():
+        log.records.append(rec)
+    return rec
+
+
+class CommHandle:
+    """An in-flight collective; :meth:`wait` returns its (post-processed) result."""
+
+    def __init__(self, work: object | None, record: CommRecord | None, finish: Callable[[], torch.Tensor]):
+        self._work, self._record, self._finish = work, record, finish
+        self._result: torch.Tensor | None = None
+        future = getattr(work, "get_future", None)
+        if record is not None and future is not None:
+            try:
+                future().then(self._mark_done)
+            except (RuntimeError, NotImplementedError):
+                pass  # backends without futures: completion is taken at wait()
+
+    def _mark_done(self, fut: object) -> None:
+        if self._record is not None and self._record.completed is None:
+            self._record.completed = time.perf_counter()
+
+    def wait(self) -> torch.Tensor:
+        if self._result is None:
+            if self._work is not None:
+                self._work.wait()
+            self._mark_done(None)
+            self._result = self._finish()
+        return self._result
+
+    def is_completed(self) -> bool:
+        return self._result is not None or self._work is None or bool(self._work.is_completed())
+
+
+def _group(mesh: DeviceMesh, axis: str) -> tuple[dist.ProcessGroup, int]:
+    names = mesh.mesh_dim_names or ()
+    if axis not in names:
+        raise ValueError(f"collective on unknown mesh axis {axis!r}; the mesh has {names}")
+    return mesh.get_group(axis), mesh.size(names.index(axis))
+
+
+def _run(kind: str, mesh: DeviceMesh, axis: str, x: torch.Tensor, nbytes: Callable[[int], float],
+         post: Callable[[dist.ProcessGroup, int], tuple[object, Callable[[], torch.Tensor]]],
+         async_op: bool, tag: str) -> torch.Tensor | CommHandle:
+    group, n = _group(mesh, axis)
+    if n == 1:  # nothing moves: no collective, no record (a ring of one does no send/recv)
+        handle = CommHandle(None, None, lambda: x)
+        return handle if async_op else handle.wait()
+    record = _record(kind, axis, nbytes(n), n, x, async_op, tag)
+    work, finish = post(group, n)
+    handle = CommHandle(work, record, finish)
+    return handle if async_op else handle.wait()
+
+
+def _nbytes(x: torch.Tensor) -> int:
+    return x.numel() * x.element_size()
+
+
+def all_gather(x: torch.Tensor, mesh: DeviceMesh, axis: str, *, dim: int = 0,
+               async_op: bool = False, tag: str = "") -> torch.Tensor | CommHandle:
+    """Concatenate every rank's ``x`` along ``dim`` in axis-coordinate order."""
+    x = x.contiguous()
+
+    def post(group: dist.ProcessGroup, n: int):
+        out = x.new_empty((n * x.shape[0], *x.shape[1:])) if dim == 0 else x.new_empty((n, *x.shape))
+        work = dist.all_gather_into_tensor(out.view(-1), x.view(-1), group=group, async_op=True)
+
+        def finish() -> torch.Tensor:
+            if dim == 0:
+                return out
+            stacked = out.movedim(0, dim)  # (..., n, x.shape[dim], ...)
+            shape = list(x.shape)
+            shape[dim] *= n
+            return stacked.reshape(shape)
+
+        return work, finish
+
+    return _run("all_gather", mesh, axis, x, lambda n: (n - 1) * _nbytes(x), post, async_op, tag)
+
+
+def reduce_scatter(x: torch.Tensor, mesh: DeviceMesh, axis: str, *, dim: int = 0,
+                   async_op: bool = False, tag: str = "") -> torch.Tensor | CommHandle:
+    """Sum ``x`` over the axis and keep this rank's ``dim``-chunk (by coordinate)."""
+
+    def post(group: dist.ProcessGroup, n: int):
+        if x.shape[dim] % n:
+            raise ValueError(f"reduce_scatter over {axis!r}: dim {dim} of size {x.shape[dim]} does not divide by {n}")
+        c = x.shape[dim] // n
+        # Bring the n destination chunks to the front so the backend splits on dim 0;
+        # what is left, (*x.shape[:dim], c, *x.shape[dim+1:]), is exactly the result.
+        inp = x.reshape(*x.shape[:dim], n, c, *x.shape[dim + 1:]).movedim(dim, 0).contiguous()
+        out = x.new_empty(inp.shape[1:])
+        # Flat buffers: the chunks are contiguous either way, and LocalTensorMode's
+        # reduce-scatter (torch 2.13) mishandles multi-dim ones.
+        work = dist.reduce_scatter_tensor(out.view(-1), inp.view(-1), group=group, async_op=True)
+        return work, (lambda: out)
+
+    return _run("reduce_scatter", mesh, axis, x, lambda n: (n - 1) / n * _nbytes(x), post, async_op, tag)
+
+
+def all_reduce(x: torch.Tensor, mesh: DeviceMesh, axis: str, *, async_op: bool = False,
+               tag: str = "") -> torch.Tensor | CommHandle:
+    """Sum ``x`` over the axis (into a new tensor; ``x`` is not modified)."""
+    out = x.detach().clone(memory_format=torch.contiguous_format)
+
+    def post(group: dist.ProcessGroup, n: int):
+        return dist.all_reduce(out, group=group, async_op=True), (lambda: out)
+
+    return _run("all_reduce", mesh, axis, x, lambda n: 2 * (n - 1) / n * _nbytes(x), post, async_op, tag)
+
+
+def all_to_all(x: torch.Tensor, mesh: DeviceMesh, axis: str, *, split_dim: int, concat_dim: int,
+               async_op: bool = False, tag: str = "") -> torch.Tensor | CommHandle:
+    """Split ``x`` into n chunks along ``split_dim`` (chunk k goes to coordinate k) and
+    concatenate what arrives along ``concat_dim`` — Shard(concat_dim) → Shard(split_dim)."""
+
+    def post(group: dist.ProcessGroup, n: int):
+        if x.shape[split_dim] % n:
+            raise ValueError(
+                f"all_to_all over {axis!r}: dim {split_dim} of size {x.shape[split_dim]} does not divide by {n}"
+            )
+        c = x.shape[split_dim] // n
+        inp = x.reshape(*x.shape[:split_dim], n, c, *x.shape[split_dim + 1:]).movedim(split_dim, 0).contiguous()
+        out = torch.empty_like(inp)
+        work = dist.all_to_all_single(out, inp, group=group, async_op=True)
+
+        def finish() -> torch.Tensor:
+            # out[k] is coordinate k's chunk, the k-th block along concat_dim: put the
+            # block index right in front of concat_dim and fold the two together.
+            shape = list(inp.shape[1:])
+            shape[concat_dim] *= n
+            return out.movedim(0, concat_dim).reshape(shape)
+
+        return work, finish
+
+    return _run("all_to_all", mesh, axis, x, lambda n: (n - 1) / n * _nbytes(x), post, async_op, tag)
+
+
+def send_recv(x: torch.Tensor, mesh: DeviceMesh, axis: str, *, shift: int = 1, async_op: bool = False,
+              tag: str = "") -> torch.Tensor | CommHandle:
+    """Ring step: send ``x`` to coordinate ``c + shift`` and receive from ``c - shift``."""
+    x = x.contiguous()
+
+    def post(group: dist.ProcessGroup, n: int):
+        me = dist.get_rank(group)
+        dst = dist.get_global_rank(group, (me + shift) % n)
+        src = dist.get_global_rank(group, (me - shift) % n)
+        out = torch.empty_like(x)
+        ops = [dist.P2POp(dist.isend, x, dst, group), dist.P2POp(dist.irecv, out, src, group)]
+        works = dist.batch_isend_irecv(ops)
+        return _Works(works), (lambda: out)
+
+    return _run("send_recv", mesh, axis, x, lambda n: _nbytes(x) if n > 1 else 0, post, async_op, tag)
+
+
+class _Works:
+    """Several backend works that complete together (a send and a receive)."""
+
+    def __init__(self, works: Sequence[object]):
+        self.works = list(works)
+
+    def wait(self) -> None:
+        for w in self.works:
+            w.wait()
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self.works)

@@ -1,0 +1,167 @@
+"""Named device meshes: device/backend detection and process-group set-up.
+
+A mesh is a plain ``torch.distributed.device_mesh.DeviceMesh`` whose dimensions carry
+names (``dp``, ``cp``, ``tp`` …). Keyword order is mesh order, outer to inner, so the
+last axis holds neighbouring ranks (the fast links: tensor parallel belongs there).
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import os
+import re
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+__all__ = ["make_mesh", "detect_device", "axis_size", "axis_coordinate", "flatten_axes"]
+
+_BACKEND_FOR_DEVICE = {"cuda": "nccl", "npu": "hccl", "cpu": "gloo"}
+_AXIS_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# make_mesh is idempotent: the same request on the same process group returns the same
+# mesh, so tests and notebooks that call it repeatedly do not pile up process groups.
+_MESH_CACHE: dict[tuple[Any, ...], DeviceMesh] = {}
+
+
+def _npu_available() -> bool:
+    """True when ``torch_npu`` imports and reports a device.
+
+    ``torch_npu`` is optional and heavy; it is imported lazily, here only, and any
+    failure to import or initialise it (missing package, missing CANN libraries,
+    driver errors) means "no npu".
+    """
+    try:
+        importlib.import_module("torch_npu")
+    except (ImportError, OSError, RuntimeError):
+        return False
+    npu = getattr(torch, "npu", None)
+    try:
+        return bool(npu is not None and npu.is_available())
+    except (RuntimeError, OSError):
+        return False
+
+
+def detect_device(device: str | None = None) -> tuple[str, str]:
+    """Return ``(device_type, backend)`` for ``device`` or for this machine.
+
+    cuda → nccl, npu (when ``torch_npu`` imports) → hccl, otherwise cpu → gloo.
+
+    >>> detect_device("cpu")
+    ('cpu', 'gloo')
+    """
+    if device is None:
+        if torch.cuda.is_available():
+            device = "cuda"
+        elif _npu_available():
+            device = "npu"
+        else:
+            device = "cpu"
+    device_type = torch.device(device).type if device != "npu" else "npu"
+    if device_type not in _BACKEND_FOR_DEVICE:
+        raise ValueError(
+            f"make_mesh: unsupported device {device!r}; expected one of {sorted(_BACKEND_FOR_DEVICE)}"
+        )
+    return device_type, _BACKEND_FOR_DEVICE[device_type]
+
+
+def _check_axes(axes: dict[str, int]) -> None:
+    if not axes:
+        raise ValueError("make_mesh: give at least one named axis, e.g. make_mesh(dp=2)")
+    for name, size in axes.items():
+        if not _AXIS_NAME.match(name):
+            raise ValueError(f"make_mesh: axis name {name!r} must be a Python identifier")
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise ValueError(f"make_mesh: axis {name!r} has size {size!r}; sizes are integers >= 1")
+
+
+def _ensure_process_group(backend: str, world_size: int) -> None:
+    """Initialise the default process group unless torchrun (or the user) already did."""
+    if dist.is_initialized():
+        return
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        env_world = int(os.environ["WORLD_SIZE"])
+        if env_world != world_size:
+            raise ValueError(
+                f"make_mesh: mesh has {world_size} devices but WORLD_SIZE={env_world}; "
+                f"the product of the axis sizes must equal the world size"
+            )
+        dist.init_process_group(backend)
+        return
+    if world_size != 1:
+        raise ValueError(
+            f"make_mesh: mesh has {world_size} devices but no process group is initialised and no "
+            "RANK/WORLD_SIZE is set; launch with torchrun (or `dtp train --nproc N`), "
+            "use dtp.testing.run(..., world_size=N), or make a mesh of size 1"
+        )
+    # A single process (a notebook, a script): an in-memory store, no networking.
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+
+
+def make_mesh(*, device: str | None = None, **axes: int) -> DeviceMesh:
+    """Build a named :class:`DeviceMesh`; keyword order is mesh order (outer → inner).
+
+    Detects the device and backend (see :func:`detect_device`), initialises the default
+    process group from the environment when needed, and accepts one that torchrun or the
+    user already initialised. The product of the axis sizes must equal the world size.
+
+    >>> mesh = make_mesh(dp=1, tp=1)        # on a single process
+    >>> mesh.mesh_dim_names
+    ('dp', 'tp')
+    """
+    _check_axes(axes)
+    device_type, backend = detect_device(device)
+    n = math.prod(axes.values())
+    if dist.is_initialized() and dist.get_world_size() != n:
+        shape = " × ".join(f"{k}={v}" for k, v in axes.items())
+        raise ValueError(
+            f"make_mesh: {shape} = {n} devices, but the world size is {dist.get_world_size()}; "
+            f"the product of the axis sizes must equal the world size"
+        )
+    _ensure_process_group(backend, n)
+    key = (device_type, tuple(axes.items()), id(dist.group.WORLD))
+    mesh = _MESH_CACHE.get(key)
+    if mesh is None:
+        if device_type == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", dist.get_rank() % torch.cuda.device_count())))
+        mesh = init_device_mesh(device_type, tuple(axes.values()), mesh_dim_names=tuple(axes))
+        _MESH_CACHE[key] = mesh
+    return mesh
+
+
+def axis_size(mesh: DeviceMesh, axis: str) -> int:
+    """Size of the named mesh axis.
+
+    >>> axis_size(make_mesh(dp=1), "dp")
+    1
+    """
+    names = mesh.mesh_dim_names or ()
+    if axis not in names:
+        raise ValueError(f"mesh has no axis {axis!r}; its axes are {names}")
+    return mesh.size(names.index(axis))
+
+
+def axis_coordinate(mesh: DeviceMesh, axis: str) -> int:
+    """This rank's coordinate along the named axis (a per-rank int under LocalTensorMode)."""
+    names = mesh.mesh_dim_names or ()
+    coord = mesh.get_coordinate()
+    if coord is None:
+        raise ValueError("this rank is not part of the mesh")
+    return coord[names.index(axis)]
+
+
+def flatten_axes(mesh: DeviceMesh, axes: tuple[str, ...], name: str | None = None) -> DeviceMesh:
+    """A 1-D view of several (adjacent, in mesh order) axes, e.g. the EP view of ``dp×cp``.
+
+    >>> ep = flatten_axes(make_mesh(dp=1, cp=1), ("dp", "cp"))
+    >>> ep.mesh_dim_names
+    ('dp_cp',)
+    """
+    for axis in axes:
+        axis_size(mesh, axis)
+    name = name or "_".join(axes)
+    if len(axes) == 1:
+        return mesh[axes[0]]
+    return mesh[axes]._flatten(name)

@@ -1,0 +1,1 @@
+"""Custom redistributions and kernels: blockwise attention, context parallel, MoE dispatch."""

@@ -1,0 +1,731 @@
+"""Local numerics of context-parallel attention: one (Q block, K/V block) pair at a time.
+
+Ring, double-ring and hybrid (Ulysses x ring) attention move K/V blocks between ranks;
+whatever moves where, each rank ends up doing the same three local things, which live here
+and involve no collectives at all:
+
+* :func:`block_forward` -- attention of a Q block against one K/V block, returning the
+  partial output *and* its log-sum-exp (LSE) so partials can be combined later;
+* :func:`merge` -- the numerically stable LSE merge of two partials over disjoint key sets;
+* :func:`block_backward` -- the flash-attention backward of one block, given the *global*
+  (already merged) output and LSE, so per-block gradients simply add up.
+
+Plus the bookkeeping for causal load balancing (:func:`zigzag_permutation`,
+:func:`to_cp_order`, :func:`from_cp_order`, :func:`ring_block_plan`, :func:`causal_work`)
+and :func:`simulate_ring_attention`, a single-process executable specification of ring
+attention built only from those pieces; the distributed ring must match it bit for bit
+in structure (and to rounding in value).
+
+Conventions
+-----------
+* Layout is SDPA's ``(batch, heads, seq, head_dim)``.
+* GQA: ``k``/``v`` may have fewer heads than ``q`` (``heads_q % heads_kv == 0``); query
+  head ``i`` uses kv head ``i // (heads_q // heads_kv)``, as ``enable_gqa=True`` in
+  :func:`torch.nn.functional.scaled_dot_product_attention`. The math path never
+  materialises repeated K/V: the query groups are folded into the sequence dimension.
+* ``mask="causal"`` is aligned at the *top-left*: query ``i`` sees key ``j`` iff
+  ``j <= i`` (local indices), for any ``s_q``/``s_k`` -- the same convention as SDPA's
+  ``is_causal=True``. For the square diagonal blocks of a ring this is the usual causal
+  mask; with top-left alignment no query row is ever fully masked (row 0 sees key 0).
+* LSE is the natural-log ``logsumexp(scale * q @ k^T)`` per query row, shape
+  ``(batch, heads_q, s_q)``, in the *accumulation dtype*: fp64 for fp64 inputs, fp32 for
+  everything else (fp32/bf16/fp16).
+
+Kernel selection (:func:`select_impl`)
+--------------------------------------
+``block_forward``/``block_backward`` run either a fused PyTorch SDPA kernel that returns
+the LSE, or one plain-torch "math" path that runs on any device (CPU/CUDA/NPU):
+
+* CPU: ``aten._scaled_dot_product_flash_attention_for_cpu`` (+ its ``_backward``),
+  fp64/fp32/bf16/fp16, GQA native, top-left causal, and its backward takes the given
+  out/LSE (so the global ones work). It crashes (SIGFPE) on an empty K block, so empty
+  blocks always take the math path.
+* CUDA: forward via ``aten._scaled_dot_product_efficient_attention`` (fp32/bf16/fp16,
+  K/V heads repeated for GQA, causal only on square blocks since the fused kernels'
+  non-square causal alignment differs between backends); backward uses the math path.
+* Everything else (other devices, empty blocks, dtype mismatches): math.
+
+``impl="math"`` (or the environment variable ``DTP_BLOCKWISE_IMPL=math``) forces the math
+path everywhere; ``impl="fused"`` raises if no fused kernel applies.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Literal, NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "accum_dtype",
+    "select_impl",
+    "block_forward",
+    "block_backward",
+    "merge",
+    "zigzag_permutation",
+    "cp_permutation",
+    "to_cp_order",
+    "from_cp_order",
+    "BlockTask",
+    "ring_block_plan",
+    "causal_work",
+    "simulate_ring_attention",
+]
+
+Mask = Literal["full", "causal"]
+Impl = Literal["auto", "math", "fused"]
+
+#: Environment variable that overrides ``impl="auto"`` (values: auto, math, fused).
+IMPL_ENV = "DTP_BLOCKWISE_IMPL"
+
+_MASKS = ("full", "causal")
+_LOAD_BALANCES = ("zigzag", None)
+_CPU_FUSED_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+_CUDA_FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def accum_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype partial outputs, LSEs and gradients are accumulated in.
+
+    fp64 stays fp64 (the tests prove exactness there); every lower precision accumulates
+    in fp32 because LSE differences and merged outputs lose too much in bf16/fp16.
+
+    >>> accum_dtype(torch.bfloat16), accum_dtype(torch.float64)
+    (torch.float32, torch.float64)
+    """
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _check_mask(mask: str) -> None:
+    if mask not in _MASKS:
+        raise ValueError(f"mask must be one of {_MASKS}, got {mask!r}")
+
+
+def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, int, int, int, int, int]:
+    """Validate SDPA-layout shapes; returns (b, hq, hkv, s_q, s_k, d)."""
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(
+            f"q, k, v must be 4-D (batch, heads, seq, head_dim); got {tuple(q.shape)}, "
+            f"{tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    b, hq, sq, d = q.shape
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if k.shape[0] != b or k.shape[3] != d:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} differ in batch or head_dim")
+    hkv, sk = k.shape[1], k.shape[2]
+    if hkv == 0 or hq % hkv != 0:
+        raise ValueError(f"heads_q ({hq}) must be a multiple of heads_kv ({hkv}) for GQA")
+    return b, hq, hkv, sq, sk, d
+
+
+def _default_scale(scale: float | None, d: int) -> float:
+    return 1.0 / math.sqrt(d) if scale is None else float(scale)
+
+
+def _causal_keep(sq: int, sk: int, device: torch.device) -> torch.Tensor:
+    """Boolean (s_q, s_k) matrix, True where query i may see key j (j <= i, top-left)."""
+    return torch.ones(sq, sk, dtype=torch.bool, device=device).tril()
+
+
+# ---------------------------------------------------------------- kernel selection
+
+
+def _fused_unavailable(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: str, backward: bool
+) -> str | None:
+    """Why no fused kernel applies to this block (None when one does)."""
+    if not (q.dtype == k.dtype == v.dtype):
+        return f"mixed dtypes {q.dtype}/{k.dtype}/{v.dtype}"
+    if q.shape[2] == 0 or k.shape[2] == 0:
+        # The CPU flash kernel dies with SIGFPE on an empty key block; nothing to gain anyway.
+        return "empty block"
+    dev = q.device.type
+    if dev == "cpu":
+        if q.dtype not in _CPU_FUSED_DTYPES:
+            return f"CPU flash kernel does not support {q.dtype}"
+        return None
+    if dev == "cuda":
+        if backward:
+            # The CUDA fused backwards need the forward's philox/cum_seq bookkeeping; the
+            # math path is exact and device-agnostic, so use it.
+            return "no fused CUDA block backward"
+        if q.dtype not in _CUDA_FUSED_DTYPES:
+            return f"CUDA efficient attention does not support {q.dtype}"
+        if mask == "causal" and q.shape[2] != k.shape[2]:
+            return "fused causal only for square blocks on CUDA (top-left vs bottom-right)"
+        return None
+    return f"no fused kernel returning LSE for device {dev!r}"
+
+
+def select_impl(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: str = "full",
+    *,
+    backward: bool = False,
+    impl: Impl = "auto",
+) -> str:
+    """Pick the kernel for one block: ``"cpu_flash"``, ``"cuda_efficient"`` or ``"math"``.
+
+    ``impl="auto"`` (overridable by ``$DTP_BLOCKWISE_IMPL``) uses a fused kernel when one
+    applies and the math path otherwise; ``"math"`` always uses the math path; ``"fused"``
+    raises :class:`RuntimeError` with the reason when no fused kernel applies.
+
+    >>> q = torch.randn(1, 2, 4, 8)
+    >>> select_impl(q, q, q, "causal"), select_impl(q, q, q, impl="math")
+    ('cpu_flash', 'math')
+    """
+    if impl not in ("auto", "math", "fused"):
+        raise ValueError(f"impl must be 'auto', 'math' or 'fused', got {impl!r}")
+    if impl == "auto":
+        impl = os.environ.get(IMPL_ENV, "auto").strip().lower() or "auto"  # type: ignore[assignment]
+        if impl not in ("auto", "math", "fused"):
+            raise ValueError(f"${IMPL_ENV} must be auto, math or fused, got {impl!r}")
+    if impl == "math":
+        return "math"
+    reason = _fused_unavailable(q, k, v, mask, backward)
+    if reason is None:
+        return "cpu_flash" if q.device.type == "cpu" else "cuda_efficient"
+    if impl == "fused":
+        raise RuntimeError(f"no fused attention kernel for this block: {reason}")
+    return "math"
+
+
+# ------------------------------------------------------------------------ forward
+
+
+def _math_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    b, hq, hkv, sq, sk, d = _check_qkv(q, k, v)
+    g = hq // hkv
+    acc = accum_dtype(q.dtype)
+    # GQA without repeating K/V: the g query heads sharing a kv head are folded into the
+    # query-sequence dimension, so one (g*s_q, s_k) score matrix per kv head is exactly
+    # the s_q x s_k score matrices of its g query heads -- no extra memory.
+    qa = q.to(acc).reshape(b, hkv, g * sq, d)
+    s = torch.matmul(qa, k.to(acc).transpose(-1, -2)).mul_(scale).view(b, hkv, g, sq, sk)
+    if mask == "causal":
+        s.masked_fill_(~_causal_keep(sq, sk, s.device), float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)  # -inf for rows that see no key (only if s_k == 0)
+    # exp(s - lse) in place (p reuses the score buffer); a -inf row would give
+    # -inf - -inf = NaN, so subtract 0 there instead and get p = exp(-inf) = 0.
+    safe = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
+    p = s.sub_(safe.unsqueeze(-1)).exp_()
+    out = torch.matmul(p.view(b, hkv, g * sq, sk), v.to(acc)).view(b, hq, sq, d)
+    return out.to(q.dtype), lse.reshape(b, hq, sq)
+
+
+def block_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    scale: float | None = None,
+    mask: Mask = "full",
+    impl: Impl = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of one Q block against one K/V block, with its log-sum-exp.
+
+    Args:
+        q: ``(b, h_q, s_q, d)``.
+        k, v: ``(b, h_kv, s_k, d)`` with ``h_q % h_kv == 0``.
+        scale: softmax scale; ``None`` means ``1/sqrt(d)``.
+        mask: ``"full"`` (every key visible) or ``"causal"`` (top-left aligned: query ``i``
+            sees keys ``j <= i``; the diagonal block of a ring).
+        impl: see :func:`select_impl`.
+
+    Returns:
+        ``(out, lse)``: ``out`` ``(b, h_q, s_q, d)`` in ``q.dtype``; ``lse``
+        ``(b, h_q, s_q)`` in :func:`accum_dtype` (fp32, or fp64 for fp64 inputs).
+        An empty K block gives ``out = 0`` and ``lse = -inf``, which :func:`merge` treats
+        as "no contribution".
+
+    >>> q, k, v = torch.randn(3, 1, 2, 4, 8, dtype=torch.float64).unbind(0)
+    >>> out, lse = block_forward(q, k, v, scale=0.5, mask="causal")
+    >>> out.shape, lse.shape, lse.dtype
+    (torch.Size([1, 2, 4, 8]), torch.Size([1, 2, 4]), torch.float64)
+    """
+    _check_mask(mask)
+    b, hq, hkv, sq, sk, d = _check_qkv(q, k, v)
+    scale = _default_scale(scale, d)
+    kind = select_impl(q, k, v, mask, impl=impl)
+    acc = accum_dtype(q.dtype)
+    if kind == "cpu_flash":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, mask == "causal", scale=scale
+        )
+        return out, lse.to(acc)
+    if kind == "cuda_efficient":
+        g = hq // hkv
+        if g > 1:  # the efficient kernel wants equal head counts
+            k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+        out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
+            q, k, v, None, True, 0.0, mask == "causal", scale=scale
+        )[:2]
+        # Some versions pad the LSE's sequence dim to a multiple of 32.
+        return out, lse[..., :sq].to(acc)
+    return _math_forward(q, k, v, scale, mask)
+
+
+# ----------------------------------------------------------------------- backward
+
+
+def _math_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    scale: float,
+    mask: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    b, hq, hkv, sq, sk, d = _check_qkv(q, k, v)
+    g = hq // hkv
+    acc = accum_dtype(q.dtype)
+    qa = q.to(acc).reshape(b, hkv, g * sq, d)
+    ka, va = k.to(acc), v.to(acc)
+    do = dout.to(acc).reshape(b, hkv, g * sq, d)
+    # D_i = sum_d dO_i * O_i with the GLOBAL output: that is what makes per-block gradient
+    # contributions additive (softmax Jacobian uses the full-row normaliser).
+    delta = (dout.to(acc) * out.to(acc)).sum(-1).reshape(b, hkv, g * sq, 1)
+    lse = lse.to(acc).reshape(b, hkv, g, sq, 1)
+    lse = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)  # no NaN rows
+    s = torch.matmul(qa, ka.transpose(-1, -2)).mul_(scale).view(b, hkv, g, sq, sk)
+    if mask == "causal":
+        s.masked_fill_(~_causal_keep(sq, sk, s.device), float("-inf"))
+    p = s.sub_(lse).exp_().view(b, hkv, g * sq, sk)  # P = exp(S*scale - lse_global)
+    # dV = P^T dO; the contraction over g*s_q also sums the GQA query groups.
+    dv = torch.matmul(p.transpose(-1, -2), do)
+    # dS = P * (dP - D) with dP = dO V^T, built in place in the dP buffer.
+    ds = torch.matmul(do, va.transpose(-1, -2)).sub_(delta).mul_(p)
+    del p, s
+    dq = torch.matmul(ds, ka).mul_(scale).view(b, hq, sq, d)
+    dk = torch.matmul(ds.transpose(-1, -2), qa).mul_(scale)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def block_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    scale: float | None = None,
+    mask: Mask = "full",
+    impl: Impl = "auto",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Flash-attention backward of one block, given the GLOBAL output and LSE.
+
+    With ``out``/``lse`` the merged result over *all* key blocks, the gradients of the
+    different K/V blocks are independent and add up::
+
+        D  = rowsum(dO * O)            P  = exp(scale * Q K^T - lse)
+        dV = P^T dO                    dP = dO V^T
+        dS = P * (dP - D)              dQ = scale * dS K     dK = scale * dS^T Q
+
+    Computed in :func:`accum_dtype` (fp32 for low precision, fp64 for fp64) and returned
+    in the input dtypes (``dq`` like ``q``, ``dk`` like ``k``, ...): callers that add many
+    blocks should accumulate the returned values in fp32 themselves. For GQA ``dk``/``dv``
+    have ``h_kv`` heads (summed over the query group).
+
+    >>> q, k, v = torch.randn(3, 1, 2, 4, 8, dtype=torch.float64).unbind(0)
+    >>> out, lse = block_forward(q, k, v, mask="causal")
+    >>> dq, dk, dv = block_backward(torch.ones_like(out), q, k, v, out, lse, mask="causal")
+    >>> dq.shape == q.shape and dk.shape == k.shape
+    True
+    """
+    _check_mask(mask)
+    b, hq, hkv, sq, sk, d = _check_qkv(q, k, v)
+    if dout.shape != q.shape or out.shape != q.shape or lse.shape != (b, hq, sq):
+        raise ValueError(
+            f"dout/out must be {tuple(q.shape)} and lse {(b, hq, sq)}; got "
+            f"{tuple(dout.shape)}, {tuple(out.shape)}, {tuple(lse.shape)}"
+        )
+    scale = _default_scale(scale, d)
+    kind = select_impl(q, k, v, mask, backward=True, impl=impl)
+    if kind == "cpu_flash":
+        # Dense inputs: torch's own context-parallel code had to make LSE slices
+        # contiguous to get correct results from a fused backward. The CPU kernel handled
+        # strided slices correctly when tested, but the copies are cheap and remove the doubt.
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout.to(q.dtype).contiguous(),
+            q.contiguous(),
+            k.contiguous(),
+            v.contiguous(),
+            out.to(q.dtype).contiguous(),
+            lse.to(accum_dtype(q.dtype)).contiguous(),
+            0.0,
+            mask == "causal",
+            scale=scale,
+        )
+        return dq, dk, dv
+    return _math_backward(dout, q, k, v, out, lse, scale, mask)
+
+
+# -------------------------------------------------------------------------- merge
+
+
+def merge(
+    out: torch.Tensor | None,
+    lse: torch.Tensor | None,
+    out_b: torch.Tensor,
+    lse_b: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Combine two partial attentions over disjoint key sets (LSE merge).
+
+    ``out = out - sigmoid(lse_b - lse) * (out - out_b)`` and
+    ``lse = logaddexp(lse, lse_b)`` (= ``lse - logsigmoid(lse - lse_b)``), computed in
+    the accumulation dtype (fp32, or fp64 when either input is fp64) -- the sigmoid form
+    never exponentiates a large positive number. An empty side (``lse = -inf``) contributes
+    nothing and never produces NaN, whatever its ``out`` holds; ``out=None`` (with
+    ``lse=None``) is the empty accumulator to start a ring from.
+
+    Shapes: ``out`` ``(..., s, d)``, ``lse`` ``(..., s)``. Returns accumulation-dtype
+    tensors (cast ``out`` back to the model dtype once, after the last merge); with
+    ``out=None`` the result may alias ``out_b``/``lse_b``.
+
+    >>> q, k, v = torch.randn(3, 1, 1, 4, 8, dtype=torch.float64).unbind(0)
+    >>> o1, l1 = block_forward(q, k[:, :, :2], v[:, :, :2])
+    >>> o2, l2 = block_forward(q, k[:, :, 2:], v[:, :, 2:])
+    >>> o, l = merge(*merge(None, None, o1, l1), o2, l2)
+    >>> torch.allclose(o, block_forward(q, k, v)[0])
+    True
+    """
+    if out is None or lse is None:
+        if not (out is None and lse is None):
+            raise ValueError("out and lse must both be None (empty accumulator) or both tensors")
+        acc = torch.float64 if torch.float64 in (out_b.dtype, lse_b.dtype) else torch.float32
+        return out_b.to(acc), lse_b.to(acc)
+    dtypes = (out.dtype, lse.dtype, out_b.dtype, lse_b.dtype)
+    acc = torch.float64 if torch.float64 in dtypes else torch.float32
+    out, lse, out_b, lse_b = out.to(acc), lse.to(acc), out_b.to(acc), lse_b.to(acc)
+    empty_a, empty_b = torch.isneginf(lse), torch.isneginf(lse_b)
+    # lse_b - lse is NaN when both are -inf; any finite value works there (both empty).
+    diff = torch.where(empty_a & empty_b, torch.zeros_like(lse), lse_b - lse)
+    w = torch.sigmoid(diff).unsqueeze(-1)  # share of block b in the merged softmax
+    new_out = out - w * (out - out_b)
+    # Exactly take the other side when one is empty (its out may be garbage, e.g. NaN).
+    new_out = torch.where(empty_a.unsqueeze(-1), out_b, new_out)
+    new_out = torch.where(empty_b.unsqueeze(-1), out, new_out)
+    new_lse = torch.logaddexp(lse, lse_b)  # -inf when both are -inf, never NaN
+    return new_out, new_lse
+
+
+# ------------------------------------------------------------------ load balancing
+
+
+def _check_cp(cp: int) -> None:
+    if not isinstance(cp, int) or cp < 1:
+        raise ValueError(f"cp must be a positive int, got {cp!r}")
+
+
+def _check_load_balance(load_balance: str | None) -> None:
+    if load_balance not in _LOAD_BALANCES:
+        raise ValueError(f"load_balance must be 'zigzag' or None, got {load_balance!r}")
+
+
+def _check_divisible(seq_len: int, cp: int, load_balance: str | None) -> None:
+    if load_balance == "zigzag":
+        if seq_len % (2 * cp) != 0:
+            raise ValueError(
+                f"zigzag load balancing cuts the sequence into 2*cp chunks, so seq_len must "
+                f"be divisible by 2*cp; got seq_len={seq_len}, cp={cp} "
+                f"(seq_len % {2 * cp} = {seq_len % (2 * cp)})"
+            )
+    elif seq_len % cp != 0:
+        raise ValueError(
+            f"context parallelism splits the sequence into cp equal parts, so seq_len must "
+            f"be divisible by cp; got seq_len={seq_len}, cp={cp}"
+        )
+
+
+def zigzag_permutation(seq_len: int, cp: int, *, device: torch.device | str | None = None) -> torch.Tensor:
+    """Global positions in zigzag cp order.
+
+    The sequence is cut into ``2*cp`` equal chunks and rank ``r`` holds chunks ``r`` and
+    ``2*cp-1-r`` (an early, cheap chunk and a late, expensive one, which balances causal
+    work). Concatenating every rank's local sequence in rank order gives
+    ``x[..., permutation, ...]``.
+
+    Raises:
+        ValueError: if ``seq_len % (2*cp) != 0``.
+
+    >>> zigzag_permutation(8, 2).tolist()
+    [0, 1, 6, 7, 2, 3, 4, 5]
+    """
+    _check_cp(cp)
+    _check_divisible(seq_len, cp, "zigzag")
+    c = seq_len // (2 * cp)
+    chunks = torch.arange(seq_len, device=device).view(2 * cp, c)
+    order = [i for r in range(cp) for i in (r, 2 * cp - 1 - r)]
+    return chunks[order].reshape(-1)
+
+
+def cp_permutation(
+    seq_len: int, cp: int, load_balance: str | None, *, device: torch.device | str | None = None
+) -> torch.Tensor:
+    """:func:`zigzag_permutation` for ``"zigzag"``, ``arange(seq_len)`` for ``None``.
+
+    >>> cp_permutation(4, 2, None).tolist()
+    [0, 1, 2, 3]
+    """
+    _check_cp(cp)
+    _check_load_balance(load_balance)
+    _check_divisible(seq_len, cp, load_balance)
+    if load_balance == "zigzag":
+        return zigzag_permutation(seq_len, cp, device=device)
+    return torch.arange(seq_len, device=device)
+
+
+def to_cp_order(x: torch.Tensor, dim: int, cp: int, load_balance: str | None = "zigzag") -> torch.Tensor:
+    """Reorder ``x`` along ``dim`` from natural order into cp order.
+
+    Afterwards, splitting ``dim`` into ``cp`` equal contiguous parts gives every rank its
+    local sequence. ``load_balance=None`` is the identity (contiguous split).
+
+    >>> to_cp_order(torch.arange(8), 0, 2).tolist()
+    [0, 1, 6, 7, 2, 3, 4, 5]
+    """
+    perm = cp_permutation(x.shape[dim], cp, load_balance, device=x.device)
+    return x if load_balance is None else x.index_select(dim, perm)
+
+
+def from_cp_order(x: torch.Tensor, dim: int, cp: int, load_balance: str | None = "zigzag") -> torch.Tensor:
+    """Inverse of :func:`to_cp_order`.
+
+    >>> x = torch.arange(12)
+    >>> bool((from_cp_order(to_cp_order(x, 0, 3), 0, 3) == x).all())
+    True
+    """
+    perm = cp_permutation(x.shape[dim], cp, load_balance, device=x.device)
+    return x if load_balance is None else x.index_select(dim, torch.argsort(perm))
+
+
+class BlockTask(NamedTuple):
+    """One block of work: ``q_local[q_slice]`` against ``kv_block[k_slice]`` with ``mask``."""
+
+    q_slice: slice
+    k_slice: slice
+    mask: str
+
+
+def ring_block_plan(
+    rank: int,
+    src_rank: int,
+    cp: int,
+    *,
+    causal: bool,
+    load_balance: str | None,
+    local_len: int | None = None,
+) -> list[BlockTask]:
+    """Which sub-blocks rank ``rank`` computes against the K/V block from ``src_rank``.
+
+    Slices index the *local* sequence of the rank's Q and of the received K/V block. With
+    ``local_len=None`` they are in chunk units (2 chunks per rank for zigzag, 1 otherwise);
+    with ``local_len`` (tokens per rank) they are token slices.
+
+    * not causal: everything, unmasked.
+    * causal, contiguous (``None``): ``src < rank`` full, ``src == rank`` causal (the
+      diagonal), ``src > rank`` nothing (future tokens).
+    * causal, zigzag (rank ``r`` holds chunks ``r`` and ``2cp-1-r``): ``src == r`` one
+      causal call on the whole local block (its global positions are increasing, so the
+      local top-left causal mask is exactly the global one); ``src < r`` all of Q against
+      the first K chunk (chunk ``src`` precedes both of ours; chunk ``2cp-1-src`` follows
+      both); ``src > r`` Q's second chunk against all of K (both of its chunks precede
+      chunk ``2cp-1-r`` and follow chunk ``r``).
+
+    An empty list means "skip this step" (no compute; the K/V block still travels on).
+
+    >>> ring_block_plan(1, 0, 2, causal=True, load_balance="zigzag")
+    [BlockTask(q_slice=slice(0, 2, None), k_slice=slice(0, 1, None), mask='full')]
+    >>> ring_block_plan(0, 1, 2, causal=True, load_balance=None, local_len=4)
+    []
+    """
+    _check_cp(cp)
+    _check_load_balance(load_balance)
+    if not (0 <= rank < cp and 0 <= src_rank < cp):
+        raise ValueError(f"rank ({rank}) and src_rank ({src_rank}) must be in [0, cp={cp})")
+    n = 2 if load_balance == "zigzag" else 1  # chunks per rank
+    if local_len is None:
+        unit = 1
+    else:
+        if local_len % n != 0:
+            raise ValueError(f"local_len={local_len} must be divisible by {n} chunks per rank ({load_balance=})")
+        unit = local_len // n
+
+    def sl(a: int, b: int) -> slice:
+        return slice(a * unit, b * unit)
+
+    whole = sl(0, n)
+    if not causal:
+        return [BlockTask(whole, whole, "full")]
+    if src_rank == rank:
+        return [BlockTask(whole, whole, "causal")]
+    if load_balance is None:
+        return [BlockTask(whole, whole, "full")] if src_rank < rank else []
+    if src_rank < rank:
+        return [BlockTask(whole, sl(0, 1), "full")]
+    return [BlockTask(sl(1, 2), whole, "full")]
+
+
+def causal_work(rank: int, cp: int, load_balance: str | None) -> int:
+    """Score blocks rank ``rank`` computes over a whole causal ring.
+
+    The unit is a ``(seq_len/(2cp)) x (seq_len/(2cp))`` score block (a zigzag chunk
+    squared) for both layouts, so numbers are comparable; a block counts when it has at
+    least one unmasked entry (a flash kernel skips the fully masked ones). Zigzag gives
+    every rank ``2cp + 1``; contiguous gives rank ``r`` ``4r + 3``.
+
+    >>> [causal_work(r, 4, "zigzag") for r in range(4)], [causal_work(r, 4, None) for r in range(4)]
+    ([9, 9, 9, 9], [3, 7, 11, 15])
+    """
+    total = 0
+    for src in range(cp):
+        for t in ring_block_plan(rank, src, cp, causal=True, load_balance=load_balance, local_len=2):
+            nq, nk = t.q_slice.stop - t.q_slice.start, t.k_slice.stop - t.k_slice.start
+            if t.mask == "full":
+                total += nq * nk
+            else:  # top-left causal: unit row a sees unit columns 0..a
+                total += sum(min(a + 1, nk) for a in range(nq))
+    return total
+
+
+# -------------------------------------------------------------- ring simulation
+
+
+def _ring_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cp: int,
+    causal: bool,
+    load_balance: str | None,
+    scale: float,
+    impl: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    b, hq, _, _, _, d = _check_qkv(q, k, v)
+    seq = q.shape[2]
+    if k.shape[2] != seq:
+        raise ValueError(f"ring attention needs equal q/k sequence lengths, got {seq} and {k.shape[2]}")
+    _check_divisible(seq, cp, load_balance)
+    L = seq // cp
+    qs, ks, vs = q.split(L, 2), k.split(L, 2), v.split(L, 2)
+    acc = accum_dtype(q.dtype)
+    outs, lses = [], []
+    for r in range(cp):
+        # Empty accumulator: lse = -inf means "no keys yet"; merge() handles it exactly.
+        o = torch.zeros(b, hq, L, d, dtype=acc, device=q.device)
+        lse = torch.full((b, hq, L), float("-inf"), dtype=acc, device=q.device)
+        for step in range(cp):
+            src = (r - step) % cp  # ring order: own block first, then from rank-1, rank-2, ...
+            for t in ring_block_plan(r, src, cp, causal=causal, load_balance=load_balance, local_len=L):
+                ob, lb = block_forward(
+                    qs[r][:, :, t.q_slice], ks[src][:, :, t.k_slice], vs[src][:, :, t.k_slice],
+                    scale=scale, mask=t.mask, impl=impl,  # type: ignore[arg-type]
+                )
+                o[:, :, t.q_slice], lse[:, :, t.q_slice] = merge(o[:, :, t.q_slice], lse[:, :, t.q_slice], ob, lb)
+        outs.append(o)
+        lses.append(lse)
+    return torch.cat(outs, 2).to(q.dtype), torch.cat(lses, 2)
+
+
+def _ring_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    cp: int,
+    causal: bool,
+    load_balance: str | None,
+    scale: float,
+    impl: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    L = q.shape[2] // cp
+    acc = accum_dtype(q.dtype)
+    # Accumulate in fp32/fp64; the split views below write straight into these buffers.
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    dk = torch.zeros(k.shape, dtype=acc, device=k.device)
+    dv = torch.zeros(v.shape, dtype=acc, device=v.device)
+    qs, ks, vs = q.split(L, 2), k.split(L, 2), v.split(L, 2)
+    dos, os_, ls = dout.split(L, 2), out.split(L, 2), lse.split(L, 2)
+    dqs, dks, dvs = dq.split(L, 2), dk.split(L, 2), dv.split(L, 2)
+    for r in range(cp):
+        for step in range(cp):
+            src = (r - step) % cp
+            for t in ring_block_plan(r, src, cp, causal=causal, load_balance=load_balance, local_len=L):
+                qsl, ksl = t.q_slice, t.k_slice
+                gq, gk, gv = block_backward(
+                    dos[r][:, :, qsl], qs[r][:, :, qsl], ks[src][:, :, ksl], vs[src][:, :, ksl],
+                    os_[r][:, :, qsl], ls[r][:, :, qsl],
+                    scale=scale, mask=t.mask, impl=impl,  # type: ignore[arg-type]
+                )
+                dqs[r][:, :, qsl] += gq
+                # In the distributed ring these two travel back to src with the K/V block.
+                dks[src][:, :, ksl] += gk
+                dvs[src][:, :, ksl] += gv
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+class _SimulatedRingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, cp, causal, load_balance, scale, impl):  # type: ignore[override]
+        out, lse = _ring_forward(q, k, v, cp, causal, load_balance, scale, impl)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.cfg = (cp, causal, load_balance, scale, impl)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):  # type: ignore[override]
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = _ring_backward(dout, q, k, v, out, lse, *ctx.cfg)
+        return dq, dk, dv, None, None, None, None, None
+
+
+def simulate_ring_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    cp: int,
+    causal: bool,
+    load_balance: str | None = None,
+    scale: float | None = None,
+    impl: Impl = "auto",
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Single-process reference of ring attention over ``cp`` ranks (differentiable).
+
+    ``q``/``k``/``v`` are the *global* tensors already in cp order along the sequence
+    (see :func:`to_cp_order`); the sequence is split into ``cp`` contiguous rank blocks.
+    Forward: each rank visits source blocks in ring order ``rank, rank-1, ...``, runs
+    :func:`ring_block_plan`'s tasks with :func:`block_forward` and folds them in with
+    :func:`merge`. Backward: :func:`block_backward` per task with the merged ``out``/``lse``,
+    ``dq`` accumulated on the rank, ``dk``/``dv`` on the source block (fp32 accumulation
+    for low precision). The output is in cp order too; use :func:`from_cp_order`.
+
+    >>> q, k, v = torch.randn(3, 1, 2, 16, 8, dtype=torch.float64).unbind(0)
+    >>> qz, kz, vz = (to_cp_order(t, 2, 4) for t in (q, k, v))
+    >>> o = simulate_ring_attention(qz, kz, vz, cp=4, causal=True, load_balance="zigzag")
+    >>> ref = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    >>> torch.allclose(from_cp_order(o, 2, 4), ref)
+    True
+    """
+    _check_cp(cp)
+    _check_load_balance(load_balance)
+    scale = _default_scale(scale, q.shape[-1])
+    out, lse = _SimulatedRingAttention.apply(q, k, v, cp, causal, load_balance, scale, impl)
+    return (out, lse) if return_lse else out

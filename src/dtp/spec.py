@@ -1,0 +1,264 @@
+"""PartitionSpecs with JAX semantics, compiled to DTensor placements and back.
+
+``P("dp", ("cp", "tp"), None, partial=("pp",))`` says, per tensor dimension, which mesh
+axes split it (a tuple is major → minor), and which axes hold a pending sum. Trailing
+dimensions left out are replicated, and so is every mesh axis the spec does not name.
+
+The meaning of a spec on a mesh with rank coordinates ``c``: dimension ``d`` with axes
+``(a1, …, ak)`` is cut into ``prod(size(ai))`` equal chunks and the rank holds chunk
+``mixed_radix(c[a1], …, c[ak])`` (a1 most significant). DTensor applies placements mesh
+dim by mesh dim (outer first), so a tuple whose order differs from the mesh order
+compiles to ``_StridedShard`` with the split factor that reproduces the same chunk.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable, Sequence, Union
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
+
+try:  # per-rank evaluation under the one-process simulation (LocalTensorMode)
+    from torch.distributed._local_tensor import maybe_run_for_local_tensor
+except ImportError:  # pragma: no cover - older torch
+    def maybe_run_for_local_tensor(fn):  # type: ignore[no-redef]
+        return fn
+
+__all__ = ["P", "to_placements", "from_placements", "shard", "from_local", "spec_of", "check_spec", "local_shape"]
+
+DimSpec = Union[None, str, Sequence[str]]
+
+
+class P:
+    """A PartitionSpec: per tensor dimension, the mesh axes that split it.
+
+    >>> P("dp", None, "tp")
+    P('dp', None, 'tp')
+    >>> P(("dp", "cp"), partial=("tp",)).axes_of(0)
+    ('dp', 'cp')
+    """
+
+    __slots__ = ("dims", "partial")
+
+    def __init__(self, *dims: DimSpec, partial: Iterable[str] | str = ()):
+        norm: list[tuple[str, ...]] = []
+        for d in dims:
+            if d is None:
+                norm.append(())
+            elif isinstance(d, str):
+                norm.append((d,))
+            elif isinstance(d, (tuple, list)) and all(isinstance(a, str) for a in d):
+                norm.append(tuple(d))
+            else:
+                raise ValueError(f"P: each dimension is None, an axis name or a tuple of axis names; got {d!r}")
+        while norm and not norm[-1]:  # trailing unspecified dims are replicated anyway
+            norm.pop()
+        self.dims: tuple[tuple[str, ...], ...] = tuple(norm)
+        self.partial: tuple[str, ...] = (partial,) if isinstance(partial, str) else tuple(partial)
+
+    def axes_of(self, dim: int) -> tuple[str, ...]:
+        """The mesh axes splitting ``dim`` (major → minor); ``()`` when replicated."""
+        return self.dims[dim] if dim < len(self.dims) else ()
+
+    def used_axes(self) -> list[str]:
+        return [a for d in self.dims for a in d] + list(self.partial)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, P) and self.dims == other.dims and set(self.partial) == set(other.partial)
+
+    def __hash__(self) -> int:
+        return hash((self.dims, frozenset(self.partial)))
+
+    def __repr__(self) -> str:
+        def one(d: tuple[str, ...]) -> str:
+            return "None" if not d else repr(d[0]) if len(d) == 1 else repr(d)
+
+        parts = [one(d) for d in self.dims]
+        if self.partial:
+            parts.append(f"partial={self.partial!r}")
+        return f"P({', '.join(parts)})"
+
+
+def _names(mesh: DeviceMesh) -> tuple[str, ...]:
+    names = mesh.mesh_dim_names
+    if not names:
+        raise ValueError("dtp needs a mesh with named axes; build it with dtp.make_mesh(dp=…, tp=…)")
+    return tuple(names)
+
+
+def _sizes(mesh: DeviceMesh) -> dict[str, int]:
+    return {name: mesh.size(i) for i, name in enumerate(_names(mesh))}
+
+
+def check_spec(spec: P, mesh: DeviceMesh, shape: Sequence[int] | None = None, name: str = "tensor") -> None:
+    """Raise ``ValueError`` (naming the tensor, dim and axis) unless ``spec`` fits.
+
+    Checks: every axis exists on the mesh, no axis is used twice, the spec has no more
+    dims than the tensor, and every sharded dim divides evenly.
+
+    >>> check_spec(P("dp"), make_mesh(dp=1), (4, 3), "x")   # doctest: +SKIP
+    """
+    if not isinstance(spec, P):
+        raise ValueError(f"{name}: expected a dtp.P spec, got {spec!r}")
+    sizes = _sizes(mesh)
+    seen: set[str] = set()
+    for axis in spec.used_axes():
+        if axis not in sizes:
+            raise ValueError(f"{name}: spec {spec} names unknown mesh axis {axis!r}; the mesh axes are {tuple(sizes)}")
+        if axis in seen:
+            raise ValueError(f"{name}: spec {spec} uses mesh axis {axis!r} twice; each axis may split one dim or be partial, once")
+        seen.add(axis)
+    if shape is None:
+        return
+    if len(spec.dims) > len(shape):
+        raise ValueError(f"{name}: spec {spec} has {len(spec.dims)} dims but the tensor has shape {tuple(shape)}")
+    for d, axes in enumerate(spec.dims):
+        n = math.prod(sizes[a] for a in axes)
+        if shape[d] % n:
+            split = " × ".join(f"{a}={sizes[a]}" for a in axes)
+            raise ValueError(
+                f"{name}: dim {d} of size {shape[d]} is not divisible by {split} = {n} "
+                f"(spec {spec}); uneven shards are not supported — pad dim {d} to a multiple of {n} "
+                f"or shard it over fewer devices"
+            )
+
+
+def to_placements(spec: P, mesh: DeviceMesh) -> tuple[Placement, ...]:
+    """Compile a spec to one DTensor placement per mesh dim.
+
+    >>> to_placements(P(None, "tp"), make_mesh(dp=1, tp=1))
+    (Replicate(), Shard(dim=1))
+    """
+    check_spec(spec, mesh)
+    names = _names(mesh)
+    sizes = _sizes(mesh)
+    placements: list[Placement] = [Replicate() for _ in names]
+    for axis in spec.partial:
+        placements[names.index(axis)] = Partial("sum")
+    for d, axes in enumerate(spec.dims):
+        for k, axis in enumerate(axes):
+            m = names.index(axis)
+            # Axes more major in the tuple but later in mesh order have not split the
+            # tensor yet when DTensor applies this mesh dim: they become the split factor.
+            sf = math.prod(sizes[b] for b in axes[:k] if names.index(b) > m)
+            placements[m] = Shard(d) if sf == 1 else _StridedShard(d, split_factor=sf)
+    return tuple(placements)
+
+
+def from_placements(placements: Sequence[Placement], mesh: DeviceMesh) -> P:
+    """The spec of a DTensor's placements (inverse of :func:`to_placements`)."""
+    names = _names(mesh)
+    sizes = _sizes(mesh)
+    partial: list[str] = []
+    per_dim: dict[int, list[tuple[int, str, int]]] = {}
+    for m, pl in enumerate(placements):
+        if isinstance(pl, Partial):
+            if pl.reduce_op != "sum":
+                raise ValueError(f"dtp specs express pending sums only; mesh axis {names[m]!r} is Partial({pl.reduce_op!r})")
+            partial.append(names[m])
+        elif isinstance(pl, _StridedShard):
+            per_dim.setdefault(pl.dim, []).append((m, names[m], pl.split_factor))
+        elif isinstance(pl, Shard):
+            per_dim.setdefault(pl.dim, []).append((m, names[m], 1))
+    dims: list[tuple[str, ...]] = [()] * (max(per_dim) + 1 if per_dim else 0)
+    for d, entries in per_dim.items():
+        order: list[str] = []
+        # Rebuild the major→minor order from the last mesh dim backwards: each axis sits
+        # where the axes before it (all later in mesh order) multiply to its split factor.
+        for m, axis, sf in sorted(entries, reverse=True):
+            prefix, pos = 1, None
+            for i in range(len(order) + 1):
+                if prefix == sf:
+                    pos = i
+                    break
+                if i < len(order):
+                    prefix *= sizes[order[i]]
+            if pos is None:
+                raise ValueError(f"placements {tuple(placements)} have no PartitionSpec equivalent (dim {d})")
+            order.insert(pos, axis)
+        dims[d] = tuple(order)
+    return P(*dims, partial=tuple(partial))
+
+
+def local_shape(shape: Sequence[int], spec: P, mesh: DeviceMesh) -> tuple[int, ...]:
+    """Shape of one rank's shard of a global ``shape`` under ``spec``."""
+    sizes = _sizes(mesh)
+    return tuple(s // math.prod(sizes[a] for a in spec.axes_of(d)) for d, s in enumerate(shape))
+
+
+def _chunk_index(axes: tuple[str, ...], coord: dict[str, int], sizes: dict[str, int]) -> int:
+    idx = 0
+    for a in axes:
+        idx = idx * sizes[a] + coord[a]
+    return idx
+
+
+@maybe_run_for_local_tensor
+def _take_block(t: torch.Tensor, spec: P, names: tuple[str, ...], sizes: tuple[int, ...], *coord: int) -> torch.Tensor:
+    """This rank's block of ``t`` under ``spec`` given its mesh coordinate (plain ints;
+    the decorator evaluates it once per simulated rank under LocalTensorMode)."""
+    c, n = dict(zip(names, coord)), dict(zip(names, sizes))
+    out = t
+    for d, axes in enumerate(spec.dims):
+        count = math.prod(n[a] for a in axes)
+        if count > 1:
+            step = t.shape[d] // count
+            out = out.narrow(d, _chunk_index(axes, c, n) * step, step)
+    out = out.clone()
+    if any(c[a] != 0 for a in spec.partial):
+        out.zero_()  # a pending sum: the value lives on coordinate 0 only
+    return out
+
+
+def shard(tensor: torch.Tensor, mesh: DeviceMesh, spec: P, *, name: str = "tensor") -> DTensor:
+    """Turn a global tensor, identical on every rank, into a DTensor laid out as ``spec``.
+
+    No communication: each rank keeps its own block. Axes in ``partial`` keep the value
+    on coordinate 0 and zeros elsewhere, so the pending sum is the original tensor.
+
+    >>> mesh = make_mesh(dp=1)
+    >>> x = shard(torch.arange(4.0), mesh, P("dp"))
+    >>> spec_of(x)
+    P('dp')
+    """
+    if isinstance(tensor, DTensor):
+        raise ValueError(f"{name}: already a DTensor with spec {spec_of(tensor)}; use dtp.reshard to move it")
+    check_spec(spec, mesh, tensor.shape, name)
+    names = _names(mesh)
+    local = _take_block(tensor.detach(), spec, names, tuple(mesh.size(i) for i in range(len(names))), *mesh.get_coordinate())
+    return _wrap(local.requires_grad_(tensor.requires_grad), mesh, spec, tuple(tensor.shape))
+
+
+def _wrap(local: torch.Tensor, mesh: DeviceMesh, spec: P, shape: tuple[int, ...]) -> DTensor:
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensor.from_local(local, mesh, to_placements(spec, mesh), run_check=False, shape=torch.Size(shape), stride=stride)
+
+
+def from_local(local: torch.Tensor, mesh: DeviceMesh, spec: P, *, name: str = "tensor") -> DTensor:
+    """Wrap this rank's shard as a DTensor laid out as ``spec`` (autograd flows through).
+
+    >>> x = from_local(torch.ones(2, 3), make_mesh(dp=1), P("dp"))
+    >>> tuple(x.shape)
+    (2, 3)
+    """
+    check_spec(spec, mesh, None, name)
+    sizes = _sizes(mesh)
+    shape = tuple(s * math.prod(sizes[a] for a in spec.axes_of(d)) for d, s in enumerate(local.shape))
+    if len(spec.dims) > local.dim():
+        raise ValueError(f"{name}: spec {spec} has {len(spec.dims)} dims but the local tensor has shape {tuple(local.shape)}")
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensor.from_local(local, mesh, to_placements(spec, mesh), run_check=False, shape=torch.Size(shape), stride=stride)
+
+
+def spec_of(x: torch.Tensor) -> P:
+    """The :class:`P` of a DTensor.
+
+    >>> spec_of(shard(torch.zeros(4, 4), make_mesh(dp=1), P(None, "dp")))
+    P(None, 'dp')
+    """
+    if not isinstance(x, DTensor):
+        raise TypeError(f"spec_of expects a DTensor, got {type(x).__name__}; use dtp.shard to lay a tensor out")
+    return from_placements(x.placements, x.device_mesh)

@@ -1,0 +1,288 @@
+"""Run functions on N gloo ranks from pytest or a notebook, and check parity.
+
+``run(fn, *args, world_size=N)`` calls ``fn(*args)`` on every rank of a pool of N worker
+processes with an initialised gloo process group, and returns the per-rank results.
+Pools are started once per world size and reused (spawning a rank costs seconds; a
+test costs milliseconds). Functions travel with cloudpickle, so functions defined in a
+notebook cell or a test module work.
+
+A rank that raises makes :func:`run` raise :class:`RankError` with that rank's
+traceback; a pool that does not answer within ``timeout`` seconds is killed and
+:class:`RankTimeout` says which ranks were silent. Either way the pool is replaced, so
+one broken test cannot hang or poison the rest of the suite.
+
+:func:`simulate` is the one-process alternative: N ranks simulated with
+``LocalTensorMode`` on the "fake" backend, for quick layout checks in a notebook.
+
+>>> def hello():
+...     import torch.distributed as dist
+...     return dist.get_rank()
+>>> run(hello, world_size=2)                                   # doctest: +SKIP
+[0, 1]
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import secrets
+import socket
+import subprocess
+import sys
+import time
+import traceback
+from multiprocessing.connection import Client, Connection, Listener
+from typing import Any, Callable, Iterator
+
+import cloudpickle
+import torch
+
+__all__ = ["run", "RankError", "RankTimeout", "simulate", "shutdown", "assert_close", "tolerance", "rank_values"]
+
+DEFAULT_TIMEOUT = float(os.environ.get("DTP_TEST_TIMEOUT", "180"))
+_FAILURE_GRACE = 3.0
+
+
+class RankError(RuntimeError):
+    """A function raised on one or more ranks."""
+
+
+class RankTimeout(RuntimeError):
+    """Ranks did not answer in time; the pool was killed."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _Pool:
+    """N worker processes forming one gloo world, each connected to us by a pipe."""
+
+    def __init__(self, world_size: int, start_timeout: float = 120.0):
+        self.world_size = world_size
+        authkey = secrets.token_bytes(16)
+        listener = Listener(("127.0.0.1", 0), authkey=authkey)
+        env = dict(os.environ)
+        # Workers import what this process can: the test modules, the notebook's paths.
+        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+        env.update(OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
+                   WORLD_SIZE=str(world_size), DTP_POOL_ADDRESS=f"127.0.0.1:{listener.address[1]}",
+                   DTP_POOL_AUTHKEY=authkey.hex())
+        self.procs = [
+            subprocess.Popen([sys.executable, "-m", "dtp._worker"], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)})
+            for r in range(world_size)
+        ]
+        self.conns: list[Connection | None] = [None] * world_size
+        deadline = time.monotonic() + start_timeout
+        try:
+            for _ in range(world_size):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or not _wait_readable(listener, remaining):
+                    raise RankTimeout(f"dtp.testing: {world_size} gloo ranks did not start within {start_timeout:.0f}s")
+                conn = listener.accept()
+                self.conns[conn.recv()] = conn  # workers say who they are before joining gloo
+            # Then each joins the gloo world and reports ready; poll, never block.
+            for rank, conn in enumerate(self.conns):
+                while not conn.poll(0.05):
+                    if time.monotonic() > deadline or not self.alive():
+                        raise RankTimeout(f"dtp.testing: rank {rank} of {world_size} did not join the gloo group")
+                if conn.recv() != "ready":
+                    raise RankTimeout(f"dtp.testing: rank {rank} sent an unexpected start-up message")
+        except BaseException:
+            self.kill()
+            raise
+        finally:
+            listener.close()
+
+    def alive(self) -> bool:
+        return all(p.poll() is None for p in self.procs)
+
+    def kill(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+        for p in self.procs:
+            with contextlib.suppress(Exception):
+                p.wait(timeout=10)
+        for c in self.conns:
+            if c is not None:
+                with contextlib.suppress(Exception):
+                    c.close()
+
+
+def _wait_readable(listener: Listener, timeout: float) -> bool:
+    sock = listener._listener._socket  # the only way to wait on accept() with a deadline
+    sock.settimeout(None)
+    import select
+
+    r, _, _ = select.select([sock], [], [], timeout)
+    return bool(r)
+
+
+_pools: dict[int, _Pool] = {}
+
+
+def _pool(world_size: int) -> _Pool:
+    pool = _pools.get(world_size)
+    if pool is None or not pool.alive():
+        if pool is not None:
+            pool.kill()
+        pool = _pools[world_size] = _Pool(world_size)
+    return pool
+
+
+def shutdown() -> None:
+    """Stop every worker pool (also runs at interpreter exit)."""
+    for ws in list(_pools):
+        _pools.pop(ws).kill()
+
+
+atexit.register(shutdown)
+
+
+def run(fn: Callable[..., Any], *args: Any, world_size: int = 2, timeout: float | None = None, **kwargs: Any) -> list[Any]:
+    """Call ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks; return results by rank.
+
+    The process group is initialised in every worker (``dtp.make_mesh`` picks it up).
+    Results must be picklable; tensors come back by value.
+
+    >>> run(lambda: 1 + 1, world_size=2)                       # doctest: +SKIP
+    [2, 2]
+    """
+    if world_size < 1:
+        raise ValueError(f"dtp.testing.run: world_size must be >= 1, got {world_size}")
+    timeout = DEFAULT_TIMEOUT if timeout is None else timeout
+    pool = _pool(world_size)
+    payload = cloudpickle.dumps((fn, args, kwargs))
+    for conn in pool.conns:
+        conn.send_bytes(payload)
+    results: list[Any] = [None] * world_size
+    errors: dict[int, str] = {}
+    waiting = set(range(world_size))
+    deadline = time.monotonic() + timeout
+    while waiting:
+        ready = [r for r in waiting if pool.conns[r].poll(0)]
+        if not ready:
+            if time.monotonic() >= deadline or not pool.alive():
+                break
+            time.sleep(0.002)
+            continue
+        for r in ready:
+            waiting.discard(r)
+            try:
+                ok, value = cloudpickle.loads(pool.conns[r].recv_bytes())
+            except (EOFError, OSError):
+                errors[r] = "worker process died"
+                continue
+            if ok:
+                results[r] = value
+            else:
+                if not errors:
+                    # The others usually block in a collective with the failed rank: give
+                    # them a short grace period to report too, then kill the pool.
+                    deadline = min(deadline, time.monotonic() + _FAILURE_GRACE)
+                errors[r] = value
+    if waiting or errors:
+        _pools.pop(world_size, None)
+        pool.kill()
+    if errors:
+        first = min(errors)
+        silent = f"; ranks {sorted(waiting)} did not finish (killed)" if waiting else ""
+        raise RankError(f"{fn.__qualname__} failed on ranks {sorted(errors)}{silent}. Rank {first}:\n{errors[first]}")
+    if waiting:
+        raise RankTimeout(
+            f"{fn.__qualname__} did not finish within {timeout:.0f}s on ranks {sorted(waiting)} of {world_size}; "
+            "the pool was killed (a collective some ranks never joined?)"
+        )
+    return results
+
+
+def _worker_main() -> None:
+    """Entry point of a pool worker (``python -m dtp._worker``)."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    rank = int(os.environ["RANK"])
+    host, port = os.environ["DTP_POOL_ADDRESS"].rsplit(":", 1)
+    conn = Client((host, int(port)), authkey=bytes.fromhex(os.environ["DTP_POOL_AUTHKEY"]))
+    conn.send(rank)
+    dist.init_process_group("gloo")
+    conn.send("ready")
+    while True:
+        try:
+            payload = conn.recv_bytes()
+        except (EOFError, OSError):
+            break
+        try:
+            fn, args, kwargs = cloudpickle.loads(payload)
+            reply = (True, fn(*args, **kwargs))
+            data = cloudpickle.dumps(reply)
+        except BaseException:  # report everything, including assertion failures
+            data = cloudpickle.dumps((False, traceback.format_exc()))
+        conn.send_bytes(data)
+
+
+@contextlib.contextmanager
+def simulate(world_size: int) -> Iterator[None]:
+    """Simulate ``world_size`` ranks in this one process (LocalTensorMode, "fake" backend).
+
+    Per-rank values come back as ``LocalTensor``s; :func:`rank_values` unpacks them.
+
+    >>> with simulate(4):                                      # doctest: +SKIP
+    ...     mesh = dtp.make_mesh(dp=2, tp=2)
+    ...     x = dtp.shard(torch.arange(8.0), mesh, P(("dp", "tp")))
+    ...     rank_values(x.to_local())
+    """
+    import torch.distributed as dist
+    from torch.distributed._local_tensor import LocalTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("dtp.testing.simulate needs a process with no process group initialised")
+    dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
+    try:
+        with LocalTensorMode(world_size):
+            yield
+    finally:
+        from . import mesh as _mesh
+
+        _mesh._MESH_CACHE.clear()
+        dist.destroy_process_group()
+
+
+def rank_values(t: torch.Tensor) -> list[torch.Tensor]:
+    """Per-rank tensors of a ``LocalTensor`` (a plain tensor is every rank's value)."""
+    locals_ = getattr(t, "_local_tensors", None)
+    return [locals_[r] for r in sorted(locals_)] if locals_ is not None else [t]
+
+
+def tolerance(dtype: torch.dtype) -> tuple[float, float]:
+    """(rtol, atol) of the correctness bar: fp64 ~1e-10, fp32 ~1e-5, bf16/fp16 looser."""
+    return {
+        torch.float64: (1e-10, 1e-12),
+        torch.float32: (1e-5, 1e-6),
+        torch.bfloat16: (2e-2, 1e-2),
+        torch.float16: (5e-3, 1e-3),
+    }.get(dtype, (0.0, 0.0))
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, *, name: str = "tensor",
+                 rtol: float | None = None, atol: float | None = None) -> None:
+    """Compare a (D)Tensor with a single-device reference at the dtype's tolerance.
+
+    DTensors are gathered with ``full_tensor()`` first (a collective: call on all ranks).
+    """
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(actual, DTensor):
+        actual = actual.full_tensor()
+    if isinstance(expected, DTensor):
+        expected = expected.full_tensor()
+    r, a = tolerance(expected.dtype)
+    try:
+        torch.testing.assert_close(actual, expected, rtol=r if rtol is None else rtol, atol=a if atol is None else atol)
+    except AssertionError as e:
+        raise AssertionError(f"{name}: {e}") from None

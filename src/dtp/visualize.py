@@ -1,0 +1,73 @@
+"""``visualize``: which rank holds which block of a DTensor, for any number of dims."""
+
+from __future__ import annotations
+
+import html
+import math
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from .spec import P, _names, spec_of
+
+__all__ = ["visualize", "Visualization"]
+
+
+def _ranges(size: int, axes: tuple[str, ...], coord: dict[str, int], sizes: dict[str, int]) -> str:
+    n = math.prod(sizes[a] for a in axes)
+    if n == 1:
+        return ":"
+    idx = 0
+    for a in axes:
+        idx = idx * sizes[a] + coord[a]
+    step = size // n
+    return f"{idx * step}:{(idx + 1) * step}"
+
+
+class Visualization:
+    """Text table (terminal) that also renders as an HTML table in notebooks."""
+
+    def __init__(self, title: str, header: list[str], rows: list[list[str]]):
+        self.title, self.header, self.rows = title, header, rows
+
+    def __str__(self) -> str:
+        widths = [max(len(r[i]) for r in [self.header, *self.rows]) for i in range(len(self.header))]
+        fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+        lines = [self.title, fmt.format(*self.header), fmt.format(*("-" * w for w in widths))]
+        lines += [fmt.format(*r) for r in self.rows]
+        return "\n".join(lines)
+
+    __repr__ = __str__
+
+    def _repr_html_(self) -> str:
+        head = "".join(f"<th>{html.escape(h)}</th>" for h in self.header)
+        body = "".join("<tr>" + "".join(f"<td><code>{html.escape(c)}</code></td>" for c in r) + "</tr>" for r in self.rows)
+        return f"<p><b>{html.escape(self.title)}</b></p><table><tr>{head}</tr>{body}</table>"
+
+
+def visualize(x: DTensor) -> Visualization:
+    """Show, for every rank, its mesh coordinate and the global index range it holds.
+
+    Works for any number of dims; blocks are Python slices of the global tensor (a
+    pending sum is marked ``+partial(axis)``).
+
+    >>> print(visualize(shard(torch.zeros(4, 6), make_mesh(dp=1), P("dp"))))  # doctest: +SKIP
+    """
+    spec: P = spec_of(x)
+    mesh = x.device_mesh
+    names = _names(mesh)
+    sizes = {n: mesh.size(i) for i, n in enumerate(names)}
+    mesh_ranks = mesh.mesh.reshape(-1).tolist()
+    rows = []
+    for flat, rank in enumerate(mesh_ranks):
+        coords = torch.unravel_index(torch.tensor(flat), tuple(mesh.mesh.shape))
+        coord = {n: int(c) for n, c in zip(names, coords)}
+        block = ", ".join(_ranges(s, spec.axes_of(d), coord, sizes) for d, s in enumerate(x.shape))
+        note = " ".join(f"+partial({a})" if coord[a] == 0 else f"zeros({a})" for a in spec.partial)
+        rows.append([str(rank), ", ".join(f"{n}={coord[n]}" for n in names), f"[{block}]", note])
+    title = f"{spec} on mesh {dict(sizes)}: global shape {tuple(x.shape)}, local {tuple(x._local_tensor.shape) if not _is_local(x) else 'per-rank'}"
+    return Visualization(title, ["rank", "coordinate", "block", "note"], rows)
+
+
+def _is_local(x: DTensor) -> bool:
+    return type(x._local_tensor).__name__ == "LocalTensor"
