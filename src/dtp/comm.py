@@ -67,7 +67,7 @@ class CommRecord:
         return None if self.completed is None else self.completed - self.issued
 
 
-@dataclass
+@dataclass(eq=False)  # identity: nested logs with equal records are still different logs
 class CommLog:
     """Records of collectives issued while a :func:`comm_log` block was active."""
 
@@ -192,7 +192,7 @@ def all_gather(x: torch.Tensor, mesh: DeviceMesh, axis: str, *, dim: int = 0,
 
     def post(group: dist.ProcessGroup, n: int):
         out = x.new_empty((n * x.shape[0], *x.shape[1:])) if dim == 0 else x.new_empty((n, *x.shape))
-        work = dist.all_gather_into_tensor(out.view(-1), x.view(-1), group=group, async_op=True)
+        work = dist.all_gather_single(out.view(-1), x.view(-1), group=group, async_op=True)
 
         def finish() -> torch.Tensor:
             if dim == 0:
@@ -221,7 +221,7 @@ def reduce_scatter(x: torch.Tensor, mesh: DeviceMesh, axis: str, *, dim: int = 0
         out = x.new_empty(inp.shape[1:])
         # Flat buffers: the chunks are contiguous either way, and LocalTensorMode's
         # reduce-scatter (torch 2.13) mishandles multi-dim ones.
-        work = dist.reduce_scatter_tensor(out.view(-1), inp.view(-1), group=group, async_op=True)
+        work = dist.reduce_scatter_single(out.view(-1), inp.view(-1), group=group, async_op=True)
         return work, (lambda: out)
 
     return _run("reduce_scatter", mesh, axis, x, lambda n: (n - 1) / n * _nbytes(x), post, async_op, tag)

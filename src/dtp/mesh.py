@@ -59,7 +59,7 @@ def detect_device(device: str | None = None) -> tuple[str, str]:
             device = "npu"
         else:
             device = "cpu"
-    device_type = torch.device(device).type if device != "npu" else "npu"
+    device_type = device.split(":", 1)[0]  # "cuda:1" → "cuda"
     if device_type not in _BACKEND_FOR_DEVICE:
         raise ValueError(
             f"make_mesh: unsupported device {device!r}; expected one of {sorted(_BACKEND_FOR_DEVICE)}"

@@ -1,0 +1,475 @@
+"""Functional optimizers (optax style) over pytrees of Tensors or DTensors.
+
+An optimizer is a :class:`GradientTransformation`: a pair of pure functions
+
+* ``init(params) -> state``
+* ``update(grads, state, params) -> (updates, new_state)``
+
+and training applies ``params = apply_updates(params, updates)``. Nothing is mutated:
+every function returns new tensors, so a training step is a pure function of
+``(params, opt_state, batch)``.
+
+Trees are anything :mod:`optree` flattens (dicts, lists, tuples, NamedTuples …) with
+``torch.Tensor`` or ``DTensor`` leaves. Each DTensor leaf is updated shard by shard on
+its local tensor, and the result (and the optimizer state) is laid out exactly like
+the parameter, so an update never communicates. The one reduction, the gradient norm
+in :func:`global_norm`, goes through :func:`dtp.reshard` and is therefore recorded in
+:func:`dtp.comm_log`.
+
+>>> params = {"w": torch.ones(3)}
+>>> opt = chain(clip(1.0), adamw(warmup_cosine(1e-3, 10, 100), weight_decay=0.1))
+>>> state = opt.init(params)
+>>> updates, state = opt.update({"w": torch.full((3,), 2.0)}, state, params)
+>>> params = apply_updates(params, updates)
+
+Step numbering follows optax: the k-th call of ``update`` (k = 0, 1, …) uses the
+learning rate ``lr(k)``; Adam's bias correction uses ``k + 1`` like ``torch.optim``.
+Updates are computed without autograd (under ``torch.no_grad``): these optimizers are
+not meant to be differentiated through.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, NamedTuple, Sequence, Union
+
+import optree
+import torch
+from torch.distributed.tensor import DTensor, Partial
+
+from .redistribute import reshard
+from .spec import P, from_local, spec_of
+
+__all__ = [
+    "GradientTransformation",
+    "Schedule",
+    "ScalarOrSchedule",
+    "SGDState",
+    "AdamWState",
+    "sgd",
+    "adamw",
+    "clip",
+    "chain",
+    "constant",
+    "warmup_cosine",
+    "apply_updates",
+    "global_norm",
+    "clip_by_global_norm",
+]
+
+PyTree = Any
+Schedule = Callable[[int], float]
+ScalarOrSchedule = Union[float, Schedule]
+
+
+class GradientTransformation(NamedTuple):
+    """An optimizer as two pure functions (optax's interface).
+
+    ``init(params) -> state`` and ``update(grads, state, params) -> (updates, state)``;
+    ``params`` may be ``None`` for transformations that do not read them.
+
+    >>> opt = sgd(0.1)
+    >>> state = opt.init({"w": torch.zeros(2)})
+    >>> updates, state = opt.update({"w": torch.ones(2)}, state, {"w": torch.zeros(2)})
+    >>> updates["w"]
+    tensor([-0.1000, -0.1000])
+    """
+
+    init: Callable[[PyTree], PyTree]
+    update: Callable[[PyTree, PyTree, PyTree | None], tuple[PyTree, PyTree]]
+
+
+class SGDState(NamedTuple):
+    """State of :func:`sgd`: the update count and the momentum buffers (``None`` without momentum)."""
+
+    count: torch.Tensor
+    momentum: PyTree
+
+
+class AdamWState(NamedTuple):
+    """State of :func:`adamw`: the update count, first moments ``mu`` and second moments ``nu``."""
+
+    count: torch.Tensor
+    mu: PyTree
+    nu: PyTree
+
+
+# --------------------------------------------------------------------------- schedules
+
+
+def constant(lr: float) -> Schedule:
+    """A schedule that is ``lr`` at every step.
+
+    >>> constant(3e-4)(1000)
+    0.0003
+    """
+    value = float(lr)
+
+    def schedule(step: int) -> float:
+        return value
+
+    return schedule
+
+
+def warmup_cosine(peak_lr: float, warmup_steps: int, total_steps: int, final_lr: float = 0.0) -> Schedule:
+    """Linear warm-up from 0 to ``peak_lr`` over ``warmup_steps``, then cosine decay to
+    ``final_lr`` at ``total_steps``, constant ``final_lr`` after that.
+
+    Like optax's ``warmup_cosine_decay_schedule`` (and Megatron's scheduler), step 0 has
+    lr 0 when there is a warm-up; ``total_steps`` counts the warm-up steps too.
+
+    >>> s = warmup_cosine(1.0, warmup_steps=10, total_steps=110, final_lr=0.1)
+    >>> s(0), s(5), s(10), s(60), s(110), s(500)
+    (0.0, 0.5, 1.0, 0.55, 0.1, 0.1)
+    """
+    if warmup_steps < 0 or total_steps < warmup_steps:
+        raise ValueError(
+            f"warmup_cosine: need 0 <= warmup_steps <= total_steps, got warmup_steps={warmup_steps}, "
+            f"total_steps={total_steps}"
+        )
+    peak, final = float(peak_lr), float(final_lr)
+
+    def schedule(step: int) -> float:
+        if step < warmup_steps:
+            return peak * step / warmup_steps
+        if step >= total_steps:
+            return final
+        progress = (step - warmup_steps) / (total_steps - warmup_steps)
+        return final + 0.5 * (peak - final) * (1.0 + math.cos(math.pi * progress))
+
+    return schedule
+
+
+def _as_schedule(lr: ScalarOrSchedule, name: str) -> Schedule:
+    if callable(lr):
+        return lr
+    if not isinstance(lr, (int, float)) or isinstance(lr, bool) or lr < 0:
+        raise ValueError(f"{name}: lr must be a non-negative number or a schedule step -> lr, got {lr!r}")
+    return constant(lr)
+
+
+# --------------------------------------------------------------------------- leafwise machinery
+
+
+def _paths(tree: PyTree) -> list[str]:
+    return ["".join(f"[{k!r}]" for k in path) or "<root>" for path in optree.tree_paths(tree)]
+
+
+def _check_layout(path: str, ref: torch.Tensor, others: Sequence[tuple[str, torch.Tensor]]) -> None:
+    """All leaves of one position must be laid out alike, so local math is global math.
+
+    Mismatched placements would make DTensor redistribute implicitly (unrecorded
+    communication) — or, on local tensors, silently compute garbage; refuse instead.
+    """
+    if isinstance(ref, DTensor):
+        if any(isinstance(p, Partial) for p in ref.placements):
+            raise ValueError(
+                f"{path}: gradient has pending sums (spec {spec_of(ref)}); reduce it first, "
+                f"e.g. dtp.reshard(grad, spec_of(param))"
+            )
+        for what, x in others:
+            if not isinstance(x, DTensor):
+                raise ValueError(f"{path}: gradient is a DTensor but the {what} is a plain {type(x).__name__}")
+            if x.device_mesh != ref.device_mesh or tuple(x.placements) != tuple(ref.placements) or x.shape != ref.shape:
+                raise ValueError(
+                    f"{path}: {what} is laid out as {spec_of(x)} {tuple(x.shape)} but the gradient as "
+                    f"{spec_of(ref)} {tuple(ref.shape)}; dtp.reshard one of them first"
+                )
+    else:
+        for what, x in others:
+            if isinstance(x, DTensor):
+                raise ValueError(f"{path}: the {what} is a DTensor but the gradient is a plain tensor")
+            if x.shape != ref.shape:
+                raise ValueError(f"{path}: {what} has shape {tuple(x.shape)} but the gradient {tuple(ref.shape)}")
+
+
+def _local(x: torch.Tensor) -> torch.Tensor:
+    return x.to_local() if isinstance(x, DTensor) else x
+
+
+def _like(local: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """Wrap a local result with ``ref``'s mesh, placements and global shape (no communication)."""
+    if not isinstance(ref, DTensor):
+        return local
+    return DTensor.from_local(local, ref.device_mesh, ref.placements, run_check=False,
+                              shape=ref.shape, stride=ref.stride())
+
+
+def _map_local(fn: Callable[..., tuple[torch.Tensor, ...]], grads: PyTree,
+               others: Sequence[tuple[str, PyTree | None]], n_out: int) -> list[PyTree]:
+    """Apply ``fn(g, *others)`` to local shards leaf by leaf; return ``n_out`` trees shaped
+    and laid out like ``grads``. ``others`` are ``(name, tree)``; ``None`` trees pass ``None``."""
+    leaves, treedef = optree.tree_flatten(grads)
+    other_leaves = [[None] * len(leaves) if t is None else treedef.flatten_up_to(t) for _, t in others]
+    paths = _paths(grads)
+    outs: list[list[torch.Tensor]] = [[] for _ in range(n_out)]
+    with torch.no_grad():
+        for i, g in enumerate(leaves):
+            row = [ol[i] for ol in other_leaves]
+            _check_layout(paths[i], g, [(name, x) for (name, _), x in zip(others, row) if x is not None])
+            res = fn(_local(g), *(None if x is None else _local(x) for x in row))
+            for k, r in enumerate(res):
+                outs[k].append(_like(r, g))
+    return [treedef.unflatten(o) for o in outs]
+
+
+def _zeros_like_tree(params: PyTree) -> PyTree:
+    def zeros(p: torch.Tensor) -> torch.Tensor:
+        return _like(torch.zeros_like(_local(p), memory_format=torch.contiguous_format), p)
+
+    with torch.no_grad():
+        return optree.tree_map(zeros, params)
+
+
+def _next_count(count: torch.Tensor) -> tuple[torch.Tensor, int]:
+    step = int(count) + 1
+    return torch.tensor(step, dtype=torch.int64), step
+
+
+# --------------------------------------------------------------------------- optimizers
+
+
+def sgd(lr: ScalarOrSchedule, momentum: float = 0.0, nesterov: bool = False,
+        weight_decay: float = 0.0) -> GradientTransformation:
+    """Stochastic gradient descent with ``torch.optim.SGD`` semantics (no dampening).
+
+    ``d = g + wd·p``; with momentum ``b = μ·b + d`` (``b = d`` on the first step) and
+    ``d = b`` or, Nesterov, ``d = d + μ·b``; the update is ``-lr·d``.
+
+    >>> opt = sgd(0.1, momentum=0.9, nesterov=True)
+    >>> p = {"w": torch.ones(2)}
+    >>> u, s = opt.update({"w": torch.ones(2)}, opt.init(p), p)
+    >>> u["w"]
+    tensor([-0.1900, -0.1900])
+    """
+    schedule = _as_schedule(lr, "sgd")
+    if momentum < 0 or weight_decay < 0:
+        raise ValueError(f"sgd: momentum and weight_decay must be >= 0, got {momentum}, {weight_decay}")
+    if nesterov and momentum <= 0:
+        raise ValueError("sgd: nesterov momentum needs momentum > 0")
+
+    def init(params: PyTree) -> SGDState:
+        buf = _zeros_like_tree(params) if momentum else None
+        return SGDState(torch.zeros((), dtype=torch.int64), buf)
+
+    def update(grads: PyTree, state: SGDState, params: PyTree | None = None) -> tuple[PyTree, SGDState]:
+        if weight_decay and params is None:
+            raise ValueError("sgd: weight_decay needs the params; call update(grads, state, params)")
+        count, step = _next_count(state.count)
+        rate = float(schedule(step - 1))
+
+        def one(g, buf, p):
+            d = g.add(p, alpha=weight_decay) if weight_decay else g
+            if momentum:
+                # A zero buffer makes the first step buf = d, as torch's lazy clone does.
+                buf = buf.mul(momentum).add(d)
+                d = d.add(buf, alpha=momentum) if nesterov else buf
+            return d.mul(-rate), buf
+
+        others = [("momentum buffer", state.momentum), ("param", params if weight_decay else None)]
+        if momentum:
+            updates, buf = _map_local(one, grads, others, 2)
+        else:
+            updates, = _map_local(lambda g, _b, p: one(g, None, p)[:1], grads, others, 1)
+            buf = None
+        return updates, SGDState(count, buf)
+
+    return GradientTransformation(init, update)
+
+
+def adamw(lr: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
+          weight_decay: float = 0.0) -> GradientTransformation:
+    """Adam with decoupled weight decay, step for step ``torch.optim.AdamW``.
+
+    At step ``t`` (1-based): ``m = lerp(m, g, 1-b1)``, ``v = b2·v + (1-b2)·g²``,
+    ``p ← p·(1 - lr·wd) - lr/(1-b1^t) · m / (√v / √(1-b2^t) + eps)``; the update returned
+    is the difference to ``p``. State ``mu``/``nu`` has the params' dtype and placements.
+
+    >>> opt = adamw(1e-3, weight_decay=0.01)
+    >>> p = {"w": torch.ones(2)}
+    >>> state = opt.init(p)
+    >>> u, state = opt.update({"w": torch.ones(2)}, state, p)
+    >>> int(state.count)
+    1
+    """
+    schedule = _as_schedule(lr, "adamw")
+    if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
+        raise ValueError(f"adamw: betas must lie in [0, 1), got b1={b1}, b2={b2}")
+    if eps < 0 or weight_decay < 0:
+        raise ValueError(f"adamw: eps and weight_decay must be >= 0, got {eps}, {weight_decay}")
+
+    def init(params: PyTree) -> AdamWState:
+        return AdamWState(torch.zeros((), dtype=torch.int64), _zeros_like_tree(params), _zeros_like_tree(params))
+
+    def update(grads: PyTree, state: AdamWState, params: PyTree | None = None) -> tuple[PyTree, AdamWState]:
+        if weight_decay and params is None:
+            raise ValueError("adamw: weight_decay needs the params; call update(grads, state, params)")
+        count, step = _next_count(state.count)
+        rate = float(schedule(step - 1))
+        # The same scalar algebra as torch's single-tensor AdamW, so trajectories agree to
+        # rounding: step_size = lr / bc1, denom = sqrt(v) / sqrt(bc2) + eps.
+        step_size = rate / (1.0 - b1**step)
+        bc2_sqrt = (1.0 - b2**step) ** 0.5
+
+        def one(g, m, v, p):
+            m = torch.lerp(m, g, 1.0 - b1)
+            v = torch.addcmul(v.mul(b2), g, g, value=1.0 - b2)
+            denom = v.sqrt().div(bc2_sqrt).add(eps)
+            if weight_decay:
+                # p·(1 - lr·wd) - p = -lr·wd·p: decoupled decay, not added to the gradient.
+                u = torch.addcdiv(p.mul(-rate * weight_decay), m, denom, value=-step_size)
+            else:
+                u = torch.div(m, denom).mul(-step_size)
+            return u, m, v
+
+        others = [("first moment", state.mu), ("second moment", state.nu),
+                  ("param", params if weight_decay else None)]
+        updates, mu, nu = _map_local(one, grads, others, 3)
+        return updates, AdamWState(count, mu, nu)
+
+    return GradientTransformation(init, update)
+
+
+def clip(max_norm: float) -> GradientTransformation:
+    """Clip by global norm as a transformation (stateless), for :func:`chain`.
+
+    >>> opt = chain(clip(1.0), sgd(0.1))
+    """
+    if max_norm <= 0:
+        raise ValueError(f"clip: max_norm must be > 0, got {max_norm}")
+
+    def init(params: PyTree) -> tuple:
+        return ()
+
+    def update(grads: PyTree, state: tuple, params: PyTree | None = None) -> tuple[PyTree, tuple]:
+        return clip_by_global_norm(grads, max_norm)[0], state
+
+    return GradientTransformation(init, update)
+
+
+def chain(*transforms: GradientTransformation) -> GradientTransformation:
+    """Run transformations in order, each on the previous one's updates (optax.chain).
+
+    The state is the tuple of the parts' states; every part sees the same ``params``.
+
+    >>> opt = chain(clip(1.0), adamw(1e-3))
+    >>> state = opt.init({"w": torch.zeros(2)})
+    >>> len(state)
+    2
+    """
+
+    def init(params: PyTree) -> tuple:
+        return tuple(t.init(params) for t in transforms)
+
+    def update(grads: PyTree, state: tuple, params: PyTree | None = None) -> tuple[PyTree, tuple]:
+        if len(state) != len(transforms):
+            raise ValueError(f"chain: state has {len(state)} parts for {len(transforms)} transformations")
+        new_state = []
+        for t, s in zip(transforms, state):
+            grads, s = t.update(grads, s, params)
+            new_state.append(s)
+        return grads, tuple(new_state)
+
+    return GradientTransformation(init, update)
+
+
+def apply_updates(params: PyTree, updates: PyTree) -> PyTree:
+    """``params + updates``, leaf by leaf, as a new tree (same placements, no communication).
+
+    A parameter that requires grad gives a new leaf tensor that requires grad, so loops
+    that call ``loss.backward()`` on the new params keep working.
+
+    >>> apply_updates({"w": torch.ones(2)}, {"w": torch.full((2,), -0.5)})
+    {'w': tensor([0.5000, 0.5000])}
+    """
+    new, = _map_local(lambda u, p: (p + u,), updates, [("param", params)], 1)
+    return optree.tree_map(lambda n, p: n.requires_grad_(True) if p.requires_grad else n,
+                           new, params)
+
+
+# --------------------------------------------------------------------------- norms and clipping
+
+
+def _sum_squares(x: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
+    x = x.to(acc)
+    return torch.sum(x * x)
+
+
+def global_norm(grads: PyTree) -> torch.Tensor:
+    """The 2-norm of all leaves together, over the *global* tensors; a plain 0-d tensor,
+    identical on every rank.
+
+    Each DTensor is sharded over some set S of mesh axes and replicated over the rest, so
+    the sum of its local squares is a pending sum over S. Leaves are grouped by S and the
+    group sums added into one scalar that is a pending sum over the union U of all the
+    S's — each group masked to coordinate 0 on the axes of U it is replicated over, so
+    every distinct shard counts once. One :func:`dtp.reshard` to ``P()`` then reduces it:
+    one recorded ``all_reduce`` of a single element per mesh axis in U (none when no leaf
+    is sharded). Squares are summed in fp32 (fp64 if any leaf is fp64). Plain tensors
+    are taken to be replicated. Leaves with pending sums (``Partial``) are refused: the
+    norm of a sum is not the sum of norms.
+
+    >>> global_norm({"a": torch.tensor([3.0]), "b": torch.tensor([4.0])})
+    tensor(5.)
+    """
+    leaves = optree.tree_leaves(grads)
+    if not leaves:
+        return torch.zeros((), dtype=torch.float32)
+    acc = torch.float64 if any(x.dtype == torch.float64 for x in leaves) else torch.float32
+    paths = _paths(grads)
+    plain: torch.Tensor | None = None
+    # [(mesh, {sharded axes in mesh order: local sum of squares})], in first-seen order so
+    # every rank issues the same collectives in the same order.
+    per_mesh: list[tuple[Any, dict[tuple[str, ...], torch.Tensor]]] = []
+    for path, g in zip(paths, leaves):
+        if not isinstance(g, DTensor):
+            s = _sum_squares(g, acc)
+            plain = s if plain is None else plain + s
+            continue
+        spec = spec_of(g)
+        if spec.partial:
+            raise ValueError(
+                f"global_norm: {path} has pending sums over {spec.partial} (spec {spec}); reduce it "
+                f"first (dtp.reshard to a spec without partial)"
+            )
+        names = g.device_mesh.mesh_dim_names
+        sharded = {a for d in spec.dims for a in d}
+        key = tuple(a for a in names if a in sharded)
+        groups = next((grp for mesh, grp in per_mesh if mesh == g.device_mesh), None)
+        if groups is None:
+            groups = {}
+            per_mesh.append((g.device_mesh, groups))
+        s = _sum_squares(g.to_local(), acc)
+        groups[key] = s if key not in groups else groups[key] + s
+
+    total = plain
+    for mesh, groups in per_mesh:
+        union = tuple(a for a in mesh.mesh_dim_names if any(a in key for key in groups))
+        local: torch.Tensor | None = None
+        for key, s in groups.items():
+            part = from_local(s.reshape(1), mesh, P(partial=key), name="global_norm")
+            # Widening a pending sum is free: the value stays on coordinate 0 of the new
+            # axes, zeros elsewhere (where the grads are replicated copies).
+            part = reshard(part, P(partial=union), name="global_norm").to_local()
+            local = part if local is None else local + part
+        summed = reshard(from_local(local, mesh, P(partial=union), name="global_norm"), P(),
+                         name="global_norm", tag="global_norm").to_local()[0]
+        total = summed if total is None else total + summed
+    return torch.sqrt(total)
+
+
+def clip_by_global_norm(grads: PyTree, max_norm: float) -> tuple[PyTree, torch.Tensor]:
+    """Scale all grads by ``min(1, max_norm / (norm + 1e-6))`` as
+    ``torch.nn.utils.clip_grad_norm_`` does; returns ``(clipped, norm)`` with the norm
+    before clipping. Same placements out; only :func:`global_norm` communicates.
+
+    >>> clipped, norm = clip_by_global_norm({"w": torch.tensor([3.0, 4.0])}, 1.0)
+    >>> norm, clipped["w"]
+    (tensor(5.), tensor([0.6000, 0.8000]))
+    """
+    norm = global_norm(grads)
+    scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    # Scaling unconditionally (by exactly 1.0 when under the limit) keeps the same
+    # numbers as torch, which also multiplies always; a 0-d scale keeps each leaf's dtype.
+    clipped, = _map_local(lambda g: (g * scale.to(g.device),), grads, [], 1)
+    return clipped, norm

@@ -1,0 +1,64 @@
+"""make_mesh: detection (cpu / npu), process-group set-up, sub-meshes and flattened views."""
+
+import importlib
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import dtp
+from dtp import mesh as mesh_mod
+from dtp.testing import run
+
+
+@pytest.mark.parametrize("exc", [ImportError, OSError, RuntimeError])
+def test_failing_torch_npu_import_means_no_npu(monkeypatch, exc):
+    real = importlib.import_module
+
+    def fake(name, *a, **k):
+        if name == "torch_npu":
+            raise exc("libascendcl.so: cannot open shared object file")
+        return real(name, *a, **k)
+
+    monkeypatch.setattr(importlib, "import_module", fake)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert mesh_mod.detect_device() == ("cpu", "gloo")
+
+
+def test_package_import_does_not_import_torch_npu():
+    code = "import sys, dtp; assert 'torch_npu' not in sys.modules; print('clean')"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "clean", out.stderr
+
+
+def test_fake_npu_device_gets_hccl_mesh():
+    script = Path(__file__).parent / "scripts" / "fake_npu_mesh.py"
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert "fake npu ok" in out.stdout, out.stdout + out.stderr
+
+
+def test_bad_axes_are_rejected():
+    with pytest.raises(ValueError, match="at least one named axis"):
+        dtp.make_mesh()
+    with pytest.raises(ValueError, match=r"axis 'tp' has size 0"):
+        dtp.make_mesh(dp=1, tp=0)
+    with pytest.raises(ValueError, match="unsupported device 'tpu'"):
+        dtp.make_mesh(dp=1, device="tpu")
+
+
+def _submeshes():
+    mesh = dtp.make_mesh(dp=2, cp=2, tp=2)
+    assert dtp.make_mesh(dp=2, cp=2, tp=2) is mesh  # idempotent: no new process groups
+    ep = dtp.flatten_axes(mesh, ("dp", "cp"))
+    with dtp.comm_log() as log:
+        total = dtp.comm.all_reduce(torch.ones(1), ep, "dp_cp")
+    return (mesh["tp"].size(), ep.mesh_dim_names, ep.size(), float(total), [r.axis for r in log.records],
+            mesh_mod.axis_coordinate(mesh, "tp"))
+
+
+def test_submesh_and_flattened_ep_view():
+    res = run(_submeshes, world_size=8)
+    assert all(r[:5] == (2, ("dp_cp",), 4, 4.0, ["dp_cp"]) for r in res)
+    assert [r[5] for r in res] == [0, 1] * 4

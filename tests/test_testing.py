@@ -1,0 +1,71 @@
+"""dtp.testing: the reusable rank pool, failure and hang handling, simulation."""
+
+import time
+import types
+
+import pytest
+import torch
+
+import dtp
+from dtp import P
+from dtp.testing import RankError, RankTimeout, rank_values, run, simulate
+
+
+def _rank_and_pid():
+    import os
+
+    import torch.distributed as dist
+
+    return dist.get_rank(), dist.get_world_size(), os.getpid()
+
+
+def test_pool_is_reused_and_ranks_are_ordered():
+    first = run(_rank_and_pid, world_size=2)
+    again = run(_rank_and_pid, world_size=2)
+    assert [r[:2] for r in first] == [(0, 2), (1, 2)]
+    assert first == again  # same processes: no new spawn per call
+
+
+def _fails_on_rank_one():
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        raise ZeroDivisionError("rank one is unhappy")
+    dist.barrier()  # rank 0 would wait for rank 1 forever
+
+
+def test_failure_reports_rank_and_traceback_without_hanging():
+    t0 = time.monotonic()
+    with pytest.raises(RankError, match=r"(?s)failed on ranks \[1\].*ZeroDivisionError: rank one is unhappy"):
+        run(_fails_on_rank_one, world_size=2)
+    assert time.monotonic() - t0 < 60
+    assert run(lambda: 7, world_size=2) == [7, 7]  # a fresh pool replaced the broken one
+
+
+def _sleeps_on_rank_zero():
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        time.sleep(120)
+    return 1
+
+
+def test_hang_is_killed_after_timeout():
+    with pytest.raises(RankTimeout, match=r"ranks \[0\] of 2"):
+        run(_sleeps_on_rank_zero, world_size=2, timeout=2)
+
+
+def test_functions_from_a_notebook_main_travel_by_value():
+    # A notebook cell defines functions in __main__, which workers cannot import.
+    ns = {"__name__": "__main__"}
+    exec("def cell(x):\n    import torch.distributed as dist\n    return x * (dist.get_rank() + 1)\n", ns)
+    assert run(ns["cell"], 3, world_size=2) == [3, 6]
+
+
+def test_one_process_simulation():
+    with simulate(4):
+        mesh = dtp.make_mesh(dp=2, tp=2)
+        x = dtp.shard(torch.arange(8.0), mesh, P(("dp", "tp")))
+        assert [v.tolist() for v in rank_values(x.to_local())] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+        y = dtp.reshard(x, P())
+        assert all(torch.equal(v, torch.arange(8.0)) for v in rank_values(y.to_local()))
