@@ -5,10 +5,13 @@ redistribution rules; training is a pure function ``train_step(loss_fn, state, b
 This module only re-exports the public surface.
 """
 
+from . import layouts, ops, optim
 from .comm import CommLog, CommRecord, comm_log
+from .layouts import Layout, constrain, use_layout
 from .mesh import detect_device, flatten_axes, make_mesh
 from .redistribute import reshard
 from .spec import P, from_local, shard, spec_of
+from .step import TrainState, shard_batch, train_step
 from .visualize import visualize
 
 __version__ = "0.1.0"
@@ -17,4 +20,6 @@ __all__ = [
     "P", "make_mesh", "detect_device", "flatten_axes",
     "shard", "from_local", "spec_of", "reshard", "visualize",
     "comm_log", "CommLog", "CommRecord",
+    "Layout", "layouts", "use_layout", "constrain", "ops", "optim",
+    "TrainState", "train_step", "shard_batch",
 ]

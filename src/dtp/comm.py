@@ -227,13 +227,14 @@ def reduce_scatter(x: torch.Tensor, mesh: DeviceMesh, axis: str, *, dim: int = 0
     return _run("reduce_scatter", mesh, axis, x, lambda n: (n - 1) / n * _nbytes(x), post, async_op, tag)
 
 
-def all_reduce(x: torch.Tensor, mesh: DeviceMesh, axis: str, *, async_op: bool = False,
+def all_reduce(x: torch.Tensor, mesh: DeviceMesh, axis: str, *, op: str = "sum", async_op: bool = False,
                tag: str = "") -> torch.Tensor | CommHandle:
-    """Sum ``x`` over the axis (into a new tensor; ``x`` is not modified)."""
+    """Reduce ``x`` over the axis with ``op`` ("sum" or "max") into a new tensor."""
+    reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
     out = x.detach().clone(memory_format=torch.contiguous_format)
 
     def post(group: dist.ProcessGroup, n: int):
-        return dist.all_reduce(out, group=group, async_op=True), (lambda: out)
+        return dist.all_reduce(out, op=reduce_op, group=group, async_op=True), (lambda: out)
 
     return _run("all_reduce", mesh, axis, x, lambda n: 2 * (n - 1) / n * _nbytes(x), post, async_op, tag)
 

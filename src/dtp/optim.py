@@ -77,6 +77,8 @@ class GradientTransformation(NamedTuple):
 
     init: Callable[[PyTree], PyTree]
     update: Callable[[PyTree, PyTree, PyTree | None], tuple[PyTree, PyTree]]
+    # The learning-rate schedule, when the transformation has one (train_step reports it).
+    schedule: Schedule | None = None
 
 
 class SGDState(NamedTuple):
@@ -274,7 +276,7 @@ def sgd(lr: ScalarOrSchedule, momentum: float = 0.0, nesterov: bool = False,
             buf = None
         return updates, SGDState(count, buf)
 
-    return GradientTransformation(init, update)
+    return GradientTransformation(init, update, schedule)
 
 
 def adamw(lr: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
@@ -327,7 +329,7 @@ def adamw(lr: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, eps: float =
         updates, mu, nu = _map_local(one, grads, others, 3)
         return updates, AdamWState(count, mu, nu)
 
-    return GradientTransformation(init, update)
+    return GradientTransformation(init, update, schedule)
 
 
 def clip(max_norm: float) -> GradientTransformation:
@@ -370,7 +372,7 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
             new_state.append(s)
         return grads, tuple(new_state)
 
-    return GradientTransformation(init, update)
+    return GradientTransformation(init, update, next((t.schedule for t in transforms if t.schedule), None))
 
 
 def apply_updates(params: PyTree, updates: PyTree) -> PyTree:

@@ -35,7 +35,7 @@ from torch.distributed.tensor import DTensor
 from . import comm
 from .spec import P, _names, _sizes, _wrap, check_spec, maybe_run_for_local_tensor, spec_of
 
-__all__ = ["Step", "plan", "reshard", "redistribute_local"]
+__all__ = ["Step", "plan", "reshard", "redistribute_local", "to_local", "from_local"]
 
 
 @dataclass(frozen=True)
@@ -152,9 +152,9 @@ class _Reshard(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: DTensor):  # type: ignore[override]
-        grad_src = spec_of(grad) if isinstance(grad, DTensor) else ctx.dst
         if not isinstance(grad, DTensor):
             raise TypeError("dtp.reshard backward received a plain tensor gradient; expected a DTensor")
+        grad_src = spec_of(grad)
         target = P(*ctx.src.dims)  # pending sums in the source receive the replicated grad
         tag = f"{ctx.tag} backward".strip()
         return _Reshard.apply(grad, grad_src, target, tag), None, None, None
@@ -175,3 +175,59 @@ def reshard(x: DTensor, spec: P, *, name: str = "tensor", tag: str = "") -> DTen
     if src == spec:
         return x
     return _Reshard.apply(x, src, spec, tag)
+
+
+def _without_partial(spec: P) -> P:
+    return P(*spec.dims)
+
+
+class _ToLocal(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: DTensor, grad_spec: P) -> torch.Tensor:  # type: ignore[override]
+        ctx.mesh, ctx.grad_spec, ctx.shape = x.device_mesh, grad_spec, tuple(x.shape)
+        return x._local_tensor.view_as(x._local_tensor)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        return _wrap(grad, ctx.mesh, ctx.grad_spec, ctx.shape), None
+
+
+class _FromLocal(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, local: torch.Tensor, mesh: DeviceMesh, spec: P, shape: tuple[int, ...]) -> DTensor:  # type: ignore[override]
+        ctx.spec = spec
+        return _wrap(local.view_as(local), mesh, spec, shape)
+
+    @staticmethod
+    def backward(ctx, grad: DTensor):  # type: ignore[override]
+        # The gradient of every term of a pending sum is the gradient of the sum:
+        # bring it to the spec without the partial axes (recorded), then take the shard.
+        target = _without_partial(ctx.spec)
+        if spec_of(grad) != target:
+            grad = _Reshard.apply(grad, spec_of(grad), target, "from_local backward")
+        return grad._local_tensor, None, None, None
+
+
+def to_local(x: DTensor, grad_spec: P | None = None) -> torch.Tensor:
+    """This rank's shard of ``x``, differentiable; the shard's gradient is read as a
+    DTensor laid out as ``grad_spec`` (default: ``x``'s own spec).
+
+    Use ``grad_spec`` with pending sums when a replicated input meets split data, e.g.
+    a replicated weight used on a batch split over ``dp``: its local gradient is a
+    partial sum over ``dp``.
+
+    >>> w_local = to_local(w, P(None, "tp", partial=("dp",)))   # doctest: +SKIP
+    """
+    return _ToLocal.apply(x, spec_of(x) if grad_spec is None else grad_spec)
+
+
+def from_local(local: torch.Tensor, mesh: DeviceMesh, spec: P, shape: Sequence[int] | None = None) -> DTensor:
+    """Wrap a shard as a DTensor laid out as ``spec``, differentiable, with every
+    backward collective on the recorded path (unlike ``DTensor.from_local``).
+
+    >>> y = from_local(y_local, mesh, P("dp", None, partial=("tp",)))  # doctest: +SKIP
+    """
+    if shape is None:
+        sizes = _sizes(mesh)
+        shape = [s * math.prod(sizes[a] for a in spec.axes_of(d)) for d, s in enumerate(local.shape)]
+    return _FromLocal.apply(local, mesh, spec, tuple(shape))

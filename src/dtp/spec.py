@@ -229,7 +229,8 @@ def shard(tensor: torch.Tensor, mesh: DeviceMesh, spec: P, *, name: str = "tenso
     check_spec(spec, mesh, tensor.shape, name)
     names = _names(mesh)
     local = _take_block(tensor.detach(), spec, names, tuple(mesh.size(i) for i in range(len(names))), *mesh.get_coordinate())
-    return _wrap(local.requires_grad_(tensor.requires_grad), mesh, spec, tuple(tensor.shape))
+    # A new leaf (like distribute_tensor): gradients land on the DTensor itself.
+    return _wrap(local, mesh, spec, tuple(tensor.shape)).requires_grad_(tensor.requires_grad)
 
 
 def _wrap(local: torch.Tensor, mesh: DeviceMesh, spec: P, shape: tuple[int, ...]) -> DTensor:

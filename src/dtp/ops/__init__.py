@@ -1,1 +1,8 @@
-"""Custom redistributions and kernels: blockwise attention, context parallel, MoE dispatch."""
+"""Ops that know about placements: attention, vocab-parallel embedding and loss,
+recompute policy. Custom redistributions for context parallel and MoE land here too."""
+
+from .attention import attention, rotary
+from .parallel import cross_entropy, embedding
+from .recompute import recompute, remat
+
+__all__ = ["attention", "rotary", "embedding", "cross_entropy", "recompute", "remat"]

@@ -1,0 +1,168 @@
+"""Start local ranks the torchrun way: ``dtp train --nproc N`` without typing ``torchrun``.
+
+:func:`launch` hands the work to ``torch.distributed.run`` — torchrun's own code: a
+standalone c10d rendezvous on localhost, an elastic agent that watches the ranks, and
+stops all of them when one fails. Every rank runs ``python -m dtp.cli <argv>`` with
+``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``MASTER_ADDR``/``MASTER_PORT`` set, so
+:func:`dtp.make_mesh` finds its process group in the environment.
+
+Under an existing torchrun (:func:`in_torchrun`), ``dtp train`` joins that world instead
+of launching a new one, so multi-node jobs work exactly as with any torchrun script::
+
+    torchrun --nnodes 2 --nproc-per-node 8 --rdzv-endpoint host:29400 -m dtp.cli train --dp 2 --tp 8
+
+Ranks that fail with a clean, expected error (a bad flag combination, a layout that does
+not fit the model) report it through :func:`report_error`; the launcher prints each
+distinct message once instead of once per rank, and nothing else.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Iterator, Sequence
+
+__all__ = ["launch", "in_torchrun", "report_error", "default_omp_threads"]
+
+# Set by launch() for its ranks: where a rank leaves its one-line error message.
+ERROR_DIR_ENV = "DTP_LAUNCH_ERROR_DIR"
+
+
+def in_torchrun() -> bool:
+    """True inside a rank started by torchrun (or anything that sets its variables).
+
+    >>> in_torchrun()                     # in a plain Python session  # doctest: +SKIP
+    False
+    """
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+
+
+def default_omp_threads(nproc: int, cpus: int | None = None) -> int:
+    """CPU threads per rank: the machine's cores shared evenly by the local ranks.
+
+    torchrun would set 1 for every multi-rank launch; on CPU (the gloo backend), where
+    the ranks *are* the compute, using the whole machine is worth it when cores are plenty.
+
+    >>> default_omp_threads(2, cpus=16), default_omp_threads(4, cpus=2)
+    (8, 1)
+    """
+    if cpus is None:
+        try:
+            cpus = len(os.sched_getaffinity(0))  # respects taskset / cgroup cpusets
+        except (AttributeError, OSError):
+            cpus = os.cpu_count() or 1
+    return max(1, cpus // max(1, nproc))
+
+
+def report_error(message: str) -> None:
+    """Report an expected, one-line error from this rank.
+
+    Launched by :func:`launch`: the message goes to a file the launcher prints once. Under
+    a plain torchrun (or a single process): rank 0 prints it to stderr, the other ranks
+    prefix it with their rank, so nothing is lost when only one rank fails.
+    """
+    rank = int(os.environ.get("RANK", "0"))
+    directory = os.environ.get(ERROR_DIR_ENV)
+    if directory and Path(directory).is_dir():
+        with contextlib.suppress(OSError):
+            tmp = Path(directory) / f".rank{rank}.tmp"
+            tmp.write_text(message)
+            os.replace(tmp, Path(directory) / f"rank{rank}.txt")
+            return
+    prefix = "" if rank == 0 else f"[rank {rank}] "
+    print(f"{prefix}{message}", file=sys.stderr, flush=True)
+
+
+def _collect_errors(directory: str) -> list[str]:
+    """Distinct messages from the ranks, each once, ranks listed when they differ."""
+    by_message: dict[str, list[int]] = {}
+    for f in sorted(Path(directory).glob("rank*.txt")):
+        with contextlib.suppress(OSError, ValueError):
+            by_message.setdefault(f.read_text().strip(), []).append(int(f.stem[4:]))
+    if len(by_message) <= 1:
+        return list(by_message)
+    return [f"{msg} (rank{'s' if len(r) > 1 else ''} {', '.join(map(str, sorted(r)))})"
+            for msg, r in by_message.items()]
+
+
+@contextlib.contextmanager
+def _quiet_elastic() -> Iterator[None]:
+    # The agent logs every failed rank with pids, error-file hints and a banner; the
+    # launcher prints what went wrong itself, so keep the agent to real breakage only.
+    loggers = [logging.getLogger(n) for n in ("torch.distributed.elastic", "torch.distributed.run")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
+@contextlib.contextmanager
+def _env(**values: str) -> Iterator[None]:
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def launch(nproc: int, argv: Sequence[str], *, module: str = "dtp.cli") -> int:
+    """Run ``python -m <module> <argv>`` on ``nproc`` local ranks through torchrun's machinery.
+
+    Returns 0 when every rank succeeded, otherwise the exit code of the first rank to
+    fail (1 for a rank killed by a signal). Expected errors reported by the ranks with
+    :func:`report_error` are printed once to stderr. ``OMP_NUM_THREADS`` defaults to the
+    cores per rank (see :func:`default_omp_threads`); a value already set is kept.
+
+    >>> launch(2, ["train", "--dp", "2", "--steps", "3"])             # doctest: +SKIP
+    0
+    """
+    if nproc < 1:
+        raise ValueError(f"launch: nproc must be >= 1, got {nproc}")
+    # Imported here: torch.distributed.run pulls in the elastic agent, not needed in ranks.
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    torchrun_args = [
+        "--standalone",  # single node: c10d rendezvous on a free localhost port
+        "--nproc-per-node", str(nproc),
+        "--max-restarts", "0",  # a failed training step is a bug or a bad flag, not a flaky node
+        "--module", module,
+        *argv,
+    ]
+    threads = os.environ.get("OMP_NUM_THREADS") or str(default_omp_threads(nproc))
+    with tempfile.TemporaryDirectory(prefix="dtp-launch-") as errors, \
+            _env(OMP_NUM_THREADS=threads, **{ERROR_DIR_ENV: errors}), _quiet_elastic():
+        try:
+            run(parse_args(torchrun_args))
+        except ChildFailedError as e:
+            _, first = e.get_first_failure()
+            messages = _collect_errors(errors)
+            for msg in messages:
+                print(msg, file=sys.stderr, flush=True)
+            if not messages:
+                # No clean message: the rank's traceback is already on stderr; say which.
+                ranks = ", ".join(str(r) for r in sorted(e.failures))
+                print(f"dtp: rank(s) {ranks} failed (exit code {first.exitcode})", file=sys.stderr, flush=True)
+            return first.exitcode if first.exitcode > 0 else 1
+        except KeyboardInterrupt:
+            return 130
+        except Exception as e:  # SignalException (SIGTERM to the launcher) and rendezvous failures
+            from torch.distributed.elastic.multiprocessing.api import SignalException
+
+            if isinstance(e, SignalException):
+                return 128 + int(e.sigval)
+            raise
+    return 0

@@ -1,0 +1,197 @@
+"""Layouts: rules from logical axis names to mesh axes (Flax / MaxText style).
+
+Model code names its axes — a weight is ``("embed", "mlp")``, an activation
+``("batch", "seq", "embed")`` — and a :class:`Layout` decides where each lives. A layout
+knows two mappings, like Levanter's: where **parameters** rest (and where optimizer
+state lives) and where **activations** are computed. Presets compose with ``+``::
+
+    layout = layouts.data() + layouts.megatron(sequence_parallel=True)
+
+Composition rules:
+
+* a logical axis mapped by several presets is split over all their mesh axes, ordered
+  by *mesh order* when resolved (``seq`` on ``cp`` and, with SP, ``tp`` gives
+  ``("cp", "tp")`` on a ``dp×cp×tp`` mesh — Megatron's CP-outer, SP-inner split);
+* mesh axes the mesh does not have are dropped, so one layout serves every mesh;
+* within one tensor a mesh axis splits at most one dim: the first logical axis that
+  claims it wins (later claims are dropped), as in MaxText.
+
+Logical axes of the reference model:
+
+============  ===================================================================
+batch         the batch
+seq           sequence where attention / MLP compute happens (cp splits it)
+res_seq       sequence in the residual stream: norms, residual adds (cp, and tp with SP)
+embed         the model width
+heads         query heads (also the flattened heads × head_dim of projections)
+kv_heads      key/value heads
+mlp           the MLP hidden width
+vocab         the vocabulary
+head_dim      per-head width (never split)
+============  ===================================================================
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+from dataclasses import dataclass, field
+from typing import Iterator, Mapping, Sequence
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+
+from .spec import P, _names
+
+__all__ = ["Layout", "data", "megatron", "use_layout", "current", "constrain"]
+
+Axes = tuple[str, ...]
+
+
+def _merge(a: Mapping[str, Axes], b: Mapping[str, Axes]) -> dict[str, Axes]:
+    out = dict(a)
+    for k, v in b.items():
+        out[k] = tuple(dict.fromkeys(out.get(k, ()) + tuple(v)))
+    return out
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Logical-axis → mesh-axes rules for parameters and activations, plus options.
+
+    >>> layout = data() + megatron(sequence_parallel=True)
+    >>> layout.activations["res_seq"]
+    ('tp',)
+    """
+
+    params: Mapping[str, Axes] = field(default_factory=dict)
+    activations: Mapping[str, Axes] = field(default_factory=dict)
+    options: Mapping[str, object] = field(default_factory=dict)
+    name: str = ""
+
+    def __add__(self, other: "Layout") -> "Layout":
+        if not isinstance(other, Layout):
+            return NotImplemented
+        return Layout(_merge(self.params, other.params), _merge(self.activations, other.activations),
+                      {**self.options, **other.options}, " + ".join(n for n in (self.name, other.name) if n))
+
+    def _spec(self, rules: Mapping[str, Axes], logical: Sequence[str | None], mesh: DeviceMesh) -> P:
+        names = _names(mesh)
+        used: set[str] = set()
+        dims = []
+        for ax in logical:
+            mesh_axes = [m for m in rules.get(ax, ()) if m in names and m not in used] if ax else []
+            mesh_axes.sort(key=names.index)
+            used.update(mesh_axes)
+            dims.append(tuple(mesh_axes) or None)
+        return P(*dims)
+
+    def param_spec(self, logical: Sequence[str | None], mesh: DeviceMesh) -> P:
+        """Where a parameter with these logical axes rests (and its optimizer state)."""
+        return self._spec(self.params, logical, mesh)
+
+    def activation_spec(self, logical: Sequence[str | None], mesh: DeviceMesh) -> P:
+        """Where an activation with these logical axes is computed."""
+        return self._spec(self.activations, logical, mesh)
+
+    def mesh_axes(self, logical: str, mesh: DeviceMesh, *, activation: bool = True) -> Axes:
+        """The mesh axes (mesh order) that split one logical axis."""
+        spec = self.activation_spec((logical,), mesh) if activation else self.param_spec((logical,), mesh)
+        return spec.axes_of(0)
+
+    def degree(self, logical: str, mesh: DeviceMesh, *, activation: bool = True) -> int:
+        """How many ways a logical axis is split on this mesh."""
+        names = _names(mesh)
+        return math.prod(mesh.size(names.index(a)) for a in self.mesh_axes(logical, mesh, activation=activation))
+
+    def check_sizes(self, sizes: Mapping[str, int], mesh: DeviceMesh, what: str = "model") -> None:
+        """``ValueError`` unless every logical axis size divides by its split, e.g.
+        ``heads=6`` on ``tp=4``; raised identically on every rank, before any collective."""
+        for logical, size in sizes.items():
+            for activation in (False, True):
+                n = self.degree(logical, mesh, activation=activation)
+                if size % n:
+                    names = _names(mesh)
+                    split = " × ".join(f"{a}={mesh.size(names.index(a))}"
+                                       for a in self.mesh_axes(logical, mesh, activation=activation))
+                    raise ValueError(
+                        f"{what}: {logical}={size} is not divisible by {split} = {n} "
+                        f"(layout {self.name or 'custom'}); choose {logical} a multiple of {n}, "
+                        f"or a smaller {'/'.join(self.mesh_axes(logical, mesh, activation=activation))}"
+                    )
+
+
+def data(axis: str = "dp") -> Layout:
+    """Data parallel: the batch is split over ``axis``; parameters are replicated.
+
+    >>> data().activations["batch"]
+    ('dp',)
+    """
+    return Layout({}, {"batch": (axis,)}, {}, "data")
+
+
+def megatron(sequence_parallel: bool = False, axis: str = "tp") -> Layout:
+    """Megatron tensor parallel over ``axis`` (optionally with sequence parallel).
+
+    Column-parallel QKV / gate / up (output features on ``tp``), row-parallel output /
+    down projections (input features on ``tp``), heads on ``tp``, a vocab-parallel
+    embedding and cross-entropy. With ``sequence_parallel`` the residual stream (norms,
+    residual adds) is split on sequence over ``tp``; entering a block is then an
+    all-gather and leaving it a reduce-scatter, exactly Megatron-SP's collectives.
+
+    >>> megatron(sequence_parallel=True).activations["res_seq"]
+    ('tp',)
+    """
+    shard = {"heads": (axis,), "kv_heads": (axis,), "mlp": (axis,), "vocab": (axis,)}
+    acts = dict(shard)
+    if sequence_parallel:
+        acts["res_seq"] = (axis,)
+    return Layout(shard, acts, {"sequence_parallel": sequence_parallel},
+                  f"megatron(sequence_parallel={sequence_parallel})")
+
+
+_active = threading.local()
+
+
+def current() -> tuple[Layout, DeviceMesh] | None:
+    """The ``(layout, mesh)`` made active by :func:`use_layout`, or ``None``."""
+    stack = getattr(_active, "stack", [])
+    return stack[-1] if stack else None
+
+
+@contextlib.contextmanager
+def use_layout(layout: Layout, mesh: DeviceMesh) -> Iterator[Layout]:
+    """Make ``layout`` on ``mesh`` active (like Flax's ``logical_axis_rules``).
+
+    >>> with use_layout(data(), make_mesh(dp=1)):               # doctest: +SKIP
+    ...     h = constrain(h, ("batch", "seq", "embed"))
+    """
+    if not hasattr(_active, "stack"):
+        _active.stack = []
+    _active.stack.append((layout, mesh))
+    try:
+        yield layout
+    finally:
+        _active.stack.pop()
+
+
+def constrain(x: torch.Tensor, logical: Sequence[str | None], *, name: str = "activation") -> torch.Tensor:
+    """``with_sharding_constraint``: reshard ``x`` to where the active layout puts it.
+
+    Without an active layout (or for a plain tensor) it returns ``x`` unchanged, so the
+    same model code runs on one device.
+
+    >>> h = constrain(h, ("batch", "res_seq", "embed"))       # doctest: +SKIP
+    """
+    from torch.distributed.tensor import DTensor
+
+    from .redistribute import reshard
+
+    active = current()
+    if active is None or not isinstance(x, DTensor):
+        return x
+    layout, mesh = active
+    if len(logical) != x.dim():
+        raise ValueError(f"{name}: {len(logical)} logical axes {tuple(logical)} for a tensor of shape {tuple(x.shape)}")
+    return reshard(x, layout.activation_spec(logical, mesh), name=name, tag=name)

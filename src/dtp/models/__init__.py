@@ -1,0 +1,5 @@
+"""Reference models, written functionally with logical axis names."""
+
+from . import llama
+
+__all__ = ["llama"]

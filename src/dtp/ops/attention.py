@@ -1,0 +1,78 @@
+"""``attention`` and ``rotary``: SDPA's (batch, heads, seq, head_dim) layout on DTensors.
+
+With heads split over tensor parallel ranks and batch over data parallel ranks,
+attention is local: each rank runs SDPA on its own heads. A sequence split over a
+context-parallel axis selects the layout's context-parallel algorithm.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+from ..redistribute import from_local, to_local
+from ..spec import spec_of
+from .recompute import remat
+
+__all__ = ["attention", "rotary"]
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float | None) -> torch.Tensor:
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
+              scale: float | None = None) -> torch.Tensor:
+    """Scaled dot-product attention of (batch, heads, seq, head_dim) tensors; k/v may
+    have fewer heads (grouped-query attention).
+
+    >>> q = torch.randn(1, 4, 8, 16); kv = torch.randn(1, 2, 8, 16)
+    >>> attention(q, kv, kv).shape
+    torch.Size([1, 4, 8, 16])
+    """
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"attention: {q.shape[1]} query heads do not group evenly over {k.shape[1]} kv heads")
+    if not isinstance(q, DTensor):
+        return remat(_sdpa, q, k, v, causal, scale, level="selective")
+    qs, ks = spec_of(q), spec_of(k)
+    if qs.axes_of(2) or ks.axes_of(2):
+        raise NotImplementedError(
+            f"attention: the sequence is split over {qs.axes_of(2) or ks.axes_of(2)}; context-parallel "
+            "attention (layouts.context) is not available in this version"
+        )
+    if qs.axes_of(0) != ks.axes_of(0) or qs.axes_of(1) != ks.axes_of(1) or spec_of(v) != ks:
+        raise ValueError(f"attention: q {qs}, k {ks} and v {spec_of(v)} must split batch and heads alike")
+    ql, kl, vl = to_local(q), to_local(k), to_local(v)
+    if ql.shape[1] % kl.shape[1]:
+        raise ValueError(f"attention: local heads {ql.shape[1]} (q) vs {kl.shape[1]} (kv) do not group evenly")
+    out = remat(_sdpa, ql, kl, vl, causal, scale, level="selective")
+    return from_local(out, q.device_mesh, qs, tuple(q.shape))
+
+
+def _rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    half = x.shape[-1] // 2
+    inv = 1.0 / theta ** (torch.arange(0, half, dtype=acc, device=x.device) / half)
+    ang = positions.to(acc)[:, None] * inv[None, :]  # (seq, half)
+    cos, sin = ang.cos()[:, None, :], ang.sin()[:, None, :]  # broadcast over heads
+    x1, x2 = x.to(acc)[..., :half], x.to(acc)[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+def rotary(x: torch.Tensor, theta: float = 10000.0) -> torch.Tensor:
+    """Rotary position embedding of ``x`` laid out (batch, seq, heads, head_dim).
+
+    Positions are the global sequence positions of the rows this rank holds.
+
+    >>> rotary(torch.randn(1, 8, 2, 16)).shape
+    torch.Size([1, 8, 2, 16])
+    """
+    if not isinstance(x, DTensor):
+        return _rope(x, torch.arange(x.shape[1], device=x.device), theta)
+    spec = spec_of(x)
+    if spec.axes_of(1) or spec.axes_of(3):
+        raise NotImplementedError(f"rotary: sequence or head_dim split ({spec}) is not supported in this version")
+    local = to_local(x)
+    out = _rope(local, torch.arange(local.shape[1], device=local.device), theta)
+    return from_local(out, x.device_mesh, spec, tuple(x.shape))

@@ -1,0 +1,104 @@
+"""Vocab-parallel embedding and cross-entropy (Megatron's), on DTensors or plain tensors.
+
+Both work on the local vocab shard and never gather the full vocabulary: the embedding
+returns a pending sum over the vocab axes (the layout's next ``constrain`` resolves it
+with an all-reduce, or a reduce-scatter under sequence parallel), and the loss exchanges
+only per-token scalars — a max and a (sum-exp, target-logit) pair — over the vocab axes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+from .. import comm
+from ..redistribute import from_local, reshard, to_local
+from ..spec import P, _names, _sizes, spec_of
+
+__all__ = ["embedding", "cross_entropy"]
+
+
+def _vocab_offset(mesh, axes: tuple[str, ...], local_size: int) -> int:
+    sizes, coord = _sizes(mesh), dict(zip(_names(mesh), mesh.get_coordinate()))
+    idx = 0
+    for a in axes:
+        idx = idx * sizes[a] + coord[a]
+    return idx * local_size
+
+
+def _ordered(mesh, axes) -> tuple[str, ...]:
+    names = _names(mesh)
+    return tuple(a for a in names if a in set(axes))
+
+
+def embedding(table: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Look ``tokens`` (batch, seq) up in ``table`` (vocab, embed).
+
+    With the vocab split over mesh axes, each rank looks up the ids in its own range and
+    zeros the rest: the result is a pending sum over those axes.
+
+    >>> embedding(torch.randn(256, 8), torch.tensor([[1, 2]])).shape
+    torch.Size([1, 2, 8])
+    """
+    if not isinstance(table, DTensor):
+        return F.embedding(tokens, table)
+    mesh = table.device_mesh
+    tspec, kspec = spec_of(table), spec_of(tokens)
+    vocab_axes = tspec.axes_of(0)
+    if tspec.axes_of(1):
+        raise ValueError(f"embedding: the embed dim of the table must not be split (table spec {tspec})")
+    # Each rank's table gradient sums over its own tokens: pending over the token axes.
+    token_axes = _ordered(mesh, kspec.axes_of(0) + kspec.axes_of(1))
+    grad_partial = tuple(a for a in token_axes if a not in vocab_axes)
+    t_local = to_local(table, P(*tspec.dims, partial=grad_partial))
+    ids = tokens.to_local()
+    v_local = t_local.shape[0]
+    offset = _vocab_offset(mesh, vocab_axes, v_local)
+    mine = (ids >= offset) & (ids < offset + v_local)
+    out = F.embedding((ids - offset).clamp(0, v_local - 1), t_local) * mine.unsqueeze(-1).to(t_local.dtype)
+    spec = P(kspec.axes_of(0) or None, kspec.axes_of(1) or None, None, partial=vocab_axes)
+    return from_local(out, mesh, spec, (*tokens.shape, table.shape[1]))
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean token cross-entropy of ``logits`` (batch, seq, vocab) against ``targets``.
+
+    Computed in fp32 (fp64 stays fp64). With the vocab split, the full logits are never
+    gathered; with the batch/sequence split, the mean is over the global token count.
+    The result is a replicated scalar.
+
+    >>> float(cross_entropy(torch.zeros(1, 2, 4), torch.tensor([[0, 3]])))  # log(4)
+    1.3862943649291992
+    """
+    acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    if not isinstance(logits, DTensor):
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).to(acc), targets.reshape(-1))
+    mesh = logits.device_mesh
+    lspec, tspec = spec_of(logits), spec_of(targets)
+    tok_dims = (lspec.axes_of(0), lspec.axes_of(1))
+    if (tspec.axes_of(0), tspec.axes_of(1)) != tok_dims:
+        raise ValueError(f"cross_entropy: targets spec {tspec} must split batch/seq like the logits {lspec}")
+    vocab_axes = lspec.axes_of(2)
+    local = to_local(logits).to(acc)
+    ids = targets.to_local()
+    with torch.no_grad():  # any per-token constant keeps exp() in range; the max is the best
+        m = local.max(dim=-1).values
+        for a in vocab_axes:
+            m = comm.all_reduce(m, mesh, a, op="max", tag="cross_entropy max")
+    shifted = local - m.unsqueeze(-1)
+    v_local = local.shape[-1]
+    offset = _vocab_offset(mesh, vocab_axes, v_local)
+    mine = (ids >= offset) & (ids < offset + v_local)
+    picked = shifted.gather(-1, (ids - offset).clamp(0, v_local - 1).unsqueeze(-1)).squeeze(-1) * mine
+    # One exchange of two scalars per token over the vocab axes: (sum of exp, target logit).
+    pair = torch.stack([shifted.exp().sum(-1), picked], dim=-1)
+    tok = P(tok_dims[0] or None, tok_dims[1] or None)
+    pair = to_local(reshard(from_local(pair, mesh, P(*tok.dims, None, partial=vocab_axes), (*targets.shape, 2)),
+                            P(*tok.dims, None), tag="cross_entropy"))
+    per_token = pair[..., 0].log() - pair[..., 1]
+    total = per_token.sum() / math.prod(targets.shape)
+    token_axes = _ordered(mesh, tok_dims[0] + tok_dims[1])
+    return reshard(from_local(total, mesh, P(partial=token_axes), ()), P(), tag="loss")

@@ -1,0 +1,49 @@
+"""Activation recomputation policy, set by ``train_step`` and read by the model's blocks.
+
+``"full"`` recomputes each transformer block in backward (only its input is kept);
+``"selective"`` recomputes just the attention core (Megatron's selective recompute: the
+softmax activations are the big ones). The model calls :func:`remat` around a block and
+the attention op asks :func:`policy`; the model itself never branches on it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Any, Callable, Iterator
+
+from torch.utils.checkpoint import checkpoint
+
+__all__ = ["policy", "recompute", "remat", "POLICIES"]
+
+POLICIES = (None, "full", "selective")
+_state = threading.local()
+
+
+def policy() -> str | None:
+    """The active recompute policy (``None``, ``"full"`` or ``"selective"``)."""
+    return getattr(_state, "policy", None)
+
+
+@contextlib.contextmanager
+def recompute(name: str | None) -> Iterator[None]:
+    """Make ``name`` the recompute policy inside the block.
+
+    >>> with recompute("full"):                                 # doctest: +SKIP
+    ...     loss = model(params, batch)
+    """
+    if name not in POLICIES:
+        raise ValueError(f"recompute must be one of {POLICIES}, got {name!r}")
+    previous = policy()
+    _state.policy = name
+    try:
+        yield
+    finally:
+        _state.policy = previous
+
+
+def remat(fn: Callable[..., Any], *args: Any, level: str = "full") -> Any:
+    """Call ``fn(*args)``, recomputing it in backward when the policy is ``level``."""
+    if policy() == level:
+        return checkpoint(fn, *args, use_reentrant=False)
+    return fn(*args)
