@@ -185,7 +185,9 @@ def run(fn: Callable[..., Any], *args: Any, world_size: int = 2, timeout: float 
                     # them a short grace period to report too, then kill the pool.
                     deadline = min(deadline, time.monotonic() + _FAILURE_GRACE)
                 errors[r] = value
-    if waiting or errors:
+    # Every rank raised and came back (validation errors do that, before any collective):
+    # keep the pool if it still answers a barrier; otherwise replace it.
+    if waiting or (errors and not _healthy(pool)):
         _pools.pop(world_size, None)
         pool.kill()
     if errors:
@@ -198,6 +200,29 @@ def run(fn: Callable[..., Any], *args: Any, world_size: int = 2, timeout: float 
             "the pool was killed (a collective some ranks never joined?)"
         )
     return results
+
+
+def _barrier() -> bool:
+    import torch.distributed as dist
+
+    dist.barrier()
+    return True
+
+
+def _healthy(pool: _Pool, timeout: float = 10.0) -> bool:
+    payload = cloudpickle.dumps((_barrier, (), {}))
+    try:
+        for conn in pool.conns:
+            conn.send_bytes(payload)
+        deadline = time.monotonic() + timeout
+        for conn in pool.conns:
+            if not conn.poll(max(0.0, deadline - time.monotonic())):
+                return False
+            if cloudpickle.loads(conn.recv_bytes()) != (True, True):
+                return False
+    except (EOFError, OSError):
+        return False
+    return True
 
 
 def _worker_main() -> None:
@@ -286,3 +311,29 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, *, name: str = "t
         torch.testing.assert_close(actual, expected, rtol=r if rtol is None else rtol, atol=a if atol is None else atol)
     except AssertionError as e:
         raise AssertionError(f"{name}: {e}") from None
+
+
+def reference_value_and_grad(loss_fn: Callable[[Any, Any], Any], params: Any, batch: Any) -> tuple[float, Any]:
+    """The single-device run: loss and gradients of ``loss_fn`` on plain global tensors.
+
+    >>> loss, grads = reference_value_and_grad(partial(llama.loss, cfg=cfg), llama.init(cfg), batch)  # doctest: +SKIP
+    """
+    import optree
+
+    leaves, treedef = optree.tree_flatten(params)
+    leaves = [x.detach().requires_grad_(True) for x in leaves]
+    out = loss_fn(optree.tree_unflatten(treedef, leaves), batch)
+    loss = out[0] if isinstance(out, tuple) else out
+    grads = torch.autograd.grad(loss, leaves)
+    return float(loss.detach()), optree.tree_unflatten(treedef, list(grads))
+
+
+def assert_tree_close(actual: Any, expected: Any, *, name: str = "tree", rtol: float | None = None,
+                      atol: float | None = None) -> None:
+    """:func:`assert_close` leaf by leaf (DTensors gathered; a collective on all ranks),
+    naming the first leaf that differs by its path."""
+    import optree
+
+    paths = [".".join(map(str, p)) for p in optree.tree_paths(expected)]
+    for path, a, e in zip(paths, optree.tree_leaves(actual), optree.tree_leaves(expected)):
+        assert_close(a, e, name=f"{name}.{path}", rtol=rtol, atol=atol)

@@ -1,0 +1,162 @@
+"""train_step parity with the single-device run for data, tensor and sequence parallel
+layouts; Megatron-SP collectives in the comm log; clear errors for bad splits."""
+
+import functools
+import re
+
+import optree
+import pytest
+import torch
+
+import dtp
+from dtp import P
+from dtp.models import llama
+from dtp.testing import assert_tree_close, reference_value_and_grad, run
+
+# GQA with heads and kv-heads that split 4 ways, so tp4 runs the same model.
+CFG = llama.config("tiny", n_heads=8, n_kv_heads=4)
+LOSS = functools.partial(llama.loss, cfg=CFG)
+
+
+def _batch(b=8, s=16, seed=1):
+    tok = torch.randint(0, CFG.vocab_size, (b, s + 1), generator=torch.Generator().manual_seed(seed))
+    return {"tokens": tok[:, :-1].contiguous(), "targets": tok[:, 1:].contiguous()}
+
+
+def _layout(sp: bool) -> dtp.Layout:
+    return dtp.layouts.data() + dtp.layouts.megatron(sequence_parallel=sp)
+
+
+def _state(mesh_axes, sp, dtype, optimizer=None):
+    mesh = dtp.make_mesh(**mesh_axes)
+    return dtp.TrainState.create(llama.init(CFG, seed=0, dtype=dtype), optimizer or dtp.optim.sgd(0.1), mesh=mesh,
+                                 layout=_layout(sp), axes=llama.param_axes(CFG), axis_sizes=llama.axis_sizes(CFG))
+
+
+def _parity(mesh_axes, sp, dtype, variants):
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    batch = _batch()
+    ref_loss, ref_grads = reference_value_and_grad(LOSS, llama.init(CFG, seed=0, dtype=dtype), batch)
+    state = _state(mesh_axes, sp, dtype)
+    placed = dtp.shard_batch(batch, state)
+    rtol = dtp.testing.tolerance(dtype)[0]
+    for microbatches, recompute in variants:
+        with CommDebugMode() as seen, dtp.comm_log() as log:
+            loss, _, grads = dtp.step.value_and_grad(LOSS, state, placed, microbatches=microbatches, recompute=recompute)
+        # Every collective that ran went through dtp's recorded path: DTensor issued none of its own.
+        assert seen.get_total_counts() == len(log), (seen.get_comm_counts(), len(log))
+        what = f"{mesh_axes} sp={sp} microbatches={microbatches} recompute={recompute}"
+        assert abs(loss - ref_loss) <= rtol * abs(ref_loss), (what, loss, ref_loss)
+        assert_tree_close(grads, ref_grads, name=f"grads [{what}]")
+    return True
+
+
+VARIANTS = [(1, None), (2, None), (2, "full")]
+
+
+@pytest.mark.parametrize("mesh_axes, sp", [
+    ({"dp": 2}, False),
+    ({"tp": 2}, False),
+    ({"tp": 2}, True),
+    ({"dp": 2, "tp": 2}, True),
+    ({"tp": 4}, True),
+    ({"dp": 2, "tp": 4}, True),
+], ids=["dp2", "tp2", "tp2+sp", "dp2xtp2+sp", "tp4+sp", "dp2xtp4+sp"])
+def test_loss_and_grads_match_single_device_fp64(mesh_axes, sp):
+    ws = 1
+    for n in mesh_axes.values():
+        ws *= n
+    assert all(run(_parity, mesh_axes, sp, torch.float64, VARIANTS, world_size=ws))
+
+
+def test_selective_recompute_and_fp32():
+    assert all(run(_parity, {"dp": 2, "tp": 2}, True, torch.float64, [(2, "selective")], world_size=4))
+    assert all(run(_parity, {"dp": 2, "tp": 2}, True, torch.float32, [(2, None)], world_size=4))  # within 1e-5
+
+
+def _three_adamw_steps(mesh_axes, sp):
+    opt = dtp.optim.adamw(dtp.optim.warmup_cosine(3e-3, 1, 3), weight_decay=0.1)
+    state = _state(mesh_axes, sp, torch.float64, opt)
+    for step in range(3):
+        state, metrics = dtp.train_step(LOSS, state, dtp.shard_batch(_batch(seed=step), state),
+                                        microbatches=2, clip_norm=0.05)
+    return optree.tree_map(lambda p: p.full_tensor(), state.params), metrics
+
+
+def test_three_adamw_steps_with_clipping_match_single_device():
+    # The single-device run is the same code on a mesh of one.
+    ref_params, ref_metrics = run(_three_adamw_steps, {"dp": 1}, False, world_size=1)[0]
+    for axes, ws in [({"dp": 2, "tp": 2}, 4)]:
+        params, metrics = run(_three_adamw_steps, axes, True, world_size=ws)[0]
+        assert ref_metrics["grad_norm"] > 0.05  # clipping was active
+        assert metrics["grad_norm"] == pytest.approx(ref_metrics["grad_norm"], rel=1e-10)
+        assert_tree_close(params, ref_params, name="params after 3 steps")
+
+
+def _sp_comm(b, s):
+    state = _state({"tp": 2}, True, torch.float32)
+    with dtp.comm_log() as log:
+        dtp.step.value_and_grad(LOSS, state, dtp.shard_batch(_batch(b, s), state))
+    return [(r.kind, r.axis, r.bytes, r.tag) for r in log.records]
+
+
+def test_sequence_parallel_comm_is_megatron_sp():
+    b, s, tp = 8, 16, 2
+    records = run(_sp_comm, b, s, world_size=2)[0]
+    act = b * (s // tp) * CFG.dim * 4  # one rank's residual-stream shard, fp32
+    block_edges = {"attn_in", "mlp_in", "head_in"}
+    gathers = [r for r in records if r[0] == "all_gather"]
+    scatters = [r for r in records if r[0] == "reduce_scatter"]
+    # Forward: an all-gather entering each attention/MLP (and the head); a reduce-scatter
+    # leaving each (and the embedding). Backward: the mirror image.
+    assert sorted(r[3] for r in gathers if r[3] in block_edges) == sorted(["attn_in", "mlp_in"] * CFG.n_layers + ["head_in"])
+    assert sorted(r[3] for r in scatters if not r[3].endswith("backward")) == sorted(
+        ["attn_out", "mlp_out"] * CFG.n_layers + ["embed_out"])
+    assert len([r for r in gathers if r[3].endswith("backward")]) == 2 * CFG.n_layers + 1
+    assert len([r for r in scatters if r[3].endswith("backward")]) == 2 * CFG.n_layers + 1
+    for kind, axis, nbytes, tag in gathers + scatters:
+        assert axis == "tp"
+        if tag.split()[0] in block_edges | {"attn_out", "mlp_out", "embed_out"}:
+            assert nbytes == (tp - 1) * act if kind == "all_gather" else nbytes == (tp - 1) * act, (kind, tag, nbytes)
+    # No all-reduce of activations: only per-token loss scalars and small gradients.
+    for kind, axis, nbytes, tag in records:
+        if kind == "all_reduce":
+            assert tag in {"cross_entropy max", "cross_entropy", "loss", "grad reduce"}, tag
+            assert nbytes < act, (tag, nbytes)
+    # The full logits are never gathered.
+    logits_bytes = b * s * CFG.vocab_size * 4 // tp
+    assert all(n < logits_bytes for k, _, n, _ in records if k == "all_gather")
+
+
+def _bad(kind):
+    if kind == "heads":
+        cfg = llama.config("tiny", n_heads=6, n_kv_heads=6, dim=48)
+    elif kind == "kv_heads":
+        cfg = llama.config("tiny", n_heads=4, n_kv_heads=1)
+    elif kind == "vocab":
+        cfg = llama.config("tiny", n_kv_heads=4, vocab_size=255)
+    mesh = dtp.make_mesh(tp=4)
+    dtp.TrainState.create(llama.init(cfg), dtp.optim.sgd(0.1), mesh=mesh, layout=_layout(True),
+                          axes=llama.param_axes(cfg), axis_sizes=llama.axis_sizes(cfg))
+
+
+@pytest.mark.parametrize("kind, message", [
+    ("heads", r"heads=6 is not divisible by tp=4 = 4"),
+    ("kv_heads", r"kv_heads=1 is not divisible by tp=4 = 4"),
+    ("vocab", r"vocab=255 is not divisible by tp=4 = 4"),
+])
+def test_bad_tp_splits_are_clear_errors_on_every_rank(kind, message):
+    with pytest.raises(dtp.testing.RankError, match=r"failed on ranks \[0, 1, 2, 3\]") as e:
+        run(_bad, kind, world_size=4)
+    assert re.search(message, str(e.value))
+
+
+def _bad_batch():
+    state = _state({"dp": 2}, False, torch.float32)
+    dtp.train_step(LOSS, state, dtp.shard_batch(_batch(b=6), state), microbatches=2)
+
+
+def test_batch_must_divide_by_dp_times_microbatches():
+    with pytest.raises(dtp.testing.RankError, match=r"batch size 6, not divisible by the batch split 2 × microbatches 2 = 4"):
+        run(_bad_batch, world_size=2)
