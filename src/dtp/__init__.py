@@ -9,8 +9,8 @@ from . import layouts, ops, optim
 from .comm import CommLog, CommRecord, comm_log
 from .layouts import Layout, constrain, use_layout
 from .mesh import detect_device, flatten_axes, make_mesh
-from .redistribute import reshard
-from .spec import P, from_local, shard, spec_of
+from .redistribute import from_local, reshard
+from .spec import P, shard, spec_of
 from .step import TrainState, shard_batch, train_step
 from .visualize import visualize
 

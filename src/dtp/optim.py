@@ -37,8 +37,8 @@ import optree
 import torch
 from torch.distributed.tensor import DTensor, Partial
 
-from .redistribute import reshard
-from .spec import P, from_local, spec_of
+from .redistribute import from_local, reshard
+from .spec import P, spec_of
 
 __all__ = [
     "GradientTransformation",

@@ -221,12 +221,19 @@ def to_local(x: DTensor, grad_spec: P | None = None) -> torch.Tensor:
     return _ToLocal.apply(x, spec_of(x) if grad_spec is None else grad_spec)
 
 
-def from_local(local: torch.Tensor, mesh: DeviceMesh, spec: P, shape: Sequence[int] | None = None) -> DTensor:
-    """Wrap a shard as a DTensor laid out as ``spec``, differentiable, with every
-    backward collective on the recorded path (unlike ``DTensor.from_local``).
+def from_local(local: torch.Tensor, mesh: DeviceMesh, spec: P, shape: Sequence[int] | None = None, *,
+               name: str = "tensor") -> DTensor:
+    """Wrap this rank's shard as a DTensor laid out as ``spec`` (the global shape follows
+    from the shard's unless given), differentiable, with every backward collective on the
+    recorded path (unlike ``DTensor.from_local``).
 
-    >>> y = from_local(y_local, mesh, P("dp", None, partial=("tp",)))  # doctest: +SKIP
+    >>> x = from_local(torch.ones(2, 3), make_mesh(dp=1), P("dp"))
+    >>> tuple(x.shape)
+    (2, 3)
     """
+    check_spec(spec, mesh, None, name)
+    if len(spec.dims) > local.dim():
+        raise ValueError(f"{name}: spec {spec} has {len(spec.dims)} dims but the local tensor has shape {tuple(local.shape)}")
     if shape is None:
         sizes = _sizes(mesh)
         shape = [s * math.prod(sizes[a] for a in spec.axes_of(d)) for d, s in enumerate(local.shape)]

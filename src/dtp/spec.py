@@ -27,7 +27,7 @@ except ImportError:  # pragma: no cover - older torch
     def maybe_run_for_local_tensor(fn):  # type: ignore[no-redef]
         return fn
 
-__all__ = ["P", "to_placements", "from_placements", "shard", "from_local", "spec_of", "check_spec", "local_shape"]
+__all__ = ["P", "to_placements", "from_placements", "shard", "spec_of", "check_spec", "local_shape"]
 
 DimSpec = Union[None, str, Sequence[str]]
 
@@ -234,22 +234,6 @@ def shard(tensor: torch.Tensor, mesh: DeviceMesh, spec: P, *, name: str = "tenso
 
 
 def _wrap(local: torch.Tensor, mesh: DeviceMesh, spec: P, shape: tuple[int, ...]) -> DTensor:
-    stride = torch.empty(shape, device="meta").stride()
-    return DTensor.from_local(local, mesh, to_placements(spec, mesh), run_check=False, shape=torch.Size(shape), stride=stride)
-
-
-def from_local(local: torch.Tensor, mesh: DeviceMesh, spec: P, *, name: str = "tensor") -> DTensor:
-    """Wrap this rank's shard as a DTensor laid out as ``spec`` (autograd flows through).
-
-    >>> x = from_local(torch.ones(2, 3), make_mesh(dp=1), P("dp"))
-    >>> tuple(x.shape)
-    (2, 3)
-    """
-    check_spec(spec, mesh, None, name)
-    sizes = _sizes(mesh)
-    shape = tuple(s * math.prod(sizes[a] for a in spec.axes_of(d)) for d, s in enumerate(local.shape))
-    if len(spec.dims) > local.dim():
-        raise ValueError(f"{name}: spec {spec} has {len(spec.dims)} dims but the local tensor has shape {tuple(local.shape)}")
     stride = torch.empty(shape, device="meta").stride()
     return DTensor.from_local(local, mesh, to_placements(spec, mesh), run_check=False, shape=torch.Size(shape), stride=stride)
 
