@@ -40,9 +40,9 @@ import json
 import math
 import os
 import shlex
+import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence, TextIO
@@ -271,9 +271,11 @@ def _axis_totals(comm: Mapping[str, Mapping[str, int]]) -> dict[str, int]:
 def format_step(step: int, total: int, m: Mapping[str, Any]) -> str:
     """One line per step, from ``train_step``'s metrics.
 
+    The step number is padded to the width of the total, so columns line up in a log.
+
     >>> format_step(3, 50, {"loss": 4.1234, "grad_norm": 1.0213, "lr": 3e-3, "tokens": 512,
     ...                     "step_time": 0.05, "comm_bytes": {"tp": {"all_reduce": 1_200_000}}})
-    'step 3/50 loss 4.1234 gnorm 1.02 lr 3.0e-03 tok/s 10240 comm tp:1.2MB'
+    'step  3/50 loss 4.1234 gnorm 1.02 lr 3.0e-03 tok/s 10240 comm tp:1.2MB'
     """
     width = len(str(total))
     step_time = float(m.get("step_time") or 0.0)
@@ -307,8 +309,11 @@ class _Progress:
         keep = step % self.log_every == 0 or step == self.total or step == 1
         if self.tty:
             # \r + erase-line: the bar line is redrawn in place; logged lines scroll above it.
+            # Cut to the terminal's width: a wrapped line could not be redrawn with \r.
+            columns = shutil.get_terminal_size((100, 24)).columns
+            live = f"{progress_bar(step, self.total)} {line}"[: max(columns - 1, 20)]
             text = f"\r\x1b[K{line}\n" if keep else ""
-            text += f"\r\x1b[K{progress_bar(step, self.total)} {line}" if step < self.total else ""
+            text += f"\r\x1b[K{live}" if step < self.total else ""
             self.stream.write(text)
         elif keep:
             self.stream.write(line + "\n")
@@ -321,16 +326,10 @@ class _Progress:
 def _atomic_write_text(path: Path, text: str) -> None:
     # tmp file in the same directory + rename: readers never see a partial file, and a
     # run killed mid-write leaves the previous complete version.
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    from .plot import atomic_path
+
+    with atomic_path(path) as tmp:
+        tmp.write_text(text)
 
 
 def _write_json(path: Path, obj: Any) -> None:
@@ -483,6 +482,7 @@ def _torch_dtype(name: str) -> Any:
     return {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}[name]
 
 
+@functools.lru_cache(maxsize=2)  # the launcher validates with the data, then trains with it
 def _load_data(path: str | None) -> Any:
     from .data import load_tokens
 
@@ -561,12 +561,29 @@ def _run_config(args: argparse.Namespace, world_size: int) -> dict[str, Any]:
     return cfg
 
 
-def _train_rank(args: argparse.Namespace, *, stream: TextIO | None = None) -> int:
-    """Train as one rank of the current world (torchrun's, or a world of one)."""
+@contextlib.contextmanager
+def _world(args: argparse.Namespace) -> Iterator[Any]:
+    """The run's mesh: from torchrun's environment in a rank, else a world of one here."""
     import torch.distributed as dist
 
     from . import make_mesh
+    from .launch import in_torchrun
 
+    if not in_torchrun():
+        with _single_process_world() as mesh:
+            yield mesh
+        return
+    created = not dist.is_initialized()
+    try:
+        yield make_mesh(**mesh_axes(args))
+    finally:
+        # A clean shutdown: torch warns about process groups left to the interpreter exit.
+        if created and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _train_rank(args: argparse.Namespace, *, stream: TextIO | None = None) -> int:
+    """Train as one rank of the current world (torchrun's, or a world of one)."""
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     out = Path(args.out)
@@ -579,28 +596,21 @@ def _train_rank(args: argparse.Namespace, *, stream: TextIO | None = None) -> in
         out.mkdir(parents=True, exist_ok=True)
         _write_json(out / "config.json", {**run_cfg, "layout": getattr(layout, "name", str(layout)),
                                           "command": shlex.join([PROG, *train_argv(args)])})
-        print(f"{PROG} train: {args.model} on mesh {run_cfg['mesh']} ({world} rank{'s' * (world > 1)}), "
+        mesh = " × ".join(f"{k}={v}" for k, v in run_cfg["mesh"].items())
+        print(f"{PROG} train: {args.model} on mesh {mesh} ({world} rank{'s' * (world > 1)}), "
               f"layout {getattr(layout, 'name', layout)}, {args.dtype}, writing {out}", file=stream, flush=True)
 
     def on_step(step: int, record: dict[str, Any]) -> None:
         if rank != 0:
             return
         lines.append(json.dumps(record))
-        # The whole file each step (tmp + rename): always complete, and small (a line/step).
+        # The whole file each step (tmp + rename), so it is always complete; at ~250 bytes a
+        # step that is a few ms even after thousands of steps, small next to a step.
         _atomic_write_text(out / "metrics.jsonl", "\n".join(lines) + "\n")
         progress.update(step, record)
 
-    created = not dist.is_initialized()
-    mesh = make_mesh(**mesh_axes(args)) if world > 1 or os.environ.get("RANK") else None
-    try:
-        if mesh is None:
-            with _single_process_world() as mesh:
-                records = _train(run_cfg, mesh, layout, recompute=_recompute(args), on_step=on_step)
-        else:
-            records = _train(run_cfg, mesh, layout, recompute=_recompute(args), on_step=on_step)
-    finally:
-        if created and mesh is not None and dist.is_initialized():
-            dist.destroy_process_group()
+    with _world(args) as mesh:
+        records = _train(run_cfg, mesh, layout, recompute=_recompute(args), on_step=on_step)
 
     if rank == 0:
         summary = summarize(records)
@@ -617,7 +627,7 @@ def _recompute(args: argparse.Namespace) -> str | None:
 def _plot(out: Path, curves: Mapping[str, Sequence[float]], cfg: Mapping[str, Any]) -> None:
     from .plot import plot_loss
 
-    mesh = " ".join(f"{k}={v}" for k, v in cfg["mesh"].items())
+    mesh = " ".join(f"{k}={v}" for k, v in cfg["mesh"].items()) + (" +sp" if cfg.get("sp") else "")
     plot_loss(out / "loss.png", curves, title=f"{cfg['model']} {cfg['dtype']} {mesh}")
 
 
@@ -716,7 +726,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .launch import report_error
 
         command = getattr(locals().get("args"), "command", None) or "train"
-        report_error(f"{PROG} {command}: error: {e}".splitlines()[0])
+        message = " ".join(line.strip() for line in str(e).splitlines() if line.strip())
+        report_error(f"{PROG} {command}: error: {message}")
         return 2
     except KeyboardInterrupt:
         return 130

@@ -148,14 +148,15 @@ def launch(nproc: int, argv: Sequence[str], *, module: str = "dtp.cli") -> int:
         try:
             run(parse_args(torchrun_args))
         except ChildFailedError as e:
-            _, first = e.get_first_failure()
+            root, first = e.get_first_failure()
             messages = _collect_errors(errors)
             for msg in messages:
                 print(msg, file=sys.stderr, flush=True)
             if not messages:
-                # No clean message: the rank's traceback is already on stderr; say which.
-                ranks = ", ".join(str(r) for r in sorted(e.failures))
-                print(f"dtp: rank(s) {ranks} failed (exit code {first.exitcode})", file=sys.stderr, flush=True)
+                # No clean message: the failing rank's traceback is already on stderr. The
+                # agent stops the others (they show up as failures too): name the first only.
+                print(f"dtp: rank {root} failed with exit code {first.exitcode}; the other ranks were stopped",
+                      file=sys.stderr, flush=True)
             return first.exitcode if first.exitcode > 0 else 1
         except KeyboardInterrupt:
             return 130

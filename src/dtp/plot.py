@@ -15,11 +15,11 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import secrets
 import struct
-import tempfile
 import zlib
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Iterator, Mapping, Sequence
 
 __all__ = ["plot_loss", "write_line_png", "png_size"]
 
@@ -33,19 +33,30 @@ _GRID: Color = (225, 225, 225)
 _WHITE: Color = (255, 255, 255)
 
 
-def _atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
-    # Write next to the target and rename: a reader (or a crash) never sees half a file.
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
+    """Yield a temporary path next to ``path``; on success rename it over ``path``.
+
+    Readers (and a crash mid-write) never see half a file. The file is created with
+    ``open`` rather than ``mkstemp``, so it gets the usual umask permissions, not 0600.
+
+    >>> with atomic_path("out/loss.png") as tmp:                    # doctest: +SKIP
+    ...     tmp.write_bytes(data)
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    tmp = path.with_name(f".{path.stem}.{os.getpid()}.{secrets.token_hex(4)}.tmp{path.suffix}")
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
+        yield tmp
         os.replace(tmp, path)
-    except BaseException:
+    finally:
         with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+            tmp.unlink()  # only still there when something failed
+
+
+def _atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
+    with atomic_path(path) as tmp:
+        tmp.write_bytes(data)
 
 
 # --------------------------------------------------------------------------- PNG encoder
@@ -210,9 +221,13 @@ def plot_loss(
 
     fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=100)
     try:
-        for label, ys in named.items():
+        for k, (label, ys) in enumerate(named.items()):
             xs = list(steps) if steps is not None and len(steps) == len(ys) else list(range(1, len(ys) + 1))
-            ax.plot(xs, list(ys), label=label, linewidth=1.5)
+            # Later curves dashed: a reference that matches the run must not hide it.
+            ax.plot(xs, list(ys), label=label, linewidth=1.5, linestyle="-" if k == 0 else "--")
+        from matplotlib.ticker import MaxNLocator
+
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
         ax.set_xlabel("step")
         ax.set_ylabel("loss")
         if title:
@@ -221,18 +236,8 @@ def plot_loss(
         if len(named) > 1:
             ax.legend()
         fig.tight_layout()
-        # savefig into a temporary file of the same suffix, then rename (atomic).
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=path.suffix or ".png")
-        os.close(fd)
-        try:
+        with atomic_path(path) as tmp:
             fig.savefig(tmp, format="png")
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
     finally:
         plt.close(fig)
     return "matplotlib"

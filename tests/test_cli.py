@@ -1,0 +1,273 @@
+"""Tests for the ``dtp`` command: parsing and validation, output formatting, the PNG
+fallback, the launcher's error collection, and one small end-to-end run on 2 ranks."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import struct
+import subprocess
+import sys
+import zlib
+from pathlib import Path
+
+import pytest
+
+import dtp
+from dtp import cli, launch, plot
+
+
+def _train(*flags: str):
+    return cli.parse_args(["train", *flags])
+
+
+@pytest.fixture(autouse=True)
+def _no_torchrun_env(monkeypatch):
+    # Parsing reads WORLD_SIZE under torchrun; these tests are the launcher's view.
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", launch.ERROR_DIR_ENV):
+        monkeypatch.delenv(k, raising=False)
+
+
+# -- parsing and validation --------------------------------------------------------
+
+
+def test_defaults_and_nproc_from_mesh() -> None:
+    args = _train()
+    assert (args.dp, args.cp, args.tp, args.nproc, args.sp) == (1, 1, 1, 1, False)
+    assert (args.model, args.steps, args.batch, args.seq, args.dtype) == ("tiny", 50, 8, 64, "float32")
+    assert (args.recompute, args.zero, args.warmup, args.check) == ("none", 0, 5, False)
+    assert _train("--dp", "2", "--cp", "2", "--tp", "2").nproc == 8
+
+
+def test_mesh_axes_keep_nontrivial_axes_in_mesh_order() -> None:
+    assert cli.mesh_axes(_train("--tp", "2")) == {"dp": 1, "tp": 2}
+    axes = cli.mesh_axes(_train("--tp", "2", "--dp", "2", "--cp", "2", "--cp-algo", "ring"))
+    assert list(axes.items()) == [("dp", 2), ("cp", 2), ("tp", 2)]
+
+
+def test_nproc_must_match_mesh_product(capsys) -> None:
+    assert _train("--nproc", "4", "--dp", "2", "--tp", "2").nproc == 4
+    with pytest.raises(ValueError, match=r"--nproc 3 does not match the mesh dp=2 × cp=1 × tp=1 = 2"):
+        _train("--nproc", "3", "--dp", "2")
+    # Through main: one line on stderr, exit code 2, no launch.
+    assert cli.main(["train", "--nproc", "3", "--dp", "2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("dtp train: error: --nproc 3") and "\n" not in err
+
+
+def test_world_size_under_torchrun(monkeypatch) -> None:
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert launch.in_torchrun()
+    assert _train("--dp", "4").nproc == 4
+    with pytest.raises(ValueError, match="torchrun started WORLD_SIZE=4"):
+        _train("--dp", "2")
+
+
+@pytest.mark.parametrize("flags", [["--dtype", "float16"], ["--dp", "0"], ["--recompute", "some"],
+                                   ["--zero", "4"], ["--steps", "x"], ["--cp-algo", "zigzag"]])
+def test_bad_values_exit_2(flags, capsys) -> None:
+    with pytest.raises(SystemExit) as e:
+        _train(*flags)
+    assert e.value.code == 2
+    assert "dtp train: error:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, match", [
+    (["--batch", "6", "--dp", "4"], "divisible by --dp × --microbatches"),
+    (["--batch", "8", "--dp", "2", "--microbatches", "3"], "divisible by --dp × --microbatches"),
+    (["--warmup", "9", "--steps", "3"], r"--warmup must lie in \[0, --steps=3\]"),
+    (["--cp-algo", "ring"], "need --cp > 1"),
+])
+def test_flag_combinations(flags, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        _train(*flags)
+
+
+def test_warmup_default_fits_short_runs_and_sp_needs_tp(capsys) -> None:
+    assert _train("--steps", "3").warmup == 3
+    assert _train("--sp").sp is False  # as Megatron: a note, then off
+    assert "--sp has no effect" in capsys.readouterr().err
+    assert _train("--sp", "--tp", "2").sp is True
+
+
+def test_unavailable_features_are_clean_errors(capsys) -> None:
+    layouts = pytest.importorskip("dtp.layouts")
+    if not hasattr(layouts, "zero"):
+        assert cli.main(["train", "--zero", "2"]) == 2
+        assert "not available yet" in capsys.readouterr().err
+    if not hasattr(layouts, "context"):
+        assert cli.main(["train", "--cp", "2"]) == 2
+        assert "context parallel not available yet" in capsys.readouterr().err
+
+
+def test_train_argv_round_trips() -> None:
+    args = _train("--nproc", "4", "--dp", "2", "--tp", "2", "--sp", "--lr", "1e-3", "--clip", "0.5",
+                  "--recompute", "selective", "--out", "somewhere", "--check", "--steps", "7")
+    argv = cli.train_argv(args)
+    assert "--check" not in argv and "--nproc" not in argv  # the launcher keeps these
+    again = cli.parse_args(argv)
+    for key, value in vars(args).items():
+        if key not in ("check", "nproc"):
+            assert getattr(again, key) == value, key
+
+
+# -- formatting and summaries ------------------------------------------------------
+
+
+METRICS = {"loss": 4.12345, "grad_norm": 1.0213, "lr": 3e-3, "tokens": 512, "step_time": 0.05,
+           "comm_bytes": {"tp": {"all_gather": 1_000_000, "reduce_scatter": 200_000}, "dp": {"all_reduce": 300_000}}}
+
+
+def test_step_line() -> None:
+    assert cli.format_step(3, 50, METRICS) == (
+        "step  3/50 loss 4.1235 gnorm 1.02 lr 3.0e-03 tok/s 10240 comm tp:1.2MB dp:300.0kB")
+    quiet = {**METRICS, "comm_bytes": {}, "step_time": 0.0}
+    assert cli.format_step(1, 1, quiet).endswith("tok/s - comm none")
+    assert [cli.format_bytes(b) for b in (0, 999, 1000, 2.5e6, 7.25e9)] == ["0B", "999B", "1.0kB", "2.5MB", "7.2GB"]
+
+
+def test_progress_bar_and_console_output() -> None:
+    assert cli.progress_bar(0, 4, width=8) == "[........]   0%"
+    assert cli.progress_bar(4, 4, width=8) == "[########] 100%"
+
+    log = io.StringIO()  # not a TTY: plain lines, every --log-every steps, plus first and last
+    p = cli._Progress(total=5, log_every=2, stream=log)
+    for step in range(1, 6):
+        p.update(step, METRICS)
+    assert [line.split()[1] for line in log.getvalue().splitlines()] == ["1/5", "2/5", "4/5", "5/5"]
+
+    class Tty(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    tty = Tty()
+    p = cli._Progress(total=2, log_every=1, stream=tty)
+    p.update(1, METRICS)
+    assert "\r" in tty.getvalue() and "[" in tty.getvalue().rsplit("\n", 1)[-1]  # live bar last
+    p.update(2, METRICS)
+    assert tty.getvalue().endswith("\n")  # the bar is gone once done
+
+
+def test_summary_and_compare() -> None:
+    recs = [{"loss": 5.0, "step_time": 2.0, "tokens": 100, "comm_bytes": {"dp": {"all_reduce": 10}}},
+            {"loss": 4.5, "step_time": 0.5, "tokens": 100, "comm_bytes": {"dp": {"all_reduce": 10}, "tp": {"all_gather": 5}}},
+            {"loss": 4.0, "step_time": 0.5, "tokens": 100, "comm_bytes": {}}]
+    s = cli.summarize(recs)
+    assert (s["first_loss"], s["last_loss"], s["mean_step_time"], s["timed_steps"]) == (5.0, 4.0, 0.5, 2)
+    assert s["tokens_per_s"] == 200.0 and s["total_tokens"] == 300
+    assert s["comm_bytes_per_axis"] == {"dp": 20, "tp": 5}
+
+    ok = cli.compare_losses([5.0, 4.0], [5.0, 4.0 + 4e-10], rtol=cli.tolerance_for("float64"))
+    assert ok["ok"] and ok["worst_step"] == 2 and ok["max_abs_diff"] == pytest.approx(4e-10)
+    assert not cli.compare_losses([5.0, 4.0], [5.0, 4.01], rtol=cli.tolerance_for("float32"))["ok"]
+    assert not cli.compare_losses([5.0, float("nan")], [5.0, 4.0], rtol=1.0)["ok"]
+    assert not cli.compare_losses([5.0], [5.0, 4.0], rtol=1.0)["ok"]
+    assert cli.tolerance_for("bfloat16") == 5e-2 and cli.tolerance_for("float32") == 1e-4
+
+
+# -- the PNG writer ----------------------------------------------------------------
+
+
+def _png_chunks(data: bytes) -> list[tuple[bytes, bytes]]:
+    chunks, pos = [], 8
+    while pos < len(data):
+        (n,) = struct.unpack(">I", data[pos:pos + 4])
+        kind, body = data[pos + 4:pos + 8], data[pos + 8:pos + 8 + n]
+        (crc,) = struct.unpack(">I", data[pos + 8 + n:pos + 12 + n])
+        assert crc == zlib.crc32(kind + body) & 0xFFFFFFFF, kind
+        chunks.append((kind, body))
+        pos += 12 + n
+    return chunks
+
+
+def test_png_fallback_without_matplotlib(tmp_path, monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib → ImportError
+    path = tmp_path / "sub" / "loss.png"
+    assert plot.plot_loss(path, {"run": [5.5, 4.0, 3.2, float("nan"), 2.9], "ref": [5.5, 4.1, 3.1, 3.0, 2.8]}) == "builtin"
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    chunks = _png_chunks(data)
+    assert [k for k, _ in chunks] == [b"IHDR", b"IDAT", b"IEND"]
+    width, height, depth, color, *_ = struct.unpack(">IIBBBBB", chunks[0][1])
+    assert (width, height, depth, color) == (640, 400, 8, 2) and plot.png_size(data) == (640, 400)
+    raw = zlib.decompress(chunks[1][1])
+    assert len(raw) == height * (1 + 3 * width)
+    assert bytes((31, 119, 180)) in raw and bytes((255, 127, 14)) in raw  # both curves drawn
+    assert not list(path.parent.glob(".*tmp*"))  # the temporary file was renamed away
+
+
+def test_png_writer_sizes_and_flat_series(tmp_path) -> None:
+    path = tmp_path / "flat.png"
+    plot.write_line_png(path, [1.0, 1.0, 1.0], width=50, height=20)
+    assert plot.png_size(path.read_bytes()) == (50, 20)
+    plot.write_line_png(path, [], width=16, height=16)  # nothing to draw: just the box
+    assert plot.png_size(path.read_bytes()) == (16, 16)
+    with pytest.raises(ValueError):
+        plot.write_line_png(path, [1.0], width=4, height=4)
+    with pytest.raises(ValueError):
+        plot.png_size(b"GIF89a")
+    assert plot.plot_loss(path, [3.0, 2.0], use_matplotlib=False) == "builtin"
+
+
+# -- the launcher ------------------------------------------------------------------
+
+
+def test_rank_errors_are_printed_once(tmp_path, monkeypatch, capsys) -> None:
+    monkeypatch.setenv(launch.ERROR_DIR_ENV, str(tmp_path))
+    for rank in (0, 1):
+        monkeypatch.setenv("RANK", str(rank))
+        launch.report_error("dtp train: error: heads=4 is not divisible by tp=3")
+    assert capsys.readouterr().err == ""  # the launcher prints, not the ranks
+    assert launch._collect_errors(str(tmp_path)) == ["dtp train: error: heads=4 is not divisible by tp=3"]
+    monkeypatch.setenv("RANK", "2")
+    launch.report_error("something else")
+    assert len(launch._collect_errors(str(tmp_path))) == 2
+
+    monkeypatch.delenv(launch.ERROR_DIR_ENV)  # a plain torchrun: rank-prefixed stderr
+    launch.report_error("oops")
+    assert capsys.readouterr().err == "[rank 2] oops\n"
+    assert launch.default_omp_threads(2, cpus=16) == 8 and launch.default_omp_threads(8, cpus=2) == 1
+
+
+# -- end to end --------------------------------------------------------------------
+
+
+def test_train_two_ranks_end_to_end(tmp_path) -> None:
+    """2 data-parallel ranks through torchrun, float64, checked against 1 process (~25 s)."""
+    out = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    cmd = [sys.executable, "-m", "dtp.cli", "train", "--nproc", "2", "--dp", "2", "--model", "tiny",
+           "--steps", "3", "--batch", "4", "--seq", "16", "--dtype", "float64", "--check", "--out", str(out)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "step 3/3 loss" in proc.stdout and ": OK" in proc.stdout
+
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert all(r["tokens"] == 4 * 16 and r["comm_bytes"]["dp"]["all_reduce"] > 0 for r in records)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 3 and summary["comm_bytes_per_axis"]["dp"] > 0
+    check = json.loads((out / "check.json").read_text())
+    assert check["ok"] and check["max_rel_diff"] <= 1e-9 and len(check["reference_losses"]) == 3
+    assert json.loads((out / "config.json").read_text())["world_size"] == 2
+    assert plot.png_size((out / "loss.png").read_bytes())[0] > 0
+
+
+def test_readme_main_job_loss_goes_down(tmp_path) -> None:
+    """The README's main command, shortened: dp=2 × tp=2 + sequence parallel on 4 ranks."""
+    out = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    cmd = [sys.executable, "-m", "dtp.cli", "train", "--nproc", "4", "--dp", "2", "--tp", "2", "--sp",
+           "--steps", "24", "--batch", "8", "--seq", "32", "--out", str(out)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    losses = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(losses) == 24
+    assert sum(losses[-4:]) / 4 < losses[0] - 1.0, losses  # tiny model on the bundled corpus learns
+    comm = json.loads((out / "summary.json").read_text())["comm_bytes"]
+    assert comm["tp"]["all_gather"] == comm["tp"]["reduce_scatter"] > 0  # Megatron-SP
