@@ -7,6 +7,7 @@ import re
 import optree
 import pytest
 import torch
+from torch.distributed.tensor import DTensor
 
 import dtp
 from dtp import P
@@ -81,9 +82,14 @@ def _adamw():
 
 def _three_adamw_steps(mesh_axes, sp):
     state = _state(mesh_axes, sp, torch.float64, _adamw())
+    first = state
+    local = lambda t: t.to_local() if isinstance(t, DTensor) else t  # the step count is a plain tensor
+    before = [local(p).clone() for p in optree.tree_leaves((first.params, first.opt_state))]
     for step in range(3):
         state, metrics = dtp.train_step(LOSS, state, dtp.shard_batch(_batch(seed=step), state),
                                         microbatches=2, clip_norm=0.05)
+    after = [local(p) for p in optree.tree_leaves((first.params, first.opt_state))]
+    assert first.step == 0 and all(torch.equal(a, b) for a, b in zip(before, after))  # inputs untouched
     leaves = optree.tree_leaves(state, namespace="dtp")  # the state is a pytree
     assert len(leaves) == len(optree.tree_leaves(state.params)) + len(optree.tree_leaves(state.opt_state))
     return optree.tree_map(lambda p: p.full_tensor(), state.params), metrics
