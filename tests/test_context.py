@@ -1,0 +1,400 @@
+"""Context-parallel attention (dtp.ops.context) on CPU gloo ranks, fp64.
+
+Every algorithm is checked against single-device SDPA (output and dQ/dK/dV, rel 1e-10,
+after un-permuting the cp order), its comm log against the byte formulas (exact record
+lists: nothing more may move), the ring's transfers against the compute they overlap,
+zigzag balance from the blocks actually computed, and every validation error (raised on
+all ranks, before any collective).
+
+To keep the file fast, all world-4 cases run in one call to the rank pool (a module
+fixture) and the tests read their case's result; a case that fails reports its own error.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import traceback
+
+import pytest
+import torch
+
+from dtp.ops.blockwise import causal_work, zigzag_permutation
+from dtp.testing import run
+
+F64 = torch.float64
+RTOL, ATOL = 1e-10, 1e-12
+
+
+# ------------------------------------------------------------------ the rank side
+
+
+def _inputs(case: dict):
+    g = torch.Generator().manual_seed(case.get("seed", 0))
+    b, S, d, hq, hkv = case.get("b", 2), case["S"], case.get("d", 4), case["hq"], case["hkv"]
+    q = torch.randn(b, hq, S, d, dtype=F64, generator=g)
+    k = torch.randn(b, hkv, S, d, dtype=F64, generator=g)
+    v = torch.randn(b, hkv, S, d, dtype=F64, generator=g)
+    w = torch.randn(b, hq, S, d, dtype=F64, generator=g)  # upstream gradient
+    return q, k, v, w
+
+
+def _attend(case: dict) -> dict:
+    """Run one case on this rank; returns errors (not raised: every rank must finish the
+    same collectives), the comm records of forward and backward, and the compute trace."""
+    import torch.nn.functional as F
+
+    import dtp
+    from dtp import P
+    from dtp.ops import context as C
+    from dtp.ops.blockwise import from_cp_order, to_cp_order
+    from dtp.redistribute import to_local
+
+    mesh = dtp.make_mesh(**case["axes"])
+    seq = case.get("seq", "cp")
+    seq_axes = (seq,) if isinstance(seq, str) else tuple(seq)
+    cp = math.prod(dict(case["axes"])[a] for a in seq_axes)
+    lb, causal = case["lb"], case["causal"]
+    q, k, v, w = _inputs(case)
+    dtype = getattr(torch, case.get("dtype", "float64"))
+    qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+    ref = F.scaled_dot_product_attention(qr, kr, vr, is_causal=causal, enable_gqa=True)
+    (ref * w).sum().backward()
+
+    spec = P(case.get("batch"), case.get("heads"), seq)
+    dq, dk, dv = (dtp.shard(to_cp_order(t.to(dtype), 2, cp, lb), mesh, spec).requires_grad_() for t in (q, k, v))
+    wl = to_local(dtp.shard(to_cp_order(w.to(dtype), 2, cp, lb), mesh, spec))
+    with C.trace_compute() as events:
+        with dtp.comm_log() as fwd:
+            out = C.context_attention(dq, dk, dv, algo=case["algo"], causal=causal, load_balance=lb, **case.get("kw", {}))
+        with dtp.comm_log() as bwd:
+            (to_local(out) * wl).sum().backward()
+    got = {name: from_cp_order(t.full_tensor(), 2, cp, lb).detach()
+           for name, t in (("out", out), ("dq", dq.grad), ("dk", dk.grad), ("dv", dv.grad))}
+    errors = []
+    for name, expected in (("out", ref), ("dq", qr.grad), ("dk", kr.grad), ("dv", vr.grad)):
+        if got[name].dtype != dtype:
+            errors.append(f"{name}: dtype {got[name].dtype}, expected {dtype}")
+        elif dtype == F64:
+            try:
+                torch.testing.assert_close(got[name], expected.detach(), rtol=RTOL, atol=ATOL)
+            except AssertionError as e:
+                errors.append(f"{name}: {e}")
+        else:  # low precision against the fp64 reference: max error relative to the max value
+            err = ((got[name].double() - expected).abs().max() / expected.abs().max()).item()
+            if err > case["tol"]:
+                errors.append(f"{name}: relative error {err:.2e} > {case['tol']}")
+    recs = lambda log: [dict(kind=r.kind, axis=r.axis, bytes=r.bytes, tag=r.tag, issued=r.issued,
+                             completed=r.completed, dtype=str(r.dtype)) for r in log.records]
+    return dict(
+        errors=errors, fwd=recs(fwd), bwd=recs(bwd),
+        events=[dict(e, tasks=[(t.q_slice.start, t.q_slice.stop, t.k_slice.start, t.k_slice.stop, t.mask)
+                               for t in e["tasks"]]) for e in events],
+        q_local=dq._local_tensor.nbytes, k_local=dk._local_tensor.nbytes,
+        L=dq._local_tensor.shape[2], rank=dtp.mesh.axis_coordinate(mesh, seq_axes[0]),
+    )
+
+
+def _attend_all(cases: dict[str, dict]) -> dict[str, dict]:
+    out = {}
+    for name, case in cases.items():
+        try:
+            out[name] = _attend(case)
+        except Exception:  # validation bugs raise on every rank alike: report per case
+            out[name] = dict(errors=[traceback.format_exc()])
+    return out
+
+
+# ------------------------------------------------------------------------ cases
+
+CP4, DP2CP2, CP2TP2 = {"cp": 4}, {"dp": 2, "cp": 2}, {"cp": 2, "tp": 2}
+ZZ, NONE = "zigzag", None
+
+CASES4 = {
+    "ring-zigzag-causal-mha-cp4": dict(algo="ring", axes=CP4, lb=ZZ, causal=True, hq=2, hkv=2, S=16),
+    "ring-none-causal-gqa-cp4": dict(algo="ring", axes=CP4, lb=NONE, causal=True, hq=4, hkv=2, S=16),
+    "ring-zigzag-full-gqa-cp4": dict(algo="ring", axes=CP4, lb=ZZ, causal=False, hq=4, hkv=1, S=16),
+    "ring-bf16-zigzag-causal-gqa-cp4": dict(algo="ring", axes=CP4, lb=ZZ, causal=True, hq=4, hkv=2, S=16,
+                                            dtype="bfloat16", tol=2e-2),
+    "ring-none-full-mha-dp2cp2": dict(algo="ring", axes=DP2CP2, lb=NONE, causal=False, hq=2, hkv=2, S=8, batch="dp"),
+    "ring-zigzag-causal-gqa-cp2tp2": dict(algo="ring", axes=CP2TP2, lb=ZZ, causal=True, hq=4, hkv=2, S=8, heads="tp"),
+    "ring-size1": dict(algo="ring", axes={"dp": 2, "cp": 1, "tp": 2}, lb=ZZ, causal=True, hq=2, hkv=2, S=8,
+                       batch="dp", heads="tp"),
+    "ulysses-zigzag-causal-mha-cp4": dict(algo="ulysses", axes=CP4, lb=ZZ, causal=True, hq=4, hkv=4, S=16),
+    "ulysses-none-causal-gqarepeat-cp4": dict(algo="ulysses", axes=CP4, lb=NONE, causal=True, hq=8, hkv=2, S=8),
+    "ulysses-zigzag-full-gqa-dp2cp2": dict(algo="ulysses", axes=DP2CP2, lb=ZZ, causal=False, hq=4, hkv=2, S=8,
+                                           batch="dp"),
+    "ulysses-zigzag-causal-gqarepeat-cp2tp2": dict(algo="ulysses", axes=CP2TP2, lb=ZZ, causal=True, hq=4, hkv=2,
+                                                   S=8, heads="tp"),
+    "double_ring-w2-zigzag-causal-gqa-cp4": dict(algo="double_ring", axes=CP4, lb=ZZ, causal=True, hq=4, hkv=2,
+                                                 S=16, kw={"window": 2}),
+    "double_ring-w1-none-causal-mha-cp4": dict(algo="double_ring", axes=CP4, lb=NONE, causal=True, hq=2, hkv=2,
+                                               S=8, kw={"window": 1}),
+    "hybrid-u2-zigzag-causal-gqa-cp4": dict(algo="hybrid", axes=CP4, lb=ZZ, causal=True, hq=4, hkv=2, S=16,
+                                            kw={"ulysses_degree": 2}),
+    "hybrid-u2-none-causal-gqarepeat-cp4": dict(algo="hybrid", axes=CP4, lb=NONE, causal=True, hq=4, hkv=1, S=8,
+                                                kw={"ulysses_degree": 2}),
+    "hybrid-axes-zigzag-causal-mha": dict(algo="hybrid", axes={"cpr": 2, "cpu": 2}, lb=ZZ, causal=True, hq=2,
+                                          hkv=2, S=16, seq=("cpr", "cpu"), kw={"axis": ("cpr", "cpu")}),
+}
+
+CASES8 = {
+    "ring-zigzag-causal-gqa-cp8": dict(algo="ring", axes={"cp": 8}, lb=ZZ, causal=True, hq=4, hkv=2, S=32, b=1),
+    "hybrid-u2w2-zigzag-causal-gqa-cp8": dict(algo="hybrid", axes={"cp": 8}, lb=ZZ, causal=True, hq=4, hkv=2,
+                                              S=32, b=1, kw={"ulysses_degree": 2, "window": 2}),
+}
+
+
+@pytest.fixture(scope="module")
+def results4() -> list[dict[str, dict]]:
+    return run(_attend_all, CASES4, world_size=4)
+
+
+@pytest.fixture(scope="module")
+def results8() -> list[dict[str, dict]]:
+    return run(_attend_all, CASES8, world_size=8)
+
+
+def _ok(results: list[dict[str, dict]], name: str) -> list[dict]:
+    per_rank = [r[name] for r in results]
+    for rank, res in enumerate(per_rank):
+        assert not res["errors"], f"{name} rank {rank}:\n" + "\n".join(res["errors"])
+    return per_rank
+
+
+# ------------------------------------------------------------------------ parity
+
+
+@pytest.mark.parametrize("name", list(CASES4))
+def test_matches_sdpa(results4, name):
+    _ok(results4, name)
+
+
+@pytest.mark.parametrize("name", list(CASES8))
+def test_matches_sdpa_cp8(results8, name):
+    per_rank = _ok(results8, name)
+    if name.startswith("ring"):
+        _check_ring_bytes(per_rank, n=8)
+
+
+# ---------------------------------------------------------------- comm volume
+
+
+def _summary(recs: list[dict]) -> list[tuple[str, str, int]]:
+    return [(r["kind"], r["axis"], r["bytes"]) for r in recs]
+
+
+def _check_ring_bytes(per_rank: list[dict], n: int, axis: str = "cp") -> None:
+    for res in per_rank:
+        kv = 2 * res["k_local"]  # one K+V buffer per step
+        assert _summary(res["fwd"]) == [("send_recv", axis, kv)] * (n - 1), res["fwd"]
+        # (n-1)/n of the global K and V bytes (per cp group) leave each rank.
+        assert sum(r["bytes"] for r in res["fwd"]) == (n - 1) * kv == (n - 1) / n * (n * kv)
+        bwd = _summary(res["bwd"])
+        assert sorted(bwd) == sorted([("send_recv", axis, kv)] * (2 * n - 1)), bwd  # n-1 K/V + n dK/dV (fp64)
+        tags = [r["tag"] for r in res["bwd"]]
+        assert sum(t.startswith("ring bwd dkv") for t in tags) == n
+
+
+def test_ring_bytes(results4):
+    _check_ring_bytes(_ok(results4, "ring-zigzag-causal-mha-cp4"), n=4)
+    _check_ring_bytes(_ok(results4, "ring-none-causal-gqa-cp4"), n=4)
+    _check_ring_bytes(_ok(results4, "ring-zigzag-causal-gqa-cp2tp2"), n=2)
+
+
+def test_ring_low_precision_accumulates_and_carries_fp32(results4):
+    for res in _ok(results4, "ring-bf16-zigzag-causal-gqa-cp4"):
+        kv = 2 * res["k_local"]  # bf16 K+V
+        assert [(r["bytes"], r["dtype"]) for r in res["fwd"]] == [(kv, "torch.bfloat16")] * 3
+        dkv = [(r["bytes"], r["dtype"]) for r in res["bwd"] if r["tag"].startswith("ring bwd dkv")]
+        assert dkv == [(2 * kv, "torch.float32")] * 4  # dK/dV partials travel in fp32
+
+
+def test_ring_of_one_sends_nothing(results4):
+    for res in _ok(results4, "ring-size1"):
+        assert res["fwd"] == [] and res["bwd"] == []
+
+
+@pytest.mark.parametrize("name, repeat", [
+    ("ulysses-zigzag-causal-mha-cp4", 1),
+    ("ulysses-none-causal-gqarepeat-cp4", 2),  # 2 kv heads repeated up to cp = 4
+    ("ulysses-zigzag-full-gqa-dp2cp2", 1),
+    ("ulysses-zigzag-causal-gqarepeat-cp2tp2", 2),  # 1 kv head per tp rank, cp = 2
+])
+def test_ulysses_is_four_all_to_alls(results4, name, repeat):
+    n = CASES4[name]["axes"]["cp"]
+    for res in _ok(results4, name):
+        ql, kl = res["q_local"], res["k_local"] * repeat
+        # (n-1)/n of each local tensor, i.e. (n-1)/n² of the global one per cp group.
+        want = [("all_to_all", "cp", (n - 1) * b // n) for b in (ql, kl, kl, ql)]
+        assert _summary(res["fwd"]) == want
+        assert sorted(_summary(res["bwd"])) == sorted(want)
+
+
+def test_double_ring_bytes(results4):
+    n, w = 4, 2
+    for res in _ok(results4, "double_ring-w2-zigzag-causal-gqa-cp4"):
+        kv = 2 * res["k_local"]
+        fwd = _summary(res["fwd"])
+        # Same volume as the single ring: n-1 blocks, (n/w)(w-1) inner + n/w - 1 outer hops.
+        assert sorted(fwd) == sorted([("send_recv", "cp_inner", kv)] * (n // w) * (w - 1)
+                                     + [("send_recv", "cp_outer", kv)] * (n // w - 1))
+        bwd = _summary(res["bwd"])
+        assert sorted(bwd) == sorted([("send_recv", "cp_inner", kv)] * ((n // w) * (w - 1) + n)
+                                     + [("send_recv", "cp_outer", kv)] * (n // w - 1 + n // w))
+    for res in _ok(results4, "double_ring-w1-none-causal-mha-cp4"):  # windows of one: all outer
+        kv = 2 * res["k_local"]
+        assert _summary(res["fwd"]) == [("send_recv", "cp_outer", kv)] * 3
+
+
+def test_hybrid_bytes(results4):
+    u, R = 2, 2
+    for name, repeat in (("hybrid-u2-zigzag-causal-gqa-cp4", 1), ("hybrid-u2-none-causal-gqarepeat-cp4", 2)):
+        for res in _ok(results4, name):
+            ql, kl = res["q_local"], res["k_local"] * repeat
+            a2a = [("all_to_all", "cp_uly", (u - 1) * b // u) for b in (ql, kl, kl, ql)]
+            ring = [("send_recv", "cp_ring", 2 * kl)] * (R - 1)  # heads/u, seq×u: same bytes as local K+V
+            assert sorted(_summary(res["fwd"])) == sorted(a2a + ring)
+            assert sorted(_summary(res["bwd"])) == sorted(a2a + [("send_recv", "cp_ring", 2 * kl)] * (2 * R - 1))
+
+
+# ---------------------------------------------------------------- overlap
+
+
+def _check_overlap(res: dict) -> int:
+    """Every ring transfer is posted before the block compute it overlaps starts and is
+    still in flight when that compute starts; the next block's compute starts only after
+    it arrived. Returns the number of transfers checked."""
+    ev = {(e["phase"], e["step"]): e for e in res["events"]}
+    checked = 0
+    for phase, recs in (("fwd", res["fwd"]), ("bwd", res["bwd"])):
+        for r in recs:
+            m = re.fullmatch(r"ring (fwd|bwd) step (\d+)", r["tag"])
+            if not m:
+                continue
+            i = int(m.group(2))
+            e = ev[(phase, i)]
+            assert r["issued"] < e["start"], f"{r['tag']} posted after its overlapping compute started"
+            assert r["completed"] is not None and r["completed"] > e["start"], f"{r['tag']} not in flight"
+            if (phase, i + 1) in ev:
+                assert ev[(phase, i + 1)]["start"] >= r["completed"] - 1e-9
+            checked += 1
+        for r in recs:  # the outer ring's prefetch spans the whole inner round
+            m = re.fullmatch(r"ring (fwd|bwd) outer (\d+)", r["tag"])
+            if m:
+                first = ev[(phase, int(m.group(2)) * 2)]  # window 2 in the double-ring cases
+                assert r["issued"] < first["start"] < r["completed"]
+    return checked
+
+
+@pytest.mark.parametrize("name, n_inner", [
+    ("ring-zigzag-causal-mha-cp4", 2 * 3),
+    ("ring-none-causal-gqa-cp4", 2 * 3),
+    ("double_ring-w2-zigzag-causal-gqa-cp4", 2 * 2),
+    ("hybrid-u2-zigzag-causal-gqa-cp4", 2 * 1),
+])
+def test_ring_transfers_overlap_compute(results4, name, n_inner):
+    for res in _ok(results4, name):
+        assert _check_overlap(res) == n_inner  # forward and backward K/V hops within the (inner) ring
+
+
+# ---------------------------------------------------------------- balance
+
+
+def _work(res: dict) -> int:
+    """Score blocks computed in forward, in the unit of causal_work (a zigzag chunk²)."""
+    unit = res["L"] // 2
+    total = 0
+    for e in res["events"]:
+        if e["phase"] != "fwd":
+            continue
+        for qa, qb, ka, kb, mask in e["tasks"]:
+            nq, nk = (qb - qa) // unit, (kb - ka) // unit
+            total += nq * nk if mask == "full" else sum(min(a + 1, nk) for a in range(nq))
+    return total
+
+
+def test_zigzag_balances_causal_work(results4):
+    zz = [_work(res) for res in sorted(_ok(results4, "ring-zigzag-causal-mha-cp4"), key=lambda r: r["rank"])]
+    assert zz == [causal_work(r, 4, "zigzag") for r in range(4)] == [9] * 4
+    plain = [_work(res) for res in sorted(_ok(results4, "ring-none-causal-gqa-cp4"), key=lambda r: r["rank"])]
+    assert plain == [causal_work(r, 4, None) for r in range(4)] == [3, 7, 11, 15]
+
+
+# ---------------------------------------------------------------- hybrid reorder (no ranks)
+
+
+@pytest.mark.parametrize("cp, u", [(4, 2), (8, 2), (8, 4), (6, 3)])
+def test_hybrid_order_turns_cp_zigzag_into_ring_zigzag(cp, u):
+    from dtp.ops.context import _hybrid_order
+
+    S = 4 * cp
+    L, R = S // cp, cp // u
+    pos = zigzag_permutation(S, cp)  # global position of each cp-ordered token
+    ring = zigzag_permutation(S, R)
+    for g in range(R):
+        gathered = pos[g * u * L:(g + 1) * u * L]  # the Ulysses group's all-to-all result
+        assert torch.equal(gathered[_hybrid_order(u, L, torch.device("cpu"))], ring[g * u * L:(g + 1) * u * L])
+
+
+# ---------------------------------------------------------------- validation
+
+
+def _expect_errors(cases: list[tuple]) -> list[tuple[str, str, int]]:
+    import dtp
+    from dtp import P
+    from dtp.ops import context as C
+
+    out = []
+    for axes, shape, spec, algo, kw in cases:
+        mesh = dtp.make_mesh(**axes)
+        b, hq, hkv, S = shape
+        q = torch.randn(b, hq, S, 4, dtype=F64)
+        kv = torch.randn(b, hkv, S, 4, dtype=F64)
+        if spec is None:  # plain tensors
+            args = (q, kv, kv)
+        else:
+            args = (dtp.shard(q, mesh, spec), dtp.shard(kv, mesh, spec), dtp.shard(kv, mesh, spec))
+        with dtp.comm_log() as log:
+            try:
+                C.context_attention(*args, algo=algo, **kw)
+                out.append(("no error", "", len(log)))
+            except (ValueError, TypeError) as e:
+                out.append((type(e).__name__, str(e), len(log)))
+    return out
+
+
+def test_validation_errors_before_any_collective():
+    from dtp import P
+
+    cp = P(None, None, "cp")
+    cases = [
+        # (axes, (b, hq, hkv, S), spec, algo, kwargs), expected type, message pattern
+        (({"cp": 4}, (1, 2, 2, 12), cp, "ring", {}), "ValueError", r"divisible by 2\*cp.*seq=12, cp=4"),
+        (({"cp": 4}, (1, 4, 4, 12), cp, "ulysses", {}), "ValueError", r"2\*cp"),
+        (({"cp": 4}, (1, 2, 2, 12), cp, "ring", {"load_balance": None}), "no error", ""),
+        (({"cp": 4}, (1, 2, 2, 16), cp, "double_ring", {"window": 4}), "ValueError", r"window.*\[1, cp\).*got window=4"),
+        (({"cp": 4}, (1, 2, 2, 16), cp, "double_ring", {"window": 3}), "ValueError", r"window"),
+        (({"cp": 4}, (1, 2, 2, 16), cp, "double_ring", {"window": 0}), "ValueError", r"window"),
+        (({"cp": 4}, (1, 6, 6, 16), cp, "ulysses", {}), "ValueError", r"heads=6.*tp × cp = 1 × 4"),
+        (({"cp": 2, "tp": 2}, (1, 6, 2, 8), P(None, "tp", "cp"), "ulysses", {}), "ValueError",
+         r"heads=6.*tp × cp = 2 × 2.*tp=2, cp=2"),
+        (({"cp": 4}, (1, 12, 3, 16), cp, "ulysses", {}), "ValueError", r"3 kv heads"),
+        (({"cp": 4}, (1, 4, 4, 16), cp, "hybrid", {"ulysses_degree": 4}), "ValueError", r"ring degree.*must be > 1"),
+        (({"cp": 4}, (1, 3, 3, 16), cp, "hybrid", {"ulysses_degree": 2}), "ValueError",
+         r"heads=3.*tp × ulysses_degree = 1 × 2"),
+        (({"cp": 4}, (1, 4, 4, 16), cp, "hybrid", {"ulysses_degree": 2, "window": 2}), "ValueError", r"window"),
+        (({"cp": 4}, (1, 4, 4, 16), cp, "hybrid", {"ulysses_degree": 3}), "ValueError", r"ulysses_degree"),
+        (({"cp": 4}, (1, 2, 2, 16), cp, "ring", {"load_balance": "striped"}), "ValueError", r"load_balance"),
+        (({"cp": 4}, (1, 2, 2, 16), P(None, None, None), "ring", {}), "ValueError", r"split the sequence"),
+        (({"cp": 4}, (1, 2, 2, 16), cp, "ring", {"axis": "sp"}), "ValueError", r"unknown mesh axis 'sp'"),
+        (({"cp": 4}, (1, 2, 2, 16), None, "ring", {}), "TypeError", r"must be a DTensor"),
+        (({"cp": 4}, (1, 2, 2, 16), cp, "striped", {}), "ValueError", r"algo must be one of"),
+    ]
+    results = run(_expect_errors, [c for c, _, _ in cases], world_size=4)
+    for rank_results in results:
+        for (case, kind, pattern), (got_kind, msg, n_records) in zip(cases, rank_results):
+            assert got_kind == kind, f"{case}: expected {kind}, got {got_kind}: {msg}"
+            assert re.search(pattern, msg), f"{case}: {msg!r} does not match {pattern!r}"
+            if kind != "no error":
+                assert n_records == 0, f"{case}: {n_records} collectives before the error"
