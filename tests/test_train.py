@@ -83,7 +83,7 @@ def _adamw():
 def _three_adamw_steps(mesh_axes, sp):
     state = _state(mesh_axes, sp, torch.float64, _adamw())
     first = state
-    local = lambda t: t.to_local() if isinstance(t, DTensor) else t  # the step count is a plain tensor
+    local = lambda t: t.to_local() if isinstance(t, DTensor) else t  # step count; 1-device params
     before = [local(p).clone() for p in optree.tree_leaves((first.params, first.opt_state))]
     for step in range(3):
         state, metrics = dtp.train_step(LOSS, state, dtp.shard_batch(_batch(seed=step), state),
@@ -92,7 +92,7 @@ def _three_adamw_steps(mesh_axes, sp):
     assert first.step == 0 and all(torch.equal(a, b) for a, b in zip(before, after))  # inputs untouched
     leaves = optree.tree_leaves(state, namespace="dtp")  # the state is a pytree
     assert len(leaves) == len(optree.tree_leaves(state.params)) + len(optree.tree_leaves(state.opt_state))
-    return optree.tree_map(lambda p: p.full_tensor(), state.params), metrics
+    return optree.tree_map(lambda p: local(p.full_tensor() if isinstance(p, DTensor) else p).detach(), state.params), metrics
 
 
 def test_three_adamw_steps_with_clipping_match_single_device():
@@ -109,6 +109,9 @@ def test_three_adamw_steps_with_clipping_match_single_device():
     got, metrics = run(_three_adamw_steps, {"dp": 2, "tp": 2}, True, world_size=4)[0]
     assert metrics["grad_norm"] == pytest.approx(float(norm), rel=1e-10)
     assert_tree_close(got, params, name="params after 3 steps")
+    # A mesh of one device keeps plain tensors (no DTensor dispatch): same numbers.
+    got, metrics = run(_three_adamw_steps, {"dp": 1}, False, world_size=1)[0]
+    assert_tree_close(got, params, name="params after 3 steps on one device")
 
 
 def _sp_comm(b, s):

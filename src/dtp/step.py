@@ -70,6 +70,11 @@ class TrainState:
         for path, x, ax in zip(paths, leaves, axes_leaves):
             if not _is_axes(ax) or len(ax) != x.dim():
                 raise ValueError(f"param {path}: logical axes {ax!r} do not match its shape {tuple(x.shape)}")
+            if _single_device(mesh):
+                # One device: nothing to distribute, so no DTensor dispatch either. Every
+                # dtp function takes plain tensors; the model runs as eager PyTorch.
+                sharded.append(x.detach().clone().requires_grad_(True))
+                continue
             spec = layout.param_spec(ax, mesh)
             sharded.append(shard(x.detach(), mesh, spec, name=f"param {path}").requires_grad_(True))
         params = optree.tree_unflatten(treedef, sharded)
@@ -79,8 +84,8 @@ class TrainState:
         return dataclasses.replace(self, **changes)
 
     def param_specs(self) -> PyTree:
-        """Each parameter's spec at rest."""
-        return optree.tree_map(spec_of, self.params)
+        """Each parameter's spec at rest (``None`` for the plain tensors of a 1-device mesh)."""
+        return optree.tree_map(_spec, self.params, none_is_leaf=True)
 
 
 optree.register_pytree_node(
@@ -96,6 +101,8 @@ def shard_batch(batch: Mapping[str, torch.Tensor], state: TrainState) -> dict[st
 
     Every rank passes the same global batch (the loader is deterministic).
     """
+    if _single_device(state.mesh):
+        return dict(batch)
     out = {}
     for k, v in batch.items():
         spec = state.layout.activation_spec(_BATCH_AXES[: v.dim()], state.mesh)
@@ -103,11 +110,23 @@ def shard_batch(batch: Mapping[str, torch.Tensor], state: TrainState) -> dict[st
     return out
 
 
+def _single_device(mesh: DeviceMesh) -> bool:
+    return mesh.size() == 1
+
+
+def _spec(x: torch.Tensor) -> P | None:
+    return spec_of(x) if isinstance(x, DTensor) else None
+
+
 def _split_microbatches(batch: Mapping[str, DTensor], n: int) -> list[dict[str, DTensor]]:
     if n == 1:
         return [dict(batch)]
     parts: list[dict[str, DTensor]] = [{} for _ in range(n)]
     for k, v in batch.items():
+        if not isinstance(v, DTensor):
+            for i, piece in enumerate(v.chunk(n, dim=0)):
+                parts[i][k] = piece
+            continue
         spec = spec_of(v)
         # Each rank cuts its own rows: microbatch i is every rank's i-th slice (a
         # different grouping of the same global rows, which the mean does not see).
@@ -122,7 +141,7 @@ def _check_batch(batch: Mapping[str, torch.Tensor], state: TrainState, microbatc
         raise ValueError(f"train_step: microbatches must be >= 1, got {microbatches}")
     dp = state.layout.degree("batch", state.mesh)
     for k, v in batch.items():
-        if not isinstance(v, DTensor):
+        if not isinstance(v, DTensor) and not _single_device(state.mesh):
             raise ValueError(f"train_step: batch[{k!r}] is a plain tensor; place it with dtp.shard_batch(batch, state)")
         if v.shape[0] % (dp * microbatches):
             raise ValueError(
@@ -158,13 +177,13 @@ def value_and_grad(loss_fn: Callable[[PyTree, Mapping[str, torch.Tensor]], Any],
                 if grads[i] is None:
                     grads[i] = g
                 else:  # accumulate in the accumulator's layout (pending sums add locally)
-                    grads[i] = grads[i] + (g if spec_of(g) == spec_of(grads[i]) else reshard(g, spec_of(grads[i])))
+                    grads[i] = grads[i] + (g if _spec(g) == _spec(grads[i]) else reshard(g, spec_of(grads[i])))
             total_loss += _value(loss.detach()) / microbatches
         # To the parameters' layout: pending sums over dp become all-reduces (DDP).
         reduced = []
         for g, p in zip(grads, leaves):
             g = torch.zeros_like(p) if g is None else g
-            reduced.append(reshard(g, spec_of(p), tag="grad reduce") if spec_of(g) != spec_of(p) else g)
+            reduced.append(reshard(g, spec_of(p), tag="grad reduce") if _spec(g) != _spec(p) else g)
     return total_loss, aux, optree.tree_unflatten(treedef, reduced)
 
 
