@@ -295,3 +295,8 @@ class _Works:
 
     def is_completed(self) -> bool:
         return all(w.is_completed() for w in self.works)
+
+    def get_future(self) -> torch.futures.Future:
+        """Completes when the send and the receive both have (so the comm log records
+        the transfer's real end, not when someone waited on it)."""
+        return torch.futures.collect_all([w.get_future() for w in self.works])

@@ -44,7 +44,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .spec import P, _names
 
-__all__ = ["Layout", "data", "megatron", "use_layout", "current", "constrain"]
+__all__ = ["Layout", "data", "megatron", "context", "context_options", "use_layout", "current", "constrain"]
 
 Axes = tuple[str, ...]
 
@@ -149,6 +149,54 @@ def megatron(sequence_parallel: bool = False, axis: str = "tp") -> Layout:
         acts["res_seq"] = (axis,)
     return Layout(shard, acts, {"sequence_parallel": sequence_parallel},
                   f"megatron(sequence_parallel={sequence_parallel})")
+
+
+CONTEXT_ALGORITHMS = ("ulysses", "ring", "double_ring", "hybrid")
+
+
+def context(algo: str = "ring", *, window: int = 1, ulysses_degree: int = 1,
+            load_balance: str | None = "zigzag", axis: str = "cp") -> Layout:
+    """Context parallel over ``axis``: the sequence is split everywhere (residual stream
+    and attention) and ``dtp.ops.attention`` runs MindSpeed's algorithm ``algo``:
+
+    * ``"ulysses"`` — all-to-all from a sequence split to a head split and back
+      (heads must divide by tp × cp);
+    * ``"ring"`` — K/V blocks rotate round the ring, overlapped with compute;
+    * ``"double_ring"`` — an inner ring inside windows of ``window`` ranks, an outer ring
+      across windows (``--cp-window-size``);
+    * ``"hybrid"`` — Ulysses over groups of ``ulysses_degree`` contiguous ranks, ring
+      (or double ring with ``window``) over the rest (``--ulysses-degree-in-cp``).
+
+    ``load_balance="zigzag"`` gives rank r sequence chunks r and 2·cp−1−r, so causal work
+    is even; :func:`dtp.shard_batch` puts batches in that order and RoPE follows the
+    original positions. Constraints involving the mesh (window dividing cp, sequence
+    divisible by 2·cp, heads by the Ulysses degree × tp) are checked before any collective.
+
+    >>> context("hybrid", ulysses_degree=2).options["context"]["algo"]
+    'hybrid'
+    """
+    if algo not in CONTEXT_ALGORITHMS:
+        raise ValueError(f"layouts.context: algo must be one of {CONTEXT_ALGORITHMS}, got {algo!r}")
+    for name, value in (("window", window), ("ulysses_degree", ulysses_degree)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"layouts.context: {name} must be an integer >= 1, got {value!r}")
+    if load_balance not in ("zigzag", None):
+        raise ValueError(f"layouts.context: load_balance must be 'zigzag' or None, got {load_balance!r}")
+    if algo == "double_ring" and window == 1:
+        raise ValueError("layouts.context: double_ring needs window > 1 (window=1 is the plain ring)")
+    if algo == "hybrid" and ulysses_degree == 1:
+        raise ValueError("layouts.context: hybrid needs ulysses_degree > 1 (ulysses_degree=1 is the ring)")
+    options = {"algo": algo, "window": window, "ulysses_degree": ulysses_degree, "load_balance": load_balance,
+               "axis": axis}
+    rules = {"seq": (axis,), "res_seq": (axis,)}
+    return Layout({}, rules, {"context": options}, f"context({algo})")
+
+
+def context_options() -> dict[str, object]:
+    """The active layout's context-parallel options (contiguous ring defaults without one)."""
+    active = current()
+    opts = active[0].options.get("context") if active else None
+    return dict(opts) if opts else {"algo": "ring", "window": 1, "ulysses_degree": 1, "load_balance": None}
 
 
 _active = threading.local()

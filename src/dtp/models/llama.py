@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from ..layouts import constrain
-from ..ops import attention, cross_entropy, embedding, remat, rotary
+from ..ops import attention, cross_entropy, embedding, linear, remat, rotary
 
 __all__ = ["LlamaConfig", "CONFIGS", "config", "init", "param_axes", "axis_sizes", "apply", "loss",
            "param_count", "flops_per_token"]
@@ -173,18 +173,18 @@ def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 
 def _attention(layer: dict[str, torch.Tensor], x: torch.Tensor, cfg: LlamaConfig) -> torch.Tensor:
     b, s, hd = x.shape[0], x.shape[1], cfg.head_dim
-    q = rotary((x @ layer["wq"]).view(b, s, cfg.n_heads, hd), cfg.rope_theta).transpose(1, 2)
-    k = rotary((x @ layer["wk"]).view(b, s, cfg.n_kv_heads, hd), cfg.rope_theta).transpose(1, 2)
-    v = (x @ layer["wv"]).view(b, s, cfg.n_kv_heads, hd).transpose(1, 2)
+    q = rotary(linear(x, layer["wq"]).view(b, s, cfg.n_heads, hd), cfg.rope_theta).transpose(1, 2)
+    k = rotary(linear(x, layer["wk"]).view(b, s, cfg.n_kv_heads, hd), cfg.rope_theta).transpose(1, 2)
+    v = linear(x, layer["wv"]).view(b, s, cfg.n_kv_heads, hd).transpose(1, 2)
     q = constrain(q, ("batch", "heads", "seq", "head_dim"), name="q")
     k = constrain(k, ("batch", "kv_heads", "seq", "head_dim"), name="k")
     v = constrain(v, ("batch", "kv_heads", "seq", "head_dim"), name="v")
     o = attention(q, k, v, causal=True).transpose(1, 2).reshape(b, s, cfg.n_heads * hd)
-    return o @ layer["wo"]  # row parallel: a pending sum over the heads' axes
+    return linear(o, layer["wo"])  # row parallel: a pending sum over the heads' axes
 
 
 def _mlp(layer: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-    return (F.silu(x @ layer["w_gate"]) * (x @ layer["w_up"])) @ layer["w_down"]
+    return linear(F.silu(linear(x, layer["w_gate"])) * linear(x, layer["w_up"]), layer["w_down"])
 
 
 def _block(layer: dict[str, torch.Tensor], h: torch.Tensor, cfg: LlamaConfig) -> torch.Tensor:
@@ -203,7 +203,7 @@ def apply(params: dict[str, Any], tokens: torch.Tensor, cfg: LlamaConfig) -> tor
         h = remat(_block, layer, h, cfg, level="full")
     x = constrain(_rms_norm(h, params["final_norm"], cfg.norm_eps), ("batch", "seq", "embed"), name="head_in")
     head = params["embed"].transpose(0, 1) if cfg.tie_embeddings else params["lm_head"]
-    return constrain(x @ head, ("batch", "seq", "vocab"), name="logits")
+    return constrain(linear(x, head), ("batch", "seq", "vocab"), name="logits")
 
 
 def loss(params: dict[str, Any], batch: dict[str, torch.Tensor], cfg: LlamaConfig) -> torch.Tensor:

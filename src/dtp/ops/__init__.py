@@ -2,7 +2,7 @@
 recompute policy. Custom redistributions for context parallel and MoE land here too."""
 
 from .attention import attention, rotary
-from .parallel import cross_entropy, embedding
+from .parallel import cross_entropy, embedding, linear
 from .recompute import recompute, remat
 
-__all__ = ["attention", "rotary", "embedding", "cross_entropy", "recompute", "remat"]
+__all__ = ["attention", "rotary", "linear", "embedding", "cross_entropy", "recompute", "remat"]

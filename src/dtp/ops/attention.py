@@ -37,10 +37,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
         return remat(_sdpa, q, k, v, causal, scale, level="selective")
     qs, ks = spec_of(q), spec_of(k)
     if qs.axes_of(2) or ks.axes_of(2):
-        raise NotImplementedError(
-            f"attention: the sequence is split over {qs.axes_of(2) or ks.axes_of(2)}; context-parallel "
-            "attention (layouts.context) is not available in this version"
-        )
+        return _context(q, k, v, causal, scale)
     if qs.axes_of(0) != ks.axes_of(0) or qs.axes_of(1) != ks.axes_of(1) or spec_of(v) != ks:
         raise ValueError(f"attention: q {qs}, k {ks} and v {spec_of(v)} must split batch and heads alike")
     ql, kl, vl = to_local(q), to_local(k), to_local(v)
@@ -48,6 +45,40 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
         raise ValueError(f"attention: local heads {ql.shape[1]} (q) vs {kl.shape[1]} (kv) do not group evenly")
     out = remat(_sdpa, ql, kl, vl, causal, scale, level="selective")
     return from_local(out, q.device_mesh, qs, tuple(q.shape))
+
+
+def _context(q: DTensor, k: DTensor, v: DTensor, causal: bool, scale: float | None) -> DTensor:
+    """Sequence split over a context-parallel axis: run the active layout's algorithm."""
+    from ..layouts import context_options
+    from .context import context_attention
+
+    opts = context_options()
+    seq_axes = spec_of(q).axes_of(2)
+    if len(seq_axes) != 1:
+        raise ValueError(f"attention: the sequence must be split over one context-parallel axis, got {seq_axes}")
+    algo = opts["algo"]
+    kwargs = dict(axis=seq_axes[0], causal=causal, scale=scale, load_balance=opts["load_balance"])
+    if algo in ("double_ring", "hybrid"):
+        kwargs["window"] = opts["window"]
+    if algo == "hybrid":
+        kwargs["ulysses_degree"] = opts["ulysses_degree"]
+    return context_attention(q, k, v, algo=algo, **kwargs)
+
+
+def _positions(x: DTensor, seq_dim: int) -> torch.Tensor:
+    """Global positions of the sequence rows this rank holds (cp order under zigzag)."""
+    from ..layouts import context_options
+    from ..spec import _names, _sizes
+    from .blockwise import cp_permutation
+
+    mesh, axes = x.device_mesh, spec_of(x).axes_of(seq_dim)
+    sizes, coord = _sizes(mesh), dict(zip(_names(mesh), mesh.get_coordinate()))
+    n, idx = 1, 0
+    for a in axes:
+        n, idx = n * sizes[a], idx * sizes[a] + coord[a]
+    order = cp_permutation(x.shape[seq_dim], n, context_options()["load_balance"] if n > 1 else None)
+    local = x.shape[seq_dim] // n
+    return order[idx * local:(idx + 1) * local]
 
 
 def _rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
@@ -63,7 +94,8 @@ def _rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tenso
 def rotary(x: torch.Tensor, theta: float = 10000.0) -> torch.Tensor:
     """Rotary position embedding of ``x`` laid out (batch, seq, heads, head_dim).
 
-    Positions are the global sequence positions of the rows this rank holds.
+    Positions are the global sequence positions of the rows this rank holds — under
+    context parallel with zigzag load balance, the original positions of its chunks.
 
     >>> rotary(torch.randn(1, 8, 2, 16)).shape
     torch.Size([1, 8, 2, 16])
@@ -71,8 +103,8 @@ def rotary(x: torch.Tensor, theta: float = 10000.0) -> torch.Tensor:
     if not isinstance(x, DTensor):
         return _rope(x, torch.arange(x.shape[1], device=x.device), theta)
     spec = spec_of(x)
-    if spec.axes_of(1) or spec.axes_of(3):
-        raise NotImplementedError(f"rotary: sequence or head_dim split ({spec}) is not supported in this version")
+    if spec.axes_of(3):
+        raise ValueError(f"rotary: head_dim must not be split ({spec})")
     local = to_local(x)
-    out = _rope(local, torch.arange(local.shape[1], device=local.device), theta)
+    out = _rope(local, _positions(x, 1).to(local.device), theta)
     return from_local(out, x.device_mesh, spec, tuple(x.shape))
