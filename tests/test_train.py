@@ -200,3 +200,31 @@ def _bad_batch():
 def test_batch_must_divide_by_dp_times_microbatches():
     with pytest.raises(dtp.testing.RankError, match=r"batch size 6, not divisible by the batch split 2 × microbatches 2 = 4"):
         run(_bad_batch, world_size=2)
+
+
+def _bad_context(context, mesh_axes):
+    _state(mesh_axes, False, torch.float32, context=context)
+
+
+@pytest.mark.parametrize("context, mesh_axes, message", [
+    (dict(algo="double_ring", window=3), {"cp": 4}, r"window=3 must be in \[1, 4\) and divide the ring degree 4"),
+    (dict(algo="double_ring", window=4), {"cp": 4}, r"window=4 must be in \[1, 4\)"),
+    (dict(algo="hybrid", ulysses_degree=4), {"cp": 4}, r"ring degree cp/ulysses_degree > 1"),
+    (dict(algo="hybrid", ulysses_degree=3), {"cp": 4}, r"cp=4 divisible by ulysses_degree=3"),
+    (dict(algo="ulysses"), {"cp": 2, "tp": 2}, None),  # heads 8 / (2 × 2): fine
+])
+def test_context_rules_are_checked_at_create(context, mesh_axes, message):
+    if message is None:
+        run(_bad_context, context, mesh_axes, world_size=4)
+        return
+    with pytest.raises(dtp.testing.RankError, match=message):
+        run(_bad_context, context, mesh_axes, world_size=4)
+
+
+def test_context_preset_rejects_bad_options():
+    with pytest.raises(ValueError, match="algo must be one of"):
+        dtp.layouts.context("spiral")
+    with pytest.raises(ValueError, match="double_ring needs window > 1"):
+        dtp.layouts.context("double_ring")
+    with pytest.raises(ValueError, match="hybrid needs ulysses_degree > 1"):
+        dtp.layouts.context("hybrid")

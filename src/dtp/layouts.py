@@ -108,6 +108,7 @@ class Layout:
     def check_sizes(self, sizes: Mapping[str, int], mesh: DeviceMesh, what: str = "model") -> None:
         """``ValueError`` unless every logical axis size divides by its split, e.g.
         ``heads=6`` on ``tp=4``; raised identically on every rank, before any collective."""
+        _check_context(self, sizes, mesh, what)
         for logical, size in sizes.items():
             for activation in (False, True):
                 n = self.degree(logical, mesh, activation=activation)
@@ -120,6 +121,31 @@ class Layout:
                         f"(layout {self.name or 'custom'}); choose {logical} a multiple of {n}, "
                         f"or a smaller {'/'.join(self.mesh_axes(logical, mesh, activation=activation))}"
                     )
+
+
+def _check_context(layout: Layout, sizes: Mapping[str, int], mesh: DeviceMesh, what: str) -> None:
+    """MindSpeed's context-parallel rules, checked before any collective runs."""
+    opts = layout.options.get("context")
+    names = _names(mesh)
+    if not opts or opts["axis"] not in names:
+        return
+    cp = mesh.size(names.index(opts["axis"]))
+    algo, window, u = opts["algo"], opts["window"], opts["ulysses_degree"]
+    heads, tp = sizes.get("heads"), layout.degree("heads", mesh)
+    if algo == "hybrid":
+        if cp % u or cp // u < 2:
+            raise ValueError(f"{what}: hybrid context parallel needs cp={cp} divisible by ulysses_degree={u} "
+                             f"with a ring degree cp/ulysses_degree > 1 (got {cp / u:g})")
+        ring = cp // u
+    else:
+        ring = cp
+    if algo in ("double_ring", "hybrid") and window > 1 and (window >= ring or ring % window):
+        raise ValueError(f"{what}: window={window} must be in [1, {ring}) and divide the ring degree {ring} "
+                         f"(cp={cp}{f' / ulysses_degree={u}' if algo == 'hybrid' else ''})")
+    degree = {"ulysses": cp, "hybrid": u}.get(algo)
+    if degree and heads is not None and heads % (degree * tp):
+        raise ValueError(f"{what}: heads={heads} must be divisible by the Ulysses degree {degree} × tp={tp} "
+                         f"= {degree * tp} for {algo} context parallel")
 
 
 def data(axis: str = "dp") -> Layout:
