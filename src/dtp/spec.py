@@ -13,6 +13,7 @@ compiles to ``_StridedShard`` with the split factor that reproduces the same chu
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Iterable, Sequence, Union
 
@@ -127,11 +128,16 @@ def check_spec(spec: P, mesh: DeviceMesh, shape: Sequence[int] | None = None, na
 
 
 def to_placements(spec: P, mesh: DeviceMesh) -> tuple[Placement, ...]:
-    """Compile a spec to one DTensor placement per mesh dim.
+    """Compile a spec to one DTensor placement per mesh dim (cached: a pure function).
 
     >>> to_placements(P(None, "tp"), make_mesh(dp=1, tp=1))
     (Replicate(), Shard(dim=1))
     """
+    return _to_placements(spec, mesh)
+
+
+@functools.lru_cache(maxsize=4096)
+def _to_placements(spec: P, mesh: DeviceMesh) -> tuple[Placement, ...]:
     check_spec(spec, mesh)
     names = _names(mesh)
     sizes = _sizes(mesh)
@@ -149,7 +155,12 @@ def to_placements(spec: P, mesh: DeviceMesh) -> tuple[Placement, ...]:
 
 
 def from_placements(placements: Sequence[Placement], mesh: DeviceMesh) -> P:
-    """The spec of a DTensor's placements (inverse of :func:`to_placements`)."""
+    """The spec of a DTensor's placements (inverse of :func:`to_placements`; cached)."""
+    return _from_placements(tuple(placements), mesh)
+
+
+@functools.lru_cache(maxsize=4096)
+def _from_placements(placements: tuple[Placement, ...], mesh: DeviceMesh) -> P:
     names = _names(mesh)
     sizes = _sizes(mesh)
     partial: list[str] = []
@@ -233,9 +244,17 @@ def shard(tensor: torch.Tensor, mesh: DeviceMesh, spec: P, *, name: str = "tenso
     return _wrap(local, mesh, spec, tuple(tensor.shape)).requires_grad_(tensor.requires_grad)
 
 
+def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for s in reversed(shape):
+        stride.append(acc)
+        acc *= max(s, 1)
+    return tuple(reversed(stride))
+
+
 def _wrap(local: torch.Tensor, mesh: DeviceMesh, spec: P, shape: tuple[int, ...]) -> DTensor:
-    stride = torch.empty(shape, device="meta").stride()
-    return DTensor.from_local(local, mesh, to_placements(spec, mesh), run_check=False, shape=torch.Size(shape), stride=stride)
+    return DTensor.from_local(local, mesh, to_placements(spec, mesh), run_check=False, shape=torch.Size(shape),
+                              stride=_contiguous_stride(shape))
 
 
 def spec_of(x: torch.Tensor) -> P:
