@@ -20,12 +20,12 @@ show where the overhead lives. ``--profile N`` instead prints a cProfile of N dt
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 from functools import partial
 
 import torch
+from _common import llama_step_parser
 
 LR = 0.1
 
@@ -78,14 +78,7 @@ def setup(cfg, batch):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--configs", nargs="+", default=["tiny", "small"], help="llama.config names")
-    ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--repeats", type=int, default=9)
-    ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
-                    help="instead: cProfile STEPS dtp steps of each config")
+    ap = llama_step_parser(__doc__, repeats=9, profile_help="instead: cProfile STEPS dtp steps of each config")
     args = ap.parse_args()
     torch.set_num_threads(1)
     from dtp.models import llama

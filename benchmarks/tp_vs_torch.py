@@ -26,7 +26,6 @@ machine are noisy; the ratios are measured side by side in one run.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 from collections import defaultdict
@@ -35,6 +34,7 @@ from functools import partial
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from _common import llama_step_parser
 
 LR = 0.1
 
@@ -361,14 +361,7 @@ def _profile(cfg, batch: dict, steps: int) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--configs", nargs="+", default=["tiny", "small"], help="llama.config names")
-    ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--repeats", type=int, default=11)
-    ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
-                    help="instead: cProfile STEPS dtp steps of the last config on rank 0")
+    ap = llama_step_parser(__doc__, repeats=11, profile_help="instead: cProfile STEPS dtp steps of the last config on rank 0")
     args = ap.parse_args()
     from dtp.models import llama
     from dtp.testing import run
