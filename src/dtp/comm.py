@@ -44,6 +44,9 @@ __all__ = [
     "all_reduce",
     "all_to_all",
     "send_recv",
+    "Span",
+    "span",
+    "simulated_link",
 ]
 
 
@@ -67,11 +70,57 @@ class CommRecord:
         return None if self.completed is None else self.completed - self.issued
 
 
+@dataclass
+class Span:
+    """A named stretch of compute on this rank (``forward``, ``backward``, ``update`` …)."""
+
+    name: str
+    start: float
+    end: float | None = None
+
+
 @dataclass(eq=False)  # identity: nested logs with equal records are still different logs
 class CommLog:
-    """Records of collectives issued while a :func:`comm_log` block was active."""
+    """Records of collectives issued while a :func:`comm_log` block was active, and the
+    compute :class:`Span` s marked with :func:`span` (for timelines of overlap)."""
 
     records: list[CommRecord] = field(default_factory=list)
+    spans: list[Span] = field(default_factory=list)
+
+    def span_of(self, name: str) -> Span | None:
+        """The first span called ``name``, or ``None``."""
+        return next((s for s in self.spans if s.name == name), None)
+
+    def overlapping(self, span: Span) -> list[CommRecord]:
+        """Collectives in flight during ``span`` (issued before it ended, completed after it started)."""
+        end = span.end if span.end is not None else time.perf_counter()
+        return [r for r in self.records
+                if r.issued < end and (r.completed is None or r.completed > span.start)]
+
+    def timeline(self, width: int = 72) -> str:
+        """A text timeline: one row per span and per collective, time running left to right.
+
+        >>> print(log.timeline())                                 # doctest: +SKIP
+        forward        |#########                          |
+        all_gather dp  |==                                 | bucket 0
+        """
+        rows: list[tuple[str, float, float, str]] = []
+        for sp in self.spans:
+            rows.append((sp.name, sp.start, sp.end if sp.end is not None else sp.start, ""))
+        for r in self.records:
+            rows.append((f"{r.kind} {r.axis}", r.issued, r.completed if r.completed is not None else r.issued, r.tag))
+        if not rows:
+            return "(empty)"
+        t0 = min(r[1] for r in rows)
+        t1 = max(r[2] for r in rows)
+        scale = (width - 1) / max(t1 - t0, 1e-9)
+        out = [f"{'':<24}|{'0':<{width - 8}}{1e3 * (t1 - t0):>6.1f}ms|"]
+        for i, (label, a, b, tag) in enumerate(rows):
+            lo, hi = int((a - t0) * scale), max(int((b - t0) * scale), int((a - t0) * scale))
+            mark = "#" if i < len(self.spans) else "="
+            bar = " " * lo + mark * (hi - lo + 1)
+            out.append(f"{label[:23]:<24}|{bar:<{width}}| {tag}")
+        return "\n".join(out)
 
     def filter(self, kind: str | None = None, axis: str | None = None) -> list[CommRecord]:
         return [r for r in self.records if (kind is None or r.kind == kind) and (axis is None or r.axis == axis)]
@@ -125,6 +174,75 @@ def comm_log() -> Iterator[CommLog]:
         _logs().remove(log)
 
 
+@contextlib.contextmanager
+def span(name: str) -> Iterator[Span]:
+    """Mark a stretch of compute in every active :func:`comm_log` (``train_step`` marks
+    ``forward``, ``backward`` and ``update``), so a timeline shows what overlapped what.
+
+    >>> with comm_log() as log, span("forward"):
+    ...     pass
+    >>> log.spans[0].name
+    'forward'
+    """
+    sp = Span(name, time.perf_counter())
+    for log in _logs():
+        log.spans.append(sp)
+    try:
+        yield sp
+    finally:
+        sp.end = time.perf_counter()
+
+
+# ------------------------------------------------------------------ a simulated slow link
+# Overlap only shows on a link slower than compute. On one CPU machine loopback gloo is
+# nearly free, so dtp can stand in a documented, deterministic link model: each mesh axis
+# is one link of ``bandwidth`` bytes/s and ``latency`` s; transfers on an axis queue one
+# after another (a link carries one message at a time) and a collective is complete when
+# both the real one has finished and its modelled transfer would have. Waiting on it
+# blocks until then; compute in between runs freely — exactly what overlap hides.
+_link_lock = threading.Lock()
+_link: dict[str, object] = {}
+
+
+@contextlib.contextmanager
+def simulated_link(bandwidth: float, latency: float = 0.0, axes: Sequence[str] | None = None) -> Iterator[None]:
+    """Make every recorded collective on ``axes`` (all by default) take at least
+    ``latency + bytes_sent / bandwidth`` seconds, queued per axis.
+
+    Bytes are the per-rank bytes of the comm log (ring algorithms), so a ``bandwidth``
+    of 1e8 models a 100 MB/s (0.8 Gbit/s) link per rank. Process-wide; every rank must
+    use the same settings.
+
+    >>> with simulated_link(bandwidth=50e6, latency=1e-4, axes=("dp",)):   # doctest: +SKIP
+    ...     state, metrics = dtp.train_step(loss_fn, state, batch)
+    """
+    if bandwidth <= 0 or latency < 0:
+        raise ValueError(f"simulated_link: bandwidth must be > 0 and latency >= 0, got {bandwidth}, {latency}")
+    with _link_lock:
+        previous = dict(_link)
+        _link.clear()
+        _link.update(bandwidth=float(bandwidth), latency=float(latency),
+                     axes=None if axes is None else frozenset(axes), busy={})
+    try:
+        yield
+    finally:
+        with _link_lock:
+            _link.clear()
+            _link.update(previous)
+
+
+def _link_deadline(axis: str, nbytes: int) -> float | None:
+    """When the modelled transfer of ``nbytes`` on ``axis`` posted now would end."""
+    with _link_lock:
+        if not _link or (_link["axes"] is not None and axis not in _link["axes"]):
+            return None
+        busy: dict[str, float] = _link["busy"]  # type: ignore[assignment]
+        start = max(time.perf_counter(), busy.get(axis, 0.0))
+        end = start + _link["latency"] + nbytes / _link["bandwidth"]  # type: ignore[operator]
+        busy[axis] = end
+        return end
+
+
 def _record(kind: str, axis: str, nbytes: float, n: int, x: torch.Tensor, async_op: bool, tag: str) -> CommRecord:
     rec = CommRecord(kind, axis, int(round(nbytes)), n, x.dtype, tuple(x.shape), time.perf_counter(), None, async_op, tag)
     for log in _logs():
@@ -135,8 +253,10 @@ def _record(kind: str, axis: str, nbytes: float, n: int, x: torch.Tensor, async_
 class CommHandle:
     """An in-flight collective; :meth:`wait` returns its (post-processed) result."""
 
-    def __init__(self, work: object | None, record: CommRecord | None, finish: Callable[[], torch.Tensor]):
+    def __init__(self, work: object | None, record: CommRecord | None, finish: Callable[[], torch.Tensor],
+                 deadline: float | None = None):
         self._work, self._record, self._finish = work, record, finish
+        self._deadline = deadline  # end of the modelled transfer under simulated_link
         self._result: torch.Tensor | None = None
         future = getattr(work, "get_future", None)
         if record is not None and future is not None:
@@ -147,18 +267,22 @@ class CommHandle:
 
     def _mark_done(self, fut: object) -> None:
         if self._record is not None and self._record.completed is None:
-            self._record.completed = time.perf_counter()
+            self._record.completed = max(time.perf_counter(), self._deadline or 0.0)
 
     def wait(self) -> torch.Tensor:
         if self._result is None:
             if self._work is not None:
                 self._work.wait()
+            if self._deadline is not None and (left := self._deadline - time.perf_counter()) > 0:
+                time.sleep(left)
             self._mark_done(None)
             self._result = self._finish()
         return self._result
 
     def is_completed(self) -> bool:
-        return self._result is not None or self._work is None or bool(self._work.is_completed())
+        if self._result is not None or self._work is None:
+            return True
+        return bool(self._work.is_completed()) and time.perf_counter() >= (self._deadline or 0.0)
 
 
 def _group(mesh: DeviceMesh, axis: str) -> tuple[dist.ProcessGroup, int]:
@@ -177,7 +301,7 @@ def _run(kind: str, mesh: DeviceMesh, axis: str, x: torch.Tensor, nbytes: Callab
         return handle if async_op else handle.wait()
     record = _record(kind, axis, nbytes(n), n, x, async_op, tag)
     work, finish = post(group, n)
-    handle = CommHandle(work, record, finish)
+    handle = CommHandle(work, record, finish, _link_deadline(axis, record.bytes))
     return handle if async_op else handle.wait()
 
 
@@ -185,13 +309,21 @@ def _nbytes(x: torch.Tensor) -> int:
     return x.numel() * x.element_size()
 
 
-def all_gather(x: torch.Tensor, mesh: DeviceMesh, axis: str, *, dim: int = 0,
+def all_gather(x: torch.Tensor, mesh: DeviceMesh, axis: str, *, dim: int = 0, out: torch.Tensor | None = None,
                async_op: bool = False, tag: str = "") -> torch.Tensor | CommHandle:
-    """Concatenate every rank's ``x`` along ``dim`` in axis-coordinate order."""
+    """Concatenate every rank's ``x`` along ``dim`` in axis-coordinate order.
+
+    ``out`` (``dim=0`` only): a contiguous buffer of the gathered shape to gather into,
+    so a caller can hand out views of it while the gather is still in flight.
+    """
     x = x.contiguous()
+    if out is not None and (dim != 0 or not out.is_contiguous()):
+        raise ValueError("all_gather: out= needs dim=0 and a contiguous buffer")
 
     def post(group: dist.ProcessGroup, n: int):
-        out = x.new_empty((n * x.shape[0], *x.shape[1:])) if dim == 0 else x.new_empty((n, *x.shape))
+        nonlocal out
+        if out is None:
+            out = x.new_empty((n * x.shape[0], *x.shape[1:])) if dim == 0 else x.new_empty((n, *x.shape))
         work = dist.all_gather_single(out.view(-1), x.view(-1), group=group, async_op=True)
 
         def finish() -> torch.Tensor:

@@ -44,7 +44,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .spec import P, _names
 
-__all__ = ["Layout", "data", "megatron", "context", "context_options", "use_layout", "current", "constrain"]
+__all__ = ["Layout", "data", "megatron", "context", "context_options", "zero", "use_layout", "current", "constrain"]
 
 Axes = tuple[str, ...]
 
@@ -216,6 +216,45 @@ def context(algo: str = "ring", *, window: int = 1, ulysses_degree: int = 1,
                "axis": axis}
     rules = {"seq": (axis,), "res_seq": (axis,)}
     return Layout({}, rules, {"context": options}, f"context({algo})")
+
+
+def zero(stage: int = 1, *, bucket_mb: float = 40.0, overlap_grad_reduce: bool = False,
+         overlap_param_gather: bool = False, axis: str = "dp") -> Layout:
+    """Data parallel with ZeRO over ``axis`` — Megatron's distributed optimizer.
+
+    Parameters (each rank's tensor/sequence-parallel shard of them) are packed into
+    contiguous flat buckets of about ``bucket_mb`` MiB, padded so each splits evenly over
+    ``axis``; rank r owns slice r of every bucket.
+
+    * ``stage=1``: optimizer state and master weights (fp32 for bf16/fp16 parameters)
+      live only on their owner: 1/dp of them per rank. Gradients are reduce-scattered
+      per bucket, each rank updates its slice, parameters are all-gathered.
+    * ``stage=2``: as 1, and a bucket's full gradient buffer is released as soon as its
+      reduce-scatter is done, so only gradient slices outlive backward.
+    * ``stage=3``: parameters too rest as slices; forward all-gathers a bucket right
+      before its first use (prefetching the next), backward gathers it again for the
+      saved activations that need it, then frees it — 3Ψ of traffic instead of 2Ψ.
+
+    ``overlap_grad_reduce`` starts each bucket's reduce-scatter during backward as soon
+    as its last gradient is in (on the last microbatch only); ``overlap_param_gather``
+    leaves the all-gathers of the update in flight in the returned state, and the next
+    forward waits on each bucket right before its first use. Buckets follow the
+    parameters' real use order, recorded in the first step's forward (MindSpeed's
+    ``--reset-bucket-group-order``), not the order they were created in.
+
+    >>> layout = data() + zero(2, overlap_grad_reduce=True, overlap_param_gather=True)
+    >>> layout.options["zero"]["stage"]
+    2
+    """
+    if stage not in (0, 1, 2, 3) or isinstance(stage, bool):
+        raise ValueError(f"layouts.zero: stage must be 0, 1, 2 or 3, got {stage!r}")
+    if not bucket_mb > 0:
+        raise ValueError(f"layouts.zero: bucket_mb must be > 0, got {bucket_mb!r}")
+    if stage == 0:  # plain data parallel: gradients all-reduced, everything replicated
+        return data(axis)
+    options = {"stage": stage, "bucket_mb": float(bucket_mb), "overlap_grad_reduce": bool(overlap_grad_reduce),
+               "overlap_param_gather": bool(overlap_param_gather), "axis": axis}
+    return Layout({}, {"batch": (axis,)}, {"zero": options}, f"zero({stage})")
 
 
 def context_options() -> dict[str, object]:

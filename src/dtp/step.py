@@ -18,7 +18,8 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from .comm import comm_log
+from . import zero as zero_mod
+from .comm import comm_log, span
 from .layouts import Layout, use_layout
 from .optim import GradientTransformation, apply_updates, clip_by_global_norm, global_norm
 from .ops.blockwise import to_cp_order
@@ -43,6 +44,13 @@ class TrainState:
     ``params``/``opt_state`` are pytrees of DTensors laid out as ``layout`` says on
     ``mesh``; ``axes`` holds each parameter's logical axis names. Functions take a state
     and return a new one; nothing is modified in place.
+
+    Under ``layouts.zero(stage)`` (see :mod:`dtp.zero`), ``opt_state`` holds the
+    optimizer state of this rank's flat bucket slices (built in the first step, ``None``
+    before), ``zero`` the master-weight slices and any parameter all-gathers still in
+    flight. Reading ``state.params`` is always safe: it waits for those gathers (no new
+    collective); under stage 3, whose parameters rest as slices, it all-gathers them — a
+    collective, so read it on every rank (for a checkpoint, say).
     """
 
     step: int
@@ -52,6 +60,14 @@ class TrainState:
     mesh: DeviceMesh
     layout: Layout
     axes: PyTree
+    zero: "zero_mod.ZeroState | None" = None
+
+    def __getattribute__(self, name: str) -> Any:
+        if name == "params":
+            z = object.__getattribute__(self, "zero")
+            if z is not None:
+                return z.full_params(object.__getattribute__(self, "params"))
+        return object.__getattribute__(self, name)
 
     @classmethod
     def create(cls, params: PyTree, optimizer: GradientTransformation, *, mesh: DeviceMesh, layout: Layout,
@@ -79,10 +95,15 @@ class TrainState:
             spec = layout.param_spec(ax, mesh)
             sharded.append(shard(x.detach(), mesh, spec, name=f"param {path}").requires_grad_(True))
         params = optree.tree_unflatten(treedef, sharded)
+        zero_opts = None if _single_device(mesh) else zero_mod.options(layout, mesh)
+        if zero_opts is not None:  # buckets (and the sharded optimizer state) come in step one
+            return cls(0, params, None, optimizer, mesh, layout, axes, zero_mod.create(params, zero_opts))
         return cls(0, params, optimizer.init(params), optimizer, mesh, layout, axes)
 
     def replace(self, **changes: Any) -> "TrainState":
-        return dataclasses.replace(self, **changes)
+        # Field by field as stored: copying a state must not wait for, or gather, params.
+        values = {f.name: object.__getattribute__(self, f.name) for f in dataclasses.fields(self)}
+        return TrainState(**{**values, **changes})
 
     def param_specs(self) -> PyTree:
         """Each parameter's spec at rest (``None`` for the plain tensors of a 1-device mesh)."""
@@ -91,8 +112,9 @@ class TrainState:
 
 optree.register_pytree_node(
     TrainState,
-    lambda s: ((s.params, s.opt_state), (s.step, s.optimizer, s.mesh, s.layout, s.axes), ("params", "opt_state")),
-    lambda aux, children: TrainState(aux[0], children[0], children[1], *aux[1:]),
+    lambda s: ((s.params, s.opt_state, s.zero), (s.step, s.optimizer, s.mesh, s.layout, s.axes),
+               ("params", "opt_state", "zero")),
+    lambda aux, children: TrainState(aux[0], children[0], children[1], *aux[1:], children[2]),
     namespace="dtp",
 )
 
@@ -177,9 +199,12 @@ def value_and_grad(loss_fn: Callable[[PyTree, Mapping[str, torch.Tensor]], Any],
         grads: list[torch.Tensor | None] = [None] * len(leaves)
         total_loss, aux = 0.0, None
         for mb in _split_microbatches(batch, microbatches):
-            out = loss_fn(optree.tree_unflatten(treedef, leaves), mb)
+            with span("forward"):
+                out = loss_fn(optree.tree_unflatten(treedef, leaves), mb)
             loss, aux = out if isinstance(out, tuple) else (out, None)
-            for i, g in enumerate(torch.autograd.grad(loss / microbatches, leaves, allow_unused=True)):
+            with span("backward"):
+                mb_grads = torch.autograd.grad(loss / microbatches, leaves, allow_unused=True)
+            for i, g in enumerate(mb_grads):
                 if g is None:
                     continue
                 if grads[i] is None:
@@ -208,15 +233,42 @@ def train_step(loss_fn: Callable[[PyTree, Mapping[str, torch.Tensor]], Any], sta
     ``comm_bytes`` — ``{axis: {collective: bytes sent per rank}}`` from the comm log.
     """
     t0 = time.perf_counter()
+    if state.zero is not None:
+        return _zero_train_step(loss_fn, state, batch, microbatches, recompute, clip_norm, t0)
     with comm_log() as log:
         loss, aux, grads = value_and_grad(loss_fn, state, batch, microbatches=microbatches, recompute=recompute)
-        with torch.no_grad():
+        with torch.no_grad(), span("update"):
             if clip_norm is not None:
                 grads, norm = clip_by_global_norm(grads, clip_norm)
             else:
                 norm = global_norm(grads)
             updates, opt_state = state.optimizer.update(grads, state.opt_state, state.params)
             params = apply_updates(state.params, updates)
+    return state.replace(step=state.step + 1, params=params, opt_state=opt_state), \
+        _metrics(state, batch, loss, aux, norm, t0, log)
+
+
+def _zero_train_step(loss_fn: Callable, state: TrainState, batch: Mapping[str, torch.Tensor], microbatches: int,
+                     recompute: str | None, clip_norm: float | None, t0: float) -> tuple[TrainState, dict[str, Any]]:
+    """``train_step`` under ZeRO: the forward reads parameters through the bucket view,
+    backward reduce-scatters buckets, each rank updates its slices (see :mod:`dtp.zero`)."""
+    if recompute not in POLICIES:
+        raise ValueError(f"train_step: recompute must be one of {POLICIES}, got {recompute!r}")
+    _check_batch(batch, state, microbatches)
+    raw = object.__getattribute__(state, "params")
+    with comm_log() as log:
+        with use_layout(state.layout, state.mesh), recompute_policy(recompute):
+            loss, aux, step = zero_mod.value_and_grad(loss_fn, state.zero, raw,
+                                                      _split_microbatches(batch, microbatches))
+        with torch.no_grad(), span("update"):
+            new_zero, opt_state, norm = zero_mod.update(step, state.optimizer, state.opt_state, clip_norm)
+    params = zero_mod.params_tree(new_zero) if new_zero.stage < 3 else None
+    new = state.replace(step=state.step + 1, params=params, opt_state=opt_state, zero=new_zero)
+    return new, _metrics(state, batch, loss, aux, norm, t0, log)
+
+
+def _metrics(state: TrainState, batch: Mapping[str, torch.Tensor], loss: float, aux: Any, norm: torch.Tensor,
+             t0: float, log: Any) -> dict[str, Any]:
     tokens = batch["tokens"].numel() if "tokens" in batch else next(iter(batch.values())).numel()
     metrics = {
         "loss": loss,
@@ -228,4 +280,4 @@ def train_step(loss_fn: Callable[[PyTree, Mapping[str, torch.Tensor]], Any], sta
     }
     if aux is not None:
         metrics["aux"] = aux
-    return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
+    return metrics

@@ -1,0 +1,573 @@
+"""ZeRO 1/2/3 — Megatron's distributed optimizer, expressed as placements.
+
+Under ``layouts.zero(stage)`` every rank's shard of the parameters (its tensor/sequence
+parallel piece, replicated over the ZeRO axis ``dp``) is packed into contiguous flat
+**buckets**, each padded to split evenly over ``dp``; rank r owns slice r of every
+bucket. In placement terms:
+
+* a gradient leaves backward as a pending sum over ``dp`` — ``Partial → Shard`` is the
+  bucket's **reduce-scatter**;
+* optimizer state and fp32 master weights live only as the owner's slice — flat
+  DTensors sharded over ``dp`` (and over whatever else splits the bucket's parameters);
+* the updated slices go ``Shard → Replicate`` — the bucket's **all-gather** — straight
+  into the buffer the next forward reads its parameters from (stage 1/2), or stay slices
+  at rest and are gathered bucket by bucket just before use (stage 3).
+
+The model never sees any of this: ``train_step`` hands ``loss_fn`` a read-only view of
+the parameter tree (``Mapping``/``Sequence`` mirrors of its dicts and lists) whose
+leaves materialise on first read. That read is where the forward waits for a bucket's
+in-flight all-gather (``overlap_param_gather``), where stage 3 gathers it (prefetching
+the next), and where the first step records the parameters' real use order, from which
+the buckets are built (``--reset-bucket-group-order``: creation order never matters).
+Each leaf is a differentiable view whose backward adds the gradient into its bucket and,
+when the bucket's last gradient of the last microbatch is in, posts the bucket's
+reduce-scatter (``overlap_grad_reduce``). Every collective goes through :mod:`dtp.comm`.
+
+Bytes per rank and step, Ψ = parameter bytes of a rank's shard (ring algorithms,
+(dp−1)/dp factors left out): stage 1/2 reduce-scatter Ψ + all-gather Ψ = 2Ψ, the same as
+DDP's all-reduce; stage 3 adds the backward re-gather: 3Ψ.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Mapping, Sequence
+
+import optree
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from . import comm
+from .optim import GradientTransformation, apply_updates, clip_by_global_norm, global_norm
+from .redistribute import reshard
+from .spec import P, _names, _sizes, _wrap, spec_of
+
+__all__ = ["ZeroState", "ZeroPlan", "Bucket", "options", "bytes_per_parameter"]
+
+PyTree = Any
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+def options(layout: Any, mesh: DeviceMesh) -> dict[str, Any] | None:
+    """The layout's ZeRO options when they apply on ``mesh`` (axis present, size > 1)."""
+    opts = layout.options.get("zero")
+    if not opts or opts["axis"] not in _names(mesh) or _sizes(mesh)[opts["axis"]] == 1:
+        return None
+    return dict(opts)
+
+
+def bytes_per_parameter(param_bytes: int, dp: int, *, master: bool) -> float:
+    """Megatron's distributed-optimizer memory per parameter with Adam (bytes): the
+    parameter and its gradient buffer stay whole, fp32 master weights and both moments
+    are split over ``dp`` — 6 + 12/dp for bf16 parameters with fp32 master weights.
+
+    >>> bytes_per_parameter(2, 8, master=True)
+    7.5
+    """
+    grad = 4 if master else param_bytes  # Megatron accumulates bf16 gradients in fp32
+    state = (4 if master else 0) + 2 * max(param_bytes, 4 if master else param_bytes)
+    return param_bytes + grad + state / dp
+
+
+@dataclass(frozen=True)
+class _Leaf:
+    """One parameter as this rank holds it (its tp/cp shard, replicated over dp)."""
+
+    path: str
+    mesh: DeviceMesh
+    spec: P
+    shape: tuple[int, ...]
+    local_shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.local_shape)
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """A contiguous flat buffer of parameters; ``numel`` is padded to divide by dp."""
+
+    index: int
+    members: tuple[int, ...]  # leaf indices in buffer order (= first use)
+    offsets: tuple[int, ...]
+    numel: int
+    dtype: torch.dtype
+    spec: P  # spec of the flat slices (dp and whatever splits the members)
+    paths: tuple[str, ...]
+    dp: int
+    last_use: int  # position of the bucket's last read in the first step's forward
+
+    @property
+    def shard_numel(self) -> int:
+        return self.numel // self.dp
+
+
+@dataclass(frozen=True)
+class ZeroPlan:
+    """Buckets and use order, fixed in the first step."""
+
+    stage: int
+    axis: str
+    mesh: DeviceMesh
+    buckets: tuple[Bucket, ...]
+    where: tuple[tuple[int, int], ...]  # leaf -> (bucket, offset)
+    use_order: tuple[str, ...]  # parameter paths in the order forward first read them
+
+
+@dataclass
+class ZeroState:
+    """ZeRO's part of a :class:`dtp.TrainState`: the plan, the master-weight slices and,
+    between steps, the parameter all-gathers still in flight.
+
+    Its pytree children are the master slices (flat DTensors sharded over dp)."""
+
+    options: dict[str, Any]
+    leaves: tuple[_Leaf, ...]
+    skeleton: PyTree  # the params tree with leaf indices for leaves
+    plan: ZeroPlan | None = None
+    master: list[DTensor] = field(default_factory=list)
+    buffers: list[torch.Tensor | None] = field(default_factory=list)  # stage 1/2: gathered params
+    inflight: list[comm.CommHandle | None] = field(default_factory=list)
+    _full: PyTree | None = None  # stage 3: the tree last gathered for a reader
+
+    @property
+    def stage(self) -> int:
+        return self.options["stage"]
+
+    def wait(self) -> None:
+        """Wait for every in-flight parameter all-gather (no new collective)."""
+        for b, h in enumerate(self.inflight):
+            if h is not None:
+                h.wait()
+                self.inflight[b] = None
+
+    def full_params(self, raw: PyTree) -> PyTree:
+        """The parameters as a tree of DTensors laid out like the layout says.
+
+        Stage 1/2 waits for in-flight gathers (local); stage 3 all-gathers every bucket
+        — a collective: read it on every rank."""
+        if self.plan is None:
+            return raw
+        if self.stage < 3:
+            self.wait()
+            return raw
+        if self._full is None:
+            bufs = [_gather(self.plan, b, _param_slice(self.master[b.index], b), async_op=False, tag="zero3 read")
+                    for b in self.plan.buckets]
+            self._full = _tree_of_views(self, bufs, requires_grad=False)
+        return self._full
+
+
+optree.register_pytree_node(
+    ZeroState,
+    lambda z: ((z.master,), (z.options, z.leaves, z.skeleton, z.plan, z.buffers, z.inflight), ("master",)),
+    lambda aux, children: ZeroState(aux[0], aux[1], aux[2], aux[3], children[0], *aux[4:]),
+    namespace="dtp",
+)
+
+
+def create(params: PyTree, opts: dict[str, Any]) -> ZeroState:
+    """ZeRO state for freshly laid-out ``params`` (DTensors); buckets come in step one."""
+    leaves, treedef = optree.tree_flatten(params)
+    paths = [".".join(map(str, p)) for p in optree.tree_paths(params)]
+    metas = []
+    for path, x in zip(paths, leaves):
+        spec = spec_of(x)
+        if opts["axis"] in spec.used_axes():
+            raise ValueError(f"param {path}: spec {spec} splits the ZeRO axis {opts['axis']!r}; ZeRO shards "
+                             f"the optimizer over it itself — keep parameters replicated over {opts['axis']!r}")
+        metas.append(_Leaf(path, x.device_mesh, spec, tuple(x.shape), tuple(x.to_local().shape), x.dtype))
+    skeleton = optree.tree_unflatten(treedef, list(range(len(leaves))))
+    return ZeroState(dict(opts), tuple(metas), skeleton)
+
+
+# --------------------------------------------------------------------------- planning
+
+
+def _plan(z: ZeroState, used: Sequence[int]) -> ZeroPlan:
+    """Buckets in first-use order, one open bucket per (dtype, sharded axes)."""
+    mesh = z.leaves[0].mesh
+    names, sizes = _names(mesh), _sizes(mesh)
+    axis, dp = z.options["axis"], sizes[z.options["axis"]]
+    order = list(dict.fromkeys(used)) + [i for i in range(len(z.leaves)) if i not in set(used)]
+    open_: dict[tuple, list[int]] = {}
+    groups: list[tuple[tuple, list[int]]] = []
+    for i in order:
+        leaf = z.leaves[i]
+        key = (leaf.dtype, tuple(a for a in names if a in set(leaf.spec.used_axes())))
+        cap = max(1, int(z.options["bucket_mb"] * 2**20) // leaf.dtype.itemsize)
+        if key not in open_:
+            open_[key] = []
+            groups.append((key, open_[key]))
+        members = open_[key]
+        members.append(i)
+        if sum(z.leaves[j].numel for j in members) >= cap:
+            del open_[key]
+    last_read = {i: pos for pos, i in enumerate(used)}
+    buckets, where = [], [(-1, -1)] * len(z.leaves)
+    for index, ((dtype, axes), members) in enumerate(groups):
+        offsets, total = [], 0
+        for i in members:
+            offsets.append(total)
+            where[i] = (index, total)
+            total += z.leaves[i].numel
+        padded = -(-total // dp) * dp
+        spec = P(tuple(a for a in names if a in set(axes) | {axis}))
+        last = max((last_read.get(i, len(used)) for i in members), default=len(used))
+        buckets.append(Bucket(index, tuple(members), tuple(offsets), padded, dtype, spec,
+                              tuple(z.leaves[i].path for i in members), dp, last))
+    return ZeroPlan(z.stage, axis, mesh, tuple(buckets), tuple(where), tuple(z.leaves[i].path for i in order))
+
+
+def _flat_global(b: Bucket, mesh: DeviceMesh) -> tuple[int]:
+    sizes = _sizes(mesh)
+    return (b.shard_numel * math.prod(sizes[a] for a in b.spec.axes_of(0)),)
+
+
+def _slice_of(plan: ZeroPlan, b: Bucket, flat: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    r = dict(zip(_names(mesh), mesh.get_coordinate()))[plan.axis]
+    return flat[r * b.shard_numel:(r + 1) * b.shard_numel]
+
+
+def _param_slice(master: DTensor, b: Bucket) -> torch.Tensor:
+    """This rank's slice of a bucket in the parameters' dtype (from the master slice)."""
+    return master.to_local().to(b.dtype)
+
+
+def _gather(plan: ZeroPlan, b: Bucket, piece: torch.Tensor, *, async_op: bool, tag: str,
+            out: torch.Tensor | None = None) -> Any:
+    out = piece.new_empty(b.numel) if out is None else out
+    return comm.all_gather(piece, plan.mesh, plan.axis, out=out, async_op=async_op, tag=f"{tag} bucket {b.index}")
+
+
+def _views(z: ZeroState, b: Bucket, buf: torch.Tensor) -> dict[int, torch.Tensor]:
+    return {i: buf.narrow(0, off, z.leaves[i].numel).view(z.leaves[i].local_shape)
+            for i, off in zip(b.members, b.offsets)}
+
+
+def _tree_of_views(z: ZeroState, bufs: Sequence[torch.Tensor], *, requires_grad: bool) -> PyTree:
+    out: list[torch.Tensor | None] = [None] * len(z.leaves)
+    for b, buf in zip(z.plan.buckets, bufs):
+        for i, v in _views(z, b, buf).items():
+            leaf = z.leaves[i]
+            out[i] = _wrap(v, leaf.mesh, leaf.spec, leaf.shape).requires_grad_(requires_grad)
+    return optree.tree_map(lambda i: out[i], z.skeleton)
+
+
+# --------------------------------------------------------------------------- forward view
+
+
+class _ParamView(torch.autograd.Function):
+    """A parameter leaf for the forward; its backward feeds the gradient to its bucket."""
+
+    @staticmethod
+    def forward(ctx, anchor: torch.Tensor, local: torch.Tensor, step: "_Step", i: int) -> DTensor:  # type: ignore[override]
+        ctx.step, ctx.i = step, i
+        leaf = step.z.leaves[i]
+        return _wrap(local, leaf.mesh, leaf.spec, leaf.shape)
+
+    @staticmethod
+    def backward(ctx, grad: DTensor):  # type: ignore[override]
+        ctx.step.add_grad(ctx.i, grad)
+        return None, None, None, None
+
+
+def _in_backward() -> bool:
+    """True while the autograd engine runs (recomputation of a checkpointed block)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class _LazyMapping(Mapping):
+    """A read-only mirror of a dict of parameters; leaves materialise on read."""
+
+    def __init__(self, node: Mapping, step: "_Step"):
+        self._node, self._step = node, step
+
+    def __getitem__(self, key: Any) -> Any:
+        return self._step.resolve(self._node[key])
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._node)
+
+    def __len__(self) -> int:
+        return len(self._node)
+
+    def __repr__(self) -> str:
+        return f"<dtp ZeRO parameter view of {list(self._node)}>"
+
+
+class _LazySequence(Sequence):
+    """A read-only mirror of a list/tuple of parameters; leaves materialise on read."""
+
+    def __init__(self, node: Sequence, step: "_Step"):
+        self._node, self._step = node, step
+
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, slice):
+            return [self._step.resolve(v) for v in self._node[index]]
+        return self._step.resolve(self._node[index])
+
+    def __len__(self) -> int:
+        return len(self._node)
+
+
+class _Step:
+    """One train step under ZeRO: the forward's parameter view and the gradient buckets."""
+
+    def __init__(self, z: ZeroState, raw: PyTree, microbatches: int):
+        # A copy: the first step fixes the plan on it, never on the caller's state.
+        z = ZeroState(z.options, z.leaves, z.skeleton, z.plan, z.master, z.buffers, z.inflight)
+        self.z, self.microbatches = z, microbatches
+        self.raw_leaves = None if z.plan is not None else [x.to_local() for x in optree.tree_leaves(raw)]
+        self.anchor = torch.zeros((), requires_grad=True)
+        self.used: list[int] = []  # first step: every read, in order
+        self.position = 0  # reads so far in this microbatch's forward
+        self.views = [0] * len(z.leaves)
+        self.microbatch = 0
+        self.grad_bufs: list[torch.Tensor | None] = []
+        self.pending: list[int] = []
+        self.reduce: list[comm.CommHandle | None] = []
+        self.live: dict[int, torch.Tensor] = {}  # stage 3: gathered buckets now held
+        self.prefetch: dict[int, comm.CommHandle] = {}
+        self.live_ptrs: dict[int, int] = {}
+
+    # ---- forward
+    def tree(self) -> PyTree:
+        return self.resolve(self.z.skeleton)
+
+    def resolve(self, node: Any) -> Any:
+        if isinstance(node, int) and not isinstance(node, bool):
+            return self.leaf(node)
+        if type(node) is dict:
+            return _LazyMapping(node, self)
+        if type(node) in (list, tuple):
+            return _LazySequence(node, self)
+        # Other containers (NamedTuple, custom nodes): materialise the whole subtree.
+        return optree.tree_map(self.leaf, node)
+
+    def leaf(self, i: int) -> DTensor:
+        counting = not _in_backward()
+        if counting and self.z.plan is None:
+            self.used.append(i)
+        local = self._local(i)
+        out = _ParamView.apply(self.anchor, local, self, i)
+        if counting:
+            self.views[i] += 1
+            self.position += 1
+        return out
+
+    def _local(self, i: int) -> torch.Tensor:
+        z = self.z
+        if self.raw_leaves is not None:  # the first step reads the laid-out params as they are
+            return self.raw_leaves[i]
+        b, off = z.plan.where[i]
+        buf = self._bucket_buffer(b)
+        return buf.narrow(0, off, z.leaves[i].numel).view(z.leaves[i].local_shape)
+
+    def _bucket_buffer(self, b: int) -> torch.Tensor:
+        z = self.z
+        if z.stage < 3:
+            handle = z.inflight[b] if z.inflight else None
+            if handle is not None:  # first use: wait for this bucket's all-gather only
+                handle.wait()
+                z.inflight[b] = None
+            return z.buffers[b]
+        return self._gathered(b, ahead=-1 if _in_backward() else 1)
+
+    def _gathered(self, b: int, ahead: int) -> torch.Tensor:
+        """Stage 3: bucket ``b`` whole, gathering it (or waiting for its prefetch) and
+        prefetching the bucket ``ahead`` of it in the direction of travel."""
+        plan = self.z.plan
+        if b not in self.live:
+            handle = self.prefetch.pop(b, None)
+            if handle is None:
+                handle = self._post_gather(b)
+            self._hold(b, handle.wait())
+        if ahead > 0:  # forward: free what the first step's forward read for the last time
+            for k in [k for k in self.live if k != b and plan.buckets[k].last_use < self.position]:
+                self._release(k)
+        nxt = b + ahead
+        if 0 <= nxt < len(plan.buckets) and nxt not in self.live and nxt not in self.prefetch:
+            self.prefetch[nxt] = self._post_gather(nxt)
+        return self.live[b]
+
+    def _post_gather(self, b: int) -> comm.CommHandle:
+        plan = self.z.plan
+        bucket = plan.buckets[b]
+        tag = "zero3 backward gather" if _in_backward() else "zero3 gather"
+        return _gather(plan, bucket, _param_slice(self.z.master[b], bucket), async_op=True, tag=tag)
+
+    def _hold(self, b: int, buf: torch.Tensor) -> None:
+        self.live[b] = buf
+        ptr = buf.untyped_storage().data_ptr()
+        self.live_ptrs[ptr] = b
+        weakref.finalize(buf, self.live_ptrs.pop, ptr, None)
+
+    def _release(self, b: int) -> None:
+        self.live.pop(b, None)
+
+    # ---- stage 3: saved activations refer to a bucket instead of holding it
+    def pack(self, t: torch.Tensor) -> Any:
+        local = t._local_tensor if isinstance(t, DTensor) else t
+        if not self.live_ptrs or local.layout != torch.strided:
+            return t
+        b = self.live_ptrs.get(local.untyped_storage().data_ptr())
+        if b is None:
+            return t
+        meta = (t.device_mesh, t.placements, t.shape, t.stride()) if isinstance(t, DTensor) else None
+        return _Saved(b, local.storage_offset(), tuple(local.shape), local.stride(), meta)
+
+    def unpack(self, saved: Any) -> torch.Tensor:
+        if not isinstance(saved, _Saved):
+            return saved
+        buf = self._gathered(saved.bucket, ahead=-1)
+        local = buf.as_strided(saved.shape, saved.stride, saved.offset)
+        if saved.meta is None:
+            return local
+        mesh, placements, shape, stride = saved.meta
+        return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
+
+    # ---- backward
+    def begin_backward(self, microbatch: int) -> None:
+        """Called after each microbatch's forward: (first step) fix the buckets, then
+        count the views each bucket waits for."""
+        z = self.z
+        self.microbatch = microbatch
+        if z.plan is None:
+            z.plan = _plan(z, self.used)
+        self.position = 0
+        if not self.grad_bufs:
+            self.grad_bufs = [None] * len(z.plan.buckets)
+            self.reduce = [None] * len(z.plan.buckets)
+        self.pending = [sum(self.views[i] for i in b.members) for b in z.plan.buckets]
+        self.views = [0] * len(z.leaves)
+        if z.stage == 3:  # forward is over: hold nothing the backward does not ask for
+            for k in list(self.live):
+                self._release(k)
+
+    def add_grad(self, i: int, grad: torch.Tensor) -> None:
+        z, plan = self.z, self.z.plan
+        leaf = z.leaves[i]
+        if not isinstance(grad, DTensor):
+            raise TypeError(f"param {leaf.path}: gradient is a plain tensor; expected a DTensor")
+        # Resolve every pending sum but dp's (e.g. norm weights under SP over tp); dp's
+        # is what the bucket's reduce-scatter is for.
+        target = P(*leaf.spec.dims, partial=(plan.axis,))
+        if spec_of(grad) != target:
+            grad = reshard(grad, target, name=f"grad {leaf.path}", tag="grad reduce")
+        b, off = plan.where[i]
+        bucket = plan.buckets[b]
+        buf = self.grad_bufs[b]
+        if buf is None:
+            acc = torch.float32 if bucket.dtype in _LOW_PRECISION else bucket.dtype
+            buf = self.grad_bufs[b] = torch.zeros(bucket.numel, dtype=acc, device=grad.to_local().device)
+        buf.narrow(0, off, leaf.numel).add_(grad.to_local().reshape(-1))
+        self.pending[b] -= 1
+        last = self.microbatch == self.microbatches - 1
+        if self.pending[b] == 0:
+            if z.stage == 3:
+                self._release(b)
+            if last and z.options["overlap_grad_reduce"]:
+                self._post_reduce(b, async_op=True)
+
+    def _post_reduce(self, b: int, *, async_op: bool) -> None:
+        plan = self.z.plan
+        buf = self.grad_bufs[b]
+        self.reduce[b] = comm.reduce_scatter(buf, plan.mesh, plan.axis, async_op=True,
+                                             tag=f"grad bucket {b}")
+        if self.z.stage >= 2:  # only the slice outlives the reduce-scatter (the handle keeps it until done)
+            self.grad_bufs[b] = None
+        if not async_op:
+            self.reduce[b].wait()
+
+    def gradient_slices(self) -> list[DTensor]:
+        """Every bucket's reduced gradient slice (posting what backward did not)."""
+        plan = self.z.plan
+        mesh = plan.mesh
+        out = []
+        for b in plan.buckets:
+            if self.reduce[b.index] is None:
+                if self.grad_bufs[b.index] is None:  # nothing of this bucket was used
+                    acc = torch.float32 if b.dtype in _LOW_PRECISION else b.dtype
+                    self.grad_bufs[b.index] = torch.zeros(b.numel, dtype=acc, device=self.anchor.device)
+                self._post_reduce(b.index, async_op=False)
+            out.append(_wrap(self.reduce[b.index].wait(), mesh, b.spec, _flat_global(b, mesh)))
+        self.grad_bufs = []
+        return out
+
+
+@dataclass(frozen=True)
+class _Saved:
+    bucket: int
+    offset: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    meta: Any
+
+
+# --------------------------------------------------------------------------- the step
+
+
+def value_and_grad(loss_fn: Callable, z: ZeroState, raw_params: PyTree,
+                   microbatches: list[Mapping]) -> tuple[float, Any, "_Step"]:
+    """Forward/backward of every microbatch through the ZeRO parameter view."""
+    step = _Step(z, raw_params, len(microbatches))
+    total, aux = 0.0, None
+    for k, mb in enumerate(microbatches):
+        hooks = (torch.autograd.graph.saved_tensors_hooks(step.pack, step.unpack) if z.stage == 3
+                 else contextlib.nullcontext())
+        with comm.span("forward"), hooks:
+            out = loss_fn(step.tree(), mb)
+        loss, aux = out if isinstance(out, tuple) else (out, None)
+        step.begin_backward(k)
+        with comm.span("backward"):
+            torch.autograd.grad(loss / len(microbatches), [step.anchor], allow_unused=True)
+        total += float(loss.detach().to_local() if isinstance(loss, DTensor) else loss.detach()) / len(microbatches)
+    return total, aux, step
+
+
+def update(step: _Step, optimizer: GradientTransformation, opt_state: Any,
+           clip_norm: float | None) -> tuple[ZeroState, Any, torch.Tensor]:
+    """Reduce-scatter leftovers, clip over the slices, update each rank's slice, and
+    all-gather the new parameters (left in flight with ``overlap_param_gather``)."""
+    z, plan = step.z, step.z.plan
+    mesh = plan.mesh
+    grads = step.gradient_slices()
+    master = z.master
+    if not master:  # first step: slice the master weights out of the (replicated) params
+        master = []
+        for b in plan.buckets:
+            flat = torch.zeros(b.numel, dtype=torch.float32 if b.dtype in _LOW_PRECISION else b.dtype)
+            for i, off in zip(b.members, b.offsets):
+                flat.narrow(0, off, z.leaves[i].numel).copy_(step.raw_leaves[i].reshape(-1))
+            master.append(_wrap(_slice_of(plan, b, flat, mesh).clone(), mesh, b.spec, _flat_global(b, mesh)))
+        opt_state = optimizer.init(master)
+    if clip_norm is not None:
+        grads, norm = clip_by_global_norm(grads, clip_norm)
+    else:
+        norm = global_norm(grads)
+    updates, opt_state = optimizer.update(grads, opt_state, master)
+    master = [m.detach() for m in apply_updates(master, updates)]
+    new = ZeroState(z.options, z.leaves, z.skeleton, plan, master)
+    if z.stage < 3:
+        overlap = z.options["overlap_param_gather"]
+        for b in plan.buckets:  # in forward-use order: the first needed is the first done
+            buf = torch.empty(b.numel, dtype=b.dtype, device=master[b.index].to_local().device)
+            h = _gather(plan, b, _param_slice(master[b.index], b), async_op=True, tag="param gather", out=buf)
+            if not overlap:
+                h.wait()
+            new.buffers.append(buf)
+            new.inflight.append(h if overlap else None)
+    return new, opt_state, norm
+
+
+def params_tree(z: ZeroState) -> PyTree:
+    """Stage 1/2 after a step: the parameter DTensors, views of the gathered buffers
+    (possibly still being filled: read them through ``TrainState.params``, which waits)."""
+    return _tree_of_views(z, z.buffers, requires_grad=True)
