@@ -116,7 +116,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sliding attention window in tokens (with --cp > 1)")
     g.add_argument("--ulysses-degree", type=_positive("--ulysses-degree"), default=None,
                    help="Ulysses part of hybrid context parallel (with --cp > 1)")
-    g.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0, help="ZeRO / FSDP stage")
+    g.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0,
+                   help="ZeRO stage over dp: 1 optimizer state, 2 + gradients, 3 + parameters (0: plain DP)")
+    g.add_argument("--overlap-grad-reduce", action="store_true",
+                   help="with --zero: reduce-scatter each gradient bucket during backward")
+    g.add_argument("--overlap-param-gather", action="store_true",
+                   help="with --zero 1/2: leave the parameter all-gathers in flight until the next forward")
+    g.add_argument("--bucket-mb", type=_non_negative_float, default=40.0,
+                   help="with --zero: gradient/parameter bucket size in MiB")
 
     g = t.add_argument_group("model and training")
     g.add_argument("--model", default="tiny", help="llama preset: tiny, small, 1b, llama2-7b, llama3-8b, ...")
@@ -191,6 +198,13 @@ def validate(args: argparse.Namespace, *, world_size: int | None = None) -> argp
         flags = [f for f, v in (("--cp-algo", args.cp_algo), ("--cp-window", args.cp_window),
                                 ("--ulysses-degree", args.ulysses_degree)) if v]
         raise UsageError(f"{', '.join(flags)} configure context parallel; they need --cp > 1")
+    if not args.zero and (args.overlap_grad_reduce or args.overlap_param_gather):
+        raise UsageError("--overlap-grad-reduce / --overlap-param-gather overlap ZeRO's collectives; they need --zero 1, 2 or 3")
+    if args.zero and args.dp == 1:
+        print(f"{PROG} train: note: --zero {args.zero} has no effect with --dp 1 (ZeRO shards over dp)",
+              file=sys.stderr)
+    if args.bucket_mb <= 0:
+        raise UsageError(f"--bucket-mb must be > 0, got {args.bucket_mb}")
     if args.sp and args.tp == 1:
         # As in Megatron-LM: sequence parallel splits over the tp group, a group of one.
         print(f"{PROG} train: note: --sp has no effect with --tp 1 (sequence parallel splits over tp)",
@@ -233,7 +247,9 @@ def train_argv(args: argparse.Namespace) -> list[str]:
                         ("--out", args.out)):
         if value is not None:
             out += [flag, str(value)]
-    out += ["--zero", str(args.zero), "--model", args.model, "--steps", str(args.steps),
+    out += [flag for flag, on in (("--overlap-grad-reduce", args.overlap_grad_reduce),
+                                  ("--overlap-param-gather", args.overlap_param_gather)) if on]
+    out += ["--zero", str(args.zero), "--bucket-mb", repr(args.bucket_mb), "--model", args.model, "--steps", str(args.steps),
             "--batch", str(args.batch), "--seq", str(args.seq), "--dtype", args.dtype,
             "--lr", repr(args.lr), "--warmup", str(args.warmup), "--microbatches", str(args.microbatches),
             "--recompute", args.recompute, "--clip", repr(args.clip), "--seed", str(args.seed),
@@ -472,7 +488,9 @@ def build_layout(args: argparse.Namespace) -> Any:
     if args.zero:
         if not hasattr(layouts, "zero"):
             raise UsageError(f"--zero {args.zero}: ZeRO is not available yet (no dtp.layouts.zero)")
-        layout = layout + layouts.zero(stage=args.zero)
+        layout = layout + layouts.zero(stage=args.zero, bucket_mb=args.bucket_mb,
+                                       overlap_grad_reduce=args.overlap_grad_reduce,
+                                       overlap_param_gather=args.overlap_param_gather)
     return layout
 
 
