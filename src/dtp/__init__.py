@@ -5,7 +5,7 @@ redistribution rules; training is a pure function ``train_step(loss_fn, state, b
 This module only re-exports the public surface.
 """
 
-from . import layouts, ops, optim
+from . import comm, layouts, ops, optim, zero
 from .comm import CommLog, CommRecord, comm_log
 from .layouts import Layout, constrain, use_layout
 from .mesh import detect_device, flatten_axes, make_mesh
@@ -20,6 +20,6 @@ __all__ = [
     "P", "make_mesh", "detect_device", "flatten_axes",
     "shard", "from_local", "spec_of", "reshard", "visualize",
     "comm_log", "CommLog", "CommRecord",
-    "Layout", "layouts", "use_layout", "constrain", "ops", "optim",
+    "Layout", "layouts", "use_layout", "constrain", "ops", "optim", "zero", "comm",
     "TrainState", "train_step", "shard_batch",
 ]

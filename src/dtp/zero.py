@@ -279,8 +279,10 @@ class _ParamView(torch.autograd.Function):
 
 
 def _in_backward() -> bool:
-    """True while the autograd engine runs (recomputation of a checkpointed block)."""
-    return torch._C._current_graph_task_id() != -1
+    """True while the autograd engine runs backward — a checkpointed block being
+    recomputed reads its parameters then, and those reads are no forward uses."""
+    task_id = getattr(torch._C, "_current_graph_task_id", None)
+    return task_id is not None and task_id() != -1
 
 
 class _LazyMapping(Mapping):
@@ -417,7 +419,10 @@ class _Step:
         local = t._local_tensor if isinstance(t, DTensor) else t
         if not self.live_ptrs or local.layout != torch.strided:
             return t
-        b = self.live_ptrs.get(local.untyped_storage().data_ptr())
+        try:
+            b = self.live_ptrs.get(local.untyped_storage().data_ptr())
+        except (RuntimeError, NotImplementedError):  # tensors without a plain storage
+            return t
         if b is None:
             return t
         meta = (t.device_mesh, t.placements, t.shape, t.stride()) if isinstance(t, DTensor) else None
