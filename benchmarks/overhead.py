@@ -5,8 +5,10 @@ same functional Llama.
 
 * dtp: ``make_mesh(dp=1)`` (a one-process gloo group), layout ``layouts.data()``,
   ``dtp.train_step(partial(llama.loss, cfg=cfg), state, dtp.shard_batch(batch, state))``
-  with ``dtp.optim.sgd`` — DTensor parameters, the layout machinery, the comm path
-  (which issues nothing on a mesh of one), the metrics (grad norm, loss as a float).
+  with ``dtp.optim.sgd``. A mesh of one device keeps plain tensors (``TrainState.create``
+  wraps no DTensors, ``shard_batch`` returns the batch as is), so the model runs as eager
+  PyTorch here too; what is measured is dtp's step around it: ``value_and_grad``'s
+  bookkeeping, the optimizer's tree map, the metrics (grad norm, loss as a float).
 * eager: ``llama.loss`` on plain tensors (no layout active: ``constrain`` is the
   identity), ``torch.autograd.grad``, ``p - lr * g`` under ``no_grad``, ``float(loss)``.
 

@@ -28,24 +28,26 @@ def _layout(sp: bool) -> dtp.Layout:
     return dtp.layouts.data() + dtp.layouts.megatron(sequence_parallel=sp)
 
 
-def _state(mesh_axes, sp, dtype, optimizer=None, context=None):
+def _state(mesh_axes, sp, dtype, optimizer=None, context=None, cfg=CFG):
     mesh = dtp.make_mesh(**mesh_axes)
     layout = _layout(sp) + (dtp.layouts.context(**context) if context else dtp.Layout())
-    return dtp.TrainState.create(llama.init(CFG, seed=0, dtype=dtype), optimizer or dtp.optim.sgd(0.1), mesh=mesh,
-                                 layout=layout, axes=llama.param_axes(CFG), axis_sizes=llama.axis_sizes(CFG))
+    return dtp.TrainState.create(llama.init(cfg, seed=0, dtype=dtype), optimizer or dtp.optim.sgd(0.1), mesh=mesh,
+                                 layout=layout, axes=llama.param_axes(cfg), axis_sizes=llama.axis_sizes(cfg))
 
 
-def _parity(mesh_axes, sp, dtype, variants, context=None):
+def _parity(mesh_axes, sp, dtype, variants, context=None, cfg=CFG):
     from torch.distributed.tensor.debug import CommDebugMode
 
+    loss_fn = LOSS if cfg is CFG else functools.partial(llama.loss, cfg=cfg)
     batch = _batch()
-    ref_loss, ref_grads = reference_value_and_grad(LOSS, llama.init(CFG, seed=0, dtype=dtype), batch)
-    state = _state(mesh_axes, sp, dtype, context=context)
+    ref_loss, ref_grads = reference_value_and_grad(loss_fn, llama.init(cfg, seed=0, dtype=dtype), batch)
+    state = _state(mesh_axes, sp, dtype, context=context, cfg=cfg)
     placed = dtp.shard_batch(batch, state)
     rtol = dtp.testing.tolerance(dtype)[0]
     for microbatches, recompute in variants:
         with CommDebugMode() as seen, dtp.comm_log() as log:
-            loss, _, grads = dtp.step.value_and_grad(LOSS, state, placed, microbatches=microbatches, recompute=recompute)
+            loss, _, grads = dtp.step.value_and_grad(loss_fn, state, placed, microbatches=microbatches,
+                                                     recompute=recompute)
         # Every collective that ran went through dtp's recorded path: DTensor issued none of its own.
         # (CommDebugMode does not see point-to-point ops, which DTensor never issues.)
         collectives = len([r for r in log.records if r.kind != "send_recv"])
@@ -83,6 +85,23 @@ def test_loss_and_grads_match_single_device_fp64(mesh_axes, sp):
 ], ids=["ring", "ring-contiguous", "ulysses", "double_ring-w2", "hybrid-u2"])
 def test_context_parallel_cp4_matches_single_device(context):
     assert all(run(_parity, {"cp": 4}, False, torch.float64, [(1, None)], context, world_size=4))
+
+
+# Tied embeddings: the head is the transposed vocab-parallel embedding, so the embedding's
+# gradient sums the lookup's (scattered rows) and the head's (a vocab-sharded matmul).
+TIED = llama.config("tiny", n_heads=8, n_kv_heads=4, tie_embeddings=True)
+
+
+@pytest.mark.parametrize("mesh_axes, sp", [
+    ({"dp": 2}, False),
+    ({"tp": 2}, True),
+    ({"dp": 2, "tp": 2}, True),
+], ids=["dp2", "tp2+sp", "dp2xtp2+sp"])
+def test_tied_embeddings_match_single_device_fp64(mesh_axes, sp):
+    ws = 1
+    for n in mesh_axes.values():
+        ws *= n
+    assert all(run(_parity, mesh_axes, sp, torch.float64, VARIANTS, cfg=TIED, world_size=ws))
 
 
 def test_dp2_cp2_tp2_sp_matches_single_device():
