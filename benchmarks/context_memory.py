@@ -1,21 +1,26 @@
-"""Context-parallel attention: activation memory and traffic per rank, by algorithm.
+"""Context-parallel attention: per-rank peak memory of forward + backward vs cp.
 
-    python benchmarks/context_memory.py --world-size 4 --seq 1024 4096 --heads 8 --dim 64
+    python benchmarks/context_memory.py --seq 4096 --heads 8 --dim 64 --cps 1 2 4 --repeats 5
 
-For each sequence length, one causal attention (fp32, zigzag order) forward + backward:
+For one fixed total sequence, causal attention (fp32, zigzag order) forward + backward on
+``cp`` gloo ranks for each ``cp`` in ``--cps``: ``ring`` and ``ulysses`` at every cp > 1,
+``double_ring`` (window 2) and ``hybrid`` (Ulysses degree 2) where valid (cp ≥ 4); the cp=1
+baseline is the same dtp call on a one-rank mesh (a ring of size one: one fused SDPA block,
+O(S) saved), and ``1 device math`` (``softmax(QK^T)V``, the S×S wall) is shown for scale.
 
-* ``1 device math``: the textbook ``softmax(QK^T)V`` on one device (saves the S×S
-  probabilities: the memory wall context parallelism exists to break);
-* ``1 device sdpa``: one device's fused SDPA (saves O(S): out + LSE);
-* ``ulysses``, ``ring``, ``double_ring`` (window 2), ``hybrid`` (Ulysses degree 2) on
-  ``--world-size`` gloo ranks, ``cp`` = world size.
+**Peak memory** is the peak of live CPU bytes allocated from creating this rank's q/k/v
+shards to the end of backward, measured at the allocator: ``torch.profiler`` with
+``profile_memory=True`` records every allocation and free of the CPU allocator (on every
+thread, gloo's included) as a ``[memory]`` event with its signed size; the running sum of
+those, in time order, peaks at the answer. Chosen over process RSS (glibc keeps freed
+pages, other processes share the machine: noisy and inflated) and over counting
+saved-for-backward tensors (misses transient buffers: the K/V blocks in flight, the
+all-to-all outputs, the S×S scores of a non-fused kernel). It covers inputs, outputs,
+gradients, saved activations and communication buffers, all through the CPU allocator.
 
-Columns: bytes saved for backward per rank (counted with
-``torch.autograd.graph.saved_tensors_hooks``, storages deduplicated), the score matrix of
-the largest single attention call a rank makes (what a non-fused kernel materialises; a
-fused one tiles it, but it is the work per call), bytes sent per rank
-(forward + backward, from ``dtp.comm_log``), and the median wall time of ``--repeats``
-runs. Not a test: times on a shared CPU are noisy; memory and bytes are exact.
+Columns: peak MiB per rank (max over ranks of the median of ``--repeats`` runs), its ratio
+to the cp=1 peak against the goal ``≤ 1/cp + 15%``, bytes sent per rank (``dtp.comm_log``)
+and the median wall time. Not a test: times on a shared CPU are noisy; memory is stable.
 """
 
 from __future__ import annotations
@@ -27,46 +32,33 @@ import time
 import torch
 
 
-def _saved_bytes(fn) -> tuple[int, object]:
-    """Run ``fn`` and count the distinct storages autograd saves for backward."""
-    from torch.distributed.tensor import DTensor
+def _peak_bytes(fn) -> int:
+    """Peak live bytes of the CPU allocator while ``fn`` runs (see the module docstring)."""
+    import itertools
 
-    seen: dict[int, int] = {}
+    from torch.profiler import ProfilerActivity, profile
 
-    def pack(t: torch.Tensor):
-        local = t._local_tensor if isinstance(t, DTensor) else t
-        try:
-            st = local.untyped_storage()
-            seen[st.data_ptr()] = st.nbytes()
-        except (RuntimeError, NotImplementedError):
-            pass
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn()
-    return sum(seen.values()), out
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
+    return max(itertools.accumulate((e.nbytes() for e in events), initial=0))
 
 
-def _single(seq: int, heads: int, dim: int, math_path: bool) -> dict:
-    import torch.nn.functional as F
+def _single_math(seq: int, heads: int, dim: int, repeats: int) -> dict:
+    def once():
+        q, k, v = (torch.randn(1, heads, seq, dim).requires_grad_() for _ in range(3))
+        s = (q @ k.transpose(-1, -2)) / dim**0.5
+        s = s.masked_fill(~torch.ones(seq, seq, dtype=torch.bool).tril(), float("-inf"))
+        (s.softmax(-1) @ v).sum().backward()
 
-    g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(1, heads, seq, dim, generator=g).requires_grad_() for _ in range(3))
-
-    def fwd():
-        if math_path:
-            s = (q @ k.transpose(-1, -2)) / dim**0.5
-            s = s.masked_fill(~torch.ones(seq, seq, dtype=torch.bool).tril(), float("-inf"))
-            return s.softmax(-1) @ v
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-
-    saved, _ = _saved_bytes(fwd)
-    times = []
-    for _ in range(3):
+    once()
+    peaks, times = [], []
+    for _ in range(repeats):
         t0 = time.perf_counter()
-        fwd().sum().backward()
+        peaks.append(_peak_bytes(once))
         times.append(time.perf_counter() - t0)
-    return dict(saved=saved, scores=heads * seq * seq * 4, sent=0, ms=1e3 * statistics.median(times))
+    return dict(peak=statistics.median(peaks), sent=0, ms=1e3 * statistics.median(times))
 
 
 def _distributed(algo: str, kw: dict, seq: int, heads: int, dim: int, repeats: int) -> dict:
@@ -75,63 +67,67 @@ def _distributed(algo: str, kw: dict, seq: int, heads: int, dim: int, repeats: i
     import dtp
     from dtp import P
     from dtp.ops import context as C
-    from dtp.redistribute import to_local
+    from dtp.redistribute import from_local, to_local
 
     world = dist.get_world_size()
     mesh = dtp.make_mesh(cp=world)
-    g = torch.Generator().manual_seed(0)
-    glob = [torch.randn(1, heads, seq, dim, generator=g) for _ in range(3)]
+    L = seq // world
+    spec = P(None, None, "cp")
+    sent = []
 
-    def once() -> tuple[int, int]:
-        q, k, v = (dtp.shard(t, mesh, P(None, None, "cp")).requires_grad_() for t in glob)
+    def once():
+        # This rank's shards are created inside the measured region: inputs count too.
+        q, k, v = (from_local(torch.randn(1, heads, L, dim), mesh, spec).requires_grad_() for _ in range(3))
         with dtp.comm_log() as log:
-            saved, out = _saved_bytes(lambda: C.context_attention(q, k, v, algo=algo, **kw))
+            out = C.context_attention(q, k, v, algo=algo, causal=True, load_balance="zigzag", **kw)
             to_local(out).sum().backward()
-        return saved, log.bytes()
+        sent.append(log.bytes())
 
-    saved, sent = once()  # warm-up (creates mesh views)
-    times = []
+    once()  # warm-up (creates mesh views)
+    peaks, times = [], []
     for _ in range(repeats):
         dist.barrier()
         t0 = time.perf_counter()
-        once()
+        peaks.append(_peak_bytes(once))
         times.append(time.perf_counter() - t0)
-    L = seq // world
-    if algo == "ulysses":
-        scores = heads // world * seq * seq * 4
-    elif algo == "hybrid":
-        u = kw["ulysses_degree"]
-        scores = heads // u * (L * u) ** 2 * 4
-    else:
-        scores = heads * L * L * 4
-    return dict(saved=saved, scores=scores, sent=sent, ms=1e3 * statistics.median(times))
+    return dict(peak=statistics.median(peaks), sent=sent[-1], ms=1e3 * statistics.median(times))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--world-size", type=int, default=4)
-    ap.add_argument("--seq", type=int, nargs="+", default=[1024, 4096])
+    ap.add_argument("--seq", type=int, default=4096, help="total sequence length (fixed across cp)")
+    ap.add_argument("--cps", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--dim", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args()
 
     from dtp.testing import run
 
     torch.set_num_threads(1)
-    algos = [("ulysses", {}), ("ring", {}), ("double_ring", {"window": 2}), ("hybrid", {"ulysses_degree": 2})]
     mib = 2.0**20
-    print(f"cp = {args.world_size}, heads = {args.heads}, head_dim = {args.dim}, fp32, causal, zigzag")
-    print(f"{'seq':>6}  {'algorithm':<16}{'saved MiB/rank':>15}{'call scores MiB':>16}{'sent MiB/rank':>15}{'ms':>9}")
-    for seq in args.seq:
-        rows = [("1 device math", _single(seq, args.heads, args.dim, True)),
-                ("1 device sdpa", _single(seq, args.heads, args.dim, False))]
+    print(f"seq = {args.seq} total, heads = {args.heads}, head_dim = {args.dim}, fp32, causal, zigzag; "
+          f"median of {args.repeats}; goal: peak ≤ (1/cp + 15%) × cp=1 peak")
+    print(f"{'cp':>3}  {'algorithm':<14}{'peak MiB/rank':>14}{'/ cp=1':>8}{'goal':>7}  {'ok':<4}"
+          f"{'sent MiB/rank':>14}{'ms':>9}")
+    math_row = _single_math(args.seq, args.heads, args.dim, args.repeats)
+    print(f"{1:>3}  {'1 device math':<14}{math_row['peak'] / mib:>14.2f}{'':>8}{'':>7}  {'':<4}"
+          f"{0:>14.2f}{math_row['ms']:>9.1f}")
+    base = None
+    for cp in sorted(args.cps):
+        algos = [("ring", {})] if cp == 1 else [("ring", {}), ("ulysses", {})]
+        if cp >= 4 and cp % 2 == 0:
+            algos += [("double_ring", {"window": 2}), ("hybrid", {"ulysses_degree": 2})]
         for algo, kw in algos:
-            res = run(_distributed, algo, kw, seq, args.heads, args.dim, args.repeats, world_size=args.world_size)
-            rows.append((algo, max(res, key=lambda r: r["saved"])))
-        for name, r in rows:
-            print(f"{seq:>6}  {name:<16}{r['saved'] / mib:>15.2f}{r['scores'] / mib:>16.2f}"
-                  f"{r['sent'] / mib:>15.2f}{r['ms']:>9.1f}")
+            res = run(_distributed, algo, kw, args.seq, args.heads, args.dim, args.repeats, world_size=cp,
+                      timeout=1200)
+            r = max(res, key=lambda x: x["peak"])
+            if base is None:
+                base = r["peak"]
+            ratio, goal = r["peak"] / base, 1 / cp + 0.15
+            name = algo if cp > 1 else "dtp (ring of 1)"
+            print(f"{cp:>3}  {name:<14}{r['peak'] / mib:>14.2f}{ratio:>8.3f}{goal:>7.3f}  "
+                  f"{'yes' if ratio <= goal else 'NO':<4}{r['sent'] / mib:>14.2f}{r['ms']:>9.1f}")
 
 
 if __name__ == "__main__":

@@ -134,6 +134,10 @@ CASES4 = {
                                             kw={"ulysses_degree": 2}),
     "hybrid-u2-none-causal-gqarepeat-cp4": dict(algo="hybrid", axes=CP4, lb=NONE, causal=True, hq=4, hkv=1, S=8,
                                                 kw={"ulysses_degree": 2}),
+    "double_ring-w2-zigzag-full-gqa-cp4": dict(algo="double_ring", axes=CP4, lb=ZZ, causal=False, hq=4, hkv=2,
+                                               S=16, kw={"window": 2}),
+    "hybrid-u2-none-full-mha-cp4": dict(algo="hybrid", axes=CP4, lb=NONE, causal=False, hq=4, hkv=4, S=8,
+                                        kw={"ulysses_degree": 2}),
     "hybrid-axes-zigzag-causal-mha": dict(algo="hybrid", axes={"cpr": 2, "cpu": 2}, lb=ZZ, causal=True, hq=2,
                                           hkv=2, S=16, seq=("cpr", "cpu"), kw={"axis": ("cpr", "cpu")}),
 }
@@ -142,6 +146,15 @@ CASES8 = {
     "ring-zigzag-causal-gqa-cp8": dict(algo="ring", axes={"cp": 8}, lb=ZZ, causal=True, hq=4, hkv=2, S=32, b=1),
     "hybrid-u2w2-zigzag-causal-gqa-cp8": dict(algo="hybrid", axes={"cp": 8}, lb=ZZ, causal=True, hq=4, hkv=2,
                                               S=32, b=1, kw={"ulysses_degree": 2, "window": 2}),
+    # All cp=8 cases share the one world-8 pool run below; kept small (b=1, S=16).
+    "ulysses-zigzag-causal-gqarepeat-cp8": dict(algo="ulysses", axes={"cp": 8}, lb=ZZ, causal=True, hq=8, hkv=2,
+                                                S=16, b=1),
+    "double_ring-w4-zigzag-causal-gqa-cp8": dict(algo="double_ring", axes={"cp": 8}, lb=ZZ, causal=True, hq=4,
+                                                 hkv=2, S=16, b=1, kw={"window": 4}),
+    "double_ring-w2-none-full-mha-cp8": dict(algo="double_ring", axes={"cp": 8}, lb=NONE, causal=False, hq=2,
+                                             hkv=2, S=16, b=1, kw={"window": 2}),
+    "hybrid-u4-zigzag-causal-gqarepeat-cp8": dict(algo="hybrid", axes={"cp": 8}, lb=ZZ, causal=True, hq=4, hkv=2,
+                                                  S=16, b=1, kw={"ulysses_degree": 4}),
 }
 
 
@@ -175,6 +188,12 @@ def test_matches_sdpa_cp8(results8, name):
     per_rank = _ok(results8, name)
     if name.startswith("ring"):
         _check_ring_bytes(per_rank, n=8)
+    elif name.startswith("ulysses"):
+        _check_ulysses_bytes(per_rank, n=8, repeat=4)  # 2 kv heads repeated up to cp = 8
+    elif name.startswith("double_ring"):
+        _check_double_ring_bytes(per_rank, n=8, w=CASES8[name]["kw"]["window"])
+    elif name == "hybrid-u4-zigzag-causal-gqarepeat-cp8":
+        _check_hybrid_bytes(per_rank, u=4, R=2, repeat=2)  # 2 kv heads repeated up to u = 4
 
 
 # ---------------------------------------------------------------- comm volume
@@ -222,8 +241,11 @@ def test_ring_of_one_sends_nothing(results4):
     ("ulysses-zigzag-causal-gqarepeat-cp2tp2", 2),  # 1 kv head per tp rank, cp = 2
 ])
 def test_ulysses_is_four_all_to_alls(results4, name, repeat):
-    n = CASES4[name]["axes"]["cp"]
-    for res in _ok(results4, name):
+    _check_ulysses_bytes(_ok(results4, name), n=CASES4[name]["axes"]["cp"], repeat=repeat)
+
+
+def _check_ulysses_bytes(per_rank: list[dict], n: int, repeat: int) -> None:
+    for res in per_rank:
         ql, kl = res["q_local"], res["k_local"] * repeat
         # (n-1)/n of each local tensor, i.e. (n-1)/n² of the global one per cp group.
         want = [("all_to_all", "cp", (n - 1) * b // n) for b in (ql, kl, kl, ql)]
@@ -232,8 +254,15 @@ def test_ulysses_is_four_all_to_alls(results4, name, repeat):
 
 
 def test_double_ring_bytes(results4):
-    n, w = 4, 2
-    for res in _ok(results4, "double_ring-w2-zigzag-causal-gqa-cp4"):
+    _check_double_ring_bytes(_ok(results4, "double_ring-w2-zigzag-causal-gqa-cp4"), n=4, w=2)
+    _check_double_ring_bytes(_ok(results4, "double_ring-w2-zigzag-full-gqa-cp4"), n=4, w=2)
+    for res in _ok(results4, "double_ring-w1-none-causal-mha-cp4"):  # windows of one: all outer
+        kv = 2 * res["k_local"]
+        assert _summary(res["fwd"]) == [("send_recv", "cp_outer", kv)] * 3
+
+
+def _check_double_ring_bytes(per_rank: list[dict], n: int, w: int) -> None:
+    for res in per_rank:
         kv = 2 * res["k_local"]
         fwd = _summary(res["fwd"])
         # Same volume as the single ring: n-1 blocks, (n/w)(w-1) inner + n/w - 1 outer hops.
@@ -242,20 +271,21 @@ def test_double_ring_bytes(results4):
         bwd = _summary(res["bwd"])
         assert sorted(bwd) == sorted([("send_recv", "cp_inner", kv)] * ((n // w) * (w - 1) + n)
                                      + [("send_recv", "cp_outer", kv)] * (n // w - 1 + n // w))
-    for res in _ok(results4, "double_ring-w1-none-causal-mha-cp4"):  # windows of one: all outer
-        kv = 2 * res["k_local"]
-        assert _summary(res["fwd"]) == [("send_recv", "cp_outer", kv)] * 3
 
 
 def test_hybrid_bytes(results4):
-    u, R = 2, 2
-    for name, repeat in (("hybrid-u2-zigzag-causal-gqa-cp4", 1), ("hybrid-u2-none-causal-gqarepeat-cp4", 2)):
-        for res in _ok(results4, name):
-            ql, kl = res["q_local"], res["k_local"] * repeat
-            a2a = [("all_to_all", "cp_uly", (u - 1) * b // u) for b in (ql, kl, kl, ql)]
-            ring = [("send_recv", "cp_ring", 2 * kl)] * (R - 1)  # heads/u, seq×u: same bytes as local K+V
-            assert sorted(_summary(res["fwd"])) == sorted(a2a + ring)
-            assert sorted(_summary(res["bwd"])) == sorted(a2a + [("send_recv", "cp_ring", 2 * kl)] * (2 * R - 1))
+    for name, repeat in (("hybrid-u2-zigzag-causal-gqa-cp4", 1), ("hybrid-u2-none-causal-gqarepeat-cp4", 2),
+                         ("hybrid-u2-none-full-mha-cp4", 1)):
+        _check_hybrid_bytes(_ok(results4, name), u=2, R=2, repeat=repeat)
+
+
+def _check_hybrid_bytes(per_rank: list[dict], u: int, R: int, repeat: int) -> None:
+    for res in per_rank:
+        ql, kl = res["q_local"], res["k_local"] * repeat
+        a2a = [("all_to_all", "cp_uly", (u - 1) * b // u) for b in (ql, kl, kl, ql)]
+        ring = [("send_recv", "cp_ring", 2 * kl)] * (R - 1)  # heads/u, seq×u: same bytes as local K+V
+        assert sorted(_summary(res["fwd"])) == sorted(a2a + ring)
+        assert sorted(_summary(res["bwd"])) == sorted(a2a + [("send_recv", "cp_ring", 2 * kl)] * (2 * R - 1))
 
 
 # ---------------------------------------------------------------- overlap
@@ -335,6 +365,35 @@ def test_hybrid_order_turns_cp_zigzag_into_ring_zigzag(cp, u):
     for g in range(R):
         gathered = pos[g * u * L:(g + 1) * u * L]  # the Ulysses group's all-to-all result
         assert torch.equal(gathered[_hybrid_order(u, L, torch.device("cpu"))], ring[g * u * L:(g + 1) * u * L])
+
+
+# ---------------------------------------------------------------- the layout owns the order (no ranks)
+
+
+def test_layout_to_cp_order_reads_the_layout_and_round_trips():
+    import dtp
+    from dtp import layouts
+    from dtp.ops.blockwise import from_cp_order, to_cp_order
+    from dtp.testing import simulate
+
+    x = torch.arange(2 * 16).view(2, 16)
+    with simulate(8):
+        mesh = dtp.make_mesh(dp=2, cp=4)
+        ring, plain = layouts.context("ring"), layouts.context("ulysses", load_balance=None)
+        y = ring.to_cp_order(x, 1, mesh)
+        assert ring.context_degree(mesh) == 4
+        assert torch.equal(y, to_cp_order(x, 1, 4, "zigzag"))
+        assert y[0, :4].tolist() == [0, 1, 14, 15]  # rank 0 of cp=4: chunks 0 and 7
+        assert torch.equal(ring.from_cp_order(y, 1, mesh), x)
+        assert torch.equal(from_cp_order(y, 1, 4, "zigzag"), x)
+        combined = layouts.data() + layouts.megatron(sequence_parallel=True) + ring  # composes with +
+        assert torch.equal(combined.to_cp_order(x, 1, mesh), y)
+        for identity in (plain, layouts.data(), dtp.Layout()):  # contiguous shards / no context parallel
+            assert identity.to_cp_order(x, 1, mesh) is x and identity.from_cp_order(x, 1, mesh) is x
+        with pytest.raises(ValueError, match=r"divisible by 2\*cp"):
+            ring.to_cp_order(torch.arange(12), 0, mesh)
+        assert ring.to_cp_order(x, 1, dtp.make_mesh(dp=2, cp=1, tp=4)) is x  # cp of one: nothing to balance
+        assert ring.to_cp_order(x, 1, dtp.make_mesh(dp=8)) is x  # mesh without the cp axis
 
 
 # ---------------------------------------------------------------- validation

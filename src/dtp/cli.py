@@ -113,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--sp", action="store_true", help="Megatron sequence parallel (needs --tp > 1)")
     g.add_argument("--cp-algo", choices=CP_ALGOS, default=None, help="context-parallel algorithm (with --cp > 1)")
     g.add_argument("--cp-window", type=_positive("--cp-window"), default=None,
-                   help="sliding attention window in tokens (with --cp > 1)")
+                   help="double-ring window: cp ranks per inner ring (MindSpeed --cp-window-size; with --cp > 1)")
     g.add_argument("--ulysses-degree", type=_positive("--ulysses-degree"), default=None,
                    help="Ulysses part of hybrid context parallel (with --cp > 1)")
     g.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0,

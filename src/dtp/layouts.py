@@ -105,6 +105,48 @@ class Layout:
         names = _names(mesh)
         return math.prod(mesh.size(names.index(a)) for a in self.mesh_axes(logical, mesh, activation=activation))
 
+    def context_degree(self, mesh: DeviceMesh) -> int:
+        """The context-parallel degree on ``mesh``: the size of the layout's cp axis, or 1
+        when the layout has no context parallel or the mesh has no such axis."""
+        opts = self.options.get("context")
+        names = _names(mesh)
+        if not opts or opts["axis"] not in names:
+            return 1
+        return mesh.size(names.index(opts["axis"]))
+
+    def to_cp_order(self, x: torch.Tensor, dim: int, mesh: DeviceMesh) -> torch.Tensor:
+        """Put the global sequence along ``dim`` of ``x`` into this layout's cp order.
+
+        The layout owns the permutation: with ``layouts.context(..., load_balance="zigzag")``
+        on a mesh with ``cp > 1`` rank r gets chunks r and 2·cp−1−r, so a contiguous split of
+        the result over cp gives every rank its local sequence (what :func:`dtp.shard_batch`
+        does). Identity without context parallel, with ``cp == 1`` or with
+        ``load_balance=None`` (contiguous shards). ``ValueError`` if the sequence length
+        does not divide by 2·cp (zigzag) or cp.
+
+        >>> mesh = make_mesh(dp=1, cp=2)                                   # doctest: +SKIP
+        >>> context("ring").to_cp_order(torch.arange(8), 0, mesh).tolist()  # doctest: +SKIP
+        [0, 1, 6, 7, 2, 3, 4, 5]
+        >>> data().to_cp_order(torch.arange(8), 0, mesh).tolist()           # doctest: +SKIP
+        [0, 1, 2, 3, 4, 5, 6, 7]
+        """
+        cp, lb = self.context_degree(mesh), self._load_balance()
+        return x if cp == 1 or lb is None else to_cp_order(x, dim, cp, lb)
+
+    def from_cp_order(self, x: torch.Tensor, dim: int, mesh: DeviceMesh) -> torch.Tensor:
+        """Inverse of :meth:`to_cp_order`: a gathered cp-ordered sequence back to natural order.
+
+        >>> y = layout.to_cp_order(x, 1, mesh)                              # doctest: +SKIP
+        >>> torch.equal(layout.from_cp_order(y, 1, mesh), x)               # doctest: +SKIP
+        True
+        """
+        cp, lb = self.context_degree(mesh), self._load_balance()
+        return x if cp == 1 or lb is None else from_cp_order(x, dim, cp, lb)
+
+    def _load_balance(self) -> str | None:
+        opts = self.options.get("context")
+        return opts["load_balance"] if opts else None
+
     def check_sizes(self, sizes: Mapping[str, int], mesh: DeviceMesh, what: str = "model") -> None:
         """``ValueError`` unless every logical axis size divides by its split, e.g.
         ``heads=6`` on ``tp=4``; raised identically on every rank, before any collective."""
@@ -146,6 +188,101 @@ def _check_context(layout: Layout, sizes: Mapping[str, int], mesh: DeviceMesh, w
     if degree and heads is not None and heads % (degree * tp):
         raise ValueError(f"{what}: heads={heads} must be divisible by the Ulysses degree {degree} × tp={tp} "
                          f"= {degree * tp} for {algo} context parallel")
+
+
+# ------------------------------------------------------------ sequence order under context parallel
+#
+# Pure permutations (no collectives). With zigzag load balancing rank r of cp holds
+# sequence chunks r and 2·cp−1−r; "cp order" is the global sequence with every rank's
+# local chunks next to each other, so a contiguous split over cp gives each rank its
+# part. :meth:`Layout.to_cp_order` applies the active layout's choice.
+
+
+def _check_cp(cp: int) -> None:
+    if not isinstance(cp, int) or cp < 1:
+        raise ValueError(f"cp must be a positive int, got {cp!r}")
+
+
+def _check_load_balance(load_balance: str | None) -> None:
+    if load_balance not in ("zigzag", None):
+        raise ValueError(f"load_balance must be 'zigzag' or None, got {load_balance!r}")
+
+
+def _check_divisible(seq_len: int, cp: int, load_balance: str | None) -> None:
+    if load_balance == "zigzag":
+        if seq_len % (2 * cp) != 0:
+            raise ValueError(
+                f"zigzag load balancing cuts the sequence into 2*cp chunks, so seq_len must "
+                f"be divisible by 2*cp; got seq_len={seq_len}, cp={cp} "
+                f"(seq_len % {2 * cp} = {seq_len % (2 * cp)})"
+            )
+    elif seq_len % cp != 0:
+        raise ValueError(
+            f"context parallelism splits the sequence into cp equal parts, so seq_len must "
+            f"be divisible by cp; got seq_len={seq_len}, cp={cp}"
+        )
+
+
+def zigzag_permutation(seq_len: int, cp: int, *, device: torch.device | str | None = None) -> torch.Tensor:
+    """Global positions in zigzag cp order.
+
+    The sequence is cut into ``2*cp`` equal chunks and rank ``r`` holds chunks ``r`` and
+    ``2*cp-1-r`` (an early, cheap chunk and a late, expensive one, which balances causal
+    work). Concatenating every rank's local sequence in rank order gives
+    ``x[..., permutation, ...]``.
+
+    Raises:
+        ValueError: if ``seq_len % (2*cp) != 0``.
+
+    >>> zigzag_permutation(8, 2).tolist()
+    [0, 1, 6, 7, 2, 3, 4, 5]
+    """
+    _check_cp(cp)
+    _check_divisible(seq_len, cp, "zigzag")
+    c = seq_len // (2 * cp)
+    chunks = torch.arange(seq_len, device=device).view(2 * cp, c)
+    order = [i for r in range(cp) for i in (r, 2 * cp - 1 - r)]
+    return chunks[order].reshape(-1)
+
+
+def cp_permutation(
+    seq_len: int, cp: int, load_balance: str | None, *, device: torch.device | str | None = None
+) -> torch.Tensor:
+    """:func:`zigzag_permutation` for ``"zigzag"``, ``arange(seq_len)`` for ``None``.
+
+    >>> cp_permutation(4, 2, None).tolist()
+    [0, 1, 2, 3]
+    """
+    _check_cp(cp)
+    _check_load_balance(load_balance)
+    _check_divisible(seq_len, cp, load_balance)
+    if load_balance == "zigzag":
+        return zigzag_permutation(seq_len, cp, device=device)
+    return torch.arange(seq_len, device=device)
+
+
+def to_cp_order(x: torch.Tensor, dim: int, cp: int, load_balance: str | None = "zigzag") -> torch.Tensor:
+    """Reorder ``x`` along ``dim`` from natural order into cp order.
+
+    Afterwards, splitting ``dim`` into ``cp`` equal contiguous parts gives every rank its
+    local sequence. ``load_balance=None`` is the identity (contiguous split).
+
+    >>> to_cp_order(torch.arange(8), 0, 2).tolist()
+    [0, 1, 6, 7, 2, 3, 4, 5]
+    """
+    perm = cp_permutation(x.shape[dim], cp, load_balance, device=x.device)
+    return x if load_balance is None else x.index_select(dim, perm)
+
+
+def from_cp_order(x: torch.Tensor, dim: int, cp: int, load_balance: str | None = "zigzag") -> torch.Tensor:
+    """Inverse of :func:`to_cp_order`.
+
+    >>> x = torch.arange(12)
+    >>> bool((from_cp_order(to_cp_order(x, 0, 3), 0, 3) == x).all())
+    True
+    """
+    perm = cp_permutation(x.shape[dim], cp, load_balance, device=x.device)
+    return x if load_balance is None else x.index_select(dim, torch.argsort(perm))
 
 
 def data(axis: str = "dp") -> Layout:

@@ -22,7 +22,6 @@ from . import zero as zero_mod
 from .comm import comm_log, span
 from .layouts import Layout, use_layout
 from .optim import GradientTransformation, apply_updates, clip_by_global_norm, global_norm
-from .ops.blockwise import to_cp_order
 from .ops.recompute import POLICIES, recompute as recompute_policy
 from .redistribute import from_local, reshard
 from .spec import P, shard, spec_of
@@ -129,13 +128,10 @@ def shard_batch(batch: Mapping[str, torch.Tensor], state: TrainState) -> dict[st
     out = {}
     for k, v in batch.items():
         spec = state.layout.activation_spec(_BATCH_AXES[: v.dim()], state.mesh)
-        cp = state.layout.degree("seq", state.mesh) if v.dim() > 1 else 1
-        lb = state.layout.options.get("context", {}).get("load_balance")
-        if cp > 1 and lb is not None:
-            # The layout owns the sequence order: zigzag puts rank r's chunks r and
-            # 2·cp−1−r next to each other. Tokens and targets move together, so each
-            # target is still the next token of its input; the mean loss is unchanged.
-            v = to_cp_order(v, 1, cp, lb)
+        if v.dim() > 1:
+            # The layout owns the sequence order (zigzag: rank r's chunks r and 2·cp−1−r
+            # side by side). Tokens and targets move together, so the mean loss is unchanged.
+            v = state.layout.to_cp_order(v, 1, state.mesh)
         out[k] = shard(v, state.mesh, spec, name=f"batch[{k!r}]")
     return out
 

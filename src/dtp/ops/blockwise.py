@@ -58,6 +58,18 @@ from typing import Literal, NamedTuple
 import torch
 import torch.nn.functional as F
 
+# The sequence-order helpers live with the layout, which owns the permutation
+# (``Layout.to_cp_order``); re-exported here for the block-level code and its tests.
+from ..layouts import (
+    _check_cp,
+    _check_divisible,
+    _check_load_balance,
+    cp_permutation,
+    from_cp_order,
+    to_cp_order,
+    zigzag_permutation,
+)
+
 __all__ = [
     "accum_dtype",
     "select_impl",
@@ -81,7 +93,6 @@ Impl = Literal["auto", "math", "fused"]
 IMPL_ENV = "DTP_BLOCKWISE_IMPL"
 
 _MASKS = ("full", "causal")
-_LOAD_BALANCES = ("zigzag", None)
 _CPU_FUSED_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 _CUDA_FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -423,93 +434,6 @@ def merge(
 
 
 # ------------------------------------------------------------------ load balancing
-
-
-def _check_cp(cp: int) -> None:
-    if not isinstance(cp, int) or cp < 1:
-        raise ValueError(f"cp must be a positive int, got {cp!r}")
-
-
-def _check_load_balance(load_balance: str | None) -> None:
-    if load_balance not in _LOAD_BALANCES:
-        raise ValueError(f"load_balance must be 'zigzag' or None, got {load_balance!r}")
-
-
-def _check_divisible(seq_len: int, cp: int, load_balance: str | None) -> None:
-    if load_balance == "zigzag":
-        if seq_len % (2 * cp) != 0:
-            raise ValueError(
-                f"zigzag load balancing cuts the sequence into 2*cp chunks, so seq_len must "
-                f"be divisible by 2*cp; got seq_len={seq_len}, cp={cp} "
-                f"(seq_len % {2 * cp} = {seq_len % (2 * cp)})"
-            )
-    elif seq_len % cp != 0:
-        raise ValueError(
-            f"context parallelism splits the sequence into cp equal parts, so seq_len must "
-            f"be divisible by cp; got seq_len={seq_len}, cp={cp}"
-        )
-
-
-def zigzag_permutation(seq_len: int, cp: int, *, device: torch.device | str | None = None) -> torch.Tensor:
-    """Global positions in zigzag cp order.
-
-    The sequence is cut into ``2*cp`` equal chunks and rank ``r`` holds chunks ``r`` and
-    ``2*cp-1-r`` (an early, cheap chunk and a late, expensive one, which balances causal
-    work). Concatenating every rank's local sequence in rank order gives
-    ``x[..., permutation, ...]``.
-
-    Raises:
-        ValueError: if ``seq_len % (2*cp) != 0``.
-
-    >>> zigzag_permutation(8, 2).tolist()
-    [0, 1, 6, 7, 2, 3, 4, 5]
-    """
-    _check_cp(cp)
-    _check_divisible(seq_len, cp, "zigzag")
-    c = seq_len // (2 * cp)
-    chunks = torch.arange(seq_len, device=device).view(2 * cp, c)
-    order = [i for r in range(cp) for i in (r, 2 * cp - 1 - r)]
-    return chunks[order].reshape(-1)
-
-
-def cp_permutation(
-    seq_len: int, cp: int, load_balance: str | None, *, device: torch.device | str | None = None
-) -> torch.Tensor:
-    """:func:`zigzag_permutation` for ``"zigzag"``, ``arange(seq_len)`` for ``None``.
-
-    >>> cp_permutation(4, 2, None).tolist()
-    [0, 1, 2, 3]
-    """
-    _check_cp(cp)
-    _check_load_balance(load_balance)
-    _check_divisible(seq_len, cp, load_balance)
-    if load_balance == "zigzag":
-        return zigzag_permutation(seq_len, cp, device=device)
-    return torch.arange(seq_len, device=device)
-
-
-def to_cp_order(x: torch.Tensor, dim: int, cp: int, load_balance: str | None = "zigzag") -> torch.Tensor:
-    """Reorder ``x`` along ``dim`` from natural order into cp order.
-
-    Afterwards, splitting ``dim`` into ``cp`` equal contiguous parts gives every rank its
-    local sequence. ``load_balance=None`` is the identity (contiguous split).
-
-    >>> to_cp_order(torch.arange(8), 0, 2).tolist()
-    [0, 1, 6, 7, 2, 3, 4, 5]
-    """
-    perm = cp_permutation(x.shape[dim], cp, load_balance, device=x.device)
-    return x if load_balance is None else x.index_select(dim, perm)
-
-
-def from_cp_order(x: torch.Tensor, dim: int, cp: int, load_balance: str | None = "zigzag") -> torch.Tensor:
-    """Inverse of :func:`to_cp_order`.
-
-    >>> x = torch.arange(12)
-    >>> bool((from_cp_order(to_cp_order(x, 0, 3), 0, 3) == x).all())
-    True
-    """
-    perm = cp_permutation(x.shape[dim], cp, load_balance, device=x.device)
-    return x if load_balance is None else x.index_select(dim, torch.argsort(perm))
 
 
 class BlockTask(NamedTuple):
