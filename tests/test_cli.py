@@ -93,16 +93,6 @@ def test_warmup_default_fits_short_runs_and_sp_needs_tp(capsys) -> None:
     assert _train("--sp", "--tp", "2").sp is True
 
 
-def test_unavailable_features_are_clean_errors(capsys) -> None:
-    layouts = pytest.importorskip("dtp.layouts")
-    if not hasattr(layouts, "zero"):
-        assert cli.main(["train", "--zero", "2"]) == 2
-        assert "not available yet" in capsys.readouterr().err
-    if not hasattr(layouts, "context"):
-        assert cli.main(["train", "--cp", "2"]) == 2
-        assert "context parallel not available yet" in capsys.readouterr().err
-
-
 def test_train_argv_round_trips() -> None:
     args = _train("--nproc", "4", "--dp", "2", "--tp", "2", "--sp", "--lr", "1e-3", "--clip", "0.5",
                   "--recompute", "selective", "--out", "somewhere", "--check", "--steps", "7")

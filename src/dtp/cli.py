@@ -480,14 +480,10 @@ def build_layout(args: argparse.Namespace) -> Any:
     layouts = _layouts()
     layout = layouts.data() + layouts.megatron(sequence_parallel=args.sp)
     if args.cp > 1:
-        if not hasattr(layouts, "context"):
-            raise UsageError("--cp > 1: context parallel not available yet (no dtp.layouts.context)")
         options = {k: v for k, v in (("algo", args.cp_algo), ("window", args.cp_window),
                                      ("ulysses_degree", args.ulysses_degree)) if v is not None}
         layout = layout + layouts.context(**options)
     if args.zero:
-        if not hasattr(layouts, "zero"):
-            raise UsageError(f"--zero {args.zero}: ZeRO is not available yet (no dtp.layouts.zero)")
         layout = layout + layouts.zero(stage=args.zero, bucket_mb=args.bucket_mb,
                                        overlap_grad_reduce=args.overlap_grad_reduce,
                                        overlap_param_gather=args.overlap_param_gather)
