@@ -198,21 +198,26 @@ def _bytes(stage):
              for k in ("all_reduce", "reduce_scatter", "all_gather")}
     optimizer_bytes = sum(x.to_local().numel() * x.element_size()
                           for x in optree.tree_leaves(state.opt_state) if isinstance(x, DTensor))
-    padded = sum(b.numel for b in state.zero.plan.buckets) * 4 if stage else None
-    return moved, optimizer_bytes, padded
+    buckets = state.zero.plan.buckets if stage else ()
+    padded = sum(b.numel for b in buckets) * 4 if stage else None
+    kept = max(buckets, key=lambda b: b.last_use).numel * 4 if stage else None  # last read in forward
+    return moved, optimizer_bytes, padded, kept
 
 
 def test_comm_volume_is_2psi_for_zero12_and_3psi_for_zero3():
     psi = llama.param_count(CFG) * 4  # fp32 bytes
     dp = 2
-    plain, opt_plain, _ = run(_bytes, 0, world_size=2)[0]
+    plain, opt_plain, _, _ = run(_bytes, 0, world_size=2)[0]
     assert plain == {"all_reduce": 2 * (dp - 1) * psi // dp, "reduce_scatter": 0, "all_gather": 0}
     assert opt_plain == 2 * psi  # Adam moments, whole on every rank
-    for stage, gathers in ((1, 1), (2, 1), (3, 2)):
-        moved, opt_bytes, padded = run(_bytes, stage, world_size=2)[0]
+    for stage in (1, 2, 3):
+        moved, opt_bytes, padded, kept = run(_bytes, stage, world_size=2)[0]
         assert padded - psi < 4 * dp * 8  # each bucket pads to a multiple of dp at most
         share = (dp - 1) * padded // dp
-        assert moved == {"all_reduce": 0, "reduce_scatter": share, "all_gather": gathers * share}, stage
+        # Stage 3 gathers in forward and again in backward — but for the bucket forward
+        # read last, which it keeps for backward to start with.
+        gathered = share if stage < 3 else 2 * share - (dp - 1) * kept // dp
+        assert moved == {"all_reduce": 0, "reduce_scatter": share, "all_gather": gathered}, stage
         assert opt_bytes == 2 * padded // dp  # the moments of this rank's slices only: 1/dp
     assert dtp.zero.bytes_per_parameter(2, 8, master=True) == 6 + 12 / 8  # Megatron's table
     assert dtp.zero.bytes_per_parameter(4, 8, master=False) == 8 + 8 / 8
@@ -274,6 +279,33 @@ def test_bf16_params_keep_fp32_master_weights_and_state():
     losses, dtypes, master, moments = run(_bf16, world_size=2)[0]
     assert dtypes == {torch.bfloat16} and master == {torch.float32} and moments == {torch.float32}
     assert losses[-1] < losses[0] - 0.1, losses
+
+
+def _state_handling():
+    mesh = dtp.make_mesh(dp=2)
+    state = dtp.TrainState.create(llama.init(CFG, seed=0), dtp.optim.sgd(0.1), mesh=mesh,
+                                  layout=dtp.layouts.data() + dtp.layouts.zero(3, bucket_mb=BUCKET),
+                                  axes=llama.param_axes(CFG))
+
+    def loss(params, batch):
+        assert "embed" in params and "nope" not in params  # membership tests read nothing
+        return LOSS(params, batch)
+
+    state, _ = dtp.train_step(loss, state, dtp.shard_batch(_batch(0), state))
+    with dtp.comm_log() as log:
+        text = repr(state)
+        leaves = optree.tree_leaves(state, namespace="dtp")  # master slices + moments, no gather
+    try:
+        state.replace(params=None)
+        refused = False
+    except ValueError:
+        refused = True
+    return text, len(log), len(leaves) > 0, refused, state.zero.plan.use_order[0]
+
+
+def test_state_repr_flatten_and_replace_under_zero3():
+    text, collectives, has_leaves, refused, first = run(_state_handling, world_size=2)[0]
+    assert "zero=stage 3" in text and collectives == 0 and has_leaves and refused and first == "embed"
 
 
 def _zero_on_sharded_param():

@@ -196,9 +196,10 @@ def span(name: str) -> Iterator[Span]:
 # ------------------------------------------------------------------ a simulated slow link
 # Overlap only shows on a link slower than compute. On one CPU machine loopback gloo is
 # nearly free, so dtp can stand in a documented, deterministic link model: each mesh axis
-# is one link of ``bandwidth`` bytes/s and ``latency`` s; transfers on an axis queue one
-# after another (a link carries one message at a time) and a collective is complete when
-# both the real one has finished and its modelled transfer would have. Waiting on it
+# is one link of ``bandwidth`` bytes/s and ``latency`` s; a collective's modelled transfer
+# starts once the real one has finished (every rank has posted it), queues behind the
+# axis's earlier transfers (a link carries one message at a time), and the collective is
+# complete when that transfer would be. Waiting on it
 # blocks until then; compute in between runs freely — exactly what overlap hides.
 _link_lock = threading.Lock()
 _link: dict[str, object] = {}
@@ -231,10 +232,16 @@ def simulated_link(bandwidth: float, latency: float = 0.0, axes: Sequence[str] |
             _link.update(previous)
 
 
-def _link_deadline(axis: str, nbytes: int) -> float | None:
-    """When the modelled transfer of ``nbytes`` on ``axis`` posted now would end."""
+def _link_applies(axis: str) -> bool:
     with _link_lock:
-        if not _link or (_link["axes"] is not None and axis not in _link["axes"]):
+        return bool(_link) and (_link["axes"] is None or axis in _link["axes"])
+
+
+def _link_deadline(axis: str, nbytes: int) -> float | None:
+    """When a modelled transfer of ``nbytes`` on ``axis`` starting now would end (it
+    queues behind the axis's earlier transfers)."""
+    with _link_lock:
+        if not _link:
             return None
         busy: dict[str, float] = _link["busy"]  # type: ignore[assignment]
         start = max(time.perf_counter(), busy.get(axis, 0.0))
@@ -254,9 +261,10 @@ class CommHandle:
     """An in-flight collective; :meth:`wait` returns its (post-processed) result."""
 
     def __init__(self, work: object | None, record: CommRecord | None, finish: Callable[[], torch.Tensor],
-                 deadline: float | None = None):
+                 link: tuple[str, int] | None = None):
         self._work, self._record, self._finish = work, record, finish
-        self._deadline = deadline  # end of the modelled transfer under simulated_link
+        self._link = link  # (axis, bytes) under simulated_link
+        self._deadline: float | None = None  # end of the modelled transfer
         self._result: torch.Tensor | None = None
         future = getattr(work, "get_future", None)
         if record is not None and future is not None:
@@ -266,6 +274,10 @@ class CommHandle:
                 pass  # backends without futures: completion is taken at wait()
 
     def _mark_done(self, fut: object) -> None:
+        # The modelled transfer starts when the real collective has finished, i.e. once
+        # every rank has posted it: waiting for a late peer is never hidden in the model.
+        if self._link is not None and self._deadline is None:
+            self._deadline = _link_deadline(*self._link)
         if self._record is not None and self._record.completed is None:
             self._record.completed = max(time.perf_counter(), self._deadline or 0.0)
 
@@ -282,7 +294,8 @@ class CommHandle:
     def is_completed(self) -> bool:
         if self._result is not None or self._work is None:
             return True
-        return bool(self._work.is_completed()) and time.perf_counter() >= (self._deadline or 0.0)
+        done = bool(self._work.is_completed())
+        return done and (self._link is None or (self._deadline is not None and time.perf_counter() >= self._deadline))
 
 
 def _group(mesh: DeviceMesh, axis: str) -> tuple[dist.ProcessGroup, int]:
@@ -301,7 +314,7 @@ def _run(kind: str, mesh: DeviceMesh, axis: str, x: torch.Tensor, nbytes: Callab
         return handle if async_op else handle.wait()
     record = _record(kind, axis, nbytes(n), n, x, async_op, tag)
     work, finish = post(group, n)
-    handle = CommHandle(work, record, finish, _link_deadline(axis, record.bytes))
+    handle = CommHandle(work, record, finish, (axis, record.bytes) if _link_applies(axis) else None)
     return handle if async_op else handle.wait()
 
 

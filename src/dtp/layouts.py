@@ -369,8 +369,13 @@ def zero(stage: int = 1, *, bucket_mb: float = 40.0, overlap_grad_reduce: bool =
     * ``stage=2``: as 1, and a bucket's full gradient buffer is released as soon as its
       reduce-scatter is done, so only gradient slices outlive backward.
     * ``stage=3``: parameters too rest as slices; forward all-gathers a bucket right
-      before its first use (prefetching the next), backward gathers it again for the
-      saved activations that need it, then frees it — 3Ψ of traffic instead of 2Ψ.
+      before its first use (always prefetching the next: ``overlap_param_gather`` is
+      implied), backward gathers it again for the saved activations that need it, then
+      frees it — 3Ψ of traffic instead of 2Ψ.
+
+    The first step reads the parameters as ``TrainState.create`` laid them out (whole on
+    every dp rank) and records their use order; buckets, master slices and optimizer
+    state exist from the end of that step on (``state.opt_state`` is ``None`` before).
 
     ``overlap_grad_reduce`` starts each bucket's reduce-scatter during backward as soon
     as its last gradient is in (on the last microbatch only); ``overlap_param_gather``

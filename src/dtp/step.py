@@ -36,7 +36,7 @@ def _is_axes(x: object) -> bool:
     return isinstance(x, tuple) and all(isinstance(a, str) for a in x)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False, eq=False)
 class TrainState:
     """Step, parameters and optimizer state (a pytree), plus the static layout context.
 
@@ -102,16 +102,34 @@ class TrainState:
     def replace(self, **changes: Any) -> "TrainState":
         # Field by field as stored: copying a state must not wait for, or gather, params.
         values = {f.name: object.__getattribute__(self, f.name) for f in dataclasses.fields(self)}
+        zero = changes.get("zero", values["zero"])
+        if "params" in changes and "zero" not in changes and zero is not None and zero.plan is not None:
+            raise ValueError("TrainState.replace: under ZeRO the parameters live in the buckets and master "
+                             "slices; new parameters need a new state (TrainState.create)")
         return TrainState(**{**values, **changes})
+
+    def __repr__(self) -> str:  # never reads params (under ZeRO-3 that is a collective)
+        zero = object.__getattribute__(self, "zero")
+        extra = f", zero=stage {zero.stage}" if zero is not None else ""
+        return f"TrainState(step={self.step}, layout={self.layout.name or 'custom'!r}, mesh={self.mesh}{extra})"
 
     def param_specs(self) -> PyTree:
         """Each parameter's spec at rest (``None`` for the plain tensors of a 1-device mesh)."""
         return optree.tree_map(_spec, self.params, none_is_leaf=True)
 
 
+def _stored_params(s: TrainState) -> PyTree:
+    """The params as stored: in-flight gathers waited for (local), never gathered anew —
+    under ZeRO-3 that is ``None`` and the state's leaves are its master slices."""
+    zero = object.__getattribute__(s, "zero")
+    if zero is not None:
+        zero.wait()
+    return object.__getattribute__(s, "params")
+
+
 optree.register_pytree_node(
     TrainState,
-    lambda s: ((s.params, s.opt_state, s.zero), (s.step, s.optimizer, s.mesh, s.layout, s.axes),
+    lambda s: ((_stored_params(s), s.opt_state, s.zero), (s.step, s.optimizer, s.mesh, s.layout, s.axes),
                ("params", "opt_state", "zero")),
     lambda aux, children: TrainState(aux[0], children[0], children[1], *aux[1:], children[2]),
     namespace="dtp",
@@ -189,6 +207,9 @@ def value_and_grad(loss_fn: Callable[[PyTree, Mapping[str, torch.Tensor]], Any],
     """
     if recompute not in POLICIES:
         raise ValueError(f"train_step: recompute must be one of {POLICIES}, got {recompute!r}")
+    if state.zero is not None:
+        raise ValueError("value_and_grad: a ZeRO state's gradients are reduce-scattered into bucket slices "
+                         "inside dtp.train_step; call train_step (or drop layouts.zero)")
     _check_batch(batch, state, microbatches)
     leaves, treedef = optree.tree_flatten(state.params)
     with use_layout(state.layout, state.mesh), recompute_policy(recompute):

@@ -31,6 +31,7 @@ DDP's all-reduce; stage 3 adds the backward re-gather: 3Ψ.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import math
 import weakref
 from dataclasses import dataclass, field
@@ -68,9 +69,11 @@ def bytes_per_parameter(param_bytes: int, dp: int, *, master: bool) -> float:
     >>> bytes_per_parameter(2, 8, master=True)
     7.5
     """
-    grad = 4 if master else param_bytes  # Megatron accumulates bf16 gradients in fp32
-    state = (4 if master else 0) + 2 * max(param_bytes, 4 if master else param_bytes)
-    return param_bytes + grad + state / dp
+    if master:  # low-precision params: fp32 gradient buffer, fp32 master + two fp32 moments
+        grad, sharded = 4, 4 + 8
+    else:  # fp32/fp64 params are their own master weights; moments in the params' dtype
+        grad, sharded = param_bytes, 2 * param_bytes
+    return param_bytes + grad + sharded / dp
 
 
 @dataclass(frozen=True)
@@ -160,7 +163,7 @@ class ZeroState:
         if self._full is None:
             bufs = [_gather(self.plan, b, _param_slice(self.master[b.index], b), async_op=False, tag="zero3 read")
                     for b in self.plan.buckets]
-            self._full = _tree_of_views(self, bufs, requires_grad=False)
+            self._full = _tree_of_views(self, bufs, requires_grad=True)
         return self._full
 
 
@@ -281,8 +284,7 @@ class _ParamView(torch.autograd.Function):
 def _in_backward() -> bool:
     """True while the autograd engine runs backward — a checkpointed block being
     recomputed reads its parameters then, and those reads are no forward uses."""
-    task_id = getattr(torch._C, "_current_graph_task_id", None)
-    return task_id is not None and task_id() != -1
+    return torch._C._current_graph_task_id() != -1
 
 
 class _LazyMapping(Mapping):
@@ -293,6 +295,9 @@ class _LazyMapping(Mapping):
 
     def __getitem__(self, key: Any) -> Any:
         return self._step.resolve(self._node[key])
+
+    def __contains__(self, key: object) -> bool:  # a membership test is no parameter read
+        return key in self._node
 
     def __iter__(self) -> Iterator[Any]:
         return iter(self._node)
@@ -323,11 +328,13 @@ class _Step:
     """One train step under ZeRO: the forward's parameter view and the gradient buckets."""
 
     def __init__(self, z: ZeroState, raw: PyTree, microbatches: int):
-        # A copy: the first step fixes the plan on it, never on the caller's state.
+        # A copy: the first step fixes the plan on it, not on the caller's state (the
+        # buffers and in-flight list stay shared: waiting on a gather is idempotent).
         z = ZeroState(z.options, z.leaves, z.skeleton, z.plan, z.master, z.buffers, z.inflight)
         self.z, self.microbatches = z, microbatches
         self.raw_leaves = None if z.plan is not None else [x.to_local() for x in optree.tree_leaves(raw)]
-        self.anchor = torch.zeros((), requires_grad=True)
+        self.device = (self.raw_leaves[0] if self.raw_leaves else z.master[0].to_local()).device
+        self.anchor = torch.zeros((), requires_grad=True, device=self.device)
         self.used: list[int] = []  # first step: every read, in order
         self.position = 0  # reads so far in this microbatch's forward
         self.views = [0] * len(z.leaves)
@@ -446,14 +453,16 @@ class _Step:
         self.microbatch = microbatch
         if z.plan is None:
             z.plan = _plan(z, self.used)
+            _check_same_plan(z.plan, self.device)
         self.position = 0
         if not self.grad_bufs:
             self.grad_bufs = [None] * len(z.plan.buckets)
             self.reduce = [None] * len(z.plan.buckets)
         self.pending = [sum(self.views[i] for i in b.members) for b in z.plan.buckets]
         self.views = [0] * len(z.leaves)
-        if z.stage == 3:  # forward is over: hold nothing the backward does not ask for
-            for k in list(self.live):
+        if z.stage == 3:  # forward is over: keep only the last bucket read, which backward needs first
+            last = max(self.live, key=lambda k: z.plan.buckets[k].last_use, default=None)
+            for k in [k for k in self.live if k != last]:
                 self._release(k)
 
     def add_grad(self, i: int, grad: torch.Tensor) -> None:
@@ -500,11 +509,29 @@ class _Step:
             if self.reduce[b.index] is None:
                 if self.grad_bufs[b.index] is None:  # nothing of this bucket was used
                     acc = torch.float32 if b.dtype in _LOW_PRECISION else b.dtype
-                    self.grad_bufs[b.index] = torch.zeros(b.numel, dtype=acc, device=self.anchor.device)
+                    self.grad_bufs[b.index] = torch.zeros(b.numel, dtype=acc, device=self.device)
                 self._post_reduce(b.index, async_op=False)
             out.append(_wrap(self.reduce[b.index].wait(), mesh, b.spec, _flat_global(b, mesh)))
+        for handle in self.prefetch.values():  # a backward prefetch nobody needed in the end
+            handle.wait()
+        self.prefetch.clear()
+        self.live.clear()
         self.grad_bufs = []
         return out
+
+
+def _check_same_plan(plan: ZeroPlan, device: torch.device) -> None:
+    """Every dp rank must have read the parameters in the same order (so built the same
+    buckets); a data-dependent forward could differ. One tiny all-reduce, in step one."""
+    digest = hashlib.sha256(repr((plan.use_order, [b.numel for b in plan.buckets])).encode()).digest()
+    mine = torch.tensor([int.from_bytes(digest[:6], "big"), -int.from_bytes(digest[:6], "big")],
+                        dtype=torch.float64, device=device)
+    both = comm.all_reduce(mine, plan.mesh, plan.axis, op="max", tag="zero plan check")
+    if both[0] != -both[1]:
+        raise ValueError(
+            f"ZeRO: ranks on {plan.axis!r} read the parameters in different orders in the first step "
+            f"(this rank: {list(plan.use_order)[:6]}…), so their buckets would not line up; the forward "
+            f"must read every parameter in the same order on every rank")
 
 
 @dataclass(frozen=True)
@@ -548,7 +575,8 @@ def update(step: _Step, optimizer: GradientTransformation, opt_state: Any,
     if not master:  # first step: slice the master weights out of the (replicated) params
         master = []
         for b in plan.buckets:
-            flat = torch.zeros(b.numel, dtype=torch.float32 if b.dtype in _LOW_PRECISION else b.dtype)
+            flat = torch.zeros(b.numel, dtype=torch.float32 if b.dtype in _LOW_PRECISION else b.dtype,
+                               device=step.device)
             for i, off in zip(b.members, b.offsets):
                 flat.narrow(0, off, z.leaves[i].numel).copy_(step.raw_leaves[i].reshape(-1))
             master.append(_wrap(_slice_of(plan, b, flat, mesh).clone(), mesh, b.spec, _flat_global(b, mesh)))
