@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import statistics
+import time
+from typing import Callable
 
 
 def llama_step_parser(doc: str | None, *, repeats: int, profile_help: str) -> argparse.ArgumentParser:
@@ -14,4 +17,32 @@ def llama_step_parser(doc: str | None, *, repeats: int, profile_help: str) -> ar
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=repeats)
     ap.add_argument("--profile", type=int, default=0, metavar="STEPS", help=profile_help)
+    return ap
+
+
+def median_time(fn: Callable[[], object], repeats: int) -> float:
+    """Median seconds of ``fn()`` over ``repeats`` calls after one warm-up, every rank
+    starting each call together (a barrier before each)."""
+    import torch.distributed as dist
+
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def attention_parser(doc: str | None, *, seq: list[int] | int) -> argparse.ArgumentParser:
+    """Flags of the attention benchmarks: sequence length(s), heads, head_dim, repeats."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    if isinstance(seq, list):
+        ap.add_argument("--seq", type=int, nargs="+", default=seq)
+    else:
+        ap.add_argument("--seq", type=int, default=seq, help="total sequence length (fixed across cp)")
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--dim", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=5)
     return ap

@@ -25,7 +25,6 @@ and the median wall time. Not a test: times on a shared CPU are noisy; memory is
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
@@ -94,12 +93,10 @@ def _distributed(algo: str, kw: dict, seq: int, heads: int, dim: int, repeats: i
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--seq", type=int, default=4096, help="total sequence length (fixed across cp)")
+    from _common import attention_parser
+
+    ap = attention_parser(__doc__, seq=4096)
     ap.add_argument("--cps", type=int, nargs="+", default=[1, 2, 4])
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--dim", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args()
 
     from dtp.testing import run

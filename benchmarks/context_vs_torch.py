@@ -30,9 +30,6 @@ better). Not a test: times on a shared CPU are noisy; bytes are exact.
 
 from __future__ import annotations
 
-import argparse
-import statistics
-import time
 
 import torch
 
@@ -68,16 +65,9 @@ def _count_collectives():
 
 
 def _timeit(fn, repeats: int) -> float:
-    import torch.distributed as dist
+    from _common import median_time
 
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        dist.barrier()
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return median_time(fn, repeats)
 
 
 def _ulysses(seq: int, heads: int, dim: int, repeats: int) -> list[dict]:
@@ -172,12 +162,10 @@ def _ring(seq: int, heads: int, dim: int, repeats: int) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from _common import attention_parser
+
+    ap = attention_parser(__doc__, seq=[1024, 4096])
     ap.add_argument("--world-size", type=int, default=4)
-    ap.add_argument("--seq", type=int, nargs="+", default=[1024, 4096])
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--dim", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args()
 
     from dtp.testing import run

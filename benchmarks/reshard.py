@@ -10,15 +10,13 @@ side in one run. Not a test: numbers on a shared 2-core machine are noisy; compa
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 
 
 def _bench(world: int, mb: float, repeats: int) -> list[dict]:
     import torch.distributed as dist
-    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor import Shard
     from torch.distributed.tensor.debug import CommDebugMode
 
     import dtp
@@ -33,15 +31,9 @@ def _bench(world: int, mb: float, repeats: int) -> list[dict]:
     local_bytes = g.numel() * 4 // world
 
     def timeit(fn) -> float:
-        fn()  # warm-up
-        dist.barrier()
-        times = []
-        for _ in range(repeats):
-            dist.barrier()
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times)
+        from _common import median_time
+
+        return median_time(fn, repeats)
 
     out = []
     x_rows = dtp.shard(g, mesh, P("a"))
