@@ -87,10 +87,6 @@ class CommLog:
     records: list[CommRecord] = field(default_factory=list)
     spans: list[Span] = field(default_factory=list)
 
-    def span_of(self, name: str) -> Span | None:
-        """The first span called ``name``, or ``None``."""
-        return next((s for s in self.spans if s.name == name), None)
-
     def overlapping(self, span: Span) -> list[CommRecord]:
         """Collectives in flight during ``span`` (issued before it ended, completed after it started)."""
         end = span.end if span.end is not None else time.perf_counter()

@@ -168,10 +168,9 @@ class Layout:
 def _check_context(layout: Layout, sizes: Mapping[str, int], mesh: DeviceMesh, what: str) -> None:
     """MindSpeed's context-parallel rules, checked before any collective runs."""
     opts = layout.options.get("context")
-    names = _names(mesh)
-    if not opts or opts["axis"] not in names:
+    if not opts or opts["axis"] not in _names(mesh):
         return
-    cp = mesh.size(names.index(opts["axis"]))
+    cp = layout.context_degree(mesh)
     algo, window, u = opts["algo"], opts["window"], opts["ulysses_degree"]
     heads, tp = sizes.get("heads"), layout.degree("heads", mesh)
     if algo == "hybrid":

@@ -180,7 +180,10 @@ def _split_microbatches(batch: Mapping[str, DTensor], n: int) -> list[dict[str, 
     return parts
 
 
-def _check_batch(batch: Mapping[str, torch.Tensor], state: TrainState, microbatches: int) -> None:
+def _check_inputs(batch: Mapping[str, torch.Tensor], state: TrainState, microbatches: int,
+                  recompute: str | None) -> None:
+    if recompute not in POLICIES:
+        raise ValueError(f"train_step: recompute must be one of {POLICIES}, got {recompute!r}")
     if microbatches < 1:
         raise ValueError(f"train_step: microbatches must be >= 1, got {microbatches}")
     dp = state.layout.degree("batch", state.mesh)
@@ -205,12 +208,10 @@ def value_and_grad(loss_fn: Callable[[PyTree, Mapping[str, torch.Tensor]], Any],
 
     Gradient accumulation equals one big batch: each microbatch's mean is weighted 1/m.
     """
-    if recompute not in POLICIES:
-        raise ValueError(f"train_step: recompute must be one of {POLICIES}, got {recompute!r}")
     if state.zero is not None:
         raise ValueError("value_and_grad: a ZeRO state's gradients are reduce-scattered into bucket slices "
                          "inside dtp.train_step; call train_step (or drop layouts.zero)")
-    _check_batch(batch, state, microbatches)
+    _check_inputs(batch, state, microbatches, recompute)
     leaves, treedef = optree.tree_flatten(state.params)
     with use_layout(state.layout, state.mesh), recompute_policy(recompute):
         grads: list[torch.Tensor | None] = [None] * len(leaves)
@@ -269,9 +270,7 @@ def _zero_train_step(loss_fn: Callable, state: TrainState, batch: Mapping[str, t
                      recompute: str | None, clip_norm: float | None, t0: float) -> tuple[TrainState, dict[str, Any]]:
     """``train_step`` under ZeRO: the forward reads parameters through the bucket view,
     backward reduce-scatters buckets, each rank updates its slices (see :mod:`dtp.zero`)."""
-    if recompute not in POLICIES:
-        raise ValueError(f"train_step: recompute must be one of {POLICIES}, got {recompute!r}")
-    _check_batch(batch, state, microbatches)
+    _check_inputs(batch, state, microbatches, recompute)
     raw = object.__getattribute__(state, "params")
     with comm_log() as log:
         with use_layout(state.layout, state.mesh), recompute_policy(recompute):

@@ -53,6 +53,11 @@ PyTree = Any
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Gradients and master weights of low-precision parameters are fp32 (Megatron's)."""
+    return torch.float32 if dtype in _LOW_PRECISION else dtype
+
+
 def options(layout: Any, mesh: DeviceMesh) -> dict[str, Any] | None:
     """The layout's ZeRO options when they apply on ``mesh`` (axis present, size > 1)."""
     opts = layout.options.get("zero")
@@ -91,6 +96,10 @@ class _Leaf:
     def numel(self) -> int:
         return math.prod(self.local_shape)
 
+    def view(self, flat: torch.Tensor, offset: int) -> torch.Tensor:
+        """This parameter's shard inside a flat bucket buffer starting at ``offset``."""
+        return flat.narrow(0, offset, self.numel).view(self.local_shape)
+
 
 @dataclass(frozen=True)
 class Bucket:
@@ -115,7 +124,6 @@ class Bucket:
 class ZeroPlan:
     """Buckets and use order, fixed in the first step."""
 
-    stage: int
     axis: str
     mesh: DeviceMesh
     buckets: tuple[Bucket, ...]
@@ -225,7 +233,7 @@ def _plan(z: ZeroState, used: Sequence[int]) -> ZeroPlan:
         last = max((last_read.get(i, len(used)) for i in members), default=len(used))
         buckets.append(Bucket(index, tuple(members), tuple(offsets), padded, dtype, spec,
                               tuple(z.leaves[i].path for i in members), dp, last))
-    return ZeroPlan(z.stage, axis, mesh, tuple(buckets), tuple(where), tuple(z.leaves[i].path for i in order))
+    return ZeroPlan(axis, mesh, tuple(buckets), tuple(where), tuple(z.leaves[i].path for i in order))
 
 
 def _flat_global(b: Bucket, mesh: DeviceMesh) -> tuple[int]:
@@ -233,8 +241,8 @@ def _flat_global(b: Bucket, mesh: DeviceMesh) -> tuple[int]:
     return (b.shard_numel * math.prod(sizes[a] for a in b.spec.axes_of(0)),)
 
 
-def _slice_of(plan: ZeroPlan, b: Bucket, flat: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
-    r = dict(zip(_names(mesh), mesh.get_coordinate()))[plan.axis]
+def _slice_of(plan: ZeroPlan, b: Bucket, flat: torch.Tensor) -> torch.Tensor:
+    r = dict(zip(_names(plan.mesh), plan.mesh.get_coordinate()))[plan.axis]
     return flat[r * b.shard_numel:(r + 1) * b.shard_numel]
 
 
@@ -249,17 +257,12 @@ def _gather(plan: ZeroPlan, b: Bucket, piece: torch.Tensor, *, async_op: bool, t
     return comm.all_gather(piece, plan.mesh, plan.axis, out=out, async_op=async_op, tag=f"{tag} bucket {b.index}")
 
 
-def _views(z: ZeroState, b: Bucket, buf: torch.Tensor) -> dict[int, torch.Tensor]:
-    return {i: buf.narrow(0, off, z.leaves[i].numel).view(z.leaves[i].local_shape)
-            for i, off in zip(b.members, b.offsets)}
-
-
 def _tree_of_views(z: ZeroState, bufs: Sequence[torch.Tensor], *, requires_grad: bool) -> PyTree:
     out: list[torch.Tensor | None] = [None] * len(z.leaves)
     for b, buf in zip(z.plan.buckets, bufs):
-        for i, v in _views(z, b, buf).items():
+        for i, off in zip(b.members, b.offsets):
             leaf = z.leaves[i]
-            out[i] = _wrap(v, leaf.mesh, leaf.spec, leaf.shape).requires_grad_(requires_grad)
+            out[i] = _wrap(leaf.view(buf, off), leaf.mesh, leaf.spec, leaf.shape).requires_grad_(requires_grad)
     return optree.tree_map(lambda i: out[i], z.skeleton)
 
 
@@ -376,8 +379,7 @@ class _Step:
         if self.raw_leaves is not None:  # the first step reads the laid-out params as they are
             return self.raw_leaves[i]
         b, off = z.plan.where[i]
-        buf = self._bucket_buffer(b)
-        return buf.narrow(0, off, z.leaves[i].numel).view(z.leaves[i].local_shape)
+        return z.leaves[i].view(self._bucket_buffer(b), off)
 
     def _bucket_buffer(self, b: int) -> torch.Tensor:
         z = self.z
@@ -476,29 +478,28 @@ class _Step:
         if spec_of(grad) != target:
             grad = reshard(grad, target, name=f"grad {leaf.path}", tag="grad reduce")
         b, off = plan.where[i]
-        bucket = plan.buckets[b]
-        buf = self.grad_bufs[b]
-        if buf is None:
-            acc = torch.float32 if bucket.dtype in _LOW_PRECISION else bucket.dtype
-            buf = self.grad_bufs[b] = torch.zeros(bucket.numel, dtype=acc, device=grad.to_local().device)
-        buf.narrow(0, off, leaf.numel).add_(grad.to_local().reshape(-1))
+        leaf.view(self._grad_buffer(b), off).add_(grad.to_local())
         self.pending[b] -= 1
         last = self.microbatch == self.microbatches - 1
         if self.pending[b] == 0:
             if z.stage == 3:
                 self._release(b)
             if last and z.options["overlap_grad_reduce"]:
-                self._post_reduce(b, async_op=True)
+                self._post_reduce(b)
 
-    def _post_reduce(self, b: int, *, async_op: bool) -> None:
+    def _grad_buffer(self, b: int) -> torch.Tensor:
+        """Bucket ``b``'s full gradient accumulator, zeroed on first use."""
+        if self.grad_bufs[b] is None:
+            bucket = self.z.plan.buckets[b]
+            self.grad_bufs[b] = torch.zeros(bucket.numel, dtype=_acc_dtype(bucket.dtype), device=self.device)
+        return self.grad_bufs[b]
+
+    def _post_reduce(self, b: int) -> None:
         plan = self.z.plan
-        buf = self.grad_bufs[b]
-        self.reduce[b] = comm.reduce_scatter(buf, plan.mesh, plan.axis, async_op=True,
+        self.reduce[b] = comm.reduce_scatter(self._grad_buffer(b), plan.mesh, plan.axis, async_op=True,
                                              tag=f"grad bucket {b}")
         if self.z.stage >= 2:  # only the slice outlives the reduce-scatter (the handle keeps it until done)
             self.grad_bufs[b] = None
-        if not async_op:
-            self.reduce[b].wait()
 
     def gradient_slices(self) -> list[DTensor]:
         """Every bucket's reduced gradient slice (posting what backward did not)."""
@@ -506,11 +507,8 @@ class _Step:
         mesh = plan.mesh
         out = []
         for b in plan.buckets:
-            if self.reduce[b.index] is None:
-                if self.grad_bufs[b.index] is None:  # nothing of this bucket was used
-                    acc = torch.float32 if b.dtype in _LOW_PRECISION else b.dtype
-                    self.grad_bufs[b.index] = torch.zeros(b.numel, dtype=acc, device=self.device)
-                self._post_reduce(b.index, async_op=False)
+            if self.reduce[b.index] is None:  # not posted during backward (no overlap, or unused)
+                self._post_reduce(b.index)
             out.append(_wrap(self.reduce[b.index].wait(), mesh, b.spec, _flat_global(b, mesh)))
         for handle in self.prefetch.values():  # a backward prefetch nobody needed in the end
             handle.wait()
@@ -575,11 +573,10 @@ def update(step: _Step, optimizer: GradientTransformation, opt_state: Any,
     if not master:  # first step: slice the master weights out of the (replicated) params
         master = []
         for b in plan.buckets:
-            flat = torch.zeros(b.numel, dtype=torch.float32 if b.dtype in _LOW_PRECISION else b.dtype,
-                               device=step.device)
+            flat = torch.zeros(b.numel, dtype=_acc_dtype(b.dtype), device=step.device)
             for i, off in zip(b.members, b.offsets):
-                flat.narrow(0, off, z.leaves[i].numel).copy_(step.raw_leaves[i].reshape(-1))
-            master.append(_wrap(_slice_of(plan, b, flat, mesh).clone(), mesh, b.spec, _flat_global(b, mesh)))
+                z.leaves[i].view(flat, off).copy_(step.raw_leaves[i])
+            master.append(_wrap(_slice_of(plan, b, flat).clone(), mesh, b.spec, _flat_global(b, mesh)))
         opt_state = optimizer.init(master)
     if clip_norm is not None:
         grads, norm = clip_by_global_norm(grads, clip_norm)
