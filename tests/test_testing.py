@@ -55,6 +55,19 @@ def test_hang_is_killed_after_timeout():
         run(_sleeps_on_rank_zero, world_size=2, timeout=2)
 
 
+def test_a_rank_that_dies_while_starting_is_reported_at_once(monkeypatch):
+    import sys
+
+    from dtp import testing
+
+    # A worker that exits before connecting: the start-up must say so, not wait out its timeout.
+    monkeypatch.setattr(testing, "_WORKER_COMMAND", [sys.executable, "-c", "raise SystemExit(3)"])
+    t0 = time.monotonic()
+    with pytest.raises(RankTimeout, match=r"exited while starting: exit codes by rank \{0: 3"):
+        testing._Pool(2, start_timeout=120)
+    assert time.monotonic() - t0 < 30
+
+
 def test_functions_from_a_notebook_main_travel_by_value():
     # A notebook cell defines functions in __main__, which workers cannot import.
     ns = {"__name__": "__main__"}
