@@ -366,15 +366,16 @@ def block_backward(
     scale = _default_scale(scale, d)
     kind = select_impl(q, k, v, mask, backward=True, impl=impl)
     if kind == "cpu_flash":
-        # Dense inputs: torch's own context-parallel code had to make LSE slices
-        # contiguous to get correct results from a fused backward. The CPU kernel handled
-        # strided slices correctly when tested, but the copies are cheap and remove the doubt.
+        # Strided slices go in as they are: the CPU kernel reads them by stride and gives
+        # bitwise the results of dense copies (checked for fp32/bf16, causal and full),
+        # and copies would sit in memory exactly where a ring rank peaks. The LSE is made
+        # dense anyway (tiny): torch's own context-parallel code needed that on CUDA.
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout.to(q.dtype).contiguous(),
-            q.contiguous(),
-            k.contiguous(),
-            v.contiguous(),
-            out.to(q.dtype).contiguous(),
+            dout.to(q.dtype),
+            q,
+            k,
+            v,
+            out.to(q.dtype),
             lse.to(accum_dtype(q.dtype)).contiguous(),
             0.0,
             mask == "causal",

@@ -360,13 +360,14 @@ def _ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: _Ring
     acc = accum_dtype(q.dtype)
     out = torch.zeros(b, hq, L, d, dtype=acc, device=q.device)
     lse = torch.full((b, hq, L), float("-inf"), dtype=acc, device=q.device)
-    block = torch.stack([k, v])  # one buffer per transfer: (2, b, h_kv, L, d)
+    block: torch.Tensor | None = torch.stack([k, v])  # one buffer per transfer: (2, b, h_kv, L, d)
     step = 0
     for t in range(ring.n_out):
+        assert block is not None
         # Outer ring: this round's first block goes on to the next window while the whole
         # inner round computes (prefetch), arriving as the next round's first block.
         outer = _send(block, ring, ring.outer, f"ring fwd outer {t}") if t + 1 < ring.n_out else None
-        cur = block
+        cur, block = block, None  # the transfers hold what they send; keep no stale block
         for s in range(ring.w):
             nxt = _send(cur, ring, ring.inner, f"ring fwd step {step}") if s + 1 < ring.w else None
             src = ring.src(t, s)
@@ -377,9 +378,11 @@ def _ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: _Ring
                     ob, lb = block_forward(q[:, :, qs], cur[0][:, :, ks], cur[1][:, :, ks], scale=scale,
                                            mask=task.mask)  # type: ignore[arg-type]
                     out[:, :, qs], lse[:, :, qs] = merge(out[:, :, qs], lse[:, :, qs], ob, lb)
+                    del ob, lb
             if nxt is not None:
                 cur = nxt.wait()
             step += 1
+        del cur
         if outer is not None:
             block = outer.wait()
     return out.to(q.dtype), lse
@@ -398,22 +401,34 @@ def _ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     (prefetched over the next round) to the next window, and after the last round one
     more outer hop brings it home. Partials are in the accumulation dtype (fp32, or
     fp64 for fp64).
+
+    Memory: this is where a ring rank peaks, so buffers are few and short-lived. The
+    received partial is the next partial (the step's dK/dV are added into it in place,
+    no fresh buffer per step); each block-kernel result is added and dropped at once;
+    no reference keeps a K/V block alive after its transfer and compute are done. Live
+    at a step: 3 K/V blocks (own, computing, arriving) and 2 dK/dV partials (leaving,
+    arriving) plus one block's kernel outputs.
     """
     L = q.shape[2]
     acc = accum_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-    block = torch.stack([k, v])
+    block: torch.Tensor | None = torch.stack([k, v])
     step = 0
     carried: comm.CommHandle | None = None  # dK/dV partial on the outer ring
+    dkv: torch.Tensor | None = None
     for t in range(ring.n_out):
+        assert block is not None
         outer = _send(block, ring, ring.outer, f"ring bwd outer {t}") if t + 1 < ring.n_out else None
-        cur = block
+        cur, block = block, None
         partial: comm.CommHandle | None = None  # dK/dV partial on the inner ring
         for s in range(ring.w):
             nxt = _send(cur, ring, ring.inner, f"ring bwd step {step}") if s + 1 < ring.w else None
             src = ring.src(t, s)
             tasks = ring_block_plan(ring.rank, src, ring.n, causal=causal, load_balance=load_balance, local_len=L)
-            grad = torch.zeros(cur.shape, dtype=acc, device=cur.device)
+            # The first step of an inner round starts a partial; later steps hold their
+            # block's (few) kernel results until the incoming partial lands, then add.
+            grad = torch.zeros(cur.shape, dtype=acc, device=cur.device) if partial is None else None
+            pending: list[tuple[slice, torch.Tensor, torch.Tensor]] = []
             with _traced("bwd", step, src, tasks):
                 for task in tasks:
                     qs, ks = task.q_slice, task.k_slice
@@ -421,27 +436,42 @@ def _ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
                                                 out[:, :, qs], lse[:, :, qs], scale=scale,
                                                 mask=task.mask)  # type: ignore[arg-type]
                     dq[:, :, qs] += gq
+                    del gq
+                    if grad is not None:
+                        grad[0][:, :, ks] += gk
+                        grad[1][:, :, ks] += gv
+                    else:
+                        pending.append((ks, gk, gv))
+                    del gk, gv
+            if grad is None:
+                assert partial is not None
+                grad = partial.wait()  # also completes our previous send: that buffer is free
+                for ks, gk, gv in pending:
                     grad[0][:, :, ks] += gk
                     grad[1][:, :, ks] += gv
-            if partial is not None:
-                grad += partial.wait()
+                pending.clear()
             partial = _send(grad, ring, ring.inner, f"ring bwd dkv step {step}")
+            del grad
             if nxt is not None:
                 cur = nxt.wait()
             step += 1
+        del cur
         assert partial is not None
         round_grad = partial.wait()  # this round's first block, summed over the window
+        del partial
         if carried is not None:
-            round_grad = round_grad + carried.wait()
+            round_grad += carried.wait()
         if ring.outer is None:
             carried = None
             dkv = round_grad
         else:
             carried = _send(round_grad, ring, ring.outer, f"ring bwd dkv outer {t}")
+        del round_grad
         if outer is not None:
             block = outer.wait()
     if carried is not None:
         dkv = carried.wait()  # the last outer hop brings this rank's own block home
+    assert dkv is not None
     return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
 
 
