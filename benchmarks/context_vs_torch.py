@@ -56,8 +56,15 @@ def _count_collectives():
                 if func._opname not in formulas:
                     raise RuntimeError(f"uncounted collective {func}")
                 x = args[0]
-                n = dist.get_world_size(_resolve_process_group(args[-1]))
-                self.bytes += int(round(formulas[func._opname](x.numel() * x.element_size(), n)))
+                group = _resolve_process_group(args[-1])
+                n, nb = dist.get_world_size(group), x.numel() * x.element_size()
+                if func._opname == "all_to_all_single" and args[2]:
+                    # Uneven splits (torch's ring rotater permutes with all_to_all_single):
+                    # what leaves this rank is every split but its own.
+                    splits, me = list(args[2]), dist.get_rank(group)
+                    self.bytes += nb * (sum(splits) - splits[me]) // max(1, sum(splits))
+                else:
+                    self.bytes += int(round(formulas[func._opname](nb, n)))
                 self.counts[func._opname] = self.counts.get(func._opname, 0) + 1
             return func(*args, **(kwargs or {}))
 
@@ -118,9 +125,10 @@ def _ulysses(seq: int, heads: int, dim: int, repeats: int) -> list[dict]:
     return rows
 
 
-def _ring(seq: int, heads: int, dim: int, repeats: int) -> dict:
+def _ring(seq: int, heads: int, dim: int, repeats: int) -> list[dict]:
     import torch.distributed as dist
     import torch.nn.functional as F
+    from torch.distributed.tensor.experimental._context_parallel import _attention as TA
 
     import dtp
     from dtp import P
@@ -132,33 +140,67 @@ def _ring(seq: int, heads: int, dim: int, repeats: int) -> dict:
     mesh = dtp.make_mesh(cp=world)
     g = torch.Generator().manual_seed(0)
     glob = [torch.randn(1, heads, seq, dim, generator=g) for _ in range(3)]
+    # Both sides get the same zigzag shards (torch's head-tail balancing is the same order).
+    shards = [to_local(dtp.shard(to_cp_order(t, 2, world), mesh, P(None, None, "cp"))) for t in glob]
 
     def dtp_once():
-        q, k, v = (dtp.shard(to_cp_order(t, 2, world), mesh, P(None, None, "cp")).requires_grad_() for t in glob)
+        q, k, v = (dtp.from_local(t.clone(), mesh, P(None, None, "cp")).requires_grad_() for t in shards)
         out = C.context_attention(q, k, v, algo="ring", causal=True, load_balance="zigzag")
         to_local(out).sum().backward()
+        return to_local(out), [to_local(t.grad) for t in (q, k, v)]
 
     with dtp.comm_log() as log:
-        dtp_once()
-    res = dict(op="ring fwd+bwd", dtp=_timeit(dtp_once, repeats), dtp_bytes=log.bytes())
+        ref_out, ref_grads = dtp_once()
+    rows = []
+    base = dict(dtp=_timeit(dtp_once, repeats), dtp_bytes=log.bytes())
 
-    def torch_once():
+    # (1) The public API, as a user would call it.
+    def public_once():
         from torch.distributed.tensor.experimental import context_parallel
 
         q, k, v = bufs = [t.clone() for t in glob]  # sharded in place: no grad until inside
         with context_parallel(mesh, buffers=bufs, buffer_seq_dims=[2, 2, 2], no_restore_buffers=set(bufs)):
             for t in bufs:
                 t.requires_grad_()
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-            out.sum().backward()
+            F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
 
     try:
-        with _count_collectives() as seen:
-            torch_once()
-        res.update(torch=_timeit(torch_once, repeats), torch_bytes=seen.bytes, torch_ops=dict(seen.counts))
+        public_once()
+        rows.append(dict(base, op="ring: context_parallel", torch=_timeit(public_once, repeats)))
     except Exception as e:  # noqa: BLE001 - report exactly what PyTorch raised
-        res["torch_error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300]}"
-    return res
+        rows.append(dict(base, op="ring: context_parallel",
+                         torch_error=f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200]}"))
+
+    # (2) PyTorch's ring algorithm itself (_templated_ring_attention and its backward, the
+    # functions context_parallel dispatches to) with the CPU flash kernel plugged in as
+    # the block op -- the kernel dtp uses too. Each rotate method PyTorch offers.
+    def cpu_fwd(query, key, value, is_causal, **kw):
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, 0.0, is_causal)
+
+    def cpu_bwd(query, key, value, out, logsumexp, is_causal, grad_out, **kw):
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad_out, query, key, value, out, logsumexp, 0.0, is_causal)
+
+    group = mesh.get_group("cp")
+    for method in (TA._RotateMethod.ALL_GATHER, TA._RotateMethod.ALL_TO_ALL):
+        def torch_once(method=method):
+            previous = TA._cp_options.rotate_method
+            TA._cp_options.rotate_method = method
+            try:
+                q, k, v = (t.clone() for t in shards)
+                out, lse = TA._templated_ring_attention(group, 2, cpu_fwd, q, k, v, is_causal=True)[:2]
+                grads = TA._templated_ring_attention_backward(
+                    group, 2, cpu_bwd, torch.ones_like(out), "grad_out", q, k, v, out, lse, is_causal=True)[:3]
+                return out, grads
+            finally:
+                TA._cp_options.rotate_method = previous
+
+        with _count_collectives() as seen:
+            out, grads = torch_once()
+        diff = max((a - b).abs().max().item() for a, b in zip([out, *grads], [ref_out, *ref_grads]))
+        rows.append(dict(base, op=f"ring: {method.name.lower()}", torch=_timeit(torch_once, repeats),
+                         torch_bytes=seen.bytes, torch_ops=dict(seen.counts, max_abs_diff=float(f"{diff:.1e}"))))
+    return rows
 
 
 def main() -> None:
@@ -174,20 +216,20 @@ def main() -> None:
     mib = 2.0**20
     print(f"gloo, cp = {args.world_size}, heads = {args.heads}, head_dim = {args.dim}, fp32, causal; "
           f"median of {args.repeats}; ratio = dtp / torch (lower is better)")
-    print(f"{'seq':>6}  {'op':<18}{'dtp ms':>9}{'torch ms':>10}{'time':>7}"
+    print(f"{'seq':>6}  {'op':<24}{'dtp ms':>9}{'torch ms':>10}{'time':>7}"
           f"{'dtp MiB':>9}{'torch MiB':>11}{'bytes':>7}  torch collectives")
     for seq in args.seq:
         rows = run(_ulysses, seq, args.heads, args.dim, args.repeats, world_size=args.world_size, timeout=1200)[0]
-        rows.append(run(_ring, seq, args.heads, args.dim, args.repeats, world_size=args.world_size,
-                        timeout=1200)[0])
+        rows += run(_ring, seq, args.heads, args.dim, args.repeats, world_size=args.world_size, timeout=1200)[0]
         for r in rows:
             if "torch_error" in r:
-                print(f"{seq:>6}  {r['op']:<18}{1e3 * r['dtp']:>9.1f}{'—':>10}{'—':>7}{r['dtp_bytes'] / mib:>9.2f}"
+                print(f"{seq:>6}  {r['op']:<24}{1e3 * r['dtp']:>9.1f}{'—':>10}{'—':>7}{r['dtp_bytes'] / mib:>9.2f}"
                       f"{'—':>11}{'—':>7}  torch does not run: {r['torch_error']}")
                 continue
-            print(f"{seq:>6}  {r['op']:<18}{1e3 * r['dtp']:>9.1f}{1e3 * r['torch']:>10.1f}"
-                  f"{r['dtp'] / r['torch']:>7.2f}{r['dtp_bytes'] / mib:>9.2f}{r['torch_bytes'] / mib:>11.2f}"
-                  f"{r['dtp_bytes'] / max(1, r['torch_bytes']):>7.2f}  {r['torch_ops']}")
+            print(f"{seq:>6}  {r['op']:<24}{1e3 * r['dtp']:>9.1f}{1e3 * r['torch']:>10.1f}"
+                  f"{r['dtp'] / r['torch']:>7.2f}{r['dtp_bytes'] / mib:>9.2f}"
+                  + (f"{r['torch_bytes'] / mib:>11.2f}{r['dtp_bytes'] / max(1, r['torch_bytes']):>7.2f}  "
+                     f"{r['torch_ops']}" if "torch_bytes" in r else f"{'?':>11}{'?':>7}"))
 
 
 if __name__ == "__main__":

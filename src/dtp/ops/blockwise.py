@@ -76,6 +76,7 @@ __all__ = [
     "block_forward",
     "block_backward",
     "merge",
+    "merge_into",
     "zigzag_permutation",
     "cp_permutation",
     "to_cp_order",
@@ -432,6 +433,28 @@ def merge(
     new_out = torch.where(empty_b.unsqueeze(-1), out, new_out)
     new_lse = torch.logaddexp(lse, lse_b)  # -inf when both are -inf, never NaN
     return new_out, new_lse
+
+
+def merge_into(out: torch.Tensor, lse: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor) -> None:
+    """:func:`merge` in place, for accumulators whose rows have all seen a key already.
+
+    ``out``/``lse`` (accumulation dtype, possibly views into a larger accumulator) become
+    the merge with block ``out_b``/``lse_b``: ``out.lerp_(out_b, sigmoid(lse_b - lse))``
+    and ``lse = logaddexp(lse, lse_b)`` -- the same stable sigmoid form as :func:`merge`,
+    one fused kernel on the big tensor and no temporaries of its size. It skips
+    :func:`merge`'s empty-side handling, so ``lse`` must be finite (``lse_b = -inf``
+    with a finite ``out_b``, an empty block's zeros, weighs 0). A ring starts its accumulator from the diagonal block, which
+    covers every row, so this holds there.
+
+    >>> q, k, v = torch.randn(3, 1, 1, 4, 8, dtype=torch.float64).unbind(0)
+    >>> o, l = block_forward(q, k[:, :, :2], v[:, :, :2])
+    >>> merge_into(o, l, *block_forward(q, k[:, :, 2:], v[:, :, 2:]))
+    >>> torch.allclose(o, block_forward(q, k, v)[0])
+    True
+    """
+    w = torch.sigmoid(lse_b.to(lse.dtype) - lse)
+    out.lerp_(out_b.to(out.dtype), w.unsqueeze(-1))
+    lse.copy_(torch.logaddexp(lse, lse_b.to(lse.dtype)))
 
 
 # ------------------------------------------------------------------ load balancing

@@ -59,7 +59,7 @@ from .blockwise import (
     block_backward,
     block_forward,
     from_cp_order,
-    merge,
+    merge_into,
     ring_block_plan,
     to_cp_order,
 )
@@ -356,10 +356,10 @@ def _send(x: torch.Tensor, ring: _Ring, axis: str | None, tag: str) -> comm.Comm
 
 def _ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: _Ring, causal: bool,
                   load_balance: str | None, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    b, hq, L, d = q.shape
+    L = q.shape[2]
     acc = accum_dtype(q.dtype)
-    out = torch.zeros(b, hq, L, d, dtype=acc, device=q.device)
-    lse = torch.full((b, hq, L), float("-inf"), dtype=acc, device=q.device)
+    out: torch.Tensor | None = None  # the accumulators start as the diagonal block's result
+    lse: torch.Tensor | None = None
     block: torch.Tensor | None = torch.stack([k, v])  # one buffer per transfer: (2, b, h_kv, L, d)
     step = 0
     for t in range(ring.n_out):
@@ -377,7 +377,14 @@ def _ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: _Ring
                     qs, ks = task.q_slice, task.k_slice
                     ob, lb = block_forward(q[:, :, qs], cur[0][:, :, ks], cur[1][:, :, ks], scale=scale,
                                            mask=task.mask)  # type: ignore[arg-type]
-                    out[:, :, qs], lse[:, :, qs] = merge(out[:, :, qs], lse[:, :, qs], ob, lb)
+                    if out is None:
+                        # Step 0 is this rank's own block: one task over every row (causal
+                        # or not), so every accumulator row is non-empty from here on.
+                        assert src == ring.rank and qs == slice(0, L)
+                        out, lse = ob.to(acc), lb
+                    else:
+                        assert lse is not None
+                        merge_into(out[:, :, qs], lse[:, :, qs], ob, lb)
                     del ob, lb
             if nxt is not None:
                 cur = nxt.wait()
@@ -385,6 +392,7 @@ def _ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: _Ring
         del cur
         if outer is not None:
             block = outer.wait()
+    assert out is not None and lse is not None
     return out.to(q.dtype), lse
 
 
