@@ -38,7 +38,7 @@ def _full(x):
     return (x.full_tensor() if isinstance(x, DTensor) else x).detach()
 
 
-def _three_steps(mesh_axes, zero, microbatches, dtype=torch.float64):
+def _three_steps(mesh_axes, zero, microbatches, dtype=torch.float64, clip=CLIP):
     mesh = dtp.make_mesh(**mesh_axes)
     state = dtp.TrainState.create(llama.init(CFG, seed=0, dtype=dtype), _adamw(), mesh=mesh,
                                   layout=_layout(mesh_axes, zero), axes=llama.param_axes(CFG),
@@ -46,34 +46,36 @@ def _three_steps(mesh_axes, zero, microbatches, dtype=torch.float64):
     first = state
     for step in range(3):
         state, metrics = dtp.train_step(LOSS, state, dtp.shard_batch(_batch(step), state),
-                                        microbatches=microbatches, clip_norm=CLIP)
+                                        microbatches=microbatches, clip_norm=clip)
     if zero:
         assert first.zero.plan is None and first.opt_state is None  # the input state is untouched
     return optree.tree_map(_full, state.params), metrics["grad_norm"]
 
 
-def _runs(mesh_axes, cases):
+def _runs(mesh_axes, cases, clip=CLIP):
     """Every case on one pool: plain data parallel first, then each ZeRO variant."""
-    out = [_three_steps(mesh_axes, None, 1)]
-    out += [_three_steps(mesh_axes, zero, mb) for zero, mb in cases]
+    out = [_three_steps(mesh_axes, None, 1, clip=clip)]
+    out += [_three_steps(mesh_axes, zero, mb, clip=clip) for zero, mb in cases]
     return out if torch.distributed.get_rank() == 0 else None
 
 
-@functools.lru_cache(maxsize=1)
-def _reference():
+@functools.lru_cache(maxsize=2)
+def _reference(clip=CLIP):
     params = llama.init(CFG, seed=0, dtype=torch.float64)
     opt = _adamw()
     opt_state = opt.init(params)
     for step in range(3):
         _, grads = reference_value_and_grad(LOSS, params, _batch(step))
-        grads, norm = dtp.optim.clip_by_global_norm(grads, CLIP)
+        norm = dtp.optim.global_norm(grads)
+        if clip is not None:
+            grads, norm = dtp.optim.clip_by_global_norm(grads, clip)
         updates, opt_state = opt.update(grads, opt_state, params)
         params = dtp.optim.apply_updates(params, updates)
     return optree.tree_map(torch.Tensor.detach, params), float(norm)
 
 
-def _check(results, cases):
-    ref, ref_norm = _reference()
+def _check(results, cases, clip=CLIP):
+    ref, ref_norm = _reference(clip)
     (dp_params, dp_norm), *rest = results
     assert_tree_close(dp_params, ref, name="plain data parallel")
     for (zero, mb), (params, norm) in zip(cases, rest):
@@ -91,6 +93,16 @@ DP2_CASES = [(dict(stage=stage, bucket_mb=BUCKET, overlap_grad_reduce=ov, overla
 
 def test_zero_stages_match_single_device_and_data_parallel_dp2():
     _check(run(_runs, {"dp": 2}, DP2_CASES, world_size=2)[0], DP2_CASES)
+
+
+# Without clipping an elementwise optimizer updates each bucket as its reduce-scatter
+# lands (the per-bucket path); with clipping (above) all at once.
+UNCLIPPED_CASES = [(dict(stage=stage, bucket_mb=BUCKET, overlap_grad_reduce=ov, overlap_param_gather=ov), 2)
+                   for stage in (1, 2, 3) for ov in (False, True)]
+
+
+def test_zero_per_bucket_update_without_clipping_matches_dp2():
+    _check(run(_runs, {"dp": 2}, UNCLIPPED_CASES, None, world_size=2)[0], UNCLIPPED_CASES, clip=None)
 
 
 COMPOSED_CASES = [(dict(stage=stage, bucket_mb=BUCKET, overlap_grad_reduce=True, overlap_param_gather=True), 2)

@@ -198,6 +198,7 @@ def span(name: str) -> Iterator[Span]:
 # complete when that transfer would be. Waiting on it
 # blocks until then; compute in between runs freely — exactly what overlap hides.
 _link_lock = threading.Lock()
+_mark_lock = threading.Lock()
 _link: dict[str, object] = {}
 
 
@@ -261,29 +262,39 @@ class CommHandle:
         self._work, self._record, self._finish = work, record, finish
         self._link = link  # (axis, bytes) under simulated_link
         self._deadline: float | None = None  # end of the modelled transfer
+        self._done = False  # completion seen (and the link booked)
         self._result: torch.Tensor | None = None
         future = getattr(work, "get_future", None)
-        if record is not None and future is not None:
+        if record is not None and work is not None:
             try:
-                future().then(self._mark_done)
-            except (RuntimeError, NotImplementedError):
-                pass  # backends without futures: completion is taken at wait()
+                future().then(self._mark_done)  # type: ignore[misc]
+            except (TypeError, RuntimeError, NotImplementedError):
+                # No future (gloo's reduce-scatter): a background thread watches for the
+                # completion, so the record and the modelled link see when the backend
+                # finished, not when someone got round to waiting.
+                _watch(self)
 
     def _mark_done(self, fut: object) -> None:
-        # The modelled transfer starts when the real collective has finished, i.e. once
-        # every rank has posted it: waiting for a late peer is never hidden in the model.
-        if self._link is not None and self._deadline is None:
-            self._deadline = _link_deadline(*self._link)
-        if self._record is not None and self._record.completed is None:
-            self._record.completed = max(time.perf_counter(), self._deadline or 0.0)
+        # Called once per handle by whoever sees the completion first: a future callback
+        # or the watcher thread (backend threads), or wait() (this one).
+        with _mark_lock:
+            if self._done:
+                return
+            self._done = True
+            # The modelled transfer starts when the real collective has finished, i.e.
+            # once every rank has posted it: waiting for a late peer is never hidden.
+            if self._link is not None:
+                self._deadline = _link_deadline(*self._link)
+            if self._record is not None and self._record.completed is None:
+                self._record.completed = max(time.perf_counter(), self._deadline or 0.0)
 
     def wait(self) -> torch.Tensor:
         if self._result is None:
             if self._work is not None:
                 self._work.wait()
+            self._mark_done(None)
             if self._deadline is not None and (left := self._deadline - time.perf_counter()) > 0:
                 time.sleep(left)
-            self._mark_done(None)
             self._result = self._finish()
         return self._result
 
@@ -292,6 +303,38 @@ class CommHandle:
             return True
         done = bool(self._work.is_completed())
         return done and (self._link is None or (self._deadline is not None and time.perf_counter() >= self._deadline))
+
+
+_watched: list[CommHandle] = []
+_watch_cond = threading.Condition()
+_watcher: threading.Thread | None = None
+_WATCH_INTERVAL = 5e-4  # seconds between completion polls while something is watched
+
+
+def _watch(handle: CommHandle) -> None:
+    """Have the watcher thread call ``handle._mark_done`` once its work completes."""
+    global _watcher
+    with _watch_cond:
+        _watched.append(handle)
+        if _watcher is None or not _watcher.is_alive():
+            _watcher = threading.Thread(target=_watch_loop, name="dtp-comm-watch", daemon=True)
+            _watcher.start()
+        _watch_cond.notify()
+
+
+def _watch_loop() -> None:
+    while True:
+        with _watch_cond:
+            while not _watched:
+                _watch_cond.wait()
+            pending = list(_watched)
+        done = [h for h in pending if h._result is not None or h._work.is_completed()]  # type: ignore[union-attr]
+        for h in done:
+            h._mark_done(None)
+        with _watch_cond:
+            for h in done:
+                _watched.remove(h)
+        time.sleep(_WATCH_INTERVAL)
 
 
 def _group(mesh: DeviceMesh, axis: str) -> tuple[dist.ProcessGroup, int]:

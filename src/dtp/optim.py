@@ -79,6 +79,11 @@ class GradientTransformation(NamedTuple):
     update: Callable[[PyTree, PyTree, PyTree | None], tuple[PyTree, PyTree]]
     # The learning-rate schedule, when the transformation has one (train_step reports it).
     schedule: Schedule | None = None
+    # True when ``update`` treats every leaf on its own: applied to a sub-list of the
+    # leaves (the state's per-leaf lists cut alike, shared scalars such as the count as
+    # they are) it gives those leaves' part of the whole update. ZeRO then updates each
+    # bucket as soon as its gradient arrives. sgd/adamw are; clip (a global norm) is not.
+    elementwise: bool = False
 
 
 class SGDState(NamedTuple):
@@ -276,7 +281,7 @@ def sgd(lr: ScalarOrSchedule, momentum: float = 0.0, nesterov: bool = False,
             buf = None
         return updates, SGDState(count, buf)
 
-    return GradientTransformation(init, update, schedule)
+    return GradientTransformation(init, update, schedule, elementwise=True)
 
 
 def adamw(lr: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
@@ -329,7 +334,7 @@ def adamw(lr: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, eps: float =
         updates, mu, nu = _map_local(one, grads, others, 3)
         return updates, AdamWState(count, mu, nu)
 
-    return GradientTransformation(init, update, schedule)
+    return GradientTransformation(init, update, schedule, elementwise=True)
 
 
 def clip(max_norm: float) -> GradientTransformation:
@@ -372,7 +377,8 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
             new_state.append(s)
         return grads, tuple(new_state)
 
-    return GradientTransformation(init, update, next((t.schedule for t in transforms if t.schedule), None))
+    return GradientTransformation(init, update, next((t.schedule for t in transforms if t.schedule), None),
+                                  elementwise=all(t.elementwise for t in transforms))
 
 
 def apply_updates(params: PyTree, updates: PyTree) -> PyTree:

@@ -345,6 +345,7 @@ class _Step:
         self.grad_bufs: list[torch.Tensor | None] = []
         self.pending: list[int] = []
         self.reduce: list[comm.CommHandle | None] = []
+        self.reduce_order: list[int] = []  # buckets in the order their reduce-scatters were posted
         self.live: dict[int, torch.Tensor] = {}  # stage 3: gathered buckets now held
         self.prefetch: dict[int, comm.CommHandle] = {}
         self.live_ptrs: dict[int, int] = {}
@@ -498,24 +499,30 @@ class _Step:
         plan = self.z.plan
         self.reduce[b] = comm.reduce_scatter(self._grad_buffer(b), plan.mesh, plan.axis, async_op=True,
                                              tag=f"grad bucket {b}")
+        self.reduce_order.append(b)
         if self.z.stage >= 2:  # only the slice outlives the reduce-scatter (the handle keeps it until done)
             self.grad_bufs[b] = None
 
-    def gradient_slices(self) -> list[DTensor]:
-        """Every bucket's reduced gradient slice (posting what backward did not)."""
+    def gradient_slices(self) -> Iterator[tuple[int, DTensor]]:
+        """``(bucket, reduced gradient slice)`` for every bucket, in the order the
+        reduce-scatters were posted (backward's), so a caller can use each slice as soon
+        as it lands while later ones are still on the wire; buckets backward did not post
+        (no overlap, or unused) are posted and yielded last."""
         plan = self.z.plan
         mesh = plan.mesh
-        out = []
         for b in plan.buckets:
-            if self.reduce[b.index] is None:  # not posted during backward (no overlap, or unused)
+            if self.reduce[b.index] is None:
                 self._post_reduce(b.index)
-            out.append(_wrap(self.reduce[b.index].wait(), mesh, b.spec, _flat_global(b, mesh)))
+        for i in list(self.reduce_order):
+            b = plan.buckets[i]
+            handle = self.reduce[i]
+            assert handle is not None
+            yield i, _wrap(handle.wait(), mesh, b.spec, _flat_global(b, mesh))
         for handle in self.prefetch.values():  # a backward prefetch nobody needed in the end
             handle.wait()
         self.prefetch.clear()
         self.live.clear()
         self.grad_bufs = []
-        return out
 
 
 def _check_same_plan(plan: ZeroPlan, device: torch.device) -> None:
@@ -562,13 +569,46 @@ def value_and_grad(loss_fn: Callable, z: ZeroState, raw_params: PyTree,
     return total, aux, step
 
 
+def _bucket_lists(node: Any, n: int) -> bool:
+    return type(node) is list and len(node) == n
+
+
+def _state_part(state: Any, i: int, n: int) -> Any:
+    """Bucket ``i``'s part of an elementwise optimizer's state: every list that mirrors
+    the ``n`` master slices (moments, momentum) cut to ``[i]``; scalars (the count) kept."""
+    if _bucket_lists(state, n):
+        return [state[i]]
+    if isinstance(state, tuple):
+        parts = [_state_part(x, i, n) for x in state]
+        return type(state)(*parts) if hasattr(state, "_fields") else tuple(parts)
+    if isinstance(state, dict):
+        return {k: _state_part(v, i, n) for k, v in state.items()}
+    return state
+
+
+def _state_join(template: Any, parts: list[Any], n: int) -> Any:
+    """Inverse of :func:`_state_part` over the per-bucket updated states."""
+    if _bucket_lists(template, n):
+        return [p[0] for p in parts]
+    if isinstance(template, tuple):
+        joined = [_state_join(t, [p[j] for p in parts], n) for j, t in enumerate(template)]
+        return type(template)(*joined) if hasattr(template, "_fields") else tuple(joined)
+    if isinstance(template, dict):
+        return {k: _state_join(v, [p[k] for p in parts], n) for k, v in template.items()}
+    return parts[-1]  # shared (the count): every bucket's update advanced it alike
+
+
 def update(step: _Step, optimizer: GradientTransformation, opt_state: Any,
            clip_norm: float | None) -> tuple[ZeroState, Any, torch.Tensor]:
     """Reduce-scatter leftovers, clip over the slices, update each rank's slice, and
-    all-gather the new parameters (left in flight with ``overlap_param_gather``)."""
+    all-gather the new parameters (left in flight with ``overlap_param_gather``).
+
+    With an elementwise optimizer (``optimizer.elementwise``: sgd, adamw) and no
+    clipping, each bucket's slice is updated as soon as its reduce-scatter lands, while
+    the later buckets' are still on the wire (Megatron waits for all of them first);
+    clipping needs the global norm of every slice first, so it updates all at once."""
     z, plan = step.z, step.z.plan
     mesh = plan.mesh
-    grads = step.gradient_slices()
     master = z.master
     if not master:  # first step: slice the master weights out of the (replicated) params
         master = []
@@ -578,12 +618,25 @@ def update(step: _Step, optimizer: GradientTransformation, opt_state: Any,
                 z.leaves[i].view(flat, off).copy_(step.raw_leaves[i])
             master.append(_wrap(_slice_of(plan, b, flat).clone(), mesh, b.spec, _flat_global(b, mesh)))
         opt_state = optimizer.init(master)
-    if clip_norm is not None:
-        grads, norm = clip_by_global_norm(grads, clip_norm)
+    n = len(plan.buckets)
+    grads: list[Any] = [None] * n
+    if clip_norm is None and getattr(optimizer, "elementwise", False):
+        master, parts = list(master), [None] * n
+        for i, g in step.gradient_slices():
+            u, parts[i] = optimizer.update([g], _state_part(opt_state, i, n), [master[i]])
+            master[i] = apply_updates([master[i]], u)[0].detach()
+            grads[i] = g
+        opt_state = _state_join(opt_state, parts, n)
+        norm = global_norm(grads)  # reported, not used: after the updates, off their path
     else:
-        norm = global_norm(grads)
-    updates, opt_state = optimizer.update(grads, opt_state, master)
-    master = [m.detach() for m in apply_updates(master, updates)]
+        for i, g in step.gradient_slices():
+            grads[i] = g
+        if clip_norm is not None:
+            grads, norm = clip_by_global_norm(grads, clip_norm)
+        else:
+            norm = global_norm(grads)
+        updates, opt_state = optimizer.update(grads, opt_state, master)
+        master = [m.detach() for m in apply_updates(master, updates)]
     new = ZeroState(z.options, z.leaves, z.skeleton, plan, master)
     if z.stage < 3:
         overlap = z.options["overlap_param_gather"]
