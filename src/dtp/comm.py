@@ -402,6 +402,15 @@ def reduce_scatter(x: torch.Tensor, mesh: DeviceMesh, axis: str, *, dim: int = 0
         # Bring the n destination chunks to the front so the backend splits on dim 0;
         # what is left, (*x.shape[:dim], c, *x.shape[dim+1:]), is exactly the result.
         inp = x.reshape(*x.shape[:dim], n, c, *x.shape[dim + 1:]).movedim(dim, 0).contiguous()
+        if async_op and dist.get_backend(group) == "gloo":
+            # gloo's reduce-scatter does not run until wait() (its work never completes
+            # on its own: measured, torch 2.13), so an "async" one would hide nothing.
+            # The same bytes as an all-to-all, which gloo does run in the background:
+            # chunk k goes to coordinate k, and the n chunks that arrive are summed here.
+            # Costs a whole-size receive buffer while in flight (instead of 1/n).
+            recv = torch.empty_like(inp)
+            work = dist.all_to_all_single(recv, inp, group=group, async_op=True)
+            return work, (lambda: recv.sum(0))
         out = x.new_empty(inp.shape[1:])
         # Flat buffers: the chunks are contiguous either way, and LocalTensorMode's
         # reduce-scatter (torch 2.13) mishandles multi-dim ones.
