@@ -75,6 +75,22 @@ def test_functions_from_a_notebook_main_travel_by_value():
     assert run(ns["cell"], 3, world_size=2) == [3, 6]
 
 
+def test_notebook_function_using_torch_distributed_and_llama_config():
+    # torch a global of the cell, `import torch.distributed as dist` and `llama.config`
+    # in the body: cloudpickle used to try to copy torch.distributed.config by value.
+    import torch.distributed.config  # noqa: F401  (imported by torch on first use anyway)
+
+    ns = {"__name__": "__main__", "torch": torch}
+    exec("def cell():\n"
+         "    import torch.distributed as dist\n"
+         "    from dtp.models import llama\n"
+         "    return llama.config('tiny').vocab_size + dist.get_rank() + torch.zeros(1).numel()\n", ns)
+    from dtp.models import llama
+
+    v = llama.config("tiny").vocab_size
+    assert run(ns["cell"], world_size=2) == [v + 1, v + 2]
+
+
 def test_one_process_simulation():
     with simulate(4):
         mesh = dtp.make_mesh(dp=2, tp=2)

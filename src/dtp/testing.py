@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import importlib
+import io
 import os
 import secrets
 import socket
@@ -32,6 +34,7 @@ import subprocess
 import sys
 import time
 import traceback
+import types
 from multiprocessing.connection import Client, Connection, Listener
 from typing import Any, Callable, Iterator
 
@@ -59,6 +62,37 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+class _Pickler(cloudpickle.Pickler):
+    """cloudpickle, plus module *subclasses* by name.
+
+    For a function pickled by value (a notebook cell's, ``__main__``'s) cloudpickle also
+    sends the submodules its code might reach through a global module: with ``torch`` a
+    global and ``distributed`` and ``config`` among the names the code uses (``import
+    torch.distributed as dist`` ... ``llama.config(...)``), that is
+    ``torch.distributed.config``, an instance of a ``ModuleType`` subclass (torch's
+    ``ConfigModule``). cloudpickle's rule "imported modules travel by name" is looked up
+    by exact type, so it tried to copy that one by value and failed. Same rule here for
+    subclasses (modules registered to travel by value still do).
+    """
+
+    def reducer_override(self, obj: Any) -> Any:
+        if (isinstance(obj, types.ModuleType) and type(obj) is not types.ModuleType
+                and sys.modules.get(obj.__name__) is obj and not _by_value(obj)):
+            return importlib.import_module, (obj.__name__,)
+        return super().reducer_override(obj)
+
+
+def _by_value(module: types.ModuleType) -> bool:
+    registered = getattr(cloudpickle.cloudpickle, "_is_registered_pickle_by_value", None)
+    return bool(registered and registered(module))
+
+
+def _dumps(obj: Any) -> bytes:
+    buf = io.BytesIO()
+    _Pickler(buf).dump(obj)
+    return buf.getvalue()
 
 
 class _Pool:
@@ -178,7 +212,7 @@ def run(fn: Callable[..., Any], *args: Any, world_size: int = 2, timeout: float 
         raise ValueError(f"dtp.testing.run: world_size must be >= 1, got {world_size}")
     timeout = DEFAULT_TIMEOUT if timeout is None else timeout
     pool = _pool(world_size)
-    payload = cloudpickle.dumps((fn, args, kwargs))
+    payload = _dumps((fn, args, kwargs))
     for conn in pool.conns:
         conn.send_bytes(payload)
     results: list[Any] = [None] * world_size
