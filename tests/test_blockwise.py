@@ -125,6 +125,29 @@ def test_fused_backward_reads_strided_slices_like_dense_copies(mask, dtype):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("which", ["q", "k", "v", "out", "dout"])
+def test_fused_kernels_get_dense_rows(which):
+    # The CPU flash kernels are silently wrong for a strided head_dim: such inputs are
+    # copied first, so results equal the dense ones.
+    q, k, v = qkv(1, 2, 2, 8, 8, 4, dtype=torch.float32, seed=7)
+    out, lse = block_forward(q, k, v, mask="causal", impl="fused")
+    dout = torch.randn(out.shape)
+    dense = dict(q=q, k=k, v=v, out=out, dout=dout)
+
+    def transposed_copy(t):
+        return t.transpose(-1, -2).contiguous().transpose(-1, -2)  # same values, stride(-1) != 1
+
+    args = dict(dense, **{which: transposed_copy(dense[which])})
+    assert args[which].stride(-1) != 1 and torch.equal(args[which], dense[which])
+    if which in ("q", "k", "v"):
+        o2, l2 = block_forward(args["q"], args["k"], args["v"], mask="causal", impl="fused")
+        assert torch.equal(o2, out) and torch.equal(l2, lse)
+    got = block_backward(args["dout"], args["q"], args["k"], args["v"], args["out"], lse, mask="causal", impl="fused")
+    want = block_backward(dout, q, k, v, out, lse, mask="causal", impl="fused")
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
 def test_default_scale_is_inverse_sqrt_head_dim():
     q, k, v = qkv(1, 2, 2, 5, 7, 16)
     out, _ = block_forward(q, k, v)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
 
@@ -254,11 +255,15 @@ def _record(kind: str, axis: str, nbytes: float, n: int, x: torch.Tensor, async_
     return rec
 
 
+def _finished() -> torch.Tensor:
+    raise AssertionError("CommHandle: result already taken")
+
+
 class CommHandle:
     """An in-flight collective; :meth:`wait` returns its (post-processed) result."""
 
     def __init__(self, work: object | None, record: CommRecord | None, finish: Callable[[], torch.Tensor],
-                 link: tuple[str, int] | None = None):
+                 link: tuple[str, int] | None = None, watch: bool = False):
         self._work, self._record, self._finish = work, record, finish
         self._link = link  # (axis, bytes) under simulated_link
         self._deadline: float | None = None  # end of the modelled transfer
@@ -269,10 +274,11 @@ class CommHandle:
             try:
                 future().then(self._mark_done)  # type: ignore[misc]
             except (TypeError, RuntimeError, NotImplementedError):
-                # No future (gloo's reduce-scatter): a background thread watches for the
-                # completion, so the record and the modelled link see when the backend
-                # finished, not when someone got round to waiting.
-                _watch(self)
+                # No future: where the backend completes the work on its own, a background
+                # thread watches for it, so the record and the modelled link see when the
+                # backend finished, not when someone got round to waiting.
+                if watch:
+                    _watch(self)
 
     def _mark_done(self, fut: object) -> None:
         # Called once per handle by whoever sees the completion first: a future callback
@@ -296,6 +302,10 @@ class CommHandle:
             if self._deadline is not None and (left := self._deadline - time.perf_counter()) > 0:
                 time.sleep(left)
             self._result = self._finish()
+            # The work and the closure hold the input and any staging buffer (a whole
+            # gradient bucket for a reduce-scatter): only the result may outlive wait().
+            self._work = None
+            self._finish = _finished
         return self._result
 
     def is_completed(self) -> bool:
@@ -305,7 +315,7 @@ class CommHandle:
         return done and (self._link is None or (self._deadline is not None and time.perf_counter() >= self._deadline))
 
 
-_watched: list[CommHandle] = []
+_watched: list[weakref.ref[CommHandle]] = []  # weak: a handle nobody waits on is not kept alive
 _watch_cond = threading.Condition()
 _watcher: threading.Thread | None = None
 _WATCH_INTERVAL = 5e-4  # seconds between completion polls while something is watched
@@ -315,7 +325,7 @@ def _watch(handle: CommHandle) -> None:
     """Have the watcher thread call ``handle._mark_done`` once its work completes."""
     global _watcher
     with _watch_cond:
-        _watched.append(handle)
+        _watched.append(weakref.ref(handle))
         if _watcher is None or not _watcher.is_alive():
             _watcher = threading.Thread(target=_watch_loop, name="dtp-comm-watch", daemon=True)
             _watcher.start()
@@ -328,12 +338,20 @@ def _watch_loop() -> None:
             while not _watched:
                 _watch_cond.wait()
             pending = list(_watched)
-        done = [h for h in pending if h._result is not None or h._work.is_completed()]  # type: ignore[union-attr]
-        for h in done:
-            h._mark_done(None)
+        finished = []
+        for ref in pending:
+            h = ref()
+            if h is None or h._done:  # dropped unwaited, or wait() came first
+                finished.append(ref)
+                continue
+            work = h._work
+            if work is None or work.is_completed():  # type: ignore[attr-defined]
+                h._mark_done(None)
+                finished.append(ref)
+            del h
         with _watch_cond:
-            for h in done:
-                _watched.remove(h)
+            for ref in finished:
+                _watched.remove(ref)
         time.sleep(_WATCH_INTERVAL)
 
 
@@ -346,14 +364,15 @@ def _group(mesh: DeviceMesh, axis: str) -> tuple[dist.ProcessGroup, int]:
 
 def _run(kind: str, mesh: DeviceMesh, axis: str, x: torch.Tensor, nbytes: Callable[[int], float],
          post: Callable[[dist.ProcessGroup, int], tuple[object, Callable[[], torch.Tensor]]],
-         async_op: bool, tag: str) -> torch.Tensor | CommHandle:
+         async_op: bool, tag: str, watch: bool = True) -> torch.Tensor | CommHandle:
     group, n = _group(mesh, axis)
     if n == 1:  # nothing moves: no collective, no record (a ring of one does no send/recv)
         handle = CommHandle(None, None, lambda: x)
         return handle if async_op else handle.wait()
     record = _record(kind, axis, nbytes(n), n, x, async_op, tag)
     work, finish = post(group, n)
-    handle = CommHandle(work, record, finish, (axis, record.bytes) if _link_applies(axis) else None)
+    handle = CommHandle(work, record, finish, (axis, record.bytes) if _link_applies(axis) else None,
+                        watch=async_op and watch)
     return handle if async_op else handle.wait()
 
 
@@ -393,7 +412,11 @@ def all_gather(x: torch.Tensor, mesh: DeviceMesh, axis: str, *, dim: int = 0, ou
 
 def reduce_scatter(x: torch.Tensor, mesh: DeviceMesh, axis: str, *, dim: int = 0,
                    async_op: bool = False, tag: str = "") -> torch.Tensor | CommHandle:
-    """Sum ``x`` over the axis and keep this rank's ``dim``-chunk (by coordinate)."""
+    """Sum ``x`` over the axis and keep this rank's ``dim``-chunk (by coordinate).
+
+    Every rank of the axis must pass the same ``async_op``: on gloo the async form is a
+    different collective (an all-to-all, see below) with the same bytes.
+    """
 
     def post(group: dist.ProcessGroup, n: int):
         if x.shape[dim] % n:
@@ -410,7 +433,7 @@ def reduce_scatter(x: torch.Tensor, mesh: DeviceMesh, axis: str, *, dim: int = 0
             # Costs a whole-size receive buffer while in flight (instead of 1/n).
             recv = torch.empty_like(inp)
             work = dist.all_to_all_single(recv, inp, group=group, async_op=True)
-            return work, (lambda: recv.sum(0))
+            return work, (lambda: recv.sum(0, dtype=recv.dtype))
         out = x.new_empty(inp.shape[1:])
         # Flat buffers: the chunks are contiguous either way, and LocalTensorMode's
         # reduce-scatter (torch 2.13) mishandles multi-dim ones.
@@ -473,7 +496,9 @@ def send_recv(x: torch.Tensor, mesh: DeviceMesh, axis: str, *, shift: int = 1, a
         works = dist.batch_isend_irecv(ops)
         return _Works(works), (lambda: out)
 
-    return _run("send_recv", mesh, axis, x, lambda n: _nbytes(x) if n > 1 else 0, post, async_op, tag)
+    # gloo's send/recv works have no future and do not complete before wait(): no watch.
+    return _run("send_recv", mesh, axis, x, lambda n: _nbytes(x) if n > 1 else 0, post, async_op, tag,
+                watch=False)
 
 
 class _Works:

@@ -35,6 +35,7 @@ import sys
 import time
 import traceback
 import types
+from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client, Connection, Listener
 from typing import Any, Callable, Iterator
 
@@ -124,8 +125,14 @@ class _Pool:
                         raise RankTimeout(f"dtp.testing: a rank of {world_size} exited while starting: {self.exits()}")
                     if time.monotonic() > deadline:
                         raise RankTimeout(f"dtp.testing: {world_size} gloo ranks did not start within {start_timeout:.0f}s")
-                conn = listener.accept()
-                self.conns[conn.recv()] = conn  # workers say who they are before joining gloo
+                try:
+                    conn = listener.accept()
+                    if not conn.poll(max(0.0, deadline - time.monotonic())):
+                        raise RankTimeout(f"dtp.testing: a rank of {world_size} connected but never said who it is")
+                    self.conns[conn.recv()] = conn  # workers say who they are before joining gloo
+                except (EOFError, OSError, AuthenticationError) as e:
+                    raise RankTimeout(f"dtp.testing: a rank of {world_size} failed while connecting "
+                                      f"({type(e).__name__}: {e}; {self.exits()})") from e
             # Then each joins the gloo world and reports ready; poll, never block.
             for rank, conn in enumerate(self.conns):
                 while not conn.poll(0.05):

@@ -513,16 +513,27 @@ class _Step:
         for b in plan.buckets:
             if self.reduce[b.index] is None:
                 self._post_reduce(b.index)
-        for i in list(self.reduce_order):
-            b = plan.buckets[i]
-            handle = self.reduce[i]
-            assert handle is not None
-            yield i, _wrap(handle.wait(), mesh, b.spec, _flat_global(b, mesh))
+        # Backward is over: what it gathered (stage 3) and the full gradient buckets (the
+        # in-flight reduce-scatters hold what they still need) are not needed any more.
         for handle in self.prefetch.values():  # a backward prefetch nobody needed in the end
             handle.wait()
         self.prefetch.clear()
         self.live.clear()
         self.grad_bufs = []
+        try:
+            for i in list(self.reduce_order):
+                b = plan.buckets[i]
+                handle = self.reduce[i]
+                assert handle is not None
+                self.reduce[i] = None  # the slice is the caller's now; drop the handle
+                yield i, _wrap(handle.wait(), mesh, b.spec, _flat_global(b, mesh))
+        finally:
+            # A caller that stops early (an optimizer that raised) must not leave
+            # collectives unwaited: every rank posted them.
+            for handle in self.reduce:
+                if handle is not None:
+                    handle.wait()
+            self.reduce = [None] * len(plan.buckets)
 
 
 def _check_same_plan(plan: ZeroPlan, device: torch.device) -> None:

@@ -235,6 +235,17 @@ def _math_forward(
     return out.to(q.dtype), lse.reshape(b, hq, sq)
 
 
+def _dense_rows(x: torch.Tensor, broadcast_ok: bool = False) -> torch.Tensor:
+    """``x`` with a unit-stride last dim (copied only when it has not): the CPU flash
+    kernels read any batch/head/sequence strides but give wrong numbers, without an
+    error, for a strided head_dim (measured, torch 2.13). ``broadcast_ok``: a stride-0
+    (expanded) dout is read correctly (measured), and is what ``out.sum().backward()``
+    passes; copying it would cost a whole block at the ring's peak."""
+    if x.stride(-1) == 1 or x.shape[-1] <= 1 or (broadcast_ok and x.stride(-1) == 0):
+        return x
+    return x.contiguous()
+
+
 def block_forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -271,6 +282,7 @@ def block_forward(
     kind = select_impl(q, k, v, mask, impl=impl)
     acc = accum_dtype(q.dtype)
     if kind == "cpu_flash":
+        q, k, v = _dense_rows(q), _dense_rows(k), _dense_rows(v)
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, mask == "causal", scale=scale
         )
@@ -367,16 +379,17 @@ def block_backward(
     scale = _default_scale(scale, d)
     kind = select_impl(q, k, v, mask, backward=True, impl=impl)
     if kind == "cpu_flash":
-        # Strided slices go in as they are: the CPU kernel reads them by stride and gives
-        # bitwise the results of dense copies (checked for fp32/bf16, causal and full),
-        # and copies would sit in memory exactly where a ring rank peaks. The LSE is made
-        # dense anyway (tiny): torch's own context-parallel code needed that on CUDA.
+        # Sequence slices go in as they are: the CPU kernel reads them by stride and gives
+        # bitwise the results of dense copies (tested), and copies would sit in memory
+        # exactly where a ring rank peaks. Rows (head_dim) must be dense, though: with a
+        # strided last dim the kernel is silently wrong. The LSE is made dense anyway
+        # (tiny): torch's own context-parallel code needed that on CUDA.
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout.to(q.dtype),
-            q,
-            k,
-            v,
-            out.to(q.dtype),
+            _dense_rows(dout.to(q.dtype), broadcast_ok=True),
+            _dense_rows(q),
+            _dense_rows(k),
+            _dense_rows(v),
+            _dense_rows(out.to(q.dtype)),
             lse.to(accum_dtype(q.dtype)).contiguous(),
             0.0,
             mask == "causal",
