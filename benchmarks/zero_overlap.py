@@ -60,8 +60,8 @@ def make_batch(cfg, batch: int, seq: int, seed: int = 1) -> dict[str, torch.Tens
     return {"tokens": toks[:, :-1].contiguous(), "targets": toks[:, 1:].contiguous()}
 
 
-def _bench(cfg, batch: dict, stages: list[int], bucket_mb: float, warmup: int, repeats: int,
-           latency: float, timeline_stage: int, width: int, blocks_of: int) -> dict:
+def _bench(cfg, batch: dict, stages: list[str], bucket_mb: float, warmup: int, repeats: int,
+           latency: float, timeline_stage: str, width: int, blocks_of: int) -> dict:
     import torch.distributed as dist
 
     import dtp
@@ -72,8 +72,10 @@ def _bench(cfg, batch: dict, stages: list[int], bucket_mb: float, warmup: int, r
     loss_fn = partial(llama.loss, cfg=cfg)
     rank = dist.get_rank()
 
-    def new_state(stage: int, overlap: bool):
-        layout = dtp.layouts.data() + dtp.layouts.zero(stage, overlap_grad_reduce=overlap,
+    def new_state(stage: str, overlap: bool):
+        # "3k": stage 3 with reshard_after_forward=False (buckets kept from forward to backward)
+        extra = {"reshard_after_forward": False} if stage == "3k" else {}
+        layout = dtp.layouts.data() + dtp.layouts.zero(int(stage[0]), overlap_grad_reduce=overlap, **extra,
                                                        overlap_param_gather=overlap, bucket_mb=bucket_mb)
         return dtp.TrainState.create(llama.init(cfg, seed=0), dtp.optim.adamw(1e-3), mesh=mesh, layout=layout,
                                      axes=llama.param_axes(cfg))
@@ -167,13 +169,14 @@ def main() -> None:
     ap.add_argument("--config", default="small", help="llama.config name")
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--batch", type=int, default=8, help="global batch (split over dp=2)")
-    ap.add_argument("--stages", type=int, nargs="+", default=[1, 2, 3])
+    ap.add_argument("--stages", nargs="+", default=["1", "2", "3", "3k"], choices=["1", "2", "3", "3k"],
+                    help="3k: stage 3 with reshard_after_forward=False")
     ap.add_argument("--bucket-mb", type=float, default=0.5)
     ap.add_argument("--latency", type=float, default=0.0, help="modelled seconds per collective")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--block", type=int, default=3, help="measured steps per interleaved block")
-    ap.add_argument("--timeline-stage", type=int, default=2, help="print the overlapped timeline of this stage")
+    ap.add_argument("--timeline-stage", default="2", help="print the overlapped timeline of this stage")
     ap.add_argument("--width", type=int, default=80)
     args = ap.parse_args()
 

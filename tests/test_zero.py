@@ -89,6 +89,8 @@ def _check(results, cases, clip=CLIP):
 BUCKET = 0.02
 DP2_CASES = [(dict(stage=stage, bucket_mb=BUCKET, overlap_grad_reduce=ov, overlap_param_gather=ov), mb)
              for stage in (1, 2, 3) for ov in (False, True) for mb in (1, 2)]
+DP2_CASES += [(dict(stage=3, bucket_mb=BUCKET, overlap_grad_reduce=True, reshard_after_forward=False), mb)
+              for mb in (1, 2)]
 
 
 def test_zero_stages_match_single_device_and_data_parallel_dp2():
@@ -198,9 +200,10 @@ def test_parameters_created_out_of_use_order():
 # --------------------------------------------------------------------------- bytes
 
 
-def _bytes(stage):
+def _bytes(stage, reshard_after_forward=True):
     mesh = dtp.make_mesh(dp=2)
-    layout = dtp.layouts.data() + (dtp.layouts.zero(stage, bucket_mb=BUCKET) if stage else dtp.Layout())
+    layout = dtp.layouts.data() + (dtp.layouts.zero(stage, bucket_mb=BUCKET, reshard_after_forward=reshard_after_forward)
+                                   if stage else dtp.Layout())
     state = dtp.TrainState.create(llama.init(CFG, seed=0), dtp.optim.adamw(1e-3), mesh=mesh, layout=layout,
                                   axes=llama.param_axes(CFG))
     state, _ = dtp.train_step(LOSS, state, dtp.shard_batch(_batch(0), state))  # the plan's step
@@ -231,6 +234,11 @@ def test_comm_volume_is_2psi_for_zero12_and_3psi_for_zero3():
         gathered = share if stage < 3 else 2 * share - (dp - 1) * kept // dp
         assert moved == {"all_reduce": 0, "reduce_scatter": share, "all_gather": gathered}, stage
         assert opt_bytes == 2 * padded // dp  # the moments of this rank's slices only: 1/dp
+    # Stage 3 without resharding after forward: no backward re-gather, 2Ψ like stage 2.
+    moved, opt_bytes, padded, _ = run(_bytes, 3, False, world_size=2)[0]
+    share = (dp - 1) * padded // dp
+    assert moved == {"all_reduce": 0, "reduce_scatter": share, "all_gather": share}
+    assert opt_bytes == 2 * padded // dp
     assert dtp.zero.bytes_per_parameter(2, 8, master=True) == 6 + 12 / 8  # Megatron's table
     assert dtp.zero.bytes_per_parameter(4, 8, master=False) == 8 + 8 / 8
 
@@ -329,6 +337,8 @@ def _zero_on_sharded_param():
 def test_errors():
     with pytest.raises(ValueError, match="stage must be 0, 1, 2 or 3, got 4"):
         dtp.layouts.zero(4)
+    with pytest.raises(ValueError, match="reshard_after_forward=False is a stage-3 option"):
+        dtp.layouts.zero(2, reshard_after_forward=False)
     with pytest.raises(ValueError, match="bucket_mb must be > 0"):
         dtp.layouts.zero(1, bucket_mb=0)
     assert dtp.layouts.zero(0).options == {}  # stage 0 is plain data parallel
@@ -346,10 +356,15 @@ def test_cli_zero_flags():
         ["train", "--dp", "2", "--zero", "2", "--overlap-grad-reduce", "--overlap-param-gather", "--bucket-mb", "8"]))
     layout = cli.build_layout(args)
     assert layout.options["zero"] == {"stage": 2, "bucket_mb": 8.0, "overlap_grad_reduce": True,
-                                      "overlap_param_gather": True, "axis": "dp"}
+                                      "overlap_param_gather": True, "axis": "dp", "reshard_after_forward": True}
     assert cli.parse_args(cli.train_argv(args)).overlap_param_gather  # ranks get the same flags
     with pytest.raises(cli.UsageError, match="need --zero 1, 2 or 3"):
         cli.validate(cli.build_parser().parse_args(["train", "--dp", "2", "--overlap-grad-reduce"]))
+    args = cli.validate(cli.build_parser().parse_args(["train", "--dp", "2", "--zero", "3", "--no-reshard-after-forward"]))
+    assert cli.build_layout(args).options["zero"]["reshard_after_forward"] is False
+    assert not cli.parse_args(cli.train_argv(args)).reshard_after_forward
+    with pytest.raises(cli.UsageError, match="needs --zero 3"):
+        cli.validate(cli.build_parser().parse_args(["train", "--dp", "2", "--zero", "2", "--no-reshard-after-forward"]))
 
 
 def test_cli_zero3_end_to_end(tmp_path):

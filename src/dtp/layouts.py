@@ -355,7 +355,7 @@ def context(algo: str = "ring", *, window: int = 1, ulysses_degree: int = 1,
 
 
 def zero(stage: int = 1, *, bucket_mb: float = 40.0, overlap_grad_reduce: bool = False,
-         overlap_param_gather: bool = False, axis: str = "dp") -> Layout:
+         overlap_param_gather: bool = False, reshard_after_forward: bool = True, axis: str = "dp") -> Layout:
     """Data parallel with ZeRO over ``axis`` — Megatron's distributed optimizer.
 
     Parameters (each rank's tensor/sequence-parallel shard of them) are packed into
@@ -370,7 +370,10 @@ def zero(stage: int = 1, *, bucket_mb: float = 40.0, overlap_grad_reduce: bool =
     * ``stage=3``: parameters too rest as slices; forward all-gathers a bucket right
       before its first use (always prefetching the next: ``overlap_param_gather`` is
       implied), backward gathers it again for the saved activations that need it, then
-      frees it — 3Ψ of traffic instead of 2Ψ.
+      frees it — 3Ψ of traffic instead of 2Ψ. ``reshard_after_forward=False`` (FSDP2's
+      option of that name) keeps every bucket forward gathered until backward is done
+      with it: parameters still rest as slices between steps, but a step holds them
+      whole from forward to backward, and traffic is 2Ψ (no backward re-gather).
 
     The first step reads the parameters as ``TrainState.create`` laid them out (whole on
     every dp rank) and records their use order; buckets, master slices and optimizer
@@ -391,10 +394,14 @@ def zero(stage: int = 1, *, bucket_mb: float = 40.0, overlap_grad_reduce: bool =
         raise ValueError(f"layouts.zero: stage must be 0, 1, 2 or 3, got {stage!r}")
     if not bucket_mb > 0:
         raise ValueError(f"layouts.zero: bucket_mb must be > 0, got {bucket_mb!r}")
+    if not reshard_after_forward and stage != 3:
+        raise ValueError(f"layouts.zero: reshard_after_forward=False is a stage-3 option (stages 1/2 keep "
+                         f"parameters whole anyway), got stage={stage}")
     if stage == 0:  # plain data parallel: gradients all-reduced, everything replicated
         return data(axis)
     options = {"stage": stage, "bucket_mb": float(bucket_mb), "overlap_grad_reduce": bool(overlap_grad_reduce),
-               "overlap_param_gather": bool(overlap_param_gather), "axis": axis}
+               "overlap_param_gather": bool(overlap_param_gather), "axis": axis,
+               "reshard_after_forward": bool(reshard_after_forward)}
     return Layout({}, {"batch": (axis,)}, {"zero": options}, f"zero({stage})")
 
 

@@ -347,6 +347,9 @@ class _Step:
         self.reduce: list[comm.CommHandle | None] = []
         self.reduce_order: list[int] = []  # buckets in the order their reduce-scatters were posted
         self.live: dict[int, torch.Tensor] = {}  # stage 3: gathered buckets now held
+        # Stage 3 frees a bucket after forward's last read (re-gathered in backward) unless
+        # reshard_after_forward=False; backward frees it after its last gradient either way.
+        self.reshard = z.options.get("reshard_after_forward", True)
         self.prefetch: dict[int, comm.CommHandle] = {}
         self.live_ptrs: dict[int, int] = {}
 
@@ -401,7 +404,7 @@ class _Step:
             if handle is None:
                 handle = self._post_gather(b)
             self._hold(b, handle.wait())
-        if ahead > 0:  # forward: free what the first step's forward read for the last time
+        if ahead > 0 and self.reshard:  # forward: free what the first step's forward read for the last time
             for k in [k for k in self.live if k != b and plan.buckets[k].last_use < self.position]:
                 self._release(k)
         nxt = b + ahead
@@ -463,7 +466,7 @@ class _Step:
             self.reduce = [None] * len(z.plan.buckets)
         self.pending = [sum(self.views[i] for i in b.members) for b in z.plan.buckets]
         self.views = [0] * len(z.leaves)
-        if z.stage == 3:  # forward is over: keep only the last bucket read, which backward needs first
+        if z.stage == 3 and self.reshard:  # forward is over: keep only the last bucket read, which backward needs first
             last = max(self.live, key=lambda k: z.plan.buckets[k].last_use, default=None)
             for k in [k for k in self.live if k != last]:
                 self._release(k)
