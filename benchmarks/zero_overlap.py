@@ -61,7 +61,7 @@ def make_batch(cfg, batch: int, seq: int, seed: int = 1) -> dict[str, torch.Tens
 
 
 def _bench(cfg, batch: dict, stages: list[str], bucket_mb: float, warmup: int, repeats: int,
-           latency: float, timeline_stage: str, width: int, blocks_of: int) -> dict:
+           latency: float, timeline_stage: str, width: int, blocks_of: int, prefetch: int = 1) -> dict:
     import torch.distributed as dist
 
     import dtp
@@ -75,6 +75,8 @@ def _bench(cfg, batch: dict, stages: list[str], bucket_mb: float, warmup: int, r
     def new_state(stage: str, overlap: bool):
         # "3k": stage 3 with reshard_after_forward=False (buckets kept from forward to backward)
         extra = {"reshard_after_forward": False} if stage == "3k" else {}
+        if stage.startswith("3"):
+            extra["prefetch"] = prefetch
         layout = dtp.layouts.data() + dtp.layouts.zero(int(stage[0]), overlap_grad_reduce=overlap, **extra,
                                                        overlap_param_gather=overlap, bucket_mb=bucket_mb)
         return dtp.TrainState.create(llama.init(cfg, seed=0), dtp.optim.adamw(1e-3), mesh=mesh, layout=layout,
@@ -177,6 +179,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--block", type=int, default=3, help="measured steps per interleaved block")
     ap.add_argument("--timeline-stage", default="2", help="print the overlapped timeline of this stage")
+    ap.add_argument("--prefetch", type=int, default=1, help="stage 3: buckets gathered ahead (layouts.zero prefetch)")
     ap.add_argument("--width", type=int, default=80)
     args = ap.parse_args()
 
@@ -186,7 +189,7 @@ def main() -> None:
     cfg = llama.config(args.config)
     batch = make_batch(cfg, args.batch, args.seq)
     res = run(_bench, cfg, batch, args.stages, args.bucket_mb, args.warmup, args.repeats, args.latency,
-              args.timeline_stage, args.width, args.block, world_size=2, timeout=1800)
+              args.timeline_stage, args.width, args.block, args.prefetch, world_size=2, timeout=1800)
 
     def med(key: str, stage: int, overlap: bool) -> float:
         per_iter = [max(rk["stages"][stage][key][overlap][i] for rk in res) for i in range(args.repeats)]

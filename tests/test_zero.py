@@ -91,6 +91,8 @@ DP2_CASES = [(dict(stage=stage, bucket_mb=BUCKET, overlap_grad_reduce=ov, overla
              for stage in (1, 2, 3) for ov in (False, True) for mb in (1, 2)]
 DP2_CASES += [(dict(stage=3, bucket_mb=BUCKET, overlap_grad_reduce=True, reshard_after_forward=False), mb)
               for mb in (1, 2)]
+DP2_CASES += [(dict(stage=3, bucket_mb=BUCKET, overlap_grad_reduce=True, prefetch=3, reshard_after_forward=rf), 2)
+              for rf in (True, False)]
 
 
 def test_zero_stages_match_single_device_and_data_parallel_dp2():
@@ -339,6 +341,10 @@ def test_errors():
         dtp.layouts.zero(4)
     with pytest.raises(ValueError, match="reshard_after_forward=False is a stage-3 option"):
         dtp.layouts.zero(2, reshard_after_forward=False)
+    with pytest.raises(ValueError, match="prefetch is a stage-3 option"):
+        dtp.layouts.zero(1, prefetch=2)
+    with pytest.raises(ValueError, match="prefetch must be an int >= 1, got 0"):
+        dtp.layouts.zero(3, prefetch=0)
     with pytest.raises(ValueError, match="bucket_mb must be > 0"):
         dtp.layouts.zero(1, bucket_mb=0)
     assert dtp.layouts.zero(0).options == {}  # stage 0 is plain data parallel
@@ -356,13 +362,19 @@ def test_cli_zero_flags():
         ["train", "--dp", "2", "--zero", "2", "--overlap-grad-reduce", "--overlap-param-gather", "--bucket-mb", "8"]))
     layout = cli.build_layout(args)
     assert layout.options["zero"] == {"stage": 2, "bucket_mb": 8.0, "overlap_grad_reduce": True,
-                                      "overlap_param_gather": True, "axis": "dp", "reshard_after_forward": True}
+                                      "overlap_param_gather": True, "axis": "dp", "reshard_after_forward": True,
+                                      "prefetch": 1}
     assert cli.parse_args(cli.train_argv(args)).overlap_param_gather  # ranks get the same flags
     with pytest.raises(cli.UsageError, match="need --zero 1, 2 or 3"):
         cli.validate(cli.build_parser().parse_args(["train", "--dp", "2", "--overlap-grad-reduce"]))
-    args = cli.validate(cli.build_parser().parse_args(["train", "--dp", "2", "--zero", "3", "--no-reshard-after-forward"]))
+    args = cli.validate(cli.build_parser().parse_args(["train", "--dp", "2", "--zero", "3", "--no-reshard-after-forward",
+                                                       "--zero-prefetch", "3"]))
     assert cli.build_layout(args).options["zero"]["reshard_after_forward"] is False
-    assert not cli.parse_args(cli.train_argv(args)).reshard_after_forward
+    assert cli.build_layout(args).options["zero"]["prefetch"] == 3
+    again = cli.parse_args(cli.train_argv(args))
+    assert not again.reshard_after_forward and again.zero_prefetch == 3
+    with pytest.raises(cli.UsageError, match="--zero-prefetch is a ZeRO-3 option"):
+        cli.validate(cli.build_parser().parse_args(["train", "--dp", "2", "--zero", "2", "--zero-prefetch", "2"]))
     with pytest.raises(cli.UsageError, match="needs --zero 3"):
         cli.validate(cli.build_parser().parse_args(["train", "--dp", "2", "--zero", "2", "--no-reshard-after-forward"]))
 

@@ -125,6 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-reshard-after-forward", dest="reshard_after_forward", action="store_false",
                    help="with --zero 3: keep gathered buckets from forward until backward is done with them "
                         "(2Ψ traffic instead of 3Ψ; parameters whole during a step)")
+    g.add_argument("--zero-prefetch", type=int, default=1, metavar="N",
+                   help="with --zero 3: buckets gathered ahead of the one in use (default 1)")
     g.add_argument("--bucket-mb", type=_non_negative_float, default=40.0,
                    help="with --zero: gradient/parameter bucket size in MiB")
 
@@ -203,6 +205,10 @@ def validate(args: argparse.Namespace, *, world_size: int | None = None) -> argp
         raise UsageError(f"{', '.join(flags)} configure context parallel; they need --cp > 1")
     if not args.zero and (args.overlap_grad_reduce or args.overlap_param_gather):
         raise UsageError("--overlap-grad-reduce / --overlap-param-gather overlap ZeRO's collectives; they need --zero 1, 2 or 3")
+    if args.zero_prefetch != 1 and args.zero != 3:
+        raise UsageError("--zero-prefetch is a ZeRO-3 option; it needs --zero 3")
+    if args.zero_prefetch < 1:
+        raise UsageError(f"--zero-prefetch must be >= 1, got {args.zero_prefetch}")
     if not args.reshard_after_forward and args.zero != 3:
         raise UsageError("--no-reshard-after-forward is a ZeRO-3 option; it needs --zero 3")
     if args.zero and args.dp == 1:
@@ -255,7 +261,7 @@ def train_argv(args: argparse.Namespace) -> list[str]:
     out += [flag for flag, on in (("--overlap-grad-reduce", args.overlap_grad_reduce),
                                   ("--overlap-param-gather", args.overlap_param_gather),
                                   ("--no-reshard-after-forward", not args.reshard_after_forward)) if on]
-    out += ["--zero", str(args.zero), "--bucket-mb", repr(args.bucket_mb), "--model", args.model, "--steps", str(args.steps),
+    out += ["--zero", str(args.zero), "--zero-prefetch", str(args.zero_prefetch), "--bucket-mb", repr(args.bucket_mb), "--model", args.model, "--steps", str(args.steps),
             "--batch", str(args.batch), "--seq", str(args.seq), "--dtype", args.dtype,
             "--lr", repr(args.lr), "--warmup", str(args.warmup), "--microbatches", str(args.microbatches),
             "--recompute", args.recompute, "--clip", repr(args.clip), "--seed", str(args.seed),
@@ -493,7 +499,8 @@ def build_layout(args: argparse.Namespace) -> Any:
         layout = layout + layouts.zero(stage=args.zero, bucket_mb=args.bucket_mb,
                                        overlap_grad_reduce=args.overlap_grad_reduce,
                                        overlap_param_gather=args.overlap_param_gather,
-                                       reshard_after_forward=args.reshard_after_forward)
+                                       reshard_after_forward=args.reshard_after_forward,
+                                       prefetch=args.zero_prefetch)
     return layout
 
 

@@ -355,7 +355,8 @@ def context(algo: str = "ring", *, window: int = 1, ulysses_degree: int = 1,
 
 
 def zero(stage: int = 1, *, bucket_mb: float = 40.0, overlap_grad_reduce: bool = False,
-         overlap_param_gather: bool = False, reshard_after_forward: bool = True, axis: str = "dp") -> Layout:
+         overlap_param_gather: bool = False, reshard_after_forward: bool = True, prefetch: int = 1,
+         axis: str = "dp") -> Layout:
     """Data parallel with ZeRO over ``axis`` — Megatron's distributed optimizer.
 
     Parameters (each rank's tensor/sequence-parallel shard of them) are packed into
@@ -374,6 +375,9 @@ def zero(stage: int = 1, *, bucket_mb: float = 40.0, overlap_grad_reduce: bool =
       option of that name) keeps every bucket forward gathered until backward is done
       with it: parameters still rest as slices between steps, but a step holds them
       whole from forward to backward, and traffic is 2Ψ (no backward re-gather).
+      ``prefetch`` (stage 3) is how many buckets are gathered ahead of the one in use:
+      more keeps a slow link busy (the FIFO link of ``benchmarks/zero_overlap.py`` needs
+      2-3) at the cost of that many more whole buckets in memory.
 
     The first step reads the parameters as ``TrainState.create`` laid them out (whole on
     every dp rank) and records their use order; buckets, master slices and optimizer
@@ -394,6 +398,11 @@ def zero(stage: int = 1, *, bucket_mb: float = 40.0, overlap_grad_reduce: bool =
         raise ValueError(f"layouts.zero: stage must be 0, 1, 2 or 3, got {stage!r}")
     if not bucket_mb > 0:
         raise ValueError(f"layouts.zero: bucket_mb must be > 0, got {bucket_mb!r}")
+    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 1:
+        raise ValueError(f"layouts.zero: prefetch must be an int >= 1, got {prefetch!r}")
+    if prefetch != 1 and stage != 3:
+        raise ValueError(f"layouts.zero: prefetch is a stage-3 option (stages 1/2 gather every bucket after "
+                         f"the update), got stage={stage}")
     if not reshard_after_forward and stage != 3:
         raise ValueError(f"layouts.zero: reshard_after_forward=False is a stage-3 option (stages 1/2 keep "
                          f"parameters whole anyway), got stage={stage}")
@@ -401,7 +410,7 @@ def zero(stage: int = 1, *, bucket_mb: float = 40.0, overlap_grad_reduce: bool =
         return data(axis)
     options = {"stage": stage, "bucket_mb": float(bucket_mb), "overlap_grad_reduce": bool(overlap_grad_reduce),
                "overlap_param_gather": bool(overlap_param_gather), "axis": axis,
-               "reshard_after_forward": bool(reshard_after_forward)}
+               "reshard_after_forward": bool(reshard_after_forward), "prefetch": prefetch}
     return Layout({}, {"batch": (axis,)}, {"zero": options}, f"zero({stage})")
 
 

@@ -350,6 +350,7 @@ class _Step:
         # Stage 3 frees a bucket after forward's last read (re-gathered in backward) unless
         # reshard_after_forward=False; backward frees it after its last gradient either way.
         self.reshard = z.options.get("reshard_after_forward", True)
+        self.prefetch_depth = z.options.get("prefetch", 1)  # stage 3: buckets gathered ahead
         self.prefetch: dict[int, comm.CommHandle] = {}
         self.live_ptrs: dict[int, int] = {}
 
@@ -397,7 +398,8 @@ class _Step:
 
     def _gathered(self, b: int, ahead: int) -> torch.Tensor:
         """Stage 3: bucket ``b`` whole, gathering it (or waiting for its prefetch) and
-        prefetching the bucket ``ahead`` of it in the direction of travel."""
+        prefetching the ``prefetch`` buckets after it in the direction of travel
+        (``ahead`` = +1 forward, -1 backward)."""
         plan = self.z.plan
         if b not in self.live:
             handle = self.prefetch.pop(b, None)
@@ -407,9 +409,10 @@ class _Step:
         if ahead > 0 and self.reshard:  # forward: free what the first step's forward read for the last time
             for k in [k for k in self.live if k != b and plan.buckets[k].last_use < self.position]:
                 self._release(k)
-        nxt = b + ahead
-        if 0 <= nxt < len(plan.buckets) and nxt not in self.live and nxt not in self.prefetch:
-            self.prefetch[nxt] = self._post_gather(nxt)
+        for d in range(1, self.prefetch_depth + 1):
+            nxt = b + ahead * d
+            if 0 <= nxt < len(plan.buckets) and nxt not in self.live and nxt not in self.prefetch:
+                self.prefetch[nxt] = self._post_gather(nxt)
         return self.live[b]
 
     def _post_gather(self, b: int) -> comm.CommHandle:
