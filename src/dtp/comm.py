@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
 
@@ -263,7 +262,7 @@ class CommHandle:
     """An in-flight collective; :meth:`wait` returns its (post-processed) result."""
 
     def __init__(self, work: object | None, record: CommRecord | None, finish: Callable[[], torch.Tensor],
-                 link: tuple[str, int] | None = None, watch: bool = False):
+                 link: tuple[str, int] | None = None):
         self._work, self._record, self._finish = work, record, finish
         self._link = link  # (axis, bytes) under simulated_link
         self._deadline: float | None = None  # end of the modelled transfer
@@ -274,15 +273,11 @@ class CommHandle:
             try:
                 future().then(self._mark_done)  # type: ignore[misc]
             except (TypeError, RuntimeError, NotImplementedError):
-                # No future: where the backend completes the work on its own, a background
-                # thread watches for it, so the record and the modelled link see when the
-                # backend finished, not when someone got round to waiting.
-                if watch:
-                    _watch(self)
+                pass  # no future (gloo's send/recv): completion is taken at wait()
 
     def _mark_done(self, fut: object) -> None:
-        # Called once per handle by whoever sees the completion first: a future callback
-        # or the watcher thread (backend threads), or wait() (this one).
+        # Called once per handle by whoever sees the completion first: the future's
+        # callback (on a backend thread) or wait() (this one).
         with _mark_lock:
             if self._done:
                 return
@@ -315,46 +310,6 @@ class CommHandle:
         return done and (self._link is None or (self._deadline is not None and time.perf_counter() >= self._deadline))
 
 
-_watched: list[weakref.ref[CommHandle]] = []  # weak: a handle nobody waits on is not kept alive
-_watch_cond = threading.Condition()
-_watcher: threading.Thread | None = None
-_WATCH_INTERVAL = 5e-4  # seconds between completion polls while something is watched
-
-
-def _watch(handle: CommHandle) -> None:
-    """Have the watcher thread call ``handle._mark_done`` once its work completes."""
-    global _watcher
-    with _watch_cond:
-        _watched.append(weakref.ref(handle))
-        if _watcher is None or not _watcher.is_alive():
-            _watcher = threading.Thread(target=_watch_loop, name="dtp-comm-watch", daemon=True)
-            _watcher.start()
-        _watch_cond.notify()
-
-
-def _watch_loop() -> None:
-    while True:
-        with _watch_cond:
-            while not _watched:
-                _watch_cond.wait()
-            pending = list(_watched)
-        finished = []
-        for ref in pending:
-            h = ref()
-            if h is None or h._done:  # dropped unwaited, or wait() came first
-                finished.append(ref)
-                continue
-            work = h._work
-            if work is None or work.is_completed():  # type: ignore[attr-defined]
-                h._mark_done(None)
-                finished.append(ref)
-            del h
-        with _watch_cond:
-            for ref in finished:
-                _watched.remove(ref)
-        time.sleep(_WATCH_INTERVAL)
-
-
 def _group(mesh: DeviceMesh, axis: str) -> tuple[dist.ProcessGroup, int]:
     names = mesh.mesh_dim_names or ()
     if axis not in names:
@@ -364,15 +319,14 @@ def _group(mesh: DeviceMesh, axis: str) -> tuple[dist.ProcessGroup, int]:
 
 def _run(kind: str, mesh: DeviceMesh, axis: str, x: torch.Tensor, nbytes: Callable[[int], float],
          post: Callable[[dist.ProcessGroup, int], tuple[object, Callable[[], torch.Tensor]]],
-         async_op: bool, tag: str, watch: bool = True) -> torch.Tensor | CommHandle:
+         async_op: bool, tag: str) -> torch.Tensor | CommHandle:
     group, n = _group(mesh, axis)
     if n == 1:  # nothing moves: no collective, no record (a ring of one does no send/recv)
         handle = CommHandle(None, None, lambda: x)
         return handle if async_op else handle.wait()
     record = _record(kind, axis, nbytes(n), n, x, async_op, tag)
     work, finish = post(group, n)
-    handle = CommHandle(work, record, finish, (axis, record.bytes) if _link_applies(axis) else None,
-                        watch=async_op and watch)
+    handle = CommHandle(work, record, finish, (axis, record.bytes) if _link_applies(axis) else None)
     return handle if async_op else handle.wait()
 
 
@@ -496,9 +450,7 @@ def send_recv(x: torch.Tensor, mesh: DeviceMesh, axis: str, *, shift: int = 1, a
         works = dist.batch_isend_irecv(ops)
         return _Works(works), (lambda: out)
 
-    # gloo's send/recv works have no future and do not complete before wait(): no watch.
-    return _run("send_recv", mesh, axis, x, lambda n: _nbytes(x) if n > 1 else 0, post, async_op, tag,
-                watch=False)
+    return _run("send_recv", mesh, axis, x, lambda n: _nbytes(x) if n > 1 else 0, post, async_op, tag)
 
 
 class _Works:

@@ -456,8 +456,8 @@ def merge_into(out: torch.Tensor, lse: torch.Tensor, out_b: torch.Tensor, lse_b:
     and ``lse = logaddexp(lse, lse_b)`` -- the same stable sigmoid form as :func:`merge`,
     one fused kernel on the big tensor and no temporaries of its size. It skips
     :func:`merge`'s empty-side handling, so ``lse`` must be finite (``lse_b = -inf``
-    with a finite ``out_b``, an empty block's zeros, weighs 0). A ring starts its accumulator from the diagonal block, which
-    covers every row, so this holds there.
+    with a finite ``out_b``, an empty block's zeros, weighs 0). A ring starts its
+    accumulator from the diagonal block, which covers every row, so this holds there.
 
     >>> q, k, v = torch.randn(3, 1, 1, 4, 8, dtype=torch.float64).unbind(0)
     >>> o, l = block_forward(q, k[:, :, :2], v[:, :, :2])
