@@ -112,6 +112,8 @@ def main() -> None:
 
     ap = attention_parser(__doc__, seq=4096)
     ap.add_argument("--cps", type=int, nargs="+", default=[1, 2, 4])
+    ap.add_argument("--head-chunks", type=int, nargs="+", default=[0],
+                    help="head chunks to compare, 0 for dtp's default (the fewest with chunks × cp >= 16)")
     args = ap.parse_args()
 
     from dtp.testing import run
@@ -128,17 +130,24 @@ def main() -> None:
     sdpa = row["peak"]
     base = None
     for cp in sorted(args.cps):
-        algos = [("ring", {})] if cp == 1 else [("ring", {}), ("ulysses", {})]
+        # (algorithm, options, kv heads a rank attends with: what head_chunks must divide)
+        algos = [("ring", {}, args.heads)] if cp == 1 else [("ring", {}, args.heads), ("ulysses", {}, args.heads // cp)]
         if cp >= 4 and cp % 2 == 0:
-            algos += [("double_ring", {"window": 2}), ("hybrid", {"ulysses_degree": 2})]
+            algos += [("double_ring", {"window": 2}, args.heads), ("hybrid", {"ulysses_degree": 2}, args.heads // 2)]
+        # cp=1 is one SDPA call whatever the chunks; skip chunk counts an algorithm rejects.
+        chunk_counts = args.head_chunks if cp > 1 else [0]
+        algos = [(algo, {**kw, "head_chunks": c} if c else kw) for algo, kw, kv in algos
+                 for c in chunk_counts if not c or kv % c == 0]
         for algo, kw in algos:
             res = run(_distributed, algo, kw, args.seq, args.heads, args.dim, args.repeats, world_size=cp,
                       timeout=1200)
             r = max(res, key=lambda x: x["peak"])
             if base is None:
-                base = r["peak"]
+                base = r["peak"] if cp == 1 else sdpa
             ratio, goal = r["peak"] / base, 1 / cp + 0.15
             name = algo if cp > 1 else "dtp (ring of 1)"
+            if "head_chunks" in kw:
+                name += f" c={kw['head_chunks']}"
             print(f"{cp:>3}  {name:<14}{r['peak'] / mib:>14.2f}{ratio:>8.3f}{goal:>7.3f}  "
                   f"{'yes' if ratio <= goal else 'NO':<4}{r['sent'] / mib:>14.2f}{r['ms']:>9.1f}"
                   f"{r['peak'] / sdpa:>9.3f}  {'yes' if r['peak'] / sdpa <= goal else 'NO'}")

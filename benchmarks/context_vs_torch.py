@@ -1,6 +1,6 @@
 """Context parallel on gloo: dtp vs PyTorch's own tools on the same shapes.
 
-    python benchmarks/context_vs_torch.py --world-size 4 --seq 1024 4096 --heads 8 --dim 64 --repeats 5
+    python benchmarks/context_vs_torch.py --world-size 4 --seq 1024 4096 --heads 8 --dim 64 --repeats 5 [--head-chunks 1]
 
 (a) **Ulysses vs DTensor redistribute.** q/k/v of shape (1, heads, seq, dim), fp32, split on
     sequence over ``cp`` = world size:
@@ -77,7 +77,7 @@ def _timeit(fn, repeats: int) -> float:
     return median_time(fn, repeats)
 
 
-def _ulysses(seq: int, heads: int, dim: int, repeats: int) -> list[dict]:
+def _ulysses(seq: int, heads: int, dim: int, repeats: int, head_chunks: int | None) -> list[dict]:
     import torch.distributed as dist
     import torch.nn.functional as F
     from torch.distributed.tensor import DTensor, Shard
@@ -106,7 +106,7 @@ def _ulysses(seq: int, heads: int, dim: int, repeats: int) -> list[dict]:
     # Ulysses attention forward + backward
     def dtp_once():
         q, k, v = (dtp.shard(t, mesh, P(None, None, "cp")).requires_grad_() for t in glob)
-        out = C.context_attention(q, k, v, algo="ulysses", causal=True, load_balance=None)
+        out = C.context_attention(q, k, v, algo="ulysses", causal=True, load_balance=None, head_chunks=head_chunks)
         to_local(out).sum().backward()
 
     def torch_once():
@@ -125,7 +125,7 @@ def _ulysses(seq: int, heads: int, dim: int, repeats: int) -> list[dict]:
     return rows
 
 
-def _ring(seq: int, heads: int, dim: int, repeats: int) -> list[dict]:
+def _ring(seq: int, heads: int, dim: int, repeats: int, head_chunks: int | None) -> list[dict]:
     import torch.distributed as dist
     import torch.nn.functional as F
     from torch.distributed.tensor.experimental._context_parallel import _attention as TA
@@ -145,7 +145,7 @@ def _ring(seq: int, heads: int, dim: int, repeats: int) -> list[dict]:
 
     def dtp_once():
         q, k, v = (dtp.from_local(t.clone(), mesh, P(None, None, "cp")).requires_grad_() for t in shards)
-        out = C.context_attention(q, k, v, algo="ring", causal=True, load_balance="zigzag")
+        out = C.context_attention(q, k, v, algo="ring", causal=True, load_balance="zigzag", head_chunks=head_chunks)
         to_local(out).sum().backward()
         return to_local(out), [to_local(t.grad) for t in (q, k, v)]
 
@@ -208,19 +208,23 @@ def main() -> None:
 
     ap = attention_parser(__doc__, seq=[1024, 4096])
     ap.add_argument("--world-size", type=int, default=4)
+    ap.add_argument("--head-chunks", type=int, default=None,
+                    help="dtp's head_chunks (default: dtp's, the fewest with chunks × cp >= 16; 1: torch's schedule)")
     args = ap.parse_args()
 
     from dtp.testing import run
 
     torch.set_num_threads(1)
     mib = 2.0**20
-    print(f"gloo, cp = {args.world_size}, heads = {args.heads}, head_dim = {args.dim}, fp32, causal; "
+    print(f"gloo, cp = {args.world_size}, heads = {args.heads}, head_dim = {args.dim}, fp32, causal, "
+          f"dtp head_chunks = {args.head_chunks or 'default'}; "
           f"median of {args.repeats}; ratio = dtp / torch (lower is better)")
     print(f"{'seq':>6}  {'op':<24}{'dtp ms':>9}{'torch ms':>10}{'time':>7}"
           f"{'dtp MiB':>9}{'torch MiB':>11}{'bytes':>7}  torch collectives")
     for seq in args.seq:
-        rows = run(_ulysses, seq, args.heads, args.dim, args.repeats, world_size=args.world_size, timeout=1200)[0]
-        rows += run(_ring, seq, args.heads, args.dim, args.repeats, world_size=args.world_size, timeout=1200)[0]
+        common = (seq, args.heads, args.dim, args.repeats, args.head_chunks)
+        rows = run(_ulysses, *common, world_size=args.world_size, timeout=1200)[0]
+        rows += run(_ring, *common, world_size=args.world_size, timeout=1200)[0]
         for r in rows:
             if "torch_error" in r:
                 print(f"{seq:>6}  {r['op']:<24}{1e3 * r['dtp']:>9.1f}{'—':>10}{'—':>7}{r['dtp_bytes'] / mib:>9.2f}"

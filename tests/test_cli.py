@@ -46,6 +46,13 @@ def test_mesh_axes_keep_nontrivial_axes_in_mesh_order() -> None:
     assert list(axes.items()) == [("dp", 2), ("cp", 2), ("tp", 2)]
 
 
+def test_cp_head_chunks_reach_the_layout() -> None:
+    args = _train("--cp", "2", "--cp-head-chunks", "2")
+    assert cli.build_layout(args).options["context"]["head_chunks"] == 2
+    argv = cli.train_argv(args)
+    assert argv[argv.index("--cp-head-chunks") + 1] == "2"
+
+
 def test_nproc_must_match_mesh_product(capsys) -> None:
     assert _train("--nproc", "4", "--dp", "2", "--tp", "2").nproc == 4
     with pytest.raises(ValueError, match=r"--nproc 3 does not match the mesh dp=2 × cp=1 × tp=1 = 2"):
@@ -80,6 +87,7 @@ def test_bad_values_exit_2(flags, capsys) -> None:
     (["--batch", "8", "--dp", "2", "--microbatches", "3"], "divisible by --dp × --microbatches"),
     (["--warmup", "9", "--steps", "3"], r"--warmup must lie in \[0, --steps=3\]"),
     (["--cp-algo", "ring"], "need --cp > 1"),
+    (["--cp-head-chunks", "2"], r"--cp-head-chunks configure context parallel; they need --cp > 1"),
 ])
 def test_flag_combinations(flags, match) -> None:
     with pytest.raises(ValueError, match=match):

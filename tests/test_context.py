@@ -138,6 +138,12 @@ CASES4 = {
                                                S=16, kw={"window": 2}),
     "hybrid-u2-none-full-mha-cp4": dict(algo="hybrid", axes=CP4, lb=NONE, causal=False, hq=4, hkv=4, S=8,
                                         kw={"ulysses_degree": 2}),
+    "ring-chunks1-zigzag-causal-mha-cp4": dict(algo="ring", axes=CP4, lb=ZZ, causal=True, hq=2, hkv=2, S=16,
+                                               kw={"head_chunks": 1}),
+    "ulysses-chunked-zigzag-causal-gqa-cp2": dict(algo="ulysses", axes={"dp": 2, "cp": 2}, lb=ZZ, causal=True,
+                                                  hq=8, hkv=4, S=8),
+    "hybrid-chunks1-u2-zigzag-causal-mha-cp4": dict(algo="hybrid", axes=CP4, lb=ZZ, causal=True, hq=4, hkv=4,
+                                                    S=16, kw={"ulysses_degree": 2, "head_chunks": 1}),
     "hybrid-axes-zigzag-causal-mha": dict(algo="hybrid", axes={"cpr": 2, "cpu": 2}, lb=ZZ, causal=True, hq=2,
                                           hkv=2, S=16, seq=("cpr", "cpu"), kw={"axis": ("cpr", "cpu")}),
 }
@@ -175,6 +181,23 @@ def _ok(results: list[dict[str, dict]], name: str) -> list[dict]:
     return per_rank
 
 
+def _chunks(name: str, cases: dict[str, dict]) -> int:
+    """Head chunks the case runs in: its ``head_chunks``, or the default -- the fewest
+    chunks dividing the kv heads a rank attends with (a ring rank's; a Ulysses rank's
+    after the all-to-all) such that chunks × cp >= 16."""
+    case = cases[name]
+    kw = case.get("kw", {})
+    if kw.get("head_chunks") is not None:
+        return kw["head_chunks"]
+    tp = dict(case["axes"]).get("tp", 1) if case.get("heads") == "tp" else 1
+    cp = math.prod(n for a, n in case["axes"].items() if a in (case.get("seq", "cp"),) or a.startswith("cp"))
+    kv = case["hkv"] // tp
+    if case["algo"] not in ("ring", "double_ring"):
+        u = cp if case["algo"] == "ulysses" else kw.get("ulysses_degree", 2)
+        kv = max(kv, u) // u  # fewer kv heads than u are repeated up to u
+    return next((c for c in range(1, kv + 1) if kv % c == 0 and c * cp >= 16), kv)
+
+
 # ------------------------------------------------------------------------ parity
 
 
@@ -186,14 +209,15 @@ def test_matches_sdpa(results4, name):
 @pytest.mark.parametrize("name", list(CASES8))
 def test_matches_sdpa_cp8(results8, name):
     per_rank = _ok(results8, name)
+    c = _chunks(name, CASES8)
     if name.startswith("ring"):
-        _check_ring_bytes(per_rank, n=8)
+        _check_ring_bytes(per_rank, n=8, chunks=c)
     elif name.startswith("ulysses"):
-        _check_ulysses_bytes(per_rank, n=8, repeat=4)  # 2 kv heads repeated up to cp = 8
+        _check_ulysses_bytes(per_rank, n=8, repeat=4, chunks=c)  # 2 kv heads repeated up to cp = 8
     elif name.startswith("double_ring"):
-        _check_double_ring_bytes(per_rank, n=8, w=CASES8[name]["kw"]["window"])
+        _check_double_ring_bytes(per_rank, n=8, w=CASES8[name]["kw"]["window"], chunks=c)
     elif name == "hybrid-u4-zigzag-causal-gqarepeat-cp8":
-        _check_hybrid_bytes(per_rank, u=4, R=2, repeat=2)  # 2 kv heads repeated up to u = 4
+        _check_hybrid_bytes(per_rank, u=4, R=2, repeat=2, chunks=c)  # 2 kv heads repeated up to u = 4
 
 
 # ---------------------------------------------------------------- comm volume
@@ -203,30 +227,31 @@ def _summary(recs: list[dict]) -> list[tuple[str, str, int]]:
     return [(r["kind"], r["axis"], r["bytes"]) for r in recs]
 
 
-def _check_ring_bytes(per_rank: list[dict], n: int, axis: str = "cp") -> None:
+def _check_ring_bytes(per_rank: list[dict], n: int, axis: str = "cp", chunks: int = 1) -> None:
     for res in per_rank:
-        kv = 2 * res["k_local"]  # one K+V buffer per step
-        assert _summary(res["fwd"]) == [("send_recv", axis, kv)] * (n - 1), res["fwd"]
-        # (n-1)/n of the global K and V bytes (per cp group) leave each rank.
-        assert sum(r["bytes"] for r in res["fwd"]) == (n - 1) * kv == (n - 1) / n * (n * kv)
+        kv = 2 * res["k_local"] // chunks  # one K+V buffer of one head chunk per step
+        assert _summary(res["fwd"]) == [("send_recv", axis, kv)] * (n - 1) * chunks, res["fwd"]
+        # (n-1)/n of the global K and V bytes (per cp group) leave each rank, whatever the chunks.
+        assert sum(r["bytes"] for r in res["fwd"]) == (n - 1) * 2 * res["k_local"]
         bwd = _summary(res["bwd"])
-        assert sorted(bwd) == sorted([("send_recv", axis, kv)] * (2 * n - 1)), bwd  # n-1 K/V + n dK/dV (fp64)
+        # n-1 K/V + n dK/dV (fp64) per chunk
+        assert sorted(bwd) == sorted([("send_recv", axis, kv)] * (2 * n - 1) * chunks), bwd
         tags = [r["tag"] for r in res["bwd"]]
-        assert sum(t.startswith("ring bwd dkv") for t in tags) == n
+        assert sum(t.startswith("ring bwd dkv") for t in tags) == n * chunks
 
 
-def test_ring_bytes(results4):
-    _check_ring_bytes(_ok(results4, "ring-zigzag-causal-mha-cp4"), n=4)
-    _check_ring_bytes(_ok(results4, "ring-none-causal-gqa-cp4"), n=4)
-    _check_ring_bytes(_ok(results4, "ring-zigzag-causal-gqa-cp2tp2"), n=2)
+@pytest.mark.parametrize("name", ["ring-zigzag-causal-mha-cp4", "ring-none-causal-gqa-cp4",
+                                  "ring-zigzag-causal-gqa-cp2tp2", "ring-chunks1-zigzag-causal-mha-cp4"])
+def test_ring_bytes(results4, name):
+    _check_ring_bytes(_ok(results4, name), n=CASES4[name]["axes"]["cp"], chunks=_chunks(name, CASES4))
 
 
 def test_ring_low_precision_accumulates_and_carries_fp32(results4):
     for res in _ok(results4, "ring-bf16-zigzag-causal-gqa-cp4"):
-        kv = 2 * res["k_local"]  # bf16 K+V
-        assert [(r["bytes"], r["dtype"]) for r in res["fwd"]] == [(kv, "torch.bfloat16")] * 3
+        kv = res["k_local"]  # bf16 K+V of one of the 2 head chunks
+        assert [(r["bytes"], r["dtype"]) for r in res["fwd"]] == [(kv, "torch.bfloat16")] * 3 * 2
         dkv = [(r["bytes"], r["dtype"]) for r in res["bwd"] if r["tag"].startswith("ring bwd dkv")]
-        assert dkv == [(2 * kv, "torch.float32")] * 4  # dK/dV partials travel in fp32
+        assert dkv == [(2 * kv, "torch.float32")] * 4 * 2  # dK/dV partials travel in fp32
 
 
 def test_ring_of_one_sends_nothing(results4):
@@ -239,53 +264,62 @@ def test_ring_of_one_sends_nothing(results4):
     ("ulysses-none-causal-gqarepeat-cp4", 2),  # 2 kv heads repeated up to cp = 4
     ("ulysses-zigzag-full-gqa-dp2cp2", 1),
     ("ulysses-zigzag-causal-gqarepeat-cp2tp2", 2),  # 1 kv head per tp rank, cp = 2
+    ("ulysses-chunked-zigzag-causal-gqa-cp2", 1),  # 2 head chunks
 ])
 def test_ulysses_is_four_all_to_alls(results4, name, repeat):
-    _check_ulysses_bytes(_ok(results4, name), n=CASES4[name]["axes"]["cp"], repeat=repeat)
+    chunks = _chunks(name, CASES4)
+    assert chunks == (2 if "chunked" in name else 1)
+    _check_ulysses_bytes(_ok(results4, name), n=CASES4[name]["axes"]["cp"], repeat=repeat, chunks=chunks)
 
 
-def _check_ulysses_bytes(per_rank: list[dict], n: int, repeat: int) -> None:
+def _check_ulysses_bytes(per_rank: list[dict], n: int, repeat: int, chunks: int = 1, axis: str = "cp") -> list:
+    """4 all-to-alls (q, k, v, out) of (n-1)/n of the local tensors — (n-1)/n² of the
+    global ones per cp group — forward and backward, split evenly over the head chunks.
+    Returns what the checks left (the ring's transfers in a hybrid)."""
     for res in per_rank:
         ql, kl = res["q_local"], res["k_local"] * repeat
-        # (n-1)/n of each local tensor, i.e. (n-1)/n² of the global one per cp group.
-        want = [("all_to_all", "cp", (n - 1) * b // n) for b in (ql, kl, kl, ql)]
-        assert _summary(res["fwd"]) == want
-        assert sorted(_summary(res["bwd"])) == sorted(want)
+        want = sorted([("all_to_all", axis, (n - 1) * b // n // chunks) for b in (ql, kl, kl, ql)] * chunks)
+        for phase in ("fwd", "bwd"):
+            got = sorted(x for x in _summary(res[phase]) if x[0] == "all_to_all")
+            assert got == want, (phase, got, want)
+            assert sum(x[2] for x in got) == (n - 1) * (2 * ql + 2 * kl) // n
 
 
 def test_double_ring_bytes(results4):
-    _check_double_ring_bytes(_ok(results4, "double_ring-w2-zigzag-causal-gqa-cp4"), n=4, w=2)
-    _check_double_ring_bytes(_ok(results4, "double_ring-w2-zigzag-full-gqa-cp4"), n=4, w=2)
+    for name in ("double_ring-w2-zigzag-causal-gqa-cp4", "double_ring-w2-zigzag-full-gqa-cp4"):
+        _check_double_ring_bytes(_ok(results4, name), n=4, w=2, chunks=_chunks(name, CASES4))
     for res in _ok(results4, "double_ring-w1-none-causal-mha-cp4"):  # windows of one: all outer
-        kv = 2 * res["k_local"]
-        assert _summary(res["fwd"]) == [("send_recv", "cp_outer", kv)] * 3
+        kv = 2 * res["k_local"] // 2  # 2 head chunks
+        assert _summary(res["fwd"]) == [("send_recv", "cp_outer", kv)] * 3 * 2
 
 
-def _check_double_ring_bytes(per_rank: list[dict], n: int, w: int) -> None:
+def _check_double_ring_bytes(per_rank: list[dict], n: int, w: int, chunks: int) -> None:
     for res in per_rank:
-        kv = 2 * res["k_local"]
+        kv = 2 * res["k_local"] // chunks
         fwd = _summary(res["fwd"])
         # Same volume as the single ring: n-1 blocks, (n/w)(w-1) inner + n/w - 1 outer hops.
-        assert sorted(fwd) == sorted([("send_recv", "cp_inner", kv)] * (n // w) * (w - 1)
-                                     + [("send_recv", "cp_outer", kv)] * (n // w - 1))
+        assert sorted(fwd) == sorted(([("send_recv", "cp_inner", kv)] * (n // w) * (w - 1)
+                                      + [("send_recv", "cp_outer", kv)] * (n // w - 1)) * chunks)
         bwd = _summary(res["bwd"])
-        assert sorted(bwd) == sorted([("send_recv", "cp_inner", kv)] * ((n // w) * (w - 1) + n)
-                                     + [("send_recv", "cp_outer", kv)] * (n // w - 1 + n // w))
+        assert sorted(bwd) == sorted(([("send_recv", "cp_inner", kv)] * ((n // w) * (w - 1) + n)
+                                      + [("send_recv", "cp_outer", kv)] * (n // w - 1 + n // w)) * chunks)
 
 
-def test_hybrid_bytes(results4):
-    for name, repeat in (("hybrid-u2-zigzag-causal-gqa-cp4", 1), ("hybrid-u2-none-causal-gqarepeat-cp4", 2),
-                         ("hybrid-u2-none-full-mha-cp4", 1)):
-        _check_hybrid_bytes(_ok(results4, name), u=2, R=2, repeat=repeat)
+@pytest.mark.parametrize("name, repeat", [
+    ("hybrid-u2-zigzag-causal-gqa-cp4", 1), ("hybrid-u2-none-causal-gqarepeat-cp4", 2),
+    ("hybrid-u2-none-full-mha-cp4", 1), ("hybrid-chunks1-u2-zigzag-causal-mha-cp4", 1)])
+def test_hybrid_bytes(results4, name, repeat):
+    _check_hybrid_bytes(_ok(results4, name), u=2, R=2, repeat=repeat, chunks=_chunks(name, CASES4))
 
 
-def _check_hybrid_bytes(per_rank: list[dict], u: int, R: int, repeat: int) -> None:
+def _check_hybrid_bytes(per_rank: list[dict], u: int, R: int, repeat: int, chunks: int) -> None:
+    _check_ulysses_bytes(per_rank, n=u, repeat=repeat, chunks=chunks, axis="cp_uly")
     for res in per_rank:
-        ql, kl = res["q_local"], res["k_local"] * repeat
-        a2a = [("all_to_all", "cp_uly", (u - 1) * b // u) for b in (ql, kl, kl, ql)]
-        ring = [("send_recv", "cp_ring", 2 * kl)] * (R - 1)  # heads/u, seq×u: same bytes as local K+V
-        assert sorted(_summary(res["fwd"])) == sorted(a2a + ring)
-        assert sorted(_summary(res["bwd"])) == sorted(a2a + [("send_recv", "cp_ring", 2 * kl)] * (2 * R - 1))
+        kv = 2 * res["k_local"] * repeat // chunks  # heads/u, seq×u: per chunk, local K+V / chunks
+        ring = [x for x in _summary(res["fwd"]) if x[0] != "all_to_all"]
+        assert ring == [("send_recv", "cp_ring", kv)] * (R - 1) * chunks
+        ring = [x for x in _summary(res["bwd"]) if x[0] != "all_to_all"]
+        assert ring == [("send_recv", "cp_ring", kv)] * (2 * R - 1) * chunks
 
 
 # ---------------------------------------------------------------- overlap
@@ -325,18 +359,20 @@ def _check_overlap(res: dict) -> int:
 ])
 def test_ring_transfers_overlap_compute(results4, name, n_inner):
     for res in _ok(results4, name):
-        assert _check_overlap(res) == n_inner  # forward and backward K/V hops within the (inner) ring
+        # forward and backward K/V hops within the (inner) ring, for every head chunk
+        assert _check_overlap(res) == n_inner * _chunks(name, CASES4)
 
 
 # ---------------------------------------------------------------- balance
 
 
-def _work(res: dict) -> int:
-    """Score blocks computed in forward, in the unit of causal_work (a zigzag chunk²)."""
+def _work(res: dict, n: int) -> int:
+    """Score blocks computed in forward by the first head chunk's ring (steps 0..n-1),
+    in the unit of causal_work (a zigzag chunk²)."""
     unit = res["L"] // 2
     total = 0
     for e in res["events"]:
-        if e["phase"] != "fwd":
+        if e["phase"] != "fwd" or e["step"] >= n:
             continue
         for qa, qb, ka, kb, mask in e["tasks"]:
             nq, nk = (qb - qa) // unit, (kb - ka) // unit
@@ -345,26 +381,34 @@ def _work(res: dict) -> int:
 
 
 def test_zigzag_balances_causal_work(results4):
-    zz = [_work(res) for res in sorted(_ok(results4, "ring-zigzag-causal-mha-cp4"), key=lambda r: r["rank"])]
+    zz = [_work(res, 4) for res in sorted(_ok(results4, "ring-zigzag-causal-mha-cp4"), key=lambda r: r["rank"])]
     assert zz == [causal_work(r, 4, "zigzag") for r in range(4)] == [9] * 4
-    plain = [_work(res) for res in sorted(_ok(results4, "ring-none-causal-gqa-cp4"), key=lambda r: r["rank"])]
+    plain = [_work(res, 4) for res in sorted(_ok(results4, "ring-none-causal-gqa-cp4"), key=lambda r: r["rank"])]
     assert plain == [causal_work(r, 4, None) for r in range(4)] == [3, 7, 11, 15]
 
 
 # ---------------------------------------------------------------- hybrid reorder (no ranks)
 
 
-@pytest.mark.parametrize("cp, u", [(4, 2), (8, 2), (8, 4), (6, 3)])
-def test_hybrid_order_turns_cp_zigzag_into_ring_zigzag(cp, u):
-    from dtp.ops.context import _hybrid_order
+@pytest.mark.parametrize("cp, u", [(4, 2), (8, 2), (8, 4), (6, 3), (4, 4), (2, 2)])
+def test_ulysses_slots_turn_cp_zigzag_into_ring_zigzag(cp, u):
+    """Placing the u gathered pieces by :func:`_slots` gives the ring group's zigzag order
+    over R = cp/u (for R = 1, plain Ulysses: the original order)."""
+    from dtp.ops.context import _slots
 
     S = 4 * cp
     L, R = S // cp, cp // u
     pos = zigzag_permutation(S, cp)  # global position of each cp-ordered token
     ring = zigzag_permutation(S, R)
     for g in range(R):
-        gathered = pos[g * u * L:(g + 1) * u * L]  # the Ulysses group's all-to-all result
-        assert torch.equal(gathered[_hybrid_order(u, L, torch.device("cpu"))], ring[g * u * L:(g + 1) * u * L])
+        pieces = pos[g * u * L:(g + 1) * u * L].view(u, L)  # what the Ulysses group's all-to-all brings
+        gathered = torch.empty(u * L, dtype=pos.dtype)
+        for j, places in enumerate(_slots(u, L, zigzag=True)):
+            for dst, src in places:
+                gathered[dst] = pieces[j, src]
+        assert torch.equal(gathered, ring[g * u * L:(g + 1) * u * L])
+    if R == 1:
+        assert torch.equal(gathered, torch.arange(S))
 
 
 # ---------------------------------------------------------------- the layout owns the order (no ranks)
@@ -449,6 +493,14 @@ def test_validation_errors_before_any_collective():
         (({"cp": 4}, (1, 2, 2, 16), cp, "ring", {"axis": "sp"}), "ValueError", r"unknown mesh axis 'sp'"),
         (({"cp": 4}, (1, 2, 2, 16), None, "ring", {}), "TypeError", r"must be a DTensor"),
         (({"cp": 4}, (1, 2, 2, 16), cp, "striped", {}), "ValueError", r"algo must be one of"),
+        (({"cp": 4}, (1, 4, 2, 16), cp, "ring", {"head_chunks": 3}), "ValueError",
+         r"head_chunks.*dividing the 2 kv heads.*got head_chunks=3"),
+        (({"cp": 4}, (1, 4, 2, 16), cp, "double_ring", {"window": 2, "head_chunks": 0}), "ValueError",
+         r"head_chunks"),
+        (({"dp": 2, "cp": 2}, (1, 4, 4, 16), cp, "ulysses", {"head_chunks": 4}), "ValueError",
+         r"head_chunks.*dividing the 2 kv heads each rank holds after the all-to-all"),
+        (({"cp": 4}, (1, 4, 2, 16), cp, "hybrid", {"ulysses_degree": 2, "head_chunks": 2}), "ValueError",
+         r"dividing the 1 kv heads"),
     ]
     results = run(_expect_errors, [c for c, _, _ in cases], world_size=4)
     for rank_results in results:

@@ -82,7 +82,8 @@ def test_loss_and_grads_match_single_device_fp64(mesh_axes, sp):
     dict(algo="ulysses"),
     dict(algo="double_ring", window=2),
     dict(algo="hybrid", ulysses_degree=2),
-], ids=["ring", "ring-contiguous", "ulysses", "double_ring-w2", "hybrid-u2"])
+    dict(algo="ring", head_chunks=1),
+], ids=["ring", "ring-contiguous", "ulysses", "double_ring-w2", "hybrid-u2", "ring-one-chunk"])
 def test_context_parallel_cp4_matches_single_device(context):
     assert all(run(_parity, {"cp": 4}, False, torch.float64, [(1, None)], context, world_size=4))
 
@@ -231,6 +232,9 @@ def _bad_context(context, mesh_axes):
     (dict(algo="hybrid", ulysses_degree=4), {"cp": 4}, r"ring degree cp/ulysses_degree > 1"),
     (dict(algo="hybrid", ulysses_degree=3), {"cp": 4}, r"cp=4 divisible by ulysses_degree=3"),
     (dict(algo="ulysses"), {"cp": 2, "tp": 2}, None),  # heads 8 / (2 × 2): fine
+    (dict(algo="ring", head_chunks=3), {"cp": 4}, r"head_chunks=3 must divide the 4 kv heads each rank"),
+    (dict(algo="ulysses", head_chunks=2), {"cp": 4}, r"head_chunks=2 must divide the 1 kv heads.*Ulysses degree 4"),
+    (dict(algo="hybrid", ulysses_degree=2, head_chunks=2), {"cp": 4}, None),  # 4 kv heads / 2 per rank
 ])
 def test_context_rules_are_checked_at_create(context, mesh_axes, message):
     if message is None:
@@ -247,3 +251,5 @@ def test_context_preset_rejects_bad_options():
         dtp.layouts.context("double_ring")
     with pytest.raises(ValueError, match="hybrid needs ulysses_degree > 1"):
         dtp.layouts.context("hybrid")
+    with pytest.raises(ValueError, match="head_chunks must be an integer >= 1"):
+        dtp.layouts.context("ring", head_chunks=0)

@@ -116,6 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="double-ring window: cp ranks per inner ring (MindSpeed --cp-window-size; with --cp > 1)")
     g.add_argument("--ulysses-degree", type=_positive("--ulysses-degree"), default=None,
                    help="Ulysses part of hybrid context parallel (with --cp > 1)")
+    g.add_argument("--cp-head-chunks", type=_positive("--cp-head-chunks"), default=None,
+                   help="context-parallel attention in this many head chunks (default: the fewest with chunks × cp >= 16; "
+                        "1: Megatron's schedule, fewer and larger transfers, more memory; with --cp > 1)")
     g.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0,
                    help="ZeRO stage over dp: 1 optimizer state, 2 + gradients, 3 + parameters (0: plain DP)")
     g.add_argument("--overlap-grad-reduce", action="store_true",
@@ -199,9 +202,10 @@ def validate(args: argparse.Namespace, *, world_size: int | None = None) -> argp
     if args.batch % (args.dp * args.microbatches):
         raise UsageError(f"--batch {args.batch} must be divisible by --dp × --microbatches = "
                          f"{args.dp} × {args.microbatches}: every rank gets equal microbatches")
-    if args.cp == 1 and (args.cp_algo or args.cp_window or args.ulysses_degree):
+    if args.cp == 1 and (args.cp_algo or args.cp_window or args.ulysses_degree or args.cp_head_chunks):
         flags = [f for f, v in (("--cp-algo", args.cp_algo), ("--cp-window", args.cp_window),
-                                ("--ulysses-degree", args.ulysses_degree)) if v]
+                                ("--ulysses-degree", args.ulysses_degree),
+                                ("--cp-head-chunks", args.cp_head_chunks)) if v]
         raise UsageError(f"{', '.join(flags)} configure context parallel; they need --cp > 1")
     if not args.zero and (args.overlap_grad_reduce or args.overlap_param_gather):
         raise UsageError("--overlap-grad-reduce / --overlap-param-gather overlap ZeRO's collectives; they need --zero 1, 2 or 3")
@@ -254,7 +258,8 @@ def train_argv(args: argparse.Namespace) -> list[str]:
     if args.sp:
         out.append("--sp")
     for flag, value in (("--cp-algo", args.cp_algo), ("--cp-window", args.cp_window),
-                        ("--ulysses-degree", args.ulysses_degree), ("--data", args.data),
+                        ("--ulysses-degree", args.ulysses_degree), ("--cp-head-chunks", args.cp_head_chunks),
+                        ("--data", args.data),
                         ("--out", args.out)):
         if value is not None:
             out += [flag, str(value)]
@@ -493,7 +498,8 @@ def build_layout(args: argparse.Namespace) -> Any:
     layout = layouts.data() + layouts.megatron(sequence_parallel=args.sp)
     if args.cp > 1:
         options = {k: v for k, v in (("algo", args.cp_algo), ("window", args.cp_window),
-                                     ("ulysses_degree", args.ulysses_degree)) if v is not None}
+                                     ("ulysses_degree", args.ulysses_degree),
+                                     ("head_chunks", args.cp_head_chunks)) if v is not None}
         layout = layout + layouts.context(**options)
     if args.zero:
         layout = layout + layouts.zero(stage=args.zero, bucket_mb=args.bucket_mb,

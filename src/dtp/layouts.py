@@ -187,6 +187,12 @@ def _check_context(layout: Layout, sizes: Mapping[str, int], mesh: DeviceMesh, w
     if degree and heads is not None and heads % (degree * tp):
         raise ValueError(f"{what}: heads={heads} must be divisible by the Ulysses degree {degree} × tp={tp} "
                          f"= {degree * tp} for {algo} context parallel")
+    chunks, kv = opts.get("head_chunks"), sizes.get("kv_heads")
+    if chunks is not None and kv is not None and kv % tp == 0:
+        per_rank = max(kv // tp, degree or 1) // (degree or 1)  # kv heads fewer than the degree are repeated
+        if per_rank % chunks:
+            raise ValueError(f"{what}: head_chunks={chunks} must divide the {per_rank} kv heads each rank attends "
+                             f"with (kv_heads={kv}, tp={tp}{f', Ulysses degree {degree}' if degree else ''})")
 
 
 # ------------------------------------------------------------ sequence order under context parallel
@@ -317,7 +323,7 @@ CONTEXT_ALGORITHMS = ("ulysses", "ring", "double_ring", "hybrid")
 
 
 def context(algo: str = "ring", *, window: int = 1, ulysses_degree: int = 1,
-            load_balance: str | None = "zigzag", axis: str = "cp") -> Layout:
+            load_balance: str | None = "zigzag", head_chunks: int | None = None, axis: str = "cp") -> Layout:
     """Context parallel over ``axis``: the sequence is split everywhere (residual stream
     and attention) and ``dtp.ops.attention`` runs MindSpeed's algorithm ``algo``:
 
@@ -334,12 +340,19 @@ def context(algo: str = "ring", *, window: int = 1, ulysses_degree: int = 1,
     original positions. Constraints involving the mesh (window dividing cp, sequence
     divisible by 2·cp, heads by the Ulysses degree × tp) are checked before any collective.
 
+    ``head_chunks`` runs the attention in that many chunks of heads, one after the
+    other. Same result and bytes; a rank's buffers beyond its inputs, output and
+    gradients shrink by that factor, for more (smaller) transfers. ``None`` (the
+    default) takes the fewest chunks, dividing the kv heads a rank attends with, such
+    that chunks × cp >= 16; ``1`` is Megatron's / MindSpeed's schedule.
+
     >>> context("hybrid", ulysses_degree=2).options["context"]["algo"]
     'hybrid'
     """
     if algo not in CONTEXT_ALGORITHMS:
         raise ValueError(f"layouts.context: algo must be one of {CONTEXT_ALGORITHMS}, got {algo!r}")
-    for name, value in (("window", window), ("ulysses_degree", ulysses_degree)):
+    for name, value in (("window", window), ("ulysses_degree", ulysses_degree),
+                        ("head_chunks", 1 if head_chunks is None else head_chunks)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"layouts.context: {name} must be an integer >= 1, got {value!r}")
     if load_balance not in ("zigzag", None):
@@ -349,7 +362,7 @@ def context(algo: str = "ring", *, window: int = 1, ulysses_degree: int = 1,
     if algo == "hybrid" and ulysses_degree == 1:
         raise ValueError("layouts.context: hybrid needs ulysses_degree > 1 (ulysses_degree=1 is the ring)")
     options = {"algo": algo, "window": window, "ulysses_degree": ulysses_degree, "load_balance": load_balance,
-               "axis": axis}
+               "head_chunks": head_chunks, "axis": axis}
     rules = {"seq": (axis,), "res_seq": (axis,)}
     return Layout({}, rules, {"context": options}, f"context({algo})")
 
@@ -418,7 +431,8 @@ def context_options() -> dict[str, object]:
     """The active layout's context-parallel options (contiguous ring defaults without one)."""
     active = current()
     opts = active[0].options.get("context") if active else None
-    return dict(opts) if opts else {"algo": "ring", "window": 1, "ulysses_degree": 1, "load_balance": None}
+    return dict(opts) if opts else {"algo": "ring", "window": 1, "ulysses_degree": 1, "load_balance": None,
+                                    "head_chunks": None}
 
 
 _active = threading.local()

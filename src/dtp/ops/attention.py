@@ -57,7 +57,8 @@ def _context(q: DTensor, k: DTensor, v: DTensor, causal: bool, scale: float | No
     if len(seq_axes) != 1:
         raise ValueError(f"attention: the sequence must be split over one context-parallel axis, got {seq_axes}")
     algo = opts["algo"]
-    kwargs = dict(axis=seq_axes[0], causal=causal, scale=scale, load_balance=opts["load_balance"])
+    kwargs = dict(axis=seq_axes[0], causal=causal, scale=scale, load_balance=opts["load_balance"],
+                  head_chunks=opts.get("head_chunks"))
     if algo in ("double_ring", "hybrid"):
         kwargs["window"] = opts["window"]
     if algo == "hybrid":

@@ -63,7 +63,6 @@ from .blockwise import (
     ring_block_plan,
     to_cp_order,
 )
-from .recompute import remat
 
 __all__ = [
     "ulysses_attention",
@@ -246,66 +245,243 @@ def _respec(spec: P, seq_axes: tuple[str, ...], heads_extra: tuple[str, ...] = (
 # ------------------------------------------------------------------------ Ulysses
 
 
-def _repeat_kv(t: DTensor, r: int) -> DTensor:
-    """Repeat every kv head ``r`` times (``repeat_interleave`` on dim 1; backward sums).
+@dataclass(frozen=True)
+class _UlyssesPlan:
+    """How a Ulysses all-to-all (and the attention behind it) runs on this rank."""
 
-    Local and exact: with heads split contiguously over tp, repeating each rank's heads
-    is repeating the global heads.
+    mesh: DeviceMesh
+    axis: str  # the Ulysses axis: sequence pieces gathered, heads split over its u ranks
+    u: int
+    repeat: int  # each kv head repeated this many times before the split (GQA, kv heads < u)
+    chunks: int  # head chunks, one after the other (each needs 1/chunks of the buffers)
+    zigzag: bool  # pieces hold zigzag halves: place them by position when gathering
+    causal: bool
+    scale: float
+    ring: _Ring | None  # None: attention on the gathered sequence; else a ring over it (USP)
+    load_balance: str | None
+
+
+def _slots(u: int, L: int, zigzag: bool) -> list[list[tuple[slice, slice]]]:
+    """Where each rank's sequence piece (length ``L``) goes in the gathered sequence:
+    ``[(gathered slice, piece slice), ...]`` per rank ``j``.
+
+    Contiguous pieces go side by side. With zigzag, piece ``j`` holds chunks ``j`` and
+    ``2u-1-j`` of ``2u``: its halves go to slots ``j`` and ``2u-1-j``, which is the
+    original order for Ulysses and, inside a hybrid ring group (whose pieces are runs of
+    the global zigzag), the zigzag order over the ring degree that the ring expects.
     """
-    if r == 1:
-        return t
-    spec = spec_of(t)
-    local = to_local(t).repeat_interleave(r, dim=1)
-    b, h, s, d = t.shape
-    return from_local(local, t.device_mesh, spec, (b, h * r, s, d))
+    if not zigzag:
+        return [[(slice(j * L, (j + 1) * L), slice(0, L))] for j in range(u)]
+    h = L // 2
+    return [[(slice(j * h, (j + 1) * h), slice(0, h)), (slice((2 * u - 1 - j) * h, (2 * u - j) * h), slice(h, L))]
+            for j in range(u)]
 
 
-def _local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float | None,
-                     cp: int, load_balance: str | None) -> torch.Tensor:
-    """SDPA on the full (cp-ordered) sequence: un-permute, attend, re-permute."""
-    if load_balance == "zigzag" and causal:
-        q, k, v = (from_cp_order(t, 2, cp, load_balance) for t in (q, k, v))
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
-    if load_balance == "zigzag" and causal:
-        out = to_cp_order(out, 2, cp, load_balance)
+def _post_to_heads(x: torch.Tensor, plan: _UlyssesPlan, c: int, tag: str) -> comm.CommHandle:
+    """Post head chunk ``c`` of local ``x`` ``(b, H, L, d)`` to the head split: rank ``j``
+    gets heads ``[j·H/u, (j+1)·H/u)`` of the chunk, every rank's sequence piece arrives."""
+    send = x.unflatten(1, (plan.u, plan.chunks, -1))[:, :, c].transpose(0, 1).contiguous()  # (u, b, h, L, d)
+    return comm.all_to_all(send, plan.mesh, plan.axis, split_dim=0, concat_dim=0, async_op=True, tag=tag)
+
+
+def _gather_seq(recv: torch.Tensor, plan: _UlyssesPlan) -> torch.Tensor:
+    """``(u, b, h, L, d)`` pieces → ``(b, h, u·L, d)`` in the order attention runs in."""
+    u, b, h, L, d = recv.shape
+    out = recv.new_empty((b, h, u * L, d))
+    for j, places in enumerate(_slots(u, L, plan.zigzag)):
+        for dst, src in places:
+            out[:, :, dst] = recv[j, :, :, src]
     return out
 
 
-def _ulysses(q: DTensor, k: DTensor, v: DTensor, lay: _Layout, uly_axis: str, r: int, inner) -> DTensor:
-    """Shared by Ulysses and the hybrid: all-to-all ``uly_axis`` from the sequence to the
-    heads, ``inner(q, k, v)`` on local tensors, all-to-all back."""
-    k, v = _repeat_kv(k, r), _repeat_kv(v, r)
-    seq_rest = tuple(a for a in lay.seq_axes if a != uly_axis)
-    src = lay.spec
-    dst = _respec(src, seq_rest, (uly_axis,))
-    kv_dst = _respec(spec_of(k), seq_rest, (uly_axis,))
-    q2 = reshard(q, dst, name="q", tag="ulysses q")
-    k2 = reshard(k, kv_dst, name="k", tag="ulysses k")
-    v2 = reshard(v, kv_dst, name="v", tag="ulysses v")
-    out_local = inner(to_local(q2), to_local(k2), to_local(v2))
-    out = from_local(out_local, lay.mesh, dst, tuple(q.shape), name="out")
-    return reshard(out, src, name="out", tag="ulysses out")
+def _post_to_seq(x: torch.Tensor, plan: _UlyssesPlan, tag: str) -> comm.CommHandle:
+    """The way back: ``(b, h, u·L, d)`` → each rank's sequence piece of these heads."""
+    b, h, S, d = x.shape
+    L = S // plan.u
+    send = x.new_empty((plan.u, b, h, L, d))
+    for j, places in enumerate(_slots(plan.u, L, plan.zigzag)):
+        for dst, src in places:
+            send[j, :, :, src] = x[:, :, dst]
+    return comm.all_to_all(send, plan.mesh, plan.axis, split_dim=0, concat_dim=0, async_op=True, tag=tag)
+
+
+def _land(handle: comm.CommHandle, into: torch.Tensor, plan: _UlyssesPlan, c: int) -> None:
+    """Write an arrived ``(u, b, h, L, d)`` (rank j's heads of chunk c) into local ``into``."""
+    into.unflatten(1, (plan.u, plan.chunks, -1))[:, :, c] = handle.wait().transpose(0, 1)
+
+
+def _inner_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: _UlyssesPlan,
+                   c: int) -> tuple[torch.Tensor, torch.Tensor]:
+    if plan.ring is None:
+        return block_forward(q, k, v, scale=plan.scale, mask="causal" if plan.causal else "full")
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[:3], dtype=accum_dtype(q.dtype), device=q.device)
+    _ring_forward(q, k, v, plan.ring, plan.causal, plan.load_balance, plan.scale, out, lse, first=c * plan.ring.n)
+    return out, lse
+
+
+def _inner_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                    lse: torch.Tensor, plan: _UlyssesPlan, c: int) -> tuple[torch.Tensor, ...]:
+    if plan.ring is None:
+        return block_backward(dout, q, k, v, out, lse, scale=plan.scale, mask="causal" if plan.causal else "full")
+    dq = torch.empty_like(q)
+    dkv = _ring_backward(dout, q, k, v, out, lse, plan.ring, plan.causal, plan.load_balance, plan.scale, dq,
+                         first=c * plan.ring.n)
+    return dq, dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+
+
+class _UlyssesAttention(torch.autograd.Function):
+    """Ulysses (and the hybrid's Ulysses part) on local tensors, head chunk by head chunk.
+
+    Per chunk: all-to-all q/k/v to the head split, attention, all-to-all back. The next
+    chunk's all-to-alls are posted before this chunk's attention runs and the output's
+    all-to-all is waited for one chunk later, so transfers overlap compute. Backward
+    walks the chunks again and drops each chunk's saved tensors as soon as its gradients
+    are computed, so the gathered copies shrink while the gradients grow; it keeps its
+    kernel, where it peaks, free of buffers in flight (see the comment there).
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, plan):  # type: ignore[override]
+        r, C = plan.repeat, plan.chunks
+        kr, vr = (t.repeat_interleave(r, dim=1) if r > 1 else t for t in (k, v))
+        out = torch.empty_like(q)
+        saved: list[tuple[torch.Tensor, ...] | None] = []
+
+        def post(c: int) -> list[comm.CommHandle]:
+            return [_post_to_heads(t, plan, c, f"ulysses {n} {c}") for n, t in (("q", q), ("k", kr), ("v", vr))]
+
+        pending, back = post(0), None
+        for c in range(C):
+            q2, k2, v2 = (_gather_seq(h.wait(), plan) for h in pending)
+            pending = post(c + 1) if c + 1 < C else []
+            o2, l2 = _inner_forward(q2, k2, v2, plan, c)
+            saved.append((q2, k2, v2, o2, l2))
+            if back is not None:
+                _land(back, out, plan, c - 1)
+            back = _post_to_seq(o2, plan, f"ulysses out {c}")
+            del q2, k2, v2, o2, l2
+        del kr, vr
+        assert back is not None
+        _land(back, out, plan, C - 1)
+        ctx.saved_chunks, ctx.plan, ctx.kv = saved, plan, (k.shape, k.dtype)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):  # type: ignore[override]
+        plan, saved = ctx.plan, ctx.saved_chunks
+        (b, hk, L, d), kv_dtype = ctx.kv
+        r, C = plan.repeat, plan.chunks
+        # Each chunk's gradients land as (u, b, h, L, d) pieces; the whole dQ/dK/dV are
+        # assembled only at the end, when every chunk's saved tensors are gone.
+        landed: list[list[torch.Tensor]] = [[], [], []]
+        # Backward peaks at the kernel, so nothing else is in flight there: the previous
+        # chunk's dQ/dK/dV all-to-alls land before it (they overlap the dO all-to-all and
+        # its gather), and the next chunk's dO is posted after it. Forward, which peaks
+        # lower, overlaps the next chunk's q/k/v all-to-alls with the kernel instead.
+        pending = _post_to_heads(dout, plan, 0, "ulysses dout 0")
+        backs: list[comm.CommHandle] = []
+        for c in range(C):
+            do2 = _gather_seq(pending.wait(), plan)
+            for pieces, h in zip(landed, backs):
+                pieces.append(h.wait())
+            backs = []
+            chunk = saved[c]
+            saved[c] = None  # this chunk's gathered q/k/v/out go as soon as its gradients exist
+            assert chunk is not None
+            grads = list(_inner_backward(do2, *chunk, plan, c))
+            del chunk, do2
+            if c + 1 < C:
+                pending = _post_to_heads(dout, plan, c + 1, f"ulysses dout {c + 1}")
+            for i, n in enumerate("qkv"):
+                backs.append(_post_to_seq(grads[i], plan, f"ulysses d{n} {c}"))
+                grads[i] = None  # type: ignore[call-overload]
+        for pieces, h in zip(landed, backs):
+            pieces.append(h.wait())
+        del backs
+        dq = _assemble(landed[0], (b, dout.shape[1], L, d), dout.dtype, plan)
+        dk, dv = (_assemble(landed[i], (b, hk * r, L, d), kv_dtype, plan) for i in (1, 2))
+        if r > 1:  # the copies of a repeated kv head sum into it
+            dk, dv = (t.unflatten(1, (hk, r)).sum(2) for t in (dk, dv))
+        return dq, dk, dv, None
+
+
+def _assemble(pieces: list[torch.Tensor], shape: tuple[int, ...], dtype: torch.dtype,
+              plan: _UlyssesPlan) -> torch.Tensor:
+    """Chunk c's landed ``(u, b, h, L, d)`` → heads ``[j, c]`` of a local tensor, each
+    piece freed as soon as it is copied."""
+    out = torch.empty(shape, dtype=dtype, device=pieces[0].device)
+    view = out.unflatten(1, (plan.u, plan.chunks, -1))
+    for c in range(len(pieces)):
+        view[:, :, c] = pieces[c].transpose(0, 1)
+        pieces[c] = None  # type: ignore[call-overload]
+    return out
+
+
+#: The default head chunking makes chunks × cp at least this. A rank's transient
+#: buffers (K/V blocks in flight, dK/dV partials, kernel results, all-to-all staging)
+#: are about ten of its local q-sized tensors for one chunk, 10 / (cp × chunks) of a
+#: full-sequence one: under 10/16 of one, against the ~8.5 that one device's attention
+#: forward + backward holds. That keeps a rank's peak within 1/cp + 15% of one device's
+#: (benchmarks/context_memory.py). More chunks than that only add transfers and
+#: kernel calls (on CPU/gloo about a millisecond per chunk per ring step).
+CHUNK_TARGET = 16
+
+
+def _default_chunks(kv_heads: int, cp: int) -> int:
+    """The fewest head chunks (a divisor of ``kv_heads``) with ``chunks × cp >= 16``."""
+    return next((c for c in range(1, kv_heads + 1) if kv_heads % c == 0 and c * cp >= CHUNK_TARGET), kv_heads)
+
+
+def _check_chunks(fn: str, head_chunks: object, kv_heads: int, cp: int, where: str = "ring rank holds") -> int:
+    """``head_chunks`` must divide the kv heads a rank attends with; ``None`` is the default."""
+    if head_chunks is None:
+        return _default_chunks(kv_heads, cp)
+    if not isinstance(head_chunks, int) or isinstance(head_chunks, bool) or head_chunks < 1 \
+            or kv_heads % head_chunks:
+        raise ValueError(f"{fn}: head_chunks must be a positive int dividing the {kv_heads} kv heads each {where} "
+                         f"(None: the fewest with head_chunks × cp >= {CHUNK_TARGET}), got head_chunks={head_chunks!r}")
+    return head_chunks
+
+
+def _check_ulysses_chunks(fn: str, head_chunks: object, kv_heads: int, repeat: int, u: int, cp: int) -> int:
+    """Head chunks for Ulysses: they must divide the kv heads a rank has after the split."""
+    return _check_chunks(fn, head_chunks, kv_heads * repeat // u, cp, "rank holds after the all-to-all")
+
+
+def _ulysses_dtensor(q: DTensor, k: DTensor, v: DTensor, lay: _Layout, plan: _UlyssesPlan) -> DTensor:
+    out = _UlyssesAttention.apply(to_local(q), to_local(k), to_local(v), plan)
+    return from_local(out, lay.mesh, lay.spec, tuple(q.shape), name="out")
 
 
 def ulysses_attention(q: DTensor, k: DTensor, v: DTensor, *, axis: str = "cp", causal: bool = True,
-                      scale: float | None = None, load_balance: str | None = "zigzag") -> DTensor:
+                      scale: float | None = None, load_balance: str | None = "zigzag",
+                      head_chunks: int | None = None) -> DTensor:
     """DeepSpeed-Ulysses attention: all-to-all over ``axis`` from a sequence split to a
     head split, local attention on the full sequence, all-to-all back.
 
-    ``q``/``k``/``v`` are laid out ``P(batch_axes, head_axes, axis)``; each is resharded
-    to ``P(batch_axes, head_axes + (axis,), None)`` — exactly one all-to-all over
-    ``axis`` moving ``(cp-1)/cp`` of the local bytes — and the output comes back the same
-    way: 4 all-to-alls forward, 4 backward.
+    ``q``/``k``/``v`` are laid out ``P(batch_axes, head_axes, axis)``; each goes to a
+    head split ``P(batch_axes, head_axes + (axis,), None)`` by all-to-all over ``axis``
+    (``(cp-1)/cp`` of the local bytes leave the rank) and the output comes back the same
+    way: 4 tensors' all-to-alls forward, 4 backward.
 
-    The gathered sequence is in cp order; for a causal mask it is un-permuted locally
-    (an ``index_select`` with :func:`~dtp.ops.blockwise.from_cp_order`), attended with
-    SDPA and re-permuted, so the mask holds in original positions for ``"zigzag"`` and
-    ``None`` alike.
+    The work runs in ``head_chunks`` chunks of heads (``None``: the fewest dividing the
+    kv heads a rank holds after the split with chunks × cp >= 16, :data:`CHUNK_TARGET`):
+    each chunk's all-to-alls, attention and all-to-all back, the next chunk's
+    all-to-alls posted before this chunk's attention so they overlap it.
+    The bytes are the same; what a rank holds beyond its inputs, output and gradients is
+    one chunk's buffers, plus the gathered q/k/v/out saved for backward (freed chunk by
+    chunk as backward goes). ``head_chunks=1`` is the classic 4 all-to-alls.
+
+    The gathered sequence is put in original order as it lands (zigzag pieces' halves
+    go to their positions; no index copy), so the causal mask holds for ``"zigzag"`` and
+    ``None`` alike; attention is :func:`~dtp.ops.blockwise.block_forward` (the fused SDPA
+    kernel that also returns the log-sum-exp, on CPU and CUDA) over the whole sequence.
 
     Heads must divide by tp × cp (tp: the product of the head axes' sizes). GQA: when the
     kv heads per tp rank (``kv_heads/tp``) divide by cp they are split like the query
     heads. When fewer than cp, each kv head is repeated ``cp / (kv_heads/tp)`` times
-    (``repeat_interleave`` on the head dim, before the all-to-all; its backward sums the
+    (``repeat_interleave`` on the head dim, before the all-to-all; backward sums the
     copies' gradients) so every rank gets the one kv head its query heads use: rank ``c``
     gets query heads ``[c·hq/cp, (c+1)·hq/cp)``, all in the group of repeated kv head
     ``c``. That needs ``kv_heads/tp`` to divide cp; otherwise ``ValueError``.
@@ -316,12 +492,10 @@ def ulysses_attention(q: DTensor, k: DTensor, v: DTensor, *, axis: str = "cp", c
     axis = _check_axis_name(fn, axis)
     lay = _check_inputs(fn, q, k, v, (axis,), load_balance)
     r = _check_heads(fn, q, k, lay, lay.cp, "cp")
-    cp = lay.cp
-
-    def inner(ql: torch.Tensor, kl: torch.Tensor, vl: torch.Tensor) -> torch.Tensor:
-        return remat(_local_attention, ql, kl, vl, causal, scale, cp, load_balance, level="selective")
-
-    return _ulysses(q, k, v, lay, axis, r, inner)
+    chunks = _check_ulysses_chunks(fn, head_chunks, k.shape[1] // lay.tp, r, lay.cp, lay.cp)
+    plan = _UlyssesPlan(lay.mesh, axis, lay.cp, r, chunks, load_balance == "zigzag", causal,
+                        _scale(scale, q.shape[-1]), None, load_balance)
+    return _ulysses_dtensor(q, k, v, lay, plan)
 
 
 # --------------------------------------------------------------------------- ring
@@ -349,24 +523,30 @@ class _Ring:
         return ((o - t) % self.n_out) * self.w + (i - s) % self.w
 
 
-def _send(x: torch.Tensor, ring: _Ring, axis: str | None, tag: str) -> comm.CommHandle:
+def _send(x: torch.Tensor | tuple[torch.Tensor, ...], ring: _Ring, axis: str | None, tag: str) -> comm.CommHandle:
     assert axis is not None
     return comm.send_recv(x, ring.mesh, axis, shift=1, async_op=True, tag=tag)
 
 
 def _ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: _Ring, causal: bool,
-                  load_balance: str | None, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                  load_balance: str | None, scale: float, out_to: torch.Tensor, lse_to: torch.Tensor,
+                  first: int = 0) -> None:
+    """One ring over one head chunk, writing the output into ``out_to`` (like ``q``) and
+    the LSE into ``lse_to`` (accumulation dtype). When ``q``'s dtype is the accumulation
+    dtype the merge runs in ``out_to`` itself: no chunk-sized accumulator. ``first`` is
+    this chunk's first step number, so tags and trace steps stay unique across chunks."""
     L = q.shape[2]
     acc = accum_dtype(q.dtype)
     out: torch.Tensor | None = None  # the accumulators start as the diagonal block's result
-    lse: torch.Tensor | None = None
-    block: torch.Tensor | None = torch.stack([k, v])  # one buffer per transfer: (2, b, h_kv, L, d)
-    step = 0
+    # K and V travel together as one transfer; the first step's are this rank's own (no copy).
+    block: tuple[torch.Tensor, torch.Tensor] | None = (k, v)
+    step = first
     for t in range(ring.n_out):
         assert block is not None
         # Outer ring: this round's first block goes on to the next window while the whole
         # inner round computes (prefetch), arriving as the next round's first block.
-        outer = _send(block, ring, ring.outer, f"ring fwd outer {t}") if t + 1 < ring.n_out else None
+        tag_t = first // ring.w + t
+        outer = _send(block, ring, ring.outer, f"ring fwd outer {tag_t}") if t + 1 < ring.n_out else None
         cur, block = block, None  # the transfers hold what they send; keep no stale block
         for s in range(ring.w):
             nxt = _send(cur, ring, ring.inner, f"ring fwd step {step}") if s + 1 < ring.w else None
@@ -381,10 +561,11 @@ def _ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: _Ring
                         # Step 0 is this rank's own block: one task over every row (causal
                         # or not), so every accumulator row is non-empty from here on.
                         assert src == ring.rank and qs == slice(0, L)
-                        out, lse = ob.to(acc), lb
+                        out = out_to if out_to.dtype == acc else torch.empty(ob.shape, dtype=acc, device=ob.device)
+                        out.copy_(ob)
+                        lse_to.copy_(lb)
                     else:
-                        assert lse is not None
-                        merge_into(out[:, :, qs], lse[:, :, qs], ob, lb)
+                        merge_into(out[:, :, qs], lse_to[:, :, qs], ob, lb)
                     del ob, lb
             if nxt is not None:
                 cur = nxt.wait()
@@ -392,13 +573,14 @@ def _ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: _Ring
         del cur
         if outer is not None:
             block = outer.wait()
-    assert out is not None and lse is not None
-    return out.to(q.dtype), lse
+    assert out is not None
+    if out is not out_to:
+        out_to.copy_(out)
 
 
 def _ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                    lse: torch.Tensor, ring: _Ring, causal: bool, load_balance: str | None,
-                   scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   scale: float, dq_to: torch.Tensor, first: int = 0) -> torch.Tensor:
     """ring-flash-attention's scheme, generalised to the double ring.
 
     K/V recirculate exactly as in forward. The gradient of a block travels one step
@@ -413,20 +595,26 @@ def _ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     Memory: this is where a ring rank peaks, so buffers are few and short-lived. The
     received partial is the next partial (the step's dK/dV are added into it in place,
     no fresh buffer per step); each block-kernel result is added and dropped at once;
-    no reference keeps a K/V block alive after its transfer and compute are done. Live
-    at a step: 3 K/V blocks (own, computing, arriving) and 2 dK/dV partials (leaving,
-    arriving) plus one block's kernel outputs.
+    no reference keeps a K/V block alive after its transfer and compute are done; the
+    first block sent is the rank's own K and V, not a stacked copy. Live at a step: 2
+    received K/V blocks (computing, arriving) and 2 dK/dV partials (leaving, arriving)
+    plus one block's kernel outputs, all of one head chunk.
+
+    dQ accumulates into ``dq_to`` (zeroed here; a chunk-sized accumulator only when
+    ``q``'s dtype is not the accumulation dtype); returns this rank's own ``(dK, dV)``
+    stacked, in the accumulation dtype.
     """
     L = q.shape[2]
     acc = accum_dtype(q.dtype)
-    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-    block: torch.Tensor | None = torch.stack([k, v])
-    step = 0
+    dq = dq_to.zero_() if dq_to.dtype == acc else torch.zeros(q.shape, dtype=acc, device=q.device)
+    block: tuple[torch.Tensor, torch.Tensor] | None = (k, v)
+    step = first
     carried: comm.CommHandle | None = None  # dK/dV partial on the outer ring
     dkv: torch.Tensor | None = None
     for t in range(ring.n_out):
         assert block is not None
-        outer = _send(block, ring, ring.outer, f"ring bwd outer {t}") if t + 1 < ring.n_out else None
+        tag_t = first // ring.w + t
+        outer = _send(block, ring, ring.outer, f"ring bwd outer {tag_t}") if t + 1 < ring.n_out else None
         cur, block = block, None
         partial: comm.CommHandle | None = None  # dK/dV partial on the inner ring
         for s in range(ring.w):
@@ -435,7 +623,7 @@ def _ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
             tasks = ring_block_plan(ring.rank, src, ring.n, causal=causal, load_balance=load_balance, local_len=L)
             # The first step of an inner round starts a partial; later steps hold their
             # block's (few) kernel results until the incoming partial lands, then add.
-            grad = torch.zeros(cur.shape, dtype=acc, device=cur.device) if partial is None else None
+            grad = torch.zeros((2, *cur[0].shape), dtype=acc, device=q.device) if partial is None else None
             pending: list[tuple[slice, torch.Tensor, torch.Tensor]] = []
             with _traced("bwd", step, src, tasks):
                 for task in tasks:
@@ -473,29 +661,53 @@ def _ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
             carried = None
             dkv = round_grad
         else:
-            carried = _send(round_grad, ring, ring.outer, f"ring bwd dkv outer {t}")
+            carried = _send(round_grad, ring, ring.outer, f"ring bwd dkv outer {tag_t}")
         del round_grad
         if outer is not None:
             block = outer.wait()
     if carried is not None:
         dkv = carried.wait()  # the last outer hop brings this rank's own block home
     assert dkv is not None
-    return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+    if dq is not dq_to:
+        dq_to.copy_(dq)
+    return dkv
+
+
+def _head_chunks(hq: int, hkv: int, chunks: int) -> list[tuple[slice, slice]]:
+    """``chunks`` groups of whole GQA groups: (query-head slice, kv-head slice) pairs."""
+    gk, g = hkv // chunks, hq // hkv
+    return [(slice(c * gk * g, (c + 1) * gk * g), slice(c * gk, (c + 1) * gk)) for c in range(chunks)]
 
 
 class _RingAttention(torch.autograd.Function):
+    """Ring attention on local tensors, one ring per head chunk (attention is independent
+    per head, so each chunk's ring is exact on its own). Only a chunk's K/V blocks,
+    partials and kernel results are live at a time, which is what bounds a rank's memory
+    above its inputs, output and gradients; every chunk moves 1/chunks of the bytes."""
+
     @staticmethod
-    def forward(ctx, q, k, v, ring, causal, load_balance, scale):  # type: ignore[override]
-        out, lse = _ring_forward(q, k, v, ring, causal, load_balance, scale)
+    def forward(ctx, q, k, v, ring, causal, load_balance, scale, chunks):  # type: ignore[override]
+        b, hq, L, _ = q.shape
+        out = torch.empty_like(q)
+        lse = torch.empty((b, hq, L), dtype=accum_dtype(q.dtype), device=q.device)
+        for c, (qh, kh) in enumerate(_head_chunks(hq, k.shape[1], chunks)):
+            _ring_forward(q[:, qh], k[:, kh], v[:, kh], ring, causal, load_balance, scale, out[:, qh], lse[:, qh],
+                          first=c * ring.n)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.cfg = (ring, causal, load_balance, scale)
+        ctx.cfg = (ring, causal, load_balance, scale, chunks)
         return out
 
     @staticmethod
     def backward(ctx, dout):  # type: ignore[override]
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _ring_backward(dout, q, k, v, out, lse, *ctx.cfg)
-        return dq, dk, dv, None, None, None, None
+        ring, causal, load_balance, scale, chunks = ctx.cfg
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        for c, (qh, kh) in enumerate(_head_chunks(q.shape[1], k.shape[1], chunks)):
+            dkv = _ring_backward(dout[:, qh], q[:, qh], k[:, kh], v[:, kh], out[:, qh], lse[:, qh], ring, causal,
+                                 load_balance, scale, dq[:, qh], first=c * ring.n)
+            dk[:, kh], dv[:, kh] = dkv[0], dkv[1]
+            del dkv
+        return dq, dk, dv, None, None, None, None, None
 
 
 def _scale(scale: float | None, d: int) -> float:
@@ -503,21 +715,28 @@ def _scale(scale: float | None, d: int) -> float:
 
 
 def _ring_local(ql: torch.Tensor, kl: torch.Tensor, vl: torch.Tensor, ring: _Ring, causal: bool,
-                load_balance: str | None, scale: float | None) -> torch.Tensor:
-    return _RingAttention.apply(ql, kl, vl, ring, causal, load_balance, _scale(scale, ql.shape[-1]))
+                load_balance: str | None, scale: float | None, chunks: int) -> torch.Tensor:
+    if ring.n == 1:
+        # A ring of one sends nothing, and its one block is exactly SDPA on the local
+        # sequence (cp order of one rank is the identity): the fused kernel, no ring
+        # buffers, the same memory as a plain SDPA call.
+        return F.scaled_dot_product_attention(ql, kl, vl, is_causal=causal, scale=scale,
+                                              enable_gqa=kl.shape[1] != ql.shape[1])
+    return _RingAttention.apply(ql, kl, vl, ring, causal, load_balance, _scale(scale, ql.shape[-1]), chunks)
 
 
 def _ring_dtensor(q: DTensor, k: DTensor, v: DTensor, lay: _Layout, ring: _Ring, causal: bool,
-                  load_balance: str | None, scale: float | None) -> DTensor:
-    out = _ring_local(to_local(q), to_local(k), to_local(v), ring, causal, load_balance, scale)
+                  load_balance: str | None, scale: float | None, chunks: int) -> DTensor:
+    out = _ring_local(to_local(q), to_local(k), to_local(v), ring, causal, load_balance, scale, chunks)
     return from_local(out, lay.mesh, lay.spec, tuple(q.shape), name="out")
 
 
 def ring_attention(q: DTensor, k: DTensor, v: DTensor, *, axis: str = "cp", causal: bool = True,
-                   scale: float | None = None, load_balance: str | None = "zigzag") -> DTensor:
+                   scale: float | None = None, load_balance: str | None = "zigzag",
+                   head_chunks: int | None = None) -> DTensor:
     """Ring attention over mesh axis ``axis`` (Megatron-CP / ring-flash-attention).
 
-    Each rank keeps its Q block; the K/V blocks (one ``(2, b, h_kv, s/cp, d)`` buffer)
+    Each rank keeps its Q block; the K/V blocks (K and V, one transfer of both)
     travel round the ring with :func:`dtp.comm.send_recv`: at step ``i`` the transfer that
     brings step ``i+1``'s block is posted (tag ``"ring fwd step {i}"``) *before* step
     ``i``'s block is computed. Which sub-blocks are computed comes from
@@ -525,20 +744,29 @@ def ring_attention(q: DTensor, k: DTensor, v: DTensor, *, axis: str = "cp", caus
     work); partial outputs are merged by log-sum-exp in fp32 (fp64 stays fp64).
     Forward moves ``cp-1`` blocks of K+V per rank; backward ``cp-1`` K/V blocks plus ``cp``
     dK/dV partials (accumulation dtype) that travel with them back to their owner.
-    A ring of one sends nothing.
+
+    Heads are independent, so the ring runs once per chunk of ``head_chunks`` kv heads
+    (with their query heads), one chunk after the other: the same bytes in ``chunks``
+    times as many transfers, and a rank's ring buffers (2 K/V blocks, 2 dK/dV partials,
+    one block's kernel results at its backward peak) are a chunk's, not all heads'.
+    ``None`` takes the fewest chunks dividing the local kv heads with chunks × cp >= 16
+    (:data:`CHUNK_TARGET`); ``1`` is Megatron's schedule. Tags and trace steps number
+    on across chunks (chunk ``c`` starts at step ``c·cp``). A ring of one sends nothing
+    and is one plain SDPA call.
 
     >>> out = ring_attention(q, k, v, axis="cp", load_balance="zigzag")   # doctest: +SKIP
     """
     fn = "ring_attention"
     axis = _check_axis_name(fn, axis)
     lay = _check_inputs(fn, q, k, v, (axis,), load_balance)
+    chunks = _check_chunks(fn, head_chunks, k.shape[1] // lay.tp, lay.cp)
     ring = _Ring(lay.mesh, axis, None, lay.cp, lay.cp, _coord(lay.mesh, axis))
-    return _ring_dtensor(q, k, v, lay, ring, causal, load_balance, scale)
+    return _ring_dtensor(q, k, v, lay, ring, causal, load_balance, scale, chunks)
 
 
 def double_ring_attention(q: DTensor, k: DTensor, v: DTensor, *, window: int, axis: str = "cp",
                           causal: bool = True, scale: float | None = None,
-                          load_balance: str | None = "zigzag") -> DTensor:
+                          load_balance: str | None = "zigzag", head_chunks: int | None = None) -> DTensor:
     """MindSpeed's double-ring attention over ``axis`` with windows of ``window`` ranks.
 
     The cp ranks form ``cp / window`` windows of ``window`` consecutive ranks (on one node,
@@ -558,34 +786,19 @@ def double_ring_attention(q: DTensor, k: DTensor, v: DTensor, *, window: int, ax
     axis = _check_axis_name(fn, axis)
     lay = _check_inputs(fn, q, k, v, (axis,), load_balance)
     w = _check_window(fn, window, lay.cp)
+    chunks = _check_chunks(fn, head_chunks, k.shape[1] // lay.tp, lay.cp)
     view, (outer, inner) = _unflatten(lay.mesh, axis, (lay.cp // w, w), ("outer", "inner"))
     rank = _coord(view, outer) * w + _coord(view, inner)
     ring = _Ring(view, inner, outer, lay.cp, w, rank)
-    return _ring_dtensor(q, k, v, lay, ring, causal, load_balance, scale)
+    return _ring_dtensor(q, k, v, lay, ring, causal, load_balance, scale, chunks)
 
 
 # ------------------------------------------------------------------------- hybrid
 
 
-def _hybrid_order(u: int, L: int, device: torch.device) -> torch.Tensor:
-    """Local reorder after the Ulysses gather of ``u`` zigzag pieces of length ``L``.
-
-    Ulysses rank ``j`` of ring group ``g`` (cp rank ``g·u + j``) holds zigzag chunks
-    ``g·u + j`` and ``2cp-1-g·u-j``, so after the gather the group holds the chunk runs
-    ``[g·u, (g+1)·u)`` and ``[2cp-(g+1)·u, 2cp-g·u)``: super-chunks ``g`` and ``2R-1-g``
-    of a zigzag over the ring degree ``R``. Putting the pieces' first halves in order
-    ``j = 0..u-1``, then their second halves in order ``j = u-1..0`` sorts them by
-    position, which is exactly that layout, so the ring runs its ordinary zigzag plan.
-    """
-    h = L // 2
-    first = [torch.arange(j * L, j * L + h, device=device) for j in range(u)]
-    second = [torch.arange(j * L + h, (j + 1) * L, device=device) for j in reversed(range(u))]
-    return torch.cat(first + second)
-
-
 def hybrid_attention(q: DTensor, k: DTensor, v: DTensor, *, ulysses_degree: int | None = None, window: int = 1,
                      axis: str | Sequence[str] = "cp", causal: bool = True, scale: float | None = None,
-                     load_balance: str | None = "zigzag") -> DTensor:
+                     load_balance: str | None = "zigzag", head_chunks: int | None = None) -> DTensor:
     """USP: Ulysses over groups of ``ulysses_degree`` contiguous cp ranks, ring attention
     (double ring with ``window > 1``) over the strided rest (MindSpeed ``hybrid_cp_algo``).
 
@@ -632,6 +845,7 @@ def hybrid_attention(q: DTensor, k: DTensor, v: DTensor, *, ulysses_degree: int 
                          "use ulysses_attention for pure Ulysses")
     w = _check_window(fn, window, R, "ring degree")
     r = _check_heads(fn, q, k, lay, u, "ulysses_degree")
+    chunks = _check_ulysses_chunks(fn, head_chunks, k.shape[1] // lay.tp, r, u, cp)
 
     # Mesh view with the ring (outer × inner when windowed) and Ulysses sub-axes.
     if len(seq_axes) == 1:
@@ -655,23 +869,11 @@ def hybrid_attention(q: DTensor, k: DTensor, v: DTensor, *, ulysses_degree: int 
 
     # Re-express q/k/v on the view (same local shards, the seq split named by sub-axes).
     view_seq = ring_axes + (uly,)
-
-    def on_view(t: DTensor) -> DTensor:
-        return from_local(to_local(t), view, _respec(spec_of(t), view_seq), tuple(t.shape))
-
-    vq, vk, vv = on_view(q), on_view(k), on_view(v)
     vlay = _Layout(view, _respec(lay.spec, view_seq), lay.batch_axes, lay.head_axes, view_seq, lay.tp, cp)
-
-    def inner_fn(ql: torch.Tensor, kl: torch.Tensor, vl: torch.Tensor) -> torch.Tensor:
-        if load_balance == "zigzag":
-            order = _hybrid_order(u, ql.shape[2] // u, ql.device)
-            ql, kl, vl = (t.index_select(2, order) for t in (ql, kl, vl))
-        out = _ring_local(ql, kl, vl, ring, causal, load_balance, scale)
-        if load_balance == "zigzag":
-            out = out.index_select(2, torch.argsort(order))
-        return out
-
-    out = _ulysses(vq, vk, vv, vlay, uly, r, inner_fn)
+    plan = _UlyssesPlan(view, uly, u, r, chunks, load_balance == "zigzag", causal, _scale(scale, q.shape[-1]),
+                        ring, load_balance)
+    vq, vk, vv = (from_local(to_local(t), view, _respec(spec_of(t), view_seq), tuple(t.shape)) for t in (q, k, v))
+    out = _ulysses_dtensor(vq, vk, vv, vlay, plan)
     return from_local(to_local(out), lay.mesh, lay.spec, tuple(q.shape), name="out")
 
 
