@@ -319,14 +319,12 @@ def _group(mesh: DeviceMesh, axis: str) -> tuple[dist.ProcessGroup, int]:
 
 def _run(kind: str, mesh: DeviceMesh, axis: str, x: torch.Tensor, nbytes: Callable[[int], float],
          post: Callable[[dist.ProcessGroup, int], tuple[object, Callable[[], torch.Tensor]]],
-         async_op: bool, tag: str, record_as: torch.Tensor | None = None) -> torch.Tensor | CommHandle:
-    """Post one collective: ``x`` is its input (returned as is when the axis has one
-    rank), ``record_as`` what the record's dtype and shape describe (default ``x``)."""
+         async_op: bool, tag: str) -> torch.Tensor | CommHandle:
     group, n = _group(mesh, axis)
     if n == 1:  # nothing moves: no collective, no record (a ring of one does no send/recv)
         handle = CommHandle(None, None, lambda: x)
         return handle if async_op else handle.wait()
-    record = _record(kind, axis, nbytes(n), n, x if record_as is None else record_as, async_op, tag)
+    record = _record(kind, axis, nbytes(n), n, x, async_op, tag)
     work, finish = post(group, n)
     handle = CommHandle(work, record, finish, (axis, record.bytes) if _link_applies(axis) else None)
     return handle if async_op else handle.wait()
@@ -438,36 +436,21 @@ def all_to_all(x: torch.Tensor, mesh: DeviceMesh, axis: str, *, split_dim: int, 
     return _run("all_to_all", mesh, axis, x, lambda n: (n - 1) / n * _nbytes(x), post, async_op, tag)
 
 
-def send_recv(x: torch.Tensor | tuple[torch.Tensor, ...], mesh: DeviceMesh, axis: str, *, shift: int = 1,
-              async_op: bool = False, tag: str = "") -> torch.Tensor | tuple[torch.Tensor, ...] | CommHandle:
-    """Ring step: send ``x`` to coordinate ``c + shift`` and receive from ``c - shift``.
-
-    ``x`` may be a tuple of tensors (a ring's K and V): they travel in one batch, are
-    recorded as one transfer of their summed bytes (shape ``(len(x), *x[0].shape)`` when
-    the shapes agree), and a tuple arrives. No stacking copy is made of the senders.
-    """
-    xs = tuple(t.contiguous() for t in x) if isinstance(x, (tuple, list)) else (x.contiguous(),)
-    if isinstance(x, (tuple, list)):
-        same = all(t.shape == xs[0].shape for t in xs)
-        meta = torch.empty((len(xs), *xs[0].shape) if same else (sum(t.numel() for t in xs),), dtype=xs[0].dtype,
-                           device="meta")
-    else:
-        meta = xs[0]
+def send_recv(x: torch.Tensor, mesh: DeviceMesh, axis: str, *, shift: int = 1, async_op: bool = False,
+              tag: str = "") -> torch.Tensor | CommHandle:
+    """Ring step: send ``x`` to coordinate ``c + shift`` and receive from ``c - shift``."""
+    x = x.contiguous()
 
     def post(group: dist.ProcessGroup, n: int):
         me = dist.get_rank(group)
         dst = dist.get_global_rank(group, (me + shift) % n)
         src = dist.get_global_rank(group, (me - shift) % n)
-        outs = tuple(torch.empty_like(t) for t in xs)
-        ops = [op for t, o in zip(xs, outs)
-               for op in (dist.P2POp(dist.isend, t, dst, group), dist.P2POp(dist.irecv, o, src, group))]
+        out = torch.empty_like(x)
+        ops = [dist.P2POp(dist.isend, x, dst, group), dist.P2POp(dist.irecv, out, src, group)]
         works = dist.batch_isend_irecv(ops)
-        return _Works(works), (lambda: outs if isinstance(x, (tuple, list)) else outs[0])
+        return _Works(works), (lambda: out)
 
-    nbytes = sum(_nbytes(t) for t in xs)
-    same = xs if isinstance(x, (tuple, list)) else xs[0]
-    return _run("send_recv", mesh, axis, same, lambda n: nbytes if n > 1 else 0, post, async_op, tag,  # type: ignore[arg-type]
-                record_as=meta)
+    return _run("send_recv", mesh, axis, x, lambda n: _nbytes(x) if n > 1 else 0, post, async_op, tag)
 
 
 class _Works:

@@ -523,7 +523,7 @@ class _Ring:
         return ((o - t) % self.n_out) * self.w + (i - s) % self.w
 
 
-def _send(x: torch.Tensor | tuple[torch.Tensor, ...], ring: _Ring, axis: str | None, tag: str) -> comm.CommHandle:
+def _send(x: torch.Tensor, ring: _Ring, axis: str | None, tag: str) -> comm.CommHandle:
     assert axis is not None
     return comm.send_recv(x, ring.mesh, axis, shift=1, async_op=True, tag=tag)
 
@@ -538,8 +538,7 @@ def _ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: _Ring
     L = q.shape[2]
     acc = accum_dtype(q.dtype)
     out: torch.Tensor | None = None  # the accumulators start as the diagonal block's result
-    # K and V travel together as one transfer; the first step's are this rank's own (no copy).
-    block: tuple[torch.Tensor, torch.Tensor] | None = (k, v)
+    block: torch.Tensor | None = torch.stack([k, v])  # one buffer per transfer: (2, b, h_kv, L, d)
     step = first
     for t in range(ring.n_out):
         assert block is not None
@@ -595,10 +594,10 @@ def _ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     Memory: this is where a ring rank peaks, so buffers are few and short-lived. The
     received partial is the next partial (the step's dK/dV are added into it in place,
     no fresh buffer per step); each block-kernel result is added and dropped at once;
-    no reference keeps a K/V block alive after its transfer and compute are done; the
-    first block sent is the rank's own K and V, not a stacked copy. Live at a step: 2
-    received K/V blocks (computing, arriving) and 2 dK/dV partials (leaving, arriving)
-    plus one block's kernel outputs, all of one head chunk.
+    no reference keeps a K/V block alive after its transfer and compute are done. Live
+    at a step: 2 received K/V blocks (computing, arriving; the rank's own stacked copy
+    goes after the first step) and 2 dK/dV partials (leaving, arriving) plus one block's
+    kernel outputs, all of one head chunk.
 
     dQ accumulates into ``dq_to`` (zeroed here; a chunk-sized accumulator only when
     ``q``'s dtype is not the accumulation dtype); returns this rank's own ``(dK, dV)``
@@ -607,7 +606,7 @@ def _ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     L = q.shape[2]
     acc = accum_dtype(q.dtype)
     dq = dq_to.zero_() if dq_to.dtype == acc else torch.zeros(q.shape, dtype=acc, device=q.device)
-    block: tuple[torch.Tensor, torch.Tensor] | None = (k, v)
+    block: torch.Tensor | None = torch.stack([k, v])
     step = first
     carried: comm.CommHandle | None = None  # dK/dV partial on the outer ring
     dkv: torch.Tensor | None = None
@@ -623,7 +622,7 @@ def _ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
             tasks = ring_block_plan(ring.rank, src, ring.n, causal=causal, load_balance=load_balance, local_len=L)
             # The first step of an inner round starts a partial; later steps hold their
             # block's (few) kernel results until the incoming partial lands, then add.
-            grad = torch.zeros((2, *cur[0].shape), dtype=acc, device=q.device) if partial is None else None
+            grad = torch.zeros(cur.shape, dtype=acc, device=cur.device) if partial is None else None
             pending: list[tuple[slice, torch.Tensor, torch.Tensor]] = []
             with _traced("bwd", step, src, tasks):
                 for task in tasks:
@@ -736,7 +735,7 @@ def ring_attention(q: DTensor, k: DTensor, v: DTensor, *, axis: str = "cp", caus
                    head_chunks: int | None = None) -> DTensor:
     """Ring attention over mesh axis ``axis`` (Megatron-CP / ring-flash-attention).
 
-    Each rank keeps its Q block; the K/V blocks (K and V, one transfer of both)
+    Each rank keeps its Q block; the K/V blocks (one ``(2, b, h_kv, s/cp, d)`` buffer)
     travel round the ring with :func:`dtp.comm.send_recv`: at step ``i`` the transfer that
     brings step ``i+1``'s block is posted (tag ``"ring fwd step {i}"``) *before* step
     ``i``'s block is computed. Which sub-blocks are computed comes from
