@@ -62,7 +62,12 @@ def _attend(case: dict) -> dict:
     (ref * w).sum().backward()
 
     spec = P(case.get("batch"), case.get("heads"), seq)
-    dq, dk, dv = (dtp.shard(to_cp_order(t.to(dtype), 2, cp, lb), mesh, spec).requires_grad_() for t in (q, k, v))
+    dq, dk, dv = (dtp.shard(to_cp_order(t.to(dtype), 2, cp, lb), mesh, spec) for t in (q, k, v))
+    if case.get("strided"):  # local shards laid out (b, s, h, d), as a model's q.transpose(1, 2) gives
+        dq, dk, dv = (dtp.from_local(to_local(t).transpose(1, 2).contiguous().transpose(1, 2), mesh, spec,
+                                     tuple(t.shape)) for t in (dq, dk, dv))
+        assert not to_local(dq).is_contiguous()
+    dq, dk, dv = (t.requires_grad_() for t in (dq, dk, dv))
     wl = to_local(dtp.shard(to_cp_order(w.to(dtype), 2, cp, lb), mesh, spec))
     with C.trace_compute() as events:
         with dtp.comm_log() as fwd:
@@ -116,6 +121,13 @@ CASES4 = {
     "ring-zigzag-full-gqa-cp4": dict(algo="ring", axes=CP4, lb=ZZ, causal=False, hq=4, hkv=1, S=16),
     "ring-bf16-zigzag-causal-gqa-cp4": dict(algo="ring", axes=CP4, lb=ZZ, causal=True, hq=4, hkv=2, S=16,
                                             dtype="bfloat16", tol=2e-2),
+    "ulysses-bf16-strided-zigzag-causal-gqa-cp2": dict(algo="ulysses", axes=DP2CP2, lb=ZZ, causal=True, hq=8,
+                                                       hkv=4, S=16, dtype="bfloat16", tol=2e-2, strided=True),
+    "hybrid-bf16-strided-u2-zigzag-causal-gqa-cp4": dict(algo="hybrid", axes=CP4, lb=ZZ, causal=True, hq=8, hkv=4,
+                                                         S=16, dtype="bfloat16", tol=2e-2, strided=True,
+                                                         kw={"ulysses_degree": 2}),
+    "ring-strided-none-causal-gqa-cp4": dict(algo="ring", axes=CP4, lb=NONE, causal=True, hq=4, hkv=2, S=16,
+                                             strided=True),
     "ring-none-full-mha-dp2cp2": dict(algo="ring", axes=DP2CP2, lb=NONE, causal=False, hq=2, hkv=2, S=8, batch="dp"),
     "ring-zigzag-causal-gqa-cp2tp2": dict(algo="ring", axes=CP2TP2, lb=ZZ, causal=True, hq=4, hkv=2, S=8, heads="tp"),
     "ring-size1": dict(algo="ring", axes={"dp": 2, "cp": 1, "tp": 2}, lb=ZZ, causal=True, hq=2, hkv=2, S=8,
