@@ -49,14 +49,22 @@ from typing import Iterator, Sequence
 import torch
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
+from torch.autograd.function import once_differentiable
 from torch.distributed.tensor import DTensor
 
 from .. import comm
+
+try:  # what torch.utils.checkpoint itself uses to save through the saved-tensors hooks
+    from torch._C._autograd import SavedTensor as _SavedTensor
+    from torch._C._autograd import _make_saved_tensor
+except ImportError:  # pragma: no cover - older or newer torch without it
+    _SavedTensor, _make_saved_tensor = None, None  # type: ignore[assignment,misc]
 from ..redistribute import from_local, reshard, to_local
 from ..spec import P, _sizes, spec_of
 from .blockwise import (
     accum_dtype,
     block_backward,
+    select_impl,
     block_forward,
     from_cp_order,
     merge_into,
@@ -323,11 +331,34 @@ def _inner_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: _Uly
 def _inner_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                     lse: torch.Tensor, plan: _UlyssesPlan, c: int) -> tuple[torch.Tensor, ...]:
     if plan.ring is None:
-        return block_backward(dout, q, k, v, out, lse, scale=plan.scale, mask="causal" if plan.causal else "full")
+        mask = "causal" if plan.causal else "full"
+        if select_impl(q, k, v, mask, backward=True) != "math":
+            return block_backward(dout, q, k, v, out, lse, scale=plan.scale, mask=mask)
+        # No fused block backward here (CUDA: it would need the forward's RNG state): the
+        # math path would hold S×S scores for the whole gathered sequence, so recompute
+        # the chunk's attention with SDPA's own autograd instead (its fused backward,
+        # O(S) memory, one extra forward).
+        with torch.enable_grad():
+            qkv = [t.detach().requires_grad_() for t in (q, k, v)]
+            o = F.scaled_dot_product_attention(*qkv, is_causal=plan.causal, scale=plan.scale,
+                                               enable_gqa=k.shape[1] != q.shape[1])
+            return torch.autograd.grad(o, qkv, dout)
     dq = torch.empty_like(q)
     dkv = _ring_backward(dout, q, k, v, out, lse, plan.ring, plan.causal, plan.load_balance, plan.scale, dq,
                          first=c * plan.ring.n)
     return dq, dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+
+
+def _save(t: torch.Tensor) -> object:
+    """Save ``t`` for backward the way ``ctx.save_for_backward`` does -- through the active
+    saved-tensors hooks, so full recompute (non-reentrant checkpoint) and CPU offload see
+    it -- but as an object of our own that backward can drop early. Plain tensors when
+    this torch has no such constructor."""
+    return _make_saved_tensor(t, is_output=False) if _make_saved_tensor is not None else t
+
+
+def _unpack(saved: object) -> torch.Tensor:
+    return saved.unpack() if _SavedTensor is not None and isinstance(saved, _SavedTensor) else saved  # type: ignore[return-value]
 
 
 class _UlyssesAttention(torch.autograd.Function):
@@ -339,6 +370,11 @@ class _UlyssesAttention(torch.autograd.Function):
     walks the chunks again and drops each chunk's saved tensors as soon as its gradients
     are computed, so the gathered copies shrink while the gradients grow; it keeps its
     kernel, where it peaks, free of buffers in flight (see the comment there).
+
+    Saved tensors go through the saved-tensors hooks like ``save_for_backward``'s (see
+    :func:`_save`), so full recompute and offload apply to them; nothing is saved under
+    ``no_grad``. Dropping them early means one backward per forward: a second one
+    (``retain_graph=True``) raises ``RuntimeError``. Not twice differentiable.
     """
 
     @staticmethod
@@ -346,7 +382,8 @@ class _UlyssesAttention(torch.autograd.Function):
         r, C = plan.repeat, plan.chunks
         kr, vr = (t.repeat_interleave(r, dim=1) if r > 1 else t for t in (k, v))
         out = torch.empty_like(q)
-        saved: list[tuple[torch.Tensor, ...] | None] = []
+        keep = any(ctx.needs_input_grad[:3])  # nothing to save when no gradient is wanted
+        saved: list[list[object] | None] = []
 
         def post(c: int) -> list[comm.CommHandle]:
             return [_post_to_heads(t, plan, c, f"ulysses {n} {c}") for n, t in (("q", q), ("k", kr), ("v", vr))]
@@ -356,7 +393,8 @@ class _UlyssesAttention(torch.autograd.Function):
             q2, k2, v2 = (_gather_seq(h.wait(), plan) for h in pending)
             pending = post(c + 1) if c + 1 < C else []
             o2, l2 = _inner_forward(q2, k2, v2, plan, c)
-            saved.append((q2, k2, v2, o2, l2))
+            if keep:
+                saved.append([_save(t) for t in (q2, k2, v2, o2, l2)])
             if back is not None:
                 _land(back, out, plan, c - 1)
             back = _post_to_seq(o2, plan, f"ulysses out {c}")
@@ -368,6 +406,7 @@ class _UlyssesAttention(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable  # the collectives inside are not differentiable: say so, not a silent zero
     def backward(ctx, dout):  # type: ignore[override]
         plan, saved = ctx.plan, ctx.saved_chunks
         (b, hk, L, d), kv_dtype = ctx.kv
@@ -383,13 +422,18 @@ class _UlyssesAttention(torch.autograd.Function):
         backs: list[comm.CommHandle] = []
         for c in range(C):
             do2 = _gather_seq(pending.wait(), plan)
+            del pending  # its receive buffer too: the kernel below is where backward peaks
             for pieces, h in zip(landed, backs):
                 pieces.append(h.wait())
             backs = []
             chunk = saved[c]
+            if chunk is None:
+                raise RuntimeError(
+                    "ulysses/hybrid attention: backward through this graph a second time. Its backward "
+                    "frees each head chunk's saved tensors as soon as that chunk's gradients exist (that is "
+                    "what keeps its memory near 1/cp), so backward(retain_graph=True) twice is not supported")
             saved[c] = None  # this chunk's gathered q/k/v/out go as soon as its gradients exist
-            assert chunk is not None
-            grads = list(_inner_backward(do2, *chunk, plan, c))
+            grads = list(_inner_backward(do2, *(_unpack(t) for t in chunk), plan, c))
             del chunk, do2
             if c + 1 < C:
                 pending = _post_to_heads(dout, plan, c + 1, f"ulysses dout {c + 1}")
@@ -476,7 +520,10 @@ def ulysses_attention(q: DTensor, k: DTensor, v: DTensor, *, axis: str = "cp", c
     The gathered sequence is put in original order as it lands (zigzag pieces' halves
     go to their positions; no index copy), so the causal mask holds for ``"zigzag"`` and
     ``None`` alike; attention is :func:`~dtp.ops.blockwise.block_forward` (the fused SDPA
-    kernel that also returns the log-sum-exp, on CPU and CUDA) over the whole sequence.
+    kernel that also returns the log-sum-exp, on CPU and CUDA) over the whole sequence,
+    and its backward the fused CPU kernel; where no fused block backward exists (CUDA)
+    the chunk's attention is recomputed under SDPA's own autograd (fused backward, O(S)
+    memory, one extra forward) rather than take the S×S math path.
 
     Heads must divide by tp × cp (tp: the product of the head axes' sizes). GQA: when the
     kv heads per tp rank (``kv_heads/tp``) divide by cp they are split like the query
@@ -697,6 +744,7 @@ class _RingAttention(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable  # the collectives inside are not differentiable: say so, not a silent zero
     def backward(ctx, dout):  # type: ignore[override]
         q, k, v, out, lse = ctx.saved_tensors
         ring, causal, load_balance, scale, chunks = ctx.cfg
