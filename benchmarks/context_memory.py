@@ -113,7 +113,7 @@ def main() -> None:
     ap = attention_parser(__doc__, seq=4096)
     ap.add_argument("--cps", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--head-chunks", type=int, nargs="+", default=[0],
-                    help="head chunks to compare, 0 for dtp's default (the fewest with chunks × cp >= 16)")
+                    help="head chunks to compare, 0 for dtp's default (dtp.ops.context.default_chunks)")
     args = ap.parse_args()
 
     from dtp.testing import run

@@ -209,7 +209,7 @@ def main() -> None:
     ap = attention_parser(__doc__, seq=[1024, 4096])
     ap.add_argument("--world-size", type=int, default=4)
     ap.add_argument("--head-chunks", type=int, default=None,
-                    help="dtp's head_chunks (default: dtp's, the fewest with chunks × cp >= 16; 1: torch's schedule)")
+                    help="dtp's head_chunks (default: dtp.ops.context.default_chunks; 1: torch's schedule)")
     args = ap.parse_args()
 
     from dtp.testing import run

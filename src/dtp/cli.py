@@ -117,7 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ulysses-degree", type=_positive("--ulysses-degree"), default=None,
                    help="Ulysses part of hybrid context parallel (with --cp > 1)")
     g.add_argument("--cp-head-chunks", type=_positive("--cp-head-chunks"), default=None,
-                   help="context-parallel attention in this many head chunks (default: the fewest with chunks × cp >= 16; "
+                   help="context-parallel attention in this many head chunks (default: the fewest with chunks × cp >= 16 "
+                        "keeping each chunk's K+V >= 1 MiB; "
                         "1: Megatron's schedule, fewer and larger transfers, more memory; with --cp > 1)")
     g.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0,
                    help="ZeRO stage over dp: 1 optimizer state, 2 + gradients, 3 + parameters (0: plain DP)")

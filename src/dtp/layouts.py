@@ -343,8 +343,10 @@ def context(algo: str = "ring", *, window: int = 1, ulysses_degree: int = 1,
     ``head_chunks`` runs the attention in that many chunks of heads, one after the
     other. Same result and bytes; a rank's buffers beyond its inputs, output and
     gradients shrink by that factor, for more (smaller) transfers. ``None`` (the
-    default) takes the fewest chunks, dividing the kv heads a rank attends with, such
-    that chunks × cp >= 16; ``1`` is Megatron's / MindSpeed's schedule.
+    default, :func:`dtp.ops.context.default_chunks`) takes the fewest chunks, dividing
+    the kv heads a rank attends with, such that chunks × cp >= 16, without making a
+    chunk's K+V smaller than 1 MiB (small problems run as one chunk); ``1`` is
+    Megatron's / MindSpeed's schedule.
 
     >>> context("hybrid", ulysses_degree=2).options["context"]["algo"]
     'hybrid'

@@ -78,6 +78,7 @@ __all__ = [
     "double_ring_attention",
     "hybrid_attention",
     "context_attention",
+    "default_chunks",
     "ALGORITHMS",
     "trace_compute",
 ]
@@ -467,30 +468,52 @@ def _assemble(pieces: list[torch.Tensor], shape: tuple[int, ...], dtype: torch.d
 #: are about ten of its local q-sized tensors for one chunk, 10 / (cp × chunks) of a
 #: full-sequence one: under 10/16 of one, against the ~8.5 that one device's attention
 #: forward + backward holds. That keeps a rank's peak within 1/cp + 15% of one device's
-#: (benchmarks/context_memory.py). More chunks than that only add transfers and
-#: kernel calls (on CPU/gloo about a millisecond per chunk per ring step).
+#: (benchmarks/context_memory.py).
 CHUNK_TARGET = 16
 
+#: ... but by default no chunk's K+V transfer gets smaller than this. Each chunk costs
+#: its own transfers, kernel calls and synchronisations (about a millisecond per ring
+#: step on CPU/gloo, tens of microseconds on NCCL), which pays off only where the
+#: buffers it saves are large; small problems run as one chunk, Megatron's schedule.
+MIN_CHUNK_BYTES = 1 << 20
 
-def _default_chunks(kv_heads: int, cp: int) -> int:
-    """The fewest head chunks (a divisor of ``kv_heads``) with ``chunks × cp >= 16``."""
-    return next((c for c in range(1, kv_heads + 1) if kv_heads % c == 0 and c * cp >= CHUNK_TARGET), kv_heads)
+
+def default_chunks(kv_heads: int, cp: int, kv_bytes: int) -> int:
+    """dtp's default ``head_chunks``: the fewest divisor ``c`` of ``kv_heads`` with
+    ``c × cp >= CHUNK_TARGET``, among those that keep ``kv_bytes / c`` (the K+V bytes a
+    rank sends per hop, or attends with after a Ulysses split) at least
+    ``MIN_CHUNK_BYTES``; the largest of those if none reaches the target; 1 if none.
+
+    >>> default_chunks(8, 4, 64 << 20), default_chunks(8, 2, 64 << 20), default_chunks(8, 4, 1 << 20)
+    (4, 8, 1)
+    """
+    fits = [c for c in range(1, kv_heads + 1) if kv_heads % c == 0 and kv_bytes // c >= MIN_CHUNK_BYTES] or [1]
+    return next((c for c in fits if c * cp >= CHUNK_TARGET), fits[-1])
 
 
-def _check_chunks(fn: str, head_chunks: object, kv_heads: int, cp: int, where: str = "ring rank holds") -> int:
+def _check_chunks(fn: str, head_chunks: object, kv_heads: int, cp: int, kv_bytes: int,
+                  where: str = "ring rank holds") -> int:
     """``head_chunks`` must divide the kv heads a rank attends with; ``None`` is the default."""
     if head_chunks is None:
-        return _default_chunks(kv_heads, cp)
+        return default_chunks(kv_heads, cp, kv_bytes)
     if not isinstance(head_chunks, int) or isinstance(head_chunks, bool) or head_chunks < 1 \
             or kv_heads % head_chunks:
         raise ValueError(f"{fn}: head_chunks must be a positive int dividing the {kv_heads} kv heads each {where} "
-                         f"(None: the fewest with head_chunks × cp >= {CHUNK_TARGET}), got head_chunks={head_chunks!r}")
+                         f"(None: dtp's default, see default_chunks), got head_chunks={head_chunks!r}")
     return head_chunks
 
 
-def _check_ulysses_chunks(fn: str, head_chunks: object, kv_heads: int, repeat: int, u: int, cp: int) -> int:
-    """Head chunks for Ulysses: they must divide the kv heads a rank has after the split."""
-    return _check_chunks(fn, head_chunks, kv_heads * repeat // u, cp, "rank holds after the all-to-all")
+def _check_ulysses_chunks(fn: str, head_chunks: object, k: DTensor, tp: int, repeat: int, u: int, cp: int) -> int:
+    """Head chunks for Ulysses: they must divide the kv heads a rank has after the split
+    (which holds as many K/V bytes as its local shard, times the GQA repeat)."""
+    return _check_chunks(fn, head_chunks, k.shape[1] // tp * repeat // u, cp, _kv_bytes(k) * repeat,
+                         "rank holds after the all-to-all")
+
+
+def _kv_bytes(k: DTensor) -> int:
+    """K+V bytes of this rank's shard."""
+    local = to_local(k)
+    return 2 * local.numel() * local.element_size()
 
 
 def _ulysses_dtensor(q: DTensor, k: DTensor, v: DTensor, lay: _Layout, plan: _UlyssesPlan) -> DTensor:
@@ -509,8 +532,8 @@ def ulysses_attention(q: DTensor, k: DTensor, v: DTensor, *, axis: str = "cp", c
     (``(cp-1)/cp`` of the local bytes leave the rank) and the output comes back the same
     way: 4 tensors' all-to-alls forward, 4 backward.
 
-    The work runs in ``head_chunks`` chunks of heads (``None``: the fewest dividing the
-    kv heads a rank holds after the split with chunks × cp >= 16, :data:`CHUNK_TARGET`):
+    The work runs in ``head_chunks`` chunks of heads (``None``: :func:`default_chunks`,
+    the fewest with chunks × cp >= 16 that keep each chunk's K+V at least 1 MiB):
     each chunk's all-to-alls, attention and all-to-all back, the next chunk's
     all-to-alls posted before this chunk's attention so they overlap it.
     The bytes are the same; what a rank holds beyond its inputs, output and gradients is
@@ -539,7 +562,7 @@ def ulysses_attention(q: DTensor, k: DTensor, v: DTensor, *, axis: str = "cp", c
     axis = _check_axis_name(fn, axis)
     lay = _check_inputs(fn, q, k, v, (axis,), load_balance)
     r = _check_heads(fn, q, k, lay, lay.cp, "cp")
-    chunks = _check_ulysses_chunks(fn, head_chunks, k.shape[1] // lay.tp, r, lay.cp, lay.cp)
+    chunks = _check_ulysses_chunks(fn, head_chunks, k, lay.tp, r, lay.cp, lay.cp)
     plan = _UlyssesPlan(lay.mesh, axis, lay.cp, r, chunks, load_balance == "zigzag", causal,
                         _scale(scale, q.shape[-1]), None, load_balance)
     return _ulysses_dtensor(q, k, v, lay, plan)
@@ -796,8 +819,9 @@ def ring_attention(q: DTensor, k: DTensor, v: DTensor, *, axis: str = "cp", caus
     (with their query heads), one chunk after the other: the same bytes in ``chunks``
     times as many transfers, and a rank's ring buffers (2 K/V blocks, 2 dK/dV partials,
     one block's kernel results at its backward peak) are a chunk's, not all heads'.
-    ``None`` takes the fewest chunks dividing the local kv heads with chunks × cp >= 16
-    (:data:`CHUNK_TARGET`); ``1`` is Megatron's schedule. Tags and trace steps number
+    ``None`` is :func:`default_chunks`: the fewest chunks with chunks × cp >= 16 that
+    keep each chunk's K+V hop at least 1 MiB (small problems: one chunk); ``1`` is
+    Megatron's schedule. Tags and trace steps number
     on across chunks (chunk ``c`` starts at step ``c·cp``). A ring of one sends nothing
     and is one plain SDPA call.
 
@@ -806,7 +830,7 @@ def ring_attention(q: DTensor, k: DTensor, v: DTensor, *, axis: str = "cp", caus
     fn = "ring_attention"
     axis = _check_axis_name(fn, axis)
     lay = _check_inputs(fn, q, k, v, (axis,), load_balance)
-    chunks = _check_chunks(fn, head_chunks, k.shape[1] // lay.tp, lay.cp)
+    chunks = _check_chunks(fn, head_chunks, k.shape[1] // lay.tp, lay.cp, _kv_bytes(k))
     ring = _Ring(lay.mesh, axis, None, lay.cp, lay.cp, _coord(lay.mesh, axis))
     return _ring_dtensor(q, k, v, lay, ring, causal, load_balance, scale, chunks)
 
@@ -833,7 +857,7 @@ def double_ring_attention(q: DTensor, k: DTensor, v: DTensor, *, window: int, ax
     axis = _check_axis_name(fn, axis)
     lay = _check_inputs(fn, q, k, v, (axis,), load_balance)
     w = _check_window(fn, window, lay.cp)
-    chunks = _check_chunks(fn, head_chunks, k.shape[1] // lay.tp, lay.cp)
+    chunks = _check_chunks(fn, head_chunks, k.shape[1] // lay.tp, lay.cp, _kv_bytes(k))
     view, (outer, inner) = _unflatten(lay.mesh, axis, (lay.cp // w, w), ("outer", "inner"))
     rank = _coord(view, outer) * w + _coord(view, inner)
     ring = _Ring(view, inner, outer, lay.cp, w, rank)
@@ -892,7 +916,7 @@ def hybrid_attention(q: DTensor, k: DTensor, v: DTensor, *, ulysses_degree: int 
                          "use ulysses_attention for pure Ulysses")
     w = _check_window(fn, window, R, "ring degree")
     r = _check_heads(fn, q, k, lay, u, "ulysses_degree")
-    chunks = _check_ulysses_chunks(fn, head_chunks, k.shape[1] // lay.tp, r, u, cp)
+    chunks = _check_ulysses_chunks(fn, head_chunks, k, lay.tp, r, u, cp)
 
     # Mesh view with the ring (outer × inner when windowed) and Ulysses sub-axes.
     if len(seq_axes) == 1:
