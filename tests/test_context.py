@@ -449,7 +449,6 @@ def test_layout_to_cp_order_reads_the_layout_and_round_trips():
 
 def _expect_errors(cases: list[tuple]) -> list[tuple[str, str, int]]:
     import dtp
-    from dtp import P
     from dtp.ops import context as C
 
     out = []

@@ -48,29 +48,27 @@ from typing import Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
-from torch.distributed.device_mesh import DeviceMesh
 from torch.autograd.function import once_differentiable
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from .. import comm
+from ..redistribute import from_local, to_local
+from ..spec import P, _sizes, spec_of
+from .blockwise import (
+    accum_dtype,
+    block_backward,
+    block_forward,
+    merge_into,
+    ring_block_plan,
+    select_impl,
+)
 
 try:  # what torch.utils.checkpoint itself uses to save through the saved-tensors hooks
     from torch._C._autograd import SavedTensor as _SavedTensor
     from torch._C._autograd import _make_saved_tensor
 except ImportError:  # pragma: no cover - older or newer torch without it
     _SavedTensor, _make_saved_tensor = None, None  # type: ignore[assignment,misc]
-from ..redistribute import from_local, reshard, to_local
-from ..spec import P, _sizes, spec_of
-from .blockwise import (
-    accum_dtype,
-    block_backward,
-    select_impl,
-    block_forward,
-    from_cp_order,
-    merge_into,
-    ring_block_plan,
-    to_cp_order,
-)
 
 __all__ = [
     "ulysses_attention",
@@ -511,7 +509,9 @@ def _check_ulysses_chunks(fn: str, head_chunks: object, k: DTensor, tp: int, rep
 
 
 def _kv_bytes(k: DTensor) -> int:
-    """K+V bytes of this rank's shard."""
+    """K+V bytes of this rank's shard: the same on every rank of a cp group (they share
+    batch and head coordinates, and the sequence splits evenly), so they all pick the
+    same chunks and post the same collectives."""
     local = to_local(k)
     return 2 * local.numel() * local.element_size()
 
