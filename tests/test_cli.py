@@ -278,6 +278,18 @@ def test_train_context_parallel_ring_end_to_end(tmp_path) -> None:
     assert config["mesh"] == {"dp": 1, "cp": 2} and config["cp_algo"] == "ring"
 
 
+def test_train_checks_model_sizes_before_any_collective(tmp_path) -> None:
+    """The CLI passes the model's sizes to TrainState.create: a head-chunk count that does
+    not divide the tiny model's 2 kv heads fails there, on every rank, with the rule."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    cmd = [sys.executable, "-m", "dtp.cli", "train", "--nproc", "2", "--cp", "2", "--cp-algo", "ring",
+           "--cp-head-chunks", "3", "--model", "tiny", "--steps", "1", "--out", str(tmp_path / "run")]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert "head_chunks=3 must divide the 2 kv heads each rank attends with" in proc.stdout + proc.stderr
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
 def test_readme_main_job_loss_goes_down(tmp_path) -> None:
     """The README's main command, shortened: dp=2 × tp=2 + sequence parallel on 4 ranks."""
     out = tmp_path / "run"

@@ -550,7 +550,10 @@ def _train(args: Mapping[str, Any], mesh: Any, layout: Any, *, recompute: str | 
     cfg = llama.config(args["model"], vocab_size=args["vocab_size"])
     params = llama.init(cfg, seed=args["seed"], dtype=_torch_dtype(args["dtype"]))
     opt = optim.adamw(optim.warmup_cosine(args["lr"], args["warmup"], args["steps"]), weight_decay=0.1)
-    state = _api("TrainState").create(params, opt, mesh=mesh, layout=layout, axes=llama.param_axes(cfg))
+    # axis_sizes: the layout's rules (heads per tp × Ulysses degree, kv heads per head
+    # chunk, vocab per tp …) are checked here, on every rank, before any collective.
+    state = _api("TrainState").create(params, opt, mesh=mesh, layout=layout, axes=llama.param_axes(cfg),
+                                      axis_sizes=llama.axis_sizes(cfg))
     train_step, shard_batch = _api("train_step"), _api("shard_batch")
     loss_fn = functools.partial(llama.loss, cfg=cfg)
     clip = args["clip"] if args["clip"] > 0 else None
