@@ -583,11 +583,10 @@ def _ring_forward(
     L = seq // cp
     qs, ks, vs = q.split(L, 2), k.split(L, 2), v.split(L, 2)
     acc = accum_dtype(q.dtype)
-    outs, lses = [], []
+    out = torch.empty(b, hq, seq, d, dtype=acc, device=q.device)
+    lse = torch.empty(b, hq, seq, dtype=acc, device=q.device)
     for r in range(cp):
-        # Empty accumulator: lse = -inf means "no keys yet"; merge() handles it exactly.
-        o = torch.zeros(b, hq, L, d, dtype=acc, device=q.device)
-        lse = torch.full((b, hq, L), float("-inf"), dtype=acc, device=q.device)
+        o, lo = out[:, :, r * L:(r + 1) * L], lse[:, :, r * L:(r + 1) * L]
         for step in range(cp):
             src = (r - step) % cp  # ring order: own block first, then from rank-1, rank-2, ...
             for t in ring_block_plan(r, src, cp, causal=causal, load_balance=load_balance, local_len=L):
@@ -595,10 +594,15 @@ def _ring_forward(
                     qs[r][:, :, t.q_slice], ks[src][:, :, t.k_slice], vs[src][:, :, t.k_slice],
                     scale=scale, mask=t.mask, impl=impl,  # type: ignore[arg-type]
                 )
-                o[:, :, t.q_slice], lse[:, :, t.q_slice] = merge(o[:, :, t.q_slice], lse[:, :, t.q_slice], ob, lb)
-        outs.append(o)
-        lses.append(lse)
-    return torch.cat(outs, 2).to(q.dtype), torch.cat(lses, 2)
+                if step == 0:
+                    # The own block is one task over every row (causal or not), as in the
+                    # distributed ring: it starts the accumulators, which are then never
+                    # empty, so the rest merge in place (merge_into), exactly that path.
+                    o.copy_(ob)
+                    lo.copy_(lb)
+                else:
+                    merge_into(o[:, :, t.q_slice], lo[:, :, t.q_slice], ob, lb)
+    return out.to(q.dtype), lse
 
 
 def _ring_backward(
@@ -674,7 +678,8 @@ def simulate_ring_attention(
     (see :func:`to_cp_order`); the sequence is split into ``cp`` contiguous rank blocks.
     Forward: each rank visits source blocks in ring order ``rank, rank-1, ...``, runs
     :func:`ring_block_plan`'s tasks with :func:`block_forward` and folds them in with
-    :func:`merge`. Backward: :func:`block_backward` per task with the merged ``out``/``lse``,
+    :func:`merge_into`, starting from its own block -- the distributed ring's compute,
+    without the transfers (``benchmarks/blockwise_efficiency.py`` times it). Backward: :func:`block_backward` per task with the merged ``out``/``lse``,
     ``dq`` accumulated on the rank, ``dk``/``dv`` on the source block (fp32 accumulation
     for low precision). The output is in cp order too; use :func:`from_cp_order`.
 
