@@ -15,8 +15,8 @@ For each total sequence and each cp, causal attention forward + backward on one 
 Efficiency = SDPA time / blockwise time (goal >= 0.9): what splitting the sequence into
 ``2·cp`` zigzag chunks costs in kernel efficiency alone. Medians of ``--repeats`` runs after
 one warm-up, the two timed alternately. On CUDA the block backward has no fused kernel
-(it would need the forward's RNG bookkeeping) and takes the math path: expect that to
-show here.
+(it would need the forward's RNG bookkeeping) and takes the math path, tiled over query
+rows (O(tile × block) memory, not block²): expect its speed to show here.
 """
 
 from __future__ import annotations

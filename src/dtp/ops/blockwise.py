@@ -165,7 +165,8 @@ def _fused_unavailable(
     if dev == "cuda":
         if backward:
             # The CUDA fused backwards need the forward's philox/cum_seq bookkeeping; the
-            # math path is exact and device-agnostic, so use it.
+            # math path is exact and device-agnostic (and tiled over query rows, so its
+            # memory is O(tile x s_k), see MATH_TILE_ELEMENTS), so use it.
             return "no fused CUDA block backward"
         if q.dtype not in _CUDA_FUSED_DTYPES:
             return f"CUDA efficient attention does not support {q.dtype}"
@@ -302,6 +303,12 @@ def block_forward(
 # ----------------------------------------------------------------------- backward
 
 
+#: The math backward works through the query rows in tiles whose fp32 score matrix
+#: (b × h_q × rows × s_k) stays under this many elements (256 MiB in fp32): on devices
+#: without a fused block backward (CUDA) a long block never holds s_q × s_k scores.
+MATH_TILE_ELEMENTS = 1 << 26
+
+
 def _math_backward(
     dout: torch.Tensor,
     q: torch.Tensor,
@@ -315,25 +322,34 @@ def _math_backward(
     b, hq, hkv, sq, sk, d = _check_qkv(q, k, v)
     g = hq // hkv
     acc = accum_dtype(q.dtype)
-    qa = q.to(acc).reshape(b, hkv, g * sq, d)
     ka, va = k.to(acc), v.to(acc)
-    do = dout.to(acc).reshape(b, hkv, g * sq, d)
-    # D_i = sum_d dO_i * O_i with the GLOBAL output: that is what makes per-block gradient
-    # contributions additive (softmax Jacobian uses the full-row normaliser).
-    delta = (dout.to(acc) * out.to(acc)).sum(-1).reshape(b, hkv, g * sq, 1)
-    lse = lse.to(acc).reshape(b, hkv, g, sq, 1)
-    lse = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)  # no NaN rows
-    s = torch.matmul(qa, ka.transpose(-1, -2)).mul_(scale).view(b, hkv, g, sq, sk)
-    if mask == "causal":
-        s.masked_fill_(~_causal_keep(sq, sk, s.device), float("-inf"))
-    p = s.sub_(lse).exp_().view(b, hkv, g * sq, sk)  # P = exp(S*scale - lse_global)
-    # dV = P^T dO; the contraction over g*s_q also sums the GQA query groups.
-    dv = torch.matmul(p.transpose(-1, -2), do)
-    # dS = P * (dP - D) with dP = dO V^T, built in place in the dP buffer.
-    ds = torch.matmul(do, va.transpose(-1, -2)).sub_(delta).mul_(p)
-    del p, s
-    dq = torch.matmul(ds, ka).mul_(scale).view(b, hq, sq, d)
-    dk = torch.matmul(ds.transpose(-1, -2), qa).mul_(scale)
+    dq = torch.empty(b, hq, sq, d, dtype=acc, device=q.device)
+    dk = torch.zeros(b, hkv, sk, d, dtype=acc, device=q.device)
+    dv = torch.zeros(b, hkv, sk, d, dtype=acc, device=q.device)
+    rows = max(1, MATH_TILE_ELEMENTS // max(1, b * hq * sk))
+    for i0 in range(0, sq, rows):
+        i1 = min(sq, i0 + rows)
+        t = i1 - i0
+        # GQA: the g query heads of a kv head folded into the row dimension, as in forward.
+        qa = q[:, :, i0:i1].to(acc).reshape(b, hkv, g * t, d)
+        do = dout[:, :, i0:i1].to(acc).reshape(b, hkv, g * t, d)
+        # D_i = sum_d dO_i * O_i with the GLOBAL output: that is what makes per-block
+        # gradient contributions additive (softmax Jacobian uses the full-row normaliser).
+        delta = (dout[:, :, i0:i1].to(acc) * out[:, :, i0:i1].to(acc)).sum(-1).reshape(b, hkv, g * t, 1)
+        lt = lse[:, :, i0:i1].to(acc).reshape(b, hkv, g, t, 1)
+        lt = torch.where(torch.isneginf(lt), torch.zeros_like(lt), lt)  # no NaN rows
+        s = torch.matmul(qa, ka.transpose(-1, -2)).mul_(scale).view(b, hkv, g, t, sk)
+        if mask == "causal":  # top-left: global query row i sees keys j <= i
+            keep = torch.arange(i0, i1, device=s.device)[:, None] >= torch.arange(sk, device=s.device)[None, :]
+            s.masked_fill_(~keep, float("-inf"))
+        p = s.sub_(lt).exp_().view(b, hkv, g * t, sk)  # P = exp(S*scale - lse_global)
+        # dV = P^T dO; the contraction over g*rows also sums the GQA query groups.
+        dv += torch.matmul(p.transpose(-1, -2), do)
+        # dS = P * (dP - D) with dP = dO V^T, built in place in the dP buffer.
+        ds = torch.matmul(do, va.transpose(-1, -2)).sub_(delta).mul_(p)
+        del p, s
+        dq[:, :, i0:i1] = torch.matmul(ds, ka).mul_(scale).view(b, hq, t, d)
+        dk += torch.matmul(ds.transpose(-1, -2), qa).mul_(scale)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
