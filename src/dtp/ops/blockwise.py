@@ -303,9 +303,10 @@ def block_forward(
 # ----------------------------------------------------------------------- backward
 
 
-#: The math backward works through the query rows in tiles whose fp32 score matrix
-#: (b × h_q × rows × s_k) stays under this many elements (256 MiB in fp32): on devices
-#: without a fused block backward (CUDA) a long block never holds s_q × s_k scores.
+#: The math backward works through the query rows in tiles whose score matrix
+#: (b × h_q × rows × s_k) stays under this many elements; two such buffers (P and dS)
+#: are live at once, about 512 MiB in fp32. On devices without a fused block backward
+#: (CUDA) a long block never holds s_q × s_k scores.
 MATH_TILE_ELEMENTS = 1 << 26
 
 

@@ -327,21 +327,32 @@ def _inner_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: _Uly
     return out, lse
 
 
+def _recomputes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: _UlyssesPlan) -> bool:
+    """Whether a Ulysses chunk's backward recomputes its attention under SDPA's autograd:
+    where no fused block backward exists (CUDA: it would need the forward's RNG state),
+    rather than run the (tiled, but unfused) math backward over the whole gathered
+    sequence. Then only q/k/v need saving, not the output and LSE."""
+    mask = "causal" if plan.causal else "full"
+    return plan.ring is None and select_impl(q, k, v, mask, backward=True) == "math"
+
+
+def _recompute_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        plan: _UlyssesPlan) -> tuple[torch.Tensor, ...]:
+    """SDPA forward + its own fused backward (O(S) memory, one extra forward). GQA heads
+    are repeated first, as the forward does: SDPA's memory-efficient kernel has no GQA,
+    and its math fallback would hold S×S weights; autograd sums the copies' gradients."""
+    with torch.enable_grad():
+        qkv = [t.detach().requires_grad_() for t in (q, k, v)]
+        g = q.shape[1] // k.shape[1]
+        kk, vv = (t.repeat_interleave(g, dim=1) if g > 1 else t for t in qkv[1:])
+        o = F.scaled_dot_product_attention(qkv[0], kk, vv, is_causal=plan.causal, scale=plan.scale)
+        return torch.autograd.grad(o, qkv, dout)
+
+
 def _inner_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                     lse: torch.Tensor, plan: _UlyssesPlan, c: int) -> tuple[torch.Tensor, ...]:
     if plan.ring is None:
-        mask = "causal" if plan.causal else "full"
-        if select_impl(q, k, v, mask, backward=True) != "math":
-            return block_backward(dout, q, k, v, out, lse, scale=plan.scale, mask=mask)
-        # No fused block backward here (CUDA: it would need the forward's RNG state): the
-        # math path would hold S×S scores for the whole gathered sequence, so recompute
-        # the chunk's attention with SDPA's own autograd instead (its fused backward,
-        # O(S) memory, one extra forward).
-        with torch.enable_grad():
-            qkv = [t.detach().requires_grad_() for t in (q, k, v)]
-            o = F.scaled_dot_product_attention(*qkv, is_causal=plan.causal, scale=plan.scale,
-                                               enable_gqa=k.shape[1] != q.shape[1])
-            return torch.autograd.grad(o, qkv, dout)
+        return block_backward(dout, q, k, v, out, lse, scale=plan.scale, mask="causal" if plan.causal else "full")
     dq = torch.empty_like(q)
     dkv = _ring_backward(dout, q, k, v, out, lse, plan.ring, plan.causal, plan.load_balance, plan.scale, dq,
                          first=c * plan.ring.n)
@@ -377,12 +388,15 @@ class _UlyssesAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, plan):  # type: ignore[override]
+    def forward(ctx, q, k, v, plan, grad_enabled):  # type: ignore[override]
         r, C = plan.repeat, plan.chunks
         kr, vr = (t.repeat_interleave(r, dim=1) if r > 1 else t for t in (k, v))
         out = torch.empty_like(q)
-        keep = any(ctx.needs_input_grad[:3])  # nothing to save when no gradient is wanted
+        # Nothing to save when no gradient is wanted (grad mode as the caller had it:
+        # inside forward it is always off).
+        keep = grad_enabled and any(ctx.needs_input_grad[:3])
         saved: list[list[object] | None] = []
+        recompute = False
 
         def post(c: int) -> list[comm.CommHandle]:
             return [_post_to_heads(t, plan, c, f"ulysses {n} {c}") for n, t in (("q", q), ("k", kr), ("v", vr))]
@@ -393,7 +407,8 @@ class _UlyssesAttention(torch.autograd.Function):
             pending = post(c + 1) if c + 1 < C else []
             o2, l2 = _inner_forward(q2, k2, v2, plan, c)
             if keep:
-                saved.append([_save(t) for t in (q2, k2, v2, o2, l2)])
+                recompute = _recomputes(q2, k2, v2, plan)  # the same for every chunk
+                saved.append([_save(t) for t in ((q2, k2, v2) if recompute else (q2, k2, v2, o2, l2))])
             if back is not None:
                 _land(back, out, plan, c - 1)
             back = _post_to_seq(o2, plan, f"ulysses out {c}")
@@ -401,7 +416,7 @@ class _UlyssesAttention(torch.autograd.Function):
         del kr, vr
         assert back is not None
         _land(back, out, plan, C - 1)
-        ctx.saved_chunks, ctx.plan, ctx.kv = saved, plan, (k.shape, k.dtype)
+        ctx.saved_chunks, ctx.plan, ctx.kv, ctx.recompute = saved, plan, (k.shape, k.dtype), recompute
         return out
 
     @staticmethod
@@ -413,6 +428,11 @@ class _UlyssesAttention(torch.autograd.Function):
         # Each chunk's gradients land as (u, b, h, L, d) pieces; the whole dQ/dK/dV are
         # assembled only at the end, when every chunk's saved tensors are gone.
         landed: list[list[torch.Tensor]] = [[], [], []]
+        if any(chunk is None for chunk in saved):  # checked before any collective
+            raise RuntimeError(
+                "ulysses/hybrid attention: backward through this graph a second time. Its backward "
+                "frees each head chunk's saved tensors as soon as that chunk's gradients exist (that is "
+                "what keeps its memory near 1/cp), so backward(retain_graph=True) twice is not supported")
         # Backward peaks at the kernel, so nothing else is in flight there: the previous
         # chunk's dQ/dK/dV all-to-alls land before it (they overlap the dO all-to-all and
         # its gather), and the next chunk's dO is posted after it. Forward, which peaks
@@ -426,14 +446,15 @@ class _UlyssesAttention(torch.autograd.Function):
                 pieces.append(h.wait())
             backs = []
             chunk = saved[c]
-            if chunk is None:
-                raise RuntimeError(
-                    "ulysses/hybrid attention: backward through this graph a second time. Its backward "
-                    "frees each head chunk's saved tensors as soon as that chunk's gradients exist (that is "
-                    "what keeps its memory near 1/cp), so backward(retain_graph=True) twice is not supported")
+            assert chunk is not None
             saved[c] = None  # this chunk's gathered q/k/v/out go as soon as its gradients exist
-            grads = list(_inner_backward(do2, *(_unpack(t) for t in chunk), plan, c))
-            del chunk, do2
+            tensors = [_unpack(t) for t in chunk]
+            del chunk
+            if ctx.recompute:
+                grads = list(_recompute_backward(do2, *tensors, plan))
+            else:
+                grads = list(_inner_backward(do2, *tensors, plan, c))
+            del tensors, do2
             if c + 1 < C:
                 pending = _post_to_heads(dout, plan, c + 1, f"ulysses dout {c + 1}")
             for i, n in enumerate("qkv"):
@@ -446,7 +467,7 @@ class _UlyssesAttention(torch.autograd.Function):
         dk, dv = (_assemble(landed[i], (b, hk * r, L, d), kv_dtype, plan) for i in (1, 2))
         if r > 1:  # the copies of a repeated kv head sum into it
             dk, dv = (t.unflatten(1, (hk, r)).sum(2) for t in (dk, dv))
-        return dq, dk, dv, None
+        return dq, dk, dv, None, None
 
 
 def _assemble(pieces: list[torch.Tensor], shape: tuple[int, ...], dtype: torch.dtype,
@@ -512,12 +533,13 @@ def _kv_bytes(k: DTensor) -> int:
     """K+V bytes of this rank's shard: the same on every rank of a cp group (they share
     batch and head coordinates, and the sequence splits evenly), so they all pick the
     same chunks and post the same collectives."""
-    local = to_local(k)
+    with torch.no_grad():  # only its size: no autograd node
+        local = to_local(k)
     return 2 * local.numel() * local.element_size()
 
 
 def _ulysses_dtensor(q: DTensor, k: DTensor, v: DTensor, lay: _Layout, plan: _UlyssesPlan) -> DTensor:
-    out = _UlyssesAttention.apply(to_local(q), to_local(k), to_local(v), plan)
+    out = _UlyssesAttention.apply(to_local(q), to_local(k), to_local(v), plan, torch.is_grad_enabled())
     return from_local(out, lay.mesh, lay.spec, tuple(q.shape), name="out")
 
 
