@@ -597,7 +597,7 @@ def test_ulysses_autograd_contract(impl):
             chunks = 1 if name == "ulysses-gqa-full-scaled" else 2
             assert res["packed"] == per_chunk * chunks, (name, res)
             assert res["packed_no_grad"] == 0, (name, res)
-            assert "second time" in res["second"] and "retain_graph" in res["second"], (algo, res["second"])
+            assert "second time" in res["second"] and "retain_graph" in res["second"], (name, res["second"])
 
 
 def test_default_chunks():
