@@ -35,6 +35,22 @@ def median_time(fn: Callable[[], object], repeats: int) -> float:
     return statistics.median(times)
 
 
+def alternating_times(steps: dict[str, Callable[[], object]], repeats: int) -> dict[str, list[float]]:
+    """Seconds of each of two steps over ``repeats`` rounds, the order swapped every round
+    (so neither always runs first), every rank starting each call together."""
+    import torch.distributed as dist
+
+    first, second = steps
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for i in range(repeats):
+        for name in ((first, second) if i % 2 == 0 else (second, first)):
+            dist.barrier()
+            t0 = time.perf_counter()
+            steps[name]()
+            times[name].append(time.perf_counter() - t0)
+    return times
+
+
 def attention_parser(doc: str | None, *, seq: list[int] | int) -> argparse.ArgumentParser:
     """Flags of the attention benchmarks: sequence length(s), heads, head_dim, repeats."""
     ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)

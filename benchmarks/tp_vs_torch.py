@@ -27,14 +27,13 @@ machine are noisy; the ratios are measured side by side in one run.
 from __future__ import annotations
 
 import statistics
-import time
 from collections import defaultdict
 from functools import partial
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from _common import llama_step_parser
+from _common import alternating_times, llama_step_parser
 
 LR = 0.1
 
@@ -245,7 +244,6 @@ def check_single_process(cfg, batch) -> tuple[float, float, float]:
 
 
 def _bench(cfg, batch: dict, warmup: int, repeats: int) -> dict:
-    import torch.distributed as dist
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import loss_parallel
 
@@ -296,14 +294,7 @@ def _bench(cfg, batch: dict, warmup: int, repeats: int) -> dict:
     torch_losses.append(torch_step())
     for _ in range(max(0, warmup - 2)):
         dtp_step(), torch_step()
-    times = {"dtp": [], "torch": []}
-    steps = {"dtp": dtp_step, "torch": torch_step}
-    for i in range(repeats):
-        for name in (("dtp", "torch") if i % 2 == 0 else ("torch", "dtp")):
-            dist.barrier()
-            t0 = time.perf_counter()
-            steps[name]()
-            times[name].append(time.perf_counter() - t0)
+    times = alternating_times({"dtp": dtp_step, "torch": torch_step}, repeats)
     dtp_recs = [(r.kind, r.tag, r.bytes, r.shape) for r in log.records]
     return dict(times=times, dtp_losses=dtp_losses, torch_losses=torch_losses, dtp_recs=dtp_recs,
                 torch_recs=counter.records, unknown=sorted(counter.unknown), grad_placements=grad_placements)

@@ -54,14 +54,13 @@ from __future__ import annotations
 import os
 import statistics
 import sys
-import time
 from functools import partial
 
 os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")  # before any rank process starts (see docstring)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
-from _common import llama_step_parser  # noqa: E402
+from _common import alternating_times, llama_step_parser  # noqa: E402
 from tp_vs_torch import make_batch  # noqa: E402
 
 LR, WD = 1e-3, 0.01
@@ -217,13 +216,7 @@ def _bench(cfg, batch: dict, bucket_mb: float, warmup: int, repeats: int) -> dic
         counter.on = True
         losses["torch"].append(steps["torch"]())
         counter.on = False
-        times = {"dtp": [], "torch": []}
-        for i in range(repeats):
-            for which in (("dtp", "torch") if i % 2 == 0 else ("torch", "dtp")):
-                dist.barrier()
-                t0 = time.perf_counter()
-                steps[which]()
-                times[which].append(time.perf_counter() - t0)
+        times = alternating_times(steps, repeats)
     finally:
         counter.restore()
     # torch's losses are per rank (its half of the batch): mean over ranks = the global loss.
