@@ -140,9 +140,10 @@ def _default_scale(scale: float | None, d: int) -> float:
     return 1.0 / math.sqrt(d) if scale is None else float(scale)
 
 
-def _causal_keep(sq: int, sk: int, device: torch.device) -> torch.Tensor:
-    """Boolean (s_q, s_k) matrix, True where query i may see key j (j <= i, top-left)."""
-    return torch.ones(sq, sk, dtype=torch.bool, device=device).tril()
+def _causal_keep(rows: range, sk: int, device: torch.device) -> torch.Tensor:
+    """Boolean (len(rows), s_k) matrix, True where query i of ``rows`` may see key j
+    (j <= i, top-left aligned)."""
+    return torch.arange(rows.start, rows.stop, device=device)[:, None] >= torch.arange(sk, device=device)[None, :]
 
 
 # ---------------------------------------------------------------- kernel selection
@@ -226,7 +227,7 @@ def _math_forward(
     qa = q.to(acc).reshape(b, hkv, g * sq, d)
     s = torch.matmul(qa, k.to(acc).transpose(-1, -2)).mul_(scale).view(b, hkv, g, sq, sk)
     if mask == "causal":
-        s.masked_fill_(~_causal_keep(sq, sk, s.device), float("-inf"))
+        s.masked_fill_(~_causal_keep(range(sq), sk, s.device), float("-inf"))
     lse = torch.logsumexp(s, dim=-1)  # -inf for rows that see no key (only if s_k == 0)
     # exp(s - lse) in place (p reuses the score buffer); a -inf row would give
     # -inf - -inf = NaN, so subtract 0 there instead and get p = exp(-inf) = 0.
@@ -340,9 +341,8 @@ def _math_backward(
         lt = lse[:, :, i0:i1].to(acc).reshape(b, hkv, g, t, 1)
         lt = torch.where(torch.isneginf(lt), torch.zeros_like(lt), lt)  # no NaN rows
         s = torch.matmul(qa, ka.transpose(-1, -2)).mul_(scale).view(b, hkv, g, t, sk)
-        if mask == "causal":  # top-left: global query row i sees keys j <= i
-            keep = torch.arange(i0, i1, device=s.device)[:, None] >= torch.arange(sk, device=s.device)[None, :]
-            s.masked_fill_(~keep, float("-inf"))
+        if mask == "causal":
+            s.masked_fill_(~_causal_keep(range(i0, i1), sk, s.device), float("-inf"))
         p = s.sub_(lt).exp_().view(b, hkv, g * t, sk)  # P = exp(S*scale - lse_global)
         # dV = P^T dO; the contraction over g*rows also sums the GQA query groups.
         dv += torch.matmul(p.transpose(-1, -2), do)

@@ -267,6 +267,11 @@ class _UlyssesPlan:
     ring: _Ring | None  # None: attention on the gathered sequence; else a ring over it (USP)
     load_balance: str | None
 
+    @property
+    def mask(self) -> str:
+        """The block mask of attention over the whole gathered sequence."""
+        return "causal" if self.causal else "full"
+
 
 def _slots(u: int, L: int, zigzag: bool) -> list[list[tuple[slice, slice]]]:
     """Where each rank's sequence piece (length ``L``) goes in the gathered sequence:
@@ -312,15 +317,20 @@ def _post_to_seq(x: torch.Tensor, plan: _UlyssesPlan, tag: str) -> comm.CommHand
     return comm.all_to_all(send, plan.mesh, plan.axis, split_dim=0, concat_dim=0, async_op=True, tag=tag)
 
 
+def _put(into: torch.Tensor, piece: torch.Tensor, plan: _UlyssesPlan, c: int) -> None:
+    """Write a ``(u, b, h, L, d)`` piece (rank j's heads of chunk c) into local ``into``."""
+    into.unflatten(1, (plan.u, plan.chunks, -1))[:, :, c] = piece.transpose(0, 1)
+
+
 def _land(handle: comm.CommHandle, into: torch.Tensor, plan: _UlyssesPlan, c: int) -> None:
-    """Write an arrived ``(u, b, h, L, d)`` (rank j's heads of chunk c) into local ``into``."""
-    into.unflatten(1, (plan.u, plan.chunks, -1))[:, :, c] = handle.wait().transpose(0, 1)
+    """:func:`_put` an all-to-all's result once it has arrived."""
+    _put(into, handle.wait(), plan, c)
 
 
 def _inner_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: _UlyssesPlan,
                    c: int) -> tuple[torch.Tensor, torch.Tensor]:
     if plan.ring is None:
-        return block_forward(q, k, v, scale=plan.scale, mask="causal" if plan.causal else "full")
+        return block_forward(q, k, v, scale=plan.scale, mask=plan.mask)
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[:3], dtype=accum_dtype(q.dtype), device=q.device)
     _ring_forward(q, k, v, plan.ring, plan.causal, plan.load_balance, plan.scale, out, lse, first=c * plan.ring.n)
@@ -332,8 +342,7 @@ def _recomputes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: _Ulysse
     where no fused block backward exists (CUDA: it would need the forward's RNG state),
     rather than run the (tiled, but unfused) math backward over the whole gathered
     sequence. Then only q/k/v need saving, not the output and LSE."""
-    mask = "causal" if plan.causal else "full"
-    return plan.ring is None and select_impl(q, k, v, mask, backward=True) == "math"
+    return plan.ring is None and select_impl(q, k, v, plan.mask, backward=True) == "math"
 
 
 def _recompute_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -352,7 +361,7 @@ def _recompute_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
 def _inner_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                     lse: torch.Tensor, plan: _UlyssesPlan, c: int) -> tuple[torch.Tensor, ...]:
     if plan.ring is None:
-        return block_backward(dout, q, k, v, out, lse, scale=plan.scale, mask="causal" if plan.causal else "full")
+        return block_backward(dout, q, k, v, out, lse, scale=plan.scale, mask=plan.mask)
     dq = torch.empty_like(q)
     dkv = _ring_backward(dout, q, k, v, out, lse, plan.ring, plan.causal, plan.load_balance, plan.scale, dq,
                          first=c * plan.ring.n)
@@ -475,9 +484,8 @@ def _assemble(pieces: list[torch.Tensor], shape: tuple[int, ...], dtype: torch.d
     """Chunk c's landed ``(u, b, h, L, d)`` → heads ``[j, c]`` of a local tensor, each
     piece freed as soon as it is copied."""
     out = torch.empty(shape, dtype=dtype, device=pieces[0].device)
-    view = out.unflatten(1, (plan.u, plan.chunks, -1))
     for c in range(len(pieces)):
-        view[:, :, c] = pieces[c].transpose(0, 1)
+        _put(out, pieces[c], plan, c)
         pieces[c] = None  # type: ignore[call-overload]
     return out
 
