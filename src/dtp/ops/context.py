@@ -851,9 +851,8 @@ def ring_attention(q: DTensor, k: DTensor, v: DTensor, *, axis: str = "cp", caus
     one block's kernel results at its backward peak) are a chunk's, not all heads'.
     ``None`` is :func:`default_chunks`: the fewest chunks with chunks × cp >= 16 that
     keep each chunk's K+V hop at least 1 MiB (small problems: one chunk); ``1`` is
-    Megatron's schedule. Tags and trace steps number
-    on across chunks (chunk ``c`` starts at step ``c·cp``). A ring of one sends nothing
-    and is one plain SDPA call.
+    Megatron's schedule. Tags and trace steps number on across chunks (chunk ``c``
+    starts at step ``c·cp``). A ring of one sends nothing and is one plain SDPA call.
 
     >>> out = ring_attention(q, k, v, axis="cp", load_balance="zigzag")   # doctest: +SKIP
     """
@@ -906,8 +905,8 @@ def hybrid_attention(q: DTensor, k: DTensor, v: DTensor, *, ulysses_degree: int 
     ``cp = R × u``: cp rank ``g·u + j`` is Ulysses rank ``j`` of ring rank ``g``. One
     all-to-all per tensor inside each Ulysses group turns the sequence split into a head
     split (heads must divide by tp × u; GQA kv heads are repeated up to ``u`` as in
-    :func:`ulysses_attention`); the group's gathered sequence is reordered locally into a
-    zigzag over ``R`` (see :func:`_hybrid_order`; nothing to do for ``load_balance=None``);
+    :func:`ulysses_attention`); the group's gathered pieces are placed, as they land, in
+    zigzag order over ``R`` (see :func:`_slots`; side by side for ``load_balance=None``);
     a ring of ``R`` ranks (windows of ``window`` ring ranks with a double ring) runs on
     ``s·u/cp`` tokens and ``h/(tp·u)`` heads; the output goes back the same way.
 
