@@ -165,6 +165,17 @@ class Layout:
                     )
 
 
+def attended_kv_heads(kv_local: int, degree: int) -> int:
+    """The kv heads a rank attends with when its ``kv_local`` heads are split over a
+    Ulysses group of ``degree`` ranks (1: no split): fewer heads than the degree are
+    repeated up to it first, so each rank gets one.
+
+    >>> attended_kv_heads(8, 2), attended_kv_heads(2, 4), attended_kv_heads(4, 1)
+    (4, 1, 4)
+    """
+    return max(kv_local, degree) // degree
+
+
 def _check_context(layout: Layout, sizes: Mapping[str, int], mesh: DeviceMesh, what: str) -> None:
     """MindSpeed's context-parallel rules, checked before any collective runs."""
     opts = layout.options.get("context")
@@ -189,7 +200,7 @@ def _check_context(layout: Layout, sizes: Mapping[str, int], mesh: DeviceMesh, w
                          f"= {degree * tp} for {algo} context parallel")
     chunks, kv = opts.get("head_chunks"), sizes.get("kv_heads")
     if chunks is not None and kv is not None and kv % tp == 0:
-        per_rank = max(kv // tp, degree or 1) // (degree or 1)  # kv heads fewer than the degree are repeated
+        per_rank = attended_kv_heads(kv // tp, degree or 1)
         if per_rank % chunks:
             raise ValueError(f"{what}: head_chunks={chunks} must divide the {per_rank} kv heads each rank attends "
                              f"with (kv_heads={kv}, tp={tp}{f', Ulysses degree {degree}' if degree else ''})")

@@ -53,6 +53,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from .. import comm
+from ..layouts import attended_kv_heads
 from ..redistribute import from_local, to_local
 from ..spec import P, _sizes, spec_of
 from .blockwise import (
@@ -533,7 +534,7 @@ def _check_chunks(fn: str, head_chunks: object, kv_heads: int, cp: int, kv_bytes
 def _check_ulysses_chunks(fn: str, head_chunks: object, k: DTensor, tp: int, repeat: int, u: int, cp: int) -> int:
     """Head chunks for Ulysses: they must divide the kv heads a rank has after the split
     (which holds as many K/V bytes as its local shard, times the GQA repeat)."""
-    return _check_chunks(fn, head_chunks, k.shape[1] // tp * repeat // u, cp, _kv_bytes(k) * repeat,
+    return _check_chunks(fn, head_chunks, attended_kv_heads(k.shape[1] // tp, u), cp, _kv_bytes(k) * repeat,
                          "rank holds after the all-to-all")
 
 
