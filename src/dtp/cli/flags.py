@@ -239,7 +239,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """
     args = build_parser().parse_args(argv)
     if args.command == "train":
-        from .launch import in_torchrun
+        from ..launch import in_torchrun
 
         validate(args, world_size=int(os.environ["WORLD_SIZE"]) if in_torchrun() else None)
     return args
@@ -360,7 +360,7 @@ class _Progress:
 def _atomic_write_text(path: Path, text: str) -> None:
     # tmp file in the same directory + rename: readers never see a partial file, and a
     # run killed mid-write leaves the previous complete version.
-    from .plot import atomic_path
+    from ..plot import atomic_path
 
     with atomic_path(path) as tmp:
         tmp.write_text(text)
@@ -475,7 +475,7 @@ def _api(name: str) -> Any:
 
 def _llama() -> Any:
     try:
-        from .models import llama
+        from ..models import llama
     except ImportError as e:
         raise UsageError(f"the reference model dtp.models.llama is not available ({e})") from None
     return llama
@@ -483,7 +483,7 @@ def _llama() -> Any:
 
 def _layouts() -> Any:
     try:
-        from . import layouts
+        from .. import layouts
     except ImportError as e:
         raise UsageError(f"dtp.layouts is not available ({e})") from None
     return layouts
@@ -519,7 +519,7 @@ def _torch_dtype(name: str) -> Any:
 
 @functools.lru_cache(maxsize=2)  # the launcher validates with the data, then trains with it
 def _load_data(path: str | None) -> Any:
-    from .data import load_tokens
+    from ..data import load_tokens
 
     try:
         return load_tokens(path)
@@ -540,8 +540,8 @@ def _train(args: Mapping[str, Any], mesh: Any, layout: Any, *, recompute: str | 
     """The training loop every rank runs (and the 1-process reference); returns the metrics."""
     import torch
 
-    from . import optim
-    from .data import TokenLoader
+    from .. import optim
+    from ..data import TokenLoader
 
     llama = _llama()
     torch.manual_seed(args["seed"])
@@ -580,8 +580,8 @@ def _single_process_world() -> Iterator[Any]:
     so ``main()`` called from Python leaves no global state behind."""
     import torch.distributed as dist
 
-    from . import make_mesh
-    from . import mesh as mesh_module
+    from .. import make_mesh
+    from .. import mesh as mesh_module
 
     created = not dist.is_initialized()
     try:
@@ -604,8 +604,8 @@ def _world(args: argparse.Namespace) -> Iterator[Any]:
     """The run's mesh: from torchrun's environment in a rank, else a world of one here."""
     import torch.distributed as dist
 
-    from . import make_mesh
-    from .launch import in_torchrun
+    from .. import make_mesh
+    from ..launch import in_torchrun
 
     if not in_torchrun():
         with _single_process_world() as mesh:
@@ -663,7 +663,7 @@ def _recompute(args: argparse.Namespace) -> str | None:
 
 
 def _plot(out: Path, curves: Mapping[str, Sequence[float]], cfg: Mapping[str, Any]) -> None:
-    from .plot import plot_loss
+    from ..plot import plot_loss
 
     mesh = " ".join(f"{k}={v}" for k, v in cfg["mesh"].items()) + (" +sp" if cfg.get("sp") else "")
     plot_loss(out / "loss.png", curves, title=f"{cfg['model']} {cfg['dtype']} {mesh}")
@@ -720,7 +720,7 @@ def _check_in_subprocess(out: str) -> int:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from .launch import in_torchrun, launch
+    from ..launch import in_torchrun, launch
 
     if args.out is None:
         args.out = _default_out()
@@ -761,7 +761,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Validation errors (ours, the layouts', the model's) are one line, not a traceback.
         if os.environ.get("DTP_TRACEBACK"):
             raise
-        from .launch import report_error
+        from ..launch import report_error
 
         command = getattr(locals().get("args"), "command", None) or "train"
         message = " ".join(line.strip() for line in str(e).splitlines() if line.strip())
