@@ -1,8 +1,87 @@
-"""The ``dtp`` command (``dtp train``, ``dtp check``); the code lives in :mod:`dtp.cli.flags`
-while the package is being split."""
+"""The ``dtp`` command: train the reference Llama under any parallel layout, from a shell.
 
-from .flags import (  # noqa: F401  (the public surface of dtp.cli, plus what tests reach)
-    UsageError, _Progress, build_layout, build_parser, check_run, compare_losses, format_bytes,
-    format_step, main, mesh_axes, parse_args, progress_bar, summarize, tolerance_for, train_argv,
-    validate,
-)
+::
+
+    dtp train --nproc 4 --dp 2 --tp 2 --sp --model tiny --steps 50 --check
+    dtp check runs/20250101-120000          # re-verify a finished run against 1 process
+
+The package reads in the order a run goes: :mod:`~dtp.cli.flags` (parser, flag checks,
+the argv each rank gets), :mod:`~dtp.cli.loop` (layout, mesh, the per-rank training loop),
+:mod:`~dtp.cli.report` (console lines, run-directory files, summary, plot) and
+:mod:`~dtp.cli.check` (the 1-process reference). Names with ``_`` are private to the
+package; the modules import them from each other.
+
+Exit codes: 0 success, 1 a rank crashed or ``--check`` failed, 2 invalid arguments or a
+layout that does not fit (one line on stderr; ``DTP_TRACEBACK=1`` shows the traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Sequence
+
+from .check import _check_in_subprocess, check_run, compare_losses, tolerance_for
+from .flags import PROG, UsageError, build_parser, mesh_axes, parse_args, train_argv, validate
+from .loop import _llama, _load_data, _train_rank, _vocab_size, build_layout
+from .report import _default_out, format_bytes, format_step, progress_bar, summarize
+
+__all__ = [
+    "main", "build_parser", "parse_args", "validate", "mesh_axes", "train_argv",
+    "format_bytes", "format_step", "progress_bar", "summarize", "compare_losses", "tolerance_for",
+    "UsageError", "build_layout", "check_run",
+]
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from ..launch import in_torchrun, launch
+
+    if args.out is None:
+        args.out = _default_out()
+    args.out = str(Path(args.out).resolve())  # ranks and the reference must agree on it
+    if in_torchrun():
+        code = _train_rank(args)
+        if code == 0 and args.check and int(os.environ["RANK"]) == 0:
+            code = _check_in_subprocess(args.out)
+        return code
+    # Validate what can be validated here, before starting ranks that would all fail.
+    build_layout(args)
+    _llama().config(args.model, vocab_size=_vocab_size(args.model, _load_data(args.data)))
+    if args.nproc > 1:
+        code = launch(args.nproc, train_argv(args))
+    else:
+        code = _train_rank(args)
+    if code == 0 and args.check:
+        code = check_run(args.out)
+    return code
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``dtp`` console script; returns the exit code.
+
+    >>> main(["train", "--dp", "2", "--tp", "2", "--steps", "10", "--check"])  # doctest: +SKIP
+    0
+    """
+    parser = build_parser()
+    try:
+        args = parse_args(argv)
+        if args.command == "train":
+            return _cmd_train(args)
+        if args.command == "check":
+            return check_run(args.run_dir, rtol=args.rtol)
+        parser.print_help(sys.stderr)
+        return 2
+    except (ValueError, NotImplementedError) as e:
+        # Validation errors (ours, the layouts', the model's) are one line, not a traceback.
+        if os.environ.get("DTP_TRACEBACK"):
+            raise
+        from ..launch import report_error
+
+        command = getattr(locals().get("args"), "command", None) or "train"
+        message = " ".join(line.strip() for line in str(e).splitlines() if line.strip())
+        report_error(f"{PROG} {command}: error: {message}")
+        return 2
+    except KeyboardInterrupt:
+        return 130

@@ -1,0 +1,223 @@
+"""The training loop of ``dtp train``: the layout, mesh and state built from the flags,
+and the per-rank worker that trains and reports.
+
+``dtp train`` outside torchrun starts the ranks itself through torchrun's machinery
+(:func:`dtp.launch.launch`); inside torchrun it joins the world it finds, so multi-node
+runs are plain ``torchrun ... -m dtp.cli train ...``. Every rank runs :func:`_train_rank`;
+rank 0 shows progress and writes the run directory (:mod:`dtp.cli.report`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import json
+import os
+import shlex
+from pathlib import Path
+from typing import Any, Callable, Iterator, Mapping, TextIO
+
+from .flags import PROG, UsageError, mesh_axes, train_argv
+from .report import _atomic_write_text, _format_summary, _plot, _Progress, _write_json, summarize
+
+__all__ = ["build_layout"]
+
+
+def _api(name: str) -> Any:
+    """``dtp.<name>``, or a clear error while the training API is not there."""
+    import dtp
+
+    value = getattr(dtp, name, None)
+    if value is None:
+        raise UsageError(f"dtp.{name} is not available in this version of dtp")
+    return value
+
+
+def _llama() -> Any:
+    try:
+        from ..models import llama
+    except ImportError as e:
+        raise UsageError(f"the reference model dtp.models.llama is not available ({e})") from None
+    return llama
+
+
+def _layouts() -> Any:
+    try:
+        from .. import layouts
+    except ImportError as e:
+        raise UsageError(f"dtp.layouts is not available ({e})") from None
+    return layouts
+
+
+def build_layout(args: argparse.Namespace) -> Any:
+    """``data() + megatron(sequence_parallel=sp)`` (+ ``context(...)`` with cp > 1, + ``zero``).
+
+    Megatron's rules name the ``tp`` axis; on a mesh without it they are dropped, so the
+    same layout serves tp = 1.
+    """
+    layouts = _layouts()
+    layout = layouts.data() + layouts.megatron(sequence_parallel=args.sp)
+    if args.cp > 1:
+        options = {k: v for k, v in (("algo", args.cp_algo), ("window", args.cp_window),
+                                     ("ulysses_degree", args.ulysses_degree),
+                                     ("head_chunks", args.cp_head_chunks)) if v is not None}
+        layout = layout + layouts.context(**options)
+    if args.zero:
+        layout = layout + layouts.zero(stage=args.zero, bucket_mb=args.bucket_mb,
+                                       overlap_grad_reduce=args.overlap_grad_reduce,
+                                       overlap_param_gather=args.overlap_param_gather,
+                                       reshard_after_forward=args.reshard_after_forward,
+                                       prefetch=args.zero_prefetch)
+    return layout
+
+
+def _torch_dtype(name: str) -> Any:
+    import torch
+
+    return {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}[name]
+
+
+@functools.lru_cache(maxsize=2)  # the launcher validates with the data, then trains with it
+def _load_data(path: str | None) -> Any:
+    from ..data import load_tokens
+
+    try:
+        return load_tokens(path)
+    except (FileNotFoundError, IsADirectoryError, PermissionError) as e:
+        raise UsageError(f"--data: {e}") from None
+
+
+def _vocab_size(model: str, tokens: Any) -> int:
+    """The preset's vocabulary, grown (to a multiple of 128, like nanoGPT's 50304) when the
+    data holds larger ids. Independent of tp, so runs under different layouts share a model."""
+    preset = _llama().config(model).vocab_size
+    needed = -(-(int(tokens.max()) + 1) // 128) * 128
+    return max(preset, needed)
+
+
+def _train(args: Mapping[str, Any], mesh: Any, layout: Any, *, recompute: str | None,
+           on_step: Callable[[int, dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
+    """The training loop every rank runs (and the 1-process reference); returns the metrics."""
+    import torch
+
+    from .. import optim
+    from ..data import TokenLoader
+
+    llama = _llama()
+    torch.manual_seed(args["seed"])
+    tokens = _load_data(args["data"])
+    loader = TokenLoader(tokens, batch_size=args["batch"], seq_len=args["seq"], seed=args["seed"])
+    cfg = llama.config(args["model"], vocab_size=args["vocab_size"])
+    params = llama.init(cfg, seed=args["seed"], dtype=_torch_dtype(args["dtype"]))
+    opt = optim.adamw(optim.warmup_cosine(args["lr"], args["warmup"], args["steps"]), weight_decay=0.1)
+    # axis_sizes: the layout's rules (heads per tp × Ulysses degree, kv heads per head
+    # chunk, vocab per tp …) are checked here, on every rank, before any collective.
+    state = _api("TrainState").create(params, opt, mesh=mesh, layout=layout, axes=llama.param_axes(cfg),
+                                      axis_sizes=llama.axis_sizes(cfg))
+    train_step, shard_batch = _api("train_step"), _api("shard_batch")
+    loss_fn = functools.partial(llama.loss, cfg=cfg)
+    clip = args["clip"] if args["clip"] > 0 else None
+    records = []
+    for step in range(1, args["steps"] + 1):
+        batch = shard_batch(loader.next_batch(), state)
+        state, m = train_step(loss_fn, state, batch, microbatches=args["microbatches"],
+                              recompute=recompute, clip_norm=clip)
+        step_time = float(m["step_time"])
+        record = {"step": step, "loss": float(m["loss"]), "grad_norm": float(m["grad_norm"]),
+                  "lr": float(m["lr"]), "tokens": int(m["tokens"]), "step_time": step_time,
+                  "tokens_per_s": int(m["tokens"]) / step_time if step_time > 0 else None,
+                  "comm_bytes": {a: {k: int(b) for k, b in kinds.items()}
+                                 for a, kinds in (m.get("comm_bytes") or {}).items()}}
+        records.append(record)
+        if on_step is not None:
+            on_step(step, record)
+    return records
+
+
+@contextlib.contextmanager
+def _single_process_world() -> Iterator[Any]:
+    """A 1-rank mesh in this process; the process group it creates is torn down after,
+    so ``main()`` called from Python leaves no global state behind."""
+    import torch.distributed as dist
+
+    from .. import make_mesh
+    from .. import mesh as mesh_module
+
+    created = not dist.is_initialized()
+    try:
+        yield make_mesh(dp=1)
+    finally:
+        if created and dist.is_initialized():
+            mesh_module._MESH_CACHE.clear()
+            dist.destroy_process_group()
+
+
+def _run_config(args: argparse.Namespace, world_size: int) -> dict[str, Any]:
+    cfg = {k: v for k, v in vars(args).items() if k not in ("command", "check", "nproc")}
+    cfg.update(vocab_size=_vocab_size(args.model, _load_data(args.data)), world_size=world_size,
+               mesh=mesh_axes(args))
+    return cfg
+
+
+@contextlib.contextmanager
+def _world(args: argparse.Namespace) -> Iterator[Any]:
+    """The run's mesh: from torchrun's environment in a rank, else a world of one here."""
+    import torch.distributed as dist
+
+    from .. import make_mesh
+    from ..launch import in_torchrun
+
+    if not in_torchrun():
+        with _single_process_world() as mesh:
+            yield mesh
+        return
+    created = not dist.is_initialized()
+    try:
+        yield make_mesh(**mesh_axes(args))
+    finally:
+        # A clean shutdown: torch warns about process groups left to the interpreter exit.
+        if created and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _train_rank(args: argparse.Namespace, *, stream: TextIO | None = None) -> int:
+    """Train as one rank of the current world (torchrun's, or a world of one)."""
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    out = Path(args.out)
+    run_cfg = _run_config(args, world)
+    layout = build_layout(args)
+    progress = _Progress(args.steps, args.log_every, stream) if rank == 0 else None
+    lines: list[str] = []
+
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        _write_json(out / "config.json", {**run_cfg, "layout": getattr(layout, "name", str(layout)),
+                                          "command": shlex.join([PROG, *train_argv(args)])})
+        mesh = " × ".join(f"{k}={v}" for k, v in run_cfg["mesh"].items())
+        print(f"{PROG} train: {args.model} on mesh {mesh} ({world} rank{'s' * (world > 1)}), "
+              f"layout {getattr(layout, 'name', layout)}, {args.dtype}, writing {out}", file=stream, flush=True)
+
+    def on_step(step: int, record: dict[str, Any]) -> None:
+        if rank != 0:
+            return
+        lines.append(json.dumps(record))
+        # The whole file each step (tmp + rename), so it is always complete; at ~250 bytes a
+        # step that is a few ms even after thousands of steps, small next to a step.
+        _atomic_write_text(out / "metrics.jsonl", "\n".join(lines) + "\n")
+        progress.update(step, record)
+
+    with _world(args) as mesh:
+        records = _train(run_cfg, mesh, layout, recompute=_recompute(args), on_step=on_step)
+
+    if rank == 0:
+        summary = summarize(records)
+        _write_json(out / "summary.json", summary)
+        _plot(out, {"loss": [r["loss"] for r in records]}, run_cfg)
+        print(_format_summary(summary), file=stream, flush=True)
+    return 0
+
+
+def _recompute(args: argparse.Namespace) -> str | None:
+    return None if args.recompute == "none" else args.recompute

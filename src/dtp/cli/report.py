@@ -1,0 +1,175 @@
+"""What rank 0 shows and writes: the per-step line and progress bar, the run directory's
+files, the summary and the loss plot.
+
+=================  =============================================================
+``config.json``    the resolved arguments, mesh, vocabulary size, world size
+``metrics.jsonl``  one JSON object per step: loss, grad_norm, lr, tokens, step_time,
+                   tokens_per_s, comm_bytes ``{axis: {kind: bytes}}``
+``summary.json``   first/last loss, mean step time, tokens/s, bytes per mesh axis
+``loss.png``       the loss curve (matplotlib when installed, a built-in writer if not)
+``check.json``     with ``--check``: per-step losses of the 1-process reference and
+                   the largest absolute / relative difference
+=================  =============================================================
+
+Every file is written whole to a temporary name and renamed, so a reader (or a run
+killed mid-write) never sees half a file.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any, Mapping, Sequence, TextIO
+
+__all__ = ["format_bytes", "format_step", "progress_bar", "summarize"]
+
+
+# --------------------------------------------------------------------------- console
+
+
+def format_bytes(n: float) -> str:
+    """Decimal units, one decimal: what a per-step line has room for.
+
+    >>> format_bytes(512), format_bytes(1_234_567), format_bytes(3.2e9)
+    ('512B', '1.2MB', '3.2GB')
+    """
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.1f}{unit}"
+    return f"{int(n)}B"
+
+
+def _axis_totals(comm: Mapping[str, Mapping[str, int]]) -> dict[str, int]:
+    return {axis: sum(kinds.values()) for axis, kinds in comm.items()}
+
+
+def format_step(step: int, total: int, m: Mapping[str, Any]) -> str:
+    """One line per step, from ``train_step``'s metrics.
+
+    The step number is padded to the width of the total, so columns line up in a log.
+
+    >>> format_step(3, 50, {"loss": 4.1234, "grad_norm": 1.0213, "lr": 3e-3, "tokens": 512,
+    ...                     "step_time": 0.05, "comm_bytes": {"tp": {"all_reduce": 1_200_000}}})
+    'step  3/50 loss 4.1234 gnorm 1.02 lr 3.0e-03 tok/s 10240 comm tp:1.2MB'
+    """
+    width = len(str(total))
+    step_time = float(m.get("step_time") or 0.0)
+    tps = f"{m['tokens'] / step_time:.0f}" if step_time > 0 else "-"
+    totals = _axis_totals(m.get("comm_bytes") or {})
+    comm = " ".join(f"{axis}:{format_bytes(b)}" for axis, b in totals.items() if b) or "none"
+    return (f"step {step:>{width}}/{total} loss {m['loss']:.4f} gnorm {m['grad_norm']:.3g} "
+            f"lr {m['lr']:.1e} tok/s {tps} comm {comm}")
+
+
+def progress_bar(step: int, total: int, width: int = 24) -> str:
+    """A text progress bar.
+
+    >>> progress_bar(5, 10, width=10)
+    '[#####.....]  50%'
+    """
+    done = round(width * step / total) if total else width
+    return f"[{'#' * done}{'.' * (width - done)}] {100 * step // max(total, 1):>3d}%"
+
+
+class _Progress:
+    """Rank 0's console output: a live bar on a terminal, plain lines in a log file."""
+
+    def __init__(self, total: int, log_every: int, stream: TextIO | None = None):
+        self.total, self.log_every = total, log_every
+        self.stream = stream or sys.stdout
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+
+    def update(self, step: int, metrics: Mapping[str, Any]) -> None:
+        line = format_step(step, self.total, metrics)
+        keep = step % self.log_every == 0 or step == self.total or step == 1
+        if self.tty:
+            # \r + erase-line: the bar line is redrawn in place; logged lines scroll above it.
+            # Cut to the terminal's width: a wrapped line could not be redrawn with \r.
+            columns = shutil.get_terminal_size((100, 24)).columns
+            live = f"{progress_bar(step, self.total)} {line}"[: max(columns - 1, 20)]
+            text = f"\r\x1b[K{line}\n" if keep else ""
+            text += f"\r\x1b[K{live}" if step < self.total else ""
+            self.stream.write(text)
+        elif keep:
+            self.stream.write(line + "\n")
+        self.stream.flush()
+
+
+# --------------------------------------------------------------------------- files
+
+
+def _default_out() -> str:
+    base = Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+    path, k = base, 1
+    while path.exists():  # two runs started within the same second
+        path, k = base.with_name(f"{base.name}-{k}"), k + 1
+    return str(path)
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    # tmp file in the same directory + rename: readers never see a partial file, and a
+    # run killed mid-write leaves the previous complete version.
+    from ..plot import atomic_path
+
+    with atomic_path(path) as tmp:
+        tmp.write_text(text)
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    _atomic_write_text(path, json.dumps(obj, indent=2) + "\n")
+
+
+def _plot(out: Path, curves: Mapping[str, Sequence[float]], cfg: Mapping[str, Any]) -> None:
+    from ..plot import plot_loss
+
+    mesh = " ".join(f"{k}={v}" for k, v in cfg["mesh"].items()) + (" +sp" if cfg.get("sp") else "")
+    plot_loss(out / "loss.png", curves, title=f"{cfg['model']} {cfg['dtype']} {mesh}")
+
+
+# --------------------------------------------------------------------------- summaries
+
+
+def summarize(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Totals over a run's per-step metrics.
+
+    Step times and throughput leave out step 1 when there are more (it carries one-off
+    set-up: process-group warm-up, allocator growth), and say so with ``timed_steps``.
+
+    >>> s = summarize([{"loss": 5.0, "step_time": 1.0, "tokens": 10, "comm_bytes": {"dp": {"all_reduce": 4}}},
+    ...                {"loss": 4.0, "step_time": 0.5, "tokens": 10, "comm_bytes": {"dp": {"all_reduce": 4}}}])
+    >>> s["first_loss"], s["last_loss"], s["mean_step_time"], s["tokens_per_s"], s["comm_bytes_per_axis"]
+    (5.0, 4.0, 0.5, 20.0, {'dp': 8})
+    """
+    if not records:
+        raise ValueError("summarize: no steps")
+    timed = records[1:] if len(records) > 1 else records
+    time_total = sum(float(r["step_time"]) for r in timed)
+    comm: dict[str, dict[str, int]] = {}
+    for r in records:
+        for axis, kinds in (r.get("comm_bytes") or {}).items():
+            per_axis = comm.setdefault(axis, {})
+            for kind, b in kinds.items():
+                per_axis[kind] = per_axis.get(kind, 0) + int(b)
+    losses = [float(r["loss"]) for r in records]
+    return {
+        "steps": len(records),
+        "first_loss": losses[0],
+        "last_loss": losses[-1],
+        "min_loss": min(losses),
+        "mean_step_time": time_total / len(timed),
+        "timed_steps": len(timed),
+        "tokens_per_s": sum(int(r["tokens"]) for r in timed) / time_total if time_total > 0 else None,
+        "total_tokens": sum(int(r["tokens"]) for r in records),
+        "comm_bytes_per_axis": _axis_totals(comm),
+        "comm_bytes": comm,
+    }
+
+
+def _format_summary(s: Mapping[str, Any]) -> str:
+    tps = f"{s['tokens_per_s']:.0f}" if s.get("tokens_per_s") else "-"
+    comm = ", ".join(f"{a} {format_bytes(b)}" for a, b in s["comm_bytes_per_axis"].items()) or "none"
+    return (f"done: {s['steps']} steps, loss {s['first_loss']:.4f} -> {s['last_loss']:.4f}, "
+            f"{1e3 * s['mean_step_time']:.1f} ms/step, {tps} tok/s, comm per rank: {comm}")
