@@ -23,9 +23,11 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
+from ..launch import in_torchrun, launch, report_error
+from ..models import llama
 from .check import _check_in_subprocess, check_run, compare_losses, tolerance_for
 from .flags import PROG, UsageError, build_parser, mesh_axes, parse_args, train_argv, validate
-from .loop import _llama, _load_data, _train_rank, _vocab_size, build_layout
+from .loop import _load_data, _train_rank, _vocab_size, build_layout
 from .report import _default_out, format_bytes, format_step, progress_bar, summarize
 
 __all__ = [
@@ -36,8 +38,7 @@ __all__ = [
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from ..launch import in_torchrun, launch
-
+    """``dtp train``: be one rank under torchrun, else start the ranks here; then ``--check``."""
     if args.out is None:
         args.out = _default_out()
     args.out = str(Path(args.out).resolve())  # ranks and the reference must agree on it
@@ -48,7 +49,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
         return code
     # Validate what can be validated here, before starting ranks that would all fail.
     build_layout(args)
-    _llama().config(args.model, vocab_size=_vocab_size(args.model, _load_data(args.data)))
+    llama.config(args.model, vocab_size=_vocab_size(args.model, _load_data(args.data)))
     if args.nproc > 1:
         code = launch(args.nproc, train_argv(args))
     else:
@@ -77,8 +78,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Validation errors (ours, the layouts', the model's) are one line, not a traceback.
         if os.environ.get("DTP_TRACEBACK"):
             raise
-        from ..launch import report_error
-
         command = getattr(locals().get("args"), "command", None) or "train"
         message = " ".join(line.strip() for line in str(e).splitlines() if line.strip())
         report_error(f"{PROG} {command}: error: {message}")

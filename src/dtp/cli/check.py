@@ -18,8 +18,9 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence, TextIO
 
+from .. import layouts
 from .flags import CHECK_RTOL, UsageError
-from .loop import _layouts, _single_process_world, _train
+from .loop import _single_process_world, _train
 from .report import _plot, _write_json
 
 __all__ = ["check_run", "compare_losses", "tolerance_for"]
@@ -90,7 +91,7 @@ def check_run(run_dir: str | os.PathLike[str], *, rtol: float | None = None,
     print(f"check: retraining {cfg['steps']} steps on 1 process (layout data, recompute none) ...",
           file=stream, flush=True)
     with _single_process_world() as mesh:
-        ref = [r["loss"] for r in _train(cfg, mesh, _layouts().data(), recompute=None)]
+        ref = [r["loss"] for r in _train(cfg, mesh, layouts.data(), recompute=None)]
     result = compare_losses(run, ref, rtol)
     result.update(dtype=cfg["dtype"], run_losses=run, reference_losses=ref)
     _write_json(run_dir / "check.json", result)

@@ -14,6 +14,8 @@ import sys
 from pathlib import Path
 from typing import Callable, Sequence
 
+from ..launch import in_torchrun
+
 __all__ = ["UsageError", "build_parser", "parse_args", "validate", "mesh_axes", "train_argv"]
 
 PROG = "dtp"
@@ -203,8 +205,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """
     args = build_parser().parse_args(argv)
     if args.command == "train":
-        from ..launch import in_torchrun
-
         validate(args, world_size=int(os.environ["WORLD_SIZE"]) if in_torchrun() else None)
     return args
 

@@ -18,45 +18,27 @@ import shlex
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, TextIO
 
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from .. import Layout, TrainState, layouts, make_mesh, optim, shard_batch, train_step
+from .. import mesh as mesh_module
+from ..data import TokenLoader, load_tokens
+from ..launch import in_torchrun
+from ..models import llama
 from .flags import PROG, UsageError, mesh_axes, train_argv
 from .report import _atomic_write_text, _format_summary, _plot, _Progress, _write_json, summarize
 
 __all__ = ["build_layout"]
 
 
-def _api(name: str) -> Any:
-    """``dtp.<name>``, or a clear error while the training API is not there."""
-    import dtp
-
-    value = getattr(dtp, name, None)
-    if value is None:
-        raise UsageError(f"dtp.{name} is not available in this version of dtp")
-    return value
-
-
-def _llama() -> Any:
-    try:
-        from ..models import llama
-    except ImportError as e:
-        raise UsageError(f"the reference model dtp.models.llama is not available ({e})") from None
-    return llama
-
-
-def _layouts() -> Any:
-    try:
-        from .. import layouts
-    except ImportError as e:
-        raise UsageError(f"dtp.layouts is not available ({e})") from None
-    return layouts
-
-
-def build_layout(args: argparse.Namespace) -> Any:
+def build_layout(args: argparse.Namespace) -> Layout:
     """``data() + megatron(sequence_parallel=sp)`` (+ ``context(...)`` with cp > 1, + ``zero``).
 
     Megatron's rules name the ``tp`` axis; on a mesh without it they are dropped, so the
     same layout serves tp = 1.
     """
-    layouts = _layouts()
     layout = layouts.data() + layouts.megatron(sequence_parallel=args.sp)
     if args.cp > 1:
         options = {k: v for k, v in (("algo", args.cp_algo), ("window", args.cp_window),
@@ -72,39 +54,29 @@ def build_layout(args: argparse.Namespace) -> Any:
     return layout
 
 
-def _torch_dtype(name: str) -> Any:
-    import torch
-
+def _torch_dtype(name: str) -> torch.dtype:
     return {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}[name]
 
 
 @functools.lru_cache(maxsize=2)  # the launcher validates with the data, then trains with it
-def _load_data(path: str | None) -> Any:
-    from ..data import load_tokens
-
+def _load_data(path: str | None) -> torch.Tensor:
     try:
         return load_tokens(path)
     except (FileNotFoundError, IsADirectoryError, PermissionError) as e:
         raise UsageError(f"--data: {e}") from None
 
 
-def _vocab_size(model: str, tokens: Any) -> int:
+def _vocab_size(model: str, tokens: torch.Tensor) -> int:
     """The preset's vocabulary, grown (to a multiple of 128, like nanoGPT's 50304) when the
     data holds larger ids. Independent of tp, so runs under different layouts share a model."""
-    preset = _llama().config(model).vocab_size
+    preset = llama.config(model).vocab_size
     needed = -(-(int(tokens.max()) + 1) // 128) * 128
     return max(preset, needed)
 
 
-def _train(args: Mapping[str, Any], mesh: Any, layout: Any, *, recompute: str | None,
+def _train(args: Mapping[str, Any], mesh: DeviceMesh, layout: Layout, *, recompute: str | None,
            on_step: Callable[[int, dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
     """The training loop every rank runs (and the 1-process reference); returns the metrics."""
-    import torch
-
-    from .. import optim
-    from ..data import TokenLoader
-
-    llama = _llama()
     torch.manual_seed(args["seed"])
     tokens = _load_data(args["data"])
     loader = TokenLoader(tokens, batch_size=args["batch"], seq_len=args["seq"], seed=args["seed"])
@@ -113,9 +85,8 @@ def _train(args: Mapping[str, Any], mesh: Any, layout: Any, *, recompute: str | 
     opt = optim.adamw(optim.warmup_cosine(args["lr"], args["warmup"], args["steps"]), weight_decay=0.1)
     # axis_sizes: the layout's rules (heads per tp × Ulysses degree, kv heads per head
     # chunk, vocab per tp …) are checked here, on every rank, before any collective.
-    state = _api("TrainState").create(params, opt, mesh=mesh, layout=layout, axes=llama.param_axes(cfg),
-                                      axis_sizes=llama.axis_sizes(cfg))
-    train_step, shard_batch = _api("train_step"), _api("shard_batch")
+    state = TrainState.create(params, opt, mesh=mesh, layout=layout, axes=llama.param_axes(cfg),
+                              axis_sizes=llama.axis_sizes(cfg))
     loss_fn = functools.partial(llama.loss, cfg=cfg)
     clip = args["clip"] if args["clip"] > 0 else None
     records = []
@@ -136,14 +107,9 @@ def _train(args: Mapping[str, Any], mesh: Any, layout: Any, *, recompute: str | 
 
 
 @contextlib.contextmanager
-def _single_process_world() -> Iterator[Any]:
+def _single_process_world() -> Iterator[DeviceMesh]:
     """A 1-rank mesh in this process; the process group it creates is torn down after,
     so ``main()`` called from Python leaves no global state behind."""
-    import torch.distributed as dist
-
-    from .. import make_mesh
-    from .. import mesh as mesh_module
-
     created = not dist.is_initialized()
     try:
         yield make_mesh(dp=1)
@@ -161,13 +127,8 @@ def _run_config(args: argparse.Namespace, world_size: int) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def _world(args: argparse.Namespace) -> Iterator[Any]:
+def _world(args: argparse.Namespace) -> Iterator[DeviceMesh]:
     """The run's mesh: from torchrun's environment in a rank, else a world of one here."""
-    import torch.distributed as dist
-
-    from .. import make_mesh
-    from ..launch import in_torchrun
-
     if not in_torchrun():
         with _single_process_world() as mesh:
             yield mesh
@@ -193,11 +154,11 @@ def _train_rank(args: argparse.Namespace, *, stream: TextIO | None = None) -> in
 
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
-        _write_json(out / "config.json", {**run_cfg, "layout": getattr(layout, "name", str(layout)),
+        _write_json(out / "config.json", {**run_cfg, "layout": layout.name,
                                           "command": shlex.join([PROG, *train_argv(args)])})
         mesh = " × ".join(f"{k}={v}" for k, v in run_cfg["mesh"].items())
         print(f"{PROG} train: {args.model} on mesh {mesh} ({world} rank{'s' * (world > 1)}), "
-              f"layout {getattr(layout, 'name', layout)}, {args.dtype}, writing {out}", file=stream, flush=True)
+              f"layout {layout.name}, {args.dtype}, writing {out}", file=stream, flush=True)
 
     def on_step(step: int, record: dict[str, Any]) -> None:
         if rank != 0:

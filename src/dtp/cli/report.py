@@ -24,6 +24,8 @@ import time
 from pathlib import Path
 from typing import Any, Mapping, Sequence, TextIO
 
+from ..plot import atomic_path, plot_loss
+
 __all__ = ["format_bytes", "format_step", "progress_bar", "summarize"]
 
 
@@ -112,8 +114,6 @@ def _default_out() -> str:
 def _atomic_write_text(path: Path, text: str) -> None:
     # tmp file in the same directory + rename: readers never see a partial file, and a
     # run killed mid-write leaves the previous complete version.
-    from ..plot import atomic_path
-
     with atomic_path(path) as tmp:
         tmp.write_text(text)
 
@@ -123,8 +123,6 @@ def _write_json(path: Path, obj: Any) -> None:
 
 
 def _plot(out: Path, curves: Mapping[str, Sequence[float]], cfg: Mapping[str, Any]) -> None:
-    from ..plot import plot_loss
-
     mesh = " ".join(f"{k}={v}" for k, v in cfg["mesh"].items()) + (" +sp" if cfg.get("sp") else "")
     plot_loss(out / "loss.png", curves, title=f"{cfg['model']} {cfg['dtype']} {mesh}")
 
