@@ -49,7 +49,7 @@ def _three_steps(mesh_axes, zero, microbatches, dtype=torch.float64, clip=CLIP):
                                         microbatches=microbatches, clip_norm=clip)
     if zero:
         assert first.zero.plan is None and first.opt_state is None  # the input state is untouched
-    return optree.tree_map(_full, state.params), metrics["grad_norm"]
+    return optree.tree_map(_full, dtp.gather_params(state)), metrics["grad_norm"]
 
 
 def _runs(mesh_axes, cases, clip=CLIP):
@@ -129,7 +129,7 @@ def test_zero_composes_with_context_parallel_and_recompute():
                                           layout=_layout({"cp": 2}, zero), axes=llama.param_axes(CFG))
             for step in range(2):
                 state, _ = dtp.train_step(LOSS, state, dtp.shard_batch(_batch(step), state), recompute=recompute)
-            params = optree.tree_map(_full, state.params)
+            params = optree.tree_map(_full, dtp.gather_params(state))
             if zero is None:
                 plain = params
             else:
@@ -188,7 +188,7 @@ def _custom_order():
         state = dtp.TrainState.create(params, dtp.optim.sgd(0.5), mesh=mesh, layout=layout, axes=axes)
         for _ in range(3):
             state, _ = dtp.train_step(loss, state, {"x": dtp.shard(x, mesh, dtp.P("dp"))})
-        results[zero is None] = optree.tree_map(_full, state.params)
+        results[zero is None] = optree.tree_map(_full, dtp.gather_params(state))
         order = state.zero.plan.use_order if zero else None
     return results[True], results[False], order
 
@@ -260,8 +260,8 @@ def _timeline(overlap):
     with dtp.comm.simulated_link(bandwidth=2e5, axes=("dp",)), dtp.comm_log() as log:
         state, _ = dtp.train_step(LOSS, state, dtp.shard_batch(_batch(1), state))
         state, _ = dtp.train_step(LOSS, state, dtp.shard_batch(_batch(2), state))
-        _ = state.params  # reading parameters waits for their gathers
-        assert all(h is None for h in state.zero.inflight)
+        dtp.gather_params(state)  # the explicit call waits for their gathers
+        assert state.zero.pending.done()
     backward = [s for s in log.spans if s.name == "backward"][0]
     forward2 = [s for s in log.spans if s.name == "forward"][1]
     scatters = [r for r in log.records if r.kind == "reduce_scatter" and r.issued < forward2.start]

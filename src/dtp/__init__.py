@@ -5,13 +5,14 @@ redistribution rules; training is a pure function ``train_step(loss_fn, state, b
 This module only re-exports the public surface.
 """
 
-from . import comm, layouts, ops, optim, zero
+from . import comm, layouts, ops, optim, strategies
 from .comm import CommLog, CommRecord, comm_log
 from .layouts import Layout, constrain, use_layout
 from .mesh import detect_device, flatten_axes, make_mesh
 from .redistribute import from_local, reshard
 from .spec import P, shard, spec_of
-from .step import TrainState, shard_batch, train_step
+from .step import TrainState, gather_params, shard_batch, train_step
+from .strategies import zero
 from .visualize import visualize
 
 __version__ = "0.1.0"
@@ -20,6 +21,6 @@ __all__ = [
     "P", "make_mesh", "detect_device", "flatten_axes",
     "shard", "from_local", "spec_of", "reshard", "visualize",
     "comm_log", "CommLog", "CommRecord",
-    "Layout", "layouts", "use_layout", "constrain", "ops", "optim", "zero", "comm",
-    "TrainState", "train_step", "shard_batch",
+    "Layout", "layouts", "use_layout", "constrain", "ops", "optim", "strategies", "zero", "comm",
+    "TrainState", "train_step", "shard_batch", "gather_params",
 ]

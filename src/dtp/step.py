@@ -18,15 +18,16 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from . import zero as zero_mod
+from . import strategies
 from .comm import comm_log, span
 from .layouts import Layout, use_layout
 from .optim import GradientTransformation, apply_updates, clip_by_global_norm, global_norm
 from .ops.recompute import POLICIES, recompute as recompute_policy
-from .redistribute import from_local, reshard
+from .strategies import zero as zero_mod
+from .redistribute import from_local
 from .spec import P, shard, spec_of
 
-__all__ = ["TrainState", "train_step", "value_and_grad", "shard_batch"]
+__all__ = ["TrainState", "train_step", "value_and_grad", "shard_batch", "gather_params"]
 
 PyTree = Any
 _BATCH_AXES = ("batch", "seq")
@@ -40,16 +41,19 @@ def _is_axes(x: object) -> bool:
 class TrainState:
     """Step, parameters and optimizer state (a pytree), plus the static layout context.
 
+    Plain data: reading a field returns what is stored and never communicates.
     ``params``/``opt_state`` are pytrees of DTensors laid out as ``layout`` says on
     ``mesh``; ``axes`` holds each parameter's logical axis names. Functions take a state
     and return a new one; nothing is modified in place.
 
-    Under ``layouts.zero(stage)`` (see :mod:`dtp.zero`), ``opt_state`` holds the
-    optimizer state of this rank's flat bucket slices (built in the first step, ``None``
-    before), ``zero`` the master-weight slices and any parameter all-gathers still in
-    flight. Reading ``state.params`` is always safe: it waits for those gathers (no new
-    collective); under stage 3, whose parameters rest as slices, it all-gathers them — a
-    collective, so read it on every rank (for a checkpoint, say).
+    Under ``layouts.zero(stage)`` (see :mod:`dtp.strategies.zero`) ``zero`` holds the
+    buckets, this rank's fp32 master-weight slices and (stage 1/2) the gathered parameter
+    buffers; ``opt_state`` covers the master slices. Both come with the first step,
+    which orders the buckets by first use: before it ``opt_state`` is ``None``
+    (``optimizer.init(state.params)`` is the state it starts from). Stage 1/2 ``params``
+    are views of buffers that ``overlap_param_gather`` may still be filling, and stage 3
+    keeps no whole parameters at all (``params`` is ``None`` after the first step):
+    :func:`gather_params` is the one call that waits for, or gathers, them.
     """
 
     step: int
@@ -60,13 +64,6 @@ class TrainState:
     layout: Layout
     axes: PyTree
     zero: "zero_mod.ZeroState | None" = None
-
-    def __getattribute__(self, name: str) -> Any:
-        if name == "params":
-            z = object.__getattribute__(self, "zero")
-            if z is not None:
-                return z.full_params(object.__getattribute__(self, "params"))
-        return object.__getattribute__(self, name)
 
     @classmethod
     def create(cls, params: PyTree, optimizer: GradientTransformation, *, mesh: DeviceMesh, layout: Layout,
@@ -100,17 +97,13 @@ class TrainState:
         return cls(0, params, optimizer.init(params), optimizer, mesh, layout, axes)
 
     def replace(self, **changes: Any) -> "TrainState":
-        # Field by field as stored: copying a state must not wait for, or gather, params.
-        values = {f.name: object.__getattribute__(self, f.name) for f in dataclasses.fields(self)}
-        zero = changes.get("zero", values["zero"])
-        if "params" in changes and "zero" not in changes and zero is not None and zero.plan is not None:
+        if "params" in changes and "zero" not in changes and self.zero is not None and self.zero.plan is not None:
             raise ValueError("TrainState.replace: under ZeRO the parameters live in the buckets and master "
                              "slices; new parameters need a new state (TrainState.create)")
-        return TrainState(**{**values, **changes})
+        return dataclasses.replace(self, **changes)
 
-    def __repr__(self) -> str:  # never reads params (under ZeRO-3 that is a collective)
-        zero = object.__getattribute__(self, "zero")
-        extra = f", zero=stage {zero.stage}" if zero is not None else ""
+    def __repr__(self) -> str:
+        extra = f", zero=stage {self.zero.stage}" if self.zero is not None else ""
         return f"TrainState(step={self.step}, layout={self.layout.name or 'custom'!r}, mesh={self.mesh}{extra})"
 
     def param_specs(self) -> PyTree:
@@ -118,22 +111,34 @@ class TrainState:
         return optree.tree_map(_spec, self.params, none_is_leaf=True)
 
 
-def _stored_params(s: TrainState) -> PyTree:
-    """The params as stored: in-flight gathers waited for (local), never gathered anew —
-    under ZeRO-3 that is ``None`` and the state's leaves are its master slices."""
-    zero = object.__getattribute__(s, "zero")
-    if zero is not None:
-        zero.wait()
-    return object.__getattribute__(s, "params")
-
+_CHILDREN = ("params", "opt_state", "zero")  # the tensors; the rest is static
+_STATIC = ("step", "optimizer", "mesh", "layout", "axes")
 
 optree.register_pytree_node(
     TrainState,
-    lambda s: ((_stored_params(s), s.opt_state, s.zero), (s.step, s.optimizer, s.mesh, s.layout, s.axes),
-               ("params", "opt_state", "zero")),
-    lambda aux, children: TrainState(aux[0], children[0], children[1], *aux[1:], children[2]),
+    lambda s: (tuple(getattr(s, f) for f in _CHILDREN), tuple(getattr(s, f) for f in _STATIC), _CHILDREN),
+    lambda static, children: TrainState(**dict(zip(_STATIC, static)), **dict(zip(_CHILDREN, children))),
     namespace="dtp",
 )
+
+
+def gather_params(state: TrainState) -> PyTree:
+    """The whole parameter tree, laid out as the layout says — the explicit call.
+
+    Without ZeRO it is ``state.params``. Under ZeRO stage 1/2 it waits for parameter
+    all-gathers still in flight (``overlap_param_gather``; no new collective). Under
+    stage 3 it all-gathers every bucket: a collective, so call it on every rank.
+
+    >>> import torch, dtp
+    >>> mesh = dtp.make_mesh()                      # one process: a mesh of one device
+    >>> state = dtp.TrainState.create({"w": torch.ones(2)}, dtp.optim.sgd(0.1), mesh=mesh,
+    ...                               layout=dtp.layouts.data(), axes={"w": ("embed",)})
+    >>> dtp.gather_params(state)["w"]
+    tensor([1., 1.], requires_grad=True)
+    """
+    if state.zero is None:
+        return state.params
+    return zero_mod.gather(state.zero, state.params)
 
 
 def shard_batch(batch: Mapping[str, torch.Tensor], state: TrainState) -> dict[str, DTensor]:
@@ -201,6 +206,21 @@ def _value(x: torch.Tensor) -> float:
     return float(x.to_local() if isinstance(x, DTensor) else x)
 
 
+def _forward_backward(loss_fn: Callable, run: strategies.StepRun,
+                      microbatches: list[dict[str, torch.Tensor]]) -> tuple[float, Any]:
+    """The one microbatch loop: each microbatch's mean weighted 1/m, so gradient
+    accumulation equals one big batch. Where the gradients go is the run's business."""
+    total, aux, m = 0.0, None, len(microbatches)
+    for k, mb in enumerate(microbatches):
+        with span("forward"), run.forward():
+            out = loss_fn(run.params(), mb)
+        loss, aux = out if isinstance(out, tuple) else (out, None)
+        with span("backward"):
+            run.backward(loss / m, k)
+        total += _value(loss.detach()) / m
+    return total, aux
+
+
 def value_and_grad(loss_fn: Callable[[PyTree, Mapping[str, torch.Tensor]], Any], state: TrainState,
                    batch: Mapping[str, torch.Tensor], *, microbatches: int = 1,
                    recompute: str | None = None) -> tuple[float, Any, PyTree]:
@@ -212,30 +232,11 @@ def value_and_grad(loss_fn: Callable[[PyTree, Mapping[str, torch.Tensor]], Any],
         raise ValueError("value_and_grad: a ZeRO state's gradients are reduce-scattered into bucket slices "
                          "inside dtp.train_step; call train_step (or drop layouts.zero)")
     _check_inputs(batch, state, microbatches, recompute)
-    leaves, treedef = optree.tree_flatten(state.params)
+    run = strategies.begin(state, microbatches)
     with use_layout(state.layout, state.mesh), recompute_policy(recompute):
-        grads: list[torch.Tensor | None] = [None] * len(leaves)
-        total_loss, aux = 0.0, None
-        for mb in _split_microbatches(batch, microbatches):
-            with span("forward"):
-                out = loss_fn(optree.tree_unflatten(treedef, leaves), mb)
-            loss, aux = out if isinstance(out, tuple) else (out, None)
-            with span("backward"):
-                mb_grads = torch.autograd.grad(loss / microbatches, leaves, allow_unused=True)
-            for i, g in enumerate(mb_grads):
-                if g is None:
-                    continue
-                if grads[i] is None:
-                    grads[i] = g
-                else:  # accumulate in the accumulator's layout (pending sums add locally)
-                    grads[i] = grads[i] + (g if _spec(g) == _spec(grads[i]) else reshard(g, spec_of(grads[i])))
-            total_loss += _value(loss.detach()) / microbatches
-        # To the parameters' layout: pending sums over dp become all-reduces (DDP).
-        reduced = []
-        for g, p in zip(grads, leaves):
-            g = torch.zeros_like(p) if g is None else g
-            reduced.append(reshard(g, spec_of(p), tag="grad reduce") if _spec(g) != _spec(p) else g)
-    return total_loss, aux, optree.tree_unflatten(treedef, reduced)
+        loss, aux = _forward_backward(loss_fn, run, _split_microbatches(batch, microbatches))
+        (_, grads), = run.gradients()
+    return loss, aux, grads
 
 
 def train_step(loss_fn: Callable[[PyTree, Mapping[str, torch.Tensor]], Any], state: TrainState,
@@ -246,41 +247,86 @@ def train_step(loss_fn: Callable[[PyTree, Mapping[str, torch.Tensor]], Any], sta
 
     ``loss_fn(params, batch)`` returns the mean loss (or ``(loss, aux)``).
     ``recompute`` is ``None``, ``"full"`` (each block) or ``"selective"`` (attention core).
+    How gradients are reduced and parameters updated is the state's strategy
+    (:mod:`dtp.strategies`: replicated all-reduce, or ZeRO buckets); this function is
+    the same for all of them.
 
     Metrics: ``loss``, ``grad_norm``, ``lr``, ``tokens``, ``step_time`` (s) and
     ``comm_bytes`` — ``{axis: {collective: bytes sent per rank}}`` from the comm log.
     """
     t0 = time.perf_counter()
-    if state.zero is not None:
-        return _zero_train_step(loss_fn, state, batch, microbatches, recompute, clip_norm, t0)
-    with comm_log() as log:
-        loss, aux, grads = value_and_grad(loss_fn, state, batch, microbatches=microbatches, recompute=recompute)
-        with torch.no_grad(), span("update"):
-            if clip_norm is not None:
-                grads, norm = clip_by_global_norm(grads, clip_norm)
-            else:
-                norm = global_norm(grads)
-            updates, opt_state = state.optimizer.update(grads, state.opt_state, state.params)
-            params = apply_updates(state.params, updates)
-    return state.replace(step=state.step + 1, params=params, opt_state=opt_state), \
-        _metrics(state, batch, loss, aux, norm, t0, log)
-
-
-def _zero_train_step(loss_fn: Callable, state: TrainState, batch: Mapping[str, torch.Tensor], microbatches: int,
-                     recompute: str | None, clip_norm: float | None, t0: float) -> tuple[TrainState, dict[str, Any]]:
-    """``train_step`` under ZeRO: the forward reads parameters through the bucket view,
-    backward reduce-scatters buckets, each rank updates its slices (see :mod:`dtp.zero`)."""
     _check_inputs(batch, state, microbatches, recompute)
-    raw = object.__getattribute__(state, "params")
+    run = strategies.begin(state, microbatches)
     with comm_log() as log:
         with use_layout(state.layout, state.mesh), recompute_policy(recompute):
-            loss, aux, step = zero_mod.value_and_grad(loss_fn, state.zero, raw,
-                                                      _split_microbatches(batch, microbatches))
+            loss, aux = _forward_backward(loss_fn, run, _split_microbatches(batch, microbatches))
         with torch.no_grad(), span("update"):
-            new_zero, opt_state, norm = zero_mod.update(step, state.optimizer, state.opt_state, clip_norm)
-    params = zero_mod.params_tree(new_zero) if new_zero.stage < 3 else None
-    new = state.replace(step=state.step + 1, params=params, opt_state=opt_state, zero=new_zero)
+            updated, opt_state, norm = _update(run, state.optimizer, state.opt_state, clip_norm)
+            params, zero = run.finish(updated)
+    new = dataclasses.replace(state, step=state.step + 1, params=params, opt_state=opt_state, zero=zero)
     return new, _metrics(state, batch, loss, aux, norm, t0, log)
+
+
+def _update(run: strategies.StepRun, optimizer: GradientTransformation, opt_state: PyTree,
+            clip_norm: float | None) -> tuple[list[PyTree], PyTree, torch.Tensor]:
+    """The one update path: the run's reduced gradients, clipped to ``clip_norm`` over
+    all of them, applied to the run's targets.
+
+    With several groups (ZeRO buckets), an elementwise optimizer (sgd, adamw) and no
+    clipping, each group is updated as soon as its reduction lands, under the later
+    groups' transfers (Megatron waits for all of them first); clipping needs every
+    group's norm first, so it updates all at once."""
+    targets = run.targets()
+    if opt_state is None:  # ZeRO's first step: the state of the master slices it just cut
+        opt_state = optimizer.init(targets if run.grouped else targets[0])
+    n = len(targets)
+    grads: list[PyTree] = [None] * n
+    if run.grouped and clip_norm is None and optimizer.elementwise:
+        parts: list[PyTree] = [None] * n
+        for i, g in run.gradients():
+            u, parts[i] = optimizer.update([g], _state_part(opt_state, i, n), [targets[i]])
+            targets[i] = apply_updates([targets[i]], u)[0]
+            grads[i] = g
+        return targets, _state_join(opt_state, parts, n), global_norm(grads)  # norm reported, off the path
+    for i, g in run.gradients():
+        grads[i] = g
+    tree, params = (grads, targets) if run.grouped else (grads[0], targets[0])
+    if clip_norm is not None:
+        tree, norm = clip_by_global_norm(tree, clip_norm)
+    else:
+        norm = global_norm(tree)
+    updates, opt_state = optimizer.update(tree, opt_state, params)
+    new = apply_updates(params, updates)
+    return (new if run.grouped else [new]), opt_state, norm
+
+
+def _bucket_lists(node: Any, n: int) -> bool:
+    return type(node) is list and len(node) == n
+
+
+def _state_part(state: Any, i: int, n: int) -> Any:
+    """Group ``i``'s part of an elementwise optimizer's state: every list that mirrors
+    the ``n`` groups (moments, momentum) cut to ``[i]``; scalars (the count) kept."""
+    if _bucket_lists(state, n):
+        return [state[i]]
+    if isinstance(state, tuple):
+        parts = [_state_part(x, i, n) for x in state]
+        return type(state)(*parts) if hasattr(state, "_fields") else tuple(parts)
+    if isinstance(state, dict):
+        return {k: _state_part(v, i, n) for k, v in state.items()}
+    return state
+
+
+def _state_join(template: Any, parts: list[Any], n: int) -> Any:
+    """Inverse of :func:`_state_part` over the per-group updated states."""
+    if _bucket_lists(template, n):
+        return [p[0] for p in parts]
+    if isinstance(template, tuple):
+        joined = [_state_join(t, [p[j] for p in parts], n) for j, t in enumerate(template)]
+        return type(template)(*joined) if hasattr(template, "_fields") else tuple(joined)
+    if isinstance(template, dict):
+        return {k: _state_join(v, [p[k] for p in parts], n) for k, v in template.items()}
+    return parts[-1]  # shared (the count): every group's update advanced it alike
 
 
 def _metrics(state: TrainState, batch: Mapping[str, torch.Tensor], loss: float, aux: Any, norm: torch.Tensor,

@@ -31,23 +31,23 @@ DDP's all-reduce; stage 3 adds the backward re-gather: 3Ψ.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import math
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, ContextManager, Iterator, Mapping, Sequence
 
 import optree
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from . import comm
-from .optim import GradientTransformation, apply_updates, clip_by_global_norm, global_norm
-from .redistribute import reshard
-from .spec import P, _names, _sizes, _wrap, spec_of
+from .. import comm
+from ..redistribute import reshard
+from ..spec import P, _names, _sizes, _wrap, spec_of
 
-__all__ = ["ZeroState", "ZeroPlan", "Bucket", "options", "bytes_per_parameter"]
+__all__ = ["ZeroState", "ZeroPlan", "Bucket", "InflightGathers", "Run", "options", "gather", "bytes_per_parameter"]
 
 PyTree = Any
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
@@ -131,21 +131,43 @@ class ZeroPlan:
     use_order: tuple[str, ...]  # parameter paths in the order forward first read them
 
 
-@dataclass
+class InflightGathers:
+    """Parameter all-gathers still on the wire between steps, one slot per bucket.
+
+    Mutable by name and by design: waiting clears a slot. A :class:`ZeroState` holds one
+    so the state itself stays plain data; waiting twice is harmless."""
+
+    def __init__(self, handles: Sequence[comm.CommHandle | None] = ()):
+        self._handles = list(handles)
+
+    def wait(self, bucket: int | None = None) -> None:
+        """Wait for bucket ``bucket``'s gather (all of them with ``None``); no new collective."""
+        for b in range(len(self._handles)) if bucket is None else (bucket,):
+            if b < len(self._handles) and self._handles[b] is not None:
+                self._handles[b].wait()
+                self._handles[b] = None
+
+    def done(self) -> bool:
+        """True once nothing is left in flight (every slot waited for)."""
+        return all(h is None for h in self._handles)
+
+
+@dataclass(frozen=True)
 class ZeroState:
     """ZeRO's part of a :class:`dtp.TrainState`: the plan, the master-weight slices and,
-    between steps, the parameter all-gathers still in flight.
+    stage 1/2, the gathered parameter buffers with any gathers still in flight.
 
+    Plain data: reading a field never communicates. ``pending`` is the one thing that
+    changes (waiting on it); ``dtp.gather_params(state)`` waits, or under stage 3 gathers.
     Its pytree children are the master slices (flat DTensors sharded over dp)."""
 
     options: dict[str, Any]
     leaves: tuple[_Leaf, ...]
     skeleton: PyTree  # the params tree with leaf indices for leaves
     plan: ZeroPlan | None = None
-    master: list[DTensor] = field(default_factory=list)
-    buffers: list[torch.Tensor | None] = field(default_factory=list)  # stage 1/2: gathered params
-    inflight: list[comm.CommHandle | None] = field(default_factory=list)
-    _full: PyTree | None = None  # stage 3: the tree last gathered for a reader
+    master: tuple[DTensor, ...] = ()
+    buffers: tuple[torch.Tensor, ...] = ()  # stage 1/2: gathered params
+    pending: InflightGathers = field(default_factory=InflightGathers)
 
     @property
     def stage(self) -> int:
@@ -153,34 +175,30 @@ class ZeroState:
 
     def wait(self) -> None:
         """Wait for every in-flight parameter all-gather (no new collective)."""
-        for b, h in enumerate(self.inflight):
-            if h is not None:
-                h.wait()
-                self.inflight[b] = None
-
-    def full_params(self, raw: PyTree) -> PyTree:
-        """The parameters as a tree of DTensors laid out like the layout says.
-
-        Stage 1/2 waits for in-flight gathers (local); stage 3 all-gathers every bucket
-        — a collective: read it on every rank."""
-        if self.plan is None:
-            return raw
-        if self.stage < 3:
-            self.wait()
-            return raw
-        if self._full is None:
-            bufs = [_gather(self.plan, b, _param_slice(self.master[b.index], b), async_op=False, tag="zero3 read")
-                    for b in self.plan.buckets]
-            self._full = _tree_of_views(self, bufs, requires_grad=True)
-        return self._full
+        self.pending.wait()
 
 
 optree.register_pytree_node(
     ZeroState,
-    lambda z: ((z.master,), (z.options, z.leaves, z.skeleton, z.plan, z.buffers, z.inflight), ("master",)),
-    lambda aux, children: ZeroState(aux[0], aux[1], aux[2], aux[3], children[0], *aux[4:]),
+    lambda z: ((z.master,), (z.options, z.leaves, z.skeleton, z.plan, z.buffers, z.pending), ("master",)),
+    lambda aux, children: ZeroState(aux[0], aux[1], aux[2], aux[3], tuple(children[0]), *aux[4:]),
     namespace="dtp",
 )
+
+
+def gather(z: ZeroState, raw: PyTree) -> PyTree:
+    """The parameters as a tree of DTensors laid out as the layout says.
+
+    Stage 1/2 waits for in-flight gathers (no new collective); stage 3 all-gathers
+    every bucket — a collective: call it on every rank."""
+    if z.plan is None:
+        return raw
+    z.pending.wait()
+    if z.stage < 3:
+        return raw
+    bufs = [_gather(z.plan, b, _param_slice(z.master[b.index], b), async_op=False, tag="zero3 read")
+            for b in z.plan.buckets]
+    return _tree_of_views(z, bufs, requires_grad=True)
 
 
 def create(params: PyTree, opts: dict[str, Any]) -> ZeroState:
@@ -273,7 +291,7 @@ class _ParamView(torch.autograd.Function):
     """A parameter leaf for the forward; its backward feeds the gradient to its bucket."""
 
     @staticmethod
-    def forward(ctx, anchor: torch.Tensor, local: torch.Tensor, step: "_Step", i: int) -> DTensor:  # type: ignore[override]
+    def forward(ctx, anchor: torch.Tensor, local: torch.Tensor, step: "Run", i: int) -> DTensor:  # type: ignore[override]
         ctx.step, ctx.i = step, i
         leaf = step.z.leaves[i]
         return _wrap(local, leaf.mesh, leaf.spec, leaf.shape)
@@ -293,7 +311,7 @@ def _in_backward() -> bool:
 class _LazyMapping(Mapping):
     """A read-only mirror of a dict of parameters; leaves materialise on read."""
 
-    def __init__(self, node: Mapping, step: "_Step"):
+    def __init__(self, node: Mapping, step: "Run"):
         self._node, self._step = node, step
 
     def __getitem__(self, key: Any) -> Any:
@@ -315,7 +333,7 @@ class _LazyMapping(Mapping):
 class _LazySequence(Sequence):
     """A read-only mirror of a list/tuple of parameters; leaves materialise on read."""
 
-    def __init__(self, node: Sequence, step: "_Step"):
+    def __init__(self, node: Sequence, step: "Run"):
         self._node, self._step = node, step
 
     def __getitem__(self, index: Any) -> Any:
@@ -327,13 +345,15 @@ class _LazySequence(Sequence):
         return len(self._node)
 
 
-class _Step:
-    """One train step under ZeRO: the forward's parameter view and the gradient buckets."""
+class Run:
+    """One train step under ZeRO (a :class:`dtp.strategies.StepRun`): the forward's
+    parameter view, the gradient buckets, and the update of this rank's master slices."""
+
+    grouped = True  # the optimizer state covers the list of master slices, one per bucket
 
     def __init__(self, z: ZeroState, raw: PyTree, microbatches: int):
-        # A copy: the first step fixes the plan on it, not on the caller's state (the
-        # buffers and in-flight list stay shared: waiting on a gather is idempotent).
-        z = ZeroState(z.options, z.leaves, z.skeleton, z.plan, z.master, z.buffers, z.inflight)
+        # The first step fixes the plan on the run's own copy of the (frozen) state, never
+        # on the caller's; the in-flight gathers are shared: waiting on one is idempotent.
         self.z, self.microbatches = z, microbatches
         self.raw_leaves = None if z.plan is not None else [x.to_local() for x in optree.tree_leaves(raw)]
         self.device = (self.raw_leaves[0] if self.raw_leaves else z.master[0].to_local()).device
@@ -355,8 +375,14 @@ class _Step:
         self.live_ptrs: dict[int, int] = {}
 
     # ---- forward
-    def tree(self) -> PyTree:
+    def params(self) -> PyTree:
         return self.resolve(self.z.skeleton)
+
+    def forward(self) -> ContextManager[None]:
+        # Stage 3: saved activations refer to their bucket instead of holding it.
+        if self.z.stage == 3:
+            return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+        return contextlib.nullcontext()
 
     def resolve(self, node: Any) -> Any:
         if isinstance(node, int) and not isinstance(node, bool):
@@ -389,10 +415,7 @@ class _Step:
     def _bucket_buffer(self, b: int) -> torch.Tensor:
         z = self.z
         if z.stage < 3:
-            handle = z.inflight[b] if z.inflight else None
-            if handle is not None:  # first use: wait for this bucket's all-gather only
-                handle.wait()
-                z.inflight[b] = None
+            z.pending.wait(b)  # first use: wait for this bucket's all-gather only
             return z.buffers[b]
         return self._gathered(b, ahead=-1 if _in_backward() else 1)
 
@@ -455,14 +478,21 @@ class _Step:
         return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
 
     # ---- backward
-    def begin_backward(self, microbatch: int) -> None:
-        """Called after each microbatch's forward: (first step) fix the buckets, then
-        count the views each bucket waits for."""
-        z = self.z
+    def backward(self, loss: torch.Tensor, microbatch: int) -> None:
+        """Backward of one microbatch: every parameter's gradient lands in its bucket
+        (through the views' backward), the last microbatch's completes buckets post their
+        reduce-scatters."""
+        self._begin_backward(microbatch)
+        torch.autograd.grad(loss, [self.anchor], allow_unused=True)
+
+    def _begin_backward(self, microbatch: int) -> None:
+        """After each microbatch's forward: (first step) fix the buckets, then count the
+        views each bucket waits for."""
         self.microbatch = microbatch
-        if z.plan is None:
-            z.plan = _plan(z, self.used)
-            _check_same_plan(z.plan, self.device)
+        if self.z.plan is None:
+            self.z = dataclasses.replace(self.z, plan=_plan(self.z, self.used))
+            _check_same_plan(self.z.plan, self.device)
+        z = self.z
         self.position = 0
         if not self.grad_bufs:
             self.grad_bufs = [None] * len(z.plan.buckets)
@@ -509,7 +539,7 @@ class _Step:
         if self.z.stage >= 2:  # only the slice outlives the reduce-scatter (the handle keeps it until done)
             self.grad_bufs[b] = None
 
-    def gradient_slices(self) -> Iterator[tuple[int, DTensor]]:
+    def gradients(self) -> Iterator[tuple[int, DTensor]]:
         """``(bucket, reduced gradient slice)`` for every bucket, in the order the
         reduce-scatters were posted (backward's), so a caller can use each slice as soon
         as it lands while later ones are still on the wire; buckets backward did not post
@@ -542,6 +572,43 @@ class _Step:
             self.reduce = [None] * len(plan.buckets)
 
 
+    # ---- update
+    def targets(self) -> list[DTensor]:
+        """This rank's fp32 master slices, one per bucket (sliced out of the replicated
+        parameters in the first step)."""
+        z, plan = self.z, self.z.plan
+        if z.master:
+            return list(z.master)
+        master = []
+        for b in plan.buckets:
+            flat = torch.zeros(b.numel, dtype=_acc_dtype(b.dtype), device=self.device)
+            for i, off in zip(b.members, b.offsets):
+                z.leaves[i].view(flat, off).copy_(self.raw_leaves[i])
+            master.append(_wrap(_slice_of(plan, b, flat).clone(), plan.mesh, b.spec, _flat_global(b, plan.mesh)))
+        return master
+
+    def finish(self, updated: list[DTensor]) -> tuple[PyTree, ZeroState]:
+        """The new state: updated master slices, and (stage 1/2) every bucket's all-gather
+        posted in forward-use order — left in flight with ``overlap_param_gather``, which
+        the next forward waits for bucket by bucket."""
+        z, plan = self.z, self.z.plan
+        master = tuple(m.detach() for m in updated)
+        if z.stage == 3:
+            return None, ZeroState(z.options, z.leaves, z.skeleton, plan, master)
+        overlap = z.options["overlap_param_gather"]
+        buffers, handles = [], []
+        for b in plan.buckets:  # in forward-use order: the first needed is the first done
+            buf = torch.empty(b.numel, dtype=b.dtype, device=master[b.index].to_local().device)
+            h = _gather(plan, b, _param_slice(master[b.index], b), async_op=True, tag="param gather", out=buf)
+            if not overlap:
+                h.wait()
+            buffers.append(buf)
+            handles.append(h if overlap else None)
+        new = ZeroState(z.options, z.leaves, z.skeleton, plan, master, tuple(buffers), InflightGathers(handles))
+        # Views of the buffers, possibly still being filled: dtp.gather_params(state) waits.
+        return _tree_of_views(new, new.buffers, requires_grad=True), new
+
+
 def _check_same_plan(plan: ZeroPlan, device: torch.device) -> None:
     """Every dp rank must have read the parameters in the same order (so built the same
     buckets); a data-dependent forward could differ. One tiny all-reduce, in step one."""
@@ -563,111 +630,3 @@ class _Saved:
     shape: tuple[int, ...]
     stride: tuple[int, ...]
     meta: Any
-
-
-# --------------------------------------------------------------------------- the step
-
-
-def value_and_grad(loss_fn: Callable, z: ZeroState, raw_params: PyTree,
-                   microbatches: list[Mapping]) -> tuple[float, Any, "_Step"]:
-    """Forward/backward of every microbatch through the ZeRO parameter view."""
-    step = _Step(z, raw_params, len(microbatches))
-    total, aux = 0.0, None
-    for k, mb in enumerate(microbatches):
-        hooks = (torch.autograd.graph.saved_tensors_hooks(step.pack, step.unpack) if z.stage == 3
-                 else contextlib.nullcontext())
-        with comm.span("forward"), hooks:
-            out = loss_fn(step.tree(), mb)
-        loss, aux = out if isinstance(out, tuple) else (out, None)
-        step.begin_backward(k)
-        with comm.span("backward"):
-            torch.autograd.grad(loss / len(microbatches), [step.anchor], allow_unused=True)
-        total += float(loss.detach().to_local() if isinstance(loss, DTensor) else loss.detach()) / len(microbatches)
-    return total, aux, step
-
-
-def _bucket_lists(node: Any, n: int) -> bool:
-    return type(node) is list and len(node) == n
-
-
-def _state_part(state: Any, i: int, n: int) -> Any:
-    """Bucket ``i``'s part of an elementwise optimizer's state: every list that mirrors
-    the ``n`` master slices (moments, momentum) cut to ``[i]``; scalars (the count) kept."""
-    if _bucket_lists(state, n):
-        return [state[i]]
-    if isinstance(state, tuple):
-        parts = [_state_part(x, i, n) for x in state]
-        return type(state)(*parts) if hasattr(state, "_fields") else tuple(parts)
-    if isinstance(state, dict):
-        return {k: _state_part(v, i, n) for k, v in state.items()}
-    return state
-
-
-def _state_join(template: Any, parts: list[Any], n: int) -> Any:
-    """Inverse of :func:`_state_part` over the per-bucket updated states."""
-    if _bucket_lists(template, n):
-        return [p[0] for p in parts]
-    if isinstance(template, tuple):
-        joined = [_state_join(t, [p[j] for p in parts], n) for j, t in enumerate(template)]
-        return type(template)(*joined) if hasattr(template, "_fields") else tuple(joined)
-    if isinstance(template, dict):
-        return {k: _state_join(v, [p[k] for p in parts], n) for k, v in template.items()}
-    return parts[-1]  # shared (the count): every bucket's update advanced it alike
-
-
-def update(step: _Step, optimizer: GradientTransformation, opt_state: Any,
-           clip_norm: float | None) -> tuple[ZeroState, Any, torch.Tensor]:
-    """Reduce-scatter leftovers, clip over the slices, update each rank's slice, and
-    all-gather the new parameters (left in flight with ``overlap_param_gather``).
-
-    With an elementwise optimizer (``optimizer.elementwise``: sgd, adamw) and no
-    clipping, each bucket's slice is updated as soon as its reduce-scatter lands, while
-    the later buckets' are still on the wire (Megatron waits for all of them first);
-    clipping needs the global norm of every slice first, so it updates all at once."""
-    z, plan = step.z, step.z.plan
-    mesh = plan.mesh
-    master = z.master
-    if not master:  # first step: slice the master weights out of the (replicated) params
-        master = []
-        for b in plan.buckets:
-            flat = torch.zeros(b.numel, dtype=_acc_dtype(b.dtype), device=step.device)
-            for i, off in zip(b.members, b.offsets):
-                z.leaves[i].view(flat, off).copy_(step.raw_leaves[i])
-            master.append(_wrap(_slice_of(plan, b, flat).clone(), mesh, b.spec, _flat_global(b, mesh)))
-        opt_state = optimizer.init(master)
-    n = len(plan.buckets)
-    grads: list[Any] = [None] * n
-    if clip_norm is None and getattr(optimizer, "elementwise", False):
-        master, parts = list(master), [None] * n
-        for i, g in step.gradient_slices():
-            u, parts[i] = optimizer.update([g], _state_part(opt_state, i, n), [master[i]])
-            master[i] = apply_updates([master[i]], u)[0].detach()
-            grads[i] = g
-        opt_state = _state_join(opt_state, parts, n)
-        norm = global_norm(grads)  # reported, not used: after the updates, off their path
-    else:
-        for i, g in step.gradient_slices():
-            grads[i] = g
-        if clip_norm is not None:
-            grads, norm = clip_by_global_norm(grads, clip_norm)
-        else:
-            norm = global_norm(grads)
-        updates, opt_state = optimizer.update(grads, opt_state, master)
-        master = [m.detach() for m in apply_updates(master, updates)]
-    new = ZeroState(z.options, z.leaves, z.skeleton, plan, master)
-    if z.stage < 3:
-        overlap = z.options["overlap_param_gather"]
-        for b in plan.buckets:  # in forward-use order: the first needed is the first done
-            buf = torch.empty(b.numel, dtype=b.dtype, device=master[b.index].to_local().device)
-            h = _gather(plan, b, _param_slice(master[b.index], b), async_op=True, tag="param gather", out=buf)
-            if not overlap:
-                h.wait()
-            new.buffers.append(buf)
-            new.inflight.append(h if overlap else None)
-    return new, opt_state, norm
-
-
-def params_tree(z: ZeroState) -> PyTree:
-    """Stage 1/2 after a step: the parameter DTensors, views of the gathered buffers
-    (possibly still being filled: read them through ``TrainState.params``, which waits)."""
-    return _tree_of_views(z, z.buffers, requires_grad=True)

@@ -1,0 +1,69 @@
+"""How a step reduces gradients and updates parameters: one small interface, one object per strategy.
+
+``train_step`` (:mod:`dtp.step`) writes the step once — split the batch, run each
+microbatch's forward and backward under the recompute policy, clip, update, metrics —
+and asks a :class:`StepRun` for the parts that differ between strategies:
+
+==========================  ===============================================================
+``run.params()``            the parameter tree ``loss_fn`` reads in one microbatch's forward
+``run.forward()``           a context around that forward (ZeRO-3: saved activations refer to
+                            their bucket instead of holding it)
+``run.backward(loss, k)``   backward of microbatch ``k`` (``loss`` already weighted 1/m);
+                            where gradients go is the strategy's business
+``run.gradients()``         ``(group, reduced gradient)`` as each group's reduction lands
+``run.targets()``           what the optimizer updates, one entry per group (the parameters
+                            themselves, or ZeRO's fp32 master slices)
+``run.grouped``             ``False``: one group, and the optimizer state covers its tree;
+                            ``True``: the optimizer state covers the list of groups
+``run.finish(updated)``     the new ``(params, opt_state-independent strategy state)``
+==========================  ===============================================================
+
+Strategies today: :mod:`.replicated` (gradients all-reduced to the parameters' layout,
+DDP) and :mod:`.zero` (ZeRO 1/2/3 buckets: reduce-scatter, sharded update, all-gather).
+A pipeline schedule implements the same interface; its ``backward`` is where it runs
+the schedule's sends and receives.
+
+Adding a strategy: options as a frozen, self-checking object in ``dtp.layouts``; the
+collectives through :mod:`dtp.comm`; a ``StepRun`` here; :func:`begin` picks it from the
+state. ``train_step`` and the model stay as they are.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, ContextManager, Iterator, Protocol
+
+import torch
+
+from . import replicated, zero
+
+if TYPE_CHECKING:
+    from ..step import TrainState
+
+__all__ = ["StepRun", "begin", "replicated", "zero"]
+
+PyTree = Any
+
+
+class StepRun(Protocol):
+    """One step's in-flight work under a strategy; lives for one ``train_step``."""
+
+    grouped: bool
+
+    def params(self) -> PyTree: ...
+
+    def forward(self) -> ContextManager[None]: ...
+
+    def backward(self, loss: torch.Tensor, microbatch: int) -> None: ...
+
+    def gradients(self) -> Iterator[tuple[int, PyTree]]: ...
+
+    def targets(self) -> list[PyTree]: ...
+
+    def finish(self, updated: list[PyTree]) -> tuple[PyTree, Any]: ...
+
+
+def begin(state: "TrainState", microbatches: int) -> StepRun:
+    """The run of the strategy ``state`` is laid out for (ZeRO when it holds a ZeRO state)."""
+    if state.zero is not None:
+        return zero.Run(state.zero, state.params, microbatches)
+    return replicated.Run(state.params, microbatches)

@@ -1,0 +1,69 @@
+"""Replicated parameters (data parallel, DDP): gradients reduced to the parameters' layout.
+
+A gradient leaves backward as a pending sum over every mesh axis the batch or sequence
+is split on (``Partial`` over ``dp``, and over ``cp``/``tp`` for parameters those replicate
+over). Microbatches accumulate in that layout — pending sums add locally, no collective —
+and after the last one each gradient goes to its parameter's spec: ``Partial →
+Replicate`` is the all-reduce (tag ``grad reduce``), once per step whatever ``m``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, ContextManager, Iterator
+
+import optree
+import torch
+from torch.distributed.tensor import DTensor
+
+from ..redistribute import reshard
+from ..spec import P, spec_of
+
+__all__ = ["Run"]
+
+PyTree = Any
+
+
+def _spec(x: torch.Tensor) -> P | None:
+    return spec_of(x) if isinstance(x, DTensor) else None
+
+
+class Run:
+    """One step over replicated parameters: the optimizer updates the parameter tree."""
+
+    grouped = False
+
+    def __init__(self, params: PyTree, microbatches: int):
+        self.leaves, self.treedef = optree.tree_flatten(params)
+        self.grads: list[torch.Tensor | None] = [None] * len(self.leaves)
+
+    def params(self) -> PyTree:
+        return optree.tree_unflatten(self.treedef, self.leaves)
+
+    def forward(self) -> ContextManager[None]:
+        return contextlib.nullcontext()
+
+    def backward(self, loss: torch.Tensor, microbatch: int) -> None:
+        for i, g in enumerate(torch.autograd.grad(loss, self.leaves, allow_unused=True)):
+            if g is None:
+                continue
+            acc = self.grads[i]
+            if acc is None:
+                self.grads[i] = g
+            else:  # accumulate in the accumulator's layout (pending sums add locally)
+                self.grads[i] = acc + (g if _spec(g) == _spec(acc) else reshard(g, spec_of(acc)))
+
+    def gradients(self) -> Iterator[tuple[int, PyTree]]:
+        # To the parameters' layout: pending sums over dp become all-reduces (DDP).
+        reduced = []
+        for g, p in zip(self.grads, self.leaves):
+            g = torch.zeros_like(p) if g is None else g
+            reduced.append(reshard(g, spec_of(p), tag="grad reduce") if _spec(g) != _spec(p) else g)
+        self.grads = [None] * len(self.leaves)
+        yield 0, optree.tree_unflatten(self.treedef, reduced)
+
+    def targets(self) -> list[PyTree]:
+        return [self.params()]
+
+    def finish(self, updated: list[PyTree]) -> tuple[PyTree, None]:
+        return updated[0], None

@@ -1,0 +1,80 @@
+"""TrainState is plain data: reading a field never communicates, the pytree's leaves are
+its tensors, and ``dtp.gather_params`` is the one call that waits for or gathers the
+parameters; every strategy runs through the same ``train_step``."""
+
+import functools
+
+import optree
+import torch
+from torch.distributed.tensor import DTensor
+
+import dtp
+from dtp.models import llama
+from dtp.testing import assert_tree_close, run
+
+CFG = llama.config("tiny")
+LOSS = functools.partial(llama.loss, cfg=CFG)
+
+
+def _batch(seed: int) -> dict[str, torch.Tensor]:
+    tok = torch.randint(0, CFG.vocab_size, (4, 17), generator=torch.Generator().manual_seed(seed))
+    return {"tokens": tok[:, :-1].contiguous(), "targets": tok[:, 1:].contiguous()}
+
+
+def _full(x):
+    return (x.full_tensor() if isinstance(x, DTensor) else x).detach()
+
+
+def _reads(zero):
+    """Per stage: collectives issued by reading every field and repr; by gather_params."""
+    mesh = dtp.make_mesh(dp=2)
+    layout = dtp.layouts.data() + (dtp.layouts.zero(**zero) if zero else dtp.Layout())
+    state = dtp.TrainState.create(llama.init(CFG, seed=0, dtype=torch.float64), dtp.optim.adamw(1e-2),
+                                  mesh=mesh, layout=layout, axes=llama.param_axes(CFG))
+    fresh_leaves = len(optree.tree_leaves(state, namespace="dtp"))
+    for step in range(2):
+        state, _ = dtp.train_step(LOSS, state, dtp.shard_batch(_batch(step), state))
+    with dtp.comm_log() as log:
+        fields = (state.step, state.params, state.opt_state, state.zero, state.layout, repr(state))
+        leaves = optree.tree_leaves(state, namespace="dtp")
+    reads = len(log.records)
+    with dtp.comm_log() as log:
+        params = dtp.gather_params(state)
+    gathers = sorted({r.kind for r in log.records})
+    tensors = all(isinstance(x, torch.Tensor) for x in leaves)
+    stage3_params = fields[1] if zero and zero["stage"] == 3 else "n/a"
+    return reads, gathers, tensors, fresh_leaves > 0, stage3_params, optree.tree_map(_full, params)
+
+
+def test_reading_a_state_never_communicates_and_gather_params_is_explicit():
+    def go():
+        return [_reads(z) for z in (None, dict(stage=2, bucket_mb=1e-3, overlap_param_gather=True),
+                                    dict(stage=3, bucket_mb=1e-3))]
+
+    (plain, zero2, zero3) = run(go, world_size=2)[0]
+    for name, (reads, gathers, tensors, fresh, _, _) in zip(("plain", "zero2", "zero3"), (plain, zero2, zero3)):
+        assert reads == 0, name  # no attribute read, repr or flatten issues a collective
+        assert tensors and fresh, name  # the pytree's leaves are tensors, from create on
+    assert plain[1] == [] and zero2[1] == []  # waiting for in-flight gathers is no collective
+    assert zero3[1] == ["all_gather"]  # stage 3 keeps slices: gathering them is the explicit collective
+    assert zero3[4] is None  # and its state holds no whole parameters
+    assert_tree_close(zero2[5], plain[5], rtol=1e-10)
+    assert_tree_close(zero3[5], plain[5], rtol=1e-10)
+
+
+def test_replace_keeps_fields_and_refuses_new_params_under_zero():
+    def go():
+        mesh = dtp.make_mesh(dp=2)
+        state = dtp.TrainState.create(llama.init(CFG, seed=0), dtp.optim.sgd(0.1), mesh=mesh,
+                                      layout=dtp.layouts.data() + dtp.layouts.zero(1), axes=llama.param_axes(CFG))
+        state, _ = dtp.train_step(LOSS, state, dtp.shard_batch(_batch(0), state))
+        later = state.replace(step=7)
+        try:
+            state.replace(params=state.params)
+        except ValueError as e:
+            return later.step, later.zero is state.zero, str(e)
+        return later.step, later.zero is state.zero, ""
+
+    step, same_zero, message = run(go, world_size=2)[0]
+    assert step == 7 and same_zero
+    assert "new parameters need a new state" in message
