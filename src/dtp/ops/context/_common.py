@@ -182,10 +182,6 @@ def _coord(mesh: DeviceMesh, axis: str) -> int:
     return coord[mesh.mesh_dim_names.index(axis)]
 
 
-def _respec(spec: P, seq_axes: tuple[str, ...], heads_extra: tuple[str, ...] = ()) -> P:
-    return P(spec.axes_of(0), spec.axes_of(1) + heads_extra, seq_axes)
-
-
 def _scale(scale: float | None, d: int) -> float:
     return 1.0 / math.sqrt(d) if scale is None else float(scale)
 

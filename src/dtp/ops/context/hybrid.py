@@ -5,13 +5,10 @@ from __future__ import annotations
 
 from typing import Sequence
 
-import torch
 from torch.distributed.tensor import DTensor
 
-from ...redistribute import from_local, to_local
-from ...spec import _sizes, spec_of
-from ._common import _check_heads, _check_inputs, _check_ulysses_chunks, _check_window, _coord, _Layout, _respec, \
-    _scale, _unflatten
+from ...spec import _sizes
+from ._common import _check_heads, _check_inputs, _check_ulysses_chunks, _check_window, _coord, _scale, _unflatten
 from .ring import _Ring
 from .ulysses import _ulysses_dtensor, _UlyssesPlan
 
@@ -89,11 +86,8 @@ def hybrid_attention(q: DTensor, k: DTensor, v: DTensor, *, ulysses_degree: int 
     else:
         ring = _Ring(view, ring_axes[0], None, R, R, _coord(view, ring_axes[0]))
 
-    # Re-express q/k/v on the view (same local shards, the seq split named by sub-axes).
-    view_seq = ring_axes + (uly,)
-    vlay = _Layout(view, _respec(lay.spec, view_seq), lay.batch_axes, lay.head_axes, view_seq, lay.tp, cp)
+    # The collectives run on the view (its sub-axes name the ring and Ulysses groups);
+    # the local shards are the same on either mesh, so q/k/v and the output stay on lay.mesh.
     plan = _UlyssesPlan(view, uly, u, r, chunks, load_balance == "zigzag", causal, _scale(scale, q.shape[-1]),
                         ring, load_balance)
-    vq, vk, vv = (from_local(to_local(t), view, _respec(spec_of(t), view_seq), tuple(t.shape)) for t in (q, k, v))
-    out = _ulysses_dtensor(vq, vk, vv, vlay, plan)
-    return from_local(to_local(out), lay.mesh, lay.spec, tuple(q.shape), name="out")
+    return _ulysses_dtensor(q, k, v, lay, plan)

@@ -13,7 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from ... import comm
-from ...redistribute import from_local, to_local
+from ...redistribute import local_map
 from ..blockwise import accum_dtype, block_backward, block_forward, merge_into, ring_block_plan
 from ._common import (
     _check_axis_name,
@@ -253,8 +253,11 @@ def _ring_local(ql: torch.Tensor, kl: torch.Tensor, vl: torch.Tensor, ring: _Rin
 
 def _ring_dtensor(q: DTensor, k: DTensor, v: DTensor, lay: _Layout, ring: _Ring, causal: bool,
                   load_balance: str | None, scale: float | None, chunks: int) -> DTensor:
-    out = _ring_local(to_local(q), to_local(k), to_local(v), ring, causal, load_balance, scale, chunks)
-    return from_local(out, lay.mesh, lay.spec, tuple(q.shape), name="out")
+    def local(ql: torch.Tensor, kl: torch.Tensor, vl: torch.Tensor) -> torch.Tensor:
+        return _ring_local(ql, kl, vl, ring, causal, load_balance, scale, chunks)
+
+    # The output is laid out like q (checked inputs, same local shape on every rank).
+    return local_map(local, (None, None, None), lay.spec, check_shapes=False)(q, k, v)
 
 
 def ring_attention(q: DTensor, k: DTensor, v: DTensor, *, axis: str = "cp", causal: bool = True,

@@ -13,7 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from ... import comm
-from ...redistribute import from_local, to_local
+from ...redistribute import local_map
 from ..blockwise import accum_dtype, block_backward, block_forward, select_impl
 from ._common import _check_axis_name, _check_heads, _check_inputs, _check_ulysses_chunks, _Layout, _scale
 from .ring import _Ring, _ring_backward, _ring_forward
@@ -266,8 +266,13 @@ def _assemble(pieces: list[torch.Tensor], shape: tuple[int, ...], dtype: torch.d
 
 
 def _ulysses_dtensor(q: DTensor, k: DTensor, v: DTensor, lay: _Layout, plan: _UlyssesPlan) -> DTensor:
-    out = _UlyssesAttention.apply(to_local(q), to_local(k), to_local(v), plan, torch.is_grad_enabled())
-    return from_local(out, lay.mesh, lay.spec, tuple(q.shape), name="out")
+    """Ulysses on the local shards of ``q``/``k``/``v`` (laid out as ``lay`` says); the
+    collectives run on ``plan.mesh``, which for the hybrid is a view of ``lay.mesh``
+    with ``cp`` split into ring and Ulysses sub-axes (the same ranks, the same shards)."""
+    def local(ql: torch.Tensor, kl: torch.Tensor, vl: torch.Tensor) -> torch.Tensor:
+        return _UlyssesAttention.apply(ql, kl, vl, plan, torch.is_grad_enabled())
+
+    return local_map(local, (None, None, None), lay.spec, check_shapes=False)(q, k, v)
 
 
 def ulysses_attention(q: DTensor, k: DTensor, v: DTensor, *, axis: str = "cp", causal: bool = True,
