@@ -7,7 +7,7 @@ For each total sequence and each cp, causal attention forward + backward on one 
 * ``SDPA``: one ``F.scaled_dot_product_attention(q, k, v, is_causal=True)`` over the whole
   sequence and its backward (the fused kernel: CPU flash, or CUDA flash / efficient /
   cuDNN);
-* ``blockwise``: :func:`dtp.ops.blockwise.simulate_ring_attention` -- every block that
+* ``blockwise``: :func:`dtp.testing.simulate_ring_attention` -- every block that
   the cp ranks of a zigzag ring compute, one after the other on this device, with the
   kernels (:func:`~dtp.ops.blockwise.block_forward` / ``block_backward``), the in-place
   log-sum-exp merge and the fp32 accumulation of the distributed path; no transfers.
@@ -40,7 +40,8 @@ def main() -> None:
 
     import torch.nn.functional as F
 
-    from dtp.ops.blockwise import simulate_ring_attention, to_cp_order
+    from dtp.ops.blockwise import to_cp_order
+    from dtp.testing import simulate_ring_attention
 
     ap = attention_parser(__doc__, seq=[4096])
     ap.add_argument("--cps", type=int, nargs="+", default=[2, 4, 8])

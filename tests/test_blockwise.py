@@ -20,16 +20,14 @@ from dtp.ops.blockwise import (
     accum_dtype,
     block_backward,
     block_forward,
-    causal_work,
     cp_permutation,
     from_cp_order,
-    merge,
     ring_block_plan,
     select_impl,
-    simulate_ring_attention,
     to_cp_order,
     zigzag_permutation,
 )
+from dtp.testing import causal_work, merge, simulate_ring_attention
 
 F64 = torch.float64
 IMPLS = ["math", "auto"]  # "auto" is the fused CPU flash kernel for every float dtype

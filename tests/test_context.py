@@ -19,8 +19,8 @@ import traceback
 import pytest
 import torch
 
-from dtp.ops.blockwise import causal_work, zigzag_permutation
-from dtp.testing import run
+from dtp.ops.blockwise import zigzag_permutation
+from dtp.testing import causal_work, run
 
 F64 = torch.float64
 RTOL, ATOL = 1e-10, 1e-12

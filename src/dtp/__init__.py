@@ -9,7 +9,7 @@ from . import comm, layouts, ops, optim, strategies
 from .comm import CommLog, CommRecord, comm_log
 from .layouts import Layout, constrain, use_layout
 from .mesh import detect_device, flatten_axes, make_mesh
-from .redistribute import from_local, reshard
+from .redistribute import from_local, local_map, reshard
 from .spec import P, shard, spec_of
 from .step import TrainState, gather_params, shard_batch, train_step
 from .strategies import zero
@@ -19,7 +19,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "P", "make_mesh", "detect_device", "flatten_axes",
-    "shard", "from_local", "spec_of", "reshard", "visualize",
+    "shard", "from_local", "local_map", "spec_of", "reshard", "visualize",
     "comm_log", "CommLog", "CommRecord",
     "Layout", "layouts", "use_layout", "constrain", "ops", "optim", "strategies", "zero", "comm",
     "TrainState", "train_step", "shard_batch", "gather_params",

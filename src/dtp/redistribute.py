@@ -24,9 +24,10 @@ gradient of each term of a sum is the gradient of the sum).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -35,7 +36,7 @@ from torch.distributed.tensor import DTensor
 from . import comm
 from .spec import P, _names, _sizes, _wrap, check_spec, maybe_run_for_local_tensor, spec_of
 
-__all__ = ["Step", "plan", "reshard", "redistribute_local", "to_local", "from_local"]
+__all__ = ["Step", "plan", "reshard", "redistribute_local", "to_local", "from_local", "local_map"]
 
 
 @dataclass(frozen=True)
@@ -238,3 +239,158 @@ def from_local(local: torch.Tensor, mesh: DeviceMesh, spec: P, shape: Sequence[i
         sizes = _sizes(mesh)
         shape = [s * math.prod(sizes[a] for a in spec.axes_of(d)) for d, s in enumerate(local.shape)]
     return _FromLocal.apply(local, mesh, spec, tuple(shape))
+
+
+# ----------------------------------------------------------------------- local_map
+
+#: Dims of an output shape compared exactly by local_map's shape check; the product of
+#: any further dims is compared as one number (with the ndim), so the gathered record
+#: has a fixed width on every rank whatever it returned.
+_CHECKED_DIMS = 16
+_SHAPES_TAG = "local_map shapes"
+
+
+def _is_spec_leaf(x: object) -> bool:
+    return x is None or isinstance(x, P)
+
+
+def _spec_leaves(specs: object, tree: object, what: str) -> list[P | None]:
+    """One spec per leaf of ``tree``: ``specs`` is a P or None (for every leaf) or a
+    pytree of them matching ``tree`` (a prefix of it: a P covers a whole subtree)."""
+    import optree
+
+    try:
+        full = optree.tree_broadcast_prefix(specs, tree, is_leaf=_is_spec_leaf, none_is_leaf=True)
+    except ValueError as e:
+        raise ValueError(f"local_map: {what} do not match the structure they describe: {e}") from None
+    return optree.tree_leaves(full, is_leaf=_is_spec_leaf, none_is_leaf=True)
+
+
+def _shape_row(t: torch.Tensor) -> list[int]:
+    dims = list(t.shape[:_CHECKED_DIMS]) + [math.prod(t.shape[_CHECKED_DIMS:])]
+    return [t.dim()] + dims + [-1] * (_CHECKED_DIMS + 1 - len(dims))
+
+
+def _check_local_shapes(outs: list[tuple[str, torch.Tensor, P]], mesh: DeviceMesh) -> None:
+    """All-gather every rank's output shapes (one small int64 record per mesh axis of
+    size > 1, tag ``"local_map shapes"``) and raise the same ``ValueError`` on every rank
+    when they differ."""
+    names, sizes = _names(mesh), _sizes(mesh)
+    rows = torch.tensor([[_shape_row(t) for _, t, _ in outs]], dtype=torch.int64)
+    if mesh.device_type != "cpu":
+        rows = rows.to(mesh.device_type)
+    for a in reversed(names):  # innermost first: row i of the result is flat mesh index i
+        if sizes[a] > 1:
+            rows = comm.all_gather(rows, mesh, a, dim=0, tag=_SHAPES_TAG)
+    table = rows.cpu().tolist()
+    for i, (name, _, spec) in enumerate(outs):
+        seen: dict[tuple[int, ...], list[int]] = {}
+        for flat, per_rank in enumerate(table):
+            row = per_rank[i]
+            seen.setdefault(tuple(row[1:1 + min(row[0], _CHECKED_DIMS)]), []).append(flat)
+        if len(seen) > 1:
+            shapes = "; ".join(f"{shape} on flat mesh indices {idx}" for shape, idx in seen.items())
+            raise ValueError(f"local_map: {name} (out spec {spec}) has different local shapes on different ranks: "
+                             f"{shapes}. Every rank must return the same local shape (the global shape is the "
+                             f"local one times the spec's splits); make fn's result shape depend only on the "
+                             f"shapes of its inputs")
+
+
+def local_map(fn: Callable[..., Any], in_specs: Any, out_specs: Any, *,
+              check_shapes: bool = True) -> Callable[..., Any]:
+    """JAX ``shard_map`` on DTensors: ``fn`` runs on local shards, its results become DTensors.
+
+    The returned function takes DTensors (and anything else, passed as is), reshards each
+    DTensor to its in-spec with :func:`reshard` when they differ (recorded collectives;
+    none when they agree), calls ``fn`` on the local shards and wraps its plain-tensor
+    results with their out-specs. With ``check_shapes`` one all-gather of the output
+    shapes (a few int64 per output, per mesh axis) proves every rank returned the same.
+
+    - `in_specs`: one entry per positional argument: a :class:`P` (for every tensor
+      leaf of that argument), ``None`` (a DTensor keeps its spec; anything else passes
+      as is), or a pytree of those matching the argument; ``None`` for all arguments.
+    - `out_specs`: a :class:`P`, or a pytree of them (``None``: a leaf returned as is)
+      matching ``fn``'s result; the global shape is each local one times the splits.
+    - `check_shapes`: the shape check above, default True. Ops whose result shapes
+      follow from their (already checked) DTensor inputs pass False: no collective.
+
+    Autograd: gradients flow through :func:`to_local` / :func:`from_local`. An input
+    that is replicated over a mesh axis its outputs vary over (split or pending sum)
+    gets its local gradient read as a pending sum over that axis (JAX's transpose
+    of an unmapped input); an output replicated over an axis must hold the same
+    values on every rank of it, as in JAX. With no DTensor among the arguments (a
+    one-device run on plain tensors) ``fn`` is called directly and its result returned.
+
+    Raises: ``ValueError`` for specs that do not fit (mesh axes, structure, divisibility)
+    and, on every rank alike, for local result shapes that differ between ranks;
+    ``TypeError`` for a plain tensor given a spec next to DTensors, or a result that is
+    not a plain tensor.
+
+    >>> import dtp, torch
+    >>> mesh = dtp.make_mesh(dp=1)
+    >>> x = dtp.shard(torch.arange(6.0).reshape(2, 3), mesh, dtp.P("dp"))
+    >>> y = local_map(lambda t: 2 * t, dtp.P("dp"), dtp.P("dp"))(x)
+    >>> dtp.spec_of(y), y.full_tensor()[1].tolist()
+    (P('dp'), [6.0, 8.0, 10.0])
+    """
+    @functools.wraps(fn)
+    def mapped(*args: Any) -> Any:
+        return _local_map_call(fn, in_specs, out_specs, check_shapes, args)
+
+    return mapped
+
+
+def _local_map_call(fn: Callable[..., Any], in_specs: Any, out_specs: Any, check_shapes: bool,
+                    args: tuple[Any, ...]) -> Any:
+    import optree
+
+    leaves, treedef = optree.tree_flatten(args, none_is_leaf=True)
+    if in_specs is None:
+        specs: list[P | None] = [None] * len(leaves)
+    else:
+        if isinstance(in_specs, P) and len(args) == 1:
+            in_specs = (in_specs,)
+        if not isinstance(in_specs, (tuple, list)) or len(in_specs) != len(args):
+            raise ValueError(f"local_map: in_specs must have one entry per positional argument ({len(args)}), "
+                             f"got {in_specs!r}")
+        specs = _spec_leaves(tuple(in_specs), args, "in_specs")
+    meshes = {id(x.device_mesh): x.device_mesh for x in leaves if isinstance(x, DTensor)}
+    if not meshes:
+        return fn(*args)  # one device, plain tensors: nothing is sharded
+    if len(meshes) > 1:
+        raise ValueError("local_map: every DTensor argument must live on the same device mesh")
+    (mesh,) = meshes.values()
+    names = _names(mesh)
+    out_leaf_specs = optree.tree_leaves(out_specs, is_leaf=_is_spec_leaf, none_is_leaf=True)
+    varied = {a for s in out_leaf_specs if isinstance(s, P) for a in s.used_axes()}
+    inputs: list[Any] = []
+    for i, (x, spec) in enumerate(zip(leaves, specs)):
+        if isinstance(x, DTensor):
+            if spec is not None:
+                x = reshard(x, spec, name=f"local_map input {i}", tag="local_map input")
+            src = spec_of(x)
+            mine = {a for a in src.used_axes()}  # the axes this input varies over itself
+            grad_partial = tuple(a for a in names if a in varied and a not in mine)
+            x = to_local(x, P(*src.dims, partial=grad_partial))
+        elif isinstance(x, torch.Tensor) and spec is not None:
+            raise TypeError(f"local_map: argument leaf {i} is a plain tensor but its in-spec is {spec}; "
+                            "shard it with dtp.shard first, or give it the in-spec None to pass it as is")
+        inputs.append(x)
+    result = fn(*optree.tree_unflatten(treedef, inputs))
+    out_specs_full = _spec_leaves(out_specs, result, "out_specs")
+    out_leaves, out_def = optree.tree_flatten(result, none_is_leaf=True)
+    paths = [".".join(map(str, p)) or "result" for p in optree.tree_paths(result, none_is_leaf=True)]
+    outs: list[tuple[str, torch.Tensor, P]] = []
+    for path, t, spec in zip(paths, out_leaves, out_specs_full):
+        if spec is None:
+            continue
+        name = f"output {path}" if path != "result" else "the result"
+        if not isinstance(t, torch.Tensor) or isinstance(t, DTensor):
+            raise TypeError(f"local_map: {name} has out spec {spec}, so fn must return a plain (local) tensor "
+                            f"there, got {type(t).__name__}")
+        outs.append((name, t, spec))
+    if check_shapes and outs:
+        _check_local_shapes(outs, mesh)
+    wrapped = iter(from_local(t, mesh, spec, name=f"local_map {name}") for name, t, spec in outs)
+    return optree.tree_unflatten(out_def, [t if s is None else next(wrapped)
+                                           for t, s in zip(out_leaves, out_specs_full)])

@@ -14,6 +14,9 @@ one broken test cannot hang or poison the rest of the suite.
 :func:`simulate` is the one-process alternative: N ranks simulated with
 ``LocalTensorMode`` on the "fake" backend, for quick layout checks in a notebook.
 
+Reference oracles for context-parallel attention (:func:`merge`, :func:`causal_work`,
+:func:`simulate_ring_attention`) come from :mod:`dtp._oracles`.
+
 >>> def hello():
 ...     import torch.distributed as dist
 ...     return dist.get_rank()
@@ -42,7 +45,10 @@ from typing import Any, Callable, Iterator
 import cloudpickle
 import torch
 
-__all__ = ["run", "RankError", "RankTimeout", "simulate", "shutdown", "assert_close", "tolerance", "rank_values"]
+from ._oracles import causal_work, merge, simulate_ring_attention
+
+__all__ = ["run", "RankError", "RankTimeout", "simulate", "shutdown", "assert_close", "tolerance", "rank_values",
+           "merge", "causal_work", "simulate_ring_attention"]
 
 DEFAULT_TIMEOUT = float(os.environ.get("DTP_TEST_TIMEOUT", "180"))
 # Starting N ranks means N cold imports of torch on however many cores CI has.

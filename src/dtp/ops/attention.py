@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from ..redistribute import from_local, to_local
+from ..redistribute import local_map
 from ..spec import spec_of
 from .recompute import remat
 
@@ -40,11 +40,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
         return _context(q, k, v, causal, scale)
     if qs.axes_of(0) != ks.axes_of(0) or qs.axes_of(1) != ks.axes_of(1) or spec_of(v) != ks:
         raise ValueError(f"attention: q {qs}, k {ks} and v {spec_of(v)} must split batch and heads alike")
-    ql, kl, vl = to_local(q), to_local(k), to_local(v)
-    if ql.shape[1] % kl.shape[1]:
-        raise ValueError(f"attention: local heads {ql.shape[1]} (q) vs {kl.shape[1]} (kv) do not group evenly")
-    out = remat(_sdpa, ql, kl, vl, causal, scale, level="selective")
-    return from_local(out, q.device_mesh, qs, tuple(q.shape))
+
+    def local(ql: torch.Tensor, kl: torch.Tensor, vl: torch.Tensor) -> torch.Tensor:
+        if ql.shape[1] % kl.shape[1]:  # the same on every rank: the specs split heads alike
+            raise ValueError(f"attention: local heads {ql.shape[1]} (q) vs {kl.shape[1]} (kv) do not group evenly")
+        return remat(_sdpa, ql, kl, vl, causal, scale, level="selective")
+
+    return local_map(local, (None, None, None), qs, check_shapes=False)(q, k, v)
 
 
 def _context(q: DTensor, k: DTensor, v: DTensor, causal: bool, scale: float | None) -> DTensor:
@@ -106,6 +108,5 @@ def rotary(x: torch.Tensor, theta: float = 10000.0) -> torch.Tensor:
     spec = spec_of(x)
     if spec.axes_of(3):
         raise ValueError(f"rotary: head_dim must not be split ({spec})")
-    local = to_local(x)
-    out = _rope(local, _positions(x, 1).to(local.device), theta)
-    return from_local(out, x.device_mesh, spec, tuple(x.shape))
+    positions = _positions(x, 1)
+    return local_map(lambda t: _rope(t, positions.to(t.device), theta), (None,), spec, check_shapes=False)(x)

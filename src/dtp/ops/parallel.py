@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from .. import comm
-from ..redistribute import from_local, reshard, to_local
+from ..redistribute import local_map, reshard
 from ..spec import P, _names, _sizes, spec_of
 
 __all__ = ["linear", "embedding", "cross_entropy"]
@@ -63,13 +63,11 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     clash = set(w_out) & (set(lead_axes) | set(xs.partial))
     if clash:
         raise ValueError(f"linear: mesh axes {sorted(clash)} split both the input {xs} and the weight's output {ws}")
-    # Gradients: x's is a pending sum over w's output split (each rank holds some columns);
-    # w's over everything that splits x's rows, and x's own pending-sum terms.
-    xl = to_local(x, P(*lead, w_in, partial=w_out))
-    wl = to_local(w, P(w_in, w_out, partial=_ordered(mesh, lead_axes + xs.partial)))
-    out = xl @ wl
+    # Gradients (local_map's rule): x's is a pending sum over w's output split (each rank
+    # holds some columns); w's over everything that splits x's rows, and x's own
+    # pending-sum terms. The output's shape follows from the checked specs: no shape check.
     spec = P(*[a or None for a in lead], w_out or None, partial=_ordered(mesh, xs.partial + w_in))
-    return from_local(out, mesh, spec, (*x.shape[:-1], w.shape[1]))
+    return local_map(torch.matmul, (None, None), spec, check_shapes=False)(x, w)
 
 
 def embedding(table: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -88,17 +86,17 @@ def embedding(table: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     vocab_axes = tspec.axes_of(0)
     if tspec.axes_of(1):
         raise ValueError(f"embedding: the embed dim of the table must not be split (table spec {tspec})")
-    # Each rank's table gradient sums over its own tokens: pending over the token axes.
-    token_axes = _ordered(mesh, kspec.axes_of(0) + kspec.axes_of(1))
-    grad_partial = tuple(a for a in token_axes if a not in vocab_axes)
-    t_local = to_local(table, P(*tspec.dims, partial=grad_partial))
-    ids = tokens.to_local()
-    v_local = t_local.shape[0]
-    offset = _vocab_offset(mesh, vocab_axes, v_local)
-    mine = (ids >= offset) & (ids < offset + v_local)
-    out = F.embedding((ids - offset).clamp(0, v_local - 1), t_local) * mine.unsqueeze(-1).to(t_local.dtype)
+    # Each rank's table gradient sums over its own tokens: local_map reads it as pending
+    # over the token axes the table is not split over.
+
+    def lookup(t_local: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        v_local = t_local.shape[0]
+        offset = _vocab_offset(mesh, vocab_axes, v_local)
+        mine = (ids >= offset) & (ids < offset + v_local)
+        return F.embedding((ids - offset).clamp(0, v_local - 1), t_local) * mine.unsqueeze(-1).to(t_local.dtype)
+
     spec = P(kspec.axes_of(0) or None, kspec.axes_of(1) or None, None, partial=vocab_axes)
-    return from_local(out, mesh, spec, (*tokens.shape, table.shape[1]))
+    return local_map(lookup, (None, None), spec, check_shapes=False)(table, tokens)
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -120,23 +118,28 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     if (tspec.axes_of(0), tspec.axes_of(1)) != tok_dims:
         raise ValueError(f"cross_entropy: targets spec {tspec} must split batch/seq like the logits {lspec}")
     vocab_axes = lspec.axes_of(2)
-    local = to_local(logits).to(acc)
-    ids = targets.to_local()
-    with torch.no_grad():  # any per-token constant keeps exp() in range; the max is the best
-        m = local.max(dim=-1).values
-        for a in vocab_axes:
-            m = comm.all_reduce(m, mesh, a, op="max", tag="cross_entropy max")
-    shifted = local - m.unsqueeze(-1)
-    v_local = local.shape[-1]
-    offset = _vocab_offset(mesh, vocab_axes, v_local)
-    mine = (ids >= offset) & (ids < offset + v_local)
-    picked = shifted.gather(-1, (ids - offset).clamp(0, v_local - 1).unsqueeze(-1)).squeeze(-1) * mine
-    # One exchange of two scalars per token over the vocab axes: (sum of exp, target logit).
-    pair = torch.stack([shifted.exp().sum(-1), picked], dim=-1)
+
+    def sums(logits_local: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        local = logits_local.to(acc)
+        with torch.no_grad():  # any per-token constant keeps exp() in range; the max is the best
+            m = local.max(dim=-1).values
+            for a in vocab_axes:
+                m = comm.all_reduce(m, mesh, a, op="max", tag="cross_entropy max")
+        shifted = local - m.unsqueeze(-1)
+        v_local = local.shape[-1]
+        offset = _vocab_offset(mesh, vocab_axes, v_local)
+        mine = (ids >= offset) & (ids < offset + v_local)
+        picked = shifted.gather(-1, (ids - offset).clamp(0, v_local - 1).unsqueeze(-1)).squeeze(-1) * mine
+        return torch.stack([shifted.exp().sum(-1), picked], dim=-1)
+
+    def mean(pair: torch.Tensor) -> torch.Tensor:
+        per_token = pair[..., 0].log() - pair[..., 1]
+        return per_token.sum() / math.prod(targets.shape)
+
     tok = P(tok_dims[0] or None, tok_dims[1] or None)
-    pair = to_local(reshard(from_local(pair, mesh, P(*tok.dims, None, partial=vocab_axes), (*targets.shape, 2)),
-                            P(*tok.dims, None), tag="cross_entropy"))
-    per_token = pair[..., 0].log() - pair[..., 1]
-    total = per_token.sum() / math.prod(targets.shape)
+    pair = local_map(sums, (None, None), P(*tok.dims, None, partial=vocab_axes), check_shapes=False)(logits, targets)
+    # One exchange of two scalars per token over the vocab axes: (sum of exp, target logit).
+    pair = reshard(pair, P(*tok.dims, None), tag="cross_entropy")
     token_axes = _ordered(mesh, tok_dims[0] + tok_dims[1])
-    return reshard(from_local(total, mesh, P(partial=token_axes), ()), P(), tag="loss")
+    total = local_map(mean, (None,), P(partial=token_axes), check_shapes=False)(pair)
+    return reshard(total, P(), tag="loss")
