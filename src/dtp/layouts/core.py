@@ -42,7 +42,7 @@ from typing import Iterator, Mapping, Sequence
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from .spec import P, _names
+from ..spec import P, _names
 
 __all__ = ["Layout", "data", "megatron", "context", "context_options", "zero", "use_layout", "current", "constrain"]
 
@@ -483,7 +483,7 @@ def constrain(x: torch.Tensor, logical: Sequence[str | None], *, name: str = "ac
     """
     from torch.distributed.tensor import DTensor
 
-    from .redistribute import reshard
+    from ..redistribute import reshard
 
     active = current()
     if active is None or not isinstance(x, DTensor):
