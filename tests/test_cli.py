@@ -49,7 +49,7 @@ def test_mesh_axes_keep_nontrivial_axes_in_mesh_order() -> None:
 
 def test_cp_head_chunks_reach_the_layout() -> None:
     args = _train("--cp", "2", "--cp-head-chunks", "2")
-    assert cli.build_layout(args).options["context"]["head_chunks"] == 2
+    assert cli.build_layout(args).context.head_chunks == 2
     argv = cli.train_argv(args)
     assert argv[argv.index("--cp-head-chunks") + 1] == "2"
 

@@ -2,6 +2,7 @@
 single-device and plain data-parallel runs; buckets follow real use order; the comm log
 shows 2Ψ / 3Ψ of traffic and overlap; bad input is a clear error."""
 
+import dataclasses
 import functools
 
 import optree
@@ -347,7 +348,7 @@ def test_errors():
         dtp.layouts.zero(3, prefetch=0)
     with pytest.raises(ValueError, match="bucket_mb must be > 0"):
         dtp.layouts.zero(1, bucket_mb=0)
-    assert dtp.layouts.zero(0).options == {}  # stage 0 is plain data parallel
+    assert dtp.layouts.zero(0).zero is None  # stage 0 is plain data parallel
     with pytest.raises(dtp.testing.RankError, match=r"failed on ranks \[0, 1\][\s\S]*splits the ZeRO axis 'dp'"):
         run(_zero_on_sharded_param, world_size=2)
 
@@ -361,7 +362,7 @@ def test_cli_zero_flags():
     args = cli.validate(cli.build_parser().parse_args(
         ["train", "--dp", "2", "--zero", "2", "--overlap-grad-reduce", "--overlap-param-gather", "--bucket-mb", "8"]))
     layout = cli.build_layout(args)
-    assert layout.options["zero"] == {"stage": 2, "bucket_mb": 8.0, "overlap_grad_reduce": True,
+    assert dataclasses.asdict(layout.zero) == {"stage": 2, "bucket_mb": 8.0, "overlap_grad_reduce": True,
                                       "overlap_param_gather": True, "axis": "dp", "reshard_after_forward": True,
                                       "prefetch": 1}
     assert cli.parse_args(cli.train_argv(args)).overlap_param_gather  # ranks get the same flags
@@ -369,8 +370,8 @@ def test_cli_zero_flags():
         cli.validate(cli.build_parser().parse_args(["train", "--dp", "2", "--overlap-grad-reduce"]))
     args = cli.validate(cli.build_parser().parse_args(["train", "--dp", "2", "--zero", "3", "--no-reshard-after-forward",
                                                        "--zero-prefetch", "3"]))
-    assert cli.build_layout(args).options["zero"]["reshard_after_forward"] is False
-    assert cli.build_layout(args).options["zero"]["prefetch"] == 3
+    assert cli.build_layout(args).zero.reshard_after_forward is False
+    assert cli.build_layout(args).zero.prefetch == 3
     again = cli.parse_args(cli.train_argv(args))
     assert not again.reshard_after_forward and again.zero_prefetch == 3
     with pytest.raises(cli.UsageError, match="--zero-prefetch is a ZeRO-3 option"):

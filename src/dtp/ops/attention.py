@@ -58,14 +58,13 @@ def _context(q: DTensor, k: DTensor, v: DTensor, causal: bool, scale: float | No
     seq_axes = spec_of(q).axes_of(2)
     if len(seq_axes) != 1:
         raise ValueError(f"attention: the sequence must be split over one context-parallel axis, got {seq_axes}")
-    algo = opts["algo"]
-    kwargs = dict(axis=seq_axes[0], causal=causal, scale=scale, load_balance=opts["load_balance"],
-                  head_chunks=opts.get("head_chunks"))
-    if algo in ("double_ring", "hybrid"):
-        kwargs["window"] = opts["window"]
-    if algo == "hybrid":
-        kwargs["ulysses_degree"] = opts["ulysses_degree"]
-    return context_attention(q, k, v, algo=algo, **kwargs)
+    kwargs = dict(axis=seq_axes[0], causal=causal, scale=scale, load_balance=opts.load_balance,
+                  head_chunks=opts.head_chunks)
+    if opts.algo in ("double_ring", "hybrid"):
+        kwargs["window"] = opts.window
+    if opts.algo == "hybrid":
+        kwargs["ulysses_degree"] = opts.ulysses_degree
+    return context_attention(q, k, v, algo=opts.algo, **kwargs)
 
 
 def _positions(x: DTensor, seq_dim: int) -> torch.Tensor:
@@ -79,7 +78,7 @@ def _positions(x: DTensor, seq_dim: int) -> torch.Tensor:
     n, idx = 1, 0
     for a in axes:
         n, idx = n * sizes[a], idx * sizes[a] + coord[a]
-    order = cp_permutation(x.shape[seq_dim], n, context_options()["load_balance"] if n > 1 else None)
+    order = cp_permutation(x.shape[seq_dim], n, context_options().load_balance if n > 1 else None)
     local = x.shape[seq_dim] // n
     return order[idx * local:(idx + 1) * local]
 

@@ -60,10 +60,10 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def options(layout: Any, mesh: DeviceMesh) -> dict[str, Any] | None:
     """The layout's ZeRO options when they apply on ``mesh`` (axis present, size > 1)."""
-    opts = layout.options.get("zero")
-    if not opts or opts["axis"] not in _names(mesh) or _sizes(mesh)[opts["axis"]] == 1:
-        return None
-    return dict(opts)
+    from dataclasses import asdict  # the rest of this module reads the options as a dict
+
+    opts = layout.zero
+    return asdict(opts) if opts is not None and opts.active(mesh) else None
 
 
 def bytes_per_parameter(param_bytes: int, dp: int, *, master: bool) -> float:

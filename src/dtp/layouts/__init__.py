@@ -1,0 +1,67 @@
+"""Layouts: rules from logical axis names to mesh axes (Flax / MaxText style).
+
+Model code names its axes — a weight is ``("embed", "mlp")``, an activation
+``("batch", "seq", "embed")`` — and a :class:`Layout` decides where each lives. A layout
+knows two mappings, like Levanter's: where **parameters** rest (and where optimizer
+state lives) and where **activations** are computed. Presets compose with ``+``::
+
+    layout = layouts.data() + layouts.megatron(sequence_parallel=True)
+
+Each preset keeps its options in a frozen dataclass that checks itself
+(:class:`MegatronOptions`, :class:`ContextOptions`, :class:`ZeroOptions`); a layout holds
+them as ``layout.megatron``, ``layout.context`` and ``layout.zero`` (``None`` when unset).
+
+Composition rules:
+
+* a logical axis mapped by several presets is split over all their mesh axes, ordered
+  by *mesh order* when resolved (``seq`` on ``cp`` and, with SP, ``tp`` gives
+  ``("cp", "tp")`` on a ``dp×cp×tp`` mesh — Megatron's CP-outer, SP-inner split);
+* mesh axes the mesh does not have are dropped, so one layout serves every mesh;
+* within one tensor a mesh axis splits at most one dim: the first logical axis that
+  claims it wins (later claims are dropped), as in MaxText;
+* options: where both sides set the same preset's options, the right-hand side's win.
+
+Logical axes of the reference model:
+
+============  ===================================================================
+batch         the batch
+seq           sequence where attention / MLP compute happens (cp splits it)
+res_seq       sequence in the residual stream: norms, residual adds (cp, and tp with SP)
+embed         the model width
+heads         query heads (also the flattened heads × head_dim of projections)
+kv_heads      key/value heads
+mlp           the MLP hidden width
+vocab         the vocabulary
+head_dim      per-head width (never split)
+============  ===================================================================
+
+Modules: :mod:`.core` (``Layout``, the active layout), :mod:`.megatron` (``data``,
+``megatron``), :mod:`.context` (``context`` and the cp sequence order), :mod:`.zero`.
+The package attributes ``megatron``, ``context`` and ``zero`` are the preset functions;
+import the modules as ``from dtp.layouts.zero import ZeroOptions`` when you need them.
+"""
+
+from .context import (
+    CP_ALGORITHMS,
+    LOAD_BALANCE,
+    ContextOptions,
+    _check_cp,  # private, re-exported for dtp.ops.blockwise, which imports them from here
+    _check_divisible,
+    _check_load_balance,
+    attended_kv_heads,
+    context,
+    context_options,
+    cp_permutation,
+    from_cp_order,
+    to_cp_order,
+    zigzag_permutation,
+)
+from .core import Axes, Layout, constrain, current, use_layout
+from .megatron import MegatronOptions, data, megatron
+from .zero import ZERO_STAGES, ZeroOptions, zero
+
+__all__ = [
+    "Layout", "data", "megatron", "context", "context_options", "zero", "use_layout", "current", "constrain",
+    "MegatronOptions", "ContextOptions", "ZeroOptions", "CP_ALGORITHMS", "LOAD_BALANCE", "ZERO_STAGES",
+    "Axes", "attended_kv_heads", "zigzag_permutation", "cp_permutation", "to_cp_order", "from_cp_order",
+]

@@ -1,0 +1,263 @@
+"""The context-parallel preset, its options, and the sequence order it implies.
+
+Pure permutations (no collectives) live here too: with zigzag load balancing rank r of cp
+holds sequence chunks r and 2·cp−1−r; "cp order" is the global sequence with every
+rank's local chunks next to each other, so a contiguous split over cp gives each rank its
+part. :meth:`Layout.to_cp_order` applies the layout's choice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Mapping
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+
+from ..spec import _names
+from .core import Layout, current
+
+__all__ = [
+    "CP_ALGORITHMS", "LOAD_BALANCE", "ContextOptions", "context", "context_options", "attended_kv_heads",
+    "zigzag_permutation", "cp_permutation", "to_cp_order", "from_cp_order",
+]
+
+CpAlgorithm = Literal["ulysses", "ring", "double_ring", "hybrid"]
+CP_ALGORITHMS: tuple[CpAlgorithm, ...] = ("ulysses", "ring", "double_ring", "hybrid")
+LoadBalance = Literal["zigzag", None]
+LOAD_BALANCE: tuple[LoadBalance, ...] = ("zigzag", None)
+_LOAD_BALANCE_RULE = "load_balance must be 'zigzag' or None"  # said by ContextOptions and the order helpers
+
+
+def attended_kv_heads(kv_local: int, degree: int) -> int:
+    """The kv heads a rank attends with when its ``kv_local`` heads are split over a
+    Ulysses group of ``degree`` ranks (1: no split): fewer heads than the degree are
+    repeated up to it first, so each rank gets one.
+
+    >>> attended_kv_heads(8, 2), attended_kv_heads(2, 4), attended_kv_heads(4, 1)
+    (4, 1, 4)
+    """
+    return max(kv_local, degree) // degree
+
+
+@dataclass(frozen=True, kw_only=True)
+class ContextOptions:
+    """How ``dtp.ops.attention`` runs when the sequence is split over ``axis``.
+
+    Arguments are checked when it is built; :meth:`check` adds the rules that need the
+    mesh and the model's sizes (MindSpeed's), before any collective runs.
+
+    >>> ContextOptions(algo="hybrid", ulysses_degree=2).algo
+    'hybrid'
+    >>> ContextOptions(algo="double_ring")
+    Traceback (most recent call last):
+    ...
+    ValueError: layouts.context: double_ring needs window > 1 (window=1 is the plain ring)
+    """
+
+    algo: CpAlgorithm = "ring"  # one of CP_ALGORITHMS (table in dtp.ops.context)
+    window: int = 1  # double_ring / hybrid: ranks per inner ring (--cp-window-size); 1: one ring
+    ulysses_degree: int = 1  # hybrid: ranks per Ulysses group (--ulysses-degree-in-cp)
+    load_balance: LoadBalance = "zigzag"  # "zigzag": rank r holds chunks r and 2·cp−1−r; None: contiguous
+    head_chunks: int | None = None  # heads run in this many chunks; None: dtp.ops.context.default_chunks
+    axis: str = "cp"  # the mesh axis the sequence is split over
+
+    def __post_init__(self) -> None:
+        if self.algo not in CP_ALGORITHMS:
+            raise ValueError(f"layouts.context: algo must be one of {CP_ALGORITHMS}, got {self.algo!r}")
+        for name, value in (("window", self.window), ("ulysses_degree", self.ulysses_degree),
+                            ("head_chunks", 1 if self.head_chunks is None else self.head_chunks)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"layouts.context: {name} must be an integer >= 1, got {value!r}")
+        if self.load_balance not in LOAD_BALANCE:
+            raise ValueError(f"layouts.context: {_LOAD_BALANCE_RULE}, got {self.load_balance!r}")
+        if self.algo == "double_ring" and self.window == 1:
+            raise ValueError("layouts.context: double_ring needs window > 1 (window=1 is the plain ring)")
+        if self.algo == "hybrid" and self.ulysses_degree == 1:
+            raise ValueError("layouts.context: hybrid needs ulysses_degree > 1 (ulysses_degree=1 is the ring)")
+
+    def degree(self, mesh: DeviceMesh) -> int:
+        """The size of ``axis`` on ``mesh``, 1 where the mesh has no such axis."""
+        names = _names(mesh)
+        return mesh.size(names.index(self.axis)) if self.axis in names else 1
+
+    def check(self, sizes: Mapping[str, int], mesh: DeviceMesh, *, tp: int = 1, what: str = "model") -> None:
+        """MindSpeed's context-parallel rules for a model of these logical axis ``sizes``.
+
+        ``tp`` is how many ways the layout splits ``heads`` besides cp. Raises:
+        ``ValueError`` (starting with ``what``) when cp does not divide by the Ulysses
+        degree with a ring left over (hybrid), the window does not divide the ring,
+        heads do not divide by Ulysses degree × tp, or ``head_chunks`` does not divide
+        the kv heads a rank attends with. Nothing to check without ``axis`` on ``mesh``.
+        """
+        if self.axis not in _names(mesh):
+            return
+        cp, algo, window, u = self.degree(mesh), self.algo, self.window, self.ulysses_degree
+        heads = sizes.get("heads")
+        if algo == "hybrid":
+            if cp % u or cp // u < 2:
+                raise ValueError(f"{what}: hybrid context parallel needs cp={cp} divisible by ulysses_degree={u} "
+                                 f"with a ring degree cp/ulysses_degree > 1 (got {cp / u:g})")
+            ring = cp // u
+        else:
+            ring = cp
+        if algo in ("double_ring", "hybrid") and window > 1 and (window >= ring or ring % window):
+            raise ValueError(f"{what}: window={window} must be in [1, {ring}) and divide the ring degree {ring} "
+                             f"(cp={cp}{f' / ulysses_degree={u}' if algo == 'hybrid' else ''})")
+        degree = {"ulysses": cp, "hybrid": u}.get(algo)
+        if degree and heads is not None and heads % (degree * tp):
+            raise ValueError(f"{what}: heads={heads} must be divisible by the Ulysses degree {degree} × tp={tp} "
+                             f"= {degree * tp} for {algo} context parallel")
+        chunks, kv = self.head_chunks, sizes.get("kv_heads")
+        if chunks is not None and kv is not None and kv % tp == 0:
+            per_rank = attended_kv_heads(kv // tp, degree or 1)
+            if per_rank % chunks:
+                raise ValueError(f"{what}: head_chunks={chunks} must divide the {per_rank} kv heads each rank "
+                                 f"attends with (kv_heads={kv}, tp={tp}"
+                                 f"{f', Ulysses degree {degree}' if degree else ''})")
+
+    def to_cp_order(self, x: torch.Tensor, dim: int, mesh: DeviceMesh) -> torch.Tensor:
+        """:func:`to_cp_order` with this degree and load balance; ``x`` itself when there is
+        nothing to reorder (cp of 1, or contiguous shards)."""
+        cp = self.degree(mesh)
+        return x if cp == 1 or self.load_balance is None else to_cp_order(x, dim, cp, self.load_balance)
+
+    def from_cp_order(self, x: torch.Tensor, dim: int, mesh: DeviceMesh) -> torch.Tensor:
+        """Inverse of :meth:`to_cp_order`."""
+        cp = self.degree(mesh)
+        return x if cp == 1 or self.load_balance is None else from_cp_order(x, dim, cp, self.load_balance)
+
+
+def context(algo: CpAlgorithm = ContextOptions.algo, **options: object) -> Layout:
+    """Context parallel over ``axis``: the sequence is split everywhere (residual stream
+    and attention) and ``dtp.ops.attention`` runs MindSpeed's algorithm ``algo``:
+
+    * ``"ulysses"`` — all-to-all from a sequence split to a head split and back
+      (heads must divide by tp × cp);
+    * ``"ring"`` — K/V blocks rotate round the ring, overlapped with compute;
+    * ``"double_ring"`` — an inner ring inside windows of ``window`` ranks, an outer ring
+      across windows (``--cp-window-size``);
+    * ``"hybrid"`` — Ulysses over groups of ``ulysses_degree`` contiguous ranks, ring
+      (or double ring with ``window``) over the rest (``--ulysses-degree-in-cp``).
+
+    ``load_balance="zigzag"`` gives rank r sequence chunks r and 2·cp−1−r, so causal work
+    is even; :func:`dtp.shard_batch` puts batches in that order and RoPE follows the
+    original positions. Constraints involving the mesh (window dividing cp, sequence
+    divisible by 2·cp, heads by the Ulysses degree × tp) are checked before any collective.
+
+    ``head_chunks`` runs the attention in that many chunks of heads, one after the
+    other. Same result and bytes; a rank's buffers beyond its inputs, output and
+    gradients shrink by that factor, for more (smaller) transfers. ``None`` (the
+    default, :func:`dtp.ops.context.default_chunks`) takes the fewest chunks, dividing
+    the kv heads a rank attends with, such that chunks × cp >= 16, without making a
+    chunk's K+V smaller than 1 MiB (small problems run as one chunk); ``1`` is
+    Megatron's / MindSpeed's schedule. Options and defaults: :class:`ContextOptions`.
+
+    >>> context("hybrid", ulysses_degree=2).context.algo
+    'hybrid'
+    """
+    opts = ContextOptions(algo=algo, **options)
+    return Layout({}, {"seq": (opts.axis,), "res_seq": (opts.axis,)}, context=opts, name=f"context({opts.algo})")
+
+
+# Without context parallel in the active layout: one contiguous ring (what a sequence split
+# over some axis with no layout asking for anything else gets).
+_NO_CONTEXT = ContextOptions(load_balance=None)
+
+
+def context_options() -> ContextOptions:
+    """The active layout's context-parallel options (a contiguous ring without one).
+
+    >>> context_options().algo, context_options().load_balance
+    ('ring', None)
+    """
+    active = current()
+    opts = active[0].context if active else None
+    return _NO_CONTEXT if opts is None else opts
+
+
+def _check_cp(cp: int) -> None:
+    if not isinstance(cp, int) or cp < 1:
+        raise ValueError(f"cp must be a positive int, got {cp!r}")
+
+
+def _check_load_balance(load_balance: str | None) -> None:
+    if load_balance not in LOAD_BALANCE:
+        raise ValueError(f"{_LOAD_BALANCE_RULE}, got {load_balance!r}")
+
+
+def _check_divisible(seq_len: int, cp: int, load_balance: str | None) -> None:
+    if load_balance == "zigzag":
+        if seq_len % (2 * cp) != 0:
+            raise ValueError(
+                f"zigzag load balancing cuts the sequence into 2*cp chunks, so seq_len must "
+                f"be divisible by 2*cp; got seq_len={seq_len}, cp={cp} "
+                f"(seq_len % {2 * cp} = {seq_len % (2 * cp)})"
+            )
+    elif seq_len % cp != 0:
+        raise ValueError(
+            f"context parallelism splits the sequence into cp equal parts, so seq_len must "
+            f"be divisible by cp; got seq_len={seq_len}, cp={cp}"
+        )
+
+
+def zigzag_permutation(seq_len: int, cp: int, *, device: torch.device | str | None = None) -> torch.Tensor:
+    """Global positions in zigzag cp order.
+
+    The sequence is cut into ``2*cp`` equal chunks and rank ``r`` holds chunks ``r`` and
+    ``2*cp-1-r`` (an early, cheap chunk and a late, expensive one, which balances causal
+    work). Concatenating every rank's local sequence in rank order gives
+    ``x[..., permutation, ...]``.
+
+    Raises:
+        ValueError: if ``seq_len % (2*cp) != 0``.
+
+    >>> zigzag_permutation(8, 2).tolist()
+    [0, 1, 6, 7, 2, 3, 4, 5]
+    """
+    _check_cp(cp)
+    _check_divisible(seq_len, cp, "zigzag")
+    c = seq_len // (2 * cp)
+    chunks = torch.arange(seq_len, device=device).view(2 * cp, c)
+    order = [i for r in range(cp) for i in (r, 2 * cp - 1 - r)]
+    return chunks[order].reshape(-1)
+
+
+def cp_permutation(
+    seq_len: int, cp: int, load_balance: str | None, *, device: torch.device | str | None = None
+) -> torch.Tensor:
+    """:func:`zigzag_permutation` for ``"zigzag"``, ``arange(seq_len)`` for ``None``.
+
+    >>> cp_permutation(4, 2, None).tolist()
+    [0, 1, 2, 3]
+    """
+    _check_cp(cp)
+    _check_load_balance(load_balance)
+    _check_divisible(seq_len, cp, load_balance)
+    if load_balance == "zigzag":
+        return zigzag_permutation(seq_len, cp, device=device)
+    return torch.arange(seq_len, device=device)
+
+
+def to_cp_order(x: torch.Tensor, dim: int, cp: int, load_balance: str | None = "zigzag") -> torch.Tensor:
+    """Reorder ``x`` along ``dim`` from natural order into cp order.
+
+    Afterwards, splitting ``dim`` into ``cp`` equal contiguous parts gives every rank its
+    local sequence. ``load_balance=None`` is the identity (contiguous split).
+
+    >>> to_cp_order(torch.arange(8), 0, 2).tolist()
+    [0, 1, 6, 7, 2, 3, 4, 5]
+    """
+    perm = cp_permutation(x.shape[dim], cp, load_balance, device=x.device)
+    return x if load_balance is None else x.index_select(dim, perm)
+
+
+def from_cp_order(x: torch.Tensor, dim: int, cp: int, load_balance: str | None = "zigzag") -> torch.Tensor:
+    """Inverse of :func:`to_cp_order`.
+
+    >>> x = torch.arange(12)
+    >>> bool((from_cp_order(to_cp_order(x, 0, 3), 0, 3) == x).all())
+    True
+    """
+    perm = cp_permutation(x.shape[dim], cp, load_balance, device=x.device)
+    return x if load_balance is None else x.index_select(dim, torch.argsort(perm))

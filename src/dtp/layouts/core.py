@@ -1,0 +1,204 @@
+"""The :class:`Layout` itself: rules, composition with ``+``, and the active layout.
+
+The presets that build layouts live one family to a module (:mod:`.megatron`,
+:mod:`.context`, :mod:`.zero`); each keeps its options in a frozen dataclass that checks
+itself, and a layout holds those objects as typed fields.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+from dataclasses import KW_ONLY, dataclass, field
+from typing import TYPE_CHECKING, Iterator, Mapping, Sequence, TypeVar
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+
+from ..spec import P, _names
+
+if TYPE_CHECKING:  # the option modules import Layout to build their presets
+    from .context import ContextOptions
+    from .megatron import MegatronOptions
+    from .zero import ZeroOptions
+
+__all__ = ["Layout", "Axes", "use_layout", "current", "constrain"]
+
+Axes = tuple[str, ...]
+_T = TypeVar("_T")
+
+
+def _merge(a: Mapping[str, Axes], b: Mapping[str, Axes]) -> dict[str, Axes]:
+    out = dict(a)
+    for k, v in b.items():
+        out[k] = tuple(dict.fromkeys(out.get(k, ()) + tuple(v)))
+    return out
+
+
+def _right(a: _T | None, b: _T | None) -> _T | None:
+    """The right-hand operand's options win when both sides set them (a dict merge's rule)."""
+    return a if b is None else b
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Logical-axis → mesh-axes rules for parameters and activations, plus typed options.
+
+    >>> from dtp.layouts import data, megatron
+    >>> layout = data() + megatron(sequence_parallel=True)
+    >>> layout.activations["res_seq"], layout.megatron.sequence_parallel, layout.zero
+    (('tp',), True, None)
+    """
+
+    params: Mapping[str, Axes] = field(default_factory=dict)  # where parameters (and optimizer state) rest
+    activations: Mapping[str, Axes] = field(default_factory=dict)  # where activations are computed
+    _: KW_ONLY
+    megatron: MegatronOptions | None = None  # set by layouts.megatron
+    context: ContextOptions | None = None  # set by layouts.context; None: no context parallel
+    zero: ZeroOptions | None = None  # set by layouts.zero (stage >= 1); None: gradients all-reduced
+    name: str = ""  # for messages: the presets it was composed from
+
+    def __add__(self, other: Layout) -> Layout:
+        if not isinstance(other, Layout):
+            return NotImplemented
+        return Layout(_merge(self.params, other.params), _merge(self.activations, other.activations),
+                      megatron=_right(self.megatron, other.megatron), context=_right(self.context, other.context),
+                      zero=_right(self.zero, other.zero),
+                      name=" + ".join(n for n in (self.name, other.name) if n))
+
+    def _spec(self, rules: Mapping[str, Axes], logical: Sequence[str | None], mesh: DeviceMesh) -> P:
+        names = _names(mesh)
+        used: set[str] = set()
+        dims = []
+        for ax in logical:
+            mesh_axes = [m for m in rules.get(ax, ()) if m in names and m not in used] if ax else []
+            mesh_axes.sort(key=names.index)
+            used.update(mesh_axes)
+            dims.append(tuple(mesh_axes) or None)
+        return P(*dims)
+
+    def param_spec(self, logical: Sequence[str | None], mesh: DeviceMesh) -> P:
+        """Where a parameter with these logical axes rests (and its optimizer state)."""
+        return self._spec(self.params, logical, mesh)
+
+    def activation_spec(self, logical: Sequence[str | None], mesh: DeviceMesh) -> P:
+        """Where an activation with these logical axes is computed."""
+        return self._spec(self.activations, logical, mesh)
+
+    def mesh_axes(self, logical: str, mesh: DeviceMesh, *, activation: bool = True) -> Axes:
+        """The mesh axes (mesh order) that split one logical axis."""
+        spec = self.activation_spec((logical,), mesh) if activation else self.param_spec((logical,), mesh)
+        return spec.axes_of(0)
+
+    def degree(self, logical: str, mesh: DeviceMesh, *, activation: bool = True) -> int:
+        """How many ways a logical axis is split on this mesh."""
+        names = _names(mesh)
+        return math.prod(mesh.size(names.index(a)) for a in self.mesh_axes(logical, mesh, activation=activation))
+
+    def context_degree(self, mesh: DeviceMesh) -> int:
+        """The context-parallel degree on ``mesh``: the size of the layout's cp axis, or 1
+        when the layout has no context parallel or the mesh has no such axis."""
+        return 1 if self.context is None else self.context.degree(mesh)
+
+    def to_cp_order(self, x: torch.Tensor, dim: int, mesh: DeviceMesh) -> torch.Tensor:
+        """Put the global sequence along ``dim`` of ``x`` into this layout's cp order.
+
+        The layout owns the permutation: with ``layouts.context(..., load_balance="zigzag")``
+        on a mesh with ``cp > 1`` rank r gets chunks r and 2·cp−1−r, so a contiguous split of
+        the result over cp gives every rank its local sequence (what :func:`dtp.shard_batch`
+        does). Identity without context parallel, with ``cp == 1`` or with
+        ``load_balance=None`` (contiguous shards). ``ValueError`` if the sequence length
+        does not divide by 2·cp (zigzag) or cp.
+
+        >>> mesh = make_mesh(dp=1, cp=2)                                   # doctest: +SKIP
+        >>> context("ring").to_cp_order(torch.arange(8), 0, mesh).tolist()  # doctest: +SKIP
+        [0, 1, 6, 7, 2, 3, 4, 5]
+        >>> data().to_cp_order(torch.arange(8), 0, mesh).tolist()           # doctest: +SKIP
+        [0, 1, 2, 3, 4, 5, 6, 7]
+        """
+        return x if self.context is None else self.context.to_cp_order(x, dim, mesh)
+
+    def from_cp_order(self, x: torch.Tensor, dim: int, mesh: DeviceMesh) -> torch.Tensor:
+        """Inverse of :meth:`to_cp_order`: a gathered cp-ordered sequence back to natural order.
+
+        >>> y = layout.to_cp_order(x, 1, mesh)                              # doctest: +SKIP
+        >>> torch.equal(layout.from_cp_order(y, 1, mesh), x)               # doctest: +SKIP
+        True
+        """
+        return x if self.context is None else self.context.from_cp_order(x, dim, mesh)
+
+    def check_sizes(self, sizes: Mapping[str, int], mesh: DeviceMesh, what: str = "model") -> None:
+        """``ValueError`` unless the model's sizes fit this layout on ``mesh``, raised
+        identically on every rank, before any collective.
+
+        Each option object present checks its own rules (:meth:`ContextOptions.check`,
+        :meth:`ZeroOptions.check`); then every logical axis size must divide by its split,
+        e.g. ``heads=6`` on ``tp=4`` fails. ``what`` starts the messages.
+        """
+        if self.context is not None:
+            self.context.check(sizes, mesh, tp=self.degree("heads", mesh), what=what)
+        if self.zero is not None:
+            self.zero.check(sizes, mesh, what=what)
+        self._check_rules(sizes, mesh, what)
+
+    def _check_rules(self, sizes: Mapping[str, int], mesh: DeviceMesh, what: str) -> None:
+        # The rules are the layout's own (every preset adds to them), so this check is too.
+        for logical, size in sizes.items():
+            for activation in (False, True):
+                n = self.degree(logical, mesh, activation=activation)
+                if size % n:
+                    names = _names(mesh)
+                    split = " × ".join(f"{a}={mesh.size(names.index(a))}"
+                                       for a in self.mesh_axes(logical, mesh, activation=activation))
+                    raise ValueError(
+                        f"{what}: {logical}={size} is not divisible by {split} = {n} "
+                        f"(layout {self.name or 'custom'}); choose {logical} a multiple of {n}, "
+                        f"or a smaller {'/'.join(self.mesh_axes(logical, mesh, activation=activation))}"
+                    )
+
+
+_active = threading.local()
+
+
+def current() -> tuple[Layout, DeviceMesh] | None:
+    """The ``(layout, mesh)`` made active by :func:`use_layout`, or ``None``."""
+    stack = getattr(_active, "stack", [])
+    return stack[-1] if stack else None
+
+
+@contextlib.contextmanager
+def use_layout(layout: Layout, mesh: DeviceMesh) -> Iterator[Layout]:
+    """Make ``layout`` on ``mesh`` active (like Flax's ``logical_axis_rules``).
+
+    >>> with use_layout(data(), make_mesh(dp=1)):               # doctest: +SKIP
+    ...     h = constrain(h, ("batch", "seq", "embed"))
+    """
+    if not hasattr(_active, "stack"):
+        _active.stack = []
+    _active.stack.append((layout, mesh))
+    try:
+        yield layout
+    finally:
+        _active.stack.pop()
+
+
+def constrain(x: torch.Tensor, logical: Sequence[str | None], *, name: str = "activation") -> torch.Tensor:
+    """``with_sharding_constraint``: reshard ``x`` to where the active layout puts it.
+
+    Without an active layout (or for a plain tensor) it returns ``x`` unchanged, so the
+    same model code runs on one device.
+
+    >>> h = constrain(h, ("batch", "res_seq", "embed"))       # doctest: +SKIP
+    """
+    from torch.distributed.tensor import DTensor
+
+    from ..redistribute import reshard
+
+    active = current()
+    if active is None or not isinstance(x, DTensor):
+        return x
+    layout, mesh = active
+    if len(logical) != x.dim():
+        raise ValueError(f"{name}: {len(logical)} logical axes {tuple(logical)} for a tensor of shape {tuple(x.shape)}")
+    return reshard(x, layout.activation_spec(logical, mesh), name=name, tag=name)

@@ -1,0 +1,114 @@
+"""Layouts' typed options: frozen, keyword-only, checked when built, composed right-wins,
+and the one place the names users pick from are written."""
+
+import dataclasses
+import typing
+
+import pytest
+
+import dtp
+from dtp import layouts
+from dtp.layouts import CP_ALGORITHMS, LOAD_BALANCE, ZERO_STAGES, ContextOptions, MegatronOptions, ZeroOptions
+
+
+class _Mesh:
+    """Just what layouts read from a DeviceMesh (names and sizes), so no ranks are needed."""
+
+    def __init__(self, **axes: int) -> None:
+        self.mesh_dim_names, self._sizes = tuple(axes), tuple(axes.values())
+
+    def size(self, dim: int) -> int:
+        return self._sizes[dim]
+
+
+@pytest.mark.parametrize("opts", [ContextOptions(), ZeroOptions(), MegatronOptions(), layouts.data()])
+def test_options_and_layouts_are_frozen(opts) -> None:
+    name = dataclasses.fields(opts)[0].name
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        setattr(opts, name, getattr(opts, name))
+
+
+@pytest.mark.parametrize("cls", [ContextOptions, ZeroOptions, MegatronOptions])
+def test_options_are_keyword_only(cls) -> None:
+    with pytest.raises(TypeError):
+        cls(1)
+
+
+def test_options_check_themselves_when_built() -> None:
+    with pytest.raises(ValueError, match=r"layouts.zero: stage must be 0, 1, 2 or 3, got 4"):
+        ZeroOptions(stage=4)
+    with pytest.raises(ValueError, match="layouts.zero: prefetch is a stage-3 option"):
+        ZeroOptions(stage=2, prefetch=2)
+    with pytest.raises(ValueError, match="layouts.context: algo must be one of"):
+        ContextOptions(algo="spiral")
+    with pytest.raises(ValueError, match="layouts.context: load_balance must be 'zigzag' or None, got 'round'"):
+        ContextOptions(load_balance="round")
+    with pytest.raises(ValueError, match="hybrid needs ulysses_degree > 1"):
+        ContextOptions(algo="hybrid")
+    with pytest.raises(TypeError, match="layouts.megatron: sequence_parallel must be a bool"):
+        MegatronOptions(sequence_parallel="yes")
+    assert ZeroOptions(bucket_mb=8) == ZeroOptions(bucket_mb=8.0)  # canonical once built
+    with pytest.raises(TypeError):  # a misspelt option is not silently dropped
+        layouts.zero(1, bucket_size=8)
+
+
+def test_presets_hold_their_options_and_defaults_come_from_the_dataclass() -> None:
+    assert layouts.zero().zero == ZeroOptions()
+    assert layouts.context().context == ContextOptions()
+    assert layouts.megatron().megatron == MegatronOptions()
+    assert layouts.context("ulysses", axis="sp").context == ContextOptions(algo="ulysses", axis="sp")
+    assert layouts.zero(0) == layouts.data()  # stage 0 is plain data parallel: no ZeRO options
+
+
+def test_composition_takes_the_right_hand_options() -> None:
+    ring, ulysses = layouts.context("ring"), layouts.context("ulysses")
+    z1, z3 = layouts.zero(1), layouts.zero(3, prefetch=2)
+    both = layouts.data() + ring + z1 + layouts.megatron(sequence_parallel=True) + ulysses + z3
+    assert both.context is ulysses.context and both.zero is z3.zero and both.megatron.sequence_parallel
+    kept = ring + z1 + layouts.data()  # the right side sets nothing: the left's options stay
+    assert kept.context is ring.context and kept.zero is z1.zero and kept.megatron is None
+
+
+def test_layout_has_no_string_keyed_options() -> None:
+    assert not hasattr(dtp.Layout(), "options")
+    assert {f.name for f in dataclasses.fields(dtp.Layout)} == {
+        "params", "activations", "megatron", "context", "zero", "name"}
+
+
+def test_zero_active_needs_a_stage_and_a_split_axis() -> None:
+    opts = ZeroOptions(stage=2)
+    assert opts.active(_Mesh(dp=2, tp=2))
+    assert not opts.active(_Mesh(dp=1, tp=4)) and not opts.active(_Mesh(tp=4))
+    assert not ZeroOptions(stage=0).active(_Mesh(dp=2))
+    assert dtp.zero.options(layouts.zero(2), _Mesh(dp=2)) == dataclasses.asdict(opts)
+    assert dtp.zero.options(layouts.zero(2), _Mesh(dp=1)) is None
+
+
+def test_check_sizes_delegates_to_the_context_options() -> None:
+    mesh = _Mesh(dp=1, cp=4, tp=2)
+    layout = layouts.megatron() + layouts.context("ulysses")
+    with pytest.raises(ValueError, match=r"model: heads=12 must be divisible by the Ulysses degree 4 × tp=2 = 8"):
+        layout.check_sizes({"heads": 12}, mesh)
+    layout.check_sizes({"heads": 16}, mesh)
+    with pytest.raises(ValueError, match=r"net: heads=12 must be divisible"):
+        layout.context.check({"heads": 12}, mesh, tp=2, what="net")
+    layout.context.check({"heads": 12}, _Mesh(dp=8))  # no cp axis: nothing to check
+    assert layout.context_degree(mesh) == 4 and layouts.data().context_degree(mesh) == 1
+
+
+def test_context_options_is_typed_with_a_contiguous_ring_by_default() -> None:
+    assert layouts.context_options() == ContextOptions(load_balance=None)
+    layout = layouts.context("hybrid", ulysses_degree=2)
+    with dtp.use_layout(layout, _Mesh(cp=4)):
+        assert layouts.context_options() is layout.context
+
+
+def test_choices_are_written_once() -> None:
+    from dtp.ops.context import ALGORITHMS
+    from dtp.layouts.context import CpAlgorithm, LoadBalance
+    from dtp.layouts.zero import ZeroStage
+
+    assert tuple(ALGORITHMS) == CP_ALGORITHMS  # the dispatch table offers exactly the layout's choices
+    assert typing.get_args(CpAlgorithm) == CP_ALGORITHMS
+    assert typing.get_args(ZeroStage) == ZERO_STAGES
+    assert typing.get_args(LoadBalance) == LOAD_BALANCE == ("zigzag", None)
