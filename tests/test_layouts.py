@@ -80,7 +80,7 @@ def test_zero_active_needs_a_stage_and_a_split_axis() -> None:
     assert opts.active(_Mesh(dp=2, tp=2))
     assert not opts.active(_Mesh(dp=1, tp=4)) and not opts.active(_Mesh(tp=4))
     assert not ZeroOptions(stage=0).active(_Mesh(dp=2))
-    assert dtp.zero.options(layouts.zero(2), _Mesh(dp=2)) == dataclasses.asdict(opts)
+    assert dtp.zero.options(layouts.zero(2), _Mesh(dp=2)) == opts  # the typed options themselves
     assert dtp.zero.options(layouts.zero(2), _Mesh(dp=1)) is None
 
 
@@ -112,3 +112,8 @@ def test_choices_are_written_once() -> None:
     assert typing.get_args(CpAlgorithm) == CP_ALGORITHMS
     assert typing.get_args(ZeroStage) == ZERO_STAGES
     assert typing.get_args(LoadBalance) == LOAD_BALANCE == ("zigzag", None)
+
+
+def test_zero_overlap_needs_a_stage() -> None:
+    with pytest.raises(ValueError, match="overlap_grad_reduce / overlap_param_gather .* need stage 1, 2 or 3"):
+        layouts.zero(0, overlap_param_gather=True)

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from ..launch import in_torchrun
+from ..layouts import CP_ALGORITHMS, ZERO_STAGES, Layout, zero
 
 __all__ = ["UsageError", "build_parser", "parse_args", "validate", "mesh_axes", "train_argv"]
 
@@ -22,7 +23,6 @@ PROG = "dtp"
 # The parser's description: the first line of the package docstring (dtp.cli).
 DESCRIPTION = "The ``dtp`` command: train the reference Llama under any parallel layout, from a shell."
 DTYPES = ("float32", "float64", "bfloat16")
-CP_ALGOS = ("ulysses", "ring", "double_ring", "hybrid")
 RECOMPUTE = ("none", "full", "selective")
 # Relative per-step loss difference --check accepts (dtp.cli.check says why it is per
 # dtype and why low precision drifts with the number of steps). It lives here because
@@ -77,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--cp", type=_positive("--cp"), default=1, help="context-parallel degree")
     g.add_argument("--tp", type=_positive("--tp"), default=1, help="tensor-parallel degree")
     g.add_argument("--sp", action="store_true", help="Megatron sequence parallel (needs --tp > 1)")
-    g.add_argument("--cp-algo", choices=CP_ALGOS, default=None, help="context-parallel algorithm (with --cp > 1)")
+    g.add_argument("--cp-algo", choices=CP_ALGORITHMS, default=None, help="context-parallel algorithm (with --cp > 1)")
     g.add_argument("--cp-window", type=_positive("--cp-window"), default=None,
                    help="double-ring window: cp ranks per inner ring (MindSpeed --cp-window-size; with --cp > 1)")
     g.add_argument("--ulysses-degree", type=_positive("--ulysses-degree"), default=None,
@@ -86,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="context-parallel attention in this many head chunks (default: the fewest with chunks × cp >= 16 "
                         "keeping each chunk's K+V >= 1 MiB; "
                         "1: Megatron's schedule, fewer and larger transfers, more memory; with --cp > 1)")
-    g.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0,
+    g.add_argument("--zero", type=int, choices=ZERO_STAGES, default=0,
                    help="ZeRO stage over dp: 1 optimizer state, 2 + gradients, 3 + parameters (0: plain DP)")
     g.add_argument("--overlap-grad-reduce", action="store_true",
                    help="with --zero: reduce-scatter each gradient bucket during backward")
@@ -174,19 +174,13 @@ def validate(args: argparse.Namespace, *, world_size: int | None = None) -> argp
                                 ("--ulysses-degree", args.ulysses_degree),
                                 ("--cp-head-chunks", args.cp_head_chunks)) if v]
         raise UsageError(f"{', '.join(flags)} configure context parallel; they need --cp > 1")
-    if not args.zero and (args.overlap_grad_reduce or args.overlap_param_gather):
-        raise UsageError("--overlap-grad-reduce / --overlap-param-gather overlap ZeRO's collectives; they need --zero 1, 2 or 3")
-    if args.zero_prefetch != 1 and args.zero != 3:
-        raise UsageError("--zero-prefetch is a ZeRO-3 option; it needs --zero 3")
-    if args.zero_prefetch < 1:
-        raise UsageError(f"--zero-prefetch must be >= 1, got {args.zero_prefetch}")
-    if not args.reshard_after_forward and args.zero != 3:
-        raise UsageError("--no-reshard-after-forward is a ZeRO-3 option; it needs --zero 3")
+    try:  # the preset states ZeRO's rules (prefetch and reshard are stage-3 options …) once
+        zero_layout(args)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     if args.zero and args.dp == 1:
         print(f"{PROG} train: note: --zero {args.zero} has no effect with --dp 1 (ZeRO shards over dp)",
               file=sys.stderr)
-    if args.bucket_mb <= 0:
-        raise UsageError(f"--bucket-mb must be > 0, got {args.bucket_mb}")
     if args.sp and args.tp == 1:
         # As in Megatron-LM: sequence parallel splits over the tp group, a group of one.
         print(f"{PROG} train: note: --sp has no effect with --tp 1 (sequence parallel splits over tp)",
@@ -237,3 +231,10 @@ def train_argv(args: argparse.Namespace) -> list[str]:
             "--recompute", args.recompute, "--clip", repr(args.clip), "--seed", str(args.seed),
             "--log-every", str(args.log_every)]
     return out
+
+
+def zero_layout(args: argparse.Namespace) -> Layout:
+    """``layouts.zero`` from the ZeRO flags (``--zero 0`` gives plain data parallel)."""
+    return zero(stage=args.zero, bucket_mb=args.bucket_mb, overlap_grad_reduce=args.overlap_grad_reduce,
+                overlap_param_gather=args.overlap_param_gather,
+                reshard_after_forward=args.reshard_after_forward, prefetch=args.zero_prefetch)

@@ -27,7 +27,7 @@ from .. import mesh as mesh_module
 from ..data import TokenLoader, load_tokens
 from ..launch import in_torchrun
 from ..models import llama
-from .flags import PROG, UsageError, mesh_axes, train_argv
+from .flags import PROG, UsageError, mesh_axes, train_argv, zero_layout
 from .report import _atomic_write_text, _format_summary, _plot, _Progress, _write_json, summarize
 
 __all__ = ["build_layout"]
@@ -45,12 +45,7 @@ def build_layout(args: argparse.Namespace) -> Layout:
                                      ("ulysses_degree", args.ulysses_degree),
                                      ("head_chunks", args.cp_head_chunks)) if v is not None}
         layout = layout + layouts.context(**options)
-    if args.zero:
-        layout = layout + layouts.zero(stage=args.zero, bucket_mb=args.bucket_mb,
-                                       overlap_grad_reduce=args.overlap_grad_reduce,
-                                       overlap_param_gather=args.overlap_param_gather,
-                                       reshard_after_forward=args.reshard_after_forward,
-                                       prefetch=args.zero_prefetch)
+    layout = layout + zero_layout(args)
     return layout
 
 

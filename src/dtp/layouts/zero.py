@@ -76,6 +76,9 @@ class ZeroOptions:
         if not self.reshard_after_forward and self.stage != 3:
             raise ValueError(f"layouts.zero: reshard_after_forward=False is a stage-3 option (stages 1/2 keep "
                              f"parameters whole anyway), got stage={self.stage}")
+        if self.stage == 0 and (self.overlap_grad_reduce or self.overlap_param_gather):
+            raise ValueError("layouts.zero: overlap_grad_reduce / overlap_param_gather overlap ZeRO's collectives; "
+                             "they need stage 1, 2 or 3")
         # Canonical once, so equal options compare equal (8 vs 8.0, 1 vs True); frozen, hence object.__setattr__.
         object.__setattr__(self, "bucket_mb", float(self.bucket_mb))
         for flag in ("overlap_grad_reduce", "overlap_param_gather", "reshard_after_forward"):

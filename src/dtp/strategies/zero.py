@@ -44,6 +44,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from .. import comm
+from ..layouts import Layout
+from ..layouts.zero import ZeroOptions
 from ..redistribute import reshard
 from ..spec import P, _names, _sizes, _wrap, spec_of
 
@@ -58,12 +60,9 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in _LOW_PRECISION else dtype
 
 
-def options(layout: Any, mesh: DeviceMesh) -> dict[str, Any] | None:
+def options(layout: Layout, mesh: DeviceMesh) -> ZeroOptions | None:
     """The layout's ZeRO options when they apply on ``mesh`` (axis present, size > 1)."""
-    from dataclasses import asdict  # the rest of this module reads the options as a dict
-
-    opts = layout.zero
-    return asdict(opts) if opts is not None and opts.active(mesh) else None
+    return layout.zero if layout.zero is not None and layout.zero.active(mesh) else None
 
 
 def bytes_per_parameter(param_bytes: int, dp: int, *, master: bool) -> float:
@@ -161,7 +160,7 @@ class ZeroState:
     changes (waiting on it); ``dtp.gather_params(state)`` waits, or under stage 3 gathers.
     Its pytree children are the master slices (flat DTensors sharded over dp)."""
 
-    options: dict[str, Any]
+    options: ZeroOptions
     leaves: tuple[_Leaf, ...]
     skeleton: PyTree  # the params tree with leaf indices for leaves
     plan: ZeroPlan | None = None
@@ -171,7 +170,7 @@ class ZeroState:
 
     @property
     def stage(self) -> int:
-        return self.options["stage"]
+        return self.options.stage
 
     def wait(self) -> None:
         """Wait for every in-flight parameter all-gather (no new collective)."""
@@ -201,19 +200,19 @@ def gather(z: ZeroState, raw: PyTree) -> PyTree:
     return _tree_of_views(z, bufs, requires_grad=True)
 
 
-def create(params: PyTree, opts: dict[str, Any]) -> ZeroState:
+def create(params: PyTree, opts: ZeroOptions) -> ZeroState:
     """ZeRO state for freshly laid-out ``params`` (DTensors); buckets come in step one."""
     leaves, treedef = optree.tree_flatten(params)
     paths = [".".join(map(str, p)) for p in optree.tree_paths(params)]
     metas = []
     for path, x in zip(paths, leaves):
         spec = spec_of(x)
-        if opts["axis"] in spec.used_axes():
-            raise ValueError(f"param {path}: spec {spec} splits the ZeRO axis {opts['axis']!r}; ZeRO shards "
-                             f"the optimizer over it itself — keep parameters replicated over {opts['axis']!r}")
+        if opts.axis in spec.used_axes():
+            raise ValueError(f"param {path}: spec {spec} splits the ZeRO axis {opts.axis!r}; ZeRO shards "
+                             f"the optimizer over it itself — keep parameters replicated over {opts.axis!r}")
         metas.append(_Leaf(path, x.device_mesh, spec, tuple(x.shape), tuple(x.to_local().shape), x.dtype))
     skeleton = optree.tree_unflatten(treedef, list(range(len(leaves))))
-    return ZeroState(dict(opts), tuple(metas), skeleton)
+    return ZeroState(opts, tuple(metas), skeleton)
 
 
 # --------------------------------------------------------------------------- planning
@@ -223,14 +222,14 @@ def _plan(z: ZeroState, used: Sequence[int]) -> ZeroPlan:
     """Buckets in first-use order, one open bucket per (dtype, sharded axes)."""
     mesh = z.leaves[0].mesh
     names, sizes = _names(mesh), _sizes(mesh)
-    axis, dp = z.options["axis"], sizes[z.options["axis"]]
+    axis, dp = z.options.axis, sizes[z.options.axis]
     order = list(dict.fromkeys(used)) + [i for i in range(len(z.leaves)) if i not in set(used)]
     open_: dict[tuple, list[int]] = {}
     groups: list[tuple[tuple, list[int]]] = []
     for i in order:
         leaf = z.leaves[i]
         key = (leaf.dtype, tuple(a for a in names if a in set(leaf.spec.used_axes())))
-        cap = max(1, int(z.options["bucket_mb"] * 2**20) // leaf.dtype.itemsize)
+        cap = max(1, int(z.options.bucket_mb * 2**20) // leaf.dtype.itemsize)
         if key not in open_:
             open_[key] = []
             groups.append((key, open_[key]))
@@ -369,8 +368,8 @@ class Run:
         self.live: dict[int, torch.Tensor] = {}  # stage 3: gathered buckets now held
         # Stage 3 frees a bucket after forward's last read (re-gathered in backward) unless
         # reshard_after_forward=False; backward frees it after its last gradient either way.
-        self.reshard = z.options.get("reshard_after_forward", True)
-        self.prefetch_depth = z.options.get("prefetch", 1)  # stage 3: buckets gathered ahead
+        self.reshard = z.options.reshard_after_forward
+        self.prefetch_depth = z.options.prefetch  # stage 3: buckets gathered ahead
         self.prefetch: dict[int, comm.CommHandle] = {}
         self.live_ptrs: dict[int, int] = {}
 
@@ -521,7 +520,7 @@ class Run:
         if self.pending[b] == 0:
             if z.stage == 3:
                 self._release(b)
-            if last and z.options["overlap_grad_reduce"]:
+            if last and z.options.overlap_grad_reduce:
                 self._post_reduce(b)
 
     def _grad_buffer(self, b: int) -> torch.Tensor:
@@ -595,7 +594,7 @@ class Run:
         master = tuple(m.detach() for m in updated)
         if z.stage == 3:
             return None, ZeroState(z.options, z.leaves, z.skeleton, plan, master)
-        overlap = z.options["overlap_param_gather"]
+        overlap = z.options.overlap_param_gather
         buffers, handles = [], []
         for b in plan.buckets:  # in forward-use order: the first needed is the first done
             buf = torch.empty(b.numel, dtype=b.dtype, device=master[b.index].to_local().device)

@@ -13,13 +13,12 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from ...layouts import attended_kv_heads
+from ...layouts import LOAD_BALANCE, attended_kv_heads
 from ...redistribute import to_local
 from ...spec import P, _sizes, spec_of
 
 __all__ = ["trace_compute", "default_chunks", "CHUNK_TARGET", "MIN_CHUNK_BYTES"]
 
-_LOAD_BALANCES = ("zigzag", None)
 
 # ------------------------------------------------------------------ compute trace
 
@@ -89,7 +88,7 @@ def _check_inputs(fn: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, se
     for a in seq_axes:
         if a not in sizes:
             raise ValueError(f"{fn}: unknown mesh axis {a!r}; the mesh axes are {tuple(sizes)}")
-    if load_balance not in _LOAD_BALANCES:
+    if load_balance not in LOAD_BALANCE:
         raise ValueError(f"{fn}: load_balance must be 'zigzag' or None, got {load_balance!r}")
     qs, ks, vs = spec_of(q), spec_of(k), spec_of(v)
     for name, s in (("q", qs), ("k", ks), ("v", vs)):
