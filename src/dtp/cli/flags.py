@@ -16,6 +16,13 @@ from typing import Callable, Sequence
 
 from ..launch import in_torchrun
 from ..layouts import CP_ALGORITHMS, ZERO_STAGES, Layout, zero
+from ..layouts.zero import misplaced_options
+
+# layouts.zero's options: the argparse attribute and the flag that set each.
+ZERO_ARGS = {"overlap_grad_reduce": "overlap_grad_reduce", "overlap_param_gather": "overlap_param_gather",
+             "prefetch": "zero_prefetch", "reshard_after_forward": "reshard_after_forward"}
+ZERO_FLAGS = {"overlap_grad_reduce": "--overlap-grad-reduce", "overlap_param_gather": "--overlap-param-gather",
+              "prefetch": "--zero-prefetch", "reshard_after_forward": "--no-reshard-after-forward"}
 
 __all__ = ["UsageError", "build_parser", "parse_args", "validate", "mesh_axes", "train_argv"]
 
@@ -95,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-reshard-after-forward", dest="reshard_after_forward", action="store_false",
                    help="with --zero 3: keep gathered buckets from forward until backward is done with them "
                         "(2Ψ traffic instead of 3Ψ; parameters whole during a step)")
-    g.add_argument("--zero-prefetch", type=int, default=1, metavar="N",
+    g.add_argument("--zero-prefetch", type=_positive("--zero-prefetch"), default=1, metavar="N",
                    help="with --zero 3: buckets gathered ahead of the one in use (default 1)")
     g.add_argument("--bucket-mb", type=_non_negative_float, default=40.0,
                    help="with --zero: gradient/parameter bucket size in MiB")
@@ -174,7 +181,13 @@ def validate(args: argparse.Namespace, *, world_size: int | None = None) -> argp
                                 ("--ulysses-degree", args.ulysses_degree),
                                 ("--cp-head-chunks", args.cp_head_chunks)) if v]
         raise UsageError(f"{', '.join(flags)} configure context parallel; they need --cp > 1")
-    try:  # the preset states ZeRO's rules (prefetch and reshard are stage-3 options …) once
+    # Which ZeRO options need which stage is layouts.zero's rule; here it is phrased as flags.
+    for option, stages, why in misplaced_options(args.zero, **{o: getattr(args, ZERO_ARGS[o]) for o in ZERO_ARGS}):
+        flag = ZERO_FLAGS[option]
+        if stages == (3,):
+            raise UsageError(f"{flag} is a ZeRO-3 option ({why}); it needs --zero 3")
+        raise UsageError(f"{flag} {why.removeprefix('it ')}; overlap flags need --zero 1, 2 or 3")
+    try:  # the rest (bucket size, prefetch range) as the preset states it
         zero_layout(args)
     except ValueError as e:
         raise UsageError(str(e)) from None

@@ -35,10 +35,19 @@ from ..spec import _names
 from .core import Layout
 from .megatron import data
 
-__all__ = ["ZERO_STAGES", "ZeroOptions", "zero"]
+__all__ = ["ZERO_STAGES", "STAGE_RULES", "ZeroOptions", "misplaced_options", "zero"]
 
 ZeroStage = Literal[0, 1, 2, 3]
 ZERO_STAGES: tuple[ZeroStage, ...] = (0, 1, 2, 3)
+
+
+# Which options only some stages use, and why; stated once (ZeroOptions and the CLI phrase it).
+STAGE_RULES: tuple[tuple[str, tuple[int, ...], str], ...] = (
+    ("overlap_grad_reduce", (1, 2, 3), "it overlaps ZeRO's collectives"),
+    ("overlap_param_gather", (1, 2, 3), "it overlaps ZeRO's collectives"),
+    ("prefetch", (3,), "stages 1/2 gather every bucket after the update"),
+    ("reshard_after_forward", (3,), "stages 1/2 keep parameters whole anyway"),
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -70,19 +79,20 @@ class ZeroOptions:
             raise ValueError(f"layouts.zero: bucket_mb must be > 0, got {self.bucket_mb!r}")
         if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 1:
             raise ValueError(f"layouts.zero: prefetch must be an int >= 1, got {self.prefetch!r}")
-        if self.prefetch != 1 and self.stage != 3:
-            raise ValueError(f"layouts.zero: prefetch is a stage-3 option (stages 1/2 gather every bucket after "
-                             f"the update), got stage={self.stage}")
-        if not self.reshard_after_forward and self.stage != 3:
-            raise ValueError(f"layouts.zero: reshard_after_forward=False is a stage-3 option (stages 1/2 keep "
-                             f"parameters whole anyway), got stage={self.stage}")
-        if self.stage == 0 and (self.overlap_grad_reduce or self.overlap_param_gather):
+        for option, stages, why in self.misplaced():
+            if stages == (3,):
+                raise ValueError(f"layouts.zero: {option}{'=False' if option == 'reshard_after_forward' else ''} "
+                                 f"is a stage-3 option ({why}), got stage={self.stage}")
             raise ValueError("layouts.zero: overlap_grad_reduce / overlap_param_gather overlap ZeRO's collectives; "
                              "they need stage 1, 2 or 3")
         # Canonical once, so equal options compare equal (8 vs 8.0, 1 vs True); frozen, hence object.__setattr__.
         object.__setattr__(self, "bucket_mb", float(self.bucket_mb))
         for flag in ("overlap_grad_reduce", "overlap_param_gather", "reshard_after_forward"):
             object.__setattr__(self, flag, bool(getattr(self, flag)))
+
+    def misplaced(self) -> list[tuple[str, tuple[int, ...], str]]:
+        """:func:`misplaced_options` of these options."""
+        return misplaced_options(self.stage, **{option: getattr(self, option) for option, _, _ in STAGE_RULES})
 
     def active(self, mesh: DeviceMesh) -> bool:
         """Whether ZeRO applies on ``mesh``: a stage >= 1 and ``axis`` on the mesh with size > 1."""
@@ -120,3 +130,18 @@ def zero(stage: ZeroStage = ZeroOptions.stage, **options: object) -> Layout:
     if opts.stage == 0:  # plain data parallel: gradients all-reduced, everything replicated
         return data(opts.axis)
     return Layout({}, {"batch": (opts.axis,)}, zero=opts, name=f"zero({opts.stage})")
+
+
+_DEFAULTS = {f: getattr(ZeroOptions, f) for f in ("overlap_grad_reduce", "overlap_param_gather", "prefetch",
+                                                   "reshard_after_forward")}
+
+
+def misplaced_options(stage: int, **values: object) -> list[tuple[str, tuple[int, ...], str]]:
+    """``(option, stages it needs, why)`` for each option in ``values`` set away from its
+    default under a ``stage`` that ignores it (:data:`STAGE_RULES`).
+
+    >>> misplaced_options(2, prefetch=2, overlap_grad_reduce=True)
+    [('prefetch', (3,), 'stages 1/2 gather every bucket after the update')]
+    """
+    return [(option, stages, why) for option, stages, why in STAGE_RULES
+            if option in values and values[option] != _DEFAULTS[option] and stage not in stages]
