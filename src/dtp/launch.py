@@ -35,7 +35,7 @@ ERROR_DIR_ENV = "DTP_LAUNCH_ERROR_DIR"
 def in_torchrun() -> bool:
     """True inside a rank started by torchrun (or anything that sets its variables).
 
-    >>> in_torchrun()                     # in a plain Python session  # doctest: +SKIP
+    >>> in_torchrun()                     # in a plain Python session
     False
     """
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
