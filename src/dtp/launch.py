@@ -126,6 +126,8 @@ def launch(nproc: int, argv: Sequence[str], *, module: str = "dtp.cli") -> int:
     :func:`report_error` are printed once to stderr. ``OMP_NUM_THREADS`` defaults to the
     cores per rank (see :func:`default_omp_threads`); a value already set is kept.
 
+    Not run as a doctest: it starts ranks (tests/test_cli.py launches them).
+
     >>> launch(2, ["train", "--dp", "2", "--steps", "3"])             # doctest: +SKIP
     0
     """
