@@ -96,9 +96,16 @@ class CommLog:
     def timeline(self, width: int = 72) -> str:
         """A text timeline: one row per span and per collective, time running left to right.
 
-        >>> print(log.timeline())                                 # doctest: +SKIP
-        forward        |#########                          |
-        all_gather dp  |==                                 | bucket 0
+        >>> with dtp.testing.simulate(2):
+        ...     mesh = make_mesh(dp=2)
+        ...     with comm_log() as log:
+        ...         with span("forward"):
+        ...             x = torch.ones(4)
+        ...         y = all_reduce(x, mesh, "dp", tag="grads")
+        >>> print(log.timeline())
+        |0 ...ms|
+        forward |#...|
+        all_reduce dp |...=| grads
         """
         rows: list[tuple[str, float, float, str]] = []
         for sp in self.spans:
@@ -211,8 +218,10 @@ def simulated_link(bandwidth: float, latency: float = 0.0, axes: Sequence[str] |
     of 1e8 models a 100 MB/s (0.8 Gbit/s) link per rank. Process-wide; every rank must
     use the same settings.
 
-    >>> with simulated_link(bandwidth=50e6, latency=1e-4, axes=("dp",)):   # doctest: +SKIP
-    ...     state, metrics = dtp.train_step(loss_fn, state, batch)
+    >>> with dtp.testing.simulate(2):
+    ...     mesh = make_mesh(dp=2)
+    ...     with simulated_link(bandwidth=50e6, latency=1e-4, axes=("dp",)):
+    ...         y = all_reduce(torch.ones(1000), mesh, "dp")   # takes >= 0.1 ms + 4 kB / 50 MB/s
     """
     if bandwidth <= 0 or latency < 0:
         raise ValueError(f"simulated_link: bandwidth must be > 0 and latency >= 0, got {bandwidth}, {latency}")

@@ -35,7 +35,7 @@ ERROR_DIR_ENV = "DTP_LAUNCH_ERROR_DIR"
 def in_torchrun() -> bool:
     """True inside a rank started by torchrun (or anything that sets its variables).
 
-    >>> in_torchrun()                     # in a plain Python session  # doctest: +SKIP
+    >>> in_torchrun()                     # in a plain Python session
     False
     """
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
@@ -125,6 +125,8 @@ def launch(nproc: int, argv: Sequence[str], *, module: str = "dtp.cli") -> int:
     fail (1 for a rank killed by a signal). Expected errors reported by the ranks with
     :func:`report_error` are printed once to stderr. ``OMP_NUM_THREADS`` defaults to the
     cores per rank (see :func:`default_omp_threads`); a value already set is kept.
+
+    Not run as a doctest: it starts ranks (tests/test_cli.py launches them).
 
     >>> launch(2, ["train", "--dp", "2", "--steps", "3"])             # doctest: +SKIP
     0

@@ -165,8 +165,8 @@ def reshard(x: DTensor, spec: P, *, name: str = "tensor", tag: str = "") -> DTen
     """Move ``x`` to ``spec`` with the cheapest collectives (autograd-correct).
 
     >>> mesh = make_mesh(dp=1, tp=1)
-    >>> x = shard(torch.randn(4, 4), mesh, P("dp", None))
-    >>> spec_of(reshard(x, P(None, "tp")))
+    >>> x = dtp.shard(torch.randn(4, 4), mesh, P("dp", None))
+    >>> dtp.spec_of(reshard(x, P(None, "tp")))
     P(None, 'tp')
     """
     if not isinstance(x, DTensor):
@@ -217,7 +217,11 @@ def to_local(x: DTensor, grad_spec: P | None = None) -> torch.Tensor:
     a replicated weight used on a batch split over ``dp``: its local gradient is a
     partial sum over ``dp``.
 
-    >>> w_local = to_local(w, P(None, "tp", partial=("dp",)))   # doctest: +SKIP
+    >>> with dtp.testing.simulate(4):
+    ...     w = dtp.shard(torch.ones(4, 4), make_mesh(dp=2, tp=2), P(None, "tp"))
+    ...     w_local = to_local(w, P(None, "tp", partial=("dp",)))
+    >>> tuple(w_local.shape)
+    (4, 2)
     """
     return _ToLocal.apply(x, spec_of(x) if grad_spec is None else grad_spec)
 

@@ -100,7 +100,10 @@ def check_spec(spec: P, mesh: DeviceMesh, shape: Sequence[int] | None = None, na
     Checks: every axis exists on the mesh, no axis is used twice, the spec has no more
     dims than the tensor, and every sharded dim divides evenly.
 
-    >>> check_spec(P("dp"), make_mesh(dp=1), (4, 3), "x")   # doctest: +SKIP
+    >>> check_spec(P("dp"), make_mesh(dp=1), (4, 3), "x")
+    >>> check_spec(P("tp"), make_mesh(dp=1), (4, 3), "x")
+    Traceback (most recent call last):
+    ValueError: x: spec P('tp') names unknown mesh axis 'tp'; the mesh axes are ('dp',)
     """
     if not isinstance(spec, P):
         raise ValueError(f"{name}: expected a dtp.P spec, got {spec!r}")

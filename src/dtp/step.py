@@ -1,9 +1,19 @@
 """``TrainState`` and ``train_step``: training as a pure function over placements.
 
->>> mesh = dtp.make_mesh(dp=2, tp=2)                                       # doctest: +SKIP
->>> state = dtp.TrainState.create(llama.init(cfg), dtp.optim.adamw(3e-3), mesh=mesh,
-...                               layout=layouts.data() + layouts.megatron(True), axes=llama.param_axes(cfg))
->>> state, metrics = dtp.train_step(partial(llama.loss, cfg=cfg), state, dtp.shard_batch(batch, state))
+Four ranks simulated in one process (:func:`dtp.testing.simulate`); under torchrun the
+body is the same without the ``with``:
+
+>>> from functools import partial
+>>> from dtp import layouts
+>>> cfg = llama.config("tiny", n_layers=1)
+>>> batch = {"tokens": torch.zeros(4, 16, dtype=torch.long), "targets": torch.zeros(4, 16, dtype=torch.long)}
+>>> with dtp.testing.simulate(4):
+...     mesh = dtp.make_mesh(dp=2, tp=2)
+...     state = dtp.TrainState.create(llama.init(cfg), dtp.optim.adamw(3e-3), mesh=mesh,
+...                                   layout=layouts.data() + layouts.megatron(True), axes=llama.param_axes(cfg))
+...     state, metrics = dtp.train_step(partial(llama.loss, cfg=cfg), state, dtp.shard_batch(batch, state))
+>>> metrics["tokens"], sorted(metrics["comm_bytes"])
+(64, ['dp', 'tp'])
 """
 
 from __future__ import annotations
@@ -129,8 +139,7 @@ def gather_params(state: TrainState) -> PyTree:
     all-gathers still in flight (``overlap_param_gather``; no new collective). Under
     stage 3 it all-gathers every bucket: a collective, so call it on every rank.
 
-    >>> import torch, dtp
-    >>> mesh = dtp.make_mesh()                      # one process: a mesh of one device
+    >>> mesh = dtp.make_mesh(dp=1)                  # one process: a mesh of one device
     >>> state = dtp.TrainState.create({"w": torch.ones(2)}, dtp.optim.sgd(0.1), mesh=mesh,
     ...                               layout=dtp.layouts.data(), axes={"w": ("embed",)})
     >>> dtp.gather_params(state)["w"]

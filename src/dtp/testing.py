@@ -17,6 +17,8 @@ one broken test cannot hang or poison the rest of the suite.
 Reference oracles for context-parallel attention (:func:`merge`, :func:`causal_work`,
 :func:`simulate_ring_attention`) come from :mod:`dtp._oracles`.
 
+Not run as a doctest (starting ranks costs seconds; tests/test_testing.py does it):
+
 >>> def hello():
 ...     import torch.distributed as dist
 ...     return dist.get_rank()
@@ -218,6 +220,8 @@ def run(fn: Callable[..., Any], *args: Any, world_size: int = 2, timeout: float 
     The process group is initialised in every worker (``dtp.make_mesh`` picks it up).
     Results must be picklable; tensors come back by value.
 
+    Not run as a doctest: starting ranks costs seconds (tests/test_testing.py does it).
+
     >>> run(lambda: 1 + 1, world_size=2)                       # doctest: +SKIP
     [2, 2]
     """
@@ -325,10 +329,11 @@ def simulate(world_size: int) -> Iterator[None]:
 
     Per-rank values come back as ``LocalTensor``s; :func:`rank_values` unpacks them.
 
-    >>> with simulate(4):                                      # doctest: +SKIP
+    >>> with simulate(4):
     ...     mesh = dtp.make_mesh(dp=2, tp=2)
     ...     x = dtp.shard(torch.arange(8.0), mesh, P(("dp", "tp")))
     ...     rank_values(x.to_local())
+    [tensor([0., 1.]), tensor([2., 3.]), tensor([4., 5.]), tensor([6., 7.])]
     """
     import torch.distributed as dist
     from torch.distributed._local_tensor import LocalTensorMode
@@ -385,7 +390,12 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, *, name: str = "t
 def reference_value_and_grad(loss_fn: Callable[[Any, Any], Any], params: Any, batch: Any) -> tuple[float, Any]:
     """The single-device run: loss and gradients of ``loss_fn`` on plain global tensors.
 
-    >>> loss, grads = reference_value_and_grad(partial(llama.loss, cfg=cfg), llama.init(cfg), batch)  # doctest: +SKIP
+    >>> from functools import partial
+    >>> cfg = llama.config("tiny", n_layers=1)
+    >>> batch = {"tokens": torch.zeros(2, 16, dtype=torch.long), "targets": torch.zeros(2, 16, dtype=torch.long)}
+    >>> loss, grads = reference_value_and_grad(partial(llama.loss, cfg=cfg), llama.init(cfg), batch)
+    >>> type(loss).__name__, sorted(grads)
+    ('float', ['embed', 'final_norm', 'layers', 'lm_head'])
     """
     import optree
 

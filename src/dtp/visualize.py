@@ -51,7 +51,13 @@ def visualize(x: DTensor) -> Visualization:
     Works for any number of dims; blocks are Python slices of the global tensor (a
     pending sum is marked ``+partial(axis)``).
 
-    >>> print(visualize(shard(torch.zeros(4, 6), make_mesh(dp=1), P("dp"))))  # doctest: +SKIP
+    >>> with dtp.testing.simulate(2):
+    ...     print(visualize(dtp.shard(torch.zeros(4, 6), make_mesh(dp=2), P("dp"))))
+    P('dp') on mesh {'dp': 2}: global shape (4, 6), local per-rank
+    rank  coordinate  block     note
+    ----  ----------  --------  ----
+    0     dp=0        [0:2, :]
+    1     dp=1        [2:4, :]
     """
     spec: P = spec_of(x)
     mesh = x.device_mesh

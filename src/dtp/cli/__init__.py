@@ -62,6 +62,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``dtp`` console script; returns the exit code.
 
+    Not run as a doctest: it launches 4 ranks (tests/test_cli.py runs the CLI).
+
     >>> main(["train", "--dp", "2", "--tp", "2", "--steps", "10", "--check"])  # doctest: +SKIP
     0
     """

@@ -77,6 +77,8 @@ def check_run(run_dir: str | os.PathLike[str], *, rtol: float | None = None,
     Prints the largest absolute and relative difference, writes ``check.json``, redraws
     ``loss.png`` with the reference, and returns 0 (within tolerance) or 1.
 
+    Not run as a doctest: it needs a finished run directory (tests/test_cli.py makes one).
+
     >>> check_run("runs/20250101-120000")                        # doctest: +SKIP
     check: 50 steps vs 1-process reference: max |Δloss| 3.1e-15, max rel 7.2e-16 at step 41 (rtol 1e-09, float64): OK
     0

@@ -29,8 +29,12 @@ def policy() -> str | None:
 def recompute(name: str | None) -> Iterator[None]:
     """Make ``name`` the recompute policy inside the block.
 
-    >>> with recompute("full"):                                 # doctest: +SKIP
-    ...     loss = model(params, batch)
+    >>> cfg = llama.config("tiny", n_layers=1)
+    >>> batch = {"tokens": torch.zeros(2, 16, dtype=torch.long), "targets": torch.zeros(2, 16, dtype=torch.long)}
+    >>> with recompute("full"):
+    ...     loss = llama.loss(llama.init(cfg), batch, cfg)
+    ...     policy()
+    'full'
     """
     if name not in POLICIES:
         raise ValueError(f"recompute must be one of {POLICIES}, got {name!r}")

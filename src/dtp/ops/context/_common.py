@@ -34,6 +34,9 @@ def trace_compute() -> Iterator[list[dict]]:
     ``tasks`` (the :class:`~dtp.ops.blockwise.BlockTask` list run), ``start``/``end``
     (``time.perf_counter()``, the clock of :class:`dtp.comm.CommRecord`).
 
+    Not run as a doctest: a ring of one records no steps, and a longer ring needs real
+    ranks (tests/test_context.py).
+
     >>> with trace_compute() as events:                          # doctest: +SKIP
     ...     out = ring_attention(q, k, v)
     """

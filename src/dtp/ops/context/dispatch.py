@@ -23,7 +23,12 @@ def context_attention(q: DTensor, k: DTensor, v: DTensor, *, algo: str = "ring",
     ``"hybrid"``) with its keyword options (axis, causal, scale, load_balance, window,
     ulysses_degree).
 
-    >>> out = context_attention(q, k, v, algo="hybrid", ulysses_degree=2)   # doctest: +SKIP
+    >>> with dtp.testing.simulate(2):
+    ...     mesh = make_mesh(cp=2)
+    ...     q, k, v = (dtp.shard(torch.randn(1, 4, 16, 8), mesh, P(None, None, "cp")) for _ in range(3))
+    ...     out = context_attention(q, k, v, algo="ulysses")
+    >>> dtp.spec_of(out)
+    P(None, None, 'cp')
     """
     if algo not in ALGORITHMS:
         raise ValueError(f"context_attention: algo must be one of {tuple(ALGORITHMS)}, got {algo!r}")

@@ -36,7 +36,10 @@ def hybrid_attention(q: DTensor, k: DTensor, v: DTensor, *, ulysses_degree: int 
     size. Needs ``R > 1`` (for ``R = 1`` use :func:`ulysses_attention`) and
     ``window`` in ``[1, R)`` dividing ``R``.
 
-    >>> out = hybrid_attention(q, k, v, ulysses_degree=2)       # doctest: +SKIP
+    Not run as a doctest: the ring sends point to point, which needs real ranks
+    (``dtp.testing.run``), not ``simulate``; tests/test_context.py runs it.
+
+    >>> out = hybrid_attention(q, k, v, ulysses_degree=2)  # doctest: +SKIP
     """
     fn = "hybrid_attention"
     if isinstance(axis, str):

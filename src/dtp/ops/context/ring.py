@@ -283,7 +283,10 @@ def ring_attention(q: DTensor, k: DTensor, v: DTensor, *, axis: str = "cp", caus
     Megatron's schedule. Tags and trace steps number on across chunks (chunk ``c``
     starts at step ``c·cp``). A ring of one sends nothing and is one plain SDPA call.
 
-    >>> out = ring_attention(q, k, v, axis="cp", load_balance="zigzag")   # doctest: +SKIP
+    Not run as a doctest: the ring sends point to point, which needs real ranks
+    (``dtp.testing.run``), not ``simulate``; tests/test_context.py runs it.
+
+    >>> out = ring_attention(q, k, v, axis="cp", load_balance="zigzag")  # doctest: +SKIP
     """
     fn = "ring_attention"
     axis = _check_axis_name(fn, axis)
@@ -309,7 +312,10 @@ def double_ring_attention(q: DTensor, k: DTensor, v: DTensor, *, window: int, ax
     ``{axis}_outer`` (size ``cp/window``) and ``{axis}_inner`` (size ``window``), the names
     the comm log shows. Needs ``1 <= window < cp`` and ``cp % window == 0``.
 
-    >>> out = double_ring_attention(q, k, v, window=2)          # doctest: +SKIP
+    Not run as a doctest: the ring sends point to point, which needs real ranks
+    (``dtp.testing.run``), not ``simulate``; tests/test_context.py runs it.
+
+    >>> out = double_ring_attention(q, k, v, window=2)  # doctest: +SKIP
     """
     fn = "double_ring_attention"
     axis = _check_axis_name(fn, axis)

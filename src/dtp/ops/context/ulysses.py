@@ -310,7 +310,12 @@ def ulysses_attention(q: DTensor, k: DTensor, v: DTensor, *, axis: str = "cp", c
     gets query heads ``[c·hq/cp, (c+1)·hq/cp)``, all in the group of repeated kv head
     ``c``. That needs ``kv_heads/tp`` to divide cp; otherwise ``ValueError``.
 
-    >>> out = ulysses_attention(q, k, v, axis="cp")             # doctest: +SKIP
+    >>> with dtp.testing.simulate(2):
+    ...     mesh = make_mesh(cp=2)
+    ...     q, k, v = (dtp.shard(torch.randn(1, 4, 16, 8), mesh, P(None, None, "cp")) for _ in range(3))
+    ...     out = ulysses_attention(q, k, v, axis="cp")
+    >>> tuple(out.shape), dtp.spec_of(out)
+    ((1, 4, 16, 8), P(None, None, 'cp'))
     """
     fn = "ulysses_attention"
     axis = _check_axis_name(fn, axis)
