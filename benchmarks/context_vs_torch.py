@@ -132,6 +132,7 @@ def _ring(seq: int, heads: int, dim: int, repeats: int, head_chunks: int | None)
 
     import dtp
     from dtp import P
+    from dtp._torch import cpu_flash_attention, cpu_flash_attention_backward
     from dtp.ops import context as C
     from dtp.ops.blockwise import to_cp_order
     from dtp.redistribute import to_local
@@ -175,11 +176,10 @@ def _ring(seq: int, heads: int, dim: int, repeats: int, head_chunks: int | None)
     # functions context_parallel dispatches to) with the CPU flash kernel plugged in as
     # the block op -- the kernel dtp uses too. Each rotate method PyTorch offers.
     def cpu_fwd(query, key, value, is_causal, **kw):
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, 0.0, is_causal)
+        return cpu_flash_attention(query, key, value, is_causal)
 
     def cpu_bwd(query, key, value, out, logsumexp, is_causal, grad_out, **kw):
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad_out, query, key, value, out, logsumexp, 0.0, is_causal)
+        return cpu_flash_attention_backward(grad_out, query, key, value, out, logsumexp, is_causal)
 
     group = mesh.get_group("cp")
     for method in (TA._RotateMethod.ALL_GATHER, TA._RotateMethod.ALL_TO_ALL):

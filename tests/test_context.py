@@ -46,6 +46,7 @@ def _attend(case: dict) -> dict:
 
     import dtp
     from dtp import P
+    from dtp._torch import local_tensor
     from dtp.ops import context as C
     from dtp.ops.blockwise import from_cp_order, to_cp_order
     from dtp.redistribute import to_local
@@ -95,8 +96,8 @@ def _attend(case: dict) -> dict:
         errors=errors, fwd=recs(fwd), bwd=recs(bwd),
         events=[dict(e, tasks=[(t.q_slice.start, t.q_slice.stop, t.k_slice.start, t.k_slice.stop, t.mask)
                                for t in e["tasks"]]) for e in events],
-        q_local=dq._local_tensor.nbytes, k_local=dk._local_tensor.nbytes,
-        L=dq._local_tensor.shape[2], rank=dtp.mesh.axis_coordinate(mesh, seq_axes[0]),
+        q_local=local_tensor(dq).nbytes, k_local=local_tensor(dk).nbytes,
+        L=local_tensor(dq).shape[2], rank=dtp.mesh.axis_coordinate(mesh, seq_axes[0]),
     )
 
 

@@ -62,3 +62,14 @@ def test_submesh_and_flattened_ep_view():
     res = run(_submeshes, world_size=8)
     assert all(r[:5] == (2, ("dp_cp",), 4, 4.0, ["dp_cp"]) for r in res)
     assert [r[5] for r in res] == [0, 1] * 4
+
+
+def test_axis_helpers_and_block_index():
+    with dtp.testing.simulate(8):
+        mesh = dtp.make_mesh(dp=2, tp=4)
+        assert dtp.mesh.axis_names(mesh) == ("dp", "tp")
+        assert dtp.mesh.axis_sizes(mesh) == {"dp": 2, "tp": 4}
+        assert dtp.mesh.block_index(mesh, ("dp", "tp"), {"dp": 1, "tp": 2}) == 1 * 4 + 2
+        assert dtp.mesh.block_index(mesh, ("tp", "dp"), {"dp": 1, "tp": 2}) == 2 * 2 + 1
+        assert dtp.mesh.block_index(mesh, (), {"dp": 1, "tp": 2}) == 0
+        assert set(dtp.mesh.coordinates(mesh)) == {"dp", "tp"}

@@ -82,7 +82,7 @@ def test_plans_use_the_cheapest_collective():
 
 def _log_and_async(axes):
     mesh = dtp.make_mesh(**axes)
-    x = torch.arange(8.0) + dtp.spec._names(mesh).index("a")
+    x = torch.arange(8.0) + dtp.mesh.axis_names(mesh).index("a")
     with dtp.comm_log() as outer:
         with dtp.comm_log() as inner:
             h = dtp.comm.all_gather(x, mesh, "a", async_op=True, tag="t")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F  # noqa: F401 (the doctest uses it)
 
-from .layouts import _check_cp, _check_divisible, _check_load_balance
+from .layouts import check_cp, check_divisible, check_load_balance
 from .ops.blockwise import (
     Impl,
     _check_qkv,
@@ -115,7 +115,7 @@ def _ring_forward(
     seq = q.shape[2]
     if k.shape[2] != seq:
         raise ValueError(f"ring attention needs equal q/k sequence lengths, got {seq} and {k.shape[2]}")
-    _check_divisible(seq, cp, load_balance)
+    check_divisible(seq, cp, load_balance)
     L = seq // cp
     qs, ks, vs = q.split(L, 2), k.split(L, 2), v.split(L, 2)
     acc = accum_dtype(q.dtype)
@@ -226,8 +226,8 @@ def simulate_ring_attention(
     >>> torch.allclose(from_cp_order(o, 2, 4), ref)
     True
     """
-    _check_cp(cp)
-    _check_load_balance(load_balance)
+    check_cp(cp)
+    check_load_balance(load_balance)
     scale = _default_scale(scale, q.shape[-1])
     out, lse = _SimulatedRingAttention.apply(q, k, v, cp, causal, load_balance, scale, impl)
     return (out, lse) if return_lse else out

@@ -11,13 +11,16 @@ import importlib
 import math
 import os
 import re
-from typing import Any
+from typing import Any, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-__all__ = ["make_mesh", "detect_device", "axis_size", "axis_coordinate", "flatten_axes"]
+from ._torch import flatten_mesh
+
+__all__ = ["make_mesh", "detect_device", "axis_names", "axis_sizes", "axis_size", "coordinates", "axis_coordinate",
+           "block_index", "flatten_axes", "clear_mesh_cache"]
 
 _BACKEND_FOR_DEVICE = {"cuda": "nccl", "npu": "hccl", "cpu": "gloo"}
 _AXIS_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -131,6 +134,64 @@ def make_mesh(*, device: str | None = None, **axes: int) -> DeviceMesh:
     return mesh
 
 
+def clear_mesh_cache() -> None:
+    """Forget the meshes :func:`make_mesh` built; call it when their process group is
+    destroyed, so the next ``make_mesh`` builds on the new one."""
+    _MESH_CACHE.clear()
+
+
+def axis_names(mesh: DeviceMesh) -> tuple[str, ...]:
+    """The mesh's axis names, outer to inner.
+
+    Raises: ``ValueError`` for a mesh without names.
+
+    >>> axis_names(make_mesh(dp=1, tp=1))
+    ('dp', 'tp')
+    """
+    names = mesh.mesh_dim_names
+    if not names:
+        raise ValueError("dtp needs a mesh with named axes; build it with dtp.make_mesh(dp=…, tp=…)")
+    return tuple(names)
+
+
+def axis_sizes(mesh: DeviceMesh) -> dict[str, int]:
+    """``{axis: size}`` in mesh order.
+
+    >>> axis_sizes(make_mesh(dp=1, tp=1))
+    {'dp': 1, 'tp': 1}
+    """
+    return {name: mesh.size(i) for i, name in enumerate(axis_names(mesh))}
+
+
+def coordinates(mesh: DeviceMesh) -> dict[str, int]:
+    """This rank's ``{axis: coordinate}`` (per-rank ints under LocalTensorMode).
+
+    >>> coordinates(make_mesh(dp=1, tp=1))
+    {'dp': 0, 'tp': 0}
+    """
+    return dict(zip(axis_names(mesh), mesh.get_coordinate()))
+
+
+def block_index(mesh: DeviceMesh, axes: Sequence[str], coords: Mapping[str, int] | None = None) -> int:
+    """Which of the ``prod(sizes of axes)`` blocks a rank holds when ``axes`` split a dim:
+    its coordinates read as a mixed-radix number, ``axes[0]`` most significant.
+
+    ``coords`` defaults to this rank's :func:`coordinates`; pass another rank's to ask
+    about it. ``()`` gives 0.
+
+    >>> block_index(make_mesh(dp=1, tp=1), ("tp", "dp"))
+    0
+    >>> block_index(make_mesh(dp=1, tp=1), ("dp", "tp"), {"dp": 0, "tp": 0})
+    0
+    """
+    sizes = axis_sizes(mesh)
+    coord = coordinates(mesh) if coords is None else coords
+    idx = 0
+    for a in axes:
+        idx = idx * sizes[a] + coord[a]
+    return idx
+
+
 def axis_size(mesh: DeviceMesh, axis: str) -> int:
     """Size of the named mesh axis.
 
@@ -164,4 +225,4 @@ def flatten_axes(mesh: DeviceMesh, axes: tuple[str, ...], name: str | None = Non
     name = name or "_".join(axes)
     if len(axes) == 1:
         return mesh[axes[0]]
-    return mesh[axes]._flatten(name)
+    return flatten_mesh(mesh[axes], name)

@@ -34,7 +34,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from . import comm
-from .spec import P, _names, _sizes, _wrap, check_spec, maybe_run_for_local_tensor, spec_of
+from ._torch import local_tensor, maybe_run_for_local_tensor
+from .mesh import axis_names, axis_sizes, coordinates
+from .spec import P, _wrap, check_spec, spec_of
 
 __all__ = ["Step", "plan", "reshard", "redistribute_local", "to_local", "from_local", "local_map"]
 
@@ -125,8 +127,7 @@ def _zero_unless_first(x: torch.Tensor, index: int) -> torch.Tensor:
 
 def redistribute_local(local: torch.Tensor, mesh: DeviceMesh, src: P, dst: P, *, tag: str = "") -> torch.Tensor:
     """Run :func:`plan` on this rank's shard (no autograd); returns the new shard."""
-    names, sizes = _names(mesh), _sizes(mesh)
-    coord = dict(zip(names, mesh.get_coordinate()))
+    sizes, coord = axis_sizes(mesh), coordinates(mesh)
     x = local
     for s in plan(src, dst, local.dim(), sizes):
         if s.kind == "all_gather":
@@ -148,7 +149,7 @@ class _Reshard(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: DTensor, src: P, dst: P, tag: str) -> DTensor:  # type: ignore[override]
         ctx.src, ctx.dst, ctx.tag = src, dst, tag
-        out = redistribute_local(x._local_tensor, x.device_mesh, src, dst, tag=tag)
+        out = redistribute_local(local_tensor(x), x.device_mesh, src, dst, tag=tag)
         return _wrap(out, x.device_mesh, dst, tuple(x.shape))
 
     @staticmethod
@@ -186,7 +187,7 @@ class _ToLocal(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: DTensor, grad_spec: P) -> torch.Tensor:  # type: ignore[override]
         ctx.mesh, ctx.grad_spec, ctx.shape = x.device_mesh, grad_spec, tuple(x.shape)
-        return x._local_tensor.view_as(x._local_tensor)
+        return local_tensor(x).view_as(local_tensor(x))
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
@@ -206,7 +207,7 @@ class _FromLocal(torch.autograd.Function):
         target = _without_partial(ctx.spec)
         if spec_of(grad) != target:
             grad = _Reshard.apply(grad, spec_of(grad), target, "from_local backward")
-        return grad._local_tensor, None, None, None
+        return local_tensor(grad), None, None, None
 
 
 def to_local(x: DTensor, grad_spec: P | None = None) -> torch.Tensor:
@@ -240,7 +241,7 @@ def from_local(local: torch.Tensor, mesh: DeviceMesh, spec: P, shape: Sequence[i
     if len(spec.dims) > local.dim():
         raise ValueError(f"{name}: spec {spec} has {len(spec.dims)} dims but the local tensor has shape {tuple(local.shape)}")
     if shape is None:
-        sizes = _sizes(mesh)
+        sizes = axis_sizes(mesh)
         shape = [s * math.prod(sizes[a] for a in spec.axes_of(d)) for d, s in enumerate(local.shape)]
     return _FromLocal.apply(local, mesh, spec, tuple(shape))
 
@@ -279,7 +280,7 @@ def _check_local_shapes(outs: list[tuple[str, torch.Tensor, P]], mesh: DeviceMes
     """All-gather every rank's output shapes (one small int64 record per mesh axis of
     size > 1, tag ``"local_map shapes"``) and raise the same ``ValueError`` on every rank
     when they differ."""
-    names, sizes = _names(mesh), _sizes(mesh)
+    names, sizes = axis_names(mesh), axis_sizes(mesh)
     rows = torch.tensor([[_shape_row(t) for _, t, _ in outs]], dtype=torch.int64)
     if mesh.device_type != "cpu":
         rows = rows.to(mesh.device_type)
@@ -364,7 +365,7 @@ def _local_map_call(fn: Callable[..., Any], in_specs: Any, out_specs: Any, check
     if len(meshes) > 1:
         raise ValueError("local_map: every DTensor argument must live on the same device mesh")
     (mesh,) = meshes.values()
-    names = _names(mesh)
+    names = axis_names(mesh)
     out_leaf_specs = optree.tree_leaves(out_specs, is_leaf=_is_spec_leaf, none_is_leaf=True)
     varied = {a for s in out_leaf_specs if isinstance(s, P) for a in s.used_axes()}
     inputs: list[Any] = []

@@ -20,17 +20,14 @@ from typing import Iterable, Sequence, Union
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
-from torch.distributed.tensor.placement_types import _StridedShard
 
-try:  # per-rank evaluation under the one-process simulation (LocalTensorMode)
-    from torch.distributed._local_tensor import maybe_run_for_local_tensor
-except ImportError:  # pragma: no cover - older torch
-    def maybe_run_for_local_tensor(fn):  # type: ignore[no-redef]
-        return fn
+from ._torch import StridedShard, maybe_run_for_local_tensor
+from .mesh import axis_names, axis_sizes, block_index
 
-__all__ = ["P", "to_placements", "from_placements", "shard", "spec_of", "check_spec", "local_shape"]
+__all__ = ["P", "to_placements", "from_placements", "shard", "spec_of", "check_spec"]
 
 DimSpec = Union[None, str, Sequence[str]]
+
 
 
 class P:
@@ -83,17 +80,6 @@ class P:
         return f"P({', '.join(parts)})"
 
 
-def _names(mesh: DeviceMesh) -> tuple[str, ...]:
-    names = mesh.mesh_dim_names
-    if not names:
-        raise ValueError("dtp needs a mesh with named axes; build it with dtp.make_mesh(dp=…, tp=…)")
-    return tuple(names)
-
-
-def _sizes(mesh: DeviceMesh) -> dict[str, int]:
-    return {name: mesh.size(i) for i, name in enumerate(_names(mesh))}
-
-
 def check_spec(spec: P, mesh: DeviceMesh, shape: Sequence[int] | None = None, name: str = "tensor") -> None:
     """Raise ``ValueError`` (naming the tensor, dim and axis) unless ``spec`` fits.
 
@@ -107,7 +93,7 @@ def check_spec(spec: P, mesh: DeviceMesh, shape: Sequence[int] | None = None, na
     """
     if not isinstance(spec, P):
         raise ValueError(f"{name}: expected a dtp.P spec, got {spec!r}")
-    sizes = _sizes(mesh)
+    sizes = axis_sizes(mesh)
     seen: set[str] = set()
     for axis in spec.used_axes():
         if axis not in sizes:
@@ -142,8 +128,8 @@ def to_placements(spec: P, mesh: DeviceMesh) -> tuple[Placement, ...]:
 @functools.lru_cache(maxsize=4096)
 def _to_placements(spec: P, mesh: DeviceMesh) -> tuple[Placement, ...]:
     check_spec(spec, mesh)
-    names = _names(mesh)
-    sizes = _sizes(mesh)
+    names = axis_names(mesh)
+    sizes = axis_sizes(mesh)
     placements: list[Placement] = [Replicate() for _ in names]
     for axis in spec.partial:
         placements[names.index(axis)] = Partial("sum")
@@ -153,7 +139,7 @@ def _to_placements(spec: P, mesh: DeviceMesh) -> tuple[Placement, ...]:
             # Axes more major in the tuple but later in mesh order have not split the
             # tensor yet when DTensor applies this mesh dim: they become the split factor.
             sf = math.prod(sizes[b] for b in axes[:k] if names.index(b) > m)
-            placements[m] = Shard(d) if sf == 1 else _StridedShard(d, split_factor=sf)
+            placements[m] = Shard(d) if sf == 1 else StridedShard(d, split_factor=sf)
     return tuple(placements)
 
 
@@ -164,8 +150,8 @@ def from_placements(placements: Sequence[Placement], mesh: DeviceMesh) -> P:
 
 @functools.lru_cache(maxsize=4096)
 def _from_placements(placements: tuple[Placement, ...], mesh: DeviceMesh) -> P:
-    names = _names(mesh)
-    sizes = _sizes(mesh)
+    names = axis_names(mesh)
+    sizes = axis_sizes(mesh)
     partial: list[str] = []
     per_dim: dict[int, list[tuple[int, str, int]]] = {}
     for m, pl in enumerate(placements):
@@ -173,7 +159,7 @@ def _from_placements(placements: tuple[Placement, ...], mesh: DeviceMesh) -> P:
             if pl.reduce_op != "sum":
                 raise ValueError(f"dtp specs express pending sums only; mesh axis {names[m]!r} is Partial({pl.reduce_op!r})")
             partial.append(names[m])
-        elif isinstance(pl, _StridedShard):
+        elif isinstance(pl, StridedShard):
             per_dim.setdefault(pl.dim, []).append((m, names[m], pl.split_factor))
         elif isinstance(pl, Shard):
             per_dim.setdefault(pl.dim, []).append((m, names[m], 1))
@@ -197,30 +183,17 @@ def _from_placements(placements: tuple[Placement, ...], mesh: DeviceMesh) -> P:
     return P(*dims, partial=tuple(partial))
 
 
-def local_shape(shape: Sequence[int], spec: P, mesh: DeviceMesh) -> tuple[int, ...]:
-    """Shape of one rank's shard of a global ``shape`` under ``spec``."""
-    sizes = _sizes(mesh)
-    return tuple(s // math.prod(sizes[a] for a in spec.axes_of(d)) for d, s in enumerate(shape))
-
-
-def _chunk_index(axes: tuple[str, ...], coord: dict[str, int], sizes: dict[str, int]) -> int:
-    idx = 0
-    for a in axes:
-        idx = idx * sizes[a] + coord[a]
-    return idx
-
-
 @maybe_run_for_local_tensor
-def _take_block(t: torch.Tensor, spec: P, names: tuple[str, ...], sizes: tuple[int, ...], *coord: int) -> torch.Tensor:
+def _take_block(t: torch.Tensor, spec: P, mesh: DeviceMesh, *coord: int) -> torch.Tensor:
     """This rank's block of ``t`` under ``spec`` given its mesh coordinate (plain ints;
     the decorator evaluates it once per simulated rank under LocalTensorMode)."""
-    c, n = dict(zip(names, coord)), dict(zip(names, sizes))
+    c, n = dict(zip(axis_names(mesh), coord)), axis_sizes(mesh)
     out = t
     for d, axes in enumerate(spec.dims):
         count = math.prod(n[a] for a in axes)
         if count > 1:
             step = t.shape[d] // count
-            out = out.narrow(d, _chunk_index(axes, c, n) * step, step)
+            out = out.narrow(d, block_index(mesh, axes, c) * step, step)
     out = out.clone()
     if any(c[a] != 0 for a in spec.partial):
         out.zero_()  # a pending sum: the value lives on coordinate 0 only
@@ -241,8 +214,7 @@ def shard(tensor: torch.Tensor, mesh: DeviceMesh, spec: P, *, name: str = "tenso
     if isinstance(tensor, DTensor):
         raise ValueError(f"{name}: already a DTensor with spec {spec_of(tensor)}; use dtp.reshard to move it")
     check_spec(spec, mesh, tensor.shape, name)
-    names = _names(mesh)
-    local = _take_block(tensor.detach(), spec, names, tuple(mesh.size(i) for i in range(len(names))), *mesh.get_coordinate())
+    local = _take_block(tensor.detach(), spec, mesh, *mesh.get_coordinate())
     # A new leaf (like distribute_tensor): gradients land on the DTensor itself.
     return _wrap(local, mesh, spec, tuple(tensor.shape)).requires_grad_(tensor.requires_grad)
 

@@ -48,6 +48,8 @@ import cloudpickle
 import torch
 
 from ._oracles import causal_work, merge, simulate_ring_attention
+from ._torch import LocalTensorMode, fake_store, local_tensors
+from .mesh import clear_mesh_cache
 
 __all__ = ["run", "RankError", "RankTimeout", "simulate", "shutdown", "assert_close", "tolerance", "rank_values",
            "merge", "causal_work", "simulate_ring_attention"]
@@ -336,25 +338,21 @@ def simulate(world_size: int) -> Iterator[None]:
     [tensor([0., 1.]), tensor([2., 3.]), tensor([4., 5.]), tensor([6., 7.])]
     """
     import torch.distributed as dist
-    from torch.distributed._local_tensor import LocalTensorMode
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if dist.is_initialized():
         raise RuntimeError("dtp.testing.simulate needs a process with no process group initialised")
-    dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
+    dist.init_process_group("fake", rank=0, world_size=world_size, store=fake_store())
     try:
         with LocalTensorMode(world_size):
             yield
     finally:
-        from . import mesh as _mesh
-
-        _mesh._MESH_CACHE.clear()
+        clear_mesh_cache()
         dist.destroy_process_group()
 
 
 def rank_values(t: torch.Tensor) -> list[torch.Tensor]:
     """Per-rank tensors of a ``LocalTensor`` (a plain tensor is every rank's value)."""
-    locals_ = getattr(t, "_local_tensors", None)
+    locals_ = local_tensors(t)
     return [locals_[r] for r in sorted(locals_)] if locals_ is not None else [t]
 
 

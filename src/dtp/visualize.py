@@ -8,18 +8,18 @@ import math
 import torch
 from torch.distributed.tensor import DTensor
 
-from .spec import P, _names, spec_of
+from ._torch import is_local_tensor, local_tensor
+from .mesh import axis_names, block_index
+from .spec import P, spec_of
 
 __all__ = ["visualize", "Visualization"]
 
 
-def _ranges(size: int, axes: tuple[str, ...], coord: dict[str, int], sizes: dict[str, int]) -> str:
+def _ranges(size: int, axes: tuple[str, ...], coord: dict[str, int], sizes: dict[str, int], mesh) -> str:
     n = math.prod(sizes[a] for a in axes)
     if n == 1:
         return ":"
-    idx = 0
-    for a in axes:
-        idx = idx * sizes[a] + coord[a]
+    idx = block_index(mesh, axes, coord)
     step = size // n
     return f"{idx * step}:{(idx + 1) * step}"
 
@@ -61,19 +61,19 @@ def visualize(x: DTensor) -> Visualization:
     """
     spec: P = spec_of(x)
     mesh = x.device_mesh
-    names = _names(mesh)
+    names = axis_names(mesh)
     sizes = {n: mesh.size(i) for i, n in enumerate(names)}
     mesh_ranks = mesh.mesh.reshape(-1).tolist()
     rows = []
     for flat, rank in enumerate(mesh_ranks):
         coords = torch.unravel_index(torch.tensor(flat), tuple(mesh.mesh.shape))
         coord = {n: int(c) for n, c in zip(names, coords)}
-        block = ", ".join(_ranges(s, spec.axes_of(d), coord, sizes) for d, s in enumerate(x.shape))
+        block = ", ".join(_ranges(s, spec.axes_of(d), coord, sizes, mesh) for d, s in enumerate(x.shape))
         note = " ".join(f"+partial({a})" if coord[a] == 0 else f"zeros({a})" for a in spec.partial)
         rows.append([str(rank), ", ".join(f"{n}={coord[n]}" for n in names), f"[{block}]", note])
-    title = f"{spec} on mesh {dict(sizes)}: global shape {tuple(x.shape)}, local {tuple(x._local_tensor.shape) if not _is_local(x) else 'per-rank'}"
+    title = f"{spec} on mesh {dict(sizes)}: global shape {tuple(x.shape)}, local {tuple(local_tensor(x).shape) if not _is_local(x) else 'per-rank'}"
     return Visualization(title, ["rank", "coordinate", "block", "note"], rows)
 
 
 def _is_local(x: DTensor) -> bool:
-    return type(x._local_tensor).__name__ == "LocalTensor"
+    return is_local_tensor(local_tensor(x))

@@ -23,9 +23,9 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from .. import Layout, TrainState, layouts, make_mesh, optim, shard_batch, train_step
-from .. import mesh as mesh_module
 from ..data import TokenLoader, load_tokens
 from ..launch import in_torchrun
+from ..mesh import clear_mesh_cache
 from ..models import llama
 from .flags import PROG, UsageError, mesh_axes, train_argv, zero_layout
 from .report import _atomic_write_text, _format_summary, _plot, _Progress, _write_json, summarize
@@ -110,7 +110,7 @@ def _single_process_world() -> Iterator[DeviceMesh]:
         yield make_mesh(dp=1)
     finally:
         if created and dist.is_initialized():
-            mesh_module._MESH_CACHE.clear()
+            clear_mesh_cache()
             dist.destroy_process_group()
 
 

@@ -45,9 +45,9 @@ from .context import (
     CP_ALGORITHMS,
     LOAD_BALANCE,
     ContextOptions,
-    _check_cp,  # private, re-exported for dtp.ops.blockwise, which imports them from here
-    _check_divisible,
-    _check_load_balance,
+    check_cp,
+    check_divisible,
+    check_load_balance,
     attended_kv_heads,
     context,
     context_options,
@@ -63,5 +63,5 @@ from .zero import ZERO_STAGES, ZeroOptions, zero
 __all__ = [
     "Layout", "data", "megatron", "context", "context_options", "zero", "use_layout", "current", "constrain",
     "MegatronOptions", "ContextOptions", "ZeroOptions", "CP_ALGORITHMS", "LOAD_BALANCE", "ZERO_STAGES",
-    "Axes", "attended_kv_heads", "zigzag_permutation", "cp_permutation", "to_cp_order", "from_cp_order",
+    "Axes", "attended_kv_heads", "check_cp", "check_divisible", "check_load_balance", "zigzag_permutation", "cp_permutation", "to_cp_order", "from_cp_order",
 ]

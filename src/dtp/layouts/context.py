@@ -14,12 +14,13 @@ from typing import Literal, Mapping
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..spec import _names
+from ..mesh import axis_names
 from .core import Layout, current
 
 __all__ = [
     "CP_ALGORITHMS", "LOAD_BALANCE", "ContextOptions", "context", "context_options", "attended_kv_heads",
-    "zigzag_permutation", "cp_permutation", "to_cp_order", "from_cp_order",
+    "zigzag_permutation", "cp_permutation", "to_cp_order", "from_cp_order", "check_cp", "check_divisible",
+    "check_load_balance",
 ]
 
 CpAlgorithm = Literal["ulysses", "ring", "double_ring", "hybrid"]
@@ -78,7 +79,7 @@ class ContextOptions:
 
     def degree(self, mesh: DeviceMesh) -> int:
         """The size of ``axis`` on ``mesh``, 1 where the mesh has no such axis."""
-        names = _names(mesh)
+        names = axis_names(mesh)
         return mesh.size(names.index(self.axis)) if self.axis in names else 1
 
     def check(self, sizes: Mapping[str, int], mesh: DeviceMesh, *, tp: int = 1, what: str = "model") -> None:
@@ -90,7 +91,7 @@ class ContextOptions:
         heads do not divide by Ulysses degree × tp, or ``head_chunks`` does not divide
         the kv heads a rank attends with. Nothing to check without ``axis`` on ``mesh``.
         """
-        if self.axis not in _names(mesh):
+        if self.axis not in axis_names(mesh):
             return
         cp, algo, window, u = self.degree(mesh), self.algo, self.window, self.ulysses_degree
         heads = sizes.get("heads")
@@ -176,17 +177,26 @@ def context_options() -> ContextOptions:
     return _NO_CONTEXT if opts is None else opts
 
 
-def _check_cp(cp: int) -> None:
+def check_cp(cp: int) -> None:
+    """``ValueError`` unless ``cp`` is a positive int (a context-parallel degree).
+
+    >>> check_cp(0)
+    Traceback (most recent call last):
+    ...
+    ValueError: cp must be a positive int, got 0
+    """
     if not isinstance(cp, int) or cp < 1:
         raise ValueError(f"cp must be a positive int, got {cp!r}")
 
 
-def _check_load_balance(load_balance: str | None) -> None:
+def check_load_balance(load_balance: str | None) -> None:
+    """``ValueError`` unless ``load_balance`` is one of :data:`LOAD_BALANCE`."""
     if load_balance not in LOAD_BALANCE:
         raise ValueError(f"{_LOAD_BALANCE_RULE}, got {load_balance!r}")
 
 
-def _check_divisible(seq_len: int, cp: int, load_balance: str | None) -> None:
+def check_divisible(seq_len: int, cp: int, load_balance: str | None) -> None:
+    """``ValueError`` unless ``seq_len`` splits into ``cp`` (zigzag: ``2·cp``) equal chunks."""
     if load_balance == "zigzag":
         if seq_len % (2 * cp) != 0:
             raise ValueError(
@@ -215,8 +225,8 @@ def zigzag_permutation(seq_len: int, cp: int, *, device: torch.device | str | No
     >>> zigzag_permutation(8, 2).tolist()
     [0, 1, 6, 7, 2, 3, 4, 5]
     """
-    _check_cp(cp)
-    _check_divisible(seq_len, cp, "zigzag")
+    check_cp(cp)
+    check_divisible(seq_len, cp, "zigzag")
     c = seq_len // (2 * cp)
     chunks = torch.arange(seq_len, device=device).view(2 * cp, c)
     order = [i for r in range(cp) for i in (r, 2 * cp - 1 - r)]
@@ -231,9 +241,9 @@ def cp_permutation(
     >>> cp_permutation(4, 2, None).tolist()
     [0, 1, 2, 3]
     """
-    _check_cp(cp)
-    _check_load_balance(load_balance)
-    _check_divisible(seq_len, cp, load_balance)
+    check_cp(cp)
+    check_load_balance(load_balance)
+    check_divisible(seq_len, cp, load_balance)
     if load_balance == "zigzag":
         return zigzag_permutation(seq_len, cp, device=device)
     return torch.arange(seq_len, device=device)

@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Iterator, Mapping, Sequence, TypeVar
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..spec import P, _names
+from ..mesh import axis_names
+from ..spec import P
 
 if TYPE_CHECKING:  # the option modules import Layout to build their presets
     from .context import ContextOptions
@@ -68,7 +69,7 @@ class Layout:
                       name=" + ".join(n for n in (self.name, other.name) if n))
 
     def _spec(self, rules: Mapping[str, Axes], logical: Sequence[str | None], mesh: DeviceMesh) -> P:
-        names = _names(mesh)
+        names = axis_names(mesh)
         used: set[str] = set()
         dims = []
         for ax in logical:
@@ -93,7 +94,7 @@ class Layout:
 
     def degree(self, logical: str, mesh: DeviceMesh, *, activation: bool = True) -> int:
         """How many ways a logical axis is split on this mesh."""
-        names = _names(mesh)
+        names = axis_names(mesh)
         return math.prod(mesh.size(names.index(a)) for a in self.mesh_axes(logical, mesh, activation=activation))
 
     def context_degree(self, mesh: DeviceMesh) -> int:
@@ -148,7 +149,7 @@ class Layout:
             for activation in (False, True):
                 n = self.degree(logical, mesh, activation=activation)
                 if size % n:
-                    names = _names(mesh)
+                    names = axis_names(mesh)
                     split = " × ".join(f"{a}={mesh.size(names.index(a))}"
                                        for a in self.mesh_axes(logical, mesh, activation=activation))
                     raise ValueError(

@@ -31,7 +31,7 @@ from typing import Literal, Mapping
 
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..spec import _names
+from ..mesh import axis_names
 from .core import Layout
 from .megatron import data
 
@@ -96,7 +96,7 @@ class ZeroOptions:
 
     def active(self, mesh: DeviceMesh) -> bool:
         """Whether ZeRO applies on ``mesh``: a stage >= 1 and ``axis`` on the mesh with size > 1."""
-        names = _names(mesh)
+        names = axis_names(mesh)
         return self.stage > 0 and self.axis in names and mesh.size(names.index(self.axis)) > 1
 
     def check(self, sizes: Mapping[str, int], mesh: DeviceMesh, *, what: str = "model") -> None:

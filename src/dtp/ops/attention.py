@@ -7,10 +7,13 @@ context-parallel axis selects the layout's context-parallel algorithm.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
+from ..mesh import axis_sizes, block_index
 from ..redistribute import local_map
 from ..spec import spec_of
 from .recompute import remat
@@ -70,14 +73,11 @@ def _context(q: DTensor, k: DTensor, v: DTensor, causal: bool, scale: float | No
 def _positions(x: DTensor, seq_dim: int) -> torch.Tensor:
     """Global positions of the sequence rows this rank holds (cp order under zigzag)."""
     from ..layouts import context_options
-    from ..spec import _names, _sizes
     from .blockwise import cp_permutation
 
     mesh, axes = x.device_mesh, spec_of(x).axes_of(seq_dim)
-    sizes, coord = _sizes(mesh), dict(zip(_names(mesh), mesh.get_coordinate()))
-    n, idx = 1, 0
-    for a in axes:
-        n, idx = n * sizes[a], idx * sizes[a] + coord[a]
+    sizes = axis_sizes(mesh)
+    n, idx = math.prod(sizes[a] for a in axes), block_index(mesh, axes)
     order = cp_permutation(x.shape[seq_dim], n, context_options().load_balance if n > 1 else None)
     local = x.shape[seq_dim] // n
     return order[idx * local:(idx + 1) * local]

@@ -61,9 +61,10 @@ import torch
 
 # The sequence-order helpers live with the layout, which owns the permutation
 # (``Layout.to_cp_order``); re-exported here for the block-level code and its tests.
+from .._torch import cpu_flash_attention, cpu_flash_attention_backward, cuda_efficient_attention
 from ..layouts import (
-    _check_cp,
-    _check_load_balance,
+    check_cp,
+    check_load_balance,
     cp_permutation,
     from_cp_order,
     to_cp_order,
@@ -282,17 +283,13 @@ def block_forward(
     acc = accum_dtype(q.dtype)
     if kind == "cpu_flash":
         q, k, v = _dense_rows(q), _dense_rows(k), _dense_rows(v)
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, mask == "causal", scale=scale
-        )
+        out, lse = cpu_flash_attention(q, k, v, mask == "causal", scale)
         return out, lse.to(acc)
     if kind == "cuda_efficient":
         g = hq // hkv
         if g > 1:  # the efficient kernel wants equal head counts
             k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
-        out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
-            q, k, v, None, True, 0.0, mask == "causal", scale=scale
-        )[:2]
+        out, lse = cuda_efficient_attention(q, k, v, mask == "causal", scale)[:2]
         # Some versions pad the LSE's sequence dim to a multiple of 32.
         return out, lse[..., :sq].to(acc)
     return _math_forward(q, k, v, scale, mask)
@@ -398,16 +395,15 @@ def block_backward(
         # exactly where a ring rank peaks. Rows (head_dim) must be dense, though: with a
         # strided last dim the kernel is silently wrong. The LSE is made dense anyway
         # (tiny): torch's own context-parallel code needed that on CUDA.
-        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dq, dk, dv = cpu_flash_attention_backward(
             _dense_rows(dout.to(q.dtype), broadcast_ok=True),
             _dense_rows(q),
             _dense_rows(k),
             _dense_rows(v),
             _dense_rows(out.to(q.dtype)),
             lse.to(accum_dtype(q.dtype)).contiguous(),
-            0.0,
             mask == "causal",
-            scale=scale,
+            scale,
         )
         return dq, dk, dv
     return _math_backward(dout, q, k, v, out, lse, scale, mask)
@@ -481,8 +477,8 @@ def ring_block_plan(
     >>> ring_block_plan(0, 1, 2, causal=True, load_balance=None, local_len=4)
     []
     """
-    _check_cp(cp)
-    _check_load_balance(load_balance)
+    check_cp(cp)
+    check_load_balance(load_balance)
     if not (0 <= rank < cp and 0 <= src_rank < cp):
         raise ValueError(f"rank ({rank}) and src_rank ({src_rank}) must be in [0, cp={cp})")
     n = 2 if load_balance == "zigzag" else 1  # chunks per rank

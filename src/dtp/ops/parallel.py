@@ -16,21 +16,18 @@ from torch.distributed.tensor import DTensor
 
 from .. import comm
 from ..redistribute import local_map, reshard
-from ..spec import P, _names, _sizes, spec_of
+from ..mesh import axis_names, block_index
+from ..spec import P, spec_of
 
 __all__ = ["linear", "embedding", "cross_entropy"]
 
 
 def _vocab_offset(mesh, axes: tuple[str, ...], local_size: int) -> int:
-    sizes, coord = _sizes(mesh), dict(zip(_names(mesh), mesh.get_coordinate()))
-    idx = 0
-    for a in axes:
-        idx = idx * sizes[a] + coord[a]
-    return idx * local_size
+    return block_index(mesh, axes) * local_size
 
 
 def _ordered(mesh, axes) -> tuple[str, ...]:
-    names = _names(mesh)
+    names = axis_names(mesh)
     return tuple(a for a in names if a in set(axes))
 
 

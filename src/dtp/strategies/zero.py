@@ -46,8 +46,10 @@ from torch.distributed.tensor import DTensor
 from .. import comm
 from ..layouts import Layout
 from ..layouts.zero import ZeroOptions
+from .._torch import current_graph_task_id, local_tensor
+from ..mesh import axis_names, axis_sizes, coordinates
 from ..redistribute import reshard
-from ..spec import P, _names, _sizes, _wrap, spec_of
+from ..spec import P, _wrap, spec_of
 
 __all__ = ["ZeroState", "ZeroPlan", "Bucket", "InflightGathers", "Run", "options", "gather", "bytes_per_parameter"]
 
@@ -221,7 +223,7 @@ def create(params: PyTree, opts: ZeroOptions) -> ZeroState:
 def _plan(z: ZeroState, used: Sequence[int]) -> ZeroPlan:
     """Buckets in first-use order, one open bucket per (dtype, sharded axes)."""
     mesh = z.leaves[0].mesh
-    names, sizes = _names(mesh), _sizes(mesh)
+    names, sizes = axis_names(mesh), axis_sizes(mesh)
     axis, dp = z.options.axis, sizes[z.options.axis]
     order = list(dict.fromkeys(used)) + [i for i in range(len(z.leaves)) if i not in set(used)]
     open_: dict[tuple, list[int]] = {}
@@ -254,12 +256,12 @@ def _plan(z: ZeroState, used: Sequence[int]) -> ZeroPlan:
 
 
 def _flat_global(b: Bucket, mesh: DeviceMesh) -> tuple[int]:
-    sizes = _sizes(mesh)
+    sizes = axis_sizes(mesh)
     return (b.shard_numel * math.prod(sizes[a] for a in b.spec.axes_of(0)),)
 
 
 def _slice_of(plan: ZeroPlan, b: Bucket, flat: torch.Tensor) -> torch.Tensor:
-    r = dict(zip(_names(plan.mesh), plan.mesh.get_coordinate()))[plan.axis]
+    r = coordinates(plan.mesh)[plan.axis]
     return flat[r * b.shard_numel:(r + 1) * b.shard_numel]
 
 
@@ -304,7 +306,7 @@ class _ParamView(torch.autograd.Function):
 def _in_backward() -> bool:
     """True while the autograd engine runs backward — a checkpointed block being
     recomputed reads its parameters then, and those reads are no forward uses."""
-    return torch._C._current_graph_task_id() != -1
+    return current_graph_task_id() != -1
 
 
 class _LazyMapping(Mapping):
@@ -454,7 +456,7 @@ class Run:
 
     # ---- stage 3: saved activations refer to a bucket instead of holding it
     def pack(self, t: torch.Tensor) -> Any:
-        local = t._local_tensor if isinstance(t, DTensor) else t
+        local = local_tensor(t) if isinstance(t, DTensor) else t
         if not self.live_ptrs or local.layout != torch.strided:
             return t
         try:

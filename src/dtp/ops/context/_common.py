@@ -15,7 +15,9 @@ from torch.distributed.tensor import DTensor
 
 from ...layouts import LOAD_BALANCE, attended_kv_heads
 from ...redistribute import to_local
-from ...spec import P, _sizes, spec_of
+from ..._torch import unflatten_mesh
+from ...mesh import axis_sizes
+from ...spec import P, spec_of
 
 __all__ = ["trace_compute", "default_chunks", "CHUNK_TARGET", "MIN_CHUNK_BYTES"]
 
@@ -87,7 +89,7 @@ def _check_inputs(fn: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, se
     if not (q.device_mesh is k.device_mesh is v.device_mesh):
         raise ValueError(f"{fn}: q, k and v must live on the same device mesh")
     mesh = q.device_mesh
-    sizes = _sizes(mesh)
+    sizes = axis_sizes(mesh)
     for a in seq_axes:
         if a not in sizes:
             raise ValueError(f"{fn}: unknown mesh axis {a!r}; the mesh axes are {tuple(sizes)}")
@@ -173,15 +175,8 @@ def _unflatten(mesh: DeviceMesh, axis: str, sizes: tuple[int, ...], suffixes: tu
     key = (id(mesh), axis, sizes, tuple(names))
     hit = _VIEWS.get(key)
     if hit is None:
-        hit = _VIEWS[key] = (mesh, mesh._unflatten(axis, sizes, tuple(names)))
+        hit = _VIEWS[key] = (mesh, unflatten_mesh(mesh, axis, sizes, tuple(names)))
     return hit[1], tuple(names)
-
-
-def _coord(mesh: DeviceMesh, axis: str) -> int:
-    coord = mesh.get_coordinate()
-    if coord is None:
-        raise ValueError("this rank is not part of the mesh")
-    return coord[mesh.mesh_dim_names.index(axis)]
 
 
 def _scale(scale: float | None, d: int) -> float:

@@ -7,8 +7,8 @@ from typing import Sequence
 
 from torch.distributed.tensor import DTensor
 
-from ...spec import _sizes
-from ._common import _check_heads, _check_inputs, _check_ulysses_chunks, _check_window, _coord, _scale, _unflatten
+from ...mesh import axis_coordinate, axis_sizes, block_index
+from ._common import _check_heads, _check_inputs, _check_ulysses_chunks, _check_window, _scale, _unflatten
 from .ring import _Ring
 from .ulysses import _ulysses_dtensor, _UlyssesPlan
 
@@ -51,7 +51,7 @@ def hybrid_attention(q: DTensor, k: DTensor, v: DTensor, *, ulysses_degree: int 
     lay = _check_inputs(fn, q, k, v, seq_axes, load_balance)
     cp = lay.cp
     if len(seq_axes) == 2:
-        uly_size = _sizes(lay.mesh)[seq_axes[1]]
+        uly_size = axis_sizes(lay.mesh)[seq_axes[1]]
         if ulysses_degree is None:
             ulysses_degree = uly_size
         if ulysses_degree != uly_size:
@@ -85,9 +85,9 @@ def hybrid_attention(q: DTensor, k: DTensor, v: DTensor, *, ulysses_degree: int 
         else:
             view, ring_axes = lay.mesh, (ring_ax,)
     if w > 1:
-        ring = _Ring(view, ring_axes[1], ring_axes[0], R, w, _coord(view, ring_axes[0]) * w + _coord(view, ring_axes[1]))
+        ring = _Ring(view, ring_axes[1], ring_axes[0], R, w, block_index(view, ring_axes))
     else:
-        ring = _Ring(view, ring_axes[0], None, R, R, _coord(view, ring_axes[0]))
+        ring = _Ring(view, ring_axes[0], None, R, R, axis_coordinate(view, ring_axes[0]))
 
     # The collectives run on the view (its sub-axes name the ring and Ulysses groups);
     # the local shards are the same on either mesh, so q/k/v and the output stay on lay.mesh.

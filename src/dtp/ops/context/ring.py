@@ -13,6 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from ... import comm
+from ...mesh import axis_coordinate, block_index
 from ...redistribute import local_map
 from ..blockwise import accum_dtype, block_backward, block_forward, merge_into, ring_block_plan
 from ._common import (
@@ -20,7 +21,6 @@ from ._common import (
     _check_chunks,
     _check_inputs,
     _check_window,
-    _coord,
     _kv_bytes,
     _Layout,
     _scale,
@@ -292,7 +292,7 @@ def ring_attention(q: DTensor, k: DTensor, v: DTensor, *, axis: str = "cp", caus
     axis = _check_axis_name(fn, axis)
     lay = _check_inputs(fn, q, k, v, (axis,), load_balance)
     chunks = _check_chunks(fn, head_chunks, k.shape[1] // lay.tp, lay.cp, _kv_bytes(k))
-    ring = _Ring(lay.mesh, axis, None, lay.cp, lay.cp, _coord(lay.mesh, axis))
+    ring = _Ring(lay.mesh, axis, None, lay.cp, lay.cp, axis_coordinate(lay.mesh, axis))
     return _ring_dtensor(q, k, v, lay, ring, causal, load_balance, scale, chunks)
 
 
@@ -323,6 +323,6 @@ def double_ring_attention(q: DTensor, k: DTensor, v: DTensor, *, window: int, ax
     w = _check_window(fn, window, lay.cp)
     chunks = _check_chunks(fn, head_chunks, k.shape[1] // lay.tp, lay.cp, _kv_bytes(k))
     view, (outer, inner) = _unflatten(lay.mesh, axis, (lay.cp // w, w), ("outer", "inner"))
-    rank = _coord(view, outer) * w + _coord(view, inner)
+    rank = block_index(view, (outer, inner))
     ring = _Ring(view, inner, outer, lay.cp, w, rank)
     return _ring_dtensor(q, k, v, lay, ring, causal, load_balance, scale, chunks)

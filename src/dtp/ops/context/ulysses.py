@@ -13,16 +13,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from ... import comm
+from ..._torch import make_saved_tensor, unpack_saved
 from ...redistribute import local_map
 from ..blockwise import accum_dtype, block_backward, block_forward, select_impl
 from ._common import _check_axis_name, _check_heads, _check_inputs, _check_ulysses_chunks, _Layout, _scale
 from .ring import _Ring, _ring_backward, _ring_forward
-
-try:  # what torch.utils.checkpoint itself uses to save through the saved-tensors hooks
-    from torch._C._autograd import SavedTensor as _SavedTensor
-    from torch._C._autograd import _make_saved_tensor
-except ImportError:  # pragma: no cover - older or newer torch without it
-    _SavedTensor, _make_saved_tensor = None, None  # type: ignore[assignment,misc]
 
 __all__ = ["ulysses_attention"]
 
@@ -148,11 +143,11 @@ def _save(t: torch.Tensor) -> object:
     saved-tensors hooks, so full recompute (non-reentrant checkpoint) and CPU offload see
     it -- but as an object of our own that backward can drop early. Plain tensors when
     this torch has no such constructor."""
-    return _make_saved_tensor(t, is_output=False) if _make_saved_tensor is not None else t
+    return make_saved_tensor(t)
 
 
 def _unpack(saved: object) -> torch.Tensor:
-    return saved.unpack() if _SavedTensor is not None and isinstance(saved, _SavedTensor) else saved  # type: ignore[return-value]
+    return unpack_saved(saved)
 
 
 class _UlyssesAttention(torch.autograd.Function):

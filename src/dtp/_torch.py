@@ -1,0 +1,114 @@
+"""Every private torch API dtp relies on, in one place.
+
+Each entry says what dtp uses it for and the public alternative, if there is one. A
+torch upgrade that moves or removes one fails here (and in
+``tests/test_torch_internals.py``), not somewhere deep in an op. Nothing else in dtp
+imports from ``torch._*``, ``torch.distributed._*``, ``torch.testing._internal`` or
+reads a private attribute of a torch object.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+# Shard of a dim whose major part is split by a later mesh dim: what a spec tuple whose
+# order differs from mesh order compiles to. Public alternative: none.
+from torch.distributed.tensor.placement_types import _StridedShard as StridedShard
+
+try:  # the one-process simulation of many ranks (dtp.testing.simulate). Public: none.
+    from torch.distributed._local_tensor import LocalTensor, LocalTensorMode, maybe_run_for_local_tensor
+except ImportError:  # pragma: no cover - older torch
+    LocalTensor = LocalTensorMode = None  # type: ignore[assignment,misc]
+
+    def maybe_run_for_local_tensor(fn):  # type: ignore[no-redef]
+        """Run ``fn`` once per simulated rank under LocalTensorMode (identity without it)."""
+        return fn
+
+try:  # saving through the saved-tensors hooks as an object backward can drop early.
+    # Public alternative: ctx.save_for_backward (which cannot be dropped before backward ends).
+    from torch._C._autograd import SavedTensor
+    from torch._C._autograd import _make_saved_tensor
+except ImportError:  # pragma: no cover - older or newer torch without it
+    SavedTensor, _make_saved_tensor = None, None  # type: ignore[assignment,misc]
+
+__all__ = [
+    "StridedShard", "LocalTensor", "LocalTensorMode", "maybe_run_for_local_tensor", "fake_store",
+    "local_tensor", "local_tensors", "is_local_tensor", "flatten_mesh", "unflatten_mesh",
+    "current_graph_task_id", "SavedTensor", "make_saved_tensor", "unpack_saved",
+    "cpu_flash_attention", "cpu_flash_attention_backward", "cuda_efficient_attention",
+]
+
+
+def local_tensor(x: DTensor) -> torch.Tensor:
+    """A DTensor's local shard, read as an attribute: no autograd node, no wait on an
+    async collective. Public alternative: ``x.to_local()`` (differentiable, and slower)."""
+    return x._local_tensor
+
+
+def local_tensors(t: torch.Tensor) -> dict[int, torch.Tensor] | None:
+    """Per-rank tensors of a ``LocalTensor`` (``None`` for any other tensor). Public: none."""
+    return getattr(t, "_local_tensors", None)
+
+
+def is_local_tensor(t: torch.Tensor) -> bool:
+    """True for a simulation ``LocalTensor`` (by name: no import of the class needed)."""
+    return type(t).__name__ == "LocalTensor"
+
+
+def fake_store() -> Any:
+    """A store for the "fake" process-group backend (dtp.testing.simulate). Public: none
+    (torch's own tests use it)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    return FakeStore()
+
+
+def flatten_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
+    """A 1-D view of a (sub)mesh's dims, sharing its ranks (e.g. the EP view of dp×cp).
+    Public alternative: a new ``init_device_mesh`` (new process groups, not a view)."""
+    return mesh._flatten(name)
+
+
+def unflatten_mesh(mesh: DeviceMesh, axis: str, sizes: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
+    """A view of ``mesh`` with ``axis`` split row-major into named sub-axes (the ring
+    windows of double ring / hybrid attention). Public alternative: none."""
+    return mesh._unflatten(axis, sizes, names)
+
+
+def current_graph_task_id() -> int:
+    """The autograd engine's running graph task (-1 outside backward): tells a forward
+    use of a parameter from a checkpoint recompute. Public alternative: none."""
+    return torch._C._current_graph_task_id()
+
+
+def make_saved_tensor(t: torch.Tensor) -> object:
+    """Save ``t`` through the active saved-tensors hooks (what ``torch.utils.checkpoint``
+    uses); the plain tensor when this torch has no such constructor."""
+    return _make_saved_tensor(t, is_output=False) if _make_saved_tensor is not None else t
+
+
+def unpack_saved(saved: object) -> torch.Tensor:
+    """The tensor behind :func:`make_saved_tensor`'s result."""
+    return saved.unpack() if SavedTensor is not None and isinstance(saved, SavedTensor) else saved  # type: ignore[return-value]
+
+
+def cpu_flash_attention(q, k, v, causal: bool, scale: float | None = None):
+    """``(out, lse)`` of the CPU flash kernel: SDPA's public API does not return the LSE
+    that ring attention merges by. Public alternative: none."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+
+
+def cpu_flash_attention_backward(dout, q, k, v, out, lse, causal: bool, scale: float | None = None):
+    """``(dq, dk, dv)`` of the CPU flash kernel given the forward's ``out`` and ``lse``."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dout, q, k, v, out, lse, 0.0, causal, scale=scale
+    )
+
+
+def cuda_efficient_attention(q, k, v, causal: bool, scale: float | None = None):
+    """The CUDA memory-efficient kernel's outputs (``out, lse, ...``), LSE included."""
+    return torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal, scale=scale)
