@@ -17,7 +17,7 @@ from .layouts import check_cp, check_divisible, check_load_balance
 from .ops.blockwise import (
     Impl,
     _check_qkv,
-    _default_scale,
+    softmax_scale,
     accum_dtype,
     block_backward,
     block_forward,
@@ -59,10 +59,9 @@ def merge(
     if out is None or lse is None:
         if not (out is None and lse is None):
             raise ValueError("out and lse must both be None (empty accumulator) or both tensors")
-        acc = torch.float64 if torch.float64 in (out_b.dtype, lse_b.dtype) else torch.float32
+        acc = accum_dtype(out_b.dtype, lse_b.dtype)
         return out_b.to(acc), lse_b.to(acc)
-    dtypes = (out.dtype, lse.dtype, out_b.dtype, lse_b.dtype)
-    acc = torch.float64 if torch.float64 in dtypes else torch.float32
+    acc = accum_dtype(out.dtype, lse.dtype, out_b.dtype, lse_b.dtype)
     out, lse, out_b, lse_b = out.to(acc), lse.to(acc), out_b.to(acc), lse_b.to(acc)
     empty_a, empty_b = torch.isneginf(lse), torch.isneginf(lse_b)
     # lse_b - lse is NaN when both are -inf; any finite value works there (both empty).
@@ -228,6 +227,6 @@ def simulate_ring_attention(
     """
     check_cp(cp)
     check_load_balance(load_balance)
-    scale = _default_scale(scale, q.shape[-1])
+    scale = softmax_scale(scale, q.shape[-1])
     out, lse = _SimulatedRingAttention.apply(q, k, v, cp, causal, load_balance, scale, impl)
     return (out, lse) if return_lse else out

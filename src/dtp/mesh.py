@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from ._rules import is_positive_int
 from ._torch import flatten_mesh
 
 __all__ = ["make_mesh", "detect_device", "axis_names", "axis_sizes", "axis_size", "coordinates", "axis_coordinate",
@@ -76,7 +77,7 @@ def _check_axes(axes: dict[str, int]) -> None:
     for name, size in axes.items():
         if not _AXIS_NAME.match(name):
             raise ValueError(f"make_mesh: axis name {name!r} must be a Python identifier")
-        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+        if not is_positive_int(size):
             raise ValueError(f"make_mesh: axis {name!r} has size {size!r}; sizes are integers >= 1")
 
 

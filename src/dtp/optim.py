@@ -30,6 +30,7 @@ not meant to be differentiated through.
 
 from __future__ import annotations
 
+from ._rules import accum_dtype
 import math
 from typing import Any, Callable, NamedTuple, Sequence, Union
 
@@ -423,7 +424,7 @@ def global_norm(grads: PyTree) -> torch.Tensor:
     leaves = optree.tree_leaves(grads)
     if not leaves:
         return torch.zeros((), dtype=torch.float32)
-    acc = torch.float64 if any(x.dtype == torch.float64 for x in leaves) else torch.float32
+    acc = accum_dtype(*(x.dtype for x in leaves))
     paths = _paths(grads)
     plain: torch.Tensor | None = None
     # [(mesh, {sharded axes in mesh order: local sum of squares})], in first-seen order so

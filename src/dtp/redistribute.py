@@ -36,7 +36,7 @@ from torch.distributed.tensor import DTensor
 from . import comm
 from ._torch import local_tensor, maybe_run_for_local_tensor
 from .mesh import axis_names, axis_sizes, coordinates
-from .spec import P, _wrap, check_spec, spec_of
+from .spec import P, wrap_local, check_spec, spec_of
 
 __all__ = ["Step", "plan", "reshard", "redistribute_local", "to_local", "from_local", "local_map"]
 
@@ -150,7 +150,7 @@ class _Reshard(torch.autograd.Function):
     def forward(ctx, x: DTensor, src: P, dst: P, tag: str) -> DTensor:  # type: ignore[override]
         ctx.src, ctx.dst, ctx.tag = src, dst, tag
         out = redistribute_local(local_tensor(x), x.device_mesh, src, dst, tag=tag)
-        return _wrap(out, x.device_mesh, dst, tuple(x.shape))
+        return wrap_local(out, x.device_mesh, dst, tuple(x.shape))
 
     @staticmethod
     def backward(ctx, grad: DTensor):  # type: ignore[override]
@@ -191,14 +191,14 @@ class _ToLocal(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        return _wrap(grad, ctx.mesh, ctx.grad_spec, ctx.shape), None
+        return wrap_local(grad, ctx.mesh, ctx.grad_spec, ctx.shape), None
 
 
 class _FromLocal(torch.autograd.Function):
     @staticmethod
     def forward(ctx, local: torch.Tensor, mesh: DeviceMesh, spec: P, shape: tuple[int, ...]) -> DTensor:  # type: ignore[override]
         ctx.spec = spec
-        return _wrap(local.view_as(local), mesh, spec, shape)
+        return wrap_local(local.view_as(local), mesh, spec, shape)
 
     @staticmethod
     def backward(ctx, grad: DTensor):  # type: ignore[override]

@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Sha
 from ._torch import StridedShard, maybe_run_for_local_tensor
 from .mesh import axis_names, axis_sizes, block_index
 
-__all__ = ["P", "to_placements", "from_placements", "shard", "spec_of", "check_spec"]
+__all__ = ["P", "to_placements", "from_placements", "shard", "spec_of", "check_spec", "wrap_local"]
 
 DimSpec = Union[None, str, Sequence[str]]
 
@@ -216,7 +216,7 @@ def shard(tensor: torch.Tensor, mesh: DeviceMesh, spec: P, *, name: str = "tenso
     check_spec(spec, mesh, tensor.shape, name)
     local = _take_block(tensor.detach(), spec, mesh, *mesh.get_coordinate())
     # A new leaf (like distribute_tensor): gradients land on the DTensor itself.
-    return _wrap(local, mesh, spec, tuple(tensor.shape)).requires_grad_(tensor.requires_grad)
+    return wrap_local(local, mesh, spec, tuple(tensor.shape)).requires_grad_(tensor.requires_grad)
 
 
 def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
@@ -227,7 +227,14 @@ def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
     return tuple(reversed(stride))
 
 
-def _wrap(local: torch.Tensor, mesh: DeviceMesh, spec: P, shape: tuple[int, ...]) -> DTensor:
+def wrap_local(local: torch.Tensor, mesh: DeviceMesh, spec: P, shape: tuple[int, ...]) -> DTensor:
+    """The DTensor whose piece on this rank is ``local``, of global ``shape`` laid out as
+    ``spec``: no check and no collective — for callers that know every rank's piece fits
+    (:func:`dtp.from_local` is the checked, differentiable way).
+
+    >>> wrap_local(torch.ones(2, 3), make_mesh(dp=1), P("dp"), (2, 3)).shape
+    torch.Size([2, 3])
+    """
     return DTensor.from_local(local, mesh, to_placements(spec, mesh), run_check=False, shape=torch.Size(shape),
                               stride=_contiguous_stride(shape))
 

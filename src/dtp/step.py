@@ -29,6 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from . import strategies
+from ._rules import is_positive_int
 from .comm import comm_log, span
 from .layouts import Layout, use_layout
 from .optim import GradientTransformation, apply_updates, clip_by_global_norm, global_norm
@@ -198,8 +199,8 @@ def _check_inputs(batch: Mapping[str, torch.Tensor], state: TrainState, microbat
                   recompute: str | None) -> None:
     if recompute not in POLICIES:
         raise ValueError(f"train_step: recompute must be one of {POLICIES}, got {recompute!r}")
-    if microbatches < 1:
-        raise ValueError(f"train_step: microbatches must be >= 1, got {microbatches}")
+    if not is_positive_int(microbatches):
+        raise ValueError(f"train_step: microbatches must be an int >= 1, got {microbatches!r}")
     dp = state.layout.degree("batch", state.mesh)
     for k, v in batch.items():
         if not isinstance(v, DTensor) and not _single_device(state.mesh):

@@ -47,6 +47,7 @@ from typing import Any, Callable, Iterator
 import cloudpickle
 import torch
 
+from ._rules import STEP_TOLERANCE
 from ._oracles import causal_work, merge, simulate_ring_attention
 from ._torch import LocalTensorMode, fake_store, local_tensors
 from .mesh import clear_mesh_cache
@@ -358,12 +359,7 @@ def rank_values(t: torch.Tensor) -> list[torch.Tensor]:
 
 def tolerance(dtype: torch.dtype) -> tuple[float, float]:
     """(rtol, atol) of the correctness bar: fp64 ~1e-10, fp32 ~1e-5, bf16/fp16 looser."""
-    return {
-        torch.float64: (1e-10, 1e-12),
-        torch.float32: (1e-5, 1e-6),
-        torch.bfloat16: (2e-2, 1e-2),
-        torch.float16: (5e-3, 1e-3),
-    }.get(dtype, (0.0, 0.0))
+    return STEP_TOLERANCE.get(dtype, (0.0, 0.0))
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, *, name: str = "tensor",

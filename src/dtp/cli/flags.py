@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 from typing import Callable, Sequence
 
+from .._rules import RUN_RTOL
 from ..launch import in_torchrun
 from ..layouts import CP_ALGORITHMS, ZERO_STAGES, Layout, zero
 from ..layouts.zero import misplaced_options
@@ -31,10 +32,9 @@ PROG = "dtp"
 DESCRIPTION = "The ``dtp`` command: train the reference Llama under any parallel layout, from a shell."
 DTYPES = ("float32", "float64", "bfloat16")
 RECOMPUTE = ("none", "full", "selective")
-# Relative per-step loss difference --check accepts (dtp.cli.check says why it is per
-# dtype and why low precision drifts with the number of steps). It lives here because
-# `dtp check --rtol`'s help states it, and the parser must not import the training code.
-CHECK_RTOL = {"float64": 1e-9, "float32": 1e-4, "bfloat16": 5e-2}
+# Relative per-step loss difference --check accepts: dtp._rules' RUN_RTOL, beside the
+# one-step bar (dtp.cli.check says why low precision drifts with the number of steps).
+CHECK_RTOL = RUN_RTOL
 DEFAULT_WARMUP = 5
 
 

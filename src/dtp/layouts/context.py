@@ -14,6 +14,7 @@ from typing import Literal, Mapping
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
+from .._rules import is_positive_int
 from ..mesh import axis_names
 from .core import Layout, current
 
@@ -68,7 +69,7 @@ class ContextOptions:
             raise ValueError(f"layouts.context: algo must be one of {CP_ALGORITHMS}, got {self.algo!r}")
         for name, value in (("window", self.window), ("ulysses_degree", self.ulysses_degree),
                             ("head_chunks", 1 if self.head_chunks is None else self.head_chunks)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            if not is_positive_int(value):
                 raise ValueError(f"layouts.context: {name} must be an integer >= 1, got {value!r}")
         if self.load_balance not in LOAD_BALANCE:
             raise ValueError(f"layouts.context: {_LOAD_BALANCE_RULE}, got {self.load_balance!r}")
@@ -185,7 +186,7 @@ def check_cp(cp: int) -> None:
     ...
     ValueError: cp must be a positive int, got 0
     """
-    if not isinstance(cp, int) or cp < 1:
+    if not is_positive_int(cp):
         raise ValueError(f"cp must be a positive int, got {cp!r}")
 
 

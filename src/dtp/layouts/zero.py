@@ -31,6 +31,7 @@ from typing import Literal, Mapping
 
 from torch.distributed.device_mesh import DeviceMesh
 
+from .._rules import is_positive_int
 from ..mesh import axis_names
 from .core import Layout
 from .megatron import data
@@ -77,7 +78,7 @@ class ZeroOptions:
             raise ValueError(f"layouts.zero: stage must be {stages}, got {self.stage!r}")
         if not self.bucket_mb > 0:
             raise ValueError(f"layouts.zero: bucket_mb must be > 0, got {self.bucket_mb!r}")
-        if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 1:
+        if not is_positive_int(self.prefetch):
             raise ValueError(f"layouts.zero: prefetch must be an int >= 1, got {self.prefetch!r}")
         for option, stages, why in self.misplaced():
             if stages == (3,):

@@ -15,6 +15,7 @@ torch.Size([])
 
 from __future__ import annotations
 
+from .._rules import accum_dtype
 import dataclasses
 import math
 from dataclasses import dataclass
@@ -166,7 +167,7 @@ def flops_per_token(cfg: LlamaConfig, seq_len: int) -> float:
 
 
 def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    acc = accum_dtype(x.dtype)
     xf = x.to(acc)
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * w
 

@@ -7,6 +7,7 @@ context-parallel axis selects the layout's context-parallel algorithm.
 
 from __future__ import annotations
 
+from .._rules import accum_dtype
 import math
 
 import torch
@@ -84,7 +85,7 @@ def _positions(x: DTensor, seq_dim: int) -> torch.Tensor:
 
 
 def _rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    acc = accum_dtype(x.dtype)
     half = x.shape[-1] // 2
     inv = 1.0 / theta ** (torch.arange(0, half, dtype=acc, device=x.device) / half)
     ang = positions.to(acc)[:, None] * inv[None, :]  # (seq, half)

@@ -61,6 +61,7 @@ import torch
 
 # The sequence-order helpers live with the layout, which owns the permutation
 # (``Layout.to_cp_order``); re-exported here for the block-level code and its tests.
+from .._rules import accum_dtype  # re-exported: the block kernels' accumulation dtype
 from .._torch import cpu_flash_attention, cpu_flash_attention_backward, cuda_efficient_attention
 from ..layouts import (
     check_cp,
@@ -73,6 +74,7 @@ from ..layouts import (
 
 __all__ = [
     "accum_dtype",
+    "softmax_scale",
     "select_impl",
     "block_forward",
     "block_backward",
@@ -99,18 +101,6 @@ _CUDA_FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # --------------------------------------------------------------------------- helpers
 
 
-def accum_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype partial outputs, LSEs and gradients are accumulated in.
-
-    fp64 stays fp64 (the tests prove exactness there); every lower precision accumulates
-    in fp32 because LSE differences and merged outputs lose too much in bf16/fp16.
-
-    >>> accum_dtype(torch.bfloat16), accum_dtype(torch.float64)
-    (torch.float32, torch.float64)
-    """
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 def _check_mask(mask: str) -> None:
     if mask not in _MASKS:
         raise ValueError(f"mask must be one of {_MASKS}, got {mask!r}")
@@ -134,7 +124,8 @@ def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, 
     return b, hq, hkv, sq, sk, d
 
 
-def _default_scale(scale: float | None, d: int) -> float:
+def softmax_scale(scale: float | None, d: int) -> float:
+    """``scale``, or SDPA's default ``1/sqrt(head_dim)`` when it is ``None``."""
     return 1.0 / math.sqrt(d) if scale is None else float(scale)
 
 
@@ -278,7 +269,7 @@ def block_forward(
     """
     _check_mask(mask)
     b, hq, hkv, sq, sk, d = _check_qkv(q, k, v)
-    scale = _default_scale(scale, d)
+    scale = softmax_scale(scale, d)
     kind = select_impl(q, k, v, mask, impl=impl)
     acc = accum_dtype(q.dtype)
     if kind == "cpu_flash":
@@ -387,7 +378,7 @@ def block_backward(
             f"dout/out must be {tuple(q.shape)} and lse {(b, hq, sq)}; got "
             f"{tuple(dout.shape)}, {tuple(out.shape)}, {tuple(lse.shape)}"
         )
-    scale = _default_scale(scale, d)
+    scale = softmax_scale(scale, d)
     kind = select_impl(q, k, v, mask, backward=True, impl=impl)
     if kind == "cpu_flash":
         # Sequence slices go in as they are: the CPU kernel reads them by stride and gives

@@ -8,6 +8,7 @@ only per-token scalars — a max and a (sum-exp, target-logit) pair — over the
 
 from __future__ import annotations
 
+from .._rules import accum_dtype
 import math
 
 import torch
@@ -106,7 +107,7 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     >>> float(cross_entropy(torch.zeros(1, 2, 4), torch.tensor([[0, 3]])))  # log(4)
     1.3862943649291992
     """
-    acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    acc = accum_dtype(logits.dtype)
     if not isinstance(logits, DTensor):
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).to(acc), targets.reshape(-1))
     mesh = logits.device_mesh

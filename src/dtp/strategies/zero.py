@@ -44,22 +44,17 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from .. import comm
+from .._rules import accum_dtype  # gradients and master weights of bf16/fp16 params are fp32 (Megatron's)
 from ..layouts import Layout
 from ..layouts.zero import ZeroOptions
 from .._torch import current_graph_task_id, local_tensor
 from ..mesh import axis_names, axis_sizes, coordinates
 from ..redistribute import reshard
-from ..spec import P, _wrap, spec_of
+from ..spec import P, wrap_local, spec_of
 
 __all__ = ["ZeroState", "ZeroPlan", "Bucket", "InflightGathers", "Run", "options", "gather", "bytes_per_parameter"]
 
 PyTree = Any
-_LOW_PRECISION = (torch.bfloat16, torch.float16)
-
-
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Gradients and master weights of low-precision parameters are fp32 (Megatron's)."""
-    return torch.float32 if dtype in _LOW_PRECISION else dtype
 
 
 def options(layout: Layout, mesh: DeviceMesh) -> ZeroOptions | None:
@@ -281,7 +276,7 @@ def _tree_of_views(z: ZeroState, bufs: Sequence[torch.Tensor], *, requires_grad:
     for b, buf in zip(z.plan.buckets, bufs):
         for i, off in zip(b.members, b.offsets):
             leaf = z.leaves[i]
-            out[i] = _wrap(leaf.view(buf, off), leaf.mesh, leaf.spec, leaf.shape).requires_grad_(requires_grad)
+            out[i] = wrap_local(leaf.view(buf, off), leaf.mesh, leaf.spec, leaf.shape).requires_grad_(requires_grad)
     return optree.tree_map(lambda i: out[i], z.skeleton)
 
 
@@ -295,7 +290,7 @@ class _ParamView(torch.autograd.Function):
     def forward(ctx, anchor: torch.Tensor, local: torch.Tensor, step: "Run", i: int) -> DTensor:  # type: ignore[override]
         ctx.step, ctx.i = step, i
         leaf = step.z.leaves[i]
-        return _wrap(local, leaf.mesh, leaf.spec, leaf.shape)
+        return wrap_local(local, leaf.mesh, leaf.spec, leaf.shape)
 
     @staticmethod
     def backward(ctx, grad: DTensor):  # type: ignore[override]
@@ -529,7 +524,7 @@ class Run:
         """Bucket ``b``'s full gradient accumulator, zeroed on first use."""
         if self.grad_bufs[b] is None:
             bucket = self.z.plan.buckets[b]
-            self.grad_bufs[b] = torch.zeros(bucket.numel, dtype=_acc_dtype(bucket.dtype), device=self.device)
+            self.grad_bufs[b] = torch.zeros(bucket.numel, dtype=accum_dtype(bucket.dtype), device=self.device)
         return self.grad_bufs[b]
 
     def _post_reduce(self, b: int) -> None:
@@ -563,7 +558,7 @@ class Run:
                 handle = self.reduce[i]
                 assert handle is not None
                 self.reduce[i] = None  # the slice is the caller's now; drop the handle
-                yield i, _wrap(handle.wait(), mesh, b.spec, _flat_global(b, mesh))
+                yield i, wrap_local(handle.wait(), mesh, b.spec, _flat_global(b, mesh))
         finally:
             # A caller that stops early (an optimizer that raised) must not leave
             # collectives unwaited: every rank posted them.
@@ -582,10 +577,10 @@ class Run:
             return list(z.master)
         master = []
         for b in plan.buckets:
-            flat = torch.zeros(b.numel, dtype=_acc_dtype(b.dtype), device=self.device)
+            flat = torch.zeros(b.numel, dtype=accum_dtype(b.dtype), device=self.device)
             for i, off in zip(b.members, b.offsets):
                 z.leaves[i].view(flat, off).copy_(self.raw_leaves[i])
-            master.append(_wrap(_slice_of(plan, b, flat).clone(), plan.mesh, b.spec, _flat_global(b, plan.mesh)))
+            master.append(wrap_local(_slice_of(plan, b, flat).clone(), plan.mesh, b.spec, _flat_global(b, plan.mesh)))
         return master
 
     def finish(self, updated: list[DTensor]) -> tuple[PyTree, ZeroState]:

@@ -179,10 +179,6 @@ def _unflatten(mesh: DeviceMesh, axis: str, sizes: tuple[int, ...], suffixes: tu
     return hit[1], tuple(names)
 
 
-def _scale(scale: float | None, d: int) -> float:
-    return 1.0 / math.sqrt(d) if scale is None else float(scale)
-
-
 # ------------------------------------------------------------------ head chunks
 
 #: The default head chunking makes chunks × cp at least this. A rank's transient

@@ -8,7 +8,8 @@ from typing import Sequence
 from torch.distributed.tensor import DTensor
 
 from ...mesh import axis_coordinate, axis_sizes, block_index
-from ._common import _check_heads, _check_inputs, _check_ulysses_chunks, _check_window, _scale, _unflatten
+from ..blockwise import softmax_scale
+from ._common import _check_heads, _check_inputs, _check_ulysses_chunks, _check_window, _unflatten
 from .ring import _Ring
 from .ulysses import _ulysses_dtensor, _UlyssesPlan
 
@@ -91,6 +92,6 @@ def hybrid_attention(q: DTensor, k: DTensor, v: DTensor, *, ulysses_degree: int 
 
     # The collectives run on the view (its sub-axes name the ring and Ulysses groups);
     # the local shards are the same on either mesh, so q/k/v and the output stay on lay.mesh.
-    plan = _UlyssesPlan(view, uly, u, r, chunks, load_balance == "zigzag", causal, _scale(scale, q.shape[-1]),
+    plan = _UlyssesPlan(view, uly, u, r, chunks, load_balance == "zigzag", causal, softmax_scale(scale, q.shape[-1]),
                         ring, load_balance)
     return _ulysses_dtensor(q, k, v, lay, plan)

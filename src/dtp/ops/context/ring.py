@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor
 from ... import comm
 from ...mesh import axis_coordinate, block_index
 from ...redistribute import local_map
-from ..blockwise import accum_dtype, block_backward, block_forward, merge_into, ring_block_plan
+from ..blockwise import accum_dtype, block_backward, block_forward, merge_into, ring_block_plan, softmax_scale
 from ._common import (
     _check_axis_name,
     _check_chunks,
@@ -23,7 +23,6 @@ from ._common import (
     _check_window,
     _kv_bytes,
     _Layout,
-    _scale,
     _traced,
     _unflatten,
 )
@@ -248,7 +247,7 @@ def _ring_local(ql: torch.Tensor, kl: torch.Tensor, vl: torch.Tensor, ring: _Rin
         # buffers, the same memory as a plain SDPA call.
         return F.scaled_dot_product_attention(ql, kl, vl, is_causal=causal, scale=scale,
                                               enable_gqa=kl.shape[1] != ql.shape[1])
-    return _RingAttention.apply(ql, kl, vl, ring, causal, load_balance, _scale(scale, ql.shape[-1]), chunks)
+    return _RingAttention.apply(ql, kl, vl, ring, causal, load_balance, softmax_scale(scale, ql.shape[-1]), chunks)
 
 
 def _ring_dtensor(q: DTensor, k: DTensor, v: DTensor, lay: _Layout, ring: _Ring, causal: bool,

@@ -15,8 +15,8 @@ from torch.distributed.tensor import DTensor
 from ... import comm
 from ..._torch import make_saved_tensor, unpack_saved
 from ...redistribute import local_map
-from ..blockwise import accum_dtype, block_backward, block_forward, select_impl
-from ._common import _check_axis_name, _check_heads, _check_inputs, _check_ulysses_chunks, _Layout, _scale
+from ..blockwise import accum_dtype, block_backward, block_forward, select_impl, softmax_scale
+from ._common import _check_axis_name, _check_heads, _check_inputs, _check_ulysses_chunks, _Layout
 from .ring import _Ring, _ring_backward, _ring_forward
 
 __all__ = ["ulysses_attention"]
@@ -318,5 +318,5 @@ def ulysses_attention(q: DTensor, k: DTensor, v: DTensor, *, axis: str = "cp", c
     r = _check_heads(fn, q, k, lay, lay.cp, "cp")
     chunks = _check_ulysses_chunks(fn, head_chunks, k, lay.tp, r, lay.cp, lay.cp)
     plan = _UlyssesPlan(lay.mesh, axis, lay.cp, r, chunks, load_balance == "zigzag", causal,
-                        _scale(scale, q.shape[-1]), None, load_balance)
+                        softmax_scale(scale, q.shape[-1]), None, load_balance)
     return _ulysses_dtensor(q, k, v, lay, plan)

@@ -1,0 +1,38 @@
+"""Small rules several layers share, stated once (the ops, the model, the optimizer and
+ZeRO all accumulate; every layer checks counts).
+
+>>> accum_dtype(torch.bfloat16), accum_dtype(torch.float32, torch.float64)
+(torch.float32, torch.float64)
+>>> is_positive_int(2), is_positive_int(True), is_positive_int(0)
+(True, False, False)
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["accum_dtype", "is_positive_int", "STEP_TOLERANCE", "RUN_RTOL"]
+
+# The correctness bar (DESIGN §4), one table for both of its uses. One step's loss and
+# gradients against the single-device run: (rtol, atol) per dtype (dtp.testing).
+STEP_TOLERANCE: dict[torch.dtype, tuple[float, float]] = {
+    torch.float64: (1e-10, 1e-12),
+    torch.float32: (1e-5, 1e-6),
+    torch.bfloat16: (2e-2, 1e-2),
+    torch.float16: (5e-3, 1e-3),
+}
+# A whole run's losses against the single-process run (`dtp train --check`), rtol per
+# --dtype name: looser than one step, since rounding differences compound over the steps.
+RUN_RTOL: dict[str, float] = {"float64": 1e-9, "float32": 1e-4, "bfloat16": 5e-2}
+
+
+def accum_dtype(*dtypes: torch.dtype) -> torch.dtype:
+    """The dtype sums, softmax statistics, norms and master weights are kept in: fp64 when
+    any input is fp64 (the tests prove exactness there), fp32 for everything lower —
+    log-sum-exp differences, merged outputs and Adam moments lose too much in bf16/fp16."""
+    return torch.float64 if torch.float64 in dtypes else torch.float32
+
+
+def is_positive_int(value: object) -> bool:
+    """An ``int`` >= 1, and not a ``bool`` (``True`` is an int to Python, never a count to us)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
