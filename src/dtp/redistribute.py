@@ -264,6 +264,14 @@ def _spec_leaves(specs: object, tree: object, what: str) -> list[P | None]:
     pytree of them matching ``tree`` (a prefix of it: a P covers a whole subtree)."""
     import optree
 
+    # Fast paths for the shapes ops use on every call (one tensor; a tuple of tensors),
+    # the same answer as the prefix broadcast below at a tenth of its cost.
+    if isinstance(tree, torch.Tensor) and _is_spec_leaf(specs):
+        return [specs]  # type: ignore[list-item]
+    if (type(specs) is tuple and type(tree) is tuple and len(specs) == len(tree)
+            and all(_is_spec_leaf(sp) and isinstance(t, torch.Tensor) for sp, t in zip(specs, tree))):
+        return list(specs)  # type: ignore[arg-type]
+
     try:
         full = optree.tree_broadcast_prefix(specs, tree, is_leaf=_is_spec_leaf, none_is_leaf=True)
     except ValueError as e:
@@ -338,9 +346,13 @@ def local_map(fn: Callable[..., Any], in_specs: Any, out_specs: Any, *,
     >>> dtp.spec_of(y), y.full_tensor()[1].tolist()
     (P('dp'), [6.0, 8.0, 10.0])
     """
-    @functools.wraps(fn)
     def mapped(*args: Any) -> Any:
         return _local_map_call(fn, in_specs, out_specs, check_shapes, args)
+
+    # Not functools.wraps: ops build a mapped function per call, and copying fn's whole
+    # __dict__ measured ~6 us of a ~70 us linear on torch 2.13 / CPU.
+    mapped.__name__ = getattr(fn, "__name__", "local_map")
+    mapped.__doc__, mapped.__wrapped__ = getattr(fn, "__doc__", None), fn  # type: ignore[attr-defined]
 
     return mapped
 
@@ -371,9 +383,10 @@ def _local_map_call(fn: Callable[..., Any], in_specs: Any, out_specs: Any, check
     inputs: list[Any] = []
     for i, (x, spec) in enumerate(zip(leaves, specs)):
         if isinstance(x, DTensor):
-            if spec is not None:
-                x = reshard(x, spec, name=f"local_map input {i}", tag="local_map input")
             src = spec_of(x)
+            if spec is not None and spec != src:
+                x = reshard(x, spec, name=f"local_map input {i}", tag="local_map input")
+                src = spec
             mine = {a for a in src.used_axes()}  # the axes this input varies over itself
             grad_partial = tuple(a for a in names if a in varied and a not in mine)
             x = to_local(x, P(*src.dims, partial=grad_partial))
@@ -384,12 +397,17 @@ def _local_map_call(fn: Callable[..., Any], in_specs: Any, out_specs: Any, check
     result = fn(*optree.tree_unflatten(treedef, inputs))
     out_specs_full = _spec_leaves(out_specs, result, "out_specs")
     out_leaves, out_def = optree.tree_flatten(result, none_is_leaf=True)
-    paths = [".".join(map(str, p)) or "result" for p in optree.tree_paths(result, none_is_leaf=True)]
+    paths = None  # leaf paths name outputs in messages; built only when there is a message to write
     outs: list[tuple[str, torch.Tensor, P]] = []
-    for path, t, spec in zip(paths, out_leaves, out_specs_full):
+    for k, (t, spec) in enumerate(zip(out_leaves, out_specs_full)):
         if spec is None:
             continue
-        name = f"output {path}" if path != "result" else "the result"
+        if len(out_leaves) == 1:
+            name = "the result"
+        else:
+            if paths is None:
+                paths = [".".join(map(str, p)) for p in optree.tree_paths(result, none_is_leaf=True)]
+            name = f"output {paths[k]}"
         if not isinstance(t, torch.Tensor) or isinstance(t, DTensor):
             raise TypeError(f"local_map: {name} has out spec {spec}, so fn must return a plain (local) tensor "
                             f"there, got {type(t).__name__}")

@@ -35,7 +35,7 @@ from .layouts import Layout, use_layout
 from .optim import GradientTransformation, apply_updates, clip_by_global_norm, global_norm
 from .ops.recompute import POLICIES, recompute as recompute_policy
 from .strategies import zero as zero_mod
-from .redistribute import from_local
+from .redistribute import local_map
 from .spec import P, shard, spec_of
 
 __all__ = ["TrainState", "train_step", "value_and_grad", "shard_batch", "gather_params"]
@@ -189,9 +189,10 @@ def _split_microbatches(batch: Mapping[str, DTensor], n: int) -> list[dict[str, 
         spec = spec_of(v)
         # Each rank cuts its own rows: microbatch i is every rank's i-th slice (a
         # different grouping of the same global rows, which the mean does not see).
-        for i, piece in enumerate(v.to_local().chunk(n, dim=0)):
-            shape = (v.shape[0] // n, *v.shape[1:])
-            parts[i][k] = from_local(piece, v.device_mesh, spec, shape)
+        # _check_inputs proved the rows divide, so no shape check is needed.
+        cut = local_map(lambda x: tuple(x.chunk(n, dim=0)), (spec,), (spec,) * n, check_shapes=False)
+        for i, piece in enumerate(cut(v)):
+            parts[i][k] = piece
     return parts
 
 
@@ -242,7 +243,7 @@ def value_and_grad(loss_fn: Callable[[PyTree, Mapping[str, torch.Tensor]], Any],
         raise ValueError("value_and_grad: a ZeRO state's gradients are reduce-scattered into bucket slices "
                          "inside dtp.train_step; call train_step (or drop layouts.zero)")
     _check_inputs(batch, state, microbatches, recompute)
-    run = strategies.begin(state, microbatches)
+    run = strategies.begin(state.params, state.zero, microbatches)
     with use_layout(state.layout, state.mesh), recompute_policy(recompute):
         loss, aux = _forward_backward(loss_fn, run, _split_microbatches(batch, microbatches))
         (_, grads), = run.gradients()
@@ -266,7 +267,7 @@ def train_step(loss_fn: Callable[[PyTree, Mapping[str, torch.Tensor]], Any], sta
     """
     t0 = time.perf_counter()
     _check_inputs(batch, state, microbatches, recompute)
-    run = strategies.begin(state, microbatches)
+    run = strategies.begin(state.params, state.zero, microbatches)
     with comm_log() as log:
         with use_layout(state.layout, state.mesh), recompute_policy(recompute):
             loss, aux = _forward_backward(loss_fn, run, _split_microbatches(batch, microbatches))

@@ -30,14 +30,11 @@ state. ``train_step`` and the model stay as they are.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, ContextManager, Iterator, Protocol
+from typing import Any, ContextManager, Iterator, Protocol
 
 import torch
 
 from . import replicated, zero
-
-if TYPE_CHECKING:
-    from ..step import TrainState
 
 __all__ = ["StepRun", "begin", "replicated", "zero"]
 
@@ -62,8 +59,9 @@ class StepRun(Protocol):
     def finish(self, updated: list[PyTree]) -> tuple[PyTree, Any]: ...
 
 
-def begin(state: "TrainState", microbatches: int) -> StepRun:
-    """The run of the strategy ``state`` is laid out for (ZeRO when it holds a ZeRO state)."""
-    if state.zero is not None:
-        return zero.Run(state.zero, state.params, microbatches)
-    return replicated.Run(state.params, microbatches)
+def begin(params: PyTree, zero_state: zero.ZeroState | None, microbatches: int) -> StepRun:
+    """The run of the strategy a state's fields are laid out for (ZeRO when it holds a
+    ZeRO state); ``dtp.step`` passes them, so nothing here knows the state's type."""
+    if zero_state is not None:
+        return zero.Run(zero_state, params, microbatches)
+    return replicated.Run(params, microbatches)
