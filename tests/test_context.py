@@ -143,8 +143,9 @@ CASES4 = {
                                                    S=8, heads="tp"),
     "double_ring-w2-zigzag-causal-gqa-cp4": dict(algo="double_ring", axes=CP4, lb=ZZ, causal=True, hq=4, hkv=2,
                                                  S=16, kw={"window": 2, "head_chunks": 2}),
-    "double_ring-w1-none-causal-mha-cp4": dict(algo="double_ring", axes=CP4, lb=NONE, causal=True, hq=2, hkv=2,
-                                               S=8, kw={"window": 1, "head_chunks": 2}),
+    # (window 1 would be the plain ring, which double_ring refuses: dtp.layouts.check_window)
+    "double_ring-w2-none-causal-mha-cp4": dict(algo="double_ring", axes=CP4, lb=NONE, causal=True, hq=2, hkv=2,
+                                               S=8, kw={"window": 2, "head_chunks": 2}),
     "hybrid-u2-zigzag-causal-gqa-cp4": dict(algo="hybrid", axes=CP4, lb=ZZ, causal=True, hq=4, hkv=2, S=16,
                                             kw={"ulysses_degree": 2}),
     "hybrid-u2-none-causal-gqarepeat-cp4": dict(algo="hybrid", axes=CP4, lb=NONE, causal=True, hq=4, hkv=1, S=8,
@@ -291,11 +292,9 @@ def _check_ulysses_bytes(per_rank: list[dict], n: int, repeat: int, chunks: int 
 
 
 def test_double_ring_bytes(results4):
-    for name in ("double_ring-w2-zigzag-causal-gqa-cp4", "double_ring-w2-zigzag-full-gqa-cp4"):
+    for name in ("double_ring-w2-zigzag-causal-gqa-cp4", "double_ring-w2-zigzag-full-gqa-cp4",
+                 "double_ring-w2-none-causal-mha-cp4"):
         _check_double_ring_bytes(_ok(results4, name), n=4, w=2, chunks=_chunks(name, CASES4))
-    for res in _ok(results4, "double_ring-w1-none-causal-mha-cp4"):  # windows of one: all outer
-        kv = 2 * res["k_local"] // 2  # 2 head chunks
-        assert _summary(res["fwd"]) == [("send_recv", "cp_outer", kv)] * 3 * 2
 
 
 def _check_double_ring_bytes(per_rank: list[dict], n: int, w: int, chunks: int) -> None:
@@ -471,6 +470,31 @@ def _expect_errors(cases: list[tuple]) -> list[tuple[str, str, int]]:
     return out
 
 
+@pytest.mark.parametrize("cp, window, message", [
+    (2, 1, r"^layouts.context: double_ring needs window > 1 \(window=1 is the plain ring: use algo='ring'\)$"),
+    (2, 2, r"cp=2 has no such window \(got window=2\): use algo='ring'$"),
+    (4, 4, r"window < cp and cp divisible by window; got window=4 at cp=4 \(valid: \[2\]\)$"),
+    (4, 3, r"got window=3 at cp=4 \(valid: \[2\]\)$"),
+    (4, 2, None),
+    (8, 4, None),
+])
+def test_double_ring_window_rule_of_the_layout(cp, window, message):
+    """The layout states the one window rule (dtp.layouts.check_window) that the op
+    checks too (the table above): at cp 2 every window is refused the same way."""
+    import dtp
+    from dtp import layouts
+    from dtp.testing import simulate
+
+    sizes = {"heads": 4, "kv_heads": 2}
+    with simulate(cp):
+        mesh = dtp.make_mesh(cp=cp)
+        if message is None:
+            layouts.context("double_ring", window=window).check_sizes(sizes, mesh)
+            return
+        with pytest.raises(ValueError, match=message):
+            layouts.context("double_ring", window=window).check_sizes(sizes, mesh)
+
+
 def test_validation_errors_before_any_collective():
     from dtp import P
 
@@ -480,7 +504,16 @@ def test_validation_errors_before_any_collective():
         (({"cp": 4}, (1, 2, 2, 12), cp, "ring", {}), "ValueError", r"divisible by 2\*cp.*seq=12, cp=4"),
         (({"cp": 4}, (1, 4, 4, 12), cp, "ulysses", {}), "ValueError", r"2\*cp"),
         (({"cp": 4}, (1, 2, 2, 12), cp, "ring", {"load_balance": None}), "no error", ""),
-        (({"cp": 4}, (1, 2, 2, 16), cp, "double_ring", {"window": 4}), "ValueError", r"window.*\[1, cp\).*got window=4"),
+        (({"cp": 4}, (1, 2, 2, 16), cp, "double_ring", {"window": 4}), "ValueError",
+         r"double_ring needs window > 1, window < cp and cp divisible by window; got window=4 at cp=4 \(valid: \[2\]\)"),
+        (({"cp": 4}, (1, 2, 2, 16), cp, "double_ring", {"window": 2}), "no error", ""),
+        (({"cp": 4}, (1, 2, 2, 16), cp, "double_ring", {"window": 1}), "ValueError",
+         r"double_ring needs window > 1 \(window=1 is the plain ring: use algo='ring'\)"),
+        # cp 2 has no window for a double ring (1 is the plain ring, 2 is one window of all)
+        (({"dp": 2, "cp": 2}, (1, 2, 2, 8), cp, "double_ring", {"window": 2}), "ValueError",
+         r"cp=2 has no such window \(got window=2\): use algo='ring'"),
+        (({"dp": 2, "cp": 2}, (1, 2, 2, 8), cp, "double_ring", {"window": 1}), "ValueError",
+         r"window=1 is the plain ring: use algo='ring'"),
         (({"cp": 4}, (1, 2, 2, 16), cp, "double_ring", {"window": 3}), "ValueError", r"window"),
         (({"cp": 4}, (1, 2, 2, 16), cp, "double_ring", {"window": 0}), "ValueError", r"window"),
         (({"cp": 4}, (1, 6, 6, 16), cp, "ulysses", {}), "ValueError", r"heads=6.*tp × cp = 1 × 4"),

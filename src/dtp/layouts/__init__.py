@@ -48,6 +48,7 @@ from .context import (
     check_cp,
     check_divisible,
     check_load_balance,
+    check_window,
     attended_kv_heads,
     context,
     context_options,
@@ -63,5 +64,5 @@ from .zero import ZERO_STAGES, ZeroOptions, zero
 __all__ = [
     "Layout", "data", "megatron", "context", "context_options", "zero", "use_layout", "current", "constrain",
     "MegatronOptions", "ContextOptions", "ZeroOptions", "CP_ALGORITHMS", "LOAD_BALANCE", "ZERO_STAGES",
-    "Axes", "attended_kv_heads", "check_cp", "check_divisible", "check_load_balance", "zigzag_permutation", "cp_permutation", "to_cp_order", "from_cp_order",
+    "Axes", "attended_kv_heads", "check_cp", "check_divisible", "check_load_balance", "check_window", "zigzag_permutation", "cp_permutation", "to_cp_order", "from_cp_order",
 ]

@@ -21,7 +21,7 @@ from .core import Layout, current
 __all__ = [
     "CP_ALGORITHMS", "LOAD_BALANCE", "ContextOptions", "context", "context_options", "attended_kv_heads",
     "zigzag_permutation", "cp_permutation", "to_cp_order", "from_cp_order", "check_cp", "check_divisible",
-    "check_load_balance",
+    "check_load_balance", "check_window",
 ]
 
 CpAlgorithm = Literal["ulysses", "ring", "double_ring", "hybrid"]
@@ -54,7 +54,7 @@ class ContextOptions:
     >>> ContextOptions(algo="double_ring")
     Traceback (most recent call last):
     ...
-    ValueError: layouts.context: double_ring needs window > 1 (window=1 is the plain ring)
+    ValueError: layouts.context: double_ring needs window > 1 (window=1 is the plain ring: use algo='ring')
     """
 
     algo: CpAlgorithm = "ring"  # one of CP_ALGORITHMS (table in dtp.ops.context)
@@ -73,8 +73,8 @@ class ContextOptions:
                 raise ValueError(f"layouts.context: {name} must be an integer >= 1, got {value!r}")
         if self.load_balance not in LOAD_BALANCE:
             raise ValueError(f"layouts.context: {_LOAD_BALANCE_RULE}, got {self.load_balance!r}")
-        if self.algo == "double_ring" and self.window == 1:
-            raise ValueError("layouts.context: double_ring needs window > 1 (window=1 is the plain ring)")
+        if self.algo == "double_ring":
+            check_window(self.window, None, algo="double_ring")  # the part that needs no mesh
         if self.algo == "hybrid" and self.ulysses_degree == 1:
             raise ValueError("layouts.context: hybrid needs ulysses_degree > 1 (ulysses_degree=1 is the ring)")
 
@@ -103,9 +103,9 @@ class ContextOptions:
             ring = cp // u
         else:
             ring = cp
-        if algo in ("double_ring", "hybrid") and window > 1 and (window >= ring or ring % window):
-            raise ValueError(f"{what}: window={window} must be in [1, {ring}) and divide the ring degree {ring} "
-                             f"(cp={cp}{f' / ulysses_degree={u}' if algo == 'hybrid' else ''})")
+        if algo in ("double_ring", "hybrid"):
+            check_window(window, ring, algo=algo, what=what,
+                         of="cp" if algo == "double_ring" else "the ring degree cp/ulysses_degree")
         degree = {"ulysses": cp, "hybrid": u}.get(algo)
         if degree and heads is not None and heads % (degree * tp):
             raise ValueError(f"{what}: heads={heads} must be divisible by the Ulysses degree {degree} × tp={tp} "
@@ -188,6 +188,44 @@ def check_cp(cp: int) -> None:
     """
     if not is_positive_int(cp):
         raise ValueError(f"cp must be a positive int, got {cp!r}")
+
+
+def check_window(window: object, ring: int | None, *, algo: str = "double_ring", what: str = "layouts.context",
+                 of: str = "cp") -> int:
+    """The one rule for a ring's ``window`` (MindSpeed's ``--cp-window-size``); returns it.
+
+    * ``double_ring``: ``1 < window < cp`` and ``cp % window == 0`` — windows of one are
+      the plain ring, one window of all cp ranks is the plain ring too. So a cp with no
+      divisor strictly between 1 and itself (2, 3, 5 …) has no double ring: use ``ring``.
+    * ``hybrid``: ``1 <= window < R`` dividing the ring degree ``R = cp / ulysses_degree``
+      (1: a plain ring of ``R``).
+
+    ``ring`` is that degree, or ``None`` where the mesh is not known yet (then only what
+    needs no mesh is checked). ``what`` starts the message, ``of`` names the degree.
+    :class:`ContextOptions` and the attention ops (:mod:`dtp.ops.context`) both check
+    through here, before any collective.
+
+    >>> check_window(2, 4)
+    2
+    >>> check_window(2, 2)
+    Traceback (most recent call last):
+    ...
+    ValueError: layouts.context: double_ring needs window > 1, window < cp and cp divisible by window; cp=2 has no such window (got window=2): use algo='ring'
+    """
+    if not is_positive_int(window):
+        raise ValueError(f"{what}: window must be an integer >= 1, got {window!r}")
+    if algo == "double_ring":
+        if window == 1:
+            raise ValueError(f"{what}: double_ring needs window > 1 (window=1 is the plain ring: use algo='ring')")
+        if ring is not None and (window >= ring or ring % window):
+            valid = [w for w in range(2, ring) if ring % w == 0]
+            rule = f"{what}: double_ring needs window > 1, window < {of} and {of} divisible by window"
+            if valid:
+                raise ValueError(f"{rule}; got window={window} at {of}={ring} (valid: {valid})")
+            raise ValueError(f"{rule}; {of}={ring} has no such window (got window={window}): use algo='ring'")
+    elif ring is not None and (window >= ring or ring % window):
+        raise ValueError(f"{what}: window={window} must be in [1, {ring}) and divide {of}={ring}")
+    return window  # type: ignore[return-value]
 
 
 def check_load_balance(load_balance: str | None) -> None:

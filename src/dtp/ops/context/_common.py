@@ -147,10 +147,6 @@ def _check_axis_name(fn: str, axis: object) -> str:
     return axis
 
 
-def _check_window(fn: str, window: object, n: int, what: str = "cp") -> int:
-    if not isinstance(window, int) or isinstance(window, bool) or not (1 <= window < n) or n % window:
-        raise ValueError(f"{fn}: window must be an int in [1, {what}) dividing {what}={n}, got window={window!r}")
-    return window
 
 
 # ------------------------------------------------------------------ mesh views

@@ -7,9 +7,10 @@ from typing import Sequence
 
 from torch.distributed.tensor import DTensor
 
+from ...layouts import check_window
 from ...mesh import axis_coordinate, axis_sizes, block_index
 from ..blockwise import softmax_scale
-from ._common import _check_heads, _check_inputs, _check_ulysses_chunks, _check_window, _unflatten
+from ._common import _check_heads, _check_inputs, _check_ulysses_chunks, _unflatten
 from .ring import _Ring
 from .ulysses import _ulysses_dtensor, _UlyssesPlan
 
@@ -66,7 +67,7 @@ def hybrid_attention(q: DTensor, k: DTensor, v: DTensor, *, ulysses_degree: int 
     if R < 2:
         raise ValueError(f"{fn}: the ring degree cp / ulysses_degree = {cp} / {u} = {R} must be > 1; "
                          "use ulysses_attention for pure Ulysses")
-    w = _check_window(fn, window, R, "ring degree")
+    w = check_window(window, R, algo="hybrid", what=fn, of="the ring degree cp/ulysses_degree")
     r = _check_heads(fn, q, k, lay, u, "ulysses_degree")
     chunks = _check_ulysses_chunks(fn, head_chunks, k, lay.tp, r, u, cp)
 

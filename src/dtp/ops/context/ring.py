@@ -13,6 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from ... import comm
+from ...layouts import check_window
 from ...mesh import axis_coordinate, block_index
 from ...redistribute import local_map
 from ..blockwise import accum_dtype, block_backward, block_forward, merge_into, ring_block_plan, softmax_scale
@@ -20,7 +21,6 @@ from ._common import (
     _check_axis_name,
     _check_chunks,
     _check_inputs,
-    _check_window,
     _kv_bytes,
     _Layout,
     _traced,
@@ -309,7 +309,8 @@ def double_ring_attention(q: DTensor, k: DTensor, v: DTensor, *, window: int, ax
 
     The two rings run on a cached view of the mesh with ``axis`` split into
     ``{axis}_outer`` (size ``cp/window``) and ``{axis}_inner`` (size ``window``), the names
-    the comm log shows. Needs ``1 <= window < cp`` and ``cp % window == 0``.
+    the comm log shows. Needs ``1 < window < cp`` and ``cp % window == 0``
+    (:func:`dtp.layouts.check_window`: cp 2 has no double ring).
 
     Not run as a doctest: the ring sends point to point, which needs real ranks
     (``dtp.testing.run``), not ``simulate``; tests/test_context.py runs it.
@@ -319,7 +320,7 @@ def double_ring_attention(q: DTensor, k: DTensor, v: DTensor, *, window: int, ax
     fn = "double_ring_attention"
     axis = _check_axis_name(fn, axis)
     lay = _check_inputs(fn, q, k, v, (axis,), load_balance)
-    w = _check_window(fn, window, lay.cp)
+    w = check_window(window, lay.cp, algo="double_ring", what=fn)
     chunks = _check_chunks(fn, head_chunks, k.shape[1] // lay.tp, lay.cp, _kv_bytes(k))
     view, (outer, inner) = _unflatten(lay.mesh, axis, (lay.cp // w, w), ("outer", "inner"))
     rank = block_index(view, (outer, inner))
