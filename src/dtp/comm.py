@@ -11,6 +11,13 @@ returns a :class:`CommHandle` whose :meth:`CommHandle.wait` yields the result. I
 is taken when the collective is posted, completion time when the backend reports it done
 (the work's future callback), not when someone gets round to waiting on it.
 
+Every handle must be waited for on every rank before the process group goes away:
+:func:`drain` waits for the ones this process posted and has not waited for (what
+``dtp train`` and :mod:`dtp.testing` do before ``destroy_process_group``; a user's loop
+calls :func:`dtp.wait` on its state). An unwaited gloo collective that completes while
+the interpreter shuts down runs its completion callback (Python) on a gloo thread
+and aborts the process (``terminate called without an active exception``).
+
 Bytes are *sent per rank*, counted as the bandwidth-optimal (ring) algorithms move them:
 
 ==============  ================================
@@ -27,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
 
@@ -44,6 +52,7 @@ __all__ = [
     "all_reduce",
     "all_to_all",
     "send_recv",
+    "drain",
     "Span",
     "span",
     "simulated_link",
@@ -263,6 +272,29 @@ def _record(kind: str, axis: str, nbytes: float, n: int, x: torch.Tensor, async_
     return rec
 
 
+# Handles posted and not yet waited for (wait() drops them). Weak references suffice: a
+# handle's completion callback (the future's ``then``) keeps it alive until the backend
+# has finished its work, which is all drain() must wait for; a handle dropped after that
+# is gone for good, so a long-lived process (a dtp.testing pool rank) leaks nothing.
+_unwaited: "weakref.WeakSet[CommHandle]" = weakref.WeakSet()
+
+
+def drain() -> int:
+    """Wait for every collective this process posted with ``async_op=True`` and has not
+    waited for; return how many. Starts no collective — but blocks until the peers have
+    posted theirs, so every rank must drain (the same handles) alike.
+
+    What runs before ``destroy_process_group`` in ``dtp train`` and :mod:`dtp.testing`.
+
+    >>> drain()
+    0
+    """
+    handles = list(_unwaited)
+    for handle in handles:
+        handle.wait()
+    return len(handles)
+
+
 def _finished() -> torch.Tensor:
     raise AssertionError("CommHandle: result already taken")
 
@@ -277,6 +309,8 @@ class CommHandle:
         self._deadline: float | None = None  # end of the modelled transfer
         self._done = False  # completion seen (and the link booked)
         self._result: torch.Tensor | None = None
+        if work is not None:
+            _unwaited.add(self)  # until wait(): drain() finds it
         future = getattr(work, "get_future", None)
         if record is not None and work is not None:
             try:
@@ -310,6 +344,7 @@ class CommHandle:
             # gradient bucket for a reduce-scatter): only the result may outlive wait().
             self._work = None
             self._finish = _finished
+            _unwaited.discard(self)
         return self._result
 
     def is_completed(self) -> bool:

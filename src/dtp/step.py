@@ -38,7 +38,7 @@ from .strategies import zero as zero_mod
 from .redistribute import local_map
 from .spec import P, shard, spec_of
 
-__all__ = ["TrainState", "train_step", "value_and_grad", "shard_batch", "gather_params"]
+__all__ = ["TrainState", "train_step", "value_and_grad", "shard_batch", "gather_params", "wait"]
 
 PyTree = Any
 _BATCH_AXES = ("batch", "seq")
@@ -149,6 +149,27 @@ def gather_params(state: TrainState) -> PyTree:
     if state.zero is None:
         return state.params
     return zero_mod.gather(state.zero, state.params)
+
+
+def wait(state: TrainState) -> None:
+    """Wait for every collective ``state`` still has in flight; starts none.
+
+    Under ZeRO stage 1/2 with ``overlap_param_gather`` a step returns with the next
+    step's parameter all-gathers still on the wire (the next forward waits for them
+    bucket by bucket). After the last step nothing waits for them: call ``wait(state)``
+    on every rank before ``torch.distributed.destroy_process_group()`` or the end of the
+    process. Without it, on gloo, a gather that completes during interpreter shutdown
+    aborts the process (``terminate called without an active exception``; measured on
+    torch 2.13: 3 runs of 3 at dp=4). Waiting twice, or on a state with nothing in
+    flight, is a no-op.
+
+    >>> mesh = dtp.make_mesh(dp=1)                  # one process: a mesh of one device
+    >>> state = dtp.TrainState.create({"w": torch.ones(2)}, dtp.optim.sgd(0.1), mesh=mesh,
+    ...                               layout=dtp.layouts.data(), axes={"w": ("embed",)})
+    >>> dtp.wait(state)                             # nothing in flight: returns at once
+    """
+    if state.zero is not None:
+        state.zero.wait()
 
 
 def shard_batch(batch: Mapping[str, torch.Tensor], state: TrainState) -> dict[str, DTensor]:

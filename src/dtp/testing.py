@@ -47,6 +47,7 @@ from typing import Any, Callable, Iterator
 import cloudpickle
 import torch
 
+from . import comm
 from ._rules import STEP_TOLERANCE
 from ._oracles import causal_work, merge, simulate_ring_attention
 from ._torch import LocalTensorMode, fake_store, local_tensors
@@ -347,6 +348,7 @@ def simulate(world_size: int) -> Iterator[None]:
         with LocalTensorMode(world_size):
             yield
     finally:
+        comm.drain()  # nothing of this world left in flight (nor in dtp.comm's records of it)
         clear_mesh_cache()
         dist.destroy_process_group()
 

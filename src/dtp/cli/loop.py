@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from .. import Layout, TrainState, layouts, make_mesh, optim, shard_batch, train_step
+from .. import Layout, TrainState, comm, layouts, make_mesh, optim, shard_batch, train_step, wait
 from ..data import TokenLoader, load_tokens
 from ..launch import in_torchrun
 from ..mesh import clear_mesh_cache
@@ -98,6 +98,7 @@ def _train(args: Mapping[str, Any], mesh: DeviceMesh, layout: Layout, *, recompu
         records.append(record)
         if on_step is not None:
             on_step(step, record)
+    wait(state)  # the last step's prefetched parameter gathers (overlap_param_gather)
     return records
 
 
@@ -131,10 +132,29 @@ def _world(args: argparse.Namespace) -> Iterator[DeviceMesh]:
     created = not dist.is_initialized()
     try:
         yield make_mesh(**mesh_axes(args))
+        _quiesce()
     finally:
         # A clean shutdown: torch warns about process groups left to the interpreter exit.
         if created and dist.is_initialized():
+            clear_mesh_cache()  # a live DeviceMesh keeps the group and its gloo threads alive (measured)
             dist.destroy_process_group()
+
+
+def _quiesce() -> None:
+    """Before the process group goes: nothing in flight here, nor on any peer.
+
+    Measured on torch 2.13 (gloo; a core dump of an aborted rank): the group outlived
+    ``destroy_process_group`` (a live DeviceMesh holds it) into interpreter shutdown, an
+    all-gather of the last step completed then on a gloo thread, and its Python completion
+    callback (dtp.comm's timing) could not take the GIL: ``pthread_exit`` through C++ →
+    ``terminate called without an active exception``. So wait for every handle this rank
+    posted (``_train`` already waited for its state's), then a barrier, so no rank closes
+    its connections while a peer is still in a collective with it (the issue's
+    ``gloo::IoException ... Connection reset by peer``). Only on success: after an error
+    the peers may never reach the barrier (the launcher stops them instead).
+    """
+    comm.drain()
+    dist.barrier()
 
 
 def _train_rank(args: argparse.Namespace, *, stream: TextIO | None = None) -> int:
@@ -166,6 +186,7 @@ def _train_rank(args: argparse.Namespace, *, stream: TextIO | None = None) -> in
 
     with _world(args) as mesh:
         records = _train(run_cfg, mesh, layout, recompute=_recompute(args), on_step=on_step)
+        del mesh  # the last reference: destroy_process_group then really ends the group
 
     if rank == 0:
         summary = summarize(records)
