@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import random
+from typing import Callable, Hashable, Iterable
 
 from dtp import P
 
@@ -27,3 +28,20 @@ def spec_pairs(specs: list[P], k: int | None, seed: int = 0) -> list[tuple[P, P]
     if k is None or k >= len(pairs):
         return pairs
     return random.Random(seed).sample(pairs, k)
+
+
+def covering_pairs(specs: list[P], features: Callable[[tuple[P, P]], Iterable[Hashable]],
+                   seed: int = 0) -> list[tuple[P, P]]:
+    """A small deterministic set of ordered pairs that together show every feature any
+    pair shows: greedy set cover — repeatedly the pair adding the most features not yet
+    covered, ties going to the earlier pair in a ``seed``-shuffled order of all pairs."""
+    pairs = [(a, b) for a in specs for b in specs]
+    random.Random(seed).shuffle(pairs)
+    feats = [frozenset(features(p)) for p in pairs]
+    todo = set().union(*feats)
+    chosen = []
+    while todo:
+        best = max(range(len(pairs)), key=lambda i: len(feats[i] & todo))
+        chosen.append(pairs[best])
+        todo -= feats[best]
+    return chosen

@@ -1,5 +1,6 @@
 """train_step parity with the single-device run for data, tensor and sequence parallel
-layouts; Megatron-SP collectives in the comm log; clear errors for bad splits."""
+layouts; its lr and aux metrics against that run; Megatron-SP collectives in the comm
+log; clear errors for bad splits."""
 
 import functools
 import re
@@ -152,6 +153,80 @@ def test_three_adamw_steps_with_clipping_match_single_device():
     # A mesh of one device keeps plain tensors (no DTensor dispatch): same numbers.
     got, metrics = run(_three_adamw_steps, {"dp": 1}, False, world_size=1)[0]
     assert_tree_close(got, params, name="params after 3 steps on one device")
+
+
+# metrics["lr"] and a loss_fn's aux, against the single-device run. The schedule warms up
+# from 0 at step 0, so there the update (weight decay included) is zero in both runs.
+SCHEDULE = dtp.optim.warmup_cosine(3e-3, 1, 3)  # 0, the peak 3e-3, then 1.5e-3 half-way down
+LR_AUX_STEPS = 3
+LR_AUX_CASES = [  # (name, zero options, clip_norm)
+    ("replicated", None, 0.05),
+    ("zero 1, per-bucket update", dict(stage=1, bucket_mb=0.02, overlap_grad_reduce=True), None),
+    ("zero 3, clipped", dict(stage=3, bucket_mb=0.02, overlap_grad_reduce=True, overlap_param_gather=True), 0.05),
+]
+
+
+def _aux(batch):
+    """What the loss_fn reports besides its loss: the tokens it saw, and a fresh object to
+    check identity by."""
+    return {"tokens": int(batch["tokens"].numel()), "marker": object()}
+
+
+def _loss_with_aux(params, batch):
+    return LOSS(params, batch), _aux(batch)
+
+
+def _lr_and_aux(cases):
+    out = []
+    for name, zero, clip in cases:
+        layout = _layout(True) + (dtp.layouts.zero(**zero) if zero else dtp.Layout())
+        state = dtp.TrainState.create(llama.init(CFG, seed=0, dtype=torch.float64),
+                                      dtp.optim.adamw(SCHEDULE, weight_decay=0.1), mesh=dtp.make_mesh(dp=2, tp=2),
+                                      layout=layout, axes=llama.param_axes(CFG), axis_sizes=llama.axis_sizes(CFG))
+        given = []
+
+        def loss_fn(params, batch):
+            loss, aux = _loss_with_aux(params, batch)
+            given.append(aux)
+            return loss, aux
+
+        steps = []
+        for step in range(LR_AUX_STEPS):
+            state, m = dtp.train_step(loss_fn, state, dtp.shard_batch(_batch(seed=step), state), clip_norm=clip)
+            assert m["aux"] is given[-1], name  # returned as given: the very object
+            steps.append((m["lr"], m["loss"], m["aux"]["tokens"]))
+        params = optree.tree_map(lambda p: (p.full_tensor() if isinstance(p, DTensor) else p).detach(),
+                                 dtp.gather_params(state))
+        out.append((steps, params))
+    return out
+
+
+def _lr_and_aux_reference(clip):
+    params = llama.init(CFG, seed=0, dtype=torch.float64)
+    opt = dtp.optim.adamw(SCHEDULE, weight_decay=0.1)
+    opt_state, steps = opt.init(params), []
+    for step in range(LR_AUX_STEPS):
+        batch = _batch(seed=step)
+        loss, grads = reference_value_and_grad(_loss_with_aux, params, batch)
+        if clip is not None:
+            grads, _ = dtp.optim.clip_by_global_norm(grads, clip)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        params = dtp.optim.apply_updates(params, updates)
+        steps.append((SCHEDULE(step), loss, _aux(batch)["tokens"]))
+    return steps, optree.tree_map(torch.Tensor.detach, params)
+
+
+def test_metrics_lr_and_aux_match_the_reference_replicated_and_zero():
+    results = run(_lr_and_aux, LR_AUX_CASES, world_size=4)[0]
+    assert [SCHEDULE(k) for k in range(LR_AUX_STEPS)] == [0.0, 3e-3, 1.5e-3]
+    for (name, _, clip), (steps, params) in zip(LR_AUX_CASES, results):
+        ref_steps, ref_params = _lr_and_aux_reference(clip)
+        for k, ((lr, loss, tokens), (ref_lr, ref_loss, ref_tokens)) in enumerate(zip(steps, ref_steps)):
+            assert lr == ref_lr, (name, k, lr, ref_lr)  # the schedule at the step, exactly
+            assert loss == pytest.approx(ref_loss, rel=1e-10), (name, k)
+            assert tokens == ref_tokens == 8 * 16, (name, k, tokens)  # the global batch's tokens
+        # The parameters match a run that applied exactly those lrs (0 at step 0).
+        assert_tree_close(params, ref_params, name=f"{name}: params after {LR_AUX_STEPS} steps")
 
 
 def _sp_comm(b, s):
