@@ -78,3 +78,19 @@ def test_replace_keeps_fields_and_refuses_new_params_under_zero():
     step, same_zero, message = run(go, world_size=2)[0]
     assert step == 7 and same_zero
     assert "new parameters need a new state" in message
+
+
+def test_aux_of_every_microbatch_is_returned():
+    """With microbatches > 1 the metrics carry each microbatch's aux (a count is not halved)."""
+    mesh = dtp.make_mesh(dp=1)
+    state = dtp.TrainState.create({"w": torch.ones(2)}, dtp.optim.sgd(0.1), mesh=mesh,
+                                  layout=dtp.layouts.data(), axes={"w": ("embed",)})
+
+    def loss(p, b):
+        return (p["w"] * b["x"]).sum(-1).mean(), {"rows": b["x"].shape[0]}
+
+    batch = {"x": torch.arange(8.0).reshape(4, 2)}
+    _, two = dtp.train_step(loss, state, batch, microbatches=2)
+    _, one = dtp.train_step(loss, state, batch)
+    assert two["aux"] == ({"rows": 2}, {"rows": 2}) and two["loss"] == one["loss"] == 7.0
+    assert one["aux"] == {"rows": 4}

@@ -242,7 +242,7 @@ def _forward_backward(loss_fn: Callable, run: strategies.StepRun,
                       microbatches: list[dict[str, torch.Tensor]]) -> tuple[float, Any]:
     """The one microbatch loop: each microbatch's mean weighted 1/m, so gradient
     accumulation equals one big batch. Where the gradients go is the run's business."""
-    total, aux, m = 0.0, None, len(microbatches)
+    total, auxes, m = 0.0, [], len(microbatches)
     for k, mb in enumerate(microbatches):
         with span("forward"), run.forward():
             out = loss_fn(run.params(), mb)
@@ -250,7 +250,12 @@ def _forward_backward(loss_fn: Callable, run: strategies.StepRun,
         with span("backward"):
             run.backward(loss / m, k)
         total += _value(loss.detach()) / m
-    return total, aux
+        auxes.append(aux)
+    # One aux per microbatch: dtp cannot know whether to sum (token counts) or average
+    # (accuracies) them, and keeping only the last silently halved a count at m=2.
+    if all(a is None for a in auxes):
+        return total, None
+    return total, auxes[0] if m == 1 else tuple(auxes)
 
 
 def value_and_grad(loss_fn: Callable[[PyTree, Mapping[str, torch.Tensor]], Any], state: TrainState,
@@ -277,7 +282,8 @@ def train_step(loss_fn: Callable[[PyTree, Mapping[str, torch.Tensor]], Any], sta
     """One optimizer step: forward/backward over ``microbatches``, gradient reduction to
     the parameters' layout, optional global-norm clipping, the optimizer update.
 
-    ``loss_fn(params, batch)`` returns the mean loss (or ``(loss, aux)``).
+    ``loss_fn(params, batch)`` returns the mean loss (or ``(loss, aux)``; with
+    ``microbatches > 1`` ``metrics["aux"]`` is the tuple of every microbatch's aux).
     ``recompute`` is ``None``, ``"full"`` (each block) or ``"selective"`` (attention core).
     How gradients are reduced and parameters updated is the state's strategy
     (:mod:`dtp.strategies`: replicated all-reduce, or ZeRO buckets); this function is
