@@ -208,7 +208,8 @@ def _custom_order():
     x = torch.randn(4, 8, generator=g, dtype=torch.float64)
     results = {}
     for zero in (None, dict(stage=3, bucket_mb=1e-4, overlap_grad_reduce=True)):
-        layout = dtp.layouts.data() + (dtp.layouts.zero(**zero) if zero else dtp.Layout())
+        # "out" is this model's own logical axis: declared (replicated), as unknown names are refused.
+        layout = dtp.layouts.data() + dtp.Layout({"out": ()}) + (dtp.layouts.zero(**zero) if zero else dtp.Layout())
         state = dtp.TrainState.create(params, dtp.optim.sgd(0.5), mesh=mesh, layout=layout, axes=axes)
         for _ in range(3):
             state, _ = dtp.train_step(loss, state, {"x": dtp.shard(x, mesh, dtp.P("dp"))})

@@ -170,8 +170,13 @@ def _logs() -> list[CommLog]:
 
 
 @contextlib.contextmanager
-def comm_log() -> Iterator[CommLog]:
+def comm_log(*, isolated: bool = False) -> Iterator[CommLog]:
     """Record every collective dtp issues inside the block (nests freely).
+
+    ``isolated=True``: the block's collectives go to this log alone, not to the logs
+    around it — for checks that are not a step's traffic (:mod:`dtp.guard` records its
+    one exchange per state / batch signature in its own log, so a step's comm records
+    and ``comm_bytes`` stay what the algorithm moves).
 
     >>> with comm_log() as log:
     ...     pass                                  # reshard, train_step, attention …
@@ -179,11 +184,15 @@ def comm_log() -> Iterator[CommLog]:
     0
     """
     log = CommLog()
-    _logs().append(log)
+    logs = _logs()
+    hidden = list(logs) if isolated else []
+    del logs[:len(hidden)]
+    logs.append(log)
     try:
         yield log
     finally:
-        _logs().remove(log)
+        logs.remove(log)
+        logs[:0] = hidden
 
 
 @contextlib.contextmanager

@@ -63,11 +63,20 @@ def detect_device(device: str | None = None) -> tuple[str, str]:
             device = "npu"
         else:
             device = "cpu"
-    device_type = device.split(":", 1)[0]  # "cuda:1" → "cuda"
-    if device_type not in _BACKEND_FOR_DEVICE:
-        raise ValueError(
-            f"make_mesh: unsupported device {device!r}; expected one of {sorted(_BACKEND_FOR_DEVICE)}"
-        )
+    else:
+        device_type = device.split(":", 1)[0] if isinstance(device, str) else None  # "cuda:1" → "cuda"
+        if device_type not in _BACKEND_FOR_DEVICE:
+            raise ValueError(
+                f"make_mesh: unsupported device {device!r}; expected one of {sorted(_BACKEND_FOR_DEVICE)}"
+            )
+        present = {"cuda": torch.cuda.is_available, "npu": _npu_available}.get(device_type, lambda: True)
+        if not present():
+            raise ValueError(
+                f"make_mesh: device {device!r} asked for, but this machine has no usable {device_type} "
+                f"device ({'torch.cuda.is_available() is False' if device_type == 'cuda' else 'torch_npu reports none'}); "
+                "use device='cpu', or leave device out to detect it"
+            )
+    device_type = device.split(":", 1)[0]
     return device_type, _BACKEND_FOR_DEVICE[device_type]
 
 

@@ -19,6 +19,7 @@ body is the same without the ``with``:
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
@@ -28,7 +29,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from . import strategies
+from . import guard, strategies
 from ._rules import is_positive_int
 from .comm import comm_log, span
 from .layouts import Layout, use_layout
@@ -75,6 +76,7 @@ class TrainState:
     layout: Layout
     axes: PyTree
     zero: "zero_mod.ZeroState | None" = None
+    checks: guard.Agreements = dataclasses.field(default_factory=guard.Agreements)  # what the ranks agreed on
 
     @classmethod
     def create(cls, params: PyTree, optimizer: GradientTransformation, *, mesh: DeviceMesh, layout: Layout,
@@ -83,29 +85,28 @@ class TrainState:
 
         ``axis_sizes`` (e.g. ``llama.axis_sizes(cfg)``: heads, kv_heads, vocab …) are
         checked against the layout first, so a bad split is a clear ``ValueError`` on
-        every rank before any collective runs.
+        every rank before any collective runs. Then the ranks agree (:mod:`dtp.guard`:
+        one small all-gather) that they were given the same mesh, layout and parameters,
+        and any rank's validation error is raised on every rank.
         """
-        if axis_sizes:
-            layout.check_sizes(axis_sizes, mesh)
         leaves, treedef = optree.tree_flatten(params)
-        axes_leaves = treedef.flatten_up_to(axes)
         paths = [".".join(map(str, p)) for p in optree.tree_paths(params)]
-        sharded = []
-        for path, x, ax in zip(paths, leaves, axes_leaves):
-            if not _is_axes(ax) or len(ax) != x.dim():
-                raise ValueError(f"param {path}: logical axes {ax!r} do not match its shape {tuple(x.shape)}")
-            if _single_device(mesh):
-                # One device: nothing to distribute, so no DTensor dispatch either. Every
-                # dtp function takes plain tensors; the model runs as eager PyTorch.
-                sharded.append(x.detach().clone().requires_grad_(True))
-                continue
-            spec = layout.param_spec(ax, mesh)
-            sharded.append(shard(x.detach(), mesh, spec, name=f"param {path}").requires_grad_(True))
+        error, sharded, axes_leaves = None, [], [None] * len(leaves)
+        try:
+            axes_leaves = treedef.flatten_up_to(axes)
+            layout.check_mesh(mesh)
+            if axis_sizes:
+                layout.check_sizes(axis_sizes, mesh)
+            sharded = _lay_out(paths, leaves, axes_leaves, mesh, layout)
+        except (ValueError, TypeError) as e:
+            error = e
+        guard.check_state(mesh, layout, dict(zip(paths, leaves)), dict(zip(paths, axes_leaves)), error)
+        checks = _agreements(leaves, axes_leaves)
         params = optree.tree_unflatten(treedef, sharded)
         zero_opts = None if _single_device(mesh) else zero_mod.options(layout, mesh)
         if zero_opts is not None:  # buckets (and the sharded optimizer state) come in step one
-            return cls(0, params, None, optimizer, mesh, layout, axes, zero_mod.create(params, zero_opts))
-        return cls(0, params, optimizer.init(params), optimizer, mesh, layout, axes)
+            return cls(0, params, None, optimizer, mesh, layout, axes, zero_mod.create(params, zero_opts), checks)
+        return cls(0, params, optimizer.init(params), optimizer, mesh, layout, axes, checks=checks)
 
     def replace(self, **changes: Any) -> "TrainState":
         if "params" in changes and "zero" not in changes and self.zero is not None and self.zero.plan is not None:
@@ -123,7 +124,33 @@ class TrainState:
 
 
 _CHILDREN = ("params", "opt_state", "zero")  # the tensors; the rest is static
-_STATIC = ("step", "optimizer", "mesh", "layout", "axes")
+_STATIC = ("step", "optimizer", "mesh", "layout", "axes", "checks")
+
+
+def _lay_out(paths: list[str], leaves: list[torch.Tensor], axes_leaves: list[Any], mesh: DeviceMesh,
+             layout: Layout) -> list[torch.Tensor]:
+    sharded = []
+    for path, x, ax in zip(paths, leaves, axes_leaves):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"TrainState.create: param {path} must be a tensor, got {type(x).__name__}")
+        if not _is_axes(ax) or len(ax) != x.dim():
+            raise ValueError(f"param {path}: logical axes {ax!r} do not match its shape {tuple(x.shape)}")
+        if _single_device(mesh):
+            # One device: nothing to distribute, so no DTensor dispatch either. Every
+            # dtp function takes plain tensors; the model runs as eager PyTorch.
+            sharded.append(x.detach().clone().requires_grad_(True))
+            continue
+        spec = layout.param_spec(ax, mesh, name=f"param {path}")
+        sharded.append(shard(x.detach(), mesh, spec, name=f"param {path}").requires_grad_(True))
+    return sharded
+
+
+def _agreements(leaves: list[torch.Tensor], axes_leaves: list[Any]) -> guard.Agreements:
+    """The static facts later checks need: the vocab size (ids are checked against it)
+    and the parameters' floating dtype (a float batch entry must match it)."""
+    vocab = next((x.shape[ax.index("vocab")] for x, ax in zip(leaves, axes_leaves) if "vocab" in ax), None)
+    floats = {x.dtype for x in leaves if x.is_floating_point()}
+    return guard.Agreements(vocab=vocab, param_dtype=floats.pop() if len(floats) == 1 else None)
 
 optree.register_pytree_node(
     TrainState,
@@ -175,18 +202,29 @@ def wait(state: TrainState) -> None:
 def shard_batch(batch: Mapping[str, torch.Tensor], state: TrainState) -> dict[str, DTensor]:
     """Place global (batch, seq) tensors where the layout computes them (batch on dp …).
 
-    Every rank passes the same global batch (the loader is deterministic).
+    Every rank passes the same global batch (the loader is deterministic): the ids of
+    ``tokens``/``targets`` are checked against the vocabulary here (a min/max) every
+    call, and the first call with each batch shape has the ranks agree (:mod:`dtp.guard`)
+    on the batch and on each rank's check result, so a failure is the same error on
+    every rank.
     """
     if _single_device(state.mesh):
         return dict(batch)
-    out = {}
-    for k, v in batch.items():
-        spec = state.layout.activation_spec(_BATCH_AXES[: v.dim()], state.mesh)
-        if v.dim() > 1:
-            # The layout owns the sequence order (zigzag: rank r's chunks r and 2·cp−1−r
-            # side by side). Tokens and targets move together, so the mean loss is unchanged.
-            v = state.layout.to_cp_order(v, 1, state.mesh)
-        out[k] = shard(v, state.mesh, spec, name=f"batch[{k!r}]")
+    out, error = {}, None
+    try:
+        for k, v in batch.items():
+            if k in guard.ID_KEYS and isinstance(v, torch.Tensor) and v.numel() and not v.is_floating_point():
+                lo, hi = torch.aminmax(v)
+                guard.check_ids(k, int(lo), int(hi), state.checks.vocab, "shard_batch")
+            spec = state.layout.activation_spec(_BATCH_AXES[: v.dim()], state.mesh)
+            if v.dim() > 1:
+                # The layout owns the sequence order (zigzag: rank r's chunks r and 2·cp−1−r
+                # side by side). Tokens and targets move together, so the mean loss is unchanged.
+                v = state.layout.to_cp_order(v, 1, state.mesh)
+            out[k] = shard(v, state.mesh, spec, name=f"batch[{k!r}]")
+    except (ValueError, TypeError) as e:
+        error = e
+    guard.check_step(state.checks, state.mesh, state.layout, state.step, batch, {}, error, what="shard_batch")
     return out
 
 
@@ -218,15 +256,36 @@ def _split_microbatches(batch: Mapping[str, DTensor], n: int) -> list[dict[str, 
 
 
 def _check_inputs(batch: Mapping[str, torch.Tensor], state: TrainState, microbatches: int,
-                  recompute: str | None) -> None:
+                  recompute: str | None, clip_norm: float | None = None) -> None:
     if recompute not in POLICIES:
         raise ValueError(f"train_step: recompute must be one of {POLICIES}, got {recompute!r}")
     if not is_positive_int(microbatches):
         raise ValueError(f"train_step: microbatches must be an int >= 1, got {microbatches!r}")
+    if clip_norm is not None:
+        if not isinstance(clip_norm, (int, float)) or isinstance(clip_norm, bool):
+            raise TypeError(f"train_step: clip_norm must be a number (or None: no clipping), got {clip_norm!r}")
+        if not (math.isfinite(clip_norm) and clip_norm > 0):
+            raise ValueError(f"train_step: clip_norm must be finite and > 0 (or None: no clipping), got {clip_norm!r}")
+    if not isinstance(batch, Mapping) or not batch:
+        raise TypeError(f"train_step: batch must be a non-empty dict of tensors, got {type(batch).__name__}")
     dp = state.layout.degree("batch", state.mesh)
+    param_dtype = state.checks.param_dtype
     for k, v in batch.items():
+        if not isinstance(v, torch.Tensor):
+            raise TypeError(f"train_step: batch[{k!r}] must be a tensor, got {type(v).__name__}")
         if not isinstance(v, DTensor) and not _single_device(state.mesh):
             raise ValueError(f"train_step: batch[{k!r}] is a plain tensor; place it with dtp.shard_batch(batch, state)")
+        if isinstance(v, DTensor) and v.device_mesh is not state.mesh and v.device_mesh != state.mesh:
+            raise ValueError(f"train_step: batch[{k!r}] is placed on another mesh ({v.device_mesh}) than the "
+                             f"state's ({state.mesh}); place it with dtp.shard_batch(batch, state)")
+        if k in guard.ID_KEYS and (v.is_floating_point() or v.is_complex() or v.dtype == torch.bool):
+            raise TypeError(f"train_step: batch[{k!r}] holds vocabulary ids and must be an integer tensor, "
+                            f"got {v.dtype}")
+        if param_dtype is not None and v.is_floating_point() and v.dtype != param_dtype:
+            raise TypeError(f"train_step: batch[{k!r}] is {v.dtype} but the parameters are {param_dtype}; "
+                            f"cast it (batch[{k!r}].to({param_dtype})): dtp does not cast inputs")
+        if v.dim() == 0:
+            raise ValueError(f"train_step: batch[{k!r}] is a scalar; batch entries are (batch, …) tensors")
         if v.shape[0] % (dp * microbatches):
             raise ValueError(
                 f"train_step: batch[{k!r}] has batch size {v.shape[0]}, not divisible by the batch split "
@@ -247,6 +306,12 @@ def _forward_backward(loss_fn: Callable, run: strategies.StepRun,
         with span("forward"), run.forward():
             out = loss_fn(run.params(), mb)
         loss, aux = out if isinstance(out, tuple) else (out, None)
+        if not isinstance(loss, torch.Tensor):
+            raise TypeError(f"train_step: loss_fn must return a scalar tensor (or (loss, aux)), got "
+                            f"{type(loss).__name__}")
+        if loss.dim() != 0:
+            raise ValueError(f"train_step: loss_fn must return a scalar loss (the batch mean), got shape "
+                             f"{tuple(loss.shape)}; reduce it, e.g. loss.mean()")
         with span("backward"):
             run.backward(loss / m, k)
         total += _value(loss.detach()) / m
@@ -289,11 +354,24 @@ def train_step(loss_fn: Callable[[PyTree, Mapping[str, torch.Tensor]], Any], sta
     (:mod:`dtp.strategies`: replicated all-reduce, or ZeRO buckets); this function is
     the same for all of them.
 
+    ``clip_norm`` is ``None`` (no clipping) or a finite number > 0.
+
+    Before any collective the inputs are checked, and (first step of each batch
+    signature, :mod:`dtp.guard`) the ranks agree that they were given the same batch
+    shapes, options, layout and mesh, and each rank's check result: a failure on any
+    rank is the same error on every rank. ``DTP_CHECKS=0`` skips the agreement.
+
     Metrics: ``loss``, ``grad_norm``, ``lr``, ``tokens``, ``step_time`` (s) and
     ``comm_bytes`` — ``{axis: {collective: bytes sent per rank}}`` from the comm log.
     """
     t0 = time.perf_counter()
-    _check_inputs(batch, state, microbatches, recompute)
+    error = None
+    try:
+        _check_inputs(batch, state, microbatches, recompute, clip_norm)
+    except (ValueError, TypeError) as e:
+        error = e
+    guard.check_step(state.checks, state.mesh, state.layout, state.step, batch,
+                     {"microbatches": microbatches, "recompute": recompute, "clip_norm": clip_norm}, error)
     run = strategies.begin(state.params, state.zero, microbatches)
     with comm_log() as log:
         with use_layout(state.layout, state.mesh), recompute_policy(recompute):

@@ -16,7 +16,13 @@ Composition rules:
 * a logical axis mapped by several presets is split over all their mesh axes, ordered
   by *mesh order* when resolved (``seq`` on ``cp`` and, with SP, ``tp`` gives
   ``("cp", "tp")`` on a ``dp×cp×tp`` mesh — Megatron's CP-outer, SP-inner split);
-* mesh axes the mesh does not have are dropped, so one layout serves every mesh;
+* mesh axes the mesh does not have are dropped, so one layout serves every mesh (which
+  ones is logged once, logger ``dtp``); except the axis of ``zero`` and ``context``,
+  which must be on any mesh of more than one device (:meth:`Layout.check_mesh`:
+  otherwise the feature would silently be off);
+* a logical axis must be a model axis (the table below, :data:`MODEL_AXES`) or named by
+  one of the layout's rules: anything else is a ``ValueError`` (a typo would silently
+  be replicated). Declare a new one with ``+ Layout({"experts": ()})`` (replicated);
 * within one tensor a mesh axis splits at most one dim: the first logical axis that
   claims it wins (later claims are dropped), as in MaxText;
 * options: where both sides set the same preset's options, the right-hand side's win.
@@ -57,12 +63,13 @@ from .context import (
     to_cp_order,
     zigzag_permutation,
 )
-from .core import Axes, Layout, constrain, current, use_layout
+from .core import MODEL_AXES, Axes, Layout, constrain, current, use_layout
 from .megatron import MegatronOptions, data, megatron
 from .zero import ZERO_STAGES, ZeroOptions, zero
 
 __all__ = [
     "Layout", "data", "megatron", "context", "context_options", "zero", "use_layout", "current", "constrain",
     "MegatronOptions", "ContextOptions", "ZeroOptions", "CP_ALGORITHMS", "LOAD_BALANCE", "ZERO_STAGES",
-    "Axes", "attended_kv_heads", "check_cp", "check_divisible", "check_load_balance", "check_window", "zigzag_permutation", "cp_permutation", "to_cp_order", "from_cp_order",
+    "Axes", "MODEL_AXES", "attended_kv_heads", "check_cp", "check_divisible", "check_load_balance", "check_window",
+    "zigzag_permutation", "cp_permutation", "to_cp_order", "from_cp_order",
 ]

@@ -8,6 +8,7 @@ itself, and a layout holds those objects as typed fields.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import threading
 from dataclasses import KW_ONLY, dataclass, field
@@ -24,10 +25,16 @@ if TYPE_CHECKING:  # the option modules import Layout to build their presets
     from .megatron import MegatronOptions
     from .zero import ZeroOptions
 
-__all__ = ["Layout", "Axes", "use_layout", "current", "constrain"]
+__all__ = ["Layout", "Axes", "MODEL_AXES", "use_layout", "current", "constrain"]
 
 Axes = tuple[str, ...]
 _T = TypeVar("_T")
+# The reference model's logical axes (the table in dtp.layouts). A layout knows these and
+# every axis its rules name; any other name is a typo until declared (Layout({name: ()})).
+MODEL_AXES: frozenset[str] = frozenset(
+    {"batch", "seq", "res_seq", "embed", "heads", "kv_heads", "mlp", "vocab", "head_dim"})
+_log = logging.getLogger("dtp")
+_said_dropped: set[tuple[str, tuple[str, ...], tuple[str, ...]]] = set()
 
 
 def _merge(a: Mapping[str, Axes], b: Mapping[str, Axes]) -> dict[str, Axes]:
@@ -68,24 +75,63 @@ class Layout:
                       zero=_right(self.zero, other.zero),
                       name=" + ".join(n for n in (self.name, other.name) if n))
 
-    def _spec(self, rules: Mapping[str, Axes], logical: Sequence[str | None], mesh: DeviceMesh) -> P:
+    def _spec(self, rules: Mapping[str, Axes], logical: Sequence[str | None], mesh: DeviceMesh, name: str) -> P:
         names = axis_names(mesh)
         used: set[str] = set()
         dims = []
         for ax in logical:
+            if ax and ax not in MODEL_AXES and ax not in self.params and ax not in self.activations:
+                self._unknown(ax, name)
             mesh_axes = [m for m in rules.get(ax, ()) if m in names and m not in used] if ax else []
             mesh_axes.sort(key=names.index)
             used.update(mesh_axes)
             dims.append(tuple(mesh_axes) or None)
         return P(*dims)
 
-    def param_spec(self, logical: Sequence[str | None], mesh: DeviceMesh) -> P:
-        """Where a parameter with these logical axes rests (and its optimizer state)."""
-        return self._spec(self.params, logical, mesh)
+    def _unknown(self, ax: str, name: str) -> None:
+        known = sorted(MODEL_AXES | set(self.params) | set(self.activations))
+        raise ValueError(
+            f"{name or 'layout'}: unknown logical axis {ax!r} (layout {self.name or 'custom'}); known: "
+            f"{', '.join(known)}. A typo? Otherwise declare it: + dtp.Layout({{{ax!r}: ()}}) keeps it "
+            f"replicated, + dtp.Layout({{{ax!r}: ('tp',)}}) splits it"
+        )
 
-    def activation_spec(self, logical: Sequence[str | None], mesh: DeviceMesh) -> P:
-        """Where an activation with these logical axes is computed."""
-        return self._spec(self.activations, logical, mesh)
+    def param_spec(self, logical: Sequence[str | None], mesh: DeviceMesh, *, name: str = "") -> P:
+        """Where a parameter with these logical axes rests (and its optimizer state).
+
+        Raises ``ValueError`` for a logical axis that is neither a model axis
+        (:data:`MODEL_AXES`) nor named by one of the layout's rules (``name`` starts it).
+        """
+        return self._spec(self.params, logical, mesh, name)
+
+    def activation_spec(self, logical: Sequence[str | None], mesh: DeviceMesh, *, name: str = "") -> P:
+        """Where an activation with these logical axes is computed (unknown axes: as
+        :meth:`param_spec`)."""
+        return self._spec(self.activations, logical, mesh, name)
+
+    def check_mesh(self, mesh: DeviceMesh, what: str = "TrainState.create") -> None:
+        """``ValueError`` when ``layouts.zero`` or ``layouts.context`` names an axis the
+        mesh lacks, on a mesh of more than one device: ZeRO / context parallel would be
+        silently off. The rules of ``data``/``megatron`` (and custom rules) may name absent
+        axes — one layout serves every mesh — and those are dropped; which ones is logged
+        once (logger ``dtp``, INFO) per layout and mesh.
+        """
+        names = axis_names(mesh)
+        if mesh.size() > 1:
+            for preset, opts in (("zero", self.zero), ("context", self.context)):
+                if opts is not None and opts.axis not in names:
+                    raise ValueError(
+                        f"{what}: layouts.{preset}(axis={opts.axis!r}) names a mesh axis this mesh lacks "
+                        f"(its axes: {', '.join(names)}), so {preset} would silently be off; build the mesh "
+                        f"with {opts.axis}=…, pass axis= one of its axes, or drop layouts.{preset}"
+                    )
+        dropped = tuple(sorted({a for rules in (self.params, self.activations) for axes in rules.values()
+                                for a in axes if a not in names}))
+        key = (self.name, names, dropped)
+        if dropped and key not in _said_dropped:
+            _said_dropped.add(key)
+            _log.info("layout %s on a mesh (%s): rules for mesh axes %s dropped (the mesh lacks them)",
+                      self.name or "custom", ", ".join(names), ", ".join(dropped))
 
     def mesh_axes(self, logical: str, mesh: DeviceMesh, *, activation: bool = True) -> Axes:
         """The mesh axes (mesh order) that split one logical axis."""
@@ -202,4 +248,4 @@ def constrain(x: torch.Tensor, logical: Sequence[str | None], *, name: str = "ac
     layout, mesh = active
     if len(logical) != x.dim():
         raise ValueError(f"{name}: {len(logical)} logical axes {tuple(logical)} for a tensor of shape {tuple(x.shape)}")
-    return reshard(x, layout.activation_spec(logical, mesh), name=name, tag=name)
+    return reshard(x, layout.activation_spec(logical, mesh, name=name), name=name, tag=name)

@@ -76,6 +76,8 @@ class ZeroOptions:
         if self.stage not in ZERO_STAGES or isinstance(self.stage, bool):
             stages = ", ".join(map(str, ZERO_STAGES[:-1])) + f" or {ZERO_STAGES[-1]}"
             raise ValueError(f"layouts.zero: stage must be {stages}, got {self.stage!r}")
+        if not isinstance(self.axis, str) or not self.axis:
+            raise TypeError(f"layouts.zero: axis must be a mesh axis name (a str), got {self.axis!r}")
         if not self.bucket_mb > 0:
             raise ValueError(f"layouts.zero: bucket_mb must be > 0, got {self.bucket_mb!r}")
         if not is_positive_int(self.prefetch):
