@@ -302,8 +302,9 @@ def _bad_context(context, mesh_axes):
 
 
 @pytest.mark.parametrize("context, mesh_axes, message", [
-    (dict(algo="double_ring", window=3), {"cp": 4}, r"window=3 must be in \[1, 4\) and divide the ring degree 4"),
-    (dict(algo="double_ring", window=4), {"cp": 4}, r"window=4 must be in \[1, 4\)"),
+    # The one double-ring window rule (issue 15: "[1, cp)" contradicted "window > 1").
+    (dict(algo="double_ring", window=3), {"cp": 4}, r"got window=3 at cp=4 \(valid: \[2\]\)"),
+    (dict(algo="double_ring", window=4), {"cp": 4}, r"got window=4 at cp=4 \(valid: \[2\]\)"),
     (dict(algo="hybrid", ulysses_degree=4), {"cp": 4}, r"ring degree cp/ulysses_degree > 1"),
     (dict(algo="hybrid", ulysses_degree=3), {"cp": 4}, r"cp=4 divisible by ulysses_degree=3"),
     (dict(algo="ulysses"), {"cp": 2, "tp": 2}, None),  # heads 8 / (2 × 2): fine
