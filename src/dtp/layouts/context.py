@@ -28,7 +28,13 @@ CpAlgorithm = Literal["ulysses", "ring", "double_ring", "hybrid"]
 CP_ALGORITHMS: tuple[CpAlgorithm, ...] = ("ulysses", "ring", "double_ring", "hybrid")
 LoadBalance = Literal["zigzag", None]
 LOAD_BALANCE: tuple[LoadBalance, ...] = ("zigzag", None)
-_LOAD_BALANCE_RULE = "load_balance must be 'zigzag' or None"  # said by ContextOptions and the order helpers
+
+
+def check_load_balance(load_balance: str | None, what: str = "") -> None:
+    """``ValueError`` unless ``load_balance`` is one of :data:`LOAD_BALANCE`; ``what``
+    (the API, e.g. ``"layouts.context"``) starts the message when given."""
+    if load_balance not in LOAD_BALANCE:
+        raise ValueError(f"{what + ': ' if what else ''}load_balance must be 'zigzag' or None, got {load_balance!r}")
 
 
 def attended_kv_heads(kv_local: int, degree: int) -> int:
@@ -71,8 +77,7 @@ class ContextOptions:
                             ("head_chunks", 1 if self.head_chunks is None else self.head_chunks)):
             if not is_positive_int(value):
                 raise ValueError(f"layouts.context: {name} must be an integer >= 1, got {value!r}")
-        if self.load_balance not in LOAD_BALANCE:
-            raise ValueError(f"layouts.context: {_LOAD_BALANCE_RULE}, got {self.load_balance!r}")
+        check_load_balance(self.load_balance, "layouts.context")
         if self.algo == "double_ring":
             check_window(self.window, None, algo="double_ring")  # the part that needs no mesh
         if self.algo == "hybrid" and self.ulysses_degree == 1:
@@ -226,12 +231,6 @@ def check_window(window: object, ring: int | None, *, algo: str = "double_ring",
     elif ring is not None and (window >= ring or ring % window):
         raise ValueError(f"{what}: window={window} must be in [1, {ring}) and divide {of}={ring}")
     return window  # type: ignore[return-value]
-
-
-def check_load_balance(load_balance: str | None) -> None:
-    """``ValueError`` unless ``load_balance`` is one of :data:`LOAD_BALANCE`."""
-    if load_balance not in LOAD_BALANCE:
-        raise ValueError(f"{_LOAD_BALANCE_RULE}, got {load_balance!r}")
 
 
 def check_divisible(seq_len: int, cp: int, load_balance: str | None) -> None:

@@ -13,7 +13,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from ...layouts import LOAD_BALANCE, attended_kv_heads
+from ...layouts import attended_kv_heads, check_load_balance
 from ...redistribute import to_local
 from ..._torch import unflatten_mesh
 from ...mesh import axis_sizes
@@ -93,8 +93,7 @@ def _check_inputs(fn: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, se
     for a in seq_axes:
         if a not in sizes:
             raise ValueError(f"{fn}: unknown mesh axis {a!r}; the mesh axes are {tuple(sizes)}")
-    if load_balance not in LOAD_BALANCE:
-        raise ValueError(f"{fn}: load_balance must be 'zigzag' or None, got {load_balance!r}")
+    check_load_balance(load_balance, fn)
     qs, ks, vs = spec_of(q), spec_of(k), spec_of(v)
     for name, s in (("q", qs), ("k", ks), ("v", vs)):
         if s.partial:
