@@ -40,11 +40,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -53,7 +52,7 @@ from torch.distributed.tensor import DTensor
 
 from . import comm
 from .comm import CommLog
-from .mesh import axis_names, axis_sizes, flatten_axes
+from .mesh import all_coordinates, axis_names, axis_sizes, flatten_axes
 from .spec import spec_of
 
 __all__ = ["ENV", "ID_KEYS", "WIDTH", "Agreements", "Fingerprint", "mode", "log", "agree", "check_state",
@@ -286,15 +285,8 @@ def agree(what: str, mesh: DeviceMesh, fp: Fingerprint, *, vocab: int | None = N
     """Exchange ``fp`` over the whole mesh; raise the same error on every rank when the
     ranks disagree (or one failed its own validation). Collective: call on every rank."""
     names = list(axis_names(mesh))
-    sizes = [mesh.size(i) for i in range(len(names))]
-    n = math.prod(sizes)
     ranks = [int(r) for r in mesh.mesh.reshape(-1).tolist()]
-    coords = []
-    for k in range(n):
-        c, rest = {}, k
-        for a, s in zip(reversed(names), reversed(sizes)):
-            c[a], rest = rest % s, rest // s
-        coords.append(c)
+    coords, n = all_coordinates(mesh), len(ranks)
     table = _gather(mesh, _record(fp), what).view(n, WIDTH)
     bad = not bool(table[:, 0].all()) or len(set(table[:, 1].tolist())) > 1
     for mask in range(min(SLOTS, 1 << len(names))):
@@ -331,17 +323,11 @@ def _disagreement(what: str, mesh: DeviceMesh, fp: Fingerprint, names: list[str]
                         "every rank raises this error]")
         raise _ERRORS.get(kind, RuntimeError)(message)
 
-    def by_value(values: list[object]) -> str:
-        groups: dict[str, list[int]] = {}
-        for k, v in enumerate(values):
-            groups.setdefault(str(v), []).append(k)
-        return "; ".join(f"{_ranks(ks, ranks)}: {v}" for v, ks in groups.items())
-
     keys = list(dict.fromkeys(k for v in views for k in v["fields"]))
     for key in keys:
         values = [v["fields"].get(key, "<absent>") for v in views]
         if len(set(values)) > 1:
-            raise ValueError(f"{what}: the ranks disagree on {key} — {by_value(values)}. Every rank must pass "
+            raise ValueError(f"{what}: the ranks disagree on {key} — {_by_value(range(len(views)), values, ranks)}. Every rank must pass "
                              "the same (global) values")
     for name in list(dict.fromkeys(k for v in views for k in v["replicas"])):
         masks = {tuple(v["replicas"][name])[0] for v in views if name in v["replicas"]}
@@ -352,14 +338,19 @@ def _disagreement(what: str, mesh: DeviceMesh, fp: Fingerprint, names: list[str]
                 if len(set(values)) > 1:
                     held = (f"split over {', '.join(axes)}: ranks with equal coordinates on it hold the same shard"
                             if axes else "it must be identical on every rank")
-                    sums = _group_sums(ks, values, ranks)
+                    sums = _by_value(ks, values, ranks, _checksum_text)
                     raise ValueError(f"{what}: {name} differs between {_ranks(ks, ranks)} ({held}) — {sums}")
     raise RuntimeError(f"{what}: the ranks' fingerprints differ, but no field or checksum does (a hash collision?)")
 
 
-def _group_sums(ks: list[int], values: list[object], ranks: list[int]) -> str:
+def _by_value(ks: Sequence[int], values: list[object], ranks: list[int],
+              show: Callable[[object], str] = str) -> str:
+    """``"ranks [0, 2]: a; rank 1: b"``: the mesh positions ``ks`` grouped by their value."""
     groups: dict[object, list[int]] = {}
     for k, v in zip(ks, values):
         groups.setdefault(v, []).append(k)
-    return "; ".join(f"{_ranks(g, ranks)}: " + (f"checksum {v & (2**64 - 1):#018x}" if v is not None else "<absent>")
-                     for v, g in groups.items())
+    return "; ".join(f"{_ranks(g, ranks)}: {show(v)}" for v, g in groups.items())
+
+
+def _checksum_text(v: object) -> str:
+    return f"checksum {v & (2**64 - 1):#018x}" if isinstance(v, int) else "<absent>"

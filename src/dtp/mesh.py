@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from ._rules import is_positive_int
 from ._torch import flatten_mesh
 
-__all__ = ["make_mesh", "detect_device", "axis_names", "axis_sizes", "axis_size", "coordinates", "axis_coordinate",
+__all__ = ["make_mesh", "detect_device", "axis_names", "axis_sizes", "axis_size", "coordinates", "all_coordinates", "axis_coordinate",
            "block_index", "flatten_axes", "clear_mesh_cache"]
 
 _BACKEND_FOR_DEVICE = {"cuda": "nccl", "npu": "hccl", "cpu": "gloo"}
@@ -180,6 +180,19 @@ def coordinates(mesh: DeviceMesh) -> dict[str, int]:
     {'dp': 0, 'tp': 0}
     """
     return dict(zip(axis_names(mesh), mesh.get_coordinate()))
+
+
+def all_coordinates(mesh: DeviceMesh) -> list[dict[str, int]]:
+    """Every mesh position's ``{axis: coordinate}``, in flat (row-major) order: entry i
+    belongs to rank ``mesh.mesh.reshape(-1)[i]``.
+
+    >>> all_coordinates(make_mesh(dp=1, tp=1))
+    [{'dp': 0, 'tp': 0}]
+    """
+    names = axis_names(mesh)
+    shape = tuple(mesh.mesh.shape)
+    coords = torch.unravel_index(torch.arange(math.prod(shape)), shape)
+    return [dict(zip(names, map(int, c))) for c in zip(*coords)]
 
 
 def block_index(mesh: DeviceMesh, axes: Sequence[str], coords: Mapping[str, int] | None = None) -> int:

@@ -5,11 +5,10 @@ from __future__ import annotations
 import html
 import math
 
-import torch
 from torch.distributed.tensor import DTensor
 
 from ._torch import is_local_tensor, local_tensor
-from .mesh import axis_names, block_index
+from .mesh import all_coordinates, axis_names, block_index
 from .spec import P, spec_of
 
 __all__ = ["visualize", "Visualization"]
@@ -65,9 +64,7 @@ def visualize(x: DTensor) -> Visualization:
     sizes = {n: mesh.size(i) for i, n in enumerate(names)}
     mesh_ranks = mesh.mesh.reshape(-1).tolist()
     rows = []
-    for flat, rank in enumerate(mesh_ranks):
-        coords = torch.unravel_index(torch.tensor(flat), tuple(mesh.mesh.shape))
-        coord = {n: int(c) for n, c in zip(names, coords)}
+    for rank, coord in zip(mesh_ranks, all_coordinates(mesh)):
         block = ", ".join(_ranges(s, spec.axes_of(d), coord, sizes, mesh) for d, s in enumerate(x.shape))
         note = " ".join(f"+partial({a})" if coord[a] == 0 else f"zeros({a})" for a in spec.partial)
         rows.append([str(rank), ", ".join(f"{n}={coord[n]}" for n in names), f"[{block}]", note])

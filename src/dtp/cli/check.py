@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any, Sequence, TextIO
 
 from .. import layouts
-from .flags import CHECK_RTOL, UsageError
+from .._rules import RUN_RTOL
+from .flags import UsageError
 from .loop import _single_process_world, _train
 from .report import _plot, _write_json
 
@@ -32,7 +33,7 @@ def tolerance_for(dtype: str) -> float:
     >>> tolerance_for("float64")
     1e-09
     """
-    return CHECK_RTOL[dtype]
+    return RUN_RTOL[dtype]  # beside the one-step bar in dtp._rules; low precision drifts with the steps
 
 
 def compare_losses(run: Sequence[float], reference: Sequence[float], rtol: float) -> dict[str, Any]:

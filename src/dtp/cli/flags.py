@@ -32,9 +32,6 @@ PROG = "dtp"
 DESCRIPTION = "The ``dtp`` command: train the reference Llama under any parallel layout, from a shell."
 DTYPES = ("float32", "float64", "bfloat16")
 RECOMPUTE = ("none", "full", "selective")
-# Relative per-step loss difference --check accepts: dtp._rules' RUN_RTOL, beside the
-# one-step bar (dtp.cli.check says why low precision drifts with the number of steps).
-CHECK_RTOL = RUN_RTOL
 DEFAULT_WARMUP = 5
 
 
@@ -134,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("run_dir", help="the run directory (with config.json and metrics.jsonl)")
     c.add_argument("--rtol", type=_non_negative_float, default=None,
                    help="relative tolerance (default by dtype: " +
-                        ", ".join(f"{k} {v:g}" for k, v in CHECK_RTOL.items()) + ")")
+                        ", ".join(f"{k} {v:g}" for k, v in RUN_RTOL.items()) + ")")
     return parser
 
 
