@@ -12,6 +12,7 @@ from .mesh import detect_device, flatten_axes, make_mesh
 from .redistribute import from_local, local_map, reshard
 from .spec import P, shard, spec_of
 from .step import TrainState, gather_params, shard_batch, train_step, wait
+from . import checkpoint
 from .strategies import zero
 from .visualize import visualize
 
@@ -22,5 +23,5 @@ __all__ = [
     "shard", "from_local", "local_map", "spec_of", "reshard", "visualize",
     "comm_log", "CommLog", "CommRecord",
     "Layout", "layouts", "use_layout", "constrain", "ops", "optim", "strategies", "zero", "comm",
-    "TrainState", "train_step", "shard_batch", "gather_params", "wait",
+    "TrainState", "train_step", "shard_batch", "gather_params", "wait", "checkpoint",
 ]

@@ -39,7 +39,7 @@ __all__ = [
     "StridedShard", "LocalTensor", "LocalTensorMode", "maybe_run_for_local_tensor", "fake_store",
     "local_tensor", "local_tensors", "is_local_tensor", "flatten_mesh", "unflatten_mesh",
     "current_graph_task_id", "SavedTensor", "make_saved_tensor", "unpack_saved",
-    "cpu_flash_attention", "cpu_flash_attention_backward", "cuda_efficient_attention",
+    "cpu_flash_attention", "cpu_flash_attention_backward", "cuda_efficient_attention", "global_offset",
 ]
 
 
@@ -112,3 +112,11 @@ def cpu_flash_attention_backward(dout, q, k, v, out, lse, causal: bool, scale: f
 def cuda_efficient_attention(q, k, v, causal: bool, scale: float | None = None):
     """The CUDA memory-efficient kernel's outputs (``out, lse, ...``), LSE included."""
     return torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal, scale=scale)
+
+
+def global_offset(shape: tuple[int, ...], mesh: DeviceMesh, placements: tuple) -> tuple[int, ...]:
+    """Where this rank's block of a DTensor of global ``shape`` starts (what DCP itself
+    uses to name a DTensor's chunk; no public API exposes it)."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    return tuple(compute_local_shape_and_global_offset(shape, mesh, placements)[1])

@@ -63,7 +63,7 @@ __all__ = [
 class CommRecord:
     """One collective as one rank saw it."""
 
-    kind: str  # all_gather | reduce_scatter | all_reduce | all_to_all | send_recv
+    kind: str  # all_gather | reduce_scatter | all_reduce | all_to_all | send_recv | barrier
     axis: str  # mesh axis name (a flattened view's name for several axes)
     bytes: int  # bytes this rank sent
     group_size: int
@@ -523,3 +523,18 @@ class _Works:
         """Completes when the send and the receive both have (so the comm log records
         the transfer's real end, not when someone waited on it)."""
         return torch.futures.collect_all([w.get_future() for w in self.works])
+
+
+def barrier(*, tag: str = "") -> None:
+    """Wait until every rank of the default group reaches this call (recorded, 0 bytes).
+
+    For work outside the mesh's axes, such as :mod:`dtp.checkpoint`'s rename after every
+    rank has written. A world of one returns at once.
+
+    >>> barrier()
+    """
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    record = _record("barrier", "world", 0, dist.get_world_size(), torch.empty(0), False, tag)
+    dist.barrier()
+    record.completed = time.perf_counter()

@@ -56,6 +56,7 @@ __all__ = [
     "apply_updates",
     "global_norm",
     "clip_by_global_norm",
+    "map_param_trees",
 ]
 
 PyTree = Any
@@ -482,3 +483,36 @@ def clip_by_global_norm(grads: PyTree, max_norm: float) -> tuple[PyTree, torch.T
     # numbers as torch, which also multiplies always; a 0-d scale keeps each leaf's dtype.
     clipped, = _map_local(lambda g: (g * scale.to(g.device),), grads, [], 1)
     return clipped, norm
+
+
+def map_param_trees(state: PyTree, params: PyTree, on_tree: Callable[[str, PyTree], PyTree],
+                    on_leaf: Callable[[str, Any], Any] = lambda name, x: x) -> PyTree:
+    """Rebuild an optimizer state, calling ``on_tree(name, subtree)`` on every subtree that
+    mirrors ``params`` (same tree structure: Adam's ``mu``/``nu``, momentum) and
+    ``on_leaf(name, leaf)`` on everything else (the update count).
+
+    Names are the path of field names, keys and indices joined by ``.`` (``"mu"``,
+    ``"1.count"`` inside a :func:`chain`). What :mod:`dtp.checkpoint` names optimizer
+    tensors by, and how ZeRO cuts a per-parameter state into its buckets.
+
+    >>> params = {"w": torch.ones(2)}
+    >>> state = adamw(0.1).init(params)
+    >>> shapes = map_param_trees(state, params, lambda name, t: (name, t["w"].shape), lambda name, x: name)
+    >>> shapes.count, shapes.mu
+    ('count', ('mu', torch.Size([2])))
+    """
+    structure = optree.tree_structure(params)
+
+    def walk(node: Any, path: tuple[str, ...]) -> Any:
+        name = ".".join(path)
+        if node is not None and optree.tree_structure(node) == structure:
+            return on_tree(name, node)
+        if isinstance(node, tuple) and hasattr(node, "_fields"):
+            return type(node)(*(walk(getattr(node, f), path + (f,)) for f in node._fields))
+        if isinstance(node, (tuple, list)):
+            return type(node)(walk(x, path + (str(i),)) for i, x in enumerate(node))
+        if isinstance(node, dict):
+            return {k: walk(v, path + (str(k),)) for k, v in node.items()}
+        return node if node is None else on_leaf(name, node)
+
+    return walk(state, ())

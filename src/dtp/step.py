@@ -393,8 +393,7 @@ def _update(run: strategies.StepRun, optimizer: GradientTransformation, opt_stat
     groups' transfers (Megatron waits for all of them first); clipping needs every
     group's norm first, so it updates all at once."""
     targets = run.targets()
-    if opt_state is None:  # ZeRO's first step: the state of the master slices it just cut
-        opt_state = optimizer.init(targets if run.grouped else targets[0])
+    opt_state = run.opt_state(optimizer, opt_state, targets)  # ZeRO's first step makes or cuts it
     n = len(targets)
     grads: list[PyTree] = [None] * n
     if run.grouped and clip_norm is None and optimizer.elementwise:

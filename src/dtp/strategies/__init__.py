@@ -13,6 +13,8 @@ and asks a :class:`StepRun` for the parts that differ between strategies:
 ``run.gradients()``         ``(group, reduced gradient)`` as each group's reduction lands
 ``run.targets()``           what the optimizer updates, one entry per group (the parameters
                             themselves, or ZeRO's fp32 master slices)
+``run.opt_state(opt, s, t)`` the optimizer state over the targets ``t`` (``s`` as it is, or,
+                            in ZeRO's first step, ``s`` cut into the buckets / a fresh one)
 ``run.grouped``             ``False``: one group, and the optimizer state covers its tree;
                             ``True``: the optimizer state covers the list of groups
 ``run.finish(updated)``     the new ``(params, opt_state-independent strategy state)``
@@ -55,6 +57,8 @@ class StepRun(Protocol):
     def gradients(self) -> Iterator[tuple[int, PyTree]]: ...
 
     def targets(self) -> list[PyTree]: ...
+
+    def opt_state(self, optimizer: Any, opt_state: PyTree, targets: list[PyTree]) -> PyTree: ...
 
     def finish(self, updated: list[PyTree]) -> tuple[PyTree, Any]: ...
 

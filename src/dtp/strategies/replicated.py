@@ -65,5 +65,8 @@ class Run:
     def targets(self) -> list[PyTree]:
         return [self.params()]
 
+    def opt_state(self, optimizer: Any, opt_state: PyTree, targets: list[PyTree]) -> PyTree:
+        return optimizer.init(targets[0]) if opt_state is None else opt_state
+
     def finish(self, updated: list[PyTree]) -> tuple[PyTree, None]:
         return updated[0], None

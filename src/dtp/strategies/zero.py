@@ -49,6 +49,7 @@ from ..layouts import Layout
 from ..layouts.zero import ZeroOptions
 from .._torch import current_graph_task_id, local_tensor
 from ..mesh import axis_names, axis_sizes, coordinates
+from ..optim import map_param_trees
 from ..redistribute import reshard
 from ..spec import P, wrap_local, spec_of
 
@@ -164,6 +165,9 @@ class ZeroState:
     master: tuple[DTensor, ...] = ()
     buffers: tuple[torch.Tensor, ...] = ()  # stage 1/2: gathered params
     pending: InflightGathers = field(default_factory=InflightGathers)
+    # Before the plan: master weights a checkpoint brought (per parameter, laid out like
+    # the parameters, in the master dtype); step one cuts them into the master slices.
+    loaded_master: PyTree = None
 
     @property
     def stage(self) -> int:
@@ -176,8 +180,10 @@ class ZeroState:
 
 optree.register_pytree_node(
     ZeroState,
-    lambda z: ((z.master,), (z.options, z.leaves, z.skeleton, z.plan, z.buffers, z.pending), ("master",)),
-    lambda aux, children: ZeroState(aux[0], aux[1], aux[2], aux[3], tuple(children[0]), *aux[4:]),
+    lambda z: ((z.master, z.loaded_master), (z.options, z.leaves, z.skeleton, z.plan, z.buffers, z.pending),
+               ("master", "loaded_master")),
+    lambda aux, children: ZeroState(aux[0], aux[1], aux[2], aux[3], tuple(children[0]), *aux[4:],
+                                    loaded_master=children[1]),
     namespace="dtp",
 )
 
@@ -571,17 +577,36 @@ class Run:
     # ---- update
     def targets(self) -> list[DTensor]:
         """This rank's fp32 master slices, one per bucket (sliced out of the replicated
-        parameters in the first step)."""
-        z, plan = self.z, self.z.plan
+        parameters, or of the master weights a checkpoint loaded, in the first step)."""
+        z = self.z
         if z.master:
             return list(z.master)
-        master = []
+        if z.loaded_master is not None:
+            return self.cut(z.loaded_master)
+        return self.cut(None)
+
+    def cut(self, tree: PyTree | None) -> list[DTensor]:
+        """A per-parameter tree laid out like the parameters (``None``: the parameters)
+        cut into this rank's flat bucket slices, in the master dtype."""
+        z, plan = self.z, self.z.plan
+        leaves = self.raw_leaves if tree is None else [x.to_local() for x in optree.tree_leaves(tree)]
+        out = []
         for b in plan.buckets:
             flat = torch.zeros(b.numel, dtype=accum_dtype(b.dtype), device=self.device)
             for i, off in zip(b.members, b.offsets):
-                z.leaves[i].view(flat, off).copy_(self.raw_leaves[i])
-            master.append(wrap_local(_slice_of(plan, b, flat).clone(), plan.mesh, b.spec, _flat_global(b, plan.mesh)))
-        return master
+                z.leaves[i].view(flat, off).copy_(leaves[i])
+            out.append(wrap_local(_slice_of(plan, b, flat).clone(), plan.mesh, b.spec, _flat_global(b, plan.mesh)))
+        return out
+
+    def opt_state(self, optimizer: Any, opt_state: PyTree, targets: list[DTensor]) -> PyTree:
+        """The optimizer state over the master slices. In step one: a fresh one
+        (``opt_state is None``), or a per-parameter state (a loaded checkpoint's) cut into
+        the buckets like the master weights."""
+        if self.z.master:
+            return opt_state
+        if opt_state is None:
+            return optimizer.init(targets)
+        return map_param_trees(opt_state, self.z.skeleton, lambda name, tree: self.cut(tree))
 
     def finish(self, updated: list[DTensor]) -> tuple[PyTree, ZeroState]:
         """The new state: updated master slices, and (stage 1/2) every bucket's all-gather

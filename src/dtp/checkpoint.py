@@ -1,0 +1,550 @@
+"""Checkpoints of the *logical* training state on ``torch.distributed.checkpoint`` (DCP).
+
+What is saved does not depend on the mesh, the layout or ZeRO's buckets: every parameter
+as one global tensor (``param/<path>``), its optimizer state per parameter
+(``opt/<field>/<path>``: Adam's moments, momentum), the optimizer's scalars
+(``opt/<field>``: the update count), the fp32 master weights where they differ from the
+parameters' dtype (``master/<path>``), and in a plain-JSON ``manifest.json`` the step,
+the RNG state, the caller's ``extra`` (a data loader's position, the model config) and
+the versions. So a checkpoint saved under one layout loads into any other: DCP reads
+each rank's block of each global tensor from whichever files hold it.
+
+Every rank writes only what it holds. A replicated block is written once (DCP keeps one
+copy). Under ZeRO a rank holds flat slices of buckets; the part of a parameter inside
+a slice is a contiguous run of its row-major elements, which is a few rectangles of the
+global tensor (:func:`_boxes`) — written straight from the slice, so no rank ever
+gathers a parameter or a moment (Megatron's "flattened range", made rectangular).
+
+On disk, ``save(state, root)`` writes ``root/step_00000012``: into a ``.partial``
+directory first, renamed by rank 0 once every rank has finished, so a crash mid-save
+never leaves a checkpoint that looks complete; ``keep`` prunes the older ones. Loading
+never unpickles arbitrary objects (DCP's metadata file is read with an unpickler that
+only knows DCP's own metadata classes) and checks every tensor's shape and dtype
+against the state it loads into before reading a byte of tensor data.
+
+>>> import tempfile
+>>> mesh = dtp.make_mesh(dp=1)                  # one process: a mesh of one device
+>>> state = dtp.TrainState.create({"w": torch.ones(2)}, dtp.optim.adamw(0.1), mesh=mesh,
+...                               layout=dtp.layouts.data(), axes={"w": ("embed",)})
+>>> root = tempfile.mkdtemp()
+>>> path = dtp.checkpoint.save(state, root, extra={"note": "hi"})
+>>> restored, extra = dtp.checkpoint.load(root, like=state)
+>>> restored.step, extra, restored.params["w"].tolist()
+(0, {'note': 'hi'}, [1.0, 1.0])
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import io
+import json
+import math
+import os
+import pickle
+import re
+import shutil
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import optree
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex,
+                                                   TensorProperties, TensorStorageMetadata)
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.tensor import DTensor
+
+from . import comm
+from ._rules import accum_dtype
+from ._torch import StridedShard, global_offset
+from .mesh import coordinates
+from .optim import map_param_trees
+from .spec import spec_of, to_placements, wrap_local
+from .step import TrainState, wait
+from .strategies import zero as zero_mod
+
+__all__ = ["save", "load", "latest", "read_manifest", "AsyncSave", "FORMAT"]
+
+PyTree = Any
+FORMAT = 1  # manifest["format"]: bumped when the key scheme changes
+MANIFEST = "manifest.json"
+_STEP_DIR = re.compile(r"^step_(\d{8})$")
+
+
+# --------------------------------------------------------------------------- rectangles
+
+
+def _boxes(shape: Sequence[int], start: int, stop: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Elements ``[start, stop)`` of a row-major tensor of ``shape`` as rectangles
+    ``(offsets, sizes)`` in order, each a contiguous run of the flat order.
+
+    >>> _boxes((3, 4), 2, 9)        # the end of row 0, row 1, the start of row 2
+    [((0, 2), (1, 2)), ((1, 0), (1, 4)), ((2, 0), (1, 1))]
+    """
+    if start >= stop:
+        return []
+    if not shape:
+        return [((), ())]
+    inner = math.prod(shape[1:])
+    (r0, c0), (r1, c1) = divmod(start, inner), divmod(stop, inner)
+    rest = tuple(shape[1:])
+
+    def row(r: int, a: int, b: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+        return [((r, *o), (1, *z)) for o, z in _boxes(rest, a, b)]
+
+    if r0 == r1:
+        return row(r0, c0, c1)
+    out = []
+    if c0:
+        out += row(r0, c0, inner)
+        r0 += 1
+    if r1 > r0:
+        out.append(((r0, *(0,) * len(rest)), (r1 - r0, *rest)))
+    if c1:
+        out += row(r1, 0, c1)
+    return out
+
+
+class _Pieces:
+    """A global tensor of which this rank holds some rectangles (views of its flat
+    ZeRO slices). Speaks DCP's ``_Checkpointable`` protocol, as DTensor does, so DCP
+    writes and reads each rectangle as a chunk of the one logical tensor."""
+
+    def __init__(self, shape: Sequence[int], dtype: torch.dtype, pieces: Sequence[tuple[tuple[int, ...], torch.Tensor]]):
+        self.shape, self.dtype, self.pieces = torch.Size(shape), dtype, list(pieces)
+
+    def size(self) -> torch.Size:
+        return self.shape
+
+    def __create_write_items__(self, fqn: str, obj: Any) -> list[WriteItem]:
+        return [WriteItem(index=MetadataIndex(fqn, torch.Size(o)), type=WriteItemType.SHARD,
+                          tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(torch.Size(o), t.shape),
+                                                      properties=TensorProperties.create_from_tensor(t),
+                                                      size=self.shape))
+                for o, t in self.pieces]
+
+    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
+        return [ChunkStorageMetadata(torch.Size(o), t.shape) for o, t in self.pieces]
+
+    def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
+        for o, t in self.pieces:
+            if torch.Size(o) == index.offset:
+                return t
+        raise ValueError(f"checkpoint: no piece of {index.fqn} at {tuple(index.offset or ())} on this rank")
+
+
+class _SavePlanner(DefaultSavePlanner):
+    def lookup_object(self, index: MetadataIndex) -> Any:
+        obj = self.state_dict[index.fqn]
+        return obj.__get_tensor_shard__(index) if isinstance(obj, _Pieces) else super().lookup_object(index)
+
+
+class _LoadPlanner(DefaultLoadPlanner):
+    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+        obj = self.state_dict[index.fqn]
+        return obj.__get_tensor_shard__(index) if isinstance(obj, _Pieces) else super().lookup_tensor(index)
+
+
+def _zero_pieces(z: zero_mod.ZeroState, slices: Sequence[torch.Tensor], dtype: torch.dtype | None = None
+                 ) -> list[_Pieces]:
+    """Each parameter's part of this rank's flat bucket slices (local tensors), as
+    rectangles of the parameter's global shape; converted to ``dtype`` if given (a copy
+    of this rank's slice: the only staging a ZeRO save needs)."""
+    plan = z.plan
+    r = coordinates(plan.mesh)[plan.axis]
+    out: list[_Pieces | None] = [None] * len(z.leaves)
+    for b in plan.buckets:
+        lo, hi = r * b.shard_numel, (r + 1) * b.shard_numel
+        flat = slices[b.index] if dtype is None else slices[b.index].to(dtype)
+        for i, off in zip(b.members, b.offsets):
+            leaf = z.leaves[i]
+            start, stop = max(off, lo), min(off + leaf.numel, hi)
+            base = _block_offset(leaf)
+            pieces, cursor = [], start - lo
+            for o, size in _boxes(leaf.local_shape, start - off, stop - off):
+                n = math.prod(size)
+                view = flat[cursor:cursor + n].view(size)
+                pieces.append((tuple(a + c for a, c in zip(base, o)), view))
+                cursor += n
+            out[i] = _Pieces(leaf.shape, flat.dtype, pieces)
+    return out  # type: ignore[return-value]
+
+
+def _block_offset(leaf: Any) -> tuple[int, ...]:
+    placements = to_placements(leaf.spec, leaf.mesh)
+    if any(isinstance(p, StridedShard) for p in placements):
+        # Its block is not one rectangle of the global tensor; no dtp layout makes one.
+        raise ValueError(f"checkpoint: param {leaf.path} is split over several axes out of mesh order "
+                         f"({leaf.spec}); ZeRO checkpoints support one rectangle per rank")
+    return global_offset(leaf.shape, leaf.mesh, placements)
+
+
+# --------------------------------------------------------------------------- the logical state
+
+
+def _paths(tree: PyTree) -> list[str]:
+    return [".".join(map(str, p)) for p in optree.tree_paths(tree)]
+
+
+def _detach(x: torch.Tensor) -> torch.Tensor:
+    return x.detach()
+
+
+def _logical(state: TrainState) -> dict[str, Any]:
+    """``name -> tensor`` (DTensor, tensor or :class:`_Pieces`) of what ``state`` holds."""
+    z = state.zero
+    out: dict[str, Any] = {}
+    if z is not None and z.plan is not None:  # ZeRO after step one: everything from the slices
+        paths = [leaf.path for leaf in z.leaves]
+        master = [m.to_local() for m in z.master]
+        param_dtype = {leaf.path: leaf.dtype for leaf in z.leaves}
+        for path, piece, leaf in zip(paths, _zero_pieces(z, master, None), z.leaves):
+            if piece.dtype != leaf.dtype:
+                out[f"master/{path}"] = piece
+        for path, piece in zip(paths, _converted(z, master, param_dtype)):
+            out[f"param/{path}"] = piece
+
+        def mirror(name: str, slices: list[DTensor]) -> list[DTensor]:
+            for path, piece in zip(paths, _zero_pieces(z, [s.to_local() for s in slices])):
+                out[f"opt/{name}/{path}"] = piece
+            return slices
+
+        map_param_trees(state.opt_state, list(z.master), mirror, lambda name, x: _scalar(out, name, x))
+        return out
+    params = state.params
+    for path, x in zip(_paths(params), optree.tree_leaves(params)):
+        out[f"param/{path}"] = _detach(x)
+    if z is not None and z.loaded_master is not None:
+        for path, x in zip(_paths(params), optree.tree_leaves(z.loaded_master)):
+            out[f"master/{path}"] = _detach(x)
+    if state.opt_state is not None:
+        def mirror(name: str, tree: PyTree) -> PyTree:
+            for path, x in zip(_paths(params), optree.tree_leaves(tree)):
+                out[f"opt/{name}/{path}"] = _detach(x)
+            return tree
+
+        map_param_trees(state.opt_state, params, mirror, lambda name, x: _scalar(out, name, x))
+    return out
+
+
+def _converted(z: zero_mod.ZeroState, master: list[torch.Tensor], dtypes: Mapping[str, torch.dtype]) -> list[_Pieces]:
+    """The parameters as the master slices round to them (bf16 params of fp32 masters)."""
+    wanted = {dtypes[leaf.path] for leaf in z.leaves}
+    by_dtype = {d: _zero_pieces(z, master, d) for d in wanted}
+    return [by_dtype[leaf.dtype][i] for i, leaf in enumerate(z.leaves)]
+
+
+def _scalar(out: dict[str, Any], name: str, x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        out[f"opt/{name}"] = _detach(x.to_local() if isinstance(x, DTensor) else x)
+        return x
+    raise TypeError(f"checkpoint: optimizer state entry {name!r} is a {type(x).__name__}; only tensors "
+                    f"(and trees of them) can be saved")
+
+
+# --------------------------------------------------------------------------- save
+
+
+@dataclasses.dataclass
+class AsyncSave:
+    """A save still being written (``save(..., async_save=True)``). ``wait()`` on every
+    rank finishes it: waits for this rank's files, then rank 0 renames the checkpoint
+    into place once every rank's are written."""
+
+    path: Path
+    _future: Any
+    _finish: Any
+
+    def wait(self) -> Path:
+        if self._future is not None:
+            self._future.result()
+            self._future = None
+            self._finish()
+        return self.path
+
+    def done(self) -> bool:
+        return self._future is None or self._future.done()
+
+
+_SAVE_GROUP: list[Any] = []
+
+
+def _save_group() -> Any:
+    """A process group of its own for DCP's background collectives (async save): they
+    must not interleave with training's on the same group. Made once, on every rank."""
+    if not dist.is_initialized():
+        return None
+    if not _SAVE_GROUP:
+        _SAVE_GROUP.append(dist.new_group(backend="gloo"))
+    return _SAVE_GROUP[0]
+
+
+def save(state: TrainState, root: str | os.PathLike[str], *, extra: Mapping[str, Any] | None = None,
+         keep: int | None = None, async_save: bool = False) -> Path | AsyncSave:
+    """Write ``state`` to ``root/step_<step>`` (a collective: call it on every rank).
+
+    ``extra``: JSON-able data saved in the manifest and returned by :func:`load` (a data
+    loader's ``state_dict()``, the model config). ``keep``: afterwards, only the newest
+    ``keep`` checkpoints in ``root`` remain. ``async_save=True`` copies this rank's
+    tensors to staging memory and returns an :class:`AsyncSave` at once; the files are
+    written while training goes on, and ``wait()`` (on every rank) completes it.
+    Returns the checkpoint's path.
+    """
+    root = Path(root)
+    if extra is not None:
+        try:
+            json.dumps(extra)
+        except TypeError as e:
+            raise ValueError(f"checkpoint.save: extra must be JSON-able ({e})") from None
+    if keep is not None and (not isinstance(keep, int) or isinstance(keep, bool) or keep < 1):
+        raise ValueError(f"checkpoint.save: keep must be an int >= 1 (or None: keep all), got {keep!r}")
+    wait(state)  # the slices and buffers must be final
+    final = root / f"step_{state.step:08d}"
+    partial = final.with_name(final.name + ".partial")
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    try:  # every rank sees the same (shared) file system, so every rank fails alike
+        root.mkdir(parents=True, exist_ok=True)
+        if not os.access(root, os.W_OK):
+            raise PermissionError(f"{root} is not writable")
+    except OSError as e:
+        raise ValueError(f"checkpoint.save: cannot write to {root} ({e})") from None
+    if rank == 0:
+        shutil.rmtree(partial, ignore_errors=True)  # a crashed save's leftovers
+        partial.mkdir()
+    comm.barrier(tag="checkpoint mkdir")
+    tensors = _logical(state)
+    manifest = _manifest(state, tensors, extra)
+
+    def finish() -> None:
+        comm.barrier(tag="checkpoint written")  # every rank's files are in partial/
+        if rank == 0:
+            _atomic_json(partial / MANIFEST, manifest)
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(partial, final)
+            if keep is not None:
+                for old in _checkpoints(root)[:-keep]:
+                    shutil.rmtree(old, ignore_errors=True)
+        comm.barrier(tag="checkpoint renamed")
+
+    writer = FileSystemWriter(partial, thread_count=1, sync_files=True)
+    if async_save:
+        future = dcp.async_save(tensors, storage_writer=writer, planner=_SavePlanner(), process_group=_save_group())
+        return AsyncSave(final, future, finish)
+    dcp.save(tensors, storage_writer=writer, planner=_SavePlanner(), process_group=_save_group())
+    finish()
+    return final
+
+
+def _manifest(state: TrainState, tensors: Mapping[str, Any], extra: Mapping[str, Any] | None) -> dict[str, Any]:
+    from . import __version__
+
+    return {
+        "format": FORMAT,
+        "step": state.step,
+        "dtp": __version__,
+        "torch": torch.__version__,
+        "mesh": dict(zip(state.mesh.mesh_dim_names or (), state.mesh.mesh.shape)),
+        "layout": state.layout.name or "custom",
+        "zero_stage": state.zero.stage if state.zero is not None else 0,
+        "tensors": {k: {"shape": list(v.size() if isinstance(v, _Pieces) else v.shape),
+                        "dtype": str(v.dtype).removeprefix("torch.")} for k, v in tensors.items()},
+        "rng": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(),
+        "extra": extra,
+    }
+
+
+def _atomic_json(path: Path, obj: Any) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+def _checkpoints(root: Path) -> list[Path]:
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if _STEP_DIR.match(p.name) and (p / MANIFEST).is_file()]
+    return sorted(found, key=lambda p: p.name)
+
+
+def latest(root: str | os.PathLike[str]) -> Path | None:
+    """The newest complete checkpoint under ``root`` (``None`` if there is none).
+
+    >>> latest("/nonexistent") is None
+    True
+    """
+    found = _checkpoints(Path(root))
+    return found[-1] if found else None
+
+
+# --------------------------------------------------------------------------- load
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """DCP's ``.metadata`` is a pickle: resolve only the names a DCP metadata file is
+    made of (listed from what torch 2.13 writes), so a crafted checkpoint cannot run
+    code when it is opened. ``torch.load`` of the data files is ``weights_only`` already."""
+
+    _METADATA = "torch.distributed.checkpoint.metadata"
+    _NAMES = {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+              ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath")}
+
+    def find_class(self, module: str, name: str) -> Any:
+        if "." not in name:
+            if (module, name) in self._NAMES:
+                return super().find_class(module, name)
+            if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+                return getattr(torch, name)
+            if module == self._METADATA:
+                found = super().find_class(module, name)
+                if isinstance(found, type) or name == "_MEM_FORMAT_ENCODING":
+                    return found
+        raise pickle.UnpicklingError(f"{module}.{name} is not part of a DCP metadata file")
+
+
+class _SafeReader(FileSystemReader):
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        path = Path(self.path) / ".metadata"
+        metadata = _MetadataUnpickler(io.BytesIO(path.read_bytes())).load()
+        if not isinstance(metadata, Metadata):
+            raise pickle.UnpicklingError(f"{path} does not hold DCP metadata")
+        if getattr(metadata, "storage_meta", None) is None:
+            from torch.distributed.checkpoint.metadata import StorageMeta
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def read_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The manifest of the checkpoint at ``path`` (or of the newest one under it).
+    ``ValueError`` if there is none or it is not a dtp checkpoint manifest."""
+    return _open(Path(path))[1]
+
+
+def _open(path: Path) -> tuple[Path, dict[str, Any], Metadata]:
+    """Resolve, read and check what is on disk; raises ``ValueError`` naming the file."""
+    if not (path / MANIFEST).is_file():
+        found = latest(path)
+        if found is None:
+            raise ValueError(f"checkpoint: no checkpoint at {path} (no {MANIFEST} there, nor a step_* "
+                             f"directory holding one)")
+        path = found
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"checkpoint: {path / MANIFEST} is unreadable ({e})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or "tensors" not in manifest:
+        raise ValueError(f"checkpoint: {path / MANIFEST} is not a dtp checkpoint manifest of format {FORMAT}")
+    try:
+        metadata = _SafeReader(path).read_metadata()
+    except (OSError, EOFError, pickle.UnpicklingError, AttributeError, ValueError, TypeError, IndexError) as e:
+        raise ValueError(f"checkpoint: {path / '.metadata'} is missing or corrupt ({type(e).__name__}: {e})") from None
+    return path, manifest, metadata
+
+
+def _empty_like(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    dtype = dtype or x.dtype
+    if isinstance(x, DTensor):
+        local = torch.empty(x.to_local().shape, dtype=dtype, device=x.to_local().device)
+        return wrap_local(local, x.device_mesh, spec_of(x), tuple(x.shape))
+    return torch.empty(x.shape, dtype=dtype, device=x.device)
+
+
+def _whole_params(like: TrainState) -> PyTree:
+    """Empty parameters laid out as the layout says (ZeRO: before any bucket)."""
+    z = like.zero
+    if z is None:
+        return optree.tree_map(_empty_like, like.params)
+    leaves = [wrap_local(torch.empty(leaf.local_shape, dtype=leaf.dtype), leaf.mesh, leaf.spec, leaf.shape)
+              for leaf in z.leaves]
+    return optree.tree_map(lambda i: leaves[i], z.skeleton)
+
+
+def load(path: str | os.PathLike[str], like: TrainState, *, restore_rng: bool = True) -> tuple[TrainState, Any]:
+    """Load the checkpoint at ``path`` (or the newest under it) into the layout of ``like``;
+    returns ``(state, extra)``. A collective: call it on every rank.
+
+    Any layout loads any other: each rank reads its blocks of the global tensors. Every
+    tensor's shape and dtype are checked against ``like`` first, so a checkpoint of
+    another model is a ``ValueError`` naming the tensor and both shapes, on every rank,
+    before anything is read; ``like`` itself is never modified. Under ZeRO the loaded
+    state is per parameter, as before step one, and step one cuts it into buckets.
+    ``restore_rng`` sets torch's CPU RNG to the saved one (bit-exact resume).
+    """
+    path, manifest, metadata = _open(Path(path))
+    params = _whole_params(like)
+    z = like.zero
+    saved = manifest["tensors"]
+    has_opt = any(k.startswith("opt/") for k in saved)
+    has_master = any(k.startswith("master/") for k in saved)
+    targets: dict[str, torch.Tensor] = {}
+    for p, x in zip(_paths(params), optree.tree_leaves(params)):
+        targets[f"param/{p}"] = x
+    loaded_master = None
+    if z is not None and has_master:
+        loaded_master = optree.tree_map(lambda x: _empty_like(x, accum_dtype(x.dtype)), params)
+        for p, x in zip(_paths(params), optree.tree_leaves(loaded_master)):
+            targets[f"master/{p}"] = x
+    opt_state = None
+    if has_opt:
+        shaped = params if z is None else optree.tree_map(lambda x: _empty_like(x, accum_dtype(x.dtype)), params)
+        opt_state = like.optimizer.init(shaped)
+
+        def mirror(name: str, tree: PyTree) -> PyTree:  # init's fresh zeros are the targets
+            for p, x in zip(_paths(params), optree.tree_leaves(tree)):
+                targets[f"opt/{name}/{p}"] = x
+            return tree
+
+        def scalar(name: str, x: Any) -> Any:
+            targets[f"opt/{name}"] = x
+            return x
+
+        opt_state = map_param_trees(opt_state, params, mirror, scalar)
+    _check(path, saved, targets, metadata)
+    try:
+        dcp.load(targets, storage_reader=_SafeReader(path), planner=_LoadPlanner(), process_group=_save_group())
+    except BaseException as e:  # DCP wraps rank failures in CheckpointException, a BaseException
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise
+        raise ValueError(f"checkpoint: reading {path} failed: {_first_line(e)}") from None
+    params = optree.tree_map(lambda x: x.requires_grad_(True), params)
+    if z is None:
+        if opt_state is None:
+            opt_state = like.optimizer.init(params)
+        new = dataclasses.replace(like, step=int(manifest["step"]), params=params, opt_state=opt_state)
+    else:
+        fresh = zero_mod.ZeroState(z.options, z.leaves, z.skeleton, loaded_master=loaded_master)
+        new = dataclasses.replace(like, step=int(manifest["step"]), params=params, opt_state=opt_state, zero=fresh)
+    if restore_rng and manifest.get("rng"):
+        torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(manifest["rng"])), dtype=torch.uint8))
+    return new, manifest.get("extra")
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"
+
+
+def _check(path: Path, saved: Mapping[str, Any], targets: Mapping[str, torch.Tensor], metadata: Metadata) -> None:
+    """Every target tensor is in the checkpoint with the same global shape and a dtype
+    it may take (DCP itself would cast silently); checked on every rank alike, before
+    any tensor data is read."""
+    for name, x in targets.items():
+        md = metadata.state_dict_metadata.get(name)
+        if name not in saved or not isinstance(md, TensorStorageMetadata):
+            kind = name.split("/")[0]
+            raise ValueError(f"checkpoint {path}: has no {kind} tensor {name!r} (this state has it; the checkpoint "
+                             f"was saved from another model or optimizer)")
+        if tuple(md.size) != tuple(x.shape):
+            raise ValueError(f"checkpoint {path}: tensor {name!r} has shape {tuple(md.size)} in the checkpoint, "
+                             f"{tuple(x.shape)} in this state (another model config?)")
+        have, want = md.properties.dtype, x.dtype
+        # Master weights and moments may come from a layout with the other convention
+        # (ZeRO keeps fp32 moments of bf16 parameters); parameters must match exactly.
+        widened = not name.startswith("param/") and want in (accum_dtype(have),) or have == accum_dtype(want)
+        if have != want and (name.startswith("param/") or not widened):
+            raise ValueError(f"checkpoint {path}: tensor {name!r} is {md.properties.dtype} in the checkpoint, "
+                             f"{x.dtype} in this state; cast the model (dtp does not cast silently)")
