@@ -45,6 +45,7 @@ def _layout(name: str) -> tuple[dict[str, int], dtp.Layout]:
         "tp4": ({"tp": 4}, layouts.megatron(sequence_parallel=False)),
         "tp2": ({"tp": 2}, layouts.megatron(sequence_parallel=False)),
         "dp4_zero1": ({"dp": 4}, layouts.data() + layouts.zero(stage=1, bucket_mb=1e-3)),
+        "dp2_zero1": ({"dp": 2}, layouts.data() + layouts.zero(stage=1, bucket_mb=1e-3)),
         "dp2_zero3": ({"dp": 2}, layouts.data() + layouts.zero(stage=3, bucket_mb=1e-3)),
         "dp2_tp2_zero2": ({"dp": 2, "tp": 2}, base + layouts.zero(stage=2, bucket_mb=1e-3, overlap_param_gather=True)),
         "cp2_ring": ({"cp": 2}, layouts.data() + layouts.context(algo="ring")),
@@ -113,3 +114,159 @@ def test_a_checkpoint_loads_into_another_layout_and_the_loss_continues_exactly(s
     for got, want, path in zip(optree.tree_leaves(got_params), optree.tree_leaves(want_params),
                                optree.tree_paths(got_params)):
         torch.testing.assert_close(got, want, rtol=RTOL, atol=1e-14, msg=lambda m: f"param {path}: {m}")
+
+
+# --------------------------------------------------------------------------- same layout, bf16 master weights
+
+
+def _resume_same(name: str, root: str, dtype: torch.dtype) -> tuple[list[float], list[float], bool]:
+    state, _ = _steps(_state(name, dtype), 0, K)
+    dtp.checkpoint.save(state, root)
+    _, straight = _steps(state, K, N)
+    restored, _ = dtp.checkpoint.load(root, like=_state(name, dtype))
+    _, resumed = _steps(restored, K, N)
+    saved = dtp.checkpoint.read_manifest(root)["tensors"]
+    return straight, resumed, any(k.startswith("master/") for k in saved)
+
+
+@pytest.mark.parametrize("name", ["dp2_zero1", "dp2"])
+def test_bf16_resume_is_bit_exact_and_zero_keeps_its_fp32_master_weights(name, tmp_path):
+    straight, resumed, has_master = run(_resume_same, name, str(tmp_path / "c"), torch.bfloat16, world_size=2)[0]
+    assert resumed == straight  # bit-exact: the fp32 master weights and moments came back
+    assert has_master == (name == "dp2_zero1")
+
+
+# --------------------------------------------------------------------------- on disk
+
+
+def _keep_and_partial(root: str) -> tuple[list[str], str | None, str | None]:
+    state = _state("dp2")
+    for step in range(4):
+        state, _ = _steps(state, step, 1)
+        dtp.checkpoint.save(state, root, keep=2)
+    # A save that crashed mid-way leaves a .partial directory, never a complete-looking one.
+    Path(root, "step_00000009.partial").mkdir(exist_ok=True)
+    latest = dtp.checkpoint.latest(root)
+    pending = dtp.checkpoint.save(state, root, async_save=True)  # step 4 again: replaced atomically
+    state, _ = _steps(state, 4, 1)  # training goes on while it is written
+    done = pending.wait()
+    return sorted(os.listdir(root)), latest and latest.name, done.name
+
+
+def test_keep_the_last_k_partial_saves_are_ignored_and_async_save_completes(tmp_path):
+    names, latest, done = run(_keep_and_partial, str(tmp_path / "c"), world_size=2)[0]
+    assert latest == "step_00000004"
+    assert done == "step_00000004"
+    assert names == ["step_00000003", "step_00000004", "step_00000009.partial"]
+
+
+def _async_equals_sync(root: str) -> bool:
+    state, _ = _steps(_state("dp2_tp2_zero2"), 0, K)
+    pending = dtp.checkpoint.save(state, root + "/async", async_save=True)
+    after, _ = _steps(state, K, 1)
+    pending.wait()
+    dtp.checkpoint.save(state, root + "/sync")
+    a, _ = dtp.checkpoint.load(root + "/async", like=_state("dp2_tp2_zero2"))
+    b, _ = dtp.checkpoint.load(root + "/sync", like=_state("dp2_tp2_zero2"))
+    same = all(torch.equal(x.full_tensor(), y.full_tensor())
+               for x, y in zip(optree.tree_leaves(a.params), optree.tree_leaves(b.params)))
+    moments = all(torch.equal(x.full_tensor(), y.full_tensor())
+                  for x, y in zip(optree.tree_leaves(a.opt_state), optree.tree_leaves(b.opt_state))
+                  if isinstance(x, DTensor))
+    return same and moments
+
+
+def test_an_async_save_holds_the_state_it_was_given_while_training_goes_on(tmp_path):
+    assert run(_async_equals_sync, str(tmp_path), world_size=4) == [True] * 4
+
+
+# --------------------------------------------------------------------------- bad checkpoints
+
+
+def _digest(root: str) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(Path(root).rglob("*")) if p.is_file()}
+
+
+def _data_file(ckpt: Path) -> Path:
+    return sorted(ckpt.glob("*.distcp"))[-1]
+
+
+def _flip(path: Path) -> None:
+    b = bytearray(path.read_bytes())
+    b[len(b) // 2] ^= 0xFF
+    path.write_bytes(bytes(b))
+
+
+def _evil_metadata(ckpt: Path) -> None:
+    """A crafted .metadata that would run code when unpickled; the manifest updated to
+    match, as an attacker would."""
+    import pickle
+    import zlib
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("touch /tmp/dtp-pwned",))
+
+    (ckpt / ".metadata").write_bytes(pickle.dumps(Evil()))
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    blob = (ckpt / ".metadata").read_bytes()
+    manifest["files"][".metadata"] = [len(blob), zlib.crc32(blob)]
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+
+
+BAD = {  # case -> (how to spoil the checkpoint, the state to load into, words the error must hold)
+    "missing path": (lambda c: None, "dp2", "no checkpoint at"),
+    "truncated file": (lambda c: _data_file(c).write_bytes(_data_file(c).read_bytes()[:-7]), "dp2", "truncated"),
+    "corrupted file": (lambda c: _flip(_data_file(c)), "dp2", "is corrupt (CRC32"),
+    "corrupted metadata": (lambda c: _flip(c / ".metadata"), "dp2", "is corrupt (CRC32"),
+    "pickled code": (_evil_metadata, "dp2", "is not part of a DCP metadata file"),
+    "garbled manifest": (lambda c: (c / "manifest.json").write_text("{"), "dp2", "manifest.json is unreadable"),
+    "other vocab": (lambda c: None, "dp2_vocab384", "'param/embed' has shape (256, 64) in the checkpoint, (384, 64)"),
+    "other optimizer": (lambda c: None, "dp2_sgd", "does not match this state's optimizer"),
+    "other dtype": (lambda c: None, "dp2_fp32", "is torch.float64 in the checkpoint, torch.float32 in this state"),
+}
+
+
+def _bad_state(name: str) -> dtp.TrainState:
+    mesh = dtp.make_mesh(dp=2)
+    cfg, opt, dtype = CFG, dtp.optim.adamw(1e-2), torch.float64
+    if name == "dp2_vocab384":
+        cfg = llama.config("tiny", n_layers=1, n_kv_heads=4, vocab_size=384)
+    if name == "dp2_sgd":
+        opt = dtp.optim.sgd(1e-2, momentum=0.9)
+    if name == "dp2_fp32":
+        dtype = torch.float32
+    return dtp.TrainState.create(llama.init(cfg, seed=0, dtype=dtype), opt, mesh=mesh, layout=layouts.data(),
+                                 axes=llama.param_axes(cfg))
+
+
+def _load_bad(root: str, case: str) -> tuple[str, str, bool, int]:
+    spoil, into, _ = BAD[case]
+    state, _ = _steps(_state("dp2"), 0, 1)
+    ckpt = dtp.checkpoint.save(state, root)
+    torch.distributed.barrier()
+    if torch.distributed.get_rank() == 0:
+        spoil(ckpt) if case != "missing path" else None
+    torch.distributed.barrier()
+    before = _digest(root)
+    like = _bad_state(into)
+    where = root + "/nowhere" if case == "missing path" else root
+    with dtp.comm_log() as log:
+        try:
+            dtp.checkpoint.load(where, like=like)
+            return "loaded", "", False, 0
+        except ValueError as e:
+            error = str(e)
+    untouched = _digest(root) == before and not os.path.exists("/tmp/dtp-pwned")
+    return "ValueError", error, untouched, sum(r.kind != "all_gather" or "guard" not in r.tag for r in log.records)
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_a_bad_checkpoint_is_the_same_value_error_on_every_rank_before_any_read(case, tmp_path):
+    results = run(_load_bad, str(tmp_path / f"c{abs(hash(case))}"), case, world_size=2)
+    words = BAD[case][2]
+    for kind, message, untouched, collectives in results:
+        assert kind == "ValueError" and words in message, message
+        assert untouched  # no file lost or changed, no code run
+        assert collectives == 0  # nothing but the guard's agreement ran
+    assert results[0][1].split(" [")[0] == results[1][1].split(" [")[0]  # the same error on every rank

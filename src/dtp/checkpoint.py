@@ -44,6 +44,7 @@ import os
 import pickle
 import re
 import shutil
+import zlib
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -58,7 +59,7 @@ from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadat
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.tensor import DTensor
 
-from . import comm
+from . import comm, guard
 from ._rules import accum_dtype
 from ._torch import StridedShard, global_offset
 from .mesh import coordinates
@@ -320,8 +321,16 @@ def save(state: TrainState, root: str | os.PathLike[str], *, extra: Mapping[str,
     manifest = _manifest(state, tensors, extra)
 
     def finish() -> None:
+        # Each rank checksums the files it wrote (read back from the page cache): DCP
+        # reads a flipped byte silently (measured on torch 2.13), so load checks them.
+        _atomic_json(partial / f".files_rank{rank}.json", _file_sums(partial, f"__{rank}_"))
         comm.barrier(tag="checkpoint written")  # every rank's files are in partial/
         if rank == 0:
+            manifest["files"] = {}
+            for part in sorted(partial.glob(".files_rank*.json")):
+                manifest["files"].update(json.loads(part.read_text()))
+                part.unlink()
+            manifest["files"][".metadata"] = _file_sums(partial, ".metadata")[".metadata"]
             _atomic_json(partial / MANIFEST, manifest)
             shutil.rmtree(final, ignore_errors=True)
             os.replace(partial, final)
@@ -355,6 +364,37 @@ def _manifest(state: TrainState, tensors: Mapping[str, Any], extra: Mapping[str,
         "rng": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(),
         "extra": extra,
     }
+
+
+def _crc(path: Path) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def _file_sums(directory: Path, prefix: str) -> dict[str, list[int]]:
+    """``{file name: [bytes, crc32]}`` of the files in ``directory`` starting with ``prefix``."""
+    return {p.name: [p.stat().st_size, _crc(p)] for p in sorted(directory.iterdir()) if p.name.startswith(prefix)}
+
+
+def _verify_files(path: Path, manifest: Mapping[str, Any], rank: int, world: int) -> None:
+    """Every file the manifest lists is there with its size (each rank checks all: a
+    stat each); this rank checks the CRC32 of every ``world``-th file (the reads shared)
+    and of ``.metadata``, which every rank unpickles."""
+    files = manifest.get("files")
+    if not isinstance(files, dict) or ".metadata" not in files:
+        raise ValueError(f"checkpoint {path}: the manifest lists no files (not written by dtp.checkpoint.save?)")
+    for i, (name, (size, crc)) in enumerate(sorted(files.items())):
+        f = path / name
+        if not f.is_file():
+            raise ValueError(f"checkpoint {path}: file {name} is missing")
+        if f.stat().st_size != size:
+            raise ValueError(f"checkpoint {path}: file {name} has {f.stat().st_size} bytes, {size} were written "
+                             f"(truncated or replaced)")
+        if (i % world == rank or name == ".metadata") and _crc(f) != crc:  # every rank reads .metadata
+            raise ValueError(f"checkpoint {path}: file {name} is corrupt (CRC32 {_crc(f):08x}, written {crc:08x})")
 
 
 def _atomic_json(path: Path, obj: Any) -> None:
@@ -424,7 +464,7 @@ def read_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
     return _open(Path(path))[1]
 
 
-def _open(path: Path) -> tuple[Path, dict[str, Any], Metadata]:
+def _open(path: Path) -> tuple[Path, dict[str, Any]]:
     """Resolve, read and check what is on disk; raises ``ValueError`` naming the file."""
     if not (path / MANIFEST).is_file():
         found = latest(path)
@@ -438,11 +478,14 @@ def _open(path: Path) -> tuple[Path, dict[str, Any], Metadata]:
         raise ValueError(f"checkpoint: {path / MANIFEST} is unreadable ({e})") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or "tensors" not in manifest:
         raise ValueError(f"checkpoint: {path / MANIFEST} is not a dtp checkpoint manifest of format {FORMAT}")
+    return path, manifest
+
+
+def _metadata(path: Path) -> Metadata:
     try:
-        metadata = _SafeReader(path).read_metadata()
+        return _SafeReader(path).read_metadata()
     except (OSError, EOFError, pickle.UnpicklingError, AttributeError, ValueError, TypeError, IndexError) as e:
         raise ValueError(f"checkpoint: {path / '.metadata'} is missing or corrupt ({type(e).__name__}: {e})") from None
-    return path, manifest, metadata
 
 
 def _empty_like(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -467,31 +510,55 @@ def load(path: str | os.PathLike[str], like: TrainState, *, restore_rng: bool = 
     """Load the checkpoint at ``path`` (or the newest under it) into the layout of ``like``;
     returns ``(state, extra)``. A collective: call it on every rank.
 
-    Any layout loads any other: each rank reads its blocks of the global tensors. Every
-    tensor's shape and dtype are checked against ``like`` first, so a checkpoint of
-    another model is a ``ValueError`` naming the tensor and both shapes, on every rank,
-    before anything is read; ``like`` itself is never modified. Under ZeRO the loaded
-    state is per parameter, as before step one, and step one cuts it into buckets.
-    ``restore_rng`` sets torch's CPU RNG to the saved one (bit-exact resume).
+    Any layout loads any other: each rank reads its blocks of the global tensors. First,
+    on every rank and before any tensor data is read: the files are there with the
+    sizes and CRC32s that were written, and every tensor's shape and dtype match
+    ``like``'s. A failure (a missing or corrupt checkpoint, another model's) is a
+    ``ValueError`` naming the file or tensor, raised on every rank alike (the ranks
+    agree first: one small all-gather); ``like`` itself is never modified. Under ZeRO
+    the loaded state is per parameter, as before step one; step one cuts it into
+    buckets. ``restore_rng`` sets torch's CPU RNG to the saved one (bit-exact resume).
     """
-    path, manifest, metadata = _open(Path(path))
+    error, found = None, Path(path)
+    try:
+        found, manifest = _open(found)
+        rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        _verify_files(found, manifest, rank, world)
+        metadata = _metadata(found)
+        targets, build = _targets(like, manifest)
+        _check(found, manifest["tensors"], targets, metadata)
+    except ValueError as e:
+        error = e
+    guard.check_together("checkpoint.load", like.mesh, {"checkpoint": str(found)}, error)
+    try:
+        dcp.load(targets, storage_reader=_SafeReader(found), planner=_LoadPlanner(), process_group=_save_group())
+    except BaseException as e:  # DCP wraps rank failures in CheckpointException, a BaseException
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise
+        raise ValueError(f"checkpoint: reading {found} failed: {_first_line(e)}") from None
+    new = build(int(manifest["step"]))
+    if restore_rng and manifest.get("rng"):
+        torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(manifest["rng"])), dtype=torch.uint8))
+    return new, manifest.get("extra")
+
+
+def _targets(like: TrainState, manifest: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], Any]:
+    """Fresh tensors laid out as ``like`` says for every saved name it has, and the
+    function that makes the new state of them once DCP has filled them."""
     params = _whole_params(like)
     z = like.zero
     saved = manifest["tensors"]
-    has_opt = any(k.startswith("opt/") for k in saved)
-    has_master = any(k.startswith("master/") for k in saved)
     targets: dict[str, torch.Tensor] = {}
     for p, x in zip(_paths(params), optree.tree_leaves(params)):
         targets[f"param/{p}"] = x
     loaded_master = None
-    if z is not None and has_master:
+    if z is not None and any(k.startswith("master/") for k in saved):
         loaded_master = optree.tree_map(lambda x: _empty_like(x, accum_dtype(x.dtype)), params)
         for p, x in zip(_paths(params), optree.tree_leaves(loaded_master)):
             targets[f"master/{p}"] = x
     opt_state = None
-    if has_opt:
+    if any(k.startswith("opt/") for k in saved):
         shaped = params if z is None else optree.tree_map(lambda x: _empty_like(x, accum_dtype(x.dtype)), params)
-        opt_state = like.optimizer.init(shaped)
 
         def mirror(name: str, tree: PyTree) -> PyTree:  # init's fresh zeros are the targets
             for p, x in zip(_paths(params), optree.tree_leaves(tree)):
@@ -502,25 +569,17 @@ def load(path: str | os.PathLike[str], like: TrainState, *, restore_rng: bool = 
             targets[f"opt/{name}"] = x
             return x
 
-        opt_state = map_param_trees(opt_state, params, mirror, scalar)
-    _check(path, saved, targets, metadata)
-    try:
-        dcp.load(targets, storage_reader=_SafeReader(path), planner=_LoadPlanner(), process_group=_save_group())
-    except BaseException as e:  # DCP wraps rank failures in CheckpointException, a BaseException
-        if isinstance(e, (KeyboardInterrupt, SystemExit)):
-            raise
-        raise ValueError(f"checkpoint: reading {path} failed: {_first_line(e)}") from None
-    params = optree.tree_map(lambda x: x.requires_grad_(True), params)
-    if z is None:
-        if opt_state is None:
-            opt_state = like.optimizer.init(params)
-        new = dataclasses.replace(like, step=int(manifest["step"]), params=params, opt_state=opt_state)
-    else:
+        opt_state = map_param_trees(like.optimizer.init(shaped), params, mirror, scalar)
+
+    def build(step: int) -> TrainState:
+        loaded = optree.tree_map(lambda x: x.requires_grad_(True), params)
+        if z is None:
+            opt = like.optimizer.init(loaded) if opt_state is None else opt_state
+            return dataclasses.replace(like, step=step, params=loaded, opt_state=opt)
         fresh = zero_mod.ZeroState(z.options, z.leaves, z.skeleton, loaded_master=loaded_master)
-        new = dataclasses.replace(like, step=int(manifest["step"]), params=params, opt_state=opt_state, zero=fresh)
-    if restore_rng and manifest.get("rng"):
-        torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(manifest["rng"])), dtype=torch.uint8))
-    return new, manifest.get("extra")
+        return dataclasses.replace(like, step=step, params=loaded, opt_state=opt_state, zero=fresh)
+
+    return targets, build
 
 
 def _first_line(e: BaseException) -> str:
@@ -532,6 +591,12 @@ def _check(path: Path, saved: Mapping[str, Any], targets: Mapping[str, torch.Ten
     """Every target tensor is in the checkpoint with the same global shape and a dtype
     it may take (DCP itself would cast silently); checked on every rank alike, before
     any tensor data is read."""
+    theirs = {k for k in saved if k.startswith("opt/")}
+    ours = {k for k in targets if k.startswith("opt/")}
+    if ours and theirs != ours:
+        odd = sorted(theirs ^ ours)[:3]
+        raise ValueError(f"checkpoint {path}: its optimizer state does not match this state's optimizer "
+                         f"(e.g. {', '.join(odd)} in only one of them); load it with the optimizer it was saved with")
     for name, x in targets.items():
         md = metadata.state_dict_metadata.get(name)
         if name not in saved or not isinstance(md, TensorStorageMetadata):

@@ -195,6 +195,19 @@ def check_state(mesh: DeviceMesh, layout: Any, params: Mapping[str, object],
         raise error
 
 
+def check_together(what: str, mesh: DeviceMesh, fields: Mapping[str, str], error: BaseException | None) -> None:
+    """The ranks agree on ``fields`` (they were given the same checkpoint, the same
+    options …), then ``error`` (this rank's own check) is raised on every rank if any
+    rank has one. One small all-gather; collective: call on every rank."""
+    if not _active(mesh) or mode() == 0:
+        if error is not None:
+            raise error
+        return
+    agree(what, mesh, Fingerprint(dict(fields), error=_error(error)))
+    if error is not None:
+        raise error
+
+
 def signature(batch: Mapping[str, object], options: Mapping[str, object]) -> tuple:
     """What makes a step new to the guard: batch keys, shapes, dtypes, placements, options."""
     parts = []
