@@ -127,6 +127,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compare every step's loss with a 1-process reference run; exit 1 on mismatch")
     g.add_argument("--log-every", type=_positive("--log-every"), default=1, help="print a line every N steps")
 
+    g = t.add_argument_group("checkpoints (in <out>/checkpoints; any parallel flags can resume any others)")
+    g.add_argument("--save-every", type=int, default=0, metavar="N",
+                   help="save a checkpoint every N steps and after the last (0: never)")
+    g.add_argument("--keep", type=_positive("--keep"), default=3, metavar="K", help="keep the newest K checkpoints")
+    g.add_argument("--async-save", action="store_true",
+                   help="write checkpoints while training goes on (each waits for the one before)")
+    g.add_argument("--resume", action="store_true",
+                   help="continue from the newest checkpoint in --out (metrics.jsonl and loss.png continue)")
+
     c = sub.add_parser("check", help="compare a finished run's losses with a 1-process reference")
     c.add_argument("run_dir", help="the run directory (with config.json and metrics.jsonl)")
     c.add_argument("--rtol", type=_non_negative_float, default=None,
@@ -196,6 +205,12 @@ def validate(args: argparse.Namespace, *, world_size: int | None = None) -> argp
         print(f"{PROG} train: note: --sp has no effect with --tp 1 (sequence parallel splits over tp)",
               file=sys.stderr)
         args.sp = False
+    if args.save_every < 0:
+        raise UsageError(f"--save-every must be >= 0 (0: never), got {args.save_every}")
+    if args.async_save and not args.save_every:
+        raise UsageError("--async-save needs --save-every N: there is nothing to save")
+    if args.resume and args.out is None:
+        raise UsageError("--resume continues the run in --out; name it (--out runs/…)")
     if args.data is not None:
         args.data = str(Path(args.data).expanduser().resolve())
     return args
@@ -234,7 +249,9 @@ def train_argv(args: argparse.Namespace) -> list[str]:
             out += [flag, str(value)]
     out += [flag for flag, on in (("--overlap-grad-reduce", args.overlap_grad_reduce),
                                   ("--overlap-param-gather", args.overlap_param_gather),
-                                  ("--no-reshard-after-forward", not args.reshard_after_forward)) if on]
+                                  ("--no-reshard-after-forward", not args.reshard_after_forward),
+                                  ("--async-save", args.async_save), ("--resume", args.resume)) if on]
+    out += ["--save-every", str(args.save_every), "--keep", str(args.keep)]
     out += ["--zero", str(args.zero), "--zero-prefetch", str(args.zero_prefetch), "--bucket-mb", repr(args.bucket_mb), "--model", args.model, "--steps", str(args.steps),
             "--batch", str(args.batch), "--seq", str(args.seq), "--dtype", args.dtype,
             "--lr", repr(args.lr), "--warmup", str(args.warmup), "--microbatches", str(args.microbatches),

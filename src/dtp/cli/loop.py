@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import functools
 import json
 import os
@@ -22,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from .. import Layout, TrainState, comm, layouts, make_mesh, optim, shard_batch, train_step, wait
+from .. import Layout, TrainState, checkpoint, comm, layouts, make_mesh, optim, shard_batch, train_step, wait
 from ..data import TokenLoader, load_tokens
 from ..launch import in_torchrun
 from ..mesh import clear_mesh_cache
@@ -69,9 +70,22 @@ def _vocab_size(model: str, tokens: torch.Tensor) -> int:
     return max(preset, needed)
 
 
+@dataclasses.dataclass(frozen=True)
+class Checkpointing:
+    """Where and how often ``dtp train`` saves, and the checkpoint it resumes from."""
+
+    root: Path
+    every: int = 0  # 0: never
+    keep: int = 3
+    async_save: bool = False
+    resume_from: Path | None = None
+
+
 def _train(args: Mapping[str, Any], mesh: DeviceMesh, layout: Layout, *, recompute: str | None,
-           on_step: Callable[[int, dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
-    """The training loop every rank runs (and the 1-process reference); returns the metrics."""
+           on_step: Callable[[int, dict[str, Any]], None] | None = None,
+           checkpoints: Checkpointing | None = None) -> list[dict[str, Any]]:
+    """The training loop every rank runs (and the 1-process reference); returns the
+    metrics of the steps it ran (after the resumed one, when resuming)."""
     torch.manual_seed(args["seed"])
     tokens = _load_data(args["data"])
     loader = TokenLoader(tokens, batch_size=args["batch"], seq_len=args["seq"], seed=args["seed"])
@@ -84,8 +98,13 @@ def _train(args: Mapping[str, Any], mesh: DeviceMesh, layout: Layout, *, recompu
                               axis_sizes=llama.axis_sizes(cfg))
     loss_fn = functools.partial(llama.loss, cfg=cfg)
     clip = args["clip"] if args["clip"] > 0 else None
-    records = []
-    for step in range(1, args["steps"] + 1):
+    if checkpoints is not None and checkpoints.resume_from is not None:
+        # The same state and data position whatever the flags it was saved under:
+        # checkpoint.load reshards, the loader refuses another seed/batch/seq/corpus.
+        state, extra = checkpoint.load(checkpoints.resume_from, like=state)
+        loader.load_state_dict((extra or {}).get("loader", {}))
+    records, saving = [], None
+    for step in range(state.step + 1, args["steps"] + 1):
         batch = shard_batch(loader.next_batch(), state)
         state, m = train_step(loss_fn, state, batch, microbatches=args["microbatches"],
                               recompute=recompute, clip_norm=clip)
@@ -98,6 +117,13 @@ def _train(args: Mapping[str, Any], mesh: DeviceMesh, layout: Layout, *, recompu
         records.append(record)
         if on_step is not None:
             on_step(step, record)
+        if checkpoints is not None and checkpoints.every and (step % checkpoints.every == 0 or step == args["steps"]):
+            if isinstance(saving, checkpoint.AsyncSave):
+                saving.wait()  # one save in flight at a time
+            saving = checkpoint.save(state, checkpoints.root, keep=checkpoints.keep, async_save=checkpoints.async_save,
+                                     extra={"loader": loader.state_dict(), "model": dataclasses.asdict(cfg)})
+    if isinstance(saving, checkpoint.AsyncSave):
+        saving.wait()
     wait(state)  # the last step's prefetched parameter gathers (overlap_param_gather)
     return records
 
@@ -165,7 +191,11 @@ def _train_rank(args: argparse.Namespace, *, stream: TextIO | None = None) -> in
     run_cfg = _run_config(args, world)
     layout = build_layout(args)
     progress = _Progress(args.steps, args.log_every, stream) if rank == 0 else None
-    lines: list[str] = []
+    checkpoints = _checkpointing(args, out)
+    # Resuming: the steps up to the checkpoint stay in metrics.jsonl (the ones after it
+    # are run again), so the file, the summary and the loss plot cover the whole run.
+    earlier = _records_until(out, checkpoints.resume_from)
+    lines: list[str] = [json.dumps(r) for r in earlier]
 
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
@@ -174,6 +204,9 @@ def _train_rank(args: argparse.Namespace, *, stream: TextIO | None = None) -> in
         mesh = " × ".join(f"{k}={v}" for k, v in run_cfg["mesh"].items())
         print(f"{PROG} train: {args.model} on mesh {mesh} ({world} rank{'s' * (world > 1)}), "
               f"layout {layout.name}, {args.dtype}, writing {out}", file=stream, flush=True)
+        if checkpoints.resume_from is not None:
+            print(f"{PROG} train: resuming from step {len(earlier)} ({checkpoints.resume_from})",
+                  file=stream, flush=True)
 
     def on_step(step: int, record: dict[str, Any]) -> None:
         if rank != 0:
@@ -185,7 +218,8 @@ def _train_rank(args: argparse.Namespace, *, stream: TextIO | None = None) -> in
         progress.update(step, record)
 
     with _world(args) as mesh:
-        records = _train(run_cfg, mesh, layout, recompute=_recompute(args), on_step=on_step)
+        records = earlier + _train(run_cfg, mesh, layout, recompute=_recompute(args), on_step=on_step,
+                                   checkpoints=checkpoints)
         del mesh  # the last reference: destroy_process_group then really ends the group
 
     if rank == 0:
@@ -198,3 +232,29 @@ def _train_rank(args: argparse.Namespace, *, stream: TextIO | None = None) -> in
 
 def _recompute(args: argparse.Namespace) -> str | None:
     return None if args.recompute == "none" else args.recompute
+
+
+def _checkpointing(args: argparse.Namespace, out: Path) -> Checkpointing:
+    """The run's checkpoint settings; with ``--resume`` (or when torchrun restarted the
+    ranks after a failure) the newest complete checkpoint in ``out``, found the same way
+    on every rank (the directory is shared)."""
+    root = out / "checkpoints"
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    resume_from = checkpoint.latest(root) if args.resume or restarted else None
+    if args.resume and resume_from is None:
+        raise UsageError(f"--resume: no checkpoint in {root} (save some with --save-every N)")
+    return Checkpointing(root, args.save_every, args.keep, args.async_save, resume_from)
+
+
+def _records_until(out: Path, resume_from: Path | None) -> list[dict[str, Any]]:
+    """The metrics of the steps a resumed checkpoint already holds (none when not resuming)."""
+    if resume_from is None:
+        return []
+    step = int(checkpoint.read_manifest(resume_from)["step"])
+    path = out / "metrics.jsonl"
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    kept = [r for r in records if r.get("step", 0) <= step]
+    if len(kept) != step:
+        raise UsageError(f"--resume: {path} holds {len(kept)} of the {step} steps before {resume_from.name}; "
+                         f"the run directory is not the one the checkpoint was saved in")
+    return kept
