@@ -62,3 +62,19 @@ def attention_parser(doc: str | None, *, seq: list[int] | int) -> argparse.Argum
     ap.add_argument("--dim", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=5)
     return ap
+
+
+def peak_bytes(fn: Callable[[], object]) -> int:
+    """Peak live bytes of the CPU allocator while ``fn`` runs: ``torch.profiler`` with
+    ``profile_memory=True`` records every allocation and free (every thread, gloo's
+    included) as a ``[memory]`` event with its signed size; the running sum peaks at the
+    answer (see context_memory.py for why not RSS)."""
+    import itertools
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
+    return max(itertools.accumulate((e.nbytes() for e in events), initial=0))

@@ -32,19 +32,7 @@ import statistics
 import time
 
 import torch
-
-
-def _peak_bytes(fn) -> int:
-    """Peak live bytes of the CPU allocator while ``fn`` runs (see the module docstring)."""
-    import itertools
-
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-                    key=lambda e: e.start_ns())
-    return max(itertools.accumulate((e.nbytes() for e in events), initial=0))
+from _common import peak_bytes as _peak_bytes
 
 
 def _math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -341,11 +341,43 @@ def save(state: TrainState, root: str | os.PathLike[str], *, extra: Mapping[str,
 
     writer = FileSystemWriter(partial, thread_count=1, sync_files=True)
     if async_save:
-        future = dcp.async_save(tensors, storage_writer=writer, planner=_SavePlanner(), process_group=_save_group())
+        future = dcp.async_save(_staged(tensors), storage_writer=writer, planner=_SavePlanner(),
+                                process_group=_save_group(), async_stager=_Staged())
         return AsyncSave(final, future, finish)
     dcp.save(tensors, storage_writer=writer, planner=_SavePlanner(), process_group=_save_group())
     finish()
     return final
+
+
+def _staged(tensors: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy of this rank's tensors that training cannot change while they are written.
+    Each ZeRO piece gets a compact storage of its own: DCP's default staging deep-copies
+    a piece's whole bucket slice per view (measured: an async save blocked the loop 2×
+    longer than a sync one), and the writer would clone the views once more."""
+    out: dict[str, Any] = {}
+    for name, x in tensors.items():
+        if isinstance(x, _Pieces):
+            out[name] = _Pieces(x.shape, x.dtype, [(o, t.clone()) for o, t in x.pieces])
+        elif isinstance(x, DTensor):
+            out[name] = wrap_local(x.to_local().clone(), x.device_mesh, spec_of(x), tuple(x.shape))
+        else:
+            out[name] = x.clone()
+    return out
+
+
+class _Staged:
+    """DCP's stager interface for a state dict :func:`_staged` already copied."""
+
+    should_synchronize_after_execute = True
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        return state_dict
+
+    def synchronize_staging(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 def _manifest(state: TrainState, tensors: Mapping[str, Any], extra: Mapping[str, Any] | None) -> dict[str, Any]:
