@@ -62,7 +62,8 @@ class TrainState:
     buckets, this rank's fp32 master-weight slices and (stage 1/2) the gathered parameter
     buffers; ``opt_state`` covers the master slices. Both come with the first step,
     which orders the buckets by first use: before it ``opt_state`` is ``None``
-    (``optimizer.init(state.params)`` is the state it starts from). Stage 1/2 ``params``
+    (``optimizer.init(state.params)`` is the state it starts from), or the per-parameter
+    state :func:`dtp.checkpoint.load` brought, which step one cuts into the buckets. Stage 1/2 ``params``
     are views of buffers that ``overlap_param_gather`` may still be filling, and stage 3
     keeps no whole parameters at all (``params`` is ``None`` after the first step):
     :func:`gather_params` is the one call that waits for, or gathers, them.
