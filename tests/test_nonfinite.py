@@ -4,10 +4,12 @@ lands in one ZeRO slice). The skipped step leaves parameters, master slices, opt
 state and ``step`` bit-identical, says so in ``metrics["skipped"]`` on every rank, warns on
 the first rank only, and training goes on exactly as if the bad batch had never come —
 on the all-reduce, clipped, ZeRO per-bucket (streaming) and ZeRO-3 paths, under tp + sp,
-and when the skipped step is ZeRO's first."""
+and when the skipped step is ZeRO's first. The CLI counts skips and aborts after
+``--max-skipped`` in a row."""
 
 import contextlib
 import functools
+import json
 import math
 import warnings
 from collections.abc import Mapping
@@ -19,6 +21,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import dtp
+from dtp.cli.loop import SkipCounter, TrainingAborted
 from dtp.models import llama
 from dtp.ops import cross_entropy
 from dtp.testing import run
@@ -246,3 +249,46 @@ def test_a_non_finite_step_is_skipped_on_every_rank_and_training_resumes_exactly
     if "tp shard" in name:  # only the tp ranks holding that vocab shard (1 and 3) saw it
         assert local_bad == [False, True, False, True], (name, local_bad)
     assert any(local_bad) and all(f["local_bad"][0] is f["local_bad"][2] is False for f in ranks), name
+
+
+# --------------------------------------------------------------------------- the CLI
+
+
+def test_skip_counter_counts_totals_and_aborts_after_max_in_a_row():
+    counter = SkipCounter(max_skipped=2)
+    for step, skipped, total in [(1, False, 0), (2, True, 1), (3, False, 1), (4, True, 2)]:
+        counter.add(skipped)
+        counter.check(step)  # never two in a row yet
+        assert counter.total == total
+    counter.add(True)
+    with pytest.raises(TrainingAborted, match=r"step 5: 2 steps in a row skipped .*since step 3.*--max-skipped 2"):
+        counter.check(5)
+    never = SkipCounter(max_skipped=0)  # 0: count, never abort
+    for step in range(1, 20):
+        never.add(True)
+        never.check(step)
+    assert never.total == never.in_a_row == 19
+
+
+def test_cli_counts_skipped_steps_and_aborts_after_max_skipped(tmp_path, capsys):
+    # An lr of 1e20 with no warm-up: the first update blows the weights up, every later
+    # forward overflows to NaN, and each of those steps is skipped until the limit.
+    out = tmp_path / "run"
+    with pytest.warns(RuntimeWarning, match="non-finite"):
+        code = dtp.cli.main(["train", "--steps", "6", "--batch", "2", "--seq", "16", "--lr", "1e20", "--warmup", "0",
+                             "--clip", "0", "--max-skipped", "2", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert code == 1, err
+    assert "training aborted at step 3: 2 steps in a row skipped" in err and len(err.strip().splitlines()) == 1, err
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["skipped"], r["skipped_steps"]) for r in records] == [(False, 0), (True, 1), (True, 2)]
+
+
+def test_report_marks_skipped_steps_and_summary_counts_them():
+    step = {"loss": float("nan"), "grad_norm": float("nan"), "lr": 1e-3, "tokens": 32, "step_time": 0.01,
+            "comm_bytes": {}, "skipped": True}
+    assert dtp.cli.format_step(2, 3, step).endswith("comm none SKIPPED (non-finite)")
+    assert not dtp.cli.format_step(2, 3, {**step, "loss": 4.0, "skipped": False}).endswith(")")
+    summary = dtp.cli.summarize([{**step, "loss": 5.0, "skipped": False}, step, {**step, "loss": 4.5,
+                                                                                  "skipped": False}])
+    assert summary["skipped_steps"] == 1 and summary["min_loss"] == 4.5  # the NaN of the skipped step left out
