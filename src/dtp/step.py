@@ -21,11 +21,13 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 import optree
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
@@ -362,8 +364,29 @@ def train_step(loss_fn: Callable[[PyTree, Mapping[str, torch.Tensor]], Any], sta
     shapes, options, layout and mesh, and each rank's check result: a failure on any
     rank is the same error on every rank. ``DTP_CHECKS=0`` skips the agreement.
 
-    Metrics: ``loss``, ``grad_norm``, ``lr``, ``tokens``, ``step_time`` (s) and
-    ``comm_bytes`` — ``{axis: {collective: bytes sent per rank}}`` from the comm log.
+    A non-finite loss or gradient norm skips the update: parameters, optimizer state and
+    ``step`` come back as they were (on every rank alike: both values are global), and
+    the mesh's first rank issues a ``RuntimeWarning`` (Python shows a repeated message
+    once; ``metrics["skipped"]`` is the per-step signal). ``step`` counts applied updates,
+    as the optimizer's own count and Megatron's lr scheduler do, so the schedule does not
+    advance past a batch that taught nothing.
+
+    Metrics: ``loss``, ``grad_norm``, ``lr``, ``tokens``, ``step_time`` (s),
+    ``comm_bytes`` — ``{axis: {collective: bytes sent per rank}}`` from the comm log —
+    and ``skipped`` (bool: the update was skipped).
+
+    >>> import warnings
+    >>> mesh = dtp.make_mesh(dp=1)                  # one process: a mesh of one device
+    >>> state = dtp.TrainState.create({"w": torch.ones(2)}, dtp.optim.sgd(0.1), mesh=mesh,
+    ...                               layout=dtp.layouts.data(), axes={"w": ("embed",)})
+    >>> loss_fn = lambda params, batch: (params["w"] * batch["x"]).mean()
+    >>> state, metrics = dtp.train_step(loss_fn, state, {"x": torch.ones(1, 2)})
+    >>> state.step, metrics["skipped"], state.params["w"]
+    (1, False, tensor([0.9500, 0.9500], requires_grad=True))
+    >>> with warnings.catch_warnings(record=True) as seen:  # non-finite loss (nan) and gradient norm (nan)
+    ...     state, metrics = dtp.train_step(loss_fn, state, {"x": torch.full((1, 2), float("nan"))})
+    >>> state.step, metrics["skipped"], state.params["w"], len(seen)
+    (1, True, tensor([0.9500, 0.9500], requires_grad=True), 1)
     """
     t0 = time.perf_counter()
     error = None
@@ -378,16 +401,42 @@ def train_step(loss_fn: Callable[[PyTree, Mapping[str, torch.Tensor]], Any], sta
         with use_layout(state.layout, state.mesh), recompute_policy(recompute):
             loss, aux = _forward_backward(loss_fn, run, _split_microbatches(batch, microbatches))
         with torch.no_grad(), span("update"):
-            updated, opt_state, norm = _update(run, state.optimizer, state.opt_state, clip_norm)
+            updated, opt_state, norm, bad = _update(run, state.optimizer, state.opt_state, clip_norm, loss)
+            # On a skip ``updated`` is the targets as they were: ZeRO still gathers them into
+            # new buffers (first step: cuts them), so every step has the same collectives.
             params, zero = run.finish(updated)
-    new = dataclasses.replace(state, step=state.step + 1, params=params, opt_state=opt_state, zero=zero)
-    return new, _metrics(state, batch, loss, aux, norm, t0, log)
+    if bad is not None and _first_rank(state.mesh):
+        # The same on every rank (a global norm, a replicated loss): one rank says it,
+        # not world-size copies; metrics["skipped"] is on every rank.
+        warnings.warn(f"dtp.train_step: non-finite {bad} at step {state.step}: update skipped "
+                      f"(parameters, optimizer state and step unchanged)", RuntimeWarning, stacklevel=2)
+    new = dataclasses.replace(state, step=state.step + (bad is None), params=params, opt_state=opt_state, zero=zero)
+    return new, _metrics(state, batch, loss, aux, norm, t0, log, skipped=bad is not None)
+
+
+def _first_rank(mesh: DeviceMesh) -> bool:
+    """This rank is the mesh's first (a process with no group counts as first)."""
+    return not dist.is_initialized() or dist.get_rank() == int(mesh.mesh.flatten()[0])
+
+
+def _non_finite(loss: float, norm: torch.Tensor) -> str | None:
+    """What is non-finite (``None``: nothing). Both are identical on every rank — the loss
+    is the replicated mean and the norm is reduced over every axis and every ZeRO bucket,
+    so a NaN in any rank's gradient slice reaches it — and deciding on them needs no
+    collective of its own. Reading the norm waits for it (a device sync, as Megatron's
+    found-inf check), before the parameters are gathered: which ones depends on it."""
+    norm_value = float(norm)
+    bad = [f"loss ({loss})"] * (not math.isfinite(loss))
+    bad += [f"gradient norm ({norm_value})"] * (not math.isfinite(norm_value))
+    return " and ".join(bad) or None
 
 
 def _update(run: strategies.StepRun, optimizer: GradientTransformation, opt_state: PyTree,
-            clip_norm: float | None) -> tuple[list[PyTree], PyTree, torch.Tensor]:
+            clip_norm: float | None, loss: float) -> tuple[list[PyTree], PyTree, torch.Tensor, str | None]:
     """The one update path: the run's reduced gradients, clipped to ``clip_norm`` over
-    all of them, applied to the run's targets.
+    all of them, applied to the run's targets. Returns the new targets, optimizer state,
+    gradient norm and what was non-finite (``None``: the update was applied); with a
+    non-finite loss or norm the targets and state come back untouched.
 
     With several groups (ZeRO buckets), an elementwise optimizer (sgd, adamw) and no
     clipping, each group is updated as soon as its reduction lands, under the later
@@ -399,11 +448,16 @@ def _update(run: strategies.StepRun, optimizer: GradientTransformation, opt_stat
     grads: list[PyTree] = [None] * n
     if run.grouped and clip_norm is None and optimizer.elementwise:
         parts: list[PyTree] = [None] * n
+        new = list(targets)
         for i, g in run.gradients():
             u, parts[i] = optimizer.update([g], _state_part(opt_state, i, n), [targets[i]])
-            targets[i] = apply_updates([targets[i]], u)[0]
+            new[i] = apply_updates([targets[i]], u)[0]
             grads[i] = g
-        return targets, _state_join(opt_state, parts, n), global_norm(grads)  # norm reported, off the path
+        norm = global_norm(grads)  # after every bucket's update, off their path
+        # A skip drops the new tensors (the old ones were never written to): nothing to
+        # undo, and nothing extra on the steps that are not skipped.
+        bad = _non_finite(loss, norm)
+        return (targets, opt_state, norm, bad) if bad else (new, _state_join(opt_state, parts, n), norm, None)
     for i, g in run.gradients():
         grads[i] = g
     tree, params = (grads, targets) if run.grouped else (grads[0], targets[0])
@@ -411,9 +465,12 @@ def _update(run: strategies.StepRun, optimizer: GradientTransformation, opt_stat
         tree, norm = clip_by_global_norm(tree, clip_norm)
     else:
         norm = global_norm(tree)
+    bad = _non_finite(loss, norm)
+    if bad:  # as Megatron: the optimizer does not run at all
+        return targets, opt_state, norm, bad
     updates, opt_state = optimizer.update(tree, opt_state, params)
     new = apply_updates(params, updates)
-    return (new if run.grouped else [new]), opt_state, norm
+    return (new if run.grouped else [new]), opt_state, norm, None
 
 
 def _bucket_lists(node: Any, n: int) -> bool:
@@ -446,7 +503,7 @@ def _state_join(template: Any, parts: list[Any], n: int) -> Any:
 
 
 def _metrics(state: TrainState, batch: Mapping[str, torch.Tensor], loss: float, aux: Any, norm: torch.Tensor,
-             t0: float, log: Any) -> dict[str, Any]:
+             t0: float, log: Any, *, skipped: bool) -> dict[str, Any]:
     tokens = batch["tokens"].numel() if "tokens" in batch else next(iter(batch.values())).numel()
     metrics = {
         "loss": loss,
@@ -455,6 +512,7 @@ def _metrics(state: TrainState, batch: Mapping[str, torch.Tensor], loss: float, 
         "tokens": int(tokens),
         "step_time": time.perf_counter() - t0,
         "comm_bytes": log.summary(),
+        "skipped": skipped,
     }
     if aux is not None:
         metrics["aux"] = aux

@@ -11,8 +11,10 @@ the argv each rank gets), :mod:`~dtp.cli.loop` (layout, mesh, the per-rank train
 :mod:`~dtp.cli.check` (the 1-process reference). Names with ``_`` are private to the
 package; the modules import them from each other.
 
-Exit codes: 0 success, 1 a rank crashed or ``--check`` failed, 2 invalid arguments or a
-layout that does not fit (one line on stderr; ``DTP_TRACEBACK=1`` shows the traceback).
+Exit codes: 0 success, 1 a rank crashed, ``--check`` failed or training aborted after
+``--max-skipped`` non-finite steps in a row, 2 invalid arguments or a layout that does not
+fit (aborts and invalid arguments are one line on stderr; ``DTP_TRACEBACK=1`` shows the
+traceback).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from ..launch import in_torchrun, launch, report_error
 from ..models import llama
 from .check import _check_in_subprocess, check_run, compare_losses, tolerance_for
 from .flags import PROG, UsageError, build_parser, mesh_axes, parse_args, train_argv, validate
-from .loop import _load_data, _train_rank, _vocab_size, build_layout
+from .loop import TrainingAborted, _load_data, _train_rank, _vocab_size, build_layout
 from .report import _default_out, format_bytes, format_step, progress_bar, summarize
 
 __all__ = [
@@ -76,6 +78,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             return check_run(args.run_dir, rtol=args.rtol)
         parser.print_help(sys.stderr)
         return 2
+    except TrainingAborted as e:  # raised on every rank alike: the launcher prints it once
+        if os.environ.get("DTP_TRACEBACK"):
+            raise
+        report_error(f"{PROG} {getattr(locals().get('args'), 'command', None) or 'train'}: {e}")
+        return 1
     except (ValueError, NotImplementedError) as e:
         # Validation errors (ours, the layouts', the model's) are one line, not a traceback.
         if os.environ.get("DTP_TRACEBACK"):

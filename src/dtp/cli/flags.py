@@ -33,6 +33,9 @@ DESCRIPTION = "The ``dtp`` command: train the reference Llama under any parallel
 DTYPES = ("float32", "float64", "bfloat16")
 RECOMPUTE = ("none", "full", "selective")
 DEFAULT_WARMUP = 5
+# Ten in a row is no bad batch any more but a diverged run: stop it rather than burn the
+# remaining steps on updates that are all skipped.
+DEFAULT_MAX_SKIPPED = 10
 
 
 class UsageError(ValueError):
@@ -59,6 +62,16 @@ def _non_negative_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
     if not math.isfinite(value) or value < 0:
         raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
     return value
 
 
@@ -120,6 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0, help="seed of the model init and the data order")
     g.add_argument("--data", default=None,
                    help="token file: .txt (bytes), .npy (int ids), .bin (uint16 ids); default: bundled corpus")
+    # Non-finite steps: train_step skips them (state unchanged); the loop counts them.
+    g.add_argument("--max-skipped", type=_non_negative_int, default=DEFAULT_MAX_SKIPPED, metavar="N",
+                   help="abort after N steps in a row skipped for a non-finite loss or gradient norm (0: never)")
 
     g = t.add_argument_group("output")
     g.add_argument("--out", default=None, help="run directory (default: runs/<timestamp>)")
@@ -257,6 +273,7 @@ def train_argv(args: argparse.Namespace) -> list[str]:
             "--lr", repr(args.lr), "--warmup", str(args.warmup), "--microbatches", str(args.microbatches),
             "--recompute", args.recompute, "--clip", repr(args.clip), "--seed", str(args.seed),
             "--log-every", str(args.log_every)]
+    out += ["--max-skipped", str(args.max_skipped)]
     return out
 
 

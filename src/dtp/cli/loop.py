@@ -31,7 +31,7 @@ from ..models import llama
 from .flags import PROG, UsageError, mesh_axes, train_argv, zero_layout
 from .report import _atomic_write_text, _format_summary, _plot, _Progress, _write_json, summarize
 
-__all__ = ["build_layout"]
+__all__ = ["build_layout", "SkipCounter", "TrainingAborted"]
 
 
 def build_layout(args: argparse.Namespace) -> Layout:
@@ -98,25 +98,31 @@ def _train(args: Mapping[str, Any], mesh: DeviceMesh, layout: Layout, *, recompu
                               axis_sizes=llama.axis_sizes(cfg))
     loss_fn = functools.partial(llama.loss, cfg=cfg)
     clip = args["clip"] if args["clip"] > 0 else None
+    skips = SkipCounter(args.get("max_skipped", 0))  # run directories from before the flag: never abort
+    first = 1
     if checkpoints is not None and checkpoints.resume_from is not None:
         # The same state and data position whatever the flags it was saved under:
         # checkpoint.load reshards, the loader refuses another seed/batch/seq/corpus.
         state, extra = checkpoint.load(checkpoints.resume_from, like=state)
         loader.load_state_dict((extra or {}).get("loader", {}))
+        first = loader.state_dict()["step"] + 1  # iterations, skipped steps included (state.step counts updates)
     records, saving = [], None
-    for step in range(state.step + 1, args["steps"] + 1):
+    for step in range(first, args["steps"] + 1):
         batch = shard_batch(loader.next_batch(), state)
         state, m = train_step(loss_fn, state, batch, microbatches=args["microbatches"],
                               recompute=recompute, clip_norm=clip)
         step_time = float(m["step_time"])
+        skips.add(bool(m["skipped"]))
         record = {"step": step, "loss": float(m["loss"]), "grad_norm": float(m["grad_norm"]),
                   "lr": float(m["lr"]), "tokens": int(m["tokens"]), "step_time": step_time,
                   "tokens_per_s": int(m["tokens"]) / step_time if step_time > 0 else None,
                   "comm_bytes": {a: {k: int(b) for k, b in kinds.items()}
-                                 for a, kinds in (m.get("comm_bytes") or {}).items()}}
+                                 for a, kinds in (m.get("comm_bytes") or {}).items()},
+                  "skipped": bool(m["skipped"]), "skipped_steps": skips.total}
         records.append(record)
         if on_step is not None:
             on_step(step, record)
+        skips.check(step)  # after the record is written: metrics.jsonl shows the steps that led here
         if checkpoints is not None and checkpoints.every and (step % checkpoints.every == 0 or step == args["steps"]):
             if isinstance(saving, checkpoint.AsyncSave):
                 saving.wait()  # one save in flight at a time
@@ -126,6 +132,46 @@ def _train(args: Mapping[str, Any], mesh: DeviceMesh, layout: Layout, *, recompu
         saving.wait()
     wait(state)  # the last step's prefetched parameter gathers (overlap_param_gather)
     return records
+
+
+# --------------------------------------------------------------------------- non-finite steps
+
+
+class TrainingAborted(RuntimeError):
+    """Training stopped on purpose (``--max-skipped``): one line on stderr, exit code 1."""
+
+
+class SkipCounter:
+    """Skipped steps (``train_step``'s ``metrics["skipped"]``): the running total, and an
+    abort after ``max_skipped`` in a row (0: never). A skip is the same on every rank, so
+    every rank counts alike and aborts at the same step: no rank is left waiting.
+
+    >>> skips = SkipCounter(max_skipped=2)
+    >>> for skipped in (True, False, True, True):
+    ...     skips.add(skipped)
+    >>> skips.total, skips.in_a_row
+    (3, 2)
+    >>> skips.check(4)
+    Traceback (most recent call last):
+    ...
+    dtp.cli.loop.TrainingAborted: training aborted at step 4: 2 steps in a row skipped ...
+    """
+
+    def __init__(self, max_skipped: int) -> None:
+        self.max_skipped, self.total, self.in_a_row = max_skipped, 0, 0
+
+    def add(self, skipped: bool) -> None:
+        """Count one step."""
+        self.total += skipped
+        self.in_a_row = self.in_a_row + 1 if skipped else 0
+
+    def check(self, step: int) -> None:
+        """Raise :class:`TrainingAborted` once ``max_skipped`` steps in a row were skipped."""
+        if self.max_skipped and self.in_a_row >= self.max_skipped:
+            raise TrainingAborted(
+                f"training aborted at step {step}: {self.in_a_row} steps in a row skipped (non-finite loss or "
+                f"gradient norm; parameters unchanged since step {step - self.in_a_row}) — --max-skipped "
+                f"{self.max_skipped} (0: never abort)")
 
 
 @contextlib.contextmanager
@@ -250,7 +296,7 @@ def _records_until(out: Path, resume_from: Path | None) -> list[dict[str, Any]]:
     """The metrics of the steps a resumed checkpoint already holds (none when not resuming)."""
     if resume_from is None:
         return []
-    step = int(checkpoint.read_manifest(resume_from)["step"])
+    step = int(checkpoint.read_manifest(resume_from)["extra"]["loader"]["step"])  # iterations, skips included
     path = out / "metrics.jsonl"
     records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
     kept = [r for r in records if r.get("step", 0) <= step]

@@ -4,8 +4,11 @@ files, the summary and the loss plot.
 =================  =============================================================
 ``config.json``    the resolved arguments, mesh, vocabulary size, world size
 ``metrics.jsonl``  one JSON object per step: loss, grad_norm, lr, tokens, step_time,
-                   tokens_per_s, comm_bytes ``{axis: {kind: bytes}}``
-``summary.json``   first/last loss, mean step time, tokens/s, bytes per mesh axis
+                   tokens_per_s, comm_bytes ``{axis: {kind: bytes}}``, skipped (the
+                   update was skipped: non-finite loss or gradient norm), skipped_steps
+                   (skips so far)
+``summary.json``   first/last loss, mean step time, tokens/s, bytes per mesh axis,
+                   skipped steps
 ``loss.png``       the loss curve (matplotlib when installed, a built-in writer if not)
 ``check.json``     with ``--check``: per-step losses of the 1-process reference and
                    the largest absolute / relative difference
@@ -18,6 +21,7 @@ killed mid-write) never sees half a file.
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import sys
 import time
@@ -51,7 +55,8 @@ def _axis_totals(comm: Mapping[str, Mapping[str, int]]) -> dict[str, int]:
 def format_step(step: int, total: int, m: Mapping[str, Any]) -> str:
     """One line per step, from ``train_step``'s metrics.
 
-    The step number is padded to the width of the total, so columns line up in a log.
+    The step number is padded to the width of the total, so columns line up in a log; a
+    skipped update (non-finite loss or gradient norm) is marked at the end.
 
     >>> format_step(3, 50, {"loss": 4.1234, "grad_norm": 1.0213, "lr": 3e-3, "tokens": 512,
     ...                     "step_time": 0.05, "comm_bytes": {"tp": {"all_reduce": 1_200_000}}})
@@ -63,7 +68,7 @@ def format_step(step: int, total: int, m: Mapping[str, Any]) -> str:
     totals = _axis_totals(m.get("comm_bytes") or {})
     comm = " ".join(f"{axis}:{format_bytes(b)}" for axis, b in totals.items() if b) or "none"
     return (f"step {step:>{width}}/{total} loss {m['loss']:.4f} gnorm {m['grad_norm']:.3g} "
-            f"lr {m['lr']:.1e} tok/s {tps} comm {comm}")
+            f"lr {m['lr']:.1e} tok/s {tps} comm {comm}" + (" SKIPPED (non-finite)" if m.get("skipped") else ""))
 
 
 def progress_bar(step: int, total: int, width: int = 24) -> str:
@@ -156,18 +161,20 @@ def summarize(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         "steps": len(records),
         "first_loss": losses[0],
         "last_loss": losses[-1],
-        "min_loss": min(losses),
+        "min_loss": min((x for x in losses if math.isfinite(x)), default=math.nan),  # min() and NaN disagree
         "mean_step_time": time_total / len(timed),
         "timed_steps": len(timed),
         "tokens_per_s": sum(int(r["tokens"]) for r in timed) / time_total if time_total > 0 else None,
         "total_tokens": sum(int(r["tokens"]) for r in records),
         "comm_bytes_per_axis": _axis_totals(comm),
         "comm_bytes": comm,
+        "skipped_steps": sum(bool(r.get("skipped")) for r in records),
     }
 
 
 def _format_summary(s: Mapping[str, Any]) -> str:
     tps = f"{s['tokens_per_s']:.0f}" if s.get("tokens_per_s") else "-"
     comm = ", ".join(f"{a} {format_bytes(b)}" for a, b in s["comm_bytes_per_axis"].items()) or "none"
-    return (f"done: {s['steps']} steps, loss {s['first_loss']:.4f} -> {s['last_loss']:.4f}, "
+    skipped = f" ({s['skipped_steps']} skipped: non-finite)" if s.get("skipped_steps") else ""
+    return (f"done: {s['steps']} steps{skipped}, loss {s['first_loss']:.4f} -> {s['last_loss']:.4f}, "
             f"{1e3 * s['mean_step_time']:.1f} ms/step, {tps} tok/s, comm per rank: {comm}")
