@@ -150,17 +150,17 @@ class _LoadPlanner(DefaultLoadPlanner):
         return obj.__get_tensor_shard__(index) if isinstance(obj, _Pieces) else super().lookup_tensor(index)
 
 
-def _zero_pieces(z: zero_mod.ZeroState, slices: Sequence[torch.Tensor], dtype: torch.dtype | None = None
+def _zero_pieces(z: zero_mod.ZeroState, slices: Sequence[torch.Tensor], *, as_params: bool = False
                  ) -> list[_Pieces]:
     """Each parameter's part of this rank's flat bucket slices (local tensors), as
-    rectangles of the parameter's global shape; converted to ``dtype`` if given (a copy
-    of this rank's slice: the only staging a ZeRO save needs)."""
+    rectangles of the parameter's global shape; ``as_params``: rounded to the
+    parameters' dtype (bf16 parameters of fp32 master slices: a copy of the slice)."""
     plan = z.plan
     r = coordinates(plan.mesh)[plan.axis]
     out: list[_Pieces | None] = [None] * len(z.leaves)
     for b in plan.buckets:
         lo, hi = r * b.shard_numel, (r + 1) * b.shard_numel
-        flat = slices[b.index] if dtype is None else slices[b.index].to(dtype)
+        flat = slices[b.index].to(b.dtype) if as_params else slices[b.index]
         for i, off in zip(b.members, b.offsets):
             leaf = z.leaves[i]
             start, stop = max(off, lo), min(off + leaf.numel, hi)
@@ -202,11 +202,10 @@ def _logical(state: TrainState) -> dict[str, Any]:
     if z is not None and z.plan is not None:  # ZeRO after step one: everything from the slices
         paths = [leaf.path for leaf in z.leaves]
         master = [m.to_local() for m in z.master]
-        param_dtype = {leaf.path: leaf.dtype for leaf in z.leaves}
-        for path, piece, leaf in zip(paths, _zero_pieces(z, master, None), z.leaves):
-            if piece.dtype != leaf.dtype:
+        for path, piece, leaf in zip(paths, _zero_pieces(z, master), z.leaves):
+            if piece.dtype != leaf.dtype:  # fp32 master weights of lower-precision parameters
                 out[f"master/{path}"] = piece
-        for path, piece in zip(paths, _converted(z, master, param_dtype)):
+        for path, piece in zip(paths, _zero_pieces(z, master, as_params=True)):
             out[f"param/{path}"] = piece
 
         def mirror(name: str, slices: list[DTensor]) -> list[DTensor]:
@@ -230,13 +229,6 @@ def _logical(state: TrainState) -> dict[str, Any]:
 
         map_param_trees(state.opt_state, params, mirror, lambda name, x: _scalar(out, name, x))
     return out
-
-
-def _converted(z: zero_mod.ZeroState, master: list[torch.Tensor], dtypes: Mapping[str, torch.dtype]) -> list[_Pieces]:
-    """The parameters as the master slices round to them (bf16 params of fp32 masters)."""
-    wanted = {dtypes[leaf.path] for leaf in z.leaves}
-    by_dtype = {d: _zero_pieces(z, master, d) for d in wanted}
-    return [by_dtype[leaf.dtype][i] for i, leaf in enumerate(z.leaves)]
 
 
 def _scalar(out: dict[str, Any], name: str, x: Any) -> Any:
@@ -472,7 +464,7 @@ class _MetadataUnpickler(pickle.Unpickler):
                 return getattr(torch, name)
             if module == self._METADATA:
                 found = super().find_class(module, name)
-                if isinstance(found, type) or name == "_MEM_FORMAT_ENCODING":
+                if isinstance(found, type):  # dataclasses and enums, never a function
                     return found
         raise pickle.UnpicklingError(f"{module}.{name} is not part of a DCP metadata file")
 
