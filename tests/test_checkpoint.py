@@ -101,6 +101,7 @@ RESHARDS = [
     ("dp2_tp2_zero2", "dp2"),
     ("tp2", "dp2_cp2_tp2"),
     ("one", "dp2_tp2_zero2"),
+    ("dp2_zero3", "one"),
 ]
 
 
