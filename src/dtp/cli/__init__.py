@@ -11,8 +11,10 @@ the argv each rank gets), :mod:`~dtp.cli.loop` (layout, mesh, the per-rank train
 :mod:`~dtp.cli.check` (the 1-process reference). Names with ``_`` are private to the
 package; the modules import them from each other.
 
-Exit codes: 0 success, 1 a rank crashed or ``--check`` failed, 2 invalid arguments or a
-layout that does not fit (one line on stderr; ``DTP_TRACEBACK=1`` shows the traceback).
+Exit codes: 0 success, 1 a rank crashed, a collective failed (a peer died or stalled past
+``--timeout``: each rank says where it was, one line) or ``--check`` failed, 2 invalid
+arguments or a layout that does not fit (one line on stderr; ``DTP_TRACEBACK=1`` shows
+the traceback).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
+from ..comm import CollectiveError
 from ..launch import in_torchrun, launch, report_error
 from ..models import llama
 from .check import _check_in_subprocess, check_run, compare_losses, tolerance_for
@@ -84,5 +87,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         message = " ".join(line.strip() for line in str(e).splitlines() if line.strip())
         report_error(f"{PROG} {command}: error: {message}")
         return 2
+    except CollectiveError as e:
+        # A peer died or stalled: this rank's one line (where it was) for the launcher to
+        # print beside the others', not a traceback per rank.
+        if os.environ.get("DTP_TRACEBACK"):
+            raise
+        report_error(f"{PROG} train: {e}")
+        return 1
     except KeyboardInterrupt:
         return 130

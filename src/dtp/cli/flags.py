@@ -33,6 +33,13 @@ DESCRIPTION = "The ``dtp`` command: train the reference Llama under any parallel
 DTYPES = ("float32", "float64", "bfloat16")
 RECOMPUTE = ("none", "full", "selective")
 DEFAULT_WARMUP = 5
+# --timeout: torch's gloo default (30 min) leaves a stalled job hanging half an hour. A
+# collective waits only for its slowest peer to post it, not for a whole step: the longest
+# wait in any collective of `dtp train --nproc 4 --dp 2 --tp 2 --sp --model small --seq 256`
+# (20 steps, 4 ranks on 2 loaded cores) was 0.25 s, the first one (model init skew) 0.20 s.
+# 300 s leaves three orders of magnitude for larger models and slower machines, and still
+# turns a hang into an error within 5 minutes. A dead peer is noticed at once regardless.
+DEFAULT_TIMEOUT = 300.0
 
 
 class UsageError(ValueError):
@@ -47,6 +54,19 @@ def _positive(name: str) -> Callable[[str], int]:
             raise argparse.ArgumentTypeError(f"{name} must be an integer, got {text!r}") from None
         if value < 1:
             raise argparse.ArgumentTypeError(f"{name} must be >= 1, got {value}")
+        return value
+
+    return parse
+
+
+def _positive_float(name: str) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be a number, got {text!r}") from None
+        if not math.isfinite(value) or value <= 0:
+            raise argparse.ArgumentTypeError(f"{name} must be a finite number > 0, got {text!r}")
         return value
 
     return parse
@@ -126,6 +146,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--check", action="store_true",
                    help="compare every step's loss with a 1-process reference run; exit 1 on mismatch")
     g.add_argument("--log-every", type=_positive("--log-every"), default=1, help="print a line every N steps")
+
+    g = t.add_argument_group("failures")
+    g.add_argument("--timeout", type=_positive_float("--timeout"), default=DEFAULT_TIMEOUT, metavar="SECONDS",
+                   help="a collective that waits this long for a peer fails, and every rank exits with its "
+                        "last collectives (a dead peer is noticed at once)")
 
     c = sub.add_parser("check", help="compare a finished run's losses with a 1-process reference")
     c.add_argument("run_dir", help="the run directory (with config.json and metrics.jsonl)")
@@ -240,6 +265,7 @@ def train_argv(args: argparse.Namespace) -> list[str]:
             "--lr", repr(args.lr), "--warmup", str(args.warmup), "--microbatches", str(args.microbatches),
             "--recompute", args.recompute, "--clip", repr(args.clip), "--seed", str(args.seed),
             "--log-every", str(args.log_every)]
+    out += ["--timeout", repr(args.timeout)]
     return out
 
 
