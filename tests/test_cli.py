@@ -6,13 +6,17 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
+import signal
 import struct
 import subprocess
 import sys
+import time
 import zlib
 from pathlib import Path
 
 import pytest
+import torch
 
 import dtp
 from dtp import cli, launch, plot
@@ -75,7 +79,8 @@ def test_world_size_under_torchrun(monkeypatch) -> None:
 
 
 @pytest.mark.parametrize("flags", [["--dtype", "float16"], ["--dp", "0"], ["--recompute", "some"],
-                                   ["--zero", "4"], ["--steps", "x"], ["--cp-algo", "zigzag"]])
+                                   ["--zero", "4"], ["--steps", "x"], ["--cp-algo", "zigzag"],
+                                   ["--timeout", "0"], ["--timeout", "inf"]])
 def test_bad_values_exit_2(flags, capsys) -> None:
     with pytest.raises(SystemExit) as e:
         _train(*flags)
@@ -95,6 +100,10 @@ def test_flag_combinations(flags, match) -> None:
         _train(*flags)
 
 
+def test_timeout_default_is_minutes_not_torchs_half_hour() -> None:
+    assert _train().timeout == 300.0 and _train("--timeout", "5").timeout == 5.0
+
+
 def test_warmup_default_fits_short_runs_and_sp_needs_tp(capsys) -> None:
     assert _train("--steps", "3").warmup == 3
     assert _train("--sp").sp is False  # as Megatron: a note, then off
@@ -104,7 +113,7 @@ def test_warmup_default_fits_short_runs_and_sp_needs_tp(capsys) -> None:
 
 def test_train_argv_round_trips() -> None:
     args = _train("--nproc", "4", "--dp", "2", "--tp", "2", "--sp", "--lr", "1e-3", "--clip", "0.5",
-                  "--recompute", "selective", "--out", "somewhere", "--check", "--steps", "7")
+                  "--recompute", "selective", "--out", "somewhere", "--check", "--steps", "7", "--timeout", "2.5")
     argv = cli.train_argv(args)
     assert "--check" not in argv and "--nproc" not in argv  # the launcher keeps these
     again = cli.parse_args(argv)
@@ -224,11 +233,47 @@ def test_rank_errors_are_printed_once(tmp_path, monkeypatch, capsys) -> None:
     monkeypatch.setenv("RANK", "2")
     launch.report_error("something else")
     assert len(launch._collect_errors(str(tmp_path))) == 2
+    assert "something else (rank 2)" in launch._collect_errors(str(tmp_path))
+    launch.report_error("dtp train: rank 2: all_reduce over 'dp' (#7) failed")  # names itself: no "(rank 2)"
+    assert "dtp train: rank 2: all_reduce over 'dp' (#7) failed" in launch._collect_errors(str(tmp_path))
 
     monkeypatch.delenv(launch.ERROR_DIR_ENV)  # a plain torchrun: rank-prefixed stderr
     launch.report_error("oops")
     assert capsys.readouterr().err == "[rank 2] oops\n"
     assert launch.default_omp_threads(2, cpus=16) == 8 and launch.default_omp_threads(8, cpus=2) == 1
+
+
+def test_launcher_accounts_for_ranks_that_reported_nothing(tmp_path) -> None:
+    """Ranks without a message get a line (how they ended, their last collectives from
+    the mirrored flight record) only when a rank was killed or a collective was left
+    unfinished; a clean error is left to speak for itself."""
+    from types import SimpleNamespace
+
+    from dtp import comm
+
+    def failure(code: int):
+        return SimpleNamespace(exitcode=code, signal_name=lambda: signal.Signals(-code).name)
+
+    def mirror(rank: int, states: list[str]) -> None:
+        ff = comm._FlightFile(tmp_path / f"flight-rank{rank}.bin")
+        for seq, state in enumerate(states, 1):
+            rec = comm.CommRecord("all_reduce", "dp", 16, 2, torch.float32, (4,), 1.0, None, False, "grads", seq)
+            ff.write(rec)
+            rec.completed, rec.failed = (2.0, False) if state == "done" else (None, state == "failed")
+            ff.update(rec)
+
+    mirror(0, ["done", "done"])
+    mirror(1, ["done", "done"])
+    (tmp_path / "rank0.txt").write_text("dtp train: error: a clean error")
+    assert launch._unreported_ranks(str(tmp_path), 2, {0: failure(2), 1: failure(-15)}) == []
+    assert launch._unreported_ranks(str(tmp_path), 3, {0: failure(2), 2: failure(-9)}) == [
+        "dtp: rank 1 was stopped by the launcher; last collectives: #1 all_reduce dp 'grads' 16 B done, "
+        "#2 all_reduce dp 'grads' 16 B done",
+        "dtp: rank 2 was killed by SIGKILL; last collectives: none"]
+    mirror(1, ["done", "in flight"])
+    assert launch._unreported_ranks(str(tmp_path), 2, {0: failure(1), 1: failure(-15)}) == [
+        "dtp: rank 1 was stopped by the launcher; last collectives: #1 all_reduce dp 'grads' 16 B done, "
+        "#2 all_reduce dp 'grads' 16 B in flight"]
 
 
 # -- end to end --------------------------------------------------------------------
@@ -352,3 +397,133 @@ def test_train_with_overlap_exits_cleanly_repeated(tmp_path) -> None:
     for repeat in range(3):
         for i, flags in enumerate(_SHUTDOWN_ALL):
             _train_exits_cleanly(tmp_path, flags, 100 * repeat + i)
+
+
+# -- never hang: a dead or stalled peer, and stopping the launcher ----------------------
+# On torch 2.13 / gloo (measured, see dtp.mesh._ensure_process_group): a dead peer's
+# collectives fail at once on every other rank; a stalled one's after --timeout. Each rank
+# that sees it reports one line; the launcher adds one per rank that could not (its last
+# collectives from the flight record that rank mirrored to a file).
+
+_RANK_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _processes_of(out: Path, launcher: int) -> dict[int, int]:
+    """``{rank: pid}`` of the live processes whose command line holds the run's unique
+    ``--out`` path, the launcher left out (its ranks: torchrun gives each the argv)."""
+    found = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit() or int(d.name) == launcher:
+            continue
+        try:
+            if str(out).encode() not in (d / "cmdline").read_bytes().split(b"\0"):
+                continue
+            env = dict(e.split(b"=", 1) for e in (d / "environ").read_bytes().split(b"\0") if b"=" in e)
+            found[int(env.get(b"RANK", b"-1"))] = int(d.name)
+        except (OSError, ValueError):
+            continue  # gone meanwhile, or not ours to read
+    return found
+
+
+def _start_training(tmp_path: Path, *flags: str) -> tuple[subprocess.Popen, Path, dict[int, int]]:
+    """``dtp train`` on 2 ranks for (practically) ever; returns once a step is written."""
+    out = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k not in _RANK_ENV}
+    cmd = [sys.executable, "-m", "dtp.cli", "train", "--nproc", "2", "--dp", "2", "--model", "tiny",
+           "--steps", "100000", "--batch", "4", "--seq", "16", "--out", str(out), *flags]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 180
+    while not (out / "metrics.jsonl").exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail("training never started:\n" + "".join(proc.communicate()))
+        time.sleep(0.05)
+    ranks = _processes_of(out, proc.pid)
+    assert sorted(ranks) == [0, 1], ranks
+    return proc, out, ranks
+
+
+def _finish(proc: subprocess.Popen, within: float) -> tuple[float, str]:
+    """Seconds until the launcher exited (fails past ``within``) and its stderr."""
+    t0 = time.monotonic()
+    try:
+        _, err = proc.communicate(timeout=within)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail(f"the launcher did not exit within {within} s:\n" + "".join(proc.communicate()))
+    return time.monotonic() - t0, err
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_stopping_the_launcher_leaves_no_rank_behind(tmp_path, sig) -> None:
+    """SIGTERM or Ctrl-C (SIGINT) to ``dtp train``: torchrun's agent passes it to the ranks;
+    the launcher exits with 128 + the signal within seconds and no process of the run is
+    left (~8 s)."""
+    proc, out, _ = _start_training(tmp_path)
+    proc.send_signal(sig)
+    took, err = _finish(proc, within=20)
+    assert proc.returncode == 128 + sig, err
+    assert took < 10, f"{took:.1f} s"
+    assert _processes_of(out, proc.pid) == {}
+
+
+def test_dead_peer_ends_the_run_at_once_with_each_ranks_last_collectives(tmp_path) -> None:
+    """A rank SIGKILLed mid-run: the other's collective fails at once (well inside the 60 s
+    --timeout), and the launcher names both ranks and their last collectives (~8 s)."""
+    proc, out, ranks = _start_training(tmp_path, "--timeout", "60")
+    os.kill(ranks[1], signal.SIGKILL)
+    took, err = _finish(proc, within=60)
+    assert proc.returncode == 1, err
+    assert took < 10, f"{took:.1f} s\n{err}"
+    assert _processes_of(out, proc.pid) == {}
+    assert re.search(r"^dtp: rank 1 was killed by SIGKILL; last collectives: (#\d+ \w+ dp '[^']*' [\d.]+ k?B \w[\w ]*(, )?){3}$",
+                     err, re.M), err
+    # Rank 0 says itself where it was, in one line; should the agent stop it first (its
+    # collective fails in ~10 ms, the agent looks every 100 ms), the launcher says it.
+    own = re.search(r"^dtp train: rank 0: \w+ over 'dp' \(#(\d+) '[^']*'\) failed [\d.]+ s after it was posted: "
+                    r".*by peer.* \(a peer's process has ended\)\. Last collectives here: .*#\1 \w+ dp .* failed$", err, re.M)
+    assert own or re.search(r"^dtp: rank 0 was stopped by the launcher; last collectives: #\d+", err, re.M), err
+    assert "Traceback" not in err
+
+
+def test_stalled_peer_times_out_after_timeout_flag(tmp_path) -> None:
+    """A rank frozen mid-run (SIGSTOP stands in for a stall): the other fails after
+    --timeout 3 s, not torch's 30 min, with its last collectives; once the frozen rank
+    runs again, the launcher's SIGTERM ends it (~12 s)."""
+    proc, out, ranks = _start_training(tmp_path, "--timeout", "3")
+    os.kill(ranks[1], signal.SIGSTOP)
+    t0 = time.monotonic()
+    try:
+        while ranks[0] in _processes_of(out, proc.pid).values():
+            assert time.monotonic() - t0 < 30, "rank 0 still waits 30 s into a 3 s timeout"
+            time.sleep(0.05)
+        waited = time.monotonic() - t0
+    finally:
+        os.kill(ranks[1], signal.SIGCONT)  # a stopped process acts on SIGTERM only once continued
+    _, err = _finish(proc, within=60)
+    assert 2.5 < waited < 8, f"{waited:.1f} s\n{err}"
+    assert proc.returncode == 1, err
+    assert _processes_of(out, proc.pid) == {}
+    assert re.search(r"^dtp train: rank 0: \w+ over 'dp' \(#\d+ '[^']*'\) failed 3\.\d\d s after it was posted: "
+                     r"Timed out waiting 3000ms for \w+ operation to complete \(a peer did not join it in time", err, re.M), err
+
+
+def test_stalled_peer_in_a_users_loop(tmp_path) -> None:
+    """tests/scripts/stall_peer.py through dtp.launch.launch: rank 1 sleeps before its 4th
+    collective; rank 0's CollectiveError comes 3 s (make_mesh's timeout) later, and the
+    launcher shows rank 1 behind by one collective (~10 s)."""
+    env = {k: v for k, v in os.environ.items() if k not in _RANK_ENV}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent / "scripts"), env.get("PYTHONPATH", "")])
+    code = ("import sys, time; from dtp.launch import launch; code = launch(2, ['3'], module='stall_peer'); "
+            "print(f'launcher done at {time.time():.3f}', flush=True); sys.exit(code)")
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    stalled = float(re.search(r"rank 1 stalls at ([\d.]+)", proc.stdout)[1])
+    done = float(re.search(r"launcher done at ([\d.]+)", proc.stdout)[1])
+    assert 3 < done - stalled < 10, (done - stalled, proc.stderr)
+    err = proc.stderr
+    assert "dtp.comm.CollectiveError: rank 0: all_reduce over 'dp' (#4 'step 3') failed 3." in err, err
+    assert "dtp: rank 0 exited with code 1; last collectives: #2 all_reduce dp 'step 1' 32 B done, " \
+           "#3 all_reduce dp 'step 2' 32 B done, #4 all_reduce dp 'step 3' 32 B failed" in err, err
+    assert "dtp: rank 1 was stopped by the launcher; last collectives: #1 all_reduce dp 'step 0' 32 B done, " \
+           "#2 all_reduce dp 'step 1' 32 B done, #3 all_reduce dp 'step 2' 32 B done" in err, err

@@ -73,3 +73,52 @@ def test_resume_without_a_checkpoint_is_one_line(tmp_path) -> None:
 def test_checkpoint_flag_combinations(flags, match) -> None:
     with pytest.raises(ValueError, match=match):
         parse_args(["train", *flags])
+
+
+def _rank_pids(out: Path) -> dict[int, int]:
+    """pid of each rank process of the run writing ``out`` (by its command line and RANK)."""
+    pids = {}
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmd = (proc / "cmdline").read_bytes().split(b"\0")
+            env = dict(kv.split(b"=", 1) for kv in (proc / "environ").read_bytes().split(b"\0") if b"=" in kv)
+        except OSError:
+            continue
+        if str(out).encode() in cmd and b"RANK" in env and b"-m" in cmd:
+            pids[int(env[b"RANK"])] = int(proc.name)
+    return pids
+
+
+def test_a_killed_rank_restarts_from_the_last_checkpoint_and_the_curve_is_whole(tmp_path) -> None:
+    """4 ranks; rank 2 is SIGKILLed after the step-2 checkpoint: torchrun's agent stops the
+    others and starts all four again, they resume from the newest checkpoint, and the whole
+    loss curve equals the 1-process reference (--check, fp64)."""
+    import signal
+    import time
+
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "dtp.cli", "train", "--nproc", "4", "--dp", "2", "--tp", "2", "--model", "tiny",
+           "--steps", "30", "--batch", "4", "--seq", "16", "--dtype", "float64", "--save-every", "2",
+           "--max-restarts", "1", "--check", "--log-every", "10", "--out", str(out)]
+    proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and proc.poll() is None:
+            metrics = out / "metrics.jsonl"
+            if (out / "checkpoints" / "step_00000002" / "manifest.json").exists() and metrics.exists() \
+                    and len(metrics.read_text().splitlines()) >= 3:
+                break
+            time.sleep(0.05)
+        victim = _rank_pids(out).get(2)
+        assert victim is not None and proc.poll() is None, "the run ended before a rank could be killed"
+        os.kill(victim, signal.SIGKILL)
+        stdout, stderr = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, stdout + stderr
+    assert "resuming from step" in stdout and ": OK" in stdout, stdout + stderr
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, 31))

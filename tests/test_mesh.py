@@ -1,5 +1,6 @@
 """make_mesh: detection (cpu / npu), process-group set-up, sub-meshes and flattened views."""
 
+import datetime
 import importlib
 import subprocess
 import sys
@@ -46,6 +47,13 @@ def test_bad_axes_are_rejected():
         dtp.make_mesh(dp=1, tp=0)
     with pytest.raises(ValueError, match="unsupported device 'tpu'"):
         dtp.make_mesh(dp=1, device="tpu")
+
+
+@pytest.mark.parametrize("timeout", [0, -1.0, float("nan"), float("inf"), "5", True, datetime.timedelta(0)])
+def test_bad_timeout_is_rejected(timeout):
+    # Checked before the process group is touched (the stall itself: test_cli's stalled peer).
+    with pytest.raises(ValueError, match=r"make_mesh: timeout must be a number of seconds > 0 \(or a timedelta\)"):
+        dtp.make_mesh(dp=1, timeout=timeout)
 
 
 def _submeshes():

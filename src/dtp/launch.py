@@ -14,6 +14,16 @@ of launching a new one, so multi-node jobs work exactly as with any torchrun scr
 Ranks that fail with a clean, expected error (a bad flag combination, a layout that does
 not fit the model) report it through :func:`report_error`; the launcher prints each
 distinct message once instead of once per rank, and nothing else.
+
+When a rank dies (a signal, a crash) or a collective is left unfinished (a peer stalled
+past the timeout), every rank is accounted for: those that reported say where they were
+themselves (:class:`dtp.comm.CollectiveError`), and for each of the others the launcher
+prints how it ended and its last collectives, read from the flight record the rank
+mirrored to a file (:data:`dtp.comm.FLIGHT_DIR_ENV`; it survives even ``SIGKILL``).
+
+Stopping the launcher (``SIGTERM``, ``SIGINT``/Ctrl-C) stops every rank: torchrun's agent
+sends the ranks the same signal, and ``SIGKILL`` to any still alive 30 s later (its
+shutdown timeout; measured: 2 ranks of ``dtp train`` are gone 0.5 s after either signal).
 """
 
 from __future__ import annotations
@@ -21,10 +31,15 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
+import signal
+import struct
 import sys
 import tempfile
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Mapping, Sequence
+
+from .comm import FLIGHT_DIR_ENV, flight_record, format_flight_record
 
 __all__ = ["launch", "in_torchrun", "report_error", "default_omp_threads"]
 
@@ -73,8 +88,13 @@ def report_error(message: str) -> None:
             tmp.write_text(message)
             os.replace(tmp, Path(directory) / f"rank{rank}.txt")
             return
-    prefix = "" if rank == 0 else f"[rank {rank}] "
+    prefix = "" if rank == 0 or _names_rank(message, rank) else f"[rank {rank}] "
     print(f"{prefix}{message}", file=sys.stderr, flush=True)
+
+
+def _names_rank(message: str, rank: int) -> bool:
+    # A rank's own account ("rank 3: all_reduce ... failed") needs no "(rank 3)" after it.
+    return re.search(rf"\brank {rank}\b", message) is not None
 
 
 def _collect_errors(directory: str) -> list[str]:
@@ -85,8 +105,39 @@ def _collect_errors(directory: str) -> list[str]:
             by_message.setdefault(f.read_text().strip(), []).append(int(f.stem[4:]))
     if len(by_message) <= 1:
         return list(by_message)
-    return [f"{msg} (rank{'s' if len(r) > 1 else ''} {', '.join(map(str, sorted(r)))})"
+    return [msg if len(r) == 1 and _names_rank(msg, r[0]) else
+            f"{msg} (rank{'s' if len(r) > 1 else ''} {', '.join(map(str, sorted(r)))})"
             for msg, r in by_message.items()]
+
+
+def _unreported_ranks(directory: str, nproc: int, failures: Mapping[int, Any]) -> list[str]:
+    """For each rank that reported nothing: how it ended and its last collectives — when a
+    rank died by a signal or some rank left a collective unfinished. Nothing otherwise:
+    a clean error is raised before any collective, and its message says it all.
+
+    ``failures``: torchrun's ``ProcessFailure`` by rank. Once one rank has failed, the agent
+    stops the others with SIGTERM and records them too (exit code -15).
+    """
+    reported = {int(f.stem[4:]) for f in Path(directory).glob("rank*.txt") if f.stem[4:].isdigit()}
+    records = {}
+    for rank in range(nproc):
+        with contextlib.suppress(OSError, ValueError, struct.error):
+            records[rank] = flight_record(Path(directory) / f"flight-rank{rank}.bin")
+    unfinished = any(e.state != "done" for entries in records.values() for e in entries)
+    killed = any(f.exitcode < 0 and f.exitcode != -signal.SIGTERM for f in failures.values())
+    if not (unfinished or killed):
+        return []
+    lines = []
+    for rank in sorted(set(range(nproc)) - reported):
+        failure = failures.get(rank)
+        if failure is None or failure.exitcode == -signal.SIGTERM:
+            fate = "was stopped by the launcher"
+        elif failure.exitcode < 0:
+            fate = f"was killed by {failure.signal_name()}"
+        else:
+            fate = f"exited with code {failure.exitcode}"
+        lines.append(f"dtp: rank {rank} {fate}; last collectives: {format_flight_record(records.get(rank, []))}")
+    return lines
 
 
 @contextlib.contextmanager
@@ -118,13 +169,14 @@ def _env(**values: str) -> Iterator[None]:
                 os.environ[k] = v
 
 
-def launch(nproc: int, argv: Sequence[str], *, module: str = "dtp.cli") -> int:
+def launch(nproc: int, argv: Sequence[str], *, module: str = "dtp.cli", max_restarts: int = 0) -> int:
     """Run ``python -m <module> <argv>`` on ``nproc`` local ranks through torchrun's machinery.
 
     Returns 0 when every rank succeeded, otherwise the exit code of the first rank to
     fail (1 for a rank killed by a signal). Expected errors reported by the ranks with
     :func:`report_error` are printed once to stderr. ``OMP_NUM_THREADS`` defaults to the
     cores per rank (see :func:`default_omp_threads`); a value already set is kept.
+    ``max_restarts``: how often torchrun's agent starts every rank again after one died.
 
     Not run as a doctest: it starts ranks (tests/test_cli.py launches them).
 
@@ -140,21 +192,25 @@ def launch(nproc: int, argv: Sequence[str], *, module: str = "dtp.cli") -> int:
     torchrun_args = [
         "--standalone",  # single node: c10d rendezvous on a free localhost port
         "--nproc-per-node", str(nproc),
-        "--max-restarts", "0",  # a failed training step is a bug or a bad flag, not a flaky node
+        # 0 by default: a failed step is a bug or a bad flag, not a flaky node. With R > 0 the
+        # agent stops every rank when one dies and starts them all again (new rendezvous,
+        # TORCHELASTIC_RESTART_COUNT set), and dtp train resumes from its newest checkpoint.
+        "--max-restarts", str(max_restarts),
         "--module", module,
         *argv,
     ]
     threads = os.environ.get("OMP_NUM_THREADS") or str(default_omp_threads(nproc))
     with tempfile.TemporaryDirectory(prefix="dtp-launch-") as errors, \
-            _env(OMP_NUM_THREADS=threads, **{ERROR_DIR_ENV: errors}), _quiet_elastic():
+            _env(OMP_NUM_THREADS=threads, **{ERROR_DIR_ENV: errors, FLIGHT_DIR_ENV: errors}), _quiet_elastic():
         try:
             run(parse_args(torchrun_args))
         except ChildFailedError as e:
             root, first = e.get_first_failure()
             messages = _collect_errors(errors)
-            for msg in messages:
+            others = _unreported_ranks(errors, nproc, e.failures)
+            for msg in messages + others:
                 print(msg, file=sys.stderr, flush=True)
-            if not messages:
+            if not messages and not others:
                 # No clean message: the failing rank's traceback is already on stderr. The
                 # agent stops the others (they show up as failures too): name the first only.
                 print(f"dtp: rank {root} failed with exit code {first.exitcode}; the other ranks were stopped",

@@ -11,10 +11,11 @@ the argv each rank gets), :mod:`~dtp.cli.loop` (layout, mesh, the per-rank train
 :mod:`~dtp.cli.check` (the 1-process reference). Names with ``_`` are private to the
 package; the modules import them from each other.
 
-Exit codes: 0 success, 1 a rank crashed, ``--check`` failed or training aborted after
-``--max-skipped`` non-finite steps in a row, 2 invalid arguments or a layout that does not
-fit (aborts and invalid arguments are one line on stderr; ``DTP_TRACEBACK=1`` shows the
-traceback).
+Exit codes: 0 success, 1 a rank crashed, a collective failed (a peer died or stalled past
+``--timeout``: each rank says where it was, one line), ``--check`` failed or training
+aborted after ``--max-skipped`` non-finite steps in a row, 2 invalid arguments or a layout
+that does not fit (aborts and invalid arguments are one line on stderr;
+``DTP_TRACEBACK=1`` shows the traceback).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
+from ..comm import CollectiveError
 from ..launch import in_torchrun, launch, report_error
 from ..models import llama
 from .check import _check_in_subprocess, check_run, compare_losses, tolerance_for
@@ -53,7 +55,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     build_layout(args)
     llama.config(args.model, vocab_size=_vocab_size(args.model, _load_data(args.data)))
     if args.nproc > 1:
-        code = launch(args.nproc, train_argv(args))
+        code = launch(args.nproc, train_argv(args), max_restarts=args.max_restarts)
     else:
         code = _train_rank(args)
     if code == 0 and args.check:
@@ -91,5 +93,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         message = " ".join(line.strip() for line in str(e).splitlines() if line.strip())
         report_error(f"{PROG} {command}: error: {message}")
         return 2
+    except CollectiveError as e:
+        # A peer died or stalled: this rank's one line (where it was) for the launcher to
+        # print beside the others', not a traceback per rank.
+        if os.environ.get("DTP_TRACEBACK"):
+            raise
+        report_error(f"{PROG} train: {e}")
+        return 1
     except KeyboardInterrupt:
         return 130

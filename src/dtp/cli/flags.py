@@ -37,6 +37,14 @@ DEFAULT_WARMUP = 5
 # remaining steps on updates that are all skipped.
 DEFAULT_MAX_SKIPPED = 10
 
+# --timeout: torch's gloo default (30 min) leaves a stalled job hanging half an hour. A
+# collective waits only for its slowest peer to post it, not for a whole step: the longest
+# wait in any collective of `dtp train --nproc 4 --dp 2 --tp 2 --sp --model small --seq 256`
+# (20 steps, 4 ranks on 2 loaded cores) was 0.25 s, the first one (model init skew) 0.20 s.
+# 300 s leaves three orders of magnitude for larger models and slower machines, and still
+# turns a hang into an error within 5 minutes. A dead peer is noticed at once regardless.
+DEFAULT_TIMEOUT = 300.0
+
 
 class UsageError(ValueError):
     """Invalid flags: reported as one line, exit code 2."""
@@ -50,6 +58,19 @@ def _positive(name: str) -> Callable[[str], int]:
             raise argparse.ArgumentTypeError(f"{name} must be an integer, got {text!r}") from None
         if value < 1:
             raise argparse.ArgumentTypeError(f"{name} must be >= 1, got {value}")
+        return value
+
+    return parse
+
+
+def _positive_float(name: str) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be a number, got {text!r}") from None
+        if not math.isfinite(value) or value <= 0:
+            raise argparse.ArgumentTypeError(f"{name} must be a finite number > 0, got {text!r}")
         return value
 
     return parse
@@ -152,6 +173,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--resume", action="store_true",
                    help="continue from the newest checkpoint in --out (metrics.jsonl and loss.png continue)")
 
+    g = t.add_argument_group("failures")
+    g.add_argument("--timeout", type=_positive_float("--timeout"), default=DEFAULT_TIMEOUT, metavar="SECONDS",
+                   help="a collective that waits this long for a peer fails, and every rank exits with its "
+                        "last collectives (a dead peer is noticed at once)")
+    g.add_argument("--max-restarts", type=_non_negative_int, default=0, metavar="R",
+                   help="when a rank dies, stop the others and start all again from the newest checkpoint, "
+                        "up to R times (torchrun's elastic agent; needs --save-every)")
+
     c = sub.add_parser("check", help="compare a finished run's losses with a 1-process reference")
     c.add_argument("run_dir", help="the run directory (with config.json and metrics.jsonl)")
     c.add_argument("--rtol", type=_non_negative_float, default=None,
@@ -225,6 +254,8 @@ def validate(args: argparse.Namespace, *, world_size: int | None = None) -> argp
         raise UsageError(f"--save-every must be >= 0 (0: never), got {args.save_every}")
     if args.async_save and not args.save_every:
         raise UsageError("--async-save needs --save-every N: there is nothing to save")
+    if args.max_restarts and not args.save_every:
+        raise UsageError("--max-restarts needs --save-every N: a restart resumes from the newest checkpoint")
     if args.resume and args.out is None:
         raise UsageError("--resume continues the run in --out; name it (--out runs/…)")
     if args.data is not None:
@@ -274,6 +305,7 @@ def train_argv(args: argparse.Namespace) -> list[str]:
             "--recompute", args.recompute, "--clip", repr(args.clip), "--seed", str(args.seed),
             "--log-every", str(args.log_every)]
     out += ["--max-skipped", str(args.max_skipped)]
+    out += ["--timeout", repr(args.timeout)]
     return out
 
 

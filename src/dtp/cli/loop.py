@@ -203,7 +203,7 @@ def _world(args: argparse.Namespace) -> Iterator[DeviceMesh]:
         return
     created = not dist.is_initialized()
     try:
-        yield make_mesh(**mesh_axes(args))
+        yield make_mesh(**mesh_axes(args), timeout=args.timeout)
         _quiesce()
     finally:
         # A clean shutdown: torch warns about process groups left to the interpreter exit.

@@ -1,0 +1,100 @@
+"""dtp.comm's flight recorder: the last FLIGHT_SLOTS collectives, numbered in posting order
+and the same on every rank; its file mirror (what the launcher reads after a rank died);
+and CollectiveError, the one line a rank says when a collective fails in the backend.
+(Collective results and byte counts are tested with the modules that issue them.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dtp
+from dtp import comm
+from dtp.testing import run, simulate
+
+
+def _collectives(count: int) -> list[tuple[int, str, str, str, int, str]]:
+    mesh = dtp.make_mesh(dp=2)
+    before = comm.flight_record()[-1].seq if comm.flight_record() else 0
+    for i in range(count):
+        comm.all_reduce(torch.ones(4), mesh, "dp", tag=f"step {i}")
+    comm.all_gather(torch.ones(2), mesh, "dp", async_op=True, tag="left in flight?").wait()
+    return [(e.seq - before, e.kind, e.axis, e.tag, e.bytes, e.state) for e in comm.flight_record()]
+
+
+def test_flight_record_keeps_the_last_collectives_in_posting_order_on_every_rank() -> None:
+    by_rank = run(_collectives, 40, world_size=2)
+    assert by_rank[0] == by_rank[1]  # same program, same numbers: ranks can be compared
+    entries = by_rank[0]
+    assert len(entries) == comm.FLIGHT_SLOTS
+    assert [e[0] for e in entries] == list(range(41 - comm.FLIGHT_SLOTS + 1, 42))
+    assert entries[-2] == (40, "all_reduce", "dp", "step 39", 16, "done")  # 2 (n-1)/n × 16 bytes
+    assert entries[-1] == (41, "all_gather", "dp", "left in flight?", 8, "done")
+
+
+def test_axis_of_one_is_not_recorded() -> None:
+    with simulate(2):
+        mesh = dtp.make_mesh(dp=2, tp=1)
+        comm.all_reduce(torch.ones(3), mesh, "dp", tag="moves")
+        comm.all_reduce(torch.ones(3), mesh, "tp", tag="moves nothing")
+    assert comm.flight_record()[-1].tag == "moves"
+
+
+def test_file_mirror_matches_the_record_and_marks_failures(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv(comm.FLIGHT_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setattr(comm, "_mirror", False)  # look at the environment again
+    with simulate(2):
+        mesh = dtp.make_mesh(dp=2)
+        for i in range(comm.FLIGHT_SLOTS + 5):  # the file's slots wrap like the ring
+            comm.all_reduce(torch.ones(8), mesh, "dp", tag=f"bucket {i}")
+        handle = comm.all_gather(torch.ones(2), mesh, "dp", async_op=True, tag="x" * 60)
+        handle.wait()
+    in_process = comm.flight_record()
+    on_file = comm.flight_record(tmp_path / "flight-rank3.bin")
+    assert [(e.seq, e.kind, e.axis, e.bytes, e.state) for e in on_file] == \
+        [(e.seq, e.kind, e.axis, e.bytes, e.state) for e in in_process]
+    assert [e.tag for e in on_file[:-1]] == [e.tag for e in in_process[:-1]]
+    assert on_file[-1].tag == "x" * 40  # cut to its slot
+    assert all(abs(a.posted - b.posted) < 0.01 and abs(a.completed - b.completed) < 0.01
+               for a, b in zip(on_file, in_process))
+
+    # A collective that fails in the backend is marked failed, in the ring and on file.
+    record = comm._record("reduce_scatter", "dp", 64, 2, torch.ones(4), True, "grad bucket 0")
+    error = comm._failure(record, RuntimeError("boom"))
+    assert isinstance(error, RuntimeError) and error.record is record
+    assert comm.flight_record()[-1].state == "failed"
+    last = comm.flight_record(tmp_path / "flight-rank3.bin")[-1]
+    assert (last.seq, last.state, last.completed) == (record.seq, "failed", None)
+
+
+def test_not_a_flight_record_is_a_value_error(tmp_path) -> None:
+    (tmp_path / "f.bin").write_bytes(b"\0" * 64)
+    with pytest.raises(ValueError, match="not a dtp flight record"):
+        comm.flight_record(tmp_path / "f.bin")
+
+
+@pytest.mark.parametrize("gloo, says", [
+    ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 5000ms "
+     "for recv operation to complete",
+     "Timed out waiting 5000ms for recv operation to complete (a peer did not join it in time"),
+    ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:3748: "
+     "Connection reset by peer. This is typically caused by a remote worker hanging or bugs in the application. "
+     "Check the logs of the remote worker before reporting an error. GLHF! \U0001f3d6\ufe0f",
+     "Read error [127.0.0.1]:3748: Connection reset by peer (a peer's process has ended). Last collectives here: "),
+])
+def test_collective_error_is_one_line_naming_rank_collective_and_record(gloo, says) -> None:
+    """The messages gloo gives on torch 2.13 (measured) for a stalled and a dead peer."""
+    record = comm._record("all_reduce", "dp", 4096, 2, torch.ones(1024), False, "grad reduce")
+    message = str(comm._failure(record, RuntimeError(gloo)))
+    assert "\n" not in message and "GLHF" not in message and "pair.cc" not in message
+    assert message.startswith(f"rank 0: all_reduce over 'dp' (#{record.seq} 'grad reduce') failed ")
+    assert says in message
+    assert message.endswith(f"#{record.seq} all_reduce dp 'grad reduce' 4.1 kB failed")
+
+
+def test_format_flight_record() -> None:
+    entries = [comm.FlightEntry(i, "all_gather", "tp", "", 2_500_000, 0.0, 1.0) for i in (1, 2, 3, 4)]
+    entries.append(comm.FlightEntry(5, "send_recv", "cp", "ring step 1", 10, 0.0, None))
+    assert comm.format_flight_record(entries, last=2) == "#4 all_gather tp 2.5 MB done, #5 send_recv cp 'ring step 1' 10 B in flight"
+    assert comm.format_flight_record(entries, last=0) == comm.format_flight_record([]) == "none"
