@@ -100,6 +100,22 @@ def _check_timeout(timeout: float | datetime.timedelta | None) -> datetime.timed
     return datetime.timedelta(seconds=seconds)
 
 
+def _restart_store(timeout: datetime.timedelta | None) -> dist.Store | None:
+    """After torchrun's agent restarted the ranks (``--max-restarts``): the agent's store,
+    under a prefix of this attempt. torch 2.13's ``env://`` connects workers to the agent's
+    store without one ("we create a new TCPStore for every retry"), but the standalone
+    rendezvous keeps one store across attempts: the restarted ranks read the dead
+    attempt's gloo addresses and fail to connect (measured: ``connectFullMesh ...
+    Connection refused`` on every restart). ``None`` on a first attempt."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if attempt == "0" or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                           int(os.environ["WORLD_SIZE"]), is_master=False,
+                           timeout=timeout or datetime.timedelta(minutes=5))
+    return dist.PrefixStore(f"dtp/attempt_{attempt}", client)
+
+
 def _ensure_process_group(backend: str, world_size: int, timeout: datetime.timedelta | None = None) -> None:
     """Initialise the default process group unless torchrun (or the user) already did.
 
@@ -121,6 +137,9 @@ def _ensure_process_group(backend: str, world_size: int, timeout: datetime.timed
                 f"make_mesh: mesh has {world_size} devices but WORLD_SIZE={env_world}; "
                 f"the product of the axis sizes must equal the world size"
             )
+        store = _restart_store(kwargs.get("timeout"))
+        if store is not None:
+            kwargs.update(store=store, rank=int(os.environ["RANK"]), world_size=env_world)
         dist.init_process_group(backend, **kwargs)
         return
     if world_size != 1:
