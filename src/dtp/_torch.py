@@ -39,7 +39,7 @@ __all__ = [
     "StridedShard", "LocalTensor", "LocalTensorMode", "maybe_run_for_local_tensor", "fake_store",
     "local_tensor", "local_tensors", "is_local_tensor", "flatten_mesh", "unflatten_mesh",
     "current_graph_task_id", "SavedTensor", "make_saved_tensor", "unpack_saved",
-    "cpu_flash_attention", "cpu_flash_attention_backward", "cuda_efficient_attention", "global_offset",
+    "cpu_flash_attention", "cpu_flash_attention_backward", "cuda_efficient_attention", "global_offset", "local_shape",
 ]
 
 
@@ -120,3 +120,10 @@ def global_offset(shape: tuple[int, ...], mesh: DeviceMesh, placements: tuple) -
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     return tuple(compute_local_shape_and_global_offset(shape, mesh, placements)[1])
+
+
+def local_shape(shape: tuple[int, ...], mesh: DeviceMesh, placements: tuple) -> tuple[int, ...]:
+    """This rank's block shape of a DTensor of global ``shape`` (what from_local needs)."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    return tuple(compute_local_shape_and_global_offset(shape, mesh, placements)[0])

@@ -70,6 +70,9 @@ __all__ = [
     "all_reduce",
     "all_to_all",
     "send_recv",
+    "send",
+    "recv",
+    "barrier",
     "drain",
     "Span",
     "span",
@@ -87,7 +90,7 @@ __all__ = [
 class CommRecord:
     """One collective as one rank saw it."""
 
-    kind: str  # all_gather | reduce_scatter | all_reduce | all_to_all | send_recv | barrier
+    kind: str  # all_gather | reduce_scatter | all_reduce | all_to_all | send_recv | send | recv | barrier
     axis: str  # mesh axis name (a flattened view's name for several axes)
     bytes: int  # bytes this rank sent
     group_size: int
@@ -746,6 +749,31 @@ def send_recv(x: torch.Tensor, mesh: DeviceMesh, axis: str, *, shift: int = 1, a
         return _Works(works), (lambda: out)
 
     return _run("send_recv", mesh, axis, x, lambda n: _nbytes(x) if n > 1 else 0, post, async_op, tag)
+
+
+def send(x: torch.Tensor, mesh: DeviceMesh, axis: str, *, to: int, key: int, tag: str = "") -> CommHandle:
+    """Post ``x`` to coordinate ``to`` on ``axis`` (point to point, always asynchronous;
+    wait on the handle before reusing ``x``). ``key`` (an int, as gloo's tag) pairs it with
+    the :func:`recv` of the same key, so sends and receives between two ranks may be
+    posted in any order. What a pipeline stage does with its activations and gradients."""
+    x = x.contiguous()
+
+    def post(group: dist.ProcessGroup, n: int):
+        return dist.isend(x, dist.get_global_rank(group, to), group=group, tag=key), (lambda: x)
+
+    return _run("send", mesh, axis, x, lambda n: _nbytes(x), post, True, tag)  # type: ignore[return-value]
+
+
+def recv(shape: Sequence[int], dtype: torch.dtype, mesh: DeviceMesh, axis: str, *, frm: int, key: int,
+         tag: str = "", device: torch.device | str | None = None) -> CommHandle:
+    """Post a receive of a ``shape``/``dtype`` tensor from coordinate ``frm`` on ``axis``
+    (asynchronous: ``wait()`` returns the tensor). Records 0 bytes: the sender counts them."""
+    out = torch.empty(tuple(shape), dtype=dtype, device=device)
+
+    def post(group: dist.ProcessGroup, n: int):
+        return dist.irecv(out, dist.get_global_rank(group, frm), group=group, tag=key), (lambda: out)
+
+    return _run("recv", mesh, axis, out, lambda n: 0, post, True, tag)  # type: ignore[return-value]
 
 
 class _Works:

@@ -140,10 +140,13 @@ def checksum(x: torch.Tensor) -> int:
 
 
 def _mask(x: torch.Tensor, mesh: DeviceMesh) -> int:
-    """Bit i set when ``x`` is split over mesh dim i (a plain tensor: none)."""
+    """Bit i set when ``x`` is split over ``mesh``'s dim i (a plain tensor: none). By
+    name: ``x`` may live on a sub-mesh (a pipeline stage's mesh lacks ``pp``)."""
     if not isinstance(x, DTensor):
         return 0
-    return sum(1 << i for i, p in enumerate(x.placements) if p.is_shard())
+    names = list(axis_names(mesh))
+    own = x.device_mesh.mesh_dim_names or ()
+    return sum(1 << names.index(own[i]) for i, p in enumerate(x.placements) if p.is_shard() and own[i] in names)
 
 
 def describe(x: object) -> str:

@@ -195,6 +195,23 @@ def clear_mesh_cache() -> None:
     """Forget the meshes :func:`make_mesh` built; call it when their process group is
     destroyed, so the next ``make_mesh`` builds on the new one."""
     _MESH_CACHE.clear()
+    _SUB_MESHES.clear()
+
+
+_SUB_MESHES: dict[tuple[DeviceMesh, tuple[str, ...]], DeviceMesh] = {}
+
+
+def sub_mesh(mesh: DeviceMesh, names: tuple[str, ...]) -> DeviceMesh:
+    """``mesh[names]``, one object per mesh and names: DTensors on equal but distinct
+    sub-mesh objects do not mix (a pipeline stage's mesh is ``mesh`` without ``pp``).
+
+    >>> sub_mesh(make_mesh(dp=1, tp=1), ("tp",)) is sub_mesh(make_mesh(dp=1, tp=1), ("tp",))
+    True
+    """
+    key = (mesh, tuple(names))
+    if key not in _SUB_MESHES:
+        _SUB_MESHES[key] = mesh[tuple(names)]
+    return _SUB_MESHES[key]
 
 
 def axis_names(mesh: DeviceMesh) -> tuple[str, ...]:

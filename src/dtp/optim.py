@@ -468,16 +468,18 @@ def global_norm(grads: PyTree) -> torch.Tensor:
     return torch.sqrt(total)
 
 
-def clip_by_global_norm(grads: PyTree, max_norm: float) -> tuple[PyTree, torch.Tensor]:
+def clip_by_global_norm(grads: PyTree, max_norm: float, *, norm: torch.Tensor | None = None
+                        ) -> tuple[PyTree, torch.Tensor]:
     """Scale all grads by ``min(1, max_norm / (norm + 1e-6))`` as
     ``torch.nn.utils.clip_grad_norm_`` does; returns ``(clipped, norm)`` with the norm
-    before clipping. Same placements out; only :func:`global_norm` communicates.
+    before clipping. Same placements out; only :func:`global_norm` communicates. ``norm``:
+    the norm already computed (over more than ``grads``: a pipeline's other stages).
 
     >>> clipped, norm = clip_by_global_norm({"w": torch.tensor([3.0, 4.0])}, 1.0)
     >>> norm, clipped["w"]
     (tensor(5.), tensor([0.6000, 0.8000]))
     """
-    norm = global_norm(grads)
+    norm = global_norm(grads) if norm is None else norm
     scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     # Scaling unconditionally (by exactly 1.0 when under the limit) keeps the same
     # numbers as torch, which also multiplies always; a 0-d scale keeps each leaf's dtype.

@@ -35,8 +35,10 @@ from . import guard, strategies
 from ._rules import is_positive_int
 from .comm import comm_log, span
 from .layouts import Layout, use_layout
-from .optim import GradientTransformation, apply_updates, clip_by_global_norm, global_norm
+from .models.sequential import Sequential
+from .optim import GradientTransformation, apply_updates, clip_by_global_norm
 from .ops.recompute import POLICIES, recompute as recompute_policy
+from .strategies import pipeline as pipeline_mod
 from .strategies import zero as zero_mod
 from .redistribute import local_map
 from .spec import P, shard, spec_of
@@ -107,6 +109,10 @@ class TrainState:
         checks = _agreements(leaves, axes_leaves)
         params = optree.tree_unflatten(treedef, sharded)
         zero_opts = None if _single_device(mesh) else zero_mod.options(layout, mesh)
+        if zero_opts is not None and layout.pipeline is not None and layout.pipeline.degree(mesh) > 1:
+            raise ValueError("TrainState.create: layouts.zero with layouts.pipeline is not supported yet: ZeRO's "
+                             "buckets follow one forward and backward per microbatch, while a pipeline schedule "
+                             "runs several forwards before their backwards; drop layouts.zero (or use pp=1)")
         if zero_opts is not None:  # buckets (and the sharded optimizer state) come in step one
             return cls(0, params, None, optimizer, mesh, layout, axes, zero_mod.create(params, zero_opts), checks)
         return cls(0, params, optimizer.init(params), optimizer, mesh, layout, axes, checks=checks)
@@ -176,6 +182,9 @@ def gather_params(state: TrainState) -> PyTree:
     >>> dtp.gather_params(state)["w"]
     tensor([1., 1.], requires_grad=True)
     """
+    opts = state.layout.pipeline
+    if opts is not None and opts.degree(state.mesh) > 1:
+        return pipeline_mod.gather(state.params, state.mesh, opts.axis)
     if state.zero is None:
         return state.params
     return zero_mod.gather(state.zero, state.params)
@@ -211,7 +220,8 @@ def shard_batch(batch: Mapping[str, torch.Tensor], state: TrainState) -> dict[st
     on the batch and on each rank's check result, so a failure is the same error on
     every rank.
     """
-    if _single_device(state.mesh):
+    mesh = compute_mesh(state)
+    if _single_device(mesh):
         return dict(batch)
     out, error = {}, None
     try:
@@ -219,20 +229,36 @@ def shard_batch(batch: Mapping[str, torch.Tensor], state: TrainState) -> dict[st
             if k in guard.ID_KEYS and isinstance(v, torch.Tensor) and v.numel() and not v.is_floating_point():
                 lo, hi = torch.aminmax(v)
                 guard.check_ids(k, int(lo), int(hi), state.checks.vocab, "shard_batch")
-            spec = state.layout.activation_spec(_BATCH_AXES[: v.dim()], state.mesh)
+            spec = state.layout.activation_spec(_BATCH_AXES[: v.dim()], mesh)
             if v.dim() > 1:
                 # The layout owns the sequence order (zigzag: rank r's chunks r and 2·cp−1−r
                 # side by side). Tokens and targets move together, so the mean loss is unchanged.
-                v = state.layout.to_cp_order(v, 1, state.mesh)
-            out[k] = shard(v, state.mesh, spec, name=f"batch[{k!r}]")
+                v = state.layout.to_cp_order(v, 1, mesh)
+            out[k] = shard(v, mesh, spec, name=f"batch[{k!r}]")
     except (ValueError, TypeError) as e:
         error = e
     guard.check_step(state.checks, state.mesh, state.layout, state.step, batch, {}, error, what="shard_batch")
     return out
 
 
-def _single_device(mesh: DeviceMesh) -> bool:
-    return mesh.size() == 1
+def _single_device(mesh: DeviceMesh | None) -> bool:
+    return mesh is None or mesh.size() == 1
+
+
+def compute_mesh(state: TrainState) -> DeviceMesh | None:
+    """Where ``state``'s computations run: its mesh, or under a pipeline the stage mesh
+    (the mesh without ``pp``; ``None`` when ``pp`` is its only axis)."""
+    opts = state.layout.pipeline
+    if opts is None or opts.degree(state.mesh) == 1:
+        return state.mesh
+    return pipeline_mod.stage_mesh(state.mesh, opts.axis)
+
+
+def _pipeline(state: TrainState, loss_fn: Callable, microbatches: int) -> "pipeline_mod.Context | None":
+    opts = state.layout.pipeline
+    if opts is None or opts.degree(state.mesh) == 1:
+        return None
+    return pipeline_mod.Context(state.layout, state.mesh, loss_fn, microbatches)
 
 
 def _spec(x: torch.Tensor) -> P | None:
@@ -258,6 +284,16 @@ def _split_microbatches(batch: Mapping[str, DTensor], n: int) -> list[dict[str, 
     return parts
 
 
+def _check_pipeline(loss_fn: Callable, state: TrainState, microbatches: int) -> None:
+    opts = state.layout.pipeline
+    if opts is None or opts.degree(state.mesh) == 1:
+        return
+    if not isinstance(loss_fn, Sequential):
+        raise TypeError(f"train_step: under layouts.pipeline loss_fn must be the model as a dtp.Sequential of "
+                        f"layers (e.g. llama.sequential(cfg)), got {type(loss_fn).__name__}")
+    opts.check(n_layers=len(loss_fn), mesh=state.mesh, microbatches=microbatches)
+
+
 def _check_inputs(batch: Mapping[str, torch.Tensor], state: TrainState, microbatches: int,
                   recompute: str | None, clip_norm: float | None = None) -> None:
     if recompute not in POLICIES:
@@ -273,14 +309,15 @@ def _check_inputs(batch: Mapping[str, torch.Tensor], state: TrainState, microbat
         raise TypeError(f"train_step: batch must be a non-empty dict of tensors, got {type(batch).__name__}")
     dp = state.layout.degree("batch", state.mesh)
     param_dtype = state.checks.param_dtype
+    mesh = compute_mesh(state)
     for k, v in batch.items():
         if not isinstance(v, torch.Tensor):
             raise TypeError(f"train_step: batch[{k!r}] must be a tensor, got {type(v).__name__}")
-        if not isinstance(v, DTensor) and not _single_device(state.mesh):
+        if not isinstance(v, DTensor) and not _single_device(mesh):
             raise ValueError(f"train_step: batch[{k!r}] is a plain tensor; place it with dtp.shard_batch(batch, state)")
-        if isinstance(v, DTensor) and v.device_mesh is not state.mesh and v.device_mesh != state.mesh:
+        if isinstance(v, DTensor) and v.device_mesh is not mesh and v.device_mesh != mesh:
             raise ValueError(f"train_step: batch[{k!r}] is placed on another mesh ({v.device_mesh}) than the "
-                             f"state's ({state.mesh}); place it with dtp.shard_batch(batch, state)")
+                             f"state's ({mesh}); place it with dtp.shard_batch(batch, state)")
         if k in guard.ID_KEYS and (v.is_floating_point() or v.is_complex() or v.dtype == torch.bool):
             raise TypeError(f"train_step: batch[{k!r}] holds vocabulary ids and must be an integer tensor, "
                             f"got {v.dtype}")
@@ -304,6 +341,8 @@ def _forward_backward(loss_fn: Callable, run: strategies.StepRun,
                       microbatches: list[dict[str, torch.Tensor]]) -> tuple[float, Any]:
     """The one microbatch loop: each microbatch's mean weighted 1/m, so gradient
     accumulation equals one big batch. Where the gradients go is the run's business."""
+    if hasattr(run, "schedule"):  # the pipeline orders forwards and backwards itself
+        return run.schedule(loss_fn, microbatches)
     total, auxes, m = 0.0, [], len(microbatches)
     for k, mb in enumerate(microbatches):
         with span("forward"), run.forward():
@@ -392,11 +431,12 @@ def train_step(loss_fn: Callable[[PyTree, Mapping[str, torch.Tensor]], Any], sta
     error = None
     try:
         _check_inputs(batch, state, microbatches, recompute, clip_norm)
+        _check_pipeline(loss_fn, state, microbatches)
     except (ValueError, TypeError) as e:
         error = e
     guard.check_step(state.checks, state.mesh, state.layout, state.step, batch,
                      {"microbatches": microbatches, "recompute": recompute, "clip_norm": clip_norm}, error)
-    run = strategies.begin(state.params, state.zero, microbatches)
+    run = strategies.begin(state.params, state.zero, microbatches, _pipeline(state, loss_fn, microbatches))
     with comm_log() as log:
         with use_layout(state.layout, state.mesh), recompute_policy(recompute):
             loss, aux = _forward_backward(loss_fn, run, _split_microbatches(batch, microbatches))
@@ -453,7 +493,7 @@ def _update(run: strategies.StepRun, optimizer: GradientTransformation, opt_stat
             u, parts[i] = optimizer.update([g], _state_part(opt_state, i, n), [targets[i]])
             new[i] = apply_updates([targets[i]], u)[0]
             grads[i] = g
-        norm = global_norm(grads)  # after every bucket's update, off their path
+        norm = run.norm(grads)  # after every bucket's update, off their path
         # A skip drops the new tensors (the old ones were never written to): nothing to
         # undo, and nothing extra on the steps that are not skipped.
         bad = _non_finite(loss, norm)
@@ -461,10 +501,9 @@ def _update(run: strategies.StepRun, optimizer: GradientTransformation, opt_stat
     for i, g in run.gradients():
         grads[i] = g
     tree, params = (grads, targets) if run.grouped else (grads[0], targets[0])
+    norm = run.norm(tree)
     if clip_norm is not None:
-        tree, norm = clip_by_global_norm(tree, clip_norm)
-    else:
-        norm = global_norm(tree)
+        tree, norm = clip_by_global_norm(tree, clip_norm, norm=norm)
     bad = _non_finite(loss, norm)
     if bad:  # as Megatron: the optimizer does not run at all
         return targets, opt_state, norm, bad

@@ -42,7 +42,8 @@ head_dim      per-head width (never split)
 ============  ===================================================================
 
 Modules: :mod:`.core` (``Layout``, the active layout), :mod:`.megatron` (``data``,
-``megatron``), :mod:`.context` (``context`` and the cp sequence order), :mod:`.zero`.
+``megatron``), :mod:`.context` (``context`` and the cp sequence order), :mod:`.zero`,
+:mod:`.pipeline` (``pipeline``: stages, schedule, virtual stages).
 The package attributes ``megatron``, ``context`` and ``zero`` are the preset functions;
 import the modules as ``from dtp.layouts.zero import ZeroOptions`` when you need them.
 """
@@ -65,10 +66,11 @@ from .context import (
 )
 from .core import MODEL_AXES, Axes, Layout, constrain, current, use_layout
 from .megatron import MegatronOptions, data, megatron
+from .pipeline import PipelineOptions, pipeline
 from .zero import ZERO_STAGES, ZeroOptions, zero
 
 __all__ = [
-    "Layout", "data", "megatron", "context", "context_options", "zero", "use_layout", "current", "constrain",
+    "Layout", "data", "megatron", "context", "context_options", "zero", "pipeline", "PipelineOptions", "use_layout", "current", "constrain",
     "MegatronOptions", "ContextOptions", "ZeroOptions", "CP_ALGORITHMS", "LOAD_BALANCE", "ZERO_STAGES",
     "Axes", "MODEL_AXES", "attended_kv_heads", "check_cp", "check_divisible", "check_load_balance", "check_window",
     "zigzag_permutation", "cp_permutation", "to_cp_order", "from_cp_order",

@@ -23,6 +23,7 @@ from ..spec import P
 if TYPE_CHECKING:  # the option modules import Layout to build their presets
     from .context import ContextOptions
     from .megatron import MegatronOptions
+    from .pipeline import PipelineOptions
     from .zero import ZeroOptions
 
 __all__ = ["Layout", "Axes", "MODEL_AXES", "use_layout", "current", "constrain"]
@@ -65,6 +66,7 @@ class Layout:
     megatron: MegatronOptions | None = None  # set by layouts.megatron
     context: ContextOptions | None = None  # set by layouts.context; None: no context parallel
     zero: ZeroOptions | None = None  # set by layouts.zero (stage >= 1); None: gradients all-reduced
+    pipeline: PipelineOptions | None = None  # set by layouts.pipeline; None: no pipeline
     name: str = ""  # for messages: the presets it was composed from
 
     def __add__(self, other: Layout) -> Layout:
@@ -72,7 +74,7 @@ class Layout:
             return NotImplemented
         return Layout(_merge(self.params, other.params), _merge(self.activations, other.activations),
                       megatron=_right(self.megatron, other.megatron), context=_right(self.context, other.context),
-                      zero=_right(self.zero, other.zero),
+                      zero=_right(self.zero, other.zero), pipeline=_right(self.pipeline, other.pipeline),
                       name=" + ".join(n for n in (self.name, other.name) if n))
 
     def _spec(self, rules: Mapping[str, Axes], logical: Sequence[str | None], mesh: DeviceMesh, name: str) -> P:
@@ -118,7 +120,7 @@ class Layout:
         """
         names = axis_names(mesh)
         if mesh.size() > 1:
-            for preset, opts in (("zero", self.zero), ("context", self.context)):
+            for preset, opts in (("zero", self.zero), ("context", self.context), ("pipeline", self.pipeline)):
                 if opts is not None and opts.axis not in names:
                     raise ValueError(
                         f"{what}: layouts.{preset}(axis={opts.axis!r}) names a mesh axis this mesh lacks "

@@ -26,8 +26,9 @@ import torch.nn.functional as F
 
 from ..layouts import constrain
 from ..ops import attention, cross_entropy, embedding, linear, remat, rotary
+from .sequential import Layer, Sequential
 
-__all__ = ["LlamaConfig", "CONFIGS", "config", "init", "param_axes", "axis_sizes", "apply", "loss",
+__all__ = ["LlamaConfig", "CONFIGS", "config", "init", "param_axes", "axis_sizes", "apply", "loss", "sequential",
            "param_count", "flops_per_token"]
 
 
@@ -197,14 +198,22 @@ def _block(layer: dict[str, torch.Tensor], h: torch.Tensor, cfg: LlamaConfig) ->
     return h + constrain(_mlp(layer, x), ("batch", "res_seq", "embed"), name="mlp_out")
 
 
-def apply(params: dict[str, Any], tokens: torch.Tensor, cfg: LlamaConfig) -> torch.Tensor:
-    """Logits (batch, seq, vocab) for ``tokens`` (batch, seq)."""
-    h = constrain(embedding(params["embed"], tokens), ("batch", "res_seq", "embed"), name="embed_out")
-    for layer in params["layers"]:
-        h = remat(_block, layer, h, cfg, level="full")
+def _embed(params: dict[str, Any], x: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    return constrain(embedding(params["embed"], batch["tokens"]), ("batch", "res_seq", "embed"), name="embed_out")
+
+
+def _logits(params: dict[str, Any], h: torch.Tensor, cfg: LlamaConfig) -> torch.Tensor:
     x = constrain(_rms_norm(h, params["final_norm"], cfg.norm_eps), ("batch", "seq", "embed"), name="head_in")
     head = params["embed"].transpose(0, 1) if cfg.tie_embeddings else params["lm_head"]
     return constrain(linear(x, head), ("batch", "seq", "vocab"), name="logits")
+
+
+def apply(params: dict[str, Any], tokens: torch.Tensor, cfg: LlamaConfig) -> torch.Tensor:
+    """Logits (batch, seq, vocab) for ``tokens`` (batch, seq)."""
+    h = _embed(params, None, {"tokens": tokens})
+    for layer in params["layers"]:
+        h = remat(_block, layer, h, cfg, level="full")
+    return _logits(params, h, cfg)
 
 
 def loss(params: dict[str, Any], batch: dict[str, torch.Tensor], cfg: LlamaConfig) -> torch.Tensor:
@@ -212,3 +221,20 @@ def loss(params: dict[str, Any], batch: dict[str, torch.Tensor], cfg: LlamaConfi
     return cross_entropy(apply(params, batch["tokens"], cfg), batch["targets"])
 
 
+def sequential(cfg: LlamaConfig) -> Sequential:
+    """The model as a sequence of layers — embedding | each block | final norm + head +
+    loss — what ``layouts.pipeline`` splits into stages (each counts as one layer). Called
+    as ``loss_fn(params, batch)`` it equals :func:`loss`. With ``tie_embeddings`` the
+    first and the last layer both read ``embed``.
+
+    >>> cfg = config("tiny")
+    >>> [layer.name for layer in sequential(cfg).layers]
+    ['embed', 'block 0', 'block 1', 'head']
+    """
+    def block(i: int):
+        return lambda p, h, b: remat(_block, p["layers"][i], h, cfg, level="full")
+
+    head = ("final_norm", "embed" if cfg.tie_embeddings else "lm_head")
+    return Sequential([Layer(_embed, ("embed",), "embed"),
+                       *(Layer(block(i), (f"layers.{i}",), f"block {i}") for i in range(cfg.n_layers)),
+                       Layer(lambda p, h, b: cross_entropy(_logits(p, h, cfg), b["targets"]), head, "head")])

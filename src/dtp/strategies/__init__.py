@@ -15,15 +15,17 @@ and asks a :class:`StepRun` for the parts that differ between strategies:
                             themselves, or ZeRO's fp32 master slices)
 ``run.opt_state(opt, s, t)`` the optimizer state over the targets ``t`` (``s`` as it is, or,
                             in ZeRO's first step, ``s`` cut into the buckets / a fresh one)
+``run.norm(grads)``          the global gradient norm (the pipeline sums it over stages)
+``run.schedule(f, mbs)``    optional: a strategy that orders forwards and backwards itself
+                            (the pipeline's schedules) runs the microbatches here
 ``run.grouped``             ``False``: one group, and the optimizer state covers its tree;
                             ``True``: the optimizer state covers the list of groups
 ``run.finish(updated)``     the new ``(params, opt_state-independent strategy state)``
 ==========================  ===============================================================
 
 Strategies today: :mod:`.replicated` (gradients all-reduced to the parameters' layout,
-DDP) and :mod:`.zero` (ZeRO 1/2/3 buckets: reduce-scatter, sharded update, all-gather).
-A pipeline schedule implements the same interface; its ``backward`` is where it runs
-the schedule's sends and receives.
+DDP), :mod:`.zero` (ZeRO 1/2/3 buckets: reduce-scatter, sharded update, all-gather) and
+:mod:`.pipeline` (stages over ``pp``: any schedule's action list, sends and receives).
 
 Adding a strategy: options as a frozen, self-checking object in ``dtp.layouts``; the
 collectives through :mod:`dtp.comm`; a ``StepRun`` here; :func:`begin` picks it from the
@@ -36,9 +38,9 @@ from typing import Any, ContextManager, Iterator, Protocol
 
 import torch
 
-from . import replicated, zero
+from . import pipeline, replicated, zero
 
-__all__ = ["StepRun", "begin", "replicated", "zero"]
+__all__ = ["StepRun", "begin", "replicated", "zero", "pipeline"]
 
 PyTree = Any
 
@@ -60,12 +62,18 @@ class StepRun(Protocol):
 
     def opt_state(self, optimizer: Any, opt_state: PyTree, targets: list[PyTree]) -> PyTree: ...
 
+    def norm(self, grads: PyTree) -> torch.Tensor: ...
+
     def finish(self, updated: list[PyTree]) -> tuple[PyTree, Any]: ...
 
 
-def begin(params: PyTree, zero_state: zero.ZeroState | None, microbatches: int) -> StepRun:
+def begin(params: PyTree, zero_state: zero.ZeroState | None, microbatches: int,
+          pipeline_context: pipeline.Context | None = None) -> StepRun:
     """The run of the strategy a state's fields are laid out for (ZeRO when it holds a
-    ZeRO state); ``dtp.step`` passes them, so nothing here knows the state's type."""
+    ZeRO state, the pipeline when the step gives its context); ``dtp.step`` passes them,
+    so nothing here knows the state's type."""
+    if pipeline_context is not None:
+        return pipeline.Run(params, pipeline_context)
     if zero_state is not None:
         return zero.Run(zero_state, params, microbatches)
     return replicated.Run(params, microbatches)

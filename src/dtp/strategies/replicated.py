@@ -16,6 +16,7 @@ import optree
 import torch
 from torch.distributed.tensor import DTensor
 
+from ..optim import global_norm
 from ..redistribute import reshard
 from ..spec import P, spec_of
 
@@ -44,7 +45,11 @@ class Run:
         return contextlib.nullcontext()
 
     def backward(self, loss: torch.Tensor, microbatch: int) -> None:
-        for i, g in enumerate(torch.autograd.grad(loss, self.leaves, allow_unused=True)):
+        self.add(torch.autograd.grad(loss, self.leaves, allow_unused=True))
+
+    def add(self, grads: Any) -> None:
+        """Add one backward's gradients (one per leaf, ``None`` for unused leaves)."""
+        for i, g in enumerate(grads):
             if g is None:
                 continue
             acc = self.grads[i]
@@ -52,6 +57,13 @@ class Run:
                 self.grads[i] = g
             else:  # accumulate in the accumulator's layout (pending sums add locally)
                 self.grads[i] = acc + (g if _spec(g) == _spec(acc) else reshard(g, spec_of(acc)))
+
+    def grad(self, i: int) -> torch.Tensor | None:
+        """Leaf ``i``'s accumulated (not yet reduced) gradient."""
+        return self.grads[i]
+
+    def set_grad(self, i: int, g: torch.Tensor) -> None:
+        self.grads[i] = g
 
     def gradients(self) -> Iterator[tuple[int, PyTree]]:
         # To the parameters' layout: pending sums over dp become all-reduces (DDP).
@@ -67,6 +79,9 @@ class Run:
 
     def opt_state(self, optimizer: Any, opt_state: PyTree, targets: list[PyTree]) -> PyTree:
         return optimizer.init(targets[0]) if opt_state is None else opt_state
+
+    def norm(self, grads: PyTree) -> torch.Tensor:
+        return global_norm(grads)
 
     def finish(self, updated: list[PyTree]) -> tuple[PyTree, None]:
         return updated[0], None

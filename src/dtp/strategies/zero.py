@@ -49,7 +49,7 @@ from ..layouts import Layout
 from ..layouts.zero import ZeroOptions
 from .._torch import current_graph_task_id, local_tensor
 from ..mesh import axis_names, axis_sizes, coordinates
-from ..optim import map_param_trees
+from ..optim import global_norm, map_param_trees
 from ..redistribute import reshard
 from ..spec import P, wrap_local, spec_of
 
@@ -607,6 +607,9 @@ class Run:
         if opt_state is None:
             return optimizer.init(targets)
         return map_param_trees(opt_state, self.z.skeleton, lambda name, tree: self.cut(tree))
+
+    def norm(self, grads: PyTree) -> torch.Tensor:
+        return global_norm(grads)
 
     def finish(self, updated: list[DTensor]) -> tuple[PyTree, ZeroState]:
         """The new state: updated master slices, and (stage 1/2) every bucket's all-gather

@@ -1,0 +1,116 @@
+"""The pipeline preset: stages over a ``pp`` mesh axis, a schedule, virtual stages.
+
+``layouts.pipeline(schedule="1f1b", virtual_stages=1)`` splits a model given as a
+sequence of layers (:class:`dtp.Sequential`; ``llama.sequential(cfg)`` is the reference
+model's: embedding | blocks | final norm + head + loss) into ``pp × virtual_stages``
+chunks of consecutive layers. Chunk ``c`` of rank ``r`` is global stage ``c·pp + r``
+(Megatron's round-robin for the interleaved schedule). Every layer counts as one unless
+``layer_split`` gives the number of layers of each stage (uneven splits; e.g. fewer blocks
+on the stages that also hold the embedding or the head). The microbatch count is
+``train_step``'s ``microbatches`` — one place only. Schedules are data
+(:mod:`dtp.schedules`): the action list each rank runs, which tests and
+``dtp train --print-schedule`` print.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from torch.distributed.device_mesh import DeviceMesh
+
+from .. import schedules
+from .._rules import is_positive_int
+from ..mesh import axis_names
+from .core import Layout
+
+__all__ = ["PipelineOptions", "pipeline", "assign"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class PipelineOptions:
+    """What the pipeline does over ``axis``; checked when built.
+
+    >>> PipelineOptions(schedule="interleaved", virtual_stages=2).virtual_stages
+    2
+    """
+
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+    axis: str = "pp"
+    layer_split: tuple[int, ...] | None = None  # layers per global stage; None: as even as possible
+
+    def __post_init__(self) -> None:
+        if self.schedule not in schedules.SCHEDULES:
+            raise ValueError(f"layouts.pipeline: schedule must be one of {schedules.SCHEDULES}, got {self.schedule!r}")
+        if not is_positive_int(self.virtual_stages):
+            raise ValueError(f"layouts.pipeline: virtual_stages must be an int >= 1, got {self.virtual_stages!r}")
+        if self.virtual_stages > 1 and self.schedule != "interleaved":
+            raise ValueError(f"layouts.pipeline: virtual_stages={self.virtual_stages} needs schedule='interleaved' "
+                             f"(got {self.schedule!r}); the other schedules run one chunk per rank")
+        if not isinstance(self.axis, str) or not self.axis:
+            raise TypeError(f"layouts.pipeline: axis must be a mesh axis name, got {self.axis!r}")
+        if self.layer_split is not None:
+            split = tuple(self.layer_split)
+            if not split or not all(is_positive_int(n) for n in split):
+                raise ValueError(f"layouts.pipeline: layer_split must be layer counts >= 1 per stage, got "
+                                 f"{self.layer_split!r}")
+            object.__setattr__(self, "layer_split", split)
+
+    def degree(self, mesh: DeviceMesh) -> int:
+        """The number of pipeline ranks on ``mesh`` (1 without the axis)."""
+        names = axis_names(mesh)
+        return mesh.size(names.index(self.axis)) if self.axis in names else 1
+
+    def check(self, *, n_layers: int, mesh: DeviceMesh, microbatches: int, what: str = "train_step") -> None:
+        """``ValueError`` (every rank alike, before any collective) when the model's layers
+        or the microbatches do not fit this pipeline on ``mesh``."""
+        p, v = self.degree(mesh), self.virtual_stages
+        assign(n_layers, p, v, self.layer_split, what=what)
+        try:
+            schedules.check(self.schedule, p=p, v=v, m=microbatches)
+        except ValueError as e:
+            raise ValueError(f"{what}: {e}") from None
+
+
+def assign(n_layers: int, p: int, v: int, split: Sequence[int] | None = None, *, what: str = "pipeline"
+           ) -> tuple[tuple[int, int], ...]:
+    """``(first, stop)`` layer range of each global stage ``0 … p·v−1``: ``split`` layers
+    each, or as even as possible (the earlier stages one more).
+
+    >>> assign(6, 2, 1)
+    ((0, 3), (3, 6))
+    >>> assign(7, 2, 2)                      # 4 stages: ranks 0, 1, 0, 1
+    ((0, 2), (2, 4), (4, 6), (6, 7))
+    >>> assign(4, 2, 1, (1, 3))
+    ((0, 1), (1, 4))
+    """
+    stages = p * v
+    if split is not None:
+        if len(split) != stages or sum(split) != n_layers:
+            raise ValueError(f"{what}: layer_split {tuple(split)} must give {stages} stages (pp={p} × "
+                             f"virtual_stages={v}) whose layers sum to the model's {n_layers}")
+        counts = list(split)
+    else:
+        if n_layers < stages:
+            raise ValueError(f"{what}: the model has {n_layers} layers, fewer than pp={p} × virtual_stages={v} "
+                             f"= {stages} stages; use fewer stages (every stage needs a layer)")
+        base, extra = divmod(n_layers, stages)
+        counts = [base + (s < extra) for s in range(stages)]
+    out, first = [], 0
+    for n in counts:
+        out.append((first, first + n))
+        first += n
+    return tuple(out)
+
+
+def pipeline(schedule: str = "1f1b", *, virtual_stages: int = 1, axis: str = "pp",
+             layer_split: Sequence[int] | None = None) -> Layout:
+    """Pipeline parallel over ``axis`` (see the module docstring).
+
+    >>> pipeline("interleaved", virtual_stages=2).pipeline.schedule
+    'interleaved'
+    """
+    opts = PipelineOptions(schedule=schedule, virtual_stages=virtual_stages, axis=axis,
+                           layer_split=tuple(layer_split) if layer_split is not None else None)
+    return Layout(pipeline=opts, name=f"pipeline({schedule!r}" + (f", v={virtual_stages})" if virtual_stages > 1 else ")"))

@@ -1,0 +1,424 @@
+"""Pipeline parallel: one runner executes any schedule's action list (:mod:`dtp.schedules`).
+
+Rank ``r`` of the ``pp`` axis holds global stages ``r, r+p, …`` (one per virtual chunk,
+:func:`dtp.layouts.pipeline.assign`), i.e. the parameters those stages' layers read,
+laid out by the rest of the layout on the *stage mesh* (the mesh without ``pp``: dp, cp,
+tp go on as everywhere else). The parameters of other stages are ``None`` in its tree.
+
+For each action of its list, in order:
+
+* ``F`` (chunk c, microbatch i): the stage's input is the microbatch (first stage) or
+  the activation received from the previous stage; run the stage's layers; post the
+  output to the next stage (``dtp.comm.send``, asynchronous) — or, on the last stage,
+  keep the loss;
+* ``B``: backward of that microbatch through the stage with the gradient received from
+  the next stage (the loss weighted 1/m on the last stage); post the input's gradient to
+  the previous stage; add the parameters' gradients to the step's accumulators;
+* ``I`` / ``W`` (zero-bubble): the same backward split — ``I`` computes and posts only
+  the input's gradient (the graph kept), ``W`` the parameters' gradients later, where
+  the schedule has a bubble to fill.
+
+Receives are posted one action ahead (the next action's input is on the wire while this
+one computes); sends never block. Each message carries a small header (global shape,
+dtype, placements) so stages need not know each other's shapes. With tensor parallel and
+an activation replicated over ``tp``, each tp rank sends only its 1/t of the sequence and
+the receiver all-gathers it over ``tp`` (Megatron's scatter/gather optimisation; with
+sequence parallel the residual already is split, so nothing extra moves).
+
+After the schedule: tied parameters (the embedding the first and the last stage both
+read) have their gradients summed between those two ranks; then gradients are reduced
+over dp as in :mod:`.replicated`, and the gradient norm sums over all stages.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Callable, ContextManager, Iterator, Mapping, Sequence
+
+import optree
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+from .. import comm, schedules
+from ..layouts import Layout, use_layout
+from ..layouts.pipeline import assign
+from ..mesh import axis_names, coordinates, sub_mesh
+from ..models.sequential import Sequential
+from ..optim import global_norm, map_param_trees
+from ..redistribute import reshard
+from ..spec import P, from_placements, spec_of, to_placements, wrap_local
+from . import replicated
+
+__all__ = ["Context", "Run", "stage_mesh", "local_paths", "gather"]
+
+PyTree = Any
+_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64, torch.int32)
+_HEADER = 24  # int64 words: ndim, 8 dims, dtype, then one placement code per mesh dim (≤ 14)
+
+
+@dataclass(frozen=True)
+class Context:
+    """What the pipeline run needs from the step: the layout, the whole mesh, the model."""
+
+    layout: Layout
+    mesh: DeviceMesh
+    model: Sequential
+    microbatches: int
+
+
+def stage_mesh(mesh: DeviceMesh, axis: str) -> DeviceMesh | None:
+    """The mesh without the pipeline axis (``None`` when ``axis`` is its only axis: a stage
+    is then one device, and its tensors are plain)."""
+    rest = tuple(a for a in axis_names(mesh) if a != axis)
+    return sub_mesh(mesh, rest) if rest else None
+
+
+def _paths(tree: PyTree) -> list[str]:
+    return [".".join(map(str, p)) for p in optree.tree_paths(tree)]
+
+
+def _owned(path: str, prefixes: Sequence[str]) -> bool:
+    return any(path == q or path.startswith(q + ".") for q in prefixes)
+
+
+def local_paths(ctx: Context) -> tuple[tuple[int, int, int], ...]:
+    """``(global stage, first layer, stop)`` of this rank's chunks, chunk order."""
+    opts = ctx.layout.pipeline
+    p, v = opts.degree(ctx.mesh), opts.virtual_stages
+    r = coordinates(ctx.mesh)[opts.axis]
+    ranges = assign(len(ctx.model), p, v, opts.layer_split)
+    return tuple((c * p + r, *ranges[c * p + r]) for c in range(v))
+
+
+class Run:
+    """One step of a pipeline schedule (a :class:`dtp.strategies.StepRun`)."""
+
+    grouped = False
+
+    def __init__(self, params: PyTree, ctx: Context):
+        self.ctx, opts = ctx, ctx.layout.pipeline
+        self.axis, self.p, self.v = opts.axis, opts.degree(ctx.mesh), opts.virtual_stages
+        self.rank = coordinates(ctx.mesh)[self.axis]
+        self.m = ctx.microbatches
+        self.smesh = stage_mesh(ctx.mesh, self.axis)
+        self.chunks = local_paths(ctx)
+        self.n_stages = self.p * self.v
+        model = ctx.model
+        owned = set().union(*(model.paths(first, stop) for _, first, stop in self.chunks))
+        # The embedding both ends read (tied weights): its gradient is summed between them.
+        self.tied = tuple(sorted(set(model.paths(*assign(len(model), self.p, self.v, opts.layer_split)[0]))
+                                 & set(model.paths(*assign(len(model), self.p, self.v, opts.layer_split)[-1]))))
+        leaves, self.treedef = optree.tree_flatten(params, none_is_leaf=True)
+        paths = _paths(optree.tree_unflatten(self.treedef, list(range(len(leaves)))))
+        self.keep = [_owned(path, tuple(owned)) for path in paths]
+        self.paths = paths
+        local = [self._to_stage(x) if keep and x is not None else None for x, keep in zip(leaves, self.keep)]
+        self.params_tree = optree.tree_unflatten(self.treedef, local)
+        self.inner = replicated.Run(self.params_tree, self.m)
+        # full leaf index (None included) -> index among the held leaves (the inner run's)
+        self.held = {j: k for k, j in enumerate(j for j, x in enumerate(local) if x is not None)}
+        self.saved: dict[tuple[int, int], tuple[Any, Any]] = {}  # (chunk, mb) -> (input, output)
+        self.pending_w: dict[tuple[int, int], tuple[Any, Any]] = {}
+        self.recvs: dict[tuple[str, int, int], Any] = {}
+        self.sends: list[comm.CommHandle] = []
+        self.losses: dict[int, float] = {}
+        self.auxes: dict[int, Any] = {}
+
+    # ---- placement
+    def _to_stage(self, x: torch.Tensor) -> torch.Tensor:
+        """A parameter (or optimizer state) of the whole mesh, replicated over pp, as the
+        stage mesh's: the same local tensor, no communication."""
+        if not isinstance(x, DTensor) or x.device_mesh is self.smesh:
+            return x.detach().requires_grad_(x.requires_grad) if isinstance(x, DTensor) else x
+        local = x.to_local().detach()
+        if self.smesh is None:
+            return local.requires_grad_(x.requires_grad)
+        return wrap_local(local, self.smesh, spec_of(x), tuple(x.shape)).requires_grad_(x.requires_grad)
+
+    # ---- the StepRun interface
+    def params(self) -> PyTree:
+        return self.params_tree
+
+    def forward(self) -> ContextManager[None]:
+        return contextlib.nullcontext()
+
+    def backward(self, loss: torch.Tensor, microbatch: int) -> None:  # pragma: no cover - not used
+        raise NotImplementedError("the pipeline runs its own schedule (Run.schedule)")
+
+    def schedule(self, loss_fn: Callable, microbatches: list[Mapping[str, Any]]) -> tuple[float, Any]:
+        """Run this rank's action list; returns the mean loss (on every rank) and aux
+        (the last stage's, ``None`` elsewhere)."""
+        opts = self.ctx.layout.pipeline
+        actions = schedules.make(opts.schedule, p=self.p, v=self.v, m=self.m)[self.rank]
+        self.mbs = microbatches
+        with use_layout(self.ctx.layout, self.smesh) if self.smesh is not None else contextlib.nullcontext():
+            for k, action in enumerate(actions):
+                if k + 1 < len(actions):
+                    self._prefetch(actions[k + 1])
+                getattr(self, f"_{action.kind}")(action.chunk, action.microbatch)
+        for handle in self.sends:
+            handle.wait()
+        self.sends.clear()
+        self._sum_tied()
+        return self._loss(), (self.auxes.get(0) if self.m == 1 else tuple(self.auxes[i] for i in sorted(self.auxes))
+                              ) if self.auxes else None
+
+    def gradients(self) -> Iterator[tuple[int, PyTree]]:
+        return self.inner.gradients()
+
+    def targets(self) -> list[PyTree]:
+        return [self.params_tree]
+
+    def opt_state(self, optimizer: Any, opt_state: PyTree, targets: list[PyTree]) -> PyTree:
+        """The optimizer state of this rank's parameters, on the stage mesh (others ``None``)."""
+        if opt_state is None:
+            return optimizer.init(targets[0])
+        full = optree.tree_unflatten(self.treedef, list(range(len(self.keep))))
+
+        def mirror(name: str, tree: PyTree) -> PyTree:
+            leaves = optree.tree_leaves(tree, none_is_leaf=True)
+            return optree.tree_unflatten(self.treedef, [self._to_stage(x) if keep and x is not None else None
+                                                        for x, keep in zip(leaves, self.keep)])
+
+        return map_param_trees(opt_state, full, mirror)
+
+    def norm(self, grads: PyTree) -> torch.Tensor:
+        """The gradient norm over every stage: each rank's squares (a tied parameter
+        counted on the first stage only), summed over pp."""
+        mine = [g for g, path in zip(optree.tree_leaves(grads, none_is_leaf=True), self.paths)
+                if g is not None and not (_owned(path, self.tied) and not self._holds_first())]
+        local = global_norm(mine) ** 2 if mine else torch.zeros((), dtype=torch.float64)
+        total = comm.all_reduce(local.reshape(1), self.ctx.mesh, self.axis, tag="pipeline grad norm")
+        return torch.sqrt(total[0]).to(local.dtype)
+
+    def finish(self, updated: list[PyTree]) -> tuple[PyTree, None]:
+        return updated[0], None
+
+    # ---- the schedule's actions
+    def _stage(self, chunk: int) -> tuple[int, int, int]:
+        return self.chunks[chunk]
+
+    def _F(self, chunk: int, i: int) -> None:
+        stage, first, stop = self._stage(chunk)
+        x = None if stage == 0 else self._take("act", stage, i)
+        out = self.ctx.model.run(self.params_tree, x, self.mbs[i], first, stop)
+        if stage == self.n_stages - 1:
+            loss, aux = out if isinstance(out, tuple) else (out, None)
+            self.losses[i] = float(loss.detach().to_local() if isinstance(loss, DTensor) else loss.detach())
+            if aux is not None:
+                self.auxes[i] = aux
+            self.saved[(chunk, i)] = (x, loss / self.m)
+            return
+        self.saved[(chunk, i)] = (x, out)
+        self._send("act", stage + 1, i, out.detach())
+
+    def _B(self, chunk: int, i: int) -> None:
+        self._I(chunk, i, keep_graph=False)
+
+    def _I(self, chunk: int, i: int, keep_graph: bool = True) -> None:
+        stage = self._stage(chunk)[0]
+        x, out = self.saved.pop((chunk, i))
+        grad = None if stage == self.n_stages - 1 else self._take("grad", stage, i)
+        leaves = optree.tree_leaves(self.params_tree)
+        inputs = ([x] if x is not None else []) + ([] if keep_graph else leaves)
+        if inputs:
+            grads = torch.autograd.grad(out, inputs, grad_outputs=grad, allow_unused=True, retain_graph=keep_graph)
+        if x is not None:
+            dx = grads[0] if grads[0] is not None else torch.zeros_like(x)
+            self._send("grad", stage - 1, i, dx)
+        if keep_graph:
+            self.pending_w[(chunk, i)] = (out, grad)
+        else:
+            self.inner.add(grads[1 if x is not None else 0:])
+
+    def _W(self, chunk: int, i: int) -> None:
+        out, grad = self.pending_w.pop((chunk, i))
+        leaves = optree.tree_leaves(self.params_tree)
+        self.inner.add(torch.autograd.grad(out, leaves, grad_outputs=grad, allow_unused=True))
+
+    # ---- point to point
+    def _rank_of(self, stage: int) -> int:
+        return stage % self.p
+
+    def _key(self, kind: str, stage: int, i: int, part: int) -> int:
+        return ((stage * 2 + (kind == "grad")) * self.m + i) * 2 + part
+
+    def _send(self, kind: str, stage: int, i: int, x: torch.Tensor) -> None:
+        """Post ``x`` (an activation for ``stage``, or a gradient for it) to its rank."""
+        to = self._rank_of(stage)
+        x = _sendable(x)
+        header = _header(x)
+        local = x.to_local() if isinstance(x, DTensor) else x
+        tag = f"pp {kind} stage {stage} mb {i}"
+        if to == self.rank:  # interleaved with p = 1: a stage hands to the next on this rank
+            self.recvs[(kind, stage, i)] = _Local(x)
+            return
+        self.sends.append(comm.send(header, self.ctx.mesh, self.axis, to=to, key=self._key(kind, stage, i, 0),
+                                    tag=tag + " header"))
+        self.sends.append(comm.send(local, self.ctx.mesh, self.axis, to=to, key=self._key(kind, stage, i, 1), tag=tag))
+
+    def _prefetch(self, action: Any) -> None:
+        stage = action.stage(self.rank, self.p)
+        if action.kind == "F" and stage > 0:
+            self._post("act", stage, action.microbatch)
+        elif action.kind in ("B", "I") and stage < self.n_stages - 1:
+            self._post("grad", stage, action.microbatch)
+
+    def _post(self, kind: str, stage: int, i: int) -> None:
+        key = (kind, stage, i)
+        if key in self.recvs:
+            return
+        frm = self._rank_of(stage - 1 if kind == "act" else stage + 1)
+        if frm == self.rank:
+            return  # handed over locally by _send
+        header = comm.recv((_HEADER,), torch.int64, self.ctx.mesh, self.axis, frm=frm,
+                           key=self._key(kind, stage, i, 0), tag=f"pp {kind} stage {stage} mb {i} header")
+        self.recvs[key] = _Incoming(self, header, frm, self._key(kind, stage, i, 1), f"pp {kind} stage {stage} mb {i}")
+
+    def _take(self, kind: str, stage: int, i: int) -> torch.Tensor:
+        self._post(kind, stage, i)
+        x = self.recvs.pop((kind, stage, i)).wait()
+        return x.requires_grad_(True) if kind == "act" else x
+
+    # ---- after the schedule
+    def _holds_first(self) -> bool:
+        return any(stage == 0 for stage, _, _ in self.chunks)
+
+    def _holds_last(self) -> bool:
+        return any(stage == self.n_stages - 1 for stage, _, _ in self.chunks)
+
+    def _sum_tied(self) -> None:
+        first, last = self._rank_of(0), self._rank_of(self.n_stages - 1)
+        if not self.tied or first == last or self.rank not in (first, last):
+            return
+        peer = last if self.rank == first else first
+        for j, (path, keep) in enumerate(zip(self.paths, self.keep)):
+            if not keep or not _owned(path, self.tied):
+                continue
+            k = self.held[j]
+            g, leaf = self.inner.grad(k), optree.tree_leaves(self.params_tree)[k]
+            if g is None:  # a stage that does not read it after all: its share is zero
+                g = torch.zeros_like(leaf)
+            if isinstance(g, DTensor) and spec_of(g) != spec_of(leaf):
+                # Each end's gradient in the parameter's layout first (its dp reduction),
+                # so the two add as plain local tensors whatever their pending sums were.
+                g = reshard(g, spec_of(leaf), tag="grad reduce")
+            local = g.to_local() if isinstance(g, DTensor) else g
+            key = 1_000_000 + j
+            send = comm.send(local, self.ctx.mesh, self.axis, to=peer, key=key, tag=f"pp tied grad {path}")
+            theirs = comm.recv(local.shape, local.dtype, self.ctx.mesh, self.axis, frm=peer, key=key,
+                               tag=f"pp tied grad {path}", device=local.device).wait()
+            send.wait()
+            summed = local + theirs
+            self.inner.set_grad(k, summed if not isinstance(g, DTensor) else
+                                DTensor.from_local(summed, g.device_mesh, g.placements, run_check=False,
+                                                   shape=g.shape, stride=g.stride()))
+
+    def _loss(self) -> float:
+        mine = sum(self.losses.values()) / self.m if self._holds_last() else 0.0
+        total = comm.all_reduce(torch.tensor([mine], dtype=torch.float64), self.ctx.mesh, self.axis,
+                                tag="pipeline loss")
+        return float(total[0])
+
+
+def gather(params: PyTree, mesh: DeviceMesh, axis: str) -> PyTree:
+    """Every stage's parameters on every pp rank, each on the stage mesh (a collective
+    over ``pp``: call it on every rank). Per parameter: which ranks hold it, its header
+    (shape, dtype, placements) and its value, each one all-reduce over ``pp``, the value
+    from the lowest holder."""
+    leaves, treedef = optree.tree_flatten(params, none_is_leaf=True)
+    if all(x is not None for x in leaves):
+        return params  # before the first step every rank holds everything
+    smesh = stage_mesh(mesh, axis)
+    me = coordinates(mesh)[axis]
+    out = []
+    for j, x in enumerate(leaves):
+        held = torch.tensor([float(me if x is not None else 1e9)], dtype=torch.float64)
+        owner = int(-comm.all_reduce(-held, mesh, axis, op="max", tag=f"pp gather owner {j}")[0])
+        header = _header(x) if me == owner else torch.full((_HEADER,), -(2 ** 40), dtype=torch.int64)
+        header = comm.all_reduce(header, mesh, axis, op="max", tag=f"pp gather header {j}")
+        shape, dtype, placements = _read_header(header, smesh)
+        local = (x.to_local() if isinstance(x, DTensor) else x).detach() if me == owner else \
+            torch.zeros(_local_shape(shape, smesh, placements), dtype=dtype)
+        local = comm.all_reduce(local, mesh, axis, tag=f"pp gather {j}")
+        if placements is None:
+            out.append(local.requires_grad_(True))
+        else:
+            out.append(DTensor.from_local(local, smesh, placements, run_check=False, shape=torch.Size(shape),
+                                          stride=_contiguous(shape)).requires_grad_(True))
+    return optree.tree_unflatten(treedef, out)
+
+
+class _Local:
+    def __init__(self, x: torch.Tensor):
+        self.x = x
+
+    def wait(self) -> torch.Tensor:
+        return self.x.detach()
+
+
+class _Incoming:
+    """A message on its way: the header is posted; the body is posted once it is in."""
+
+    def __init__(self, run: Run, header: comm.CommHandle, frm: int, key: int, tag: str):
+        self.run, self.header, self.frm, self.key, self.tag = run, header, frm, key, tag
+
+    def wait(self) -> torch.Tensor:
+        shape, dtype, placements = _read_header(self.header.wait(), self.run.smesh)
+        local_shape = _local_shape(shape, self.run.smesh, placements)
+        body = comm.recv(local_shape, dtype, self.run.ctx.mesh, self.run.axis, frm=self.frm, key=self.key,
+                         tag=self.tag).wait()
+        if placements is None:
+            return body
+        x = DTensor.from_local(body, self.run.smesh, placements, run_check=False, shape=torch.Size(shape),
+                               stride=_contiguous(shape))
+        return x
+
+
+def _contiguous(shape: Sequence[int]) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for n in reversed(shape):
+        stride.append(acc)
+        acc *= n
+    return tuple(reversed(stride))
+
+
+def _sendable(x: torch.Tensor) -> torch.Tensor:
+    """Pending sums are reduced before a tensor leaves its stage."""
+    if isinstance(x, DTensor) and any(isinstance(pl, Partial) for pl in x.placements):
+        spec = spec_of(x)
+        x = reshard(x, P(*spec.dims), tag="pp send reduce")
+    return x
+
+
+def _header(x: torch.Tensor) -> torch.Tensor:
+    h = torch.zeros(_HEADER, dtype=torch.int64)
+    h[0] = x.dim()
+    h[1:1 + x.dim()] = torch.tensor(list(x.shape), dtype=torch.int64)
+    h[9] = _DTYPES.index(x.dtype)
+    if isinstance(x, DTensor):
+        for d, pl in enumerate(x.placements):
+            h[10 + d] = 1 if isinstance(pl, Replicate) else 2 + pl.dim  # Shard(dim)
+    else:
+        h[10] = -1  # a plain tensor
+    return h
+
+
+def _read_header(h: torch.Tensor, mesh: DeviceMesh | None) -> tuple[tuple[int, ...], torch.dtype, Any]:
+    n = int(h[0])
+    shape = tuple(int(v) for v in h[1:1 + n])
+    dtype = _DTYPES[int(h[9])]
+    if int(h[10]) == -1 or mesh is None:
+        return shape, dtype, None
+    placements = tuple(Replicate() if int(c) == 1 else Shard(int(c) - 2) for c in h[10:10 + mesh.ndim])
+    return shape, dtype, placements
+
+
+def _local_shape(shape: Sequence[int], mesh: DeviceMesh | None, placements: Any) -> tuple[int, ...]:
+    if placements is None or mesh is None:
+        return tuple(shape)
+    from .._torch import local_shape
+
+    return local_shape(tuple(shape), mesh, placements)

@@ -1,0 +1,86 @@
+"""Pipeline parallel: every schedule, alone and with dp / tp (+sp) / cp / tied embeddings,
+equals the single-device run (fp64, 1e-10 on every loss and the final parameters)."""
+
+import functools
+
+import optree
+import pytest
+import torch
+from torch.distributed.tensor import DTensor
+
+import dtp
+from dtp import layouts
+from dtp.models import llama
+from dtp.testing import run
+
+RTOL = 1e-10
+STEPS = 3
+
+
+def _cfg(n_layers: int = 4, tie: bool = False):
+    return llama.config("tiny", n_layers=n_layers, n_kv_heads=4, tie_embeddings=tie)
+
+
+def _batch(cfg, step: int, b: int = 8) -> dict[str, torch.Tensor]:
+    tok = torch.randint(0, cfg.vocab_size, (b, 17), generator=torch.Generator().manual_seed(50 + step))
+    return {"tokens": tok[:, :-1].contiguous(), "targets": tok[:, 1:].contiguous()}
+
+
+def _train(axes: dict, layout, cfg, m: int, clip=None) -> tuple[list[float], dict]:
+    mesh = dtp.make_mesh(**axes)
+    opt = dtp.optim.adamw(dtp.optim.warmup_cosine(1e-2, 1, 10), weight_decay=0.1)
+    state = dtp.TrainState.create(llama.init(cfg, seed=0, dtype=torch.float64), opt, mesh=mesh, layout=layout,
+                                  axes=llama.param_axes(cfg), axis_sizes=llama.axis_sizes(cfg))
+    model = llama.sequential(cfg)
+    losses = []
+    for step in range(STEPS):
+        state, metrics = dtp.train_step(model, state, dtp.shard_batch(_batch(cfg, step), state), microbatches=m,
+                                        clip_norm=clip)
+        losses.append(metrics["loss"])
+    params = dtp.gather_params(state)
+    full = optree.tree_map(lambda x: (x.full_tensor() if isinstance(x, DTensor) else x).detach().clone(), params,
+                           none_is_leaf=False)
+    return losses, full
+
+
+def _reference(cfg, m: int, clip=None):
+    return run(_train, {"dp": 1}, layouts.data(), cfg, m, clip, world_size=1)[0]
+
+
+def _check(got, want):
+    (gl, gp), (wl, wp) = got, want
+    torch.testing.assert_close(torch.tensor(gl), torch.tensor(wl), rtol=RTOL, atol=0)
+    for path, g, w in zip(optree.tree_paths(wp), optree.tree_leaves(gp), optree.tree_leaves(wp)):
+        torch.testing.assert_close(g, w, rtol=RTOL, atol=1e-13, msg=lambda msg: f"{path}: {msg}")
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_pp2_schedules_equal_one_device(schedule):
+    cfg = _cfg()
+    got = run(_train, {"pp": 2}, layouts.pipeline(schedule), cfg, 2, world_size=2)[0]
+    _check(got, _reference(cfg, 2))
+
+
+CASES = {  # name -> (mesh axes, layout, cfg kwargs, microbatches, clip)
+    "pp4 1f1b m=4": ({"pp": 4}, layouts.pipeline("1f1b"), {}, 4, None),
+    "pp4 gpipe m=8 clip": ({"pp": 4}, layouts.pipeline("gpipe"), {}, 8, 0.5),
+    "pp2 x dp2 1f1b": ({"pp": 2, "dp": 2}, layouts.data() + layouts.pipeline("1f1b"), {}, 2, None),
+    "pp2 x tp2 sp": ({"pp": 2, "tp": 2}, layouts.data() + layouts.megatron(True) + layouts.pipeline("1f1b"), {}, 4,
+                     1.0),
+    "pp2 x tp2 no sp": ({"pp": 2, "tp": 2}, layouts.data() + layouts.megatron(False) + layouts.pipeline("gpipe"),
+                        {}, 2, None),
+    "pp2 tied": ({"pp": 2}, layouts.pipeline("1f1b"), {"tie": True}, 2, 1.0),
+    "pp2 x cp2 ring": ({"pp": 2, "cp": 2}, layouts.data() + layouts.context("ring") + layouts.pipeline("1f1b"),
+                       {}, 2, None),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_pipeline_composes_and_equals_one_device(name):
+    axes, layout, kw, m, clip = CASES[name]
+    cfg = _cfg(**kw)
+    world = 1
+    for n in axes.values():
+        world *= n
+    got = run(_train, axes, layout, cfg, m, clip, world_size=world)[0]
+    _check(got, _reference(cfg, m, clip))
