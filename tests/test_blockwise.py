@@ -390,9 +390,10 @@ def test_select_impl_cpu_and_env_override(monkeypatch):
 
 
 def test_value_errors():
-    # The whole message, anchored: what was wrong, the rule, the values and the remainder.
+    # The whole message, anchored: what was wrong, the rule, the values, the remainder and what is valid.
     message = ("zigzag load balancing cuts the sequence into 2*cp chunks, so seq_len must be divisible by 2*cp; "
-               "got seq_len=10, cp=3 (seq_len % 6 = 4)")
+               "got seq_len=10, cp=3 (seq_len % 6 = 4); valid: seq_len a multiple of 6 "
+               "(load_balance=None needs a multiple of 3)")
     with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
         zigzag_permutation(10, 3)
     with pytest.raises(ValueError, match="seq_len=12") as e:

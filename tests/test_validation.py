@@ -1,20 +1,29 @@
 """Bad input gets the same clear error on every rank, within a second, and nothing hangs.
 
-One table: each row builds its inputs on every rank of a 4-rank gloo pool (some rows give
-one rank different inputs: a check that fails there only, options or values that differ
-between ranks), then makes the call that must fail. Every rank must raise the row's
-exception type with a message matching its pattern, within a second of the call, with
-no collective recorded in the caller's comm log before the error (the guard's own
-exchange, :mod:`dtp.guard`, goes to its own log). Then: the guard's exchange runs once per
-state and batch signature, stays out of a step's records, and ``DTP_CHECKS=0`` turns it
-off with a warning.
+One table, the catalogue of DESIGN §5: each row builds its inputs on every rank of a
+4-rank gloo pool (some rows give one rank different inputs: a check that fails there
+only, options or values that differ between ranks), then makes the call that must fail.
+Every rank must raise the row's exception type with a message matching its pattern
+(the offender, the numbers, what is valid), within a second of the call, with no
+collective recorded in the caller's comm log before the error (the guard's own
+exchange, :mod:`dtp.guard`, goes to its own log). A row may add a check after the call:
+the checkpoint rows save a 1-step checkpoint (collectives before the call, not in it),
+spoil it on rank 0, and check that the failed load lost or changed no file and ran no
+code. Then: the guard's exchange runs once per state and batch signature, stays out of
+a step's records, and ``DTP_CHECKS=0`` turns it off with a warning.
 """
 
 from __future__ import annotations
 
 import functools
+import json
+import os
 import re
+import shutil
+import tempfile
 import time
+import zlib
+from pathlib import Path
 
 import pytest
 import torch
@@ -119,6 +128,130 @@ def _ids(bad):
     return batch
 
 
+def _create_with(rank, mesh_axes, layout, **cfg):
+    """``TrainState.create`` of a llama of ``cfg`` (tiny, one layer) with its axis sizes."""
+    mesh = dtp.make_mesh(**mesh_axes)
+    c = llama.config("tiny", **{"n_layers": 1, **cfg})
+    params = llama.init(c)
+    return lambda: dtp.TrainState.create(params, dtp.optim.sgd(0.1), mesh=mesh, layout=layout,
+                                         axes=llama.param_axes(c), axis_sizes=llama.axis_sizes(c))
+
+
+def _context(algo, **options):
+    return dtp.layouts.data() + dtp.layouts.context(algo, **options)
+
+
+def _seq(rank, s, place=False):
+    """A zigzag ring on dp=2 × cp=2 and a batch of sequence length ``s``: placed by
+    shard_batch (the call) or by the user with dtp.shard (the call is train_step)."""
+    mesh = dtp.make_mesh(dp=2, cp=2)
+    state = _state(mesh, _context("ring"))
+    if not place:
+        return lambda: dtp.shard_batch(_batch(s=s), state)
+    batch = {k: dtp.shard(v, mesh, P("dp", "cp")) for k, v in _batch(s=s).items()}
+    return lambda: dtp.train_step(LOSS, state, batch)
+
+
+def _shard(rank, shape, spec):
+    mesh = _dp_tp()
+    return lambda: dtp.shard(torch.zeros(shape), mesh, spec, name="x")
+
+
+# ---- checkpoints: a 1-step dp=4 checkpoint, spoiled on rank 0, loaded
+
+
+def _digest(root):
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(Path(root).rglob("*")) if p.is_file()}
+
+
+def _pwned(root):
+    return f"{root}.pwned"  # what the crafted metadata's code would create
+
+
+def _data_file(ckpt):
+    return max(ckpt.glob("*.distcp"), key=lambda f: (f.stat().st_size, f.name))
+
+
+def _truncate(ckpt):
+    f = _data_file(ckpt)
+    f.write_bytes(f.read_bytes()[:-7])
+
+
+def _flip(path):
+    b = bytearray(path.read_bytes())
+    b[len(b) // 2] ^= 0xFF
+    path.write_bytes(bytes(b))
+
+
+def _evil_metadata(ckpt):
+    """A .metadata that would run code when unpickled; the manifest updated to match, as
+    an attacker would."""
+    import pickle
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {_pwned(ckpt.parent)}",))
+
+    (ckpt / ".metadata").write_bytes(pickle.dumps(Evil()))
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    blob = (ckpt / ".metadata").read_bytes()
+    manifest["files"][".metadata"] = [len(blob), zlib.crc32(blob)]
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+
+
+def _ckpt_state(cfg=CFG, opt=None, dtype=torch.float64):
+    return dtp.TrainState.create(llama.init(cfg, dtype=dtype), opt or dtp.optim.adamw(1e-2),
+                                 mesh=dtp.make_mesh(dp=4), layout=dtp.layouts.data(), axes=llama.param_axes(cfg))
+
+
+def _shared_tempdir():
+    made = [tempfile.mkdtemp(prefix="dtp-validation-") if torch.distributed.get_rank() == 0 else None]
+    torch.distributed.broadcast_object_list(made, src=0)
+    return Path(made[0])
+
+
+def _checkpoint(rank, spoil=None, where="", saved=None, **like):
+    """Train a state one step and save it in a fresh directory; rank 0 spoils it. The
+    call loads ``root/where`` into a state made with ``like``, the saved one with
+    ``saved`` (both :func:`_ckpt_state`'s arguments: dp=4, fp64, AdamW unless given);
+    after it every file must be as it was and no code must have run. Then the
+    directory goes."""
+    root = _shared_tempdir()
+    saved = saved or {}
+    state = _ckpt_state(**saved)
+    cfg = saved.get("cfg", CFG)
+    batch = dtp.shard_batch(_batch(vocab=cfg.vocab_size), state)
+    state, _ = dtp.train_step(functools.partial(llama.loss, cfg=cfg), state, batch)
+    ckpt = dtp.checkpoint.save(state, root)
+    torch.distributed.barrier()
+    if rank == 0 and spoil is not None:
+        spoil(ckpt)
+    torch.distributed.barrier()
+    before = _digest(root)
+    into = _ckpt_state(**like)
+
+    def after():
+        now = _digest(root)
+        problems = [f"{name} {'lost' if name not in now else 'changed'}"
+                    for name in before if now.get(name) != before[name]]
+        problems += [f"{name} appeared" for name in now if name not in before]
+        if os.path.exists(_pwned(root)):
+            problems.append("the crafted metadata's code ran")
+        torch.distributed.barrier()  # every rank has looked
+        if rank == 0:
+            shutil.rmtree(root)
+            Path(_pwned(root)).unlink(missing_ok=True)
+        return problems
+
+    return (lambda: dtp.checkpoint.load(root / where, like=into)), after
+
+
+CKPT = r"checkpoint \S+/step_00000001"  # the checkpoint a row's message names
+
+# Added with their features (they do not exist yet): experts not divisible by ep;
+# microbatches fewer than pipeline stages where the schedule needs more, or not a
+# multiple of p for interleaved; layers fewer than p·v; pipe-experts options without
+# MoE; multi-stream without sequence parallel.
 CASES = {
     # ---- fail together: a check that fails on one rank is the same error on all
     "microbatches on one rank do not split the batch": (
@@ -205,6 +338,113 @@ CASES = {
     "non-scalar loss": (
         lambda r: _custom_loss(r, _per_token_loss), "ValueError",
         r"train_step: loss_fn must return a scalar loss \(the batch mean\), got shape \(8,\)"),
+    # ---- context parallel: heads, cp, window and sequence (checked at create / on the batch)
+    "heads not divisible by the Ulysses degree (ulysses, cp=4)": (
+        lambda r: _create_with(r, {"cp": 4}, _context("ulysses"), n_heads=6, n_kv_heads=2, dim=96), "ValueError",
+        r"^TrainState.create: heads=6 must be divisible by the Ulysses degree 4 × tp=1 = 4 for ulysses context "
+        r"parallel; choose heads a multiple of 4, or a smaller cp, or algo='ring'$"),
+    "heads not divisible by tp·cp (ulysses, cp=2 × tp=2)": (
+        lambda r: _create_with(r, {"cp": 2, "tp": 2}, _context("ulysses") + dtp.layouts.megatron(False),
+                               n_heads=6, n_kv_heads=2, dim=96), "ValueError",
+        r"^TrainState.create: heads=6 must be divisible by the Ulysses degree 2 × tp=2 = 4 for ulysses context "
+        r"parallel; choose heads a multiple of 4, or a smaller cp or tp, or algo='ring'$"),
+    "heads not divisible by the Ulysses degree (hybrid)": (
+        lambda r: _create_with(r, {"cp": 4}, _context("hybrid", ulysses_degree=2), n_heads=3, n_kv_heads=1, dim=96),
+        "ValueError", r"^TrainState.create: heads=3 must be divisible by the Ulysses degree 2 × tp=1 = 2 for hybrid "
+        r"context parallel; choose heads a multiple of 2, or a smaller ulysses_degree, or algo='ring'$"),
+    "cp not divisible by the Ulysses degree (hybrid)": (
+        lambda r: _create_with(r, {"cp": 4}, _context("hybrid", ulysses_degree=3)), "ValueError",
+        r"^TrainState.create: hybrid context parallel needs cp=4 divisible by ulysses_degree=3 with a ring degree "
+        r"cp/ulysses_degree > 1 \(got 1.33333\); valid ulysses_degree at cp=4: \[2\]$"),
+    "Ulysses degree leaves no ring (hybrid, ulysses_degree = cp)": (
+        lambda r: _create_with(r, {"cp": 4}, _context("hybrid", ulysses_degree=4)), "ValueError",
+        r"needs cp=4 divisible by ulysses_degree=4 with a ring degree cp/ulysses_degree > 1 \(got 1\); "
+        r"valid ulysses_degree at cp=4: \[2\]$"),
+    "cp not divisible by the double-ring window": (
+        lambda r: _create_with(r, {"cp": 4}, _context("double_ring", window=3)), "ValueError",
+        r"^TrainState.create: double_ring needs window > 1, window < cp and cp divisible by window; got window=3 "
+        r"at cp=4 \(valid: \[2\]\)$"),
+    "window not dividing the hybrid ring degree": (
+        lambda r: _create_with(r, {"cp": 4}, _context("hybrid", ulysses_degree=2, window=2)), "ValueError",
+        r"^TrainState.create: window=2 must be in \[1, 2\) and divide the ring degree cp/ulysses_degree=2 "
+        r"\(valid: \[1\]\)$"),
+    "seq not divisible by 2·cp (zigzag ring, shard_batch)": (
+        lambda r: _seq(r, 14), "ValueError",
+        r"^shard_batch: batch\['tokens'\] of shape \(8, 14\): zigzag load balancing cuts the sequence into 2\*cp "
+        r"chunks, so seq_len must be divisible by 2\*cp; got seq_len=14, cp=2 \(seq_len % 4 = 2\); valid: seq_len "
+        r"a multiple of 4 \(load_balance=None needs a multiple of 2\)$"),
+    "seq not divisible by 2·cp (zigzag ring, a batch the user placed, train_step)": (
+        lambda r: _seq(r, 6, place=True), "ValueError",
+        r"^train_step: batch\['tokens'\] of shape \(8, 6\): zigzag .* got seq_len=6, cp=2 \(seq_len % 4 = 2\); "
+        r"valid: seq_len a multiple of 4"),
+    # ---- meshes and specs
+    "mesh sizes not matching the world": (
+        lambda r: (lambda: dtp.make_mesh(dp=3)), "ValueError",
+        r"^make_mesh: dp=3 = 3 devices, but the world size is 4; the product of the axis sizes must equal the "
+        r"world size$"),
+    "mesh sizes not matching the world (two axes)": (
+        lambda r: (lambda: dtp.make_mesh(dp=2, tp=4)), "ValueError",
+        r"^make_mesh: dp=2 × tp=4 = 8 devices, but the world size is 4"),
+    "spec naming an unknown mesh axis": (
+        lambda r: _shard(r, (4, 4), P("xx")), "ValueError",
+        r"^x: spec P\('xx'\) names unknown mesh axis 'xx'; the mesh axes are \('dp', 'tp'\)$"),
+    "mesh axis used twice in a spec": (
+        lambda r: _shard(r, (4, 4), P("dp", "dp")), "ValueError",
+        r"^x: spec P\('dp', 'dp'\) uses mesh axis 'dp' twice; each axis may split one dim or be partial, once$"),
+    "uneven shard": (
+        lambda r: _shard(r, (6, 4), P(("dp", "tp"))), "ValueError",
+        r"^x: dim 0 of size 6 is not divisible by dp=2 × tp=2 = 4 \(spec P\(\('dp', 'tp'\)\)\); uneven shards "
+        r"are not supported — pad dim 0 to a multiple of 4 or shard it over fewer devices$"),
+    # ---- checkpoints: a ValueError naming the file or tensor, and no file lost or changed
+    "checkpoint: missing path": (
+        lambda r: _checkpoint(r, where="nowhere"), "ValueError",
+        r"^checkpoint: no checkpoint at \S+/nowhere \(no manifest.json there, nor a step_\* directory holding one\)$"),
+    "checkpoint: truncated data file": (
+        lambda r: _checkpoint(r, _truncate), "ValueError",
+        rf"^{CKPT}: file __\d_0.distcp has \d+ bytes, \d+ were written \(truncated or replaced\)$"),
+    "checkpoint: corrupted data file (one rank checks it)": (
+        lambda r: _checkpoint(r, lambda c: _flip(_data_file(c))), "ValueError",
+        rf"^{CKPT}: file __\d_0.distcp is corrupt \(CRC32 [0-9a-f]{{8}}, written [0-9a-f]{{8}}\) \[rank \d failed "
+        r"this check, the other ranks passed; every rank raises this error\]$"),
+    "checkpoint: corrupted metadata": (
+        lambda r: _checkpoint(r, lambda c: _flip(c / ".metadata")), "ValueError",
+        rf"^{CKPT}: file .metadata is corrupt \(CRC32 [0-9a-f]{{8}}, written [0-9a-f]{{8}}\)$"),
+    "checkpoint: code pickled into the metadata": (
+        lambda r: _checkpoint(r, _evil_metadata), "ValueError",
+        r"^checkpoint: \S+/.metadata is missing or corrupt \(UnpicklingError: posix.system is not part of a DCP "
+        r"metadata file\)$"),
+    "checkpoint: garbled manifest": (
+        lambda r: _checkpoint(r, lambda c: (c / "manifest.json").write_text("{")), "ValueError",
+        r"^checkpoint: \S+/manifest.json is unreadable \(Expecting property name"),
+    "checkpoint of another vocab": (
+        lambda r: _checkpoint(r, cfg=llama.config("tiny", n_layers=1, vocab_size=384)), "ValueError",
+        rf"^{CKPT}: tensor 'param/embed' has shape \(256, 64\) in the checkpoint, \(384, 64\) in this state "
+        r"\(another model config\?\)$"),
+    "checkpoint of another shape (ffn_dim)": (
+        lambda r: _checkpoint(r, cfg=llama.config("tiny", n_layers=1, ffn_dim=192)), "ValueError",
+        rf"^{CKPT}: tensor 'param/layers.0.w_down' has shape \(128, 64\) in the checkpoint, \(192, 64\) in this "
+        r"state \(another model config\?\)$"),
+    "checkpoint of fewer layers": (
+        lambda r: _checkpoint(r, cfg=llama.config("tiny", n_layers=2)), "ValueError",
+        rf"^{CKPT}: its parameters are not this state's: 9 only in this state \(e.g. param/layers.1.attn_norm, "
+        r"param/layers.1.mlp_norm, param/layers.1.w_down\); it was saved from another model \(another n_layers\?\): "
+        r"load it into a state of that model$"),
+    "checkpoint of more layers": (
+        lambda r: _checkpoint(r, saved={"cfg": llama.config("tiny", n_layers=2)}), "ValueError",
+        rf"^{CKPT}: its parameters are not this state's: 9 only in the checkpoint \(e.g. param/layers.1.attn_norm, "
+        r"param/layers.1.mlp_norm, param/layers.1.w_down\); it was saved from another model"),
+    "checkpoint of more layers, optimizer state alike (plain SGD)": (
+        lambda r: _checkpoint(r, saved={"cfg": llama.config("tiny", n_layers=2), "opt": dtp.optim.sgd(1e-2)},
+                              opt=dtp.optim.sgd(1e-2)), "ValueError",
+        rf"^{CKPT}: its parameters are not this state's: 9 only in the checkpoint"),
+    "checkpoint of another optimizer": (
+        lambda r: _checkpoint(r, opt=dtp.optim.sgd(1e-2, momentum=0.9)), "ValueError",
+        rf"^{CKPT}: its optimizer state does not match this state's optimizer \(e.g. .*\); load it with the "
+        r"optimizer it was saved with$"),
+    "checkpoint of another dtype": (
+        lambda r: _checkpoint(r, dtype=torch.float32), "ValueError",
+        rf"^{CKPT}: tensor 'param/embed' is torch.float64 in the checkpoint, torch.float32 in this state; cast the "
+        r"model \(dtp does not cast silently\)$"),
     "make_mesh on a device this machine lacks": (
         lambda r: (lambda: dtp.make_mesh(dp=4, device="cuda")), "ValueError",
         r"make_mesh: device 'cuda' asked for, but this machine has no usable cuda device"),
@@ -218,7 +458,8 @@ def _run_cases(names):
     rank = torch.distributed.get_rank()
     for name in names:
         build, _, _ = CASES[name]
-        call = build(rank)
+        made = build(rank)  # the call, or (the call, a check after it returning problems)
+        call, after = made if isinstance(made, tuple) else (made, None)
         with dtp.comm_log() as log:
             t0 = time.perf_counter()
             try:
@@ -227,7 +468,7 @@ def _run_cases(names):
             except (ValueError, TypeError) as e:
                 got = (type(e).__name__, str(e))
             elapsed = time.perf_counter() - t0
-        out.append((*got, len(log), elapsed))
+        out.append((*got, len(log), elapsed, after() if after is not None else []))
     return out
 
 
@@ -242,13 +483,14 @@ def results():
 def test_same_error_on_every_rank_within_a_second(results, name):
     _, kind, pattern = CASES[name]
     ranks = results[name]
-    for rank, (got, msg, n_records, elapsed) in enumerate(ranks):
+    for rank, (got, msg, n_records, elapsed, problems) in enumerate(ranks):
         assert got == kind, f"{name} rank {rank}: expected {kind}, got {got}: {msg}"
         assert re.search(pattern, msg), f"{name} rank {rank}: {msg!r} does not match {pattern!r}"
         assert elapsed < 1.0, f"{name} rank {rank}: raised after {elapsed:.2f}s"
         if kind != "no error" and name not in AFTER_COMPUTE:
             assert n_records == 0, f"{name} rank {rank}: {n_records} collectives before the error"
-    assert len({msg for _, msg, _, _ in ranks}) == 1, f"{name}: the ranks' messages differ: {ranks}"
+        assert not problems, f"{name} rank {rank}: after the call: {problems}"
+    assert len({r[1] for r in ranks}) == 1, f"{name}: the ranks' messages differ: {ranks}"
 
 
 def _guard_traffic():

@@ -536,12 +536,13 @@ def load(path: str | os.PathLike[str], like: TrainState, *, restore_rng: bool = 
 
     Any layout loads any other: each rank reads its blocks of the global tensors. First,
     on every rank and before any tensor data is read: the files are there with the
-    sizes and CRC32s that were written, and every tensor's shape and dtype match
-    ``like``'s. A failure (a missing or corrupt checkpoint, another model's) is a
-    ``ValueError`` naming the file or tensor, raised on every rank alike (the ranks
-    agree first: one small all-gather); ``like`` itself is never modified. Under ZeRO
-    the loaded state is per parameter, as before step one; step one cuts it into
-    buckets. ``restore_rng`` sets torch's CPU RNG to the saved one (bit-exact resume).
+    sizes and CRC32s that were written, the parameters are ``like``'s (none missing or
+    extra), and every tensor's shape and dtype match. A failure (a missing or corrupt
+    checkpoint, another model's) is a ``ValueError`` naming the file or tensor, raised
+    on every rank alike (the ranks agree first: one small all-gather); ``like`` itself
+    is never modified. Under ZeRO the loaded state is per parameter, as before step
+    one; step one cuts it into buckets. ``restore_rng`` sets torch's CPU RNG to the
+    saved one (bit-exact resume).
     """
     error, found = None, Path(path)
     try:
@@ -615,6 +616,14 @@ def _check(path: Path, saved: Mapping[str, Any], targets: Mapping[str, torch.Ten
     """Every target tensor is in the checkpoint with the same global shape and a dtype
     it may take (DCP itself would cast silently); checked on every rank alike, before
     any tensor data is read."""
+    saved_params = {k for k in saved if k.startswith("param/")}
+    our_params = {k for k in targets if k.startswith("param/")}
+    if saved_params != our_params:  # another model: said before its optimizer state differs too
+        sides = [f"{len(names)} only in {where} (e.g. {', '.join(sorted(names)[:3])})"
+                 for names, where in ((saved_params - our_params, "the checkpoint"),
+                                      (our_params - saved_params, "this state")) if names]
+        raise ValueError(f"checkpoint {path}: its parameters are not this state's: {'; '.join(sides)}; it was saved "
+                         f"from another model (another n_layers?): load it into a state of that model")
     theirs = {k for k in saved if k.startswith("opt/")}
     ours = {k for k in targets if k.startswith("opt/")}
     if ours and theirs != ours:

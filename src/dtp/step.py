@@ -34,7 +34,7 @@ from torch.distributed.tensor import DTensor
 from . import guard, strategies
 from ._rules import is_positive_int
 from .comm import comm_log, span
-from .layouts import Layout, use_layout
+from .layouts import Layout, check_divisible, use_layout
 from .models.sequential import Sequential
 from .optim import GradientTransformation, apply_updates, clip_by_global_norm
 from .ops.recompute import POLICIES, recompute as recompute_policy
@@ -101,7 +101,7 @@ class TrainState:
             axes_leaves = treedef.flatten_up_to(axes)
             layout.check_mesh(mesh)
             if axis_sizes:
-                layout.check_sizes(axis_sizes, mesh)
+                layout.check_sizes(axis_sizes, mesh, what="TrainState.create")
             sharded = _lay_out(paths, leaves, axes_leaves, mesh, layout)
         except (ValueError, TypeError) as e:
             error = e
@@ -230,15 +230,25 @@ def shard_batch(batch: Mapping[str, torch.Tensor], state: TrainState) -> dict[st
                 lo, hi = torch.aminmax(v)
                 guard.check_ids(k, int(lo), int(hi), state.checks.vocab, "shard_batch")
             spec = state.layout.activation_spec(_BATCH_AXES[: v.dim()], mesh)
+            _check_seq("shard_batch", k, v, state)
             if v.dim() > 1:
                 # The layout owns the sequence order (zigzag: rank r's chunks r and 2·cp−1−r
                 # side by side). Tokens and targets move together, so the mean loss is unchanged.
                 v = state.layout.to_cp_order(v, 1, mesh)
-            out[k] = shard(v, mesh, spec, name=f"batch[{k!r}]")
+            out[k] = shard(v, mesh, spec, name=f"shard_batch: batch[{k!r}]")
     except (ValueError, TypeError) as e:
         error = e
     guard.check_step(state.checks, state.mesh, state.layout, state.step, batch, {}, error, what="shard_batch")
     return out
+
+
+def _check_seq(what: str, key: str, v: torch.Tensor, state: TrainState) -> None:
+    """Under context parallel a (batch, seq, …) entry's global seq must cut into the
+    layout's chunks (2·cp for zigzag): said here, naming the entry, not deep in the model."""
+    cp = state.layout.context_degree(state.mesh)
+    if cp > 1 and v.dim() > 1 and state.layout.context is not None:
+        check_divisible(v.shape[1], cp, state.layout.context.load_balance,
+                        what=f"{what}: batch[{key!r}] of shape {tuple(v.shape)}")
 
 
 def _single_device(mesh: DeviceMesh | None) -> bool:
@@ -331,6 +341,7 @@ def _check_inputs(batch: Mapping[str, torch.Tensor], state: TrainState, microbat
                 f"train_step: batch[{k!r}] has batch size {v.shape[0]}, not divisible by the batch split "
                 f"{dp} × microbatches {microbatches} = {dp * microbatches}"
             )
+        _check_seq("train_step", k, v, state)
 
 
 def _value(x: torch.Tensor) -> float:

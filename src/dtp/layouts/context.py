@@ -103,8 +103,11 @@ class ContextOptions:
         heads = sizes.get("heads")
         if algo == "hybrid":
             if cp % u or cp // u < 2:
+                valid = [d for d in range(2, cp // 2 + 1) if cp % d == 0 and cp // d > 1]
+                fix = (f"valid ulysses_degree at cp={cp}: {valid}" if valid
+                       else f"cp={cp} has no such ulysses_degree: use algo='ulysses' or 'ring'")
                 raise ValueError(f"{what}: hybrid context parallel needs cp={cp} divisible by ulysses_degree={u} "
-                                 f"with a ring degree cp/ulysses_degree > 1 (got {cp / u:g})")
+                                 f"with a ring degree cp/ulysses_degree > 1 (got {cp / u:g}); {fix}")
             ring = cp // u
         else:
             ring = cp
@@ -113,8 +116,10 @@ class ContextOptions:
                          of="cp" if algo == "double_ring" else "the ring degree cp/ulysses_degree")
         degree = {"ulysses": cp, "hybrid": u}.get(algo)
         if degree and heads is not None and heads % (degree * tp):
+            smaller = ("cp" if algo == "ulysses" else "ulysses_degree") + (" or tp" if tp > 1 else "")
             raise ValueError(f"{what}: heads={heads} must be divisible by the Ulysses degree {degree} × tp={tp} "
-                             f"= {degree * tp} for {algo} context parallel")
+                             f"= {degree * tp} for {algo} context parallel; choose heads a multiple of "
+                             f"{degree * tp}, or a smaller {smaller}, or algo='ring'")
         chunks, kv = self.head_chunks, sizes.get("kv_heads")
         if chunks is not None and kv is not None and kv % tp == 0:
             per_rank = attended_kv_heads(kv // tp, degree or 1)
@@ -229,23 +234,28 @@ def check_window(window: object, ring: int | None, *, algo: str = "double_ring",
                 raise ValueError(f"{rule}; got window={window} at {of}={ring} (valid: {valid})")
             raise ValueError(f"{rule}; {of}={ring} has no such window (got window={window}): use algo='ring'")
     elif ring is not None and (window >= ring or ring % window):
-        raise ValueError(f"{what}: window={window} must be in [1, {ring}) and divide {of}={ring}")
+        valid = [w for w in range(1, ring) if ring % w == 0]
+        raise ValueError(f"{what}: window={window} must be in [1, {ring}) and divide {of}={ring} (valid: {valid})")
     return window  # type: ignore[return-value]
 
 
-def check_divisible(seq_len: int, cp: int, load_balance: str | None) -> None:
-    """``ValueError`` unless ``seq_len`` splits into ``cp`` (zigzag: ``2·cp``) equal chunks."""
+def check_divisible(seq_len: int, cp: int, load_balance: str | None, what: str = "") -> None:
+    """``ValueError`` unless ``seq_len`` splits into ``cp`` (zigzag: ``2·cp``) equal chunks;
+    ``what`` (the API and tensor, e.g. ``"shard_batch: batch['tokens']"``) starts the
+    message when given."""
+    start = what + ": " if what else ""
     if load_balance == "zigzag":
         if seq_len % (2 * cp) != 0:
             raise ValueError(
-                f"zigzag load balancing cuts the sequence into 2*cp chunks, so seq_len must "
+                f"{start}zigzag load balancing cuts the sequence into 2*cp chunks, so seq_len must "
                 f"be divisible by 2*cp; got seq_len={seq_len}, cp={cp} "
-                f"(seq_len % {2 * cp} = {seq_len % (2 * cp)})"
+                f"(seq_len % {2 * cp} = {seq_len % (2 * cp)}); valid: seq_len a multiple of {2 * cp} "
+                f"(load_balance=None needs a multiple of {cp})"
             )
     elif seq_len % cp != 0:
         raise ValueError(
-            f"context parallelism splits the sequence into cp equal parts, so seq_len must "
-            f"be divisible by cp; got seq_len={seq_len}, cp={cp}"
+            f"{start}context parallelism splits the sequence into cp equal parts, so seq_len must "
+            f"be divisible by cp; got seq_len={seq_len}, cp={cp}; valid: seq_len a multiple of {cp}"
         )
 
 
