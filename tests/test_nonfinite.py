@@ -117,18 +117,20 @@ def _same(a, b, parts=("step", "params", "master", "opt_state")):
 def _local_gradients_seen():
     """Whether this rank's reduced gradients (its slices under ZeRO) held a non-finite
     value, per step: read where train_step hands them to the global norm."""
-    seen, norm = [], dtp.step.global_norm
+    from dtp.strategies import replicated, zero
+
+    seen, norm = [], dtp.optim.global_norm
 
     def spy(grads):
         seen.append(not all(bool(torch.isfinite(_local(g)).all()) for g in optree.tree_leaves(grads)))
         return norm(grads)
 
-    # train_step's own norm, and the one clip_by_global_norm takes (once per step either way).
-    dtp.step.global_norm = dtp.optim.global_norm = spy
+    # The strategy's norm (run.norm), which clipping reuses: once per step either way.
+    replicated.global_norm = zero.global_norm = spy
     try:
         yield seen
     finally:
-        dtp.step.global_norm = dtp.optim.global_norm = norm
+        replicated.global_norm = zero.global_norm = norm
 
 
 def _steps(mesh_axes, zero, clip, schedule, bad):
