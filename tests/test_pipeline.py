@@ -84,3 +84,44 @@ def test_pipeline_composes_and_equals_one_device(name):
         world *= n
     got = run(_train, axes, layout, cfg, m, clip, world_size=world)[0]
     _check(got, _reference(cfg, m, clip))
+
+
+MORE = {
+    "pp2 interleaved v=2 m=2": ({"pp": 2}, layouts.pipeline("interleaved", virtual_stages=2), {}, 2, None),
+    "pp2 interleaved v=2 m=4 tied": ({"pp": 2}, layouts.pipeline("interleaved", virtual_stages=2), {"tie": True},
+                                     4, 1.0),
+    "pp4 interleaved v=2 m=8": ({"pp": 4}, layouts.pipeline("interleaved", virtual_stages=2), {"n_layers": 6}, 8,
+                                None),
+    "pp2 zb-h1 m=4": ({"pp": 2}, layouts.pipeline("zb-h1"), {}, 4, 1.0),
+    "pp4 zb-h1 m=4": ({"pp": 4}, layouts.pipeline("zb-h1"), {}, 4, None),
+    "pp2 x tp2 zb-h1": ({"pp": 2, "tp": 2}, layouts.data() + layouts.megatron(True) + layouts.pipeline("zb-h1"), {},
+                        2, None),
+}
+CASES.update(MORE)
+
+
+@pytest.mark.parametrize("name", list(MORE))
+def test_interleaved_and_zero_bubble_equal_one_device(name):
+    test_pipeline_composes_and_equals_one_device(name)
+
+
+def _act_bytes(sp: bool) -> tuple[set, list[str]]:
+    cfg = _cfg()
+    mesh = dtp.make_mesh(pp=2, tp=2)
+    layout = layouts.data() + layouts.megatron(sp) + layouts.pipeline("1f1b")
+    state = dtp.TrainState.create(llama.init(cfg, seed=0, dtype=torch.float64), dtp.optim.sgd(0.1), mesh=mesh,
+                                  layout=layout, axes=llama.param_axes(cfg))
+    with dtp.comm_log() as log:
+        dtp.train_step(llama.sequential(cfg), state, dtp.shard_batch(_batch(cfg, 0), state), microbatches=2)
+    sends = {r.bytes for r in log.records if r.kind == "send" and r.tag.startswith("pp act") and "header" not in r.tag}
+    return sends, sorted({r.tag.split(" ")[0] + " " + r.tag.split(" ")[1] for r in log.records
+                          if r.tag.startswith("pp ")})
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_a_tp_rank_sends_its_1_over_t_of_an_activation(sp):
+    """Megatron's scatter/gather: microbatch 4 × 16 × 64 fp64 = 32 KiB whole; each of the
+    2 tp ranks sends 16 KiB — scattered first without SP, already split with SP."""
+    (first, first_tags), _, (_, last_tags), _ = run(_act_bytes, sp, world_size=4)  # ranks 0, 1: stage 0
+    assert first == {4 * 16 * 64 * 8 // 2}
+    assert ("pp scatter" in first_tags) == (not sp) and ("pp gather" in last_tags) == (not sp)

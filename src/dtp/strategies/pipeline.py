@@ -202,8 +202,8 @@ class Run:
 
     def _F(self, chunk: int, i: int) -> None:
         stage, first, stop = self._stage(chunk)
-        x = None if stage == 0 else self._take("act", stage, i)
-        out = self.ctx.model.run(self.params_tree, x, self.mbs[i], first, stop)
+        x, value = (None, None) if stage == 0 else self._take("act", stage, i)
+        out = self.ctx.model.run(self.params_tree, value, self.mbs[i], first, stop)
         if stage == self.n_stages - 1:
             loss, aux = out if isinstance(out, tuple) else (out, None)
             self.losses[i] = float(loss.detach().to_local() if isinstance(loss, DTensor) else loss.detach())
@@ -211,8 +211,9 @@ class Run:
                 self.auxes[i] = aux
             self.saved[(chunk, i)] = (x, loss / self.m)
             return
+        out, scattered = _scatter(out)  # in the graph: its backward gathers the gradient back
         self.saved[(chunk, i)] = (x, out)
-        self._send("act", stage + 1, i, out.detach())
+        self._send("act", stage + 1, i, out.detach(), gather=scattered)
 
     def _B(self, chunk: int, i: int) -> None:
         self._I(chunk, i, keep_graph=False)
@@ -220,7 +221,7 @@ class Run:
     def _I(self, chunk: int, i: int, keep_graph: bool = True) -> None:
         stage = self._stage(chunk)[0]
         x, out = self.saved.pop((chunk, i))
-        grad = None if stage == self.n_stages - 1 else self._take("grad", stage, i)
+        grad = None if stage == self.n_stages - 1 else self._take("grad", stage, i)[1]
         leaves = optree.tree_leaves(self.params_tree)
         inputs = ([x] if x is not None else []) + ([] if keep_graph else leaves)
         if inputs:
@@ -245,15 +246,16 @@ class Run:
     def _key(self, kind: str, stage: int, i: int, part: int) -> int:
         return ((stage * 2 + (kind == "grad")) * self.m + i) * 2 + part
 
-    def _send(self, kind: str, stage: int, i: int, x: torch.Tensor) -> None:
-        """Post ``x`` (an activation for ``stage``, or a gradient for it) to its rank."""
+    def _send(self, kind: str, stage: int, i: int, x: torch.Tensor, gather: bool = False) -> None:
+        """Post ``x`` (an activation for ``stage``, or a gradient for it) to its rank;
+        ``gather``: the receiver all-gathers its last dim (it came scattered)."""
         to = self._rank_of(stage)
         x = _sendable(x)
-        header = _header(x)
+        header = _header(x, gather)
         local = x.to_local() if isinstance(x, DTensor) else x
         tag = f"pp {kind} stage {stage} mb {i}"
         if to == self.rank:  # interleaved with p = 1: a stage hands to the next on this rank
-            self.recvs[(kind, stage, i)] = _Local(x)
+            self.recvs[(kind, stage, i)] = _Local(x, gather)
             return
         self.sends.append(comm.send(header, self.ctx.mesh, self.axis, to=to, key=self._key(kind, stage, i, 0),
                                     tag=tag + " header"))
@@ -277,10 +279,19 @@ class Run:
                            key=self._key(kind, stage, i, 0), tag=f"pp {kind} stage {stage} mb {i} header")
         self.recvs[key] = _Incoming(self, header, frm, self._key(kind, stage, i, 1), f"pp {kind} stage {stage} mb {i}")
 
-    def _take(self, kind: str, stage: int, i: int) -> torch.Tensor:
+    def _take(self, kind: str, stage: int, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(as received, as used)``: an activation that came scattered over tp is a
+        leaf (its gradient goes back as it came) and is all-gathered for use."""
         self._post(kind, stage, i)
-        x = self.recvs.pop((kind, stage, i)).wait()
-        return x.requires_grad_(True) if kind == "act" else x
+        x, gather = self.recvs.pop((kind, stage, i)).wait()
+        if kind != "act":
+            return x, x
+        x.requires_grad_(True)
+        if not gather:
+            return x, x
+        spec = spec_of(x)
+        dims = [() if d == x.dim() - 1 else spec.axes_of(d) for d in range(x.dim())]
+        return x, reshard(x, P(*dims), tag="pp gather")
 
     # ---- after the schedule
     def _holds_first(self) -> bool:
@@ -352,11 +363,13 @@ def gather(params: PyTree, mesh: DeviceMesh, axis: str) -> PyTree:
 
 
 class _Local:
-    def __init__(self, x: torch.Tensor):
-        self.x = x
+    """A hand-over between two stages of this rank (interleaved with pp=1 neighbours)."""
 
-    def wait(self) -> torch.Tensor:
-        return self.x.detach()
+    def __init__(self, x: torch.Tensor, gather: bool):
+        self.x, self.gather = x, gather
+
+    def wait(self) -> tuple[torch.Tensor, bool]:
+        return self.x.detach(), self.gather
 
 
 class _Incoming:
@@ -365,16 +378,18 @@ class _Incoming:
     def __init__(self, run: Run, header: comm.CommHandle, frm: int, key: int, tag: str):
         self.run, self.header, self.frm, self.key, self.tag = run, header, frm, key, tag
 
-    def wait(self) -> torch.Tensor:
-        shape, dtype, placements = _read_header(self.header.wait(), self.run.smesh)
+    def wait(self) -> tuple[torch.Tensor, bool]:
+        header = self.header.wait()
+        shape, dtype, placements = _read_header(header, self.run.smesh)
         local_shape = _local_shape(shape, self.run.smesh, placements)
         body = comm.recv(local_shape, dtype, self.run.ctx.mesh, self.run.axis, frm=self.frm, key=self.key,
                          tag=self.tag).wait()
+        gather = bool(header[_HEADER - 1])
         if placements is None:
-            return body
+            return body, False
         x = DTensor.from_local(body, self.run.smesh, placements, run_check=False, shape=torch.Size(shape),
                                stride=_contiguous(shape))
-        return x
+        return x, gather
 
 
 def _contiguous(shape: Sequence[int]) -> tuple[int, ...]:
@@ -393,11 +408,31 @@ def _sendable(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def _header(x: torch.Tensor) -> torch.Tensor:
+def _scatter(x: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """Megatron's scatter/gather optimisation: an activation replicated over a mesh axis
+    (tp without sequence parallel) leaves its stage split over that axis along its last
+    dim — each rank sends 1/t, the receiver all-gathers. A local slice here (no
+    collective); in the graph, so the gradient comes back the same way."""
+    if not isinstance(x, DTensor) or x.dim() == 0:
+        return x, False
+    spec, mesh = spec_of(x), x.device_mesh
+    last = x.dim() - 1
+    if spec.partial or spec.axes_of(last):
+        return x, False
+    names = axis_names(mesh)
+    for a, pl in zip(names, x.placements):
+        if isinstance(pl, Replicate) and mesh.size(names.index(a)) > 1 and x.shape[last] % mesh.size(names.index(a)) == 0:
+            dims = [spec.axes_of(d) for d in range(last)] + [(a,)]
+            return reshard(x, P(*dims), tag="pp scatter"), True
+    return x, False
+
+
+def _header(x: torch.Tensor, gather: bool = False) -> torch.Tensor:
     h = torch.zeros(_HEADER, dtype=torch.int64)
     h[0] = x.dim()
     h[1:1 + x.dim()] = torch.tensor(list(x.shape), dtype=torch.int64)
     h[9] = _DTYPES.index(x.dtype)
+    h[_HEADER - 1] = int(gather)
     if isinstance(x, DTensor):
         for d, pl in enumerate(x.placements):
             h[10 + d] = 1 if isinstance(pl, Replicate) else 2 + pl.dim  # Shard(dim)
