@@ -125,3 +125,40 @@ def test_a_tp_rank_sends_its_1_over_t_of_an_activation(sp):
     (first, first_tags), _, (_, last_tags), _ = run(_act_bytes, sp, world_size=4)  # ranks 0, 1: stage 0
     assert first == {4 * 16 * 64 * 8 // 2}
     assert ("pp scatter" in first_tags) == (not sp) and ("pp gather" in last_tags) == (not sp)
+
+
+def _save_pp(axes, layout, cfg, root, m):
+    mesh = dtp.make_mesh(**axes)
+    opt = dtp.optim.adamw(dtp.optim.warmup_cosine(1e-2, 1, 10), weight_decay=0.1)
+    state = dtp.TrainState.create(llama.init(cfg, seed=0, dtype=torch.float64), opt, mesh=mesh, layout=layout,
+                                  axes=llama.param_axes(cfg), axis_sizes=llama.axis_sizes(cfg))
+    model, losses = llama.sequential(cfg), []
+    for step in range(STEPS):
+        state, metrics = dtp.train_step(model, state, dtp.shard_batch(_batch(cfg, step), state), microbatches=m)
+        losses.append(metrics["loss"])
+        if step == 0:
+            dtp.checkpoint.save(state, root)
+    return losses
+
+
+def _load_pp(axes, layout, cfg, root, m):
+    mesh = dtp.make_mesh(**axes)
+    opt = dtp.optim.adamw(dtp.optim.warmup_cosine(1e-2, 1, 10), weight_decay=0.1)
+    like = dtp.TrainState.create(llama.init(cfg, seed=1, dtype=torch.float64), opt, mesh=mesh, layout=layout,
+                                 axes=llama.param_axes(cfg), axis_sizes=llama.axis_sizes(cfg))
+    state, _ = dtp.checkpoint.load(root, like=like)
+    model, losses = llama.sequential(cfg), []
+    for step in range(1, STEPS):
+        state, metrics = dtp.train_step(model, state, dtp.shard_batch(_batch(cfg, step), state), microbatches=m)
+        losses.append(metrics["loss"])
+    return losses
+
+
+@pytest.mark.parametrize("into", ["pp1", "pp4"])
+def test_a_pp2_checkpoint_loads_under_pp1_and_pp4(into, tmp_path):
+    cfg, root = _cfg(tie=True), str(tmp_path / "ckpt")
+    want = run(_save_pp, {"pp": 2}, layouts.pipeline("1f1b"), cfg, root, 4, world_size=2)[0]
+    axes, layout, world = ({"dp": 2}, layouts.data(), 2) if into == "pp1" else \
+        ({"pp": 4}, layouts.pipeline("1f1b"), 4)
+    got = run(_load_pp, axes, layout, cfg, root, 4, world_size=world)[0]
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want[1:]), rtol=RTOL, atol=0)

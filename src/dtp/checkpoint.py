@@ -310,7 +310,7 @@ def save(state: TrainState, root: str | os.PathLike[str], *, extra: Mapping[str,
         partial.mkdir()
     comm.barrier(tag="checkpoint mkdir")
     tensors = _logical(state)
-    manifest = _manifest(state, tensors, extra)
+    manifest = _manifest(state, extra)
 
     def finish() -> None:
         # Each rank checksums the files it wrote (read back from the page cache): DCP
@@ -323,6 +323,10 @@ def save(state: TrainState, root: str | os.PathLike[str], *, extra: Mapping[str,
                 manifest["files"].update(json.loads(part.read_text()))
                 part.unlink()
             manifest["files"][".metadata"] = _file_sums(partial, ".metadata")[".metadata"]
+            # Every rank's tensors (a pipeline rank holds only its stages'): from DCP's plan.
+            manifest["tensors"] = {name: {"shape": list(md.size), "dtype": str(md.properties.dtype).removeprefix("torch.")}
+                                   for name, md in sorted(_metadata(partial).state_dict_metadata.items())
+                                   if isinstance(md, TensorStorageMetadata)}
             _atomic_json(partial / MANIFEST, manifest)
             shutil.rmtree(final, ignore_errors=True)
             os.replace(partial, final)
@@ -372,7 +376,7 @@ class _Staged:
         pass
 
 
-def _manifest(state: TrainState, tensors: Mapping[str, Any], extra: Mapping[str, Any] | None) -> dict[str, Any]:
+def _manifest(state: TrainState, extra: Mapping[str, Any] | None) -> dict[str, Any]:
     from . import __version__
 
     return {
@@ -383,8 +387,6 @@ def _manifest(state: TrainState, tensors: Mapping[str, Any], extra: Mapping[str,
         "mesh": dict(zip(state.mesh.mesh_dim_names or (), state.mesh.mesh.shape)),
         "layout": state.layout.name or "custom",
         "zero_stage": state.zero.stage if state.zero is not None else 0,
-        "tensors": {k: {"shape": list(v.size() if isinstance(v, _Pieces) else v.shape),
-                        "dtype": str(v.dtype).removeprefix("torch.")} for k, v in tensors.items()},
         "rng": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(),
         "extra": extra,
     }
