@@ -27,7 +27,9 @@ from pathlib import Path
 from typing import Sequence
 
 from ..comm import CollectiveError
+from .. import schedules
 from ..launch import in_torchrun, launch, report_error
+from ..layouts.pipeline import assign
 from ..models import llama
 from .check import _check_in_subprocess, check_run, compare_losses, tolerance_for
 from .flags import PROG, UsageError, build_parser, mesh_axes, parse_args, train_argv, validate
@@ -52,8 +54,18 @@ def _cmd_train(args: argparse.Namespace) -> int:
             code = _check_in_subprocess(args.out)
         return code
     # Validate what can be validated here, before starting ranks that would all fail.
-    build_layout(args)
-    llama.config(args.model, vocab_size=_vocab_size(args.model, _load_data(args.data)))
+    layout = build_layout(args)
+    cfg = llama.config(args.model, vocab_size=_vocab_size(args.model, _load_data(args.data)))
+    if layout.pipeline is not None:
+        n_layers = len(llama.sequential(cfg))
+        assign(n_layers, args.pp, args.virtual_stages, what=f"--pp {args.pp} --virtual-stages {args.virtual_stages}")
+        if args.print_schedule:
+            table = schedules.format_schedule(
+                schedules.make(args.pp_schedule, p=args.pp, v=args.virtual_stages, m=args.microbatches), p=args.pp)
+            print(f"{args.pp_schedule} schedule, pp={args.pp}, virtual stages {args.virtual_stages}, "
+                  f"{args.microbatches} microbatches ({n_layers} layers; F forward, B backward, I/W its input/weight "
+                  f"halves, chunk.microbatch):\n{table}")
+            return 0
     if args.nproc > 1:
         code = launch(args.nproc, train_argv(args), max_restarts=args.max_restarts)
     else:

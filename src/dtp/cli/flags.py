@@ -18,6 +18,7 @@ from .._rules import RUN_RTOL
 from ..launch import in_torchrun
 from ..layouts import CP_ALGORITHMS, ZERO_STAGES, Layout, zero
 from ..layouts.zero import misplaced_options
+from .. import schedules
 
 # layouts.zero's options: the argparse attribute and the flag that set each.
 ZERO_ARGS = {"overlap_grad_reduce": "overlap_grad_reduce", "overlap_param_gather": "overlap_param_gather",
@@ -124,6 +125,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="context-parallel attention in this many head chunks (default: the fewest with chunks × cp >= 16 "
                         "keeping each chunk's K+V >= 1 MiB; "
                         "1: Megatron's schedule, fewer and larger transfers, more memory; with --cp > 1)")
+    g.add_argument("--pp", type=_positive("--pp"), default=1, help="pipeline-parallel degree (outermost mesh axis)")
+    g.add_argument("--pp-schedule", choices=schedules.SCHEDULES, default="1f1b",
+                   help="pipeline schedule (with --pp > 1; interleaved needs --virtual-stages >= 2)")
+    g.add_argument("--virtual-stages", type=_positive("--virtual-stages"), default=1, metavar="V",
+                   help="model chunks per pipeline rank (interleaved schedule)")
+    g.add_argument("--print-schedule", action="store_true",
+                   help="print each pipeline rank's action list (F/B/I/W, chunk.microbatch) and exit")
     g.add_argument("--zero", type=int, choices=ZERO_STAGES, default=0,
                    help="ZeRO stage over dp: 1 optimizer state, 2 + gradients, 3 + parameters (0: plain DP)")
     g.add_argument("--overlap-grad-reduce", action="store_true",
@@ -190,12 +198,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def mesh_axes(args: argparse.Namespace) -> dict[str, int]:
-    """The mesh to build: the non-trivial axes in order dp, cp, tp (dp always present).
+    """The mesh to build: the non-trivial axes in order pp, dp, cp, tp (dp always present).
 
-    >>> mesh_axes(argparse.Namespace(dp=2, cp=1, tp=4))
+    >>> mesh_axes(argparse.Namespace(pp=1, dp=2, cp=1, tp=4))
     {'dp': 2, 'tp': 4}
     """
-    axes = {"dp": args.dp}
+    axes = {"pp": args.pp} if getattr(args, "pp", 1) > 1 else {}
+    axes["dp"] = args.dp
     for name in ("cp", "tp"):
         if getattr(args, name) > 1:
             axes[name] = getattr(args, name)
@@ -250,6 +259,15 @@ def validate(args: argparse.Namespace, *, world_size: int | None = None) -> argp
         print(f"{PROG} train: note: --sp has no effect with --tp 1 (sequence parallel splits over tp)",
               file=sys.stderr)
         args.sp = False
+    if args.pp == 1 and (args.virtual_stages > 1 or args.print_schedule):
+        raise UsageError("--virtual-stages and --print-schedule configure the pipeline; they need --pp > 1")
+    if args.pp > 1:
+        if args.virtual_stages > 1 and args.pp_schedule != "interleaved":
+            raise UsageError(f"--virtual-stages {args.virtual_stages} needs --pp-schedule interleaved")
+        try:
+            schedules.check(args.pp_schedule, p=args.pp, v=args.virtual_stages, m=args.microbatches)
+        except ValueError as e:
+            raise UsageError(f"--pp {args.pp} --microbatches {args.microbatches}: {e}") from None
     if args.save_every < 0:
         raise UsageError(f"--save-every must be >= 0 (0: never), got {args.save_every}")
     if args.async_save and not args.save_every:
@@ -285,7 +303,8 @@ def train_argv(args: argparse.Namespace) -> list[str]:
     >>> train_argv(parse_args(["train", "--dp", "2", "--out", "r"]))[:5]
     ['train', '--dp', '2', '--cp', '1']
     """
-    out = ["train", "--dp", str(args.dp), "--cp", str(args.cp), "--tp", str(args.tp)]
+    out = ["train", "--pp", str(args.pp), "--pp-schedule", args.pp_schedule, "--virtual-stages",
+           str(args.virtual_stages), "--dp", str(args.dp), "--cp", str(args.cp), "--tp", str(args.tp)]
     if args.sp:
         out.append("--sp")
     for flag, value in (("--cp-algo", args.cp_algo), ("--cp-window", args.cp_window),

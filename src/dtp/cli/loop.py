@@ -47,6 +47,8 @@ def build_layout(args: argparse.Namespace) -> Layout:
                                      ("head_chunks", args.cp_head_chunks)) if v is not None}
         layout = layout + layouts.context(**options)
     layout = layout + zero_layout(args)
+    if args.pp > 1:
+        layout = layout + layouts.pipeline(args.pp_schedule, virtual_stages=args.virtual_stages)
     return layout
 
 
@@ -96,7 +98,7 @@ def _train(args: Mapping[str, Any], mesh: DeviceMesh, layout: Layout, *, recompu
     # chunk, vocab per tp …) are checked here, on every rank, before any collective.
     state = TrainState.create(params, opt, mesh=mesh, layout=layout, axes=llama.param_axes(cfg),
                               axis_sizes=llama.axis_sizes(cfg))
-    loss_fn = functools.partial(llama.loss, cfg=cfg)
+    loss_fn = llama.sequential(cfg)  # the model as layers: a pipeline cuts it into stages; else llama.loss
     clip = args["clip"] if args["clip"] > 0 else None
     skips = SkipCounter(args.get("max_skipped", 0))  # run directories from before the flag: never abort
     first = 1

@@ -1,0 +1,54 @@
+"""`dtp train --pp N --pp-schedule … --virtual-stages V --microbatches M [--print-schedule]`."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from dtp.cli import main, parse_args
+
+
+def _env() -> dict[str, str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    return env
+
+
+def test_print_schedule_shows_each_ranks_actions(capsys) -> None:
+    assert main(["train", "--pp", "2", "--microbatches", "4", "--print-schedule"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[1:] == ["rank 0: F0.0 F0.1 .    B0.0 F0.2 B0.1 F0.3 B0.2 .    B0.3",
+                       "rank 1: .    F0.0 B0.0 F0.1 B0.1 F0.2 B0.2 F0.3 B0.3"]
+
+
+@pytest.mark.parametrize("flags, match", [
+    (["--pp", "2", "--microbatches", "1"], r"'1f1b' needs at least p=2 microbatches"),
+    (["--pp", "2", "--pp-schedule", "interleaved", "--virtual-stages", "2", "--microbatches", "3", "--batch", "6"],
+     r"multiple of"),
+    (["--pp", "2", "--virtual-stages", "2", "--microbatches", "2"], r"--virtual-stages 2 needs --pp-schedule interleaved"),
+    (["--virtual-stages", "2"], r"need --pp > 1"),
+])
+def test_pipeline_flag_errors(flags, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        parse_args(["train", *flags])
+
+
+def test_too_few_layers_is_one_line(capsys) -> None:
+    assert main(["train", "--pp", "4", "--pp-schedule", "interleaved", "--virtual-stages", "2",
+                 "--microbatches", "4", "--print-schedule"]) == 2
+    assert "the model has 4 layers, fewer than pp=4 × virtual_stages=2 = 8 stages" in capsys.readouterr().err
+
+
+def test_pp2_tp2_sp_trains_and_matches_one_process(tmp_path) -> None:
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "dtp.cli", "train", "--nproc", "4", "--pp", "2", "--tp", "2", "--sp",
+           "--pp-schedule", "zb-h1", "--microbatches", "2", "--model", "tiny", "--steps", "3", "--batch", "4",
+           "--seq", "16", "--dtype", "float64", "--check", "--out", str(out)]
+    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert ": OK" in proc.stdout
+    record = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+    assert record["comm_bytes"]["pp"]["send"] > 0
