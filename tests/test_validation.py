@@ -248,11 +248,37 @@ def _checkpoint(rank, spoil=None, where="", saved=None, **like):
 
 CKPT = r"checkpoint \S+/step_00000001"  # the checkpoint a row's message names
 
+def _pipeline_step(rank, layout, microbatches, b=8, model=None, axes=None):
+    """A dp=2 × pp=2 state (or ``axes``) under ``layout``; the call is the step."""
+    mesh = dtp.make_mesh(**(axes or {"pp": 2, "dp": 2}))
+    state = _state(mesh, layout)
+    batch = dtp.shard_batch(_batch(b=b), state)
+    model = llama.sequential(CFG) if model is None else model
+    return lambda: dtp.train_step(model, state, batch, microbatches=microbatches)
+
+
 # Added with their features (they do not exist yet): experts not divisible by ep;
-# microbatches fewer than pipeline stages where the schedule needs more, or not a
-# multiple of p for interleaved; layers fewer than p·v; pipe-experts options without
-# MoE; multi-stream without sequence parallel.
+# pipe-experts options without MoE; multi-stream without sequence parallel.
 CASES = {
+    # ---- pipeline
+    "pipeline microbatches fewer than stages (1f1b)": (
+        lambda r: _pipeline_step(r, dtp.layouts.pipeline("1f1b"), 1), "ValueError",
+        r"train_step: schedules: '1f1b' needs at least p=2 microbatches in flight, got m=1; use m >= 2, or the "
+        r"'gpipe' schedule"),
+    "interleaved microbatches not a multiple of pp": (
+        lambda r: _pipeline_step(r, dtp.layouts.pipeline("interleaved", virtual_stages=2), 3, b=12), "ValueError",
+        r"train_step: schedules: 'interleaved' needs m to be a multiple of p=2 .*got m=3; use m=2 or m=4"),
+    "layers fewer than pp × virtual stages": (
+        lambda r: _pipeline_step(r, dtp.layouts.pipeline("interleaved", virtual_stages=2), 4, axes={"pp": 4}),
+        "ValueError", r"train_step: the model has 3 layers, fewer than pp=4 × virtual_stages=2 = 8 stages"),
+    "pipeline loss_fn not a sequence of layers": (
+        lambda r: _pipeline_step(r, dtp.layouts.pipeline("gpipe"), 2, model=LOSS), "TypeError",
+        r"train_step: under layouts.pipeline loss_fn must be the model as a dtp.Sequential of layers "
+        r"\(e.g. llama.sequential\(cfg\)\), got partial"),
+    "zero with pipeline": (
+        lambda r: _create(r, mesh=dtp.make_mesh(pp=2, dp=2),
+                          layout=dtp.layouts.data() + dtp.layouts.zero(1) + dtp.layouts.pipeline()),
+        "ValueError", r"TrainState.create: layouts.zero with layouts.pipeline is not supported yet"),
     # ---- fail together: a check that fails on one rank is the same error on all
     "microbatches on one rank do not split the batch": (
         lambda r: _step(r, microbatches=lambda r: 3 if r == 1 else 2), "ValueError",

@@ -66,11 +66,11 @@ class PipelineOptions:
         """``ValueError`` (every rank alike, before any collective) when the model's layers
         or the microbatches do not fit this pipeline on ``mesh``."""
         p, v = self.degree(mesh), self.virtual_stages
-        assign(n_layers, p, v, self.layer_split, what=what)
         try:
             schedules.check(self.schedule, p=p, v=v, m=microbatches)
         except ValueError as e:
             raise ValueError(f"{what}: {e}") from None
+        assign(n_layers, p, v, self.layer_split, what=what)
 
 
 def assign(n_layers: int, p: int, v: int, split: Sequence[int] | None = None, *, what: str = "pipeline"
