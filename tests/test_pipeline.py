@@ -162,3 +162,35 @@ def test_a_pp2_checkpoint_loads_under_pp1_and_pp4(into, tmp_path):
         ({"pp": 4}, layouts.pipeline("1f1b"), 4)
     got = run(_load_pp, axes, layout, cfg, root, 4, world_size=world)[0]
     torch.testing.assert_close(torch.tensor(got), torch.tensor(want[1:]), rtol=RTOL, atol=0)
+
+
+def _mlp():
+    """The README's own (non-Llama) model: four tanh layers and an MSE loss, as layers."""
+    def layer(k):
+        return dtp.Layer(lambda p, x, b: torch.tanh((b["x"] if x is None else x) @ p[f"w{k}"]), (f"w{k}",), f"w{k}")
+
+    model = dtp.Sequential([*(layer(k) for k in range(4)),
+                            dtp.Layer(lambda p, x, b: ((x - b["y"]) ** 2).mean(), (), "mse")])
+    g = torch.Generator().manual_seed(0)
+    params = {f"w{k}": torch.randn(16, 16, dtype=torch.float64, generator=g) * 0.3 for k in range(4)}
+    axes = {f"w{k}": ("embed", "mlp") for k in range(4)}
+    batch = {"x": torch.randn(8, 16, dtype=torch.float64, generator=g),
+             "y": torch.randn(8, 16, dtype=torch.float64, generator=g)}
+    return model, params, axes, batch
+
+
+def _mlp_train(axes_of_mesh, layout):
+    model, params, axes, batch = _mlp()
+    state = dtp.TrainState.create(params, dtp.optim.sgd(0.1), mesh=dtp.make_mesh(**axes_of_mesh), layout=layout,
+                                  axes=axes)
+    losses = []
+    for _ in range(STEPS):
+        state, metrics = dtp.train_step(model, state, dtp.shard_batch(batch, state), microbatches=4)
+        losses.append(metrics["loss"])
+    return losses
+
+
+def test_a_users_own_model_pipelines_the_same_way():
+    want = run(_mlp_train, {"dp": 1}, layouts.data(), world_size=1)[0]
+    got = run(_mlp_train, {"pp": 2, "dp": 2}, layouts.data() + layouts.pipeline("1f1b"), world_size=4)[0]
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=RTOL, atol=0)

@@ -9,6 +9,7 @@ from . import comm, layouts, ops, optim, strategies
 from .comm import CommLog, CommRecord, comm_log
 from .layouts import Layout, constrain, use_layout
 from .mesh import detect_device, flatten_axes, make_mesh
+from .models.sequential import Layer, Sequential
 from .redistribute import from_local, local_map, reshard
 from .spec import P, shard, spec_of
 from .step import TrainState, gather_params, shard_batch, train_step, wait
@@ -23,5 +24,5 @@ __all__ = [
     "shard", "from_local", "local_map", "spec_of", "reshard", "visualize",
     "comm_log", "CommLog", "CommRecord",
     "Layout", "layouts", "use_layout", "constrain", "ops", "optim", "strategies", "zero", "comm",
-    "TrainState", "train_step", "shard_batch", "gather_params", "wait", "checkpoint",
+    "TrainState", "train_step", "shard_batch", "gather_params", "wait", "checkpoint", "Layer", "Sequential",
 ]

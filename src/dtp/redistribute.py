@@ -31,14 +31,14 @@ from typing import Any, Callable, Sequence
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Partial
 
 from . import comm
 from ._torch import local_tensor, maybe_run_for_local_tensor
 from .mesh import axis_names, axis_sizes, coordinates
 from .spec import P, wrap_local, check_spec, spec_of
 
-__all__ = ["Step", "plan", "reshard", "redistribute_local", "to_local", "from_local", "local_map"]
+__all__ = ["Step", "plan", "reshard", "redistribute_local", "to_local", "from_local", "local_map", "value_of"]
 
 
 @dataclass(frozen=True)
@@ -417,3 +417,24 @@ def _local_map_call(fn: Callable[..., Any], in_specs: Any, out_specs: Any, check
     wrapped = iter(from_local(t, mesh, spec, name=f"local_map {name}") for name, t, spec in outs)
     return optree.tree_unflatten(out_def, [t if s is None else next(wrapped)
                                            for t, s in zip(out_leaves, out_specs_full)])
+
+
+def value_of(x: torch.Tensor) -> float:
+    """A scalar's value as a float, the same on every rank: a DTensor with pending sums
+    (a loss computed as ``.mean()`` of a batch-split tensor: ``Partial`` sum or avg) is
+    reduced first — one recorded all-reduce per pending axis; a replicated one is read
+    locally.
+
+    >>> value_of(torch.tensor(2.5))
+    2.5
+    """
+    if not isinstance(x, DTensor):
+        return float(x)
+    local = x.to_local().detach().reshape(1)
+    names = x.device_mesh.mesh_dim_names or ()
+    for m, pl in enumerate(x.placements):
+        if isinstance(pl, Partial):
+            local = comm.all_reduce(local, x.device_mesh, names[m], tag="loss value")
+            if pl.reduce_op == "avg":
+                local = local / x.device_mesh.size(m)
+    return float(local[0])

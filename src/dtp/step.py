@@ -40,7 +40,7 @@ from .optim import GradientTransformation, apply_updates, clip_by_global_norm
 from .ops.recompute import POLICIES, recompute as recompute_policy
 from .strategies import pipeline as pipeline_mod
 from .strategies import zero as zero_mod
-from .redistribute import local_map
+from .redistribute import local_map, value_of
 from .spec import P, shard, spec_of
 
 __all__ = ["TrainState", "train_step", "value_and_grad", "shard_batch", "gather_params", "wait"]
@@ -344,10 +344,6 @@ def _check_inputs(batch: Mapping[str, torch.Tensor], state: TrainState, microbat
         _check_seq("train_step", k, v, state)
 
 
-def _value(x: torch.Tensor) -> float:
-    return float(x.to_local() if isinstance(x, DTensor) else x)
-
-
 def _forward_backward(loss_fn: Callable, run: strategies.StepRun,
                       microbatches: list[dict[str, torch.Tensor]]) -> tuple[float, Any]:
     """The one microbatch loop: each microbatch's mean weighted 1/m, so gradient
@@ -367,7 +363,7 @@ def _forward_backward(loss_fn: Callable, run: strategies.StepRun,
                              f"{tuple(loss.shape)}; reduce it, e.g. loss.mean()")
         with span("backward"):
             run.backward(loss / m, k)
-        total += _value(loss.detach()) / m
+        total += value_of(loss.detach()) / m
         auxes.append(aux)
     # One aux per microbatch: dtp cannot know whether to sum (token counts) or average
     # (accuracies) them, and keeping only the last silently halved a count at m=2.

@@ -47,7 +47,7 @@ from ..layouts.pipeline import assign
 from ..mesh import axis_names, coordinates, sub_mesh
 from ..models.sequential import Sequential
 from ..optim import global_norm, map_param_trees
-from ..redistribute import reshard
+from ..redistribute import reshard, value_of
 from ..spec import P, from_placements, spec_of, to_placements, wrap_local
 from . import replicated
 
@@ -206,7 +206,7 @@ class Run:
         out = self.ctx.model.run(self.params_tree, value, self.mbs[i], first, stop)
         if stage == self.n_stages - 1:
             loss, aux = out if isinstance(out, tuple) else (out, None)
-            self.losses[i] = float(loss.detach().to_local() if isinstance(loss, DTensor) else loss.detach())
+            self.losses[i] = value_of(loss.detach())
             if aux is not None:
                 self.auxes[i] = aux
             self.saved[(chunk, i)] = (x, loss / self.m)
