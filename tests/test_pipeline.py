@@ -166,11 +166,11 @@ def test_a_pp2_checkpoint_loads_under_pp1_and_pp4(into, tmp_path):
 
 def _mlp():
     """The README's own (non-Llama) model: four tanh layers and an MSE loss, as layers."""
-    def layer(k):
-        return dtp.Layer(lambda p, x, b: torch.tanh((b["x"] if x is None else x) @ p[f"w{k}"]), (f"w{k}",), f"w{k}")
-
-    model = dtp.Sequential([*(layer(k) for k in range(4)),
-                            dtp.Layer(lambda p, x, b: ((x - b["y"]) ** 2).mean(), (), "mse")])
+    model = dtp.Sequential([
+        *(dtp.Layer(lambda p, x, b, k=k: torch.tanh((b["x"] if x is None else x) @ p[f"w{k}"]), (f"w{k}",))
+          for k in range(4)),
+        dtp.Layer(lambda p, x, b: ((x - b["y"]) ** 2).mean()),
+    ])
     g = torch.Generator().manual_seed(0)
     params = {f"w{k}": torch.randn(16, 16, dtype=torch.float64, generator=g) * 0.3 for k in range(4)}
     axes = {f"w{k}": ("embed", "mlp") for k in range(4)}
