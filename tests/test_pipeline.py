@@ -194,3 +194,19 @@ def test_a_users_own_model_pipelines_the_same_way():
     want = run(_mlp_train, {"dp": 1}, layouts.data(), world_size=1)[0]
     got = run(_mlp_train, {"pp": 2, "dp": 2}, layouts.data() + layouts.pipeline("1f1b"), world_size=4)[0]
     torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=RTOL, atol=0)
+
+
+ZERO = {
+    "pp2 x dp2 zero1 1f1b": ({"pp": 2, "dp": 2}, layouts.data() + layouts.zero(1, bucket_mb=1e-3) +
+                             layouts.pipeline("1f1b"), {}, 2, 1.0),
+    "pp2 x dp2 zero2 overlap-gather zb-h1": ({"pp": 2, "dp": 2}, layouts.data() + layouts.zero(
+        2, bucket_mb=1e-3, overlap_param_gather=True) + layouts.pipeline("zb-h1"), {}, 4, None),
+    "pp2 x dp2 zero1 interleaved": ({"pp": 2, "dp": 2}, layouts.data() + layouts.zero(1, bucket_mb=1e-3) +
+                                    layouts.pipeline("interleaved", virtual_stages=2), {}, 2, None),
+}
+CASES.update(ZERO)
+
+
+@pytest.mark.parametrize("name", list(ZERO))
+def test_zero_1_and_2_under_each_stage_equal_one_device(name):
+    test_pipeline_composes_and_equals_one_device(name)

@@ -109,10 +109,6 @@ class TrainState:
         checks = _agreements(leaves, axes_leaves)
         params = optree.tree_unflatten(treedef, sharded)
         zero_opts = None if _single_device(mesh) else zero_mod.options(layout, mesh)
-        if zero_opts is not None and layout.pipeline is not None and layout.pipeline.degree(mesh) > 1:
-            raise ValueError("TrainState.create: layouts.zero with layouts.pipeline is not supported yet: ZeRO's "
-                             "buckets follow one forward and backward per microbatch, while a pipeline schedule "
-                             "runs several forwards before their backwards; drop layouts.zero (or use pp=1)")
         if zero_opts is not None:  # buckets (and the sharded optimizer state) come in step one
             return cls(0, params, None, optimizer, mesh, layout, axes, zero_mod.create(params, zero_opts), checks)
         return cls(0, params, optimizer.init(params), optimizer, mesh, layout, axes, checks=checks)
@@ -184,6 +180,8 @@ def gather_params(state: TrainState) -> PyTree:
     """
     opts = state.layout.pipeline
     if opts is not None and opts.degree(state.mesh) > 1:
+        if state.zero is not None:
+            state.zero.wait()  # ZeRO 1/2 under the stages: their views may still be filling
         return pipeline_mod.gather(state.params, state.mesh, opts.axis)
     if state.zero is None:
         return state.params
@@ -268,7 +266,7 @@ def _pipeline(state: TrainState, loss_fn: Callable, microbatches: int) -> "pipel
     opts = state.layout.pipeline
     if opts is None or opts.degree(state.mesh) == 1:
         return None
-    return pipeline_mod.Context(state.layout, state.mesh, loss_fn, microbatches)
+    return pipeline_mod.Context(state.layout, state.mesh, loss_fn, microbatches, state.zero)
 
 
 def _spec(x: torch.Tensor) -> P | None:
@@ -302,6 +300,24 @@ def _check_pipeline(loss_fn: Callable, state: TrainState, microbatches: int) -> 
         raise TypeError(f"train_step: under layouts.pipeline loss_fn must be the model as a dtp.Sequential of "
                         f"layers (e.g. llama.sequential(cfg)), got {type(loss_fn).__name__}")
     opts.check(n_layers=len(loss_fn), mesh=state.mesh, microbatches=microbatches)
+    z = state.layout.zero
+    if z is not None and z.active(state.mesh):
+        # ZeRO counts each bucket's gradients per microbatch's backward to know when to post
+        # its reduce-scatter or free it; a schedule interleaves microbatches' forwards and
+        # backwards, so only the variants that wait for the whole backward compose.
+        if z.stage == 3:
+            raise ValueError("train_step: layouts.zero(3) with layouts.pipeline is not supported: stage 3 frees and "
+                             "re-gathers buckets by counting reads per microbatch, which a schedule interleaves; "
+                             "use stage 1 or 2 (optimizer state and gradients sharded over dp)")
+        if z.overlap_grad_reduce:
+            raise ValueError("train_step: layouts.zero(overlap_grad_reduce=True) with layouts.pipeline is not "
+                             "supported: a bucket's last gradient is known only when the schedule's last backward "
+                             "ran; drop overlap_grad_reduce (the reduce-scatters follow the schedule)")
+        first, last = loss_fn.paths(0, 1), loss_fn.paths(len(loss_fn) - 1)
+        if set(first) & set(last):
+            raise ValueError("train_step: layouts.zero with layouts.pipeline and tied embeddings is not supported "
+                             f"(the first and last layer both read {sorted(set(first) & set(last))}); untie them "
+                             "or drop layouts.zero")
 
 
 def _check_inputs(batch: Mapping[str, torch.Tensor], state: TrainState, microbatches: int,

@@ -50,6 +50,7 @@ from ..optim import global_norm, map_param_trees
 from ..redistribute import reshard, value_of
 from ..spec import P, from_placements, spec_of, to_placements, wrap_local
 from . import replicated
+from . import zero as zero_mod
 
 __all__ = ["Context", "Run", "stage_mesh", "local_paths", "gather"]
 
@@ -66,6 +67,7 @@ class Context:
     mesh: DeviceMesh
     model: Sequential
     microbatches: int
+    zero: "zero_mod.ZeroState | None" = None  # the state's ZeRO part (stage 1/2 under each stage)
 
 
 def stage_mesh(mesh: DeviceMesh, axis: str) -> DeviceMesh | None:
@@ -116,7 +118,17 @@ class Run:
         self.paths = paths
         local = [self._to_stage(x) if keep and x is not None else None for x, keep in zip(leaves, self.keep)]
         self.params_tree = optree.tree_unflatten(self.treedef, local)
-        self.inner = replicated.Run(self.params_tree, self.m)
+        zero_opts = None if self.smesh is None else zero_mod.options(ctx.layout, self.smesh)
+        self.zero = zero_opts is not None
+        if self.zero:
+            # ZeRO 1/2 under each stage: buckets of this stage's parameters over dp, made
+            # in the first step (the state's ZeroState covers every parameter until then).
+            z = ctx.zero if ctx.zero is not None and ctx.zero.plan is not None else \
+                zero_mod.create(self.params_tree, zero_opts)
+            self.inner = zero_mod.Run(z, self.params_tree, self.m)
+        else:
+            self.inner = replicated.Run(self.params_tree, self.m)
+        self.grouped = self.inner.grouped
         # full leaf index (None included) -> index among the held leaves (the inner run's)
         self.held = {j: k for k, j in enumerate(j for j, x in enumerate(local) if x is not None)}
         self.saved: dict[tuple[int, int], tuple[Any, Any]] = {}  # (chunk, mb) -> (input, output)
@@ -139,7 +151,8 @@ class Run:
 
     # ---- the StepRun interface
     def params(self) -> PyTree:
-        return self.params_tree
+        # ZeRO: a fresh read-only view per forward (its reads record use and find buckets)
+        return self.inner.params() if self.zero else self.params_tree
 
     def forward(self) -> ContextManager[None]:
         return contextlib.nullcontext()
@@ -169,10 +182,12 @@ class Run:
         return self.inner.gradients()
 
     def targets(self) -> list[PyTree]:
-        return [self.params_tree]
+        return self.inner.targets() if self.zero else [self.params_tree]
 
     def opt_state(self, optimizer: Any, opt_state: PyTree, targets: list[PyTree]) -> PyTree:
         """The optimizer state of this rank's parameters, on the stage mesh (others ``None``)."""
+        if self.zero:
+            return self.inner.opt_state(optimizer, opt_state, targets)
         if opt_state is None:
             return optimizer.init(targets[0])
         full = optree.tree_unflatten(self.treedef, list(range(len(self.keep))))
@@ -187,14 +202,17 @@ class Run:
     def norm(self, grads: PyTree) -> torch.Tensor:
         """The gradient norm over every stage: each rank's squares (a tied parameter
         counted on the first stage only), summed over pp."""
-        mine = [g for g, path in zip(optree.tree_leaves(grads, none_is_leaf=True), self.paths)
-                if g is not None and not (_owned(path, self.tied) and not self._holds_first())]
-        local = global_norm(mine) ** 2 if mine else torch.zeros((), dtype=torch.float64)
+        if self.zero:  # bucket slices: the norm over dp is ZeRO's
+            local = self.inner.norm(grads) ** 2
+        else:
+            mine = [g for g, path in zip(optree.tree_leaves(grads, none_is_leaf=True), self.paths)
+                    if g is not None and not (_owned(path, self.tied) and not self._holds_first())]
+            local = global_norm(mine) ** 2 if mine else torch.zeros((), dtype=torch.float64)
         total = comm.all_reduce(local.reshape(1), self.ctx.mesh, self.axis, tag="pipeline grad norm")
         return torch.sqrt(total[0]).to(local.dtype)
 
-    def finish(self, updated: list[PyTree]) -> tuple[PyTree, None]:
-        return updated[0], None
+    def finish(self, updated: list[PyTree]) -> tuple[PyTree, Any]:
+        return self.inner.finish(updated) if self.zero else (updated[0], None)
 
     # ---- the schedule's actions
     def _stage(self, chunk: int) -> tuple[int, int, int]:
@@ -203,7 +221,7 @@ class Run:
     def _F(self, chunk: int, i: int) -> None:
         stage, first, stop = self._stage(chunk)
         x, value = (None, None) if stage == 0 else self._take("act", stage, i)
-        out = self.ctx.model.run(self.params_tree, value, self.mbs[i], first, stop)
+        out = self.ctx.model.run(self.params(), value, self.mbs[i], first, stop)
         if stage == self.n_stages - 1:
             loss, aux = out if isinstance(out, tuple) else (out, None)
             self.losses[i] = value_of(loss.detach())
@@ -222,7 +240,7 @@ class Run:
         stage = self._stage(chunk)[0]
         x, out = self.saved.pop((chunk, i))
         grad = None if stage == self.n_stages - 1 else self._take("grad", stage, i)[1]
-        leaves = optree.tree_leaves(self.params_tree)
+        leaves = self._weights(i)
         inputs = ([x] if x is not None else []) + ([] if keep_graph else leaves)
         if inputs:
             grads = torch.autograd.grad(out, inputs, grad_outputs=grad, allow_unused=True, retain_graph=keep_graph)
@@ -231,13 +249,22 @@ class Run:
             self._send("grad", stage - 1, i, dx)
         if keep_graph:
             self.pending_w[(chunk, i)] = (out, grad)
-        else:
+        elif not self.zero:  # ZeRO's views added theirs into the buckets during backward
             self.inner.add(grads[1 if x is not None else 0:])
 
     def _W(self, chunk: int, i: int) -> None:
         out, grad = self.pending_w.pop((chunk, i))
-        leaves = optree.tree_leaves(self.params_tree)
-        self.inner.add(torch.autograd.grad(out, leaves, grad_outputs=grad, allow_unused=True))
+        grads = torch.autograd.grad(out, self._weights(i), grad_outputs=grad, allow_unused=True)
+        if not self.zero:
+            self.inner.add(grads)
+
+    def _weights(self, i: int) -> list[torch.Tensor]:
+        """What a backward differentiates for the parameters: the leaves, or under ZeRO
+        the anchor its views hang from (their backward fills the buckets)."""
+        if not self.zero:
+            return optree.tree_leaves(self.params_tree)
+        self.inner._begin_backward(i)
+        return [self.inner.anchor]
 
     # ---- point to point
     def _rank_of(self, stage: int) -> int:
