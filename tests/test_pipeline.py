@@ -26,7 +26,7 @@ def _batch(cfg, step: int, b: int = 8) -> dict[str, torch.Tensor]:
     return {"tokens": tok[:, :-1].contiguous(), "targets": tok[:, 1:].contiguous()}
 
 
-def _train(axes: dict, layout, cfg, m: int, clip=None) -> tuple[list[float], dict]:
+def _train(axes: dict, layout, cfg, m: int, clip=None, recompute=None) -> tuple[list[float], dict]:
     mesh = dtp.make_mesh(**axes)
     opt = dtp.optim.adamw(dtp.optim.warmup_cosine(1e-2, 1, 10), weight_decay=0.1)
     state = dtp.TrainState.create(llama.init(cfg, seed=0, dtype=torch.float64), opt, mesh=mesh, layout=layout,
@@ -35,7 +35,7 @@ def _train(axes: dict, layout, cfg, m: int, clip=None) -> tuple[list[float], dic
     losses = []
     for step in range(STEPS):
         state, metrics = dtp.train_step(model, state, dtp.shard_batch(_batch(cfg, step), state), microbatches=m,
-                                        clip_norm=clip)
+                                        clip_norm=clip, recompute=recompute)
         losses.append(metrics["loss"])
     params = dtp.gather_params(state)
     full = optree.tree_map(lambda x: (x.full_tensor() if isinstance(x, DTensor) else x).detach().clone(), params,
@@ -210,3 +210,12 @@ CASES.update(ZERO)
 @pytest.mark.parametrize("name", list(ZERO))
 def test_zero_1_and_2_under_each_stage_equal_one_device(name):
     test_pipeline_composes_and_equals_one_device(name)
+
+
+@pytest.mark.parametrize("schedule,recompute", [("zb-h1", "full"), ("interleaved", "selective")])
+def test_a_world_of_8_pp2_dp2_tp2_sp_with_recompute_equals_one_device(schedule, recompute):
+    cfg = _cfg()
+    layout = layouts.data() + layouts.megatron(True) + layouts.pipeline(
+        schedule, virtual_stages=2 if schedule == "interleaved" else 1)
+    got = run(_train, {"pp": 2, "dp": 2, "tp": 2}, layout, cfg, 2, 1.0, recompute, world_size=8)[0]
+    _check(got, _reference(cfg, 2, 1.0))
