@@ -20,3 +20,5 @@ def test_quickstart_notebook_runs():
         except Exception as e:
             raise AssertionError(f"quickstart.ipynb cell {i} failed: {e!r}\n{cell.source}") from e
     assert ns["summary"] == {"tp": {"all_to_all": 128, "all_gather": 256}}  # (4,16) fp32 shard: half leaves
+    losses = ns["pipeline_losses"]  # a user's own model through a 2-stage pipeline trains
+    assert len(losses) == 5 and losses[-1] < losses[0]

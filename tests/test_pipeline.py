@@ -219,3 +219,10 @@ def test_a_world_of_8_pp2_dp2_tp2_sp_with_recompute_equals_one_device(schedule, 
         schedule, virtual_stages=2 if schedule == "interleaved" else 1)
     got = run(_train, {"pp": 2, "dp": 2, "tp": 2}, layout, cfg, 2, 1.0, recompute, world_size=8)[0]
     _check(got, _reference(cfg, 2, 1.0))
+
+
+def test_an_uneven_layer_split_equals_one_device():
+    """layer_split: the embedding alone on stage 0, four blocks and the head on stage 1."""
+    cfg = _cfg()
+    got = run(_train, {"pp": 2}, layouts.pipeline("1f1b", layer_split=(1, 5)), cfg, 2, world_size=2)[0]
+    _check(got, _reference(cfg, 2))
