@@ -5,7 +5,7 @@ redistribution rules; training is a pure function ``train_step(loss_fn, state, b
 This module only re-exports the public surface.
 """
 
-from . import comm, layouts, ops, optim, strategies
+from . import comm, layouts, ops, optim, schedules, strategies
 from .comm import CommLog, CommRecord, comm_log
 from .layouts import Layout, constrain, use_layout
 from .mesh import detect_device, flatten_axes, make_mesh
@@ -23,6 +23,6 @@ __all__ = [
     "P", "make_mesh", "detect_device", "flatten_axes",
     "shard", "from_local", "local_map", "spec_of", "reshard", "visualize",
     "comm_log", "CommLog", "CommRecord",
-    "Layout", "layouts", "use_layout", "constrain", "ops", "optim", "strategies", "zero", "comm",
+    "Layout", "layouts", "use_layout", "constrain", "ops", "optim", "strategies", "zero", "comm", "schedules",
     "TrainState", "train_step", "shard_batch", "gather_params", "wait", "checkpoint", "Layer", "Sequential",
 ]

@@ -12,7 +12,7 @@ import math
 import os
 import sys
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from .._rules import RUN_RTOL
 from ..launch import in_torchrun
@@ -51,50 +51,36 @@ class UsageError(ValueError):
     """Invalid flags: reported as one line, exit code 2."""
 
 
-def _positive(name: str) -> Callable[[str], int]:
-    def parse(text: str) -> int:
+def _number(kind: type, minimum: int, *, strict: bool = False, name: str | None = None) -> Callable[[str], Any]:
+    """An argparse type: ``kind`` (int or float, finite) >= ``minimum`` (> with ``strict``);
+    the message names the flag when ``name`` is given."""
+    lead = f"{name} must be" if name else "expected"
+    noun = "an integer" if kind is int else "a number"
+
+    def parse(text: str) -> Any:
         try:
-            value = int(text)
+            value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be an integer, got {text!r}") from None
-        if value < 1:
-            raise argparse.ArgumentTypeError(f"{name} must be >= 1, got {value}")
+            raise argparse.ArgumentTypeError(f"{lead} {noun}, got {text!r}") from None
+        if not (math.isfinite(value) and (value > minimum if strict else value >= minimum)):
+            desc = "a finite number " if kind is float else ("" if name else "an integer ")
+            shown = repr(text) if kind is float else value
+            raise argparse.ArgumentTypeError(f"{lead} {desc}{'>' if strict else '>='} {minimum}, got {shown}")
         return value
 
     return parse
+
+
+def _positive(name: str) -> Callable[[str], int]:
+    return _number(int, 1, name=name)
 
 
 def _positive_float(name: str) -> Callable[[str], float]:
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be a number, got {text!r}") from None
-        if not math.isfinite(value) or value <= 0:
-            raise argparse.ArgumentTypeError(f"{name} must be a finite number > 0, got {text!r}")
-        return value
-
-    return parse
+    return _number(float, 0, strict=True, name=name)
 
 
-def _non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not math.isfinite(value) or value < 0:
-        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
-    return value
+_non_negative_float = _number(float, 0)
+_non_negative_int = _number(int, 0)
 
 
 def build_parser() -> argparse.ArgumentParser:
