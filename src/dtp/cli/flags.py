@@ -286,8 +286,8 @@ def train_argv(args: argparse.Namespace) -> list[str]:
     (the run directory, the warm-up, the absolute data path), and ``--check`` stays with
     the launcher, which runs the reference once instead of on every rank.
 
-    >>> train_argv(parse_args(["train", "--dp", "2", "--out", "r"]))[:5]
-    ['train', '--dp', '2', '--cp', '1']
+    >>> train_argv(parse_args(["train", "--dp", "2", "--out", "r"]))[:9]
+    ['train', '--pp', '1', '--pp-schedule', '1f1b', '--virtual-stages', '1', '--dp', '2']
     """
     out = ["train", "--pp", str(args.pp), "--pp-schedule", args.pp_schedule, "--virtual-stages",
            str(args.virtual_stages), "--dp", str(args.dp), "--cp", str(args.cp), "--tp", str(args.tp)]
