@@ -158,3 +158,116 @@ def test_comm_log_is_counts_then_the_four_exchanges_with_analytic_bytes(results,
             ("all_to_all_v", "ep", "moe combine backward", sent * o * 8),
             ("all_to_all_v", "ep", "moe dispatch backward", came * d * 8),
         ], f"{name}: rank {r}"
+
+
+# ------------------------------------------------------------------ comm, ep of one, errors
+
+
+def _rank_checks() -> dict:
+    import dtp
+    from dtp import comm
+    from dtp.ops.moe_dispatch import combine, dispatch
+
+    mesh = dtp.make_mesh(ep=2)
+    me = mesh.get_local_rank("ep")
+    out: dict = {}
+
+    def attempt(key, fn):
+        with comm.comm_log() as log:
+            try:
+                fn()
+                out[key] = ("no error", [])
+            except ValueError as e:
+                out[key] = (str(e), [(r.kind, r.tag) for r in log.records])
+
+    # an async uneven all-to-all: rank 0 sends 3 rows to 1 and none to itself, rank 1 sends 1 to each
+    send, recv = ([0, 3], [0, 1]) if me == 0 else ([1, 1], [3, 1])
+    x = torch.arange(sum(send) * 2, dtype=F64).reshape(-1, 2) + 100 * me
+    with comm.comm_log() as log:
+        handle = comm.all_to_all_v(x, mesh, "ep", send_counts=send, recv_counts=recv, async_op=True, tag="a2av")
+        got = handle.wait()
+        counts = comm.exchange_counts(torch.tensor([[1, 2], [3, 4]]) + 10 * me, mesh, "ep")
+    out["a2av"] = got
+    out["counts"] = counts
+    out["records"] = [(r.kind, r.tag, r.bytes, r.async_op, r.completed is not None) for r in log.records]
+    out["flight"] = [(e.kind, e.tag, e.bytes) for e in comm.flight_record()[-2:]]
+
+    # ep of one: a local permutation and back, nothing recorded
+    mesh1 = dtp.make_mesh(dp=2, ep=1)
+    x1 = torch.randn(5, 3, dtype=F64, requires_grad=True)
+    with comm.comm_log() as log1:
+        y1, plan1 = dispatch(x1, torch.tensor([2, 0, 1, 0, 2]), 3, mesh1, "ep")
+        z1 = combine(y1 * 2, plan1)
+        z1.sum().backward()
+    out["ep1"] = (torch.equal(z1, 2 * x1.detach()), torch.equal(x1.grad, torch.full_like(x1, 2.0)),
+                  plan1.tokens_per_expert, len(log1.records), torch.equal(y1, x1.detach()[[1, 3, 2, 0, 4]]))
+
+    xs = torch.ones(4, 2, dtype=F64)
+    attempt("ids out of range on rank 1",
+            lambda: dispatch(xs, torch.tensor([0, 1, 2, 4 if me == 1 else 3]), 4, mesh, "ep"))
+    attempt("ids length on rank 0", lambda: dispatch(xs, torch.zeros(3 if me == 0 else 4, dtype=torch.int64),
+                                                     4, mesh, "ep"))
+    attempt("float ids", lambda: dispatch(xs, torch.zeros(4), 4, mesh, "ep"))
+    attempt("experts not divisible", lambda: dispatch(xs, torch.zeros(4, dtype=torch.int64), 3, mesh, "ep"))
+    attempt("send counts do not sum", lambda: comm.all_to_all_v(xs, mesh, "ep", send_counts=[1, 2],
+                                                                recv_counts=[1, 2]))
+    attempt("one count per coordinate", lambda: comm.all_to_all_v(xs, mesh, "ep", send_counts=[4],
+                                                                  recv_counts=[2, 2]))
+    attempt("counts not int64", lambda: comm.exchange_counts(torch.zeros(2, dtype=torch.int32), mesh, "ep"))
+    y, plan = dispatch(xs, torch.tensor([0, 1, 2, 3]), 4, mesh, "ep")
+    attempt("combine rows", lambda: combine(y[1:], plan))
+    return out
+
+
+@pytest.fixture(scope="module")
+def checks() -> list[dict]:
+    return run(_rank_checks, world_size=2)
+
+
+def test_all_to_all_v_async_is_uneven_recorded_and_flight_recorded(checks) -> None:
+    r0, r1 = checks
+    assert r0["a2av"].tolist() == [[100.0, 101.0]]  # rank 1's first row; rank 0 kept nothing
+    assert r1["a2av"].tolist() == [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0], [102.0, 103.0]]
+    # bytes: rows to the other coordinate × 16 (rank 0 sends 3, rank 1 sends 1)
+    assert r0["records"][0] == ("all_to_all_v", "a2av", 3 * 16, True, True)
+    assert r1["records"][0] == ("all_to_all_v", "a2av", 1 * 16, True, True)
+    assert r0["flight"][0] == ("all_to_all_v", "a2av", 48)
+
+
+def test_exchange_counts_is_a_recorded_all_to_all_of_the_counts(checks) -> None:
+    r0, r1 = checks
+    assert r0["counts"].tolist() == [[1, 2], [11, 12]]  # [source][...]: row 0 of each rank
+    assert r1["counts"].tolist() == [[3, 4], [13, 14]]
+    for r in checks:
+        assert r["records"][1] == ("all_to_all", "counts", 2 * 8, False, True)
+        assert r["flight"][1] == ("all_to_all", "counts", 16)
+
+
+def test_ep_of_one_permutes_locally_and_records_nothing(checks) -> None:
+    for r in checks:
+        assert r["ep1"] == (True, True, (2, 1, 2), 0, True)
+
+
+ERRORS = [
+    # case, message on rank 0, on rank 1, collectives before the error
+    ("ids out of range on rank 1", r"coordinate\(s\) \[1\] are invalid", r"must lie in \[0, 4\), got values in \[0, 4\]",
+     [("all_to_all", "moe dispatch counts")]),
+    ("ids length on rank 0", r"one id per row of x, got \(3,\)", r"coordinate\(s\) \[0\] are invalid",
+     [("all_to_all", "moe dispatch counts")]),
+    ("float ids", "must be an integer tensor", "must be an integer tensor", [("all_to_all", "moe dispatch counts")]),
+    ("experts not divisible", r"divisible by the 'ep' size 2, got 3", r"divisible by the 'ep' size 2, got 3", []),
+    ("send counts do not sum", r"must sum to the rows of x", r"must sum to the rows of x", []),
+    ("one count per coordinate", r"send_counts must be 2 ints >= 0", r"send_counts must be 2 ints >= 0", []),
+    ("counts not int64", r"counts must be int64 with dim 0 of size 2", r"counts must be int64", []),
+    ("combine rows", r"must have the \d+ rows dispatch delivered", r"must have the \d+ rows dispatch delivered", []),
+]
+
+
+@pytest.mark.parametrize("case, says0, says1, before", ERRORS, ids=[e[0] for e in ERRORS])
+def test_bad_input_is_a_value_error_on_every_rank_before_the_token_exchange(checks, case, says0, says1,
+                                                                            before) -> None:
+    import re
+    for r, says in ((0, says0), (1, says1)):
+        message, records = checks[r][case]
+        assert re.search(says, message), f"{case}: rank {r} said {message!r}"
+        assert records == before, f"{case}: rank {r}"
