@@ -250,7 +250,8 @@ def test_ep_of_one_permutes_locally_and_records_nothing(checks) -> None:
 
 ERRORS = [
     # case, message on rank 0, on rank 1, collectives before the error
-    ("ids out of range on rank 1", r"coordinate\(s\) \[1\] are invalid", r"must lie in \[0, 4\), got values in \[0, 4\]",
+    ("ids out of range on rank 1", r"coordinate\(s\) \[1\] are invalid",
+     r"must lie in \[0, 4\), got values in \[0, 4\]",
      [("all_to_all", "moe dispatch counts")]),
     ("ids length on rank 0", r"one id per row of x, got \(3,\)", r"coordinate\(s\) \[0\] are invalid",
      [("all_to_all", "moe dispatch counts")]),

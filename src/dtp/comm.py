@@ -93,7 +93,8 @@ __all__ = [
 class CommRecord:
     """One collective as one rank saw it."""
 
-    kind: str  # all_gather | reduce_scatter | all_reduce | all_to_all | all_to_all_v | send_recv | send | recv | barrier
+    # all_gather | reduce_scatter | all_reduce | all_to_all | all_to_all_v | send_recv | send | recv | barrier
+    kind: str
     axis: str  # mesh axis name (a flattened view's name for several axes)
     bytes: int  # bytes this rank sent
     group_size: int
@@ -760,7 +761,8 @@ def all_to_all_v(x: torch.Tensor, mesh: DeviceMesh, axis: str, *, send_counts: S
     group, n = _group(mesh, axis)
     send, recv = _check_splits("send_counts", send_counts, n), _check_splits("recv_counts", recv_counts, n)
     if x.dim() == 0 or sum(send) != x.shape[0]:
-        raise ValueError(f"all_to_all_v: send_counts {send} must sum to the rows of x (dim 0), got shape {tuple(x.shape)}")
+        raise ValueError(f"all_to_all_v: send_counts {send} must sum to the rows of x (dim 0), "
+                         f"got shape {tuple(x.shape)}")
     x = x.contiguous()  # gloo: "Tensors must be contiguous" (measured)
     me = mesh.get_local_rank(axis)
     row = math.prod(x.shape[1:]) * x.element_size()
