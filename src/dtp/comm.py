@@ -24,7 +24,8 @@ Bytes are *sent per rank*, counted as the bandwidth-optimal (ring) algorithms mo
 all_gather      (n-1) × local input bytes
 reduce_scatter  (n-1)/n × local input bytes
 all_reduce      2 (n-1)/n × bytes
-all_to_all      (n-1)/n × local input bytes (or the exact off-rank splits when uneven)
+all_to_all      (n-1)/n × local input bytes
+all_to_all_v    rows sent to the other coordinates × bytes per row (uneven splits)
 send_recv       bytes of the tensor sent
 ==============  ================================
 
@@ -69,6 +70,8 @@ __all__ = [
     "reduce_scatter",
     "all_reduce",
     "all_to_all",
+    "all_to_all_v",
+    "exchange_counts",
     "send_recv",
     "send",
     "recv",
@@ -90,7 +93,8 @@ __all__ = [
 class CommRecord:
     """One collective as one rank saw it."""
 
-    kind: str  # all_gather | reduce_scatter | all_reduce | all_to_all | send_recv | send | recv | barrier
+    # all_gather | reduce_scatter | all_reduce | all_to_all | all_to_all_v | send_recv | send | recv | barrier
+    kind: str
     axis: str  # mesh axis name (a flattened view's name for several axes)
     bytes: int  # bytes this rank sent
     group_size: int
@@ -732,6 +736,63 @@ def all_to_all(x: torch.Tensor, mesh: DeviceMesh, axis: str, *, split_dim: int, 
         return work, finish
 
     return _run("all_to_all", mesh, axis, x, lambda n: (n - 1) / n * _nbytes(x), post, async_op, tag)
+
+
+def _check_splits(name: str, counts: Sequence[int], n: int) -> list[int]:
+    out = list(counts)
+    if len(out) != n or not all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in out):
+        raise ValueError(f"all_to_all_v: {name} must be {n} ints >= 0 (one per axis coordinate), got {counts!r}")
+    return out
+
+
+def all_to_all_v(x: torch.Tensor, mesh: DeviceMesh, axis: str, *, send_counts: Sequence[int],
+                 recv_counts: Sequence[int], async_op: bool = False, tag: str = "") -> torch.Tensor | CommHandle:
+    """Send rows of ``x`` (dim 0) to each coordinate of ``axis``, ``send_counts[k]`` to
+    coordinate k in order; return the rows received, concatenated in coordinate order
+    (``recv_counts[k]`` from coordinate k) — the uneven all-to-all of expert parallel.
+
+    Records ``all_to_all_v``: the rows sent to *other* coordinates × bytes per row. Every
+    rank's ``recv_counts[k]`` must equal coordinate k's ``send_counts`` for it (exchange
+    them with :func:`exchange_counts`); a mismatch is the backend's error or a hang.
+
+    Raises: ``ValueError`` when a count list is not one int >= 0 per coordinate or
+    ``send_counts`` does not sum to ``x.shape[0]`` (before any collective, on this rank).
+    """
+    group, n = _group(mesh, axis)
+    send, recv = _check_splits("send_counts", send_counts, n), _check_splits("recv_counts", recv_counts, n)
+    if x.dim() == 0 or sum(send) != x.shape[0]:
+        raise ValueError(f"all_to_all_v: send_counts {send} must sum to the rows of x (dim 0), "
+                         f"got shape {tuple(x.shape)}")
+    x = x.contiguous()  # gloo: "Tensors must be contiguous" (measured)
+    me = mesh.get_local_rank(axis)
+    row = math.prod(x.shape[1:]) * x.element_size()
+
+    def post(group: dist.ProcessGroup, n: int):
+        out = x.new_empty((sum(recv), *x.shape[1:]))
+        work = dist.all_to_all_single(out, x, output_split_sizes=recv, input_split_sizes=send, group=group,
+                                      async_op=True)
+        return work, (lambda: out)
+
+    return _run("all_to_all_v", mesh, axis, x, lambda n: (sum(send) - send[me]) * row, post, async_op, tag)
+
+
+def exchange_counts(counts: torch.Tensor, mesh: DeviceMesh, axis: str, *, async_op: bool = False,
+                    tag: str = "counts") -> torch.Tensor | CommHandle:
+    """Tell each coordinate how many rows it will get: ``counts[k]`` (int64, dim 0 one
+    entry per coordinate, any trailing shape) goes to coordinate k; returns the same shape
+    with ``[k]`` what coordinate k sends here. The split sizes of :func:`all_to_all_v`.
+
+    Records an ``all_to_all`` of (n-1) × ``counts[0]``'s bytes. Reading the result on the
+    host (``.tolist()``, which :func:`all_to_all_v`'s split sizes need) is expert
+    parallel's one host sync per layer: on an accelerator it waits for the exchange.
+
+    Raises: ``ValueError`` when ``counts`` is not int64 with ``counts.shape[0]`` = the axis size.
+    """
+    _, n = _group(mesh, axis)
+    if counts.dtype != torch.int64 or counts.dim() == 0 or counts.shape[0] != n:
+        raise ValueError(f"exchange_counts: counts must be int64 with dim 0 of size {n} (the {axis!r} axis), "
+                         f"got {counts.dtype} {tuple(counts.shape)}")
+    return all_to_all(counts, mesh, axis, split_dim=0, concat_dim=0, async_op=async_op, tag=tag)
 
 
 def send_recv(x: torch.Tensor, mesh: DeviceMesh, axis: str, *, shift: int = 1, async_op: bool = False,

@@ -1,8 +1,10 @@
 """Ops that know about placements: attention, vocab-parallel embedding and loss,
-recompute policy. Custom redistributions for context parallel and MoE land here too."""
+recompute policy; the custom redistributions of context parallel (``ops.context``) and of
+expert parallel (``ops.moe_dispatch``: dispatch / combine)."""
 
+from . import moe_dispatch
 from .attention import attention, rotary
 from .parallel import cross_entropy, embedding, linear
 from .recompute import recompute, remat
 
-__all__ = ["attention", "rotary", "linear", "embedding", "cross_entropy", "recompute", "remat"]
+__all__ = ["moe_dispatch", "attention", "rotary", "linear", "embedding", "cross_entropy", "recompute", "remat"]
