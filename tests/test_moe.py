@@ -220,8 +220,15 @@ def _dp_parity(steps: int) -> bool:
     state = dtp.TrainState.create(params, dtp.optim.sgd(lr), mesh=dtp.make_mesh(dp=2), layout=dtp.layouts.data(),
                                   axes=llama.param_axes(cfg), axis_sizes=llama.axis_sizes(cfg))
     placed = dtp.shard_batch(batch, state)
-    for step in range(steps):
-        state, metrics = dtp.train_step(loss_fn, state, placed)
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    with CommDebugMode() as seen, dtp.comm_log() as log:
+        dtp.step.value_and_grad(loss_fn, state, placed)
+    assert seen.get_total_counts() == len(log.records)  # DTensor issued no collective of its own
+    stats = [r for r in log.records if r.tag == "moe stats"]  # one per MoE block, forward only: 2E+2 numbers
+    assert [(r.kind, r.axis, r.bytes) for r in stats] == [("all_reduce", "dp", (2 * cfg.num_experts + 2) * 8)] * cfg.n_layers
+    for step in range(steps):  # the middle step recomputes each block (remat around the MoE block's (h, aux))
+        state, metrics = dtp.train_step(loss_fn, state, placed, recompute="full" if step == 1 else None)
         assert abs(metrics["loss"] - ref_losses[step]) <= 1e-10 * abs(ref_losses[step]), (step, metrics["loss"])
     assert metrics["aux"]["tokens_per_expert"].sum().item() == 4 * 16 * cfg.top_k * cfg.n_layers
     assert_tree_close(state.params, ref, name="params")
@@ -229,4 +236,6 @@ def _dp_parity(steps: int) -> bool:
 
 
 def test_dp2_train_step_equals_one_device_fp64():
+    # Experts replicated (layouts.data); the aux losses from global statistics (one
+    # all-reduce of 2E+2 numbers per MoE block), so dp2 is exactly one device.
     assert all(run(_dp_parity, 3, world_size=2))
