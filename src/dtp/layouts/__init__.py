@@ -39,6 +39,9 @@ kv_heads      key/value heads
 mlp           the MLP hidden width
 vocab         the vocabulary
 head_dim      per-head width (never split)
+expert        the experts of an MoE block (replicated unless a layout splits it)
+expert_mlp    each expert's hidden width (replicated unless a layout splits it)
+router        the router's scores over all experts (never split)
 ============  ===================================================================
 
 Modules: :mod:`.core` (``Layout``, the active layout), :mod:`.megatron` (``data``,

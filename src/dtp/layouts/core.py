@@ -33,7 +33,8 @@ _T = TypeVar("_T")
 # The reference model's logical axes (the table in dtp.layouts). A layout knows these and
 # every axis its rules name; any other name is a typo until declared (Layout({name: ()})).
 MODEL_AXES: frozenset[str] = frozenset(
-    {"batch", "seq", "res_seq", "embed", "heads", "kv_heads", "mlp", "vocab", "head_dim"})
+    {"batch", "seq", "res_seq", "embed", "heads", "kv_heads", "mlp", "vocab", "head_dim", "expert", "expert_mlp",
+     "router"})
 _log = logging.getLogger("dtp")
 _said_dropped: set[tuple[str, tuple[str, ...], tuple[str, ...]]] = set()
 

@@ -1,0 +1,218 @@
+"""Mixture of experts, one device's math: routing, the auxiliary losses, the local
+experts as one batched matmul, and the whole MoE FFN.
+
+Routing follows Megatron-core (softmax score function):
+
+==================  ===============================================================
+default             top-k on the logits, softmax over the k chosen (weights sum to 1)
+``pre_softmax``     softmax over all experts, then top-k; no renormalisation
+``bias``            added to the scores for *selection only* (aux-loss-free balancing,
+                    DeepSeek-V3 / torchtitan); weights come from the unbiased scores
+``capacity_factor`` each expert keeps its ``ceil(T·k/E · cf)`` highest-weight tokens
+                    (Megatron's "probs" drop policy); the survivors are not renormalised
+==================  ===============================================================
+
+Dropless by default. The switch load-balancing loss is ``E·coeff/(k·T²) · Σ_i P_i·n_i``
+with ``P_i = Σ_t p_ti`` over the full softmax and ``n_i`` the tokens routed to expert i
+*before* dropping; the router z-loss is ``coeff · mean_t logsumexp(logits_t)²``.
+
+:func:`moe_ffn` takes plain tensors or DTensors. With DTensors the per-token work
+(route, permute, experts, combine) runs on each rank's own tokens through
+:func:`dtp.local_map` (the expert weights as they are laid out: replicated today), and
+the aux losses come from the *global* sums ``P``, ``n`` and ``Σ lse²`` — one all-reduce
+of ``2E + 2`` numbers over the token axes (tag ``moe stats``) — so a data-parallel run
+equals one device. Capacity, though, is per rank: it is computed from the tokens a rank
+routes (Megatron does the same), so with ``capacity_factor`` and a split batch dropping
+differs from one device.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+from .._rules import accum_dtype
+from ..redistribute import local_map, reshard
+from ..spec import P, spec_of
+
+__all__ = ["Routing", "route", "load_balancing_loss", "z_loss", "update_bias", "experts", "moe_ffn"]
+
+
+class Routing(NamedTuple):
+    """What :func:`route` decides for T tokens, E experts and top-k."""
+
+    experts: torch.Tensor  # (T, k) int64: chosen expert ids
+    weights: torch.Tensor  # (T, k): combine weights, zero where the token was dropped
+    kept: torch.Tensor  # (T, k) bool: the choice survived the capacity (all True when dropless)
+    probs: torch.Tensor  # (T, E): the full softmax over experts (for the aux loss)
+    counts: torch.Tensor  # (E,) int64: tokens routed to each expert before dropping
+    dropped_fraction: torch.Tensor  # scalar: dropped choices / (T·k)
+
+
+def route(logits: torch.Tensor, top_k: int, *, pre_softmax: bool = False, capacity_factor: float | None = None,
+          bias: torch.Tensor | None = None) -> Routing:
+    """Route T tokens over E experts from router ``logits`` (T, E) (keep them fp32).
+
+    - `top_k`: experts per token, 1 ≤ k ≤ E.
+    - `pre_softmax`: softmax over all E then top-k (weights not renormalised); default
+      False: top-k on the logits then softmax over the k chosen.
+    - `capacity_factor`: ``None`` (dropless, default) or > 0: each expert keeps its
+      ``ceil(T·k/E·cf)`` highest-weight tokens; dropped choices get weight 0.
+    - `bias`: (E,) added to the selection scores only (logits, or probabilities with
+      ``pre_softmax``); default None.
+
+    Raises: ``ValueError`` for a ``top_k`` outside [1, E] or a ``capacity_factor`` ≤ 0.
+
+    >>> r = route(torch.tensor([[2.0, 0.0, 1.0]]), 2)
+    >>> r.experts.tolist(), [round(w, 4) for w in r.weights[0].tolist()], r.counts.tolist()
+    ([[0, 2]], [0.7311, 0.2689], [1, 0, 1])
+    """
+    t, e = logits.shape
+    if not 1 <= top_k <= e:
+        raise ValueError(f"route: top_k must be in [1, {e}] (the number of experts), got {top_k}")
+    if capacity_factor is not None and not capacity_factor > 0:
+        raise ValueError(f"route: capacity_factor must be None (dropless) or > 0, got {capacity_factor!r}")
+    probs = torch.softmax(logits, dim=-1)
+    scores = probs if pre_softmax else logits
+    select = scores if bias is None else scores + bias.to(scores.dtype)
+    with torch.no_grad():
+        ids = torch.topk(select, top_k, dim=-1).indices
+    chosen = scores.gather(-1, ids)
+    weights = chosen if pre_softmax else torch.softmax(chosen, dim=-1)
+    counts = torch.bincount(ids.reshape(-1), minlength=e)
+    kept = torch.ones_like(ids, dtype=torch.bool)
+    if capacity_factor is not None:
+        capacity = min(t, math.ceil(t * top_k / e * capacity_factor))
+        with torch.no_grad():
+            dense = torch.zeros(t, e, dtype=weights.dtype, device=weights.device).scatter(-1, ids, weights.detach())
+            routed = torch.zeros(t, e, dtype=torch.bool, device=ids.device).scatter(-1, ids, True)
+            top = torch.topk(dense, capacity, dim=0).indices  # (capacity, E): each expert's best tokens
+            within = torch.zeros_like(routed).scatter(0, top, True) & routed
+            kept = within.gather(-1, ids)
+        weights = weights * kept
+    dropped = 1.0 - kept.sum().to(probs.dtype) / (t * top_k)
+    return Routing(ids, weights, kept, probs, counts, dropped)
+
+
+def _balance(p_sum: torch.Tensor, counts: torch.Tensor, tokens: int, top_k: int, coeff: float) -> torch.Tensor:
+    e = p_sum.shape[-1]
+    return (p_sum * counts.to(p_sum.dtype)).sum() * (e * coeff / (top_k * tokens * tokens))
+
+
+def load_balancing_loss(p_full: torch.Tensor, counts_before_drop: torch.Tensor, top_k: int,
+                        coeff: float) -> torch.Tensor:
+    """The switch load-balancing loss ``E·coeff/(k·T²) · Σ_i (Σ_t p_ti)·n_i`` for the full
+    softmax ``p_full`` (T, E) and the per-expert counts before dropping.
+
+    >>> float(load_balancing_loss(torch.full((4, 2), 0.5), torch.tensor([4, 4]), 2, 1.0))  # balanced: coeff
+    1.0
+    """
+    return _balance(p_full.sum(0), counts_before_drop, p_full.shape[0], top_k, coeff)
+
+
+def z_loss(logits: torch.Tensor, coeff: float) -> torch.Tensor:
+    """The router z-loss ``coeff · mean_t logsumexp(logits_t)²`` over logits (T, E)."""
+    return coeff * torch.logsumexp(logits, dim=-1).square().mean()
+
+
+def update_bias(bias: torch.Tensor, load: torch.Tensor, rate: float) -> torch.Tensor:
+    """Aux-loss-free balancing's step: ``bias + rate·sign(mean load − load)`` — an
+    overloaded expert's selection bias goes down, an idle one's up.
+
+    >>> update_bias(torch.zeros(3), torch.tensor([4.0, 1.0, 1.0]), 0.1).tolist()
+    [-0.10000000149011612, 0.10000000149011612, 0.10000000149011612]
+    """
+    load = load.to(bias.dtype)
+    return bias + rate * torch.sign(load.mean() - load)
+
+
+def experts(x_sorted: torch.Tensor, counts: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
+            w_down: torch.Tensor) -> torch.Tensor:
+    """SwiGLU of every local expert over its tokens, as one padded batched matmul.
+
+    ``x_sorted`` (N, d) holds the tokens grouped by expert, ``counts[i]`` rows for expert
+    i; weights are (E, d, f), (E, d, f), (E, f, d). Each group is padded to the largest
+    (one host sync: ``counts.max()``), run through ``torch.bmm``, and un-padded: equal to
+    a loop over the experts, without the loop.
+    """
+    e = w_gate.shape[0]
+    n, d = x_sorted.shape
+    counts = counts.to(device=x_sorted.device, dtype=torch.long)
+    width = int(counts.max()) if n else 0
+    owner = torch.repeat_interleave(torch.arange(e, device=x_sorted.device), counts)
+    slot = torch.arange(n, device=x_sorted.device) - (torch.cumsum(counts, 0) - counts)[owner]
+    padded = x_sorted.new_zeros(e, width, d).index_put((owner, slot), x_sorted)
+    h = F.silu(torch.bmm(padded, w_gate)) * torch.bmm(padded, w_up)
+    return torch.bmm(h, w_down)[owner, slot]
+
+
+def _local_moe(x: torch.Tensor, router: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
+               w_down: torch.Tensor, bias: torch.Tensor | None, top_k: int, pre_softmax: bool,
+               capacity_factor: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(y, stats)`` for this rank's tokens: ``stats = [Σ_t p (E), n (E), Σ_t lse², kept]``."""
+    shape = x.shape
+    xt = x.reshape(-1, shape[-1])
+    logits = xt.to(router.dtype) @ router  # the router runs in fp32 (fp64 stays fp64)
+    r = route(logits, top_k, pre_softmax=pre_softmax, capacity_factor=capacity_factor, bias=bias)
+    e = router.shape[-1]
+    flat_ids, flat_kept = r.experts.reshape(-1), r.kept.reshape(-1)
+    slots = torch.nonzero(flat_kept).squeeze(-1)  # (token, choice) pairs that survived
+    order = slots[torch.argsort(flat_ids[slots], stable=True)]  # grouped by expert
+    token = order // top_k
+    counts_kept = torch.bincount(flat_ids[order], minlength=e)
+    out = experts(xt[token], counts_kept, w_gate, w_up, w_down)
+    w = r.weights.reshape(-1)[order].to(out.dtype).unsqueeze(-1)
+    y = xt.new_zeros(xt.shape).index_add(0, token, out * w).reshape(shape)
+    lse2 = torch.logsumexp(logits, dim=-1).square().sum()
+    stats = torch.cat([r.probs.sum(0), r.counts.to(logits.dtype), lse2.reshape(1),
+                       flat_kept.sum().to(logits.dtype).reshape(1)])
+    return y, stats
+
+
+def moe_ffn(params: Mapping[str, torch.Tensor], x: torch.Tensor, *, top_k: int, pre_softmax: bool = False,
+            capacity_factor: float | None = None, aux_loss_coeff: float = 0.0, z_loss_coeff: float = 0.0,
+            bias: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The MoE FFN on ``x`` (..., d): router (fp32) → :func:`route` → permute tokens by
+    expert → :func:`experts` → weighted combine (unpermute, sum over k), plus the shared
+    expert (a dense SwiGLU every token passes through) when ``params`` has ``shared_gate``.
+
+    ``params``: ``router`` (d, E), ``w_gate``/``w_up`` (E, d, f), ``w_down`` (E, f, d);
+    optional ``shared_gate``/``shared_up`` (d, f_s), ``shared_down`` (f_s, d). Options as
+    :func:`route`, and the two loss coefficients (default 0).
+
+    Returns ``(y, aux)``: ``aux`` has ``aux_loss`` and ``z_loss`` (scalars in the graph:
+    add them to the loss) and ``tokens_per_expert`` (E,) and ``dropped_fraction``
+    (detached). With DTensors: the per-token work on local shards, the statistics summed
+    over the token axes first (module docstring).
+    """
+    weights = (params["router"], params["w_gate"], params["w_up"], params["w_down"])
+
+    def local(x_l: torch.Tensor, router: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
+              w_down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return _local_moe(x_l, router, w_gate, w_up, w_down, bias, top_k, pre_softmax, capacity_factor)
+
+    e = params["router"].shape[-1]
+    tokens = math.prod(x.shape[:-1])  # global: a DTensor's shape is the whole tensor's
+    if isinstance(x, DTensor):
+        spec = spec_of(x)
+        token_axes = tuple(a for d in range(x.dim() - 1) for a in spec.axes_of(d))
+        y, stats = local_map(local, (None,) * 5, (spec, P(None, partial=token_axes)), check_shapes=False)(x, *weights)
+        stats = reshard(stats, P(None), tag="moe stats")
+    else:
+        y, stats = local(x, *weights)
+    p_sum, counts, lse2, kept = stats[:e], stats[e:2 * e].detach(), stats[2 * e], stats[2 * e + 1].detach()
+    if "shared_gate" in params:
+        from .parallel import linear  # the shared expert is a dense MLP: tensor parallel like one
+        y = y + linear(F.silu(linear(x, params["shared_gate"])) * linear(x, params["shared_up"]),
+                       params["shared_down"])
+    aux = {
+        "aux_loss": _balance(p_sum, counts, tokens, top_k, aux_loss_coeff),
+        "z_loss": z_loss_coeff * lse2 / tokens,
+        "tokens_per_expert": counts,
+        "dropped_fraction": 1.0 - kept / (tokens * top_k),
+    }
+    return y, aux
