@@ -300,6 +300,10 @@ def _check_pipeline(loss_fn: Callable, state: TrainState, microbatches: int) -> 
         raise TypeError(f"train_step: under layouts.pipeline loss_fn must be the model as a dtp.Sequential of "
                         f"layers (e.g. llama.sequential(cfg)), got {type(loss_fn).__name__}")
     opts.check(n_layers=len(loss_fn), mesh=state.mesh, microbatches=microbatches)
+    if loss_fn.carry != "tensor":
+        raise ValueError("train_step: this model passes a tree between its layers (an MoE model's (h, aux "
+                         "losses)); layouts.pipeline sends one tensor between stages, so MoE with pp is not "
+                         "supported yet: use pp=1")
     z = state.layout.zero
     if z is not None and z.active(state.mesh):
         # ZeRO counts each bucket's gradients per microbatch's backward to know when to post

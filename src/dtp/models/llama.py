@@ -364,8 +364,8 @@ def sequential(cfg: LlamaConfig) -> Sequential:
     as ``loss_fn(params, batch)`` it equals :func:`loss`. With ``tie_embeddings`` the
     first and the last layer both read ``embed``. With MoE blocks the carry after the
     first of them is ``(h, auxes)`` and the head returns ``(loss, aux)`` as :func:`loss`;
-    ``layouts.pipeline`` sends one tensor between stages, so MoE under a pipeline needs
-    that carry sent too (not yet).
+    ``layouts.pipeline`` sends one tensor between stages, so it refuses MoE models
+    (``carry="tree"``) before any collective, until the carry can travel.
 
     >>> cfg = config("tiny")
     >>> [layer.name for layer in sequential(cfg).layers]
@@ -381,4 +381,4 @@ def sequential(cfg: LlamaConfig) -> Sequential:
     head = ("final_norm", "embed" if cfg.tie_embeddings else "lm_head")
     return Sequential([Layer(_embed, ("embed",), "embed"),
                        *(Layer(block(i), (f"layers.{i}",), f"block {i}") for i in range(cfg.n_layers)),
-                       Layer(last, head, "head")])
+                       Layer(last, head, "head")], carry="tree" if cfg.num_experts else "tensor")

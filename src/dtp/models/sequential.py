@@ -41,10 +41,15 @@ class Layer:
 class Sequential:
     """Layers run in order; callable as ``loss_fn(params, batch)``."""
 
-    def __init__(self, layers: Sequence[Layer]):
+    def __init__(self, layers: Sequence[Layer], *, carry: str = "tensor"):
         self.layers = tuple(layers)
         if not self.layers or not all(isinstance(layer, Layer) for layer in self.layers):
             raise TypeError("Sequential: give a non-empty sequence of dtp.Layer")
+        if carry not in ("tensor", "tree"):
+            raise ValueError(f"Sequential: carry must be 'tensor' or 'tree', got {carry!r}")
+        # What passes between layers: one tensor (a pipeline sends it between stages), or a
+        # tree of them (an MoE model's (h, aux losses)), which layouts.pipeline refuses up front.
+        self.carry = carry
 
     def __len__(self) -> int:
         return len(self.layers)
