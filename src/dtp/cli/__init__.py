@@ -32,7 +32,7 @@ from ..launch import in_torchrun, launch, report_error
 from ..layouts.pipeline import assign
 from ..models import llama
 from .check import _check_in_subprocess, check_run, compare_losses, tolerance_for
-from .flags import PROG, UsageError, build_parser, mesh_axes, parse_args, train_argv, validate
+from .flags import PROG, UsageError, build_parser, mesh_axes, model_overrides, parse_args, train_argv, validate
 from .loop import TrainingAborted, _load_data, _train_rank, _vocab_size, build_layout
 from .report import _default_out, format_bytes, format_step, progress_bar, summarize
 
@@ -55,7 +55,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
         return code
     # Validate what can be validated here, before starting ranks that would all fail.
     layout = build_layout(args)
-    cfg = llama.config(args.model, vocab_size=_vocab_size(args.model, _load_data(args.data)))
+    cfg = llama.config(args.model, vocab_size=_vocab_size(args.model, _load_data(args.data)), **model_overrides(args))
     if layout.pipeline is not None:
         n_layers = len(llama.sequential(cfg))
         assign(n_layers, args.pp, args.virtual_stages, what=f"--pp {args.pp} --virtual-stages {args.virtual_stages}")

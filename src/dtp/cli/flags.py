@@ -152,6 +152,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-skipped", type=_non_negative_int, default=DEFAULT_MAX_SKIPPED, metavar="N",
                    help="abort after N steps in a row skipped for a non-finite loss or gradient norm (0: never)")
 
+    g = t.add_argument_group("mixture of experts (or --model tiny-moe)")
+    g.add_argument("--num-experts", type=_number(int, 0, name="--num-experts"), default=None, metavar="E",
+                   help="experts per MoE block (0: dense; default: the preset's)")
+    g.add_argument("--top-k", type=_positive("--top-k"), default=None, metavar="K",
+                   help="experts each token is routed to (default: the preset's)")
+    g.add_argument("--capacity-factor", type=_positive_float("--capacity-factor"), default=None, metavar="C",
+                   help="each expert keeps its ceil(T·k/E · C) highest-probability tokens (default: dropless)")
+
     g = t.add_argument_group("output")
     g.add_argument("--out", default=None, help="run directory (default: runs/<timestamp>)")
     g.add_argument("--check", action="store_true",
@@ -310,6 +318,10 @@ def train_argv(args: argparse.Namespace) -> list[str]:
             "--recompute", args.recompute, "--clip", repr(args.clip), "--seed", str(args.seed),
             "--log-every", str(args.log_every)]
     out += ["--max-skipped", str(args.max_skipped)]
+    for flag, value in (("--num-experts", args.num_experts), ("--top-k", args.top_k),
+                        ("--capacity-factor", args.capacity_factor)):
+        if value is not None:
+            out += [flag, repr(value)]
     out += ["--timeout", repr(args.timeout)]
     return out
 
@@ -319,3 +331,13 @@ def zero_layout(args: argparse.Namespace) -> Layout:
     return zero(stage=args.zero, bucket_mb=args.bucket_mb, overlap_grad_reduce=args.overlap_grad_reduce,
                 overlap_param_gather=args.overlap_param_gather,
                 reshard_after_forward=args.reshard_after_forward, prefetch=args.zero_prefetch)
+
+
+def model_overrides(args: Any) -> dict[str, Any]:
+    """The model-config fields the MoE flags set (``args`` a Namespace or the run config).
+
+    >>> model_overrides({"num_experts": 4, "top_k": None, "capacity_factor": None})
+    {'num_experts': 4}
+    """
+    get = args.get if isinstance(args, dict) else lambda k: getattr(args, k, None)
+    return {k: get(k) for k in ("num_experts", "top_k", "capacity_factor") if get(k) is not None}

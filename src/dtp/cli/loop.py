@@ -28,7 +28,7 @@ from ..data import TokenLoader, load_tokens
 from ..launch import in_torchrun
 from ..mesh import clear_mesh_cache
 from ..models import llama
-from .flags import PROG, UsageError, mesh_axes, train_argv, zero_layout
+from .flags import PROG, UsageError, mesh_axes, model_overrides, train_argv, zero_layout
 from .report import _atomic_write_text, _format_summary, _plot, _Progress, _write_json, summarize
 
 __all__ = ["build_layout", "SkipCounter", "TrainingAborted"]
@@ -91,7 +91,7 @@ def _train(args: Mapping[str, Any], mesh: DeviceMesh, layout: Layout, *, recompu
     torch.manual_seed(args["seed"])
     tokens = _load_data(args["data"])
     loader = TokenLoader(tokens, batch_size=args["batch"], seq_len=args["seq"], seed=args["seed"])
-    cfg = llama.config(args["model"], vocab_size=args["vocab_size"])
+    cfg = llama.config(args["model"], vocab_size=args["vocab_size"], **model_overrides(args))
     params = llama.init(cfg, seed=args["seed"], dtype=_torch_dtype(args["dtype"]))
     opt = optim.adamw(optim.warmup_cosine(args["lr"], args["warmup"], args["steps"]), weight_decay=0.1)
     # axis_sizes: the layout's rules (heads per tp × Ulysses degree, kv heads per head
@@ -120,7 +120,7 @@ def _train(args: Mapping[str, Any], mesh: DeviceMesh, layout: Layout, *, recompu
                   "tokens_per_s": int(m["tokens"]) / step_time if step_time > 0 else None,
                   "comm_bytes": {a: {k: int(b) for k, b in kinds.items()}
                                  for a, kinds in (m.get("comm_bytes") or {}).items()},
-                  "skipped": bool(m["skipped"]), "skipped_steps": skips.total}
+                  "skipped": bool(m["skipped"]), "skipped_steps": skips.total, **_moe_metrics(m.get("aux"))}
         records.append(record)
         if on_step is not None:
             on_step(step, record)
@@ -306,3 +306,15 @@ def _records_until(out: Path, resume_from: Path | None) -> list[dict[str, Any]]:
         raise UsageError(f"--resume: {path} holds {len(kept)} of the {step} steps before {resume_from.name}; "
                          f"the run directory is not the one the checkpoint was saved in")
     return kept
+
+
+def _moe_metrics(aux: Any) -> dict[str, Any]:
+    """An MoE model's routing health per step: the cross-entropy alone, the aux and z
+    losses, the load imbalance (max / mean tokens per expert, worst block) and the
+    dropped fraction (mean over blocks). Nothing for a dense model."""
+    if not isinstance(aux, dict) or "tokens_per_expert" not in aux:
+        return {}
+    load = aux["tokens_per_expert"].to(torch.float64)
+    imbalance = float((load.max(-1).values / load.mean(-1).clamp(min=1e-12)).max())
+    return {"lm_loss": float(aux["lm_loss"]), "aux_loss": float(aux["aux_loss"]), "z_loss": float(aux["z_loss"]),
+            "expert_imbalance": imbalance, "dropped_fraction": float(aux["dropped_fraction"].mean())}

@@ -67,7 +67,9 @@ def format_step(step: int, total: int, m: Mapping[str, Any]) -> str:
     tps = f"{m['tokens'] / step_time:.0f}" if step_time > 0 else "-"
     totals = _axis_totals(m.get("comm_bytes") or {})
     comm = " ".join(f"{axis}:{format_bytes(b)}" for axis, b in totals.items() if b) or "none"
-    return (f"step {step:>{width}}/{total} loss {m['loss']:.4f} gnorm {m['grad_norm']:.3g} "
+    moe = (f" aux {m['aux_loss']:.3g} load {m['expert_imbalance']:.2f}x"
+           + (f" dropped {m['dropped_fraction']:.1%}" if m.get("dropped_fraction") else "")) if "aux_loss" in m else ""
+    return (f"step {step:>{width}}/{total} loss {m['loss']:.4f}{moe} gnorm {m['grad_norm']:.3g} "
             f"lr {m['lr']:.1e} tok/s {tps} comm {comm}" + (" SKIPPED (non-finite)" if m.get("skipped") else ""))
 
 

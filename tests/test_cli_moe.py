@@ -1,0 +1,42 @@
+"""`dtp train --num-experts E --top-k K [--capacity-factor C]` and `--model tiny-moe`:
+the routing metrics reach metrics.jsonl and the step line."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from dtp.cli import parse_args, train_argv
+from dtp.cli.flags import model_overrides
+
+
+def test_moe_flags_override_the_preset_and_travel_to_the_ranks() -> None:
+    args = parse_args(["train", "--num-experts", "8", "--top-k", "1", "--capacity-factor", "1.5"])
+    assert model_overrides(args) == {"num_experts": 8, "top_k": 1, "capacity_factor": 1.5}
+    argv = train_argv(args)
+    assert argv[argv.index("--num-experts") + 1] == "8" and argv[argv.index("--capacity-factor") + 1] == "1.5"
+    assert model_overrides(parse_args(["train"])) == {}
+
+
+@pytest.mark.parametrize("flags", [["--top-k", "0"], ["--capacity-factor", "0"], ["--num-experts", "-1"]])
+def test_bad_moe_values_exit_2(flags) -> None:
+    with pytest.raises(SystemExit) as e:
+        parse_args(["train", *flags])
+    assert e.value.code == 2
+
+
+def test_an_moe_run_reports_its_routing(tmp_path) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "dtp.cli", "train", "--nproc", "2", "--dp", "2", "--model", "tiny-moe",
+           "--steps", "2", "--batch", "4", "--seq", "16", "--dtype", "float64", "--check", "--out", str(out)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert " aux " in proc.stdout and " load " in proc.stdout and ": OK" in proc.stdout
+    record = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+    assert record["lm_loss"] < record["loss"] and record["expert_imbalance"] >= 1.0
+    assert record["dropped_fraction"] == 0.0  # dropless by default
