@@ -1,0 +1,724 @@
+"""Pipeline parallel on gloo CPU ranks: the measured bubble of each schedule beside the
+simulated one, peak activation memory per stage, and dtp vs ``torch.distributed.pipelining``.
+
+    python benchmarks/pipeline.py --repeats 7
+
+The model: ``--layers`` identical layers ``x -> tanh(x @ w)`` (``w``: ``--dim`` ×
+``--dim``, fp32), the first reading ``batch["x"]``, the last also taking the mse against
+``batch["y"]``: every layer costs the same, and the layers split evenly into ``pp ×
+virtual_stages`` equal-cost stages. A microbatch is ``--rows`` rows whatever ``m`` is (the
+global batch is ``m × rows``), so one action costs the same for every ``m``. Mesh:
+``dtp.make_mesh(pp=p)`` (a stage is one device: plain tensors), ``dtp.optim.sgd(0.1)``,
+one thread per rank.
+
+No ``simulated_link``. Loopback gloo moves an activation in well under a millisecond, so
+the link would be the only reason to use it. But gloo's ``send``/``recv`` have no
+completion future, so dtp books a modelled transfer only when the runner waits on it: the
+receiver when it needs the data, and the sender at the end of the schedule. The link would
+then queue every send at the end of the step instead of hiding it.
+
+First line: the latency of a gloo receive for a message that is already sent while its
+sender computes, with the receive posted ahead vs posted when needed. dtp's runner posts
+only the 192-byte header ahead and the body's receive when the action needs it.
+
+(a) **Bubble.** Inside each rank the runner's action methods (``Run._F/_B/_I/_W`` of
+``dtp.strategies.pipeline``), ``Run._take`` (where an action waits for the activation or
+gradient it needs) and ``Run.schedule`` are wrapped with timers. ``busy`` is the time inside
+actions less the time inside ``_take``: an action's wait is idle, not compute. Per rank and
+step, ``bubble = 1 − busy / sched``, where ``sched`` is the rank's ``Run.schedule``: the
+action list, the end-of-schedule send waits and the loss all-reduce. ``step`` adds the
+update, the gradient-norm all-reduce and ``train_step``'s own work. Every (m, schedule)
+configuration runs one step in turn, with a barrier before each, for ``--repeats`` rounds
+after ``--warmup``; the table gives medians. Beside the measured bubble:
+
+* ``dtp.schedules.simulate`` per rank (``1 − busy_r / makespan``) with the ideal costs
+  (F = 1, B = 2, W = B/2: the formulas of ``dtp.schedules``);
+* the same with the measured mean action costs, and its makespan (``sim ms``);
+* ``simulate``'s ``bubble_ratio`` (idle / compute) next to the measured ratio (Σ idle / Σ
+  busy over the ranks).
+
+(b) **Peak memory.** ``_common.peak_bytes`` (CPU allocator, ``torch.profiler`` memory
+events) of one ``train_step`` after warm-up, per rank, at ``--mem-m`` microbatches of
+``--mem-rows`` rows. The figure is the transient peak above what lives between steps
+(parameters, optimizer state), in MiB and in units of one microbatch's activations on one
+stage: the ``tanh`` output of each of the stage's layers. The last stage also keeps its
+received input and the mse's difference, about 1.5 units. Two more rows are a what-if, not
+dtp's behaviour. There the benchmark waits for a microbatch's activation send at that
+microbatch's backward (it has been delivered, since its gradient came back), not at the
+end of the schedule.
+
+(c) **dtp vs torch.** ``torch.distributed.pipelining`` runs the same weights. Each rank's
+stage(s) is an ``nn.Module`` in a ``PipelineStage`` (shapes inferred on the first step),
+under ``ScheduleGPipe`` / ``Schedule1F1B`` / ``ScheduleInterleaved1F1B`` with ``loss_fn =
+mse`` (mean per microbatch, gradients scaled by 1/m: ``scale_grads=True``) and
+``torch.optim.SGD(lr=0.1)``. One step on both = forward + backward + SGD update. A third
+variant, ``ahead``, is a what-if, not dtp's runner: dtp with each message's body receive
+posted together with its header's, one action ahead, using the shape the message had in
+the previous step (``_RecvAhead``), as torch posts receives of known shapes. Each round
+runs one step of each of the three, the order rotated every round; a round's time is the
+slower rank's; the table gives medians. The table also gives compute and bubble per rank:
+torch's compute is its stages' ``forward_one_chunk`` / ``backward_one_chunk``, which its
+schedules call once the input is in. dtp's schedule time includes the loss all-reduce, so
+its last rank waits there for the first to finish. torch's last rank returns from
+``step()`` without that wait, so its rank-1 bubble leaves out the cool-down. Bytes sent
+per rank in one steady-state step:
+
+* dtp: its comm log's ``send`` records (bodies; its 192-byte headers and two pp
+  all-reduces, loss and gradient norm, are said below the table);
+* torch: ``torch.distributed.pipelining.schedules._batch_p2p`` is wrapped (every send or
+  receive its schedules post goes through it) and the ``isend`` tensors' bytes summed.
+
+The first step's losses of both are printed; they must agree. zb-h1 has no torch
+counterpart: torch's zero-bubble schedules are the interleaved/V ones, two stages per rank.
+
+``--pp 2 4`` also runs the bubble table at p = 4. Four ranks oversubscribe this 2-core
+machine, so read those bubbles as a sanity check only.
+
+Not a test: times on a shared 2-core CPU are noisy; read the medians and ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1))
+TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B"}
+LR = 0.1
+
+
+# ------------------------------------------------------------------ the model, both ways
+def make_params(layers: int, dim: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {f"w{i}": torch.randn(dim, dim, generator=g) / dim ** 0.5 for i in range(layers)}
+
+
+def make_batch(rows: int, dim: int, seed: int = 1) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"x": torch.randn(rows, dim, generator=g), "y": torch.randn(rows, dim, generator=g).tanh()}
+
+
+def make_model(layers: int):
+    from dtp.models import Layer, Sequential
+
+    def layer(i: int):
+        if i == 0:
+            return lambda p, x, b: torch.tanh(b["x"] @ p["w0"])
+        if i == layers - 1:
+            return lambda p, x, b: ((torch.tanh(x @ p[f"w{i}"]) - b["y"]) ** 2).mean()
+        return lambda p, x, b: torch.tanh(x @ p[f"w{i}"])
+
+    return Sequential([Layer(layer(i), (f"w{i}",), f"layer {i}") for i in range(layers)])
+
+
+def _torch_chunk(weights: list[torch.Tensor]) -> torch.nn.Module:
+    class Chunk(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.ParameterList([torch.nn.Parameter(w.detach().clone()) for w in weights])
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for w in self.w:
+                x = torch.tanh(x @ w)
+            return x
+
+    return Chunk()
+
+
+def _dtp_state(params, schedule: str, v: int, p: int):
+    import dtp
+
+    mesh = dtp.make_mesh(pp=p)
+    layout = dtp.layouts.pipeline(schedule, virtual_stages=v)
+    return dtp.TrainState.create(params, dtp.optim.sgd(LR), mesh=mesh, layout=layout,
+                                 axes={k: ("embed", "mlp") for k in params})
+
+
+# ------------------------------------------------------------------ timing the runner's actions
+class _ActionTimer:
+    """Wraps ``Run._F/_B/_I/_W``, ``_take`` and ``schedule`` of the pipeline runner (this
+    process only; undone by :meth:`restore`, the rank pool is reused)."""
+
+    def __init__(self):
+        from dtp.strategies import pipeline as pl
+
+        self.cls = pl.Run
+        self.saved = {name: getattr(self.cls, name) for name in ("_F", "_B", "_I", "_W", "_take", "schedule")}
+        self.reset()
+        timer = self
+
+        def action(kind: str, fn):
+            def timed(run, chunk, i, *args, **kwargs):
+                if timer.depth:  # _B calls _I: count the outer action only
+                    return fn(run, chunk, i, *args, **kwargs)
+                timer.depth += 1
+                take0, t0 = timer.take, time.perf_counter()
+                try:
+                    return fn(run, chunk, i, *args, **kwargs)
+                finally:
+                    dt = time.perf_counter() - t0
+                    timer.depth -= 1
+                    timer.busy += dt - (timer.take - take0)
+                    timer.costs.setdefault(kind, []).append(dt - (timer.take - take0))
+            return timed
+
+        def take(run, *args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return timer.saved["_take"](run, *args, **kwargs)
+            finally:
+                timer.take += time.perf_counter() - t0
+
+        def schedule(run, *args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return timer.saved["schedule"](run, *args, **kwargs)
+            finally:
+                timer.wall += time.perf_counter() - t0
+
+        for kind in "FBIW":
+            setattr(self.cls, f"_{kind}", action(kind, self.saved[f"_{kind}"]))
+        self.cls._take, self.cls.schedule = take, schedule
+
+    def reset(self) -> None:
+        self.depth, self.busy, self.take, self.wall = 0, 0.0, 0.0, 0.0
+        self.costs: dict[str, list[float]] = {}
+
+    def restore(self) -> None:
+        for name, fn in self.saved.items():
+            setattr(self.cls, name, fn)
+
+
+def _bubble(params, rows: int, p: int, ms: list[int], schedules: list[tuple[str, int]], warmup: int,
+            repeats: int) -> list[dict]:
+    """Every (m, schedule) configuration, one step of each in turn (so load drift on a
+    shared machine hits all alike): per step the rank's train_step, schedule, busy and
+    wait seconds, and the mean cost of each action kind."""
+    import torch.distributed as dist
+
+    import dtp
+
+    torch.set_num_threads(1)
+    dim = next(iter(params.values())).shape[0]
+    model = make_model(len(params))
+    configs = []
+    for m in ms:
+        batch = make_batch(m * rows, dim)
+        for schedule, v in schedules:
+            state = _dtp_state(params, schedule, v, p)
+            configs.append(dict(schedule=schedule, v=v, m=m, state=state, batch=dtp.shard_batch(batch, state),
+                                steps=[], costs={}))
+    timer = _ActionTimer()
+    try:
+        for k in range(warmup + repeats):
+            for c in configs:
+                timer.reset()
+                dist.barrier()
+                t0 = time.perf_counter()
+                c["state"], _ = dtp.train_step(model, c["state"], c["batch"], microbatches=c["m"])
+                step = time.perf_counter() - t0
+                if k >= warmup:
+                    c["steps"].append(dict(step=step, wall=timer.wall, busy=timer.busy, take=timer.take))
+                    for kind, ts in timer.costs.items():
+                        c["costs"].setdefault(kind, []).extend(ts)
+    finally:
+        timer.restore()
+    return [dict(schedule=c["schedule"], v=c["v"], m=c["m"], steps=c["steps"],
+                 costs={kind: statistics.mean(ts) for kind, ts in c["costs"].items()}) for c in configs]
+
+
+# ------------------------------------------------------------------ peak memory
+@contextlib.contextmanager
+def _quiet_stderr():
+    """The profiler's C++ side prints two lines per use on fd 2: keep the table readable."""
+    sys.stderr.flush()
+    saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(null)
+
+
+def _release_act_sends(run, chunk: int, i: int) -> None:
+    """What-if (not dtp's behaviour): wait, at the backward of microbatch ``i``, for the
+    send of its activation to the next stage — certainly delivered, since its gradient
+    came back — instead of at the end of the schedule, so the buffer is freed now."""
+    stage = run._stage(chunk)[0]
+    tag = f"pp act stage {stage + 1} mb {i}"
+    done = [h for h in run.sends if h._record is not None and h._record.tag in (tag, tag + " header")]
+    for h in done:
+        h.wait()
+    run.sends[:] = [h for h in run.sends if not any(h is d for d in done)]
+
+
+def _memory(params, rows: int, p: int, m: int, variants: list[tuple[str, int, bool]]) -> list[dict]:
+    import torch.distributed as dist
+
+    import dtp
+    from _common import peak_bytes
+    from dtp.strategies import pipeline as pl
+
+    torch.set_num_threads(1)
+    dim = next(iter(params.values())).shape[0]
+    model = make_model(len(params))
+    batch = make_batch(m * rows, dim)
+    out = []
+    real_i = pl.Run._I
+    for schedule, v, release in variants:
+        if release:
+            def _i(run, chunk, i, *args, **kwargs):
+                real_i(run, chunk, i, *args, **kwargs)
+                _release_act_sends(run, chunk, i)
+            pl.Run._I = _i
+        try:
+            state = _dtp_state(params, schedule, v, p)
+            placed = dtp.shard_batch(batch, state)
+            for _ in range(2):
+                state, _ = dtp.train_step(model, state, placed, microbatches=m)
+            dist.barrier()
+            box = {}
+
+            def step():
+                box["state"], _ = dtp.train_step(model, state, placed, microbatches=m)
+
+            with _quiet_stderr():
+                peak = peak_bytes(step)
+        finally:
+            pl.Run._I = real_i
+        out.append(dict(schedule=schedule, v=v, release=release, peak=peak))
+    return out
+
+
+# ------------------------------------------------------------------ dtp vs torch.distributed.pipelining
+class _StageTimer:
+    """Wraps ``forward_one_chunk`` / ``backward_one_chunk`` / ``backward_weight_one_chunk``
+    of torch's pipeline stages: their compute (torch's schedules wait for a stage's input
+    before calling them)."""
+
+    NAMES = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
+
+    def __init__(self):
+        from torch.distributed.pipelining.stage import _PipelineStageBase
+
+        self.cls = _PipelineStageBase
+        self.saved = {name: getattr(self.cls, name) for name in self.NAMES}
+        self.busy, self.depth = 0.0, 0
+        timer = self
+
+        def timed(fn):
+            def wrapper(*args, **kwargs):
+                if timer.depth:
+                    return fn(*args, **kwargs)
+                timer.depth += 1
+                t0 = time.perf_counter()
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    timer.depth -= 1
+                    timer.busy += time.perf_counter() - t0
+            return wrapper
+
+        for name, fn in self.saved.items():
+            setattr(self.cls, name, timed(fn))
+
+    def restore(self) -> None:
+        for name, fn in self.saved.items():
+            setattr(self.cls, name, fn)
+
+
+class _RecvAhead:
+    """What-if (not dtp's behaviour): post a message's body receive together with its
+    header's, one action ahead, once the message's shape is known from an earlier step —
+    as torch's schedules post receives of known shapes. dtp posts the body's receive only
+    when the action needs it (after the header is in), so a sender busy computing has to
+    answer the receiver's rendezvous before the body moves. Plain stages only (a pp-only
+    mesh); installed around one step, undone by :meth:`restore`."""
+
+    def __init__(self):
+        from dtp import comm
+        from dtp.strategies import pipeline as pl
+
+        self.cls, self.incoming = pl.Run, pl._Incoming
+        self.saved_post, self.saved_wait = pl.Run._post, pl._Incoming.wait
+        shapes: dict[tuple[int, str], tuple[tuple[int, ...], torch.dtype]] = {}
+
+        class Ahead:
+            def __init__(self, header, body):
+                self.header, self.body = header, body
+
+            def wait(self):
+                self.header.wait()
+                return self.body.wait(), False
+
+        def post(run, kind: str, stage: int, i: int) -> None:
+            known = shapes.get((run.n_stages, f"pp {kind} stage {stage}"))
+            if known is None or run.smesh is not None or (kind, stage, i) in run.recvs:
+                return self.saved_post(run, kind, stage, i)
+            frm = run._rank_of(stage - 1 if kind == "act" else stage + 1)
+            if frm == run.rank:
+                return None
+            tag = f"pp {kind} stage {stage} mb {i}"
+            header = comm.recv((pl._HEADER,), torch.int64, run.ctx.mesh, run.axis, frm=frm,
+                               key=run._key(kind, stage, i, 0), tag=tag + " header")
+            body = comm.recv(known[0], known[1], run.ctx.mesh, run.axis, frm=frm,
+                             key=run._key(kind, stage, i, 1), tag=tag)
+            run.recvs[(kind, stage, i)] = Ahead(header, body)
+            return None
+
+        def wait(incoming):
+            x, gather = self.saved_wait(incoming)
+            shapes[(incoming.run.n_stages, incoming.tag.split(" mb ")[0])] = (tuple(x.shape), x.dtype)
+            return x, gather
+
+        self.post, self.wait = post, wait
+
+    def install(self) -> None:
+        self.cls._post, self.incoming.wait = self.post, self.wait
+
+    def restore(self) -> None:
+        self.cls._post, self.incoming.wait = self.saved_post, self.saved_wait
+
+
+def _rotating_times(steps: dict, repeats: int) -> dict[str, list[float]]:
+    """``_common.alternating_times`` for any number of steps: each round runs every step
+    once, the order rotated every round, every rank starting each call together."""
+    import torch.distributed as dist
+
+    names = list(steps)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for i in range(repeats):
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            dist.barrier()
+            t0 = time.perf_counter()
+            steps[name]()
+            times[name].append(time.perf_counter() - t0)
+    return times
+
+
+def _vs_torch(params, rows: int, p: int, m: int, schedules: list[tuple[str, int]], warmup: int,
+              repeats: int) -> list[dict]:
+    import torch.distributed as dist
+    from torch.distributed import pipelining
+    from torch.distributed.pipelining import schedules as tsched
+
+    import dtp
+    from dtp.layouts.pipeline import assign
+
+    torch.set_num_threads(1)
+    rank = dist.get_rank()
+    dim = next(iter(params.values())).shape[0]
+    model = make_model(len(params))
+    batch = make_batch(m * rows, dim)
+    names = list(params)
+    out = []
+    timer, stage_timer, ahead = _ActionTimer(), _StageTimer(), _RecvAhead()
+    try:
+        for schedule, v in schedules:
+            n_stages = p * v
+            ranges = assign(len(names), p, v)
+            # torch: this rank's stages r, r+p, … (dtp's round-robin), the same weights
+            stages, modules = [], []
+            for c in range(v):
+                s = c * p + rank
+                mod = _torch_chunk([params[names[j]] for j in range(*ranges[s])])
+                modules.append(mod)
+                stages.append(pipelining.PipelineStage(mod, s, n_stages, torch.device("cpu")))
+            cls = getattr(pipelining, TORCH_SCHEDULES[schedule])
+            sched = cls(stages if v > 1 else stages[0], n_microbatches=m, loss_fn=torch.nn.functional.mse_loss)
+            opt = torch.optim.SGD([w for mod in modules for w in mod.parameters()], lr=LR)
+            first, last = rank == 0, rank == (n_stages - 1) % p
+            tbox: dict = {"losses": [], "bubble": [], "busy": []}
+
+            def torch_step():
+                opt.zero_grad(set_to_none=True)
+                losses: list[torch.Tensor] = []
+                args = (batch["x"],) if first else ()
+                kwargs = dict(target=batch["y"], losses=losses) if last else {}
+                stage_timer.busy = 0.0
+                t0 = time.perf_counter()
+                sched.step(*args, **kwargs)
+                tbox["bubble"].append(1 - stage_timer.busy / (time.perf_counter() - t0))
+                tbox["busy"].append(stage_timer.busy)
+                opt.step()
+                tbox["losses"].append(float(torch.stack(losses).detach().mean()) if last else float("nan"))
+
+            state = _dtp_state(params, schedule, v, p)
+            placed = dtp.shard_batch(batch, state)
+            dbox = {"state": state, "losses": [], "bubble": [], "busy": []}
+            abox = {"state": _dtp_state(params, schedule, v, p), "losses": [], "bubble": [], "busy": []}
+
+            def dtp_step(box=dbox, recv_ahead=False):
+                timer.reset()
+                if recv_ahead:
+                    ahead.install()
+                try:
+                    box["state"], metrics = dtp.train_step(model, box["state"], placed, microbatches=m)
+                finally:
+                    ahead.restore()
+                box["losses"].append(metrics["loss"])
+                box["bubble"].append(1 - timer.busy / timer.wall)
+                box["busy"].append(timer.busy)
+
+            def ahead_step():
+                dtp_step(abox, True)
+
+            dtp_step()
+            torch_step()
+            first_losses = (dbox["losses"][0], tbox["losses"][0])
+            for _ in range(max(warmup, 2)):  # the what-if's first step learns the shapes
+                dtp_step()
+                torch_step()
+                ahead_step()
+            # the what-if computes the same steps: its first two losses (the second with its
+            # receives posted ahead) equal dtp's
+            ahead_ok = abox["losses"][:2] == dbox["losses"][:2]
+            # bytes of one steady-state step of each
+            with dtp.comm_log() as log:
+                dtp_step()
+            sent = [r for r in log.records if r.kind == "send"]
+            dtp_bytes = dict(body=sum(r.bytes for r in sent if not r.tag.endswith("header")),
+                             header=sum(r.bytes for r in sent if r.tag.endswith("header")), messages=len(sent),
+                             other=sum(r.bytes for r in log.records if r.kind not in ("send", "recv")))
+            counted = {"bytes": 0, "messages": 0}
+            real = tsched._batch_p2p
+
+            def counting(ops, desc=None):
+                for op in ops:
+                    if op.op is dist.isend:
+                        counted["bytes"] += op.tensor.numel() * op.tensor.element_size()
+                        counted["messages"] += 1
+                return real(ops, desc)
+
+            tsched._batch_p2p = counting
+            try:
+                torch_step()
+            finally:
+                tsched._batch_p2p = real
+            boxes = {"dtp": dbox, "torch": tbox, "ahead": abox}
+            for box in boxes.values():
+                box["bubble"].clear()
+                box["busy"].clear()
+            times = _rotating_times({"dtp": dtp_step, "torch": torch_step, "ahead": ahead_step}, repeats)
+            out.append(dict(schedule=schedule, v=v, times=times, first=first_losses, ahead_ok=ahead_ok,
+                            dtp_bytes=dtp_bytes, torch_bytes=dict(counted),
+                            bubble={side: statistics.median(box["bubble"]) for side, box in boxes.items()},
+                            busy={side: statistics.median(box["busy"]) for side, box in boxes.items()}))
+    finally:
+        timer.restore()
+        stage_timer.restore()
+    return out
+
+
+# ------------------------------------------------------------------ gloo receive latency
+def _p2p_latency(rows: int, dim: int, repeats: int) -> dict[str, float] | None:
+    """Rank 0 sends one ``rows × dim`` fp32 message and computes for 20 ms; rank 1 computes
+    for 5 ms (the message is sent by then) and waits for it, its receive posted before the
+    5 ms or after them. Median wait in ms (rank 1; ``None`` on rank 0)."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    rank = dist.get_rank()
+    a, x = torch.randn(256, 256), torch.randn(rows, dim)
+
+    def busy(seconds: float) -> None:
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            a @ a
+
+    waits: dict[str, list[float]] = {"ahead": [], "when needed": []}
+    for k in range(2 * (repeats + 1)):
+        how = ("ahead", "when needed")[k % 2]
+        dist.barrier()
+        if rank == 0:
+            work = dist.isend(x, 1, tag=k)
+            busy(0.02)
+            work.wait()
+            continue
+        buf = torch.empty(rows, dim)
+        work = dist.irecv(buf, 0, tag=k) if how == "ahead" else None
+        busy(0.005)
+        t0 = time.perf_counter()
+        if work is None:
+            work = dist.irecv(buf, 0, tag=k)
+        work.wait()
+        if k >= 2:
+            waits[how].append(1e3 * (time.perf_counter() - t0))
+    return {how: statistics.median(ws) for how, ws in waits.items()} if rank == 1 else None
+
+
+# ------------------------------------------------------------------ report
+def _sim(schedule: str, v: int, p: int, m: int, costs: dict | None = None):
+    """Per-rank idle fractions, bubble ratio and makespan of ``dtp.schedules.simulate``:
+    ideal costs (F = 1, B = 2, W = B/2) or the measured ones (``costs``: seconds)."""
+    from dtp import schedules
+
+    kw = {}
+    if costs:
+        kw = dict(f=costs["F"], b=costs["B"]) if "B" in costs else dict(f=costs["F"], b=costs["I"] + costs["W"],
+                                                                          w=costs["W"])
+    t = schedules.simulate(schedules.make(schedule, p=p, v=v, m=m), p=p, v=v, m=m, **kw)
+    return [1 - b / t.makespan for b in t.busy], t.bubble_ratio, t.makespan
+
+
+def _ranks(xs) -> str:
+    return "/".join(f"{x:.2f}" for x in xs)
+
+
+def report_bubble(res: list[list[dict]], p: int, layers: int, dim: int, rows: int, repeats: int) -> None:
+    w = 5 * p + 1
+    print(f"(a) bubble, p={p}: {layers} layers tanh(x @ w), w {dim}x{dim}, {rows} rows per microbatch, fp32, "
+          f"1 thread per rank; median of {repeats} steps (action costs: mean); per rank r0/r1/…")
+    print(f"{'schedule':<16}{'m':>3}{'step ms':>9}{'sched ms':>9}{'sim ms':>8}{'busy ms':>9}{'wait ms':>9}"
+          f"{'bubble':>{w}}{'sim':>{w}}{'sim@cost':>{w}}{'ratio':>7}{'formula':>8}{'sim@c':>7}   action ms")
+    for k, cfg in enumerate(res[0]):
+        s, v, m = cfg["schedule"], cfg["v"], cfg["m"]
+        per = [rk[k] for rk in res]
+        n = len(cfg["steps"])
+
+        def med(fn) -> float:
+            return statistics.median(fn(i) for i in range(n))
+
+        step = med(lambda i: max(rk["steps"][i]["step"] for rk in per))
+        sched = med(lambda i: max(rk["steps"][i]["wall"] for rk in per))
+        busy = med(lambda i: statistics.mean(rk["steps"][i]["busy"] for rk in per))
+        take = med(lambda i: statistics.mean(rk["steps"][i]["take"] for rk in per))
+        bubble = [statistics.median(1 - st["busy"] / st["wall"] for st in rk["steps"]) for rk in per]
+        ratio = med(lambda i: sum(rk["steps"][i]["wall"] - rk["steps"][i]["busy"] for rk in per)
+                    / sum(rk["steps"][i]["busy"] for rk in per))
+        costs = {kind: statistics.mean(rk["costs"][kind] for rk in per) for kind in per[0]["costs"]}
+        ideal, ideal_ratio, _ = _sim(s, v, p, m)
+        atcost, cost_ratio, makespan = _sim(s, v, p, m, costs)
+        name = s + (f" v={v}" if v > 1 else "")
+        acts = " ".join(f"{kind} {1e3 * c:.2f}" for kind, c in sorted(costs.items()))
+        print(f"{name:<16}{m:>3}{1e3 * step:>9.1f}{1e3 * sched:>9.1f}{1e3 * makespan:>8.1f}{1e3 * busy:>9.1f}"
+              f"{1e3 * take:>9.1f}{_ranks(bubble):>{w}}{_ranks(ideal):>{w}}{_ranks(atcost):>{w}}{ratio:>7.3f}"
+              f"{ideal_ratio:>8.3f}{cost_ratio:>7.3f}   {acts}")
+    found = {(c["schedule"], c["m"]): k for k, c in enumerate(res[0])}
+    split = []
+    for m in sorted({c["m"] for c in res[0]}):
+        if ("zb-h1", m) in found and ("1f1b", m) in found:
+            zb, ob = found[("zb-h1", m)], found[("1f1b", m)]
+            split.append(f"m={m} " + _ranks((rk[zb]["costs"]["I"] + rk[zb]["costs"]["W"]) / rk[ob]["costs"]["B"]
+                                            for rk in res))
+    if split:
+        print("zb-h1's split backward, (I + W) / 1f1b's B per rank: " + "; ".join(split))
+    print("step = train_step, sched = its Run.schedule (slower rank); sim ms = the makespan simulated with the "
+          "measured action costs; busy = compute in F/B/I/W, wait = actions waiting for their input (mean over "
+          "ranks); bubble = 1 - busy/sched per rank; sim = simulate per rank with F=1 B=2 W=B/2, sim@cost = with "
+          "the measured costs; ratio = measured idle/compute over all ranks beside simulate's bubble_ratio "
+          "(formula: (p-1)/m, (p-1)/(v·m), zb-h1 ~1/3 of 1f1b's) and with the measured costs (sim@c)")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--dim", type=int, default=512)
+    ap.add_argument("--rows", type=int, default=256, help="rows per microbatch (bubble and torch tables)")
+    ap.add_argument("--pp", type=int, nargs="+", default=[2])
+    ap.add_argument("--m", type=int, nargs="+", default=[4, 8], help="microbatch counts for the bubble table")
+    ap.add_argument("--mem-m", type=int, default=8)
+    ap.add_argument("--mem-rows", type=int, default=512, help="rows per microbatch for the memory table")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--schedules", nargs="+", default=[s for s, _ in SCHEDULES], choices=[s for s, _ in SCHEDULES])
+    ap.add_argument("--parts", nargs="+", default=["bubble", "memory", "torch"], choices=["bubble", "memory", "torch"])
+    args = ap.parse_args()
+
+    from dtp.testing import run
+
+    params = make_params(args.layers, args.dim)
+    chosen = [(s, v) for s, v in SCHEDULES if s in args.schedules]
+    if "bubble" in args.parts:
+        lat = run(_p2p_latency, args.rows, args.dim, args.repeats, world_size=2)[1]
+        print(f"gloo receive of one {args.rows}x{args.dim} fp32 message already sent while its sender computes "
+              f"(2 ranks, median of {args.repeats}): {lat['ahead']:.2f} ms with the receive posted ahead, "
+              f"{lat['when needed']:.2f} ms posted when needed")
+        print()
+        for p in args.pp:
+            res = run(_bubble, params, args.rows, p, args.m, chosen, args.warmup, args.repeats, world_size=p,
+                      timeout=1200)
+            report_bubble(res, p, args.layers, args.dim, args.rows, args.repeats)
+            print()
+    p = args.pp[0]
+    if "memory" in args.parts:
+        m, rows = args.mem_m, args.mem_rows
+        variants = [(s, v, False) for s, v in chosen] + [(s, v, True) for s, v in chosen
+                                                         if s in ("1f1b", "interleaved")]
+        res = run(_memory, params, rows, p, m, variants, world_size=p, timeout=1200)
+        per_stage = args.layers // p  # layers per stage (v = 1)
+        unit = per_stage * rows * args.dim * 4
+        pbytes = per_stage * args.dim * args.dim * 4
+        print(f"(b) peak memory of one step above what lives between steps (CPU allocator), p={p}, m={m}, "
+              f"{rows} rows per microbatch; unit = one microbatch's activations on one stage "
+              f"({per_stage} tanh outputs) = {unit / 2 ** 20:.2f} MiB; a stage's parameters = "
+              f"{pbytes / 2 ** 20:.2f} MiB")
+        print(f"{'schedule':<48}" + "".join(f"{f'rank {r} MiB':>12}{'units':>7}" for r in range(p))
+              + "   simulated peak in flight (microbatches)")
+        from dtp import schedules
+
+        for k, (s, v, release) in enumerate(variants):
+            name = s + (f" v={v}" if v > 1 else "") + (", act sends freed at B (what-if)" if release else "")
+            flight = schedules.simulate(schedules.make(s, p=p, v=v, m=m), p=p, v=v, m=m).peak_in_flight
+            flight_txt = "/".join(str(n) if v == 1 else f"{n}/{v}" for n in flight)
+            print(f"{name:<48}" + "".join(f"{rk[k]['peak'] / 2 ** 20:>12.2f}{rk[k]['peak'] / unit:>7.1f}" for rk in res)
+                  + f"   {flight_txt}")
+        if any(v > 1 for _, v, _ in variants):
+            print("interleaved counts chunk-microbatches in flight: half a unit each")
+        print()
+    if "torch" in args.parts:
+        m = max(args.m)
+        scheds = [(s, v) for s, v in chosen if s in TORCH_SCHEDULES]
+        res = run(_vs_torch, params, args.rows, p, m, scheds, args.warmup, args.repeats, world_size=p, timeout=1200)
+        print(f"(c) dtp vs torch.distributed.pipelining, p={p}, m={m}: forward + backward + SGD step, slower rank, "
+              f"median of {args.repeats} rounds (dtp, torch, what-if; order rotated); bytes sent per rank in one step")
+        w = 5 * p + 1
+        sides = ("dtp", "torch", "ahead")
+        print(f"{'schedule':<16}{'dtp ms':>8}{'torch ms':>9}{'ratio':>7}{'(mins)':>7}{'ahead ms':>9}{'ratio':>7}"
+              f"{'busy dtp':>9}{'torch':>7}{'bubble dtp':>{w + 5}}{'torch':>{w}}{'ahead':>{w}}"
+              f"{'dtp bytes':>{9 * p + 2}}{'torch bytes':>{9 * p + 2}}{'ratio':>7}{'msgs dtp/torch':>16}"
+              f"  first loss dtp / torch")
+        for k, (s, v) in enumerate(scheds):
+            per = [rk[k] for rk in res]
+            n = len(per[0]["times"]["dtp"])
+            rounds = {side: [max(rk["times"][side][i] for rk in per) for i in range(n)] for side in sides}
+            med = {side: statistics.median(rounds[side]) for side in sides}
+            mins = min(rounds["dtp"]) / min(rounds["torch"])
+            busy = {side: 1e3 * statistics.mean(rk["busy"][side] for rk in per) for side in sides}
+            bub = {side: _ranks(rk["bubble"][side] for rk in per) for side in sides}
+            db = "/".join(str(rk["dtp_bytes"]["body"]) for rk in per)
+            tb = "/".join(str(rk["torch_bytes"]["bytes"]) for rk in per)
+            br = sum(rk["dtp_bytes"]["body"] for rk in per) / max(1, sum(rk["torch_bytes"]["bytes"] for rk in per))
+            msgs = f"{per[0]['dtp_bytes']['messages']}/{per[0]['torch_bytes']['messages']}"
+            dl = next(rk["first"][0] for rk in per)
+            tl = next(rk["first"][1] for rk in per if rk["first"][1] == rk["first"][1])
+            name = s + (f" v={v}" if v > 1 else "")
+            ok = "" if all(rk["ahead_ok"] for rk in per) else "  (what-if losses differ!)"
+            print(f"{name:<16}{1e3 * med['dtp']:>8.1f}{1e3 * med['torch']:>9.1f}{med['dtp'] / med['torch']:>7.2f}"
+                  f"{mins:>7.2f}{1e3 * med['ahead']:>9.1f}{med['ahead'] / med['torch']:>7.2f}{busy['dtp']:>9.1f}"
+                  f"{busy['torch']:>7.1f}{bub['dtp']:>{w + 5}}{bub['torch']:>{w}}{bub['ahead']:>{w}}"
+                  f"{db:>{9 * p + 2}}{tb:>{9 * p + 2}}{br:>7.3f}{msgs:>16}  {dl:.7f} / {tl:.7f}{ok}")
+        extra = res[0][0]["dtp_bytes"]
+        print("ratio = dtp / torch; (mins) = ratio of the fastest rounds; ahead = dtp with each body's receive "
+              "posted with its header, one action ahead (a what-if of this benchmark, not dtp's runner; same "
+              "losses); busy = compute ms per step, mean over ranks (dtp: F/B/I/W less "
+              "their waits; torch: its stages' forward/backward_one_chunk); bubble = 1 - busy / schedule per rank "
+              "(dtp: Run.schedule; torch: schedule.step), median; bytes sent per rank r0/r1/…: dtp = its send bodies "
+              "(comm log), torch = isend tensors (schedules._batch_p2p wrapped); msgs = rank 0's gloo sends per step "
+              f"(dtp: bodies + headers). dtp also sends a 192-byte header per message ({extra['header']} bytes a "
+              f"step for {scheds[0][0]}) and {extra['other']} bytes of pp all-reduces (loss, grad norm)")
+    print(f"load average: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+
+
+if __name__ == "__main__":
+    main()
