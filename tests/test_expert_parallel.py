@@ -1,11 +1,13 @@
-"""Expert parallel as placements (``layouts.expert``): the ``tiny-moe`` Llama under
-``layouts.data() + layouts.expert()`` on ``ep=2`` and on ``dp=2 × ep=2`` equals one device
-in fp64 (loss and parameters, 3 SGD steps, dropless, top-2 and top-1); the comm log of
-one forward+backward holds, per MoE block, the counts exchange and the four token
-all-to-alls with bytes equal to the analytic count from the one-device routing, and no
-DTensor collective of dtp's own making; experts not divisible by ep are the same
-``ValueError`` on every rank before any collective. All cases of a mesh run in one pool
-call."""
+"""Expert parallel as placements (``layouts.expert``). The ``tiny-moe`` Llama under
+``layouts.data() + layouts.expert()`` on ``ep=2`` and on ``dp=2 × ep=2``, and with ep folded
+out of the data axes (``expert(axis="dp")`` on ``dp=4``; ``expert(axis=("dp", "cp"))`` on
+``dp=2 × cp=2`` with ring context parallel), equals one device in fp64: loss and
+parameters over 3 SGD steps (the middle one recomputing each block, so dispatch runs
+again in backward), dropless, top-2 and top-1. The comm log of one forward+backward holds,
+per MoE block, the counts exchange and the four token all-to-alls with bytes equal to the
+analytic count from the one-device routing, and DTensor issues no collective of its own.
+Experts not divisible by the ep degree are the same ``ValueError`` on every rank before
+any collective. All cases of a mesh run in one pool call."""
 
 from __future__ import annotations
 
@@ -22,7 +24,9 @@ from dtp.testing import assert_tree_close, reference_value_and_grad, run
 
 STEPS, LR, B, S = 3, 0.1, 4, 16
 CASES = {"top2": {}, "top1": {"top_k": 1}}  # name: tiny-moe config overrides (dropless)
-MESHES = {"ep2": dict(ep=2), "dp2 x ep2": dict(dp=2, ep=2)}
+# name: mesh axes, the expert preset's axis (the folded ones compose with other data axes)
+MESHES = {"ep2": (dict(ep=2), "ep"), "dp2 x ep2": (dict(dp=2, ep=2), "ep"),
+          "ep folded = dp4": (dict(dp=4), "dp"), "ep folded out of dp2 x cp2": (dict(dp=2, cp=2), ("dp", "cp"))}
 
 
 def _batch(seed=1):
@@ -30,28 +34,30 @@ def _batch(seed=1):
     return {"tokens": tok[:, :-1].contiguous(), "targets": tok[:, 1:].contiguous()}
 
 
-def _layout():
-    return dtp.layouts.data() + dtp.layouts.expert()
+def _layout(axis="ep"):
+    layout = dtp.layouts.data() + dtp.layouts.expert(axis=axis)
+    return layout + dtp.layouts.context("ring") if "cp" in axis else layout
 
 
-def _rank(axes: dict) -> dict:
+def _rank(axes: dict, axis) -> dict:
     from torch.distributed.tensor.debug import CommDebugMode
 
     mesh = dtp.make_mesh(**axes)
-    out: dict = {"coords": (mesh.get_local_rank("dp") if "dp" in axes else 0, mesh.get_local_rank("ep"))}
+    out: dict = {"coords": tuple(mesh.get_local_rank(a) for a in axes)}
     batch = _batch()
     for name, overrides in CASES.items():
         cfg = llama.config("tiny-moe", **overrides)
         loss_fn = functools.partial(llama.loss, cfg=cfg)
         state = dtp.TrainState.create(llama.init(cfg, seed=0, dtype=torch.float64), dtp.optim.sgd(LR), mesh=mesh,
-                                      layout=_layout(), axes=llama.param_axes(cfg), axis_sizes=llama.axis_sizes(cfg))
+                                      layout=_layout(axis), axes=llama.param_axes(cfg),
+                                      axis_sizes=llama.axis_sizes(cfg))
         specs = {k: str(dtp.spec_of(v)) for k, v in state.params["layers"][0].items()}
         placed = dtp.shard_batch(batch, state)
         with CommDebugMode() as seen, dtp.comm_log() as log:
             dtp.step.value_and_grad(loss_fn, state, placed)
         losses = []
-        for _ in range(STEPS):
-            state, metrics = dtp.train_step(loss_fn, state, placed)
+        for step in range(STEPS):  # the middle step recomputes each block: dispatch runs again in backward
+            state, metrics = dtp.train_step(loss_fn, state, placed, recompute="full" if step == 1 else None)
             losses.append(metrics["loss"])
         params = optree.tree_map(lambda p: p.full_tensor().detach(), dtp.gather_params(state))
         out[name] = {"losses": losses, "params": params, "specs": specs, "dtensor_only": seen.get_total_counts() ==
@@ -61,8 +67,8 @@ def _rank(axes: dict) -> dict:
 
 @pytest.fixture(scope="module", params=list(MESHES))
 def ranks(request) -> tuple[str, list[dict]]:
-    axes = MESHES[request.param]
-    return request.param, run(_rank, axes, world_size=int(torch.tensor(list(axes.values())).prod()))
+    axes, axis = MESHES[request.param]
+    return request.param, run(_rank, axes, axis, world_size=int(torch.tensor(list(axes.values())).prod()))
 
 
 @functools.lru_cache(maxsize=None)
@@ -97,7 +103,10 @@ def test_expert_parallel_train_step_equals_one_device_fp64(ranks, name) -> None:
     cfg, losses, params, _ = _reference(name)
     for r, res in enumerate(results):
         got = res[name]
-        assert got["specs"]["w_gate"] == "P('ep')" and got["specs"]["router"] == "P()", (mesh_name, got["specs"])
+        axis = MESHES[mesh_name][1]
+        over = axis if isinstance(axis, str) else "_".join(axis)  # folded: the flattened view's axis
+        assert any(t[2] == "moe dispatch" and t[1] == over for t in got["records"]), (mesh_name, got["records"])
+        assert got["specs"]["w_gate"] == str(dtp.P(axis)) and got["specs"]["router"] == "P()", (mesh_name, got["specs"])
         for step, (a, e) in enumerate(zip(got["losses"], losses)):
             assert abs(a - e) <= 1e-10 * abs(e), f"{mesh_name} {name}: rank {r} step {step}: {a} vs {e}"
         assert_tree_close(got["params"], params, name=f"{mesh_name} {name} rank {r} params", rtol=1e-10, atol=1e-12)
@@ -107,8 +116,10 @@ def test_expert_parallel_train_step_equals_one_device_fp64(ranks, name) -> None:
 def test_dispatch_and_combine_bytes_equal_the_analytic_count(ranks, name) -> None:
     mesh_name, results = ranks
     cfg, _, _, ids = _reference(name)
-    axes = MESHES[mesh_name]
-    ep, dp = axes["ep"], axes.get("dp", 1)
+    axes, axis = MESHES[mesh_name]
+    if "cp" in axes:
+        pytest.skip("folded out of dp × cp: the ranks' tokens follow the zigzag order (parity covers it)")
+    ep, dp = axes[axis], axes["dp"] if axis == "ep" and "dp" in axes else 1
     local, per_rank = cfg.num_experts // ep, B * S // (dp * ep)  # tokens: batch rows over (dp, ep), dp major
 
     def rows(block: int, d: int, e: int) -> torch.Tensor:  # expert owners of the rows of the rank at (d, e)
@@ -116,7 +127,7 @@ def test_dispatch_and_combine_bytes_equal_the_analytic_count(ranks, name) -> Non
         return ids[block][first:first + per_rank].reshape(-1) // local
 
     for res in results:
-        d, me = res["coords"]
+        d, me = res["coords"] if len(res["coords"]) == 2 else (0, res["coords"][0])
         got = res[name]
         assert got["dtensor_only"], f"{mesh_name} {name}: DTensor issued a collective of its own"
         moe_records = [t for t in got["records"] if t[2].startswith("moe dispatch") or t[2].startswith("moe combine")]
@@ -125,11 +136,11 @@ def test_dispatch_and_combine_bytes_equal_the_analytic_count(ranks, name) -> Non
             sent = int((rows(block, d, me) != me).sum())
             came = sum(int((rows(block, d, src) == me).sum()) for src in range(ep) if src != me)
             row = cfg.dim * 8  # fp64 rows of the model width
-            expected_fwd += [("all_to_all", "ep", "moe dispatch counts", (ep - 1) * local * 8),
-                             ("all_to_all_v", "ep", "moe dispatch", sent * row),
-                             ("all_to_all_v", "ep", "moe combine", came * row)]
-            expected_bwd = [("all_to_all_v", "ep", "moe combine backward", sent * row),
-                            ("all_to_all_v", "ep", "moe dispatch backward", came * row)] + expected_bwd
+            expected_fwd += [("all_to_all", axis, "moe dispatch counts", (ep - 1) * local * 8),
+                             ("all_to_all_v", axis, "moe dispatch", sent * row),
+                             ("all_to_all_v", axis, "moe combine", came * row)]
+            expected_bwd = [("all_to_all_v", axis, "moe combine backward", sent * row),
+                            ("all_to_all_v", axis, "moe dispatch backward", came * row)] + expected_bwd
         assert moe_records == expected_fwd + expected_bwd, f"{mesh_name} {name}: rank at dp={d}, ep={me}"
         assert any(t[2] == "moe dispatch" and t[3] > 0 for t in moe_records)  # tokens really travelled
 
@@ -145,6 +156,10 @@ def _bad_rank() -> dict:
             llama.init(llama.config("tiny-moe", num_experts=3), dtype=torch.float64), dtp.optim.sgd(0.1), mesh=mesh,
             layout=_layout(), axes=llama.param_axes(llama.config("tiny-moe", num_experts=3)),
             axis_sizes=llama.axis_sizes(llama.config("tiny-moe", num_experts=3))),
+        "experts 6 folded on dp x ep 4": lambda: dtp.TrainState.create(
+            llama.init(llama.config("tiny-moe", num_experts=6), dtype=torch.float64), dtp.optim.sgd(0.1), mesh=mesh,
+            layout=_layout(("dp", "ep")), axes=llama.param_axes(llama.config("tiny-moe", num_experts=6)),
+            axis_sizes=llama.axis_sizes(llama.config("tiny-moe", num_experts=6))),
         "ep axis missing": lambda: dtp.TrainState.create(
             {"w": torch.ones(4, 2)}, dtp.optim.sgd(0.1), mesh=mesh, layout=dtp.layouts.expert(axis="xp"),
             axes={"w": ("expert", "embed")}),
@@ -166,6 +181,7 @@ def bad() -> list[dict]:
 
 @pytest.mark.parametrize("case, says", [
     ("experts 3 on ep 2", r"TrainState.create: num_experts=3 is not divisible by ep=2"),
+    ("experts 6 folded on dp x ep 4", r"TrainState.create: num_experts=6 is not divisible by dp×ep=4"),
     ("ep axis missing", r"layouts.expert\(axis='xp'\) names a mesh axis this mesh lacks"),
 ])
 def test_bad_input_is_the_same_value_error_on_every_rank_before_any_collective(bad, case, says) -> None:
@@ -180,6 +196,11 @@ def test_bad_input_is_the_same_value_error_on_every_rank_before_any_collective(b
 def test_expert_preset_options_are_checked_and_compose() -> None:
     with pytest.raises(TypeError, match=r"layouts.expert: axis must be a mesh axis name"):
         dtp.layouts.expert(axis=3)
+    with pytest.raises(TypeError, match=r"a tuple of distinct names, got \('dp', 'dp'\)"):
+        dtp.layouts.expert(axis=("dp", "dp"))
+    assert dtp.layouts.expert(axis=["ep"]).expert.axis == "ep"  # one axis is canonical as a name
+    folded = dtp.layouts.expert(axis=["dp", "cp"])
+    assert folded.expert.axes == ("dp", "cp") and folded.params["expert"] == ("dp", "cp") and not folded.activations
     layout = _layout()
     assert layout.expert == dtp.layouts.ExpertOptions(axis="ep")
     assert layout.params["expert"] == ("ep",) and layout.activations["batch"] == ("dp", "ep")

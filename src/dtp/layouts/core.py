@@ -126,11 +126,12 @@ class Layout:
         if mesh.size() > 1:
             for preset, opts in (("zero", self.zero), ("context", self.context), ("pipeline", self.pipeline),
                                  ("expert", self.expert)):
-                if opts is not None and opts.axis not in names:
+                missing = [] if opts is None else [a for a in getattr(opts, "axes", (opts.axis,)) if a not in names]
+                if missing:
                     raise ValueError(
                         f"{what}: layouts.{preset}(axis={opts.axis!r}) names a mesh axis this mesh lacks "
                         f"(its axes: {', '.join(names)}), so {preset} would silently be off; build the mesh "
-                        f"with {opts.axis}=…, pass axis= one of its axes, or drop layouts.{preset}"
+                        f"with {missing[0]}=…, pass axis= one of its axes, or drop layouts.{preset}"
                     )
         dropped = tuple(sorted({a for rules in (self.params, self.activations) for axes in rules.values()
                                 for a in axes if a not in names}))

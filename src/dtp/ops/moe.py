@@ -44,7 +44,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from ..layouts import current
-from ..mesh import axis_names
+from ..mesh import axis_names, flatten_axes
 from ..redistribute import local_map, reshard
 from ..spec import P, spec_of
 from . import moe_dispatch
@@ -190,35 +190,39 @@ def _local_moe(x: torch.Tensor, router: torch.Tensor, w_gate: torch.Tensor, w_up
     return y, stats
 
 
-def _expert_axis(params: Mapping[str, torch.Tensor], x: DTensor, token_axes: tuple[str, ...]) -> str | None:
-    """The mesh axis the active layout splits experts over (size > 1), or ``None``.
+def _expert_group(params: Mapping[str, torch.Tensor], x: DTensor,
+                  token_axes: tuple[str, ...]) -> tuple[DeviceMesh, str] | None:
+    """``(mesh, axis)`` to dispatch over when the active layout splits experts (over one
+    axis, or several folded into their flattened view), or ``None`` when it does not.
 
     Raises ``ValueError`` (every rank alike: it reads only layouts and specs) when the
-    experts are split over several axes, when the tokens are not split over the expert
-    axis (every ep rank would send the same tokens, counting each ep times in the expert
-    gradients), or when the expert weights are not laid out as the layout says."""
+    tokens are not split over every expert axis (each ep rank would send the same tokens,
+    counting them ep times in the expert gradients), or when the expert weights are not
+    laid out as the layout says."""
     active = current()
     if active is None:
         return None
     layout, _ = active
     mesh = x.device_mesh
     names = axis_names(mesh)
-    axes = tuple(a for a in layout.mesh_axes("expert", mesh, activation=False) if mesh.size(names.index(a)) > 1)
-    if not axes:
+    axes = layout.mesh_axes("expert", mesh, activation=False)
+    if math.prod(mesh.size(names.index(a)) for a in axes) == 1:
         return None
-    if len(axes) > 1:
-        raise ValueError(f"moe_ffn: experts can be split over one mesh axis, the layout puts them on {axes}")
-    (axis,) = axes
-    if axis not in token_axes:
-        raise ValueError(f"moe_ffn: the layout puts experts on {axis!r} but the tokens are not split over it "
-                         f"(x is {spec_of(x)}); {axis!r} must also be a data axis, as layouts.expert() makes it")
+    missing = [a for a in axes if a not in token_axes and mesh.size(names.index(a)) > 1]
+    if missing:
+        raise ValueError(f"moe_ffn: the layout puts experts on {axes} but the tokens are not split over "
+                         f"{missing} (x is {spec_of(x)}); expert axes must also be data axes, as "
+                         f"layouts.expert() makes its own axis")
     for name in ("w_gate", "w_up", "w_down"):
         w = params[name]
-        if not isinstance(w, DTensor) or spec_of(w).axes_of(0) != (axis,):
+        if not isinstance(w, DTensor) or spec_of(w).axes_of(0) != axes:
             got = spec_of(w) if isinstance(w, DTensor) else "a plain tensor"
-            raise ValueError(f"moe_ffn: the layout puts experts on {axis!r} but {name} is {got}; lay the "
+            raise ValueError(f"moe_ffn: the layout puts experts on {axes} but {name} is {got}; lay the "
                              f"parameters out with the same layout (TrainState.create)")
-    return axis
+    if len(axes) == 1:
+        return mesh, axes[0]
+    flat = flatten_axes(mesh, axes)  # ep folded out of several axes: coordinates row-major, as Shard(0) nests
+    return flat, axis_names(flat)[0]
 
 
 def moe_ffn(params: Mapping[str, torch.Tensor], x: torch.Tensor, *, top_k: int, pre_softmax: bool = False,
@@ -254,8 +258,7 @@ def moe_ffn(params: Mapping[str, torch.Tensor], x: torch.Tensor, *, top_k: int, 
     if isinstance(x, DTensor):
         spec = spec_of(x)
         token_axes = tuple(a for d in range(x.dim() - 1) for a in spec.axes_of(d))
-        axis = _expert_axis(params, x, token_axes)
-        ep = None if axis is None else (x.device_mesh, axis)
+        ep = _expert_group(params, x, token_axes)
         y, stats = local_map(local, (None,) * 5, (spec, P(None, partial=token_axes)), check_shapes=False)(x, *weights)
         stats = reshard(stats, P(None), tag="moe stats")
     else:
