@@ -1,5 +1,7 @@
 """Expert parallel as placements (``layouts.expert``). The ``tiny-moe`` Llama under
-``layouts.data() + layouts.expert()`` on ``ep=2`` and on ``dp=2 × ep=2``, and with ep folded
+``layouts.data() + layouts.expert()`` on ``ep=2``, on ``dp=2 × ep=2`` and on ``ep=2 × tp=2``
+with sequence parallel (experts replicated over tp: each tp rank dispatches the tokens
+sequence parallel gathered at the block's entry), and with ep folded
 out of the data axes (``expert(axis="dp")`` on ``dp=4``; ``expert(axis=("dp", "cp"))`` on
 ``dp=2 × cp=2`` with ring context parallel), equals one device in fp64: loss and
 parameters over 3 SGD steps (the middle one recomputing each block, so dispatch runs
@@ -7,7 +9,9 @@ again in backward), dropless, top-2 and top-1. The comm log of one forward+backw
 per MoE block, the counts exchange and the four token all-to-alls with bytes equal to the
 analytic count from the one-device routing, and DTensor issues no collective of its own.
 Experts not divisible by the ep degree are the same ``ValueError`` on every rank before
-any collective. All cases of a mesh run in one pool call."""
+any collective. With a capacity, where dropping is per rank, ep2 equals dp2 (experts
+replicated): dispatch changes where experts run, not what is routed or dropped. All
+cases of a mesh run in one pool call."""
 
 from __future__ import annotations
 
@@ -26,7 +30,8 @@ STEPS, LR, B, S = 3, 0.1, 4, 16
 CASES = {"top2": {}, "top1": {"top_k": 1}}  # name: tiny-moe config overrides (dropless)
 # name: mesh axes, the expert preset's axis (the folded ones compose with other data axes)
 MESHES = {"ep2": (dict(ep=2), "ep"), "dp2 x ep2": (dict(dp=2, ep=2), "ep"),
-          "ep folded = dp4": (dict(dp=4), "dp"), "ep folded out of dp2 x cp2": (dict(dp=2, cp=2), ("dp", "cp"))}
+          "ep2 x tp2 + sp": (dict(ep=2, tp=2), "ep"), "ep folded = dp4": (dict(dp=4), "dp"),
+          "ep folded out of dp2 x cp2": (dict(dp=2, cp=2), ("dp", "cp"))}
 
 
 def _batch(seed=1):
@@ -34,8 +39,10 @@ def _batch(seed=1):
     return {"tokens": tok[:, :-1].contiguous(), "targets": tok[:, 1:].contiguous()}
 
 
-def _layout(axis="ep"):
+def _layout(axis="ep", tp=False):
     layout = dtp.layouts.data() + dtp.layouts.expert(axis=axis)
+    if tp:  # experts replicated over tp: every tp rank dispatches the (gathered) tokens of its ep group
+        layout = layout + dtp.layouts.megatron(sequence_parallel=True)
     return layout + dtp.layouts.context("ring") if "cp" in axis else layout
 
 
@@ -43,13 +50,13 @@ def _rank(axes: dict, axis) -> dict:
     from torch.distributed.tensor.debug import CommDebugMode
 
     mesh = dtp.make_mesh(**axes)
-    out: dict = {"coords": tuple(mesh.get_local_rank(a) for a in axes)}
+    out: dict = {"coords": {a: mesh.get_local_rank(a) for a in axes}}
     batch = _batch()
     for name, overrides in CASES.items():
         cfg = llama.config("tiny-moe", **overrides)
         loss_fn = functools.partial(llama.loss, cfg=cfg)
         state = dtp.TrainState.create(llama.init(cfg, seed=0, dtype=torch.float64), dtp.optim.sgd(LR), mesh=mesh,
-                                      layout=_layout(axis), axes=llama.param_axes(cfg),
+                                      layout=_layout(axis, "tp" in axes), axes=llama.param_axes(cfg),
                                       axis_sizes=llama.axis_sizes(cfg))
         specs = {k: str(dtp.spec_of(v)) for k, v in state.params["layers"][0].items()}
         placed = dtp.shard_batch(batch, state)
@@ -127,7 +134,7 @@ def test_dispatch_and_combine_bytes_equal_the_analytic_count(ranks, name) -> Non
         return ids[block][first:first + per_rank].reshape(-1) // local
 
     for res in results:
-        d, me = res["coords"] if len(res["coords"]) == 2 else (0, res["coords"][0])
+        d, me = (res["coords"].get("dp", 0) if axis == "ep" else 0), res["coords"][axis]
         got = res[name]
         assert got["dtensor_only"], f"{mesh_name} {name}: DTensor issued a collective of its own"
         moe_records = [t for t in got["records"] if t[2].startswith("moe dispatch") or t[2].startswith("moe combine")]
@@ -143,6 +150,36 @@ def test_dispatch_and_combine_bytes_equal_the_analytic_count(ranks, name) -> Non
                             ("all_to_all_v", axis, "moe dispatch backward", came * row)] + expected_bwd
         assert moe_records == expected_fwd + expected_bwd, f"{mesh_name} {name}: rank at dp={d}, ep={me}"
         assert any(t[2] == "moe dispatch" and t[3] > 0 for t in moe_records)  # tokens really travelled
+
+
+# ------------------------------------------------------------------ capacity: ep2 is dp2
+
+
+def _capacity_rank() -> dict:
+    cfg = llama.config("tiny-moe", capacity_factor=1.0)
+    loss_fn = functools.partial(llama.loss, cfg=cfg)
+    out = {}
+    for name, axes, layout in (("dp2", dict(dp=2), dtp.layouts.data()), ("ep2", dict(ep=2), _layout())):
+        state = dtp.TrainState.create(llama.init(cfg, seed=0, dtype=torch.float64), dtp.optim.sgd(LR),
+                                      mesh=dtp.make_mesh(**axes), layout=layout, axes=llama.param_axes(cfg),
+                                      axis_sizes=llama.axis_sizes(cfg))
+        placed, losses, dropped = dtp.shard_batch(_batch(), state), [], []
+        for _ in range(STEPS):
+            state, metrics = dtp.train_step(loss_fn, state, placed)
+            losses.append(metrics["loss"])
+            dropped.append(float(metrics["aux"]["dropped_fraction"].sum()))
+        out[name] = (losses, dropped, optree.tree_map(lambda p: p.full_tensor().detach(), dtp.gather_params(state)))
+    return out
+
+
+def test_with_capacity_ep2_drops_and_trains_as_dp2() -> None:
+    for r, res in enumerate(run(_capacity_rank, world_size=2)):
+        (dp_losses, dp_dropped, dp_params), (ep_losses, ep_dropped, ep_params) = res["dp2"], res["ep2"]
+        assert min(dp_dropped) > 0, f"rank {r}: capacity_factor=1.0 dropped nothing; the case tests nothing"
+        assert ep_dropped == pytest.approx(dp_dropped, rel=1e-12), f"rank {r}"
+        for step, (a, e) in enumerate(zip(ep_losses, dp_losses)):
+            assert abs(a - e) <= 1e-10 * abs(e), f"rank {r} step {step}: ep2 {a} vs dp2 {e}"
+        assert_tree_close(ep_params, dp_params, name=f"rank {r} ep2 vs dp2 params", rtol=1e-10, atol=1e-12)
 
 
 # ------------------------------------------------------------------ bad input
