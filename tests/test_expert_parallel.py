@@ -10,7 +10,8 @@ per MoE block, the counts exchange and the four token all-to-alls with bytes equ
 analytic count from the one-device routing, and DTensor issues no collective of its own.
 Experts not divisible by the ep degree are the same ``ValueError`` on every rank before
 any collective. With a capacity, where dropping is per rank, ep2 equals dp2 (experts
-replicated): dispatch changes where experts run, not what is routed or dropped. All
+replicated): dispatch changes where experts run, not what is routed or dropped. ZeRO 1
+and 3 over dp beside experts over ep also equal one device. All
 cases of a mesh run in one pool call."""
 
 from __future__ import annotations
@@ -150,6 +151,34 @@ def test_dispatch_and_combine_bytes_equal_the_analytic_count(ranks, name) -> Non
                             ("all_to_all_v", axis, "moe dispatch backward", came * row)] + expected_bwd
         assert moe_records == expected_fwd + expected_bwd, f"{mesh_name} {name}: rank at dp={d}, ep={me}"
         assert any(t[2] == "moe dispatch" and t[3] > 0 for t in moe_records)  # tokens really travelled
+
+
+# ------------------------------------------------------------------ with ZeRO over dp
+
+
+def _zero_rank() -> dict:
+    cfg = llama.config("tiny-moe")
+    loss_fn = functools.partial(llama.loss, cfg=cfg)
+    out = {}
+    for stage in (1, 3):
+        state = dtp.TrainState.create(llama.init(cfg, seed=0, dtype=torch.float64), dtp.optim.sgd(LR),
+                                      mesh=dtp.make_mesh(dp=2, ep=2), layout=_layout() + dtp.layouts.zero(stage),
+                                      axes=llama.param_axes(cfg), axis_sizes=llama.axis_sizes(cfg))
+        placed, losses = dtp.shard_batch(_batch(), state), []
+        for _ in range(STEPS):
+            state, metrics = dtp.train_step(loss_fn, state, placed)
+            losses.append(metrics["loss"])
+        out[stage] = (losses, optree.tree_map(lambda p: p.full_tensor().detach(), dtp.gather_params(state)))
+    return out
+
+
+def test_zero_over_dp_with_experts_over_ep_equals_one_device_fp64() -> None:
+    _, losses, params, _ = _reference("top2")
+    for r, res in enumerate(run(_zero_rank, world_size=4)):
+        for stage, (got, got_params) in res.items():
+            for step, (a, e) in enumerate(zip(got, losses)):
+                assert abs(a - e) <= 1e-10 * abs(e), f"zero {stage} rank {r} step {step}: {a} vs {e}"
+            assert_tree_close(got_params, params, name=f"zero {stage} rank {r} params", rtol=1e-10, atol=1e-12)
 
 
 # ------------------------------------------------------------------ capacity: ep2 is dp2
