@@ -257,9 +257,14 @@ def _pipeline_step(rank, layout, microbatches, b=8, model=None, axes=None):
     return lambda: dtp.train_step(model, state, batch, microbatches=microbatches)
 
 
-# Added with their features (they do not exist yet): experts not divisible by ep;
-# pipe-experts options without MoE; multi-stream without sequence parallel.
+# Added with their features (they do not exist yet): pipe-experts options without MoE;
+# multi-stream without sequence parallel.
 CASES = {
+    # ---- expert parallel
+    "experts not divisible by ep": (
+        lambda r: _create_with(r, {"dp": 2, "ep": 2}, dtp.layouts.data() + dtp.layouts.expert(), num_experts=3),
+        "ValueError", r"TrainState.create: num_experts=3 is not divisible by ep=2 \(layouts.expert puts experts "
+        r"Shard\(0\) on 'ep'\); choose num_experts a multiple of 2, or a smaller ep"),
     # ---- pipeline
     "pipeline microbatches fewer than stages (1f1b)": (
         lambda r: _pipeline_step(r, dtp.layouts.pipeline("1f1b"), 1), "ValueError",

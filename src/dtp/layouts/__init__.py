@@ -8,8 +8,9 @@ state lives) and where **activations** are computed. Presets compose with ``+``:
     layout = layouts.data() + layouts.megatron(sequence_parallel=True)
 
 Each preset keeps its options in a frozen dataclass that checks itself
-(:class:`MegatronOptions`, :class:`ContextOptions`, :class:`ZeroOptions`); a layout holds
-them as ``layout.megatron``, ``layout.context`` and ``layout.zero`` (``None`` when unset).
+(:class:`MegatronOptions`, :class:`ContextOptions`, :class:`ZeroOptions`,
+:class:`ExpertOptions`, ...); a layout holds them as ``layout.megatron``, ``layout.context``,
+``layout.zero``, ``layout.pipeline`` and ``layout.expert`` (``None`` when unset).
 
 Composition rules:
 
@@ -17,9 +18,9 @@ Composition rules:
   by *mesh order* when resolved (``seq`` on ``cp`` and, with SP, ``tp`` gives
   ``("cp", "tp")`` on a ``dp×cp×tp`` mesh — Megatron's CP-outer, SP-inner split);
 * mesh axes the mesh does not have are dropped, so one layout serves every mesh (which
-  ones is logged once, logger ``dtp``); except the axis of ``zero`` and ``context``,
-  which must be on any mesh of more than one device (:meth:`Layout.check_mesh`:
-  otherwise the feature would silently be off);
+  ones is logged once, logger ``dtp``); except the axis of ``zero``, ``context``,
+  ``pipeline`` and ``expert``, which must be on any mesh of more than one device
+  (:meth:`Layout.check_mesh`: otherwise the feature would silently be off);
 * a logical axis must be a model axis (the table below, :data:`MODEL_AXES`) or named by
   one of the layout's rules: anything else is a ``ValueError`` (a typo would silently
   be replicated). Declare a new one with ``+ Layout({"experts": ()})`` (replicated);
@@ -46,7 +47,8 @@ router        the router's scores over all experts (never split)
 
 Modules: :mod:`.core` (``Layout``, the active layout), :mod:`.megatron` (``data``,
 ``megatron``), :mod:`.context` (``context`` and the cp sequence order), :mod:`.zero`,
-:mod:`.pipeline` (``pipeline``: stages, schedule, virtual stages).
+:mod:`.pipeline` (``pipeline``: stages, schedule, virtual stages), :mod:`.expert` (``expert``:
+experts over ``ep``, which is also a data axis).
 The package attributes ``megatron``, ``context`` and ``zero`` are the preset functions;
 import the modules as ``from dtp.layouts.zero import ZeroOptions`` when you need them.
 """
@@ -68,12 +70,14 @@ from .context import (
     zigzag_permutation,
 )
 from .core import MODEL_AXES, Axes, Layout, constrain, current, use_layout
+from .expert import ExpertOptions, expert
 from .megatron import MegatronOptions, data, megatron
 from .pipeline import PipelineOptions, pipeline
 from .zero import ZERO_STAGES, ZeroOptions, zero
 
 __all__ = [
-    "Layout", "data", "megatron", "context", "context_options", "zero", "pipeline", "PipelineOptions", "use_layout", "current", "constrain",
+    "Layout", "data", "megatron", "context", "context_options", "zero", "pipeline", "PipelineOptions", "expert",
+    "ExpertOptions", "use_layout", "current", "constrain",
     "MegatronOptions", "ContextOptions", "ZeroOptions", "CP_ALGORITHMS", "LOAD_BALANCE", "ZERO_STAGES",
     "Axes", "MODEL_AXES", "attended_kv_heads", "check_cp", "check_divisible", "check_load_balance", "check_window",
     "zigzag_permutation", "cp_permutation", "to_cp_order", "from_cp_order",

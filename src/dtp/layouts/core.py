@@ -22,6 +22,7 @@ from ..spec import P
 
 if TYPE_CHECKING:  # the option modules import Layout to build their presets
     from .context import ContextOptions
+    from .expert import ExpertOptions
     from .megatron import MegatronOptions
     from .pipeline import PipelineOptions
     from .zero import ZeroOptions
@@ -68,6 +69,7 @@ class Layout:
     context: ContextOptions | None = None  # set by layouts.context; None: no context parallel
     zero: ZeroOptions | None = None  # set by layouts.zero (stage >= 1); None: gradients all-reduced
     pipeline: PipelineOptions | None = None  # set by layouts.pipeline; None: no pipeline
+    expert: ExpertOptions | None = None  # set by layouts.expert; None: experts where the rules put them
     name: str = ""  # for messages: the presets it was composed from
 
     def __add__(self, other: Layout) -> Layout:
@@ -76,6 +78,7 @@ class Layout:
         return Layout(_merge(self.params, other.params), _merge(self.activations, other.activations),
                       megatron=_right(self.megatron, other.megatron), context=_right(self.context, other.context),
                       zero=_right(self.zero, other.zero), pipeline=_right(self.pipeline, other.pipeline),
+                      expert=_right(self.expert, other.expert),
                       name=" + ".join(n for n in (self.name, other.name) if n))
 
     def _spec(self, rules: Mapping[str, Axes], logical: Sequence[str | None], mesh: DeviceMesh, name: str) -> P:
@@ -113,20 +116,22 @@ class Layout:
         return self._spec(self.activations, logical, mesh, name)
 
     def check_mesh(self, mesh: DeviceMesh, what: str = "TrainState.create") -> None:
-        """``ValueError`` when ``layouts.zero`` or ``layouts.context`` names an axis the
-        mesh lacks, on a mesh of more than one device: ZeRO / context parallel would be
+        """``ValueError`` when ``layouts.zero``, ``context``, ``pipeline`` or ``expert`` names
+        an axis the mesh lacks, on a mesh of more than one device: the feature would be
         silently off. The rules of ``data``/``megatron`` (and custom rules) may name absent
         axes — one layout serves every mesh — and those are dropped; which ones is logged
         once (logger ``dtp``, INFO) per layout and mesh.
         """
         names = axis_names(mesh)
         if mesh.size() > 1:
-            for preset, opts in (("zero", self.zero), ("context", self.context), ("pipeline", self.pipeline)):
-                if opts is not None and opts.axis not in names:
+            for preset, opts in (("zero", self.zero), ("context", self.context), ("pipeline", self.pipeline),
+                                 ("expert", self.expert)):
+                missing = [] if opts is None else [a for a in getattr(opts, "axes", (opts.axis,)) if a not in names]
+                if missing:
                     raise ValueError(
                         f"{what}: layouts.{preset}(axis={opts.axis!r}) names a mesh axis this mesh lacks "
                         f"(its axes: {', '.join(names)}), so {preset} would silently be off; build the mesh "
-                        f"with {opts.axis}=…, pass axis= one of its axes, or drop layouts.{preset}"
+                        f"with {missing[0]}=…, pass axis= one of its axes, or drop layouts.{preset}"
                     )
         dropped = tuple(sorted({a for rules in (self.params, self.activations) for axes in rules.values()
                                 for a in axes if a not in names}))
@@ -190,6 +195,8 @@ class Layout:
             self.context.check(sizes, mesh, tp=self.degree("heads", mesh), what=what)
         if self.zero is not None:
             self.zero.check(sizes, mesh, what=what)
+        if self.expert is not None:
+            self.expert.check(sizes, mesh, what=what)
         self._check_rules(sizes, mesh, what)
 
     def _check_rules(self, sizes: Mapping[str, int], mesh: DeviceMesh, what: str) -> None:

@@ -18,12 +18,19 @@ with ``P_i = Σ_t p_ti`` over the full softmax and ``n_i`` the tokens routed to 
 
 :func:`moe_ffn` takes plain tensors or DTensors. With DTensors the per-token work
 (route, permute, experts, combine) runs on each rank's own tokens through
-:func:`dtp.local_map` (the expert weights as they are laid out: replicated today), and
-the aux losses come from the *global* sums ``P``, ``n`` and ``Σ lse²`` — one all-reduce
-of ``2E + 2`` numbers over the token axes (tag ``moe stats``) — so a data-parallel run
-equals one device. Capacity, though, is per rank: it is computed from the tokens a rank
-routes (Megatron does the same), so with ``capacity_factor`` and a split batch dropping
-differs from one device.
+:func:`dtp.local_map`, on the expert weights as they are laid out, and the aux losses
+come from the *global* sums ``P``, ``n`` and ``Σ lse²`` — one all-reduce of ``2E + 2``
+numbers over the token axes (tag ``moe stats``) — so a data-parallel run equals one
+device. Expert parallel: when the active layout puts the ``expert`` axis on a mesh axis
+of size > 1 (``layouts.expert()``, which also splits the batch over it), each rank
+holds ``E / ep`` experts; its kept (token, choice) rows go to their experts' ranks
+(:func:`dtp.ops.moe_dispatch.dispatch`), the local experts run on what arrived, and
+:func:`~dtp.ops.moe_dispatch.combine` brings the results home — routing, capacity and
+the statistics are unchanged. The expert weights' local gradients then hold every ep
+rank's tokens: complete over ``ep``, pending only over the other token axes (``dp``),
+which is what :func:`dtp.local_map` makes of a split input. Capacity, though, is per
+rank: it is computed from the tokens a rank routes (Megatron does the same), so with
+``capacity_factor`` and a split batch dropping differs from one device.
 """
 
 from __future__ import annotations
@@ -33,11 +40,14 @@ from typing import Any, Mapping, NamedTuple
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from .._rules import accum_dtype
+from ..layouts import current
+from ..mesh import axis_names, flatten_axes
 from ..redistribute import local_map, reshard
 from ..spec import P, spec_of
+from . import moe_dispatch
 
 __all__ = ["Routing", "route", "load_balancing_loss", "z_loss", "update_bias", "experts", "moe_ffn"]
 
@@ -152,8 +162,11 @@ def experts(x_sorted: torch.Tensor, counts: torch.Tensor, w_gate: torch.Tensor, 
 
 def _local_moe(x: torch.Tensor, router: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
                w_down: torch.Tensor, bias: torch.Tensor | None, top_k: int, pre_softmax: bool,
-               capacity_factor: float | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(y, stats)`` for this rank's tokens: ``stats = [Σ_t p (E), n (E), Σ_t lse², kept]``."""
+               capacity_factor: float | None, ep: tuple[DeviceMesh, str] | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(y, stats)`` for this rank's tokens: ``stats = [Σ_t p (E), n (E), Σ_t lse², kept]``.
+    With ``ep = (mesh, axis)`` the expert weights are this rank's ``E / ep`` experts and the
+    rows travel to their experts' ranks and back."""
     shape = x.shape
     xt = x.reshape(-1, shape[-1])
     logits = xt.to(router.dtype) @ router  # the router runs in fp32 (fp64 stays fp64)
@@ -163,14 +176,53 @@ def _local_moe(x: torch.Tensor, router: torch.Tensor, w_gate: torch.Tensor, w_up
     slots = torch.nonzero(flat_kept).squeeze(-1)  # (token, choice) pairs that survived
     order = slots[torch.argsort(flat_ids[slots], stable=True)]  # grouped by expert
     token = order // top_k
-    counts_kept = torch.bincount(flat_ids[order], minlength=e)
-    out = experts(xt[token], counts_kept, w_gate, w_up, w_down)
+    if ep is None:
+        out = experts(xt[token], torch.bincount(flat_ids[order], minlength=e), w_gate, w_up, w_down)
+    else:
+        arrived, plan = moe_dispatch.dispatch(xt[token], flat_ids[order], e, *ep)
+        here = torch.tensor(plan.tokens_per_expert, dtype=torch.long, device=arrived.device)
+        out = moe_dispatch.combine(experts(arrived, here, w_gate, w_up, w_down), plan)
     w = r.weights.reshape(-1)[order].to(out.dtype).unsqueeze(-1)
     y = xt.new_zeros(xt.shape).index_add(0, token, out * w).reshape(shape)
     lse2 = torch.logsumexp(logits, dim=-1).square().sum()
     stats = torch.cat([r.probs.sum(0), r.counts.to(logits.dtype), lse2.reshape(1),
                        flat_kept.sum().to(logits.dtype).reshape(1)])
     return y, stats
+
+
+def _expert_group(params: Mapping[str, torch.Tensor], x: DTensor,
+                  token_axes: tuple[str, ...]) -> tuple[DeviceMesh, str] | None:
+    """``(mesh, axis)`` to dispatch over when the active layout splits experts (over one
+    axis, or several folded into their flattened view), or ``None`` when it does not.
+
+    Raises ``ValueError`` (every rank alike: it reads only layouts and specs) when the
+    tokens are not split over every expert axis (each ep rank would send the same tokens,
+    counting them ep times in the expert gradients), or when the expert weights are not
+    laid out as the layout says."""
+    active = current()
+    if active is None:
+        return None
+    layout, _ = active
+    mesh = x.device_mesh
+    names = axis_names(mesh)
+    axes = layout.mesh_axes("expert", mesh, activation=False)
+    if math.prod(mesh.size(names.index(a)) for a in axes) == 1:
+        return None
+    missing = [a for a in axes if a not in token_axes and mesh.size(names.index(a)) > 1]
+    if missing:
+        raise ValueError(f"moe_ffn: the layout puts experts on {axes} but the tokens are not split over "
+                         f"{missing} (x is {spec_of(x)}); expert axes must also be data axes, as "
+                         f"layouts.expert() makes its own axis")
+    for name in ("w_gate", "w_up", "w_down"):
+        w = params[name]
+        if not isinstance(w, DTensor) or spec_of(w).axes_of(0) != axes:
+            got = spec_of(w) if isinstance(w, DTensor) else "a plain tensor"
+            raise ValueError(f"moe_ffn: the layout puts experts on {axes} but {name} is {got}; lay the "
+                             f"parameters out with the same layout (TrainState.create)")
+    if len(axes) == 1:
+        return mesh, axes[0]
+    flat = flatten_axes(mesh, axes)  # ep folded out of several axes: coordinates row-major, as Shard(0) nests
+    return flat, axis_names(flat)[0]
 
 
 def moe_ffn(params: Mapping[str, torch.Tensor], x: torch.Tensor, *, top_k: int, pre_softmax: bool = False,
@@ -187,19 +239,26 @@ def moe_ffn(params: Mapping[str, torch.Tensor], x: torch.Tensor, *, top_k: int, 
     Returns ``(y, aux)``: ``aux`` has ``aux_loss`` and ``z_loss`` (scalars in the graph:
     add them to the loss) and ``tokens_per_expert`` (E,) and ``dropped_fraction``
     (detached). With DTensors: the per-token work on local shards, the statistics summed
-    over the token axes first (module docstring).
+    over the token axes first; under ``layouts.expert`` the rows are dispatched to their
+    experts' ranks and combined back (module docstring).
+
+    Raises: ``ValueError`` when the active layout splits experts over an axis the tokens
+    are not split over, or the expert weights are not laid out on it (every rank alike).
     """
     weights = (params["router"], params["w_gate"], params["w_up"], params["w_down"])
 
+    ep: tuple[DeviceMesh, str] | None = None
+
     def local(x_l: torch.Tensor, router: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
               w_down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return _local_moe(x_l, router, w_gate, w_up, w_down, bias, top_k, pre_softmax, capacity_factor)
+        return _local_moe(x_l, router, w_gate, w_up, w_down, bias, top_k, pre_softmax, capacity_factor, ep)
 
     e = params["router"].shape[-1]
     tokens = math.prod(x.shape[:-1])  # global: a DTensor's shape is the whole tensor's
     if isinstance(x, DTensor):
         spec = spec_of(x)
         token_axes = tuple(a for d in range(x.dim() - 1) for a in spec.axes_of(d))
+        ep = _expert_group(params, x, token_axes)
         y, stats = local_map(local, (None,) * 5, (spec, P(None, partial=token_axes)), check_shapes=False)(x, *weights)
         stats = reshard(stats, P(None), tag="moe stats")
     else:
