@@ -60,7 +60,7 @@ def test_cp_head_chunks_reach_the_layout() -> None:
 
 def test_nproc_must_match_mesh_product(capsys) -> None:
     assert _train("--nproc", "4", "--dp", "2", "--tp", "2").nproc == 4
-    with pytest.raises(ValueError, match=r"--nproc 3 does not match the mesh dp=2 × cp=1 × tp=1 = 2"):
+    with pytest.raises(ValueError, match=r"--nproc 3 does not match the mesh dp=2 = 2 ranks"):
         _train("--nproc", "3", "--dp", "2")
     # Through main: one line on stderr, exit code 2, no launch.
     assert cli.main(["train", "--nproc", "3", "--dp", "2"]) == 2

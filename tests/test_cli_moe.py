@@ -32,7 +32,7 @@ def test_an_moe_run_reports_its_routing(tmp_path) -> None:
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "dtp.cli", "train", "--nproc", "2", "--dp", "2", "--model", "tiny-moe",
+    cmd = [sys.executable, "-m", "dtp.cli", "train", "--nproc", "2", "--ep", "2", "--model", "tiny-moe",
            "--steps", "2", "--batch", "4", "--seq", "16", "--dtype", "float64", "--check", "--out", str(out)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -40,3 +40,4 @@ def test_an_moe_run_reports_its_routing(tmp_path) -> None:
     record = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
     assert record["lm_loss"] < record["loss"] and record["expert_imbalance"] >= 1.0
     assert record["dropped_fraction"] == 0.0  # dropless by default
+    assert record["comm_bytes"]["ep"]["all_to_all_v"] > 0  # the tokens went to their experts' rank

@@ -159,6 +159,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="experts each token is routed to (default: the preset's)")
     g.add_argument("--capacity-factor", type=_positive_float("--capacity-factor"), default=None, metavar="C",
                    help="each expert keeps its ceil(T·k/E · C) highest-probability tokens (default: dropless)")
+    g.add_argument("--ep", type=_positive("--ep"), default=1,
+                   help="expert-parallel degree: experts split over an ep mesh axis (after dp; also a data axis)")
 
     g = t.add_argument_group("output")
     g.add_argument("--out", default=None, help="run directory (default: runs/<timestamp>)")
@@ -192,14 +194,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def mesh_axes(args: argparse.Namespace) -> dict[str, int]:
-    """The mesh to build: the non-trivial axes in order pp, dp, cp, tp (dp always present).
+    """The mesh to build: the non-trivial axes in order pp, dp, ep, cp, tp (dp always present).
 
-    >>> mesh_axes(argparse.Namespace(pp=1, dp=2, cp=1, tp=4))
+    >>> mesh_axes(argparse.Namespace(pp=1, dp=2, ep=1, cp=1, tp=4))
     {'dp': 2, 'tp': 4}
     """
     axes = {"pp": args.pp} if getattr(args, "pp", 1) > 1 else {}
     axes["dp"] = args.dp
-    for name in ("cp", "tp"):
+    for name in ("ep", "cp", "tp"):
         if getattr(args, name) > 1:
             axes[name] = getattr(args, name)
     return axes
@@ -215,7 +217,7 @@ def validate(args: argparse.Namespace, *, world_size: int | None = None) -> argp
     4
     """
     n = math.prod(mesh_axes(args).values())
-    shape = " × ".join(f"{k}={getattr(args, k)}" for k in ("dp", "cp", "tp"))
+    shape = " × ".join(f"{k}={v}" for k, v in mesh_axes(args).items())
     if world_size is not None and world_size != n:
         raise UsageError(f"the mesh {shape} = {n} ranks, but torchrun started WORLD_SIZE={world_size}")
     if args.nproc is None:
@@ -253,6 +255,9 @@ def validate(args: argparse.Namespace, *, world_size: int | None = None) -> argp
         print(f"{PROG} train: note: --sp has no effect with --tp 1 (sequence parallel splits over tp)",
               file=sys.stderr)
         args.sp = False
+    if args.ep > 1 and args.batch % (args.dp * args.ep * args.microbatches):
+        raise UsageError(f"--batch {args.batch} must be divisible by --dp × --ep × --microbatches = "
+                         f"{args.dp} × {args.ep} × {args.microbatches}: ep is a data axis too")
     if args.pp == 1 and (args.virtual_stages > 1 or args.print_schedule):
         raise UsageError("--virtual-stages and --print-schedule configure the pipeline; they need --pp > 1")
     if args.pp > 1:
@@ -298,7 +303,8 @@ def train_argv(args: argparse.Namespace) -> list[str]:
     ['train', '--pp', '1', '--pp-schedule', '1f1b', '--virtual-stages', '1', '--dp', '2']
     """
     out = ["train", "--pp", str(args.pp), "--pp-schedule", args.pp_schedule, "--virtual-stages",
-           str(args.virtual_stages), "--dp", str(args.dp), "--cp", str(args.cp), "--tp", str(args.tp)]
+           str(args.virtual_stages), "--dp", str(args.dp), "--ep", str(args.ep), "--cp", str(args.cp),
+           "--tp", str(args.tp)]
     if args.sp:
         out.append("--sp")
     for flag, value in (("--cp-algo", args.cp_algo), ("--cp-window", args.cp_window),

@@ -47,6 +47,8 @@ def build_layout(args: argparse.Namespace) -> Layout:
                                      ("head_chunks", args.cp_head_chunks)) if v is not None}
         layout = layout + layouts.context(**options)
     layout = layout + zero_layout(args)
+    if args.ep > 1:
+        layout = layout + layouts.expert()
     if args.pp > 1:
         layout = layout + layouts.pipeline(args.pp_schedule, virtual_stages=args.virtual_stages)
     return layout
