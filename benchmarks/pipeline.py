@@ -14,12 +14,15 @@ one thread per rank.
 No ``simulated_link``. Loopback gloo moves an activation in well under a millisecond, so
 the link would be the only reason to use it. But gloo's ``send``/``recv`` have no
 completion future, so dtp books a modelled transfer only when the runner waits on it: the
-receiver when it needs the data, and the sender at the end of the schedule. The link would
-then queue every send at the end of the step instead of hiding it.
+receiver when it needs the data, and the sender at the microbatch's backward (activations)
+or the end of the schedule (gradients). The link would then queue sends late instead of
+hiding them.
 
 First line: the latency of a gloo receive for a message that is already sent while its
-sender computes, with the receive posted ahead vs posted when needed. dtp's runner posts
-only the 192-byte header ahead and the body's receive when the action needs it.
+sender computes, with the receive posted ahead vs posted when needed. In dtp's runner only
+microbatch 0's message of each (kind, stage) carries a 192-byte header (shape, dtype,
+placements); once it is read (``Run.meta``), every later body's receive is posted ahead
+of the action that needs it (microbatch 0's body is posted after its header is in).
 
 (a) **Bubble.** Inside each rank the runner's action methods (``Run._F/_B/_I/_W`` of
 ``dtp.strategies.pipeline``), ``Run._take`` (where an action waits for the activation or
@@ -42,20 +45,19 @@ events) of one ``train_step`` after warm-up, per rank, at ``--mem-m`` microbatch
 ``--mem-rows`` rows. The figure is the transient peak above what lives between steps
 (parameters, optimizer state), in MiB and in units of one microbatch's activations on one
 stage: the ``tanh`` output of each of the stage's layers. The last stage also keeps its
-received input and the mse's difference, about 1.5 units. Two more rows are a what-if, not
-dtp's behaviour. There the benchmark waits for a microbatch's activation send at that
-microbatch's backward (it has been delivered, since its gradient came back), not at the
-end of the schedule.
+received input and the mse's difference, about 1.5 units. The runner waits for a
+microbatch's activation send at that microbatch's backward (it has been delivered, since
+its gradient came back: ``Run.act_sends``), so its buffer is freed there, not at the end of
+the schedule.
 
 (c) **dtp vs torch.** ``torch.distributed.pipelining`` runs the same weights. Each rank's
 stage(s) is an ``nn.Module`` in a ``PipelineStage`` (shapes inferred on the first step),
 under ``ScheduleGPipe`` / ``Schedule1F1B`` / ``ScheduleInterleaved1F1B`` with ``loss_fn =
 mse`` (mean per microbatch, gradients scaled by 1/m: ``scale_grads=True``) and
-``torch.optim.SGD(lr=0.1)``. One step on both = forward + backward + SGD update. A third
-variant, ``ahead``, is a what-if, not dtp's runner: dtp with each message's body receive
-posted together with its header's, one action ahead, using the shape the message had in
-the previous step (``_RecvAhead``), as torch posts receives of known shapes. Each round
-runs one step of each of the three, the order rotated every round; a round's time is the
+``torch.optim.SGD(lr=0.1)``. One step on both = forward + backward + SGD update. Both post
+their receives ahead (torch from shapes inferred on the first step, dtp from microbatch
+0's header). Each round runs one step of each, the order alternated every round; a
+round's time is the
 slower rank's; the table gives medians. The table also gives compute and bubble per rank:
 torch's compute is its stages' ``forward_one_chunk`` / ``backward_one_chunk``, which its
 schedules call once the input is in. dtp's schedule time includes the loss all-reduce, so
@@ -63,8 +65,9 @@ its last rank waits there for the first to finish. torch's last rank returns fro
 ``step()`` without that wait, so its rank-1 bubble leaves out the cool-down. Bytes sent
 per rank in one steady-state step:
 
-* dtp: its comm log's ``send`` records (bodies; its 192-byte headers and two pp
-  all-reduces, loss and gradient norm, are said below the table);
+* dtp: its comm log's ``send`` records (bodies; its 192-byte headers, one per (kind,
+  stage) channel a step, and two pp all-reduces, loss and gradient norm, are said below
+  the table);
 * torch: ``torch.distributed.pipelining.schedules._batch_p2p`` is wrapped (every send or
   receive its schedules post goes through it) and the ``isend`` tensors' bytes summed.
 
@@ -250,53 +253,31 @@ def _quiet_stderr():
         os.close(null)
 
 
-def _release_act_sends(run, chunk: int, i: int) -> None:
-    """What-if (not dtp's behaviour): wait, at the backward of microbatch ``i``, for the
-    send of its activation to the next stage — certainly delivered, since its gradient
-    came back — instead of at the end of the schedule, so the buffer is freed now."""
-    stage = run._stage(chunk)[0]
-    tag = f"pp act stage {stage + 1} mb {i}"
-    done = [h for h in run.sends if h._record is not None and h._record.tag in (tag, tag + " header")]
-    for h in done:
-        h.wait()
-    run.sends[:] = [h for h in run.sends if not any(h is d for d in done)]
-
-
-def _memory(params, rows: int, p: int, m: int, variants: list[tuple[str, int, bool]]) -> list[dict]:
+def _memory(params, rows: int, p: int, m: int, variants: list[tuple[str, int]]) -> list[dict]:
     import torch.distributed as dist
 
     import dtp
     from _common import peak_bytes
-    from dtp.strategies import pipeline as pl
 
     torch.set_num_threads(1)
     dim = next(iter(params.values())).shape[0]
     model = make_model(len(params))
     batch = make_batch(m * rows, dim)
     out = []
-    real_i = pl.Run._I
-    for schedule, v, release in variants:
-        if release:
-            def _i(run, chunk, i, *args, **kwargs):
-                real_i(run, chunk, i, *args, **kwargs)
-                _release_act_sends(run, chunk, i)
-            pl.Run._I = _i
-        try:
-            state = _dtp_state(params, schedule, v, p)
-            placed = dtp.shard_batch(batch, state)
-            for _ in range(2):
-                state, _ = dtp.train_step(model, state, placed, microbatches=m)
-            dist.barrier()
-            box = {}
+    for schedule, v in variants:
+        state = _dtp_state(params, schedule, v, p)
+        placed = dtp.shard_batch(batch, state)
+        for _ in range(2):
+            state, _ = dtp.train_step(model, state, placed, microbatches=m)
+        dist.barrier()
+        box = {}
 
-            def step():
-                box["state"], _ = dtp.train_step(model, state, placed, microbatches=m)
+        def step():
+            box["state"], _ = dtp.train_step(model, state, placed, microbatches=m)
 
-            with _quiet_stderr():
-                peak = peak_bytes(step)
-        finally:
-            pl.Run._I = real_i
-        out.append(dict(schedule=schedule, v=v, release=release, peak=peak))
+        with _quiet_stderr():
+            peak = peak_bytes(step)
+        out.append(dict(schedule=schedule, v=v, peak=peak))
     return out
 
 
@@ -337,59 +318,6 @@ class _StageTimer:
             setattr(self.cls, name, fn)
 
 
-class _RecvAhead:
-    """What-if (not dtp's behaviour): post a message's body receive together with its
-    header's, one action ahead, once the message's shape is known from an earlier step —
-    as torch's schedules post receives of known shapes. dtp posts the body's receive only
-    when the action needs it (after the header is in), so a sender busy computing has to
-    answer the receiver's rendezvous before the body moves. Plain stages only (a pp-only
-    mesh); installed around one step, undone by :meth:`restore`."""
-
-    def __init__(self):
-        from dtp import comm
-        from dtp.strategies import pipeline as pl
-
-        self.cls, self.incoming = pl.Run, pl._Incoming
-        self.saved_post, self.saved_wait = pl.Run._post, pl._Incoming.wait
-        shapes: dict[tuple[int, str], tuple[tuple[int, ...], torch.dtype]] = {}
-
-        class Ahead:
-            def __init__(self, header, body):
-                self.header, self.body = header, body
-
-            def wait(self):
-                self.header.wait()
-                return self.body.wait(), False
-
-        def post(run, kind: str, stage: int, i: int) -> None:
-            known = shapes.get((run.n_stages, f"pp {kind} stage {stage}"))
-            if known is None or run.smesh is not None or (kind, stage, i) in run.recvs:
-                return self.saved_post(run, kind, stage, i)
-            frm = run._rank_of(stage - 1 if kind == "act" else stage + 1)
-            if frm == run.rank:
-                return None
-            tag = f"pp {kind} stage {stage} mb {i}"
-            header = comm.recv((pl._HEADER,), torch.int64, run.ctx.mesh, run.axis, frm=frm,
-                               key=run._key(kind, stage, i, 0), tag=tag + " header")
-            body = comm.recv(known[0], known[1], run.ctx.mesh, run.axis, frm=frm,
-                             key=run._key(kind, stage, i, 1), tag=tag)
-            run.recvs[(kind, stage, i)] = Ahead(header, body)
-            return None
-
-        def wait(incoming):
-            x, gather = self.saved_wait(incoming)
-            shapes[(incoming.run.n_stages, incoming.tag.split(" mb ")[0])] = (tuple(x.shape), x.dtype)
-            return x, gather
-
-        self.post, self.wait = post, wait
-
-    def install(self) -> None:
-        self.cls._post, self.incoming.wait = self.post, self.wait
-
-    def restore(self) -> None:
-        self.cls._post, self.incoming.wait = self.saved_post, self.saved_wait
-
-
 def _rotating_times(steps: dict, repeats: int) -> dict[str, list[float]]:
     """``_common.alternating_times`` for any number of steps: each round runs every step
     once, the order rotated every round, every rank starting each call together."""
@@ -422,7 +350,7 @@ def _vs_torch(params, rows: int, p: int, m: int, schedules: list[tuple[str, int]
     batch = make_batch(m * rows, dim)
     names = list(params)
     out = []
-    timer, stage_timer, ahead = _ActionTimer(), _StageTimer(), _RecvAhead()
+    timer, stage_timer = _ActionTimer(), _StageTimer()
     try:
         for schedule, v in schedules:
             n_stages = p * v
@@ -456,33 +384,20 @@ def _vs_torch(params, rows: int, p: int, m: int, schedules: list[tuple[str, int]
             state = _dtp_state(params, schedule, v, p)
             placed = dtp.shard_batch(batch, state)
             dbox = {"state": state, "losses": [], "bubble": [], "busy": []}
-            abox = {"state": _dtp_state(params, schedule, v, p), "losses": [], "bubble": [], "busy": []}
 
-            def dtp_step(box=dbox, recv_ahead=False):
+            def dtp_step(box=dbox):
                 timer.reset()
-                if recv_ahead:
-                    ahead.install()
-                try:
-                    box["state"], metrics = dtp.train_step(model, box["state"], placed, microbatches=m)
-                finally:
-                    ahead.restore()
+                box["state"], metrics = dtp.train_step(model, box["state"], placed, microbatches=m)
                 box["losses"].append(metrics["loss"])
                 box["bubble"].append(1 - timer.busy / timer.wall)
                 box["busy"].append(timer.busy)
 
-            def ahead_step():
-                dtp_step(abox, True)
-
             dtp_step()
             torch_step()
             first_losses = (dbox["losses"][0], tbox["losses"][0])
-            for _ in range(max(warmup, 2)):  # the what-if's first step learns the shapes
+            for _ in range(warmup):
                 dtp_step()
                 torch_step()
-                ahead_step()
-            # the what-if computes the same steps: its first two losses (the second with its
-            # receives posted ahead) equal dtp's
-            ahead_ok = abox["losses"][:2] == dbox["losses"][:2]
             # bytes of one steady-state step of each
             with dtp.comm_log() as log:
                 dtp_step()
@@ -505,12 +420,12 @@ def _vs_torch(params, rows: int, p: int, m: int, schedules: list[tuple[str, int]
                 torch_step()
             finally:
                 tsched._batch_p2p = real
-            boxes = {"dtp": dbox, "torch": tbox, "ahead": abox}
+            boxes = {"dtp": dbox, "torch": tbox}
             for box in boxes.values():
                 box["bubble"].clear()
                 box["busy"].clear()
-            times = _rotating_times({"dtp": dtp_step, "torch": torch_step, "ahead": ahead_step}, repeats)
-            out.append(dict(schedule=schedule, v=v, times=times, first=first_losses, ahead_ok=ahead_ok,
+            times = _rotating_times({"dtp": dtp_step, "torch": torch_step}, repeats)
+            out.append(dict(schedule=schedule, v=v, times=times, first=first_losses,
                             dtp_bytes=dtp_bytes, torch_bytes=dict(counted),
                             bubble={side: statistics.median(box["bubble"]) for side, box in boxes.items()},
                             busy={side: statistics.median(box["busy"]) for side, box in boxes.items()}))
@@ -653,8 +568,7 @@ def main() -> None:
     p = args.pp[0]
     if "memory" in args.parts:
         m, rows = args.mem_m, args.mem_rows
-        variants = [(s, v, False) for s, v in chosen] + [(s, v, True) for s, v in chosen
-                                                         if s in ("1f1b", "interleaved")]
+        variants = list(chosen)
         res = run(_memory, params, rows, p, m, variants, world_size=p, timeout=1200)
         per_stage = args.layers // p  # layers per stage (v = 1)
         unit = per_stage * rows * args.dim * 4
@@ -663,17 +577,17 @@ def main() -> None:
               f"{rows} rows per microbatch; unit = one microbatch's activations on one stage "
               f"({per_stage} tanh outputs) = {unit / 2 ** 20:.2f} MiB; a stage's parameters = "
               f"{pbytes / 2 ** 20:.2f} MiB")
-        print(f"{'schedule':<48}" + "".join(f"{f'rank {r} MiB':>12}{'units':>7}" for r in range(p))
+        print(f"{'schedule':<16}" + "".join(f"{f'rank {r} MiB':>12}{'units':>7}" for r in range(p))
               + "   simulated peak in flight (microbatches)")
         from dtp import schedules
 
-        for k, (s, v, release) in enumerate(variants):
-            name = s + (f" v={v}" if v > 1 else "") + (", act sends freed at B (what-if)" if release else "")
+        for k, (s, v) in enumerate(variants):
+            name = s + (f" v={v}" if v > 1 else "")
             flight = schedules.simulate(schedules.make(s, p=p, v=v, m=m), p=p, v=v, m=m).peak_in_flight
             flight_txt = "/".join(str(n) if v == 1 else f"{n}/{v}" for n in flight)
-            print(f"{name:<48}" + "".join(f"{rk[k]['peak'] / 2 ** 20:>12.2f}{rk[k]['peak'] / unit:>7.1f}" for rk in res)
+            print(f"{name:<16}" + "".join(f"{rk[k]['peak'] / 2 ** 20:>12.2f}{rk[k]['peak'] / unit:>7.1f}" for rk in res)
                   + f"   {flight_txt}")
-        if any(v > 1 for _, v, _ in variants):
+        if any(v > 1 for _, v in variants):
             print("interleaved counts chunk-microbatches in flight: half a unit each")
         print()
     if "torch" in args.parts:
@@ -681,11 +595,11 @@ def main() -> None:
         scheds = [(s, v) for s, v in chosen if s in TORCH_SCHEDULES]
         res = run(_vs_torch, params, args.rows, p, m, scheds, args.warmup, args.repeats, world_size=p, timeout=1200)
         print(f"(c) dtp vs torch.distributed.pipelining, p={p}, m={m}: forward + backward + SGD step, slower rank, "
-              f"median of {args.repeats} rounds (dtp, torch, what-if; order rotated); bytes sent per rank in one step")
+              f"median of {args.repeats} rounds (dtp, torch; order alternated); bytes sent per rank in one step")
         w = 5 * p + 1
-        sides = ("dtp", "torch", "ahead")
-        print(f"{'schedule':<16}{'dtp ms':>8}{'torch ms':>9}{'ratio':>7}{'(mins)':>7}{'ahead ms':>9}{'ratio':>7}"
-              f"{'busy dtp':>9}{'torch':>7}{'bubble dtp':>{w + 5}}{'torch':>{w}}{'ahead':>{w}}"
+        sides = ("dtp", "torch")
+        print(f"{'schedule':<16}{'dtp ms':>8}{'torch ms':>9}{'ratio':>7}{'(mins)':>7}"
+              f"{'busy dtp':>9}{'torch':>7}{'bubble dtp':>{w + 5}}{'torch':>{w}}"
               f"{'dtp bytes':>{9 * p + 2}}{'torch bytes':>{9 * p + 2}}{'ratio':>7}{'msgs dtp/torch':>16}"
               f"  first loss dtp / torch")
         for k, (s, v) in enumerate(scheds):
@@ -703,20 +617,17 @@ def main() -> None:
             dl = next(rk["first"][0] for rk in per)
             tl = next(rk["first"][1] for rk in per if rk["first"][1] == rk["first"][1])
             name = s + (f" v={v}" if v > 1 else "")
-            ok = "" if all(rk["ahead_ok"] for rk in per) else "  (what-if losses differ!)"
             print(f"{name:<16}{1e3 * med['dtp']:>8.1f}{1e3 * med['torch']:>9.1f}{med['dtp'] / med['torch']:>7.2f}"
-                  f"{mins:>7.2f}{1e3 * med['ahead']:>9.1f}{med['ahead'] / med['torch']:>7.2f}{busy['dtp']:>9.1f}"
-                  f"{busy['torch']:>7.1f}{bub['dtp']:>{w + 5}}{bub['torch']:>{w}}{bub['ahead']:>{w}}"
-                  f"{db:>{9 * p + 2}}{tb:>{9 * p + 2}}{br:>7.3f}{msgs:>16}  {dl:.7f} / {tl:.7f}{ok}")
+                  f"{mins:>7.2f}{busy['dtp']:>9.1f}"
+                  f"{busy['torch']:>7.1f}{bub['dtp']:>{w + 5}}{bub['torch']:>{w}}"
+                  f"{db:>{9 * p + 2}}{tb:>{9 * p + 2}}{br:>7.3f}{msgs:>16}  {dl:.7f} / {tl:.7f}")
         extra = res[0][0]["dtp_bytes"]
-        print("ratio = dtp / torch; (mins) = ratio of the fastest rounds; ahead = dtp with each body's receive "
-              "posted with its header, one action ahead (a what-if of this benchmark, not dtp's runner; same "
-              "losses); busy = compute ms per step, mean over ranks (dtp: F/B/I/W less "
+        print("ratio = dtp / torch; (mins) = ratio of the fastest rounds; busy = compute ms per step, mean over ranks (dtp: F/B/I/W less "
               "their waits; torch: its stages' forward/backward_one_chunk); bubble = 1 - busy / schedule per rank "
               "(dtp: Run.schedule; torch: schedule.step), median; bytes sent per rank r0/r1/…: dtp = its send bodies "
               "(comm log), torch = isend tensors (schedules._batch_p2p wrapped); msgs = rank 0's gloo sends per step "
-              f"(dtp: bodies + headers). dtp also sends a 192-byte header per message ({extra['header']} bytes a "
-              f"step for {scheds[0][0]}) and {extra['other']} bytes of pp all-reduces (loss, grad norm)")
+              f"(dtp: bodies + headers). dtp also sends a 192-byte header per (kind, stage) channel, with "
+              f"microbatch 0's message ({extra['header']} bytes a step for {scheds[0][0]}) and {extra['other']} bytes of pp all-reduces (loss, grad norm)")
     print(f"load average: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 
