@@ -173,19 +173,17 @@ class _ActionTimer:
                     timer.costs.setdefault(kind, []).append(dt - (timer.take - take0))
             return timed
 
-        def take(run, *args, **kwargs):
-            t0 = time.perf_counter()
-            try:
-                return timer.saved["_take"](run, *args, **kwargs)
-            finally:
-                timer.take += time.perf_counter() - t0
+        def adding_to(total: str, fn):
+            """``fn`` with its wall time added to ``timer.<total>``."""
+            def timed(run, *args, **kwargs):
+                t0 = time.perf_counter()
+                try:
+                    return fn(run, *args, **kwargs)
+                finally:
+                    setattr(timer, total, getattr(timer, total) + time.perf_counter() - t0)
+            return timed
 
-        def schedule(run, *args, **kwargs):
-            t0 = time.perf_counter()
-            try:
-                return timer.saved["schedule"](run, *args, **kwargs)
-            finally:
-                timer.wall += time.perf_counter() - t0
+        take, schedule = adding_to("take", timer.saved["_take"]), adding_to("wall", timer.saved["schedule"])
 
         for kind in "FBIW":
             setattr(self.cls, f"_{kind}", action(kind, self.saved[f"_{kind}"]))

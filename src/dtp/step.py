@@ -34,7 +34,7 @@ from torch.distributed.tensor import DTensor
 from . import guard, strategies
 from ._rules import is_positive_int
 from .comm import comm_log, span
-from .layouts import Layout, check_divisible, use_layout
+from .layouts import Layout, PipelineOptions, check_divisible, use_layout
 from .models.sequential import Sequential
 from .optim import GradientTransformation, apply_updates, clip_by_global_norm
 from .ops.recompute import POLICIES, recompute as recompute_policy
@@ -178,8 +178,8 @@ def gather_params(state: TrainState) -> PyTree:
     >>> dtp.gather_params(state)["w"]
     tensor([1., 1.], requires_grad=True)
     """
-    opts = state.layout.pipeline
-    if opts is not None and opts.degree(state.mesh) > 1:
+    opts = _pipeline_options(state)
+    if opts is not None:
         if state.zero is not None:
             state.zero.wait()  # ZeRO 1/2 under the stages: their views may still be filling
         return pipeline_mod.gather(state.params, state.mesh, opts.axis)
@@ -253,18 +253,21 @@ def _single_device(mesh: DeviceMesh | None) -> bool:
     return mesh is None or mesh.size() == 1
 
 
+def _pipeline_options(state: TrainState) -> "PipelineOptions | None":
+    """The layout's pipeline options when they apply on the state's mesh (pp > 1)."""
+    opts = state.layout.pipeline
+    return opts if opts is not None and opts.active(state.mesh) else None
+
+
 def compute_mesh(state: TrainState) -> DeviceMesh | None:
     """Where ``state``'s computations run: its mesh, or under a pipeline the stage mesh
     (the mesh without ``pp``; ``None`` when ``pp`` is its only axis)."""
-    opts = state.layout.pipeline
-    if opts is None or opts.degree(state.mesh) == 1:
-        return state.mesh
-    return pipeline_mod.stage_mesh(state.mesh, opts.axis)
+    opts = _pipeline_options(state)
+    return state.mesh if opts is None else pipeline_mod.stage_mesh(state.mesh, opts.axis)
 
 
 def _pipeline(state: TrainState, loss_fn: Callable, microbatches: int) -> "pipeline_mod.Context | None":
-    opts = state.layout.pipeline
-    if opts is None or opts.degree(state.mesh) == 1:
+    if _pipeline_options(state) is None:
         return None
     return pipeline_mod.Context(state.layout, state.mesh, loss_fn, microbatches, state.zero)
 
@@ -293,8 +296,8 @@ def _split_microbatches(batch: Mapping[str, DTensor], n: int) -> list[dict[str, 
 
 
 def _check_pipeline(loss_fn: Callable, state: TrainState, microbatches: int) -> None:
-    opts = state.layout.pipeline
-    if opts is None or opts.degree(state.mesh) == 1:
+    opts = _pipeline_options(state)
+    if opts is None:
         return
     if not isinstance(loss_fn, Sequential):
         raise TypeError(f"train_step: under layouts.pipeline loss_fn must be the model as a dtp.Sequential of "

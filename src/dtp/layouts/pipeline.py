@@ -62,6 +62,10 @@ class PipelineOptions:
         names = axis_names(mesh)
         return mesh.size(names.index(self.axis)) if self.axis in names else 1
 
+    def active(self, mesh: DeviceMesh) -> bool:
+        """Whether the pipeline applies on ``mesh``: the axis there with size > 1."""
+        return self.degree(mesh) > 1
+
     def check(self, *, n_layers: int, mesh: DeviceMesh, microbatches: int, what: str = "train_step") -> None:
         """``ValueError`` (every rank alike, before any collective) when the model's layers
         or the microbatches do not fit this pipeline on ``mesh``."""

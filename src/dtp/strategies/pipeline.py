@@ -42,6 +42,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from .. import comm, schedules
+from .._torch import local_shape
 from ..layouts import Layout, use_layout
 from ..layouts.pipeline import assign
 from ..mesh import axis_names, coordinates, sub_mesh
@@ -52,7 +53,7 @@ from ..spec import P, from_placements, spec_of, to_placements, wrap_local
 from . import replicated
 from . import zero as zero_mod
 
-__all__ = ["Context", "Run", "stage_mesh", "local_paths", "gather"]
+__all__ = ["Context", "Run", "stage_mesh", "gather"]
 
 PyTree = Any
 _DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64, torch.int32)
@@ -85,15 +86,6 @@ def _owned(path: str, prefixes: Sequence[str]) -> bool:
     return any(path == q or path.startswith(q + ".") for q in prefixes)
 
 
-def local_paths(ctx: Context) -> tuple[tuple[int, int, int], ...]:
-    """``(global stage, first layer, stop)`` of this rank's chunks, chunk order."""
-    opts = ctx.layout.pipeline
-    p, v = opts.degree(ctx.mesh), opts.virtual_stages
-    r = coordinates(ctx.mesh)[opts.axis]
-    ranges = assign(len(ctx.model), p, v, opts.layer_split)
-    return tuple((c * p + r, *ranges[c * p + r]) for c in range(v))
-
-
 class Run:
     """One step of a pipeline schedule (a :class:`dtp.strategies.StepRun`)."""
 
@@ -105,13 +97,14 @@ class Run:
         self.rank = coordinates(ctx.mesh)[self.axis]
         self.m = ctx.microbatches
         self.smesh = stage_mesh(ctx.mesh, self.axis)
-        self.chunks = local_paths(ctx)
         self.n_stages = self.p * self.v
         model = ctx.model
+        ranges = assign(len(model), self.p, self.v, opts.layer_split)
+        # (global stage, first layer, stop) of this rank's chunks, chunk order
+        self.chunks = tuple((c * self.p + self.rank, *ranges[c * self.p + self.rank]) for c in range(self.v))
         owned = set().union(*(model.paths(first, stop) for _, first, stop in self.chunks))
         # The embedding both ends read (tied weights): its gradient is summed between them.
-        self.tied = tuple(sorted(set(model.paths(*assign(len(model), self.p, self.v, opts.layer_split)[0]))
-                                 & set(model.paths(*assign(len(model), self.p, self.v, opts.layer_split)[-1]))))
+        self.tied = tuple(sorted(set(model.paths(*ranges[0])) & set(model.paths(*ranges[-1]))))
         leaves, self.treedef = optree.tree_flatten(params, none_is_leaf=True)
         paths = _paths(optree.tree_unflatten(self.treedef, list(range(len(leaves)))))
         self.keep = [_owned(path, tuple(owned)) for path in paths]
@@ -513,6 +506,4 @@ def _read_header(h: torch.Tensor, mesh: DeviceMesh | None) -> tuple[tuple[int, .
 def _local_shape(shape: Sequence[int], mesh: DeviceMesh | None, placements: Any) -> tuple[int, ...]:
     if placements is None or mesh is None:
         return tuple(shape)
-    from .._torch import local_shape
-
     return local_shape(tuple(shape), mesh, placements)

@@ -579,11 +579,7 @@ class Run:
         """This rank's fp32 master slices, one per bucket (sliced out of the replicated
         parameters, or of the master weights a checkpoint loaded, in the first step)."""
         z = self.z
-        if z.master:
-            return list(z.master)
-        if z.loaded_master is not None:
-            return self.cut(z.loaded_master)
-        return self.cut(None)
+        return list(z.master) if z.master else self.cut(z.loaded_master)
 
     def cut(self, tree: PyTree | None) -> list[DTensor]:
         """A per-parameter tree laid out like the parameters (``None``: the parameters)
