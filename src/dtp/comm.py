@@ -106,6 +106,9 @@ class CommRecord:
     tag: str = ""  # free text from the caller ("ring step 2", "bucket 0", …)
     seq: int = 0  # posting order in this process, from 1 (the flight recorder's number)
     failed: bool = False  # the backend reported an error (see CollectiveError)
+    # Seconds the caller spent blocked in wait(): the *exposed* part of the collective
+    # (all of it for a synchronous one; ~0 for one hidden behind compute).
+    waited: float = 0.0
 
     @property
     def duration(self) -> float | None:
@@ -583,6 +586,7 @@ class CommHandle:
 
     def wait(self) -> torch.Tensor:
         if self._result is None:
+            entered = time.perf_counter()
             if self._work is not None:
                 try:
                     self._work.wait()
@@ -595,6 +599,8 @@ class CommHandle:
             if self._deadline is not None and (left := self._deadline - time.perf_counter()) > 0:
                 time.sleep(left)
             self._result = self._finish()
+            if self._record is not None:
+                self._record.waited = time.perf_counter() - entered
             # The work and the closure hold the input and any staging buffer (a whole
             # gradient bucket for a reduce-scatter): only the result may outlive wait().
             self._work = None

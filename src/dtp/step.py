@@ -234,6 +234,7 @@ def shard_batch(batch: Mapping[str, torch.Tensor], state: TrainState) -> dict[st
                 # side by side). Tokens and targets move together, so the mean loss is unchanged.
                 v = state.layout.to_cp_order(v, 1, mesh)
             out[k] = shard(v, mesh, spec, name=f"shard_batch: batch[{k!r}]")
+            _check_pipe_experts("shard_batch", k, out[k], state)
     except (ValueError, TypeError) as e:
         error = e
     guard.check_step(state.checks, state.mesh, state.layout, state.step, batch, {}, error, what="shard_batch")
@@ -247,6 +248,19 @@ def _check_seq(what: str, key: str, v: torch.Tensor, state: TrainState) -> None:
     if cp > 1 and v.dim() > 1 and state.layout.context is not None:
         check_divisible(v.shape[1], cp, state.layout.context.load_balance,
                         what=f"{what}: batch[{key!r}] of shape {tuple(v.shape)}")
+
+
+def _check_pipe_experts(what: str, key: str, v: DTensor, state: TrainState) -> None:
+    """pipe-experts cuts each local expert's rows into ``multi_data`` pieces: a rank needs
+    at least that many tokens. Said here, where every rank sees the batch alike."""
+    opts = state.layout.expert
+    if opts is None or not opts.pipe_experts or v.dim() < 2:
+        return
+    tokens = math.prod(v.to_local().shape[:2])
+    if opts.multi_data > tokens:
+        raise ValueError(f"{what}: batch[{key!r}] of shape {tuple(v.shape)} gives each rank {tokens} tokens, "
+                         f"fewer than layouts.expert(multi_data={opts.multi_data}) pieces per local expert; "
+                         f"use multi_data <= {tokens} or a larger batch")
 
 
 def _single_device(mesh: DeviceMesh | None) -> bool:

@@ -196,7 +196,8 @@ class Layout:
         if self.zero is not None:
             self.zero.check(sizes, mesh, what=what)
         if self.expert is not None:
-            self.expert.check(sizes, mesh, what=what)
+            sp = self.megatron is not None and self.megatron.sequence_parallel
+            self.expert.check(sizes, mesh, sequence_parallel=sp, what=what)
         self._check_rules(sizes, mesh, what)
 
     def _check_rules(self, sizes: Mapping[str, int], mesh: DeviceMesh, what: str) -> None:

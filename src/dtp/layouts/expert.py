@@ -45,8 +45,24 @@ class ExpertOptions:
     # the mesh axis experts are split over (and the batch, as a data axis); or a tuple of
     # token axes (mesh order) that ep is folded out of
     axis: str | tuple[str, ...] = "ep"
+    # MindSpeed's pipe-experts (dtp.ops.moe_pipe): the dispatched rows move and compute in
+    # chunks, one per local expert (× multi_data), so a chunk's all-to-all is in flight
+    # while the one before computes, forward and backward
+    pipe_experts: bool = False
+    multi_data: int = 1  # split each local expert's rows into this many chunks (for 1 local expert)
+    # put the ep all-to-alls and the tp all-gathers / reduce-scatters of the expert path on
+    # one communication stream, so they never run at the same time (needs sequence parallel)
+    multi_stream: bool = False
 
     def __post_init__(self) -> None:
+        for name in ("pipe_experts", "multi_stream"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"layouts.expert: {name} must be a bool, got {getattr(self, name)!r}")
+        if isinstance(self.multi_data, bool) or not isinstance(self.multi_data, int) or self.multi_data < 1:
+            raise ValueError(f"layouts.expert: multi_data must be an int >= 1, got {self.multi_data!r}")
+        if not self.pipe_experts and (self.multi_data > 1 or self.multi_stream):
+            on = "multi_data" if self.multi_data > 1 else "multi_stream"
+            raise ValueError(f"layouts.expert: {on} splits the pipe-experts schedule; it needs pipe_experts=True")
         axes = (self.axis,) if isinstance(self.axis, str) else self.axis
         if (not isinstance(axes, (tuple, list)) or not axes or not all(isinstance(a, str) and a for a in axes)
                 or len(set(axes)) != len(axes)):
@@ -69,21 +85,36 @@ class ExpertOptions:
         names = axis_names(mesh)
         return math.prod(mesh.size(names.index(a)) for a in self.axes if a in names)
 
-    def check(self, sizes: Mapping[str, int], mesh: DeviceMesh, *, what: str = "model") -> None:
+    def check(self, sizes: Mapping[str, int], mesh: DeviceMesh, *, sequence_parallel: bool = False,
+              what: str = "model") -> None:
         """``ValueError`` (every rank alike, before any collective) when the model's
-        ``expert`` count does not divide by the ``axis`` size on ``mesh``."""
+        ``expert`` count does not divide by the ``axis`` size on ``mesh``, pipe-experts is
+        asked of a model without experts, or multi_stream without sequence parallel."""
         ep, experts = self.degree(mesh), sizes.get("expert")
+        if self.pipe_experts and not experts:
+            raise ValueError(f"{what}: layouts.expert(pipe_experts=True) needs a mixture-of-experts model "
+                             f"(num_experts > 0); this one has no experts")
+        if self.multi_stream and not sequence_parallel:
+            raise ValueError(f"{what}: layouts.expert(multi_stream=True) orders the ep all-to-alls against the "
+                             f"tp all-gathers / reduce-scatters of sequence parallel; it needs "
+                             f"layouts.megatron(sequence_parallel=True)")
         if experts is not None and experts % ep:
             raise ValueError(f"{what}: num_experts={experts} is not divisible by {self.label}={ep} "
                              f"(layouts.expert puts experts Shard(0) on {self.axis!r}); choose num_experts a "
                              f"multiple of {ep}, or a smaller {self.label}")
 
 
-def expert(axis: str | Sequence[str] = ExpertOptions.axis) -> Layout:
+def expert(axis: str | Sequence[str] = ExpertOptions.axis, *, pipe_experts: bool = ExpertOptions.pipe_experts,
+           multi_data: int = ExpertOptions.multi_data, multi_stream: bool = ExpertOptions.multi_stream) -> Layout:
     """Expert parallel over ``axis``: experts ``Shard(0)`` on it, and the batch split over
     it too (it is a data axis for everything else; module docstring). Compose with
     :func:`~dtp.layouts.data` for expert-data-parallel on a ``dp × ep`` mesh. A tuple of
     axes folds ep out of those token axes and adds no batch split.
+
+    ``pipe_experts``, ``multi_data``, ``multi_stream``: MindSpeed's pipe-experts
+    (:mod:`dtp.ops.moe_pipe`; ``--use-pipe-experts``, ``--pipe-experts-multi-data N``,
+    ``--pipe-experts-multi-stream``). Same numbers as without, the all-to-all hidden
+    behind the expert FFN.
 
     Raises: ``TypeError`` for an ``axis`` that is not a name or names; a model whose
     experts do not divide by the ep degree is refused by ``TrainState.create``
@@ -94,7 +125,11 @@ def expert(axis: str | Sequence[str] = ExpertOptions.axis) -> Layout:
     (('ep',), ('ep',), 'ep')
     >>> expert(axis=("dp", "cp")).params["expert"], expert(axis=("dp", "cp")).activations
     (('dp', 'cp'), {})
+    >>> expert(multi_data=2)
+    Traceback (most recent call last):
+    ValueError: layouts.expert: multi_data splits the pipe-experts schedule; it needs pipe_experts=True
     """
-    opts = ExpertOptions(axis=tuple(axis) if isinstance(axis, (tuple, list)) else axis)
+    opts = ExpertOptions(axis=tuple(axis) if isinstance(axis, (tuple, list)) else axis, pipe_experts=pipe_experts,
+                         multi_data=multi_data, multi_stream=multi_stream)
     acts = {"batch": opts.axes} if isinstance(opts.axis, str) else {}
     return Layout({"expert": opts.axes}, acts, expert=opts, name=f"expert({opts.axis!r})")

@@ -47,7 +47,7 @@ from ..layouts import current
 from ..mesh import axis_names, flatten_axes
 from ..redistribute import local_map, reshard
 from ..spec import P, spec_of
-from . import moe_dispatch
+from . import moe_dispatch, moe_pipe
 
 __all__ = ["Routing", "route", "load_balancing_loss", "z_loss", "update_bias", "experts", "moe_ffn"]
 
@@ -162,11 +162,11 @@ def experts(x_sorted: torch.Tensor, counts: torch.Tensor, w_gate: torch.Tensor, 
 
 def _local_moe(x: torch.Tensor, router: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
                w_down: torch.Tensor, bias: torch.Tensor | None, top_k: int, pre_softmax: bool,
-               capacity_factor: float | None, ep: tuple[DeviceMesh, str] | None = None
+               capacity_factor: float | None, ep: _ExpertGroup | None = None
                ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(y, stats)`` for this rank's tokens: ``stats = [Σ_t p (E), n (E), Σ_t lse², kept]``.
-    With ``ep = (mesh, axis)`` the expert weights are this rank's ``E / ep`` experts and the
-    rows travel to their experts' ranks and back."""
+    With ``ep`` the expert weights are this rank's ``E / ep`` experts and the rows travel
+    to their experts' ranks and back (pipelined with ``ep.multi_data``)."""
     shape = x.shape
     xt = x.reshape(-1, shape[-1])
     logits = xt.to(router.dtype) @ router  # the router runs in fp32 (fp64 stays fp64)
@@ -178,8 +178,11 @@ def _local_moe(x: torch.Tensor, router: torch.Tensor, w_gate: torch.Tensor, w_up
     token = order // top_k
     if ep is None:
         out = experts(xt[token], torch.bincount(flat_ids[order], minlength=e), w_gate, w_up, w_down)
+    elif ep.multi_data:
+        out = moe_pipe.pipelined_experts(xt[token], flat_ids[order], e, w_gate, w_up, w_down, ep.mesh, ep.axis,
+                                         multi_data=ep.multi_data)
     else:
-        arrived, plan = moe_dispatch.dispatch(xt[token], flat_ids[order], e, *ep)
+        arrived, plan = moe_dispatch.dispatch(xt[token], flat_ids[order], e, ep.mesh, ep.axis)
         here = torch.tensor(plan.tokens_per_expert, dtype=torch.long, device=arrived.device)
         out = moe_dispatch.combine(experts(arrived, here, w_gate, w_up, w_down), plan)
     w = r.weights.reshape(-1)[order].to(out.dtype).unsqueeze(-1)
@@ -190,10 +193,16 @@ def _local_moe(x: torch.Tensor, router: torch.Tensor, w_gate: torch.Tensor, w_up
     return y, stats
 
 
+class _ExpertGroup(NamedTuple):
+    mesh: DeviceMesh
+    axis: str  # to dispatch over
+    multi_data: int  # pipe-experts' pieces per local expert; 0: not pipelined
+
+
 def _expert_group(params: Mapping[str, torch.Tensor], x: DTensor,
-                  token_axes: tuple[str, ...]) -> tuple[DeviceMesh, str] | None:
-    """``(mesh, axis)`` to dispatch over when the active layout splits experts (over one
-    axis, or several folded into their flattened view), or ``None`` when it does not.
+                  token_axes: tuple[str, ...]) -> _ExpertGroup | None:
+    """Where to dispatch when the active layout splits experts (over one axis, or several
+    folded into their flattened view), or ``None`` when it does not.
 
     Raises ``ValueError`` (every rank alike: it reads only layouts and specs) when the
     tokens are not split over every expert axis (each ep rank would send the same tokens,
@@ -219,10 +228,17 @@ def _expert_group(params: Mapping[str, torch.Tensor], x: DTensor,
             got = spec_of(w) if isinstance(w, DTensor) else "a plain tensor"
             raise ValueError(f"moe_ffn: the layout puts experts on {axes} but {name} is {got}; lay the "
                              f"parameters out with the same layout (TrainState.create)")
+    opts = layout.expert
+    multi_data = opts.multi_data if opts is not None and opts.pipe_experts else 0
+    if multi_data:
+        tokens = math.prod(x.to_local().shape[:-1])
+        if multi_data > tokens:
+            raise ValueError(f"moe_ffn: layouts.expert(multi_data={multi_data}) splits each local expert's rows "
+                             f"into more pieces than a rank has tokens ({tokens}); use multi_data <= {tokens}")
     if len(axes) == 1:
-        return mesh, axes[0]
+        return _ExpertGroup(mesh, axes[0], multi_data)
     flat = flatten_axes(mesh, axes)  # ep folded out of several axes: coordinates row-major, as Shard(0) nests
-    return flat, axis_names(flat)[0]
+    return _ExpertGroup(flat, axis_names(flat)[0], multi_data)
 
 
 def moe_ffn(params: Mapping[str, torch.Tensor], x: torch.Tensor, *, top_k: int, pre_softmax: bool = False,
@@ -247,7 +263,7 @@ def moe_ffn(params: Mapping[str, torch.Tensor], x: torch.Tensor, *, top_k: int, 
     """
     weights = (params["router"], params["w_gate"], params["w_up"], params["w_down"])
 
-    ep: tuple[DeviceMesh, str] | None = None
+    ep: _ExpertGroup | None = None
 
     def local(x_l: torch.Tensor, router: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
               w_down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

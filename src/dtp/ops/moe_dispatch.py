@@ -38,7 +38,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .. import comm
 
-__all__ = ["DispatchPlan", "dispatch", "combine"]
+__all__ = ["DispatchPlan", "plan", "dispatch", "combine"]
 
 
 @dataclass(frozen=True)
@@ -54,6 +54,7 @@ class DispatchPlan:
     ungroup: torch.Tensor  # its inverse
     send_splits: tuple[int, ...]  # rows this rank sent to each coordinate
     recv_splits: tuple[int, ...]  # rows it received from each coordinate
+    send_counts: tuple[tuple[int, ...], ...]  # [destination coordinate][its local expert]
     recv_counts: tuple[tuple[int, ...], ...]  # [source coordinate][local expert]
     tokens_per_expert: tuple[int, ...]  # rows per local expert, in the grouped order
 
@@ -109,22 +110,11 @@ def _bad_ids(fn: str, x: torch.Tensor, expert_ids: torch.Tensor, num_experts: in
     return None, torch.bincount(ids, minlength=num_experts)
 
 
-def dispatch(x: torch.Tensor, expert_ids: torch.Tensor, num_experts: int, mesh: DeviceMesh,
-             axis: str = "ep") -> tuple[torch.Tensor, DispatchPlan]:
-    """Send each row of ``x`` to the rank holding expert ``expert_ids[row]``; return the
-    rows this rank's experts get, grouped by local expert, and the plan to come back.
-
-    Issues :func:`dtp.comm.exchange_counts` then :func:`dtp.comm.all_to_all_v` over
-    ``axis`` (bytes in the module docstring); one host sync (the counts). Differentiable.
-
-    - `x`: local rows ``(N, *feature)``, one per (token, choice).
-    - `expert_ids`: ``(N,)`` integer ids in ``[0, num_experts)``.
-    - `num_experts`: the global expert count, divisible by the axis size.
-
-    Raises: ``ValueError`` for experts not divisible by the axis, or bad ``expert_ids`` on
-    any rank (on every rank alike, before the token all-to-all).
-    """
-    fn = "moe dispatch"
+def plan(x: torch.Tensor, expert_ids: torch.Tensor, num_experts: int, mesh: DeviceMesh,
+         axis: str = "ep", *, fn: str = "moe dispatch") -> DispatchPlan:
+    """Where each row of ``x`` goes and what arrives, before any row moves: the counts
+    exchange (:func:`dtp.comm.exchange_counts`) and its one host sync, with the checks
+    of :func:`dispatch` (which runs it first; so does :mod:`dtp.ops.moe_pipe`)."""
     _, n = comm._group(mesh, axis)
     if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1 or num_experts % n:
         raise ValueError(f"{fn}: num_experts must be an int >= 1 divisible by the {axis!r} size {n}, "
@@ -140,14 +130,31 @@ def dispatch(x: torch.Tensor, expert_ids: torch.Tensor, num_experts: int, mesh: 
     if bad:
         raise ValueError(f"{fn}: expert_ids on {axis!r} coordinate(s) {bad} are invalid (see that rank's error)")
     order = torch.argsort(expert_ids.long(), stable=True)
-    send_splits = tuple(int(c) for c in send_counts.sum(1).tolist())
-    recv_splits = tuple(sum(row) for row in recv_list)
     regroup = _regroup_index(recv)
-    plan = DispatchPlan(mesh, axis, num_experts, order, _inverse(order), regroup, _inverse(regroup),
-                        send_splits, recv_splits, tuple(tuple(row) for row in recv_list),
+    return DispatchPlan(mesh, axis, num_experts, order, _inverse(order), regroup, _inverse(regroup),
+                        tuple(int(c) for c in send_counts.sum(1).tolist()), tuple(sum(row) for row in recv_list),
+                        tuple(tuple(row) for row in send_counts.tolist()), tuple(tuple(row) for row in recv_list),
                         tuple(int(c) for c in recv.sum(0).tolist()))
-    arrived = _AllToAllV.apply(x[order], mesh, axis, send_splits, recv_splits, "moe dispatch")
-    return arrived[regroup], plan
+
+
+def dispatch(x: torch.Tensor, expert_ids: torch.Tensor, num_experts: int, mesh: DeviceMesh,
+             axis: str = "ep") -> tuple[torch.Tensor, DispatchPlan]:
+    """Send each row of ``x`` to the rank holding expert ``expert_ids[row]``; return the
+    rows this rank's experts get, grouped by local expert, and the plan to come back.
+
+    Issues :func:`dtp.comm.exchange_counts` then :func:`dtp.comm.all_to_all_v` over
+    ``axis`` (bytes in the module docstring); one host sync (the counts). Differentiable.
+
+    - `x`: local rows ``(N, *feature)``, one per (token, choice).
+    - `expert_ids`: ``(N,)`` integer ids in ``[0, num_experts)``.
+    - `num_experts`: the global expert count, divisible by the axis size.
+
+    Raises: ``ValueError`` for experts not divisible by the axis, or bad ``expert_ids`` on
+    any rank (on every rank alike, before the token all-to-all).
+    """
+    p = plan(x, expert_ids, num_experts, mesh, axis)
+    arrived = _AllToAllV.apply(x[p.order], mesh, axis, p.send_splits, p.recv_splits, "moe dispatch")
+    return arrived[p.regroup], p
 
 
 def combine(y: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
