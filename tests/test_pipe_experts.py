@@ -22,13 +22,23 @@ from dtp.models import llama
 from dtp.testing import assert_tree_close, reference_value_and_grad, run
 
 STEPS, LR, B, S = 3, 0.1, 4, 16
-# name: (mesh axes, expert axis, tiny-moe overrides, layouts.expert options)
+# name: (mesh axes, expert axis, tiny-moe overrides, layouts.expert options, megatron sequence_parallel or None)
+TP_PIPE = dict(pipe_experts=True, tp_axis="tp")
 CASES = {
-    "ep2 per expert": (dict(ep=2), "ep", {}, dict(pipe_experts=True)),
-    "ep2 multi_data 2 top1": (dict(ep=2), "ep", {"top_k": 1}, dict(pipe_experts=True, multi_data=2)),
-    "ep4 multi_data 4": (dict(ep=4), "ep", {}, dict(pipe_experts=True, multi_data=4)),
-    "dp2 x ep2 multi_data 2": (dict(dp=2, ep=2), "ep", {}, dict(pipe_experts=True, multi_data=2)),
-    "ep folded = dp4 multi_data 3": (dict(dp=4), "dp", {}, dict(pipe_experts=True, multi_data=3)),
+    "ep2 per expert": (dict(ep=2), "ep", {}, dict(pipe_experts=True), None),
+    "ep2 multi_data 2 top1": (dict(ep=2), "ep", {"top_k": 1}, dict(pipe_experts=True, multi_data=2), None),
+    "ep4 multi_data 4": (dict(ep=4), "ep", {}, dict(pipe_experts=True, multi_data=4), None),
+    "dp2 x ep2 multi_data 2": (dict(dp=2, ep=2), "ep", {}, dict(pipe_experts=True, multi_data=2), None),
+    "ep folded = dp4 multi_data 3": (dict(dp=4), "dp", {}, dict(pipe_experts=True, multi_data=3), None),
+    # experts split over tp (expert tensor parallel): tp all-gather / reduce-scatter per chunk
+    "ep2 x tp2 + sp, experts over tp": (dict(ep=2, tp=2), "ep", {}, dict(tp_axis="tp"), True),
+    "ep2 x tp2 + sp, experts over tp, multi_data 2": (dict(ep=2, tp=2), "ep", {"top_k": 1},
+                                                      dict(TP_PIPE, multi_data=2), True),
+    "ep2 x tp2 + sp, experts over tp, multi_stream": (dict(ep=2, tp=2), "ep", {}, dict(TP_PIPE, multi_stream=True),
+                                                      True),
+    "ep2 x tp2, experts over tp, no sp": (dict(ep=2, tp=2), "ep", {}, TP_PIPE, False),
+    "ep2 x tp2 + sp, experts whole, multi_stream": (dict(ep=2, tp=2), "ep", {},
+                                                    dict(pipe_experts=True, multi_stream=True), True),
 }
 
 
@@ -48,14 +58,16 @@ def _train(cfg, axes, layout, steps=STEPS):
             state, metrics = dtp.train_step(loss_fn, state, placed, recompute="full" if step == 1 else None)
             losses.append(metrics["loss"])
     params = optree.tree_map(lambda p: p.full_tensor().detach(), dtp.gather_params(state))
-    return losses, params, [(r.kind, r.axis, r.tag, r.bytes, r.issued) for r in log.records]
+    return losses, params, [(r.kind, r.axis, r.tag, r.bytes, r.issued, r.completed) for r in log.records]
 
 
 def _rank(names: list[str]) -> dict:
     out = {}
     for name in names:
-        axes, axis, overrides, opts = CASES[name]
+        axes, axis, overrides, opts, sp = CASES[name]
         layout = dtp.layouts.data() + dtp.layouts.expert(axis=axis, **opts)
+        if sp is not None:
+            layout = layout + dtp.layouts.megatron(sequence_parallel=sp)
         out[name] = _train(llama.config("tiny-moe", **overrides), axes, layout, steps=STEPS)
     return out
 
@@ -80,18 +92,20 @@ def _results(world: int) -> dict:
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_pipe_experts_trains_as_one_device_fp64(name) -> None:
-    axes, axis, overrides, opts = CASES[name]
+    axes, axis, overrides, opts, _ = CASES[name]
     losses, params = _reference(tuple(sorted(overrides.items())))
     for r, res in enumerate(_results(int(torch.tensor(list(axes.values())).prod()))):
         got_losses, got_params, records = res[name]
         for step, (a, e) in enumerate(zip(got_losses, losses)):
             assert abs(a - e) <= 1e-10 * abs(e), f"{name}: rank {r} step {step}: {a} vs {e}"
         assert_tree_close(got_params, params, name=f"{name} rank {r} params", rtol=1e-10, atol=1e-12)
-        chunks = {t for _, _, t, _, _ in records if t.startswith("moe pipe dispatch ") and "backward" not in t}
-        ep = axes.get(axis, 1)
-        local = 4 // ep
+        tags = [t[2] for t in records]
+        chunks = {t for t in tags if t.startswith("moe pipe dispatch ") and "backward" not in t}
+        local = 4 // axes.get(axis, 1)
         assert len(chunks) == local * opts.get("multi_data", 1), (name, sorted(chunks))
-        assert not any(t == "moe dispatch" for _, _, t, _, _ in records), "the unpipelined dispatch ran too"
+        assert "moe dispatch" not in tags, "the unpipelined dispatch ran too"
+        over_tp = any(t.startswith("moe pipe gather ") for t in tags)
+        assert over_tp == ("tp_axis" in opts), (name, "tp legs")
 
 
 def test_the_schedule_hands_out_every_dispatch_before_the_first_combine() -> None:
@@ -109,6 +123,17 @@ def test_the_schedule_hands_out_every_dispatch_before_the_first_combine() -> Non
         back = [t for t in records if "backward" in t[2] and t[2].startswith("moe pipe")]
         assert {t[2] for t in back} == {f"moe pipe {w} backward {i}" for w in ("combine", "dispatch")
                                         for i in range(4)}
+
+
+def test_multi_stream_never_runs_an_ep_all_to_all_beside_a_tp_gather_or_scatter() -> None:
+    name = "ep2 x tp2 + sp, experts over tp, multi_stream"
+    for r, res in enumerate(_results(4)):
+        legs = [t for t in res[name][2] if t[2].startswith("moe pipe")]
+        ep = [(t[4], t[5]) for t in legs if t[1] == "ep"]
+        tp = [(t[4], t[5]) for t in legs if t[1] == "tp"]
+        assert ep and tp and len(ep) + len(tp) == len(legs), (r, len(ep), len(tp))
+        clash = [(a, b) for a in ep for b in tp if a[0] < b[1] and b[0] < a[1]]
+        assert not clash, f"rank {r}: {len(clash)} ep/tp overlaps, first {clash[0]}"
 
 
 def _capacity_rank() -> dict:

@@ -196,6 +196,41 @@ def clear_mesh_cache() -> None:
     destroyed, so the next ``make_mesh`` builds on the new one."""
     _MESH_CACHE.clear()
     _SUB_MESHES.clear()
+    _TWINS.clear()
+
+
+_TWINS: dict[DeviceMesh, DeviceMesh] = {}
+
+
+def twin(mesh: DeviceMesh) -> DeviceMesh:
+    """A mesh over the same ranks and axes as ``mesh`` (a whole mesh from
+    :func:`make_mesh`) with process groups of its own, for collectives another thread
+    issues beside this one's (a communication stream, :mod:`dtp.ops.moe_pipe`): gloo and
+    NCCL match a group's collectives by issue order, so two threads must not share one.
+    Built on first use by every rank at the same point (each rank creates every group,
+    in one order, through the default group's store); cached.
+
+    Raises: ``ValueError`` for a mesh that is not the whole world.
+
+    >>> twin(make_mesh(dp=1)).mesh_dim_names
+    ('dp',)
+    """
+    if mesh in _TWINS:
+        return _TWINS[mesh]
+    grid = mesh.mesh
+    if grid.numel() != dist.get_world_size():
+        raise ValueError(f"twin: needs a mesh over the whole world ({dist.get_world_size()} ranks), got "
+                         f"{grid.numel()}")
+    me, groups = dist.get_rank(), []
+    for d in range(grid.dim()):
+        mine = None
+        for row in grid.movedim(d, -1).reshape(-1, grid.shape[d]).tolist():
+            group = dist.new_group(row)  # every rank creates every group, in this order
+            if me in row:
+                mine = group
+        groups.append(mine)
+    _TWINS[mesh] = DeviceMesh.from_group(groups, mesh.device_type, mesh=grid, mesh_dim_names=mesh.mesh_dim_names)
+    return _TWINS[mesh]
 
 
 _SUB_MESHES: dict[tuple[DeviceMesh, tuple[str, ...]], DeviceMesh] = {}

@@ -18,6 +18,19 @@ of* dp × cp, Megatron's other expert-data-parallel arrangement: ``expert(axis=(
 ``Shard(0)`` over ``dp × cp`` (dp major) and dispatches over the flattened view of
 those axes (:func:`dtp.mesh.flatten_axes`); it adds no data axis, since its axes are
 data axes already.
+
+**With tensor parallel** there are two arrangements. By default experts are whole on
+every tp rank: the block's input is gathered over tp (sequence parallel's all-gather at
+the block's entry, as for the dense MLP), every tp rank routes the same tokens and runs
+its ep group's experts on them — tp-fold redundant expert compute, no tp collective in
+the expert path. With ``tp_axis="tp"`` each expert's hidden width is split over tp
+(Megatron's expert tensor parallel; ``expert_mlp`` on tp): each tp rank sends a 1/tp
+slice of the routed rows, the expert's rank all-gathers its tp peers' slices, runs its
+column/row-parallel share of the expert, and reduce-scatters the partial sums back; the
+block's output is then a pending sum over tp, reduced (scattered under SP) at the
+block's exit like the dense MLP's. No redundant compute and 1/tp of the expert weights
+per rank, for an all-gather and a reduce-scatter per chunk — the tp traffic that
+``multi_stream`` keeps apart from the ep all-to-alls.
 """
 
 from __future__ import annotations
@@ -53,11 +66,16 @@ class ExpertOptions:
     # put the ep all-to-alls and the tp all-gathers / reduce-scatters of the expert path on
     # one communication stream, so they never run at the same time (needs sequence parallel)
     multi_stream: bool = False
+    # split each expert's hidden width over this axis (Megatron's expert tensor parallel),
+    # e.g. layouts.megatron's "tp"; None: experts whole on every rank of it
+    tp_axis: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("pipe_experts", "multi_stream"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"layouts.expert: {name} must be a bool, got {getattr(self, name)!r}")
+        if self.tp_axis is not None and (not isinstance(self.tp_axis, str) or not self.tp_axis):
+            raise TypeError(f"layouts.expert: tp_axis must be a mesh axis name or None, got {self.tp_axis!r}")
         if isinstance(self.multi_data, bool) or not isinstance(self.multi_data, int) or self.multi_data < 1:
             raise ValueError(f"layouts.expert: multi_data must be an int >= 1, got {self.multi_data!r}")
         if not self.pipe_experts and (self.multi_data > 1 or self.multi_stream):
@@ -105,7 +123,8 @@ class ExpertOptions:
 
 
 def expert(axis: str | Sequence[str] = ExpertOptions.axis, *, pipe_experts: bool = ExpertOptions.pipe_experts,
-           multi_data: int = ExpertOptions.multi_data, multi_stream: bool = ExpertOptions.multi_stream) -> Layout:
+           multi_data: int = ExpertOptions.multi_data, multi_stream: bool = ExpertOptions.multi_stream,
+           tp_axis: str | None = ExpertOptions.tp_axis) -> Layout:
     """Expert parallel over ``axis``: experts ``Shard(0)`` on it, and the batch split over
     it too (it is a data axis for everything else; module docstring). Compose with
     :func:`~dtp.layouts.data` for expert-data-parallel on a ``dp × ep`` mesh. A tuple of
@@ -114,7 +133,8 @@ def expert(axis: str | Sequence[str] = ExpertOptions.axis, *, pipe_experts: bool
     ``pipe_experts``, ``multi_data``, ``multi_stream``: MindSpeed's pipe-experts
     (:mod:`dtp.ops.moe_pipe`; ``--use-pipe-experts``, ``--pipe-experts-multi-data N``,
     ``--pipe-experts-multi-stream``). Same numbers as without, the all-to-all hidden
-    behind the expert FFN.
+    behind the expert FFN. ``tp_axis``: split each expert's hidden width over that axis
+    (``expert_mlp`` on it; Megatron's expert tensor parallel, module docstring).
 
     Raises: ``TypeError`` for an ``axis`` that is not a name or names; a model whose
     experts do not divide by the ep degree is refused by ``TrainState.create``
@@ -130,6 +150,7 @@ def expert(axis: str | Sequence[str] = ExpertOptions.axis, *, pipe_experts: bool
     ValueError: layouts.expert: multi_data splits the pipe-experts schedule; it needs pipe_experts=True
     """
     opts = ExpertOptions(axis=tuple(axis) if isinstance(axis, (tuple, list)) else axis, pipe_experts=pipe_experts,
-                         multi_data=multi_data, multi_stream=multi_stream)
+                         multi_data=multi_data, multi_stream=multi_stream, tp_axis=tp_axis)
     acts = {"batch": opts.axes} if isinstance(opts.axis, str) else {}
-    return Layout({"expert": opts.axes}, acts, expert=opts, name=f"expert({opts.axis!r})")
+    rules = {"expert": opts.axes, **({"expert_mlp": (opts.tp_axis,)} if opts.tp_axis else {})}
+    return Layout(rules, acts, expert=opts, name=f"expert({opts.axis!r})")

@@ -44,6 +44,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from ..layouts import current
+from ..layouts.expert import ExpertOptions
 from ..mesh import axis_names, flatten_axes
 from ..redistribute import local_map, reshard
 from ..spec import P, spec_of
@@ -166,7 +167,9 @@ def _local_moe(x: torch.Tensor, router: torch.Tensor, w_gate: torch.Tensor, w_up
                ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(y, stats)`` for this rank's tokens: ``stats = [Σ_t p (E), n (E), Σ_t lse², kept]``.
     With ``ep`` the expert weights are this rank's ``E / ep`` experts and the rows travel
-    to their experts' ranks and back (pipelined with ``ep.multi_data``)."""
+    to their experts' ranks and back (:mod:`dtp.ops.moe_pipe` when pipelined or with
+    experts split over tp; then ``y`` is this tp rank's share, and so are the stats:
+    tp rank 0 reports them, the others zeros, so that summed over tp they count once)."""
     shape = x.shape
     xt = x.reshape(-1, shape[-1])
     logits = xt.to(router.dtype) @ router  # the router runs in fp32 (fp64 stays fp64)
@@ -178,11 +181,13 @@ def _local_moe(x: torch.Tensor, router: torch.Tensor, w_gate: torch.Tensor, w_up
     token = order // top_k
     if ep is None:
         out = experts(xt[token], torch.bincount(flat_ids[order], minlength=e), w_gate, w_up, w_down)
-    elif ep.multi_data:
-        out = moe_pipe.pipelined_experts(xt[token], flat_ids[order], e, w_gate, w_up, w_down, ep.mesh, ep.axis,
-                                         multi_data=ep.multi_data)
+    elif ep.options.pipe_experts or ep.tp_axis is not None:
+        o = ep.options
+        out = moe_pipe.expert_path(xt[token], flat_ids[order], e, w_gate, w_up, w_down, ep.mesh, ep.axes,
+                                   tp_axis=ep.tp_axis, pipe_experts=o.pipe_experts, multi_data=o.multi_data,
+                                   multi_stream=o.multi_stream)
     else:
-        arrived, plan = moe_dispatch.dispatch(xt[token], flat_ids[order], e, ep.mesh, ep.axis)
+        arrived, plan = moe_dispatch.dispatch(xt[token], flat_ids[order], e, ep.view, axis_names(ep.view)[0])
         here = torch.tensor(plan.tokens_per_expert, dtype=torch.long, device=arrived.device)
         out = moe_dispatch.combine(experts(arrived, here, w_gate, w_up, w_down), plan)
     w = r.weights.reshape(-1)[order].to(out.dtype).unsqueeze(-1)
@@ -190,13 +195,17 @@ def _local_moe(x: torch.Tensor, router: torch.Tensor, w_gate: torch.Tensor, w_up
     lse2 = torch.logsumexp(logits, dim=-1).square().sum()
     stats = torch.cat([r.probs.sum(0), r.counts.to(logits.dtype), lse2.reshape(1),
                        flat_kept.sum().to(logits.dtype).reshape(1)])
+    if ep is not None and ep.tp_axis is not None and ep.mesh.get_local_rank(ep.tp_axis):
+        stats = stats * 0  # every tp rank routed the same tokens: count them once (tp rank 0)
     return y, stats
 
 
 class _ExpertGroup(NamedTuple):
-    mesh: DeviceMesh
-    axis: str  # to dispatch over
-    multi_data: int  # pipe-experts' pieces per local expert; 0: not pipelined
+    mesh: DeviceMesh  # the whole mesh
+    axes: tuple[str, ...]  # the expert axes
+    view: DeviceMesh  # their 1-D view, to dispatch over
+    options: ExpertOptions
+    tp_axis: str | None  # splits each expert's width (size > 1), or None
 
 
 def _expert_group(params: Mapping[str, torch.Tensor], x: DTensor,
@@ -228,17 +237,23 @@ def _expert_group(params: Mapping[str, torch.Tensor], x: DTensor,
             got = spec_of(w) if isinstance(w, DTensor) else "a plain tensor"
             raise ValueError(f"moe_ffn: the layout puts experts on {axes} but {name} is {got}; lay the "
                              f"parameters out with the same layout (TrainState.create)")
-    opts = layout.expert
-    multi_data = opts.multi_data if opts is not None and opts.pipe_experts else 0
-    if multi_data:
-        tokens = math.prod(x.to_local().shape[:-1])
-        if multi_data > tokens:
-            raise ValueError(f"moe_ffn: layouts.expert(multi_data={multi_data}) splits each local expert's rows "
-                             f"into more pieces than a rank has tokens ({tokens}); use multi_data <= {tokens}")
-    if len(axes) == 1:
-        return _ExpertGroup(mesh, axes[0], multi_data)
-    flat = flatten_axes(mesh, axes)  # ep folded out of several axes: coordinates row-major, as Shard(0) nests
-    return _ExpertGroup(flat, axis_names(flat)[0], multi_data)
+    opts = layout.expert or ExpertOptions(axis=axes)
+    tokens = math.prod(x.to_local().shape[:-1])
+    if opts.pipe_experts and opts.multi_data > tokens:
+        raise ValueError(f"moe_ffn: layouts.expert(multi_data={opts.multi_data}) splits each local expert's rows "
+                         f"into more pieces than a rank has tokens ({tokens}); use multi_data <= {tokens}")
+    tp = opts.tp_axis if opts.tp_axis in names and mesh.size(names.index(opts.tp_axis)) > 1 else None
+    if tp is not None:
+        if tp in token_axes:
+            raise ValueError(f"moe_ffn: layouts.expert(tp_axis={tp!r}) needs every {tp} rank to route the same "
+                             f"tokens, but x is split over {tp} ({spec_of(x)}); gather it first (the Llama block's "
+                             f"MLP input is)")
+        for name, dim in (("w_gate", 2), ("w_up", 2), ("w_down", 1)):
+            if spec_of(params[name]).axes_of(dim) != (tp,):
+                raise ValueError(f"moe_ffn: layouts.expert(tp_axis={tp!r}) splits each expert's width, but "
+                                 f"{name} is {spec_of(params[name])}; lay the parameters out with the same layout")
+    # ep folded out of several axes: its view's coordinates are row-major, as Shard(0) nests
+    return _ExpertGroup(mesh, axes, flatten_axes(mesh, axes), opts, tp)
 
 
 def moe_ffn(params: Mapping[str, torch.Tensor], x: torch.Tensor, *, top_k: int, pre_softmax: bool = False,
@@ -275,7 +290,9 @@ def moe_ffn(params: Mapping[str, torch.Tensor], x: torch.Tensor, *, top_k: int, 
         spec = spec_of(x)
         token_axes = tuple(a for d in range(x.dim() - 1) for a in spec.axes_of(d))
         ep = _expert_group(params, x, token_axes)
-        y, stats = local_map(local, (None,) * 5, (spec, P(None, partial=token_axes)), check_shapes=False)(x, *weights)
+        pending = () if ep is None or ep.tp_axis is None else (ep.tp_axis,)  # y and stats: each tp rank's share
+        out_specs = (P(*spec.dims, partial=spec.partial + pending), P(None, partial=token_axes + pending))
+        y, stats = local_map(local, (None,) * 5, out_specs, check_shapes=False)(x, *weights)
         stats = reshard(stats, P(None), tag="moe stats")
     else:
         y, stats = local(x, *weights)
