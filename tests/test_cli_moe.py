@@ -41,3 +41,31 @@ def test_an_moe_run_reports_its_routing(tmp_path) -> None:
     assert record["lm_loss"] < record["loss"] and record["expert_imbalance"] >= 1.0
     assert record["dropped_fraction"] == 0.0  # dropless by default
     assert record["comm_bytes"]["ep"]["all_to_all_v"] > 0  # the tokens went to their experts' rank
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--pipe-experts"], "configure expert parallel; they need --ep > 1"),
+    (["--ep", "2", "--multi-data", "2"], "it needs --pipe-experts"),
+    (["--ep", "2", "--pipe-experts", "--multi-stream"], "it needs --tp > 1 --sp"),
+    (["--ep", "2", "--expert-tp"], "it needs --tp > 1"),
+])
+def test_pipe_expert_flags_are_checked_before_any_rank_starts(flags, words) -> None:
+    from dtp.cli.flags import UsageError
+
+    with pytest.raises(UsageError, match=words.replace("(", r"\(")):
+        parse_args(["train", "--model", "tiny-moe", *flags])
+
+
+def test_pipe_experts_over_tp_with_multi_stream_trains_as_one_process(tmp_path) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "dtp.cli", "train", "--nproc", "4", "--ep", "2", "--tp", "2", "--sp", "--expert-tp",
+           "--pipe-experts", "--multi-data", "2", "--multi-stream", "--model", "tiny-moe", "--steps", "2",
+           "--batch", "4", "--seq", "16", "--dtype", "float64", "--check", "--out", str(out)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert ": OK" in proc.stdout
+    record = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+    assert record["comm_bytes"]["ep"]["all_to_all_v"] > 0 and record["comm_bytes"]["tp"]["all_gather"] > 0

@@ -161,6 +161,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="each expert keeps its ceil(T·k/E · C) highest-probability tokens (default: dropless)")
     g.add_argument("--ep", type=_positive("--ep"), default=1,
                    help="expert-parallel degree: experts split over an ep mesh axis (after dp; also a data axis)")
+    g.add_argument("--expert-tp", action="store_true",
+                   help="split each expert's hidden width over tp (Megatron's expert tensor parallel; needs --tp > 1)")
+    g.add_argument("--pipe-experts", action="store_true",
+                   help="MindSpeed pipe-experts: move and compute the dispatched tokens per local expert, each "
+                        "chunk's all-to-all in flight while another computes")
+    g.add_argument("--multi-data", type=_positive("--multi-data"), default=1, metavar="N",
+                   help="with --pipe-experts: split each local expert's tokens into N chunks (for 1 local expert)")
+    g.add_argument("--multi-stream", action="store_true",
+                   help="with --pipe-experts and --sp: one communication stream for the ep all-to-alls and the tp "
+                        "all-gathers / reduce-scatters, so they never run at the same time")
 
     g = t.add_argument_group("output")
     g.add_argument("--out", default=None, help="run directory (default: runs/<timestamp>)")
@@ -258,6 +268,18 @@ def validate(args: argparse.Namespace, *, world_size: int | None = None) -> argp
     if args.ep > 1 and args.batch % (args.dp * args.ep * args.microbatches):
         raise UsageError(f"--batch {args.batch} must be divisible by --dp × --ep × --microbatches = "
                          f"{args.dp} × {args.ep} × {args.microbatches}: ep is a data axis too")
+    moe_flags = [f for f, on in (("--expert-tp", args.expert_tp), ("--pipe-experts", args.pipe_experts),
+                                 ("--multi-data", args.multi_data > 1), ("--multi-stream", args.multi_stream)) if on]
+    if moe_flags and args.ep == 1:
+        raise UsageError(f"{' '.join(moe_flags)} configure expert parallel; they need --ep > 1")
+    if not args.pipe_experts and (args.multi_data > 1 or args.multi_stream):
+        raise UsageError(f"{'--multi-data' if args.multi_data > 1 else '--multi-stream'} splits the pipe-experts "
+                         f"schedule; it needs --pipe-experts")
+    if args.multi_stream and not args.sp:
+        raise UsageError("--multi-stream keeps the ep all-to-alls apart from sequence parallel's tp all-gathers / "
+                         "reduce-scatters; it needs --tp > 1 --sp")
+    if args.expert_tp and args.tp == 1:
+        raise UsageError("--expert-tp splits each expert over tp; it needs --tp > 1")
     if args.pp == 1 and (args.virtual_stages > 1 or args.print_schedule):
         raise UsageError("--virtual-stages and --print-schedule configure the pipeline; they need --pp > 1")
     if args.pp > 1:
@@ -323,7 +345,9 @@ def train_argv(args: argparse.Namespace) -> list[str]:
             "--lr", repr(args.lr), "--warmup", str(args.warmup), "--microbatches", str(args.microbatches),
             "--recompute", args.recompute, "--clip", repr(args.clip), "--seed", str(args.seed),
             "--log-every", str(args.log_every)]
-    out += ["--max-skipped", str(args.max_skipped)]
+    out += ["--max-skipped", str(args.max_skipped), "--multi-data", str(args.multi_data)]
+    out += [flag for flag, on in (("--expert-tp", args.expert_tp), ("--pipe-experts", args.pipe_experts),
+                                  ("--multi-stream", args.multi_stream)) if on]
     for flag, value in (("--num-experts", args.num_experts), ("--top-k", args.top_k),
                         ("--capacity-factor", args.capacity_factor)):
         if value is not None:

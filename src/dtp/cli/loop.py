@@ -48,7 +48,8 @@ def build_layout(args: argparse.Namespace) -> Layout:
         layout = layout + layouts.context(**options)
     layout = layout + zero_layout(args)
     if args.ep > 1:
-        layout = layout + layouts.expert()
+        layout = layout + layouts.expert(pipe_experts=args.pipe_experts, multi_data=args.multi_data,
+                                         multi_stream=args.multi_stream, tp_axis="tp" if args.expert_tp else None)
     if args.pp > 1:
         layout = layout + layouts.pipeline(args.pp_schedule, virtual_stages=args.virtual_stages)
     return layout
