@@ -91,3 +91,9 @@ def test_simulated_ranks_expose_local_tensors():
         x = dtp.shard(torch.arange(4.0), mesh, dtp.P("dp")).to_local()
         assert _torch.is_local_tensor(x) and sorted(x._local_tensors) == [0, 1]
         assert [t.tolist() for t in rank_values(x)] == [[0.0, 1.0], [2.0, 3.0]]
+
+
+def test_grouped_mm_exists_and_is_used_only_where_it_runs():
+    assert callable(torch._grouped_mm)  # CUDA-only kernel; its numbers are checked on a GPU (benchmarks/moe_grouped_gemm.py)
+    x, w = torch.ones(4, 8, dtype=torch.bfloat16), torch.ones(2, 8, 8, dtype=torch.bfloat16)
+    assert not _torch.grouped_mm_usable(x, w)  # CPU: the padded bmm runs instead

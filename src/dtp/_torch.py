@@ -127,3 +127,20 @@ def local_shape(shape: tuple[int, ...], mesh: DeviceMesh, placements: tuple) -> 
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     return tuple(compute_local_shape_and_global_offset(shape, mesh, placements)[0])
+
+
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Rows of ``x`` (N, K) times their group's ``w[g]`` (G, K, M), group g's rows ending
+    at ``offsets[g]`` (int32, cumulative): one grouped-GEMM kernel, differentiable.
+    Public alternative: none (torch 2.13 keeps it private; torchtitan calls it too)."""
+    return torch._grouped_mm(x, w, offs=offsets)
+
+
+def grouped_mm_usable(x: torch.Tensor, *weights: torch.Tensor) -> bool:
+    """Whether :func:`grouped_mm` runs here: CUDA, bf16, compute capability 9.0+ (its
+    kernel is Hopper's), and every inner dimension a multiple of 8 (16-byte rows)."""
+    if not (x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")):
+        return False
+    if torch.cuda.get_device_capability(x.device) < (9, 0):
+        return False
+    return all(w.dtype == torch.bfloat16 and w.shape[-1] % 8 == 0 and w.shape[-2] % 8 == 0 for w in weights)
