@@ -68,6 +68,49 @@ def test_a_rank_that_dies_while_starting_is_reported_at_once(monkeypatch):
     assert time.monotonic() - t0 < 30
 
 
+# A Jupyter kernel in miniature: SIGINT interrupts the "cell", not the process; a line on
+# stdin is the next cell; end of stdin is shutdown (atexit stops the pool).
+_KERNEL = """
+import os, signal, sys
+from dtp.testing import run
+signal.signal(signal.SIGINT, lambda *_: None)
+print(run(os.getpid, world_size=2), flush=True)
+sys.stdin.readline()
+print(run(os.getpid, world_size=2), flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_kernel_interrupt_and_shutdown_leave_the_ranks_quiet():
+    """jupyter_client interrupts a kernel's whole process group, also when it shuts the
+    kernel down: the pool's ranks must neither die of it with a KeyboardInterrupt traceback
+    each (as they did) nor outlive the kernel."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    src = str(Path(dtp.__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+    kernel = subprocess.Popen([sys.executable, "-c", _KERNEL], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    try:
+        first = kernel.stdout.readline()
+        os.killpg(kernel.pid, signal.SIGINT)  # what interrupt_kernel / shutdown_kernel send
+        kernel.stdin.write("next cell\n")
+        kernel.stdin.flush()
+        again = kernel.stdout.readline()
+        # Shutdown. The ranks write to the same stderr: it ends only when they have exited too.
+        _, err = kernel.communicate("", timeout=120)
+    finally:
+        if kernel.poll() is None:
+            kernel.kill()
+    assert kernel.returncode == 0, err
+    assert first.startswith("[") and again == first, (first, again, err)  # the interrupt left the pool alive
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+
+
 def test_functions_from_a_notebook_main_travel_by_value():
     # A notebook cell defines functions in __main__, which workers cannot import.
     ns = {"__name__": "__main__"}
