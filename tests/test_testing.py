@@ -111,6 +111,32 @@ def test_a_kernel_interrupt_and_shutdown_leave_the_ranks_quiet():
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
 
 
+def _stale():
+    time.sleep(2)
+    return "stale"
+
+
+def test_an_interrupted_run_replaces_the_pool(monkeypatch):
+    """Ctrl-C while run() waits: the ranks (which the interrupt does not reach) are still
+    in fn, and would answer the next call with this one's result, so the pool goes."""
+    import os
+
+    from dtp import testing
+
+    # One rank: the cheapest pool to start twice, and the other tests' pools stay as they are.
+    before = run(os.getpid, world_size=1)
+
+    def interrupted(_):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(testing, "time", types.SimpleNamespace(monotonic=time.monotonic, sleep=interrupted))
+    with pytest.raises(KeyboardInterrupt):
+        run(_stale, world_size=1)
+    monkeypatch.undo()
+    after = run(os.getpid, world_size=1)
+    assert after != ["stale"] and after != before  # a fresh pool, answering this call
+
+
 def test_functions_from_a_notebook_main_travel_by_value():
     # A notebook cell defines functions in __main__, which workers cannot import.
     ns = {"__name__": "__main__"}

@@ -234,6 +234,8 @@ def plot_loss(
     built-in writer, ``True`` requires matplotlib (an Axes does too). Returns
     ``"matplotlib"`` or ``"builtin"``.
 
+    Raises: ``ImportError`` for ``use_matplotlib=True`` without matplotlib.
+
     >>> plot_loss("loss.png", {"dp=2": [4.1, 3.0], "reference": [4.1, 3.0]}, use_matplotlib=False)
     'builtin'
     """
@@ -286,7 +288,9 @@ def plot_timeline(logs: Sequence[CommLog], out: str | os.PathLike[str] | Any, *,
     (``forward``, ``backward``, ``update`` …) as a wide bar, its collectives from issue to
     completion as a narrow one beneath, coloured by kind and mesh axis. Time is in ms from
     the earliest event of any rank. Writes a PNG when ``out`` is a path, draws on it when it
-    is a matplotlib Axes; returns the Axes. Needs matplotlib (``pip install 'dtp[plot]'``).
+    is a matplotlib Axes; returns the Axes.
+
+    Raises: ``ImportError`` without matplotlib (``pip install 'dtp[plot]'``).
 
     >>> from dtp.comm import CommLog, CommRecord, Span
     >>> grads = CommRecord("all_reduce", "dp", 64, 2, torch.float32, (16,), issued=0.004, completed=0.005)
