@@ -8,8 +8,10 @@ from the worker ranks on its stderr.
 from __future__ import annotations
 
 import base64
+import json
 import os
 import re
+import sys
 from pathlib import Path
 
 import nbformat
@@ -55,10 +57,23 @@ def notebooks(tmp_path_factory: pytest.TempPathFactory) -> tuple[nbformat.Notebo
     env.pop("MPLBACKEND", None)  # the kernel's inline backend, which turns figures into PNG outputs
     # The kernel (and the ranks it starts) import the dtp under test.
     env["PYTHONPATH"] = os.pathsep.join(p for p in [str(Path(dtp.__file__).parents[1]), env.get("PYTHONPATH")] if p)
-    with open(work / "kernel.stderr", "w") as err:
-        # "python3" is the kernel of this interpreter: jupyter_client runs it with sys.executable.
-        NotebookClient(fresh, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(work)}}).execute(
-            env=env, stderr=err)
+    # A kernel of this interpreter, under a name no user's own "python3" kernelspec shadows.
+    spec = work / "kernels" / "dtp-test"
+    spec.mkdir(parents=True)
+    (spec / "kernel.json").write_text(json.dumps({
+        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "display_name": "dtp test", "language": "python"}))
+    saved = os.environ.get("JUPYTER_PATH")
+    os.environ["JUPYTER_PATH"] = os.pathsep.join(p for p in [str(work), saved] if p)
+    try:
+        with open(work / "kernel.stderr", "w") as err:
+            NotebookClient(fresh, timeout=300, kernel_name="dtp-test", resources={"metadata": {"path": str(work)}},
+                           ).execute(env=env, stderr=err)
+    finally:
+        if saved is None:
+            del os.environ["JUPYTER_PATH"]
+        else:
+            os.environ["JUPYTER_PATH"] = saved
     # execute() returns once the kernel has shut down (interrupt, then shutdown request: what
     # Jupyter does), and the kernel stops its ranks at exit: anything they printed is in.
     return committed, fresh, (work / "kernel.stderr").read_text()
