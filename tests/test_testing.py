@@ -1,5 +1,7 @@
 """dtp.testing: the reusable rank pool, failure and hang handling, simulation."""
 
+import contextlib
+import re
 import time
 import types
 
@@ -109,6 +111,36 @@ def test_a_kernel_interrupt_and_shutdown_leave_the_ranks_quiet():
     assert kernel.returncode == 0, err
     assert first.startswith("[") and again == first, (first, again, err)  # the interrupt left the pool alive
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+
+
+def test_ranks_leave_quietly_when_their_owner_is_killed():
+    """Out of the owner's process group, the ranks do not get its SIGKILL (Jupyter's last
+    resort): they must notice the pipe close and exit, without a word."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    src = str(Path(dtp.__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+    owner = subprocess.Popen(
+        [sys.executable, "-c", "import os, time\nfrom dtp.testing import run\n"
+                               "print(run(os.getpid, world_size=2), flush=True)\ntime.sleep(300)"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    pids: list[int] = []
+    try:
+        pids = [int(p) for p in re.findall(r"\d+", owner.stdout.readline())]
+        os.killpg(owner.pid, signal.SIGKILL)
+        # The ranks hold the owner's stderr too: it ends once they have exited.
+        _, err = owner.communicate(timeout=60)
+    finally:
+        owner.kill()
+        owner.wait()
+        for pid in pids:  # ranks that did not leave: stop them (they are this test's)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    assert len(pids) == 2 and err == "", (pids, err)
 
 
 def _stale():
