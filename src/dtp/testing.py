@@ -9,7 +9,9 @@ notebook cell or a test module work.
 A rank that raises makes :func:`run` raise :class:`RankError` with that rank's
 traceback; a pool that does not answer within ``timeout`` seconds is killed and
 :class:`RankTimeout` says which ranks were silent. Either way the pool is replaced, so
-one broken test cannot hang or poison the rest of the suite.
+one broken test cannot hang or poison the rest of the suite. Ctrl-C (or a notebook's
+interrupt) reaches only the caller, never the ranks: an interrupted :func:`run` replaces
+the pool; an idle pool survives it, and its ranks leave quietly when the caller exits.
 
 :func:`simulate` is the one-process alternative: N ranks simulated with
 ``LocalTensorMode`` on the "fake" backend, for quick layout checks in a notebook.
