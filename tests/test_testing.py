@@ -1,5 +1,7 @@
 """dtp.testing: the reusable rank pool, failure and hang handling, simulation."""
 
+import contextlib
+import re
 import time
 import types
 
@@ -66,6 +68,105 @@ def test_a_rank_that_dies_while_starting_is_reported_at_once(monkeypatch):
     with pytest.raises(RankTimeout, match=r"exited while starting: exit codes by rank \{\d: 3"):
         testing._Pool(2, start_timeout=120)
     assert time.monotonic() - t0 < 30
+
+
+# A Jupyter kernel in miniature: SIGINT interrupts the "cell", not the process; a line on
+# stdin is the next cell; end of stdin is shutdown (atexit stops the pool).
+_KERNEL = """
+import os, signal, sys
+from dtp.testing import run
+signal.signal(signal.SIGINT, lambda *_: None)
+print(run(os.getpid, world_size=2), flush=True)
+sys.stdin.readline()
+print(run(os.getpid, world_size=2), flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_kernel_interrupt_and_shutdown_leave_the_ranks_quiet():
+    """jupyter_client interrupts a kernel's whole process group, also when it shuts the
+    kernel down: the pool's ranks must neither die of it with a KeyboardInterrupt traceback
+    each (as they did) nor outlive the kernel."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    src = str(Path(dtp.__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+    kernel = subprocess.Popen([sys.executable, "-c", _KERNEL], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    try:
+        first = kernel.stdout.readline()
+        os.killpg(kernel.pid, signal.SIGINT)  # what interrupt_kernel / shutdown_kernel send
+        kernel.stdin.write("next cell\n")
+        kernel.stdin.flush()
+        again = kernel.stdout.readline()
+        # Shutdown. The ranks write to the same stderr: it ends only when they have exited too.
+        _, err = kernel.communicate("", timeout=120)
+    finally:
+        if kernel.poll() is None:
+            kernel.kill()
+    assert kernel.returncode == 0, err
+    assert first.startswith("[") and again == first, (first, again, err)  # the interrupt left the pool alive
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+
+
+def test_ranks_leave_quietly_when_their_owner_is_killed():
+    """Out of the owner's process group, the ranks do not get its SIGKILL (Jupyter's last
+    resort): they must notice the pipe close and exit, without a word."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    src = str(Path(dtp.__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+    owner = subprocess.Popen(
+        [sys.executable, "-c", "import os, time\nfrom dtp.testing import run\n"
+                               "print(run(os.getpid, world_size=2), flush=True)\ntime.sleep(300)"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    pids: list[int] = []
+    try:
+        pids = [int(p) for p in re.findall(r"\d+", owner.stdout.readline())]
+        os.killpg(owner.pid, signal.SIGKILL)
+        # The ranks hold the owner's stderr too: it ends once they have exited.
+        _, err = owner.communicate(timeout=60)
+    finally:
+        owner.kill()
+        owner.wait()
+        for pid in pids:  # ranks that did not leave: stop them (they are this test's)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    assert len(pids) == 2 and err == "", (pids, err)
+
+
+def _stale():
+    time.sleep(2)
+    return "stale"
+
+
+def test_an_interrupted_run_replaces_the_pool(monkeypatch):
+    """Ctrl-C while run() waits: the ranks (which the interrupt does not reach) are still
+    in fn, and would answer the next call with this one's result, so the pool goes."""
+    import os
+
+    from dtp import testing
+
+    # One rank: the cheapest pool to start twice, and the other tests' pools stay as they are.
+    before = run(os.getpid, world_size=1)
+
+    def interrupted(_):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(testing, "time", types.SimpleNamespace(monotonic=time.monotonic, sleep=interrupted))
+    with pytest.raises(KeyboardInterrupt):
+        run(_stale, world_size=1)
+    monkeypatch.undo()
+    after = run(os.getpid, world_size=1)
+    assert after != ["stale"] and after != before  # a fresh pool, answering this call
 
 
 def test_functions_from_a_notebook_main_travel_by_value():

@@ -1,9 +1,16 @@
-"""Loss curves as PNG files, with matplotlib when it is installed and without it otherwise.
+"""Pictures of a run: loss curves (PNG files, with or without matplotlib) and comm timelines.
 
 matplotlib is an optional dependency (``pip install dtp[plot]``): ``dtp train`` must be
 able to leave a picture of its loss curve on a bare machine too. The fallback is a tiny
 PNG encoder (``zlib`` + ``struct``) that draws an axes box, a light grid and one polyline
 per series — enough to see whether a run learns, not a plotting library.
+
+:func:`plot_timeline` (matplotlib only) draws every rank's :func:`dtp.comm_log` as a
+Gantt chart: compute spans and collectives on one clock.
+
+Both draw on a ``matplotlib.figure.Figure`` of their own when given a path, never
+through pyplot, so they leave pyplot's backend (a notebook's inline one) alone; given a
+matplotlib ``Axes`` they draw on it.
 
 >>> from dtp.plot import plot_loss
 >>> plot_loss("loss.png", [4.1, 3.2, 2.9], title="tiny, dp=2", use_matplotlib=False)
@@ -19,9 +26,12 @@ import secrets
 import struct
 import zlib
 from pathlib import Path
-from typing import Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
 
-__all__ = ["plot_loss", "write_line_png", "png_size"]
+if TYPE_CHECKING:
+    from .comm import CommLog
+
+__all__ = ["plot_loss", "plot_timeline", "write_line_png", "png_size"]
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -184,64 +194,157 @@ def write_line_png(
 # --------------------------------------------------------------------------- front end
 
 
-def _matplotlib_pyplot():
-    """pyplot on the non-interactive Agg backend, or ``None`` when matplotlib is absent."""
-    try:
-        import matplotlib
-    except ImportError:  # also when sys.modules["matplotlib"] is None (how tests force it)
-        return None
-    # Agg: no display needed (ranks on a cluster node, CI); set before pyplot is imported.
-    matplotlib.use("Agg", force=False)
-    import matplotlib.pyplot as plt
+def _matplotlib_figure() -> Any:
+    """``matplotlib.figure.Figure``, or ``None`` when matplotlib is absent.
 
-    return plt
+    A bare Figure renders with Agg when saved and touches no global state: no display
+    needed (ranks on a cluster node, CI), and a notebook's pyplot backend stays as it is.
+    """
+    try:
+        import matplotlib  # first: sys.modules["matplotlib"] = None (how tests hide it) fails here
+        from matplotlib.figure import Figure
+    except ImportError:
+        return None
+    del matplotlib
+    return Figure
+
+
+def _is_path(out: object) -> bool:
+    return isinstance(out, (str, os.PathLike))
+
+
+def _save(fig: Any, path: str | os.PathLike[str]) -> None:
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png")
 
 
 def plot_loss(
-    path: str | os.PathLike[str],
+    out: str | os.PathLike[str] | Any,
     losses: Sequence[float] | Mapping[str, Sequence[float]],
     *,
     steps: Sequence[int] | None = None,
     title: str = "",
     use_matplotlib: bool | None = None,
 ) -> str:
-    """Write a loss-vs-step PNG to ``path``; return the renderer used.
+    """Draw loss against step into a PNG at ``out`` or on the matplotlib Axes ``out``;
+    return the renderer used.
 
     ``losses`` is one curve or ``{label: curve}`` (e.g. the run and its single-process
     reference). ``use_matplotlib``: ``None`` uses it when importable, ``False`` forces the
-    built-in writer, ``True`` requires matplotlib. Returns ``"matplotlib"`` or
-    ``"builtin"``.
+    built-in writer, ``True`` requires matplotlib (an Axes does too). Returns
+    ``"matplotlib"`` or ``"builtin"``.
+
+    Raises: ``ImportError`` for ``use_matplotlib=True`` without matplotlib.
 
     >>> plot_loss("loss.png", {"dp=2": [4.1, 3.0], "reference": [4.1, 3.0]}, use_matplotlib=False)
     'builtin'
     """
     named = dict(losses) if isinstance(losses, Mapping) else {"loss": list(losses)}
-    plt = None if use_matplotlib is False else _matplotlib_pyplot()
-    if plt is None:
+    if not _is_path(out):
+        _draw_loss(out, named, steps, title)
+        return "matplotlib"
+    figure = None if use_matplotlib is False else _matplotlib_figure()
+    if figure is None:
         if use_matplotlib:
             raise ImportError("plot_loss(use_matplotlib=True) needs matplotlib: pip install 'dtp[plot]'")
-        write_line_png(path, named)
+        write_line_png(out, named)
         return "builtin"
-
-    fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=100)
-    try:
-        for k, (label, ys) in enumerate(named.items()):
-            xs = list(steps) if steps is not None and len(steps) == len(ys) else list(range(1, len(ys) + 1))
-            # Later curves dashed: a reference that matches the run must not hide it.
-            ax.plot(xs, list(ys), label=label, linewidth=1.5, linestyle="-" if k == 0 else "--")
-        from matplotlib.ticker import MaxNLocator
-
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
-        ax.set_xlabel("step")
-        ax.set_ylabel("loss")
-        if title:
-            ax.set_title(title)
-        ax.grid(True, alpha=0.3)
-        if len(named) > 1:
-            ax.legend()
-        fig.tight_layout()
-        with atomic_path(path) as tmp:
-            fig.savefig(tmp, format="png")
-    finally:
-        plt.close(fig)
+    fig = figure(figsize=(6.4, 4.0), dpi=100)
+    _draw_loss(fig.subplots(), named, steps, title)
+    fig.tight_layout()
+    _save(fig, out)
     return "matplotlib"
+
+
+def _draw_loss(ax: Any, named: Mapping[str, Sequence[float]], steps: Sequence[int] | None, title: str) -> None:
+    from matplotlib.ticker import MaxNLocator
+
+    for k, (label, ys) in enumerate(named.items()):
+        xs = list(steps) if steps is not None and len(steps) == len(ys) else list(range(1, len(ys) + 1))
+        # Later curves dashed: a reference that matches the run must not hide it.
+        ax.plot(xs, list(ys), label=label, linewidth=1.5, linestyle="-" if k == 0 else "--")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    if title:
+        ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    if len(named) > 1:
+        ax.legend()
+
+
+# --------------------------------------------------------------------------- comm timeline
+
+# Compute spans in greys, collectives in colours: what overlaps what reads at a glance.
+_SPAN_COLORS = {"forward": "#9ecae1", "backward": "#6baed6", "update": "#bdbdbd"}
+_COMM_COLORS = ("#d62728", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22")
+
+
+def plot_timeline(logs: Sequence[CommLog], out: str | os.PathLike[str] | Any, *, title: str = "") -> Any:
+    """Draw each rank's compute spans and collectives over time (a Gantt chart).
+
+    ``logs[r]`` is rank ``r``'s :class:`~dtp.comm.CommLog` (e.g. ``run(fn, world_size=n)``
+    returning each rank's ``comm_log()``). Each rank gets a row: its :class:`~dtp.comm.Span` s
+    (``forward``, ``backward``, ``update`` …) as a wide bar, its collectives from issue to
+    completion as a narrow one beneath, coloured by kind and mesh axis. Time is in ms from
+    the earliest event of any rank. Writes a PNG when ``out`` is a path, draws on it when it
+    is a matplotlib Axes; returns the Axes.
+
+    Raises: ``ImportError`` without matplotlib (``pip install 'dtp[plot]'``).
+
+    >>> from dtp.comm import CommLog, CommRecord, Span
+    >>> grads = CommRecord("all_reduce", "dp", 64, 2, torch.float32, (16,), issued=0.004, completed=0.005)
+    >>> log = CommLog([grads], [Span("forward", 0.0, 0.002), Span("backward", 0.002, 0.006)])
+    >>> ax = plot_timeline([log, log], "timeline.png")
+    >>> [t.get_text() for t in ax.get_yticklabels()], png_size(Path("timeline.png").read_bytes())
+    (['rank 0', 'rank 1'], (640, 192))
+    """
+    figure = _matplotlib_figure()
+    if figure is None:
+        raise ImportError("plot_timeline needs matplotlib: pip install 'dtp[plot]'")
+    ax = out
+    if _is_path(out):
+        fig = figure(figsize=(8.0, 1.5 + 0.45 * len(logs)), dpi=80)
+        ax = fig.subplots()
+    _draw_timeline(ax, logs, title)
+    if _is_path(out):
+        fig.tight_layout()
+        _save(fig, out)
+    return ax
+
+
+def _draw_timeline(ax: Any, logs: Sequence[CommLog], title: str) -> None:
+    from matplotlib.patches import Patch
+
+    # Every rank's times are time.perf_counter(): on Linux that is CLOCK_MONOTONIC, one
+    # clock for every process on the machine (time since boot), so the ranks of a local
+    # pool or of one node share a time axis as they are. Ranks on different hosts do not
+    # (each boot has its own zero); their rows would need aligning first.
+    starts = [sp.start for log in logs for sp in log.spans] + [r.issued for log in logs for r in log.records]
+    t0 = min(starts, default=0.0)
+    ms = lambda t: 1e3 * (t - t0)  # noqa: E731
+    comm_colors: dict[str, str] = {}
+    for rank, log in enumerate(logs):
+        y = rank  # rank 0 on top: the y axis is inverted below
+        for sp in log.spans:
+            end = sp.end if sp.end is not None else sp.start
+            ax.broken_barh([(ms(sp.start), ms(end) - ms(sp.start))], (y - 0.45, 0.45),
+                           facecolors=_SPAN_COLORS.get(sp.name, "#d9d9d9"), edgecolor="white", linewidth=0.5)
+        for r in log.records:
+            key = f"{r.kind} {r.axis}"
+            color = comm_colors.setdefault(key, _COMM_COLORS[len(comm_colors) % len(_COMM_COLORS)])
+            end = r.completed if r.completed is not None else r.issued
+            # A collective never shorter than a hairline, so instant ones still show.
+            ax.broken_barh([(ms(r.issued), max(ms(end) - ms(r.issued), 0.02))], (y + 0.05, 0.3),
+                           facecolors=color, alpha=0.8, linewidth=0)
+    ax.set_yticks(range(len(logs)), [f"rank {r}" for r in range(len(logs))])
+    ax.set_ylim(len(logs) - 0.4, -0.6)
+    ax.set_xlabel("ms")
+    ax.grid(True, axis="x", alpha=0.3)
+    if title:
+        ax.set_title(title)
+    names = dict.fromkeys(sp.name for log in logs for sp in log.spans)
+    handles = [Patch(color=_SPAN_COLORS.get(n, "#d9d9d9"), label=n) for n in names]
+    handles += [Patch(color=c, label=k) for k, c in comm_colors.items()]
+    if handles:
+        ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small", frameon=False)

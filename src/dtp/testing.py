@@ -9,7 +9,9 @@ notebook cell or a test module work.
 A rank that raises makes :func:`run` raise :class:`RankError` with that rank's
 traceback; a pool that does not answer within ``timeout`` seconds is killed and
 :class:`RankTimeout` says which ranks were silent. Either way the pool is replaced, so
-one broken test cannot hang or poison the rest of the suite.
+one broken test cannot hang or poison the rest of the suite. Ctrl-C (or a notebook's
+interrupt) reaches only the caller, never the ranks: an interrupted :func:`run` replaces
+the pool; an idle pool survives it, and its ranks leave quietly when the caller exits.
 
 :func:`simulate` is the one-process alternative: N ranks simulated with
 ``LocalTensorMode`` on the "fake" backend, for quick layout checks in a notebook.
@@ -124,8 +126,15 @@ class _Pool:
         env.update(OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
                    WORLD_SIZE=str(world_size), DTP_POOL_ADDRESS=f"127.0.0.1:{listener.address[1]}",
                    DTP_POOL_AUTHKEY=authkey.hex())
+        # Each worker in a session of its own: a terminal's Ctrl-C and a Jupyter kernel's
+        # interrupt (jupyter_client sends SIGINT to the kernel's whole process group, also
+        # when it shuts the kernel down) are for this process, not for the ranks: in the
+        # group, every idle worker died of it printing a KeyboardInterrupt traceback. This
+        # process stops them itself (kill(), at exit), and they leave on their own when
+        # its end of the pipe goes (_worker_main).
         self.procs = [
-            subprocess.Popen(_WORKER_COMMAND, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)})
+            subprocess.Popen(_WORKER_COMMAND, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                             start_new_session=True)
             for r in range(world_size)
         ]
         self.conns: list[Connection | None] = [None] * world_size
@@ -234,34 +243,41 @@ def run(fn: Callable[..., Any], *args: Any, world_size: int = 2, timeout: float 
     timeout = DEFAULT_TIMEOUT if timeout is None else timeout
     pool = _pool(world_size)
     payload = _dumps((fn, args, kwargs))
-    for conn in pool.conns:
-        conn.send_bytes(payload)
     results: list[Any] = [None] * world_size
     errors: dict[int, str] = {}
     waiting = set(range(world_size))
-    deadline = time.monotonic() + timeout
-    while waiting:
-        ready = [r for r in waiting if pool.conns[r].poll(0)]
-        if not ready:
-            if time.monotonic() >= deadline or not pool.alive():
-                break
-            time.sleep(0.002)
-            continue
-        for r in ready:
-            waiting.discard(r)
-            try:
-                ok, value = cloudpickle.loads(pool.conns[r].recv_bytes())
-            except (EOFError, OSError):
-                errors[r] = "worker process died"
+    try:
+        for conn in pool.conns:
+            conn.send_bytes(payload)
+        deadline = time.monotonic() + timeout
+        while waiting:
+            ready = [r for r in waiting if pool.conns[r].poll(0)]
+            if not ready:
+                if time.monotonic() >= deadline or not pool.alive():
+                    break
+                time.sleep(0.002)
                 continue
-            if ok:
-                results[r] = value
-            else:
-                if not errors:
-                    # The others usually block in a collective with the failed rank: give
-                    # them a short grace period to report too, then kill the pool.
-                    deadline = min(deadline, time.monotonic() + _FAILURE_GRACE)
-                errors[r] = value
+            for r in ready:
+                waiting.discard(r)
+                try:
+                    ok, value = cloudpickle.loads(pool.conns[r].recv_bytes())
+                except (EOFError, OSError):
+                    errors[r] = "worker process died"
+                    continue
+                if ok:
+                    results[r] = value
+                else:
+                    if not errors:
+                        # The others usually block in a collective with the failed rank: give
+                        # them a short grace period to report too, then kill the pool.
+                        deadline = min(deadline, time.monotonic() + _FAILURE_GRACE)
+                    errors[r] = value
+    except BaseException:
+        # Interrupted (Ctrl-C, a kernel interrupt): the ranks, which the interrupt does not
+        # reach, are still running fn and would answer the next call with this one's results.
+        _pools.pop(world_size, None)
+        pool.kill()
+        raise
     # Every rank raised and came back (validation errors do that, before any collective):
     # keep the pool if it still answers a barrier; otherwise replace it.
     if waiting or (errors and not _healthy(pool)):
@@ -317,14 +333,17 @@ def _worker_main() -> None:
         try:
             payload = conn.recv_bytes()
         except (EOFError, OSError):
-            break
+            break  # the pool's owner has gone: leave quietly
         try:
             fn, args, kwargs = cloudpickle.loads(payload)
             reply = (True, fn(*args, **kwargs))
             data = cloudpickle.dumps(reply)
         except BaseException:  # report everything, including assertion failures
             data = cloudpickle.dumps((False, traceback.format_exc()))
-        conn.send_bytes(data)
+        try:
+            conn.send_bytes(data)
+        except OSError:
+            break  # the owner went while fn ran
 
 
 @contextlib.contextmanager
