@@ -140,15 +140,25 @@ def _capacity_rank() -> dict:
     cfg = llama.config("tiny-moe", capacity_factor=1.0)
     plain = dtp.layouts.data() + dtp.layouts.expert()
     piped = dtp.layouts.data() + dtp.layouts.expert(pipe_experts=True, multi_data=2)
-    return {"plain": _train(cfg, dict(ep=2), plain)[:2], "piped": _train(cfg, dict(ep=2), piped)[:2]}
+    return {"plain": _train(cfg, dict(ep=2), plain), "piped": _train(cfg, dict(ep=2), piped)}
 
 
-def test_with_capacity_pipe_experts_equals_unpipelined_ep() -> None:
+def _moved(records, prefix: str) -> int:
+    return sum(t[3] for t in records if t[2] == prefix or (t[2].startswith(prefix + " ") and t[2][len(prefix) + 1:].isdigit()))
+
+
+def test_with_capacity_pipe_experts_equals_unpipelined_ep_and_moves_the_same_bytes() -> None:
     for r, res in enumerate(run(_capacity_rank, world_size=2)):
-        (pl, pp), (ql, qp) = res["plain"], res["piped"]
+        (pl, pp, precs), (ql, qp, qrecs) = res["plain"], res["piped"]
         for step, (a, e) in enumerate(zip(ql, pl)):
             assert abs(a - e) <= 1e-10 * abs(e), f"rank {r} step {step}: {a} vs {e}"
         assert_tree_close(qp, pp, name=f"rank {r}", rtol=1e-10, atol=1e-12)
+        # the chunks carry exactly the rows the one-shot exchange carries, each way, fwd and bwd
+        for plain, piped in (("moe dispatch", "moe pipe dispatch"), ("moe combine", "moe pipe combine"),
+                             ("moe dispatch backward", "moe pipe dispatch backward"),
+                             ("moe combine backward", "moe pipe combine backward")):
+            assert _moved(precs, plain) == _moved(qrecs, piped) > 0, (r, plain, _moved(precs, plain),
+                                                                       _moved(qrecs, piped))
 
 
 def _bad_rank() -> dict:

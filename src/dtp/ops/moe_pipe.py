@@ -343,6 +343,10 @@ class _Run:
     engine: Callable[[list[torch.Tensor], _Journey, Compute], list[torch.Tensor]]
 
 
+def _keep(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
 class _ExpertPath(torch.autograd.Function):
     """Rows sorted by expert → each chunk's journey and expert FFN → rows home; backward
     the same for the gradients (module docstring)."""
@@ -357,7 +361,11 @@ class _ExpertPath(torch.autograd.Function):
 
         def compute(i: int, xa: torch.Tensor) -> torch.Tensor:
             xa = xa.detach().requires_grad_()
-            with torch.enable_grad():
+            # The chunk's graph saves its tensors plainly: under activation recompute the
+            # checkpoint's hooks would otherwise pack them too, and every chunk's backward
+            # would recompute the whole block again (measured: 3× the block's forwards).
+            # So under recompute the experts' activations stay from forward to backward.
+            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_keep, _keep):
                 y = _ffn(xa, *leaves[c.expert[i]])
             graphs.append((xa, y))
             return y.detach()
