@@ -264,11 +264,10 @@ def _stub_triton_kernels() -> None:
     install) stand in names that raise, so torchtitan's MoE module imports."""
     if TITAN_KERNELS in sys.modules:
         return
-    try:
-        import triton  # noqa: F401
+    import importlib.util
+
+    if importlib.util.find_spec("triton") is not None:
         return
-    except ImportError:
-        pass
     stub = types.ModuleType(TITAN_KERNELS)
 
     def _needs_triton(*args, **kwargs):
@@ -309,8 +308,8 @@ def _titan_moe(dims, full: dict, top_k: int, fp32: bool):
         routed_experts=RoutedExperts.Config(
             inner_experts=GroupedExperts.Config(dim=dim, hidden_dim=hidden, num_experts=experts),
             token_dispatcher=AllToAllTokenDispatcher.Config(num_experts=experts, top_k=top_k)),
-        router=TokenChoiceTopKRouter.Config(num_experts=experts, gate=Linear.Config(in_features=dim, out_features=experts),
-                                            top_k=top_k, score_func="softmax", route_norm=True))
+        router=TokenChoiceTopKRouter.Config(num_experts=experts, top_k=top_k, score_func="softmax", route_norm=True,
+                                            gate=Linear.Config(in_features=dim, out_features=experts)))
     set_moe_sharding_config(cfg, enable_ep=True, enable_sp=False,
                             expert_param_layout={"w1_EFD": spmd.S(1), "w2_EDF": spmd.S(2), "w3_EFD": spmd.S(1)})
     moe = cfg.build()
@@ -488,7 +487,8 @@ def _print_titan(res: list[dict], args) -> None:
         t = {k: statistics.median(_slowest(res, lambda r, k=k: r[name]["times"][k])) for k in r0["times"]}
         bd = sum(b for _, b in r0["kinds"]["dtp"].values())
         bt = sum(b for _, b in r0["kinds"]["tt"].values())
-        print(f"{name:<10}{1e3 * t['dtp']:>8.1f}{1e3 * t['tt']:>8.1f}{t['dtp'] / t['tt']:>8.2f}{1e3 * t['tt bf16']:>9.1f}"
+        print(f"{name:<10}{1e3 * t['dtp']:>8.1f}{1e3 * t['tt']:>8.1f}{t['dtp'] / t['tt']:>8.2f}"
+              f"{1e3 * t['tt bf16']:>9.1f}"
               f"{bd:>11}{bt:>10}{bd / bt:>7.3f}{r0['err']:>10.1e}")
     print("collectives per fwd+bwd, rank 0 (kind count× bytes):")
     for name in args.scenarios:
