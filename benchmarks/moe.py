@@ -47,8 +47,8 @@ for the option's chunk count (:func:`model_hidden`: 0, 50, 71, 77, 80 % for 1, 2
 16 chunks); nothing at all hides the router, the permutations and the counts exchange.
 
 Options the layout refuses print ``n/a`` and the reason (``layouts.expert(multi_stream=
-True)`` needs sequence parallel today: ``Layout.check_sizes`` raises the ``ValueError``
-that ``TrainState.create`` would).
+True)`` needs sequence parallel, and these ep=4 scenarios have no tp: ``Layout.check_sizes``
+raises the ``ValueError`` that ``TrainState.create`` would).
 
 **(b) dtp vs torchtitan.** torchtitan 0.3.0's ``MoE`` (``torchtitan.models.common.moe``:
 ``TokenChoiceTopKRouter`` softmax + ``route_norm`` = dtp's top-k then softmax over the
