@@ -33,10 +33,11 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from ..launch import in_torchrun, launched, report_error
-from .flags import (PROG, UsageError, build_layout, build_parser, mesh_axes, parse_args, preflight, train_argv,
+from ..launch import in_torchrun, launched
+from .flags import (UsageError, build_layout, build_parser, mesh_axes, parse_args, preflight, train_argv,
                     validate)
-from .report import _default_out, clear_run_files, describe_exception, format_bytes, format_step, progress_bar, summarize
+from .report import (_default_out, clear_run_files, format_bytes, format_step, progress_bar, report_exception,
+                     summarize)
 
 __all__ = [
     "main", "build_parser", "parse_args", "validate", "mesh_axes", "train_argv",
@@ -142,32 +143,4 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as e:  # noqa: BLE001 -- sorted below; a crash becomes one line unless --debug
         if _debug(args):
             raise
-        command = getattr(args, "command", None) or "train"
-        return _report(e, command, getattr(args, "out", None))
-
-
-def _report(e: Exception, command: str, out: str | None) -> int:
-    """One line on stderr (through the launcher, once per distinct message) for ``e``;
-    returns the exit code."""
-    loop = sys.modules.get("dtp.cli.loop")  # imported once a run started; nothing to sort before
-    comm = sys.modules.get("dtp.comm")
-    if loop is not None and isinstance(e, loop.TrainingAborted):
-        # Raised on every rank alike: the launcher prints it once.
-        report_error(f"{PROG} {command}: {e}")
-        return 1
-    if comm is not None and isinstance(e, comm.CollectiveError):
-        # A peer died or stalled: this rank's one line (where it was) for the launcher to
-        # print beside the others', not a traceback per rank.
-        report_error(f"{PROG} {command}: {e}")
-        return 1
-    if isinstance(e, (ValueError, NotImplementedError)):
-        # Validation errors (ours, the layouts', the model's) are one line, not a traceback.
-        message = " ".join(line.strip() for line in str(e).splitlines() if line.strip())
-        report_error(f"{PROG} {command}: error: {message}")
-        return 2
-    # A crash: the exception and the line that raised it, one line per failing rank; the
-    # traceback goes to the run's log (and to the console with --debug).
-    rank = int(os.environ.get("RANK", "0"))
-    where = describe_exception(e, log_dir=Path(out) / "logs" if out else None, rank=rank)
-    report_error(f"{PROG} {command}: rank {rank} failed: {where}")
-    return 1
+        return report_exception(e, getattr(args, "command", None) or "train", getattr(args, "out", None))

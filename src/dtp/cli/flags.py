@@ -26,7 +26,6 @@ from .._rules import RUN_RTOL
 from .._token_files import held_out_start, token_stats
 from ..launch import in_torchrun
 from ..layouts import CP_ALGORITHMS, ZERO_STAGES, Layout, zero
-from ..layouts.pipeline import assign
 from ..layouts.zero import misplaced_options
 from ..models import config as model_config
 

@@ -37,7 +37,8 @@ from ..models import llama
 from ..redistribute import value_of
 from .flags import (EVAL_BATCHES, PROG, UsageError, build_layout, format_mesh, mesh_axes, model_overrides,
                     train_argv, vocab_size)
-from .report import _atomic_write_text, _format_summary, _plot, _Progress, _write_json, read_metrics, summarize
+from .report import (_atomic_write_text, _format_summary, _plot, _Progress, _write_json, read_metrics,
+                     report_exception, summarize)
 
 __all__ = ["build_layout", "SkipCounter", "TrainingAborted", "Terminated"]
 
@@ -324,6 +325,20 @@ def _sigterm_raises() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
+@contextlib.contextmanager
+def _sigterm_ignored() -> Iterator[None]:
+    """``SIGTERM`` waits (ignored) while rank 0 writes its last files, a second or so; the
+    launcher's agent would ``SIGKILL`` a rank that took 30 s. Main thread only (as above)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def _train_rank(args: argparse.Namespace, *, stream: TextIO | None = None) -> int:
     """Train as one rank of the current world (torchrun's, or a world of one).
 
@@ -381,10 +396,16 @@ def _train_rank(args: argparse.Namespace, *, stream: TextIO | None = None) -> in
                 del mesh  # the last reference: destroy_process_group then really ends the group
         except BaseException as e:
             interrupted = _why(e)
+            if isinstance(e, Exception) and not args.debug:
+                # Say what happened now, not after the summary and plot below: once one rank
+                # has exited the launcher stops the others, and a rank stopped before it
+                # spoke would leave only its flight record.
+                report_exception(e, "train", args.out)
             raise
         finally:
             if rank == 0 and records:
-                _finish(out, records, run_cfg, interrupted, stream)
+                with _sigterm_ignored():  # a stop during the last writes would leave no plot
+                    _finish(out, records, run_cfg, interrupted, stream)
     return 0
 
 

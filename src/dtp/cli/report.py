@@ -26,6 +26,7 @@ skips a last line that is not complete yet.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -36,10 +37,12 @@ import traceback
 from pathlib import Path
 from typing import Any, Mapping, Sequence, TextIO
 
+from ..launch import report_error as _report_error
 from ..plot import atomic_path, plot_loss
+from .flags import PROG
 
 __all__ = ["format_bytes", "format_step", "format_duration", "progress_bar", "summarize", "describe_exception",
-           "clear_run_files", "read_metrics"]
+           "clear_run_files", "read_metrics", "report_exception"]
 
 
 # --------------------------------------------------------------------------- console
@@ -286,6 +289,49 @@ def _format_summary(s: Mapping[str, Any]) -> str:
     comm = ", ".join(f"{a} {format_bytes(b)}" for a, b in s["comm_bytes_per_axis"].items()) or "none"
     skipped = f" ({s['skipped_steps']} skipped: non-finite)" if s.get("skipped_steps") else ""
     held_out = f", eval loss {s['eval_loss']:.4f}" if s.get("eval_loss") is not None else ""
-    lead = f"stopped ({s['interrupted']})" if s.get("interrupted") else "done"
+    # The exception's type only: its message is the error line the rank already printed.
+    lead = f"stopped ({s['interrupted'].split(':')[0]})" if s.get("interrupted") else "done"
     return (f"{lead}: {s['steps']} steps{skipped}, loss {s['first_loss']:.4f} -> {s['last_loss']:.4f}{held_out}, "
             f"{1e3 * s['mean_step_time']:.1f} ms/step, {tps} tok/s, comm per rank: {comm}")
+
+
+# --------------------------------------------------------------------------- errors
+
+
+def report_exception(e: Exception, command: str, out: str | None) -> int:
+    """One line on stderr (through the launcher, once per distinct message) for ``e``;
+    returns the exit code. Once per exception: a rank reports a crash as soon as it
+    happens (before writing its summary, while the launcher may already be stopping the
+    others), and ``main`` then returns the code stored on it."""
+    if hasattr(e, "_dtp_exit_code"):
+        return e._dtp_exit_code  # type: ignore[attr-defined]
+    code = _report(e, command, out)
+    with contextlib.suppress(AttributeError):  # an exception type with __slots__: report twice at worst
+        e._dtp_exit_code = code  # type: ignore[attr-defined]
+    return code
+
+
+def _report(e: Exception, command: str, out: str | None) -> int:
+    # The exception's module is imported by now if it was raised; none of them is imported here.
+    loop = sys.modules.get("dtp.cli.loop")  # imported once a run started; nothing to sort before
+    comm = sys.modules.get("dtp.comm")
+    if loop is not None and isinstance(e, loop.TrainingAborted):
+        # Raised on every rank alike: the launcher prints it once.
+        _report_error(f"{PROG} {command}: {e}")
+        return 1
+    if comm is not None and isinstance(e, comm.CollectiveError):
+        # A peer died or stalled: this rank's one line (where it was) for the launcher to
+        # print beside the others', not a traceback per rank.
+        _report_error(f"{PROG} {command}: {e}")
+        return 1
+    if isinstance(e, (ValueError, NotImplementedError)):
+        # Validation errors (ours, the layouts', the model's) are one line, not a traceback.
+        message = " ".join(line.strip() for line in str(e).splitlines() if line.strip())
+        _report_error(f"{PROG} {command}: error: {message}")
+        return 2
+    # A crash: the exception and the line that raised it, one line per failing rank; the
+    # traceback goes to the run's log (and to the console with --debug).
+    rank = int(os.environ.get("RANK", "0"))
+    where = describe_exception(e, log_dir=Path(out) / "logs" if out else None, rank=rank)
+    _report_error(f"{PROG} {command}: rank {rank} failed: {where}")
+    return 1
