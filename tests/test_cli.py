@@ -60,7 +60,7 @@ def test_cp_head_chunks_reach_the_layout() -> None:
 
 def test_nproc_must_match_mesh_product(capsys) -> None:
     assert _train("--nproc", "4", "--dp", "2", "--tp", "2").nproc == 4
-    with pytest.raises(ValueError, match=r"--nproc 3 does not match the mesh dp=2 = 2 ranks"):
+    with pytest.raises(ValueError, match=r"--nproc 3 does not match the mesh dp=2: it needs 2 ranks"):
         _train("--nproc", "3", "--dp", "2")
     # Through main: one line on stderr, exit code 2, no launch.
     assert cli.main(["train", "--nproc", "3", "--dp", "2"]) == 2
@@ -92,8 +92,12 @@ def test_bad_values_exit_2(flags, capsys) -> None:
     (["--batch", "6", "--dp", "4"], "divisible by --dp × --microbatches"),
     (["--batch", "8", "--dp", "2", "--microbatches", "3"], "divisible by --dp × --microbatches"),
     (["--warmup", "9", "--steps", "3"], r"--warmup must lie in \[0, --steps=3\]"),
-    (["--cp-algo", "ring"], "need --cp > 1"),
-    (["--cp-head-chunks", "2"], r"--cp-head-chunks configure context parallel; they need --cp > 1"),
+    (["--cp-algo", "ring"], "needs --cp > 1"),
+    (["--cp-head-chunks", "2"], r"^--cp-head-chunks configures context parallel: it needs --cp > 1, got --cp 1$"),
+    (["--cp-algo", "ring", "--cp-window", "2"], r"^--cp-algo and --cp-window configure context parallel: they need"),
+    (["--sp"], r"^--sp \(sequence parallel\) splits the sequence over the tp group: it needs --tp > 1, got --tp 1$"),
+    (["--resume", "--overwrite", "--out", "r"], "choose one"),
+    (["--pp", "2", "--microbatches", "2", "--eval-every", "2"], "--eval-every is not supported with --pp > 1"),
 ])
 def test_flag_combinations(flags, match) -> None:
     with pytest.raises(ValueError, match=match):
@@ -106,8 +110,8 @@ def test_timeout_default_is_minutes_not_torchs_half_hour() -> None:
 
 def test_warmup_default_fits_short_runs_and_sp_needs_tp(capsys) -> None:
     assert _train("--steps", "3").warmup == 3
-    assert _train("--sp").sp is False  # as Megatron: a note, then off
-    assert "--sp has no effect" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="--sp"):  # silently off would run something else than was asked
+        _train("--sp")
     assert _train("--sp", "--tp", "2").sp is True
 
 
@@ -458,13 +462,18 @@ def _finish(proc: subprocess.Popen, within: float) -> tuple[float, str]:
 def test_stopping_the_launcher_leaves_no_rank_behind(tmp_path, sig) -> None:
     """SIGTERM or Ctrl-C (SIGINT) to ``dtp train``: torchrun's agent passes it to the ranks;
     the launcher exits with 128 + the signal within seconds and no process of the run is
-    left (~8 s)."""
+    left (~8 s). Quietly: no rank prints a traceback, and rank 0 writes summary.json (marked
+    interrupted) and loss.png of the steps it finished."""
     proc, out, _ = _start_training(tmp_path)
     proc.send_signal(sig)
     took, err = _finish(proc, within=20)
     assert proc.returncode == 128 + sig, err
     assert took < 10, f"{took:.1f} s"
     assert _processes_of(out, proc.pid) == {}
+    assert "Traceback" not in err and "[rank" not in err, err
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["interrupted"] == {signal.SIGTERM: "SIGTERM", signal.SIGINT: "Ctrl-C"}[sig]
+    assert summary["steps"] >= 1 and (out / "loss.png").exists()
 
 
 def test_dead_peer_ends_the_run_at_once_with_each_ranks_last_collectives(tmp_path) -> None:

@@ -9,27 +9,46 @@ ZeRO all accumulate; every layer checks counts).
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["accum_dtype", "is_positive_int", "STEP_TOLERANCE", "RUN_RTOL"]
 
 # The correctness bar (DESIGN §4), one table for both of its uses. One step's loss and
-# gradients against the single-device run: (rtol, atol) per dtype (dtp.testing).
-STEP_TOLERANCE: dict[torch.dtype, tuple[float, float]] = {
-    torch.float64: (1e-10, 1e-12),
-    torch.float32: (1e-5, 1e-6),
-    torch.bfloat16: (2e-2, 1e-2),
-    torch.float16: (5e-3, 1e-3),
+# gradients against the single-device run: (rtol, atol) per dtype name (dtp.testing reads
+# it as STEP_TOLERANCE, keyed by torch dtype). Names, not dtypes: the CLI reads this module
+# before torch is imported (it only needs RUN_RTOL).
+_STEP_TOLERANCE: dict[str, tuple[float, float]] = {
+    "float64": (1e-10, 1e-12),
+    "float32": (1e-5, 1e-6),
+    "bfloat16": (2e-2, 1e-2),
+    "float16": (5e-3, 1e-3),
 }
 # A whole run's losses against the single-process run (`dtp train --check`), rtol per
 # --dtype name: looser than one step, since rounding differences compound over the steps.
 RUN_RTOL: dict[str, float] = {"float64": 1e-9, "float32": 1e-4, "bfloat16": 5e-2}
 
 
+def __getattr__(name: str) -> Any:
+    """``STEP_TOLERANCE``: :data:`_STEP_TOLERANCE` keyed by torch dtype, built (and torch
+    imported) on first use (PEP 562)."""
+    if name == "STEP_TOLERANCE":
+        import torch
+
+        table = {getattr(torch, k): v for k, v in _STEP_TOLERANCE.items()}
+        globals()[name] = table
+        return table
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def accum_dtype(*dtypes: torch.dtype) -> torch.dtype:
     """The dtype sums, softmax statistics, norms and master weights are kept in: fp64 when
     any input is fp64 (the tests prove exactness there), fp32 for everything lower —
     log-sum-exp differences, merged outputs and Adam moments lose too much in bf16/fp16."""
+    import torch  # here, not at the top: see _STEP_TOLERANCE (a dict lookup once torch is loaded)
+
     return torch.float64 if torch.float64 in dtypes else torch.float32
 
 

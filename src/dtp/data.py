@@ -18,11 +18,11 @@ Example::
 from __future__ import annotations
 
 import os
-from importlib import resources
-from pathlib import Path
 from typing import Any, Sequence
 
 import torch
+
+from ._token_files import read_ids
 
 __all__ = ["ByteTokenizer", "load_tokens", "TokenLoader"]
 
@@ -100,46 +100,10 @@ def load_tokens(path: str | os.PathLike[str] | None = None) -> torch.Tensor:
         >>> tokens.dtype, tokens.ndim
         (torch.int64, 1)
     """
-    if path is None:
-        data = (resources.files("dtp") / "assets" / "corpus.txt").read_bytes()
-        return _bytes_to_tokens(data)
-
-    path = Path(path)
-    suffix = path.suffix.lower()
-    if suffix == ".npy":
-        # numpy is imported lazily: only these two formats need it.
-        import numpy as np
-
-        # allow_pickle=False: a token file must never be able to run code.
-        array = np.load(path, allow_pickle=False)
-        if array.ndim != 1:
-            raise ValueError(
-                f"{path}: expected a 1-D array of token ids, got shape {array.shape}"
-            )
-        if array.dtype.kind not in "iu":
-            raise ValueError(
-                f"{path}: expected an integer dtype for token ids, got {array.dtype}"
-            )
-        if array.size and int(array.min()) < 0:
-            raise ValueError(f"{path}: token ids must be non-negative, got {int(array.min())}")
-        tokens = torch.from_numpy(array.astype(np.int64))
-    elif suffix == ".bin":
-        import numpy as np
-
-        nbytes = path.stat().st_size
-        if nbytes % 2:
-            raise ValueError(
-                f"{path}: a .bin token file holds uint16 ids, but its size "
-                f"({nbytes} bytes) is odd"
-            )
-        # Explicit little-endian, as nanoGPT writes it on x86/ARM hosts.
-        tokens = torch.from_numpy(np.fromfile(path, dtype="<u2").astype(np.int64))
-    else:
-        tokens = _bytes_to_tokens(path.read_bytes())
-
-    if tokens.numel() == 0:
-        raise ValueError(f"{path}: the file holds no tokens")
-    return tokens
+    ids = read_ids(path)  # formats and their checks: dtp._token_files, torch-free for the CLI
+    if isinstance(ids, bytes):
+        return _bytes_to_tokens(ids)
+    return torch.from_numpy(ids.astype("int64"))
 
 
 class TokenLoader:

@@ -39,9 +39,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
-from .comm import FLIGHT_DIR_ENV, flight_record, format_flight_record
-
-__all__ = ["launch", "in_torchrun", "report_error", "default_omp_threads"]
+__all__ = ["launch", "in_torchrun", "launched", "report_error", "default_omp_threads"]
 
 # Set by launch() for its ranks: where a rank leaves its one-line error message.
 ERROR_DIR_ENV = "DTP_LAUNCH_ERROR_DIR"
@@ -54,6 +52,15 @@ def in_torchrun() -> bool:
     False
     """
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+
+
+def launched() -> bool:
+    """True inside a rank that :func:`launch` started (the launcher checked the run already).
+
+    >>> launched()
+    False
+    """
+    return in_torchrun() and ERROR_DIR_ENV in os.environ
 
 
 def default_omp_threads(nproc: int, cpus: int | None = None) -> int:
@@ -118,6 +125,8 @@ def _unreported_ranks(directory: str, nproc: int, failures: Mapping[int, Any]) -
     ``failures``: torchrun's ``ProcessFailure`` by rank. Once one rank has failed, the agent
     stops the others with SIGTERM and records them too (exit code -15).
     """
+    from .comm import flight_record, format_flight_record  # torch: only once ranks have run
+
     reported = {int(f.stem[4:]) for f in Path(directory).glob("rank*.txt") if f.stem[4:].isdigit()}
     records = {}
     for rank in range(nproc):
@@ -144,7 +153,12 @@ def _unreported_ranks(directory: str, nproc: int, failures: Mapping[int, Any]) -
 def _quiet_elastic() -> Iterator[None]:
     # The agent logs every failed rank with pids, error-file hints and a banner; the
     # launcher prints what went wrong itself, so keep the agent to real breakage only.
-    loggers = [logging.getLogger(n) for n in ("torch.distributed.elastic", "torch.distributed.run")]
+    # torch sets levels on the agent's own loggers (torch.distributed.elastic.agent.server.api
+    # says "Received 2 death signal" at WARNING on Ctrl-C), so quiet each of them, not only
+    # their parents.
+    prefixes = ("torch.distributed.elastic", "torch.distributed.run")
+    names = [n for n in list(logging.root.manager.loggerDict) if n.startswith(prefixes)]
+    loggers = [logging.getLogger(n) for n in (*prefixes, *names)]
     levels = [lg.level for lg in loggers]
     for lg in loggers:
         lg.setLevel(logging.CRITICAL)
@@ -185,9 +199,12 @@ def launch(nproc: int, argv: Sequence[str], *, module: str = "dtp.cli", max_rest
     """
     if nproc < 1:
         raise ValueError(f"launch: nproc must be >= 1, got {nproc}")
-    # Imported here: torch.distributed.run pulls in the elastic agent, not needed in ranks.
+    # Imported here: torch.distributed.run pulls in the elastic agent, not needed in ranks;
+    # and the module itself stays torch-free, so `dtp train` checks its flags first.
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
+
+    from .comm import FLIGHT_DIR_ENV
 
     torchrun_args = [
         "--standalone",  # single node: c10d rendezvous on a free localhost port

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from ._rules import is_positive_int
+from ._mesh_shape import axis_names  # torch-free: the layouts check against a MeshShape too
 from ._torch import flatten_mesh
 
 __all__ = ["make_mesh", "detect_device", "axis_names", "axis_sizes", "axis_size", "coordinates", "all_coordinates", "axis_coordinate",
@@ -247,20 +248,6 @@ def sub_mesh(mesh: DeviceMesh, names: tuple[str, ...]) -> DeviceMesh:
     if key not in _SUB_MESHES:
         _SUB_MESHES[key] = mesh[tuple(names)]
     return _SUB_MESHES[key]
-
-
-def axis_names(mesh: DeviceMesh) -> tuple[str, ...]:
-    """The mesh's axis names, outer to inner.
-
-    Raises: ``ValueError`` for a mesh without names.
-
-    >>> axis_names(make_mesh(dp=1, tp=1))
-    ('dp', 'tp')
-    """
-    names = mesh.mesh_dim_names
-    if not names:
-        raise ValueError("dtp needs a mesh with named axes; build it with dtp.make_mesh(dp=…, tp=…)")
-    return tuple(names)
 
 
 def axis_sizes(mesh: DeviceMesh) -> dict[str, int]:

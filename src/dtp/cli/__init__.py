@@ -14,27 +14,30 @@ package; the modules import them from each other.
 Exit codes: 0 success, 1 a rank crashed, a collective failed (a peer died or stalled past
 ``--timeout``: each rank says where it was, one line), ``--check`` failed or training
 aborted after ``--max-skipped`` non-finite steps in a row, 2 invalid arguments or a layout
-that does not fit (aborts and invalid arguments are one line on stderr;
-``DTP_TRACEBACK=1`` shows the traceback).
+that does not fit, 130 interrupted (Ctrl-C; 143 for ``SIGTERM``). Invalid arguments and
+aborts are one line on stderr, a crash one line per failing rank (its exception and where
+it was raised); ``--debug`` (or ``DTP_TRACEBACK=1``) shows the tracebacks, which are also in
+``<out>/logs/rank<N>.txt``.
+
+Flags are parsed and the whole run checked (:func:`~dtp.cli.flags.preflight`) before torch
+is imported: this package imports torch only once a run starts (:mod:`~dtp.cli.loop`).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
+import signal
 import sys
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
-from ..comm import CollectiveError
-from .. import schedules
-from ..launch import in_torchrun, launch, report_error
-from ..layouts.pipeline import assign
-from ..models import llama
-from .check import _check_in_subprocess, check_run, compare_losses, tolerance_for
-from .flags import PROG, UsageError, build_parser, mesh_axes, model_overrides, parse_args, train_argv, validate
-from .loop import TrainingAborted, _load_data, _train_rank, _vocab_size, build_layout
-from .report import _default_out, format_bytes, format_step, progress_bar, summarize
+from ..launch import in_torchrun, launched
+from .flags import (UsageError, build_layout, build_parser, mesh_axes, parse_args, preflight, train_argv,
+                    validate)
+from .report import (_default_out, clear_run_files, format_bytes, format_step, progress_bar, report_exception,
+                     summarize)
 
 __all__ = [
     "main", "build_parser", "parse_args", "validate", "mesh_axes", "train_argv",
@@ -42,37 +45,75 @@ __all__ = [
     "UsageError", "build_layout", "check_run",
 ]
 
+# Names from the modules that import torch: imported on first use (PEP 562), so that
+# `import dtp.cli` (the console script) stays torch-free until a run starts.
+_LAZY = {"check_run": ".check", "compare_losses": ".check", "tolerance_for": ".check"}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+    globals()[name] = value
+    return value
+
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    """``dtp train``: be one rank under torchrun, else start the ranks here; then ``--check``."""
+    """``dtp train``: check the run, then be one rank under torchrun, else start the ranks
+    here; then ``--check``."""
     if args.out is None:
         args.out = _default_out()
     args.out = str(Path(args.out).resolve())  # ranks and the reference must agree on it
+    rank = int(os.environ.get("RANK", "0"))
     if in_torchrun():
+        if not launched():
+            # Under an outside torchrun every rank checks alike (one line each, nothing
+            # hangs); rank 0 alone owns the run directory, and not after a restart (its
+            # checkpoints are what the restart resumes from).
+            restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+            preflight(args, check_out=rank == 0 and not restarted)
+            if rank == 0 and args.overwrite and not restarted:
+                clear_run_files(Path(args.out))
+        from .check import _check_in_subprocess
+        from .loop import _train_rank
+
         code = _train_rank(args)
-        if code == 0 and args.check and int(os.environ["RANK"]) == 0:
+        if code == 0 and args.check and rank == 0:
             code = _check_in_subprocess(args.out)
         return code
-    # Validate what can be validated here, before starting ranks that would all fail.
-    layout = build_layout(args)
-    cfg = llama.config(args.model, vocab_size=_vocab_size(args.model, _load_data(args.data)), **model_overrides(args))
-    if layout.pipeline is not None:
-        n_layers = len(llama.sequential(cfg))
-        assign(n_layers, args.pp, args.virtual_stages, what=f"--pp {args.pp} --virtual-stages {args.virtual_stages}")
-        if args.print_schedule:
-            table = schedules.format_schedule(
-                schedules.make(args.pp_schedule, p=args.pp, v=args.virtual_stages, m=args.microbatches), p=args.pp)
-            print(f"{args.pp_schedule} schedule, pp={args.pp}, virtual stages {args.virtual_stages}, "
-                  f"{args.microbatches} microbatches ({n_layers} layers; F forward, B backward, I/W its input/weight "
-                  f"halves, chunk.microbatch):\n{table}")
-            return 0
+    # Everything that can be checked without torch, before starting ranks that would all fail.
+    layout = preflight(args)
+    if args.overwrite:
+        clear_run_files(Path(args.out))
+    if layout.pipeline is not None and args.print_schedule:
+        from .. import schedules
+        from ..models import config as model_config
+
+        n_layers = model_config.n_sequential_layers(model_config.config(args.model))
+        table = schedules.format_schedule(
+            schedules.make(args.pp_schedule, p=args.pp, v=args.virtual_stages, m=args.microbatches), p=args.pp)
+        print(f"{args.pp_schedule} schedule, pp={args.pp}, virtual stages {args.virtual_stages}, "
+              f"{args.microbatches} microbatches ({n_layers} layers; F forward, B backward, I/W its input/weight "
+              f"halves, chunk.microbatch):\n{table}")
+        return 0
     if args.nproc > 1:
+        from ..launch import launch
+
         code = launch(args.nproc, train_argv(args), max_restarts=args.max_restarts)
     else:
+        from .loop import _train_rank
+
         code = _train_rank(args)
     if code == 0 and args.check:
+        from .check import check_run
+
         code = check_run(args.out)
     return code
+
+
+def _debug(args: argparse.Namespace | None) -> bool:
+    """Show tracebacks: ``--debug``, or ``DTP_TRACEBACK=1`` (also for ``dtp check``)."""
+    return bool(os.environ.get("DTP_TRACEBACK")) or bool(getattr(args, "debug", False))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -84,33 +125,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     0
     """
     parser = build_parser()
+    args: argparse.Namespace | None = None
     try:
         args = parse_args(argv)
         if args.command == "train":
             return _cmd_train(args)
         if args.command == "check":
+            from .check import check_run
+
             return check_run(args.run_dir, rtol=args.rtol)
         parser.print_help(sys.stderr)
         return 2
-    except TrainingAborted as e:  # raised on every rank alike: the launcher prints it once
-        if os.environ.get("DTP_TRACEBACK"):
+    except KeyboardInterrupt as e:
+        # Ctrl-C (130), or SIGTERM raised as dtp.cli.loop.Terminated (143): what was written
+        # so far is on disk, the run's summary and plot too. No traceback.
+        return 128 + int(getattr(e, "signum", signal.SIGINT))
+    except Exception as e:  # noqa: BLE001 -- sorted below; a crash becomes one line unless --debug
+        if _debug(args):
             raise
-        report_error(f"{PROG} {getattr(locals().get('args'), 'command', None) or 'train'}: {e}")
-        return 1
-    except (ValueError, NotImplementedError) as e:
-        # Validation errors (ours, the layouts', the model's) are one line, not a traceback.
-        if os.environ.get("DTP_TRACEBACK"):
-            raise
-        command = getattr(locals().get("args"), "command", None) or "train"
-        message = " ".join(line.strip() for line in str(e).splitlines() if line.strip())
-        report_error(f"{PROG} {command}: error: {message}")
-        return 2
-    except CollectiveError as e:
-        # A peer died or stalled: this rank's one line (where it was) for the launcher to
-        # print beside the others', not a traceback per rank.
-        if os.environ.get("DTP_TRACEBACK"):
-            raise
-        report_error(f"{PROG} train: {e}")
-        return 1
-    except KeyboardInterrupt:
-        return 130
+        return report_exception(e, getattr(args, "command", None) or "train", getattr(args, "out", None))

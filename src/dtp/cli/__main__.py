@@ -1,6 +1,7 @@
 """``python -m dtp.cli``: what torchrun and the launcher run in each rank."""
 
 import os
+import signal
 import sys
 
 from ..launch import in_torchrun
@@ -15,5 +16,10 @@ if in_torchrun():
     # By now every file is written (atomically) and the group is gone: nothing is lost.
     sys.stdout.flush()
     sys.stderr.flush()
+    if code == 128 + signal.SIGTERM:
+        # Stopped by SIGTERM, files written on the way (dtp.cli.loop.Terminated): end by
+        # that signal as well, so torchrun's agent and the launcher see "stopped", not a crash.
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
     os._exit(code)
 sys.exit(code)

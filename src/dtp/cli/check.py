@@ -22,7 +22,7 @@ from .. import layouts
 from .._rules import RUN_RTOL
 from .flags import UsageError
 from .loop import _single_process_world, _train
-from .report import _plot, _write_json
+from .report import _plot, _write_json, read_metrics
 
 __all__ = ["check_run", "compare_losses", "tolerance_for"]
 
@@ -68,7 +68,7 @@ def _read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     path = run_dir / "metrics.jsonl"
     if not path.exists():
         raise UsageError(f"{path} does not exist (did the run finish?)")
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return read_metrics(path)
 
 
 def check_run(run_dir: str | os.PathLike[str], *, rtol: float | None = None,

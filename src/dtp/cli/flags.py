@@ -1,24 +1,33 @@
 """``dtp``'s flags: the argument parser, the checks of flag combinations, and the argv a rank gets.
 
-Everything here runs before any rank starts, so a bad combination is reported once, by
-the launcher, as one line (:class:`UsageError`, exit code 2). Rules that need the model
-or the mesh are the layouts' and the model's to check.
+Everything here runs before any rank starts, and before torch is imported: a bad
+combination is reported once, by the launcher, as one line (:class:`UsageError`, exit
+code 2), in a fraction of a second. Rules that need the model or the mesh are the
+layouts' and the model's: :func:`preflight` asks them here too, against the mesh's shape
+(:class:`dtp._mesh_shape.MeshShape`), so a layout that does not fit the model is refused
+before any rank starts. This module imports nothing that imports torch (a test holds it
+to that); keep it so.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
 import os
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from .. import layouts, schedules
+from .._mesh_shape import MeshShape
 from .._rules import RUN_RTOL
+from .._token_files import held_out_start, token_stats
 from ..launch import in_torchrun
 from ..layouts import CP_ALGORITHMS, ZERO_STAGES, Layout, zero
 from ..layouts.zero import misplaced_options
-from .. import schedules
+from ..models import config as model_config
 
 # layouts.zero's options: the argparse attribute and the flag that set each.
 ZERO_ARGS = {"overlap_grad_reduce": "overlap_grad_reduce", "overlap_param_gather": "overlap_param_gather",
@@ -26,7 +35,8 @@ ZERO_ARGS = {"overlap_grad_reduce": "overlap_grad_reduce", "overlap_param_gather
 ZERO_FLAGS = {"overlap_grad_reduce": "--overlap-grad-reduce", "overlap_param_gather": "--overlap-param-gather",
               "prefetch": "--zero-prefetch", "reshard_after_forward": "--no-reshard-after-forward"}
 
-__all__ = ["UsageError", "build_parser", "parse_args", "validate", "mesh_axes", "train_argv"]
+__all__ = ["UsageError", "build_parser", "parse_args", "validate", "preflight", "build_layout", "mesh_axes",
+           "train_argv", "vocab_size"]
 
 PROG = "dtp"
 # The parser's description: the first line of the package docstring (dtp.cli).
@@ -45,6 +55,16 @@ DEFAULT_MAX_SKIPPED = 10
 # 300 s leaves three orders of magnitude for larger models and slower machines, and still
 # turns a hang into an error within 5 minutes. A dead peer is noticed at once regardless.
 DEFAULT_TIMEOUT = 300.0
+
+# --eval-every: the held-out split is the corpus's last tenth (dtp.data.split_held_out), and
+# each evaluation averages the loss of its first EVAL_BATCHES batches: the same tokens every
+# time, so the curve compares step with step.
+EVAL_BATCHES = 4
+
+# What a run directory holds that dtp wrote (dtp.cli.report's table, the checkpoints, the
+# TensorBoard events, the ranks' tracebacks): what --overwrite clears, and nothing else.
+RUN_FILES = ("config.json", "metrics.jsonl", "summary.json", "loss.png", "check.json", "checkpoints",
+             "tensorboard", "logs")
 
 
 class UsageError(ValueError):
@@ -83,6 +103,19 @@ _non_negative_float = _number(float, 0)
 _non_negative_int = _number(int, 0)
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+    """Adds ``(default: X)`` to a flag's help where it tells something: not for on/off
+    switches (their default is that they are off, or for ``--no-…`` on), not for ``None``,
+    and not where the help already states its default in words."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if (action.default in (None, argparse.SUPPRESS) or action.nargs == 0 or "default" in text
+                or action.option_strings == []):
+            return text
+        return text + " (default: %(default)s)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``dtp`` command (subcommands ``train`` and ``check``).
 
@@ -91,13 +124,15 @@ def build_parser() -> argparse.ArgumentParser:
     (2, 2, True, 'float32')
     """
     parser = argparse.ArgumentParser(prog=PROG, description=DESCRIPTION)
-    sub = parser.add_subparsers(dest="command", metavar="{train,check}")
+    # More subcommands (dtp plan, ...) add themselves with sub.add_parser(...): the
+    # metavar lists whatever is there.
+    sub = parser.add_subparsers(dest="command")
 
     t = sub.add_parser("train", help="train the reference Llama on N ranks under a parallel layout",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       formatter_class=_HelpFormatter)
     g = t.add_argument_group("parallelism (mesh order dp, cp, tp: outer to inner)")
     g.add_argument("--nproc", type=_positive("--nproc"), default=None,
-                   help="local ranks to start; default (and required value): dp*cp*tp")
+                   help="local ranks to start; default (and the only valid value): the mesh size, pp*dp*ep*cp*tp")
     g.add_argument("--dp", type=_positive("--dp"), default=1, help="data-parallel degree")
     g.add_argument("--cp", type=_positive("--cp"), default=1, help="context-parallel degree")
     g.add_argument("--tp", type=_positive("--tp"), default=1, help="tensor-parallel degree")
@@ -128,7 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --zero 3: keep gathered buckets from forward until backward is done with them "
                         "(2Ψ traffic instead of 3Ψ; parameters whole during a step)")
     g.add_argument("--zero-prefetch", type=_positive("--zero-prefetch"), default=1, metavar="N",
-                   help="with --zero 3: buckets gathered ahead of the one in use (default 1)")
+                   help="with --zero 3: buckets gathered ahead of the one in use")
     g.add_argument("--bucket-mb", type=_non_negative_float, default=40.0,
                    help="with --zero: gradient/parameter bucket size in MiB")
 
@@ -177,6 +212,17 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--check", action="store_true",
                    help="compare every step's loss with a 1-process reference run; exit 1 on mismatch")
     g.add_argument("--log-every", type=_positive("--log-every"), default=1, help="print a line every N steps")
+    g.add_argument("--overwrite", action="store_true",
+                   help="reuse a non-empty --out: delete the files an earlier run wrote there "
+                        f"({', '.join(RUN_FILES)}) first")
+    g.add_argument("--eval-every", type=_non_negative_int, default=0, metavar="N",
+                   help=f"every N steps (and after the last) the loss on a held-out tenth of the corpus, forward "
+                        f"only, mean of {EVAL_BATCHES} batches (0: never; the held-out tenth then trains too)")
+    g.add_argument("--tensorboard", action="store_true",
+                   help="also write TensorBoard events to <out>/tensorboard (needs the tensorboard package)")
+    g.add_argument("--debug", action="store_true",
+                   help="full Python tracebacks on the console (otherwise one line per failing rank; "
+                        "the tracebacks are in <out>/logs)")
 
     g = t.add_argument_group("checkpoints (in <out>/checkpoints; any parallel flags can resume any others)")
     g.add_argument("--save-every", type=int, default=0, metavar="N",
@@ -195,10 +241,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="when a rank dies, stop the others and start all again from the newest checkpoint, "
                         "up to R times (torchrun's elastic agent; needs --save-every)")
 
-    c = sub.add_parser("check", help="compare a finished run's losses with a 1-process reference")
+    c = sub.add_parser("check", help="compare a finished run's losses with a 1-process reference",
+                       formatter_class=_HelpFormatter)
     c.add_argument("run_dir", help="the run directory (with config.json and metrics.jsonl)")
     c.add_argument("--rtol", type=_non_negative_float, default=None,
-                   help="relative tolerance (default by dtype: " +
+                   help="relative tolerance (default: by dtype, " +
                         ", ".join(f"{k} {v:g}" for k, v in RUN_RTOL.items()) + ")")
     return parser
 
@@ -217,6 +264,15 @@ def mesh_axes(args: argparse.Namespace) -> dict[str, int]:
     return axes
 
 
+def format_mesh(axes: dict[str, int]) -> str:
+    """A mesh for a message: ``dp=2 × tp=2``.
+
+    >>> format_mesh({"dp": 2, "tp": 2}), format_mesh({"dp": 1})
+    ('dp=2 × tp=2', 'dp=1')
+    """
+    return " × ".join(f"{k}={v}" for k, v in axes.items())
+
+
 def validate(args: argparse.Namespace, *, world_size: int | None = None) -> argparse.Namespace:
     """Check flag combinations that need no model or process group; fill in defaults.
 
@@ -227,14 +283,14 @@ def validate(args: argparse.Namespace, *, world_size: int | None = None) -> argp
     4
     """
     n = math.prod(mesh_axes(args).values())
-    shape = " × ".join(f"{k}={v}" for k, v in mesh_axes(args).items())
+    shape = format_mesh(mesh_axes(args))
     if world_size is not None and world_size != n:
-        raise UsageError(f"the mesh {shape} = {n} ranks, but torchrun started WORLD_SIZE={world_size}")
+        raise UsageError(f"the mesh {shape} needs {n} rank{'s' * (n > 1)}, but torchrun started WORLD_SIZE={world_size}")
     if args.nproc is None:
         args.nproc = n if world_size is None else world_size
     elif args.nproc != n:
-        raise UsageError(f"--nproc {args.nproc} does not match the mesh {shape} = {n} ranks; "
-                         f"use --nproc {n} or leave --nproc out")
+        raise UsageError(f"--nproc {args.nproc} does not match the mesh {shape}: it needs {n} "
+                         f"rank{'s' * (n > 1)}; use --nproc {n} or leave --nproc out")
     if args.warmup is None:
         args.warmup = min(DEFAULT_WARMUP, args.steps)
     elif not 0 <= args.warmup <= args.steps:
@@ -246,7 +302,8 @@ def validate(args: argparse.Namespace, *, world_size: int | None = None) -> argp
         flags = [f for f, v in (("--cp-algo", args.cp_algo), ("--cp-window", args.cp_window),
                                 ("--ulysses-degree", args.ulysses_degree),
                                 ("--cp-head-chunks", args.cp_head_chunks)) if v]
-        raise UsageError(f"{', '.join(flags)} configure context parallel; they need --cp > 1")
+        raise UsageError(f"{' and '.join(flags)} {'configure' if len(flags) > 1 else 'configures'} context "
+                         f"parallel: {'they need' if len(flags) > 1 else 'it needs'} --cp > 1, got --cp 1")
     # Which ZeRO options need which stage is layouts.zero's rule; here it is phrased as flags.
     for option, stages, why in misplaced_options(args.zero, **{o: getattr(args, ZERO_ARGS[o]) for o in ZERO_ARGS}):
         flag = ZERO_FLAGS[option]
@@ -261,10 +318,10 @@ def validate(args: argparse.Namespace, *, world_size: int | None = None) -> argp
         print(f"{PROG} train: note: --zero {args.zero} has no effect with --dp 1 (ZeRO shards over dp)",
               file=sys.stderr)
     if args.sp and args.tp == 1:
-        # As in Megatron-LM: sequence parallel splits over the tp group, a group of one.
-        print(f"{PROG} train: note: --sp has no effect with --tp 1 (sequence parallel splits over tp)",
-              file=sys.stderr)
-        args.sp = False
+        # Sequence parallel splits over the tp group; with a group of one it would be
+        # silently off, so say so instead of running something else than was asked.
+        raise UsageError("--sp (sequence parallel) splits the sequence over the tp group: it needs --tp > 1, "
+                         "got --tp 1")
     if args.ep > 1 and args.batch % (args.dp * args.ep * args.microbatches):
         raise UsageError(f"--batch {args.batch} must be divisible by --dp × --ep × --microbatches = "
                          f"{args.dp} × {args.ep} × {args.microbatches}: ep is a data axis too")
@@ -297,6 +354,14 @@ def validate(args: argparse.Namespace, *, world_size: int | None = None) -> argp
         raise UsageError("--max-restarts needs --save-every N: a restart resumes from the newest checkpoint")
     if args.resume and args.out is None:
         raise UsageError("--resume continues the run in --out; name it (--out runs/…)")
+    if args.resume and args.overwrite:
+        raise UsageError("--resume continues the run in --out, --overwrite deletes it: choose one")
+    if args.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        # torch.utils.tensorboard imports it; found here without importing anything.
+        raise UsageError("--tensorboard needs the tensorboard package: pip install tensorboard")
+    if args.eval_every and args.pp > 1:
+        raise UsageError("--eval-every is not supported with --pp > 1 yet (the evaluation forward runs the "
+                         "model whole, not in stages)")
     if args.data is not None:
         args.data = str(Path(args.data).expanduser().resolve())
     return args
@@ -315,11 +380,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def train_argv(args: argparse.Namespace) -> list[str]:
-    """The ``train`` arguments a rank needs, spelled out (no ``--nproc``, no ``--check``).
+    """The ``train`` arguments a rank needs, spelled out (no ``--nproc``, ``--check`` or ``--overwrite``).
 
     Every value is explicit, so each rank resolves exactly what the launcher resolved
     (the run directory, the warm-up, the absolute data path), and ``--check`` stays with
-    the launcher, which runs the reference once instead of on every rank.
+    the launcher, which runs the reference once instead of on every rank, as does
+    ``--overwrite`` (the launcher cleared the directory before the ranks started).
 
     >>> train_argv(parse_args(["train", "--dp", "2", "--out", "r"]))[:9]
     ['train', '--pp', '1', '--pp-schedule', '1f1b', '--virtual-stages', '1', '--dp', '2']
@@ -338,13 +404,14 @@ def train_argv(args: argparse.Namespace) -> list[str]:
     out += [flag for flag, on in (("--overlap-grad-reduce", args.overlap_grad_reduce),
                                   ("--overlap-param-gather", args.overlap_param_gather),
                                   ("--no-reshard-after-forward", not args.reshard_after_forward),
-                                  ("--async-save", args.async_save), ("--resume", args.resume)) if on]
+                                  ("--async-save", args.async_save), ("--resume", args.resume),
+                                  ("--tensorboard", args.tensorboard), ("--debug", args.debug)) if on]
     out += ["--save-every", str(args.save_every), "--keep", str(args.keep)]
     out += ["--zero", str(args.zero), "--zero-prefetch", str(args.zero_prefetch), "--bucket-mb", repr(args.bucket_mb), "--model", args.model, "--steps", str(args.steps),
             "--batch", str(args.batch), "--seq", str(args.seq), "--dtype", args.dtype,
             "--lr", repr(args.lr), "--warmup", str(args.warmup), "--microbatches", str(args.microbatches),
             "--recompute", args.recompute, "--clip", repr(args.clip), "--seed", str(args.seed),
-            "--log-every", str(args.log_every)]
+            "--log-every", str(args.log_every), "--eval-every", str(args.eval_every)]
     out += ["--max-skipped", str(args.max_skipped), "--multi-data", str(args.multi_data)]
     out += [flag for flag, on in (("--expert-tp", args.expert_tp), ("--pipe-experts", args.pipe_experts),
                                   ("--multi-stream", args.multi_stream)) if on]
@@ -371,3 +438,106 @@ def model_overrides(args: Any) -> dict[str, Any]:
     """
     get = args.get if isinstance(args, dict) else lambda k: getattr(args, k, None)
     return {k: get(k) for k in ("num_experts", "top_k", "capacity_factor") if get(k) is not None}
+
+
+def build_layout(args: argparse.Namespace) -> Layout:
+    """``data() + megatron(sequence_parallel=sp)`` (+ ``context(...)`` with cp > 1, + ``zero``,
+    + ``expert`` with ep > 1, + ``pipeline`` with pp > 1): the flags mapped to the presets,
+    which check their own options.
+
+    Megatron's rules name the ``tp`` axis; on a mesh without it they are dropped, so the
+    same layout serves tp = 1.
+
+    >>> build_layout(parse_args(["train", "--dp", "2", "--tp", "2", "--sp"])).megatron.sequence_parallel
+    True
+    """
+    layout = layouts.data() + layouts.megatron(sequence_parallel=args.sp)
+    if args.cp > 1:
+        options = {k: v for k, v in (("algo", args.cp_algo), ("window", args.cp_window),
+                                     ("ulysses_degree", args.ulysses_degree),
+                                     ("head_chunks", args.cp_head_chunks)) if v is not None}
+        layout = layout + layouts.context(**options)
+    layout = layout + zero_layout(args)
+    if args.ep > 1:
+        layout = layout + layouts.expert(pipe_experts=args.pipe_experts, multi_data=args.multi_data,
+                                         multi_stream=args.multi_stream, tp_axis="tp" if args.expert_tp else None)
+    if args.pp > 1:
+        layout = layout + layouts.pipeline(args.pp_schedule, virtual_stages=args.virtual_stages)
+    return layout
+
+
+def vocab_size(model: str, max_id: int) -> int:
+    """The preset's vocabulary, grown (to a multiple of 128, like nanoGPT's 50304) when the
+    data holds larger ids. Independent of tp, so runs under different layouts share a model.
+
+    >>> vocab_size("tiny", 255), vocab_size("tiny", 300)
+    (256, 384)
+    """
+    preset = model_config.config(model).vocab_size
+    return max(preset, -(-(max_id + 1) // 128) * 128)
+
+
+def preflight(args: argparse.Namespace, *, check_out: bool = True) -> Layout:
+    """Check the whole run before any rank starts (and before torch is imported): the
+    layout's presets, the model against the layout on the mesh's shape (heads, kv heads,
+    vocabulary, experts divisible by their splits), the pipeline's layers and
+    microbatches, the sequence against context parallel, the corpus against a batch, and
+    the run directory (``check_out``: writable; not an earlier run's unless ``--resume``
+    or ``--overwrite``). Returns the layout.
+
+    Raises :class:`UsageError` (or the presets' ``ValueError``): one line, exit code 2.
+    What only a rank can see (a stage's tied embeddings under ZeRO, an MoE carry between
+    stages) is still checked by ``train_step``, on every rank before any collective.
+    """
+    layout = build_layout(args)
+    try:
+        n_tokens, max_id = token_stats(args.data)
+    except (OSError, ValueError) as e:
+        raise UsageError(f"--data: {e}") from None
+    cfg = model_config.config(args.model, vocab_size=vocab_size(args.model, max_id), **model_overrides(args))
+    mesh = MeshShape(mesh_axes(args))
+    what = f"--model {args.model} on the mesh {format_mesh(mesh.sizes)}"
+    layout.check_mesh(mesh, what=f"the mesh {format_mesh(mesh.sizes)}")
+    layout.check_sizes(model_config.axis_sizes(cfg), mesh, what=what)
+    if layout.pipeline is not None:
+        layout.pipeline.check(n_layers=model_config.n_sequential_layers(cfg), mesh=mesh,
+                              microbatches=args.microbatches,
+                              what=f"--pp {args.pp} --virtual-stages {args.virtual_stages}")
+    if layout.context is not None:
+        layouts.check_divisible(args.seq, layout.context_degree(mesh), layout.context.load_balance,
+                                what=f"--seq {args.seq}")
+    _check_corpus(args, n_tokens)
+    if check_out:
+        check_out_dir(args)
+    return layout
+
+
+def _check_corpus(args: argparse.Namespace, n_tokens: int) -> None:
+    """Enough windows of ``--seq + 1`` tokens for one ``--batch`` (in each split, with ``--eval-every``)."""
+    parts = {"the corpus": n_tokens}
+    if args.eval_every:
+        cut = held_out_start(n_tokens)
+        parts = {"the training split (the corpus's first nine tenths)": cut,
+                 "the held-out split (its last tenth, --eval-every)": n_tokens - cut}
+    for name, n in parts.items():
+        windows = max(n - 1, 0) // args.seq
+        if windows < args.batch:
+            raise UsageError(f"--batch {args.batch} --seq {args.seq}: {name} has {n} tokens, {windows} windows of "
+                             f"{args.seq} + 1 tokens, fewer than a batch; use a smaller --batch or --seq, or more data")
+
+
+def check_out_dir(args: argparse.Namespace) -> None:
+    """The run directory: its parent creatable and writable; an earlier run's directory
+    only with ``--resume`` (continue it) or ``--overwrite`` (clear dtp's files from it)."""
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {out}: exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not (args.resume or args.overwrite):
+        raise UsageError(f"--out {out} is not empty (an earlier run?): add --resume to continue it, "
+                         f"--overwrite to start again there, or name another --out")
+    try:  # create it now (rank 0 would anyway) and write into it: that is what "writable" means
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as e:
+        raise UsageError(f"--out {out}: cannot create or write it ({e.strerror or e})") from None

@@ -14,7 +14,11 @@ import contextlib
 import dataclasses
 import functools
 import json
+import math
 import os
+import signal
+import threading
+import time
 import shlex
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, TextIO
@@ -23,43 +27,27 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from .. import Layout, TrainState, checkpoint, comm, layouts, make_mesh, optim, shard_batch, train_step, wait
+from .. import (Layout, TrainState, checkpoint, comm, gather_params, make_mesh, optim, shard_batch, train_step,
+                use_layout, wait)
+from .._token_files import held_out_start
 from ..data import TokenLoader, load_tokens
 from ..launch import in_torchrun
 from ..mesh import clear_mesh_cache
 from ..models import llama
-from .flags import PROG, UsageError, mesh_axes, model_overrides, train_argv, zero_layout
-from .report import _atomic_write_text, _format_summary, _plot, _Progress, _write_json, summarize
+from ..redistribute import value_of
+from .flags import (EVAL_BATCHES, PROG, UsageError, build_layout, format_mesh, mesh_axes, model_overrides,
+                    train_argv, vocab_size)
+from .report import (_atomic_write_text, _format_summary, _plot, _Progress, _write_json, read_metrics,
+                     report_exception, summarize)
 
-__all__ = ["build_layout", "SkipCounter", "TrainingAborted"]
-
-
-def build_layout(args: argparse.Namespace) -> Layout:
-    """``data() + megatron(sequence_parallel=sp)`` (+ ``context(...)`` with cp > 1, + ``zero``).
-
-    Megatron's rules name the ``tp`` axis; on a mesh without it they are dropped, so the
-    same layout serves tp = 1.
-    """
-    layout = layouts.data() + layouts.megatron(sequence_parallel=args.sp)
-    if args.cp > 1:
-        options = {k: v for k, v in (("algo", args.cp_algo), ("window", args.cp_window),
-                                     ("ulysses_degree", args.ulysses_degree),
-                                     ("head_chunks", args.cp_head_chunks)) if v is not None}
-        layout = layout + layouts.context(**options)
-    layout = layout + zero_layout(args)
-    if args.ep > 1:
-        layout = layout + layouts.expert(pipe_experts=args.pipe_experts, multi_data=args.multi_data,
-                                         multi_stream=args.multi_stream, tp_axis="tp" if args.expert_tp else None)
-    if args.pp > 1:
-        layout = layout + layouts.pipeline(args.pp_schedule, virtual_stages=args.virtual_stages)
-    return layout
+__all__ = ["build_layout", "SkipCounter", "TrainingAborted", "Terminated"]
 
 
 def _torch_dtype(name: str) -> torch.dtype:
     return {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}[name]
 
 
-@functools.lru_cache(maxsize=2)  # the launcher validates with the data, then trains with it
+@functools.lru_cache(maxsize=2)  # rank 0 reads it for the run config, then trains with it
 def _load_data(path: str | None) -> torch.Tensor:
     try:
         return load_tokens(path)
@@ -67,12 +55,37 @@ def _load_data(path: str | None) -> torch.Tensor:
         raise UsageError(f"--data: {e}") from None
 
 
+def _splits(args: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The training tokens and, with ``--eval-every``, the held-out ones (the corpus's last
+    tenth, :func:`dtp._token_files.held_out_start`): the same split on every rank and in
+    the 1-process reference."""
+    tokens = _load_data(args["data"])
+    if not args.get("eval_every"):  # run directories from before the flag: no split
+        return tokens, None
+    cut = held_out_start(tokens.numel())
+    return tokens[:cut], tokens[cut:]
+
+
 def _vocab_size(model: str, tokens: torch.Tensor) -> int:
-    """The preset's vocabulary, grown (to a multiple of 128, like nanoGPT's 50304) when the
-    data holds larger ids. Independent of tp, so runs under different layouts share a model."""
-    preset = llama.config(model).vocab_size
-    needed = -(-(int(tokens.max()) + 1) // 128) * 128
-    return max(preset, needed)
+    """:func:`dtp.cli.flags.vocab_size` for a token tensor."""
+    return vocab_size(model, int(tokens.max()))
+
+
+def _lr_schedule(peak: float, warmup: int, steps: int) -> optim.Schedule:
+    """Linear warm-up to ``peak`` over ``warmup`` steps, then cosine decay, over ``steps``.
+
+    The optimizer's count is 0 at step 1, where :func:`dtp.optim.warmup_cosine` gives lr 0
+    after a warm-up: a step that moves nothing. So the schedule is read one count ahead
+    over ``steps + 1``: step 1 runs at ``peak / warmup``, step ``warmup`` at the peak, and
+    the last step still above the final lr. Without warm-up it is the cosine as it was.
+
+    >>> [round(_lr_schedule(1.0, 2, 4)(count), 3) for count in range(4)]
+    [0.5, 1.0, 0.75, 0.25]
+    """
+    if warmup == 0:
+        return optim.warmup_cosine(peak, 0, steps)
+    ahead = optim.warmup_cosine(peak, warmup, steps + 1)
+    return lambda count: ahead(count + 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,11 +105,16 @@ def _train(args: Mapping[str, Any], mesh: DeviceMesh, layout: Layout, *, recompu
     """The training loop every rank runs (and the 1-process reference); returns the
     metrics of the steps it ran (after the resumed one, when resuming)."""
     torch.manual_seed(args["seed"])
-    tokens = _load_data(args["data"])
+    tokens, held_out = _splits(args)
     loader = TokenLoader(tokens, batch_size=args["batch"], seq_len=args["seq"], seed=args["seed"])
     cfg = llama.config(args["model"], vocab_size=args["vocab_size"], **model_overrides(args))
-    params = llama.init(cfg, seed=args["seed"], dtype=_torch_dtype(args["dtype"]))
-    opt = optim.adamw(optim.warmup_cosine(args["lr"], args["warmup"], args["steps"]), weight_decay=0.1)
+    dtype = _torch_dtype(args["dtype"])
+    params = llama.init(cfg, seed=args["seed"], dtype=dtype)
+    if args.get("warmup_from_step_one"):
+        schedule = _lr_schedule(args["lr"], args["warmup"], args["steps"])
+    else:  # a run directory from before: the schedule it ran (lr 0 at step 1), so dtp check agrees
+        schedule = optim.warmup_cosine(args["lr"], args["warmup"], args["steps"])
+    opt = optim.adamw(schedule, weight_decay=0.1)
     # axis_sizes: the layout's rules (heads per tp × Ulysses degree, kv heads per head
     # chunk, vocab per tp …) are checked here, on every rank, before any collective.
     state = TrainState.create(params, opt, mesh=mesh, layout=layout, axes=llama.param_axes(cfg),
@@ -104,6 +122,12 @@ def _train(args: Mapping[str, Any], mesh: DeviceMesh, layout: Layout, *, recompu
     loss_fn = llama.sequential(cfg)  # the model as layers: a pipeline cuts it into stages; else llama.loss
     clip = args["clip"] if args["clip"] > 0 else None
     skips = SkipCounter(args.get("max_skipped", 0))  # run directories from before the flag: never abort
+    eval_every = args.get("eval_every", 0)
+    eval_batches = _eval_batches(held_out, args) if held_out is not None else []
+    # MFU: the model's training FLOPs per token (PaLM's count) against a matmul's measured
+    # rate on this rank (a CPU has no datasheet peak dtp could look up): an estimate.
+    flops_per_token = llama.flops_per_token(cfg, args["seq"])
+    peak = _matmul_rate(dtype) * mesh.size()
     first = 1
     if checkpoints is not None and checkpoints.resume_from is not None:
         # The same state and data position whatever the flags it was saved under:
@@ -118,12 +142,18 @@ def _train(args: Mapping[str, Any], mesh: DeviceMesh, layout: Layout, *, recompu
                               recompute=recompute, clip_norm=clip)
         step_time = float(m["step_time"])
         skips.add(bool(m["skipped"]))
+        tokens_per_s = int(m["tokens"]) / step_time if step_time > 0 else None
         record = {"step": step, "loss": float(m["loss"]), "grad_norm": float(m["grad_norm"]),
                   "lr": float(m["lr"]), "tokens": int(m["tokens"]), "step_time": step_time,
-                  "tokens_per_s": int(m["tokens"]) / step_time if step_time > 0 else None,
+                  "tokens_per_s": tokens_per_s,
+                  "mfu": tokens_per_s * flops_per_token / peak if tokens_per_s and peak > 0 else None,
                   "comm_bytes": {a: {k: int(b) for k, b in kinds.items()}
                                  for a, kinds in (m.get("comm_bytes") or {}).items()},
                   "skipped": bool(m["skipped"]), "skipped_steps": skips.total, **_moe_metrics(m.get("aux"))}
+        if eval_every and (step % eval_every == 0 or step == args["steps"]):
+            t0 = time.perf_counter()
+            record["eval_loss"] = _evaluate(state, cfg, eval_batches)
+            record["eval_time"] = time.perf_counter() - t0
         records.append(record)
         if on_step is not None:
             on_step(step, record)
@@ -137,6 +167,40 @@ def _train(args: Mapping[str, Any], mesh: DeviceMesh, layout: Layout, *, recompu
         saving.wait()
     wait(state)  # the last step's prefetched parameter gathers (overlap_param_gather)
     return records
+
+
+def _eval_batches(held_out: torch.Tensor, args: Mapping[str, Any]) -> list[dict[str, torch.Tensor]]:
+    """The held-out batches every evaluation uses: the first :data:`EVAL_BATCHES` of a
+    loader over the held-out split (fewer if it holds fewer), the same ones each time."""
+    loader = TokenLoader(held_out, batch_size=args["batch"], seq_len=args["seq"], seed=args["seed"])
+    return [loader.next_batch() for _ in range(min(EVAL_BATCHES, loader.batches_per_epoch))]
+
+
+def _evaluate(state: TrainState, cfg: llama.LlamaConfig, batches: list[dict[str, torch.Tensor]]) -> float:
+    """The mean language-model loss over ``batches``, forward only, under the run's layout:
+    the same value on every rank (a global mean). Every rank calls it at the same step:
+    under ZeRO-3 :func:`dtp.gather_params` all-gathers the parameters."""
+    params = gather_params(state)
+    total = 0.0
+    with torch.no_grad(), use_layout(state.layout, state.mesh):
+        for batch in batches:
+            out = llama.loss(params, shard_batch(batch, state), cfg)
+            # An MoE model returns (loss + aux terms, aux): the held-out number is the LM loss.
+            loss = out[1]["lm_loss"] if isinstance(out, tuple) else out
+            total += value_of(loss.detach())
+    return total / len(batches)
+
+
+def _matmul_rate(dtype: torch.dtype, n: int = 256, repeats: int = 5) -> float:
+    """FLOP/s of an ``n × n`` matmul in ``dtype`` on this rank, the best of ``repeats``:
+    the denominator of the MFU estimate (a few ms once per run)."""
+    a = torch.randn(n, n, generator=torch.Generator().manual_seed(0)).to(dtype)
+    best = math.inf
+    for _ in range(repeats + 1):  # the first warms up the kernel
+        t0 = time.perf_counter()
+        a @ a
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best if best > 0 else 0.0
 
 
 # --------------------------------------------------------------------------- non-finite steps
@@ -193,9 +257,10 @@ def _single_process_world() -> Iterator[DeviceMesh]:
 
 
 def _run_config(args: argparse.Namespace, world_size: int) -> dict[str, Any]:
-    cfg = {k: v for k, v in vars(args).items() if k not in ("command", "check", "nproc")}
+    # Not in it: what only this invocation is about (checking, console, clearing --out).
+    cfg = {k: v for k, v in vars(args).items() if k not in ("command", "check", "nproc", "overwrite", "debug")}
     cfg.update(vocab_size=_vocab_size(args.model, _load_data(args.data)), world_size=world_size,
-               mesh=mesh_axes(args))
+               mesh=mesh_axes(args), warmup_from_step_one=True)
     return cfg
 
 
@@ -234,8 +299,53 @@ def _quiesce() -> None:
     dist.barrier()
 
 
+class Terminated(KeyboardInterrupt):
+    """``SIGTERM`` reached this rank (the launcher stopping it, or ``kill``): raised like
+    Ctrl-C's ``KeyboardInterrupt``, so the run's summary and plot are written on the way out."""
+
+    signum = signal.SIGTERM
+
+
+@contextlib.contextmanager
+def _sigterm_raises() -> Iterator[None]:
+    """While training, ``SIGTERM`` raises :class:`Terminated` (Python's default would end
+    the process on the spot, files unwritten). Only in the main thread: elsewhere Python
+    cannot install handlers, and the caller has its own."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: Any) -> None:
+        raise Terminated(f"stopped by signal {signal.Signals(signum).name}")
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@contextlib.contextmanager
+def _sigterm_ignored() -> Iterator[None]:
+    """``SIGTERM`` waits (ignored) while rank 0 writes its last files, a second or so; the
+    launcher's agent would ``SIGKILL`` a rank that took 30 s. Main thread only (as above)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def _train_rank(args: argparse.Namespace, *, stream: TextIO | None = None) -> int:
-    """Train as one rank of the current world (torchrun's, or a world of one)."""
+    """Train as one rank of the current world (torchrun's, or a world of one).
+
+    Rank 0 writes the run directory: ``metrics.jsonl`` a line per step, and
+    ``summary.json`` and ``loss.png`` at the end, also when the run ends early (Ctrl-C,
+    ``SIGTERM``, an exception after some steps: the summary then says ``interrupted``).
+    """
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     out = Path(args.out)
@@ -246,39 +356,162 @@ def _train_rank(args: argparse.Namespace, *, stream: TextIO | None = None) -> in
     # Resuming: the steps up to the checkpoint stay in metrics.jsonl (the ones after it
     # are run again), so the file, the summary and the loss plot cover the whole run.
     earlier = _records_until(out, checkpoints.resume_from)
-    lines: list[str] = [json.dumps(r) for r in earlier]
+    records: list[dict[str, Any]] = list(earlier)
 
-    if rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
-        _write_json(out / "config.json", {**run_cfg, "layout": layout.name,
-                                          "command": shlex.join([PROG, *train_argv(args)])})
-        mesh = " × ".join(f"{k}={v}" for k, v in run_cfg["mesh"].items())
-        print(f"{PROG} train: {args.model} on mesh {mesh} ({world} rank{'s' * (world > 1)}), "
-              f"layout {layout.name}, {args.dtype}, writing {out}", file=stream, flush=True)
-        if checkpoints.resume_from is not None:
-            print(f"{PROG} train: resuming from step {len(earlier)} ({checkpoints.resume_from})",
-                  file=stream, flush=True)
+    with contextlib.ExitStack() as files:
+        metrics = board = None
+        if rank == 0:
+            out.mkdir(parents=True, exist_ok=True)
+            _write_json(out / "config.json", {**run_cfg, "layout": layout.name,
+                                              "command": shlex.join([PROG, *train_argv(args)])})
+            # The kept steps once (whole, atomically), then one line appended per step. A
+            # fresh run's file appears with its first step (readers take it as "training").
+            if earlier:
+                _atomic_write_text(out / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in earlier))
+            else:
+                (out / "metrics.jsonl").unlink(missing_ok=True)
+            metrics = files.enter_context(_AppendOnFirstWrite(out / "metrics.jsonl"))
+            if args.tensorboard:
+                board = files.enter_context(_TensorBoard(out / "tensorboard"))
+            _print_header(args, run_cfg, layout, world, out, stream)
+            if checkpoints.resume_from is not None:
+                print(f"{PROG} train: resuming from step {len(earlier)} ({checkpoints.resume_from})",
+                      file=stream, flush=True)
 
-    def on_step(step: int, record: dict[str, Any]) -> None:
-        if rank != 0:
-            return
-        lines.append(json.dumps(record))
-        # The whole file each step (tmp + rename), so it is always complete; at ~250 bytes a
-        # step that is a few ms even after thousands of steps, small next to a step.
-        _atomic_write_text(out / "metrics.jsonl", "\n".join(lines) + "\n")
-        progress.update(step, record)
+        def on_step(step: int, record: dict[str, Any]) -> None:
+            records.append(record)
+            if metrics is None:
+                return
+            # One line per step, flushed: a reader sees every finished step (rewriting the
+            # whole file each step, as before, cost O(steps) per step).
+            metrics.write(json.dumps(record) + "\n")
+            if board is not None:
+                board.add(step, record)
+            progress.update(step, record)
 
-    with _world(args) as mesh:
-        records = earlier + _train(run_cfg, mesh, layout, recompute=_recompute(args), on_step=on_step,
-                                   checkpoints=checkpoints)
-        del mesh  # the last reference: destroy_process_group then really ends the group
-
-    if rank == 0:
-        summary = summarize(records)
-        _write_json(out / "summary.json", summary)
-        _plot(out, {"loss": [r["loss"] for r in records]}, run_cfg)
-        print(_format_summary(summary), file=stream, flush=True)
+        interrupted = None
+        try:
+            with _sigterm_raises(), _world(args) as mesh:
+                _train(run_cfg, mesh, layout, recompute=_recompute(args), on_step=on_step, checkpoints=checkpoints)
+                del mesh  # the last reference: destroy_process_group then really ends the group
+        except BaseException as e:
+            interrupted = _why(e)
+            if isinstance(e, Exception) and not args.debug:
+                # Say what happened now, not after the summary and plot below: once one rank
+                # has exited the launcher stops the others, and a rank stopped before it
+                # spoke would leave only its flight record.
+                report_exception(e, "train", args.out)
+            raise
+        finally:
+            if rank == 0 and records:
+                with _sigterm_ignored():  # a stop during the last writes would leave no plot
+                    _finish(out, records, run_cfg, interrupted, stream)
     return 0
+
+
+def _why(e: BaseException) -> str:
+    """What ended a run early, for ``summary.json``'s ``interrupted``."""
+    if isinstance(e, Terminated):
+        return "SIGTERM"
+    if isinstance(e, KeyboardInterrupt):
+        return "Ctrl-C"
+    return f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
+
+
+def _finish(out: Path, records: list[dict[str, Any]], run_cfg: Mapping[str, Any], interrupted: str | None,
+            stream: TextIO | None) -> None:
+    """Rank 0's last files: ``summary.json`` and ``loss.png``; then the summary line."""
+    summary = summarize(records)
+    if interrupted is not None:
+        summary["interrupted"] = interrupted
+    _write_json(out / "summary.json", summary)
+    _plot(out, {"loss": [r["loss"] for r in records]}, run_cfg)
+    print(_format_summary(summary), file=stream, flush=True)
+
+
+def _print_header(args: argparse.Namespace, run_cfg: Mapping[str, Any], layout: Layout, world: int, out: Path,
+                  stream: TextIO | None) -> None:
+    """The run's first line: model and its parameter count, mesh, layout, dtype, directory;
+    then the plan's per-rank memory, when :mod:`dtp.plan` provides it (:func:`_plan_memory`)."""
+    cfg = llama.config(args.model, vocab_size=run_cfg["vocab_size"], **model_overrides(args))
+    params = llama.param_count(cfg)
+    print(f"{PROG} train: {args.model} ({_count(params)} parameters) on mesh {format_mesh(run_cfg['mesh'])} "
+          f"({world} rank{'s' * (world > 1)}), layout {layout.name}, {args.dtype}, writing {out}",
+          file=stream, flush=True)
+    memory = _plan_memory(args)
+    if memory:
+        print(f"{PROG} train: {memory}", file=stream, flush=True)
+
+
+def _plan_memory(args: argparse.Namespace) -> str | None:
+    """HOOK for dtp.plan: one line with the predicted memory per rank, shown under the
+    header. ``dtp.plan.memory_line(args)`` (the ``dtp train`` flags) provides it once that
+    module has it; until then, and if it fails, the header shows nothing more."""
+    try:
+        from .. import plan  # type: ignore[attr-defined]
+    except ImportError:
+        return None
+    line = getattr(plan, "memory_line", None)
+    if line is None:
+        return None
+    try:
+        return line(args)
+    except Exception:  # noqa: BLE001 -- a prediction must never stop a run
+        return None
+
+
+def _count(n: int) -> str:
+    """A parameter count: ``98.9k``, ``1.2M``, ``6.7B``."""
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f}{unit}"
+    return str(n)
+
+
+class _AppendOnFirstWrite:
+    """A text file opened for appending at its first :meth:`write` (not before); flushed
+    after each write, closed on exit."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.file = path, None
+
+    def write(self, text: str) -> None:
+        if self.file is None:
+            self.file = open(self.path, "a")
+        self.file.write(text)
+        self.file.flush()
+
+    def __enter__(self) -> "_AppendOnFirstWrite":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.file is not None:
+            self.file.close()
+
+
+class _TensorBoard:
+    """``--tensorboard``: each step's scalars as TensorBoard events (rank 0), beside
+    ``metrics.jsonl``: loss, eval loss, lr, grad norm, tokens/s, MFU, comm bytes per axis."""
+
+    def __init__(self, directory: Path) -> None:
+        from torch.utils.tensorboard import SummaryWriter  # the optional dependency, checked by validate
+
+        self.writer = SummaryWriter(log_dir=str(directory))
+
+    def add(self, step: int, record: Mapping[str, Any]) -> None:
+        for key, tag in (("loss", "loss/train"), ("eval_loss", "loss/eval"), ("lr", "optim/lr"),
+                         ("grad_norm", "optim/grad_norm"), ("tokens_per_s", "perf/tokens_per_s"),
+                         ("mfu", "perf/mfu"), ("step_time", "perf/step_time")):
+            if record.get(key) is not None:
+                self.writer.add_scalar(tag, float(record[key]), step)
+        for axis, kinds in (record.get("comm_bytes") or {}).items():
+            self.writer.add_scalar(f"comm_bytes/{axis}", float(sum(kinds.values())), step)
+
+    def __enter__(self) -> "_TensorBoard":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.writer.close()
 
 
 def _recompute(args: argparse.Namespace) -> str | None:
@@ -303,7 +536,7 @@ def _records_until(out: Path, resume_from: Path | None) -> list[dict[str, Any]]:
         return []
     step = int(checkpoint.read_manifest(resume_from)["extra"]["loader"]["step"])  # iterations, skips included
     path = out / "metrics.jsonl"
-    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    records = read_metrics(path) if path.exists() else []
     kept = [r for r in records if r.get("step", 0) <= step]
     if len(kept) != step:
         raise UsageError(f"--resume: {path} holds {len(kept)} of the {step} steps before {resume_from.name}; "

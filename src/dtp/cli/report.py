@@ -3,34 +3,46 @@ files, the summary and the loss plot.
 
 =================  =============================================================
 ``config.json``    the resolved arguments, mesh, vocabulary size, world size
-``metrics.jsonl``  one JSON object per step: loss, grad_norm, lr, tokens, step_time,
-                   tokens_per_s, comm_bytes ``{axis: {kind: bytes}}``, skipped (the
-                   update was skipped: non-finite loss or gradient norm), skipped_steps
-                   (skips so far)
+``metrics.jsonl``  one JSON object per step, appended as the step ends: loss, grad_norm,
+                   lr, tokens, step_time, tokens_per_s, comm_bytes ``{axis: {kind:
+                   bytes}}``, skipped (the update was skipped: non-finite loss or
+                   gradient norm), skipped_steps (skips so far), mfu (estimate), and
+                   eval_loss on the steps that evaluated
 ``summary.json``   first/last loss, mean step time, tokens/s, bytes per mesh axis,
-                   skipped steps
+                   skipped steps, last eval loss; ``interrupted`` (why) when the run
+                   stopped early (Ctrl-C, SIGTERM, a crash): it is written then too
 ``loss.png``       the loss curve (matplotlib when installed, a built-in writer if not)
+``tensorboard/``   with ``--tensorboard``: the same scalars as TensorBoard events
+``logs/``          ``rank<N>.txt``: the traceback of a rank that crashed
 ``check.json``     with ``--check``: per-step losses of the 1-process reference and
                    the largest absolute / relative difference
 =================  =============================================================
 
-Every file is written whole to a temporary name and renamed, so a reader (or a run
-killed mid-write) never sees half a file.
+Every file but ``metrics.jsonl`` is written whole to a temporary name and renamed, so a
+reader (or a run killed mid-write) never sees half a file. ``metrics.jsonl`` grows by
+one line per step (rewriting it whole made a run quadratic in its steps); a reader
+skips a last line that is not complete yet.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
 import shutil
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Any, Mapping, Sequence, TextIO
 
+from ..launch import report_error as _report_error
 from ..plot import atomic_path, plot_loss
+from .flags import PROG
 
-__all__ = ["format_bytes", "format_step", "progress_bar", "summarize"]
+__all__ = ["format_bytes", "format_step", "format_duration", "progress_bar", "summarize", "describe_exception",
+           "clear_run_files", "read_metrics", "report_exception"]
 
 
 # --------------------------------------------------------------------------- console
@@ -52,15 +64,30 @@ def _axis_totals(comm: Mapping[str, Mapping[str, int]]) -> dict[str, int]:
     return {axis: sum(kinds.values()) for axis, kinds in comm.items()}
 
 
-def format_step(step: int, total: int, m: Mapping[str, Any]) -> str:
-    """One line per step, from ``train_step``'s metrics.
+def format_duration(seconds: float) -> str:
+    """A duration for an ETA: ``42s``, ``3m05s``, ``2h07m``.
+
+    >>> format_duration(42.4), format_duration(185), format_duration(7620)
+    ('42s', '3m05s', '2h07m')
+    """
+    s = max(0, round(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
+def format_step(step: int, total: int, m: Mapping[str, Any], eta: float | None = None) -> str:
+    """One line per step, from ``train_step``'s metrics (and ``eta``, seconds left).
 
     The step number is padded to the width of the total, so columns line up in a log; a
-    skipped update (non-finite loss or gradient norm) is marked at the end.
+    held-out loss is shown on the steps that evaluated; a skipped update (non-finite
+    loss or gradient norm) is marked at the end.
 
     >>> format_step(3, 50, {"loss": 4.1234, "grad_norm": 1.0213, "lr": 3e-3, "tokens": 512,
-    ...                     "step_time": 0.05, "comm_bytes": {"tp": {"all_reduce": 1_200_000}}})
-    'step  3/50 loss 4.1234 gnorm 1.02 lr 3.0e-03 tok/s 10240 comm tp:1.2MB'
+    ...                     "step_time": 0.05, "comm_bytes": {"tp": {"all_reduce": 1_200_000}}}, eta=2.35)
+    'step  3/50 loss 4.1234 gnorm 1.02 lr 3.0e-03 tok/s 10240 comm tp:1.2MB eta 2s'
     """
     width = len(str(total))
     step_time = float(m.get("step_time") or 0.0)
@@ -69,8 +96,10 @@ def format_step(step: int, total: int, m: Mapping[str, Any]) -> str:
     comm = " ".join(f"{axis}:{format_bytes(b)}" for axis, b in totals.items() if b) or "none"
     moe = (f" aux {m['aux_loss']:.3g} load {m['expert_imbalance']:.2f}x"
            + (f" dropped {m['dropped_fraction']:.1%}" if m.get("dropped_fraction") else "")) if "aux_loss" in m else ""
-    return (f"step {step:>{width}}/{total} loss {m['loss']:.4f}{moe} gnorm {m['grad_norm']:.3g} "
-            f"lr {m['lr']:.1e} tok/s {tps} comm {comm}" + (" SKIPPED (non-finite)" if m.get("skipped") else ""))
+    held_out = f" eval {m['eval_loss']:.4f}" if m.get("eval_loss") is not None else ""
+    return (f"step {step:>{width}}/{total} loss {m['loss']:.4f}{held_out}{moe} gnorm {m['grad_norm']:.3g} "
+            f"lr {m['lr']:.1e} tok/s {tps} comm {comm}" + (f" eta {format_duration(eta)}" if eta is not None else "")
+            + (" SKIPPED (non-finite)" if m.get("skipped") else ""))
 
 
 def progress_bar(step: int, total: int, width: int = 24) -> str:
@@ -90,9 +119,17 @@ class _Progress:
         self.total, self.log_every = total, log_every
         self.stream = stream or sys.stdout
         self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.times: list[float] = []  # wall time of each step this process ran
+
+    def eta(self, step: int) -> float | None:
+        """Seconds left at the mean time of the steps so far (the first left out once
+        there are others: it carries one-off set-up); ``None`` before any."""
+        timed = self.times[1:] or self.times
+        return (self.total - step) * sum(timed) / len(timed) if timed else None
 
     def update(self, step: int, metrics: Mapping[str, Any]) -> None:
-        line = format_step(step, self.total, metrics)
+        self.times.append(float(metrics.get("step_time") or 0.0) + float(metrics.get("eval_time") or 0.0))
+        line = format_step(step, self.total, metrics, eta=self.eta(step) if step < self.total else None)
         keep = step % self.log_every == 0 or step == self.total or step == 1
         if self.tty:
             # \r + erase-line: the bar line is redrawn in place; logged lines scroll above it.
@@ -118,6 +155,55 @@ def _default_out() -> str:
     return str(path)
 
 
+def clear_run_files(out: Path) -> None:
+    """``--overwrite``: delete what an earlier run wrote in ``out`` (:data:`~dtp.cli.flags.RUN_FILES`,
+    their temporary files too), and nothing else that is there."""
+    from .flags import RUN_FILES
+
+    for name in RUN_FILES:
+        path = out / name
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        elif path.exists() or path.is_symlink():
+            path.unlink()
+
+
+def describe_exception(e: BaseException, *, log_dir: Path | None = None, rank: int = 0) -> str:
+    """``Type: message (file:line in function)`` for a crash, naming the innermost frame in
+    dtp or the user's code (not torch's or the standard library's); the full traceback
+    is written to ``log_dir/rank<N>.txt`` when given (and that path is named).
+
+    >>> try:
+    ...     {}["missing"]
+    ... except KeyError as err:
+    ...     describe_exception(err).startswith("KeyError: 'missing' (")
+    True
+    """
+    frames = traceback.extract_tb(e.__traceback__)
+    foreign = (os.path.dirname(os.__file__), os.sep + "torch" + os.sep, "site-packages" + os.sep + "torch")
+    ours = [f for f in frames if not any(part in f.filename for part in foreign)]
+    frame = (ours or frames or [None])[-1]
+    message = " ".join(str(e).split()) or "(no message)"
+    text = f"{type(e).__name__}: {message[:300]}"
+    if frame is not None:
+        text += f" ({_short_path(frame.filename)}:{frame.lineno} in {frame.name})"
+    if log_dir is not None:
+        try:
+            log_dir.mkdir(parents=True, exist_ok=True)
+            path = log_dir / f"rank{rank}.txt"
+            path.write_text("".join(traceback.format_exception(type(e), e, e.__traceback__)))
+            text += f"; traceback in {path} (or rerun with --debug)"
+        except OSError:
+            text += "; rerun with --debug for the traceback"
+    return text
+
+
+def _short_path(filename: str) -> str:
+    # dtp's own files relative to the package ("dtp/cli/loop.py"); the user's as they are
+    marker = os.sep + "dtp" + os.sep
+    return "dtp" + os.sep + filename.rsplit(marker, 1)[1] if marker in filename else filename
+
+
 def _atomic_write_text(path: Path, text: str) -> None:
     # tmp file in the same directory + rename: readers never see a partial file, and a
     # run killed mid-write leaves the previous complete version.
@@ -127,6 +213,28 @@ def _atomic_write_text(path: Path, text: str) -> None:
 
 def _write_json(path: Path, obj: Any) -> None:
     _atomic_write_text(path, json.dumps(obj, indent=2) + "\n")
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """The records of a ``metrics.jsonl``; a last line still being written (or cut short
+    by a crash) is left out.
+
+    >>> p = Path("m.jsonl"); _ = p.write_text('{"step": 1}\\n{"step": 2}\\n{"st')
+    >>> read_metrics(p)
+    [{'step': 1}, {'step': 2}]
+    """
+    records = []
+    lines = path.read_text().splitlines()
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i == len(lines) - 1:  # the last line only: anything earlier is a broken file
+                break
+            raise
+    return records
 
 
 def _plot(out: Path, curves: Mapping[str, Sequence[float]], cfg: Mapping[str, Any]) -> None:
@@ -159,6 +267,7 @@ def summarize(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
             for kind, b in kinds.items():
                 per_axis[kind] = per_axis.get(kind, 0) + int(b)
     losses = [float(r["loss"]) for r in records]
+    evals = [float(r["eval_loss"]) for r in records if r.get("eval_loss") is not None]
     return {
         "steps": len(records),
         "first_loss": losses[0],
@@ -171,6 +280,7 @@ def summarize(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         "comm_bytes_per_axis": _axis_totals(comm),
         "comm_bytes": comm,
         "skipped_steps": sum(bool(r.get("skipped")) for r in records),
+        **({"eval_loss": evals[-1], "eval_steps": len(evals)} if evals else {}),
     }
 
 
@@ -178,5 +288,50 @@ def _format_summary(s: Mapping[str, Any]) -> str:
     tps = f"{s['tokens_per_s']:.0f}" if s.get("tokens_per_s") else "-"
     comm = ", ".join(f"{a} {format_bytes(b)}" for a, b in s["comm_bytes_per_axis"].items()) or "none"
     skipped = f" ({s['skipped_steps']} skipped: non-finite)" if s.get("skipped_steps") else ""
-    return (f"done: {s['steps']} steps{skipped}, loss {s['first_loss']:.4f} -> {s['last_loss']:.4f}, "
+    held_out = f", eval loss {s['eval_loss']:.4f}" if s.get("eval_loss") is not None else ""
+    # The exception's type only: its message is the error line the rank already printed.
+    lead = f"stopped ({s['interrupted'].split(':')[0]})" if s.get("interrupted") else "done"
+    return (f"{lead}: {s['steps']} steps{skipped}, loss {s['first_loss']:.4f} -> {s['last_loss']:.4f}{held_out}, "
             f"{1e3 * s['mean_step_time']:.1f} ms/step, {tps} tok/s, comm per rank: {comm}")
+
+
+# --------------------------------------------------------------------------- errors
+
+
+def report_exception(e: Exception, command: str, out: str | None) -> int:
+    """One line on stderr (through the launcher, once per distinct message) for ``e``;
+    returns the exit code. Once per exception: a rank reports a crash as soon as it
+    happens (before writing its summary, while the launcher may already be stopping the
+    others), and ``main`` then returns the code stored on it."""
+    if hasattr(e, "_dtp_exit_code"):
+        return e._dtp_exit_code  # type: ignore[attr-defined]
+    code = _report(e, command, out)
+    with contextlib.suppress(AttributeError):  # an exception type with __slots__: report twice at worst
+        e._dtp_exit_code = code  # type: ignore[attr-defined]
+    return code
+
+
+def _report(e: Exception, command: str, out: str | None) -> int:
+    # The exception's module is imported by now if it was raised; none of them is imported here.
+    loop = sys.modules.get("dtp.cli.loop")  # imported once a run started; nothing to sort before
+    comm = sys.modules.get("dtp.comm")
+    if loop is not None and isinstance(e, loop.TrainingAborted):
+        # Raised on every rank alike: the launcher prints it once.
+        _report_error(f"{PROG} {command}: {e}")
+        return 1
+    if comm is not None and isinstance(e, comm.CollectiveError):
+        # A peer died or stalled: this rank's one line (where it was) for the launcher to
+        # print beside the others', not a traceback per rank.
+        _report_error(f"{PROG} {command}: {e}")
+        return 1
+    if isinstance(e, (ValueError, NotImplementedError)):
+        # Validation errors (ours, the layouts', the model's) are one line, not a traceback.
+        message = " ".join(line.strip() for line in str(e).splitlines() if line.strip())
+        _report_error(f"{PROG} {command}: error: {message}")
+        return 2
+    # A crash: the exception and the line that raised it, one line per failing rank; the
+    # traceback goes to the run's log (and to the console with --debug).
+    rank = int(os.environ.get("RANK", "0"))
+    where = describe_exception(e, log_dir=Path(out) / "logs" if out else None, rank=rank)
+    _report_error(f"{PROG} {command}: rank {rank} failed: {where}")
+    return 1

@@ -11,11 +11,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, Mapping
 
-import torch
-from torch.distributed.device_mesh import DeviceMesh
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # imported where used: the CLI checks layouts before torch is imported (core.py)
+    import torch
+    from torch.distributed.device_mesh import DeviceMesh
 
 from .._rules import is_positive_int
-from ..mesh import axis_names
+from .._mesh_shape import axis_names
 from .core import Layout, current
 
 __all__ = [
@@ -276,6 +279,8 @@ def zigzag_permutation(seq_len: int, cp: int, *, device: torch.device | str | No
     check_cp(cp)
     check_divisible(seq_len, cp, "zigzag")
     c = seq_len // (2 * cp)
+    import torch
+
     chunks = torch.arange(seq_len, device=device).view(2 * cp, c)
     order = [i for r in range(cp) for i in (r, 2 * cp - 1 - r)]
     return chunks[order].reshape(-1)
@@ -294,6 +299,8 @@ def cp_permutation(
     check_divisible(seq_len, cp, load_balance)
     if load_balance == "zigzag":
         return zigzag_permutation(seq_len, cp, device=device)
+    import torch
+
     return torch.arange(seq_len, device=device)
 
 
@@ -318,4 +325,6 @@ def from_cp_order(x: torch.Tensor, dim: int, cp: int, load_balance: str | None =
     True
     """
     perm = cp_permutation(x.shape[dim], cp, load_balance, device=x.device)
+    import torch
+
     return x if load_balance is None else x.index_select(dim, torch.argsort(perm))

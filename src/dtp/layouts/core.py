@@ -14,13 +14,15 @@ import threading
 from dataclasses import KW_ONLY, dataclass, field
 from typing import TYPE_CHECKING, Iterator, Mapping, Sequence, TypeVar
 
-import torch
-from torch.distributed.device_mesh import DeviceMesh
+from .._mesh_shape import axis_names
 
-from ..mesh import axis_names
-from ..spec import P
+# torch stays out of the layouts' imports: `dtp train` builds the layout and checks the
+# model against it (on a MeshShape) before torch is imported. Only annotations name torch.
+if TYPE_CHECKING:  # and the option modules import Layout to build their presets
+    import torch
+    from torch.distributed.device_mesh import DeviceMesh
 
-if TYPE_CHECKING:  # the option modules import Layout to build their presets
+    from ..spec import P
     from .context import ContextOptions
     from .expert import ExpertOptions
     from .megatron import MegatronOptions
@@ -82,6 +84,13 @@ class Layout:
                       name=" + ".join(n for n in (self.name, other.name) if n))
 
     def _spec(self, rules: Mapping[str, Axes], logical: Sequence[str | None], mesh: DeviceMesh, name: str) -> P:
+        from ..spec import P  # here: see the imports (once torch is loaded, a dict lookup)
+
+        return P(*self._dims(rules, logical, mesh, name))
+
+    def _dims(self, rules: Mapping[str, Axes], logical: Sequence[str | None], mesh: DeviceMesh,
+              name: str) -> list[Axes | None]:
+        # The spec's entries without the P around them: what the torch-free checks need.
         names = axis_names(mesh)
         used: set[str] = set()
         dims = []
@@ -92,7 +101,7 @@ class Layout:
             mesh_axes.sort(key=names.index)
             used.update(mesh_axes)
             dims.append(tuple(mesh_axes) or None)
-        return P(*dims)
+        return dims
 
     def _unknown(self, ax: str, name: str) -> None:
         known = sorted(MODEL_AXES | set(self.params) | set(self.activations))
@@ -143,8 +152,8 @@ class Layout:
 
     def mesh_axes(self, logical: str, mesh: DeviceMesh, *, activation: bool = True) -> Axes:
         """The mesh axes (mesh order) that split one logical axis."""
-        spec = self.activation_spec((logical,), mesh) if activation else self.param_spec((logical,), mesh)
-        return spec.axes_of(0)
+        dims = self._dims(self.activations if activation else self.params, (logical,), mesh, "")
+        return dims[0] or ()
 
     def degree(self, logical: str, mesh: DeviceMesh, *, activation: bool = True) -> int:
         """How many ways a logical axis is split on this mesh."""
@@ -207,10 +216,11 @@ class Layout:
                 n = self.degree(logical, mesh, activation=activation)
                 if size % n:
                     names = axis_names(mesh)
-                    split = " × ".join(f"{a}={mesh.size(names.index(a))}"
-                                       for a in self.mesh_axes(logical, mesh, activation=activation))
+                    axes = self.mesh_axes(logical, mesh, activation=activation)
+                    split = " × ".join(f"{a}={mesh.size(names.index(a))}" for a in axes)
+                    split += f" = {n}" if len(axes) > 1 else ""  # "tp=3", not "tp=3 = 3"
                     raise ValueError(
-                        f"{what}: {logical}={size} is not divisible by {split} = {n} "
+                        f"{what}: {logical}={size} is not divisible by {split} "
                         f"(layout {self.name or 'custom'}); choose {logical} a multiple of {n}, "
                         f"or a smaller {'/'.join(self.mesh_axes(logical, mesh, activation=activation))}"
                     )

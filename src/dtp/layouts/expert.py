@@ -39,9 +39,12 @@ import math
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from torch.distributed.device_mesh import DeviceMesh
+from typing import TYPE_CHECKING
 
-from ..mesh import axis_names
+if TYPE_CHECKING:  # torch-free at import: the CLI checks layouts before torch loads (core.py)
+    from torch.distributed.device_mesh import DeviceMesh
+
+from .._mesh_shape import axis_names
 from .core import Layout
 
 __all__ = ["ExpertOptions", "expert"]

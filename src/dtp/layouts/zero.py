@@ -29,10 +29,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, Mapping
 
-from torch.distributed.device_mesh import DeviceMesh
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # torch-free at import: the CLI checks layouts before torch loads (core.py)
+    from torch.distributed.device_mesh import DeviceMesh
 
 from .._rules import is_positive_int
-from ..mesh import axis_names
+from .._mesh_shape import axis_names
 from .core import Layout
 from .megatron import data
 

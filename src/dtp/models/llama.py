@@ -26,10 +26,7 @@ torch.Size([])
 
 from __future__ import annotations
 
-from .._rules import accum_dtype
-import dataclasses
 import math
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -40,168 +37,13 @@ from torch.distributed.tensor import DTensor
 
 from ..ops import attention, cross_entropy, embedding, linear, remat, rotary
 from ..ops.moe import moe_ffn
+from .._rules import accum_dtype
+from .config import (CONFIGS, LlamaConfig, _shapes, axis_sizes, config, flops_per_token, is_moe,
+                     n_sequential_layers, param_axes, param_count)
 from .sequential import Layer, Sequential
 
 __all__ = ["LlamaConfig", "CONFIGS", "config", "init", "param_axes", "axis_sizes", "apply", "loss", "sequential",
-           "param_count", "flops_per_token", "is_moe"]
-
-
-@dataclass(frozen=True)
-class LlamaConfig:
-    vocab_size: int = 256
-    dim: int = 64
-    n_layers: int = 2
-    n_heads: int = 4
-    n_kv_heads: int = 2
-    ffn_dim: int = 128
-    max_seq_len: int = 512
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-5
-    tie_embeddings: bool = False
-    # Mixture of experts (module docstring); num_experts=0 is the dense model.
-    num_experts: int = 0  # experts per MoE block; 0: dense
-    top_k: int = 2  # experts per token, 1 <= top_k <= num_experts
-    moe_every: int = 1  # block i is MoE iff num_experts and i % moe_every == moe_every - 1
-    moe_ffn_dim: int | None = None  # each expert's hidden width; None: ffn_dim
-    shared_experts: int = 0  # one always-on SwiGLU of width shared_experts × expert width
-    capacity_factor: float | None = None  # None: dropless; else ceil(T·k/E·cf) tokens per expert
-    pre_softmax: bool = False  # softmax over all experts, then top-k (no renormalisation)
-    aux_loss_coeff: float = 1e-2  # switch load-balancing loss coefficient
-    z_loss_coeff: float = 0.0  # router z-loss coefficient
-    # Aux-loss-free balancing's bias step (DeepSeek-V3). The bias is state that no
-    # gradient trains, so it belongs beside the parameters (a non-trainable collection of
-    # the train state, updated after each step), not among them where the optimizer would
-    # move it. Not wired into training yet: ops.moe.route(bias=...) and update_bias are.
-    router_bias_update: float = 0.0
-
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
-
-    @property
-    def expert_dim(self) -> int:
-        """Each expert's hidden width (``moe_ffn_dim``, else ``ffn_dim``)."""
-        return self.ffn_dim if self.moe_ffn_dim is None else self.moe_ffn_dim
-
-    def __post_init__(self) -> None:
-        if self.dim % self.n_heads:
-            raise ValueError(f"LlamaConfig: dim={self.dim} is not divisible by n_heads={self.n_heads}")
-        if self.n_heads % self.n_kv_heads:
-            raise ValueError(f"LlamaConfig: n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
-        if self.head_dim % 2:
-            raise ValueError(f"LlamaConfig: head_dim={self.head_dim} must be even for rotary embeddings")
-        if self.num_experts < 0:
-            raise ValueError(f"LlamaConfig: num_experts must be >= 0 (0: dense), got {self.num_experts}")
-        if self.num_experts:
-            if not 1 <= self.top_k <= self.num_experts:
-                raise ValueError(f"LlamaConfig: top_k must be in [1, num_experts={self.num_experts}], got {self.top_k}")
-            if self.moe_every < 1:
-                raise ValueError(f"LlamaConfig: moe_every must be >= 1, got {self.moe_every}")
-            if self.expert_dim < 1 or self.shared_experts < 0:
-                raise ValueError(f"LlamaConfig: moe_ffn_dim must be >= 1 and shared_experts >= 0, got "
-                                 f"{self.moe_ffn_dim} and {self.shared_experts}")
-            if self.capacity_factor is not None and not self.capacity_factor > 0:
-                raise ValueError(f"LlamaConfig: capacity_factor must be None (dropless) or > 0, "
-                                 f"got {self.capacity_factor}")
-        if self.router_bias_update:
-            raise ValueError(f"LlamaConfig: router_bias_update={self.router_bias_update}: aux-loss-free balancing is "
-                             f"not wired into training yet; use aux_loss_coeff (dtp.ops.moe.route(bias=...) and "
-                             f"update_bias are available as functions)")
-
-
-# Shapes of the published models (for planning); "tiny" and "small" run on a laptop CPU.
-CONFIGS: dict[str, dict[str, Any]] = {
-    "tiny": dict(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128),
-    "tiny-moe": dict(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, num_experts=4,
-                     top_k=2),
-    "small": dict(vocab_size=256, dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=768),
-    "1b": dict(vocab_size=128256, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim=8192,
-               rope_theta=500000.0, tie_embeddings=True, max_seq_len=8192),
-    "llama2-7b": dict(vocab_size=32000, dim=4096, n_layers=32, n_heads=32, n_kv_heads=32, ffn_dim=11008,
-                      max_seq_len=4096),
-    "llama2-13b": dict(vocab_size=32000, dim=5120, n_layers=40, n_heads=40, n_kv_heads=40, ffn_dim=13824,
-                       max_seq_len=4096),
-    "llama2-70b": dict(vocab_size=32000, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672,
-                       max_seq_len=4096),
-    "llama3-8b": dict(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336,
-                      rope_theta=500000.0, max_seq_len=8192),
-    "llama3-70b": dict(vocab_size=128256, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672,
-                       rope_theta=500000.0, max_seq_len=8192),
-}
-
-
-def config(name: str = "tiny", **overrides: Any) -> LlamaConfig:
-    """A named configuration with field overrides.
-
-    >>> config("tiny", n_layers=1).n_layers
-    1
-    """
-    if name not in CONFIGS:
-        raise ValueError(f"unknown model {name!r}; choose one of {sorted(CONFIGS)}")
-    return LlamaConfig(**{**CONFIGS[name], **overrides})
-
-
-def is_moe(cfg: LlamaConfig, i: int) -> bool:
-    """Whether block ``i`` is an MoE block: ``num_experts`` and ``i % moe_every == moe_every - 1``.
-
-    >>> [is_moe(config("tiny-moe", n_layers=4, moe_every=2), i) for i in range(4)]
-    [False, True, False, True]
-    """
-    return cfg.num_experts > 0 and i % cfg.moe_every == cfg.moe_every - 1
-
-
-def _layer_axes(cfg: LlamaConfig, i: int) -> dict[str, tuple[str, ...]]:
-    axes: dict[str, tuple[str, ...]] = {
-        "attn_norm": ("embed",),
-        "wq": ("embed", "heads"),  # column parallel: output features are heads × head_dim
-        "wk": ("embed", "kv_heads"),
-        "wv": ("embed", "kv_heads"),
-        "wo": ("heads", "embed"),  # row parallel
-        "mlp_norm": ("embed",),
-    }
-    if not is_moe(cfg, i):
-        return {**axes, "w_gate": ("embed", "mlp"), "w_up": ("embed", "mlp"), "w_down": ("mlp", "embed")}
-    # The router's expert dim has its own logical axis, left replicated: every rank scores
-    # every expert for its tokens, wherever the experts themselves live.
-    axes.update(router=("embed", "router"), w_gate=("expert", "embed", "expert_mlp"),
-                w_up=("expert", "embed", "expert_mlp"), w_down=("expert", "expert_mlp", "embed"))
-    if cfg.shared_experts:  # a dense MLP: split like one
-        axes.update(shared_gate=("embed", "mlp"), shared_up=("embed", "mlp"), shared_down=("mlp", "embed"))
-    return axes
-
-
-def param_axes(cfg: LlamaConfig) -> dict[str, Any]:
-    """Logical axis names of every parameter (same structure as :func:`init`)."""
-    axes: dict[str, Any] = {"embed": ("vocab", "embed"), "layers": [_layer_axes(cfg, i) for i in range(cfg.n_layers)],
-                            "final_norm": ("embed",)}
-    if not cfg.tie_embeddings:
-        axes["lm_head"] = ("embed", "vocab")
-    return axes
-
-
-def axis_sizes(cfg: LlamaConfig) -> dict[str, int]:
-    """Sizes of the splittable logical axes, in whole units (a head is never cut)."""
-    sizes = {"heads": cfg.n_heads, "kv_heads": cfg.n_kv_heads, "mlp": cfg.ffn_dim, "vocab": cfg.vocab_size}
-    if cfg.num_experts:
-        sizes.update(expert=cfg.num_experts, expert_mlp=cfg.expert_dim)
-    return sizes
-
-
-def _shapes(cfg: LlamaConfig, i: int) -> dict[str, tuple[int, ...]]:
-    hd = cfg.head_dim
-    shapes = {
-        "attn_norm": (cfg.dim,), "wq": (cfg.dim, cfg.n_heads * hd), "wk": (cfg.dim, cfg.n_kv_heads * hd),
-        "wv": (cfg.dim, cfg.n_kv_heads * hd), "wo": (cfg.n_heads * hd, cfg.dim), "mlp_norm": (cfg.dim,),
-    }
-    if not is_moe(cfg, i):
-        return {**shapes, "w_gate": (cfg.dim, cfg.ffn_dim), "w_up": (cfg.dim, cfg.ffn_dim),
-                "w_down": (cfg.ffn_dim, cfg.dim)}
-    e, f = cfg.num_experts, cfg.expert_dim
-    shapes.update(router=(cfg.dim, e), w_gate=(e, cfg.dim, f), w_up=(e, cfg.dim, f), w_down=(e, f, cfg.dim))
-    if cfg.shared_experts:
-        fs = cfg.shared_experts * f
-        shapes.update(shared_gate=(cfg.dim, fs), shared_up=(cfg.dim, fs), shared_down=(fs, cfg.dim))
-    return shapes
+           "param_count", "flops_per_token", "is_moe", "n_sequential_layers"]
 
 
 def init(cfg: LlamaConfig, seed: int = 0, dtype: torch.dtype = torch.float32,
@@ -233,30 +75,6 @@ def init(cfg: LlamaConfig, seed: int = 0, dtype: torch.dtype = torch.float32,
     if not cfg.tie_embeddings:
         params["lm_head"] = normal((cfg.dim, cfg.vocab_size), std)
     return params
-
-
-def _count(cfg: LlamaConfig, active: bool) -> int:
-    # active: an MoE block's experts count top_k / num_experts of theirs (what a token uses)
-    per_layer = 0
-    for i in range(cfg.n_layers):
-        for name, shape in _shapes(cfg, i).items():
-            n = math.prod(shape)
-            per_layer += n * cfg.top_k // cfg.num_experts if active and len(shape) == 3 else n
-    head = 0 if cfg.tie_embeddings else cfg.dim * cfg.vocab_size
-    return cfg.vocab_size * cfg.dim + per_layer + cfg.dim + head
-
-
-def param_count(cfg: LlamaConfig) -> int:
-    """Number of parameters (every expert's)."""
-    return _count(cfg, active=False)
-
-
-def flops_per_token(cfg: LlamaConfig, seq_len: int) -> float:
-    """Training FLOPs per token: 6 × matmul parameters + causal attention (PaLM's count);
-    an MoE block's experts count top_k of num_experts (the router counts whole)."""
-    matmul = _count(cfg, active=True) - cfg.vocab_size * cfg.dim * (0 if cfg.tie_embeddings else 1) - (2 * cfg.n_layers + 1) * cfg.dim
-    attn = 6 * cfg.n_layers * cfg.dim * seq_len  # 12·L·d·s / 2 for the causal half
-    return 6 * matmul + attn
 
 
 def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:

@@ -1,0 +1,204 @@
+"""``dtp train`` answers a bad run before torch is imported and before any rank starts (the
+whole configuration: mesh, model sizes against the layout, pipeline, sequence, corpus,
+run directory), in one line; a crash or an interruption is one line too, with the
+run's summary and plot still written; help texts state each default once."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dtp import cli, launch
+from dtp.cli import loop, report
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", launch.ERROR_DIR_ENV)}
+    env["PYTHONPATH"] = os.pathsep.join([SRC, env.get("PYTHONPATH", "")])
+    return env
+
+
+@pytest.fixture(autouse=True)
+def _no_torchrun_env(monkeypatch):
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", launch.ERROR_DIR_ENV):
+        monkeypatch.delenv(k, raising=False)
+
+
+# Each case: the flags, and what its one line says. None of them may import torch.
+BAD_RUNS = {
+    "mesh vs nproc": (["--dp", "3", "--nproc", "4"], "--nproc 4 does not match the mesh dp=3: it needs 3 ranks"),
+    "heads vs tp": (["--tp", "3"], "--model tiny on the mesh dp=1 × tp=3: heads=4 is not divisible by tp=3 "),
+    "kv heads vs head chunks": (["--cp", "2", "--cp-head-chunks", "3"], "head_chunks=3 must divide the 2 kv heads"),
+    "seq vs cp": (["--cp", "2", "--seq", "30"], "--seq 30: zigzag load balancing"),
+    "batch vs dp": (["--batch", "6", "--dp", "4"], "divisible by --dp × --microbatches"),
+    "experts vs ep": (["--model", "tiny-moe", "--num-experts", "3", "--ep", "2"],
+                      "num_experts=3 is not divisible by ep=2"),
+    "layers vs stages": (["--pp", "8", "--microbatches", "8"], "--pp 8 --virtual-stages 1"),
+    "corpus vs batch": (["--batch", "6000"], "the corpus has 383157 tokens, 5986 windows of 64 + 1 tokens, fewer"),
+    "held-out split vs batch": (["--batch", "600", "--eval-every", "5"], "the held-out split (its last tenth"),
+    "sp without tp": (["--sp"], "--sp (sequence parallel) splits the sequence over the tp group: it needs --tp > 1"),
+    "out not writable": (["--out", "/proc/nonexistent/run"], "--out /proc/nonexistent/run: cannot create or write it"),
+    "data missing": (["--data", "/nonexistent/tokens.bin"], "--data: "),
+}
+
+_PROBE = """
+import contextlib, io, json, sys
+from dtp.cli import main
+results = {}
+for name, argv in json.loads(sys.argv[1]).items():
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = main(["train", *argv])
+    results[name] = [code, err.getvalue()]
+results["torch imported"] = sorted(m for m in sys.modules if m == "torch" or m.startswith("torch."))
+print(json.dumps(results))
+"""
+
+
+@pytest.fixture(scope="module")
+def bad_runs() -> dict[str, list]:
+    """Every case of :data:`BAD_RUNS` through ``dtp.cli.main`` in one fresh interpreter."""
+    argv = {name: flags for name, (flags, _) in BAD_RUNS.items()}
+    proc = subprocess.run([sys.executable, "-c", _PROBE, json.dumps(argv)], env=_env(), capture_output=True,
+                          text=True, timeout=120, cwd=Path(SRC).parent)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+@pytest.mark.parametrize("case", sorted(BAD_RUNS))
+def test_a_bad_run_is_one_line_and_exit_2(bad_runs, case) -> None:
+    code, err = bad_runs[case]
+    assert code == 2, (case, err)
+    assert err.count("\n") == 1 and err.startswith("dtp train: error: "), (case, err)
+    assert BAD_RUNS[case][1] in err, (case, err)
+
+
+def test_a_bad_run_never_imports_torch(bad_runs) -> None:
+    """The whole configuration is checked before torch is imported: not one torch module
+    was loaded in the interpreter that refused every case of the table."""
+    assert bad_runs["torch imported"] == []
+
+
+def test_python_m_dtp_cli_refuses_without_torch(tmp_path) -> None:
+    """The console path itself (``python -m dtp.cli``, what ``dtp`` runs): ``-X importtime``
+    lists every module imported; torch is not among them, and stderr is the one line."""
+    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "dtp.cli", "train", "--tp", "3"],
+                          env=_env(), capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert proc.returncode == 2
+    imported = [line.rsplit("|", 1)[1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")]
+    assert "dtp.cli" in imported and "torch" not in imported
+    rest = [line for line in proc.stderr.splitlines() if not line.startswith("import time:")]
+    assert len(rest) == 1 and "heads=4 is not divisible by tp=3 " in rest[0], rest
+    assert not (tmp_path / "runs").exists()  # refused before the run directory was made
+
+
+# -- the run directory ------------------------------------------------------------
+
+
+def test_a_non_empty_out_needs_resume_or_overwrite(tmp_path, capsys) -> None:
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"step": 1}\n')
+    assert cli.main(["train", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is not empty (an earlier run?): add --resume to continue it, --overwrite" in err
+    assert (out / "metrics.jsonl").read_text() == '{"step": 1}\n'  # untouched
+
+
+def test_overwrite_clears_only_what_dtp_wrote(tmp_path) -> None:
+    out = tmp_path / "run"
+    (out / "checkpoints" / "step_00000002").mkdir(parents=True)
+    for name in ("metrics.jsonl", "summary.json", "notes.txt"):
+        (out / name).write_text("x")
+    report.clear_run_files(out)
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+
+
+def test_overwrite_trains_again_in_the_same_out(tmp_path, capsys) -> None:
+    out = tmp_path / "run"
+    flags = ["train", "--steps", "2", "--batch", "2", "--seq", "16", "--out", str(out)]
+    assert cli.main(flags) == 0
+    assert cli.main(flags) == 2  # the first run's files are there
+    assert cli.main([*flags, "--overwrite"]) == 0
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 2
+
+
+# -- help ---------------------------------------------------------------------------
+
+
+def test_help_states_each_default_once(capsys) -> None:
+    """ArgumentDefaultsHelpFormatter appended ``(default: …)`` to every flag: twice where
+    the help said it already, ``(default: True)`` on ``--no-reshard-after-forward``,
+    ``(default: False)`` on every switch."""
+    with pytest.raises(SystemExit):
+        cli.main(["train", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    flags = text.split(" --")
+    for flag in flags:
+        assert flag.count("default") <= 1, flag
+    for shown in ("(default: True)", "(default: False)", "(default: None)", "(default 1)"):
+        assert shown not in text
+    assert "--dp DP data-parallel degree (default: 1)" in text
+    assert "--no-reshard-after-forward with --zero 3: keep gathered buckets" in text
+
+
+# -- failures at run time ------------------------------------------------------------
+
+
+def _failing_train_step(monkeypatch, exc: BaseException, at_call: int) -> None:
+    real, calls = loop.train_step, []
+
+    def step(*a, **k):
+        calls.append(1)
+        if len(calls) == at_call:
+            raise exc
+        return real(*a, **k)
+
+    monkeypatch.setattr(loop, "train_step", step)
+
+
+def test_a_crash_is_one_line_naming_where_and_the_summary_is_written(tmp_path, monkeypatch, capsys) -> None:
+    """An exception at step 3 of a 1-rank run: exit 1, one line on stderr (the rank, the
+    exception, the line that raised it), the traceback in <out>/logs/rank0.txt, and
+    summary.json / loss.png of the 2 steps done, marked interrupted."""
+    out = tmp_path / "run"
+    _failing_train_step(monkeypatch, RuntimeError("boom"), at_call=3)
+    code = cli.main(["train", "--steps", "5", "--batch", "2", "--seq", "16", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert code == 1
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("dtp train: rank 0 failed: RuntimeError: boom (")
+    assert "test_cli_preflight.py:" in lines[0] and f"traceback in {out / 'logs' / 'rank0.txt'}" in lines[0]
+    assert "Traceback (most recent call last)" in (out / "logs" / "rank0.txt").read_text()
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 2 and summary["interrupted"] == "RuntimeError: boom"
+    assert (out / "loss.png").exists()
+
+
+@pytest.mark.parametrize("exc, code, why", [(KeyboardInterrupt(), 130, "Ctrl-C"),
+                                             (loop.Terminated("stopped by signal SIGTERM"), 143, "SIGTERM")],
+                         ids=["Ctrl-C", "SIGTERM"])
+def test_an_interrupted_run_writes_its_summary_quietly(tmp_path, monkeypatch, capsys, exc, code, why) -> None:
+    out = tmp_path / "run"
+    _failing_train_step(monkeypatch, exc, at_call=4)
+    assert cli.main(["train", "--steps", "9", "--batch", "2", "--seq", "16", "--out", str(out)]) == code
+    captured = capsys.readouterr()
+    assert captured.err == ""  # no traceback
+    assert f"stopped ({why}): 3 steps" in captured.out
+    assert json.loads((out / "summary.json").read_text())["interrupted"] == why
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 3 and (out / "loss.png").exists()
+
+
+def test_debug_shows_the_traceback(tmp_path, monkeypatch) -> None:
+    _failing_train_step(monkeypatch, RuntimeError("boom"), at_call=1)
+    with pytest.raises(RuntimeError, match="boom"):
+        cli.main(["train", "--steps", "2", "--batch", "2", "--seq", "16", "--debug", "--out", str(tmp_path / "r")])
