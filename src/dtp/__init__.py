@@ -14,6 +14,7 @@ from .redistribute import from_local, local_map, reshard
 from .spec import P, shard, spec_of
 from .step import TrainState, gather_params, shard_batch, train_step, wait
 from . import checkpoint
+from .planning import plan
 from .strategies import zero
 from .visualize import visualize
 
@@ -24,5 +25,5 @@ __all__ = [
     "shard", "from_local", "local_map", "spec_of", "reshard", "visualize",
     "comm_log", "CommLog", "CommRecord",
     "Layout", "layouts", "use_layout", "constrain", "ops", "optim", "strategies", "zero", "comm", "schedules",
-    "TrainState", "train_step", "shard_batch", "gather_params", "wait", "checkpoint", "Layer", "Sequential",
+    "TrainState", "train_step", "shard_batch", "gather_params", "wait", "checkpoint", "Layer", "Sequential", "plan",
 ]
