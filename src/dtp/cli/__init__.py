@@ -4,6 +4,7 @@
 
     dtp train --nproc 4 --dp 2 --tp 2 --sp --model tiny --steps 50 --check
     dtp check runs/20250101-120000          # re-verify a finished run against 1 process
+    dtp plan --model llama3-8b --dp 8 --zero 1 --dtype bfloat16 --memory-gb 80   # predict, allocate nothing
 
 The package reads in the order a run goes: :mod:`~dtp.cli.flags` (parser, flag checks,
 the argv each rank gets), :mod:`~dtp.cli.loop` (layout, mesh, the per-rank training loop),
@@ -33,6 +34,7 @@ from ..layouts.pipeline import assign
 from ..models import llama
 from .check import _check_in_subprocess, check_run, compare_losses, tolerance_for
 from .flags import PROG, UsageError, build_parser, mesh_axes, model_overrides, parse_args, train_argv, validate
+from .plan import cmd_plan, train_refusal
 from .loop import TrainingAborted, _load_data, _train_rank, _vocab_size, build_layout
 from .report import _default_out, format_bytes, format_step, progress_bar, summarize
 
@@ -55,6 +57,11 @@ def _cmd_train(args: argparse.Namespace) -> int:
         return code
     # Validate what can be validated here, before starting ranks that would all fail.
     layout = build_layout(args)
+    refusal = train_refusal(args)  # the plan first: a run that cannot fit does not start
+    if refusal is not None:
+        table, _, verdict = refusal.rpartition("\n")
+        print(table, file=sys.stderr)
+        raise UsageError(verdict)
     cfg = llama.config(args.model, vocab_size=_vocab_size(args.model, _load_data(args.data)), **model_overrides(args))
     if layout.pipeline is not None:
         n_layers = len(llama.sequential(cfg))
@@ -88,6 +95,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parse_args(argv)
         if args.command == "train":
             return _cmd_train(args)
+        if args.command == "plan":
+            return cmd_plan(args)
         if args.command == "check":
             return check_run(args.run_dir, rtol=args.rtol)
         parser.print_help(sys.stderr)

@@ -81,6 +81,8 @@ def block_activations(s: Setup, moe: bool = False) -> int:
     t, tr = s.tokens, s.residual_tokens
     norms = 2 * ((2 * tr + t) * cfg.dim * e + tr * acc)
     attn = t * (2 * cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim // tp * e + t * cfg.n_heads // tp * acc
+    if tp > 1:  # split heads: the output's (b, s, heads·hd) view is no longer free, wo keeps a copy
+        attn += t * cfg.n_heads * cfg.head_dim // tp * e
     rotary = 4 * (s.seq // s.cp) * (cfg.head_dim // 2) * acc  # cos and sin, for q and k
     if not moe:
         mlp = 4 * t * cfg.ffn_dim // tp * e
@@ -98,6 +100,8 @@ def _head(s: Setup) -> tuple[int, int]:
     t, tr = s.tokens, s.residual_tokens
     logits = t * cfg.vocab_size // s.tp * e
     saved = (2 * tr + t) * cfg.dim * e + tr * acc + logits + 2 * t * 8 + e  # + token ids, targets, loss
+    if s.tp > 1:  # vocab-parallel cross-entropy keeps its exponentials and the target mask
+        saved += logits + t * (8 + 1)
     return saved, logits + 3 * t * cfg.dim * e
 
 

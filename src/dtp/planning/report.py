@@ -30,7 +30,7 @@ def format_bytes(n: float) -> str:
 
 def _describe(p: "Plan") -> str:
     s = p.setup
-    parts = [f"{a}={n}" for a, n in s.axes.items() if n > 1] or ["1 rank"]
+    parts = [f"{a}={n}" for a, n in s.axes.items() if n > 1]
     if s.sp and s.tp > 1:
         parts.append("sp")
     if s.cp > 1:
@@ -40,8 +40,8 @@ def _describe(p: "Plan") -> str:
     if s.zero:
         parts.append(f"zero={s.zero}")
     parts += [f"microbatches={s.microbatches}", f"recompute={s.recompute}", s.dtype]
-    return (f"{s.model} ({p.params / 1e9:.2f}B params), batch {s.batch} × seq {s.seq} on {s.world} ranks: "
-            + ", ".join(parts))
+    ranks = f"{s.world} rank{'s' * (s.world > 1)}"
+    return f"{s.model} ({p.params / 1e9:.2f}B params), batch {s.batch} × seq {s.seq} on {ranks}: " + ", ".join(parts)
 
 
 def format_plan(p: "Plan", memory_gb: float | None = None) -> str:
@@ -71,6 +71,8 @@ def format_plan(p: "Plan", memory_gb: float | None = None) -> str:
         g = grouped.setdefault((r.axis, r.kind, r.what), [0, 0])
         g[0] += r.times
         g[1] += r.total
+    if not grouped:
+        lines.append("  (none: no mesh axis of more than one rank)")
     for (axis, kind, what), (times, total) in sorted(grouped.items()):
         lines.append(f"  {axis:<6}{kind:<16}{format_bytes(total):>12}  {what} ×{times}")
     if p.setup.pp > 1:

@@ -139,14 +139,17 @@ def traffic(s: Setup, rank_leaves: list[Leaf], stage: int = 0) -> list[Traffic]:
             add(axis, "all_reduce", "grad", times * grad_times, each)
     if zero_dp:
         buckets = zero_buckets(s, rank_leaves)
-        for padded, pe, ge, released in buckets:
+        for index, (padded, pe, ge, released) in enumerate(buckets):
             add("dp", "reduce_scatter", "zero grad", 1, _rs(padded * ge, s.dp))
             shard = padded // s.dp * pe
             if s.zero < 3:
                 add("dp", "all_gather", "zero param", 1, _ag(shard, s.dp))
             else:  # every microbatch gathers in forward and re-gathers what forward freed
-                add("dp", "all_gather", "zero3 param", m * (1 + (released and s.reshard_after_forward)),
-                    _ag(shard, s.dp))
+                regather = released and s.reshard_after_forward
+                # The first bucket, re-gathered last in backward, is still held when the
+                # next microbatch's forward reads it (measured on the comm log).
+                again = m * (1 + regather) - ((m - 1) if index == 0 and regather else 0)
+                add("dp", "all_gather", "zero3 param", again, _ag(shard, s.dp))
     # --- the loss over the data axes (per microbatch), the norm over the split axes
     if s.pp == 1 or has_head:
         for axis in ("cp", "ep", "dp"):
