@@ -27,7 +27,7 @@ __all__ = [
     "shard", "from_local", "local_map", "spec_of", "reshard", "visualize",
     "comm_log", "CommLog", "CommRecord",
     "Layout", "layouts", "use_layout", "constrain", "ops", "optim", "strategies", "zero", "comm", "schedules",
-    "TrainState", "train_step", "shard_batch", "gather_params", "wait", "checkpoint", "Layer", "Sequential",
+    "TrainState", "train_step", "shard_batch", "gather_params", "wait", "checkpoint", "Layer", "Sequential", "plan",
 ]
 
 # Public name -> the module that defines it (a submodule itself when the name is one).
@@ -40,7 +40,7 @@ _SOURCES: dict[str, str] = {
     "from_local": ".redistribute", "local_map": ".redistribute", "reshard": ".redistribute",
     "P": ".spec", "shard": ".spec", "spec_of": ".spec",
     "TrainState": ".step", "gather_params": ".step", "shard_batch": ".step", "train_step": ".step", "wait": ".step",
-    "zero": ".strategies", "visualize": ".visualize",
+    "zero": ".strategies", "visualize": ".visualize", "plan": ".planning",
 }
 
 
@@ -74,3 +74,4 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the eager imports of befor
     from .step import TrainState, gather_params, shard_batch, train_step, wait
     from .strategies import zero
     from .visualize import visualize
+    from .planning import plan

@@ -4,6 +4,7 @@
 
     dtp train --nproc 4 --dp 2 --tp 2 --sp --model tiny --steps 50 --check
     dtp check runs/20250101-120000          # re-verify a finished run against 1 process
+    dtp plan --model llama3-8b --dp 8 --zero 1 --dtype bfloat16 --memory-gb 80   # predict, allocate nothing
 
 The package reads in the order a run goes: :mod:`~dtp.cli.flags` (parser, flag checks,
 the argv each rank gets), :mod:`~dtp.cli.loop` (layout, mesh, the per-rank training loop),
@@ -36,6 +37,7 @@ from typing import Any, Sequence
 from ..launch import in_torchrun, launched
 from .flags import (UsageError, build_layout, build_parser, mesh_axes, parse_args, preflight, train_argv,
                     validate)
+from .plan import cmd_plan, train_refusal
 from .report import (_default_out, clear_run_files, format_bytes, format_step, progress_bar, report_exception,
                      summarize)
 
@@ -83,6 +85,11 @@ def _cmd_train(args: argparse.Namespace) -> int:
         return code
     # Everything that can be checked without torch, before starting ranks that would all fail.
     layout = preflight(args)
+    refusal = train_refusal(args)  # then the plan (imports torch): a run that cannot fit does not start
+    if refusal is not None:
+        table, _, verdict = refusal.rpartition("\n")
+        print(table, file=sys.stderr)
+        raise UsageError(verdict)
     if args.overwrite:
         clear_run_files(Path(args.out))
     if layout.pipeline is not None and args.print_schedule:
@@ -130,6 +137,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parse_args(argv)
         if args.command == "train":
             return _cmd_train(args)
+        if args.command == "plan":
+            return cmd_plan(args)
         if args.command == "check":
             from .check import check_run
 

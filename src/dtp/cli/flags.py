@@ -28,6 +28,7 @@ from ..launch import in_torchrun
 from ..layouts import CP_ALGORITHMS, ZERO_STAGES, Layout, zero
 from ..layouts.zero import misplaced_options
 from ..models import config as model_config
+from . import plan as plan_cli
 
 # layouts.zero's options: the argparse attribute and the flag that set each.
 ZERO_ARGS = {"overlap_grad_reduce": "overlap_grad_reduce", "overlap_param_gather": "overlap_param_gather",
@@ -117,7 +118,7 @@ class _HelpFormatter(argparse.HelpFormatter):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of the ``dtp`` command (subcommands ``train`` and ``check``).
+    """The argument parser of the ``dtp`` command (subcommands ``train``, ``plan`` and ``check``).
 
     >>> args = build_parser().parse_args(["train", "--dp", "2", "--tp", "2", "--sp"])
     >>> args.dp, args.tp, args.sp, args.dtype
@@ -240,6 +241,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-restarts", type=_non_negative_int, default=0, metavar="R",
                    help="when a rank dies, stop the others and start all again from the newest checkpoint, "
                         "up to R times (torchrun's elastic agent; needs --save-every)")
+
+    plan_cli.add_train_flags(t)
+    plan_cli.add_parser(sub, t)  # dtp plan: train's parallel and model flags, shared
 
     c = sub.add_parser("check", help="compare a finished run's losses with a 1-process reference",
                        formatter_class=_HelpFormatter)

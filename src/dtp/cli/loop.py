@@ -37,7 +37,7 @@ from ..models import llama
 from ..redistribute import value_of
 from .flags import (EVAL_BATCHES, PROG, UsageError, build_layout, format_mesh, mesh_axes, model_overrides,
                     train_argv, vocab_size)
-from .report import (_atomic_write_text, _format_summary, _plot, _Progress, _write_json, read_metrics,
+from .report import (_atomic_write_text, _format_summary, _plot, _Progress, _write_json, format_bytes, read_metrics,
                      report_exception, summarize)
 
 __all__ = ["build_layout", "SkipCounter", "TrainingAborted", "Terminated"]
@@ -444,20 +444,18 @@ def _print_header(args: argparse.Namespace, run_cfg: Mapping[str, Any], layout: 
 
 
 def _plan_memory(args: argparse.Namespace) -> str | None:
-    """HOOK for dtp.plan: one line with the predicted memory per rank, shown under the
-    header. ``dtp.plan.memory_line(args)`` (the ``dtp train`` flags) provides it once that
-    module has it; until then, and if it fails, the header shows nothing more."""
+    """One line with :func:`dtp.plan`'s predicted peak memory per rank, for the header;
+    ``None`` if the plan cannot be made (a prediction must never stop a run)."""
+    from .plan import plan_from_args
+
     try:
-        from .. import plan  # type: ignore[attr-defined]
-    except ImportError:
+        p = plan_from_args(args)
+    except Exception:  # noqa: BLE001 -- e.g. a configuration the plan does not model (double ring)
         return None
-    line = getattr(plan, "memory_line", None)
-    if line is None:
-        return None
-    try:
-        return line(args)
-    except Exception:  # noqa: BLE001 -- a prediction must never stop a run
-        return None
+    worst = p.worst
+    return (f"plan: peak {format_bytes(p.peak)} per rank (parameters {format_bytes(worst.params)}, optimizer "
+            f"{format_bytes(worst.optimizer)}, activations {format_bytes(worst.activations)}); dtp plan for the "
+            f"table")
 
 
 def _count(n: int) -> str:

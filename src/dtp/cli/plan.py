@@ -1,0 +1,104 @@
+"""``dtp plan``: the plan of a training configuration (:func:`dtp.plan`) from ``dtp train``'s
+own flags, and the memory check ``dtp train`` runs before it starts any rank.
+
+::
+
+    dtp plan --model llama3-70b --dp 8 --tp 8 --sp --pp 4 --microbatches 32 --zero 1 \\
+             --recompute full --dtype bfloat16 --batch 256 --seq 8192 --memory-gb 80
+
+Imports nothing heavy at module level: the parser is built without torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..planning import Plan
+
+__all__ = ["add_parser", "add_train_flags", "plan_from_args", "cmd_plan", "train_refusal", "machine_memory_gb"]
+
+# The train parser's groups a plan reads (titles up to their first parenthesis).
+SHARED_GROUPS = ("parallelism", "model and training", "mixture of experts")
+
+
+def add_train_flags(train: argparse.ArgumentParser) -> None:
+    """``dtp train``'s memory check: a budget and the override."""
+    g = train.add_argument_group("memory check (dtp plan runs first)")
+    g.add_argument("--memory-gb", type=float, default=None, metavar="GIB",
+                   help="memory per rank the run may use (default: this machine's: the accelerator's, or the "
+                        "host's RAM shared by the local ranks)")
+    g.add_argument("--ignore-memory-check", action="store_true",
+                   help="train even when the plan's predicted peak exceeds --memory-gb")
+
+
+def add_parser(sub: argparse._SubParsersAction, train: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The ``plan`` subcommand, sharing ``train``'s parallel, model and MoE argument groups
+    (the same Action objects: one definition of each flag)."""
+    p = sub.add_parser("plan", help="predict per-rank memory, bytes per mesh axis and the pipeline bubble "
+                                    "of a train configuration, allocating nothing",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    for group in train._action_groups:  # argparse has no public way to share a group
+        if group.title and group.title.split(" (")[0] in SHARED_GROUPS:
+            mine = p.add_argument_group(group.title, group.description)
+            for action in group._group_actions:
+                mine._add_action(action)
+    g = p.add_argument_group("verdict")
+    g.add_argument("--memory-gb", type=float, default=None, metavar="GIB",
+                   help="memory per rank to check the peak against (no verdict without it)")
+    return p
+
+
+def plan_from_args(args: argparse.Namespace) -> "Plan":
+    """:func:`dtp.plan` of the configuration the flags describe."""
+    from ..models import llama
+    from ..planning import plan
+    from .flags import model_overrides
+
+    cfg = llama.config(args.model, **model_overrides(args))
+    p = plan(cfg, batch=args.batch, seq=args.seq, dp=args.dp, tp=args.tp, sp=args.sp and args.tp > 1, cp=args.cp,
+             cp_algo=args.cp_algo or "ring", pp=args.pp, pp_schedule=args.pp_schedule,
+             virtual_stages=args.virtual_stages, ep=args.ep, zero=args.zero, bucket_mb=args.bucket_mb,
+             reshard_after_forward=args.reshard_after_forward, microbatches=args.microbatches,
+             recompute=args.recompute, dtype=args.dtype)
+    return _named(p, args.model)
+
+
+def _named(p: "Plan", name: str) -> "Plan":
+    import dataclasses
+
+    return dataclasses.replace(p, setup=dataclasses.replace(p.setup, model=name))
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    """``dtp plan``: print the table; exit 1 when a given ``--memory-gb`` is exceeded."""
+    from ..planning import format_plan
+
+    p = plan_from_args(args)
+    print(format_plan(p, args.memory_gb))
+    return 0 if args.memory_gb is None or p.fits(args.memory_gb) else 1
+
+
+def machine_memory_gb(nproc: int) -> float:
+    """Memory one local rank may use: the accelerator's, else the host's RAM / ``nproc``."""
+    import torch
+
+    from ..mesh import detect_device
+
+    device, _ = detect_device()
+    if device == "cuda":
+        return torch.cuda.get_device_properties(0).total_memory / 2**30
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return total / max(1, nproc) / 2**30
+
+
+def train_refusal(args: argparse.Namespace) -> str | None:
+    """What ``dtp train`` refuses with when the plan does not fit (``None``: go ahead)."""
+    from ..planning import check_fits
+
+    budget = getattr(args, "memory_gb", None)
+    if budget is None:
+        budget = machine_memory_gb(args.nproc)
+    return check_fits(plan_from_args(args), budget, override=getattr(args, "ignore_memory_check", False))

@@ -1,0 +1,105 @@
+"""``dtp.plan``: per-rank memory, bytes per mesh axis and collective, and the pipeline
+bubble of a training configuration, predicted without allocating the model.
+
+Parameter shapes come from the model's own code (``llama._shapes``, ``llama.param_axes``)
+and their placements from the same :class:`~dtp.Layout` ``dtp train`` builds, resolved on
+a stand-in mesh of names and sizes; bytes follow :mod:`dtp.comm`'s formulas; the bubble
+is :func:`dtp.schedules.simulate`'s. A 70B model plans in milliseconds.
+
+Modules: :mod:`.setup` (the configuration, per-rank shapes), :mod:`.traffic` (collectives),
+:mod:`.memory` (rest, backward and update peaks), :mod:`.report` (the table, the verdict).
+
+>>> p = plan("tiny", batch=8, seq=16, dp=2)
+>>> p.bytes
+{'dp': {'all_reduce': 427268}}
+>>> p.fits(1.0)
+True
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from .. import schedules
+from ..models import llama
+from .memory import Memory, block_activations, memory
+from .report import check_fits, format_plan
+from .setup import Leaf, Setup, layout_for, leaves, stage_leaves
+from .traffic import Traffic, summary, traffic
+
+__all__ = ["Plan", "Setup", "plan", "check_fits", "format_plan", "Memory", "Traffic", "layout_for"]
+
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one step costs each rank (pipeline ranks listed; the others are alike).
+
+    - `setup`: the configuration planned.
+    - `params`: total parameter count of the model.
+    - `memory`: one :class:`Memory` per pipeline rank.
+    - `traffic`: per pipeline rank, the :class:`Traffic` rows of a step.
+    - `bubble`: the schedule's idle fraction (0 without a pipeline), ``1 - busy / (p·makespan)``.
+    """
+
+    setup: Setup
+    params: int
+    memory: tuple[Memory, ...]
+    traffic: tuple[tuple[Traffic, ...], ...]
+    bubble: float
+
+    @property
+    def worst(self) -> Memory:
+        """The pipeline rank with the highest peak."""
+        return max(self.memory, key=lambda m: m.peak)
+
+    @property
+    def peak(self) -> int:
+        """Peak bytes of the fullest rank."""
+        return self.worst.peak
+
+    @property
+    def bytes(self) -> dict[str, dict[str, int]]:
+        """``{axis: {collective: bytes}}`` one step sends from the fullest rank (as
+        :meth:`dtp.CommLog.summary` of that rank's step)."""
+        return summary(list(self.traffic[self.worst.stage]))
+
+    def fits(self, memory_gb: float) -> bool:
+        """Whether the fullest rank's peak fits ``memory_gb`` GiB."""
+        return self.peak <= memory_gb * GIB
+
+    def __str__(self) -> str:
+        return format_plan(self)
+
+
+def plan(model: str | llama.LlamaConfig = "tiny", *, batch: int = 8, seq: int = 64, **parallel: Any) -> Plan:
+    """Predict one training step of ``model`` per rank, allocating nothing.
+
+    - `model`: a preset name (``llama.CONFIGS``) or a :class:`~dtp.models.llama.LlamaConfig`.
+    - `batch`, `seq`: global batch in sequences, sequence length.
+    - `parallel`: the fields of :class:`Setup`: ``dp, tp, sp, cp, cp_algo, pp, pp_schedule,
+      virtual_stages, ep, zero, bucket_mb, reshard_after_forward, microbatches, recompute,
+      dtype`` (``dtp train``'s flags, same defaults).
+
+    Raises: ``ValueError`` for a configuration ``dtp train`` would refuse (batch not divisible,
+    a schedule that cannot run, a dimension that does not split).
+
+    >>> p = plan("llama3-70b", batch=128, seq=8192, dp=8, tp=8, sp=True, pp=4, microbatches=16,
+    ...          zero=1, recompute="full", dtype="bfloat16")
+    >>> round(p.bubble, 3), p.params // 10**9
+    (0.158, 70)
+    """
+    cfg = llama.config(model) if isinstance(model, str) else model
+    name = model if isinstance(model, str) else "custom"
+    s = Setup(model=name, cfg=cfg, batch=batch, seq=seq, **parallel)
+    layout = layout_for(s)
+    per_stage = stage_leaves(s, leaves(s, layout))
+    mems = tuple(memory(s, lv, stage) for stage, lv in enumerate(per_stage))
+    rows = tuple(tuple(traffic(s, lv, stage)) for stage, lv in enumerate(per_stage))
+    bubble = 0.0
+    if s.pp > 1:
+        sched = schedules.make(s.pp_schedule, p=s.pp, v=s.virtual_stages, m=s.microbatches)
+        bubble = schedules.simulate(sched, p=s.pp, v=s.virtual_stages, m=s.microbatches).bubble_fraction
+    return Plan(s, llama.param_count(cfg), mems, rows, bubble)

@@ -1,0 +1,106 @@
+"""The plan as a table, and the verdict against a memory budget.
+
+Plain text (no dependency): one block of memory terms for the fullest rank, one row per
+(mesh axis, collective) with bytes per step, the pipeline bubble, then the verdict.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from . import Plan
+
+__all__ = ["format_plan", "check_fits", "format_bytes"]
+
+GIB = 2**30
+
+
+def format_bytes(n: float) -> str:
+    """Bytes in binary units.
+
+    >>> format_bytes(1536), format_bytes(3 * 2**30)
+    ('1.50 KiB', '3.00 GiB')
+    """
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def _describe(p: "Plan") -> str:
+    s = p.setup
+    parts = [f"{a}={n}" for a, n in s.axes.items() if n > 1]
+    if s.sp and s.tp > 1:
+        parts.append("sp")
+    if s.cp > 1:
+        parts.append(f"cp_algo={s.cp_algo}")
+    if s.pp > 1:
+        parts.append(f"{s.pp_schedule}" + (f" v={s.virtual_stages}" if s.virtual_stages > 1 else ""))
+    if s.zero:
+        parts.append(f"zero={s.zero}")
+    parts += [f"microbatches={s.microbatches}", f"recompute={s.recompute}", s.dtype]
+    ranks = f"{s.world} rank{'s' * (s.world > 1)}"
+    return f"{s.model} ({p.params / 1e9:.2f}B params), batch {s.batch} × seq {s.seq} on {ranks}: " + ", ".join(parts)
+
+
+def format_plan(p: "Plan", memory_gb: float | None = None) -> str:
+    """The plan as a plain-text table (and the verdict when ``memory_gb`` is given).
+
+    >>> from dtp.planning import plan
+    >>> print(format_plan(plan("tiny", batch=8, seq=16, dp=2), memory_gb=1))  # doctest: +ELLIPSIS
+    tiny (0.00B params), batch 8 × seq 16 on 2 ranks: dp=2, microbatches=1, recompute=none, float32
+    memory per rank (pipeline rank 0)
+      parameters                            417.25 KiB
+    ...
+    fits: peak 3.67 MiB of 1.00 GiB (0.4 %)
+    """
+    m = p.worst
+    rows = [("parameters", m.params), ("optimizer state", m.optimizer), ("gradients", m.grads),
+            (f"activations ({m.in_flight} microbatch{'es' if m.in_flight > 1 else ''} in flight)",
+             m.activations), ("working set", m.working)]
+    lines = [_describe(p), f"memory per rank (pipeline rank {m.stage})"]
+    lines += [f"  {name:<36}{format_bytes(v):>12}" for name, v in rows]
+    lines.append(f"  {'peak in backward':<36}{format_bytes(m.backward_peak):>12}")
+    lines.append(f"  {'peak in update':<36}{format_bytes(m.update_peak):>12}   (new tree beside the old)")
+    lines.append(f"  {'peak':<36}{format_bytes(m.peak):>12}")
+    lines.append("bytes sent per step (this rank)")
+    lines.append(f"  {'axis':<6}{'collective':<16}{'bytes':>12}  what")
+    grouped: dict[tuple[str, str, str], list[int]] = {}
+    for r in p.traffic[m.stage]:  # one line per pattern (ZeRO lists a row per bucket)
+        g = grouped.setdefault((r.axis, r.kind, r.what), [0, 0])
+        g[0] += r.times
+        g[1] += r.total
+    if not grouped:
+        lines.append("  (none: no mesh axis of more than one rank)")
+    for (axis, kind, what), (times, total) in sorted(grouped.items()):
+        lines.append(f"  {axis:<6}{kind:<16}{format_bytes(total):>12}  {what} ×{times}")
+    if p.setup.pp > 1:
+        lines.append(f"pipeline bubble {100 * p.bubble:.1f} % of rank time ({p.setup.pp_schedule}, "
+                     f"p={p.setup.pp}, v={p.setup.virtual_stages}, m={p.setup.microbatches})")
+    if memory_gb is not None:
+        lines.append(verdict(p, memory_gb))
+    return "\n".join(lines)
+
+
+def verdict(p: "Plan", memory_gb: float) -> str:
+    """One line: fits or does not, with the peak against the budget."""
+    share = p.peak / (memory_gb * GIB)
+    word = "fits" if share <= 1 else "DOES NOT FIT"
+    return f"{word}: peak {format_bytes(p.peak)} of {format_bytes(memory_gb * GIB)} ({100 * share:.1f} %)"
+
+
+def check_fits(p: "Plan", memory_gb: float, override: bool = False) -> str | None:
+    """``None`` when the plan fits ``memory_gb`` GiB per rank (or ``override``); else the
+    message ``dtp train`` refuses with: the plan's table and the verdict.
+
+    >>> from dtp.planning import plan
+    >>> check_fits(plan("tiny", batch=8, seq=16), 1.0) is None
+    True
+    >>> print(check_fits(plan("llama3-8b", batch=8, seq=4096), 80.0).splitlines()[-1])  # doctest: +ELLIPSIS
+    DOES NOT FIT: peak ... of 80.00 GiB (...); ... --memory-gb ... or --ignore-memory-check
+    """
+    if override or p.fits(memory_gb):
+        return None
+    return (format_plan(p, memory_gb) + "; shard more (--tp, --pp, --zero, --recompute full), raise "
+            "--memory-gb if the machine has more, or --ignore-memory-check")

@@ -1,0 +1,203 @@
+"""What a plan is of: the model, the batch and the parallel configuration, checked, and
+the per-rank parameter shapes derived from the real model code and the real layout.
+
+Nothing here allocates a parameter: shapes come from :func:`dtp.models.llama.param_shapes`-like
+arithmetic on the config (the same ``_shapes`` the model's ``init`` uses) and placements
+from :meth:`dtp.Layout.param_spec` on a stand-in mesh that has only names and sizes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from .. import layouts, schedules
+from .._rules import accum_dtype
+from ..layouts import Layout
+from ..layouts.pipeline import assign
+from ..models import llama
+from ..spec import P
+
+__all__ = ["Setup", "Leaf", "DTYPES", "layout_for", "leaves", "stage_leaves"]
+
+DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Setup:
+    """One training configuration, as ``dtp train``'s flags state it (global batch in sequences)."""
+
+    model: str = "tiny"
+    cfg: llama.LlamaConfig = field(default_factory=llama.LlamaConfig)
+    batch: int = 8  # global batch, sequences
+    seq: int = 64
+    dp: int = 1
+    tp: int = 1
+    sp: bool = False  # Megatron sequence parallel (with tp > 1)
+    cp: int = 1
+    cp_algo: Literal["ring", "ulysses"] = "ring"
+    pp: int = 1
+    pp_schedule: str = "1f1b"
+    virtual_stages: int = 1
+    ep: int = 1
+    zero: Literal[0, 1, 2, 3] = 0
+    bucket_mb: float = 40.0
+    reshard_after_forward: bool = True
+    microbatches: int = 1
+    recompute: Literal["none", "full", "selective"] = "none"
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        for name in ("batch", "seq", "dp", "tp", "cp", "pp", "virtual_stages", "ep", "microbatches"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"dtp.plan: {name} must be an int >= 1, got {value!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtp.plan: dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.cp > 1 and self.cp_algo not in ("ring", "ulysses"):
+            raise ValueError(f"dtp.plan: cp_algo {self.cp_algo!r} is not modelled yet; the plan knows 'ring' and "
+                             f"'ulysses'")
+        if self.recompute not in ("none", "full", "selective"):
+            raise ValueError(f"dtp.plan: recompute must be 'none', 'full' or 'selective', got {self.recompute!r}")
+        data = self.dp * self.ep * self.microbatches
+        if self.batch % data:
+            raise ValueError(f"dtp.plan: batch {self.batch} must be divisible by dp × ep × microbatches = {data}")
+        if self.seq % (self.cp * (self.tp if self.sp else 1)):
+            raise ValueError(f"dtp.plan: seq {self.seq} must be divisible by cp{' × tp' if self.sp else ''}")
+        if self.pp > 1:
+            schedules.check(self.pp_schedule, p=self.pp, v=self.virtual_stages, m=self.microbatches)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def axes(self) -> dict[str, int]:
+        """The mesh ``dtp train`` builds: pp (when > 1), dp, then ep, cp, tp when > 1."""
+        out = {"pp": self.pp} if self.pp > 1 else {}
+        out["dp"] = self.dp
+        out.update({a: getattr(self, a) for a in ("ep", "cp", "tp") if getattr(self, a) > 1})
+        return out
+
+    @property
+    def world(self) -> int:
+        return math.prod(self.axes.values())
+
+    @property
+    def microbatch(self) -> int:
+        """Sequences per rank per microbatch (ep is a data axis too)."""
+        return self.batch // (self.dp * self.ep * self.microbatches)
+
+    @property
+    def tokens(self) -> int:
+        """Tokens a rank computes per microbatch in attention and the MLP (sequence over cp)."""
+        return self.microbatch * self.seq // self.cp
+
+    @property
+    def residual_tokens(self) -> int:
+        """Tokens a rank holds in the residual stream (sequence over cp, and tp with SP)."""
+        return self.tokens // (self.tp if self.sp and self.tp > 1 else 1)
+
+
+class _Mesh:
+    """Names and sizes, all :meth:`Layout.param_spec` reads of a mesh."""
+
+    def __init__(self, axes: dict[str, int]):
+        self.mesh_dim_names = tuple(axes)
+        self._sizes = tuple(axes.values())
+
+    def size(self, i: int = 0) -> int:
+        return self._sizes[i]
+
+
+def layout_for(s: Setup) -> Layout:
+    """The layout ``dtp train`` builds from the same flags (``dtp.cli.loop.build_layout``)."""
+    layout = layouts.data() + layouts.megatron(sequence_parallel=s.sp and s.tp > 1)
+    if s.cp > 1:
+        layout = layout + layouts.context(algo=s.cp_algo)
+    layout = layout + layouts.zero(stage=s.zero, bucket_mb=s.bucket_mb, reshard_after_forward=s.reshard_after_forward)
+    if s.ep > 1:
+        layout = layout + layouts.expert()
+    if s.pp > 1:
+        layout = layout + layouts.pipeline(s.pp_schedule, virtual_stages=s.virtual_stages)
+    return layout
+
+
+@dataclass(frozen=True)
+class Leaf:
+    """One parameter as a rank holds it."""
+
+    path: str
+    shape: tuple[int, ...]  # global
+    local: tuple[int, ...]  # this rank's shard
+    spec: P
+    dtype: torch.dtype
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.local)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+    def splits(self, axis: str) -> bool:
+        return axis in self.spec.used_axes()
+
+
+def leaves(s: Setup, layout: Layout | None = None) -> list[Leaf]:
+    """Every parameter in forward use order (ZeRO's bucket order), with its local shape.
+
+    >>> [(l.path, l.local) for l in leaves(Setup(cfg=llama.config("tiny"), tp=2))][:3]
+    [('embed', (128, 64)), ('layers.0.attn_norm', (64,)), ('layers.0.wq', (64, 32))]
+    """
+    layout = layout_for(s) if layout is None else layout
+    mesh, sizes = _Mesh(s.axes), s.axes
+    cfg, dtype = s.cfg, s.torch_dtype
+    axes = llama.param_axes(cfg)
+    shapes: list[tuple[str, tuple[int, ...], tuple[str, ...]]] = [("embed", (cfg.vocab_size, cfg.dim), axes["embed"])]
+    for i in range(cfg.n_layers):
+        shapes += [(f"layers.{i}.{k}", v, axes["layers"][i][k]) for k, v in llama._shapes(cfg, i).items()]
+    shapes.append(("final_norm", (cfg.dim,), axes["final_norm"]))
+    if not cfg.tie_embeddings:
+        shapes.append(("lm_head", (cfg.dim, cfg.vocab_size), axes["lm_head"]))
+    out = []
+    for path, shape, logical in shapes:
+        spec = layout.param_spec(logical, mesh, name=path)
+        local = []
+        for d, n in enumerate(shape):
+            ways = math.prod(sizes[a] for a in spec.axes_of(d))
+            if n % ways:
+                raise ValueError(f"dtp.plan: param {path} dim {d} of size {n} does not split {ways} ways "
+                                 f"({' × '.join(spec.axes_of(d))})")
+            local.append(n // ways)
+        # The router is kept in fp32 whatever the model's dtype (llama.init).
+        out.append(Leaf(path, shape, tuple(local), spec, accum_dtype(dtype) if path.endswith("router") else dtype))
+    return out
+
+
+def stage_leaves(s: Setup, all_leaves: list[Leaf]) -> list[list[Leaf]]:
+    """The parameters each pipeline rank holds (one list when pp = 1)."""
+    if s.pp == 1:
+        return [all_leaves]
+    n_seq = s.cfg.n_layers + 2  # embed | blocks | head (llama.sequential)
+    ranges = assign(n_seq, s.pp, s.virtual_stages, what=f"dtp.plan: pp={s.pp} virtual_stages={s.virtual_stages}")
+    out: list[list[Leaf]] = [[] for _ in range(s.pp)]
+    for stage, (first, stop) in enumerate(ranges):
+        rank = stage % s.pp
+        for layer in range(first, stop):
+            if layer == 0:
+                names = {"embed"}
+            elif layer == n_seq - 1:
+                names = {"final_norm", "embed" if s.cfg.tie_embeddings else "lm_head"}
+            else:
+                names = None
+            for leaf in all_leaves:
+                if (names is not None and leaf.path in names) or \
+                        (names is None and leaf.path.startswith(f"layers.{layer - 1}.")):
+                    if leaf not in out[rank]:
+                        out[rank].append(leaf)
+    return out

@@ -1,0 +1,212 @@
+"""Bytes per step per mesh axis and collective, from the rules :mod:`dtp.comm` records by.
+
+Each :class:`Traffic` row is one pattern of a step (``times`` repeats of ``each`` bytes
+this rank sends), computed with the comm log's own formulas and rounding, so the totals
+per (axis, kind) equal :meth:`dtp.CommLog.summary` of a real step exactly, EP's
+data-dependent all-to-all-v aside (predicted for balanced routing). The patterns:
+
+=================  ==========================================================================
+grad               gradients of parameters replicated over a data axis (dp without ZeRO, cp,
+                   ep; tp for norms and routers): one all-reduce each, once per step (per
+                   microbatch under ZeRO, which adds each microbatch into its buckets)
+zero               ZeRO buckets over dp: reduce-scatter once per step; all-gather once (stage
+                   1/2) or per microbatch, forward plus backward re-gathers (stage 3)
+loss, norm         the loss over each data axis per microbatch; the gradient norm over the
+                   axes gradients are split on (tp, ep, pp, dp under ZeRO)
+tp                 SP: all-gather entering / reduce-scatter leaving each attention and MLP,
+                   twice (forward, backward), plus the embedding and head; no SP: all-reduces;
+                   full recompute repeats the forward's up to the last one of each block;
+                   vocab-parallel cross-entropy: two small all-reduces per microbatch
+cp                 ring: (3n−2) K/V blocks per layer (n−1 forward, n−1 + n dK/dV backward);
+                   Ulysses: q, k, v and the output through an all-to-all, forward and backward
+ep                 dispatch and combine all-to-all-v forward and backward, the counts exchange
+pp                 one activation send per microbatch per stage boundary, and one gradient back
+=================  ==========================================================================
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass
+
+from .._rules import accum_dtype
+from ..models import llama
+from .setup import Leaf, Setup
+
+__all__ = ["Traffic", "traffic", "summary"]
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """``times`` × ``each`` bytes this rank sends as ``kind`` on ``axis`` per step."""
+
+    axis: str
+    kind: str
+    what: str
+    times: int
+    each: int
+
+    @property
+    def total(self) -> int:
+        return self.times * self.each
+
+
+# The comm log's formulas (dtp.comm module docstring), rounded per record as it does.
+def _ag(nbytes: int, n: int) -> int:
+    return (n - 1) * nbytes
+
+
+def _rs(nbytes: int, n: int) -> int:
+    return int(round((n - 1) / n * nbytes))
+
+
+def _ar(nbytes: int, n: int) -> int:
+    return int(round(2 * (n - 1) / n * nbytes))
+
+
+def _a2a(nbytes: int, n: int) -> int:
+    return int(round((n - 1) / n * nbytes))
+
+
+def zero_buckets(s: Setup, rank_leaves: list[Leaf]) -> list[tuple[int, int, int, bool]]:
+    """ZeRO's buckets as :func:`dtp.strategies.zero` builds them: ``(padded numel, param
+    bytes per element, grad bytes per element, released after forward)`` in bucket order.
+
+    One open bucket per (dtype, mesh axes the parameter is split on), filled in use order
+    and closed once it holds ``bucket_mb``; padded to a multiple of dp. Stage 3 frees a
+    bucket in forward once a later read follows its last one: all but the last read's.
+    """
+    names = list(s.axes)
+    open_: dict[tuple, list[int]] = {}
+    groups: list[list[int]] = []
+    for i, leaf in enumerate(rank_leaves):
+        key = (leaf.dtype, tuple(a for a in names if a in set(leaf.spec.used_axes())))
+        cap = max(1, int(s.bucket_mb * 2**20) // leaf.dtype.itemsize)
+        if key not in open_:
+            open_[key] = []
+            groups.append(open_[key])
+        open_[key].append(i)
+        if sum(rank_leaves[j].numel for j in open_[key]) >= cap:
+            del open_[key]
+    # Reads in forward: every leaf once, a tied embedding again at the head.
+    last_read = len(rank_leaves) - 1
+    tied = s.cfg.tie_embeddings and any(l.path == "final_norm" for l in rank_leaves)
+    out = []
+    for members in groups:
+        total = sum(rank_leaves[j].numel for j in members)
+        padded = -(-total // s.dp) * s.dp
+        dtype = rank_leaves[members[0]].dtype
+        last = max(last_read if (tied and rank_leaves[j].path == "embed") else j for j in members)
+        out.append((padded, dtype.itemsize, accum_dtype(dtype).itemsize, last < last_read))
+    return out
+
+
+def traffic(s: Setup, rank_leaves: list[Leaf], stage: int = 0) -> list[Traffic]:
+    """Every collective pattern of one optimizer step on pipeline rank ``stage``.
+
+    >>> from dtp.planning.setup import leaves
+    >>> s = Setup(cfg=llama.config("tiny"), dp=2, batch=8, seq=16)
+    >>> summary(traffic(s, leaves(s)))
+    {'dp': {'all_reduce': 427268}}
+    """
+    out: list[Traffic] = []
+    cfg, axes, m = s.cfg, s.axes, s.microbatches
+    e = s.torch_dtype.itemsize
+    acc = accum_dtype(s.torch_dtype).itemsize
+    paths = {l.path for l in rank_leaves}
+    has_embed = "embed" in paths and (s.pp == 1 or stage == 0)
+    has_head = "final_norm" in paths
+    blocks = sorted({int(l.path.split(".")[1]) for l in rank_leaves if l.path.startswith("layers.")})
+    moe_blocks = [i for i in blocks if llama.is_moe(cfg, i)]
+
+    def add(axis: str, kind: str, what: str, times: int, each: int) -> None:
+        if axes.get(axis, 1) > 1 and times and each:
+            out.append(Traffic(axis, kind, what, times, each))
+
+    # --- gradients: one all-reduce per parameter and axis it is replicated over
+    zero_dp = s.zero >= 1 and s.dp > 1
+    # Without ZeRO pending sums accumulate over microbatches and reduce once; ZeRO adds each
+    # microbatch's gradient into its bucket, so the other axes reduce it every microbatch.
+    grad_times = m if zero_dp else 1
+    for axis in ("cp", "ep", "tp") + (() if zero_dp else ("dp",)):
+        n = axes.get(axis, 1)
+        per: dict[int, int] = defaultdict(int)
+        for leaf in rank_leaves:
+            if not leaf.splits(axis):
+                per[_ar(leaf.nbytes, n)] += 1
+        for each, times in sorted(per.items()):
+            add(axis, "all_reduce", "grad", times * grad_times, each)
+    if zero_dp:
+        buckets = zero_buckets(s, rank_leaves)
+        for index, (padded, pe, ge, released) in enumerate(buckets):
+            add("dp", "reduce_scatter", "zero grad", 1, _rs(padded * ge, s.dp))
+            shard = padded // s.dp * pe
+            if s.zero < 3:
+                add("dp", "all_gather", "zero param", 1, _ag(shard, s.dp))
+            else:  # every microbatch gathers in forward and re-gathers what forward freed
+                regather = released and s.reshard_after_forward
+                # The first bucket, re-gathered last in backward, is still held when the
+                # next microbatch's forward reads it (measured on the comm log).
+                again = m * (1 + regather) - ((m - 1) if index == 0 and regather else 0)
+                add("dp", "all_gather", "zero3 param", again, _ag(shard, s.dp))
+    # --- the loss over the data axes (per microbatch), the norm over the split axes
+    if s.pp == 1 or has_head:
+        for axis in ("cp", "ep", "dp"):
+            add(axis, "all_reduce", "loss", m, _ar(e, axes.get(axis, 1)))
+    norm_axes = ["tp", "pp"] + (["ep"] if any(l.splits("ep") for l in rank_leaves) else []) + \
+        (["dp"] if zero_dp else [])
+    for axis in norm_axes:
+        add(axis, "all_reduce", "grad norm", 1, _ar(acc, axes.get(axis, 1)))
+
+    # --- tensor parallel activations, per microbatch
+    L, full = len(blocks), s.recompute == "full"
+    tp = axes.get("tp", 1)
+    if tp > 1:
+        whole = s.tokens * cfg.dim * e  # (b, s/cp, h): what a row-parallel output is
+        ends = has_embed + has_head
+        if s.sp:
+            add("tp", "all_gather", "sp", m * (4 * L + ends + 2 * L * full), _ag(whole // tp, tp))
+            add("tp", "reduce_scatter", "sp", m * (4 * L + ends + L * full), _rs(whole, tp))
+        else:
+            add("tp", "all_reduce", "tp", m * (4 * L + ends + L * full), _ar(whole, tp))
+        if has_head:  # vocab-parallel cross-entropy: max and (sum-exp, target logit)
+            add("tp", "all_reduce", "cross_entropy", m, _ar(s.tokens * acc, tp))
+            add("tp", "all_reduce", "cross_entropy", m, _ar(2 * s.tokens * acc, tp))
+
+    # --- context parallel attention, per layer and microbatch
+    cp = axes.get("cp", 1)
+    if cp > 1 and L:
+        local = s.microbatch * (s.seq // cp) * cfg.head_dim * e  # one head's (b, s/cp, hd)
+        q, kv = local * cfg.n_heads // tp, local * cfg.n_kv_heads // tp
+        if s.cp_algo == "ring":
+            add("cp", "send_recv", "ring K/V", m * L * (3 * cp - 2 + (cp - 1) * full), 2 * kv)
+        else:
+            add("cp", "all_to_all", "ulysses", m * L * (2 + full), _a2a(2 * q + 2 * kv, cp))
+
+    # --- expert parallel (expected bytes under balanced routing)
+    ep = axes.get("ep", 1)
+    if ep > 1 and moe_blocks:
+        rows = s.tokens * cfg.top_k * (ep - 1) // ep
+        add("ep", "all_to_all_v", "moe dispatch/combine", m * len(moe_blocks) * (4 + 2 * full), rows * cfg.dim * e)
+        add("ep", "all_to_all", "moe counts", m * len(moe_blocks) * (1 + full), (ep - 1) * cfg.num_experts // ep * 8)
+        for axis in ("ep", "dp"):
+            add(axis, "all_reduce", "moe stats", m * len(moe_blocks), _ar((2 * cfg.num_experts + 2) * acc,
+                                                                          axes.get(axis, 1)))
+
+    # --- pipeline: activations forward, their gradients back, per microbatch and chunk
+    if s.pp > 1:
+        p, v = s.pp, s.virtual_stages
+        act = s.residual_tokens * cfg.dim * e
+        sends = sum((c * p + stage < p * v - 1) + (c * p + stage > 0) for c in range(v))
+        add("pp", "send", "activations", m * sends, act)
+    return out
+
+
+def summary(rows: list[Traffic]) -> dict[str, dict[str, int]]:
+    """``{axis: {kind: bytes}}``, as :meth:`dtp.CommLog.summary` reports a step."""
+    out: dict[str, dict[str, int]] = {}
+    for r in rows:
+        per = out.setdefault(r.axis, {})
+        per[r.kind] = per.get(r.kind, 0) + r.total
+    return out
