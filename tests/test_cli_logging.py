@@ -63,8 +63,9 @@ def test_header_and_progress_line(tmp_path, capsys) -> None:
     assert cli.main(["train", "--steps", "3", *SMALL, "--out", str(tmp_path / "run")]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("dtp train: tiny (106.8k parameters) on mesh dp=1 (1 rank)")
-    assert " tok/s " in lines[1] and " eta " in lines[1] and lines[1].startswith("step 1/3")
-    assert " eta " not in lines[3]  # the last step: nothing left
+    assert lines[1].startswith("dtp train: plan: peak ") and " per rank " in lines[1]  # dtp.plan's prediction
+    assert " tok/s " in lines[2] and " eta " in lines[2] and lines[2].startswith("step 1/3")
+    assert " eta " not in lines[4]  # the last step: nothing left
 
 
 def test_eval_loss_is_forward_only_and_layout_independent(tmp_path, capsys) -> None:

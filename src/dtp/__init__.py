@@ -10,8 +10,8 @@ what lets ``dtp train`` parse and check its flags before torch is imported, so a
 argument answers at once instead of after torch's start-up.
 
 >>> import dtp
->>> dtp.make_mesh is dtp.mesh.make_mesh
-True
+>>> dtp.make_mesh is dtp.mesh.make_mesh, callable(dtp.visualize)
+(True, True)
 """
 
 from __future__ import annotations
@@ -30,9 +30,13 @@ __all__ = [
     "TrainState", "train_step", "shard_batch", "gather_params", "wait", "checkpoint", "Layer", "Sequential", "plan",
 ]
 
+# Public names that are submodules. (``dtp.visualize`` is a function: its module is
+# ``visualization``, so that importing it, as unpickling a reference to it in a rank does,
+# cannot shadow the function with a module of the same name.)
+_SUBMODULES = ("comm", "layouts", "ops", "optim", "schedules", "strategies", "checkpoint")
 # Public name -> the module that defines it (a submodule itself when the name is one).
 _SOURCES: dict[str, str] = {
-    **{m: f".{m}" for m in ("comm", "layouts", "ops", "optim", "schedules", "strategies", "checkpoint")},
+    **{m: f".{m}" for m in _SUBMODULES},
     "CommLog": ".comm", "CommRecord": ".comm", "comm_log": ".comm",
     "Layout": ".layouts", "constrain": ".layouts", "use_layout": ".layouts",
     "detect_device": ".mesh", "flatten_axes": ".mesh", "make_mesh": ".mesh",
@@ -40,7 +44,7 @@ _SOURCES: dict[str, str] = {
     "from_local": ".redistribute", "local_map": ".redistribute", "reshard": ".redistribute",
     "P": ".spec", "shard": ".spec", "spec_of": ".spec",
     "TrainState": ".step", "gather_params": ".step", "shard_batch": ".step", "train_step": ".step", "wait": ".step",
-    "zero": ".strategies", "visualize": ".visualize", "plan": ".planning",
+    "zero": ".strategies", "visualize": ".visualization", "plan": ".planning",
 }
 
 
@@ -54,7 +58,7 @@ def __getattr__(name: str) -> Any:
             raise AttributeError(f"module 'dtp' has no attribute {name!r}")
         source = f".{name}"
     module = importlib.import_module(source, __name__)
-    value = module if source == f".{name}" else getattr(module, name)
+    value = module if name in _SUBMODULES or name not in _SOURCES else getattr(module, name)
     globals()[name] = value
     return value
 
@@ -73,5 +77,5 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the eager imports of befor
     from .spec import P, shard, spec_of
     from .step import TrainState, gather_params, shard_batch, train_step, wait
     from .strategies import zero
-    from .visualize import visualize
+    from .visualization import visualize
     from .planning import plan
