@@ -148,6 +148,12 @@ KNOWN_GAPS = {"tp2 sp m=2 full recompute seq256": "full recompute under SP keeps
               "dp2 cp2 zero2": "measured peak varies between processes (+5 % alone, +15 % in the full suite)"}
 
 
+# A measurement, so not in the default run: the profiler's running peak includes buffers
+# gloo's threads free when they get to it, and on this 2-core machine under the full suite
+# one case or another (dp2 tp2 sp +12 %, dp2 cp2 zero2 +15 %, dp2 zero3 +14 %) came out
+# over 10 % high in a run where it was within 5 % alone. Run it on a quiet machine:
+# `python -m pytest -m slow tests/test_plan.py`. The bytes check above is exact and stays.
+@pytest.mark.slow
 @pytest.mark.parametrize("name", [
     pytest.param(n, marks=pytest.mark.xfail(reason=KNOWN_GAPS[n], strict=False)) if n in KNOWN_GAPS else n
     for n, c in {**CASES_2, **CASES_4}.items() if c[4]])
