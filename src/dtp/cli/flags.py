@@ -461,7 +461,8 @@ def build_layout(args: argparse.Namespace) -> Layout:
                                      ("ulysses_degree", args.ulysses_degree),
                                      ("head_chunks", args.cp_head_chunks)) if v is not None}
         layout = layout + layouts.context(**options)
-    layout = layout + zero_layout(args)
+    if args.zero:  # --zero 0 is plain data parallel, which the layout already is
+        layout = layout + zero_layout(args)
     if args.ep > 1:
         layout = layout + layouts.expert(pipe_experts=args.pipe_experts, multi_data=args.multi_data,
                                          multi_stream=args.multi_stream, tp_axis="tp" if args.expert_tp else None)
