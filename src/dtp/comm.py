@@ -64,6 +64,7 @@ from torch.distributed.device_mesh import DeviceMesh
 __all__ = [
     "CommRecord",
     "CommLog",
+    "ring_bytes",
     "CommHandle",
     "comm_log",
     "all_gather",
@@ -642,6 +643,22 @@ def _nbytes(x: torch.Tensor) -> int:
     return x.numel() * x.element_size()
 
 
+_RING_SHARE = {"all_gather": lambda n: n - 1, "reduce_scatter": lambda n: (n - 1) / n,
+               "all_reduce": lambda n: 2 * (n - 1) / n, "all_to_all": lambda n: (n - 1) / n}
+
+
+def ring_bytes(kind: str, nbytes: int, n: int) -> int:
+    """The bytes one rank sends, as the comm log records them, for a ring ``kind``
+    (``all_gather``, ``reduce_scatter``, ``all_reduce``, ``all_to_all``) of ``nbytes`` of
+    local input over ``n`` ranks (module docstring's table); :func:`dtp.plan` predicts
+    with it.
+
+    >>> ring_bytes("all_reduce", 1000, 4), ring_bytes("all_gather", 1000, 4)
+    (1500, 3000)
+    """
+    return int(round(_RING_SHARE[kind](n) * nbytes))
+
+
 def all_gather(x: torch.Tensor, mesh: DeviceMesh, axis: str, *, dim: int = 0, out: torch.Tensor | None = None,
                async_op: bool = False, tag: str = "") -> torch.Tensor | CommHandle:
     """Concatenate every rank's ``x`` along ``dim`` in axis-coordinate order.
@@ -669,7 +686,7 @@ def all_gather(x: torch.Tensor, mesh: DeviceMesh, axis: str, *, dim: int = 0, ou
 
         return work, finish
 
-    return _run("all_gather", mesh, axis, x, lambda n: (n - 1) * _nbytes(x), post, async_op, tag)
+    return _run("all_gather", mesh, axis, x, lambda n: ring_bytes("all_gather", _nbytes(x), n), post, async_op, tag)
 
 
 def reduce_scatter(x: torch.Tensor, mesh: DeviceMesh, axis: str, *, dim: int = 0,
@@ -702,7 +719,7 @@ def reduce_scatter(x: torch.Tensor, mesh: DeviceMesh, axis: str, *, dim: int = 0
         work = dist.reduce_scatter_single(out.view(-1), inp.view(-1), group=group, async_op=True)
         return work, (lambda: out)
 
-    return _run("reduce_scatter", mesh, axis, x, lambda n: (n - 1) / n * _nbytes(x), post, async_op, tag)
+    return _run("reduce_scatter", mesh, axis, x, lambda n: ring_bytes("reduce_scatter", _nbytes(x), n), post, async_op, tag)
 
 
 def all_reduce(x: torch.Tensor, mesh: DeviceMesh, axis: str, *, op: str = "sum", async_op: bool = False,
@@ -714,7 +731,7 @@ def all_reduce(x: torch.Tensor, mesh: DeviceMesh, axis: str, *, op: str = "sum",
     def post(group: dist.ProcessGroup, n: int):
         return dist.all_reduce(out, op=reduce_op, group=group, async_op=True), (lambda: out)
 
-    return _run("all_reduce", mesh, axis, x, lambda n: 2 * (n - 1) / n * _nbytes(x), post, async_op, tag)
+    return _run("all_reduce", mesh, axis, x, lambda n: ring_bytes("all_reduce", _nbytes(x), n), post, async_op, tag)
 
 
 def all_to_all(x: torch.Tensor, mesh: DeviceMesh, axis: str, *, split_dim: int, concat_dim: int,
@@ -741,7 +758,7 @@ def all_to_all(x: torch.Tensor, mesh: DeviceMesh, axis: str, *, split_dim: int, 
 
         return work, finish
 
-    return _run("all_to_all", mesh, axis, x, lambda n: (n - 1) / n * _nbytes(x), post, async_op, tag)
+    return _run("all_to_all", mesh, axis, x, lambda n: ring_bytes("all_to_all", _nbytes(x), n), post, async_op, tag)
 
 
 def _check_splits(name: str, counts: Sequence[int], n: int) -> list[int]:

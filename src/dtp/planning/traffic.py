@@ -29,8 +29,10 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from dataclasses import dataclass
+from functools import partial
 
 from .._rules import accum_dtype
+from ..comm import ring_bytes
 from ..models import llama
 from .setup import Leaf, Setup
 
@@ -52,21 +54,9 @@ class Traffic:
         return self.times * self.each
 
 
-# The comm log's formulas (dtp.comm module docstring), rounded per record as it does.
-def _ag(nbytes: int, n: int) -> int:
-    return (n - 1) * nbytes
-
-
-def _rs(nbytes: int, n: int) -> int:
-    return int(round((n - 1) / n * nbytes))
-
-
-def _ar(nbytes: int, n: int) -> int:
-    return int(round(2 * (n - 1) / n * nbytes))
-
-
-def _a2a(nbytes: int, n: int) -> int:
-    return int(round((n - 1) / n * nbytes))
+# The comm log's formulas and rounding, per record (bytes of local input, ranks).
+_ag, _rs, _ar, _a2a = (partial(ring_bytes, kind) for kind in ("all_gather", "reduce_scatter", "all_reduce",
+                                                               "all_to_all"))
 
 
 def zero_buckets(s: Setup, rank_leaves: list[Leaf]) -> list[tuple[int, int, int, bool]]:
