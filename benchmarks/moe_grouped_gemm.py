@@ -31,16 +31,6 @@ def _loop(x, counts, wg, wu, wd):
     return torch.cat(out)
 
 
-def _padded(x, counts, wg, wu, wd):  # what experts() does without the kernel
-    e, (n, d) = wg.shape[0], x.shape
-    width = int(counts.max())
-    owner = torch.repeat_interleave(torch.arange(e, device=x.device), counts)
-    slot = torch.arange(n, device=x.device) - (torch.cumsum(counts, 0) - counts)[owner]
-    padded = x.new_zeros(e, width, d).index_put((owner, slot), x)
-    h = F.silu(torch.bmm(padded, wg)) * torch.bmm(padded, wu)
-    return torch.bmm(h, wd)[owner, slot]
-
-
 def _time(fn, repeats: int) -> float:
     times = []
     for _ in range(repeats + 2):
@@ -85,7 +75,7 @@ def main() -> None:
             torch.autograd.grad(moe.experts(x, counts, *ws), [x, *ws], g)
 
         def padded():
-            torch.autograd.grad(_padded(x, counts, *ws), [x, *ws], g)
+            torch.autograd.grad(moe.padded_experts(x, counts, *ws), [x, *ws], g)
 
         tg, tp = _time(grouped, args.repeats), _time(padded, args.repeats)
         print(f"{rows:>9} {e:>3} {d:>5} {f:>5} {skew:>5.1f} | {tg:>10.2f} {tp:>9.2f} {tp / tg:>5.2f}x | {err:.1e} / {gerr:.1e}")

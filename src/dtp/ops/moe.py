@@ -51,7 +51,7 @@ from ..redistribute import local_map, reshard
 from ..spec import P, spec_of
 from . import moe_dispatch, moe_pipe
 
-__all__ = ["Routing", "route", "load_balancing_loss", "z_loss", "update_bias", "experts", "moe_ffn"]
+__all__ = ["Routing", "route", "load_balancing_loss", "z_loss", "update_bias", "experts", "padded_experts", "moe_ffn"]
 
 
 class Routing(NamedTuple):
@@ -157,13 +157,20 @@ def experts(x_sorted: torch.Tensor, counts: torch.Tensor, w_gate: torch.Tensor, 
     >>> experts(x, torch.tensor([1, 2]), w, w, w).shape
     torch.Size([3, 2])
     """
+    if grouped_mm_usable(x_sorted, w_gate, w_up, w_down):
+        offsets = torch.cumsum(counts.to(device=x_sorted.device), 0).to(torch.int32)
+        h = F.silu(grouped_mm(x_sorted, w_gate, offsets)) * grouped_mm(x_sorted, w_up, offsets)
+        return grouped_mm(h, w_down, offsets)
+    return padded_experts(x_sorted, counts, w_gate, w_up, w_down)
+
+
+def padded_experts(x_sorted: torch.Tensor, counts: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
+                   w_down: torch.Tensor) -> torch.Tensor:
+    """:func:`experts` without the grouped-GEMM kernel: each group padded to the largest
+    (one host sync), one ``torch.bmm`` per projection, un-padded."""
     e = w_gate.shape[0]
     n, d = x_sorted.shape
     counts = counts.to(device=x_sorted.device, dtype=torch.long)
-    if grouped_mm_usable(x_sorted, w_gate, w_up, w_down):
-        offsets = torch.cumsum(counts, 0).to(torch.int32)
-        h = F.silu(grouped_mm(x_sorted, w_gate, offsets)) * grouped_mm(x_sorted, w_up, offsets)
-        return grouped_mm(h, w_down, offsets)
     width = int(counts.max()) if n else 0
     owner = torch.repeat_interleave(torch.arange(e, device=x_sorted.device), counts)
     slot = torch.arange(n, device=x_sorted.device) - (torch.cumsum(counts, 0) - counts)[owner]
