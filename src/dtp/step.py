@@ -251,16 +251,11 @@ def _check_seq(what: str, key: str, v: torch.Tensor, state: TrainState) -> None:
 
 
 def _check_pipe_experts(what: str, key: str, v: DTensor, state: TrainState) -> None:
-    """pipe-experts cuts each local expert's rows into ``multi_data`` pieces: a rank needs
-    at least that many tokens. Said here, where every rank sees the batch alike."""
-    opts = state.layout.expert
-    if opts is None or not opts.pipe_experts or v.dim() < 2:
-        return
-    tokens = math.prod(v.to_local().shape[:2])
-    if opts.multi_data > tokens:
-        raise ValueError(f"{what}: batch[{key!r}] of shape {tuple(v.shape)} gives each rank {tokens} tokens, "
-                         f"fewer than layouts.expert(multi_data={opts.multi_data}) pieces per local expert; "
-                         f"use multi_data <= {tokens} or a larger batch")
+    """pipe-experts needs a rank to hold at least ``multi_data`` tokens: said here, where
+    every rank sees the batch alike (:meth:`~dtp.layouts.ExpertOptions.check_tokens`)."""
+    if state.layout.expert is not None and v.dim() >= 2:
+        state.layout.expert.check_tokens(math.prod(v.to_local().shape[:2]),
+                                         f"{what}: batch[{key!r}] of shape {tuple(v.shape)}")
 
 
 def _single_device(mesh: DeviceMesh | None) -> bool:

@@ -91,6 +91,14 @@ class ExpertOptions:
                             f"got {self.axis!r}")
         object.__setattr__(self, "axis", axes[0] if len(axes) == 1 else tuple(axes))  # canonical: "ep", not ("ep",)
 
+    def check_tokens(self, tokens: int, what: str) -> None:
+        """``ValueError`` when pipe-experts would cut each local expert's rows into more
+        ``multi_data`` pieces than a rank has ``tokens``; ``what`` starts the message."""
+        if self.pipe_experts and self.multi_data > tokens:
+            raise ValueError(f"{what} gives each rank {tokens} tokens, fewer than layouts.expert(multi_data="
+                             f"{self.multi_data}) pieces per local expert; use multi_data <= {tokens} or a larger "
+                             f"batch")
+
     @property
     def axes(self) -> tuple[str, ...]:
         """The mesh axes experts are split over (one, or the folded ones)."""

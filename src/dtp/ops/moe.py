@@ -256,10 +256,7 @@ def _expert_group(params: Mapping[str, torch.Tensor], x: DTensor,
             raise ValueError(f"moe_ffn: the layout puts experts on {axes} but {name} is {got}; lay the "
                              f"parameters out with the same layout (TrainState.create)")
     opts = layout.expert or ExpertOptions(axis=axes)
-    tokens = math.prod(x.to_local().shape[:-1])
-    if opts.pipe_experts and opts.multi_data > tokens:
-        raise ValueError(f"moe_ffn: layouts.expert(multi_data={opts.multi_data}) splits each local expert's rows "
-                         f"into more pieces than a rank has tokens ({tokens}); use multi_data <= {tokens}")
+    opts.check_tokens(math.prod(x.to_local().shape[:-1]), f"moe_ffn: x of shape {tuple(x.shape)}")
     tp = opts.tp_axis if opts.tp_axis in names and mesh.size(names.index(opts.tp_axis)) > 1 else None
     if tp is not None:
         if tp in token_axes:
