@@ -47,6 +47,14 @@ BAD_RUNS = {
     "sp without tp": (["--sp"], "--sp (sequence parallel) splits the sequence over the tp group: it needs --tp > 1"),
     "out not writable": (["--out", "/proc/nonexistent/run"], "--out /proc/nonexistent/run: cannot create or write it"),
     "data missing": (["--data", "/nonexistent/tokens.bin"], "--data: "),
+    # The pipeline's composition rules (layouts.pipeline's check_composition), before any rank:
+    "pp with zero 3": (["--pp", "2", "--dp", "2", "--zero", "3", "--microbatches", "2"],
+                       "--pp 2: layouts.zero(3) with layouts.pipeline is not supported"),
+    "pp with overlapped grad reduce": (["--pp", "2", "--dp", "2", "--zero", "1", "--overlap-grad-reduce",
+                                        "--microbatches", "2"], "layouts.zero(overlap_grad_reduce=True) with"),
+    "pp with zero and tied embeddings": (["--pp", "2", "--dp", "2", "--zero", "1", "--model", "1b", "--microbatches",
+                                          "2", "--ignore-memory-check"], "and tied embeddings is not supported"),
+    "pp with moe": (["--pp", "2", "--model", "tiny-moe", "--microbatches", "2"], "so MoE with pp is not supported"),
 }
 
 _PROBE = """

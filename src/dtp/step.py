@@ -285,22 +285,43 @@ def _spec(x: torch.Tensor) -> P | None:
     return spec_of(x) if isinstance(x, DTensor) else None
 
 
+def microbatch_rows(rows: int, n: int, k: int) -> slice:
+    """The rows of microbatch ``k`` of ``n`` in a batch of ``rows``: every ``n``-th row,
+    from row ``k`` — the one definition for every layout and the one-device run.
+
+    Strided, not contiguous, because it is the one grouping a data-parallel split keeps:
+    a rank's contiguous block of rows ``[r·R/dp, (r+1)·R/dp)`` taken every ``n``-th row from
+    its own row ``k`` is exactly its part of the global ``batch[k::n]`` (``R/dp`` divides by
+    ``n``). Contiguous local slices would make microbatch ``k`` the k-th slice of every rank,
+    a different set of rows for each dp size; a dense model's mean does not see that, but
+    MoE's per-microbatch token statistics (the aux loss) do.
+
+    >>> list(range(8))[microbatch_rows(8, 2, 1)]
+    [1, 3, 5, 7]
+    """
+    if rows % n:
+        raise ValueError(f"microbatch_rows: {rows} rows do not split into {n} microbatches")
+    return slice(k, None, n)
+
+
 def _split_microbatches(batch: Mapping[str, DTensor], n: int) -> list[dict[str, DTensor]]:
     if n == 1:
         return [dict(batch)]
     parts: list[dict[str, DTensor]] = [{} for _ in range(n)]
-    for k, v in batch.items():
+
+    def cut(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(x[microbatch_rows(x.shape[0], n, k)].contiguous() for k in range(n))
+
+    for key, v in batch.items():
         if not isinstance(v, DTensor):
-            for i, piece in enumerate(v.chunk(n, dim=0)):
-                parts[i][k] = piece
-            continue
-        spec = spec_of(v)
-        # Each rank cuts its own rows: microbatch i is every rank's i-th slice (a
-        # different grouping of the same global rows, which the mean does not see).
-        # _check_inputs proved the rows divide, so no shape check is needed.
-        cut = local_map(lambda x: tuple(x.chunk(n, dim=0)), (spec,), (spec,) * n, check_shapes=False)
-        for i, piece in enumerate(cut(v)):
-            parts[i][k] = piece
+            pieces = cut(v)
+        else:
+            # Each rank cuts its own rows (microbatch_rows says why that is the global
+            # batch[k::n]). _check_inputs proved the rows divide, so no shape check is needed.
+            spec = spec_of(v)
+            pieces = local_map(cut, (spec,), (spec,) * n, check_shapes=False)(v)
+        for i, piece in enumerate(pieces):
+            parts[i][key] = piece
     return parts
 
 
@@ -312,28 +333,9 @@ def _check_pipeline(loss_fn: Callable, state: TrainState, microbatches: int) -> 
         raise TypeError(f"train_step: under layouts.pipeline loss_fn must be the model as a dtp.Sequential of "
                         f"layers (e.g. llama.sequential(cfg)), got {type(loss_fn).__name__}")
     opts.check(n_layers=len(loss_fn), mesh=state.mesh, microbatches=microbatches)
-    if loss_fn.carry != "tensor":
-        raise ValueError("train_step: this model passes a tree between its layers (an MoE model's (h, aux "
-                         "losses)); layouts.pipeline sends one tensor between stages, so MoE with pp is not "
-                         "supported yet: use pp=1")
-    z = state.layout.zero
-    if z is not None and z.active(state.mesh):
-        # ZeRO counts each bucket's gradients per microbatch's backward to know when to post
-        # its reduce-scatter or free it; a schedule interleaves microbatches' forwards and
-        # backwards, so only the variants that wait for the whole backward compose.
-        if z.stage == 3:
-            raise ValueError("train_step: layouts.zero(3) with layouts.pipeline is not supported: stage 3 frees and "
-                             "re-gathers buckets by counting reads per microbatch, which a schedule interleaves; "
-                             "use stage 1 or 2 (optimizer state and gradients sharded over dp)")
-        if z.overlap_grad_reduce:
-            raise ValueError("train_step: layouts.zero(overlap_grad_reduce=True) with layouts.pipeline is not "
-                             "supported: a bucket's last gradient is known only when the schedule's last backward "
-                             "ran; drop overlap_grad_reduce (the reduce-scatters follow the schedule)")
-        first, last = loss_fn.paths(0, 1), loss_fn.paths(len(loss_fn) - 1)
-        if set(first) & set(last):
-            raise ValueError("train_step: layouts.zero with layouts.pipeline and tied embeddings is not supported "
-                             f"(the first and last layer both read {sorted(set(first) & set(last))}); untie them "
-                             "or drop layouts.zero")
+    first, last = loss_fn.paths(0, 1), loss_fn.paths(len(loss_fn) - 1)
+    opts.check_composition(state.layout, state.mesh, shared=sorted(set(first) & set(last)),
+                           carries_tree=loss_fn.carry != "tensor")
 
 
 def _check_inputs(batch: Mapping[str, torch.Tensor], state: TrainState, microbatches: int,

@@ -491,8 +491,8 @@ def preflight(args: argparse.Namespace, *, check_out: bool = True) -> Layout:
     or ``--overwrite``). Returns the layout.
 
     Raises :class:`UsageError` (or the presets' ``ValueError``): one line, exit code 2.
-    What only a rank can see (a stage's tied embeddings under ZeRO, an MoE carry between
-    stages) is still checked by ``train_step``, on every rank before any collective.
+    The pipeline's composition rules (:meth:`~dtp.layouts.pipeline.PipelineOptions.check_composition`)
+    are the ones ``train_step`` checks again on every rank, before any collective.
     """
     layout = build_layout(args)
     try:
@@ -508,6 +508,10 @@ def preflight(args: argparse.Namespace, *, check_out: bool = True) -> Layout:
         layout.pipeline.check(n_layers=model_config.n_sequential_layers(cfg), mesh=mesh,
                               microbatches=args.microbatches,
                               what=f"--pp {args.pp} --virtual-stages {args.virtual_stages}")
+        # The model's facts as llama.sequential(cfg) has them: the head reads the embedding
+        # when tied; MoE blocks make the carry between layers a tree.
+        layout.pipeline.check_composition(layout, mesh, shared=("embed",) if cfg.tie_embeddings else (),
+                                          carries_tree=cfg.num_experts > 0, what=f"--pp {args.pp}")
     if layout.context is not None:
         layouts.check_divisible(args.seq, layout.context_degree(mesh), layout.context.load_balance,
                                 what=f"--seq {args.seq}")

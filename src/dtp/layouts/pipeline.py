@@ -79,6 +79,49 @@ class PipelineOptions:
             raise ValueError(f"{what}: {e}") from None
         assign(n_layers, p, v, self.layer_split, what=what)
 
+    def check_composition(self, layout: Layout, mesh: DeviceMesh, *, shared: Sequence[str] = (),
+                          carries_tree: bool = False, what: str = "train_step") -> None:
+        """``ValueError`` for what this pipeline does not compose with on ``mesh``: the one
+        place these rules live (``train_step`` asks with the model it runs, ``dtp train``'s
+        preflight with the model's config, before any rank starts).
+
+        - `shared`: parameters the first and the last stage both read (tied embeddings).
+        - `carries_tree`: the model passes a tree between its layers (an MoE model's
+          ``(h, aux losses)``), where a stage boundary sends one tensor.
+
+        >>> from dtp import layouts
+        >>> from dtp._mesh_shape import MeshShape
+        >>> opts = layouts.pipeline().pipeline
+        >>> opts.check_composition(layouts.zero(3), MeshShape({"pp": 2, "dp": 2}), what="--pp 2")
+        Traceback (most recent call last):
+        ...
+        ValueError: --pp 2: layouts.zero(3) with layouts.pipeline is not supported: ...
+        """
+        if not self.active(mesh):
+            return
+        if carries_tree:
+            raise ValueError(f"{what}: this model passes a tree between its layers (an MoE model's (h, aux "
+                             "losses)); layouts.pipeline sends one tensor between stages, so MoE with pp is not "
+                             "supported yet: use pp=1")
+        z = layout.zero
+        if z is None or not z.active(mesh):
+            return
+        # ZeRO counts each bucket's gradients per microbatch's backward to know when to post
+        # its reduce-scatter or free it; a schedule interleaves microbatches' forwards and
+        # backwards, so only the variants that wait for the whole backward compose.
+        if z.stage == 3:
+            raise ValueError(f"{what}: layouts.zero(3) with layouts.pipeline is not supported: stage 3 frees and "
+                             "re-gathers buckets by counting reads per microbatch, which a schedule interleaves; "
+                             "use stage 1 or 2 (optimizer state and gradients sharded over dp)")
+        if z.overlap_grad_reduce:
+            raise ValueError(f"{what}: layouts.zero(overlap_grad_reduce=True) with layouts.pipeline is not "
+                             "supported: a bucket's last gradient is known only when the schedule's last backward "
+                             "ran; drop overlap_grad_reduce (the reduce-scatters follow the schedule)")
+        if shared:
+            raise ValueError(f"{what}: layouts.zero with layouts.pipeline and tied embeddings is not supported "
+                             f"(the first and last layer both read {sorted(shared)}); untie them or drop "
+                             "layouts.zero")
+
 
 def assign(n_layers: int, p: int, v: int, split: Sequence[int] | None = None, *, what: str = "pipeline"
            ) -> tuple[tuple[int, int], ...]:

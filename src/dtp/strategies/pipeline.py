@@ -33,6 +33,7 @@ over dp as in :mod:`.replicated`, and the gradient norm sums over all stages.
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Iterator, Mapping, Sequence
 
@@ -45,7 +46,7 @@ from .. import comm, schedules
 from .._torch import local_shape
 from ..layouts import Layout, use_layout
 from ..layouts.pipeline import assign
-from ..mesh import axis_names, coordinates, sub_mesh
+from ..mesh import axis_names, axis_sizes, coordinates, sub_mesh
 from ..models.sequential import Sequential
 from ..optim import global_norm, map_param_trees
 from ..redistribute import reshard, value_of
@@ -72,10 +73,16 @@ class Context:
 
 
 def stage_mesh(mesh: DeviceMesh, axis: str) -> DeviceMesh | None:
-    """The mesh without the pipeline axis (``None`` when ``axis`` is its only axis: a stage
-    is then one device, and its tensors are plain)."""
+    """The mesh without the pipeline axis; ``None`` when that is one device (``axis`` is
+    the only axis of size > 1): a stage's tensors are then plain, as in a one-device run.
+
+    ``dtp train --pp 2`` builds ``pp=2 × dp=1``: a stage mesh of one device whose
+    DTensors would meet plain batches (``shard_batch`` keeps one device's tensors plain).
+    """
     rest = tuple(a for a in axis_names(mesh) if a != axis)
-    return sub_mesh(mesh, rest) if rest else None
+    if not rest or math.prod(axis_sizes(mesh)[a] for a in rest) == 1:
+        return None
+    return sub_mesh(mesh, rest)
 
 
 def _paths(tree: PyTree) -> list[str]:
