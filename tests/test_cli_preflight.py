@@ -54,6 +54,8 @@ BAD_RUNS = {
                                         "--microbatches", "2"], "layouts.zero(overlap_grad_reduce=True) with"),
     "pp with zero and tied embeddings": (["--pp", "2", "--dp", "2", "--zero", "1", "--model", "1b", "--microbatches",
                                           "2", "--ignore-memory-check"], "and tied embeddings is not supported"),
+    "check with capacity on a split batch": (["--model", "tiny-moe", "--ep", "2", "--capacity-factor", "1.5",
+                                              "--check"], "each rank drops by its own tokens"),
     "pp with moe": (["--pp", "2", "--model", "tiny-moe", "--microbatches", "2"], "so MoE with pp is not supported"),
 }
 

@@ -208,7 +208,7 @@ def test_check_fits_refuses_with_the_table():
 
 @pytest.mark.parametrize("kw, match", [
     (dict(batch=6, dp=4), "divisible by dp"),
-    (dict(cp=2, cp_algo="double_ring"), "not modelled"),
+    (dict(cp=2, cp_algo="double_ring"), "needs window > 1"),
     (dict(pp=4, microbatches=2), "microbatches"),
     (dict(tp=3), "does not split"),
 ])

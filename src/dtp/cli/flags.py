@@ -502,6 +502,13 @@ def preflight(args: argparse.Namespace, *, check_out: bool = True) -> Layout:
     cfg = model_config.config(args.model, vocab_size=vocab_size(args.model, max_id), **model_overrides(args))
     mesh = MeshShape(mesh_axes(args))
     what = f"--model {args.model} on the mesh {format_mesh(mesh.sizes)}"
+    split = args.dp * args.ep * args.cp
+    if args.check and cfg.num_experts and cfg.capacity_factor is not None and split > 1:
+        # dtp.ops.moe: capacity is computed from the tokens a rank routes (Megatron's rule),
+        # so a batch split over dp × ep × cp drops other tokens than one process does.
+        raise UsageError(f"--check compares with one process, but with --capacity-factor each rank drops by its "
+                         f"own tokens (Megatron's rule), so a batch split {split} ways (--dp × --ep × --cp) "
+                         f"differs from one process by design; drop --check, or train dropless")
     layout.check_mesh(mesh, what=f"the mesh {format_mesh(mesh.sizes)}")
     layout.check_sizes(model_config.axis_sizes(cfg), mesh, what=what)
     if layout.pipeline is not None:

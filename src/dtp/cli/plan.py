@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -52,14 +53,22 @@ def add_parser(sub: argparse._SubParsersAction, train: argparse.ArgumentParser) 
 
 
 def plan_from_args(args: argparse.Namespace) -> "Plan":
-    """:func:`dtp.plan` of the configuration the flags describe."""
+    """:func:`dtp.plan` of the configuration the flags describe, on the layout ``dtp train``
+    builds from them (:func:`~dtp.cli.flags.build_layout`: one place builds it, so the plan
+    sees every context and expert option the run will have).
+
+    >>> from dtp.cli import build_parser
+    >>> plan_from_args(build_parser().parse_args(["plan", "--cp", "4", "--cp-algo", "double_ring",
+    ...     "--cp-window", "2", "--seq", "128"])).setup.context.window
+    2
+    """
     from ..models import llama
     from ..planning import plan
-    from .flags import model_overrides
+    from .flags import build_layout, model_overrides
 
     cfg = llama.config(args.model, **model_overrides(args))
-    p = plan(cfg, batch=args.batch, seq=args.seq, dp=args.dp, tp=args.tp, sp=args.sp and args.tp > 1, cp=args.cp,
-             cp_algo=args.cp_algo or "ring", pp=args.pp, pp_schedule=args.pp_schedule,
+    p = plan(cfg, batch=args.batch, seq=args.seq, layout=build_layout(args), dp=args.dp, tp=args.tp,
+             sp=args.sp and args.tp > 1, cp=args.cp, pp=args.pp, pp_schedule=args.pp_schedule,
              virtual_stages=args.virtual_stages, ep=args.ep, zero=args.zero, bucket_mb=args.bucket_mb,
              reshard_after_forward=args.reshard_after_forward, microbatches=args.microbatches,
              recompute=args.recompute, dtype=args.dtype)
@@ -95,10 +104,24 @@ def machine_memory_gb(nproc: int) -> float:
 
 
 def train_refusal(args: argparse.Namespace) -> str | None:
-    """What ``dtp train`` refuses with when the plan does not fit (``None``: go ahead)."""
+    """What ``dtp train`` refuses with when the plan does not fit (``None``: go ahead).
+
+    A configuration the plan cannot predict is not refused: the plan is a guard against
+    runs that cannot fit, not a list of what may run (the flags and the layouts have
+    checked the run already). One line on stderr says the memory goes unchecked.
+    """
     from ..planning import check_fits
 
+    try:
+        p = plan_from_args(args)
+    except Exception as e:  # noqa: BLE001 -- whatever the plan cannot do, the run still starts
+        reason = " ".join(str(e).split()).removeprefix("dtp.plan: ")
+        if not isinstance(e, ValueError):
+            reason = f"{type(e).__name__}: {reason}"
+        print(f"dtp train: the plan does not model this configuration ({reason}); not checking memory",
+              file=sys.stderr)
+        return None
     budget = getattr(args, "memory_gb", None)
     if budget is None:
         budget = machine_memory_gb(args.nproc)
-    return check_fits(plan_from_args(args), budget, override=getattr(args, "ignore_memory_check", False))
+    return check_fits(p, budget, override=getattr(args, "ignore_memory_check", False))

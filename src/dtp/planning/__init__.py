@@ -14,6 +14,12 @@ Modules: :mod:`.setup` (the configuration, per-rank shapes), :mod:`.traffic` (co
 {'dp': {'all_reduce': 427268}}
 >>> p.fits(1.0)
 True
+
+Context parallel follows the layout's algorithm; the comm log names the sub-axes its
+rings and all-to-alls run on (here USP: Ulysses over pairs, a ring over the rest):
+
+>>> sorted(plan("tiny", batch=8, seq=16, cp=4, cp_algo="hybrid", ulysses_degree=2).bytes)
+['cp', 'cp_ring', 'cp_uly']
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import schedules
+from ..layouts import Layout
 from ..models import llama
 from .memory import Memory, block_activations, memory
 from .report import check_fits, format_plan
@@ -74,14 +81,21 @@ class Plan:
         return format_plan(self)
 
 
-def plan(model: str | llama.LlamaConfig = "tiny", *, batch: int = 8, seq: int = 64, **parallel: Any) -> Plan:
+def plan(model: str | llama.LlamaConfig = "tiny", *, batch: int = 8, seq: int = 64, layout: Layout | None = None,
+         **parallel: Any) -> Plan:
     """Predict one training step of ``model`` per rank, allocating nothing.
 
     - `model`: a preset name (``llama.CONFIGS``) or a :class:`~dtp.models.llama.LlamaConfig`.
     - `batch`, `seq`: global batch in sequences, sequence length.
-    - `parallel`: the fields of :class:`Setup`: ``dp, tp, sp, cp, cp_algo, pp, pp_schedule,
-      virtual_stages, ep, zero, bucket_mb, reshard_after_forward, microbatches, recompute,
-      dtype`` (``dtp train``'s flags, same defaults).
+    - `layout`: the :class:`~dtp.Layout` to plan (``dtp train``'s is
+      :func:`dtp.cli.flags.build_layout` of its flags); the plan reads how attention runs
+      over cp from it. Default: :func:`layout_for` the keywords, the one ``dtp train``
+      builds from the same flags.
+    - `parallel`: the fields of :class:`Setup`: ``dp, tp, sp, cp, cp_algo, cp_window,
+      ulysses_degree, cp_head_chunks, pp, pp_schedule, virtual_stages, ep, zero, bucket_mb,
+      reshard_after_forward, microbatches, recompute, dtype`` (``dtp train``'s flags, same
+      defaults). With a `layout`, the mesh sizes and ZeRO / pipeline fields must describe
+      the same run; context options given here too must agree with its.
 
     Raises: ``ValueError`` for a configuration ``dtp train`` would refuse (batch not divisible,
     a schedule that cannot run, a dimension that does not split).
@@ -93,9 +107,8 @@ def plan(model: str | llama.LlamaConfig = "tiny", *, batch: int = 8, seq: int = 
     """
     cfg = llama.config(model) if isinstance(model, str) else model
     name = model if isinstance(model, str) else "custom"
-    s = Setup(model=name, cfg=cfg, batch=batch, seq=seq, **parallel)
-    layout = layout_for(s)
-    per_stage = stage_leaves(s, leaves(s, layout))
+    s = Setup(model=name, cfg=cfg, batch=batch, seq=seq, layout=layout, **parallel)
+    per_stage = stage_leaves(s, leaves(s))
     mems = tuple(memory(s, lv, stage) for stage, lv in enumerate(per_stage))
     rows = tuple(tuple(traffic(s, lv, stage)) for stage, lv in enumerate(per_stage))
     bubble = 0.0

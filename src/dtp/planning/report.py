@@ -33,8 +33,13 @@ def _describe(p: "Plan") -> str:
     parts = [f"{a}={n}" for a, n in s.axes.items() if n > 1]
     if s.sp and s.tp > 1:
         parts.append("sp")
-    if s.cp > 1:
-        parts.append(f"cp_algo={s.cp_algo}")
+    ctx = s.context  # the layout's: what the plan modelled, not the keywords
+    if ctx is not None:
+        parts.append(f"cp_algo={ctx.algo}")
+        if ctx.algo == "hybrid":
+            parts.append(f"ulysses_degree={ctx.ulysses_degree}")
+        if ctx.window > 1:
+            parts.append(f"cp_window={ctx.window}")
     if s.pp > 1:
         parts.append(f"{s.pp_schedule}" + (f" v={s.virtual_stages}" if s.virtual_stages > 1 else ""))
     if s.zero:
@@ -65,16 +70,18 @@ def format_plan(p: "Plan", memory_gb: float | None = None) -> str:
     lines.append(f"  {'peak in update':<36}{format_bytes(m.update_peak):>12}   (new tree beside the old)")
     lines.append(f"  {'peak':<36}{format_bytes(m.peak):>12}")
     lines.append("bytes sent per step (this rank)")
-    lines.append(f"  {'axis':<6}{'collective':<16}{'bytes':>12}  what")
     grouped: dict[tuple[str, str, str], list[int]] = {}
     for r in p.traffic[m.stage]:  # one line per pattern (ZeRO lists a row per bucket)
         g = grouped.setdefault((r.axis, r.kind, r.what), [0, 0])
         g[0] += r.times
         g[1] += r.total
+    # Wide enough for the cp sub-axes the comm log names (cp_outer, cp_inner, ...).
+    width = max([6] + [len(axis) + 2 for axis, _, _ in grouped])
+    lines.append(f"  {'axis':<{width}}{'collective':<16}{'bytes':>12}  what")
     if not grouped:
         lines.append("  (none: no mesh axis of more than one rank)")
     for (axis, kind, what), (times, total) in sorted(grouped.items()):
-        lines.append(f"  {axis:<6}{kind:<16}{format_bytes(total):>12}  {what} ×{times}")
+        lines.append(f"  {axis:<{width}}{kind:<16}{format_bytes(total):>12}  {what} ×{times}")
     if p.setup.pp > 1:
         lines.append(f"pipeline bubble {100 * p.bubble:.1f} % of rank time ({p.setup.pp_schedule}, "
                      f"p={p.setup.pp}, v={p.setup.virtual_stages}, m={p.setup.microbatches})")

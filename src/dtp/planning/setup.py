@@ -4,19 +4,28 @@ the per-rank parameter shapes derived from the real model code and the real layo
 Nothing here allocates a parameter: shapes come from :func:`dtp.models.llama.param_shapes`-like
 arithmetic on the config (the same ``_shapes`` the model's ``init`` uses) and placements
 from :meth:`dtp.Layout.param_spec` on a stand-in mesh that has only names and sizes.
+
+The layout is ``dtp train``'s own: :func:`dtp.cli.flags.build_layout` of the flags, which
+``dtp plan`` / ``dtp train`` pass in (``Setup(layout=...)``); for a :func:`dtp.plan` call
+with keywords only, :func:`layout_for` builds it by that same function, so the two
+cannot drift apart. The context-parallel options (algorithm, window, Ulysses degree, head
+chunks) are read from the layout (:attr:`Setup.context`), never from the keywords.
 """
 
 from __future__ import annotations
 
+import argparse
+import functools
 import math
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
-from .. import layouts, schedules
+from .. import schedules
+from .._mesh_shape import MeshShape
 from .._rules import accum_dtype
-from ..layouts import Layout
+from ..layouts import ContextOptions, Layout, check_divisible
 from ..layouts.pipeline import assign
 from ..models import llama
 from ..spec import P
@@ -38,7 +47,13 @@ class Setup:
     tp: int = 1
     sp: bool = False  # Megatron sequence parallel (with tp > 1)
     cp: int = 1
-    cp_algo: Literal["ring", "ulysses"] = "ring"
+    # --cp-algo, --cp-window, --ulysses-degree, --cp-head-chunks: what layout_for builds the
+    # context preset from when no layout is given (None: layouts.context's defaults). The
+    # plan itself reads them from the layout (Setup.context).
+    cp_algo: str | None = None
+    cp_window: int | None = None
+    ulysses_degree: int | None = None
+    cp_head_chunks: int | None = None
     pp: int = 1
     pp_schedule: str = "1f1b"
     virtual_stages: int = 1
@@ -49,6 +64,9 @@ class Setup:
     microbatches: int = 1
     recompute: Literal["none", "full", "selective"] = "none"
     dtype: str = "float32"
+    # The layout planned (dtp.cli.flags.build_layout's); None: layout_for(self). Filled in
+    # by __post_init__, so after construction it is always a Layout.
+    layout: Layout | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         for name in ("batch", "seq", "dp", "tp", "cp", "pp", "virtual_stages", "ep", "microbatches"):
@@ -57,9 +75,6 @@ class Setup:
                 raise ValueError(f"dtp.plan: {name} must be an int >= 1, got {value!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtp.plan: dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
-        if self.cp > 1 and self.cp_algo not in ("ring", "ulysses"):
-            raise ValueError(f"dtp.plan: cp_algo {self.cp_algo!r} is not modelled yet; the plan knows 'ring' and "
-                             f"'ulysses'")
         if self.recompute not in ("none", "full", "selective"):
             raise ValueError(f"dtp.plan: recompute must be 'none', 'full' or 'selective', got {self.recompute!r}")
         data = self.dp * self.ep * self.microbatches
@@ -69,6 +84,44 @@ class Setup:
             raise ValueError(f"dtp.plan: seq {self.seq} must be divisible by cp{' × tp' if self.sp else ''}")
         if self.pp > 1:
             schedules.check(self.pp_schedule, p=self.pp, v=self.virtual_stages, m=self.microbatches)
+        self._resolve_layout()
+        self._check_context()
+
+    def _context_keywords(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in ("cp_algo", "cp_window", "ulysses_degree", "cp_head_chunks")
+                if getattr(self, k) is not None}
+
+    def _resolve_layout(self) -> None:
+        """Fill in ``layout`` (frozen: set once, here), or check that a given one agrees
+        with context keywords also given (``dataclasses.replace`` passes both back)."""
+        try:
+            built = layout_for(self) if self.layout is None or self._context_keywords() else None
+        except ValueError as e:  # the presets' own checks (a double ring without a window, ...)
+            raise ValueError(f"dtp.plan: {e}") from None
+        if self.layout is None:
+            object.__setattr__(self, "layout", built)
+        elif built is not None and self.cp > 1 and built.context != self.layout.context:
+            raise ValueError(f"dtp.plan: the context keywords {self._context_keywords()} disagree with "
+                             f"layout={self.layout.name}'s {self.layout.context}; give them in one place")
+
+    def _check_context(self) -> None:
+        """What ``dtp train``'s preflight checks of context parallel, on the stand-in mesh:
+        the algorithm's rules against the model's heads, and the sequence against the split."""
+        if self.cp == 1:
+            return
+        assert self.layout is not None
+        ctx = self.layout.context
+        if ctx is None or ctx.axis != "cp":
+            raise ValueError(f"dtp.plan: cp={self.cp} but the layout {self.layout.name} has no context parallel "
+                             f"over 'cp' (layouts.context): the plan would not know how attention runs")
+        mesh = MeshShape(self.axes)
+        ctx.check(llama.axis_sizes(self.cfg), mesh, tp=self.layout.degree("heads", mesh), what="dtp.plan")
+        check_divisible(self.seq, self.cp, ctx.load_balance, what=f"dtp.plan: seq {self.seq}")
+
+    @property
+    def context(self) -> ContextOptions | None:
+        """How attention runs over cp: the layout's context options (``None`` at cp = 1)."""
+        return self.layout.context if self.cp > 1 and self.layout is not None else None
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -102,28 +155,30 @@ class Setup:
         return self.tokens // (self.tp if self.sp and self.tp > 1 else 1)
 
 
-class _Mesh:
-    """Names and sizes, all :meth:`Layout.param_spec` reads of a mesh."""
+@functools.cache
+def _train_defaults() -> dict[str, Any]:
+    """``dtp train``'s flag defaults, from its parser (imported here: the CLI imports this
+    package lazily, so there is no cycle)."""
+    from ..cli.flags import build_parser
 
-    def __init__(self, axes: dict[str, int]):
-        self.mesh_dim_names = tuple(axes)
-        self._sizes = tuple(axes.values())
-
-    def size(self, i: int = 0) -> int:
-        return self._sizes[i]
+    return vars(build_parser().parse_args(["train"]))
 
 
 def layout_for(s: Setup) -> Layout:
-    """The layout ``dtp train`` builds from the same flags (``dtp.cli.loop.build_layout``)."""
-    layout = layouts.data() + layouts.megatron(sequence_parallel=s.sp and s.tp > 1)
-    if s.cp > 1:
-        layout = layout + layouts.context(algo=s.cp_algo)
-    layout = layout + layouts.zero(stage=s.zero, bucket_mb=s.bucket_mb, reshard_after_forward=s.reshard_after_forward)
-    if s.ep > 1:
-        layout = layout + layouts.expert()
-    if s.pp > 1:
-        layout = layout + layouts.pipeline(s.pp_schedule, virtual_stages=s.virtual_stages)
-    return layout
+    """The layout ``dtp train`` builds from the same flags: :func:`dtp.cli.flags.build_layout`
+    itself, on ``dtp train``'s defaults with the fields of ``s`` set (one place builds it;
+    flags ``Setup`` has no field for, such as the expert options, keep their defaults).
+
+    >>> layout_for(Setup(cp=4, cp_algo="double_ring", cp_window=2, seq=16)).context.window
+    2
+    """
+    from ..cli.flags import build_layout
+
+    flags = dict(_train_defaults(), sp=s.sp and s.tp > 1, cp=s.cp, cp_algo=s.cp_algo, cp_window=s.cp_window,
+                 ulysses_degree=s.ulysses_degree, cp_head_chunks=s.cp_head_chunks, zero=s.zero,
+                 bucket_mb=s.bucket_mb, reshard_after_forward=s.reshard_after_forward, ep=s.ep, pp=s.pp,
+                 pp_schedule=s.pp_schedule, virtual_stages=s.virtual_stages, dp=s.dp, tp=s.tp)
+    return build_layout(argparse.Namespace(**flags))
 
 
 @dataclass(frozen=True)
@@ -154,8 +209,9 @@ def leaves(s: Setup, layout: Layout | None = None) -> list[Leaf]:
     >>> [(l.path, l.local) for l in leaves(Setup(cfg=llama.config("tiny"), tp=2))][:3]
     [('embed', (128, 64)), ('layers.0.attn_norm', (64,)), ('layers.0.wq', (64, 32))]
     """
-    layout = layout_for(s) if layout is None else layout
-    mesh, sizes = _Mesh(s.axes), s.axes
+    layout = s.layout if layout is None else layout
+    assert layout is not None  # Setup fills it in
+    mesh, sizes = MeshShape(s.axes), s.axes
     cfg, dtype = s.cfg, s.torch_dtype
     axes = llama.param_axes(cfg)
     shapes: list[tuple[str, tuple[int, ...], tuple[str, ...]]] = [("embed", (cfg.vocab_size, cfg.dim), axes["embed"])]

@@ -11,14 +11,22 @@ grad               gradients of parameters replicated over a data axis (dp witho
                    microbatch under ZeRO, which adds each microbatch into its buckets)
 zero               ZeRO buckets over dp: reduce-scatter once per step; all-gather once (stage
                    1/2) or per microbatch, forward plus backward re-gathers (stage 3)
-loss, norm         the loss over each data axis per microbatch; the gradient norm over the
-                   axes gradients are split on (tp, ep, pp, dp under ZeRO)
+loss, norm         the loss (accumulation dtype) over each data axis per microbatch; the
+                   gradient norm over the axes gradients are split on (tp, ep, pp, dp under
+                   ZeRO)
 tp                 SP: all-gather entering / reduce-scatter leaving each attention and MLP,
                    twice (forward, backward), plus the embedding and head; no SP: all-reduces;
                    full recompute repeats the forward's up to the last one of each block;
                    vocab-parallel cross-entropy: two small all-reduces per microbatch
-cp                 ring: (3n−2) K/V blocks per layer (n−1 forward, n−1 + n dK/dV backward);
-                   Ulysses: q, k, v and the output through an all-to-all, forward and backward
+cp                 per layer and microbatch, attention's collectives (:func:`attention`):
+                   ring of n: n−1 K/V blocks forward, n−1 K/V + n dK/dV partials backward
+                   (partials in the accumulation dtype); double ring, windows of w: the
+                   same K/V hops, n − n/w on ``cp_inner`` and n/w − 1 on ``cp_outer``, and
+                   the partials n inner + n/w outer; Ulysses of u: q, k, v and the output
+                   all-to-all forward, dout, dq, dk, dv backward (k, v repeated to u kv heads
+                   where fewer); hybrid: that Ulysses on ``cp_uly``, then the (double) ring
+                   of cp/u on ``cp_ring`` (``cp_outer`` × ``cp_inner``) with the gathered
+                   K/V; full recompute repeats the forward's
 ep                 dispatch and combine all-to-all-v forward and backward, the counts exchange
 pp                 one activation send per microbatch per stage boundary, and one gradient back
 =================  ==========================================================================
@@ -33,10 +41,12 @@ from functools import partial
 
 from .._rules import accum_dtype
 from ..comm import ring_bytes
+from ..layouts import attended_kv_heads
 from ..models import llama
+from ..ops.context import default_chunks
 from .setup import Leaf, Setup
 
-__all__ = ["Traffic", "traffic", "summary"]
+__all__ = ["Traffic", "traffic", "attention", "summary"]
 
 
 @dataclass(frozen=True)
@@ -142,8 +152,8 @@ def traffic(s: Setup, rank_leaves: list[Leaf], stage: int = 0) -> list[Traffic]:
                 add("dp", "all_gather", "zero3 param", again, _ag(shard, s.dp))
     # --- the loss over the data axes (per microbatch), the norm over the split axes
     if s.pp == 1 or has_head:
-        for axis in ("cp", "ep", "dp"):
-            add(axis, "all_reduce", "loss", m, _ar(e, axes.get(axis, 1)))
+        for axis in ("cp", "ep", "dp"):  # the loss is a scalar in the accumulation dtype (measured)
+            add(axis, "all_reduce", "loss", m, _ar(acc, axes.get(axis, 1)))
     norm_axes = ["tp", "pp"] + (["ep"] if any(l.splits("ep") for l in rank_leaves) else []) + \
         (["dp"] if zero_dp else [])
     for axis in norm_axes:
@@ -165,14 +175,8 @@ def traffic(s: Setup, rank_leaves: list[Leaf], stage: int = 0) -> list[Traffic]:
             add("tp", "all_reduce", "cross_entropy", m, _ar(2 * s.tokens * acc, tp))
 
     # --- context parallel attention, per layer and microbatch
-    cp = axes.get("cp", 1)
-    if cp > 1 and L:
-        local = s.microbatch * (s.seq // cp) * cfg.head_dim * e  # one head's (b, s/cp, hd)
-        q, kv = local * cfg.n_heads // tp, local * cfg.n_kv_heads // tp
-        if s.cp_algo == "ring":
-            add("cp", "send_recv", "ring K/V", m * L * (3 * cp - 2 + (cp - 1) * full), 2 * kv)
-        else:
-            add("cp", "all_to_all", "ulysses", m * L * (2 + full), _a2a(2 * q + 2 * kv, cp))
+    if L:
+        out += [Traffic(r.axis, r.kind, r.what, m * L * r.times, r.each) for r in attention(s)]
 
     # --- expert parallel (expected bytes under balanced routing)
     ep = axes.get("ep", 1)
@@ -191,6 +195,79 @@ def traffic(s: Setup, rank_leaves: list[Leaf], stage: int = 0) -> list[Traffic]:
         sends = sum((c * p + stage < p * v - 1) + (c * p + stage > 0) for c in range(v))
         add("pp", "send", "activations", m * sends, act)
     return out
+
+
+def _ring(n: int, w: int, inner: str, outer: str | None, block: int, partial: int, passes: int,
+          chunks: int) -> list[Traffic]:
+    """One attention's (double) ring of ``n`` ranks in windows of ``w`` (``w = n``: a plain
+    ring on ``inner``), as :func:`dtp.ops.context.ring._ring_forward` / ``_ring_backward``
+    send: per head chunk, each of ``n/w`` rounds moves the K/V block ``w−1`` inner hops and
+    (but the last round) one outer hop; backward does the same, and sends a dK/dV partial
+    after each of the ``w`` inner steps and once per round on the outer ring. ``block`` and
+    ``partial`` are all chunks' bytes (each chunk sends its share); ``passes`` counts the
+    forward runs (2 under full recompute)."""
+    rounds = n // w
+    rows = [Traffic(inner, "send_recv", "ring K/V", (passes + 1) * rounds * (w - 1) * chunks, block // chunks),
+            Traffic(inner, "send_recv", "ring dK/dV", rounds * w * chunks, partial // chunks)]
+    if outer is not None:
+        rows += [Traffic(outer, "send_recv", "ring K/V outer", (passes + 1) * (rounds - 1) * chunks, block // chunks),
+                 Traffic(outer, "send_recv", "ring dK/dV outer", rounds * chunks, partial // chunks)]
+    return rows
+
+
+def attention(s: Setup) -> list[Traffic]:
+    """The collectives of one context-parallel attention (one layer, one microbatch,
+    forward and backward) on each rank, read off the layout's options and the sub-axes
+    the comm log names (:mod:`dtp.ops.context`: double ring ``cp_outer`` × ``cp_inner``,
+    hybrid ``cp_ring`` (or ``cp_outer`` × ``cp_inner``) × ``cp_uly``).
+
+    Per rank, ``q`` and ``kv`` are its bytes of Q and of one of K, V: ``b·(s/cp)·heads/tp·hd·e``.
+    Head chunks leave the totals alone (each chunk moves its share) but set how many
+    records there are, and the all-to-all's per-record rounding.
+
+    A double ring of 4 in windows of 2, K/V blocks of 8 KiB: 2 hops a pass inside windows
+    and 1 across, dK/dV partials 4 inside and 2 across:
+
+    >>> s = Setup(cfg=llama.config("tiny"), batch=8, seq=16, cp=4, cp_algo="double_ring", cp_window=2)
+    >>> [(r.axis, r.what, r.times, r.each) for r in attention(s)]  # doctest: +NORMALIZE_WHITESPACE
+    [('cp_inner', 'ring K/V', 4, 8192), ('cp_inner', 'ring dK/dV', 4, 8192),
+     ('cp_outer', 'ring K/V outer', 2, 8192), ('cp_outer', 'ring dK/dV outer', 2, 8192)]
+    """
+    ctx, cfg = s.context, s.cfg
+    if ctx is None:
+        return []
+    e = s.torch_dtype.itemsize
+    acc = accum_dtype(s.torch_dtype).itemsize
+    passes = 2 if s.recompute == "full" else 1  # forward runs: full recompute runs it again
+    local = s.microbatch * (s.seq // s.cp) * cfg.head_dim * e  # one head's (b, s/cp, hd)
+    kv_heads = cfg.n_kv_heads // s.tp
+    q = local * cfg.n_heads // s.tp
+    rows: list[Traffic] = []
+    if ctx.algo in ("ulysses", "hybrid"):
+        u = s.cp if ctx.algo == "ulysses" else ctx.ulysses_degree
+        uly = ctx.axis if ctx.algo == "ulysses" else f"{ctx.axis}_uly"
+        # GQA: fewer kv heads than u are repeated up to u before the all-to-all (and the
+        # ring behind it moves the repeated copies).
+        attended = attended_kv_heads(kv_heads, u)
+        kv = local * attended * u
+        chunks = ctx.head_chunks or default_chunks(attended, s.cp, 2 * kv)
+        # q and the output forward, dout and dq backward; k, v forward, dk, dv backward.
+        for what, size in (("ulysses q/out", q), ("ulysses k/v", kv)):
+            rows.append(Traffic(uly, "all_to_all", what, 2 * (passes + 1) * chunks, _a2a(size // chunks, u)))
+        if ctx.algo == "ulysses":
+            return rows
+        n = s.cp // u
+        names = (f"{ctx.axis}_ring", None) if ctx.window == 1 else (f"{ctx.axis}_inner", f"{ctx.axis}_outer")
+        w = n if ctx.window == 1 else ctx.window
+    else:
+        n, kv = s.cp, local * kv_heads
+        chunks = ctx.head_chunks or default_chunks(kv_heads, s.cp, 2 * kv)
+        names = (ctx.axis, None) if ctx.algo == "ring" else (f"{ctx.axis}_inner", f"{ctx.axis}_outer")
+        w = n if ctx.algo == "ring" else ctx.window
+    # A K/V block is K and V stacked in the compute dtype; dK/dV partials accumulate in
+    # the accumulation dtype (fp32 for bf16), so they are larger there.
+    rows += _ring(n, w, names[0], names[1], 2 * kv, 2 * kv // e * acc, passes, chunks)
+    return [r for r in rows if r.times and r.each]
 
 
 def summary(rows: list[Traffic]) -> dict[str, dict[str, int]]:

@@ -1,0 +1,207 @@
+"""Every ``dtp train`` combination trains and equals one device: a table of ``--check`` runs.
+
+Each row is ``dtp train <flags> --check`` on a tiny model for a few steps, in float64 with
+float64's tolerance unless the dtype is the point of the row; ``--check`` retrains the same
+steps on one process and compares every step's loss. fp64 rows must also stay within the
+design's bar (1e-10 relative: DESIGN.md §4), tighter than ``--check``'s 1e-9.
+
+Two ways to run the table, the same rows:
+- the **default run** takes :data:`SAMPLE` through the launcher's whole path (parsing,
+  preflight, the plan's memory check, the rank's loop, the reference), with the ranks taken
+  from :mod:`dtp.testing`'s pool instead of new processes (seconds saved per row);
+- ``python -m pytest -m slow tests/test_cli_combinations.py`` runs **every row as a real
+  ``dtp train`` process tree** (torchrun's agent, fresh ranks, exit codes): a run that
+  trains and then crashes at exit fails there.
+
+:func:`test_every_flag_has_a_row` keeps the table honest: a new ``dtp train`` flag fails it
+until a row uses it (or :data:`NOT_ROWS` says why no row can).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dtp import cli, launch, testing
+
+BASE = ["--model", "tiny", "--steps", "3", "--batch", "8", "--seq", "32", "--dtype", "float64", "--log-every", "1",
+        "--timeout", "30"]
+FP64_BAR = 1e-10  # DESIGN.md §4: fp64 to ~1e-10 relative
+
+MOE = ["--model", "tiny-moe"]
+
+# id -> flags (after BASE; a later flag overrides BASE's). Ranks: the mesh's product.
+ROWS: dict[str, list[str]] = {
+    # ---- one process, and data parallel with every ZeRO stage and overlap
+    "1 rank, clipped, warm-up, lr, seed": ["--clip", "0.5", "--warmup", "1", "--lr", "0.01", "--seed", "3"],
+    "dp2": ["--dp", "2"],
+    "dp4 m2": ["--dp", "4", "--microbatches", "2"],
+    "dp2 zero1": ["--dp", "2", "--zero", "1"],
+    "dp2 zero1 overlap-param-gather": ["--dp", "2", "--zero", "1", "--overlap-param-gather"],
+    "dp2 zero2 overlap-grad-reduce m2": ["--dp", "2", "--zero", "2", "--overlap-grad-reduce", "--microbatches", "2"],
+    "dp4 zero3 both overlaps": ["--dp", "4", "--zero", "3", "--overlap-grad-reduce", "--overlap-param-gather"],
+    "dp2 zero3 no-reshard prefetch small buckets": ["--dp", "2", "--zero", "3", "--no-reshard-after-forward",
+                                                    "--zero-prefetch", "2", "--bucket-mb", "0.05"],
+    "dp8 zero1": ["--dp", "8", "--zero", "1"],
+    # ---- tensor and sequence parallel
+    "tp2": ["--tp", "2"],
+    "tp2 sp recompute full": ["--tp", "2", "--sp", "--recompute", "full"],
+    "dp2 tp2 sp zero2 recompute selective": ["--dp", "2", "--tp", "2", "--sp", "--zero", "2",
+                                             "--recompute", "selective"],
+    "dp4 tp2 sp zero1 m2": ["--dp", "4", "--tp", "2", "--sp", "--zero", "1", "--microbatches", "2"],
+    # ---- context parallel: every algorithm
+    "cp2 (default ring)": ["--cp", "2"],
+    "cp2 ulysses": ["--cp", "2", "--cp-algo", "ulysses"],
+    "cp4 ring": ["--cp", "4", "--cp-algo", "ring"],
+    "cp4 double_ring window 2": ["--cp", "4", "--cp-algo", "double_ring", "--cp-window", "2"],
+    "cp4 hybrid ulysses 2": ["--cp", "4", "--cp-algo", "hybrid", "--ulysses-degree", "2"],
+    "dp2 cp2 tp2 sp head-chunks 1": ["--dp", "2", "--cp", "2", "--tp", "2", "--sp", "--cp-head-chunks", "1"],
+    "dp2 cp4 double_ring zero1": ["--dp", "2", "--cp", "4", "--cp-algo", "double_ring", "--cp-window", "2",
+                                  "--zero", "1"],
+    "cp4 tp2 hybrid ulysses 2": ["--cp", "4", "--tp", "2", "--cp-algo", "hybrid", "--ulysses-degree", "2"],
+    # ---- pipelines: every schedule alone, and with dp / tp / cp
+    "pp2 1f1b": ["--pp", "2", "--microbatches", "2"],
+    "pp4 gpipe": ["--pp", "4", "--pp-schedule", "gpipe", "--microbatches", "4"],
+    "pp2 interleaved v2": ["--pp", "2", "--pp-schedule", "interleaved", "--virtual-stages", "2",
+                           "--microbatches", "2"],
+    "pp2 zb-h1": ["--pp", "2", "--pp-schedule", "zb-h1", "--microbatches", "2"],
+    "pp2 dp2 zero1 gpipe": ["--pp", "2", "--dp", "2", "--zero", "1", "--pp-schedule", "gpipe", "--microbatches", "2"],
+    "pp2 tp2 sp interleaved": ["--pp", "2", "--tp", "2", "--sp", "--pp-schedule", "interleaved",
+                               "--virtual-stages", "2", "--microbatches", "4"],
+    "pp2 cp2 1f1b recompute full": ["--pp", "2", "--cp", "2", "--microbatches", "2", "--recompute", "full"],
+    "pp2 dp2 tp2 zb-h1": ["--pp", "2", "--dp", "2", "--tp", "2", "--pp-schedule", "zb-h1", "--microbatches", "2"],
+    # ---- mixture of experts: microbatches under every data axis, ep with and without pipe-experts
+    "moe m2": [*MOE, "--microbatches", "2"],
+    "moe dp2 m2": [*MOE, "--dp", "2", "--microbatches", "2"],
+    "moe ep2 m2": [*MOE, "--ep", "2", "--microbatches", "2"],
+    "moe ep2 tp2 sp m2": [*MOE, "--ep", "2", "--tp", "2", "--sp", "--microbatches", "2"],
+    "moe cp2 m2": [*MOE, "--cp", "2", "--microbatches", "2"],
+    "moe dp2 ep2 zero1": [*MOE, "--dp", "2", "--ep", "2", "--zero", "1"],
+    "moe ep4 top-1": [*MOE, "--ep", "4", "--top-k", "1"],
+    "moe ep2 pipe-experts multi-data 2": [*MOE, "--ep", "2", "--pipe-experts", "--multi-data", "2"],
+    "moe ep2 tp2 sp pipe-experts multi-stream expert-tp": [*MOE, "--ep", "2", "--tp", "2", "--sp", "--pipe-experts",
+                                                           "--multi-stream", "--expert-tp"],
+    # capacity: tokens split over tp (sp) are gathered before routing; a dp/ep/cp split drops
+    # by each rank's tokens (Megatron's rule), which --check refuses (test_cli_preflight.py)
+    "moe tp2 sp capacity": [*MOE, "--tp", "2", "--sp", "--capacity-factor", "1.5"],
+    "moe tp2 top-1 capacity m2": [*MOE, "--tp", "2", "--top-k", "1", "--capacity-factor", "1.5",
+                                  "--microbatches", "2"],
+    "moe ep2 8 experts m2": [*MOE, "--ep", "2", "--num-experts", "8", "--microbatches", "2"],
+    # ---- the dtypes, where the dtype is the point (their own tolerances)
+    "fp32 dp2 tp2 sp": ["--dp", "2", "--tp", "2", "--sp", "--dtype", "float32"],
+    "bf16 dp2 zero1": ["--dp", "2", "--zero", "1", "--dtype", "bfloat16"],
+    # ---- the run's other flags: evaluation, checkpoints, skip budget, memory check, timeouts
+    "dp2 eval, checkpoints, async save": ["--dp", "2", "--eval-every", "2", "--save-every", "2", "--keep", "1",
+                                          "--async-save", "--max-skipped", "2",
+                                          "--memory-gb", "64", "--ignore-memory-check", "--max-restarts", "0"],
+}
+
+# The default run's sample: one row of each family, the defects of issue 20 among them.
+SAMPLE = ["dp4 zero3 both overlaps", "cp4 double_ring window 2", "cp4 hybrid ulysses 2", "pp2 1f1b",
+          "pp4 gpipe", "moe dp2 m2", "moe ep2 tp2 sp m2"]
+
+# Flags no row sets, and why.
+NOT_ROWS = {
+    "--nproc": "every row's rank count (the mesh's product) is passed as --nproc",
+    "--out": "every row writes its own directory", "--check": "every row checks",
+    "--overwrite": "rows write fresh directories",
+    "--print-schedule": "prints and exits without training (tests/test_cli_pipeline.py)",
+    "--tensorboard": "an optional dependency (tests/test_cli_logging.py)",
+    "--resume": "needs a run to resume (tests/test_cli_checkpoint.py)",
+    "--data": "the bundled corpus; token files in tests/test_data.py",
+    "--debug": "shows tracebacks only",
+}
+
+
+def _flags(name: str) -> list[str]:
+    return [*BASE, *ROWS[name]]
+
+
+def _ranks(flags: list[str]) -> int:
+    args = cli.parse_args(["train", *flags])
+    return args.nproc
+
+
+@pytest.fixture(autouse=True)
+def _no_torchrun_env(monkeypatch):
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", launch.ERROR_DIR_ENV):
+        monkeypatch.delenv(k, raising=False)
+
+
+def test_every_flag_has_a_row() -> None:
+    parser = cli.build_parser()
+    train = next(a for a in parser._subparsers._group_actions[0].choices.values() if a.prog.endswith("train"))
+    flags = {s for action in train._actions for s in action.option_strings if s.startswith("--")} - {"--help"}
+    used = {f for row in ROWS.values() for f in row if f.startswith("--")} | set(BASE)
+    missing = sorted(flags - used - set(NOT_ROWS))
+    assert not missing, f"dtp train flags no row of the combination table uses: {missing}"
+    assert set(SAMPLE) <= set(ROWS)
+    assert {_ranks(_flags(n)) for n in ROWS} >= {1, 2, 4, 8}
+
+
+def _check_result(out: Path, name: str) -> None:
+    result = json.loads((out / "check.json").read_text())
+    assert result["ok"], f"{name}: {result}"
+    if result["dtype"] == "float64":
+        assert result["max_rel_diff"] <= FP64_BAR, f"{name}: max rel {result['max_rel_diff']:.2e} > {FP64_BAR}"
+    assert result["steps"] == 3
+
+
+# --------------------------------------------------------------------------- in the pool
+
+
+def _pool_rank(argv: list[str], error_dir: str) -> int:
+    """One rank of a launched run, in a pool worker (which has torchrun's variables): the
+    launcher checked the run already, so the rank goes straight to training."""
+    os.environ[launch.ERROR_DIR_ENV] = error_dir
+    try:
+        return cli.main(argv)
+    finally:
+        del os.environ[launch.ERROR_DIR_ENV]
+
+
+def _pool_launch(nproc: int, argv: list[str], *, max_restarts: int = 0, **_: object) -> int:
+    error_dir = Path(argv[argv.index("--out") + 1]) / "launch-errors"
+    error_dir.mkdir(parents=True, exist_ok=True)
+    # A rank that failed returns at once; its peers wait in a collective until --timeout
+    # (BASE) and then fail too, well inside the pool's own limit.
+    codes = testing.run(_pool_rank, list(argv), str(error_dir), world_size=nproc, timeout=120)
+    return max(codes)
+
+
+@pytest.mark.parametrize("name", SAMPLE)
+def test_sample_row_trains_and_matches_one_process(name, tmp_path, monkeypatch) -> None:
+    out = tmp_path / "run"
+    monkeypatch.setattr(launch, "launch", _pool_launch)
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        code = cli.main(["train", *_flags(name), "--check", "--out", str(out)])
+    assert code == 0, f"{name}: exit {code}\n{stdout.getvalue()}\n{stderr.getvalue()}"
+    assert ": OK" in stdout.getvalue()
+    _check_result(out, name)
+
+
+# --------------------------------------------------------------------------- real processes
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(ROWS))
+def test_row_trains_and_matches_one_process(name, tmp_path) -> None:
+    out = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", launch.ERROR_DIR_ENV)}
+    env["OMP_NUM_THREADS"] = "1"
+    cmd = [sys.executable, "-m", "dtp.cli", "train", *_flags(name), "--check", "--out", str(out)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"{name}: exit {proc.returncode}\n{output}"
+    for bad in ("terminate called", "Traceback", "IoException", "Connection reset", "Error"):
+        assert bad not in output, f"{name}: {bad!r} printed\n{output}"
+    _check_result(out, name)
