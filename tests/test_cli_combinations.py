@@ -117,6 +117,8 @@ NOT_ROWS = {
     "--resume": "needs a run to resume (tests/test_cli_checkpoint.py)",
     "--data": "the bundled corpus; token files in tests/test_data.py",
     "--debug": "shows tracebacks only",
+    "--config": "every launched row's ranks read their run from a --config file; tests/test_config.py",
+    "--print-config": "prints the run and exits (tests/test_config.py)",
 }
 
 

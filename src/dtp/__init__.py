@@ -28,6 +28,7 @@ __all__ = [
     "comm_log", "CommLog", "CommRecord",
     "Layout", "layouts", "use_layout", "constrain", "ops", "optim", "strategies", "zero", "comm", "schedules",
     "TrainState", "train_step", "shard_batch", "gather_params", "wait", "checkpoint", "Layer", "Sequential", "plan",
+    "RunConfig",
 ]
 
 # Public names that are submodules. (``dtp.visualize`` is a function: its module is
@@ -44,7 +45,7 @@ _SOURCES: dict[str, str] = {
     "from_local": ".redistribute", "local_map": ".redistribute", "reshard": ".redistribute",
     "P": ".spec", "shard": ".spec", "spec_of": ".spec",
     "TrainState": ".step", "gather_params": ".step", "shard_batch": ".step", "train_step": ".step", "wait": ".step",
-    "zero": ".strategies", "visualize": ".visualization", "plan": ".planning",
+    "zero": ".strategies", "visualize": ".visualization", "plan": ".planning", "RunConfig": ".config",
 }
 
 
@@ -79,3 +80,4 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the eager imports of befor
     from .strategies import zero
     from .visualization import visualize
     from .planning import plan
+    from .config import RunConfig

@@ -27,6 +27,7 @@ is imported: this package imports torch only once a run starts (:mod:`~dtp.cli.l
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import os
 import signal
@@ -63,9 +64,15 @@ def __getattr__(name: str) -> Any:
 def _cmd_train(args: argparse.Namespace) -> int:
     """``dtp train``: check the run, then be one rank under torchrun, else start the ranks
     here; then ``--check``."""
+    if args.print_config:  # the run as given: no default --out invented for it
+        from ..config import to_toml
+
+        print(to_toml(args.run_config), end="")
+        return 0
     if args.out is None:
         args.out = _default_out()
     args.out = str(Path(args.out).resolve())  # ranks and the reference must agree on it
+    args.run_config = dataclasses.replace(args.run_config, out=args.out)
     rank = int(os.environ.get("RANK", "0"))
     if in_torchrun():
         if not launched():
@@ -106,7 +113,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     if args.nproc > 1:
         from ..launch import launch
 
-        code = launch(args.nproc, train_argv(args), max_restarts=args.max_restarts)
+        code = _launch(args)
     else:
         from .loop import _train_rank
 
@@ -116,6 +123,21 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
         code = check_run(args.out)
     return code
+
+
+def _launch(args: argparse.Namespace) -> int:
+    """Start the ranks with the run as a TOML file (``--config``): shipped whole, resolved
+    once here, not re-spelled as flags (``--out`` stays visible on their command lines)."""
+    import tempfile
+
+    from ..config import to_toml
+    from ..launch import launch
+
+    with tempfile.TemporaryDirectory(prefix="dtp-run-") as tmp:
+        path = Path(tmp) / "run.toml"
+        path.write_text(to_toml(args.run_config))
+        return launch(args.nproc, ["train", "--config", str(path), "--out", args.out],
+                      max_restarts=args.max_restarts)
 
 
 def _debug(args: argparse.Namespace | None) -> bool:

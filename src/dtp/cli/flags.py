@@ -12,6 +12,7 @@ to that); keep it so.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import math
 import os
@@ -24,38 +25,18 @@ from .. import layouts, schedules
 from .._mesh_shape import MeshShape
 from .._rules import RUN_RTOL
 from .._token_files import held_out_start, token_stats
+from ..config import DEFAULT_WARMUP, DTYPES, RECOMPUTE, RunConfig, flag_names, mesh_axes_of, type_error
 from ..launch import in_torchrun
-from ..layouts import CP_ALGORITHMS, ZERO_STAGES, Layout, zero
-from ..layouts.zero import misplaced_options
+from ..layouts import CP_ALGORITHMS, ZERO_STAGES, Layout
 from ..models import config as model_config
 from . import plan as plan_cli
 
-# layouts.zero's options: the argparse attribute and the flag that set each.
-ZERO_ARGS = {"overlap_grad_reduce": "overlap_grad_reduce", "overlap_param_gather": "overlap_param_gather",
-             "prefetch": "zero_prefetch", "reshard_after_forward": "reshard_after_forward"}
-ZERO_FLAGS = {"overlap_grad_reduce": "--overlap-grad-reduce", "overlap_param_gather": "--overlap-param-gather",
-              "prefetch": "--zero-prefetch", "reshard_after_forward": "--no-reshard-after-forward"}
-
 __all__ = ["UsageError", "build_parser", "parse_args", "validate", "preflight", "build_layout", "mesh_axes",
-           "train_argv", "vocab_size"]
+           "train_argv", "vocab_size", "run_config"]
 
 PROG = "dtp"
 # The parser's description: the first line of the package docstring (dtp.cli).
 DESCRIPTION = "The ``dtp`` command: train the reference Llama under any parallel layout, from a shell."
-DTYPES = ("float32", "float64", "bfloat16")
-RECOMPUTE = ("none", "full", "selective")
-DEFAULT_WARMUP = 5
-# Ten in a row is no bad batch any more but a diverged run: stop it rather than burn the
-# remaining steps on updates that are all skipped.
-DEFAULT_MAX_SKIPPED = 10
-
-# --timeout: torch's gloo default (30 min) leaves a stalled job hanging half an hour. A
-# collective waits only for its slowest peer to post it, not for a whole step: the longest
-# wait in any collective of `dtp train --nproc 4 --dp 2 --tp 2 --sp --model small --seq 256`
-# (20 steps, 4 ranks on 2 loaded cores) was 0.25 s, the first one (model init skew) 0.20 s.
-# 300 s leaves three orders of magnitude for larger models and slower machines, and still
-# turns a hang into an error within 5 minutes. A dead peer is noticed at once regardless.
-DEFAULT_TIMEOUT = 300.0
 
 # --eval-every: the held-out split is the corpus's last tenth (dtp.data.split_held_out), and
 # each evaluation averages the loss of its first EVAL_BATCHES batches: the same tokens every
@@ -66,6 +47,10 @@ EVAL_BATCHES = 4
 # TensorBoard events, the ranks' tracebacks): what --overwrite clears, and nothing else.
 RUN_FILES = ("config.json", "metrics.jsonl", "summary.json", "loss.png", "check.json", "checkpoints",
              "tensorboard", "logs")
+
+
+# Every default is RunConfig's: one table (the parser shows them in --help).
+RUN_DEFAULTS = {f.name: f.default for f in dataclasses.fields(RunConfig)}
 
 
 class UsageError(ValueError):
@@ -131,30 +116,36 @@ def build_parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser("train", help="train the reference Llama on N ranks under a parallel layout",
                        formatter_class=_HelpFormatter)
+    g = t.add_argument_group("run configuration (dtp.RunConfig: one field per flag below, named with '_')")
+    g.add_argument("--config", dest="config_file", default=None, metavar="TOML",
+                   help="read the run from a TOML file of dtp.RunConfig fields, top level or in tables; flags "
+                        "given beside it override its values")
+    g.add_argument("--print-config", action="store_true",
+                   help="print the resolved run as TOML (what --config reads) and exit")
     g = t.add_argument_group("parallelism (mesh order dp, cp, tp: outer to inner)")
     g.add_argument("--nproc", type=_positive("--nproc"), default=None,
                    help="local ranks to start; default (and the only valid value): the mesh size, pp*dp*ep*cp*tp")
-    g.add_argument("--dp", type=_positive("--dp"), default=1, help="data-parallel degree")
-    g.add_argument("--cp", type=_positive("--cp"), default=1, help="context-parallel degree")
-    g.add_argument("--tp", type=_positive("--tp"), default=1, help="tensor-parallel degree")
+    g.add_argument("--dp", type=_positive("--dp"), default=RUN_DEFAULTS["dp"], help="data-parallel degree")
+    g.add_argument("--cp", type=_positive("--cp"), default=RUN_DEFAULTS["cp"], help="context-parallel degree")
+    g.add_argument("--tp", type=_positive("--tp"), default=RUN_DEFAULTS["tp"], help="tensor-parallel degree")
     g.add_argument("--sp", action="store_true", help="Megatron sequence parallel (needs --tp > 1)")
-    g.add_argument("--cp-algo", choices=CP_ALGORITHMS, default=None, help="context-parallel algorithm (with --cp > 1)")
-    g.add_argument("--cp-window", type=_positive("--cp-window"), default=None,
+    g.add_argument("--cp-algo", choices=CP_ALGORITHMS, default=RUN_DEFAULTS["cp_algo"], help="context-parallel algorithm (with --cp > 1)")
+    g.add_argument("--cp-window", type=_positive("--cp-window"), default=RUN_DEFAULTS["cp_window"],
                    help="double-ring window: cp ranks per inner ring (MindSpeed --cp-window-size; with --cp > 1)")
-    g.add_argument("--ulysses-degree", type=_positive("--ulysses-degree"), default=None,
+    g.add_argument("--ulysses-degree", type=_positive("--ulysses-degree"), default=RUN_DEFAULTS["ulysses_degree"],
                    help="Ulysses part of hybrid context parallel (with --cp > 1)")
-    g.add_argument("--cp-head-chunks", type=_positive("--cp-head-chunks"), default=None,
+    g.add_argument("--cp-head-chunks", type=_positive("--cp-head-chunks"), default=RUN_DEFAULTS["cp_head_chunks"],
                    help="context-parallel attention in this many head chunks (default: the fewest with chunks × cp >= 16 "
                         "keeping each chunk's K+V >= 1 MiB; "
                         "1: Megatron's schedule, fewer and larger transfers, more memory; with --cp > 1)")
-    g.add_argument("--pp", type=_positive("--pp"), default=1, help="pipeline-parallel degree (outermost mesh axis)")
-    g.add_argument("--pp-schedule", choices=schedules.SCHEDULES, default="1f1b",
+    g.add_argument("--pp", type=_positive("--pp"), default=RUN_DEFAULTS["pp"], help="pipeline-parallel degree (outermost mesh axis)")
+    g.add_argument("--pp-schedule", choices=schedules.SCHEDULES, default=RUN_DEFAULTS["pp_schedule"],
                    help="pipeline schedule (with --pp > 1; interleaved needs --virtual-stages >= 2)")
-    g.add_argument("--virtual-stages", type=_positive("--virtual-stages"), default=1, metavar="V",
+    g.add_argument("--virtual-stages", type=_positive("--virtual-stages"), default=RUN_DEFAULTS["virtual_stages"], metavar="V",
                    help="model chunks per pipeline rank (interleaved schedule)")
     g.add_argument("--print-schedule", action="store_true",
                    help="print each pipeline rank's action list (F/B/I/W, chunk.microbatch) and exit")
-    g.add_argument("--zero", type=int, choices=ZERO_STAGES, default=0,
+    g.add_argument("--zero", type=int, choices=ZERO_STAGES, default=RUN_DEFAULTS["zero"],
                    help="ZeRO stage over dp: 1 optimizer state, 2 + gradients, 3 + parameters (0: plain DP)")
     g.add_argument("--overlap-grad-reduce", action="store_true",
                    help="with --zero: reduce-scatter each gradient bucket during backward")
@@ -163,60 +154,60 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-reshard-after-forward", dest="reshard_after_forward", action="store_false",
                    help="with --zero 3: keep gathered buckets from forward until backward is done with them "
                         "(2Ψ traffic instead of 3Ψ; parameters whole during a step)")
-    g.add_argument("--zero-prefetch", type=_positive("--zero-prefetch"), default=1, metavar="N",
+    g.add_argument("--zero-prefetch", type=_positive("--zero-prefetch"), default=RUN_DEFAULTS["zero_prefetch"], metavar="N",
                    help="with --zero 3: buckets gathered ahead of the one in use")
-    g.add_argument("--bucket-mb", type=_non_negative_float, default=40.0,
+    g.add_argument("--bucket-mb", type=_non_negative_float, default=RUN_DEFAULTS["bucket_mb"],
                    help="with --zero: gradient/parameter bucket size in MiB")
 
     g = t.add_argument_group("model and training")
-    g.add_argument("--model", default="tiny", help="llama preset: tiny, small, 1b, llama2-7b, llama3-8b, ...")
-    g.add_argument("--steps", type=_positive("--steps"), default=50, help="optimizer steps")
-    g.add_argument("--batch", type=_positive("--batch"), default=8, help="global batch size (sequences)")
-    g.add_argument("--seq", type=_positive("--seq"), default=64, help="sequence length (tokens)")
-    g.add_argument("--dtype", choices=DTYPES, default="float32", help="parameter and compute dtype")
-    g.add_argument("--lr", type=_non_negative_float, default=3e-3, help="peak learning rate (AdamW, cosine)")
-    g.add_argument("--warmup", type=int, default=None,
+    g.add_argument("--model", default=RUN_DEFAULTS["model"], help="llama preset: tiny, small, 1b, llama2-7b, llama3-8b, ...")
+    g.add_argument("--steps", type=_positive("--steps"), default=RUN_DEFAULTS["steps"], help="optimizer steps")
+    g.add_argument("--batch", type=_positive("--batch"), default=RUN_DEFAULTS["batch"], help="global batch size (sequences)")
+    g.add_argument("--seq", type=_positive("--seq"), default=RUN_DEFAULTS["seq"], help="sequence length (tokens)")
+    g.add_argument("--dtype", choices=DTYPES, default=RUN_DEFAULTS["dtype"], help="parameter and compute dtype")
+    g.add_argument("--lr", type=_non_negative_float, default=RUN_DEFAULTS["lr"], help="peak learning rate (AdamW, cosine)")
+    g.add_argument("--warmup", type=int, default=RUN_DEFAULTS["warmup"],
                    help=f"linear warm-up steps (default: min({DEFAULT_WARMUP}, --steps))")
-    g.add_argument("--microbatches", type=_positive("--microbatches"), default=1,
+    g.add_argument("--microbatches", type=_positive("--microbatches"), default=RUN_DEFAULTS["microbatches"],
                    help="gradient-accumulation microbatches per step")
-    g.add_argument("--recompute", choices=RECOMPUTE, default="none", help="activation recomputation")
-    g.add_argument("--clip", type=_non_negative_float, default=1.0, help="global-norm gradient clip (0: off)")
-    g.add_argument("--seed", type=int, default=0, help="seed of the model init and the data order")
-    g.add_argument("--data", default=None,
+    g.add_argument("--recompute", choices=RECOMPUTE, default=RUN_DEFAULTS["recompute"], help="activation recomputation")
+    g.add_argument("--clip", type=_non_negative_float, default=RUN_DEFAULTS["clip"], help="global-norm gradient clip (0: off)")
+    g.add_argument("--seed", type=int, default=RUN_DEFAULTS["seed"], help="seed of the model init and the data order")
+    g.add_argument("--data", default=RUN_DEFAULTS["data"],
                    help="token file: .txt (bytes), .npy (int ids), .bin (uint16 ids); default: bundled corpus")
     # Non-finite steps: train_step skips them (state unchanged); the loop counts them.
-    g.add_argument("--max-skipped", type=_non_negative_int, default=DEFAULT_MAX_SKIPPED, metavar="N",
+    g.add_argument("--max-skipped", type=_non_negative_int, default=RUN_DEFAULTS["max_skipped"], metavar="N",
                    help="abort after N steps in a row skipped for a non-finite loss or gradient norm (0: never)")
 
     g = t.add_argument_group("mixture of experts (or --model tiny-moe)")
-    g.add_argument("--num-experts", type=_number(int, 0, name="--num-experts"), default=None, metavar="E",
+    g.add_argument("--num-experts", type=_number(int, 0, name="--num-experts"), default=RUN_DEFAULTS["num_experts"], metavar="E",
                    help="experts per MoE block (0: dense; default: the preset's)")
-    g.add_argument("--top-k", type=_positive("--top-k"), default=None, metavar="K",
+    g.add_argument("--top-k", type=_positive("--top-k"), default=RUN_DEFAULTS["top_k"], metavar="K",
                    help="experts each token is routed to (default: the preset's)")
-    g.add_argument("--capacity-factor", type=_positive_float("--capacity-factor"), default=None, metavar="C",
+    g.add_argument("--capacity-factor", type=_positive_float("--capacity-factor"), default=RUN_DEFAULTS["capacity_factor"], metavar="C",
                    help="each expert keeps its ceil(T·k/E · C) highest-probability tokens (default: dropless)")
-    g.add_argument("--ep", type=_positive("--ep"), default=1,
+    g.add_argument("--ep", type=_positive("--ep"), default=RUN_DEFAULTS["ep"],
                    help="expert-parallel degree: experts split over an ep mesh axis (after dp; also a data axis)")
     g.add_argument("--expert-tp", action="store_true",
                    help="split each expert's hidden width over tp (Megatron's expert tensor parallel; needs --tp > 1)")
     g.add_argument("--pipe-experts", action="store_true",
                    help="MindSpeed pipe-experts: move and compute the dispatched tokens per local expert, each "
                         "chunk's all-to-all in flight while another computes")
-    g.add_argument("--multi-data", type=_positive("--multi-data"), default=1, metavar="N",
+    g.add_argument("--multi-data", type=_positive("--multi-data"), default=RUN_DEFAULTS["multi_data"], metavar="N",
                    help="with --pipe-experts: split each local expert's tokens into N chunks (for 1 local expert)")
     g.add_argument("--multi-stream", action="store_true",
                    help="with --pipe-experts and --sp: one communication stream for the ep all-to-alls and the tp "
                         "all-gathers / reduce-scatters, so they never run at the same time")
 
     g = t.add_argument_group("output")
-    g.add_argument("--out", default=None, help="run directory (default: runs/<timestamp>)")
+    g.add_argument("--out", default=RUN_DEFAULTS["out"], help="run directory (default: runs/<timestamp>)")
     g.add_argument("--check", action="store_true",
                    help="compare every step's loss with a 1-process reference run; exit 1 on mismatch")
-    g.add_argument("--log-every", type=_positive("--log-every"), default=1, help="print a line every N steps")
+    g.add_argument("--log-every", type=_positive("--log-every"), default=RUN_DEFAULTS["log_every"], help="print a line every N steps")
     g.add_argument("--overwrite", action="store_true",
                    help="reuse a non-empty --out: delete the files an earlier run wrote there "
                         f"({', '.join(RUN_FILES)}) first")
-    g.add_argument("--eval-every", type=_non_negative_int, default=0, metavar="N",
+    g.add_argument("--eval-every", type=_non_negative_int, default=RUN_DEFAULTS["eval_every"], metavar="N",
                    help=f"every N steps (and after the last) the loss on a held-out tenth of the corpus, forward "
                         f"only, mean of {EVAL_BATCHES} batches (0: never; the held-out tenth then trains too)")
     g.add_argument("--tensorboard", action="store_true",
@@ -226,19 +217,19 @@ def build_parser() -> argparse.ArgumentParser:
                         "the tracebacks are in <out>/logs)")
 
     g = t.add_argument_group("checkpoints (in <out>/checkpoints; any parallel flags can resume any others)")
-    g.add_argument("--save-every", type=int, default=0, metavar="N",
+    g.add_argument("--save-every", type=int, default=RUN_DEFAULTS["save_every"], metavar="N",
                    help="save a checkpoint every N steps and after the last (0: never)")
-    g.add_argument("--keep", type=_positive("--keep"), default=3, metavar="K", help="keep the newest K checkpoints")
+    g.add_argument("--keep", type=_positive("--keep"), default=RUN_DEFAULTS["keep"], metavar="K", help="keep the newest K checkpoints")
     g.add_argument("--async-save", action="store_true",
                    help="write checkpoints while training goes on (each waits for the one before)")
     g.add_argument("--resume", action="store_true",
                    help="continue from the newest checkpoint in --out (metrics.jsonl and loss.png continue)")
 
     g = t.add_argument_group("failures")
-    g.add_argument("--timeout", type=_positive_float("--timeout"), default=DEFAULT_TIMEOUT, metavar="SECONDS",
+    g.add_argument("--timeout", type=_positive_float("--timeout"), default=RUN_DEFAULTS["timeout"], metavar="SECONDS",
                    help="a collective that waits this long for a peer fails, and every rank exits with its "
                         "last collectives (a dead peer is noticed at once)")
-    g.add_argument("--max-restarts", type=_non_negative_int, default=0, metavar="R",
+    g.add_argument("--max-restarts", type=_non_negative_int, default=RUN_DEFAULTS["max_restarts"], metavar="R",
                    help="when a rank dies, stop the others and start all again from the newest checkpoint, "
                         "up to R times (torchrun's elastic agent; needs --save-every)")
 
@@ -254,18 +245,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def mesh_axes(args: argparse.Namespace) -> dict[str, int]:
-    """The mesh to build: the non-trivial axes in order pp, dp, ep, cp, tp (dp always present).
+def run_config(args: Any) -> RunConfig:
+    """The run the parsed flags describe (:func:`validate` builds it once, as ``args.run_config``)."""
+    found = getattr(args, "run_config", None)
+    if isinstance(found, RunConfig):
+        return found
+    try:  # dtp plan's flags (a subset: the others keep RunConfig's defaults)
+        with flag_names():
+            return RunConfig.from_dict(vars(args), strict=False)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
 
-    >>> mesh_axes(argparse.Namespace(pp=1, dp=2, ep=1, cp=1, tp=4))
+
+def mesh_axes(args: argparse.Namespace) -> dict[str, int]:
+    """The mesh to build (:meth:`dtp.RunConfig.mesh_axes`): the non-trivial axes in order
+    pp, dp, ep, cp, tp (dp always present).
+
+    >>> mesh_axes(parse_args(["train", "--dp", "2", "--tp", "4"]))
     {'dp': 2, 'tp': 4}
     """
-    axes = {"pp": args.pp} if getattr(args, "pp", 1) > 1 else {}
-    axes["dp"] = args.dp
-    for name in ("ep", "cp", "tp"):
-        if getattr(args, name) > 1:
-            axes[name] = getattr(args, name)
-    return axes
+    return run_config(args).mesh_axes()
 
 
 def format_mesh(axes: dict[str, int]) -> str:
@@ -278,7 +277,8 @@ def format_mesh(axes: dict[str, int]) -> str:
 
 
 def validate(args: argparse.Namespace, *, world_size: int | None = None) -> argparse.Namespace:
-    """Check flag combinations that need no model or process group; fill in defaults.
+    """Check the flags that need no model or process group and build the run from them
+    (``args.run_config``, a :class:`dtp.RunConfig`, whose checks speak in flag names here).
 
     ``world_size`` is torchrun's ``WORLD_SIZE`` when joining an existing world. Raises
     :class:`UsageError` (a ``ValueError``) with a one-line message.
@@ -286,8 +286,17 @@ def validate(args: argparse.Namespace, *, world_size: int | None = None) -> argp
     >>> validate(build_parser().parse_args(["train", "--dp", "2", "--tp", "2"])).nproc
     4
     """
-    n = math.prod(mesh_axes(args).values())
-    shape = format_mesh(mesh_axes(args))
+    if args.data is not None:
+        args.data = str(Path(args.data).expanduser().resolve())
+    if args.print_schedule and args.pp == 1:
+        raise UsageError("--print-schedule prints the pipeline's schedule; pipeline options need --pp > 1")
+    if args.resume and args.overwrite:
+        raise UsageError("--resume continues the run in --out, --overwrite deletes it: choose one")
+    if args.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        # torch.utils.tensorboard imports it; found here without importing anything.
+        raise UsageError("--tensorboard needs the tensorboard package: pip install tensorboard")
+    axes = mesh_axes_of(pp=args.pp, dp=args.dp, ep=args.ep, cp=args.cp, tp=args.tp)
+    n, shape = math.prod(axes.values()), format_mesh(axes)
     if world_size is not None and world_size != n:
         raise UsageError(f"the mesh {shape} needs {n} rank{'s' * (n > 1)}, but torchrun started WORLD_SIZE={world_size}")
     if args.nproc is None:
@@ -295,143 +304,94 @@ def validate(args: argparse.Namespace, *, world_size: int | None = None) -> argp
     elif args.nproc != n:
         raise UsageError(f"--nproc {args.nproc} does not match the mesh {shape}: it needs {n} "
                          f"rank{'s' * (n > 1)}; use --nproc {n} or leave --nproc out")
-    if args.warmup is None:
-        args.warmup = min(DEFAULT_WARMUP, args.steps)
-    elif not 0 <= args.warmup <= args.steps:
-        raise UsageError(f"--warmup must lie in [0, --steps={args.steps}], got {args.warmup}")
-    if args.batch % (args.dp * args.microbatches):
-        raise UsageError(f"--batch {args.batch} must be divisible by --dp × --microbatches = "
-                         f"{args.dp} × {args.microbatches}: every rank gets equal microbatches")
-    if args.cp == 1 and (args.cp_algo or args.cp_window or args.ulysses_degree or args.cp_head_chunks):
-        flags = [f for f, v in (("--cp-algo", args.cp_algo), ("--cp-window", args.cp_window),
-                                ("--ulysses-degree", args.ulysses_degree),
-                                ("--cp-head-chunks", args.cp_head_chunks)) if v]
-        raise UsageError(f"{' and '.join(flags)} {'configure' if len(flags) > 1 else 'configures'} context "
-                         f"parallel: {'they need' if len(flags) > 1 else 'it needs'} --cp > 1, got --cp 1")
-    # Which ZeRO options need which stage is layouts.zero's rule; here it is phrased as flags.
-    for option, stages, why in misplaced_options(args.zero, **{o: getattr(args, ZERO_ARGS[o]) for o in ZERO_ARGS}):
-        flag = ZERO_FLAGS[option]
-        if stages == (3,):
-            raise UsageError(f"{flag} is a ZeRO-3 option ({why}); it needs --zero 3")
-        raise UsageError(f"{flag} {why.removeprefix('it ')}; overlap flags need --zero 1, 2 or 3")
-    try:  # the rest (bucket size, prefetch range) as the preset states it
-        zero_layout(args)
+    try:
+        with flag_names():
+            config = RunConfig.from_dict({k: v for k, v in vars(args).items() if k in RUN_DEFAULTS})
     except ValueError as e:
         raise UsageError(str(e)) from None
+    args.run_config, args.warmup = config, config.warmup
     if args.zero and args.dp == 1:
         print(f"{PROG} train: note: --zero {args.zero} has no effect with --dp 1 (ZeRO shards over dp)",
               file=sys.stderr)
-    if args.sp and args.tp == 1:
-        # Sequence parallel splits over the tp group; with a group of one it would be
-        # silently off, so say so instead of running something else than was asked.
-        raise UsageError("--sp (sequence parallel) splits the sequence over the tp group: it needs --tp > 1, "
-                         "got --tp 1")
-    if args.ep > 1 and args.batch % (args.dp * args.ep * args.microbatches):
-        raise UsageError(f"--batch {args.batch} must be divisible by --dp × --ep × --microbatches = "
-                         f"{args.dp} × {args.ep} × {args.microbatches}: ep is a data axis too")
-    moe_flags = [f for f, on in (("--expert-tp", args.expert_tp), ("--pipe-experts", args.pipe_experts),
-                                 ("--multi-data", args.multi_data > 1), ("--multi-stream", args.multi_stream)) if on]
-    if moe_flags and args.ep == 1:
-        raise UsageError(f"{' '.join(moe_flags)} configure expert parallel; they need --ep > 1")
-    if not args.pipe_experts and (args.multi_data > 1 or args.multi_stream):
-        raise UsageError(f"{'--multi-data' if args.multi_data > 1 else '--multi-stream'} splits the pipe-experts "
-                         f"schedule; it needs --pipe-experts")
-    if args.multi_stream and not args.sp:
-        raise UsageError("--multi-stream keeps the ep all-to-alls apart from sequence parallel's tp all-gathers / "
-                         "reduce-scatters; it needs --tp > 1 --sp")
-    if args.expert_tp and args.tp == 1:
-        raise UsageError("--expert-tp splits each expert over tp; it needs --tp > 1")
-    if args.pp == 1 and (args.virtual_stages > 1 or args.print_schedule):
-        raise UsageError("--virtual-stages and --print-schedule configure the pipeline; they need --pp > 1")
-    if args.pp > 1:
-        if args.virtual_stages > 1 and args.pp_schedule != "interleaved":
-            raise UsageError(f"--virtual-stages {args.virtual_stages} needs --pp-schedule interleaved")
-        try:
-            schedules.check(args.pp_schedule, p=args.pp, v=args.virtual_stages, m=args.microbatches)
-        except ValueError as e:
-            raise UsageError(f"--pp {args.pp} --microbatches {args.microbatches}: {e}") from None
-    if args.save_every < 0:
-        raise UsageError(f"--save-every must be >= 0 (0: never), got {args.save_every}")
-    if args.async_save and not args.save_every:
-        raise UsageError("--async-save needs --save-every N: there is nothing to save")
-    if args.max_restarts and not args.save_every:
-        raise UsageError("--max-restarts needs --save-every N: a restart resumes from the newest checkpoint")
-    if args.resume and args.out is None:
-        raise UsageError("--resume continues the run in --out; name it (--out runs/…)")
-    if args.resume and args.overwrite:
-        raise UsageError("--resume continues the run in --out, --overwrite deletes it: choose one")
-    if args.tensorboard and importlib.util.find_spec("tensorboard") is None:
-        # torch.utils.tensorboard imports it; found here without importing anything.
-        raise UsageError("--tensorboard needs the tensorboard package: pip install tensorboard")
-    if args.eval_every and args.pp > 1:
-        raise UsageError("--eval-every is not supported with --pp > 1 yet (the evaluation forward runs the "
-                         "model whole, not in stages)")
-    if args.data is not None:
-        args.data = str(Path(args.data).expanduser().resolve())
     return args
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """Parse and validate ``dtp`` arguments (argparse errors exit with code 2).
+    """Parse and validate ``dtp`` arguments (argparse errors exit with code 2). ``train
+    --config run.toml`` reads a run first; the flags given beside it override its fields.
 
     >>> parse_args(["train", "--nproc", "2", "--dp", "2"]).warmup
     5
     """
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    if argv[:1] == ["train"]:
+        path = _config_path(argv)
+        if path is not None:
+            _train_parser(parser).set_defaults(**read_config_file(path))
+    args = parser.parse_args(argv)
     if args.command == "train":
         validate(args, world_size=int(os.environ["WORLD_SIZE"]) if in_torchrun() else None)
     return args
 
 
-def train_argv(args: argparse.Namespace) -> list[str]:
-    """The ``train`` arguments a rank needs, spelled out (no ``--nproc``, ``--check`` or ``--overwrite``).
+def _config_path(argv: Sequence[str]) -> str | None:
+    """``--config PATH`` (or ``--config=PATH``) in ``argv``, before argparse sees it."""
+    for i, arg in enumerate(argv):
+        if arg == "--config" and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith("--config="):
+            return arg.split("=", 1)[1]
+    return None
 
-    Every value is explicit, so each rank resolves exactly what the launcher resolved
-    (the run directory, the warm-up, the absolute data path), and ``--check`` stays with
-    the launcher, which runs the reference once instead of on every rank, as does
-    ``--overwrite`` (the launcher cleared the directory before the ranks started).
+
+def _train_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))  # no public accessor
+    return sub.choices["train"]
+
+
+def read_config_file(path: str) -> dict[str, Any]:
+    """A run's fields from a TOML file (``dtp train --config``): :class:`dtp.RunConfig`'s
+    field names as keys, at the top level or in tables (``[parallel]``, ``[training]``, …,
+    as a reader likes to group them). An unknown key or a bad file is one line.
+
+    >>> import tempfile, pathlib
+    >>> f = pathlib.Path(tempfile.mkdtemp()) / "run.toml"
+    >>> _ = f.write_text('model = "small"\\n[parallel]\\ndp = 2\\ntp = 2\\nsp = true\\n')
+    >>> read_config_file(str(f))
+    {'model': 'small', 'dp': 2, 'tp': 2, 'sp': True}
+    """
+    import tomllib  # Python 3.11's (requires-python >= 3.11)
+
+    try:
+        with open(path, "rb") as f:
+            document = tomllib.load(f)
+    except OSError as e:
+        raise UsageError(f"--config {path}: {e.strerror or e}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise UsageError(f"--config {path}: not valid TOML ({e})") from None
+    values: dict[str, Any] = {}
+    for key, value in document.items():
+        for k, v in (value.items() if isinstance(value, dict) else [(key, value)]):
+            if k not in RUN_DEFAULTS:
+                raise UsageError(f"--config {path}: unknown key {k!r}; the keys are dtp.RunConfig's fields, "
+                                 f"the train flags' names with '_' ({', '.join(list(RUN_DEFAULTS)[:6])}, ...)")
+            wrong = type_error(k, v)
+            if wrong:  # here, not in argparse: it would parse a string default with the flag's type
+                raise UsageError(f"--config {path}: {k} {wrong}")
+            values[k] = v
+    return values
+
+
+def train_argv(args: argparse.Namespace) -> list[str]:
+    """The ``train`` flags that state the run (:meth:`dtp.RunConfig.argv`: every field
+    spelled out; no ``--nproc``, ``--check`` or ``--overwrite``, which are about this
+    invocation): the command a run directory records.
 
     >>> train_argv(parse_args(["train", "--dp", "2", "--out", "r"]))[:9]
     ['train', '--pp', '1', '--pp-schedule', '1f1b', '--virtual-stages', '1', '--dp', '2']
     """
-    out = ["train", "--pp", str(args.pp), "--pp-schedule", args.pp_schedule, "--virtual-stages",
-           str(args.virtual_stages), "--dp", str(args.dp), "--ep", str(args.ep), "--cp", str(args.cp),
-           "--tp", str(args.tp)]
-    if args.sp:
-        out.append("--sp")
-    for flag, value in (("--cp-algo", args.cp_algo), ("--cp-window", args.cp_window),
-                        ("--ulysses-degree", args.ulysses_degree), ("--cp-head-chunks", args.cp_head_chunks),
-                        ("--data", args.data),
-                        ("--out", args.out)):
-        if value is not None:
-            out += [flag, str(value)]
-    out += [flag for flag, on in (("--overlap-grad-reduce", args.overlap_grad_reduce),
-                                  ("--overlap-param-gather", args.overlap_param_gather),
-                                  ("--no-reshard-after-forward", not args.reshard_after_forward),
-                                  ("--async-save", args.async_save), ("--resume", args.resume),
-                                  ("--tensorboard", args.tensorboard), ("--debug", args.debug)) if on]
-    out += ["--save-every", str(args.save_every), "--keep", str(args.keep)]
-    out += ["--zero", str(args.zero), "--zero-prefetch", str(args.zero_prefetch), "--bucket-mb", repr(args.bucket_mb), "--model", args.model, "--steps", str(args.steps),
-            "--batch", str(args.batch), "--seq", str(args.seq), "--dtype", args.dtype,
-            "--lr", repr(args.lr), "--warmup", str(args.warmup), "--microbatches", str(args.microbatches),
-            "--recompute", args.recompute, "--clip", repr(args.clip), "--seed", str(args.seed),
-            "--log-every", str(args.log_every), "--eval-every", str(args.eval_every)]
-    out += ["--max-skipped", str(args.max_skipped), "--multi-data", str(args.multi_data)]
-    out += [flag for flag, on in (("--expert-tp", args.expert_tp), ("--pipe-experts", args.pipe_experts),
-                                  ("--multi-stream", args.multi_stream)) if on]
-    for flag, value in (("--num-experts", args.num_experts), ("--top-k", args.top_k),
-                        ("--capacity-factor", args.capacity_factor)):
-        if value is not None:
-            out += [flag, repr(value)]
-    out += ["--timeout", repr(args.timeout)]
-    return out
-
-
-def zero_layout(args: argparse.Namespace) -> Layout:
-    """``layouts.zero`` from the ZeRO flags (``--zero 0`` gives plain data parallel)."""
-    return zero(stage=args.zero, bucket_mb=args.bucket_mb, overlap_grad_reduce=args.overlap_grad_reduce,
-                overlap_param_gather=args.overlap_param_gather,
-                reshard_after_forward=args.reshard_after_forward, prefetch=args.zero_prefetch)
+    return run_config(args).argv()
 
 
 def model_overrides(args: Any) -> dict[str, Any]:
@@ -445,30 +405,12 @@ def model_overrides(args: Any) -> dict[str, Any]:
 
 
 def build_layout(args: argparse.Namespace) -> Layout:
-    """``data() + megatron(sequence_parallel=sp)`` (+ ``context(...)`` with cp > 1, + ``zero``,
-    + ``expert`` with ep > 1, + ``pipeline`` with pp > 1): the flags mapped to the presets,
-    which check their own options.
-
-    Megatron's rules name the ``tp`` axis; on a mesh without it they are dropped, so the
-    same layout serves tp = 1.
+    """The run's layout (:meth:`dtp.RunConfig.layout`, where the flags meet the presets).
 
     >>> build_layout(parse_args(["train", "--dp", "2", "--tp", "2", "--sp"])).megatron.sequence_parallel
     True
     """
-    layout = layouts.data() + layouts.megatron(sequence_parallel=args.sp)
-    if args.cp > 1:
-        options = {k: v for k, v in (("algo", args.cp_algo), ("window", args.cp_window),
-                                     ("ulysses_degree", args.ulysses_degree),
-                                     ("head_chunks", args.cp_head_chunks)) if v is not None}
-        layout = layout + layouts.context(**options)
-    if args.zero:  # --zero 0 is plain data parallel, which the layout already is
-        layout = layout + zero_layout(args)
-    if args.ep > 1:
-        layout = layout + layouts.expert(pipe_experts=args.pipe_experts, multi_data=args.multi_data,
-                                         multi_stream=args.multi_stream, tp_axis="tp" if args.expert_tp else None)
-    if args.pp > 1:
-        layout = layout + layouts.pipeline(args.pp_schedule, virtual_stages=args.virtual_stages)
-    return layout
+    return run_config(args).layout()
 
 
 def vocab_size(model: str, max_id: int) -> int:

@@ -162,7 +162,8 @@ def _train(args: Mapping[str, Any], mesh: DeviceMesh, layout: Layout, *, recompu
             if isinstance(saving, checkpoint.AsyncSave):
                 saving.wait()  # one save in flight at a time
             saving = checkpoint.save(state, checkpoints.root, keep=checkpoints.keep, async_save=checkpoints.async_save,
-                                     extra={"loader": loader.state_dict(), "model": dataclasses.asdict(cfg)})
+                                     extra={"loader": loader.state_dict(), "model": dataclasses.asdict(cfg),
+                                            "run": dict(args)})  # the run's RunConfig and what the ranks found
     if isinstance(saving, checkpoint.AsyncSave):
         saving.wait()
     wait(state)  # the last step's prefetched parameter gathers (overlap_param_gather)
@@ -257,8 +258,8 @@ def _single_process_world() -> Iterator[DeviceMesh]:
 
 
 def _run_config(args: argparse.Namespace, world_size: int) -> dict[str, Any]:
-    # Not in it: what only this invocation is about (checking, console, clearing --out).
-    cfg = {k: v for k, v in vars(args).items() if k not in ("command", "check", "nproc", "overwrite", "debug")}
+    # The run (dtp.RunConfig's fields), and what the ranks found: vocabulary, world, mesh.
+    cfg = args.run_config.to_dict()
     cfg.update(vocab_size=_vocab_size(args.model, _load_data(args.data)), world_size=world_size,
                mesh=mesh_axes(args), warmup_from_step_one=True)
     return cfg

@@ -53,26 +53,18 @@ def add_parser(sub: argparse._SubParsersAction, train: argparse.ArgumentParser) 
 
 
 def plan_from_args(args: argparse.Namespace) -> "Plan":
-    """:func:`dtp.plan` of the configuration the flags describe, on the layout ``dtp train``
-    builds from them (:func:`~dtp.cli.flags.build_layout`: one place builds it, so the plan
-    sees every context and expert option the run will have).
+    """:func:`dtp.plan` of the run the flags describe (their :class:`dtp.RunConfig`: the plan
+    sees the layout the run builds, every context and expert option included).
 
     >>> from dtp.cli import build_parser
     >>> plan_from_args(build_parser().parse_args(["plan", "--cp", "4", "--cp-algo", "double_ring",
     ...     "--cp-window", "2", "--seq", "128"])).setup.context.window
     2
     """
-    from ..models import llama
     from ..planning import plan
-    from .flags import build_layout, model_overrides
+    from .flags import run_config
 
-    cfg = llama.config(args.model, **model_overrides(args))
-    p = plan(cfg, batch=args.batch, seq=args.seq, layout=build_layout(args), dp=args.dp, tp=args.tp,
-             sp=args.sp and args.tp > 1, cp=args.cp, pp=args.pp, pp_schedule=args.pp_schedule,
-             virtual_stages=args.virtual_stages, ep=args.ep, zero=args.zero, bucket_mb=args.bucket_mb,
-             reshard_after_forward=args.reshard_after_forward, microbatches=args.microbatches,
-             recompute=args.recompute, dtype=args.dtype)
-    return _named(p, args.model)
+    return _named(plan(run_config(args)), args.model)
 
 
 def _named(p: "Plan", name: str) -> "Plan":

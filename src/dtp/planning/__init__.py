@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import schedules
+from ..config import RunConfig
 from ..layouts import Layout
 from ..models import llama
 from .memory import Memory, block_activations, memory
@@ -81,11 +82,13 @@ class Plan:
         return format_plan(self)
 
 
-def plan(model: str | llama.LlamaConfig = "tiny", *, batch: int = 8, seq: int = 64, layout: Layout | None = None,
-         **parallel: Any) -> Plan:
+def plan(model: str | llama.LlamaConfig | RunConfig = "tiny", *, batch: int = 8, seq: int = 64,
+         layout: Layout | None = None, **parallel: Any) -> Plan:
     """Predict one training step of ``model`` per rank, allocating nothing.
 
-    - `model`: a preset name (``llama.CONFIGS``) or a :class:`~dtp.models.llama.LlamaConfig`.
+    - `model`: a :class:`dtp.RunConfig` (the whole run: model, batch, mesh, strategies,
+      its layout; nothing else may be given), or a preset name (``llama.CONFIGS``) or a
+      :class:`~dtp.models.llama.LlamaConfig` described by the keywords below.
     - `batch`, `seq`: global batch in sequences, sequence length.
     - `layout`: the :class:`~dtp.Layout` to plan (``dtp train``'s is
       :func:`dtp.cli.flags.build_layout` of its flags); the plan reads how attention runs
@@ -104,7 +107,13 @@ def plan(model: str | llama.LlamaConfig = "tiny", *, batch: int = 8, seq: int = 
     ...          zero=1, recompute="full", dtype="bfloat16")
     >>> round(p.bubble, 3), p.params // 10**9
     (0.158, 70)
+    >>> plan(RunConfig(model="tiny", batch=8, seq=16, dp=2)).bytes
+    {'dp': {'all_reduce': 427268}}
     """
+    if isinstance(model, RunConfig):
+        if parallel or layout is not None:
+            raise TypeError(f"dtp.plan: a RunConfig is the whole run; got keywords {sorted(parallel)} beside it")
+        model, batch, seq, layout, parallel = Setup.arguments_of(model)
     cfg = llama.config(model) if isinstance(model, str) else model
     name = model if isinstance(model, str) else "custom"
     s = Setup(model=name, cfg=cfg, batch=batch, seq=seq, layout=layout, **parallel)

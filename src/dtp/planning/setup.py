@@ -14,8 +14,6 @@ chunks) are read from the layout (:attr:`Setup.context`), never from the keyword
 
 from __future__ import annotations
 
-import argparse
-import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -24,6 +22,7 @@ import torch
 
 from .. import schedules
 from .._mesh_shape import MeshShape
+from ..config import RunConfig
 from .._rules import accum_dtype
 from ..layouts import ContextOptions, Layout, check_divisible
 from ..layouts.pipeline import assign
@@ -86,6 +85,21 @@ class Setup:
             schedules.check(self.pp_schedule, p=self.pp, v=self.virtual_stages, m=self.microbatches)
         self._resolve_layout()
         self._check_context()
+
+    @staticmethod
+    def arguments_of(config: RunConfig) -> tuple[llama.LlamaConfig, int, int, Layout, dict[str, Any]]:
+        """What :func:`dtp.plan` reads of a :class:`dtp.RunConfig`: the model, batch, sequence,
+        the run's own layout, and the other fields the plan models.
+
+        >>> Setup.arguments_of(RunConfig(dp=2, zero=1))[4]["zero"]
+        1
+        """
+        cfg = llama.config(config.model, **config.model_overrides())
+        fields = ("dp", "tp", "cp", "pp", "pp_schedule", "virtual_stages", "ep", "zero", "bucket_mb",
+                  "reshard_after_forward", "microbatches", "recompute", "dtype")
+        parallel = {k: getattr(config, k) for k in fields}
+        parallel["sp"] = config.sp and config.tp > 1
+        return cfg, config.batch, config.seq, config.layout(), parallel
 
     def _context_keywords(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in ("cp_algo", "cp_window", "ulysses_degree", "cp_head_chunks")
@@ -155,30 +169,19 @@ class Setup:
         return self.tokens // (self.tp if self.sp and self.tp > 1 else 1)
 
 
-@functools.cache
-def _train_defaults() -> dict[str, Any]:
-    """``dtp train``'s flag defaults, from its parser (imported here: the CLI imports this
-    package lazily, so there is no cycle)."""
-    from ..cli.flags import build_parser
-
-    return vars(build_parser().parse_args(["train"]))
-
-
 def layout_for(s: Setup) -> Layout:
-    """The layout ``dtp train`` builds from the same flags: :func:`dtp.cli.flags.build_layout`
-    itself, on ``dtp train``'s defaults with the fields of ``s`` set (one place builds it;
-    flags ``Setup`` has no field for, such as the expert options, keep their defaults).
+    """The layout ``dtp train`` builds from the same options: :meth:`dtp.RunConfig.layout`
+    (one place builds it; options ``Setup`` has no field for, such as the expert ones, keep
+    their defaults).
 
     >>> layout_for(Setup(cp=4, cp_algo="double_ring", cp_window=2, seq=16)).context.window
     2
     """
-    from ..cli.flags import build_layout
-
-    flags = dict(_train_defaults(), sp=s.sp and s.tp > 1, cp=s.cp, cp_algo=s.cp_algo, cp_window=s.cp_window,
-                 ulysses_degree=s.ulysses_degree, cp_head_chunks=s.cp_head_chunks, zero=s.zero,
-                 bucket_mb=s.bucket_mb, reshard_after_forward=s.reshard_after_forward, ep=s.ep, pp=s.pp,
-                 pp_schedule=s.pp_schedule, virtual_stages=s.virtual_stages, dp=s.dp, tp=s.tp)
-    return build_layout(argparse.Namespace(**flags))
+    return RunConfig(sp=s.sp and s.tp > 1, cp=s.cp, cp_algo=s.cp_algo, cp_window=s.cp_window,
+                     ulysses_degree=s.ulysses_degree, cp_head_chunks=s.cp_head_chunks, zero=s.zero,
+                     bucket_mb=s.bucket_mb, reshard_after_forward=s.reshard_after_forward, ep=s.ep, pp=s.pp,
+                     pp_schedule=s.pp_schedule, virtual_stages=s.virtual_stages, dp=s.dp, tp=s.tp,
+                     microbatches=s.microbatches, batch=s.batch, seq=s.seq).layout()
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,398 @@
+"""``dtp.RunConfig``: one typed, frozen, torch-free description of a training run.
+
+The model, the mesh, every strategy option, the data, the output: what ``dtp train``'s
+flags say, once. The CLI fills it (flags, or ``--config run.toml`` with flags on top), the
+launcher ships it to the ranks as JSON (not re-spelled as argv), the plan reads it
+(``dtp.plan(config)``), the run directory and every checkpoint record it, and the layout
+and the mesh derive from it here, in one place (:meth:`RunConfig.layout`,
+:meth:`RunConfig.mesh_axes`).
+
+A field is named like its flag (``cp_window`` is ``--cp-window``), so one table serves
+both: :func:`flag_names` makes the checks below say ``--cp-window`` to a shell user and
+``cp_window`` to a Python one. Rules that need the model or the mesh are the layouts' and
+the model's (``dtp.cli.flags.preflight`` asks them before any rank starts).
+
+>>> cfg = RunConfig(dp=2, tp=2, sp=True, steps=10)
+>>> cfg.mesh_axes(), cfg.world_size, cfg.warmup
+({'dp': 2, 'tp': 2}, 4, 5)
+>>> cfg.layout().name
+'data + megatron(sequence_parallel=True)'
+>>> RunConfig(batch=6, dp=4)
+Traceback (most recent call last):
+...
+ValueError: RunConfig: batch 6 must be divisible by dp × microbatches = 4 × 1: every rank gets equal microbatches
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, fields
+from typing import Any, Callable, Iterator, Mapping
+
+from . import layouts, schedules
+from .layouts import CP_ALGORITHMS, ZERO_STAGES, Layout
+from .layouts.zero import misplaced_options
+
+__all__ = ["RunConfig", "DTYPES", "RECOMPUTE", "flag_names", "to_toml", "mesh_axes_of", "type_error"]
+
+DTYPES = ("float32", "float64", "bfloat16")
+RECOMPUTE = ("none", "full", "selective")
+DEFAULT_WARMUP = 5
+# Ten in a row is no bad batch any more but a diverged run: stop it rather than burn the
+# remaining steps on updates that are all skipped.
+DEFAULT_MAX_SKIPPED = 10
+# timeout: torch's gloo default (30 min) leaves a stalled job hanging half an hour. A
+# collective waits only for its slowest peer to post it, not for a whole step: the longest
+# wait in any collective of `dtp train --nproc 4 --dp 2 --tp 2 --sp --model small --seq 256`
+# (20 steps, 4 ranks on 2 loaded cores) was 0.25 s, the first one (model init skew) 0.20 s.
+# 300 s leaves three orders of magnitude for larger models and slower machines, and still
+# turns a hang into an error within 5 minutes. A dead peer is noticed at once regardless.
+DEFAULT_TIMEOUT = 300.0
+
+# How a check names a field: the field itself (Python), or its flag (dtp train).
+_NAMES: contextvars.ContextVar[Callable[[str], str]] = contextvars.ContextVar("dtp_config_names",
+                                                                              default=lambda name: name)
+_WHO: contextvars.ContextVar[str] = contextvars.ContextVar("dtp_config_who", default="RunConfig: ")
+
+
+def _flag(name: str) -> str:
+    """The ``dtp train`` flag of a field (the one on/off flag that turns a default off is ``--no-…``)."""
+    flag = "--" + name.replace("_", "-")
+    return "--no-reshard-after-forward" if name == "reshard_after_forward" else flag
+
+
+@contextlib.contextmanager
+def flag_names() -> Iterator[None]:
+    """Within, :class:`RunConfig`'s errors name flags (``--cp-window``) instead of fields,
+    with no prefix: the CLI's one-line errors.
+
+    >>> with flag_names():
+    ...     RunConfig(sp=True)
+    Traceback (most recent call last):
+    ...
+    ValueError: --sp (sequence parallel) splits the sequence over the tp group: it needs --tp > 1, got --tp 1
+    """
+    names, who = _NAMES.set(_flag), _WHO.set("")
+    try:
+        yield
+    finally:
+        _NAMES.reset(names)
+        _WHO.reset(who)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    """One training run (module docstring). Checked when built: ``ValueError`` naming the
+    field (or, under :func:`flag_names`, the flag), the values and what would be valid."""
+
+    # ---- parallelism: the mesh (pp, dp, ep, cp, tp: outer to inner) and its strategies
+    pp: int = 1
+    pp_schedule: str = "1f1b"
+    virtual_stages: int = 1
+    dp: int = 1
+    ep: int = 1
+    cp: int = 1
+    tp: int = 1
+    sp: bool = False
+    cp_algo: str | None = None
+    cp_window: int | None = None
+    ulysses_degree: int | None = None
+    cp_head_chunks: int | None = None
+    zero: int = 0
+    overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False
+    reshard_after_forward: bool = True
+    zero_prefetch: int = 1
+    bucket_mb: float = 40.0
+    # ---- model and training
+    model: str = "tiny"
+    steps: int = 50
+    batch: int = 8
+    seq: int = 64
+    dtype: str = "float32"
+    lr: float = 3e-3
+    warmup: int | None = None  # None: min(DEFAULT_WARMUP, steps)
+    microbatches: int = 1
+    recompute: str = "none"
+    clip: float = 1.0  # 0: off
+    seed: int = 0
+    data: str | None = None  # a token file; None: the bundled corpus
+    max_skipped: int = DEFAULT_MAX_SKIPPED  # 0: never abort
+    # ---- mixture of experts (None: the model preset's)
+    num_experts: int | None = None
+    top_k: int | None = None
+    capacity_factor: float | None = None
+    expert_tp: bool = False
+    pipe_experts: bool = False
+    multi_data: int = 1
+    multi_stream: bool = False
+    # ---- output, checkpoints, failures
+    out: str | None = None
+    log_every: int = 1
+    eval_every: int = 0
+    tensorboard: bool = False
+    debug: bool = False
+    save_every: int = 0
+    keep: int = 3
+    async_save: bool = False
+    resume: bool = False
+    timeout: float = DEFAULT_TIMEOUT
+    max_restarts: int = 0
+
+    def __post_init__(self) -> None:
+        n, who = _NAMES.get(), _WHO.get()
+
+        def fail(message: str) -> None:
+            raise ValueError(who + message)
+
+        self._check_types(fail, n)
+        if self.warmup is None:
+            object.__setattr__(self, "warmup", min(DEFAULT_WARMUP, self.steps))
+        elif not 0 <= self.warmup <= self.steps:
+            fail(f"{n('warmup')} must lie in [0, {n('steps')}={self.steps}], got {self.warmup}")
+        if self.batch % (self.dp * self.microbatches):
+            fail(f"{n('batch')} {self.batch} must be divisible by {n('dp')} × {n('microbatches')} = "
+                 f"{self.dp} × {self.microbatches}: every rank gets equal microbatches")
+        context = {k: getattr(self, k) for k in ("cp_algo", "cp_window", "ulysses_degree", "cp_head_chunks")
+                   if getattr(self, k)}
+        if self.cp == 1 and context:
+            names = [n(k) for k in context]
+            fail(f"{' and '.join(names)} {'configure' if len(names) > 1 else 'configures'} context parallel: "
+                 f"{'they need' if len(names) > 1 else 'it needs'} {n('cp')} > 1, got {n('cp')} 1")
+        # Which ZeRO options need which stage is layouts.zero's rule; here it is phrased by name.
+        zero_opts = {"overlap_grad_reduce": "overlap_grad_reduce", "overlap_param_gather": "overlap_param_gather",
+                     "prefetch": "zero_prefetch", "reshard_after_forward": "reshard_after_forward"}
+        for option, stages, why in misplaced_options(self.zero, **{o: getattr(self, f) for o, f in zero_opts.items()}):
+            if stages == (3,):
+                fail(f"{n(zero_opts[option])} is a ZeRO-3 option ({why}); it needs {n('zero')} 3")
+            fail(f"{n(zero_opts[option])} {why.removeprefix('it ')}; overlap flags need {n('zero')} 1, 2 or 3")
+        try:  # the rest (bucket size, prefetch range) as the preset states it
+            self._zero_layout()
+        except ValueError as e:
+            fail(str(e))
+        if self.sp and self.tp == 1:
+            # Sequence parallel splits over the tp group; with a group of one it would be
+            # silently off, so say so instead of running something else than was asked.
+            fail(f"{n('sp')} (sequence parallel) splits the sequence over the tp group: it needs {n('tp')} > 1, "
+                 f"got {n('tp')} 1")
+        if self.ep > 1 and self.batch % (self.dp * self.ep * self.microbatches):
+            fail(f"{n('batch')} {self.batch} must be divisible by {n('dp')} × {n('ep')} × {n('microbatches')} = "
+                 f"{self.dp} × {self.ep} × {self.microbatches}: ep is a data axis too")
+        self._check_experts(fail, n)
+        self._check_pipeline(fail, n)
+        if self.async_save and not self.save_every:
+            fail(f"{n('async_save')} needs {n('save_every')} N: there is nothing to save")
+        if self.max_restarts and not self.save_every:
+            fail(f"{n('max_restarts')} needs {n('save_every')} N: a restart resumes from the newest checkpoint")
+        if self.resume and self.out is None:
+            fail(f"{n('resume')} continues the run in {n('out')}; name it ({n('out')} runs/…)")
+        if self.eval_every and self.pp > 1:
+            fail(f"{n('eval_every')} is not supported with {n('pp')} > 1 yet (the evaluation forward runs the "
+                 "model whole, not in stages)")
+
+    def _check_types(self, fail: Callable[[str], None], n: Callable[[str], str]) -> None:
+        for f in fields(self):
+            wrong = type_error(f.name, getattr(self, f.name))
+            if wrong:
+                fail(f"{n(f.name)} {wrong}")
+        for name in ("pp", "virtual_stages", "dp", "ep", "cp", "tp", "cp_window", "ulysses_degree", "cp_head_chunks",
+                     "zero_prefetch", "steps", "batch", "seq", "microbatches", "top_k", "multi_data", "log_every",
+                     "keep"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                fail(f"{n(name)} must be >= 1, got {value}")
+        for name in ("bucket_mb", "lr", "clip", "max_skipped", "num_experts", "eval_every", "save_every",
+                     "max_restarts"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                fail(f"{n(name)} must be >= 0, got {value}")
+        for name in ("capacity_factor", "timeout"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                fail(f"{n(name)} must be > 0, got {value}")
+        for name, choices in (("dtype", DTYPES), ("recompute", RECOMPUTE), ("pp_schedule", schedules.SCHEDULES),
+                              ("zero", ZERO_STAGES)):
+            if getattr(self, name) not in choices:
+                fail(f"{n(name)} must be one of {', '.join(map(str, choices))}; got {getattr(self, name)!r}")
+        if self.cp_algo is not None and self.cp_algo not in CP_ALGORITHMS:
+            fail(f"{n('cp_algo')} must be one of {', '.join(CP_ALGORITHMS)}; got {self.cp_algo!r}")
+
+    def _check_experts(self, fail: Callable[[str], None], n: Callable[[str], str]) -> None:
+        on = [k for k in ("expert_tp", "pipe_experts", "multi_data", "multi_stream")
+              if (getattr(self, k) > 1 if k == "multi_data" else getattr(self, k))]
+        if on and self.ep == 1:
+            fail(f"{' '.join(n(k) for k in on)} configure expert parallel; they need {n('ep')} > 1")
+        if not self.pipe_experts and (self.multi_data > 1 or self.multi_stream):
+            fail(f"{n('multi_data') if self.multi_data > 1 else n('multi_stream')} splits the pipe-experts "
+                 f"schedule; it needs {n('pipe_experts')}")
+        if self.multi_stream and not self.sp:
+            fail(f"{n('multi_stream')} keeps the ep all-to-alls apart from sequence parallel's tp all-gathers / "
+                 f"reduce-scatters; it needs {n('tp')} > 1 {n('sp')}")
+        if self.expert_tp and self.tp == 1:
+            fail(f"{n('expert_tp')} splits each expert over tp; it needs {n('tp')} > 1")
+
+    def _check_pipeline(self, fail: Callable[[str], None], n: Callable[[str], str]) -> None:
+        if self.pp == 1 and self.virtual_stages > 1:
+            fail(f"{n('virtual_stages')} {self.virtual_stages} is a pipeline option; pipeline options need "
+                 f"{n('pp')} > 1")
+        if self.pp > 1:
+            if self.virtual_stages > 1 and self.pp_schedule != "interleaved":
+                fail(f"{n('virtual_stages')} {self.virtual_stages} needs {n('pp_schedule')} interleaved")
+            try:
+                schedules.check(self.pp_schedule, p=self.pp, v=self.virtual_stages, m=self.microbatches)
+            except ValueError as e:
+                fail(f"{n('pp')} {self.pp} {n('microbatches')} {self.microbatches}: {e}")
+
+    # ------------------------------------------------------------------ derived, in one place
+
+    def mesh_axes(self) -> dict[str, int]:
+        """The mesh to build: the non-trivial axes in order pp, dp, ep, cp, tp (dp always present).
+
+        >>> RunConfig(dp=2, tp=4).mesh_axes()
+        {'dp': 2, 'tp': 4}
+        """
+        return mesh_axes_of(pp=self.pp, dp=self.dp, ep=self.ep, cp=self.cp, tp=self.tp)
+
+    @property
+    def world_size(self) -> int:
+        """Ranks the mesh needs."""
+        return math.prod(self.mesh_axes().values())
+
+    def _zero_layout(self) -> Layout:
+        return layouts.zero(stage=self.zero, bucket_mb=self.bucket_mb, overlap_grad_reduce=self.overlap_grad_reduce,
+                            overlap_param_gather=self.overlap_param_gather,
+                            reshard_after_forward=self.reshard_after_forward, prefetch=self.zero_prefetch)
+
+    def layout(self) -> Layout:
+        """``data() + megatron(sequence_parallel=sp)`` (+ ``context(...)`` with cp > 1, + ``zero``,
+        + ``expert`` with ep > 1, + ``pipeline`` with pp > 1): the options mapped to the presets,
+        which check their own. Megatron's rules name ``tp``; on a mesh without it they are
+        dropped, so the same layout serves tp = 1.
+
+        >>> RunConfig(cp=2, cp_algo="ulysses").layout().context.algo
+        'ulysses'
+        """
+        layout = layouts.data() + layouts.megatron(sequence_parallel=self.sp)
+        if self.cp > 1:
+            options = {k: v for k, v in (("algo", self.cp_algo), ("window", self.cp_window),
+                                         ("ulysses_degree", self.ulysses_degree),
+                                         ("head_chunks", self.cp_head_chunks)) if v is not None}
+            layout = layout + layouts.context(**options)
+        if self.zero:  # zero 0 is plain data parallel, which the layout already is
+            layout = layout + self._zero_layout()
+        if self.ep > 1:
+            layout = layout + layouts.expert(pipe_experts=self.pipe_experts, multi_data=self.multi_data,
+                                             multi_stream=self.multi_stream, tp_axis="tp" if self.expert_tp else None)
+        if self.pp > 1:
+            layout = layout + layouts.pipeline(self.pp_schedule, virtual_stages=self.virtual_stages)
+        return layout
+
+    def model_overrides(self) -> dict[str, Any]:
+        """The model-config fields the MoE options set (the rest is the preset's).
+
+        >>> RunConfig(num_experts=4).model_overrides()
+        {'num_experts': 4}
+        """
+        return {k: getattr(self, k) for k in ("num_experts", "top_k", "capacity_factor")
+                if getattr(self, k) is not None}
+
+    # ------------------------------------------------------------------ reading and writing
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every field, JSON-ready (what the run directory and checkpoints record)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any], *, strict: bool = True) -> "RunConfig":
+        """Build from a mapping of fields. ``strict=False`` ignores keys that are not fields
+        (a run directory's ``config.json`` also holds the vocabulary, the mesh, the command).
+
+        >>> RunConfig.from_dict({"dp": 2, "batch": 4}).dp
+        2
+        >>> RunConfig.from_dict({"dpp": 2})
+        Traceback (most recent call last):
+        ...
+        ValueError: RunConfig: unknown field 'dpp'; the fields are pp, pp_schedule, ...
+        """
+        names = [f.name for f in fields(cls)]
+        unknown = [k for k in values if k not in names]
+        if unknown and strict:
+            raise ValueError(f"{_WHO.get()}unknown field {unknown[0]!r}; the fields are {', '.join(names[:2])}, ... "
+                             f"({', '.join(names)})")
+        return cls(**{k: v for k, v in values.items() if k in names})
+
+    def to_json(self) -> str:
+        """One line of JSON (how the launcher ships the configuration to its ranks)."""
+        return json.dumps(self.to_dict(), sort_keys=False)
+
+    def argv(self) -> list[str]:
+        """The ``dtp train`` flags that state this run, every field spelled out (the command
+        a run directory records).
+
+        >>> RunConfig(dp=2).argv()[:9]
+        ['train', '--pp', '1', '--pp-schedule', '1f1b', '--virtual-stages', '1', '--dp', '2']
+        """
+        out = ["train"]
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, bool):
+                if value != (f.name == "reshard_after_forward"):
+                    out.append(_flag(f.name))
+            elif value is not None:
+                out += [_flag(f.name), repr(value) if isinstance(value, float) else str(value)]
+        return out
+
+
+def type_error(name: str, value: Any) -> str | None:
+    """What is wrong with ``value``'s type for field ``name`` (``None``: nothing).
+
+    >>> type_error("dp", "two"), type_error("cp_window", None), type_error("sp", 1)
+    ("must be an integer, got 'two'", None, 'must be True or False, got 1')
+    """
+    kind = str(_FIELDS[name].type)
+    if value is None and "None" in kind:
+        return None
+    kind = kind.split(" ")[0]
+    if kind == "bool" and not isinstance(value, bool):
+        return f"must be True or False, got {value!r}"
+    if kind == "int" and (not isinstance(value, int) or isinstance(value, bool)):
+        return f"must be an integer, got {value!r}"
+    if kind == "float" and (isinstance(value, bool) or not isinstance(value, (int, float))
+                            or not math.isfinite(value)):
+        return f"must be a finite number, got {value!r}"
+    if kind == "str" and not isinstance(value, str):
+        return f"must be a string, got {value!r}"
+    return None
+
+
+_FIELDS = {f.name: f for f in fields(RunConfig)}
+
+
+def mesh_axes_of(*, pp: int, dp: int, ep: int, cp: int, tp: int) -> dict[str, int]:
+    """The mesh of these degrees: the non-trivial axes in order pp, dp, ep, cp, tp, dp always.
+
+    >>> mesh_axes_of(pp=2, dp=1, ep=1, cp=1, tp=2)
+    {'pp': 2, 'dp': 1, 'tp': 2}
+    """
+    axes = {"pp": pp} if pp > 1 else {}
+    axes["dp"] = dp
+    axes.update({name: n for name, n in (("ep", ep), ("cp", cp), ("tp", tp)) if n > 1})
+    return axes
+
+
+def to_toml(config: RunConfig) -> str:
+    """``config`` as a TOML document ``dtp train --config`` reads back (``None`` fields left out).
+
+    >>> print(to_toml(RunConfig(dp=2, sp=False)).splitlines()[3])
+    dp = 2
+    """
+    lines = []
+    for key, value in config.to_dict().items():
+        if value is None:
+            continue
+        lines.append(f"{key} = {json.dumps(value)}")  # JSON's scalars are TOML's: true, 1.5, "s"
+    return "\n".join(lines) + "\n"

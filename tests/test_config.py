@@ -1,0 +1,110 @@
+"""``dtp.RunConfig``: one description of a run that the CLI fills, the ranks receive, the
+plan reads and the run directory and checkpoints record; ``dtp train --config`` / ``--print-config``."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import dtp
+from dtp import cli, launch
+from dtp.cli.flags import read_config_file
+from dtp.config import RunConfig, to_toml
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+
+
+@pytest.fixture(autouse=True)
+def _no_torchrun_env(monkeypatch):
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", launch.ERROR_DIR_ENV):
+        monkeypatch.delenv(k, raising=False)
+
+
+def test_fields_are_the_flags_and_checks_speak_either_language() -> None:
+    with pytest.raises(ValueError, match=r"^RunConfig: cp_window configures context parallel: it needs cp > 1"):
+        RunConfig(cp_window=2)
+    with pytest.raises(ValueError, match=r"^--cp-window configures context parallel: it needs --cp > 1"):
+        cli.parse_args(["train", "--cp-window", "2"])
+    with pytest.raises(ValueError, match=r"dtype must be one of float32, float64, bfloat16; got 'fp8'"):
+        RunConfig(dtype="fp8")
+    with pytest.raises(ValueError, match=r"steps must be an integer, got 2.5"):
+        RunConfig(steps=2.5)
+
+
+def test_the_cli_layout_mesh_and_argv_come_from_the_config() -> None:
+    args = cli.parse_args(["train", "--dp", "2", "--cp", "2", "--cp-algo", "double_ring", "--cp-window", "2",
+                           "--seq", "64"])
+    rc = args.run_config
+    assert isinstance(rc, RunConfig) and rc.cp_window == 2
+    assert cli.build_layout(args) == rc.layout() and cli.mesh_axes(args) == rc.mesh_axes() == {"dp": 2, "cp": 2}
+    # Its argv states the same run (the command a run directory records).
+    assert cli.parse_args(rc.argv()).run_config == rc
+
+
+def test_toml_round_trip_and_flags_override_it(tmp_path, capsys) -> None:
+    rc = RunConfig(dp=2, tp=2, sp=True, zero=1, lr=1e-3, model="small", cp=1, steps=7)
+    path = tmp_path / "run.toml"
+    path.write_text(to_toml(rc))
+    assert RunConfig.from_dict(read_config_file(str(path))) == rc
+    # Tables group keys as a reader likes; flags beside --config win.
+    path.write_text('model = "tiny"\n[parallel]\ndp = 2\ntp = 2\nsp = true\n[training]\nsteps = 9\n')
+    args = cli.parse_args(["train", "--config", str(path), "--steps", "4"])
+    assert (args.run_config.dp, args.run_config.tp, args.run_config.sp, args.run_config.steps) == (2, 2, True, 4)
+    assert args.nproc == 4
+    # --print-config prints what --config reads back, and starts nothing.
+    assert cli.main(["train", "--config", str(path), "--print-config"]) == 0
+    printed = capsys.readouterr().out
+    (tmp_path / "again.toml").write_text(printed)
+    assert RunConfig.from_dict(read_config_file(str(tmp_path / "again.toml"))) == \
+        cli.parse_args(["train", "--config", str(path)]).run_config
+
+
+@pytest.mark.parametrize("text, match", [
+    ("dpp = 2\n", r"--config .*run.toml: unknown key 'dpp'"),
+    ("dp = \n", r"--config .*run.toml: not valid TOML"),
+    ('dp = "two"\n', r"--config .*run.toml: dp must be an integer, got 'two'"),
+])
+def test_a_bad_config_file_is_one_line(tmp_path, capsys, text, match) -> None:
+    import re
+
+    path = tmp_path / "run.toml"
+    path.write_text(text)
+    assert cli.main(["train", "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and re.search(match, err), err
+    assert cli.main(["train", "--config", str(tmp_path / "missing.toml")]) == 2
+    assert "No such file" in capsys.readouterr().err
+
+
+def test_plan_reads_a_run_config() -> None:
+    rc = RunConfig(dp=2, tp=2, sp=True, cp=2, cp_algo="ulysses", batch=8, seq=32)
+    p = dtp.plan(rc)
+    assert p.setup.layout == rc.layout() and p.setup.context.algo == "ulysses"
+    assert p.bytes == dtp.plan("tiny", batch=8, seq=32, dp=2, tp=2, sp=True, cp=2, cp_algo="ulysses").bytes
+    with pytest.raises(TypeError, match="a RunConfig is the whole run"):
+        dtp.plan(rc, dp=4)
+
+
+def test_ranks_receive_the_config_and_the_run_records_it(tmp_path) -> None:
+    """Through the launcher: the ranks get the run as one TOML file (not re-spelled flags);
+    config.json and every checkpoint record its fields."""
+    out = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", launch.ERROR_DIR_ENV)}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([SRC, env.get("PYTHONPATH", "")]))
+    cmd = [sys.executable, "-m", "dtp.cli", "train", "--nproc", "2", "--dp", "2", "--steps", "2", "--batch", "4",
+           "--seq", "16", "--save-every", "2", "--lr", "0.002", "--out", str(out)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    recorded = json.loads((out / "config.json").read_text())
+    rc = RunConfig.from_dict(recorded, strict=False)
+    assert (rc.dp, rc.lr, rc.save_every, rc.out) == (2, 0.002, 2, str(out))
+    manifest = next((out / "checkpoints").glob("*/manifest.json"))
+    assert json.loads(manifest.read_text())["extra"]["run"]["lr"] == 0.002
