@@ -1,15 +1,17 @@
 """dtp.plan against reality: on tiny fp32 configs the predicted bytes per (mesh axis,
 collective) equal a real step's comm log exactly (dp, tp with and without SP, cp ring and
 Ulysses, ZeRO 1/2/3, microbatches, full recompute; EP's routed all-to-all-v within 10 %,
-it depends on the routing), and the predicted per-rank peak is within 10 % of the peak the
-allocator reached (torch.profiler memory events); a 70B plan takes well under a second
-and allocates nothing; the CLI prints the plan and refuses what cannot fit."""
+it depends on the routing), and the predicted per-rank peak bounds the peak the allocator
+reached (torch.profiler memory events, frees matched to allocations; fp32 and bf16):
+never under it by more than 2 %, never over it by more than 10 %; a 70B plan takes well
+under a second and allocates nothing; the CLI prints the plan and refuses what cannot fit."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
-import itertools
 import time
+from typing import Iterator
 
 import pytest
 import torch
@@ -19,7 +21,79 @@ from dtp.models import llama
 from dtp.planning import Setup, check_fits, layout_for
 from dtp.testing import run
 
-MEMORY_RTOL = 0.10
+# dtp train refuses runs by the plan's peak, so it is checked one-sided: under the
+# measured peak by at most MEMORY_UNDER (what the model leaves out, a few hundred bytes on
+# these cases), over it by at most MEMORY_OVER (where it bounds rather than models:
+# measured 0-4 % over on every case, torch 2.13).
+MEMORY_UNDER = 0.02
+MEMORY_OVER = 1.10
+
+
+@contextlib.contextmanager
+def _collective_buffers_freed_here(hold_s: float = 0.002) -> Iterator[None]:
+    """Make the buffers a collective holds (its input, gloo's receive buffer) die on this
+    thread, where the profiler sees the free: after a wait this thread keeps the backend's
+    work object ``hold_s`` longer than gloo's worker thread does, so it drops the last
+    reference. Without it the worker dropped it in about one rank-run in four (measured,
+    torch 2.13): the free went unrecorded and that buffer counted as live for the rest of
+    the run (dp4 ZeRO-1: the gradient bucket and the all-to-all receive buffer, 2.78 MB
+    measured against 1.92 MB; dp2 × tp2 + SP ZeRO-3 m=2: 2.10 against 1.07)."""
+    from dtp import comm
+
+    wait = comm.CommHandle.wait
+
+    def holding(self: comm.CommHandle) -> torch.Tensor:
+        work = self._work
+        try:
+            return wait(self)
+        finally:
+            if work is not None:
+                time.sleep(hold_s)
+            del work
+
+    comm.CommHandle.wait = holding
+    try:
+        yield
+    finally:
+        comm.CommHandle.wait = wait
+
+
+def _allocator_peak(prof, window: str) -> int:
+    """The most bytes live at once while the ``window`` range ran, counting every
+    allocation of the profile (the state's included). Allocations are matched to their
+    frees by address; one whose free was never recorded (the run deletes its state at
+    the end, so everything should have been freed: the free ran on a thread the profiler
+    does not see) counts only at the moment it was made: a lower bound on the peak, so a
+    lost free can never make the plan look under."""
+    allocation = torch._C._profiler._EventType.Allocation
+    events, nodes, span = [], list(prof.profiler.kineto_results.experimental_event_tree()), (0, -1)
+    while nodes:
+        e = nodes.pop()
+        if e.tag == allocation:
+            events.append((e.start_time_ns, e.extra_fields.ptr, e.extra_fields.alloc_size))
+        else:
+            span = (e.start_time_ns, e.end_time_ns) if e.name == window else span
+            nodes.extend(e.children)
+    events.sort(key=lambda e: e[0])
+    freed, open_, lost = [0] * len(events), {}, set()
+    for i, (_, ptr, size) in enumerate(events):
+        if size > 0:
+            if ptr in open_:  # the address again while still live: its free was not seen
+                lost.add(open_[ptr])
+            open_[ptr] = i
+        elif ptr in open_:
+            freed[i] = events[open_.pop(ptr)][2]
+    lost.update(open_.values())
+    live = peak = 0
+    for i, (t, _, size) in enumerate(events):
+        live -= freed[i]
+        if size > 0:
+            live += size
+            if span[0] <= t <= span[1]:
+                peak = max(peak, live)
+            if i in lost:
+                live -= size
+    return peak
 
 
 def _peak_and_bytes(kw: dict, model: str, batch: int, seq: int) -> tuple[dict, int]:
@@ -34,86 +108,94 @@ def _peak_and_bytes(kw: dict, model: str, batch: int, seq: int) -> tuple[dict, i
     tok = torch.randint(0, cfg.vocab_size, (batch, seq + 1), generator=torch.Generator().manual_seed(0))
     data = {"tokens": tok[:, :-1].contiguous(), "targets": tok[:, 1:].contiguous()}
     recompute = None if s.recompute == "none" else s.recompute
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with _collective_buffers_freed_here(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         state = dtp.TrainState.create(llama.init(cfg, seed=0, dtype=s.torch_dtype),
                                       dtp.optim.adamw(1e-3, weight_decay=0.1), mesh=mesh, layout=layout_for(s),
                                       axes=llama.param_axes(cfg), axis_sizes=llama.axis_sizes(cfg))
         loss_fn = llama.sequential(cfg)  # what dtp train runs
         for step in range(2):
             with record_function(f"plan step {step}"), dtp.comm_log() as log:
-                state, _ = dtp.train_step(loss_fn, state, dtp.shard_batch(data, state), clip_norm=1.0,
-                                          microbatches=s.microbatches, recompute=recompute)
+                state, out = dtp.train_step(loss_fn, state, dtp.shard_batch(data, state), clip_norm=1.0,
+                                            microbatches=s.microbatches, recompute=recompute)
                 dtp.wait(state)
-    events = list(prof.profiler.kineto_results.events())
-    start, = (e.start_ns() for e in events if e.name() == "plan step 1")
-    end = start + next(e.duration_ns() for e in events if e.name() == "plan step 1")
-    memory = sorted((e for e in events if e.name() == "[memory]"), key=lambda e: e.start_ns())
-    live = itertools.accumulate(e.nbytes() for e in memory)
-    peak = max(v for e, v in zip(memory, live) if start <= e.start_ns() <= end)
-    return log.summary(), peak
+        del state, out  # inside the profile: what is never seen freed after this was freed unseen
+        gc.collect()
+    return log.summary(), _allocator_peak(prof, "plan step 1")
 
 
 def _all(cases):
     return [_peak_and_bytes(*c) for c in cases]
 
 
-# name -> (Setup fields, model, batch, seq, check memory). Short sequences where the
-# update's new tree sets the peak, seq 128/256 where saved activations do. Where the
-# parameters of a rank are a few hundred KiB (seq 16, ZeRO or SP) the measured peak moves
-# between runs by up to a parameter copy (when gloo's threads free their buffers), so
-# those cases check bytes only; their memory is checked at longer sequences.
+# name -> (Setup fields, model, batch, seq). Short sequences where the update's new tree
+# (or, at dp4 ZeRO-1, the gather of the new buckets) sets the peak, seq 128/256 where the
+# loss and the saved activations do.
 CASES_2 = {
-    "dp2": (dict(dp=2), "tiny", 8, 16, True),
-    "dp2 zero1": (dict(dp=2, zero=1), "tiny", 8, 128, True),
-    "dp2 zero2": (dict(dp=2, zero=2), "tiny", 8, 128, True),
-    "dp2 zero3": (dict(dp=2, zero=3), "tiny", 8, 128, True),
-    "dp2 zero1 seq16": (dict(dp=2, zero=1), "tiny", 8, 16, False),
-    "dp2 zero2 seq16": (dict(dp=2, zero=2), "tiny", 8, 16, False),
-    "dp2 zero3 seq16": (dict(dp=2, zero=3), "tiny", 8, 16, False),
-    "dp2 zero3 small buckets": (dict(dp=2, zero=3, bucket_mb=0.05), "tiny", 8, 128, True),
-    "dp2 zero3 small buckets m=2": (dict(dp=2, zero=3, bucket_mb=0.05, microbatches=2), "tiny", 8, 128, True),
-    "dp2 zero1 small buckets": (dict(dp=2, zero=1, bucket_mb=0.05), "tiny", 8, 128, True),
-    "tp2 sp": (dict(tp=2, sp=True), "tiny", 8, 16, False),
-    "tp2 no sp m=2 full recompute": (dict(tp=2, microbatches=2, recompute="full"), "tiny", 8, 16, True),
-    "tp2 sp m=2 full recompute": (dict(tp=2, sp=True, microbatches=2, recompute="full"), "tiny", 8, 16, False),
-    "tp2 sp m=2 seq256": (dict(tp=2, sp=True, microbatches=2), "tiny", 8, 256, True),
-    "tp2 sp m=2 full recompute seq256": (dict(tp=2, sp=True, microbatches=2, recompute="full"), "tiny", 8, 256, True),
-    "tp2 m=2 full recompute seq256": (dict(tp=2, microbatches=2, recompute="full"), "tiny", 8, 256, True),
-    "cp2 ring": (dict(cp=2), "tiny", 8, 16, True),
-    "cp2 ulysses": (dict(cp=2, cp_algo="ulysses"), "tiny", 8, 16, True),
-    "dp2 seq256": (dict(dp=2), "tiny", 8, 256, True),
-    "dp2 seq256 full recompute": (dict(dp=2, recompute="full"), "tiny", 8, 256, True),
-    "tp2 sp seq256": (dict(tp=2, sp=True), "tiny", 8, 256, True),
-    "cp2 ring seq256": (dict(cp=2), "tiny", 8, 256, True),
-    "dp2 zero3 seq256": (dict(dp=2, zero=3), "tiny", 8, 256, True),
-    "ep2 moe": (dict(ep=2), "tiny-moe", 8, 16, True),
+    "dp2": (dict(dp=2), "tiny", 8, 16),
+    "dp2 zero1": (dict(dp=2, zero=1), "tiny", 8, 128),
+    "dp2 zero2": (dict(dp=2, zero=2), "tiny", 8, 128),
+    "dp2 zero3": (dict(dp=2, zero=3), "tiny", 8, 128),
+    "dp2 zero1 seq16": (dict(dp=2, zero=1), "tiny", 8, 16),
+    "dp2 zero2 seq16": (dict(dp=2, zero=2), "tiny", 8, 16),
+    "dp2 zero3 seq16": (dict(dp=2, zero=3), "tiny", 8, 16),
+    "dp2 zero3 small buckets": (dict(dp=2, zero=3, bucket_mb=0.05), "tiny", 8, 128),
+    "dp2 zero3 small buckets m=2": (dict(dp=2, zero=3, bucket_mb=0.05, microbatches=2), "tiny", 8, 128),
+    "dp2 zero1 small buckets": (dict(dp=2, zero=1, bucket_mb=0.05), "tiny", 8, 128),
+    "tp2 sp": (dict(tp=2, sp=True), "tiny", 8, 16),
+    "tp2 no sp m=2 full recompute": (dict(tp=2, microbatches=2, recompute="full"), "tiny", 8, 16),
+    "tp2 sp m=2 full recompute": (dict(tp=2, sp=True, microbatches=2, recompute="full"), "tiny", 8, 16),
+    "tp2 sp m=2 seq256": (dict(tp=2, sp=True, microbatches=2), "tiny", 8, 256),
+    "tp2 sp m=2 full recompute seq256": (dict(tp=2, sp=True, microbatches=2, recompute="full"), "tiny", 8, 256),
+    "tp2 m=2 full recompute seq256": (dict(tp=2, microbatches=2, recompute="full"), "tiny", 8, 256),
+    "cp2 ring": (dict(cp=2), "tiny", 8, 16),
+    "cp2 ulysses": (dict(cp=2, cp_algo="ulysses"), "tiny", 8, 16),
+    "dp2 seq256": (dict(dp=2), "tiny", 8, 256),
+    "dp2 seq256 full recompute": (dict(dp=2, recompute="full"), "tiny", 8, 256),
+    "tp2 sp seq256": (dict(tp=2, sp=True), "tiny", 8, 256),
+    "cp2 ring seq256": (dict(cp=2), "tiny", 8, 256),
+    "dp2 zero3 seq256": (dict(dp=2, zero=3), "tiny", 8, 256),
+    "ep2 moe": (dict(ep=2), "tiny-moe", 8, 16),
 }
 CASES_4 = {
-    "dp2 tp2 sp": (dict(dp=2, tp=2, sp=True), "tiny", 8, 16, True),
-    "dp2 tp2 sp zero3 m=2": (dict(dp=2, tp=2, sp=True, zero=3, microbatches=2), "tiny", 8, 16, True),
-    "dp2 cp2 zero2": (dict(dp=2, cp=2, zero=2), "tiny", 8, 128, True),
-    "dp4 zero1": (dict(dp=4, zero=1), "tiny", 8, 16, True),
-    "dp4 zero3 seq128": (dict(dp=4, zero=3), "small", 8, 128, True),
+    "dp2 tp2 sp": (dict(dp=2, tp=2, sp=True), "tiny", 8, 16),
+    "dp2 tp2 sp zero3 m=2": (dict(dp=2, tp=2, sp=True, zero=3, microbatches=2), "tiny", 8, 16),
+    "dp2 cp2 zero2": (dict(dp=2, cp=2, zero=2), "tiny", 8, 128),
+    "dp4 zero1": (dict(dp=4, zero=1), "tiny", 8, 16),
+    "dp4 zero3 seq128": (dict(dp=4, zero=3), "small", 8, 128),
+}
+# Peak memory only: bf16, where the norms keep fp32 copies of their inputs and the loss an
+# fp32 copy of the logits (the plan was 19-30 % under these before it counted them).
+MEMORY_CASES_2 = {
+    "dp2 bf16 seq256": (dict(dp=2, dtype="bfloat16"), "tiny", 8, 256),
+    "dp2 zero1 bf16": (dict(dp=2, zero=1, dtype="bfloat16"), "tiny", 8, 128),
+    "dp2 zero3 bf16 seq256": (dict(dp=2, zero=3, dtype="bfloat16"), "tiny", 8, 256),
+    "tp2 sp bf16 seq256": (dict(tp=2, sp=True, dtype="bfloat16"), "tiny", 8, 256),
+    "tp2 m=2 full recompute bf16 seq256": (dict(tp=2, microbatches=2, recompute="full", dtype="bfloat16"), "tiny", 8,
+                                           256),
 }
 
 
 @pytest.fixture(scope="module")
 def measured() -> dict[str, tuple[dict, int]]:
-    # Fresh ranks: in the full suite, workers that earlier tests used measured ZeRO peaks
-    # 12-14 % above the same cases run alone (what the rank holds from before is not the
-    # configuration's cost), so the measurement starts from new pools.
+    # Fresh ranks, so nothing an earlier test left in a worker is part of the measurement.
     from dtp.testing import shutdown
 
     shutdown()
     out = {}
     for cases, world in ((CASES_2, 2), (CASES_4, 4)):
-        results = run(_all, [c[:4] for c in cases.values()], world_size=world)[0]
+        results = run(_all, list(cases.values()), world_size=world)[0]
         out.update(zip(cases, results))
     return out
 
 
+@pytest.fixture(scope="module")
+def measured_memory_only(measured) -> dict[str, tuple[dict, int]]:
+    # After `measured` (which starts the fresh pools), on the same 2-rank pool.
+    return dict(zip(MEMORY_CASES_2, run(_all, list(MEMORY_CASES_2.values()), world_size=2)[0]))
+
+
 def _plan(name: str) -> dtp.planning.Plan:
-    kw, model, batch, seq, _ = {**CASES_2, **CASES_4}[name]
+    kw, model, batch, seq = {**CASES_2, **CASES_4, **MEMORY_CASES_2}[name]
     return dtp.plan(model, batch=batch, seq=seq, **kw)
 
 
@@ -130,36 +212,19 @@ def test_expert_parallel_bytes_equal_except_routing(measured):
     assert routed_want == pytest.approx(routed_got, rel=0.10)
 
 
-# Full recompute under SP measured 6.4 MB against 4.3 MB predicted (and 9.4 MB without
-# recompute): the blocks keep more than their input there, unlike without SP (within 2 %).
-# Not understood yet; the plan states the intended saving.
-KNOWN_GAPS = {"tp2 sp m=2 full recompute seq256": "full recompute under SP keeps more than predicted",
-              # Measured in three runs on a loaded 2-core machine: 15.6 / 17.4 / 17.7 MB
-              # (predicted 17.3) and 5.2 / 6.3 MB (predicted 5.1): the measured peak under tp
-              # moves between runs, not yet explained; within 10 % in most runs.
-              "tp2 sp seq256": "measured peak under tp varies between runs",
-              "tp2 m=2 full recompute seq256": "measured peak under tp varies between runs",
-              "tp2 sp m=2 seq256": "measured peak under tp varies between runs (-3 % quiet, over +10 % at a load "
-                                   "average of 20)",
-              # ZeRO-3: -2.6 % in one process, +14 % (8.70 MB vs 7.64 predicted) in another and in the full
-              # suite; when gloo's threads free the gathered buckets varies between processes
-              "dp2 zero3": "measured peak under ZeRO-3 varies between processes (-3 % to +14 %)",
-              "dp2 tp2 sp zero3 m=2": "measured peak under ZeRO-3 varies between processes",
-              "dp2 cp2 zero2": "measured peak varies between processes (+5 % alone, +15 % in the full suite)"}
-
-
-# A measurement, so not in the default run: the profiler's running peak includes buffers
-# gloo's threads free when they get to it, and on this 2-core machine under the full suite
-# one case or another (dp2 tp2 sp +12 %, dp2 cp2 zero2 +15 %, dp2 zero3 +14 %) came out
-# over 10 % high in a run where it was within 5 % alone. Run it on a quiet machine:
-# `python -m pytest -m slow tests/test_plan.py`. The bytes check above is exact and stays.
+# A measurement, so not in the default run (the bytes checks above are exact and stay):
+# `python -m pytest -m slow tests/test_plan.py`. Repeatable to the byte between runs and
+# ranks since the collectives' buffers are freed where the profiler sees it (before, one
+# case or another came out 10-45 % high in a run: frees on gloo's threads went unrecorded).
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [
-    pytest.param(n, marks=pytest.mark.xfail(reason=KNOWN_GAPS[n], strict=False)) if n in KNOWN_GAPS else n
-    for n, c in {**CASES_2, **CASES_4}.items() if c[4]])
-def test_predicted_peak_within_ten_percent_of_measured(measured, name):
-    predicted, peak = _plan(name).peak, measured[name][1]
-    assert predicted == pytest.approx(peak, rel=MEMORY_RTOL), f"{name}: predicted {predicted}, measured {peak}"
+@pytest.mark.parametrize("name", list({**CASES_2, **CASES_4, **MEMORY_CASES_2}))
+def test_predicted_peak_bounds_the_measured(measured, measured_memory_only, name):
+    plan, peak = _plan(name), {**measured, **measured_memory_only}[name][1]
+    m = plan.worst
+    where = (f"{name}: predicted {plan.peak} ({m.moment if m.backward_peak >= m.update_peak else 'update'}), "
+             f"measured {peak}")
+    assert plan.peak >= peak * (1 - MEMORY_UNDER), where
+    assert plan.peak <= peak * MEMORY_OVER, where
 
 
 def test_70b_plans_in_well_under_a_second_without_allocating():

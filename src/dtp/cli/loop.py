@@ -44,7 +44,7 @@ __all__ = ["build_layout", "SkipCounter", "TrainingAborted", "Terminated"]
 
 
 def _torch_dtype(name: str) -> torch.dtype:
-    return {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}[name]
+    return getattr(torch, name)  # a name of dtp.config.DTYPES (the run config checked it)
 
 
 @functools.lru_cache(maxsize=2)  # rank 0 reads it for the run config, then trains with it

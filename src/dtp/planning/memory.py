@@ -1,29 +1,46 @@
 """Per-rank memory of one training step: what rests between steps, and the peak.
 
 Everything is arithmetic on the :class:`~dtp.planning.setup.Leaf` shapes and the batch.
-The terms follow what dtp's code holds, not an idealised trainer:
+The terms follow what dtp's code holds, not an idealised trainer; each was found in the
+allocations live at the peak of real steps (torch 2.13, CPU, gloo: ``tests/test_plan.py``
+measures them, and the plan may be under by at most 3 % and over by at most 1.25×; on
+its cases it is 0-4 % over, bf16 included):
 
 * **at rest** — parameters and AdamW's two moments in the parameters' dtype (dtp's
   optimizer is functional); under ZeRO 1/2 the gathered parameter buckets (padded) plus
-  this rank's slice of fp32 master weights and moments; under ZeRO 3 only the slices.
-* **backward** — the rest, the gradients (whole buckets in the accumulation dtype under
-  ZeRO: every stage reduce-scatters after backward unless overlapped), the activations
-  autograd saves for one microbatch (times the microbatches a pipeline rank holds in
-  flight), and a working set: at the head the logits' gradient and three residual-sized
-  temporaries; under ZeRO the reduce-scatter's receive buffer (gloo runs it as an
-  all-to-all) of the largest bucket.
+  this rank's slice of fp32 master weights and moments; under ZeRO 3 only the master
+  slice (it is the parameters) and the moments. The step's token ids and targets (int64)
+  sit beside them throughout.
+* **forward and backward** — the fullest of a few moments (:func:`phases`), each the rest
+  plus what exists then: the loss being computed (every saved activation, the logits
+  and, in low precision, their fp32 copy); the loss's backward (the gradient of its
+  exponentials); the backward below it (the whole gradient buffers, the logits' gradient,
+  three residual-sized temporaries); under full recompute a block rebuilt, at its MLP and
+  at its first norm; with dp > 1 the gradient reduction after backward. Gradients exist
+  from the head's matmul backward on, with several microbatches from the first on.
+  ZeRO-3's gathered buckets count where they live: at the loss those not freed after
+  forward, in backward the one in use and the one prefetched.
 * **update** — the rest plus the new tree the functional update builds beside the old
   one: gradients, clipped gradients, update, both new moments and the new parameters
-  (6 × the parameters; under ZeRO 6 × the slice, plus the new gathered buckets at 1/2).
+  (6 × the parameters; under ZeRO 6 × the slice and a slice-sized temporary, then at 1/2
+  the new slices gathered into new buckets).
 
 Saved activations per block, for ``t`` tokens a rank computes (``b·s/cp``), ``t_r`` in
-its residual stream (``/tp`` with SP), element size ``e`` (counted from autograd's saved
-tensors of the reference model): each of the two norms keeps its input and normalised
-output on the residual layout and the linear's (gathered) input, ``(2·t_r + t)·h·e``;
-attention keeps q, k, v and its output, ``t·(2·h_q + 2·h_kv)/tp·e`` plus the log-sum-exp;
-the MLP keeps gate, up, their SiLU and product, ``4·t·f/tp·e``. Megatron's
-``s·b·h·(34 + 5·a·s/h)`` (fp16, dropout and the softmax kept) is the same bookkeeping for
-its kernels. Full recompute keeps each block's input and rebuilds one block at a time.
+its residual stream (``/tp`` with SP), element size ``e``, accumulation size ``a`` (fp32
+for bf16): each of the two norms keeps its input as ``a`` (the copy it computes in),
+the normalised output and the linear's (gathered) input, ``t_r·h·(a + e) + t·h·e``;
+attention keeps the rotated q and k, v, SDPA's output and the copy ``wo`` reads (the
+heads-last reshape of SDPA's output is no view: a copy at every tp, measured),
+``t·(3·h_q + 2·h_kv)/tp·e`` plus the log-sum-exp; the MLP keeps gate, up, their SiLU and
+product, ``4·t·f/tp·e``. Megatron's ``s·b·h·(34 + 5·a·s/h)`` (fp16, dropout and the
+softmax kept) is the same bookkeeping for its kernels. Full recompute keeps each block's
+input and rebuilds one block at a time.
+
+The loss (:func:`dtp.ops.parallel.cross_entropy`, vocab-parallel or not) runs in fp32 and
+keeps two logits-sized fp32 tensors — the shifted logits (``gather`` saves its input) and
+their exponentials (``exp`` saves its output) — beside the target index and mask; while
+it runs, the logits (and their fp32 copy) are alive too: at the loss, where most plans
+peak, a rank holds every saved activation and three logits-sized tensors.
 """
 
 from __future__ import annotations
@@ -36,21 +53,25 @@ from ..models import llama
 from .setup import Leaf, Setup
 from .traffic import zero_buckets
 
-__all__ = ["Memory", "memory", "block_activations"]
+__all__ = ["Memory", "memory", "block_activations", "phases"]
 
 
 @dataclass(frozen=True)
 class Memory:
-    """Bytes one rank holds (a pipeline rank: ``stage``)."""
+    """Bytes one rank holds (a pipeline rank: ``stage``). The terms at their most; the
+    fullest moment of forward and backward (``moment``, one of :func:`phases`) holds the
+    rest, ``working`` and what exists of the others then: ``backward_peak``."""
 
     stage: int
-    params: int  # the parameters (ZeRO 3: this rank's slice)
-    grads: int  # gradients at their peak (ZeRO: whole buckets during backward)
-    optimizer: int  # moments, and fp32 master slices under ZeRO
-    activations: int  # saved for backward at the peak: microbatches in flight × per microbatch
-    working: int  # transient: the head's gradient work or ZeRO's reduce-scatter buffer
+    params: int  # the parameters (ZeRO 3: this rank's master slice)
+    grads: int  # gradients at their most (ZeRO: whole buckets in the accumulation dtype)
+    optimizer: int  # moments, and fp32 master slices under ZeRO 1/2
+    activations: int  # saved for backward at their most: microbatches in flight × per microbatch
+    working: int  # transient at that moment: logits, gradients in flight, collectives' buffers, token ids
     update: int  # the new tree the optimizer step builds beside the old
     in_flight: int  # microbatches whose activations the rank holds at once
+    moment: str  # which moment of forward/backward is the fullest
+    step_peak: int  # bytes at that moment, the rest included
 
     @property
     def rest(self) -> int:
@@ -58,7 +79,7 @@ class Memory:
 
     @property
     def backward_peak(self) -> int:
-        return self.rest + self.grads + self.activations + self.working
+        return self.step_peak
 
     @property
     def update_peak(self) -> int:
@@ -69,40 +90,176 @@ class Memory:
         return max(self.backward_peak, self.update_peak)
 
 
+def _norm(s: Setup) -> int:
+    """What one RMSNorm and the linear after it save: its input in the accumulation dtype
+    (the fp32 copy ``pow`` and the scaling keep: the input itself when it is fp32), the
+    normalised tensor, the linear's (gathered) input, the rsqrt per token."""
+    e, acc = s.torch_dtype.itemsize, accum_dtype(s.torch_dtype).itemsize
+    tr = s.residual_tokens
+    return tr * s.cfg.dim * (acc + e) + s.tokens * s.cfg.dim * e + tr * acc
+
+
 def block_activations(s: Setup, moe: bool = False) -> int:
     """Bytes one transformer block saves for backward per microbatch (module docstring).
 
     >>> block_activations(Setup(cfg=llama.config("tiny"), batch=8, seq=256))
-    8994816
+    9519104
+    """
+    return _attention_saved(s) + _mlp_saved(s, moe)
+
+
+def _attention_saved(s: Setup) -> int:
+    """A block's saved tensors but the MLP's: both norms, attention, the rotary tables."""
+    cfg, e = s.cfg, s.torch_dtype.itemsize
+    acc = accum_dtype(s.torch_dtype).itemsize
+    t = s.tokens
+    # rotated q, k; v; SDPA's output and wo's copy of it; the log-sum-exp (fp32)
+    attn = t * (3 * cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim // s.tp * e + t * cfg.n_heads // s.tp * acc
+    rotary = 4 * (s.seq // s.cp) * (cfg.head_dim // 2) * acc  # cos and sin, for q and k
+    return 2 * _norm(s) + attn + rotary
+
+
+def _mlp_saved(s: Setup, moe: bool) -> int:
+    cfg, e = s.cfg, s.torch_dtype.itemsize
+    acc = accum_dtype(s.torch_dtype).itemsize
+    t = s.tokens
+    if not moe:
+        return 4 * t * cfg.ffn_dim // s.tp * e
+    # routed rows (balanced) through each local expert's SwiGLU, the router's scores
+    rows = t * cfg.top_k
+    mlp = 4 * rows * cfg.expert_dim * e + 3 * rows * cfg.dim * e + t * cfg.num_experts * acc
+    return mlp + 4 * t * cfg.shared_experts * cfg.expert_dim * e
+
+
+@dataclass(frozen=True)
+class _Head:
+    """The final norm, head and loss per microbatch: what they save, and what the loss's
+    forward and backward hold beside that."""
+
+    saved: int
+    forward: int  # the logits (and their fp32 copy) while the loss is computed
+    backward: int  # the exponentials' gradient, beside the saved shifted logits and exponentials
+    below: int  # after the loss's backward: the logits' gradient and three residual-sized temporaries
+    loss_saved: int  # of ``saved``, the two logits-sized fp32 tensors the loss keeps
+
+
+def _head(s: Setup) -> _Head:
+    cfg, e = s.cfg, s.torch_dtype.itemsize
+    acc = accum_dtype(s.torch_dtype).itemsize
+    t, tr = s.tokens, s.residual_tokens
+    logits = t * cfg.vocab_size // s.tp
+    loss_saved = 2 * logits * acc  # shifted logits and their exponentials, fp32
+    # norm: input, normalised, the head's (gathered) input, rsqrt; the loss: target index
+    # (int64) and mask (bool), the (sum of exp, target logit) pairs, per-token losses
+    saved = _norm(s) + loss_saved + t * (8 + 1) + 3 * t * acc
+    # Low precision: the logits' fp32 copy, and the last block's output (the norm kept its
+    # fp32 copy instead) still held by the caller.
+    copy = logits * acc + tr * cfg.dim * e if e != acc else 0
+    # While the loss is computed: the logits (and their copy), the row max, the target logit
+    # masked, the sum of exponentials, their pair (stacked): 5·t·acc beside the 3 kept.
+    forward = logits * e + copy + 2 * t * acc
+    return _Head(saved, forward, logits * acc, logits * e + 3 * t * cfg.dim * e, loss_saved)
+
+
+def _gloo(s: Setup) -> bool:
+    """Whether the run's collectives are gloo's (CPU), whose all-to-all reduce-scatter and
+    all-gather staging cost whole buckets. What this package measured; a ``Setup`` that
+    names another backend (``backend="nccl"``) gets NCCL's in-place forms instead."""
+    return getattr(s, "backend", "gloo") == "gloo"
+
+
+def _data(s: Setup) -> int:
+    """Token ids and targets of the whole step (int64, sharded like the batch; microbatches
+    are strided rows, cut as copies of all of it), and the step's scalars (loss, norms,
+    step count: 20-190 B measured beyond the other terms)."""
+    ids = 2 * (s.batch // (s.dp * s.ep)) * (s.seq // s.cp) * 8
+    return ids * (2 if s.microbatches > 1 else 1) + 256
+
+
+def _in_flight(s: Setup, stage: int) -> int:
+    """(chunk, microbatch) pairs pipeline rank ``stage`` holds activations of at once."""
+    if s.pp == 1:
+        return 1
+    sched = schedules.make(s.pp_schedule, p=s.pp, v=s.virtual_stages, m=s.microbatches)
+    return schedules.simulate(sched, p=s.pp, v=s.virtual_stages, m=s.microbatches).peak_in_flight[stage]
+
+
+def phases(s: Setup, rank_leaves: list[Leaf], stage: int = 0) -> dict[str, tuple[int, int, int]]:
+    """The moments of forward and backward the peak may be at, each as ``(gradients held,
+    activations saved, working set)`` bytes on top of the rest (module docstring).
+
+    >>> from dtp.planning.setup import leaves
+    >>> s = Setup(cfg=llama.config("tiny"), dp=2, batch=8, seq=256)
+    >>> {k: sum(v) for k, v in phases(s, leaves(s)).items()}      # doctest: +NORMALIZE_WHITESPACE
+    {'loss forward': 13546752, 'loss backward': 13538560, 'below the loss': 12655104,
+     'gradient reduction': 871168}
     """
     cfg, e = s.cfg, s.torch_dtype.itemsize
     acc = accum_dtype(s.torch_dtype).itemsize
-    tp = s.tp
-    t, tr = s.tokens, s.residual_tokens
-    norms = 2 * ((2 * tr + t) * cfg.dim * e + tr * acc)
-    attn = t * (2 * cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim // tp * e + t * cfg.n_heads // tp * acc
-    if tp > 1:  # split heads: the output's (b, s, heads·hd) view is no longer free, wo keeps a copy
-        attn += t * cfg.n_heads * cfg.head_dim // tp * e
-    rotary = 4 * (s.seq // s.cp) * (cfg.head_dim // 2) * acc  # cos and sin, for q and k
-    if not moe:
-        mlp = 4 * t * cfg.ffn_dim // tp * e
-    else:  # routed rows (balanced) through each local expert's SwiGLU, the router's scores
-        rows = t * cfg.top_k
-        mlp = 4 * rows * cfg.expert_dim * e + 3 * rows * cfg.dim * e + t * cfg.num_experts * acc
-        mlp += 4 * t * cfg.shared_experts * cfg.expert_dim * e
-    return norms + attn + rotary + mlp
+    zero = s.zero if s.dp > 1 else 0
+    w = sum(l.nbytes for l in rank_leaves)
+    data = _data(s)
+    gathered_fwd = gathered_bwd = 0
+    if zero:
+        buckets = zero_buckets(s, rank_leaves)
+        grads = sum(b[0] * b[2] for b in buckets)
+        # Every bucket's reduce-scatter is posted before the first is waited for. On gloo
+        # it runs as an all-to-all (dtp.comm): a whole-bucket receive buffer each, then the
+        # slices (measured, dp2 ZeRO-3: 1.5 × the gradients); elsewhere the slices only.
+        reduction = grads // s.dp + (grads if _gloo(s) else 0)
+        if zero == 3:  # gathered buckets: at the loss those not freed after forward (all
+            # without resharding); in backward the one in use and the one prefetched
+            sizes = [b[0] * b[1] for b in buckets]
+            gathered_fwd = sum(z for z, b in zip(sizes, buckets) if not (b[3] and s.reshard_after_forward))
+            gathered_bwd = sum(sorted(sizes)[-2:])
+    else:
+        grads = w
+        reduction = w if s.dp > 1 else 0  # DDP's all-reduce works on a copy of each gradient
+    # Which blocks, head and embedding this rank runs, per microbatch.
+    blocks = sorted({int(l.path.split(".")[1]) for l in rank_leaves if l.path.startswith("layers.")})
+    has_head = any(l.path == "final_norm" for l in rank_leaves)
+    has_embed = any(l.path == "embed" for l in rank_leaves) and (stage == 0 or s.pp == 1)
+    head = _head(s) if has_head else _Head(0, 0, 0, 0, 0)
+    embed = s.tokens * (8 + e) if has_embed else 0  # the clamped ids and the vocab-range mask
+    per_block = [block_activations(s, llama.is_moe(cfg, i)) for i in blocks]
+    in_flight = _in_flight(s, stage)
+    chunks = s.virtual_stages if s.pp > 1 else 1  # a pair holds one chunk: 1/v of the blocks
+    full = s.recompute == "full"
+    kept = len(blocks) * s.residual_tokens * cfg.dim * e if full else sum(per_block)  # full: each block's input
+    older = (in_flight - 1) * -(-(kept + embed) // chunks)
 
+    def saved(a: int) -> int:
+        return older + -(-a // chunks)
 
-def _head(s: Setup) -> tuple[int, int]:
-    """(saved, working set) of the final norm, head and loss per microbatch."""
-    cfg, e = s.cfg, s.torch_dtype.itemsize
-    acc = accum_dtype(s.torch_dtype).itemsize
-    t, tr = s.tokens, s.residual_tokens
-    logits = t * cfg.vocab_size // s.tp * e
-    saved = (2 * tr + t) * cfg.dim * e + tr * acc + logits + 2 * t * 8 + e  # + token ids, targets, loss
-    if s.tp > 1:  # vocab-parallel cross-entropy keeps its exponentials and the target mask
-        saved += logits + t * (8 + 1)
-    return saved, logits + 3 * t * cfg.dim * e
+    # Gradients before the first one of this step exists (one microbatch), or accumulated
+    # over the earlier microbatches (or the pipeline's earlier backwards).
+    early = grads if s.microbatches > 1 else 0
+    out = {}
+    if has_head:
+        everything = saved(kept + embed + head.saved)
+        out["loss forward"] = (early, everything, head.forward + gathered_fwd + data)
+        out["loss backward"] = (early, everything, head.backward + gathered_bwd + data)
+        out["below the loss"] = (grads, everything - head.loss_saved, head.below + gathered_bwd + data)
+    else:  # a pipeline rank without the head: its backward starts at its last block
+        out["backward"] = (grads, saved(kept + embed), 3 * s.residual_tokens * cfg.dim * e + gathered_bwd + data)
+    if full and per_block:
+        # One block rebuilt in backward (its input counted twice: kept, and in the rebuilt
+        # block, for the gradient arriving at it) at its MLP: gate and up gradients.
+        tr = s.residual_tokens
+        block_work = 2 * s.tokens * cfg.ffn_dim // s.tp * e + gathered_bwd + data
+        # Without ZeRO a later microbatch's gradients are new tensors until backward ends,
+        # added to the sums after: near the first block, a second set (measured, tp2 m=2).
+        fresh = w if not zero and s.microbatches > 1 else 0
+        out["block rebuilt"] = (grads + fresh, saved(kept + embed + max(per_block)), block_work)
+        # Then its first norm's backward, which runs in fp32: five residual-sized fp32
+        # temporaries at once while the MLP's tensors and part of attention's are freed
+        # (measured, bf16 tp2 m=2 seq256: 3.35 MB, 2 % over the MLP moment). Counted as
+        # attention's whole and four temporaries: 3.41 MB.
+        norm_work = 4 * tr * cfg.dim * acc + tr * cfg.dim * e + gathered_bwd + data
+        out["rebuilt block's norm"] = (grads + fresh, saved(kept + embed + _attention_saved(s)), norm_work)
+    if reduction:
+        out["gradient reduction"] = (grads, 0, reduction + data)
+    return out
 
 
 def memory(s: Setup, rank_leaves: list[Leaf], stage: int = 0) -> Memory:
@@ -114,44 +271,34 @@ def memory(s: Setup, rank_leaves: list[Leaf], stage: int = 0) -> Memory:
     >>> m.rest // 427264, m.update // 427264     # 3 × params at rest, 6 × more to update
     (3, 6)
     """
-    cfg = s.cfg
-    e = s.torch_dtype.itemsize
     acc = accum_dtype(s.torch_dtype).itemsize
+    e = s.torch_dtype.itemsize
     w = sum(l.nbytes for l in rank_leaves)
     zero = s.zero if s.dp > 1 else 0
+    data = _data(s)
     if zero:
         buckets = zero_buckets(s, rank_leaves)
         padded = sum(b[0] for b in buckets)
-        buf, gbuf = sum(b[0] * b[1] for b in buckets), sum(b[0] * b[2] for b in buckets)
+        buf, grads = sum(b[0] * b[1] for b in buckets), sum(b[0] * b[2] for b in buckets)
         slice_ = padded // s.dp
-        params = buf if zero < 3 else slice_ * e
-        # fp32 master slice (a copy even for fp32 params) and two moments in the master dtype
-        optimizer = 3 * slice_ * acc
-        grads = gbuf
-        working_zero = max(b[0] * b[2] for b in buckets)  # the reduce-scatter's receive buffer
-        update = 6 * slice_ * acc + (buf if zero < 3 else 0)
+        if zero < 3:  # the gathered buckets; an fp32 master slice (a copy even for fp32 params)
+            params, optimizer = buf, 3 * slice_ * acc
+        else:  # the master slice is the parameters (gathers cast it on the fly)
+            params, optimizer = slice_ * acc, 2 * slice_ * acc
+        # The new tree over the slices, and one slice-sized temporary of AdamW's (a bucket's
+        # slice is one tensor: measured 7 slices at ZeRO-3's update peak, torch 2.13)
+        update = 6 * slice_ * acc + max(b[0] for b in buckets) // s.dp * acc
+        if zero < 3:  # then the new slices gathered into new buckets, on gloo through a
+            # staging buffer of a whole bucket (measured, torch 2.13: dp4 ZeRO-1's peak, 3
+            # slices + 2 buckets)
+            staging = max(b[0] * b[1] for b in buckets) if _gloo(s) else 0
+            update = max(update, 3 * slice_ * acc + buf + staging)
+        update += data
     else:
-        params, optimizer, grads, working_zero = w, 2 * w, w, 0
-        update = 6 * w
-    # Activations: which blocks, head and embedding this rank runs, per microbatch.
-    blocks = sorted({int(l.path.split(".")[1]) for l in rank_leaves if l.path.startswith("layers.")})
-    has_head = any(l.path == "final_norm" for l in rank_leaves)
-    head_saved, head_work = _head(s) if has_head else (0, 0)
-    per_block = [block_activations(s, llama.is_moe(cfg, i)) for i in blocks]
-    in_flight = 1
-    if s.pp > 1:
-        sched = schedules.make(s.pp_schedule, p=s.pp, v=s.virtual_stages, m=s.microbatches)
-        timeline = schedules.simulate(sched, p=s.pp, v=s.virtual_stages, m=s.microbatches)
-        in_flight = timeline.peak_in_flight[stage]  # (chunk, microbatch) pairs alive at once
-    chunks = s.virtual_stages if s.pp > 1 else 1  # a pair holds one chunk: 1/v of the blocks
-    # Backward's two candidate peaks: at the head (everything saved, the logits' gradient
-    # work) and inside the first block it reaches (the head's tensors gone by then).
-    if s.recompute == "full":
-        kept = len(blocks) * s.residual_tokens * cfg.dim * e  # each block's input
-        block_work = 2 * s.tokens * cfg.ffn_dim // s.tp * e  # gate and up gradients
-        phases = [(kept + head_saved, head_work), (kept + max(per_block, default=0), block_work)]
-    else:
-        phases = [(sum(per_block) + head_saved, head_work)]
-    older = (in_flight - 1) * -(-(sum(per_block) if s.recompute != "full" else kept) // chunks)
-    saved, working = max(((older + -(-a // chunks), w) for a, w in phases), key=sum)
-    return Memory(stage, params, grads, optimizer, saved, max(working, working_zero), update, in_flight)
+        params, optimizer, grads = w, 2 * w, w
+        update = 6 * w + data
+    moments = phases(s, rank_leaves, stage)
+    moment = max(moments, key=lambda k: sum(moments[k]))
+    activations = max(saved for _, saved, _ in moments.values())
+    return Memory(stage, params, grads, optimizer, activations, moments[moment][2], update, _in_flight(s, stage),
+                  moment, params + optimizer + sum(moments[moment]))

@@ -22,7 +22,9 @@ import torch
 
 from .. import schedules
 from .._mesh_shape import MeshShape
-from ..config import RunConfig
+from ..config import DTYPES as config_dtypes
+from ..config import RECOMPUTE, RunConfig, mesh_axes_of
+from ..models.config import n_sequential_layers
 from .._rules import accum_dtype
 from ..layouts import ContextOptions, Layout, check_divisible
 from ..layouts.pipeline import assign
@@ -31,7 +33,7 @@ from ..spec import P
 
 __all__ = ["Setup", "Leaf", "DTYPES", "layout_for", "leaves", "stage_leaves"]
 
-DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
+DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in config_dtypes}  # RunConfig's names
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -74,8 +76,8 @@ class Setup:
                 raise ValueError(f"dtp.plan: {name} must be an int >= 1, got {value!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtp.plan: dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
-        if self.recompute not in ("none", "full", "selective"):
-            raise ValueError(f"dtp.plan: recompute must be 'none', 'full' or 'selective', got {self.recompute!r}")
+        if self.recompute not in RECOMPUTE:
+            raise ValueError(f"dtp.plan: recompute must be one of {', '.join(RECOMPUTE)}, got {self.recompute!r}")
         data = self.dp * self.ep * self.microbatches
         if self.batch % data:
             raise ValueError(f"dtp.plan: batch {self.batch} must be divisible by dp × ep × microbatches = {data}")
@@ -143,11 +145,8 @@ class Setup:
 
     @property
     def axes(self) -> dict[str, int]:
-        """The mesh ``dtp train`` builds: pp (when > 1), dp, then ep, cp, tp when > 1."""
-        out = {"pp": self.pp} if self.pp > 1 else {}
-        out["dp"] = self.dp
-        out.update({a: getattr(self, a) for a in ("ep", "cp", "tp") if getattr(self, a) > 1})
-        return out
+        """The mesh ``dtp train`` builds (:func:`dtp.config.mesh_axes_of`)."""
+        return mesh_axes_of(pp=self.pp, dp=self.dp, ep=self.ep, cp=self.cp, tp=self.tp)
 
     @property
     def world(self) -> int:
@@ -242,7 +241,7 @@ def stage_leaves(s: Setup, all_leaves: list[Leaf]) -> list[list[Leaf]]:
     """The parameters each pipeline rank holds (one list when pp = 1)."""
     if s.pp == 1:
         return [all_leaves]
-    n_seq = s.cfg.n_layers + 2  # embed | blocks | head (llama.sequential)
+    n_seq = n_sequential_layers(s.cfg)  # embed | blocks | head (llama.sequential)
     ranges = assign(n_seq, s.pp, s.virtual_stages, what=f"dtp.plan: pp={s.pp} virtual_stages={s.virtual_stages}")
     out: list[list[Leaf]] = [[] for _ in range(s.pp)]
     for stage, (first, stop) in enumerate(ranges):
