@@ -62,7 +62,6 @@ from torch.distributed.tensor import DTensor
 from . import comm, guard
 from ._rules import accum_dtype
 from ._torch import StridedShard, global_offset
-from .mesh import coordinates
 from .optim import map_param_trees
 from .spec import spec_of, to_placements, wrap_local
 from .step import TrainState, wait
@@ -155,24 +154,16 @@ def _zero_pieces(z: zero_mod.ZeroState, slices: Sequence[torch.Tensor], *, as_pa
     """Each parameter's part of this rank's flat bucket slices (local tensors), as
     rectangles of the parameter's global shape; ``as_params``: rounded to the
     parameters' dtype (bf16 parameters of fp32 master slices: a copy of the slice)."""
-    plan = z.plan
-    r = coordinates(plan.mesh)[plan.axis]
-    out: list[_Pieces | None] = [None] * len(z.leaves)
-    for b in plan.buckets:
-        lo, hi = r * b.shard_numel, (r + 1) * b.shard_numel
-        flat = slices[b.index].to(b.dtype) if as_params else slices[b.index]
-        for i, off in zip(b.members, b.offsets):
-            leaf = z.leaves[i]
-            start, stop = max(off, lo), min(off + leaf.numel, hi)
-            base = _block_offset(leaf)
-            pieces, cursor = [], start - lo
-            for o, size in _boxes(leaf.local_shape, start - off, stop - off):
-                n = math.prod(size)
-                view = flat[cursor:cursor + n].view(size)
-                pieces.append((tuple(a + c for a, c in zip(base, o)), view))
-                cursor += n
-            out[i] = _Pieces(leaf.shape, flat.dtype, pieces)
-    return out  # type: ignore[return-value]
+    flats = [s.to(b.dtype) if as_params else s for s, b in zip(slices, z.plan.buckets)]
+    out = []
+    for leaf, (bucket, cursor, start, stop) in zip(z.leaves, z.local_parts()):
+        flat, base, pieces = flats[bucket], _block_offset(leaf), []
+        for o, size in _boxes(leaf.local_shape, start, stop):
+            n = math.prod(size)
+            pieces.append((tuple(a + c for a, c in zip(base, o)), flat[cursor:cursor + n].view(size)))
+            cursor += n
+        out.append(_Pieces(leaf.shape, flat.dtype, pieces))
+    return out
 
 
 def _block_offset(leaf: Any) -> tuple[int, ...]:

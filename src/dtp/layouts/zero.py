@@ -27,7 +27,7 @@ follow the parameters' real use order, recorded in the first step's forward (Min
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Mapping
+from typing import Hashable, Literal, Mapping, Sequence
 
 from typing import TYPE_CHECKING
 
@@ -39,7 +39,8 @@ from .._mesh_shape import axis_names
 from .core import Layout
 from .megatron import data
 
-__all__ = ["ZERO_STAGES", "STAGE_RULES", "ZeroOptions", "misplaced_options", "zero"]
+__all__ = ["ZERO_STAGES", "STAGE_RULES", "ZeroOptions", "misplaced_options", "zero", "bucket_groups",
+           "padded_numel"]
 
 ZeroStage = Literal[0, 1, 2, 3]
 ZERO_STAGES: tuple[ZeroStage, ...] = (0, 1, 2, 3)
@@ -151,3 +152,35 @@ def misplaced_options(stage: int, **values: object) -> list[tuple[str, tuple[int
     """
     return [(option, stages, why) for option, stages, why in STAGE_RULES
             if option in values and values[option] != _DEFAULTS[option] and stage not in stages]
+
+
+def bucket_groups(keys: Sequence[Hashable], numels: Sequence[int], itemsizes: Sequence[int],
+                  bucket_mb: float) -> list[tuple[Hashable, list[int]]]:
+    """ZeRO's bucket plan, the one rule the strategy, :func:`dtp.plan` and checkpoints share:
+    the leaves (given in use order) go into one open bucket per key (dtype, mesh axes the
+    parameter is split on), which closes once it holds ``bucket_mb`` MiB. Returns
+    ``(key, member indices)`` in bucket order. Pure, torch-free.
+
+    >>> bucket_groups(["a", "b", "a", "a"], [3, 5, 2, 4], [4, 4, 4, 4], bucket_mb=16 / 2**20)
+    [('a', [0, 2]), ('b', [1]), ('a', [3])]
+    """
+    open_: dict[Hashable, list[int]] = {}
+    groups: list[tuple[Hashable, list[int]]] = []
+    for i, (key, itemsize) in enumerate(zip(keys, itemsizes)):
+        cap = max(1, int(bucket_mb * 2**20) // itemsize)
+        if key not in open_:
+            open_[key] = []
+            groups.append((key, open_[key]))
+        open_[key].append(i)
+        if sum(numels[j] for j in open_[key]) >= cap:
+            del open_[key]
+    return groups
+
+
+def padded_numel(total: int, ways: int) -> int:
+    """A bucket's length: ``total`` elements padded to split ``ways`` (dp) evenly.
+
+    >>> padded_numel(10, 4)
+    12
+    """
+    return -(-total // ways) * ways

@@ -41,6 +41,7 @@ from functools import partial
 
 from .._rules import accum_dtype
 from ..comm import ring_bytes
+from ..layouts.zero import bucket_groups, padded_numel
 from ..layouts import attended_kv_heads
 from ..models import llama
 from ..ops.context import default_chunks
@@ -78,24 +79,16 @@ def zero_buckets(s: Setup, rank_leaves: list[Leaf]) -> list[tuple[int, int, int,
     bucket in forward once a later read follows its last one: all but the last read's.
     """
     names = list(s.axes)
-    open_: dict[tuple, list[int]] = {}
-    groups: list[list[int]] = []
-    for i, leaf in enumerate(rank_leaves):
-        key = (leaf.dtype, tuple(a for a in names if a in set(leaf.spec.used_axes())))
-        cap = max(1, int(s.bucket_mb * 2**20) // leaf.dtype.itemsize)
-        if key not in open_:
-            open_[key] = []
-            groups.append(open_[key])
-        open_[key].append(i)
-        if sum(rank_leaves[j].numel for j in open_[key]) >= cap:
-            del open_[key]
+    groups = [members for _, members in bucket_groups(
+        [(leaf.dtype, tuple(a for a in names if a in set(leaf.spec.used_axes()))) for leaf in rank_leaves],
+        [leaf.numel for leaf in rank_leaves], [leaf.dtype.itemsize for leaf in rank_leaves], s.bucket_mb)]
     # Reads in forward: every leaf once, a tied embedding again at the head.
     last_read = len(rank_leaves) - 1
     tied = s.cfg.tie_embeddings and any(l.path == "final_norm" for l in rank_leaves)
     out = []
     for members in groups:
         total = sum(rank_leaves[j].numel for j in members)
-        padded = -(-total // s.dp) * s.dp
+        padded = padded_numel(total, s.dp)
         dtype = rank_leaves[members[0]].dtype
         last = max(last_read if (tied and rank_leaves[j].path == "embed") else j for j in members)
         out.append((padded, dtype.itemsize, accum_dtype(dtype).itemsize, last < last_read))

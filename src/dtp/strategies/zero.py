@@ -46,7 +46,7 @@ from torch.distributed.tensor import DTensor
 from .. import comm
 from .._rules import accum_dtype  # gradients and master weights of bf16/fp16 params are fp32 (Megatron's)
 from ..layouts import Layout
-from ..layouts.zero import ZeroOptions
+from ..layouts.zero import ZeroOptions, bucket_groups, padded_numel
 from .._torch import current_graph_task_id, local_tensor
 from ..mesh import axis_names, axis_sizes, coordinates
 from ..optim import global_norm, map_param_trees
@@ -177,6 +177,21 @@ class ZeroState:
         """Wait for every in-flight parameter all-gather (no new collective)."""
         self.pending.wait()
 
+    def local_parts(self) -> list[tuple[int, int, int, int]]:
+        """Where each parameter lies in this rank's bucket slices (after step one's plan):
+        per leaf ``(bucket, first element in the slice, first and stop element in the
+        parameter's flat local shard)``; an empty range when none of it is here. What a
+        checkpoint needs of the bucket geometry, without reading the plan's internals."""
+        assert self.plan is not None, "ZeroState.local_parts: no bucket plan before step one"
+        r = coordinates(self.plan.mesh)[self.plan.axis]
+        out: list[tuple[int, int, int, int]] = [(0, 0, 0, 0)] * len(self.leaves)
+        for b in self.plan.buckets:
+            lo, hi = r * b.shard_numel, (r + 1) * b.shard_numel
+            for i, off in zip(b.members, b.offsets):
+                start, stop = max(off, lo), min(off + self.leaves[i].numel, hi)
+                out[i] = (b.index, start - lo, start - off, max(start, stop) - off)
+        return out
+
 
 optree.register_pytree_node(
     ZeroState,
@@ -227,19 +242,10 @@ def _plan(z: ZeroState, used: Sequence[int]) -> ZeroPlan:
     names, sizes = axis_names(mesh), axis_sizes(mesh)
     axis, dp = z.options.axis, sizes[z.options.axis]
     order = list(dict.fromkeys(used)) + [i for i in range(len(z.leaves)) if i not in set(used)]
-    open_: dict[tuple, list[int]] = {}
-    groups: list[tuple[tuple, list[int]]] = []
-    for i in order:
-        leaf = z.leaves[i]
-        key = (leaf.dtype, tuple(a for a in names if a in set(leaf.spec.used_axes())))
-        cap = max(1, int(z.options.bucket_mb * 2**20) // leaf.dtype.itemsize)
-        if key not in open_:
-            open_[key] = []
-            groups.append((key, open_[key]))
-        members = open_[key]
-        members.append(i)
-        if sum(z.leaves[j].numel for j in members) >= cap:
-            del open_[key]
+    leaves = [z.leaves[i] for i in order]
+    groups = [(key, [order[k] for k in members]) for key, members in bucket_groups(
+        [(leaf.dtype, tuple(a for a in names if a in set(leaf.spec.used_axes()))) for leaf in leaves],
+        [leaf.numel for leaf in leaves], [leaf.dtype.itemsize for leaf in leaves], z.options.bucket_mb)]
     last_read = {i: pos for pos, i in enumerate(used)}
     buckets, where = [], [(-1, -1)] * len(z.leaves)
     for index, ((dtype, axes), members) in enumerate(groups):
@@ -248,7 +254,7 @@ def _plan(z: ZeroState, used: Sequence[int]) -> ZeroPlan:
             offsets.append(total)
             where[i] = (index, total)
             total += z.leaves[i].numel
-        padded = -(-total // dp) * dp
+        padded = padded_numel(total, dp)
         spec = P(tuple(a for a in names if a in set(axes) | {axis}))
         last = max((last_read.get(i, len(used)) for i in members), default=len(used))
         buckets.append(Bucket(index, tuple(members), tuple(offsets), padded, dtype, spec,
