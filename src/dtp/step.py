@@ -34,12 +34,9 @@ from torch.distributed.tensor import DTensor
 from . import guard, strategies
 from ._rules import is_positive_int
 from .comm import comm_log, span
-from .layouts import Layout, PipelineOptions, check_divisible, use_layout
-from .models.sequential import Sequential
+from .layouts import Layout, check_divisible, use_layout
 from .optim import GradientTransformation, apply_updates, clip_by_global_norm
 from .ops.recompute import POLICIES, recompute as recompute_policy
-from .strategies import pipeline as pipeline_mod
-from .strategies import zero as zero_mod
 from .redistribute import local_map, value_of
 from .spec import P, shard, spec_of
 
@@ -80,7 +77,7 @@ class TrainState:
     mesh: DeviceMesh
     layout: Layout
     axes: PyTree
-    zero: "zero_mod.ZeroState | None" = None
+    zero: Any = None  # the strategy's own state (ZeRO's buckets and master slices), or None
     checks: guard.Agreements = dataclasses.field(default_factory=guard.Agreements)  # what the ranks agreed on
 
     @classmethod
@@ -108,10 +105,8 @@ class TrainState:
         guard.check_state(mesh, layout, dict(zip(paths, leaves)), dict(zip(paths, axes_leaves)), error)
         checks = _agreements(leaves, axes_leaves)
         params = optree.tree_unflatten(treedef, sharded)
-        zero_opts = None if _single_device(mesh) else zero_mod.options(layout, mesh)
-        if zero_opts is not None:  # buckets (and the sharded optimizer state) come in step one
-            return cls(0, params, None, optimizer, mesh, layout, axes, zero_mod.create(params, zero_opts), checks)
-        return cls(0, params, optimizer.init(params), optimizer, mesh, layout, axes, checks=checks)
+        opt_state, strategy = strategies.create(params, optimizer, layout, mesh)
+        return cls(0, params, opt_state, optimizer, mesh, layout, axes, strategy, checks)
 
     def replace(self, **changes: Any) -> "TrainState":
         if "params" in changes and "zero" not in changes and self.zero is not None and self.zero.plan is not None:
@@ -178,14 +173,7 @@ def gather_params(state: TrainState) -> PyTree:
     >>> dtp.gather_params(state)["w"]
     tensor([1., 1.], requires_grad=True)
     """
-    opts = _pipeline_options(state)
-    if opts is not None:
-        if state.zero is not None:
-            state.zero.wait()  # ZeRO 1/2 under the stages: their views may still be filling
-        return pipeline_mod.gather(state.params, state.mesh, opts.axis)
-    if state.zero is None:
-        return state.params
-    return zero_mod.gather(state.zero, state.params)
+    return strategies.gather(state.params, state.zero, state.layout, state.mesh)
 
 
 def wait(state: TrainState) -> None:
@@ -205,8 +193,7 @@ def wait(state: TrainState) -> None:
     ...                               layout=dtp.layouts.data(), axes={"w": ("embed",)})
     >>> dtp.wait(state)                             # nothing in flight: returns at once
     """
-    if state.zero is not None:
-        state.zero.wait()
+    strategies.wait(state.zero)
 
 
 def shard_batch(batch: Mapping[str, torch.Tensor], state: TrainState) -> dict[str, DTensor]:
@@ -262,23 +249,10 @@ def _single_device(mesh: DeviceMesh | None) -> bool:
     return mesh is None or mesh.size() == 1
 
 
-def _pipeline_options(state: TrainState) -> "PipelineOptions | None":
-    """The layout's pipeline options when they apply on the state's mesh (pp > 1)."""
-    opts = state.layout.pipeline
-    return opts if opts is not None and opts.active(state.mesh) else None
-
-
 def compute_mesh(state: TrainState) -> DeviceMesh | None:
     """Where ``state``'s computations run: its mesh, or under a pipeline the stage mesh
-    (the mesh without ``pp``; ``None`` when ``pp`` is its only axis)."""
-    opts = _pipeline_options(state)
-    return state.mesh if opts is None else pipeline_mod.stage_mesh(state.mesh, opts.axis)
-
-
-def _pipeline(state: TrainState, loss_fn: Callable, microbatches: int) -> "pipeline_mod.Context | None":
-    if _pipeline_options(state) is None:
-        return None
-    return pipeline_mod.Context(state.layout, state.mesh, loss_fn, microbatches, state.zero)
+    (``None`` when a stage is one device)."""
+    return strategies.compute_mesh(state.layout, state.mesh)
 
 
 def _spec(x: torch.Tensor) -> P | None:
@@ -325,19 +299,6 @@ def _split_microbatches(batch: Mapping[str, DTensor], n: int) -> list[dict[str, 
     return parts
 
 
-def _check_pipeline(loss_fn: Callable, state: TrainState, microbatches: int) -> None:
-    opts = _pipeline_options(state)
-    if opts is None:
-        return
-    if not isinstance(loss_fn, Sequential):
-        raise TypeError(f"train_step: under layouts.pipeline loss_fn must be the model as a dtp.Sequential of "
-                        f"layers (e.g. llama.sequential(cfg)), got {type(loss_fn).__name__}")
-    opts.check(n_layers=len(loss_fn), mesh=state.mesh, microbatches=microbatches)
-    first, last = loss_fn.paths(0, 1), loss_fn.paths(len(loss_fn) - 1)
-    opts.check_composition(state.layout, state.mesh, shared=sorted(set(first) & set(last)),
-                           carries_tree=loss_fn.carry != "tensor")
-
-
 def _check_inputs(batch: Mapping[str, torch.Tensor], state: TrainState, microbatches: int,
                   recompute: str | None, clip_norm: float | None = None) -> None:
     if recompute not in POLICIES:
@@ -382,7 +343,7 @@ def _forward_backward(loss_fn: Callable, run: strategies.StepRun,
                       microbatches: list[dict[str, torch.Tensor]]) -> tuple[float, Any]:
     """The one microbatch loop: each microbatch's mean weighted 1/m, so gradient
     accumulation equals one big batch. Where the gradients go is the run's business."""
-    if hasattr(run, "schedule"):  # the pipeline orders forwards and backwards itself
+    if isinstance(run, strategies.Scheduled):  # it orders forwards and backwards itself
         return run.schedule(loss_fn, microbatches)
     total, auxes, m = 0.0, [], len(microbatches)
     for k, mb in enumerate(microbatches):
@@ -413,11 +374,8 @@ def value_and_grad(loss_fn: Callable[[PyTree, Mapping[str, torch.Tensor]], Any],
 
     Gradient accumulation equals one big batch: each microbatch's mean is weighted 1/m.
     """
-    if state.zero is not None:
-        raise ValueError("value_and_grad: a ZeRO state's gradients are reduce-scattered into bucket slices "
-                         "inside dtp.train_step; call train_step (or drop layouts.zero)")
+    run = strategies.begin(state.params, state.zero, microbatches, gradients_only=True)
     _check_inputs(batch, state, microbatches, recompute)
-    run = strategies.begin(state.params, state.zero, microbatches)
     with use_layout(state.layout, state.mesh), recompute_policy(recompute):
         loss, aux = _forward_backward(loss_fn, run, _split_microbatches(batch, microbatches))
         (_, grads), = run.gradients()
@@ -472,12 +430,13 @@ def train_step(loss_fn: Callable[[PyTree, Mapping[str, torch.Tensor]], Any], sta
     error = None
     try:
         _check_inputs(batch, state, microbatches, recompute, clip_norm)
-        _check_pipeline(loss_fn, state, microbatches)
+        strategies.check(loss_fn, state.layout, state.mesh, microbatches)
     except (ValueError, TypeError) as e:
         error = e
     guard.check_step(state.checks, state.mesh, state.layout, state.step, batch,
                      {"microbatches": microbatches, "recompute": recompute, "clip_norm": clip_norm}, error)
-    run = strategies.begin(state.params, state.zero, microbatches, _pipeline(state, loss_fn, microbatches))
+    run = strategies.begin(state.params, state.zero, microbatches, loss_fn=loss_fn, layout=state.layout,
+                           mesh=state.mesh)
     with comm_log() as log:
         with use_layout(state.layout, state.mesh), recompute_policy(recompute):
             loss, aux = _forward_backward(loss_fn, run, _split_microbatches(batch, microbatches))

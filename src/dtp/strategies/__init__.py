@@ -16,8 +16,8 @@ and asks a :class:`StepRun` for the parts that differ between strategies:
 ``run.opt_state(opt, s, t)`` the optimizer state over the targets ``t`` (``s`` as it is, or,
                             in ZeRO's first step, ``s`` cut into the buckets / a fresh one)
 ``run.norm(grads)``          the global gradient norm (the pipeline sums it over stages)
-``run.schedule(f, mbs)``    optional: a strategy that orders forwards and backwards itself
-                            (the pipeline's schedules) runs the microbatches here
+``run.schedule(f, mbs)``    a :class:`Scheduled` run (the pipeline's) orders forwards and
+                            backwards itself: it runs the microbatches here
 ``run.grouped``             ``False``: one group, and the optimizer state covers its tree;
                             ``True``: the optimizer state covers the list of groups
 ``run.finish(updated)``     the new ``(params, opt_state-independent strategy state)``
@@ -34,13 +34,17 @@ state. ``train_step`` and the model stay as they are.
 
 from __future__ import annotations
 
-from typing import Any, ContextManager, Iterator, Protocol
+from typing import Any, ContextManager, Iterator, Protocol, runtime_checkable
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 
+from ..layouts import Layout
+from ..models.sequential import Sequential
 from . import pipeline, replicated, zero
 
-__all__ = ["StepRun", "begin", "replicated", "zero", "pipeline"]
+__all__ = ["StepRun", "Scheduled", "begin", "create", "compute_mesh", "gather", "wait", "check", "replicated",
+           "zero", "pipeline"]
 
 PyTree = Any
 
@@ -67,13 +71,78 @@ class StepRun(Protocol):
     def finish(self, updated: list[PyTree]) -> tuple[PyTree, Any]: ...
 
 
-def begin(params: PyTree, zero_state: zero.ZeroState | None, microbatches: int,
-          pipeline_context: pipeline.Context | None = None) -> StepRun:
-    """The run of the strategy a state's fields are laid out for (ZeRO when it holds a
-    ZeRO state, the pipeline when the step gives its context); ``dtp.step`` passes them,
-    so nothing here knows the state's type."""
-    if pipeline_context is not None:
-        return pipeline.Run(params, pipeline_context)
-    if zero_state is not None:
-        return zero.Run(zero_state, params, microbatches)
+@runtime_checkable
+class Scheduled(StepRun, Protocol):
+    """A run that orders the microbatches' forwards and backwards itself (the pipeline's
+    schedules): ``train_step`` hands it the whole list instead of its own loop."""
+
+    def schedule(self, loss_fn: Any, microbatches: list[Any]) -> tuple[float, Any]: ...
+
+
+def create(params: PyTree, optimizer: Any, layout: Layout, mesh: DeviceMesh) -> tuple[PyTree, Any]:
+    """``(opt_state, strategy state)`` of a new :class:`dtp.TrainState` over laid-out
+    ``params``: ZeRO's state (buckets and the sharded optimizer state come in step one)
+    when the layout shards over a data axis of more than one device, else the optimizer's
+    own state and ``None``."""
+    options = None if mesh.size() == 1 else zero.options(layout, mesh)
+    if options is not None:
+        return None, zero.create(params, options)
+    return optimizer.init(params), None
+
+
+def _pipeline_options(layout: Layout, mesh: DeviceMesh) -> Any:
+    opts = layout.pipeline
+    return opts if opts is not None and opts.active(mesh) else None
+
+
+def compute_mesh(layout: Layout, mesh: DeviceMesh) -> DeviceMesh | None:
+    """Where a state's computations run: ``mesh``, or under a pipeline the stage mesh
+    (``None`` when a stage is one device: its tensors are plain)."""
+    opts = _pipeline_options(layout, mesh)
+    return mesh if opts is None else pipeline.stage_mesh(mesh, opts.axis)
+
+
+def gather(params: PyTree, state: Any, layout: Layout, mesh: DeviceMesh) -> PyTree:
+    """Whole parameters on every rank (a collective under ZeRO-3 or a pipeline; see
+    :func:`dtp.gather_params`)."""
+    opts = _pipeline_options(layout, mesh)
+    if opts is not None:
+        wait(state)  # ZeRO 1/2 under the stages: their views may still be filling
+        return pipeline.gather(params, mesh, opts.axis)
+    return params if state is None else zero.gather(state, params)
+
+
+def wait(state: Any) -> None:
+    """Wait for what a strategy state still has in flight (ZeRO's prefetched gathers)."""
+    if state is not None:
+        state.wait()
+
+
+def check(loss_fn: Any, layout: Layout, mesh: DeviceMesh, microbatches: int) -> None:
+    """The strategies' rules for this step's model and microbatches (the pipeline's: a
+    :class:`dtp.Sequential`, its layers and microbatches, what it composes with)."""
+    opts = _pipeline_options(layout, mesh)
+    if opts is None:
+        return
+    if not isinstance(loss_fn, Sequential):
+        raise TypeError(f"train_step: under layouts.pipeline loss_fn must be the model as a dtp.Sequential of "
+                        f"layers (e.g. llama.sequential(cfg)), got {type(loss_fn).__name__}")
+    opts.check(n_layers=len(loss_fn), mesh=mesh, microbatches=microbatches)
+    first, last = loss_fn.paths(0, 1), loss_fn.paths(len(loss_fn) - 1)
+    opts.check_composition(layout, mesh, shared=sorted(set(first) & set(last)), carries_tree=loss_fn.carry != "tensor")
+
+
+def begin(params: PyTree, state: Any, microbatches: int, *, loss_fn: Any = None, layout: Layout | None = None,
+          mesh: DeviceMesh | None = None, gradients_only: bool = False) -> StepRun:
+    """The run of the strategy a state is laid out for: the pipeline's when the layout
+    has one on ``mesh``, ZeRO's when ``state`` is ZeRO's, else replicated.
+    ``gradients_only`` (:func:`dtp.step.value_and_grad`): a strategy whose gradients
+    never take the parameters' layout refuses."""
+    if gradients_only and state is not None:
+        raise ValueError("value_and_grad: a ZeRO state's gradients are reduce-scattered into bucket slices "
+                         "inside dtp.train_step; call train_step (or drop layouts.zero)")
+    if layout is not None and mesh is not None and _pipeline_options(layout, mesh) is not None:
+        return pipeline.Run(params, pipeline.Context(layout, mesh, loss_fn, microbatches, state))
+    if state is not None:
+        return zero.Run(state, params, microbatches)
     return replicated.Run(params, microbatches)
