@@ -3,6 +3,7 @@ and the one place the names users pick from are written."""
 
 import dataclasses
 import typing
+import warnings
 
 import pytest
 
@@ -117,3 +118,18 @@ def test_choices_are_written_once() -> None:
 def test_zero_overlap_needs_a_stage() -> None:
     with pytest.raises(ValueError, match="overlap_grad_reduce / overlap_param_gather .* need stage 1, 2 or 3"):
         layouts.zero(0, overlap_param_gather=True)
+
+
+def test_a_rule_naming_an_axis_no_preset_uses_warns_once() -> None:
+    """A custom rule's mesh axis the mesh lacks is dropped (one layout serves every mesh);
+    when no dtp preset uses that axis either it is likely a typo, said once as a warning."""
+    from dtp._mesh_shape import MeshShape
+
+    layout = dtp.layouts.data() + dtp.Layout({"vocab": ("tpp",)}, name="typo test")
+    with pytest.warns(UserWarning, match=r"the rules for 'vocab' name mesh axis 'tpp', which no dtp preset uses "
+                                         r"and this mesh lacks \(its axes: dp\)"):
+        layout.check_mesh(MeshShape({"dp": 1}))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        layout.check_mesh(MeshShape({"dp": 1}))  # once per layout and mesh
+        (dtp.layouts.data() + dtp.layouts.megatron()).check_mesh(MeshShape({"dp": 1}))  # 'tp': a preset's axis

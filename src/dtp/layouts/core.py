@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import warnings
 import math
 import threading
 from dataclasses import KW_ONLY, dataclass, field
@@ -39,6 +40,9 @@ MODEL_AXES: frozenset[str] = frozenset(
     {"batch", "seq", "res_seq", "embed", "heads", "kv_heads", "mlp", "vocab", "head_dim", "expert", "expert_mlp",
      "router"})
 _log = logging.getLogger("dtp")
+# The mesh axes dtp's presets name (data, megatron, context and its sub-rings, expert,
+# pipeline): a rule naming another axis the mesh lacks is worth a warning.
+PRESET_MESH_AXES = frozenset({"dp", "tp", "cp", "ep", "pp"})
 _said_dropped: set[tuple[str, tuple[str, ...], tuple[str, ...]]] = set()
 
 
@@ -149,6 +153,16 @@ class Layout:
             _said_dropped.add(key)
             _log.info("layout %s on a mesh (%s): rules for mesh axes %s dropped (the mesh lacks them)",
                       self.name or "custom", ", ".join(names), ", ".join(dropped))
+            # An axis no preset names is likely a typo ('tpp'): replicating it silently would
+            # run something else than was asked, so say so once, louder than INFO.
+            strangers = [a for a in dropped if a not in PRESET_MESH_AXES]
+            if strangers:
+                rules = sorted({ax for r in (self.params, self.activations) for ax, axes in r.items()
+                                if set(axes) & set(strangers)})
+                warnings.warn(f"layout {self.name or 'custom'}: the rules for {', '.join(map(repr, rules))} name "
+                              f"mesh axis {', '.join(map(repr, strangers))}, which no dtp preset uses and this mesh "
+                              f"lacks (its axes: {', '.join(names)}); those dims stay replicated. A typo?",
+                              UserWarning, stacklevel=3)
 
     def mesh_axes(self, logical: str, mesh: DeviceMesh, *, activation: bool = True) -> Axes:
         """The mesh axes (mesh order) that split one logical axis."""
