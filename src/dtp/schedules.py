@@ -52,6 +52,8 @@ __all__ = [
     "make",
     "dependencies_ok",
     "simulate",
+    "global_stage",
+    "stage_owner",
     "format_schedule",
 ]
 
@@ -95,14 +97,27 @@ class Action:
                 raise ValueError(f"schedules.Action: {name} must be an int >= 0, got {value!r}")
 
     def stage(self, rank: int, p: int) -> int:
-        """The global stage of this action on ``rank`` of ``p``: ``chunk * p + rank``.
-
-        Megatron's round-robin: rank ``r`` holds stages ``r, r+p, ..., r+(v-1)p``.
-        """
-        return self.chunk * p + rank
+        """The global stage of this action on ``rank`` of ``p`` (:func:`global_stage`)."""
+        return global_stage(self.chunk, rank, p)
 
     def __str__(self) -> str:
         return f"{self.kind}{self.chunk}.{self.microbatch}"
+
+
+def global_stage(chunk: int, rank: int, p: int) -> int:
+    """The stage-to-rank map, the one place it is written: chunk ``c`` of rank ``r`` of
+    ``p`` is global stage ``c·p + r`` (Megatron's round-robin: rank ``r`` holds stages
+    ``r, r+p, ..., r+(v-1)p``).
+
+    >>> [global_stage(c, 1, 4) for c in range(2)], stage_owner(5, 4)
+    ([1, 5], (1, 1))
+    """
+    return chunk * p + rank
+
+
+def stage_owner(stage: int, p: int) -> tuple[int, int]:
+    """``(rank, chunk)`` holding global ``stage``: the inverse of :func:`global_stage`."""
+    return stage % p, stage // p
 
 
 class Event(NamedTuple):
@@ -294,7 +309,8 @@ def _deps(kind: str, stage: int, mb: int, stages: int) -> list[tuple[str, int, i
 def _key_label(key: tuple[str, int, int], p: int) -> str:
     kind, stage, mb = key
     name = {"F": "F", "G": "B/I", "W": "W"}[kind]
-    return f"{name}{stage // p}.{mb} of rank {stage % p} (stage {stage})"
+    rank, chunk = stage_owner(stage, p)
+    return f"{name}{chunk}.{mb} of rank {rank} (stage {stage})"
 
 
 def _validate(fn: str, schedule: Schedule, p: int, v: int, m: int) -> None:
@@ -317,7 +333,7 @@ def _validate(fn: str, schedule: Schedule, p: int, v: int, m: int) -> None:
     for stage in range(p * v):
         for mb in range(m):
             n = {kind: counts.get((kind, stage, mb), 0) for kind in _KINDS}
-            where = f"stage {stage} (rank {stage % p}, chunk {stage // p}), microbatch {mb}"
+            where = "stage {} (rank {}, chunk {}), microbatch {}".format(stage, *stage_owner(stage, p), mb)
             if n["F"] != 1:
                 raise ValueError(
                     f"{fn}: {where} has {n['F']} F actions; every (stage, microbatch) needs exactly one"

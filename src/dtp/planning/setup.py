@@ -245,7 +245,7 @@ def stage_leaves(s: Setup, all_leaves: list[Leaf]) -> list[list[Leaf]]:
     ranges = assign(n_seq, s.pp, s.virtual_stages, what=f"dtp.plan: pp={s.pp} virtual_stages={s.virtual_stages}")
     out: list[list[Leaf]] = [[] for _ in range(s.pp)]
     for stage, (first, stop) in enumerate(ranges):
-        rank = stage % s.pp
+        rank = schedules.stage_owner(stage, s.pp)[0]
         for layer in range(first, stop):
             if layer == 0:
                 names = {"embed"}

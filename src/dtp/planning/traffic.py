@@ -41,6 +41,7 @@ from functools import partial
 
 from .._rules import accum_dtype
 from ..comm import ring_bytes
+from ..schedules import global_stage
 from ..layouts.zero import bucket_groups, padded_numel
 from ..layouts import attended_kv_heads
 from ..models import llama
@@ -185,7 +186,8 @@ def traffic(s: Setup, rank_leaves: list[Leaf], stage: int = 0) -> list[Traffic]:
     if s.pp > 1:
         p, v = s.pp, s.virtual_stages
         act = s.residual_tokens * cfg.dim * e
-        sends = sum((c * p + stage < p * v - 1) + (c * p + stage > 0) for c in range(v))
+        held = [global_stage(c, stage, p) for c in range(v)]  # this rank's global stages
+        sends = sum((g < p * v - 1) + (g > 0) for g in held)
         add("pp", "send", "activations", m * sends, act)
     return out
 

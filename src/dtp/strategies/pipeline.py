@@ -108,7 +108,8 @@ class Run:
         model = ctx.model
         ranges = assign(len(model), self.p, self.v, opts.layer_split)
         # (global stage, first layer, stop) of this rank's chunks, chunk order
-        self.chunks = tuple((c * self.p + self.rank, *ranges[c * self.p + self.rank]) for c in range(self.v))
+        stages = [schedules.global_stage(c, self.rank, self.p) for c in range(self.v)]
+        self.chunks = tuple((stage, *ranges[stage]) for stage in stages)
         owned = set().union(*(model.paths(first, stop) for _, first, stop in self.chunks))
         # The embedding both ends read (tied weights): its gradient is summed between them.
         self.tied = tuple(sorted(set(model.paths(*ranges[0])) & set(model.paths(*ranges[-1]))))
@@ -275,7 +276,7 @@ class Run:
 
     # ---- point to point
     def _rank_of(self, stage: int) -> int:
-        return stage % self.p
+        return schedules.stage_owner(stage, self.p)[0]
 
     def _key(self, kind: str, stage: int, i: int, part: int) -> int:
         return ((stage * 2 + (kind == "grad")) * self.m + i) * 2 + part
