@@ -39,33 +39,29 @@ import base64
 import dataclasses
 import io
 import json
-import math
 import os
 import pickle
 import re
 import shutil
 import zlib
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping
 
 import optree
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex,
-                                                   TensorProperties, TensorStorageMetadata)
-from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
 from . import comm, guard
 from ._rules import accum_dtype
-from ._torch import StridedShard, global_offset
 from .optim import map_param_trees
-from .spec import spec_of, to_placements, wrap_local
+from .spec import spec_of, wrap_local
 from .step import TrainState, wait
 from .strategies import zero as zero_mod
+from ._checkpoint_pieces import LoadPlanner, Pieces, SavePlanner, zero_pieces
 
 __all__ = ["save", "load", "latest", "read_manifest", "AsyncSave", "FORMAT"]
 
@@ -73,106 +69,6 @@ PyTree = Any
 FORMAT = 1  # manifest["format"]: bumped when the key scheme changes
 MANIFEST = "manifest.json"
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
-
-
-# --------------------------------------------------------------------------- rectangles
-
-
-def _boxes(shape: Sequence[int], start: int, stop: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
-    """Elements ``[start, stop)`` of a row-major tensor of ``shape`` as rectangles
-    ``(offsets, sizes)`` in order, each a contiguous run of the flat order.
-
-    >>> _boxes((3, 4), 2, 9)        # the end of row 0, row 1, the start of row 2
-    [((0, 2), (1, 2)), ((1, 0), (1, 4)), ((2, 0), (1, 1))]
-    """
-    if start >= stop:
-        return []
-    if not shape:
-        return [((), ())]
-    inner = math.prod(shape[1:])
-    (r0, c0), (r1, c1) = divmod(start, inner), divmod(stop, inner)
-    rest = tuple(shape[1:])
-
-    def row(r: int, a: int, b: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
-        return [((r, *o), (1, *z)) for o, z in _boxes(rest, a, b)]
-
-    if r0 == r1:
-        return row(r0, c0, c1)
-    out = []
-    if c0:
-        out += row(r0, c0, inner)
-        r0 += 1
-    if r1 > r0:
-        out.append(((r0, *(0,) * len(rest)), (r1 - r0, *rest)))
-    if c1:
-        out += row(r1, 0, c1)
-    return out
-
-
-class _Pieces:
-    """A global tensor of which this rank holds some rectangles (views of its flat
-    ZeRO slices). Speaks DCP's ``_Checkpointable`` protocol, as DTensor does, so DCP
-    writes and reads each rectangle as a chunk of the one logical tensor."""
-
-    def __init__(self, shape: Sequence[int], dtype: torch.dtype, pieces: Sequence[tuple[tuple[int, ...], torch.Tensor]]):
-        self.shape, self.dtype, self.pieces = torch.Size(shape), dtype, list(pieces)
-
-    def size(self) -> torch.Size:
-        return self.shape
-
-    def __create_write_items__(self, fqn: str, obj: Any) -> list[WriteItem]:
-        return [WriteItem(index=MetadataIndex(fqn, torch.Size(o)), type=WriteItemType.SHARD,
-                          tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(torch.Size(o), t.shape),
-                                                      properties=TensorProperties.create_from_tensor(t),
-                                                      size=self.shape))
-                for o, t in self.pieces]
-
-    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
-        return [ChunkStorageMetadata(torch.Size(o), t.shape) for o, t in self.pieces]
-
-    def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
-        for o, t in self.pieces:
-            if torch.Size(o) == index.offset:
-                return t
-        raise ValueError(f"checkpoint: no piece of {index.fqn} at {tuple(index.offset or ())} on this rank")
-
-
-class _SavePlanner(DefaultSavePlanner):
-    def lookup_object(self, index: MetadataIndex) -> Any:
-        obj = self.state_dict[index.fqn]
-        return obj.__get_tensor_shard__(index) if isinstance(obj, _Pieces) else super().lookup_object(index)
-
-
-class _LoadPlanner(DefaultLoadPlanner):
-    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
-        obj = self.state_dict[index.fqn]
-        return obj.__get_tensor_shard__(index) if isinstance(obj, _Pieces) else super().lookup_tensor(index)
-
-
-def _zero_pieces(z: zero_mod.ZeroState, slices: Sequence[torch.Tensor], *, as_params: bool = False
-                 ) -> list[_Pieces]:
-    """Each parameter's part of this rank's flat bucket slices (local tensors), as
-    rectangles of the parameter's global shape; ``as_params``: rounded to the
-    parameters' dtype (bf16 parameters of fp32 master slices: a copy of the slice)."""
-    flats = [s.to(b.dtype) if as_params else s for s, b in zip(slices, z.plan.buckets)]
-    out = []
-    for leaf, (bucket, cursor, start, stop) in zip(z.leaves, z.local_parts()):
-        flat, base, pieces = flats[bucket], _block_offset(leaf), []
-        for o, size in _boxes(leaf.local_shape, start, stop):
-            n = math.prod(size)
-            pieces.append((tuple(a + c for a, c in zip(base, o)), flat[cursor:cursor + n].view(size)))
-            cursor += n
-        out.append(_Pieces(leaf.shape, flat.dtype, pieces))
-    return out
-
-
-def _block_offset(leaf: Any) -> tuple[int, ...]:
-    placements = to_placements(leaf.spec, leaf.mesh)
-    if any(isinstance(p, StridedShard) for p in placements):
-        # Its block is not one rectangle of the global tensor; no dtp layout makes one.
-        raise ValueError(f"checkpoint: param {leaf.path} is split over several axes out of mesh order "
-                         f"({leaf.spec}); ZeRO checkpoints support one rectangle per rank")
-    return global_offset(leaf.shape, leaf.mesh, placements)
 
 
 # --------------------------------------------------------------------------- the logical state
@@ -187,20 +83,20 @@ def _detach(x: torch.Tensor) -> torch.Tensor:
 
 
 def _logical(state: TrainState) -> dict[str, Any]:
-    """``name -> tensor`` (DTensor, tensor or :class:`_Pieces`) of what ``state`` holds."""
+    """``name -> tensor`` (DTensor, tensor or :class:`Pieces`) of what ``state`` holds."""
     z = state.zero
     out: dict[str, Any] = {}
     if z is not None and z.plan is not None:  # ZeRO after step one: everything from the slices
         paths = [leaf.path for leaf in z.leaves]
         master = [m.to_local() for m in z.master]
-        for path, piece, leaf in zip(paths, _zero_pieces(z, master), z.leaves):
+        for path, piece, leaf in zip(paths, zero_pieces(z, master), z.leaves):
             if piece.dtype != leaf.dtype:  # fp32 master weights of lower-precision parameters
                 out[f"master/{path}"] = piece
-        for path, piece in zip(paths, _zero_pieces(z, master, as_params=True)):
+        for path, piece in zip(paths, zero_pieces(z, master, as_params=True)):
             out[f"param/{path}"] = piece
 
         def mirror(name: str, slices: list[DTensor]) -> list[DTensor]:
-            for path, piece in zip(paths, _zero_pieces(z, [s.to_local() for s in slices])):
+            for path, piece in zip(paths, zero_pieces(z, [s.to_local() for s in slices])):
                 out[f"opt/{name}/{path}"] = piece
             return slices
 
@@ -328,10 +224,10 @@ def save(state: TrainState, root: str | os.PathLike[str], *, extra: Mapping[str,
 
     writer = FileSystemWriter(partial, thread_count=1, sync_files=True)
     if async_save:
-        future = dcp.async_save(_staged(tensors), storage_writer=writer, planner=_SavePlanner(),
+        future = dcp.async_save(_staged(tensors), storage_writer=writer, planner=SavePlanner(),
                                 process_group=_save_group(), async_stager=_Staged())
         return AsyncSave(final, future, finish)
-    dcp.save(tensors, storage_writer=writer, planner=_SavePlanner(), process_group=_save_group())
+    dcp.save(tensors, storage_writer=writer, planner=SavePlanner(), process_group=_save_group())
     finish()
     return final
 
@@ -343,8 +239,8 @@ def _staged(tensors: Mapping[str, Any]) -> dict[str, Any]:
     longer than a sync one), and the writer would clone the views once more."""
     out: dict[str, Any] = {}
     for name, x in tensors.items():
-        if isinstance(x, _Pieces):
-            out[name] = _Pieces(x.shape, x.dtype, [(o, t.clone()) for o, t in x.pieces])
+        if isinstance(x, Pieces):
+            out[name] = Pieces(x.shape, x.dtype, [(o, t.clone()) for o, t in x.pieces])
         elif isinstance(x, DTensor):
             out[name] = wrap_local(x.to_local().clone(), x.device_mesh, spec_of(x), tuple(x.shape))
         else:
@@ -549,7 +445,7 @@ def load(path: str | os.PathLike[str], like: TrainState, *, restore_rng: bool = 
         error = e
     guard.check_together("checkpoint.load", like.mesh, {"checkpoint": str(found)}, error)
     try:
-        dcp.load(targets, storage_reader=_SafeReader(found), planner=_LoadPlanner(), process_group=_save_group())
+        dcp.load(targets, storage_reader=_SafeReader(found), planner=LoadPlanner(), process_group=_save_group())
     except BaseException as e:  # DCP wraps rank failures in CheckpointException, a BaseException
         if isinstance(e, (KeyboardInterrupt, SystemExit)):
             raise

@@ -111,8 +111,6 @@ def _cmd_train(args: argparse.Namespace) -> int:
               f"halves, chunk.microbatch):\n{table}")
         return 0
     if args.nproc > 1:
-        from ..launch import launch
-
         code = _launch(args)
     else:
         from .loop import _train_rank

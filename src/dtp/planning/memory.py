@@ -272,7 +272,6 @@ def memory(s: Setup, rank_leaves: list[Leaf], stage: int = 0) -> Memory:
     (3, 6)
     """
     acc = accum_dtype(s.torch_dtype).itemsize
-    e = s.torch_dtype.itemsize
     w = sum(l.nbytes for l in rank_leaves)
     zero = s.zero if s.dp > 1 else 0
     data = _data(s)

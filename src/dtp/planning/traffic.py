@@ -34,7 +34,6 @@ pp                 one activation send per microbatch per stage boundary, and on
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 from dataclasses import dataclass
 from functools import partial

@@ -50,7 +50,7 @@ from ..mesh import axis_names, axis_sizes, coordinates, sub_mesh
 from ..models.sequential import Sequential
 from ..optim import global_norm, map_param_trees
 from ..redistribute import reshard, value_of
-from ..spec import P, from_placements, spec_of, to_placements, wrap_local
+from ..spec import P, spec_of, wrap_local
 from . import replicated
 from . import zero as zero_mod
 

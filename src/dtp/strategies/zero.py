@@ -36,7 +36,7 @@ import hashlib
 import math
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, ContextManager, Iterator, Mapping, Sequence
+from typing import Any, ContextManager, Iterator, Sequence
 
 import optree
 import torch
@@ -47,11 +47,12 @@ from .. import comm
 from .._rules import accum_dtype  # gradients and master weights of bf16/fp16 params are fp32 (Megatron's)
 from ..layouts import Layout
 from ..layouts.zero import ZeroOptions, bucket_groups, padded_numel
-from .._torch import current_graph_task_id, local_tensor
+from .._torch import local_tensor
 from ..mesh import axis_names, axis_sizes, coordinates
 from ..optim import global_norm, map_param_trees
 from ..redistribute import reshard
 from ..spec import P, wrap_local, spec_of
+from .zero_views import LazyMapping, LazySequence, ParamView, in_backward
 
 __all__ = ["ZeroState", "ZeroPlan", "Bucket", "InflightGathers", "Run", "options", "gather", "bytes_per_parameter"]
 
@@ -292,67 +293,6 @@ def _tree_of_views(z: ZeroState, bufs: Sequence[torch.Tensor], *, requires_grad:
     return optree.tree_map(lambda i: out[i], z.skeleton)
 
 
-# --------------------------------------------------------------------------- forward view
-
-
-class _ParamView(torch.autograd.Function):
-    """A parameter leaf for the forward; its backward feeds the gradient to its bucket."""
-
-    @staticmethod
-    def forward(ctx, anchor: torch.Tensor, local: torch.Tensor, step: "Run", i: int) -> DTensor:  # type: ignore[override]
-        ctx.step, ctx.i = step, i
-        leaf = step.z.leaves[i]
-        return wrap_local(local, leaf.mesh, leaf.spec, leaf.shape)
-
-    @staticmethod
-    def backward(ctx, grad: DTensor):  # type: ignore[override]
-        ctx.step.add_grad(ctx.i, grad)
-        return None, None, None, None
-
-
-def _in_backward() -> bool:
-    """True while the autograd engine runs backward — a checkpointed block being
-    recomputed reads its parameters then, and those reads are no forward uses."""
-    return current_graph_task_id() != -1
-
-
-class _LazyMapping(Mapping):
-    """A read-only mirror of a dict of parameters; leaves materialise on read."""
-
-    def __init__(self, node: Mapping, step: "Run"):
-        self._node, self._step = node, step
-
-    def __getitem__(self, key: Any) -> Any:
-        return self._step.resolve(self._node[key])
-
-    def __contains__(self, key: object) -> bool:  # a membership test is no parameter read
-        return key in self._node
-
-    def __iter__(self) -> Iterator[Any]:
-        return iter(self._node)
-
-    def __len__(self) -> int:
-        return len(self._node)
-
-    def __repr__(self) -> str:
-        return f"<dtp ZeRO parameter view of {list(self._node)}>"
-
-
-class _LazySequence(Sequence):
-    """A read-only mirror of a list/tuple of parameters; leaves materialise on read."""
-
-    def __init__(self, node: Sequence, step: "Run"):
-        self._node, self._step = node, step
-
-    def __getitem__(self, index: Any) -> Any:
-        if isinstance(index, slice):
-            return [self._step.resolve(v) for v in self._node[index]]
-        return self._step.resolve(self._node[index])
-
-    def __len__(self) -> int:
-        return len(self._node)
-
-
 class Run:
     """One train step under ZeRO (a :class:`dtp.strategies.StepRun`): the forward's
     parameter view, the gradient buckets, and the update of this rank's master slices."""
@@ -396,18 +336,18 @@ class Run:
         if isinstance(node, int) and not isinstance(node, bool):
             return self.leaf(node)
         if type(node) is dict:
-            return _LazyMapping(node, self)
+            return LazyMapping(node, self)
         if type(node) in (list, tuple):
-            return _LazySequence(node, self)
+            return LazySequence(node, self)
         # Other containers (NamedTuple, custom nodes): materialise the whole subtree.
         return optree.tree_map(self.leaf, node)
 
     def leaf(self, i: int) -> DTensor:
-        counting = not _in_backward()
+        counting = not in_backward()
         if counting and self.z.plan is None:
             self.used.append(i)
         local = self._local(i)
-        out = _ParamView.apply(self.anchor, local, self, i)
+        out = ParamView.apply(self.anchor, local, self, i)
         if counting:
             self.views[i] += 1
             self.position += 1
@@ -425,7 +365,7 @@ class Run:
         if z.stage < 3:
             z.pending.wait(b)  # first use: wait for this bucket's all-gather only
             return z.buffers[b]
-        return self._gathered(b, ahead=-1 if _in_backward() else 1)
+        return self._gathered(b, ahead=-1 if in_backward() else 1)
 
     def _gathered(self, b: int, ahead: int) -> torch.Tensor:
         """Stage 3: bucket ``b`` whole, gathering it (or waiting for its prefetch) and
@@ -449,7 +389,7 @@ class Run:
     def _post_gather(self, b: int) -> comm.CommHandle:
         plan = self.z.plan
         bucket = plan.buckets[b]
-        tag = "zero3 backward gather" if _in_backward() else "zero3 gather"
+        tag = "zero3 backward gather" if in_backward() else "zero3 gather"
         return _gather(plan, bucket, _param_slice(self.z.master[b], bucket), async_op=True, tag=tag)
 
     def _hold(self, b: int, buf: torch.Tensor) -> None:
