@@ -35,7 +35,7 @@ from . import guard, strategies
 from ._rules import is_positive_int
 from .comm import comm_log, span
 from .layouts import Layout, check_divisible, use_layout
-from .optim import GradientTransformation, apply_updates, clip_by_global_norm
+from .optim import GradientTransformation, apply_updates, clip_by_global_norm, map_param_trees
 from .ops.recompute import POLICIES, recompute as recompute_policy
 from .redistribute import local_map, value_of
 from .spec import P, shard, spec_of
@@ -490,14 +490,14 @@ def _update(run: strategies.StepRun, optimizer: GradientTransformation, opt_stat
         parts: list[PyTree] = [None] * n
         new = list(targets)
         for i, g in run.gradients():
-            u, parts[i] = optimizer.update([g], _state_part(opt_state, i, n), [targets[i]])
+            u, parts[i] = optimizer.update([g], _state_part(opt_state, targets, i), [targets[i]])
             new[i] = apply_updates([targets[i]], u)[0]
             grads[i] = g
         norm = run.norm(grads)  # after every bucket's update, off their path
         # A skip drops the new tensors (the old ones were never written to): nothing to
         # undo, and nothing extra on the steps that are not skipped.
         bad = _non_finite(loss, norm)
-        return (targets, opt_state, norm, bad) if bad else (new, _state_join(opt_state, parts, n), norm, None)
+        return (targets, opt_state, norm, bad) if bad else (new, _state_join(opt_state, targets, parts), norm, None)
     for i, g in run.gradients():
         grads[i] = g
     tree, params = (grads, targets) if run.grouped else (grads[0], targets[0])
@@ -512,33 +512,21 @@ def _update(run: strategies.StepRun, optimizer: GradientTransformation, opt_stat
     return (new if run.grouped else [new]), opt_state, norm, None
 
 
-def _bucket_lists(node: Any, n: int) -> bool:
-    return type(node) is list and len(node) == n
+def _state_part(state: PyTree, targets: list[PyTree], i: int) -> PyTree:
+    """Group ``i``'s part of an elementwise optimizer's state: every subtree that mirrors
+    the groups (moments, momentum: :func:`dtp.optim.map_param_trees` knows which, from
+    the optimizer's own tree) cut to ``[i]``; the rest (the count) kept."""
+    return map_param_trees(state, targets, lambda name, tree: [tree[i]])
 
 
-def _state_part(state: Any, i: int, n: int) -> Any:
-    """Group ``i``'s part of an elementwise optimizer's state: every list that mirrors
-    the ``n`` groups (moments, momentum) cut to ``[i]``; scalars (the count) kept."""
-    if _bucket_lists(state, n):
-        return [state[i]]
-    if isinstance(state, tuple):
-        parts = [_state_part(x, i, n) for x in state]
-        return type(state)(*parts) if hasattr(state, "_fields") else tuple(parts)
-    if isinstance(state, dict):
-        return {k: _state_part(v, i, n) for k, v in state.items()}
-    return state
-
-
-def _state_join(template: Any, parts: list[Any], n: int) -> Any:
+def _state_join(template: PyTree, targets: list[PyTree], parts: list[PyTree]) -> PyTree:
     """Inverse of :func:`_state_part` over the per-group updated states."""
-    if _bucket_lists(template, n):
-        return [p[0] for p in parts]
-    if isinstance(template, tuple):
-        joined = [_state_join(t, [p[j] for p in parts], n) for j, t in enumerate(template)]
-        return type(template)(*joined) if hasattr(template, "_fields") else tuple(joined)
-    if isinstance(template, dict):
-        return {k: _state_join(v, [p[k] for p in parts], n) for k, v in template.items()}
-    return parts[-1]  # shared (the count): every group's update advanced it alike
+    trees: dict[str, list[Any]] = {}
+    leaves: dict[str, Any] = {}
+    for k, part in enumerate(parts):
+        map_param_trees(part, [targets[k]], lambda name, tree: trees.setdefault(name, []).append(tree[0]),
+                        lambda name, x: leaves.__setitem__(name, x))  # shared (the count): the groups agree
+    return map_param_trees(template, targets, lambda name, tree: trees[name], lambda name, x: leaves[name])
 
 
 def _metrics(state: TrainState, batch: Mapping[str, torch.Tensor], loss: float, aux: Any, norm: torch.Tensor,
