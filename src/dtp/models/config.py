@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["LlamaConfig", "CONFIGS", "config", "param_axes", "axis_sizes", "param_count", "flops_per_token",
+__all__ = ["LlamaConfig", "CONFIGS", "config", "block_shapes", "param_axes", "axis_sizes", "param_count", "flops_per_token",
            "is_moe", "n_sequential_layers"]
 
 
@@ -159,7 +159,12 @@ def axis_sizes(cfg: LlamaConfig) -> dict[str, int]:
     return sizes
 
 
-def _shapes(cfg: LlamaConfig, i: int) -> dict[str, tuple[int, ...]]:
+def block_shapes(cfg: LlamaConfig, i: int) -> dict[str, tuple[int, ...]]:
+    """Block ``i``'s parameter shapes, by name (what ``init`` allocates and the plan counts).
+
+    >>> block_shapes(config("tiny"), 0)["wq"]
+    (64, 64)
+    """
     hd = cfg.head_dim
     shapes = {
         "attn_norm": (cfg.dim,), "wq": (cfg.dim, cfg.n_heads * hd), "wk": (cfg.dim, cfg.n_kv_heads * hd),
@@ -180,7 +185,7 @@ def _count(cfg: LlamaConfig, active: bool) -> int:
     # active: an MoE block's experts count top_k / num_experts of theirs (what a token uses)
     per_layer = 0
     for i in range(cfg.n_layers):
-        for name, shape in _shapes(cfg, i).items():
+        for name, shape in block_shapes(cfg, i).items():
             n = math.prod(shape)
             per_layer += n * cfg.top_k // cfg.num_experts if active and len(shape) == 3 else n
     head = 0 if cfg.tie_embeddings else cfg.dim * cfg.vocab_size

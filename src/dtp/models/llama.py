@@ -38,11 +38,11 @@ from torch.distributed.tensor import DTensor
 from ..ops import attention, cross_entropy, embedding, linear, remat, rotary
 from ..ops.moe import moe_ffn
 from .._rules import accum_dtype
-from .config import (CONFIGS, LlamaConfig, _shapes, axis_sizes, config, flops_per_token, is_moe,
+from .config import (CONFIGS, LlamaConfig, block_shapes, axis_sizes, config, flops_per_token, is_moe,
                      n_sequential_layers, param_axes, param_count)
 from .sequential import Layer, Sequential
 
-__all__ = ["LlamaConfig", "CONFIGS", "config", "init", "param_axes", "axis_sizes", "apply", "loss", "sequential",
+__all__ = ["LlamaConfig", "CONFIGS", "config", "block_shapes", "init", "param_axes", "axis_sizes", "apply", "loss", "sequential",
            "param_count", "flops_per_token", "is_moe", "n_sequential_layers"]
 
 
@@ -65,7 +65,7 @@ def init(cfg: LlamaConfig, seed: int = 0, dtype: torch.dtype = torch.float32,
     params: dict[str, Any] = {"embed": normal((cfg.vocab_size, cfg.dim), std), "layers": []}
     for i in range(cfg.n_layers):
         layer = {}
-        for name, shape in _shapes(cfg, i).items():
+        for name, shape in block_shapes(cfg, i).items():
             layer[name] = ones(shape) if name.endswith("norm") else normal(
                 shape, out_std if name in ("wo", "w_down", "shared_down") else std)
         if "router" in layer:

@@ -1,7 +1,7 @@
 """``dtp.plan``: per-rank memory, bytes per mesh axis and collective, and the pipeline
 bubble of a training configuration, predicted without allocating the model.
 
-Parameter shapes come from the model's own code (``llama._shapes``, ``llama.param_axes``)
+Parameter shapes come from the model's own code (``llama.block_shapes``, ``llama.param_axes``)
 and their placements from the same :class:`~dtp.Layout` ``dtp train`` builds, resolved on
 a stand-in mesh of names and sizes; bytes follow :mod:`dtp.comm`'s formulas; the bubble
 is :func:`dtp.schedules.simulate`'s. A 70B model plans in milliseconds.

@@ -218,7 +218,7 @@ def leaves(s: Setup, layout: Layout | None = None) -> list[Leaf]:
     axes = llama.param_axes(cfg)
     shapes: list[tuple[str, tuple[int, ...], tuple[str, ...]]] = [("embed", (cfg.vocab_size, cfg.dim), axes["embed"])]
     for i in range(cfg.n_layers):
-        shapes += [(f"layers.{i}.{k}", v, axes["layers"][i][k]) for k, v in llama._shapes(cfg, i).items()]
+        shapes += [(f"layers.{i}.{k}", v, axes["layers"][i][k]) for k, v in llama.block_shapes(cfg, i).items()]
     shapes.append(("final_norm", (cfg.dim,), axes["final_norm"]))
     if not cfg.tie_embeddings:
         shapes.append(("lm_head", (cfg.dim, cfg.vocab_size), axes["lm_head"]))

@@ -271,7 +271,7 @@ class Run:
         the anchor its views hang from (their backward fills the buckets)."""
         if not self.zero:
             return optree.tree_leaves(self.params_tree)
-        self.inner._begin_backward(i)
+        self.inner.begin_backward(i)
         return [self.inner.anchor]
 
     # ---- point to point

@@ -430,10 +430,10 @@ class Run:
         """Backward of one microbatch: every parameter's gradient lands in its bucket
         (through the views' backward), the last microbatch's completes buckets post their
         reduce-scatters."""
-        self._begin_backward(microbatch)
+        self.begin_backward(microbatch)
         torch.autograd.grad(loss, [self.anchor], allow_unused=True)
 
-    def _begin_backward(self, microbatch: int) -> None:
+    def begin_backward(self, microbatch: int) -> None:
         """After each microbatch's forward: (first step) fix the buckets, then count the
         views each bucket waits for."""
         self.microbatch = microbatch
