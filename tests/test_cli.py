@@ -146,7 +146,7 @@ def test_progress_bar_and_console_output() -> None:
     assert cli.progress_bar(4, 4, width=8) == "[########] 100%"
 
     log = io.StringIO()  # not a TTY: plain lines, every --log-every steps, plus first and last
-    p = report._Progress(total=5, log_every=2, stream=log)
+    p = report.Progress(total=5, log_every=2, stream=log)
     for step in range(1, 6):
         p.update(step, METRICS)
     assert [line.split()[1] for line in log.getvalue().splitlines()] == ["1/5", "2/5", "4/5", "5/5"]
@@ -156,7 +156,7 @@ def test_progress_bar_and_console_output() -> None:
             return True
 
     tty = Tty()
-    p = report._Progress(total=2, log_every=1, stream=tty)
+    p = report.Progress(total=2, log_every=1, stream=tty)
     p.update(1, METRICS)
     assert "\r" in tty.getvalue() and "[" in tty.getvalue().rsplit("\n", 1)[-1]  # live bar last
     p.update(2, METRICS)

@@ -34,15 +34,15 @@ def test_metrics_are_appended_a_line_per_step(tmp_path, monkeypatch, capsys) -> 
     """No whole-file rewrite per step (quadratic in the steps): the atomic writer never
     touches metrics.jsonl in a fresh run, and each step adds exactly one line."""
     written, sizes = [], []
-    real_write, real_update = loop._atomic_write_text, report._Progress.update
-    monkeypatch.setattr(loop, "_atomic_write_text", lambda path, text: (written.append(path.name),
+    real_write, real_update = loop.atomic_write_text, report.Progress.update
+    monkeypatch.setattr(loop, "atomic_write_text", lambda path, text: (written.append(path.name),
                                                                        real_write(path, text)))
 
     def update(self, step, metrics):  # the file as the progress line is drawn, after each step
         sizes.append(len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()))
         real_update(self, step, metrics)
 
-    monkeypatch.setattr(report._Progress, "update", update)
+    monkeypatch.setattr(report.Progress, "update", update)
     assert cli.main(["train", "--steps", "4", *SMALL, "--out", str(tmp_path / "run")]) == 0
     assert "metrics.jsonl" not in written
     assert sizes == [1, 2, 3, 4]

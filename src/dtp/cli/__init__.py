@@ -7,10 +7,10 @@
     dtp plan --model llama3-8b --dp 8 --zero 1 --dtype bfloat16 --memory-gb 80   # predict, allocate nothing
 
 The package reads in the order a run goes: :mod:`~dtp.cli.flags` (parser, flag checks,
-the argv each rank gets), :mod:`~dtp.cli.loop` (layout, mesh, the per-rank training loop),
+the run configuration), :mod:`~dtp.cli.loop` (layout, mesh, the per-rank training loop),
 :mod:`~dtp.cli.report` (console lines, run-directory files, summary, plot) and
-:mod:`~dtp.cli.check` (the 1-process reference). Names with ``_`` are private to the
-package; the modules import them from each other.
+:mod:`~dtp.cli.check` (the 1-process reference). What one module uses of another is in
+that module's ``__all__``; names with ``_`` stay inside their module.
 
 Exit codes: 0 success, 1 a rank crashed, a collective failed (a peer died or stalled past
 ``--timeout``: each rank says where it was, one line), ``--check`` failed or training
@@ -39,7 +39,7 @@ from ..launch import in_torchrun, launched
 from .flags import (UsageError, build_layout, build_parser, mesh_axes, parse_args, preflight, train_argv,
                     validate)
 from .plan import cmd_plan, train_refusal
-from .report import (_default_out, clear_run_files, format_bytes, format_step, progress_bar, report_exception,
+from .report import (default_out, clear_run_files, format_bytes, format_step, progress_bar, report_exception,
                      summarize)
 
 __all__ = [
@@ -70,7 +70,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
         print(to_toml(args.run_config), end="")
         return 0
     if args.out is None:
-        args.out = _default_out()
+        args.out = default_out()
     args.out = str(Path(args.out).resolve())  # ranks and the reference must agree on it
     args.run_config = dataclasses.replace(args.run_config, out=args.out)
     rank = int(os.environ.get("RANK", "0"))
@@ -83,12 +83,12 @@ def _cmd_train(args: argparse.Namespace) -> int:
             preflight(args, check_out=rank == 0 and not restarted)
             if rank == 0 and args.overwrite and not restarted:
                 clear_run_files(Path(args.out))
-        from .check import _check_in_subprocess
-        from .loop import _train_rank
+        from .check import check_in_subprocess
+        from .loop import train_rank
 
-        code = _train_rank(args)
+        code = train_rank(args)
         if code == 0 and args.check and rank == 0:
-            code = _check_in_subprocess(args.out)
+            code = check_in_subprocess(args.out)
         return code
     # Everything that can be checked without torch, before starting ranks that would all fail.
     layout = preflight(args)
@@ -113,9 +113,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
     if args.nproc > 1:
         code = _launch(args)
     else:
-        from .loop import _train_rank
+        from .loop import train_rank
 
-        code = _train_rank(args)
+        code = train_rank(args)
     if code == 0 and args.check:
         from .check import check_run
 

@@ -21,10 +21,10 @@ from typing import Any, Sequence, TextIO
 from .. import layouts
 from .._rules import RUN_RTOL
 from .flags import UsageError
-from .loop import _single_process_world, _train
-from .report import _plot, _write_json, read_metrics
+from .loop import single_process_world, train_loop
+from .report import plot_losses, write_json, read_metrics
 
-__all__ = ["check_run", "compare_losses", "tolerance_for"]
+__all__ = ["check_run", "compare_losses", "tolerance_for", "check_in_subprocess"]
 
 
 def tolerance_for(dtype: str) -> float:
@@ -93,13 +93,13 @@ def check_run(run_dir: str | os.PathLike[str], *, rtol: float | None = None,
     rtol = tolerance_for(cfg["dtype"]) if rtol is None else rtol
     print(f"check: retraining {cfg['steps']} steps on 1 process (layout data, recompute none) ...",
           file=stream, flush=True)
-    with _single_process_world() as mesh:
-        ref = [r["loss"] for r in _train(cfg, mesh, layouts.data(), recompute=None)]
+    with single_process_world() as mesh:
+        ref = [r["loss"] for r in train_loop(cfg, mesh, layouts.data(), recompute=None)]
     result = compare_losses(run, ref, rtol)
     result.update(dtype=cfg["dtype"], run_losses=run, reference_losses=ref)
-    _write_json(run_dir / "check.json", result)
+    write_json(run_dir / "check.json", result)
     mesh_name = " ".join(f"{k}={v}" for k, v in cfg["mesh"].items())
-    _plot(run_dir, {mesh_name: run, "1-process reference": ref}, cfg)
+    plot_losses(run_dir, {mesh_name: run, "1-process reference": ref}, cfg)
     verdict = "OK" if result["ok"] else "FAILED"
     detail = result.get("reason") or (
         f"max |Δloss| {result['max_abs_diff']:.2e}, max rel {result['max_rel_diff']:.2e} "
@@ -109,7 +109,7 @@ def check_run(run_dir: str | os.PathLike[str], *, rtol: float | None = None,
     return 0 if result["ok"] else 1
 
 
-def _check_in_subprocess(out: str) -> int:
+def check_in_subprocess(out: str) -> int:
     """Under an outside torchrun world, the reference needs a process of its own (this
     one's process group has WORLD_SIZE ranks): rank 0 runs ``dtp check`` without torchrun's
     variables, so it builds a world of one."""

@@ -3,7 +3,7 @@ and the per-rank worker that trains and reports.
 
 ``dtp train`` outside torchrun starts the ranks itself through torchrun's machinery
 (:func:`dtp.launch.launch`); inside torchrun it joins the world it finds, so multi-node
-runs are plain ``torchrun ... -m dtp.cli train ...``. Every rank runs :func:`_train_rank`;
+runs are plain ``torchrun ... -m dtp.cli train ...``. Every rank runs :func:`train_rank`;
 rank 0 shows progress and writes the run directory (:mod:`dtp.cli.report`).
 """
 
@@ -37,10 +37,11 @@ from ..models import llama
 from ..redistribute import value_of
 from .flags import (EVAL_BATCHES, PROG, UsageError, build_layout, format_mesh, mesh_axes, model_overrides,
                     train_argv, vocab_size)
-from .report import (_atomic_write_text, _format_summary, _plot, _Progress, _write_json, format_bytes, read_metrics,
+from .report import (atomic_write_text, format_summary, plot_losses, Progress, write_json, format_bytes, read_metrics,
                      report_exception, summarize)
 
-__all__ = ["build_layout", "SkipCounter", "TrainingAborted", "Terminated"]
+__all__ = ["build_layout", "SkipCounter", "TrainingAborted", "Terminated", "train_loop", "train_rank",
+           "single_process_world"]
 
 
 def _torch_dtype(name: str) -> torch.dtype:
@@ -99,7 +100,7 @@ class Checkpointing:
     resume_from: Path | None = None
 
 
-def _train(args: Mapping[str, Any], mesh: DeviceMesh, layout: Layout, *, recompute: str | None,
+def train_loop(args: Mapping[str, Any], mesh: DeviceMesh, layout: Layout, *, recompute: str | None,
            on_step: Callable[[int, dict[str, Any]], None] | None = None,
            checkpoints: Checkpointing | None = None) -> list[dict[str, Any]]:
     """The training loop every rank runs (and the 1-process reference); returns the
@@ -245,7 +246,7 @@ class SkipCounter:
 
 
 @contextlib.contextmanager
-def _single_process_world() -> Iterator[DeviceMesh]:
+def single_process_world() -> Iterator[DeviceMesh]:
     """A 1-rank mesh in this process; the process group it creates is torn down after,
     so ``main()`` called from Python leaves no global state behind."""
     created = not dist.is_initialized()
@@ -269,7 +270,7 @@ def _run_config(args: argparse.Namespace, world_size: int) -> dict[str, Any]:
 def _world(args: argparse.Namespace) -> Iterator[DeviceMesh]:
     """The run's mesh: from torchrun's environment in a rank, else a world of one here."""
     if not in_torchrun():
-        with _single_process_world() as mesh:
+        with single_process_world() as mesh:
             yield mesh
         return
     created = not dist.is_initialized()
@@ -291,7 +292,7 @@ def _quiesce() -> None:
     all-gather of the last step completed then on a gloo thread, and its Python completion
     callback (dtp.comm's timing) could not take the GIL: ``pthread_exit`` through C++ →
     ``terminate called without an active exception``. So wait for every handle this rank
-    posted (``_train`` already waited for its state's), then a barrier, so no rank closes
+    posted (``train_loop`` already waited for its state's), then a barrier, so no rank closes
     its connections while a peer is still in a collective with it (the issue's
     ``gloo::IoException ... Connection reset by peer``). Only on success: after an error
     the peers may never reach the barrier (the launcher stops them instead).
@@ -340,7 +341,7 @@ def _sigterm_ignored() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
-def _train_rank(args: argparse.Namespace, *, stream: TextIO | None = None) -> int:
+def train_rank(args: argparse.Namespace, *, stream: TextIO | None = None) -> int:
     """Train as one rank of the current world (torchrun's, or a world of one).
 
     Rank 0 writes the run directory: ``metrics.jsonl`` a line per step, and
@@ -352,7 +353,7 @@ def _train_rank(args: argparse.Namespace, *, stream: TextIO | None = None) -> in
     out = Path(args.out)
     run_cfg = _run_config(args, world)
     layout = build_layout(args)
-    progress = _Progress(args.steps, args.log_every, stream) if rank == 0 else None
+    progress = Progress(args.steps, args.log_every, stream) if rank == 0 else None
     checkpoints = _checkpointing(args, out)
     # Resuming: the steps up to the checkpoint stay in metrics.jsonl (the ones after it
     # are run again), so the file, the summary and the loss plot cover the whole run.
@@ -363,12 +364,12 @@ def _train_rank(args: argparse.Namespace, *, stream: TextIO | None = None) -> in
         metrics = board = None
         if rank == 0:
             out.mkdir(parents=True, exist_ok=True)
-            _write_json(out / "config.json", {**run_cfg, "layout": layout.name,
+            write_json(out / "config.json", {**run_cfg, "layout": layout.name,
                                               "command": shlex.join([PROG, *train_argv(args)])})
             # The kept steps once (whole, atomically), then one line appended per step. A
             # fresh run's file appears with its first step (readers take it as "training").
             if earlier:
-                _atomic_write_text(out / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in earlier))
+                atomic_write_text(out / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in earlier))
             else:
                 (out / "metrics.jsonl").unlink(missing_ok=True)
             metrics = files.enter_context(_AppendOnFirstWrite(out / "metrics.jsonl"))
@@ -393,7 +394,7 @@ def _train_rank(args: argparse.Namespace, *, stream: TextIO | None = None) -> in
         interrupted = None
         try:
             with _sigterm_raises(), _world(args) as mesh:
-                _train(run_cfg, mesh, layout, recompute=_recompute(args), on_step=on_step, checkpoints=checkpoints)
+                train_loop(run_cfg, mesh, layout, recompute=_recompute(args), on_step=on_step, checkpoints=checkpoints)
                 del mesh  # the last reference: destroy_process_group then really ends the group
         except BaseException as e:
             interrupted = _why(e)
@@ -425,9 +426,9 @@ def _finish(out: Path, records: list[dict[str, Any]], run_cfg: Mapping[str, Any]
     summary = summarize(records)
     if interrupted is not None:
         summary["interrupted"] = interrupted
-    _write_json(out / "summary.json", summary)
-    _plot(out, {"loss": [r["loss"] for r in records]}, run_cfg)
-    print(_format_summary(summary), file=stream, flush=True)
+    write_json(out / "summary.json", summary)
+    plot_losses(out, {"loss": [r["loss"] for r in records]}, run_cfg)
+    print(format_summary(summary), file=stream, flush=True)
 
 
 def _print_header(args: argparse.Namespace, run_cfg: Mapping[str, Any], layout: Layout, world: int, out: Path,

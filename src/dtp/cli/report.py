@@ -42,7 +42,8 @@ from ..plot import atomic_path, plot_loss
 from .flags import PROG
 
 __all__ = ["format_bytes", "format_step", "format_duration", "progress_bar", "summarize", "describe_exception",
-           "clear_run_files", "read_metrics", "report_exception"]
+           "clear_run_files", "read_metrics", "report_exception", "Progress", "plot_losses", "write_json",
+           "atomic_write_text", "format_summary", "default_out"]
 
 
 # --------------------------------------------------------------------------- console
@@ -112,7 +113,7 @@ def progress_bar(step: int, total: int, width: int = 24) -> str:
     return f"[{'#' * done}{'.' * (width - done)}] {100 * step // max(total, 1):>3d}%"
 
 
-class _Progress:
+class Progress:
     """Rank 0's console output: a live bar on a terminal, plain lines in a log file."""
 
     def __init__(self, total: int, log_every: int, stream: TextIO | None = None):
@@ -147,7 +148,7 @@ class _Progress:
 # --------------------------------------------------------------------------- files
 
 
-def _default_out() -> str:
+def default_out() -> str:
     base = Path("runs") / time.strftime("%Y%m%d-%H%M%S")
     path, k = base, 1
     while path.exists():  # two runs started within the same second
@@ -204,15 +205,15 @@ def _short_path(filename: str) -> str:
     return "dtp" + os.sep + filename.rsplit(marker, 1)[1] if marker in filename else filename
 
 
-def _atomic_write_text(path: Path, text: str) -> None:
+def atomic_write_text(path: Path, text: str) -> None:
     # tmp file in the same directory + rename: readers never see a partial file, and a
     # run killed mid-write leaves the previous complete version.
     with atomic_path(path) as tmp:
         tmp.write_text(text)
 
 
-def _write_json(path: Path, obj: Any) -> None:
-    _atomic_write_text(path, json.dumps(obj, indent=2) + "\n")
+def write_json(path: Path, obj: Any) -> None:
+    atomic_write_text(path, json.dumps(obj, indent=2) + "\n")
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
@@ -237,7 +238,7 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
     return records
 
 
-def _plot(out: Path, curves: Mapping[str, Sequence[float]], cfg: Mapping[str, Any]) -> None:
+def plot_losses(out: Path, curves: Mapping[str, Sequence[float]], cfg: Mapping[str, Any]) -> None:
     mesh = " ".join(f"{k}={v}" for k, v in cfg["mesh"].items()) + (" +sp" if cfg.get("sp") else "")
     plot_loss(out / "loss.png", curves, title=f"{cfg['model']} {cfg['dtype']} {mesh}")
 
@@ -284,7 +285,7 @@ def summarize(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     }
 
 
-def _format_summary(s: Mapping[str, Any]) -> str:
+def format_summary(s: Mapping[str, Any]) -> str:
     tps = f"{s['tokens_per_s']:.0f}" if s.get("tokens_per_s") else "-"
     comm = ", ".join(f"{a} {format_bytes(b)}" for a, b in s["comm_bytes_per_axis"].items()) or "none"
     skipped = f" ({s['skipped_steps']} skipped: non-finite)" if s.get("skipped_steps") else ""
