@@ -2,7 +2,7 @@
 
     python benchmarks/flight_record.py --repeats 7
 
-* record: ``dtp.comm._record`` as it is (a CommRecord, the comm logs, a sequence number,
+* record: ``dtp.comm.flight._record`` as it is (a CommRecord, the comm logs, a sequence number,
   the ring append, the mirror check) vs the same function without the three flight-recorder
   lines (what it was before), timed alternately in this process, median of ``--repeats``
   blocks of 20,000 calls each.
@@ -32,10 +32,10 @@ CALLS = 20_000
 
 
 def _record_without_flight(kind, axis, nbytes, n, x, async_op, tag):
-    # dtp.comm._record before the flight recorder: the record and the comm logs only.
+    # dtp.comm.flight._record before the flight recorder: the record and the comm logs only.
     rec = comm.CommRecord(kind, axis, int(round(nbytes)), n, x.dtype, tuple(x.shape), time.perf_counter(), None,
                           async_op, tag)
-    for log in comm._logs():
+    for log in comm.active_logs():
         log.records.append(rec)
     return rec
 
@@ -73,8 +73,8 @@ def main() -> None:
     fut = torch.futures.Future()
     fut.set_result([x])
     with tempfile.TemporaryDirectory() as d:
-        ff = comm._FlightFile(Path(d) / "flight-rank0.bin")
-        rec = comm._record(*rec_args)
+        ff = comm.flight._FlightFile(Path(d) / "flight-rank0.bin")
+        rec = comm.flight._record(*rec_args)
         rec.completed = time.perf_counter()
 
         def mirrored(r):
@@ -82,7 +82,7 @@ def main() -> None:
             ff.update(r)
 
         for i in range(args.repeats):
-            order = [(old, _record_without_flight), (new, comm._record)]
+            order = [(old, _record_without_flight), (new, comm.flight._record)]
             for bucket, fn in (order if i % 2 else order[::-1]):
                 bucket.append(_per_call_us(fn, *rec_args))
             mirror.append(_per_call_us(mirrored, rec))

@@ -259,7 +259,7 @@ def test_launcher_accounts_for_ranks_that_reported_nothing(tmp_path) -> None:
         return SimpleNamespace(exitcode=code, signal_name=lambda: signal.Signals(-code).name)
 
     def mirror(rank: int, states: list[str]) -> None:
-        ff = comm._FlightFile(tmp_path / f"flight-rank{rank}.bin")
+        ff = comm.flight._FlightFile(tmp_path / f"flight-rank{rank}.bin")
         for seq, state in enumerate(states, 1):
             rec = comm.CommRecord("all_reduce", "dp", 16, 2, torch.float32, (4,), 1.0, None, False, "grads", seq)
             ff.write(rec)

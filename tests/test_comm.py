@@ -43,7 +43,7 @@ def test_axis_of_one_is_not_recorded() -> None:
 def test_file_mirror_matches_the_record_and_marks_failures(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv(comm.FLIGHT_DIR_ENV, str(tmp_path))
     monkeypatch.setenv("RANK", "3")
-    monkeypatch.setattr(comm, "_mirror", False)  # look at the environment again
+    monkeypatch.setattr(comm.flight, "_mirror", False)  # look at the environment again
     with simulate(2):
         mesh = dtp.make_mesh(dp=2)
         for i in range(comm.FLIGHT_SLOTS + 5):  # the file's slots wrap like the ring
@@ -60,8 +60,8 @@ def test_file_mirror_matches_the_record_and_marks_failures(tmp_path, monkeypatch
                for a, b in zip(on_file, in_process))
 
     # A collective that fails in the backend is marked failed, in the ring and on file.
-    record = comm._record("reduce_scatter", "dp", 64, 2, torch.ones(4), True, "grad bucket 0")
-    error = comm._failure(record, RuntimeError("boom"))
+    record = comm.flight._record("reduce_scatter", "dp", 64, 2, torch.ones(4), True, "grad bucket 0")
+    error = comm.flight._failure(record, RuntimeError("boom"))
     assert isinstance(error, RuntimeError) and error.record is record
     assert comm.flight_record()[-1].state == "failed"
     last = comm.flight_record(tmp_path / "flight-rank3.bin")[-1]
@@ -85,8 +85,8 @@ def test_not_a_flight_record_is_a_value_error(tmp_path) -> None:
 ])
 def test_collective_error_is_one_line_naming_rank_collective_and_record(gloo, says) -> None:
     """The messages gloo gives on torch 2.13 (measured) for a stalled and a dead peer."""
-    record = comm._record("all_reduce", "dp", 4096, 2, torch.ones(1024), False, "grad reduce")
-    message = str(comm._failure(record, RuntimeError(gloo)))
+    record = comm.flight._record("all_reduce", "dp", 4096, 2, torch.ones(1024), False, "grad reduce")
+    message = str(comm.flight._failure(record, RuntimeError(gloo)))
     assert "\n" not in message and "GLHF" not in message and "pair.cc" not in message
     assert message.startswith(f"rank 0: all_reduce over 'dp' (#{record.seq} 'grad reduce') failed ")
     assert says in message

@@ -37,6 +37,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from .. import comm
+from ..mesh import axis_size
 
 __all__ = ["DispatchPlan", "plan", "dispatch", "combine"]
 
@@ -115,7 +116,7 @@ def plan(x: torch.Tensor, expert_ids: torch.Tensor, num_experts: int, mesh: Devi
     """Where each row of ``x`` goes and what arrives, before any row moves: the counts
     exchange (:func:`dtp.comm.exchange_counts`) and its one host sync, with the checks
     of :func:`dispatch` (which runs it first; so does :mod:`dtp.ops.moe_pipe`)."""
-    _, n = comm._group(mesh, axis)
+    n = axis_size(mesh, axis)
     if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1 or num_experts % n:
         raise ValueError(f"{fn}: num_experts must be an int >= 1 divisible by the {axis!r} size {n}, "
                          f"got {num_experts!r}")

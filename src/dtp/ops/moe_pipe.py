@@ -270,22 +270,20 @@ class Stream:
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> "_StreamHandle":
         handle = _StreamHandle()
-        self._queue.put((handle, fn, args, list(comm._logs())))
+        self._queue.put((handle, fn, args, comm.active_logs()))
         return handle
 
     def _loop(self) -> None:
         while True:
             handle, fn, args, logs = self._queue.get()
-            comm._active.logs = logs  # record where the submitter records
             try:
-                with comm.comm_log() as mine:
-                    result = fn(*args)
-                handle.records = mine.records
-                handle.future.set_result(result)
+                with comm.record_into(logs):  # record where the submitter records
+                    with comm.comm_log() as mine:
+                        result = fn(*args)
+                    handle.records = mine.records
+                    handle.future.set_result(result)
             except BaseException as e:  # handed to the waiting thread, which raises it
                 handle.future.set_exception(e)
-            finally:
-                comm._active.logs = []
 
 
 class _StreamHandle:

@@ -1,0 +1,69 @@
+"""The one recorded path for collectives.
+
+Every collective dtp issues goes through this package, which runs it on the process
+group of one named mesh axis and appends a :class:`CommRecord` to every active
+:func:`comm_log`. Tests assert communication volume and overlap from those records;
+``train_step`` reports bytes per collective per mesh axis from them.
+
+One module per job; each imports only from those above it:
+
+===============  =====================================================================
+``records``      :class:`CommRecord`, :class:`CommLog`, :func:`comm_log`, :func:`span`;
+                 which logs a thread records into (:func:`active_logs`,
+                 :func:`record_into`)
+``link``         :func:`simulated_link`: a slow link modelled per mesh axis
+``flight``       the always-on flight recorder (:func:`flight_record`), its file
+                 mirror (:data:`FLIGHT_DIR_ENV`), :class:`CollectiveError`
+``handles``      :class:`CommHandle` (an ``async_op=True`` collective), :func:`drain`
+``collectives``  the collectives (incl. :func:`send` / :func:`recv`,
+                 :func:`all_to_all_v`, :func:`exchange_counts`, :func:`barrier`) and
+                 the bytes each records (:func:`ring_bytes`)
+===============  =====================================================================
+
+>>> with dtp.testing.simulate(2):
+...     mesh = make_mesh(dp=2)
+...     with comm_log() as log:
+...         y = all_reduce(torch.ones(1000), mesh, "dp")
+>>> log.summary()
+{'dp': {'all_reduce': 4000}}
+"""
+
+from __future__ import annotations
+
+from .collectives import (all_gather, all_reduce, all_to_all, all_to_all_v, barrier, exchange_counts, recv,
+                          reduce_scatter, ring_bytes, send, send_recv)
+from .flight import FLIGHT_DIR_ENV, FLIGHT_SLOTS, CollectiveError, FlightEntry, flight_record, format_flight_record
+from .handles import CommHandle, drain
+from .link import simulated_link
+from .records import CommLog, CommRecord, Span, active_logs, comm_log, record_into, span
+
+
+__all__ = [
+    "CommRecord",
+    "CommLog",
+    "ring_bytes",
+    "CommHandle",
+    "comm_log",
+    "active_logs",
+    "record_into",
+    "all_gather",
+    "reduce_scatter",
+    "all_reduce",
+    "all_to_all",
+    "all_to_all_v",
+    "exchange_counts",
+    "send_recv",
+    "send",
+    "recv",
+    "barrier",
+    "drain",
+    "Span",
+    "span",
+    "simulated_link",
+    "CollectiveError",
+    "FlightEntry",
+    "flight_record",
+    "format_flight_record",
+    "FLIGHT_SLOTS",
+    "FLIGHT_DIR_ENV",
+]

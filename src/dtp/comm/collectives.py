@@ -1,0 +1,313 @@
+"""The collectives: each runs on the process group of one named mesh axis and is
+recorded (:func:`dtp.comm.comm_log`, the flight record) with the bytes it sends.
+
+Functions take and return *local* tensors (the per-rank shards); the DTensor-level
+redistribution rules live in :mod:`dtp.redistribute`. Each has ``async_op=True``, which
+returns a :class:`~dtp.comm.CommHandle` whose ``wait()`` yields the result.
+
+Bytes are *sent per rank*, counted as the bandwidth-optimal (ring) algorithms move them:
+
+==============  ================================
+all_gather      (n-1) × local input bytes
+reduce_scatter  (n-1)/n × local input bytes
+all_reduce      2 (n-1)/n × bytes
+all_to_all      (n-1)/n × local input bytes
+all_to_all_v    rows sent to the other coordinates × bytes per row (uneven splits)
+send_recv       bytes of the tensor sent
+==============  ================================
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from .flight import _failure, _record
+from .handles import CommHandle
+from .link import _link_applies
+
+__all__ = ["ring_bytes", "all_gather", "reduce_scatter", "all_reduce", "all_to_all", "all_to_all_v",
+           "exchange_counts", "send_recv", "send", "recv", "barrier"]
+
+
+def _group(mesh: DeviceMesh, axis: str) -> tuple[dist.ProcessGroup, int]:
+    names = mesh.mesh_dim_names or ()
+    if axis not in names:
+        raise ValueError(f"collective on unknown mesh axis {axis!r}; the mesh has {names}")
+    return mesh.get_group(axis), mesh.size(names.index(axis))
+
+
+def _run(kind: str, mesh: DeviceMesh, axis: str, x: torch.Tensor, nbytes: Callable[[int], float],
+         post: Callable[[dist.ProcessGroup, int], tuple[object, Callable[[], torch.Tensor]]],
+         async_op: bool, tag: str) -> torch.Tensor | CommHandle:
+    group, n = _group(mesh, axis)
+    if n == 1:  # nothing moves: no collective, no record (a ring of one does no send/recv)
+        handle = CommHandle(None, None, lambda: x)
+        return handle if async_op else handle.wait()
+    record = _record(kind, axis, nbytes(n), n, x, async_op, tag)
+    try:
+        work, finish = post(group, n)
+    except RuntimeError as e:  # a peer already gone: gloo can fail at posting
+        raise _failure(record, e) from e
+    handle = CommHandle(work, record, finish, (axis, record.bytes) if _link_applies(axis) else None)
+    return handle if async_op else handle.wait()
+
+
+def _nbytes(x: torch.Tensor) -> int:
+    return x.numel() * x.element_size()
+
+
+_RING_SHARE = {"all_gather": lambda n: n - 1, "reduce_scatter": lambda n: (n - 1) / n,
+               "all_reduce": lambda n: 2 * (n - 1) / n, "all_to_all": lambda n: (n - 1) / n}
+
+
+def ring_bytes(kind: str, nbytes: int, n: int) -> int:
+    """The bytes one rank sends, as the comm log records them, for a ring ``kind``
+    (``all_gather``, ``reduce_scatter``, ``all_reduce``, ``all_to_all``) of ``nbytes`` of
+    local input over ``n`` ranks (module docstring's table); :func:`dtp.plan` predicts
+    with it.
+
+    >>> ring_bytes("all_reduce", 1000, 4), ring_bytes("all_gather", 1000, 4)
+    (1500, 3000)
+    """
+    return int(round(_RING_SHARE[kind](n) * nbytes))
+
+
+def all_gather(x: torch.Tensor, mesh: DeviceMesh, axis: str, *, dim: int = 0, out: torch.Tensor | None = None,
+               async_op: bool = False, tag: str = "") -> torch.Tensor | CommHandle:
+    """Concatenate every rank's ``x`` along ``dim`` in axis-coordinate order.
+
+    ``out`` (``dim=0`` only): a contiguous buffer of the gathered shape to gather into,
+    so a caller can hand out views of it while the gather is still in flight.
+    """
+    x = x.contiguous()
+    if out is not None and (dim != 0 or not out.is_contiguous()):
+        raise ValueError("all_gather: out= needs dim=0 and a contiguous buffer")
+
+    def post(group: dist.ProcessGroup, n: int):
+        nonlocal out
+        if out is None:
+            out = x.new_empty((n * x.shape[0], *x.shape[1:])) if dim == 0 else x.new_empty((n, *x.shape))
+        work = dist.all_gather_single(out.view(-1), x.view(-1), group=group, async_op=True)
+
+        def finish() -> torch.Tensor:
+            if dim == 0:
+                return out
+            stacked = out.movedim(0, dim)  # (..., n, x.shape[dim], ...)
+            shape = list(x.shape)
+            shape[dim] *= n
+            return stacked.reshape(shape)
+
+        return work, finish
+
+    return _run("all_gather", mesh, axis, x, lambda n: ring_bytes("all_gather", _nbytes(x), n), post, async_op, tag)
+
+
+def reduce_scatter(x: torch.Tensor, mesh: DeviceMesh, axis: str, *, dim: int = 0,
+                   async_op: bool = False, tag: str = "") -> torch.Tensor | CommHandle:
+    """Sum ``x`` over the axis and keep this rank's ``dim``-chunk (by coordinate).
+
+    Every rank of the axis must pass the same ``async_op``: on gloo the async form is a
+    different collective (an all-to-all, see below) with the same bytes.
+    """
+
+    def post(group: dist.ProcessGroup, n: int):
+        if x.shape[dim] % n:
+            raise ValueError(f"reduce_scatter over {axis!r}: dim {dim} of size {x.shape[dim]} does not divide by {n}")
+        c = x.shape[dim] // n
+        # Bring the n destination chunks to the front so the backend splits on dim 0;
+        # what is left, (*x.shape[:dim], c, *x.shape[dim+1:]), is exactly the result.
+        inp = x.reshape(*x.shape[:dim], n, c, *x.shape[dim + 1:]).movedim(dim, 0).contiguous()
+        if async_op and dist.get_backend(group) == "gloo":
+            # gloo's reduce-scatter does not run until wait() (its work never completes
+            # on its own: measured, torch 2.13), so an "async" one would hide nothing.
+            # The same bytes as an all-to-all, which gloo does run in the background:
+            # chunk k goes to coordinate k, and the n chunks that arrive are summed here.
+            # Costs a whole-size receive buffer while in flight (instead of 1/n).
+            recv = torch.empty_like(inp)
+            work = dist.all_to_all_single(recv, inp, group=group, async_op=True)
+            return work, (lambda: recv.sum(0, dtype=recv.dtype))
+        out = x.new_empty(inp.shape[1:])
+        # Flat buffers: the chunks are contiguous either way, and LocalTensorMode's
+        # reduce-scatter (torch 2.13) mishandles multi-dim ones.
+        work = dist.reduce_scatter_single(out.view(-1), inp.view(-1), group=group, async_op=True)
+        return work, (lambda: out)
+
+    return _run("reduce_scatter", mesh, axis, x, lambda n: ring_bytes("reduce_scatter", _nbytes(x), n), post, async_op, tag)
+
+
+def all_reduce(x: torch.Tensor, mesh: DeviceMesh, axis: str, *, op: str = "sum", async_op: bool = False,
+               tag: str = "") -> torch.Tensor | CommHandle:
+    """Reduce ``x`` over the axis with ``op`` ("sum" or "max") into a new tensor."""
+    reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
+    out = x.detach().clone(memory_format=torch.contiguous_format)
+
+    def post(group: dist.ProcessGroup, n: int):
+        return dist.all_reduce(out, op=reduce_op, group=group, async_op=True), (lambda: out)
+
+    return _run("all_reduce", mesh, axis, x, lambda n: ring_bytes("all_reduce", _nbytes(x), n), post, async_op, tag)
+
+
+def all_to_all(x: torch.Tensor, mesh: DeviceMesh, axis: str, *, split_dim: int, concat_dim: int,
+               async_op: bool = False, tag: str = "") -> torch.Tensor | CommHandle:
+    """Split ``x`` into n chunks along ``split_dim`` (chunk k goes to coordinate k) and
+    concatenate what arrives along ``concat_dim`` — Shard(concat_dim) → Shard(split_dim)."""
+
+    def post(group: dist.ProcessGroup, n: int):
+        if x.shape[split_dim] % n:
+            raise ValueError(
+                f"all_to_all over {axis!r}: dim {split_dim} of size {x.shape[split_dim]} does not divide by {n}"
+            )
+        c = x.shape[split_dim] // n
+        inp = x.reshape(*x.shape[:split_dim], n, c, *x.shape[split_dim + 1:]).movedim(split_dim, 0).contiguous()
+        out = torch.empty_like(inp)
+        work = dist.all_to_all_single(out, inp, group=group, async_op=True)
+
+        def finish() -> torch.Tensor:
+            # out[k] is coordinate k's chunk, the k-th block along concat_dim: put the
+            # block index right in front of concat_dim and fold the two together.
+            shape = list(inp.shape[1:])
+            shape[concat_dim] *= n
+            return out.movedim(0, concat_dim).reshape(shape)
+
+        return work, finish
+
+    return _run("all_to_all", mesh, axis, x, lambda n: ring_bytes("all_to_all", _nbytes(x), n), post, async_op, tag)
+
+
+def _check_splits(name: str, counts: Sequence[int], n: int) -> list[int]:
+    out = list(counts)
+    if len(out) != n or not all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in out):
+        raise ValueError(f"all_to_all_v: {name} must be {n} ints >= 0 (one per axis coordinate), got {counts!r}")
+    return out
+
+
+def all_to_all_v(x: torch.Tensor, mesh: DeviceMesh, axis: str, *, send_counts: Sequence[int],
+                 recv_counts: Sequence[int], async_op: bool = False, tag: str = "") -> torch.Tensor | CommHandle:
+    """Send rows of ``x`` (dim 0) to each coordinate of ``axis``, ``send_counts[k]`` to
+    coordinate k in order; return the rows received, concatenated in coordinate order
+    (``recv_counts[k]`` from coordinate k) — the uneven all-to-all of expert parallel.
+
+    Records ``all_to_all_v``: the rows sent to *other* coordinates × bytes per row. Every
+    rank's ``recv_counts[k]`` must equal coordinate k's ``send_counts`` for it (exchange
+    them with :func:`exchange_counts`); a mismatch is the backend's error or a hang.
+
+    Raises: ``ValueError`` when a count list is not one int >= 0 per coordinate or
+    ``send_counts`` does not sum to ``x.shape[0]`` (before any collective, on this rank).
+    """
+    group, n = _group(mesh, axis)
+    send, recv = _check_splits("send_counts", send_counts, n), _check_splits("recv_counts", recv_counts, n)
+    if x.dim() == 0 or sum(send) != x.shape[0]:
+        raise ValueError(f"all_to_all_v: send_counts {send} must sum to the rows of x (dim 0), "
+                         f"got shape {tuple(x.shape)}")
+    x = x.contiguous()  # gloo: "Tensors must be contiguous" (measured)
+    me = mesh.get_local_rank(axis)
+    row = math.prod(x.shape[1:]) * x.element_size()
+
+    def post(group: dist.ProcessGroup, n: int):
+        out = x.new_empty((sum(recv), *x.shape[1:]))
+        work = dist.all_to_all_single(out, x, output_split_sizes=recv, input_split_sizes=send, group=group,
+                                      async_op=True)
+        return work, (lambda: out)
+
+    return _run("all_to_all_v", mesh, axis, x, lambda n: (sum(send) - send[me]) * row, post, async_op, tag)
+
+
+def exchange_counts(counts: torch.Tensor, mesh: DeviceMesh, axis: str, *, async_op: bool = False,
+                    tag: str = "counts") -> torch.Tensor | CommHandle:
+    """Tell each coordinate how many rows it will get: ``counts[k]`` (int64, dim 0 one
+    entry per coordinate, any trailing shape) goes to coordinate k; returns the same shape
+    with ``[k]`` what coordinate k sends here. The split sizes of :func:`all_to_all_v`.
+
+    Records an ``all_to_all`` of (n-1) × ``counts[0]``'s bytes. Reading the result on the
+    host (``.tolist()``, which :func:`all_to_all_v`'s split sizes need) is expert
+    parallel's one host sync per layer: on an accelerator it waits for the exchange.
+
+    Raises: ``ValueError`` when ``counts`` is not int64 with ``counts.shape[0]`` = the axis size.
+    """
+    _, n = _group(mesh, axis)
+    if counts.dtype != torch.int64 or counts.dim() == 0 or counts.shape[0] != n:
+        raise ValueError(f"exchange_counts: counts must be int64 with dim 0 of size {n} (the {axis!r} axis), "
+                         f"got {counts.dtype} {tuple(counts.shape)}")
+    return all_to_all(counts, mesh, axis, split_dim=0, concat_dim=0, async_op=async_op, tag=tag)
+
+
+def send_recv(x: torch.Tensor, mesh: DeviceMesh, axis: str, *, shift: int = 1, async_op: bool = False,
+              tag: str = "") -> torch.Tensor | CommHandle:
+    """Ring step: send ``x`` to coordinate ``c + shift`` and receive from ``c - shift``."""
+    x = x.contiguous()
+
+    def post(group: dist.ProcessGroup, n: int):
+        me = dist.get_rank(group)
+        dst = dist.get_global_rank(group, (me + shift) % n)
+        src = dist.get_global_rank(group, (me - shift) % n)
+        out = torch.empty_like(x)
+        ops = [dist.P2POp(dist.isend, x, dst, group), dist.P2POp(dist.irecv, out, src, group)]
+        works = dist.batch_isend_irecv(ops)
+        return _Works(works), (lambda: out)
+
+    return _run("send_recv", mesh, axis, x, lambda n: _nbytes(x) if n > 1 else 0, post, async_op, tag)
+
+
+def send(x: torch.Tensor, mesh: DeviceMesh, axis: str, *, to: int, key: int, tag: str = "") -> CommHandle:
+    """Post ``x`` to coordinate ``to`` on ``axis`` (point to point, always asynchronous;
+    wait on the handle before reusing ``x``). ``key`` (an int, as gloo's tag) pairs it with
+    the :func:`recv` of the same key, so sends and receives between two ranks may be
+    posted in any order. What a pipeline stage does with its activations and gradients."""
+    x = x.contiguous()
+
+    def post(group: dist.ProcessGroup, n: int):
+        return dist.isend(x, dist.get_global_rank(group, to), group=group, tag=key), (lambda: x)
+
+    return _run("send", mesh, axis, x, lambda n: _nbytes(x), post, True, tag)  # type: ignore[return-value]
+
+
+def recv(shape: Sequence[int], dtype: torch.dtype, mesh: DeviceMesh, axis: str, *, frm: int, key: int,
+         tag: str = "", device: torch.device | str | None = None) -> CommHandle:
+    """Post a receive of a ``shape``/``dtype`` tensor from coordinate ``frm`` on ``axis``
+    (asynchronous: ``wait()`` returns the tensor). Records 0 bytes: the sender counts them."""
+    out = torch.empty(tuple(shape), dtype=dtype, device=device)
+
+    def post(group: dist.ProcessGroup, n: int):
+        return dist.irecv(out, dist.get_global_rank(group, frm), group=group, tag=key), (lambda: out)
+
+    return _run("recv", mesh, axis, out, lambda n: 0, post, True, tag)  # type: ignore[return-value]
+
+
+class _Works:
+    """Several backend works that complete together (a send and a receive)."""
+
+    def __init__(self, works: Sequence[object]):
+        self.works = list(works)
+
+    def wait(self) -> None:
+        for w in self.works:
+            w.wait()
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self.works)
+
+    def get_future(self) -> torch.futures.Future:
+        """Completes when the send and the receive both have (so the comm log records
+        the transfer's real end, not when someone waited on it)."""
+        return torch.futures.collect_all([w.get_future() for w in self.works])
+
+
+def barrier(*, tag: str = "") -> None:
+    """Wait until every rank of the default group reaches this call (recorded, 0 bytes).
+
+    For work outside the mesh's axes, such as :mod:`dtp.checkpoint`'s rename after every
+    rank has written. A world of one returns at once.
+
+    >>> barrier()
+    """
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    record = _record("barrier", "world", 0, dist.get_world_size(), torch.empty(0), False, tag)
+    dist.barrier()
+    record.completed = time.perf_counter()

@@ -1,0 +1,134 @@
+"""Handles of asynchronous collectives (:class:`CommHandle`) and :func:`drain`.
+
+A collective posted with ``async_op=True`` returns a :class:`CommHandle` whose
+:meth:`CommHandle.wait` yields the result. Issue time is taken when the collective is
+posted, completion time when the backend reports it done (the work's future callback),
+not when someone gets round to waiting on it.
+
+Every handle must be waited for on every rank before the process group goes away:
+:func:`drain` waits for the ones this process posted and has not waited for (what
+``dtp train`` and :mod:`dtp.testing` do before ``destroy_process_group``; a user's loop
+calls :func:`dtp.wait` on its state). An unwaited gloo collective that completes while
+the interpreter shuts down runs its completion callback (Python) on a gloo thread
+and aborts the process (``terminate called without an active exception``).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+from typing import Callable
+
+import torch
+
+from .flight import _failure, _flight_mirror
+from .link import _link_deadline
+from .records import CommRecord
+
+__all__ = ["CommHandle", "drain"]
+
+# Serialises CommHandle._mark_done: the future's callback (a backend thread) and wait()
+# can both see one completion, and the link must be booked once.
+_mark_lock = threading.Lock()
+
+# Handles posted and not yet waited for (wait() drops them). Weak references suffice: a
+# handle's completion callback (the future's ``then``) keeps it alive until the backend
+# has finished its work, which is all drain() must wait for; a handle dropped after that
+# is gone for good, so a long-lived process (a dtp.testing pool rank) leaks nothing.
+_unwaited: "weakref.WeakSet[CommHandle]" = weakref.WeakSet()
+
+
+def drain() -> int:
+    """Wait for every collective this process posted with ``async_op=True`` and has not
+    waited for; return how many. Starts no collective — but blocks until the peers have
+    posted theirs, so every rank must drain (the same handles) alike.
+
+    What runs before ``destroy_process_group`` in ``dtp train`` and :mod:`dtp.testing`.
+
+    >>> drain()
+    0
+    """
+    handles = list(_unwaited)
+    for handle in handles:
+        handle.wait()
+    return len(handles)
+
+
+def _finished() -> torch.Tensor:
+    raise AssertionError("CommHandle: result already taken")
+
+
+class CommHandle:
+    """An in-flight collective; :meth:`wait` returns its (post-processed) result."""
+
+    def __init__(self, work: object | None, record: CommRecord | None, finish: Callable[[], torch.Tensor],
+                 link: tuple[str, int] | None = None):
+        self._work, self._record, self._finish = work, record, finish
+        self._link = link  # (axis, bytes) under simulated_link
+        self._deadline: float | None = None  # end of the modelled transfer
+        self._done = False  # completion seen (and the link booked)
+        self._result: torch.Tensor | None = None
+        if work is not None:
+            _unwaited.add(self)  # until wait(): drain() finds it
+        future = getattr(work, "get_future", None)
+        if record is not None and work is not None:
+            try:
+                future().then(self._mark_done)  # type: ignore[misc]
+            except (TypeError, RuntimeError, NotImplementedError):
+                pass  # no future (gloo's send/recv): completion is taken at wait()
+
+    def _mark_done(self, fut: object) -> None:
+        # Called once per handle by whoever sees the completion first: the future's
+        # callback (on a backend thread) or wait() (this one).
+        if fut is not None:
+            try:
+                fut.value()  # type: ignore[attr-defined]
+            except Exception:  # the future also completes when the work fails
+                if self._record is not None:
+                    self._record.failed = True
+                    if (mirror := _flight_mirror()) is not None:
+                        mirror.update(self._record)
+                return
+        with _mark_lock:
+            if self._done:
+                return
+            self._done = True
+            # The modelled transfer starts when the real collective has finished, i.e.
+            # once every rank has posted it: waiting for a late peer is never hidden.
+            if self._link is not None:
+                self._deadline = _link_deadline(*self._link)
+            if self._record is not None and self._record.completed is None:
+                self._record.completed = max(time.perf_counter(), self._deadline or 0.0)
+                if (mirror := _flight_mirror()) is not None:
+                    mirror.update(self._record)
+
+    def wait(self) -> torch.Tensor:
+        if self._result is None:
+            entered = time.perf_counter()
+            if self._work is not None:
+                try:
+                    self._work.wait()
+                except RuntimeError as e:  # gloo raises RuntimeError (measured); DistBackendError is a subclass
+                    if self._record is None:
+                        raise
+                    _unwaited.discard(self)  # it will never complete: nothing for drain() to wait on
+                    raise _failure(self._record, e) from e
+            self._mark_done(None)
+            if self._deadline is not None and (left := self._deadline - time.perf_counter()) > 0:
+                time.sleep(left)
+            self._result = self._finish()
+            if self._record is not None:
+                self._record.waited = time.perf_counter() - entered
+            # The work and the closure hold the input and any staging buffer (a whole
+            # gradient bucket for a reduce-scatter): only the result may outlive wait().
+            self._work = None
+            self._finish = _finished
+            _unwaited.discard(self)
+        return self._result
+
+    def is_completed(self) -> bool:
+        if self._result is not None or self._work is None:
+            return True
+        done = bool(self._work.is_completed())
+        return done and (self._link is None or (self._deadline is not None and time.perf_counter() >= self._deadline))

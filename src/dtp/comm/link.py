@@ -1,0 +1,68 @@
+"""A simulated slow link (:func:`simulated_link`): every recorded collective on the chosen
+mesh axes takes as long as a modelled transfer of its bytes would."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from typing import Iterator, Sequence
+
+__all__ = ["simulated_link"]
+
+# Overlap only shows on a link slower than compute. On one CPU machine loopback gloo is
+# nearly free, so dtp can stand in a documented, deterministic link model: each mesh axis
+# is one link of ``bandwidth`` bytes/s and ``latency`` s; a collective's modelled transfer
+# starts once the real one has finished (every rank has posted it), queues behind the
+# axis's earlier transfers (a link carries one message at a time), and the collective is
+# complete when that transfer would be. Waiting on it
+# blocks until then; compute in between runs freely — exactly what overlap hides.
+_link_lock = threading.Lock()
+_link: dict[str, object] = {}
+
+
+@contextlib.contextmanager
+def simulated_link(bandwidth: float, latency: float = 0.0, axes: Sequence[str] | None = None) -> Iterator[None]:
+    """Make every recorded collective on ``axes`` (all by default) take at least
+    ``latency + bytes_sent / bandwidth`` seconds, queued per axis.
+
+    Bytes are the per-rank bytes of the comm log (ring algorithms), so a ``bandwidth``
+    of 1e8 models a 100 MB/s (0.8 Gbit/s) link per rank. Process-wide; every rank must
+    use the same settings.
+
+    >>> with dtp.testing.simulate(2):
+    ...     mesh = make_mesh(dp=2)
+    ...     with simulated_link(bandwidth=50e6, latency=1e-4, axes=("dp",)):
+    ...         y = dtp.comm.all_reduce(torch.ones(1000), mesh, "dp")   # takes >= 0.1 ms + 4 kB / 50 MB/s
+    """
+    if bandwidth <= 0 or latency < 0:
+        raise ValueError(f"simulated_link: bandwidth must be > 0 and latency >= 0, got {bandwidth}, {latency}")
+    with _link_lock:
+        previous = dict(_link)
+        _link.clear()
+        _link.update(bandwidth=float(bandwidth), latency=float(latency),
+                     axes=None if axes is None else frozenset(axes), busy={})
+    try:
+        yield
+    finally:
+        with _link_lock:
+            _link.clear()
+            _link.update(previous)
+
+
+def _link_applies(axis: str) -> bool:
+    with _link_lock:
+        return bool(_link) and (_link["axes"] is None or axis in _link["axes"])
+
+
+def _link_deadline(axis: str, nbytes: int) -> float | None:
+    """When a modelled transfer of ``nbytes`` on ``axis`` starting now would end (it
+    queues behind the axis's earlier transfers)."""
+    with _link_lock:
+        if not _link:
+            return None
+        busy: dict[str, float] = _link["busy"]  # type: ignore[assignment]
+        start = max(time.perf_counter(), busy.get(axis, 0.0))
+        end = start + _link["latency"] + nbytes / _link["bandwidth"]  # type: ignore[operator]
+        busy[axis] = end
+        return end
