@@ -339,7 +339,7 @@ def _check_inputs(batch: Mapping[str, torch.Tensor], state: TrainState, microbat
         _check_seq("train_step", k, v, state)
 
 
-def _forward_backward(loss_fn: Callable, run: strategies.StepRun,
+def _forward_backward(loss_fn: Callable, run: strategies.StepRun | strategies.Scheduled,
                       microbatches: list[dict[str, torch.Tensor]]) -> tuple[float, Any]:
     """The one microbatch loop: each microbatch's mean weighted 1/m, so gradient
     accumulation equals one big batch. Where the gradients go is the run's business."""

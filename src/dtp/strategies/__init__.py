@@ -49,16 +49,12 @@ __all__ = ["StepRun", "Scheduled", "begin", "create", "compute_mesh", "gather", 
 PyTree = Any
 
 
-class StepRun(Protocol):
-    """One step's in-flight work under a strategy; lives for one ``train_step``."""
+class _Run(Protocol):
+    """What every strategy's step run offers, however its microbatches are ordered."""
 
     grouped: bool
 
     def params(self) -> PyTree: ...
-
-    def forward(self) -> ContextManager[None]: ...
-
-    def backward(self, loss: torch.Tensor, microbatch: int) -> None: ...
 
     def gradients(self) -> Iterator[tuple[int, PyTree]]: ...
 
@@ -71,8 +67,18 @@ class StepRun(Protocol):
     def finish(self, updated: list[PyTree]) -> tuple[PyTree, Any]: ...
 
 
+class StepRun(_Run, Protocol):
+    """One step's in-flight work under a strategy; lives for one ``train_step``, whose
+    loop runs each microbatch's forward inside :meth:`forward` and hands its loss to
+    :meth:`backward`."""
+
+    def forward(self) -> ContextManager[None]: ...
+
+    def backward(self, loss: torch.Tensor, microbatch: int) -> None: ...
+
+
 @runtime_checkable
-class Scheduled(StepRun, Protocol):
+class Scheduled(_Run, Protocol):
     """A run that orders the microbatches' forwards and backwards itself (the pipeline's
     schedules): ``train_step`` hands it the whole list instead of its own loop."""
 
@@ -133,7 +139,7 @@ def check(loss_fn: Any, layout: Layout, mesh: DeviceMesh, microbatches: int) -> 
 
 
 def begin(params: PyTree, state: Any, microbatches: int, *, loss_fn: Any = None, layout: Layout | None = None,
-          mesh: DeviceMesh | None = None, gradients_only: bool = False) -> StepRun:
+          mesh: DeviceMesh | None = None, gradients_only: bool = False) -> StepRun | Scheduled:
     """The run of the strategy a state is laid out for: the pipeline's when the layout
     has one on ``mesh``, ZeRO's when ``state`` is ZeRO's, else replicated.
     ``gradients_only`` (:func:`dtp.step.value_and_grad`): a strategy whose gradients

@@ -35,7 +35,7 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import optree
 import torch
@@ -156,12 +156,6 @@ class Run:
     def params(self) -> PyTree:
         # ZeRO: a fresh read-only view per forward (its reads record use and find buckets)
         return self.inner.params() if self.zero else self.params_tree
-
-    def forward(self) -> ContextManager[None]:
-        return contextlib.nullcontext()
-
-    def backward(self, loss: torch.Tensor, microbatch: int) -> None:  # pragma: no cover - not used
-        raise NotImplementedError("the pipeline runs its own schedule (Run.schedule)")
 
     def schedule(self, loss_fn: Callable, microbatches: list[Mapping[str, Any]]) -> tuple[float, Any]:
         """Run this rank's action list; returns the mean loss (on every rank) and aux
