@@ -1,12 +1,15 @@
 """dtp.comm's flight recorder: the last FLIGHT_SLOTS collectives, numbered in posting order
 and the same on every rank; its file mirror (what the launcher reads after a rank died);
-and CollectiveError, the one line a rank says when a collective fails in the backend.
-(Collective results and byte counts are tested with the modules that issue them.)"""
+CollectiveError, the one line a rank says when a collective fails in the backend; and what
+the simulated link makes of point-to-point transfers. (Collective results and byte counts are tested with the modules that issue them.)"""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
+import torch.distributed as dist
 
 import dtp
 from dtp import comm
@@ -98,3 +101,30 @@ def test_format_flight_record() -> None:
     entries.append(comm.FlightEntry(5, "send_recv", "cp", "ring step 1", 10, 0.0, None))
     assert comm.format_flight_record(entries, last=2) == "#4 all_gather tp 2.5 MB done, #5 send_recv cp 'ring step 1' 10 B in flight"
     assert comm.format_flight_record(entries, last=0) == comm.format_flight_record([]) == "none"
+
+
+def _p2p_under_link(compute_s: float) -> tuple[float, float, float]:
+    # rank 0 sends 400 kB at once; rank 1 posts the receive, computes, then waits. Link:
+    # 1 MB/s, so the modelled transfer takes 0.4 s on each side.
+    mesh = dtp.make_mesh(pp=2)
+    rank = dist.get_rank()
+    with comm.simulated_link(bandwidth=1e6, axes=("pp",)), comm.comm_log() as log:
+        t0 = time.perf_counter()
+        if rank == 0:
+            comm.send(torch.ones(100_000), mesh, "pp", to=1, key=7).wait()
+        else:
+            handle = comm.recv((100_000,), torch.float32, mesh, "pp", frm=0, key=7)
+            time.sleep(compute_s)
+            assert torch.equal(handle.wait(), torch.ones(100_000))
+        rec = log.records[-1]
+    return time.perf_counter() - t0, rec.waited, rec.completed - rec.issued
+
+
+def test_point_to_point_transfers_are_seen_by_the_link_from_when_they_are_posted() -> None:
+    # Both sides pay the transfer (before: the receiver never did, the sender only from wait()).
+    (send_total, _, send_span), (recv_total, _, recv_span) = run(_p2p_under_link, 0.0, world_size=2)
+    assert send_total >= 0.39 and send_span >= 0.39
+    assert recv_total >= 0.39 and recv_span >= 0.39
+    # Compute on the receiver longer than the transfer hides it: waiting costs (almost) nothing.
+    _, (recv_total, recv_waited, _) = run(_p2p_under_link, 0.8, world_size=2)
+    assert recv_waited < 0.2 and recv_total < 1.15

@@ -44,7 +44,7 @@ def _group(mesh: DeviceMesh, axis: str) -> tuple[dist.ProcessGroup, int]:
 
 def _run(kind: str, mesh: DeviceMesh, axis: str, x: torch.Tensor, nbytes: Callable[[int], float],
          post: Callable[[dist.ProcessGroup, int], tuple[object, Callable[[], torch.Tensor]]],
-         async_op: bool, tag: str) -> torch.Tensor | CommHandle:
+         async_op: bool, tag: str, received: int = 0) -> torch.Tensor | CommHandle:
     group, n = _group(mesh, axis)
     if n == 1:  # nothing moves: no collective, no record (a ring of one does no send/recv)
         handle = CommHandle(None, None, lambda: x)
@@ -54,7 +54,8 @@ def _run(kind: str, mesh: DeviceMesh, axis: str, x: torch.Tensor, nbytes: Callab
         work, finish = post(group, n)
     except RuntimeError as e:  # a peer already gone: gloo can fail at posting
         raise _failure(record, e) from e
-    handle = CommHandle(work, record, finish, (axis, record.bytes) if _link_applies(axis) else None)
+    link = (axis, record.bytes) if _link_applies(axis) else None
+    handle = CommHandle(work, record, finish, link, received)
     return handle if async_op else handle.wait()
 
 
@@ -251,7 +252,8 @@ def send_recv(x: torch.Tensor, mesh: DeviceMesh, axis: str, *, shift: int = 1, a
         works = dist.batch_isend_irecv(ops)
         return _Works(works), (lambda: out)
 
-    return _run("send_recv", mesh, axis, x, lambda n: _nbytes(x) if n > 1 else 0, post, async_op, tag)
+    return _run("send_recv", mesh, axis, x, lambda n: _nbytes(x) if n > 1 else 0, post, async_op, tag,
+                received=_nbytes(x))
 
 
 def send(x: torch.Tensor, mesh: DeviceMesh, axis: str, *, to: int, key: int, tag: str = "") -> CommHandle:
@@ -276,7 +278,8 @@ def recv(shape: Sequence[int], dtype: torch.dtype, mesh: DeviceMesh, axis: str, 
     def post(group: dist.ProcessGroup, n: int):
         return dist.irecv(out, dist.get_global_rank(group, frm), group=group, tag=key), (lambda: out)
 
-    return _run("recv", mesh, axis, out, lambda n: 0, post, True, tag)  # type: ignore[return-value]
+    return _run("recv", mesh, axis, out, lambda n: 0, post, True, tag,  # type: ignore[return-value]
+                received=_nbytes(out))
 
 
 class _Works:

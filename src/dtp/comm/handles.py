@@ -60,15 +60,21 @@ def _finished() -> torch.Tensor:
 
 
 class CommHandle:
-    """An in-flight collective; :meth:`wait` returns its (post-processed) result."""
+    """An in-flight collective; :meth:`wait` returns its (post-processed) result.
+
+    ``link`` is ``(axis, bytes sent)`` under :func:`dtp.comm.simulated_link`;
+    ``received`` the bytes a point-to-point receive brings in (its record counts none:
+    the sender does), which the link books on the incoming queue."""
 
     def __init__(self, work: object | None, record: CommRecord | None, finish: Callable[[], torch.Tensor],
-                 link: tuple[str, int] | None = None):
+                 link: tuple[str, int] | None = None, received: int = 0):
         self._work, self._record, self._finish = work, record, finish
         self._link = link  # (axis, bytes) under simulated_link
         self._deadline: float | None = None  # end of the modelled transfer
         self._done = False  # completion seen (and the link booked)
         self._result: torch.Tensor | None = None
+        self._arrived: threading.Event | None = None  # point to point under the link: set by _wait_in_thread
+        self._error: RuntimeError | None = None
         if work is not None:
             _unwaited.add(self)  # until wait(): drain() finds it
         future = getattr(work, "get_future", None)
@@ -76,7 +82,47 @@ class CommHandle:
             try:
                 future().then(self._mark_done)  # type: ignore[misc]
             except (TypeError, RuntimeError, NotImplementedError):
-                pass  # no future (gloo's send/recv): completion is taken at wait()
+                # No future (gloo's send/recv): completion is taken at wait() — unless the
+                # link must see the transfer from when it was posted (see dtp.comm.link).
+                if link is not None:
+                    self._book_point_to_point(work, link, received)
+
+    def _book_point_to_point(self, work: object, link: tuple[str, int], received: int) -> None:
+        axis, sent = link
+        self._done = True  # booked here, not by _mark_done
+        if sent:  # leaves when posted
+            self._deadline = _link_deadline(axis, sent)
+        if not received:
+            return
+        self._arrived = threading.Event()
+        # A thread per receive, only under the simulated link: measured on torch 2.13,
+        # gloo's recv work has neither a future nor an is_completed() that turns true
+        # before wait(), and one shared waiter would see a late peer hold up the rest.
+        threading.Thread(target=self._wait_in_thread, args=(work, axis, received), daemon=True,
+                         name="dtp-p2p-link").start()
+
+    def _wait_in_thread(self, work: object, axis: str, received: int) -> None:
+        try:
+            work.wait()  # type: ignore[attr-defined]
+        except RuntimeError as e:  # raised again by wait() on the posting thread
+            self._error = e
+        else:
+            end = _link_deadline(axis, received, incoming=True)
+            with _mark_lock:
+                self._deadline = max(self._deadline or 0.0, end or 0.0)
+                if self._record is not None:  # the data is in: complete when the modelled transfer is
+                    self._record.completed = self._deadline
+        finally:
+            assert self._arrived is not None
+            self._arrived.set()
+
+    def _finish_point_to_point(self) -> None:
+        assert self._arrived is not None
+        self._arrived.wait()
+        if self._error is not None:
+            raise self._error
+        # The work is not waited on again: measured on torch 2.13, a second wait() on a
+        # gloo receive blocks for the buffer's next message.
 
     def _mark_done(self, fut: object) -> None:
         # Called once per handle by whoever sees the completion first: the future's
@@ -108,7 +154,7 @@ class CommHandle:
             entered = time.perf_counter()
             if self._work is not None:
                 try:
-                    self._work.wait()
+                    self._finish_point_to_point() if self._arrived is not None else self._work.wait()
                 except RuntimeError as e:  # gloo raises RuntimeError (measured); DistBackendError is a subclass
                     if self._record is None:
                         raise
@@ -117,6 +163,10 @@ class CommHandle:
             self._mark_done(None)
             if self._deadline is not None and (left := self._deadline - time.perf_counter()) > 0:
                 time.sleep(left)
+            if self._record is not None and self._record.completed is None:  # point to point under the link
+                self._record.completed = max(time.perf_counter(), self._deadline or 0.0)
+                if (mirror := _flight_mirror()) is not None:
+                    mirror.update(self._record)
             self._result = self._finish()
             if self._record is not None:
                 self._record.waited = time.perf_counter() - entered
@@ -130,5 +180,7 @@ class CommHandle:
     def is_completed(self) -> bool:
         if self._result is not None or self._work is None:
             return True
+        if self._arrived is not None and not self._arrived.is_set():
+            return False
         done = bool(self._work.is_completed())
         return done and (self._link is None or (self._deadline is not None and time.perf_counter() >= self._deadline))

@@ -12,11 +12,18 @@ __all__ = ["simulated_link"]
 
 # Overlap only shows on a link slower than compute. On one CPU machine loopback gloo is
 # nearly free, so dtp can stand in a documented, deterministic link model: each mesh axis
-# is one link of ``bandwidth`` bytes/s and ``latency`` s; a collective's modelled transfer
-# starts once the real one has finished (every rank has posted it), queues behind the
-# axis's earlier transfers (a link carries one message at a time), and the collective is
-# complete when that transfer would be. Waiting on it
-# blocks until then; compute in between runs freely — exactly what overlap hides.
+# is one full-duplex link of ``bandwidth`` bytes/s and ``latency`` s per rank.
+# - A collective's modelled transfer starts once the real one has finished (every rank
+#   has posted it) and queues behind the rank's earlier transfers out on that axis.
+# - Point to point (send, recv, a ring step's send_recv): gloo's isend/irecv have no
+#   completion future (torch 2.13: "Work::getFuture not implemented"), so the handle
+#   books them itself. A send's transfer starts when it is posted (the eager protocol of
+#   NCCL and gloo for activation-sized messages) on the outgoing queue; a receive's starts
+#   when its data has really arrived — which needs both sides posted, the most the
+#   backend lets one rank see of the other — on the incoming queue, seen by a waiter
+#   thread, so the receiver pays the transfer too and compute in between hides it.
+# A handle is complete when its transfers would be; waiting blocks until then and compute
+# in between runs freely — exactly what overlap hides.
 _link_lock = threading.Lock()
 _link: dict[str, object] = {}
 
@@ -55,14 +62,14 @@ def _link_applies(axis: str) -> bool:
         return bool(_link) and (_link["axes"] is None or axis in _link["axes"])
 
 
-def _link_deadline(axis: str, nbytes: int) -> float | None:
+def _link_deadline(axis: str, nbytes: int, incoming: bool = False) -> float | None:
     """When a modelled transfer of ``nbytes`` on ``axis`` starting now would end (it
-    queues behind the axis's earlier transfers)."""
+    queues behind the axis's earlier transfers in the same direction: out, or ``incoming``)."""
     with _link_lock:
         if not _link:
             return None
-        busy: dict[str, float] = _link["busy"]  # type: ignore[assignment]
-        start = max(time.perf_counter(), busy.get(axis, 0.0))
+        busy: dict[tuple[str, bool], float] = _link["busy"]  # type: ignore[assignment]
+        start = max(time.perf_counter(), busy.get((axis, incoming), 0.0))
         end = start + _link["latency"] + nbytes / _link["bandwidth"]  # type: ignore[operator]
-        busy[axis] = end
+        busy[(axis, incoming)] = end
         return end
