@@ -44,7 +44,7 @@ DTYPES = ("float32", "float64", "bfloat16")
 RECOMPUTE = ("none", "full", "selective")
 DEFAULT_WARMUP = 5
 # The fields that override the model preset's (dtp.models.llama.LlamaConfig fields of the same name).
-MODEL_FIELDS = ("num_experts", "top_k", "capacity_factor", "router_score", "n_groups", "topk_group",
+MODEL_FIELDS = ("num_experts", "top_k", "capacity_factor", "aux_loss_coeff", "router_score", "n_groups", "topk_group",
                 "routed_scaling_factor", "router_bias_update")
 # Ten in a row is no bad batch any more but a diverged run: stop it rather than burn the
 # remaining steps on updates that are all skipped.
@@ -130,6 +130,7 @@ class RunConfig:
     num_experts: int | None = None
     top_k: int | None = None
     capacity_factor: float | None = None
+    aux_loss_coeff: float | None = None  # the load-balancing loss's weight (0: aux-loss-free runs)
     router_score: str | None = None  # softmax (Megatron) | sigmoid (DeepSeek-V3)
     n_groups: int | None = None  # group-limited routing: groups of experts …
     topk_group: int | None = None  # … of which each token picks this many
@@ -215,7 +216,7 @@ class RunConfig:
             if value is not None and value < 1:
                 fail(f"{n(name)} must be >= 1, got {value}")
         for name in ("bucket_mb", "lr", "clip", "max_skipped", "num_experts", "eval_every", "save_every",
-                     "max_restarts", "router_bias_update"):
+                     "max_restarts", "router_bias_update", "aux_loss_coeff"):
             value = getattr(self, name)
             if value is not None and value < 0:
                 fail(f"{n(name)} must be >= 0, got {value}")

@@ -187,6 +187,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="experts each token is routed to (default: the preset's)")
     g.add_argument("--capacity-factor", type=_positive_float("--capacity-factor"), default=RUN_DEFAULTS["capacity_factor"], metavar="C",
                    help="each expert keeps its ceil(T·k/E · C) highest-probability tokens (default: dropless)")
+    g.add_argument("--aux-loss-coeff", type=_non_negative_float, default=RUN_DEFAULTS["aux_loss_coeff"], metavar="C",
+                   help="weight of the switch load-balancing loss (default: the preset's, 1e-2; 0: none)")
     g.add_argument("--router-score", choices=SCORE_FUNCTIONS, default=RUN_DEFAULTS["router_score"],
                    help="router scores: softmax (Megatron) or sigmoid with the k chosen normalised (DeepSeek-V3); "
                         "default: the preset's")
