@@ -284,3 +284,19 @@ def test_the_optimizer_never_sees_the_buffers_and_a_skipped_step_keeps_them():
         state = state.replace(params={**params, "final_norm": params["final_norm"] * float("nan")})
         state, metrics = dtp.train_step(loss_fn, state, bad)
     assert metrics["skipped"] and torch.equal(state.buffers["layers"][0]["router_bias"], moved)
+
+
+def _two_token_axes() -> list[tuple[str, bool]]:
+    mesh = dtp.make_mesh(dp=2, ep=2)
+    cfg = llama.config("tiny-moe")
+    state = dtp.TrainState.create(llama.init(cfg, dtype=torch.float64), dtp.optim.sgd(LR), mesh=mesh,
+                                  layout=_layout({"dp": 2, "ep": 2}), axes=llama.param_axes(cfg))
+    with dtp.comm_log() as log:
+        dtp.step.value_and_grad(functools.partial(llama.loss, cfg=cfg), state, dtp.shard_batch(_batch(), state))
+    return [(r.axis, r.async_op) for r in log.records if r.tag == "moe stats"]
+
+
+def test_with_two_token_axes_the_next_axis_is_posted_by_the_next_block():
+    # block 0: dp async, then ep async when block 1 posts; block 1: dp async, ep at the read (the head)
+    for got in run(_two_token_axes, world_size=4):
+        assert got == [("dp", True), ("ep", True), ("dp", True), ("ep", False)], got

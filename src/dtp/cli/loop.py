@@ -549,7 +549,12 @@ def _records_until(out: Path, resume_from: Path | None) -> list[dict[str, Any]]:
 def _moe_metrics(aux: Any) -> dict[str, Any]:
     """An MoE model's routing health per step: the cross-entropy alone, the aux and z
     losses, the load imbalance (max / mean tokens per expert, worst block) and the
-    dropped fraction (mean over blocks). Nothing for a dense model."""
+    dropped fraction (mean over blocks). With microbatches (one aux each) the step's: the
+    loads summed (what aux-loss-free balancing reads), the rest averaged. Nothing for a
+    dense model."""
+    if isinstance(aux, tuple) and aux and all(isinstance(a, dict) and "tokens_per_expert" in a for a in aux):
+        aux = {k: (sum(a[k] for a in aux) if k == "tokens_per_expert" else sum(a[k] for a in aux) / len(aux))
+               for k in ("lm_loss", "aux_loss", "z_loss", "tokens_per_expert", "dropped_fraction")}
     if not isinstance(aux, dict) or "tokens_per_expert" not in aux:
         return {}
     load = aux["tokens_per_expert"].to(torch.float64)

@@ -7,9 +7,11 @@ Each MoE block's aux losses need *global* sums over the token axes (``Σ_t p``, 
 :class:`Aux` whose entries are computed on first read: the Llama reads them at the head,
 so the reduction travels under every later block's compute. Bytes, order and axes are
 those of ``reshard(stats, P(None))``: one all-reduce per pending axis, in the spec's
-order; the first is in flight during the later blocks, the others (two or more token
-axes: dp × ep, dp × cp) run when the aux loss is read — each waits on the one before,
-and posting from a completion callback would race the ranks' collective order.
+order. With two or more token axes (dp × ep, dp × cp) each all-reduce needs the one
+before it: the next axis's is posted when the next MoE block posts its own (by then the
+previous one has long landed; every rank does it at the same point of the program, so
+the ranks' collective order agrees — a completion callback would not), and what is
+left when the aux loss is read runs there.
 
 Autograd is ``reshard``'s: the summed statistics' gradient is replicated, so every rank's
 partial sums receive it as is (no collective in backward). A block recomputed in
@@ -18,6 +20,7 @@ backward (full recompute) reduces synchronously, as nothing will read its aux th
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping
 from typing import Callable, Iterator
 
@@ -32,6 +35,7 @@ from ..spec import P, spec_of, wrap_local
 __all__ = ["PendingStats", "Aux"]
 
 TAG = "moe stats"
+_chains = threading.local()  # this thread's PendingStats with axes left to post, oldest first
 
 
 class _Reduced(torch.autograd.Function):
@@ -72,7 +76,16 @@ class PendingStats:
             total = self._rest(local, self._axes)
             self._handle, self._axes = comm.CommHandle(None, None, lambda: total), ()
         else:
+            _advance()  # the blocks before: each one's next axis, posted here, in program order
             self._handle = comm.all_reduce(local, stats.device_mesh, self._axes[0], async_op=True, tag=TAG)
+            self._axes = self._axes[1:]
+            if self._axes:
+                _chains.pending = [*getattr(_chains, "pending", []), self]
+
+    def _post_next(self) -> None:
+        if self._total is None and self._axes:
+            total = self._handle.wait()
+            self._handle = comm.all_reduce(total, self._stats.device_mesh, self._axes[0], async_op=True, tag=TAG)
             self._axes = self._axes[1:]
 
     def _rest(self, total: torch.Tensor, axes: tuple[str, ...]) -> torch.Tensor:
@@ -83,9 +96,18 @@ class PendingStats:
     def wait(self) -> torch.Tensor:
         if self._total is None:
             total = self._rest(self._handle.wait(), self._axes)
+            self._axes = ()
             self._total = _Reduced.apply(self._stats, total)
             self._stats = self._handle = None  # the graph holds what backward needs
         return self._total
+
+
+def _advance() -> None:
+    """Post the next axis of every earlier block's reduction that has one left."""
+    pending = getattr(_chains, "pending", [])
+    for p in pending:
+        p._post_next()
+    _chains.pending = [p for p in pending if p._axes and p._total is None]
 
 
 class Aux(Mapping):
