@@ -95,7 +95,8 @@ ROWS: dict[str, list[str]] = {
                                   "--microbatches", "2"],
     "moe ep2 8 experts m2": [*MOE, "--ep", "2", "--num-experts", "8", "--microbatches", "2"],
     # DeepSeek-V3's router and aux-loss-free balancing (the bias is TrainState.buffers)
-    "moe dp2 bias-update no aux loss": [*MOE, "--dp", "2", "--router-bias-update", "1e-3", "--aux-loss-coeff", "0"],
+    "moe dp2 zero3 bias-update no aux loss": [*MOE, "--dp", "2", "--zero", "3", "--router-bias-update", "1e-2",
+                                              "--aux-loss-coeff", "0"],
     "moe ep2 sigmoid groups scaled bias-update m2": [*MOE, "--ep", "2", "--router-score", "sigmoid", "--n-groups", "2",
                                                      "--topk-group", "1", "--routed-scaling-factor", "2.5",
                                                      "--router-bias-update", "1e-3", "--microbatches", "2"],
