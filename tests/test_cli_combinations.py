@@ -94,6 +94,14 @@ ROWS: dict[str, list[str]] = {
     "moe tp2 top-1 capacity m2": [*MOE, "--tp", "2", "--top-k", "1", "--capacity-factor", "1.5",
                                   "--microbatches", "2"],
     "moe ep2 8 experts m2": [*MOE, "--ep", "2", "--num-experts", "8", "--microbatches", "2"],
+    # DeepSeek-V3's router and aux-loss-free balancing (the bias is TrainState.buffers)
+    "moe dp2 zero3 bias-update no aux loss": [*MOE, "--dp", "2", "--zero", "3", "--router-bias-update", "1e-2",
+                                              "--aux-loss-coeff", "0"],
+    "moe ep2 sigmoid groups scaled bias-update m2": [*MOE, "--ep", "2", "--router-score", "sigmoid", "--n-groups", "2",
+                                                     "--topk-group", "1", "--routed-scaling-factor", "2.5",
+                                                     "--router-bias-update", "1e-3", "--microbatches", "2"],
+    "moe ep2 tp2 sp sigmoid bias-update m2": [*MOE, "--ep", "2", "--tp", "2", "--sp", "--router-score", "sigmoid",
+                                              "--router-bias-update", "1e-3", "--microbatches", "2"],
     # ---- the dtypes, where the dtype is the point (their own tolerances)
     "fp32 dp2 tp2 sp": ["--dp", "2", "--tp", "2", "--sp", "--dtype", "float32"],
     "bf16 dp2 zero1": ["--dp", "2", "--zero", "1", "--dtype", "bfloat16"],
@@ -105,7 +113,7 @@ ROWS: dict[str, list[str]] = {
 
 # The default run's sample: one row of each family, the defects of issue 20 among them.
 SAMPLE = ["dp4 zero3 both overlaps", "cp4 double_ring window 2", "cp4 hybrid ulysses 2", "pp2 1f1b",
-          "pp4 gpipe", "moe dp2 m2", "moe ep2 tp2 sp m2"]
+          "pp4 gpipe", "moe dp2 m2", "moe ep2 tp2 sp sigmoid bias-update m2"]
 
 # Flags no row sets, and why.
 NOT_ROWS = {

@@ -151,8 +151,10 @@ def test_route_rejects_bad_options():
         moe.route(_logits(), 2, capacity_factor=0)
     with pytest.raises(ValueError, match=r"top_k must be in \[1, num_experts=4\], got 5"):
         llama.config("tiny-moe", top_k=5)
-    with pytest.raises(ValueError, match=r"router_bias_update=0.1: aux-loss-free balancing is not wired"):
-        llama.config("tiny-moe", router_bias_update=0.1)
+    with pytest.raises(ValueError, match=r"router_bias_update must be >= 0"):
+        llama.config("tiny-moe", router_bias_update=-0.1)
+    with pytest.raises(ValueError, match=r"router_bias_update=0.1 balances MoE experts"):
+        llama.config("tiny", router_bias_update=0.1)
 
 
 MOE = llama.config("tiny-moe")

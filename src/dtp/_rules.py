@@ -14,7 +14,10 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["accum_dtype", "is_positive_int", "STEP_TOLERANCE", "RUN_RTOL"]
+__all__ = ["accum_dtype", "is_positive_int", "STEP_TOLERANCE", "RUN_RTOL", "SCORE_FUNCTIONS", "check_groups"]
+
+#: The MoE router's score functions (dtp.ops.moe_router): Megatron's softmax, DeepSeek-V3's sigmoid.
+SCORE_FUNCTIONS = ("softmax", "sigmoid")
 
 # The correctness bar (DESIGN §4), one table for both of its uses. One step's loss and
 # gradients against the single-device run: (rtol, atol) per dtype name (dtp.testing reads
@@ -55,3 +58,31 @@ def accum_dtype(*dtypes: torch.dtype) -> torch.dtype:
 def is_positive_int(value: object) -> bool:
     """An ``int`` >= 1, and not a ``bool`` (``True`` is an int to Python, never a count to us)."""
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def check_groups(num_experts: int, top_k: int, n_groups: int | None, topk_group: int | None,
+                 what: str = "route") -> None:
+    """Group-limited routing's rules (``ValueError`` naming the option): both or neither
+    given, ``n_groups`` divides the experts, ``topk_group`` in [1, n_groups] and dividing
+    ``top_k``, and the picked groups hold at least ``top_k`` experts.
+
+    >>> check_groups(8, 4, 4, 3)
+    Traceback (most recent call last):
+    ...
+    ValueError: route: topk_group=3 must divide top_k=4 (a group scores its top top_k // topk_group)
+    """
+    if (n_groups is None) != (topk_group is None):
+        raise ValueError(f"{what}: n_groups and topk_group go together (group-limited routing), got "
+                         f"n_groups={n_groups} and topk_group={topk_group}")
+    if n_groups is None or topk_group is None:
+        return
+    if n_groups < 1 or num_experts % n_groups:
+        raise ValueError(f"{what}: n_groups={n_groups} must be >= 1 and divide the {num_experts} experts")
+    if not 1 <= topk_group <= n_groups:
+        raise ValueError(f"{what}: topk_group must be in [1, n_groups={n_groups}], got {topk_group}")
+    if top_k % topk_group:
+        raise ValueError(f"{what}: topk_group={topk_group} must divide top_k={top_k} (a group scores its top "
+                         f"top_k // topk_group)")
+    if topk_group * (num_experts // n_groups) < top_k:
+        raise ValueError(f"{what}: topk_group={topk_group} groups of {num_experts // n_groups} experts hold fewer "
+                         f"than top_k={top_k}")

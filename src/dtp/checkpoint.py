@@ -1,7 +1,8 @@
 """Checkpoints of the *logical* training state on ``torch.distributed.checkpoint`` (DCP).
 
 What is saved does not depend on the mesh, the layout or ZeRO's buckets: every parameter
-as one global tensor (``param/<path>``), its optimizer state per parameter
+as one global tensor (``param/<path>``), every buffer (``buffer/<path>``: the state no
+gradient trains, :mod:`dtp.buffers`), its optimizer state per parameter
 (``opt/<field>/<path>``: Adam's moments, momentum), the optimizer's scalars
 (``opt/<field>``: the update count), the fp32 master weights where they differ from the
 parameters' dtype (``master/<path>``), and in a plain-JSON ``manifest.json`` the step,
@@ -86,6 +87,9 @@ def _logical(state: TrainState) -> dict[str, Any]:
     """``name -> tensor`` (DTensor, tensor or :class:`Pieces`) of what ``state`` holds."""
     z = state.zero
     out: dict[str, Any] = {}
+    if state.buffers:  # the non-trainable collection (dtp.buffers): replicated, whole
+        for path, x in zip(_paths(state.buffers), optree.tree_leaves(state.buffers)):
+            out[f"buffer/{path}"] = _detach(x)
     if z is not None and z.plan is not None:  # ZeRO after step one: everything from the slices
         paths = [leaf.path for leaf in z.leaves]
         master = [m.to_local() for m in z.master]
@@ -465,6 +469,9 @@ def _targets(like: TrainState, manifest: Mapping[str, Any]) -> tuple[dict[str, t
     targets: dict[str, torch.Tensor] = {}
     for p, x in zip(_paths(params), optree.tree_leaves(params)):
         targets[f"param/{p}"] = x
+    buffers = optree.tree_map(_empty_like, like.buffers) if like.buffers else like.buffers
+    for p, x in zip(_paths(buffers), optree.tree_leaves(buffers)):
+        targets[f"buffer/{p}"] = x
     loaded_master = None
     if z is not None and any(k.startswith("master/") for k in saved):
         loaded_master = optree.tree_map(lambda x: _empty_like(x, accum_dtype(x.dtype)), params)
@@ -489,9 +496,9 @@ def _targets(like: TrainState, manifest: Mapping[str, Any]) -> tuple[dict[str, t
         loaded = optree.tree_map(lambda x: x.requires_grad_(True), params)
         if z is None:
             opt = like.optimizer.init(loaded) if opt_state is None else opt_state
-            return dataclasses.replace(like, step=step, params=loaded, opt_state=opt)
+            return dataclasses.replace(like, step=step, params=loaded, opt_state=opt, buffers=buffers)
         fresh = zero_mod.ZeroState(z.options, z.leaves, z.skeleton, loaded_master=loaded_master)
-        return dataclasses.replace(like, step=step, params=loaded, opt_state=opt_state, zero=fresh)
+        return dataclasses.replace(like, step=step, params=loaded, opt_state=opt_state, zero=fresh, buffers=buffers)
 
     return targets, build
 

@@ -36,12 +36,16 @@ from typing import Any, Callable, Iterator, Mapping
 from . import layouts, schedules
 from .layouts import CP_ALGORITHMS, ZERO_STAGES, Layout
 from .layouts.zero import misplaced_options
+from ._rules import SCORE_FUNCTIONS
 
-__all__ = ["RunConfig", "DTYPES", "RECOMPUTE", "flag_names", "to_toml", "mesh_axes_of", "type_error"]
+__all__ = ["RunConfig", "DTYPES", "RECOMPUTE", "MODEL_FIELDS", "flag_names", "to_toml", "mesh_axes_of", "type_error"]
 
 DTYPES = ("float32", "float64", "bfloat16")
 RECOMPUTE = ("none", "full", "selective")
 DEFAULT_WARMUP = 5
+# The fields that override the model preset's (dtp.models.llama.LlamaConfig fields of the same name).
+MODEL_FIELDS = ("num_experts", "top_k", "capacity_factor", "aux_loss_coeff", "router_score", "n_groups", "topk_group",
+                "routed_scaling_factor", "router_bias_update")
 # Ten in a row is no bad batch any more but a diverged run: stop it rather than burn the
 # remaining steps on updates that are all skipped.
 DEFAULT_MAX_SKIPPED = 10
@@ -126,6 +130,12 @@ class RunConfig:
     num_experts: int | None = None
     top_k: int | None = None
     capacity_factor: float | None = None
+    aux_loss_coeff: float | None = None  # the load-balancing loss's weight (0: aux-loss-free runs)
+    router_score: str | None = None  # softmax (Megatron) | sigmoid (DeepSeek-V3)
+    n_groups: int | None = None  # group-limited routing: groups of experts …
+    topk_group: int | None = None  # … of which each token picks this many
+    routed_scaling_factor: float | None = None  # the k combine weights times it
+    router_bias_update: float | None = None  # aux-loss-free balancing's bias step (0: off)
     expert_tp: bool = False
     pipe_experts: bool = False
     multi_data: int = 1
@@ -201,16 +211,16 @@ class RunConfig:
                 fail(f"{n(f.name)} {wrong}")
         for name in ("pp", "virtual_stages", "dp", "ep", "cp", "tp", "cp_window", "ulysses_degree", "cp_head_chunks",
                      "zero_prefetch", "steps", "batch", "seq", "microbatches", "top_k", "multi_data", "log_every",
-                     "keep"):
+                     "keep", "n_groups", "topk_group"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 fail(f"{n(name)} must be >= 1, got {value}")
         for name in ("bucket_mb", "lr", "clip", "max_skipped", "num_experts", "eval_every", "save_every",
-                     "max_restarts"):
+                     "max_restarts", "router_bias_update", "aux_loss_coeff"):
             value = getattr(self, name)
             if value is not None and value < 0:
                 fail(f"{n(name)} must be >= 0, got {value}")
-        for name in ("capacity_factor", "timeout"):
+        for name in ("capacity_factor", "timeout", "routed_scaling_factor"):
             value = getattr(self, name)
             if value is not None and not value > 0:
                 fail(f"{n(name)} must be > 0, got {value}")
@@ -218,6 +228,8 @@ class RunConfig:
                               ("zero", ZERO_STAGES)):
             if getattr(self, name) not in choices:
                 fail(f"{n(name)} must be one of {', '.join(map(str, choices))}; got {getattr(self, name)!r}")
+        if self.router_score is not None and self.router_score not in SCORE_FUNCTIONS:
+            fail(f"{n('router_score')} must be one of {', '.join(SCORE_FUNCTIONS)}; got {self.router_score!r}")
         if self.cp_algo is not None and self.cp_algo not in CP_ALGORITHMS:
             fail(f"{n('cp_algo')} must be one of {', '.join(CP_ALGORITHMS)}; got {self.cp_algo!r}")
 
@@ -297,8 +309,7 @@ class RunConfig:
         >>> RunConfig(num_experts=4).model_overrides()
         {'num_experts': 4}
         """
-        return {k: getattr(self, k) for k in ("num_experts", "top_k", "capacity_factor")
-                if getattr(self, k) is not None}
+        return {k: getattr(self, k) for k in MODEL_FIELDS if getattr(self, k) is not None}
 
     # ------------------------------------------------------------------ reading and writing
 

@@ -32,6 +32,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from . import guard, strategies
+from .buffers import apply_update, lay_out as lay_out_buffers, with_buffers
 from ._rules import is_positive_int
 from .comm import comm_log, span
 from .layouts import Layout, check_divisible, use_layout
@@ -68,6 +69,10 @@ class TrainState:
     are views of buffers that ``overlap_param_gather`` may still be filling, and stage 3
     keeps no whole parameters at all (``params`` is ``None`` after the first step):
     :func:`gather_params` is the one call that waits for, or gathers, them.
+
+    ``buffers`` is the non-trainable collection (:mod:`dtp.buffers`: aux-loss-free
+    balancing's router bias): ``loss_fn`` reads it laid over the parameters, the
+    optimizer never sees it, and ``buffer_update`` renews it after each applied step.
     """
 
     step: int
@@ -79,10 +84,13 @@ class TrainState:
     axes: PyTree
     zero: Any = None  # the strategy's own state (ZeRO's buckets and master slices), or None
     checks: guard.Agreements = dataclasses.field(default_factory=guard.Agreements)  # what the ranks agreed on
+    buffers: PyTree = None  # state no gradient trains (dtp.buffers), or None
+    buffer_update: Callable[[PyTree, Any], PyTree] | None = None  # (buffers, aux) -> buffers after each step
 
     @classmethod
     def create(cls, params: PyTree, optimizer: GradientTransformation, *, mesh: DeviceMesh, layout: Layout,
-               axes: PyTree, axis_sizes: Mapping[str, int] | None = None) -> "TrainState":
+               axes: PyTree, axis_sizes: Mapping[str, int] | None = None, buffers: PyTree = None,
+               buffer_update: Callable[[PyTree, Any], PyTree] | None = None) -> "TrainState":
         """Lay global ``params`` (identical on every rank) out as ``layout`` says.
 
         ``axis_sizes`` (e.g. ``llama.axis_sizes(cfg)``: heads, kv_heads, vocab …) are
@@ -90,6 +98,10 @@ class TrainState:
         every rank before any collective runs. Then the ranks agree (:mod:`dtp.guard`:
         one small all-gather) that they were given the same mesh, layout and parameters,
         and any rank's validation error is raised on every rank.
+
+        ``buffers`` (whole tensors, e.g. ``llama.init_buffers(cfg)``) are replicated on
+        the mesh; ``buffer_update`` (e.g. ``llama.buffer_update(cfg)``) renews them after
+        each step from the step's aux (:mod:`dtp.buffers`).
         """
         leaves, treedef = optree.tree_flatten(params)
         paths = [".".join(map(str, p)) for p in optree.tree_paths(params)]
@@ -97,6 +109,10 @@ class TrainState:
         try:
             axes_leaves = treedef.flatten_up_to(axes)
             layout.check_mesh(mesh)
+            if buffers and strategies.compute_mesh(layout, mesh) is not mesh:
+                raise ValueError("TrainState.create: buffers under layouts.pipeline are not supported yet "
+                                 "(the stages would each need their blocks' share)")
+            buffers = lay_out_buffers(buffers, mesh)
             if axis_sizes:
                 layout.check_sizes(axis_sizes, mesh, what="TrainState.create")
             sharded = _lay_out(paths, leaves, axes_leaves, mesh, layout)
@@ -106,7 +122,8 @@ class TrainState:
         checks = _agreements(leaves, axes_leaves)
         params = optree.tree_unflatten(treedef, sharded)
         opt_state, strategy = strategies.create(params, optimizer, layout, mesh)
-        return cls(0, params, opt_state, optimizer, mesh, layout, axes, strategy, checks)
+        return cls(0, params, opt_state, optimizer, mesh, layout, axes, strategy, checks, buffers or None,
+                   buffer_update)
 
     def replace(self, **changes: Any) -> "TrainState":
         if "params" in changes and "zero" not in changes and self.zero is not None and self.zero.plan is not None:
@@ -123,8 +140,8 @@ class TrainState:
         return optree.tree_map(_spec, self.params, none_is_leaf=True)
 
 
-_CHILDREN = ("params", "opt_state", "zero")  # the tensors; the rest is static
-_STATIC = ("step", "optimizer", "mesh", "layout", "axes", "checks")
+_CHILDREN = ("params", "opt_state", "zero", "buffers")  # the tensors; the rest is static
+_STATIC = ("step", "optimizer", "mesh", "layout", "axes", "checks", "buffer_update")
 
 
 def _lay_out(paths: list[str], leaves: list[torch.Tensor], axes_leaves: list[Any], mesh: DeviceMesh,
@@ -377,7 +394,7 @@ def value_and_grad(loss_fn: Callable[[PyTree, Mapping[str, torch.Tensor]], Any],
     run = strategies.begin(state.params, state.zero, microbatches, gradients_only=True)
     _check_inputs(batch, state, microbatches, recompute)
     with use_layout(state.layout, state.mesh), recompute_policy(recompute):
-        loss, aux = _forward_backward(loss_fn, run, _split_microbatches(batch, microbatches))
+        loss, aux = _forward_backward(_reading(loss_fn, state.buffers), run, _split_microbatches(batch, microbatches))
         (_, grads), = run.gradients()
     return loss, aux, grads
 
@@ -439,19 +456,31 @@ def train_step(loss_fn: Callable[[PyTree, Mapping[str, torch.Tensor]], Any], sta
                            mesh=state.mesh)
     with comm_log() as log:
         with use_layout(state.layout, state.mesh), recompute_policy(recompute):
-            loss, aux = _forward_backward(loss_fn, run, _split_microbatches(batch, microbatches))
+            loss, aux = _forward_backward(_reading(loss_fn, state.buffers), run,
+                                          _split_microbatches(batch, microbatches))
         with torch.no_grad(), span("update"):
             updated, opt_state, norm, bad = _update(run, state.optimizer, state.opt_state, clip_norm, loss)
             # On a skip ``updated`` is the targets as they were: ZeRO still gathers them into
             # new buffers (first step: cuts them), so every step has the same collectives.
             params, zero = run.finish(updated)
+            buffers = state.buffers
+            if buffers and state.buffer_update is not None and bad is None:  # a skip keeps them too
+                buffers = apply_update(state.buffer_update, buffers, aux, state.mesh)
     if bad is not None and _first_rank(state.mesh):
         # The same on every rank (a global norm, a replicated loss): one rank says it,
         # not world-size copies; metrics["skipped"] is on every rank.
         warnings.warn(f"dtp.train_step: non-finite {bad} at step {state.step}: update skipped "
                       f"(parameters, optimizer state and step unchanged)", RuntimeWarning, stacklevel=2)
-    new = dataclasses.replace(state, step=state.step + (bad is None), params=params, opt_state=opt_state, zero=zero)
+    new = dataclasses.replace(state, step=state.step + (bad is None), params=params, opt_state=opt_state, zero=zero,
+                              buffers=buffers)
     return new, _metrics(state, batch, loss, aux, norm, t0, log, skipped=bad is not None)
+
+
+def _reading(loss_fn: Callable, buffers: PyTree) -> Callable:
+    """``loss_fn`` reading the buffers laid over the parameters (itself without buffers)."""
+    if not buffers:
+        return loss_fn
+    return lambda params, batch: loss_fn(with_buffers(params, buffers), batch)
 
 
 def _first_rank(mesh: DeviceMesh) -> bool:

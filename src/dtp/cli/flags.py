@@ -25,7 +25,8 @@ from .. import layouts, schedules
 from .._mesh_shape import MeshShape
 from .._rules import RUN_RTOL
 from .._token_files import held_out_start, token_stats
-from ..config import DEFAULT_WARMUP, DTYPES, RECOMPUTE, RunConfig, flag_names, mesh_axes_of, type_error
+from .._rules import SCORE_FUNCTIONS
+from ..config import DEFAULT_WARMUP, DTYPES, MODEL_FIELDS, RECOMPUTE, RunConfig, flag_names, mesh_axes_of, type_error
 from ..launch import in_torchrun
 from ..layouts import CP_ALGORITHMS, ZERO_STAGES, Layout
 from ..models import config as model_config
@@ -186,6 +187,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="experts each token is routed to (default: the preset's)")
     g.add_argument("--capacity-factor", type=_positive_float("--capacity-factor"), default=RUN_DEFAULTS["capacity_factor"], metavar="C",
                    help="each expert keeps its ceil(T·k/E · C) highest-probability tokens (default: dropless)")
+    g.add_argument("--aux-loss-coeff", type=_non_negative_float, default=RUN_DEFAULTS["aux_loss_coeff"], metavar="C",
+                   help="weight of the switch load-balancing loss (default: the preset's, 1e-2; 0: none)")
+    g.add_argument("--router-score", choices=SCORE_FUNCTIONS, default=RUN_DEFAULTS["router_score"],
+                   help="router scores: softmax (Megatron) or sigmoid with the k chosen normalised (DeepSeek-V3); "
+                        "default: the preset's")
+    g.add_argument("--n-groups", type=_positive("--n-groups"), default=RUN_DEFAULTS["n_groups"], metavar="G",
+                   help="group-limited routing: the experts form G groups (with --topk-group)")
+    g.add_argument("--topk-group", type=_positive("--topk-group"), default=RUN_DEFAULTS["topk_group"], metavar="K",
+                   help="group-limited routing: each token picks its K best groups, then its top-k in them")
+    g.add_argument("--routed-scaling-factor", type=_positive_float("--routed-scaling-factor"),
+                   default=RUN_DEFAULTS["routed_scaling_factor"], metavar="S",
+                   help="multiply the k combine weights by S (DeepSeek-V3: 2.5)")
+    g.add_argument("--router-bias-update", type=_non_negative_float, default=RUN_DEFAULTS["router_bias_update"],
+                   metavar="RATE", help="aux-loss-free balancing: after each step each expert's selection bias "
+                                        "moves by RATE·sign(mean load − load) (DeepSeek-V3: 1e-3; 0: off)")
     g.add_argument("--ep", type=_positive("--ep"), default=RUN_DEFAULTS["ep"],
                    help="expert-parallel degree: experts split over an ep mesh axis (after dp; also a data axis)")
     g.add_argument("--expert-tp", action="store_true",
@@ -401,7 +417,7 @@ def model_overrides(args: Any) -> dict[str, Any]:
     {'num_experts': 4}
     """
     get = args.get if isinstance(args, dict) else lambda k: getattr(args, k, None)
-    return {k: get(k) for k in ("num_experts", "top_k", "capacity_factor") if get(k) is not None}
+    return {k: get(k) for k in MODEL_FIELDS if get(k) is not None}
 
 
 def build_layout(args: argparse.Namespace) -> Layout:

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from .. import (Layout, TrainState, checkpoint, comm, gather_params, make_mesh, optim, shard_batch, train_step,
-                use_layout, wait)
+                use_layout, wait, with_buffers)
 from .._token_files import held_out_start
 from ..data import TokenLoader, load_tokens
 from ..launch import in_torchrun
@@ -118,8 +118,10 @@ def train_loop(args: Mapping[str, Any], mesh: DeviceMesh, layout: Layout, *, rec
     opt = optim.adamw(schedule, weight_decay=0.1)
     # axis_sizes: the layout's rules (heads per tp × Ulysses degree, kv heads per head
     # chunk, vocab per tp …) are checked here, on every rank, before any collective.
+    # buffers: aux-loss-free balancing's router biases (none without --router-bias-update)
     state = TrainState.create(params, opt, mesh=mesh, layout=layout, axes=llama.param_axes(cfg),
-                              axis_sizes=llama.axis_sizes(cfg))
+                              axis_sizes=llama.axis_sizes(cfg), buffers=llama.init_buffers(cfg, dtype),
+                              buffer_update=llama.buffer_update(cfg))
     loss_fn = llama.sequential(cfg)  # the model as layers: a pipeline cuts it into stages; else llama.loss
     clip = args["clip"] if args["clip"] > 0 else None
     skips = SkipCounter(args.get("max_skipped", 0))  # run directories from before the flag: never abort
@@ -186,7 +188,7 @@ def _evaluate(state: TrainState, cfg: llama.LlamaConfig, batches: list[dict[str,
     total = 0.0
     with torch.no_grad(), use_layout(state.layout, state.mesh):
         for batch in batches:
-            out = llama.loss(params, shard_batch(batch, state), cfg)
+            out = llama.loss(with_buffers(params, state.buffers), shard_batch(batch, state), cfg)
             # An MoE model returns (loss + aux terms, aux): the held-out number is the LM loss.
             loss = out[1]["lm_loss"] if isinstance(out, tuple) else out
             total += value_of(loss.detach())
@@ -547,7 +549,12 @@ def _records_until(out: Path, resume_from: Path | None) -> list[dict[str, Any]]:
 def _moe_metrics(aux: Any) -> dict[str, Any]:
     """An MoE model's routing health per step: the cross-entropy alone, the aux and z
     losses, the load imbalance (max / mean tokens per expert, worst block) and the
-    dropped fraction (mean over blocks). Nothing for a dense model."""
+    dropped fraction (mean over blocks). With microbatches (one aux each) the step's: the
+    loads summed (what aux-loss-free balancing reads), the rest averaged. Nothing for a
+    dense model."""
+    if isinstance(aux, tuple) and aux and all(isinstance(a, dict) and "tokens_per_expert" in a for a in aux):
+        aux = {k: (sum(a[k] for a in aux) if k == "tokens_per_expert" else sum(a[k] for a in aux) / len(aux))
+               for k in ("lm_loss", "aux_loss", "z_loss", "tokens_per_expert", "dropped_fraction")}
     if not isinstance(aux, dict) or "tokens_per_expert" not in aux:
         return {}
     load = aux["tokens_per_expert"].to(torch.float64)

@@ -14,6 +14,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from .._rules import SCORE_FUNCTIONS, check_groups
+
 __all__ = ["LlamaConfig", "CONFIGS", "config", "block_shapes", "param_axes", "axis_sizes", "param_count", "flops_per_token",
            "is_moe", "n_sequential_layers"]
 
@@ -40,10 +42,16 @@ class LlamaConfig:
     pre_softmax: bool = False  # softmax over all experts, then top-k (no renormalisation)
     aux_loss_coeff: float = 1e-2  # switch load-balancing loss coefficient
     z_loss_coeff: float = 0.0  # router z-loss coefficient
-    # Aux-loss-free balancing's bias step (DeepSeek-V3). The bias is state that no
-    # gradient trains, so it belongs beside the parameters (a non-trainable collection of
-    # the train state, updated after each step), not among them where the optimizer would
-    # move it. Not wired into training yet: ops.moe.route(bias=...) and update_bias are.
+    # DeepSeek-V3's router (dtp.ops.moe_router): "sigmoid" scores, the k chosen normalised;
+    # group-limited routing (n_groups groups of experts, topk_group picked per token);
+    # the k weights times routed_scaling_factor (None: 1).
+    router_score: str = "softmax"
+    n_groups: int | None = None
+    topk_group: int | None = None
+    routed_scaling_factor: float | None = None
+    # Aux-loss-free balancing (DeepSeek-V3): after each step every MoE block's selection
+    # bias moves by rate·sign(mean load − load). The bias is state no gradient trains: it
+    # lives in TrainState.buffers (init_buffers), not among the parameters. 0: no bias.
     router_bias_update: float = 0.0
 
     @property
@@ -75,10 +83,19 @@ class LlamaConfig:
             if self.capacity_factor is not None and not self.capacity_factor > 0:
                 raise ValueError(f"LlamaConfig: capacity_factor must be None (dropless) or > 0, "
                                  f"got {self.capacity_factor}")
-        if self.router_bias_update:
-            raise ValueError(f"LlamaConfig: router_bias_update={self.router_bias_update}: aux-loss-free balancing is "
-                             f"not wired into training yet; use aux_loss_coeff (dtp.ops.moe.route(bias=...) and "
-                             f"update_bias are available as functions)")
+            if self.router_score not in SCORE_FUNCTIONS:
+                raise ValueError(f"LlamaConfig: router_score must be one of {SCORE_FUNCTIONS}, got {self.router_score!r}")
+            if self.pre_softmax and self.router_score != "softmax":
+                raise ValueError(f"LlamaConfig: pre_softmax is a softmax option; router_score={self.router_score!r}")
+            check_groups(self.num_experts, self.top_k, self.n_groups, self.topk_group, what="LlamaConfig")
+            if self.routed_scaling_factor is not None and not self.routed_scaling_factor > 0:
+                raise ValueError(f"LlamaConfig: routed_scaling_factor must be None or > 0, "
+                                 f"got {self.routed_scaling_factor}")
+        if not self.router_bias_update >= 0:
+            raise ValueError(f"LlamaConfig: router_bias_update must be >= 0 (0: no bias), got {self.router_bias_update}")
+        if self.router_bias_update and not self.num_experts:
+            raise ValueError(f"LlamaConfig: router_bias_update={self.router_bias_update} balances MoE experts; "
+                             f"the model has num_experts=0")
 
 
 # Shapes of the published models (for planning); "tiny" and "small" run on a laptop CPU.

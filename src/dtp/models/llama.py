@@ -36,14 +36,14 @@ from ..layouts import constrain
 from torch.distributed.tensor import DTensor
 
 from ..ops import attention, cross_entropy, embedding, linear, remat, rotary
-from ..ops.moe import moe_ffn
+from ..ops.moe import moe_ffn, update_bias
 from .._rules import accum_dtype
 from .config import (CONFIGS, LlamaConfig, block_shapes, axis_sizes, config, flops_per_token, is_moe,
                      n_sequential_layers, param_axes, param_count)
 from .sequential import Layer, Sequential
 
-__all__ = ["LlamaConfig", "CONFIGS", "config", "block_shapes", "init", "param_axes", "axis_sizes", "apply", "loss", "sequential",
-           "param_count", "flops_per_token", "is_moe", "n_sequential_layers"]
+__all__ = ["LlamaConfig", "CONFIGS", "config", "block_shapes", "init", "init_buffers", "buffer_update", "param_axes",
+           "axis_sizes", "apply", "loss", "sequential", "param_count", "flops_per_token", "is_moe", "n_sequential_layers"]
 
 
 def init(cfg: LlamaConfig, seed: int = 0, dtype: torch.dtype = torch.float32,
@@ -75,6 +75,48 @@ def init(cfg: LlamaConfig, seed: int = 0, dtype: torch.dtype = torch.float32,
     if not cfg.tie_embeddings:
         params["lm_head"] = normal((cfg.dim, cfg.vocab_size), std)
     return params
+
+
+def init_buffers(cfg: LlamaConfig, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+    """The state no gradient trains (``TrainState.create(buffers=...)``): with
+    ``router_bias_update`` each MoE block's selection bias ``router_bias`` (E,), zeros in
+    the router's dtype, at the block's place in the parameter tree; else nothing (``{}``).
+
+    >>> cfg = config("tiny-moe", router_bias_update=1e-3)
+    >>> [sorted(layer) for layer in init_buffers(cfg)["layers"]]
+    [['router_bias'], ['router_bias']]
+    """
+    if not cfg.router_bias_update:
+        return {}
+    acc = accum_dtype(dtype)
+    return {"layers": [{"router_bias": torch.zeros(cfg.num_experts, dtype=acc)} if is_moe(cfg, i) else {}
+                       for i in range(cfg.n_layers)]}
+
+
+def buffer_update(cfg: LlamaConfig) -> Any:
+    """Aux-loss-free balancing's rule for ``TrainState.create(buffer_update=...)``:
+    ``(buffers, aux) -> buffers``, each MoE block's bias moved by
+    ``router_bias_update · sign(mean load − load)`` (:func:`dtp.ops.moe.update_bias`), the
+    load being the tokens routed to each expert in the whole step — summed over the
+    microbatches' ``aux["tokens_per_expert"]``, each already a global count (the MoE
+    statistics are reduced over every token axis), so it needs no collective of its own.
+
+    >>> cfg = config("tiny-moe", n_layers=1, router_bias_update=0.5)
+    >>> aux = {"tokens_per_expert": torch.tensor([[3, 1, 1, 3]])}
+    >>> buffer_update(cfg)(init_buffers(cfg), aux)["layers"][0]["router_bias"].tolist()
+    [-0.5, 0.5, 0.5, -0.5]
+    """
+    rate = cfg.router_bias_update
+
+    def update(buffers: dict[str, Any], aux: Any) -> dict[str, Any]:
+        auxes = aux if isinstance(aux, tuple) else (aux,)  # one per microbatch
+        load = sum(a["tokens_per_expert"] for a in auxes)  # (MoE blocks, E)
+        blocks = iter(range(load.shape[0]))
+        layers = [{"router_bias": update_bias(layer["router_bias"], load[next(blocks)], rate)} if layer else {}
+                  for layer in buffers["layers"]]
+        return {**buffers, "layers": layers}
+
+    return update
 
 
 def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -109,8 +151,13 @@ def _block(layer: dict[str, torch.Tensor], h: torch.Tensor, cfg: LlamaConfig) ->
     x = constrain(_rms_norm(h, layer["mlp_norm"], cfg.norm_eps), ("batch", "seq", "embed"), name="mlp_in")
     if "router" not in layer:
         return h + constrain(_mlp(layer, x), ("batch", "res_seq", "embed"), name="mlp_out")
+    if cfg.router_bias_update and "router_bias" not in layer:
+        raise ValueError("llama: router_bias_update needs each MoE block's router_bias among the parameters it "
+                         "reads: create the state with buffers=llama.init_buffers(cfg) (dtp.with_buffers)")
     y, aux = moe_ffn(layer, x, top_k=cfg.top_k, pre_softmax=cfg.pre_softmax, capacity_factor=cfg.capacity_factor,
-                     aux_loss_coeff=cfg.aux_loss_coeff, z_loss_coeff=cfg.z_loss_coeff)
+                     aux_loss_coeff=cfg.aux_loss_coeff, z_loss_coeff=cfg.z_loss_coeff,
+                     bias=layer["router_bias"] if cfg.router_bias_update else None, score=cfg.router_score,
+                     n_groups=cfg.n_groups, topk_group=cfg.topk_group, scaling_factor=cfg.routed_scaling_factor)
     return h + constrain(y, ("batch", "res_seq", "embed"), name="mlp_out"), aux
 
 

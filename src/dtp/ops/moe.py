@@ -1,26 +1,18 @@
 """Mixture of experts, one device's math: routing, the auxiliary losses, the local
 experts as one batched matmul, and the whole MoE FFN.
 
-Routing follows Megatron-core (softmax score function):
-
-==================  ===============================================================
-default             top-k on the logits, softmax over the k chosen (weights sum to 1)
-``pre_softmax``     softmax over all experts, then top-k; no renormalisation
-``bias``            added to the scores for *selection only* (aux-loss-free balancing,
-                    DeepSeek-V3 / torchtitan); weights come from the unbiased scores
-``capacity_factor`` each expert keeps its ``ceil(T·k/E · cf)`` highest-weight tokens
-                    (Megatron's "probs" drop policy); the survivors are not renormalised
-==================  ===============================================================
-
-Dropless by default. The switch load-balancing loss is ``E·coeff/(k·T²) · Σ_i P_i·n_i``
-with ``P_i = Σ_t p_ti`` over the full softmax and ``n_i`` the tokens routed to expert i
-*before* dropping; the router z-loss is ``coeff · mean_t logsumexp(logits_t)²``.
+Routing is :mod:`dtp.ops.moe_router` (Megatron-core's softmax routers and DeepSeek-V3's
+sigmoid router with group-limited top-k and the selection bias; its names are re-exported
+here). Dropless by default. The switch load-balancing loss is ``E·coeff/(k·T²) · Σ_i P_i·n_i``
+with ``P_i = Σ_t p_ti`` over the full distribution and ``n_i`` the tokens routed to expert
+i *before* dropping; the router z-loss is ``coeff · mean_t logsumexp(logits_t)²``.
 
 :func:`moe_ffn` takes plain tensors or DTensors. With DTensors the per-token work
 (route, permute, experts, combine) runs on each rank's own tokens through
 :func:`dtp.local_map`, on the expert weights as they are laid out, and the aux losses
 come from the *global* sums ``P``, ``n`` and ``Σ lse²`` — one all-reduce of ``2E + 2``
-numbers over the token axes (tag ``moe stats``) — so a data-parallel run equals one
+numbers over the token axes (tag ``moe stats``), posted asynchronously and waited where
+the aux loss is read (:mod:`dtp.ops.moe_stats`) — so a data-parallel run equals one
 device. Expert parallel: when the active layout puts the ``expert`` axis on a mesh axis
 of size > 1 (``layouts.expert()``, which also splits the batch over it), each rank
 holds ``E / ep`` experts; its kept (token, choice) rows go to their experts' ranks
@@ -50,96 +42,14 @@ from ..mesh import axis_names, flatten_axes
 from ..redistribute import local_map, reshard
 from ..spec import P, spec_of
 from . import moe_dispatch, moe_pipe
+from .moe_router import SCORE_FUNCTIONS, Routing, balance, load_balancing_loss, route, update_bias, z_loss
+from .moe_stats import Aux, PendingStats
 
-__all__ = ["Routing", "route", "load_balancing_loss", "z_loss", "update_bias", "experts", "padded_experts", "moe_ffn"]
+__all__ = ["Routing", "SCORE_FUNCTIONS", "route", "load_balancing_loss", "z_loss", "update_bias", "experts",
+           "padded_experts", "moe_ffn", "AUX_KEYS"]
 
-
-class Routing(NamedTuple):
-    """What :func:`route` decides for T tokens, E experts and top-k."""
-
-    experts: torch.Tensor  # (T, k) int64: chosen expert ids
-    weights: torch.Tensor  # (T, k): combine weights, zero where the token was dropped
-    kept: torch.Tensor  # (T, k) bool: the choice survived the capacity (all True when dropless)
-    probs: torch.Tensor  # (T, E): the full softmax over experts (for the aux loss)
-    counts: torch.Tensor  # (E,) int64: tokens routed to each expert before dropping
-    dropped_fraction: torch.Tensor  # scalar: dropped choices / (T·k)
-
-
-def route(logits: torch.Tensor, top_k: int, *, pre_softmax: bool = False, capacity_factor: float | None = None,
-          bias: torch.Tensor | None = None) -> Routing:
-    """Route T tokens over E experts from router ``logits`` (T, E) (keep them fp32).
-
-    - `top_k`: experts per token, 1 ≤ k ≤ E.
-    - `pre_softmax`: softmax over all E then top-k (weights not renormalised); default
-      False: top-k on the logits then softmax over the k chosen.
-    - `capacity_factor`: ``None`` (dropless, default) or > 0: each expert keeps its
-      ``ceil(T·k/E·cf)`` highest-weight tokens; dropped choices get weight 0.
-    - `bias`: (E,) added to the selection scores only (logits, or probabilities with
-      ``pre_softmax``); default None.
-
-    Raises: ``ValueError`` for a ``top_k`` outside [1, E] or a ``capacity_factor`` ≤ 0.
-
-    >>> r = route(torch.tensor([[2.0, 0.0, 1.0]]), 2)
-    >>> r.experts.tolist(), [round(w, 4) for w in r.weights[0].tolist()], r.counts.tolist()
-    ([[0, 2]], [0.7311, 0.2689], [1, 0, 1])
-    """
-    t, e = logits.shape
-    if not 1 <= top_k <= e:
-        raise ValueError(f"route: top_k must be in [1, {e}] (the number of experts), got {top_k}")
-    if capacity_factor is not None and not capacity_factor > 0:
-        raise ValueError(f"route: capacity_factor must be None (dropless) or > 0, got {capacity_factor!r}")
-    probs = torch.softmax(logits, dim=-1)
-    scores = probs if pre_softmax else logits
-    select = scores if bias is None else scores + bias.to(scores.dtype)
-    with torch.no_grad():
-        ids = torch.topk(select, top_k, dim=-1).indices
-    chosen = scores.gather(-1, ids)
-    weights = chosen if pre_softmax else torch.softmax(chosen, dim=-1)
-    counts = torch.bincount(ids.reshape(-1), minlength=e)
-    kept = torch.ones_like(ids, dtype=torch.bool)
-    if capacity_factor is not None:
-        capacity = min(t, math.ceil(t * top_k / e * capacity_factor))
-        with torch.no_grad():
-            dense = torch.zeros(t, e, dtype=weights.dtype, device=weights.device).scatter(-1, ids, weights.detach())
-            routed = torch.zeros(t, e, dtype=torch.bool, device=ids.device).scatter(-1, ids, True)
-            top = torch.topk(dense, capacity, dim=0).indices  # (capacity, E): each expert's best tokens
-            within = torch.zeros_like(routed).scatter(0, top, True) & routed
-            kept = within.gather(-1, ids)
-        weights = weights * kept
-    dropped = 1.0 - kept.sum().to(probs.dtype) / (t * top_k)
-    return Routing(ids, weights, kept, probs, counts, dropped)
-
-
-def _balance(p_sum: torch.Tensor, counts: torch.Tensor, tokens: int, top_k: int, coeff: float) -> torch.Tensor:
-    e = p_sum.shape[-1]
-    return (p_sum * counts.to(p_sum.dtype)).sum() * (e * coeff / (top_k * tokens * tokens))
-
-
-def load_balancing_loss(p_full: torch.Tensor, counts_before_drop: torch.Tensor, top_k: int,
-                        coeff: float) -> torch.Tensor:
-    """The switch load-balancing loss ``E·coeff/(k·T²) · Σ_i (Σ_t p_ti)·n_i`` for the full
-    softmax ``p_full`` (T, E) and the per-expert counts before dropping.
-
-    >>> float(load_balancing_loss(torch.full((4, 2), 0.5), torch.tensor([4, 4]), 2, 1.0))  # balanced: coeff
-    1.0
-    """
-    return _balance(p_full.sum(0), counts_before_drop, p_full.shape[0], top_k, coeff)
-
-
-def z_loss(logits: torch.Tensor, coeff: float) -> torch.Tensor:
-    """The router z-loss ``coeff · mean_t logsumexp(logits_t)²`` over logits (T, E)."""
-    return coeff * torch.logsumexp(logits, dim=-1).square().mean()
-
-
-def update_bias(bias: torch.Tensor, load: torch.Tensor, rate: float) -> torch.Tensor:
-    """Aux-loss-free balancing's step: ``bias + rate·sign(mean load − load)`` — an
-    overloaded expert's selection bias goes down, an idle one's up.
-
-    >>> update_bias(torch.zeros(3), torch.tensor([4.0, 1.0, 1.0]), 0.1).tolist()
-    [-0.10000000149011612, 0.10000000149011612, 0.10000000149011612]
-    """
-    load = load.to(bias.dtype)
-    return bias + rate * torch.sign(load.mean() - load)
+#: What :func:`moe_ffn`'s aux holds.
+AUX_KEYS = ("aux_loss", "z_loss", "tokens_per_expert", "dropped_fraction")
 
 
 def experts(x_sorted: torch.Tensor, counts: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
@@ -180,9 +90,8 @@ def padded_experts(x_sorted: torch.Tensor, counts: torch.Tensor, w_gate: torch.T
 
 
 def _local_moe(x: torch.Tensor, router: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
-               w_down: torch.Tensor, bias: torch.Tensor | None, top_k: int, pre_softmax: bool,
-               capacity_factor: float | None, ep: _ExpertGroup | None = None
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+               w_down: torch.Tensor, bias: torch.Tensor | None, top_k: int, routing: Mapping[str, Any],
+               ep: _ExpertGroup | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(y, stats)`` for this rank's tokens: ``stats = [Σ_t p (E), n (E), Σ_t lse², kept]``.
     With ``ep`` the expert weights are this rank's ``E / ep`` experts and the rows travel
     to their experts' ranks and back (:mod:`dtp.ops.moe_pipe` when pipelined or with
@@ -191,7 +100,7 @@ def _local_moe(x: torch.Tensor, router: torch.Tensor, w_gate: torch.Tensor, w_up
     shape = x.shape
     xt = x.reshape(-1, shape[-1])
     logits = xt.to(router.dtype) @ router  # the router runs in fp32 (fp64 stays fp64)
-    r = route(logits, top_k, pre_softmax=pre_softmax, capacity_factor=capacity_factor, bias=bias)
+    r = route(logits, top_k, bias=bias, **routing)
     e = router.shape[-1]
     flat_ids, flat_kept = r.experts.reshape(-1), r.kept.reshape(-1)
     slots = torch.nonzero(flat_kept).squeeze(-1)  # (token, choice) pairs that survived
@@ -273,31 +182,42 @@ def _expert_group(params: Mapping[str, torch.Tensor], x: DTensor,
 
 def moe_ffn(params: Mapping[str, torch.Tensor], x: torch.Tensor, *, top_k: int, pre_softmax: bool = False,
             capacity_factor: float | None = None, aux_loss_coeff: float = 0.0, z_loss_coeff: float = 0.0,
-            bias: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+            bias: torch.Tensor | None = None, score: str = "softmax", n_groups: int | None = None,
+            topk_group: int | None = None, scaling_factor: float | None = None
+            ) -> tuple[torch.Tensor, Mapping[str, torch.Tensor]]:
     """The MoE FFN on ``x`` (..., d): router (fp32) → :func:`route` → permute tokens by
     expert → :func:`experts` → weighted combine (unpermute, sum over k), plus the shared
     expert (a dense SwiGLU every token passes through) when ``params`` has ``shared_gate``.
 
     ``params``: ``router`` (d, E), ``w_gate``/``w_up`` (E, d, f), ``w_down`` (E, f, d);
-    optional ``shared_gate``/``shared_up`` (d, f_s), ``shared_down`` (f_s, d). Options as
-    :func:`route`, and the two loss coefficients (default 0).
+    optional ``shared_gate``/``shared_up`` (d, f_s), ``shared_down`` (f_s, d). Routing
+    options as :func:`route` (``bias``: the (E,) selection bias, a plain tensor or a
+    replicated DTensor, no gradient), and the two loss coefficients (default 0).
 
-    Returns ``(y, aux)``: ``aux`` has ``aux_loss`` and ``z_loss`` (scalars in the graph:
-    add them to the loss) and ``tokens_per_expert`` (E,) and ``dropped_fraction``
-    (detached). With DTensors: the per-token work on local shards, the statistics summed
-    over the token axes first; under ``layouts.expert`` the rows are dispatched to their
-    experts' ranks and combined back (module docstring).
+    Returns ``(y, aux)``: ``aux`` (a mapping, keys :data:`AUX_KEYS`) has ``aux_loss`` and
+    ``z_loss`` (scalars in the graph: add them to the loss) and ``tokens_per_expert``
+    (E,) and ``dropped_fraction`` (detached). With DTensors: the per-token work on local
+    shards, the statistics summed over the token axes by an all-reduce that is in flight
+    until the first read of ``aux`` (:mod:`dtp.ops.moe_stats`); under ``layouts.expert``
+    the rows are dispatched to their experts' ranks and combined back (module docstring).
 
     Raises: ``ValueError`` when the active layout splits experts over an axis the tokens
     are not split over, or the expert weights are not laid out on it (every rank alike).
+
+    >>> p = {"router": torch.zeros(2, 2), "w_gate": torch.ones(2, 2, 3), "w_up": torch.ones(2, 2, 3),
+    ...      "w_down": torch.ones(2, 3, 2)}
+    >>> y, aux = moe_ffn(p, torch.ones(4, 2), top_k=1, score="sigmoid")
+    >>> tuple(y.shape), aux["tokens_per_expert"].tolist()
+    ((4, 2), [4.0, 0.0])
     """
     weights = (params["router"], params["w_gate"], params["w_up"], params["w_down"])
-
+    routing = dict(pre_softmax=pre_softmax, capacity_factor=capacity_factor, score=score, n_groups=n_groups,
+                   topk_group=topk_group, scaling_factor=scaling_factor)
     ep: _ExpertGroup | None = None
 
     def local(x_l: torch.Tensor, router: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
-              w_down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return _local_moe(x_l, router, w_gate, w_up, w_down, bias, top_k, pre_softmax, capacity_factor, ep)
+              w_down: torch.Tensor, bias_l: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        return _local_moe(x_l, router, w_gate, w_up, w_down, bias_l, top_k, routing, ep)
 
     e = params["router"].shape[-1]
     tokens = math.prod(x.shape[:-1])  # global: a DTensor's shape is the whole tensor's
@@ -307,19 +227,20 @@ def moe_ffn(params: Mapping[str, torch.Tensor], x: torch.Tensor, *, top_k: int, 
         ep = _expert_group(params, x, token_axes)
         pending = () if ep is None or ep.tp_axis is None else (ep.tp_axis,)  # y and stats: each tp rank's share
         out_specs = (P(*spec.dims, partial=spec.partial + pending), P(None, partial=token_axes + pending))
-        y, stats = local_map(local, (None,) * 5, out_specs, check_shapes=False)(x, *weights)
-        stats = reshard(stats, P(None), tag="moe stats")
+        y, stats = local_map(local, (None,) * 6, out_specs, check_shapes=False)(x, *weights, bias)
     else:
-        y, stats = local(x, *weights)
-    p_sum, counts, lse2, kept = stats[:e], stats[e:2 * e].detach(), stats[2 * e], stats[2 * e + 1].detach()
+        y, stats = local(x, *weights, bias)
+    posted = PendingStats(stats)  # in flight until the aux is read (the loss, at the head)
     if "shared_gate" in params:
         from .parallel import linear  # the shared expert is a dense MLP: tensor parallel like one
         y = y + linear(F.silu(linear(x, params["shared_gate"])) * linear(x, params["shared_up"]),
                        params["shared_down"])
-    aux = {
-        "aux_loss": _balance(p_sum, counts, tokens, top_k, aux_loss_coeff),
-        "z_loss": z_loss_coeff * lse2 / tokens,
-        "tokens_per_expert": counts,
-        "dropped_fraction": 1.0 - kept / (tokens * top_k),
-    }
-    return y, aux
+
+    def aux(total: torch.Tensor) -> dict[str, torch.Tensor]:
+        p_sum, counts, lse2, kept = total[:e], total[e:2 * e].detach(), total[2 * e], total[2 * e + 1].detach()
+        return {"aux_loss": balance(p_sum, counts, tokens, top_k, aux_loss_coeff),
+                "z_loss": z_loss_coeff * lse2 / tokens,
+                "tokens_per_expert": counts,
+                "dropped_fraction": 1.0 - kept / (tokens * top_k)}
+
+    return y, Aux(AUX_KEYS, posted, aux)
