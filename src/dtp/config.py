@@ -240,10 +240,12 @@ class RunConfig:
             fail(f"{n('virtual_stages')} {self.virtual_stages} is a pipeline option; pipeline options need "
                  f"{n('pp')} > 1")
         if self.pp > 1:
-            if self.virtual_stages > 1 and self.pp_schedule != "interleaved":
+            if self.virtual_stages > 1 and self.pp_schedule not in ("interleaved", *schedules.V_SCHEDULES):
                 fail(f"{n('virtual_stages')} {self.virtual_stages} needs {n('pp_schedule')} interleaved")
+            # zbv / dualpipev hold two chunks per rank (a V): the default 1 reads as 2.
+            v = schedules.chunks_per_rank(self.pp_schedule, self.virtual_stages)
             try:
-                schedules.check(self.pp_schedule, p=self.pp, v=self.virtual_stages, m=self.microbatches)
+                schedules.check(self.pp_schedule, p=self.pp, v=v, m=self.microbatches)
             except ValueError as e:
                 fail(f"{n('pp')} {self.pp} {n('microbatches')} {self.microbatches}: {e}")
 

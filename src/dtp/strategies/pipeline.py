@@ -1,7 +1,8 @@
 """Pipeline parallel: one runner executes any schedule's action list (:mod:`dtp.schedules`).
 
-Rank ``r`` of the ``pp`` axis holds global stages ``r, r+p, …`` (one per virtual chunk,
-:func:`dtp.layouts.pipeline.assign`), i.e. the parameters those stages' layers read,
+Rank ``r`` of the ``pp`` axis holds the global stages the schedule's stage map gives it
+(:class:`dtp.schedules.Schedule`: ``r, r+p, …``, one per virtual chunk, or under a V
+schedule ``r`` and ``2p-1-r``; layers per stage: :func:`dtp.layouts.pipeline.assign`), i.e. the parameters those stages' layers read,
 laid out by the rest of the layout on the *stage mesh* (the mesh without ``pp``: dp, cp,
 tp go on as everywhere else). The parameters of other stages are ``None`` in its tree.
 
@@ -16,7 +17,11 @@ For each action of its list, in order:
   the previous stage; add the parameters' gradients to the step's accumulators;
 * ``I`` / ``W`` (zero-bubble): the same backward split — ``I`` computes and posts only
   the input's gradient (the graph kept), ``W`` the parameters' gradients later, where
-  the schedule has a bubble to fill.
+  the schedule has a bubble to fill;
+* ``F&B`` (DualPipeV's :class:`dtp.schedules.Pair`): one microbatch's ``F`` and another's
+  ``B`` back to back, both inputs' receives posted before the action ahead of it
+  computes, the forward's output posted before the backward computes (its transfer is
+  in flight meanwhile).
 
 Receives are posted one action ahead (the next action's input is on the wire while this
 one computes); sends never block. Each message carries a small header (global shape,
@@ -105,10 +110,12 @@ class Run:
         self.m = ctx.microbatches
         self.smesh = stage_mesh(ctx.mesh, self.axis)
         self.n_stages = self.p * self.v
+        self.plan = schedules.make(opts.schedule, p=self.p, v=self.v, m=ctx.microbatches)
+        self.placement = self.plan.placement  # the stage-to-rank map: the schedule's
         model = ctx.model
         ranges = assign(len(model), self.p, self.v, opts.layer_split)
         # (global stage, first layer, stop) of this rank's chunks, chunk order
-        stages = [schedules.global_stage(c, self.rank, self.p) for c in range(self.v)]
+        stages = [schedules.global_stage(c, self.rank, self.p, self.placement) for c in range(self.v)]
         self.chunks = tuple((stage, *ranges[stage]) for stage in stages)
         owned = set().union(*(model.paths(first, stop) for _, first, stop in self.chunks))
         # The embedding both ends read (tied weights): its gradient is summed between them.
@@ -160,14 +167,16 @@ class Run:
     def schedule(self, loss_fn: Callable, microbatches: list[Mapping[str, Any]]) -> tuple[float, Any]:
         """Run this rank's action list; returns the mean loss (on every rank) and aux
         (the last stage's, ``None`` elsewhere)."""
-        opts = self.ctx.layout.pipeline
-        actions = schedules.make(opts.schedule, p=self.p, v=self.v, m=self.m)[self.rank]
+        actions = self.plan[self.rank]
         self.mbs = microbatches
         with use_layout(self.ctx.layout, self.smesh) if self.smesh is not None else contextlib.nullcontext():
-            for k, action in enumerate(actions):
+            for k, item in enumerate(actions):
                 if k + 1 < len(actions):
                     self._prefetch(actions[k + 1])
-                getattr(self, f"_{action.kind}")(action.chunk, action.microbatch)
+                # A pair's backward input was posted with its forward's (above, one item
+                # ahead); the forward's send is in flight while the backward computes.
+                for action in (item.forward, item.backward) if isinstance(item, schedules.Pair) else (item,):
+                    getattr(self, f"_{action.kind}")(action.chunk, action.microbatch)
         for handle in [*self.sends, *self.act_sends.values()]:
             handle.wait()
         self.sends.clear()
@@ -270,7 +279,7 @@ class Run:
 
     # ---- point to point
     def _rank_of(self, stage: int) -> int:
-        return schedules.stage_owner(stage, self.p)[0]
+        return schedules.stage_owner(stage, self.p, self.placement)[0]
 
     def _key(self, kind: str, stage: int, i: int, part: int) -> int:
         return ((stage * 2 + (kind == "grad")) * self.m + i) * 2 + part
@@ -297,12 +306,13 @@ class Run:
         else:
             self.sends.append(handle)
 
-    def _prefetch(self, action: Any) -> None:
-        stage = action.stage(self.rank, self.p)
-        if action.kind == "F" and stage > 0:
-            self._post("act", stage, action.microbatch)
-        elif action.kind in ("B", "I") and stage < self.n_stages - 1:
-            self._post("grad", stage, action.microbatch)
+    def _prefetch(self, item: "schedules.Action | schedules.Pair") -> None:
+        for action in (item.forward, item.backward) if isinstance(item, schedules.Pair) else (item,):
+            stage = action.stage(self.rank, self.p, self.placement)
+            if action.kind == "F" and stage > 0:
+                self._post("act", stage, action.microbatch)
+            elif action.kind in ("B", "I") and stage < self.n_stages - 1:
+                self._post("grad", stage, action.microbatch)
 
     def _post(self, kind: str, stage: int, i: int) -> None:
         key = (kind, stage, i)
