@@ -87,3 +87,43 @@ def test_dualpipev_posts_a_pairs_receives_together():
     tags = run(_first_pair_posts, 4, world_size=2)[0]
     i = tags.index("pp act stage 3 mb 3")
     assert tags[i + 1] == "pp grad stage 0 mb 1", tags
+
+
+# ------------------------------------------------------------------ evaluation under a pipeline
+
+
+def _eval(axes: dict, layout, cfg, n_batches: int) -> list[float]:
+    """Held-out losses before and after one training step (state laid out whole, then
+    as each stage's), forward only."""
+    mesh = dtp.make_mesh(**axes)
+    state = dtp.TrainState.create(llama.init(cfg, seed=0, dtype=torch.float64), dtp.optim.sgd(0.1), mesh=mesh,
+                                  layout=layout, axes=llama.param_axes(cfg), axis_sizes=llama.axis_sizes(cfg))
+    model = llama.sequential(cfg)
+    held_out = [dtp.shard_batch(_batch_of(cfg, 100 + k), state) for k in range(n_batches)]
+    before = dtp.strategies.evaluate(model, state.params, state.zero, state.layout, state.mesh, held_out)
+    state, _ = dtp.train_step(model, state, dtp.shard_batch(_batch_of(cfg, 0), state), microbatches=4)
+    after = dtp.strategies.evaluate(model, state.params, state.zero, state.layout, state.mesh, held_out)
+    return [loss for loss, _ in before + after]
+
+
+def _batch_of(cfg, seed: int) -> dict[str, torch.Tensor]:
+    tok = torch.randint(0, cfg.vocab_size, (8, 17), generator=torch.Generator().manual_seed(seed))
+    return {"tokens": tok[:, :-1].contiguous(), "targets": tok[:, 1:].contiguous()}
+
+
+EVAL_CASES = {  # name -> (mesh axes, layout, batches: fewer than the stages, too)
+    "pp2 dualpipev": ({"pp": 2}, layouts.pipeline("dualpipev"), 3),
+    "pp2 x dp2 1f1b, 1 batch": ({"pp": 2, "dp": 2}, layouts.data() + layouts.pipeline("1f1b"), 1),
+    "pp2 x tp2 sp interleaved": ({"pp": 2, "tp": 2}, layouts.data() + layouts.megatron(True) +
+                                 layouts.pipeline("interleaved", virtual_stages=2), 2),
+}
+
+
+@pytest.mark.parametrize("name", list(EVAL_CASES))
+def test_eval_under_a_pipeline_equals_one_process(name):
+    axes, layout, n = EVAL_CASES[name]
+    cfg = _cfg()
+    want = run(_eval, {"dp": 1}, layouts.data(), cfg, n, world_size=1)[0]
+    got = run(_eval, axes, layout, cfg, n, world_size=_world(axes))
+    for rank_losses in got:  # the same on every rank
+        torch.testing.assert_close(torch.tensor(rank_losses), torch.tensor(want), rtol=RTOL, atol=0)

@@ -190,9 +190,6 @@ class RunConfig:
             fail(f"{n('max_restarts')} needs {n('save_every')} N: a restart resumes from the newest checkpoint")
         if self.resume and self.out is None:
             fail(f"{n('resume')} continues the run in {n('out')}; name it ({n('out')} runs/…)")
-        if self.eval_every and self.pp > 1:
-            fail(f"{n('eval_every')} is not supported with {n('pp')} > 1 yet (the evaluation forward runs the "
-                 "model whole, not in stages)")
 
     def _check_types(self, fail: Callable[[str], None], n: Callable[[str], str]) -> None:
         for f in fields(self):

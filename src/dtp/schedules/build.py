@@ -5,7 +5,7 @@ from __future__ import annotations
 from . import v as v_shape
 from .actions import SCHEDULES, V_SCHEDULES, Action, Schedule, is_int, placement
 
-__all__ = ["check", "make", "check_counts"]
+__all__ = ["check", "make", "forward_only", "check_counts"]
 
 # Steady-state schedules keep p microbatches in flight to fill the pipe; with fewer
 # torchtitan hangs, dtp refuses up front.
@@ -106,6 +106,23 @@ def make(name: str, *, p: int, v: int = 1, m: int) -> Schedule:
     else:
         ranks = [_one_f_one_b(r, p, m, zero_bubble=name == "zb-h1") for r in range(p)]
     return Schedule(ranks, placement(name))
+
+
+def forward_only(name: str, *, p: int, v: int = 1, m: int) -> Schedule:
+    """An evaluation's schedule under ``name``'s stage map: each rank's forwards only,
+    chunk by chunk, microbatches ``0..m-1`` (sends never block, so no order deadlocks;
+    any ``m >= 1``). Not a training schedule: :func:`dependencies_ok` wants backwards.
+
+    Raises: ``ValueError`` for an unknown name or counts not ints >= 1.
+
+    >>> forward_only("zbv", p=2, v=2, m=2)[1]
+    (Action(kind='F', chunk=0, microbatch=0), Action(kind='F', chunk=0, microbatch=1), \
+Action(kind='F', chunk=1, microbatch=0), Action(kind='F', chunk=1, microbatch=1))
+    """
+    if name not in SCHEDULES:
+        raise ValueError(f"schedules: unknown schedule {name!r}; valid: {', '.join(SCHEDULES)}")
+    check_counts("schedules.forward_only", p, v, m)
+    return Schedule([[Action("F", c, i) for c in range(v) for i in range(m)] for _ in range(p)], placement(name))
 
 
 def _gpipe(m: int) -> list[Action]:

@@ -99,18 +99,21 @@ def _owned(path: str, prefixes: Sequence[str]) -> bool:
 
 
 class Run:
-    """One step of a pipeline schedule (a :class:`dtp.strategies.StepRun`)."""
+    """One step of a pipeline schedule (a :class:`dtp.strategies.Scheduled`); with
+    ``forward_only`` the evaluation's forwards (:meth:`evaluate`), no gradients."""
 
     grouped = False
 
-    def __init__(self, params: PyTree, ctx: Context):
+    def __init__(self, params: PyTree, ctx: Context, *, forward_only: bool = False):
         self.ctx, opts = ctx, ctx.layout.pipeline
         self.axis, self.p, self.v = opts.axis, opts.degree(ctx.mesh), opts.virtual_stages
         self.rank = coordinates(ctx.mesh)[self.axis]
         self.m = ctx.microbatches
         self.smesh = stage_mesh(ctx.mesh, self.axis)
         self.n_stages = self.p * self.v
-        self.plan = schedules.make(opts.schedule, p=self.p, v=self.v, m=ctx.microbatches)
+        self.forward_only = forward_only
+        self.plan = (schedules.forward_only if forward_only else schedules.make)(
+            opts.schedule, p=self.p, v=self.v, m=ctx.microbatches)
         self.placement = self.plan.placement  # the stage-to-rank map: the schedule's
         model = ctx.model
         ranges = assign(len(model), self.p, self.v, opts.layer_split)
@@ -126,7 +129,7 @@ class Run:
         self.paths = paths
         local = [self._to_stage(x) if keep and x is not None else None for x, keep in zip(leaves, self.keep)]
         self.params_tree = optree.tree_unflatten(self.treedef, local)
-        zero_opts = None if self.smesh is None else zero_mod.options(ctx.layout, self.smesh)
+        zero_opts = None if self.smesh is None or forward_only else zero_mod.options(ctx.layout, self.smesh)
         self.zero = zero_opts is not None
         if self.zero:
             # ZeRO 1/2 under each stage: buckets of this stage's parameters over dp, made
@@ -185,6 +188,24 @@ class Run:
         return self._loss(), (self.auxes.get(0) if self.m == 1 else tuple(self.auxes[i] for i in sorted(self.auxes))
                               ) if self.auxes else None
 
+    def evaluate(self, batches: list[Mapping[str, Any]]) -> list[float]:
+        """Each batch's loss (one microbatch each), forward only, on every rank: this
+        rank's forwards in stage order (:func:`dtp.schedules.forward_only`), then one
+        all-reduce over pp of the last stage's losses."""
+        self.mbs = batches
+        actions = self.plan[self.rank]
+        with torch.no_grad(), use_layout(self.ctx.layout, self.smesh) if self.smesh is not None else \
+                contextlib.nullcontext():
+            for k, action in enumerate(actions):
+                if k + 1 < len(actions):
+                    self._prefetch(actions[k + 1])
+                self._F(action.chunk, action.microbatch)
+        for handle in self.act_sends.values():
+            handle.wait()
+        self.act_sends.clear()
+        mine = torch.tensor([self.losses.get(i, 0.0) for i in range(self.m)], dtype=torch.float64)
+        return comm.all_reduce(mine, self.ctx.mesh, self.axis, tag="pipeline eval loss").tolist()
+
     def gradients(self) -> Iterator[tuple[int, PyTree]]:
         return self.inner.gradients()
 
@@ -234,10 +255,12 @@ class Run:
             self.losses[i] = value_of(loss.detach())
             if aux is not None:
                 self.auxes[i] = aux
-            self.saved[(chunk, i)] = (x, loss / self.m)
+            if not self.forward_only:
+                self.saved[(chunk, i)] = (x, loss / self.m)
             return
         out, scattered = _scatter(out)  # in the graph: its backward gathers the gradient back
-        self.saved[(chunk, i)] = (x, out)
+        if not self.forward_only:
+            self.saved[(chunk, i)] = (x, out)
         self._send("act", stage + 1, i, out.detach(), gather=scattered)
 
     def _B(self, chunk: int, i: int) -> None:
