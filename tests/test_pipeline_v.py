@@ -3,6 +3,7 @@
 tied embeddings, their checkpoints load under 1f1b and back, and DualPipeV's F&B posts
 both of a pair's receives before the action ahead of it computes."""
 
+import optree
 import pytest
 import torch
 
@@ -127,3 +128,47 @@ def test_eval_under_a_pipeline_equals_one_process(name):
     got = run(_eval, axes, layout, cfg, n, world_size=_world(axes))
     for rank_losses in got:  # the same on every rank
         torch.testing.assert_close(torch.tensor(rank_losses), torch.tensor(want), rtol=RTOL, atol=0)
+
+
+# ------------------------------------------------------------------ the split backward: I + W = B
+
+
+def _stage_backward_flops(first: int, stop: int, tie: bool) -> tuple[int, int, int, list, list]:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from dtp.strategies import pipeline_split
+
+    cfg = _cfg(tie=tie)
+    params = llama.init(cfg, seed=0, dtype=torch.float64)
+    model = llama.sequential(cfg)
+    weights = [w.requires_grad_(True) for w in optree.tree_leaves(params)]
+    batch = _batch_of(cfg, 0)
+    h = model.run(params, None, batch, 0, first).detach().requires_grad_(True)
+
+    def forward():
+        out = model.run(params, h, batch, first, stop)
+        return out, (None if out.dim() == 0 else torch.ones_like(out))
+
+    out, grad = forward()
+    with FlopCounterMode(display=False) as full:
+        want = torch.autograd.grad(out, [h, *weights], grad_outputs=grad, allow_unused=True)
+    out, grad = forward()
+    with FlopCounterMode(display=False) as i_count:
+        dx, kept = pipeline_split.backward_input(out, grad, h, weights)
+    del out
+    with FlopCounterMode(display=False) as w_count:
+        got = kept.run(weights)
+    return full.get_total_flops(), i_count.get_total_flops(), w_count.get_total_flops(), [dx, *got], list(want)
+
+
+@pytest.mark.parametrize("first,stop,tie", [(1, 3, False), (2, 4, False), (1, 4, True)])
+def test_split_backward_costs_what_the_full_one_does(first, stop, tie):
+    """Blocks, and blocks + head (the loss; tied: the head reads the embedding too): I
+    computes the input's gradient, W the weights' from what I kept, their FLOPs sum to
+    the full backward's (the input chain is not run twice) and the gradients are B's."""
+    b, i, w, got, want = _stage_backward_flops(first, stop, tie)
+    assert i > 0 and w > 0 and i + w == b, (i, w, b)
+    for g, x in zip(got, want):
+        assert (g is None) == (x is None)
+        if g is not None:
+            torch.testing.assert_close(g, x, rtol=1e-12, atol=1e-14)

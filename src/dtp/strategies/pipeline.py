@@ -16,8 +16,9 @@ For each action of its list, in order:
   the next stage (the loss weighted 1/m on the last stage); post the input's gradient to
   the previous stage; add the parameters' gradients to the step's accumulators;
 * ``I`` / ``W`` (zero-bubble): the same backward split — ``I`` computes and posts only
-  the input's gradient (the graph kept), ``W`` the parameters' gradients later, where
-  the schedule has a bubble to fill;
+  the input's gradient and keeps the gradients at the graph's nodes that lead to the
+  weights, ``W`` starts there for the parameters' gradients later, where the schedule
+  has a bubble to fill (:mod:`.pipeline_split`: ``I + W = B`` in FLOPs);
 * ``F&B`` (DualPipeV's :class:`dtp.schedules.Pair`): one microbatch's ``F`` and another's
   ``B`` back to back, both inputs' receives posted before the action ahead of it
   computes, the forward's output posted before the backward computes (its transfer is
@@ -56,7 +57,7 @@ from ..models.sequential import Sequential
 from ..optim import global_norm, map_param_trees
 from ..redistribute import reshard, value_of
 from ..spec import P, spec_of, wrap_local
-from . import replicated
+from . import pipeline_split, replicated
 from . import zero as zero_mod
 
 __all__ = ["Context", "Run", "stage_mesh", "gather"]
@@ -143,7 +144,7 @@ class Run:
         # full leaf index (None included) -> index among the held leaves (the inner run's)
         self.held = {j: k for k, j in enumerate(j for j, x in enumerate(local) if x is not None)}
         self.saved: dict[tuple[int, int], tuple[Any, Any]] = {}  # (chunk, mb) -> (input, output)
-        self.pending_w: dict[tuple[int, int], tuple[Any, Any]] = {}
+        self.pending_w: dict[tuple[int, int], pipeline_split.WeightGrad] = {}
         self.recvs: dict[tuple[str, int, int], Any] = {}
         self.meta: dict[tuple[str, int], tuple] = {}  # (kind, stage) -> microbatch 0's header, read
         self.sends: list[comm.CommHandle] = []
@@ -275,20 +276,20 @@ class Run:
             # at the end of the step (interleaved's peak equalled GPipe's before).
             self.act_sends.pop((stage + 1, i)).wait()
         leaves = self._weights(i)
-        inputs = ([x] if x is not None else []) + ([] if keep_graph else leaves)
-        if inputs:
-            grads = torch.autograd.grad(out, inputs, grad_outputs=grad, allow_unused=True, retain_graph=keep_graph)
+        if keep_graph:  # zero bubble's I: the input's gradient, and what W starts from
+            dx, self.pending_w[(chunk, i)] = pipeline_split.backward_input(out, grad, x, leaves)
+            grads = (dx,)
+        elif x is not None or leaves:
+            grads = torch.autograd.grad(out, ([x] if x is not None else []) + leaves, grad_outputs=grad,
+                                        allow_unused=True)
         if x is not None:
             dx = grads[0] if grads[0] is not None else torch.zeros_like(x)
             self._send("grad", stage - 1, i, dx)
-        if keep_graph:
-            self.pending_w[(chunk, i)] = (out, grad)
-        elif not self.zero:  # ZeRO's views added theirs into the buckets during backward
+        if not keep_graph and not self.zero:  # ZeRO's views added theirs into the buckets during backward
             self.inner.add(grads[1 if x is not None else 0:])
 
     def _W(self, chunk: int, i: int) -> None:
-        out, grad = self.pending_w.pop((chunk, i))
-        grads = torch.autograd.grad(out, self._weights(i), grad_outputs=grad, allow_unused=True)
+        grads = self.pending_w.pop((chunk, i)).run(self._weights(i))
         if not self.zero:
             self.inner.add(grads)
 
