@@ -72,7 +72,13 @@ per rank in one steady-state step:
   receive its schedules post goes through it) and the ``isend`` tensors' bytes summed.
 
 The first step's losses of both are printed; they must agree. zb-h1 has no torch
-counterpart: torch's zero-bubble schedules are the interleaved/V ones, two stages per rank.
+counterpart: torch's zero-bubble schedules are the interleaved/V ones, two stages per rank;
+zbv and dualpipev run against torch's ``ScheduleZBVZeroBubble`` / ``ScheduleDualPipeV`` on
+the same V stage map (a torch schedule that fails on CPU is reported, not timed).
+
+zbv and dualpipev hold two chunks per rank (stages ``r`` and ``2p-1-r``): their action costs
+are per chunk, their peaks in chunk-microbatches (half a unit each). DualPipeV's ``F&B``
+pairs run as an ``F`` then a ``B`` here (one thread), so ``simulate`` gets ``fb = F + B``.
 
 ``--pp 2 4`` also runs the bubble table at p = 4. Four ranks oversubscribe this 2-core
 machine, so read those bubbles as a sanity check only.
@@ -93,8 +99,13 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1))
-TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B"}
+SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zbv", 2), ("dualpipev", 2))
+TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B",
+                   "zbv": "ScheduleZBVZeroBubble", "dualpipev": "ScheduleDualPipeV"}
+# Peak activations per rank as the papers count them (in microbatches of one stage; a V
+# schedule's chunk is half a stage): PipeDream-flush, zero bubble, DeepSeek's DualPipe README.
+PUBLISHED_PEAK = {"gpipe": "m", "1f1b": "p (rank 0)", "interleaved": "-", "zb-h1": "p",
+                  "zbv": "2p chunks = p", "dualpipev": "2p+1 chunks (PP+1)"}
 LR = 0.1
 
 
@@ -353,17 +364,24 @@ def _vs_torch(params, rows: int, p: int, m: int, schedules: list[tuple[str, int]
         for schedule, v in schedules:
             n_stages = p * v
             ranges = assign(len(names), p, v)
-            # torch: this rank's stages r, r+p, … (dtp's round-robin), the same weights
+            # torch: this rank's stages as dtp places them (r, r+p, …, or the V's r and
+            # 2p-1-r), the same weights
+            where = dtp.schedules.placement(schedule)
             stages, modules = [], []
             for c in range(v):
-                s = c * p + rank
+                s = dtp.schedules.global_stage(c, rank, p, where)
                 mod = _torch_chunk([params[names[j]] for j in range(*ranges[s])])
                 modules.append(mod)
                 stages.append(pipelining.PipelineStage(mod, s, n_stages, torch.device("cpu")))
             cls = getattr(pipelining, TORCH_SCHEDULES[schedule])
-            sched = cls(stages if v > 1 else stages[0], n_microbatches=m, loss_fn=torch.nn.functional.mse_loss)
+            try:
+                sched = cls(stages if v > 1 else stages[0], n_microbatches=m, loss_fn=torch.nn.functional.mse_loss)
+            except Exception as e:  # noqa: BLE001 (reported in the table: torch refuses this case)
+                out.append(dict(schedule=schedule, v=v, error=f"{type(e).__name__}: {e}"[:120]))
+                continue
             opt = torch.optim.SGD([w for mod in modules for w in mod.parameters()], lr=LR)
-            first, last = rank == 0, rank == (n_stages - 1) % p
+            first = rank == 0
+            last = rank == dtp.schedules.stage_owner(n_stages - 1, p, where)[0]
             tbox: dict = {"losses": [], "bubble": [], "busy": []}
 
             def torch_step():
@@ -478,8 +496,10 @@ def _sim(schedule: str, v: int, p: int, m: int, costs: dict | None = None):
 
     kw = {}
     if costs:
-        kw = dict(f=costs["F"], b=costs["B"]) if "B" in costs else dict(f=costs["F"], b=costs["I"] + costs["W"],
-                                                                          w=costs["W"])
+        b = costs["B"] if "B" in costs else costs["I"] + costs["W"]
+        kw = dict(f=costs["F"], b=b, fb=costs["F"] + b)
+        if "W" in costs:
+            kw["w"] = min(costs["W"], b)
     t = schedules.simulate(schedules.make(schedule, p=p, v=v, m=m), p=p, v=v, m=m, **kw)
     return [1 - b / t.makespan for b in t.busy], t.bubble_ratio, t.makespan
 
@@ -576,7 +596,7 @@ def main() -> None:
               f"({per_stage} tanh outputs) = {unit / 2 ** 20:.2f} MiB; a stage's parameters = "
               f"{pbytes / 2 ** 20:.2f} MiB")
         print(f"{'schedule':<16}" + "".join(f"{f'rank {r} MiB':>12}{'units':>7}" for r in range(p))
-              + "   simulated peak in flight (microbatches)")
+              + "   simulated peak in flight (microbatches) | published")
         from dtp import schedules
 
         for k, (s, v) in enumerate(variants):
@@ -584,9 +604,9 @@ def main() -> None:
             flight = schedules.simulate(schedules.make(s, p=p, v=v, m=m), p=p, v=v, m=m).peak_in_flight
             flight_txt = "/".join(str(n) if v == 1 else f"{n}/{v}" for n in flight)
             print(f"{name:<16}" + "".join(f"{rk[k]['peak'] / 2 ** 20:>12.2f}{rk[k]['peak'] / unit:>7.1f}" for rk in res)
-                  + f"   {flight_txt}")
+                  + f"   {flight_txt} | {PUBLISHED_PEAK[s]}")
         if any(v > 1 for _, v in variants):
-            print("interleaved counts chunk-microbatches in flight: half a unit each")
+            print("interleaved, zbv and dualpipev count chunk-microbatches in flight: 1/v of a unit each")
         print()
     if "torch" in args.parts:
         m = max(args.m)
@@ -602,6 +622,10 @@ def main() -> None:
               f"  first loss dtp / torch")
         for k, (s, v) in enumerate(scheds):
             per = [rk[k] for rk in res]
+            name = s + (f" v={v}" if v > 1 else "")
+            if "error" in per[0]:
+                print(f"{name:<16}torch's schedule does not run here: {per[0]['error']}")
+                continue
             n = len(per[0]["times"]["dtp"])
             rounds = {side: [max(rk["times"][side][i] for rk in per) for i in range(n)] for side in sides}
             med = {side: statistics.median(rounds[side]) for side in sides}
@@ -614,7 +638,6 @@ def main() -> None:
             msgs = f"{per[0]['dtp_bytes']['messages']}/{per[0]['torch_bytes']['messages']}"
             dl = next(rk["first"][0] for rk in per)
             tl = next(rk["first"][1] for rk in per if rk["first"][1] == rk["first"][1])
-            name = s + (f" v={v}" if v > 1 else "")
             print(f"{name:<16}{1e3 * med['dtp']:>8.1f}{1e3 * med['torch']:>9.1f}{med['dtp'] / med['torch']:>7.2f}"
                   f"{mins:>7.2f}{busy['dtp']:>9.1f}"
                   f"{busy['torch']:>7.1f}{bub['dtp']:>{w + 5}}{bub['torch']:>{w}}"

@@ -97,7 +97,6 @@ def test_bad_values_exit_2(flags, capsys) -> None:
     (["--cp-algo", "ring", "--cp-window", "2"], r"^--cp-algo and --cp-window configure context parallel: they need"),
     (["--sp"], r"^--sp \(sequence parallel\) splits the sequence over the tp group: it needs --tp > 1, got --tp 1$"),
     (["--resume", "--overwrite", "--out", "r"], "choose one"),
-    (["--pp", "2", "--microbatches", "2", "--eval-every", "2"], "--eval-every is not supported with --pp > 1"),
 ])
 def test_flag_combinations(flags, match) -> None:
     with pytest.raises(ValueError, match=match):

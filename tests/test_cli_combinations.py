@@ -77,6 +77,9 @@ ROWS: dict[str, list[str]] = {
                                "--virtual-stages", "2", "--microbatches", "4"],
     "pp2 cp2 1f1b recompute full": ["--pp", "2", "--cp", "2", "--microbatches", "2", "--recompute", "full"],
     "pp2 dp2 tp2 zb-h1": ["--pp", "2", "--dp", "2", "--tp", "2", "--pp-schedule", "zb-h1", "--microbatches", "2"],
+    "pp2 dualpipev": ["--pp", "2", "--pp-schedule", "dualpipev", "--microbatches", "4"],
+    "pp2 dp2 tp2 sp zbv eval": ["--pp", "2", "--dp", "2", "--tp", "2", "--sp", "--pp-schedule", "zbv",
+                                "--microbatches", "2", "--eval-every", "2"],
     # ---- mixture of experts: microbatches under every data axis, ep with and without pipe-experts
     "moe m2": [*MOE, "--microbatches", "2"],
     "moe dp2 m2": [*MOE, "--dp", "2", "--microbatches", "2"],

@@ -52,3 +52,27 @@ def test_pp2_tp2_sp_trains_and_matches_one_process(tmp_path) -> None:
     assert ": OK" in proc.stdout
     record = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
     assert record["comm_bytes"]["pp"]["send"] > 0
+
+
+def test_dualpipev_checks_and_its_eval_loss_is_one_process(tmp_path, monkeypatch, capsys) -> None:
+    """``dtp train --pp 2 --pp-schedule dualpipev --microbatches 4 --eval-every 2 --check``
+    (ranks from the test pool): training equals one process, and the held-out losses of
+    the forward-only schedule equal the one-process run's (fp64, 1e-10)."""
+    from dtp import launch
+    from test_cli_combinations import _pool_launch
+
+    monkeypatch.setattr(launch, "launch", _pool_launch)
+    flags = ["train", "--model", "tiny", "--steps", "3", "--batch", "8", "--seq", "16", "--dtype", "float64",
+             "--eval-every", "2"]
+    pp, one = tmp_path / "pp", tmp_path / "one"
+    assert main([*flags, "--pp", "2", "--pp-schedule", "dualpipev", "--microbatches", "4", "--check",
+                 "--out", str(pp)]) == 0
+    assert ": OK" in capsys.readouterr().out
+    assert main([*flags, "--out", str(one)]) == 0
+
+    def evals(out):
+        return [r["eval_loss"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+                if r.get("eval_loss") is not None]
+
+    assert len(evals(pp)) == 2
+    assert evals(pp) == pytest.approx(evals(one), rel=1e-10, abs=0)

@@ -1,5 +1,10 @@
 """dtp.schedules: every schedule is deadlock-free, has the published bubble, and refuses bad input.
 
+The published bubbles, at ideal costs (per action; V schedules' per chunk), each rank's
+idle time ``makespan - busy``: 1F1B ``(p-1)(F+B)``, ZB-H1 ``(p-1)(F+B-2W)``, DualPipeV
+``(PP/2-1)(F&B+B-3W)`` with DeepSeek's ``PP = 2p`` stages, ZB-V ``(p-1)·max(F, F+I-2W)``
+(the paper's ``(p-1)(F+I-2W)`` down to the last rank's unavoidable start-up).
+
 Pure Python, no ranks: :func:`dependencies_ok` proves each generated schedule runs
 (one F and one B, or one I and one W, per stage and microbatch, in an order every rank
 can follow with blocking receives); :func:`simulate` measures the bubble against the
@@ -17,7 +22,13 @@ import pytest
 
 from dtp.schedules import (
     SCHEDULES,
+    V_SCHEDULES,
     Action,
+    Pair,
+    Schedule,
+    chunks_per_rank,
+    global_stage,
+    stage_owner,
     check,
     dependencies_ok,
     format_schedule,
@@ -29,7 +40,7 @@ from dtp.schedules import (
 def _valid_cases(name: str, max_p: int = 8, max_m: int = 16):
     """Every (p, v, m) with p <= 8, m <= 16 that check() accepts for ``name``."""
     for p in range(1, max_p + 1):
-        for v in (2, 3) if name == "interleaved" else (1,):
+        for v in (2, 3) if name == "interleaved" else (chunks_per_rank(name, 1),):
             for m in range(1, max_m + 1):
                 try:
                     check(name, p=p, v=v, m=m)
@@ -167,7 +178,12 @@ def test_action():
 
 # name, p, v, m, message (regex)
 CHECK_CASES = [
-    ("pipedream", 2, 1, 4, "unknown schedule 'pipedream'; valid: gpipe, 1f1b, interleaved, zb-h1"),
+    ("pipedream", 2, 1, 4, "unknown schedule 'pipedream'; valid: gpipe, 1f1b, interleaved, zb-h1, zbv, dualpipev"),
+    ("zbv", 2, 1, 4, r"'zbv' holds two chunks per rank \(a V: stages r and 2p-1-r\), got v=1; use v=2"),
+    ("dualpipev", 2, 3, 4, r"'dualpipev' holds two chunks per rank .* got v=3"),
+    ("zbv", 4, 2, 3, r"'zbv' needs at least p=4 microbatches in flight, got m=3"),
+    ("dualpipev", 2, 2, 3, r"'dualpipev' needs at least 2p=4 microbatches \(one per stage of its V\), got m=3; "
+                           r"use m >= 4, or 'zbv'"),
     ("1f1b", 0, 1, 4, r"p must be an int >= 1 .* got p=0"),
     ("1f1b", 2.0, 1, 4, r"p must be an int >= 1 .* got p=2\.0"),
     ("1f1b", 2, 0, 4, r"v must be an int >= 1 .* got v=0"),
@@ -256,14 +272,105 @@ def test_simulate_refuses_bad_costs():
 def test_module_imports_no_torch():
     # The CLI and the planner read schedules without a torch install; load the file on
     # its own (not through dtp/__init__, which imports torch) and look.
-    path = Path(__file__).parents[1] / "src" / "dtp" / "schedules.py"
+    path = Path(__file__).parents[1] / "src" / "dtp" / "schedules"
     code = (
         "import importlib.util, sys\n"
-        f"spec = importlib.util.spec_from_file_location('schedules', {str(path)!r})\n"
+        f"spec = importlib.util.spec_from_file_location('schedules', {str(path / '__init__.py')!r}, "
+        f"submodule_search_locations=[{str(path)!r}])\n"
         "mod = importlib.util.module_from_spec(spec); sys.modules['schedules'] = mod\n"
         "spec.loader.exec_module(mod)\n"
         "mod.dependencies_ok(mod.make('zb-h1', p=2, m=2), p=2, v=1, m=2)\n"
+        "mod.dependencies_ok(mod.make('dualpipev', p=2, v=2, m=4), p=2, v=2, m=4)\n"
         "print(sorted(k for k in sys.modules if k.split('.')[0] in ('torch', 'numpy', 'dtp')))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+# ---------------------------------------------------------------- the V schedules
+
+
+def _idle(name: str, p: int, m: int, *, f: float, i: float, w: float, fb: float | None = None) -> list[float]:
+    v = chunks_per_rank(name, 1)
+    t = simulate(make(name, p=p, v=v, m=m), p=p, v=v, m=m, f=f, b=i + w, w=w, fb=fb)
+    return [t.makespan - busy for busy in t.busy]
+
+
+# (f, i, w) at which the published formulas hold (F = I, W <= F: the papers' setting).
+_COSTS = [(1.0, 1.0, 1.0), (1.0, 1.0, 0.5), (2.0, 2.0, 0.5), (1.0, 1.0, 0.25), (3.0, 3.0, 2.0)]
+
+
+@pytest.mark.parametrize("f,i,w", _COSTS)
+def test_published_bubbles_of_1f1b_and_zb_h1(f, i, w):
+    for p in range(1, 6):
+        for m in (p, 2 * p + 1, 3 * p):
+            b = i + w
+            assert _idle("1f1b", p, m, f=f, i=i, w=w) == pytest.approx([(p - 1) * (f + b)] * p), (p, m)
+            assert _idle("zb-h1", p, m, f=f, i=i, w=w) == pytest.approx([(p - 1) * (f + b - 2 * w)] * p), (p, m)
+
+
+@pytest.mark.parametrize("f,i,w", _COSTS)
+def test_dualpipev_has_deepseeks_bubble(f, i, w):
+    # DeepSeek's README: (PP/2 - 1)(F&B + B - 3W), PP the stages (2p); the most idle
+    # rank's, for an F&B from no overlap (F + B) down to a forward wholly hidden (B).
+    b = i + w
+    for fb in (f + b, 0.5 * f + b, b):
+        for p in range(1, 6):
+            for m in (2 * p, 2 * p + 1, 3 * p + 2):
+                pp = 2 * p
+                assert max(_idle("dualpipev", p, m, f=f, i=i, w=w, fb=fb)) == pytest.approx(
+                    (pp / 2 - 1) * (fb + b - 3 * w)), (fb, p, m)
+
+
+@pytest.mark.parametrize("f,i,w", _COSTS)
+def test_zbv_bubble_is_the_papers_down_to_the_start_up(f, i, w):
+    for p in range(1, 6):
+        for m in range(2 * p - 1, 3 * p + 1):
+            assert _idle("zbv", p, m, f=f, i=i, w=w) == pytest.approx([(p - 1) * max(f, f + i - 2 * w)] * p), (p, m)
+    # At F = I = W it is the last rank's start-up, (p-1)F: a sixth of 1f1b's on stages of
+    # twice the chunk's cost, half of zb-h1's.
+    p, m = 4, 8
+    zbv = _idle("zbv", p, m, f=1, i=1, w=1)[0]
+    assert (zbv, _idle("1f1b", p, m, f=2, i=2, w=2)[0], _idle("zb-h1", p, m, f=2, i=2, w=2)[0]) == (3, 18, 6)
+
+
+def test_v_schedules_peak_activations():
+    # Chunks of half a stage: zbv's 2p is 1f1b's rank-0 peak of p stages; dualpipev's
+    # 2p + 1 is DeepSeek's PP + 1.
+    for p in range(1, 6):
+        for m in (2 * p, 3 * p):
+            assert simulate(make("zbv", p=p, v=2, m=m), p=p, v=2, m=m).peak_in_flight == (2 * p,) * p, (p, m)
+            assert simulate(make("dualpipev", p=p, v=2, m=m), p=p, v=2, m=m).peak_in_flight == (2 * p + 1,) * p
+            assert simulate(make("1f1b", p=p, m=m), p=p, v=1, m=m).peak_in_flight[0] == p
+
+
+def test_v_placement_puts_first_and_last_stage_on_rank_0():
+    for p in range(1, 6):
+        stages = [global_stage(c, r, p, "v") for r in range(p) for c in (0, 1)]
+        assert sorted(stages) == list(range(2 * p))
+        assert stage_owner(0, p, "v") == (0, 0) and stage_owner(2 * p - 1, p, "v") == (0, 1)
+        assert all(stage_owner(global_stage(c, r, p, "v"), p, "v") == (r, c) for r in range(p) for c in (0, 1))
+    s = make("dualpipev", p=3, v=2, m=6)
+    assert isinstance(s, Schedule) and s.placement == "v" and s.stages(1) == (1, 4) and s.owner(3) == (2, 1)
+    assert make("1f1b", p=2, m=2).placement == "loop"
+
+
+def test_dualpipev_pairs_forward_and_backward_of_other_microbatches():
+    for p, v, m in _valid_cases("dualpipev"):
+        pairs = [item for rank in make("dualpipev", p=p, v=v, m=m) for item in rank if isinstance(item, Pair)]
+        assert pairs or m == 2 * p - 0 and p == 1, (p, m)
+        assert all(x.forward.microbatch != x.backward.microbatch or x.forward.chunk != x.backward.chunk
+                   for x in pairs)
+    with pytest.raises(ValueError, match="needs an F action and a B action"):
+        Pair(Action("B", 0, 0), Action("F", 0, 1))
+    assert format_schedule(make("dualpipev", p=2, v=2, m=4), p=2).splitlines()[0].split()[9] == "F0.3&B1.1"
+
+
+@pytest.mark.parametrize("name", V_SCHEDULES)
+def test_v_schedules_beat_1f1b_at_equal_costs(name):
+    # Stage costs F = I = W = 2 for 1f1b (b = 4), chunk costs 1 for the V: same work.
+    for p in (2, 4):
+        m = 2 * p
+        one = simulate(make("1f1b", p=p, m=m), p=p, v=1, m=m, f=2.0, b=4.0)
+        vee = simulate(make(name, p=p, v=2, m=m), p=p, v=2, m=m, f=1.0, b=2.0, w=1.0)
+        assert vee.makespan < one.makespan and vee.bubble_ratio < one.bubble_ratio, (name, p)

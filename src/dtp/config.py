@@ -200,9 +200,6 @@ class RunConfig:
             fail(f"{n('max_restarts')} needs {n('save_every')} N: a restart resumes from the newest checkpoint")
         if self.resume and self.out is None:
             fail(f"{n('resume')} continues the run in {n('out')}; name it ({n('out')} runs/…)")
-        if self.eval_every and self.pp > 1:
-            fail(f"{n('eval_every')} is not supported with {n('pp')} > 1 yet (the evaluation forward runs the "
-                 "model whole, not in stages)")
 
     def _check_types(self, fail: Callable[[str], None], n: Callable[[str], str]) -> None:
         for f in fields(self):
@@ -252,10 +249,12 @@ class RunConfig:
             fail(f"{n('virtual_stages')} {self.virtual_stages} is a pipeline option; pipeline options need "
                  f"{n('pp')} > 1")
         if self.pp > 1:
-            if self.virtual_stages > 1 and self.pp_schedule != "interleaved":
+            if self.virtual_stages > 1 and self.pp_schedule not in ("interleaved", *schedules.V_SCHEDULES):
                 fail(f"{n('virtual_stages')} {self.virtual_stages} needs {n('pp_schedule')} interleaved")
+            # zbv / dualpipev hold two chunks per rank (a V): the default 1 reads as 2.
+            v = schedules.chunks_per_rank(self.pp_schedule, self.virtual_stages)
             try:
-                schedules.check(self.pp_schedule, p=self.pp, v=self.virtual_stages, m=self.microbatches)
+                schedules.check(self.pp_schedule, p=self.pp, v=v, m=self.microbatches)
             except ValueError as e:
                 fail(f"{n('pp')} {self.pp} {n('microbatches')} {self.microbatches}: {e}")
 

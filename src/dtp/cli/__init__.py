@@ -104,11 +104,12 @@ def _cmd_train(args: argparse.Namespace) -> int:
         from ..models import config as model_config
 
         n_layers = model_config.n_sequential_layers(model_config.config(args.model))
-        table = schedules.format_schedule(
-            schedules.make(args.pp_schedule, p=args.pp, v=args.virtual_stages, m=args.microbatches), p=args.pp)
-        print(f"{args.pp_schedule} schedule, pp={args.pp}, virtual stages {args.virtual_stages}, "
+        v = layout.pipeline.virtual_stages  # a V schedule's 2 chunks per rank
+        table = schedules.format_schedule(schedules.make(args.pp_schedule, p=args.pp, v=v, m=args.microbatches),
+                                          p=args.pp)
+        print(f"{args.pp_schedule} schedule, pp={args.pp}, virtual stages {v}, "
               f"{args.microbatches} microbatches ({n_layers} layers; F forward, B backward, I/W its input/weight "
-              f"halves, chunk.microbatch):\n{table}")
+              f"halves, F&B a forward paired with a backward, chunk.microbatch):\n{table}")
         return 0
     if args.nproc > 1:
         code = _launch(args)

@@ -141,9 +141,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "1: Megatron's schedule, fewer and larger transfers, more memory; with --cp > 1)")
     g.add_argument("--pp", type=_positive("--pp"), default=RUN_DEFAULTS["pp"], help="pipeline-parallel degree (outermost mesh axis)")
     g.add_argument("--pp-schedule", choices=schedules.SCHEDULES, default=RUN_DEFAULTS["pp_schedule"],
-                   help="pipeline schedule (with --pp > 1; interleaved needs --virtual-stages >= 2)")
+                   help="pipeline schedule (with --pp > 1; interleaved needs --virtual-stages >= 2; zbv and "
+                        "dualpipev hold two chunks per rank in a V: rank r stages r and 2pp-1-r)")
     g.add_argument("--virtual-stages", type=_positive("--virtual-stages"), default=RUN_DEFAULTS["virtual_stages"], metavar="V",
-                   help="model chunks per pipeline rank (interleaved schedule)")
+                   help="model chunks per pipeline rank (interleaved schedule; zbv and dualpipev: 2)")
     g.add_argument("--print-schedule", action="store_true",
                    help="print each pipeline rank's action list (F/B/I/W, chunk.microbatch) and exit")
     g.add_argument("--zero", type=int, choices=ZERO_STAGES, default=RUN_DEFAULTS["zero"],

@@ -27,8 +27,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from .. import (Layout, TrainState, checkpoint, comm, gather_params, make_mesh, optim, shard_batch, train_step,
-                use_layout, wait, with_buffers)
+from .. import (Layout, TrainState, checkpoint, comm, make_mesh, optim, shard_batch, strategies, train_step,
+                wait, with_buffers)
 from .._token_files import held_out_start
 from ..data import TokenLoader, load_tokens
 from ..launch import in_torchrun
@@ -183,15 +183,16 @@ def _eval_batches(held_out: torch.Tensor, args: Mapping[str, Any]) -> list[dict[
 def _evaluate(state: TrainState, cfg: llama.LlamaConfig, batches: list[dict[str, torch.Tensor]]) -> float:
     """The mean language-model loss over ``batches``, forward only, under the run's layout:
     the same value on every rank (a global mean). Every rank calls it at the same step:
-    under ZeRO-3 :func:`dtp.gather_params` all-gathers the parameters."""
-    params = gather_params(state)
-    total = 0.0
-    with torch.no_grad(), use_layout(state.layout, state.mesh):
-        for batch in batches:
-            out = llama.loss(with_buffers(params, state.buffers), shard_batch(batch, state), cfg)
-            # An MoE model returns (loss + aux terms, aux): the held-out number is the LM loss.
-            loss = out[1]["lm_loss"] if isinstance(out, tuple) else out
-            total += value_of(loss.detach())
+    under ZeRO-3 the parameters are all-gathered, under a pipeline the batches run through
+    the stages as a forward-only schedule (:func:`dtp.strategies.evaluate`)."""
+    model = llama.sequential(cfg)
+    # Buffers (the router's bias) lie over the parameters; only MoE models have them, and
+    # those do not run under a pipeline, whose evaluate needs the Sequential itself.
+    loss_fn = model if not state.buffers else (lambda params, batch: model(with_buffers(params, state.buffers), batch))
+    results = strategies.evaluate(loss_fn, state.params, state.zero, state.layout, state.mesh,
+                                  [shard_batch(batch, state) for batch in batches])
+    # An MoE model returns (loss + aux terms, aux): the held-out number is the LM loss.
+    total = sum(value_of(aux["lm_loss"].detach()) if aux is not None else loss for loss, aux in results)
     return total / len(batches)
 
 

@@ -4,7 +4,9 @@
 sequence of layers (:class:`dtp.Sequential`; ``llama.sequential(cfg)`` is the reference
 model's: embedding | blocks | final norm + head + loss) into ``pp × virtual_stages``
 chunks of consecutive layers. Chunk ``c`` of rank ``r`` is global stage ``c·pp + r``
-(Megatron's round-robin for the interleaved schedule). Every layer counts as one unless
+(Megatron's round-robin for the interleaved schedule); under ``zbv`` / ``dualpipev``
+rank ``r`` holds stages ``r`` and ``2·pp−1−r`` (a V: the first and the last stage on
+rank 0; ``virtual_stages`` is 2), the schedule's own map (:mod:`dtp.schedules`). Every layer counts as one unless
 ``layer_split`` gives the number of layers of each stage (uneven splits; e.g. fewer blocks
 on the stages that also hold the embedding or the head). The microbatch count is
 ``train_step``'s ``microbatches`` — one place only. Schedules are data
@@ -48,7 +50,12 @@ class PipelineOptions:
             raise ValueError(f"layouts.pipeline: schedule must be one of {schedules.SCHEDULES}, got {self.schedule!r}")
         if not is_positive_int(self.virtual_stages):
             raise ValueError(f"layouts.pipeline: virtual_stages must be an int >= 1, got {self.virtual_stages!r}")
-        if self.virtual_stages > 1 and self.schedule != "interleaved":
+        # A V schedule holds two chunks per rank: the default 1 reads as its 2.
+        object.__setattr__(self, "virtual_stages", schedules.chunks_per_rank(self.schedule, self.virtual_stages))
+        if self.schedule in schedules.V_SCHEDULES and self.virtual_stages != 2:
+            raise ValueError(f"layouts.pipeline: schedule {self.schedule!r} holds two chunks per rank (stages r and "
+                             f"2p-1-r), got virtual_stages={self.virtual_stages}; leave it at 1 or 2")
+        if self.virtual_stages > 1 and self.schedule not in ("interleaved", *schedules.V_SCHEDULES):
             raise ValueError(f"layouts.pipeline: virtual_stages={self.virtual_stages} needs schedule='interleaved' "
                              f"(got {self.schedule!r}); the other schedules run one chunk per rank")
         if not isinstance(self.axis, str) or not self.axis:
@@ -130,7 +137,7 @@ def assign(n_layers: int, p: int, v: int, split: Sequence[int] | None = None, *,
 
     >>> assign(6, 2, 1)
     ((0, 3), (3, 6))
-    >>> assign(7, 2, 2)                      # 4 stages: ranks 0, 1, 0, 1
+    >>> assign(7, 2, 2)                      # 4 stages: ranks 0, 1, 0, 1 (a V: 0, 1, 1, 0)
     ((0, 2), (2, 4), (4, 6), (6, 7))
     >>> assign(4, 2, 1, (1, 3))
     ((0, 1), (1, 4))

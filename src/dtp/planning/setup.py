@@ -83,6 +83,8 @@ class Setup:
             raise ValueError(f"dtp.plan: batch {self.batch} must be divisible by dp × ep × microbatches = {data}")
         if self.seq % (self.cp * (self.tp if self.sp else 1)):
             raise ValueError(f"dtp.plan: seq {self.seq} must be divisible by cp{' × tp' if self.sp else ''}")
+        # A V schedule holds two chunks per rank: the default 1 reads as its 2.
+        object.__setattr__(self, "virtual_stages", schedules.chunks_per_rank(self.pp_schedule, self.virtual_stages))
         if self.pp > 1:
             schedules.check(self.pp_schedule, p=self.pp, v=self.virtual_stages, m=self.microbatches)
         self._resolve_layout()
@@ -245,7 +247,7 @@ def stage_leaves(s: Setup, all_leaves: list[Leaf]) -> list[list[Leaf]]:
     ranges = assign(n_seq, s.pp, s.virtual_stages, what=f"dtp.plan: pp={s.pp} virtual_stages={s.virtual_stages}")
     out: list[list[Leaf]] = [[] for _ in range(s.pp)]
     for stage, (first, stop) in enumerate(ranges):
-        rank = schedules.stage_owner(stage, s.pp)[0]
+        rank = schedules.stage_owner(stage, s.pp, schedules.placement(s.pp_schedule))[0]
         for layer in range(first, stop):
             if layer == 0:
                 names = {"embed"}

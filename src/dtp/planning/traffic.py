@@ -40,7 +40,7 @@ from functools import partial
 
 from .._rules import accum_dtype
 from ..comm import ring_bytes
-from ..schedules import global_stage
+from ..schedules import global_stage, placement, stage_owner
 from ..layouts.zero import bucket_groups, padded_numel
 from ..layouts import attended_kv_heads
 from ..models import llama
@@ -185,8 +185,13 @@ def traffic(s: Setup, rank_leaves: list[Leaf], stage: int = 0) -> list[Traffic]:
     if s.pp > 1:
         p, v = s.pp, s.virtual_stages
         act = s.residual_tokens * cfg.dim * e
-        held = [global_stage(c, stage, p) for c in range(v)]  # this rank's global stages
-        sends = sum((g < p * v - 1) + (g > 0) for g in held)
+        pl = placement(s.pp_schedule)
+        held = [global_stage(c, stage, p, pl) for c in range(v)]  # this rank's global stages
+
+        def remote(a: int, b: int) -> bool:  # the V's turn (stage p-1 to p) stays on its rank
+            return 0 <= b < p * v and stage_owner(a, p, pl)[0] != stage_owner(b, p, pl)[0]
+
+        sends = sum(remote(g, g + 1) + remote(g, g - 1) for g in held)
         add("pp", "send", "activations", m * sends, act)
     return out
 

@@ -34,17 +34,19 @@ state. ``train_step`` and the model stay as they are.
 
 from __future__ import annotations
 
-from typing import Any, ContextManager, Iterator, Protocol, runtime_checkable
+from typing import Any, ContextManager, Iterator, Protocol, Sequence, runtime_checkable
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..layouts import Layout
+from ..layouts import Layout, use_layout
+from ..layouts.pipeline import assign
+from ..redistribute import value_of
 from ..models.sequential import Sequential
 from . import pipeline, replicated, zero
 
-__all__ = ["StepRun", "Scheduled", "begin", "create", "compute_mesh", "gather", "wait", "check", "replicated",
-           "zero", "pipeline"]
+__all__ = ["StepRun", "Scheduled", "begin", "create", "compute_mesh", "gather", "wait", "check", "evaluate",
+           "replicated", "zero", "pipeline"]
 
 PyTree = Any
 
@@ -136,6 +138,40 @@ def check(loss_fn: Any, layout: Layout, mesh: DeviceMesh, microbatches: int) -> 
     opts.check(n_layers=len(loss_fn), mesh=mesh, microbatches=microbatches)
     first, last = loss_fn.paths(0, 1), loss_fn.paths(len(loss_fn) - 1)
     opts.check_composition(layout, mesh, shared=sorted(set(first) & set(last)), carries_tree=loss_fn.carry != "tensor")
+
+
+def evaluate(loss_fn: Any, params: PyTree, state: Any, layout: Layout, mesh: DeviceMesh,
+             batches: Sequence[Any]) -> list[tuple[float, Any]]:
+    """``(loss, aux)`` of ``loss_fn`` on each of ``batches`` (placed by ``shard_batch``),
+    forward only, the same on every rank (call it on every rank).
+
+    Under a pipeline the batches are the microbatches of a forward-only schedule over the
+    stages (``loss_fn`` the :class:`dtp.Sequential`; one all-reduce of the losses over pp,
+    aux ``None``); elsewhere ``loss_fn`` runs whole on :func:`gather`'s parameters (under
+    ZeRO-3 an all-gather of every bucket).
+
+    Raises: ``TypeError`` / ``ValueError`` (before any collective) for a pipeline's
+    ``loss_fn`` that is no Sequential or whose layers do not fill its stages.
+    """
+    opts = _pipeline_options(layout, mesh)
+    if opts is None:
+        whole = gather(params, state, layout, mesh)
+        out = []
+        with torch.no_grad(), use_layout(layout, mesh):
+            for batch in batches:
+                result = loss_fn(whole, batch)
+                loss, aux = result if isinstance(result, tuple) else (result, None)
+                out.append((value_of(loss.detach()), aux))
+        return out
+    if not isinstance(loss_fn, Sequential):
+        raise TypeError(f"evaluate: under layouts.pipeline loss_fn must be the model as a dtp.Sequential of "
+                        f"layers (e.g. llama.sequential(cfg)), got {type(loss_fn).__name__}")
+    # The layers and what composes (a forward-only schedule runs any number of batches).
+    opts.check_composition(layout, mesh, carries_tree=loss_fn.carry != "tensor", what="evaluate")
+    assign(len(loss_fn), opts.degree(mesh), opts.virtual_stages, opts.layer_split, what="evaluate")
+    wait(state)  # ZeRO 1/2 under the stages: their views may still be filling
+    run = pipeline.Run(params, pipeline.Context(layout, mesh, loss_fn, len(batches)), forward_only=True)
+    return [(loss, None) for loss in run.evaluate(list(batches))]
 
 
 def begin(params: PyTree, state: Any, microbatches: int, *, loss_fn: Any = None, layout: Layout | None = None,

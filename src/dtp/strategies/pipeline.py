@@ -1,7 +1,8 @@
 """Pipeline parallel: one runner executes any schedule's action list (:mod:`dtp.schedules`).
 
-Rank ``r`` of the ``pp`` axis holds global stages ``r, r+p, …`` (one per virtual chunk,
-:func:`dtp.layouts.pipeline.assign`), i.e. the parameters those stages' layers read,
+Rank ``r`` of the ``pp`` axis holds the global stages the schedule's stage map gives it
+(:class:`dtp.schedules.Schedule`: ``r, r+p, …``, one per virtual chunk, or under a V
+schedule ``r`` and ``2p-1-r``; layers per stage: :func:`dtp.layouts.pipeline.assign`), i.e. the parameters those stages' layers read,
 laid out by the rest of the layout on the *stage mesh* (the mesh without ``pp``: dp, cp,
 tp go on as everywhere else). The parameters of other stages are ``None`` in its tree.
 
@@ -15,8 +16,13 @@ For each action of its list, in order:
   the next stage (the loss weighted 1/m on the last stage); post the input's gradient to
   the previous stage; add the parameters' gradients to the step's accumulators;
 * ``I`` / ``W`` (zero-bubble): the same backward split — ``I`` computes and posts only
-  the input's gradient (the graph kept), ``W`` the parameters' gradients later, where
-  the schedule has a bubble to fill.
+  the input's gradient and keeps the gradients at the graph's nodes that lead to the
+  weights, ``W`` starts there for the parameters' gradients later, where the schedule
+  has a bubble to fill (:mod:`.pipeline_split`: ``I + W = B`` in FLOPs);
+* ``F&B`` (DualPipeV's :class:`dtp.schedules.Pair`): one microbatch's ``F`` and another's
+  ``B`` back to back, both inputs' receives posted before the action ahead of it
+  computes, the forward's output posted before the backward computes (its transfer is
+  in flight meanwhile).
 
 Receives are posted one action ahead (the next action's input is on the wire while this
 one computes); sends never block. Each message carries a small header (global shape,
@@ -51,7 +57,7 @@ from ..models.sequential import Sequential
 from ..optim import global_norm, map_param_trees
 from ..redistribute import reshard, value_of
 from ..spec import P, spec_of, wrap_local
-from . import replicated
+from . import pipeline_split, replicated
 from . import zero as zero_mod
 
 __all__ = ["Context", "Run", "stage_mesh", "gather"]
@@ -94,21 +100,26 @@ def _owned(path: str, prefixes: Sequence[str]) -> bool:
 
 
 class Run:
-    """One step of a pipeline schedule (a :class:`dtp.strategies.StepRun`)."""
+    """One step of a pipeline schedule (a :class:`dtp.strategies.Scheduled`); with
+    ``forward_only`` the evaluation's forwards (:meth:`evaluate`), no gradients."""
 
     grouped = False
 
-    def __init__(self, params: PyTree, ctx: Context):
+    def __init__(self, params: PyTree, ctx: Context, *, forward_only: bool = False):
         self.ctx, opts = ctx, ctx.layout.pipeline
         self.axis, self.p, self.v = opts.axis, opts.degree(ctx.mesh), opts.virtual_stages
         self.rank = coordinates(ctx.mesh)[self.axis]
         self.m = ctx.microbatches
         self.smesh = stage_mesh(ctx.mesh, self.axis)
         self.n_stages = self.p * self.v
+        self.forward_only = forward_only
+        self.plan = (schedules.forward_only if forward_only else schedules.make)(
+            opts.schedule, p=self.p, v=self.v, m=ctx.microbatches)
+        self.placement = self.plan.placement  # the stage-to-rank map: the schedule's
         model = ctx.model
         ranges = assign(len(model), self.p, self.v, opts.layer_split)
         # (global stage, first layer, stop) of this rank's chunks, chunk order
-        stages = [schedules.global_stage(c, self.rank, self.p) for c in range(self.v)]
+        stages = [schedules.global_stage(c, self.rank, self.p, self.placement) for c in range(self.v)]
         self.chunks = tuple((stage, *ranges[stage]) for stage in stages)
         owned = set().union(*(model.paths(first, stop) for _, first, stop in self.chunks))
         # The embedding both ends read (tied weights): its gradient is summed between them.
@@ -119,7 +130,7 @@ class Run:
         self.paths = paths
         local = [self._to_stage(x) if keep and x is not None else None for x, keep in zip(leaves, self.keep)]
         self.params_tree = optree.tree_unflatten(self.treedef, local)
-        zero_opts = None if self.smesh is None else zero_mod.options(ctx.layout, self.smesh)
+        zero_opts = None if self.smesh is None or forward_only else zero_mod.options(ctx.layout, self.smesh)
         self.zero = zero_opts is not None
         if self.zero:
             # ZeRO 1/2 under each stage: buckets of this stage's parameters over dp, made
@@ -133,7 +144,7 @@ class Run:
         # full leaf index (None included) -> index among the held leaves (the inner run's)
         self.held = {j: k for k, j in enumerate(j for j, x in enumerate(local) if x is not None)}
         self.saved: dict[tuple[int, int], tuple[Any, Any]] = {}  # (chunk, mb) -> (input, output)
-        self.pending_w: dict[tuple[int, int], tuple[Any, Any]] = {}
+        self.pending_w: dict[tuple[int, int], pipeline_split.WeightGrad] = {}
         self.recvs: dict[tuple[str, int, int], Any] = {}
         self.meta: dict[tuple[str, int], tuple] = {}  # (kind, stage) -> microbatch 0's header, read
         self.sends: list[comm.CommHandle] = []
@@ -160,14 +171,16 @@ class Run:
     def schedule(self, loss_fn: Callable, microbatches: list[Mapping[str, Any]]) -> tuple[float, Any]:
         """Run this rank's action list; returns the mean loss (on every rank) and aux
         (the last stage's, ``None`` elsewhere)."""
-        opts = self.ctx.layout.pipeline
-        actions = schedules.make(opts.schedule, p=self.p, v=self.v, m=self.m)[self.rank]
+        actions = self.plan[self.rank]
         self.mbs = microbatches
         with use_layout(self.ctx.layout, self.smesh) if self.smesh is not None else contextlib.nullcontext():
-            for k, action in enumerate(actions):
+            for k, item in enumerate(actions):
                 if k + 1 < len(actions):
                     self._prefetch(actions[k + 1])
-                getattr(self, f"_{action.kind}")(action.chunk, action.microbatch)
+                # A pair's backward input was posted with its forward's (above, one item
+                # ahead); the forward's send is in flight while the backward computes.
+                for action in (item.forward, item.backward) if isinstance(item, schedules.Pair) else (item,):
+                    getattr(self, f"_{action.kind}")(action.chunk, action.microbatch)
         for handle in [*self.sends, *self.act_sends.values()]:
             handle.wait()
         self.sends.clear()
@@ -175,6 +188,24 @@ class Run:
         self._sum_tied()
         return self._loss(), (self.auxes.get(0) if self.m == 1 else tuple(self.auxes[i] for i in sorted(self.auxes))
                               ) if self.auxes else None
+
+    def evaluate(self, batches: list[Mapping[str, Any]]) -> list[float]:
+        """Each batch's loss (one microbatch each), forward only, on every rank: this
+        rank's forwards in stage order (:func:`dtp.schedules.forward_only`), then one
+        all-reduce over pp of the last stage's losses."""
+        self.mbs = batches
+        actions = self.plan[self.rank]
+        with torch.no_grad(), use_layout(self.ctx.layout, self.smesh) if self.smesh is not None else \
+                contextlib.nullcontext():
+            for k, action in enumerate(actions):
+                if k + 1 < len(actions):
+                    self._prefetch(actions[k + 1])
+                self._F(action.chunk, action.microbatch)
+        for handle in self.act_sends.values():
+            handle.wait()
+        self.act_sends.clear()
+        mine = torch.tensor([self.losses.get(i, 0.0) for i in range(self.m)], dtype=torch.float64)
+        return comm.all_reduce(mine, self.ctx.mesh, self.axis, tag="pipeline eval loss").tolist()
 
     def gradients(self) -> Iterator[tuple[int, PyTree]]:
         return self.inner.gradients()
@@ -225,10 +256,12 @@ class Run:
             self.losses[i] = value_of(loss.detach())
             if aux is not None:
                 self.auxes[i] = aux
-            self.saved[(chunk, i)] = (x, loss / self.m)
+            if not self.forward_only:
+                self.saved[(chunk, i)] = (x, loss / self.m)
             return
         out, scattered = _scatter(out)  # in the graph: its backward gathers the gradient back
-        self.saved[(chunk, i)] = (x, out)
+        if not self.forward_only:
+            self.saved[(chunk, i)] = (x, out)
         self._send("act", stage + 1, i, out.detach(), gather=scattered)
 
     def _B(self, chunk: int, i: int) -> None:
@@ -243,20 +276,20 @@ class Run:
             # at the end of the step (interleaved's peak equalled GPipe's before).
             self.act_sends.pop((stage + 1, i)).wait()
         leaves = self._weights(i)
-        inputs = ([x] if x is not None else []) + ([] if keep_graph else leaves)
-        if inputs:
-            grads = torch.autograd.grad(out, inputs, grad_outputs=grad, allow_unused=True, retain_graph=keep_graph)
+        if keep_graph:  # zero bubble's I: the input's gradient, and what W starts from
+            dx, self.pending_w[(chunk, i)] = pipeline_split.backward_input(out, grad, x, leaves)
+            grads = (dx,)
+        elif x is not None or leaves:
+            grads = torch.autograd.grad(out, ([x] if x is not None else []) + leaves, grad_outputs=grad,
+                                        allow_unused=True)
         if x is not None:
             dx = grads[0] if grads[0] is not None else torch.zeros_like(x)
             self._send("grad", stage - 1, i, dx)
-        if keep_graph:
-            self.pending_w[(chunk, i)] = (out, grad)
-        elif not self.zero:  # ZeRO's views added theirs into the buckets during backward
+        if not keep_graph and not self.zero:  # ZeRO's views added theirs into the buckets during backward
             self.inner.add(grads[1 if x is not None else 0:])
 
     def _W(self, chunk: int, i: int) -> None:
-        out, grad = self.pending_w.pop((chunk, i))
-        grads = torch.autograd.grad(out, self._weights(i), grad_outputs=grad, allow_unused=True)
+        grads = self.pending_w.pop((chunk, i)).run(self._weights(i))
         if not self.zero:
             self.inner.add(grads)
 
@@ -270,7 +303,7 @@ class Run:
 
     # ---- point to point
     def _rank_of(self, stage: int) -> int:
-        return schedules.stage_owner(stage, self.p)[0]
+        return schedules.stage_owner(stage, self.p, self.placement)[0]
 
     def _key(self, kind: str, stage: int, i: int, part: int) -> int:
         return ((stage * 2 + (kind == "grad")) * self.m + i) * 2 + part
@@ -297,12 +330,13 @@ class Run:
         else:
             self.sends.append(handle)
 
-    def _prefetch(self, action: Any) -> None:
-        stage = action.stage(self.rank, self.p)
-        if action.kind == "F" and stage > 0:
-            self._post("act", stage, action.microbatch)
-        elif action.kind in ("B", "I") and stage < self.n_stages - 1:
-            self._post("grad", stage, action.microbatch)
+    def _prefetch(self, item: "schedules.Action | schedules.Pair") -> None:
+        for action in (item.forward, item.backward) if isinstance(item, schedules.Pair) else (item,):
+            stage = action.stage(self.rank, self.p, self.placement)
+            if action.kind == "F" and stage > 0:
+                self._post("act", stage, action.microbatch)
+            elif action.kind in ("B", "I") and stage < self.n_stages - 1:
+                self._post("grad", stage, action.microbatch)
 
     def _post(self, kind: str, stage: int, i: int) -> None:
         key = (kind, stage, i)

@@ -1,0 +1,277 @@
+"""Checking and timing a schedule: :func:`dependencies_ok`, :func:`simulate`, :func:`format_schedule`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple, Sequence
+
+from .actions import KINDS, Action, Pair, flat, placement_of, stage_owner
+from .build import check_counts, make
+
+__all__ = ["Event", "Timeline", "dependencies_ok", "simulate", "format_schedule"]
+
+# A schedule as read here: a Schedule, or any per-rank lists (placement "loop").
+Ranks = Sequence[Sequence["Action | Pair"]]
+
+class Event(NamedTuple):
+    """One action of one rank in a simulated timeline, from ``start`` to ``end``."""
+
+    start: float
+    end: float
+    action: Action
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """What :func:`simulate` found: per-rank events, makespan, bubble and memory.
+
+    - `events`: per rank, its actions in order with start and end times.
+    - `makespan`: when the last action ends.
+    - `busy`: per rank, the time it computed.
+    - `bubble_fraction`: ``1 - sum(busy) / (p · makespan)``, idle over all time.
+    - `bubble_ratio`: ``(p · makespan - sum(busy)) / sum(busy)``, idle over compute.
+    - `peak_in_flight`: per rank, the most (chunk, microbatch) pairs with ``F`` done and
+      ``B`` / ``W`` not yet (activations alive).
+    """
+
+    events: tuple[tuple[Event, ...], ...]
+    makespan: float
+    busy: tuple[float, ...]
+    bubble_fraction: float
+    bubble_ratio: float
+    peak_in_flight: tuple[int, ...]
+
+
+# ------------------------------------------------------------------ checking, timing
+# A dependency key: ("F", stage, mb) forward done; ("G", stage, mb) input grad done (by
+# B or I); ("W", stage, mb) weight grad done.
+
+
+def _deps(kind: str, stage: int, mb: int, stages: int) -> list[tuple[str, int, int]]:
+    if kind == "F":
+        return [("F", stage - 1, mb)] if stage else []
+    if kind == "W":
+        return [("G", stage, mb)]
+    grad = [("G", stage + 1, mb)] if stage + 1 < stages else []
+    return [("F", stage, mb)] + grad
+
+
+def _key_label(key: tuple[str, int, int], p: int, pl: str) -> str:
+    kind, stage, mb = key
+    name = {"F": "F", "G": "B/I", "W": "W"}[kind]
+    rank, chunk = stage_owner(stage, p, pl)
+    return f"{name}{chunk}.{mb} of rank {rank} (stage {stage})"
+
+
+def _validate(fn: str, schedule: Ranks, p: int, v: int, m: int) -> None:
+    check_counts(fn, p, v, m)
+    if len(schedule) != p:
+        raise ValueError(
+            f"{fn}: a schedule holds one action list per rank, p={p}, got {len(schedule)} lists"
+        )
+    pl = placement_of(schedule)
+    if pl == "v" and v != 2:
+        raise ValueError(f"{fn}: a V placement holds two chunks per rank, got v={v}")
+    counts: dict[tuple[str, int, int], int] = {}
+    for r, actions in enumerate(schedule):
+        for item in actions:
+            if not isinstance(item, (Action, Pair)):
+                raise ValueError(f"{fn}: rank {r} holds {item!r}, not a schedules.Action")
+            for a in flat(item):
+                if a.chunk >= v or a.microbatch >= m:
+                    raise ValueError(
+                        f"{fn}: rank {r} runs {a}, outside chunks 0..{v - 1} and microbatches 0..{m - 1}"
+                    )
+                key = (a.kind, a.stage(r, p, pl), a.microbatch)
+                counts[key] = counts.get(key, 0) + 1
+    for stage in range(p * v):
+        for mb in range(m):
+            n = {kind: counts.get((kind, stage, mb), 0) for kind in KINDS}
+            where = "stage {} (rank {}, chunk {}), microbatch {}".format(stage, *stage_owner(stage, p, pl), mb)
+            if n["F"] != 1:
+                raise ValueError(
+                    f"{fn}: {where} has {n['F']} F actions; every (stage, microbatch) needs exactly one"
+                )
+            if (n["B"], n["I"], n["W"]) not in ((1, 0, 0), (0, 1, 1)):
+                raise ValueError(
+                    f"{fn}: {where} has {n['B']} B, {n['I']} I and {n['W']} W actions; it needs "
+                    f"exactly one B, or exactly one I and one W"
+                )
+
+
+def _execute(
+    fn: str, schedule: Ranks, p: int, v: int, cost: dict[str, float]
+) -> list[list[Event]]:
+    """Run every rank's list in order, each action as soon as its rank and inputs are free.
+
+    Start times depend only on the rank's previous end and the inputs' ends, so visiting
+    ranks round-robin gives the same times as a global clock would. A :class:`Pair` is
+    one event (cost ``cost["F&B"]``) that needs both inputs and delivers both at its end.
+    """
+    stages, pl = p * v, placement_of(schedule)
+    done: dict[tuple[str, int, int], float] = {}
+    events: list[list[Event]] = [[] for _ in range(p)]
+    pos = [0] * p
+    free = [0.0] * p
+
+    def needs_of(r: int, item: Action | Pair) -> list[tuple[str, int, int]]:
+        return [k for a in flat(item) for k in _deps(a.kind, a.stage(r, p, pl), a.microbatch, stages)]
+
+    moved = True
+    while moved:
+        moved = False
+        for r, actions in enumerate(schedule):
+            while pos[r] < len(actions):
+                item = actions[pos[r]]
+                needs = needs_of(r, item)
+                if any(key not in done for key in needs):
+                    break
+                start = max([free[r]] + [done[key] for key in needs])
+                free[r] = start + cost["F&B" if isinstance(item, Pair) else item.kind]
+                events[r].append(Event(start, free[r], item))
+                for a in flat(item):
+                    stage = a.stage(r, p, pl)
+                    done[({"B": "G", "I": "G"}.get(a.kind, a.kind), stage, a.microbatch)] = free[r]
+                    if a.kind == "B":
+                        done[("W", stage, a.microbatch)] = free[r]
+                pos[r] += 1
+                moved = True
+    stuck = [r for r in range(p) if pos[r] < len(schedule[r])]
+    if stuck:
+        lines = []
+        for r in stuck:
+            item = schedule[r][pos[r]]
+            waits = ", ".join(_key_label(k, p, pl) for k in needs_of(r, item) if k not in done)
+            lines.append(f"rank {r} at {item} waits for {waits}")
+        raise ValueError(f"{fn}: the schedule deadlocks, no rank can move: " + "; ".join(lines))
+    return events
+
+
+def dependencies_ok(schedule: Ranks, *, p: int, v: int, m: int) -> None:
+    """Raise ``ValueError`` unless ``schedule`` runs ``p·v`` stages on ``m`` microbatches.
+
+    Valid: every (stage, microbatch) has exactly one ``F`` and one ``B``, or one ``I``
+    and one ``W``; and some global order, consistent with every rank's list, runs
+    ``F(s, i)`` after ``F(s-1, i)``, ``B/I(s, i)`` after ``F(s, i)`` and ``B/I(s+1, i)``,
+    and ``W(s, i)`` after ``I(s, i)``. Sends are asynchronous and receives block, as in
+    the runner. Costs nothing but the walk over the actions.
+
+    Raises: ``ValueError`` naming the rank and action (a deadlock names what each stuck
+    rank waits for).
+
+    >>> dependencies_ok(make("interleaved", p=2, v=2, m=4), p=2, v=2, m=4)
+    >>> dependencies_ok(((Action("B", 0, 0), Action("F", 0, 0)),), p=1, v=1, m=1)
+    Traceback (most recent call last):
+    ...
+    ValueError: schedules.dependencies_ok: the schedule deadlocks, no rank can move: rank 0 at B0.0 waits
+    for F0.0 of rank 0 (stage 0)
+    """
+    fn = "schedules.dependencies_ok"
+    _validate(fn, schedule, p, v, m)
+    _execute(fn, schedule, p, v, dict.fromkeys((*KINDS, "F&B"), 1.0))
+
+
+def _peak_in_flight(actions: Sequence[Action | Pair]) -> int:
+    alive: set[tuple[int, int]] = set()
+    peak = 0
+    for a in (a for item in actions for a in flat(item)):
+        if a.kind == "F":
+            alive.add((a.chunk, a.microbatch))
+            peak = max(peak, len(alive))
+        elif a.kind in ("B", "W"):
+            alive.discard((a.chunk, a.microbatch))
+    return peak
+
+
+def simulate(
+    schedule: Ranks,
+    *,
+    p: int,
+    v: int,
+    m: int,
+    f: float = 1.0,
+    b: float = 2.0,
+    w: float | None = None,
+    fb: float | None = None,
+) -> Timeline:
+    """Time ``schedule`` event by event: each rank runs its list in order, comm costs 0.
+
+    An action starts when its rank is free and its inputs are done (:func:`dependencies_ok`).
+
+    - `f`: cost of one ``F``, default 1.0. `b`: cost of one ``B``, default 2.0.
+    - `w`: cost of one ``W``, default ``b / 2``; an ``I`` costs ``b - w``.
+    - `fb`: cost of one :class:`Pair` (``F&B``), default ``f + b`` (one thread runs
+      both; less where one's communication would otherwise show).
+
+    Costs are per action, i.e. per chunk: to compare makespans of ``v`` chunks with
+    ``v = 1``, pass ``f / v`` and ``b / v`` (bubble ratios do not change with the scale).
+
+    Raises: ``ValueError`` as :func:`dependencies_ok`, or for costs not ``f > 0``,
+    ``b > 0``, ``0 <= w <= b``.
+
+    >>> from dtp.schedules import simulate  # the doctest namespace's simulate is dtp.testing's
+    >>> t = simulate(make("1f1b", p=4, m=8), p=4, v=1, m=8)
+    >>> t.makespan, round(t.bubble_fraction, 4), t.bubble_ratio, t.peak_in_flight
+    (33.0, 0.2727, 0.375, (4, 3, 2, 1))
+    """
+    fn = "schedules.simulate"
+    w = b / 2 if w is None else w
+    for name, value in (("f", f), ("b", b)):
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+            raise ValueError(
+                f"{fn}: {name} (the cost of one {name.upper()}) must be a number > 0, got {value!r}"
+            )
+    if not isinstance(w, (int, float)) or isinstance(w, bool) or not 0 <= w <= b:
+        raise ValueError(f"{fn}: w (the W part of a backward) must be in [0, b={b}], got {w!r}")
+    fb = f + b if fb is None else fb
+    if not isinstance(fb, (int, float)) or isinstance(fb, bool) or not fb > 0:
+        raise ValueError(f"{fn}: fb (the cost of one F&B pair) must be a number > 0, got {fb!r}")
+    _validate(fn, schedule, p, v, m)
+    events = _execute(fn, schedule, p, v, {"F": f, "B": b, "I": b - w, "W": w, "F&B": fb})
+    makespan = max((rank[-1].end for rank in events if rank), default=0.0)
+    busy = tuple(sum(e.end - e.start for e in rank) for rank in events)
+    total = sum(busy)
+    idle = p * makespan - total
+    return Timeline(
+        events=tuple(tuple(rank) for rank in events),
+        makespan=makespan,
+        busy=busy,
+        bubble_fraction=idle / (p * makespan) if makespan else 0.0,
+        bubble_ratio=idle / total if total else 0.0,
+        peak_in_flight=tuple(_peak_in_flight(rank) for rank in schedule),
+    )
+
+
+def format_schedule(schedule: Ranks, *, p: int) -> str:
+    """A text table of ``schedule``: one row per rank, one column per time slot.
+
+    Every action takes one slot and starts as early as :func:`simulate` would start it
+    (so ``.`` marks a rank waiting for its inputs); cells read ``F0.3`` (forward, chunk
+    0, microbatch 3). ``v`` and ``m`` are read off the actions. What ``dtp train
+    --print-schedule`` prints.
+
+    Raises: ``ValueError`` as :func:`dependencies_ok`.
+
+    >>> print(format_schedule(make("1f1b", p=2, m=2), p=2))
+    rank 0: F0.0 F0.1 .    B0.0 .    B0.1
+    rank 1: .    F0.0 B0.0 F0.1 B0.1
+    """
+    fn = "schedules.format_schedule"
+    check_counts(fn, p, 1, 1)
+    # Non-actions are left to _validate, which names them.
+    items = [a for rank in schedule for a in rank if isinstance(a, (Action, Pair))]
+    actions = [a for item in items for a in flat(item)]
+    v = max((a.chunk for a in actions), default=0) + 1
+    m = max((a.microbatch for a in actions), default=0) + 1
+    _validate(fn, schedule, p, v, m)
+    events = _execute(fn, schedule, p, v, dict.fromkeys((*KINDS, "F&B"), 1.0))
+    width = max((len(str(a)) for a in items), default=1)
+    label = len(f"rank {p - 1}")
+    rows = []
+    for r, rank in enumerate(events):
+        cells = ["."] * int(max((e.end for e in rank), default=0))
+        for e in rank:
+            cells[int(e.start)] = str(e.action)
+        row = " ".join(c.ljust(width) for c in cells).rstrip()
+        rows.append(f"{f'rank {r}'.ljust(label)}: {row}".rstrip())
+    return "\n".join(rows)

@@ -1,0 +1,135 @@
+"""Zero bubble's split backward for one stage: ``I`` (input gradient) then ``W`` (weights).
+
+``I`` differentiates the stage's output only with respect to its input, as the previous
+stage needs, and keeps what ``W`` needs: the gradients arriving at the *boundary nodes*,
+the nodes of the autograd graph on the input's path (they run in ``I`` anyway) that also
+lead to a weight (typically the matmul or multiply that reads it). ``W`` then starts the
+backward at those nodes with those gradients and runs only down to the weights, so the
+chain from the output to the input is not traversed twice: in FLOPs ``I + W = B``
+(``tests/test_pipeline_v.py`` counts them with ``FlopCounterMode``). The idea is zero
+bubble's (Qi et al. 2023; torch 2.13's ``stage_backward_input`` / ``stage_backward_weight``
+do the same on ``nn.Module`` stages); the code is dtp's.
+
+``W`` runs one backward per group of weights sharing boundary nodes, asking for that
+group's weights only, so the engine runs nothing of the input chain below the group's
+nodes. Where a weight reaches two boundary nodes one of which lies below the other, the
+lower node's gradient would arrive twice (once from its own start, once through the
+upper node): a pre-hook replaces what reaches it by what ``I`` saw there, so each weight's
+gradient counts once (that group then pays for the chain between the two). A stage with no input gradient to compute (the first: token ids)
+keeps the whole graph and ``W`` is its full backward.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
+
+__all__ = ["WeightGrad", "backward_input"]
+
+
+def _parents(root: Node) -> dict[Node, list[Node]]:
+    """Each node of the graph below ``root`` and the nodes that feed it gradients."""
+    parents: dict[Node, list[Node]] = {root: []}
+    stack = [root]
+    while stack:
+        node = stack.pop()
+        for child, _ in node.next_functions:
+            if child is None:
+                continue
+            if child not in parents:
+                parents[child] = []
+                stack.append(child)
+            parents[child].append(node)
+    return parents
+
+
+def _above(starts: Sequence[Node], parents: dict[Node, list[Node]], stop: set[Node]) -> set[Node]:
+    """The nodes reached from ``starts`` walking towards the root; a node in ``stop`` is
+    collected but not walked past."""
+    seen, stack = set(starts), list(starts)
+    while stack:
+        node = stack.pop()
+        if node in stop:
+            continue
+        for parent in parents.get(node, ()):
+            if parent not in seen:
+                seen.add(parent)
+                stack.append(parent)
+    return seen
+
+
+class WeightGrad:
+    """What ``I`` kept for ``W``: per group of weights, the boundary nodes they lead from
+    and the gradients that reached those nodes (or, where there was no input gradient,
+    the output and its gradient: ``whole``)."""
+
+    def __init__(self, groups: list[tuple[list[Node], list[int]]], grads: dict[Node, tuple],
+                 whole: tuple[Any, Any] | None):
+        self.groups, self.grads, self.whole = groups, grads, whole
+
+    def run(self, weights: Sequence[torch.Tensor]) -> tuple[torch.Tensor | None, ...]:
+        """The weights' gradients (``None`` for one this stage does not read); ``weights``
+        as :func:`backward_input` was given them."""
+        if self.whole is not None:
+            out, grad = self.whole
+            self.whole = None
+            return torch.autograd.grad(out, list(weights), grad_outputs=grad, allow_unused=True)
+        result: list[torch.Tensor | None] = [None] * len(weights)
+        for boundary, members in self.groups:
+            # One backward per group: starting at a group's nodes and asking for only its
+            # weights, the engine runs nothing of the input chain below them.
+            starts = [(GradientEdge(node, k), g) for node in boundary for k, g in enumerate(self.grads.get(node, ()))
+                      if g is not None]
+            if not starts:
+                continue
+            handles = [node.register_prehook(lambda grad_outputs, saved=self.grads[node]: saved)
+                       for node in boundary if len(boundary) > 1 and node in self.grads]
+            try:
+                got = torch.autograd.grad([e for e, _ in starts], [get_gradient_edge(weights[j]) for j in members],
+                                          grad_outputs=[g for _, g in starts], retain_graph=True, allow_unused=True)
+            finally:
+                for h in handles:
+                    h.remove()
+            for j, g in zip(members, got):
+                result[j] = g
+        self.groups, self.grads = [], {}
+        return tuple(result)
+
+
+def backward_input(out: torch.Tensor, grad: torch.Tensor | None, x: torch.Tensor | None,
+                   weights: Sequence[torch.Tensor]) -> tuple[torch.Tensor | None, WeightGrad]:
+    """``(d out / d x, what W needs)``: ``I`` of the module docstring. ``x`` is the stage's
+    input leaf (``None`` on the first stage: then ``W`` does the whole backward)."""
+    if x is None or out.grad_fn is None:
+        return None, WeightGrad([], {}, (out, grad))
+    parents = _parents(out.grad_fn)
+    x_node = get_gradient_edge(x).node
+    on_path = _above([x_node], parents, set()) if x_node in parents else set()
+    # Weights whose boundary nodes overlap share one group (union by shared node).
+    groups: list[tuple[set[Node], list[int]]] = []
+    for j, w in enumerate(weights):
+        node = get_gradient_edge(w).node if w.requires_grad else None
+        if node not in parents:
+            continue  # not read by this stage: its gradient is None
+        mine, members = _above([node], parents, on_path) & on_path, [j]
+        for group in [g for g in groups if g[0] & mine]:
+            groups.remove(group)
+            mine, members = mine | group[0], group[1] + members
+        groups.append((mine, members))
+    boundary = {node for nodes, _ in groups for node in nodes}
+    grads: dict[Node, tuple] = {}
+
+    def keeper(node: Node):
+        def hook(grad_outputs: tuple) -> None:
+            grads[node] = tuple(grad_outputs)
+        return hook
+
+    handles = [node.register_prehook(keeper(node)) for node in boundary]
+    try:
+        (dx,) = torch.autograd.grad(out, [x], grad_outputs=grad, retain_graph=True, allow_unused=True)
+    finally:
+        for h in handles:
+            h.remove()
+    return dx, WeightGrad([(sorted(nodes, key=id), members) for nodes, members in groups], grads, None)
