@@ -1,4 +1,4 @@
-"""Mixture of experts, one device's math: routing, the auxiliary losses, the local
+"""Mixture of experts: the auxiliary losses from the (global) statistics, the local
 experts as one batched matmul, and the whole MoE FFN.
 
 Routing is :mod:`dtp.ops.moe_router` (Megatron-core's softmax routers and DeepSeek-V3's
@@ -39,7 +39,7 @@ from .._torch import grouped_mm, grouped_mm_usable
 from ..layouts import current
 from ..layouts.expert import ExpertOptions
 from ..mesh import axis_names, flatten_axes
-from ..redistribute import local_map, reshard
+from ..redistribute import local_map
 from ..spec import P, spec_of
 from . import moe_dispatch, moe_pipe
 from .moe_router import SCORE_FUNCTIONS, Routing, balance, load_balancing_loss, route, update_bias, z_loss
