@@ -14,7 +14,11 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["accum_dtype", "is_positive_int", "STEP_TOLERANCE", "RUN_RTOL"]
+__all__ = ["accum_dtype", "is_positive_int", "STEP_TOLERANCE", "RUN_RTOL", "IGNORE_INDEX"]
+
+# A target that is no target (Hugging Face's and torch's ``ignore_index``): the loss skips it
+# and it is not counted in the mean; the guard accepts it in ``targets`` (only there).
+IGNORE_INDEX = -100
 
 # The correctness bar (DESIGN §4), one table for both of its uses. One step's loss and
 # gradients against the single-device run: (rtol, atol) per dtype name (dtp.testing reads

@@ -18,6 +18,7 @@ body is the same without the ``with``:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import time
@@ -36,6 +37,7 @@ from ._rules import is_positive_int
 from .comm import comm_log, span
 from .layouts import Layout, check_divisible, use_layout
 from .optim import GradientTransformation, apply_updates, clip_by_global_norm, map_param_trees
+from .ops.parallel import count_targets, mean_over
 from .ops.recompute import POLICIES, recompute as recompute_policy
 from .redistribute import local_map, value_of
 from .spec import P, shard, spec_of
@@ -212,8 +214,9 @@ def shard_batch(batch: Mapping[str, torch.Tensor], state: TrainState) -> dict[st
     try:
         for k, v in batch.items():
             if k in guard.ID_KEYS and isinstance(v, torch.Tensor) and v.numel() and not v.is_floating_point():
-                lo, hi = torch.aminmax(v)
-                guard.check_ids(k, int(lo), int(hi), state.checks.vocab, "shard_batch")
+                found = guard.id_range(k, v)  # a target of -100 is masked (IGNORE_INDEX), not an id
+                if found is not None:
+                    guard.check_ids(k, *found, state.checks.vocab, "shard_batch")
             spec = state.layout.activation_spec(_BATCH_AXES[: v.dim()], mesh)
             _check_seq("shard_batch", k, v, state)
             if v.dim() > 1:
@@ -340,9 +343,22 @@ def _check_inputs(batch: Mapping[str, torch.Tensor], state: TrainState, microbat
 
 
 def _forward_backward(loss_fn: Callable, run: strategies.StepRun | strategies.Scheduled,
+                      batch: Mapping[str, torch.Tensor], m: int) -> tuple[float, Any, int | None]:
+    """The one microbatch loop: each microbatch's loss weighted 1/m. With ``targets`` in
+    the batch, their valid count over the whole batch is taken first (one small
+    all-reduce per axis that splits them) and the cross-entropy divides by it
+    (:func:`dtp.ops.mean_over`), so the step's loss is the mean over every valid target
+    whatever the layout and ``m``. Returns the loss, aux and that count (``None``: no
+    ``targets``). Where the gradients go is the run's business."""
+    microbatches = _split_microbatches(batch, m)
+    counted = count_targets(batch["targets"]) if "targets" in batch else None
+    with mean_over(max(counted, 1) / m) if counted is not None else contextlib.nullcontext():
+        loss, aux = _run_microbatches(loss_fn, run, microbatches)
+    return loss, aux, counted
+
+
+def _run_microbatches(loss_fn: Callable, run: strategies.StepRun | strategies.Scheduled,
                       microbatches: list[dict[str, torch.Tensor]]) -> tuple[float, Any]:
-    """The one microbatch loop: each microbatch's mean weighted 1/m, so gradient
-    accumulation equals one big batch. Where the gradients go is the run's business."""
     if isinstance(run, strategies.Scheduled):  # it orders forwards and backwards itself
         return run.schedule(loss_fn, microbatches)
     total, auxes, m = 0.0, [], len(microbatches)
@@ -372,12 +388,13 @@ def value_and_grad(loss_fn: Callable[[PyTree, Mapping[str, torch.Tensor]], Any],
                    recompute: str | None = None) -> tuple[float, Any, PyTree]:
     """Mean loss, aux and gradients laid out like the parameters (what ``train_step`` uses).
 
-    Gradient accumulation equals one big batch: each microbatch's mean is weighted 1/m.
+    Gradient accumulation equals one big batch: the cross-entropy's mean is over the
+    valid targets of the whole batch (:func:`_forward_backward`).
     """
     run = strategies.begin(state.params, state.zero, microbatches, gradients_only=True)
     _check_inputs(batch, state, microbatches, recompute)
     with use_layout(state.layout, state.mesh), recompute_policy(recompute):
-        loss, aux = _forward_backward(loss_fn, run, _split_microbatches(batch, microbatches))
+        loss, aux, _ = _forward_backward(loss_fn, run, batch, microbatches)
         (_, grads), = run.gradients()
     return loss, aux, grads
 
@@ -409,9 +426,14 @@ def train_step(loss_fn: Callable[[PyTree, Mapping[str, torch.Tensor]], Any], sta
     as the optimizer's own count and Megatron's lr scheduler do, so the schedule does not
     advance past a batch that taught nothing.
 
-    Metrics: ``loss``, ``grad_norm``, ``lr``, ``tokens``, ``step_time`` (s),
-    ``comm_bytes`` — ``{axis: {collective: bytes sent per rank}}`` from the comm log —
-    and ``skipped`` (bool: the update was skipped).
+    Loss masks: targets equal to ``dtp.ops.IGNORE_INDEX`` (-100) are skipped, and the
+    loss is the mean over the valid targets of the whole global batch — every microbatch,
+    every rank — as one device taking the batch at once computes it.
+
+    Metrics: ``loss``, ``grad_norm``, ``lr``, ``tokens`` (processed), ``loss_tokens`` (the
+    valid targets the loss averaged over), ``step_time`` (s), ``comm_bytes`` —
+    ``{axis: {collective: bytes sent per rank}}`` from the comm log — and ``skipped``
+    (bool: the update was skipped).
 
     >>> import warnings
     >>> mesh = dtp.make_mesh(dp=1)                  # one process: a mesh of one device
@@ -439,7 +461,7 @@ def train_step(loss_fn: Callable[[PyTree, Mapping[str, torch.Tensor]], Any], sta
                            mesh=state.mesh)
     with comm_log() as log:
         with use_layout(state.layout, state.mesh), recompute_policy(recompute):
-            loss, aux = _forward_backward(loss_fn, run, _split_microbatches(batch, microbatches))
+            loss, aux, counted = _forward_backward(loss_fn, run, batch, microbatches)
         with torch.no_grad(), span("update"):
             updated, opt_state, norm, bad = _update(run, state.optimizer, state.opt_state, clip_norm, loss)
             # On a skip ``updated`` is the targets as they were: ZeRO still gathers them into
@@ -451,7 +473,7 @@ def train_step(loss_fn: Callable[[PyTree, Mapping[str, torch.Tensor]], Any], sta
         warnings.warn(f"dtp.train_step: non-finite {bad} at step {state.step}: update skipped "
                       f"(parameters, optimizer state and step unchanged)", RuntimeWarning, stacklevel=2)
     new = dataclasses.replace(state, step=state.step + (bad is None), params=params, opt_state=opt_state, zero=zero)
-    return new, _metrics(state, batch, loss, aux, norm, t0, log, skipped=bad is not None)
+    return new, _metrics(state, batch, loss, aux, norm, t0, log, skipped=bad is not None, counted=counted)
 
 
 def _first_rank(mesh: DeviceMesh) -> bool:
@@ -530,9 +552,11 @@ def _state_join(template: PyTree, targets: list[PyTree], parts: list[PyTree]) ->
 
 
 def _metrics(state: TrainState, batch: Mapping[str, torch.Tensor], loss: float, aux: Any, norm: torch.Tensor,
-             t0: float, log: Any, *, skipped: bool) -> dict[str, Any]:
+             t0: float, log: Any, *, skipped: bool, counted: int | None) -> dict[str, Any]:
     tokens = batch["tokens"].numel() if "tokens" in batch else next(iter(batch.values())).numel()
     metrics = {
+        # the targets the loss averaged over (IGNORE_INDEX excluded); ``tokens``: those processed
+        "loss_tokens": int(tokens) if counted is None else counted,
         "loss": loss,
         "grad_norm": float(norm),
         "lr": state.optimizer.schedule(state.step) if state.optimizer.schedule else float("nan"),
