@@ -18,7 +18,6 @@ body is the same without the ``with``:
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 import time
@@ -345,16 +344,23 @@ def _check_inputs(batch: Mapping[str, torch.Tensor], state: TrainState, microbat
 def _forward_backward(loss_fn: Callable, run: strategies.StepRun | strategies.Scheduled,
                       batch: Mapping[str, torch.Tensor], m: int) -> tuple[float, Any, int | None]:
     """The one microbatch loop: each microbatch's loss weighted 1/m. With ``targets`` in
-    the batch, their valid count over the whole batch is taken first (one small
-    all-reduce per axis that splits them) and the cross-entropy divides by it
-    (:func:`dtp.ops.mean_over`), so the step's loss is the mean over every valid target
-    whatever the layout and ``m``. Returns the loss, aux and that count (``None``: no
-    ``targets``). Where the gradients go is the run's business."""
+    the batch, the cross-entropy divides by their valid count over the whole batch / m
+    (:func:`dtp.ops.mean_over`; counted at the first loss, one small all-reduce per axis
+    that splits them), so the step's loss is the mean over every valid target whatever
+    the layout and ``m``. Returns the loss, aux and that count (``None``: no ``targets``,
+    or a pipeline stage without the loss). Where the gradients go is the run's business."""
     microbatches = _split_microbatches(batch, m)
-    counted = count_targets(batch["targets"]) if "targets" in batch else None
-    with mean_over(max(counted, 1) / m) if counted is not None else contextlib.nullcontext():
+    if "targets" not in batch:
+        return (*_run_microbatches(loss_fn, run, microbatches), None)
+    counted: list[int] = []
+
+    def divisor() -> float:  # called by the first cross-entropy, after its forward (mean_over)
+        counted.append(count_targets(batch["targets"]))
+        return max(counted[0], 1) / m
+
+    with mean_over(divisor):
         loss, aux = _run_microbatches(loss_fn, run, microbatches)
-    return loss, aux, counted
+    return loss, aux, (counted[0] if counted else None)
 
 
 def _run_microbatches(loss_fn: Callable, run: strategies.StepRun | strategies.Scheduled,
@@ -431,7 +437,8 @@ def train_step(loss_fn: Callable[[PyTree, Mapping[str, torch.Tensor]], Any], sta
     every rank — as one device taking the batch at once computes it.
 
     Metrics: ``loss``, ``grad_norm``, ``lr``, ``tokens`` (processed), ``loss_tokens`` (the
-    valid targets the loss averaged over), ``step_time`` (s), ``comm_bytes`` —
+    valid targets the loss averaged over; ``None`` on a pipeline stage without the loss),
+    ``step_time`` (s), ``comm_bytes`` —
     ``{axis: {collective: bytes sent per rank}}`` from the comm log — and ``skipped``
     (bool: the update was skipped).
 
@@ -555,8 +562,9 @@ def _metrics(state: TrainState, batch: Mapping[str, torch.Tensor], loss: float, 
              t0: float, log: Any, *, skipped: bool, counted: int | None) -> dict[str, Any]:
     tokens = batch["tokens"].numel() if "tokens" in batch else next(iter(batch.values())).numel()
     metrics = {
-        # the targets the loss averaged over (IGNORE_INDEX excluded); ``tokens``: those processed
-        "loss_tokens": int(tokens) if counted is None else counted,
+        # the targets the loss averaged over (IGNORE_INDEX excluded; None: no loss on this
+        # pipeline stage, or no targets); ``tokens``: those processed
+        "loss_tokens": counted,
         "loss": loss,
         "grad_norm": float(norm),
         "lr": state.optimizer.schedule(state.step) if state.optimizer.schedule else float("nan"),

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -126,9 +126,11 @@ def count_targets(targets: torch.Tensor) -> int:
 
 
 @contextlib.contextmanager
-def mean_over(divisor: float) -> Iterator[None]:
+def mean_over(divisor: float | Callable[[], float]) -> Iterator[None]:
     """Inside, :func:`cross_entropy` divides its sum over the valid targets by ``divisor``
-    (> 0) instead of counting its own targets.
+    (> 0) instead of counting its own targets. A callable is called once, by the first
+    cross-entropy inside: ``train_step`` counts the batch's targets there, after forward,
+    so the count's all-reduce never waits in front of forward's parameter gathers.
 
     ``train_step`` sets it to (the valid targets of the step's whole batch) / microbatches:
     each microbatch's loss, weighted 1/m, then adds up to the one global mean (Hugging
@@ -140,14 +142,23 @@ def mean_over(divisor: float) -> Iterator[None]:
     ...     round(float(cross_entropy(logits, targets)), 4)   # log(4) / 2
     0.6931
     """
-    if not divisor > 0:
-        raise ValueError(f"mean_over: divisor must be > 0, got {divisor!r}")
     previous = getattr(_divisor, "value", None)
-    _divisor.value = float(divisor)
+    _divisor.value = [divisor]
     try:
         yield
     finally:
         _divisor.value = previous
+
+
+def _active_divisor() -> float | None:
+    held = getattr(_divisor, "value", None)
+    if held is None:
+        return None
+    if callable(held[0]):
+        held[0] = held[0]()
+    if not held[0] > 0:
+        raise ValueError(f"mean_over: divisor must be > 0, got {held[0]!r}")
+    return float(held[0])
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -165,7 +176,7 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     1.3862943649291992
     """
     acc = accum_dtype(logits.dtype)
-    divisor = getattr(_divisor, "value", None)
+    divisor = _active_divisor()
     if divisor is None:
         divisor = max(count_targets(targets), 1)  # nothing to learn from: 0, not 0/0
     if not isinstance(logits, DTensor):

@@ -145,11 +145,11 @@ def traffic(s: Setup, rank_leaves: list[Leaf], stage: int = 0) -> list[Traffic]:
                 again = m * (1 + regather) - ((m - 1) if index == 0 and regather else 0)
                 add("dp", "all_gather", "zero3 param", again, _ag(shard, s.dp))
     # --- the loss over the data axes (per microbatch), the norm over the split axes
-    for axis in ("cp", "ep", "dp"):
-        # The valid targets of the step's batch, counted once on every stage (one int64).
-        add(axis, "all_reduce", "loss", 1, _ar(8, axes.get(axis, 1)))
-        if s.pp == 1 or has_head:  # the loss is a scalar in the accumulation dtype (measured)
+    if s.pp == 1 or has_head:
+        for axis in ("cp", "ep", "dp"):  # the loss is a scalar in the accumulation dtype (measured)
             add(axis, "all_reduce", "loss", m, _ar(acc, axes.get(axis, 1)))
+            # and the valid targets of the step's batch, counted once at the first loss (int64)
+            add(axis, "all_reduce", "loss", 1, _ar(8, axes.get(axis, 1)))
     norm_axes = ["tp", "pp"] + (["ep"] if any(l.splits("ep") for l in rank_leaves) else []) + \
         (["dp"] if zero_dp else [])
     for axis in norm_axes:
