@@ -20,11 +20,13 @@ until a row uses it (or :data:`NOT_ROWS` says why no row can).
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -112,11 +114,15 @@ ROWS: dict[str, list[str]] = {
     "dp2 eval, checkpoints, async save": ["--dp", "2", "--eval-every", "2", "--save-every", "2", "--keep", "1",
                                           "--async-save", "--max-skipped", "2",
                                           "--memory-gb", "64", "--ignore-memory-check", "--max-restarts", "0"],
+    # ---- data: {name} is a file :func:`_data_files` makes (token files memory-mapped)
+    "dp2 uint32 shard directory, eval": ["--dp", "2", "--data", "{uint32_dir}", "--data-dtype", "uint32",
+                                         "--eos-id", "1", "--eval-every", "3"],
+    "tp2 sp text through a tokenizer.json": ["--tp", "2", "--sp", "--data", "{text}", "--tokenizer", "{tokenizer}"],
 }
 
 # The default run's sample: one row of each family, the defects of issue 20 among them.
 SAMPLE = ["dp4 zero3 both overlaps", "cp4 double_ring window 2", "cp4 hybrid ulysses 2", "pp2 1f1b",
-          "pp4 gpipe", "moe dp2 m2", "moe ep2 tp2 sp sigmoid bias-update m2"]
+          "pp4 gpipe", "moe dp2 m2", "moe ep2 tp2 sp sigmoid bias-update m2", "dp2 uint32 shard directory, eval"]
 
 # Flags no row sets, and why.
 NOT_ROWS = {
@@ -126,15 +132,38 @@ NOT_ROWS = {
     "--print-schedule": "prints and exits without training (tests/test_cli_pipeline.py)",
     "--tensorboard": "an optional dependency (tests/test_cli_logging.py)",
     "--resume": "needs a run to resume (tests/test_cli_checkpoint.py)",
-    "--data": "the bundled corpus; token files in tests/test_data.py",
     "--debug": "shows tracebacks only",
     "--config": "every launched row's ranks read their run from a --config file; tests/test_config.py",
     "--print-config": "prints the run and exits (tests/test_config.py)",
 }
 
 
+@functools.lru_cache(maxsize=1)
+def _data_files() -> dict[str, str]:
+    """The files the data rows name, made once per session: a directory of three uint32
+    shards (ids past the bundled corpus's bytes, below 512) with its sidecar, and a text
+    with a word-level tokenizer.json trained on it here (tests/test_token_files.py)."""
+    import numpy as np
+
+    from test_token_files import TEXT, make_tokenizer
+
+    root = Path(tempfile.mkdtemp(prefix="dtp-data-rows-"))
+    shards = root / "shards"
+    shards.mkdir()
+    ids = np.random.default_rng(0).integers(0, 500, 6000).astype("<u4")
+    for i, part in enumerate(np.array_split(ids, 3)):
+        part.tofile(shards / f"part_{i}.bin")
+    (shards / "tokens.json").write_text(json.dumps({"dtype": "uint32", "eos_id": 1}))
+    (root / "corpus.txt").write_text(TEXT * 40)
+    return {"uint32_dir": str(shards), "text": str(root / "corpus.txt"),
+            "tokenizer": str(make_tokenizer(root / "tokenizer.json"))}
+
+
 def _flags(name: str) -> list[str]:
-    return [*BASE, *ROWS[name]]
+    row = ROWS[name]
+    if any("{" in f for f in row):
+        row = [f.format(**_data_files()) for f in row]
+    return [*BASE, *row]
 
 
 def _ranks(flags: list[str]) -> int:

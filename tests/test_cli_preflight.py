@@ -47,6 +47,12 @@ BAD_RUNS = {
     "sp without tp": (["--sp"], "--sp (sequence parallel) splits the sequence over the tp group: it needs --tp > 1"),
     "out not writable": (["--out", "/proc/nonexistent/run"], "--out /proc/nonexistent/run: cannot create or write it"),
     "data missing": (["--data", "/nonexistent/tokens.bin"], "--data: "),
+    "data dtype of text": (["--data-dtype", "uint32"],
+                           "--data: the bundled corpus: --data-dtype is for .bin token files, not text"),
+    "data dtype and tokenizer": (["--data-dtype", "uint32", "--tokenizer", "t.json"],
+                                 "--data-dtype describes a token file and --tokenizer tokenizes text: choose one"),
+    "tokenizer not one": (["--tokenizer", "/nonexistent/tokenizer.json"],
+                          "--tokenizer /nonexistent/tokenizer.json: not a tokenizer.json"),
     # The pipeline's composition rules (layouts.pipeline's check_composition), before any rank:
     "pp with zero 3": (["--pp", "2", "--dp", "2", "--zero", "3", "--microbatches", "2"],
                        "--pp 2: layouts.zero(3) with layouts.pipeline is not supported"),

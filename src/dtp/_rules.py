@@ -14,10 +14,15 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["accum_dtype", "is_positive_int", "STEP_TOLERANCE", "RUN_RTOL", "SCORE_FUNCTIONS", "check_groups"]
+__all__ = ["accum_dtype", "is_positive_int", "STEP_TOLERANCE", "RUN_RTOL", "SCORE_FUNCTIONS", "check_groups",
+           "IGNORE_INDEX"]
 
 #: The MoE router's score functions (dtp.ops.moe_router): Megatron's softmax, DeepSeek-V3's sigmoid.
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
+
+# A target that is no target (Hugging Face's and torch's ``ignore_index``): the loss skips it
+# and it is not counted in the mean; the guard accepts it in ``targets`` (only there).
+IGNORE_INDEX = -100
 
 # The correctness bar (DESIGN §4), one table for both of its uses. One step's loss and
 # gradients against the single-device run: (rtol, atol) per dtype name (dtp.testing reads

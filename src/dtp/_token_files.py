@@ -1,6 +1,23 @@
-"""Token files read without torch: the formats :func:`dtp.data.load_tokens` accepts, and
-the two numbers ``dtp train`` checks before torch is imported (how many tokens, the
-largest id: the corpus must fill a batch, the vocabulary must hold every id).
+"""Token files read without torch, memory-mapped: what ``--data`` accepts, and the two
+numbers ``dtp train`` checks before torch is imported (how many tokens, the largest id: the
+corpus must fill a batch, the vocabulary must hold every id).
+
+``--data`` is one of:
+
+* nothing: the bundled corpus, byte tokens (in memory: 383 KB);
+* a ``.bin`` file: raw little-endian ids, ``uint16`` (nanoGPT's) unless a sidecar or
+  ``--data-dtype`` says ``uint32``;
+* a ``.npy`` file: a 1-D integer array (its header read by ``np.load(mmap_mode="r")``);
+* a directory of ``.bin`` or ``.npy`` shards: read as one stream, shards in name order;
+* any other file: text, byte tokens, or ``--tokenizer``'s (Hugging Face ``tokenizers``).
+
+The sidecar is a small JSON object beside a file (``train.bin.json``) or in a shard
+directory (``tokens.json``): ``{"dtype": "uint32", "eos_id": 2, "vocab_size": 32000}``, every
+key optional. A flag that disagrees with it is an error.
+
+Token files are memory-mapped (read-only, advised for random access) and nothing here
+reads one whole. :meth:`Tokens.read` is the one place ids are read;
+:func:`token_stats` reads a bounded sample (:data:`SAMPLE_TOKENS`, see :meth:`Tokens.sample_range`).
 
 >>> count, largest = token_stats(None)      # the bundled corpus: bytes
 >>> count > 300_000, largest < 256
@@ -9,57 +26,268 @@ largest id: the corpus must fill a batch, the vocabulary must hold every id).
 
 from __future__ import annotations
 
+import bisect
+import functools
+import json
 import os
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
-__all__ = ["read_ids", "token_stats", "held_out_start", "HELD_OUT_FRACTION"]
+__all__ = ["Tokens", "open_tokens", "token_stats", "held_out_start", "HELD_OUT_FRACTION", "DTYPES", "SIDECAR",
+           "SAMPLE_TOKENS"]
 
 # The held-out split (``dtp train --eval-every``): the corpus's last tenth. The end of the
 # file, not a random sample: windows that straddle the cut would leak training text.
 HELD_OUT_FRACTION = 0.1
+DTYPES = ("uint16", "uint32")  # what a .bin file may hold (--data-dtype)
+SIDECAR = "tokens.json"  # in a shard directory; beside one file: "<file name>.json"
+_SIDECAR_KEYS = ("dtype", "eos_id", "vocab_size")
+_SUFFIXES = (".bin", ".npy")
+# token_stats' bounded read when nothing states the vocabulary: the whole of a small corpus,
+# else SAMPLE_CHUNKS evenly spaced runs adding up to this many ids (2-4 MiB at most).
+SAMPLE_TOKENS = 1 << 20
+SAMPLE_CHUNKS = 64
 
 
-def read_ids(path: str | os.PathLike[str] | None) -> bytes | Any:
-    """The token ids of a file: ``bytes`` (byte tokens) or a 1-D numpy integer array.
+class Tokens:
+    """A 1-D run of token ids: in memory or memory-mapped, one file or shards in order.
 
-    Formats and errors: :func:`dtp.data.load_tokens`, which turns the result into a tensor.
+    ``eos_id`` and ``vocab_size`` are what the sidecar, the flags or the tokenizer said
+    (``None``: not said).
+
+    >>> import numpy as np
+    >>> t = Tokens([np.arange(5, dtype=np.uint16), np.arange(10, 13, dtype=np.uint16)])
+    >>> len(t), t.read(3, 7).tolist()
+    (8, [3, 4, 10, 11])
+    >>> head, tail = t.split(6)
+    >>> len(head), tail.read(0, 2).tolist()
+    (6, [11, 12])
     """
-    if path is None:
-        return (resources.files("dtp") / "assets" / "corpus.txt").read_bytes()
-    path = Path(path)
-    suffix = path.suffix.lower()
-    if suffix == ".npy":
-        import numpy as np  # lazily: only these two formats need it
 
-        # allow_pickle=False: a token file must never be able to run code.
-        array = np.load(path, allow_pickle=False)
+    def __init__(self, parts: Sequence[Any], *, eos_id: int | None = None, vocab_size: int | None = None,
+                 name: str = "tokens", _span: tuple[int, int] | None = None) -> None:
+        self.parts = tuple(parts)
+        self.eos_id, self.vocab_size, self.name = eos_id, vocab_size, name
+        self._starts = [0]
+        for p in self.parts:
+            self._starts.append(self._starts[-1] + len(p))
+        self._span = _span or (0, self._starts[-1])
+
+    def __len__(self) -> int:
+        return self._span[1] - self._span[0]
+
+    def read(self, start: int, stop: int) -> Any:
+        """Ids ``[start, stop)`` as an int64 numpy array (a copy; only these are read)."""
+        import numpy as np
+
+        if not 0 <= start <= stop <= len(self):
+            raise IndexError(f"{self.name}: ids [{start}, {stop}) outside [0, {len(self)})")
+        lo, hi = start + self._span[0], stop + self._span[0]
+        pieces = []
+        k = bisect.bisect_right(self._starts, lo) - 1
+        while lo < hi:
+            end = min(hi, self._starts[k + 1])
+            pieces.append(np.asarray(self.parts[k][lo - self._starts[k]:end - self._starts[k]]).astype(np.int64))
+            lo, k = end, k + 1
+        return pieces[0] if len(pieces) == 1 else np.concatenate(pieces) if pieces else np.empty(0, np.int64)
+
+    def split(self, cut: int) -> tuple[Tokens, Tokens]:
+        """``[0, cut)`` and ``[cut, len)``: views of the same parts (nothing is read)."""
+        a = self._span[0]
+        meta = dict(eos_id=self.eos_id, vocab_size=self.vocab_size, name=self.name)
+        return Tokens(self.parts, _span=(a, a + cut), **meta), Tokens(self.parts, _span=(a + cut, self._span[1]), **meta)
+
+    def sample_range(self) -> tuple[int, int]:
+        """``(min, max)`` of a bounded sample: every id when there are at most
+        :data:`SAMPLE_TOKENS`, else :data:`SAMPLE_CHUNKS` evenly spaced runs of
+        ``SAMPLE_TOKENS / SAMPLE_CHUNKS`` ids (first and last included)."""
+        n = len(self)
+        if n <= SAMPLE_TOKENS:
+            runs = [(0, n)]
+        else:
+            size = SAMPLE_TOKENS // SAMPLE_CHUNKS
+            runs = [(s, s + size) for s in ((n - size) * i // (SAMPLE_CHUNKS - 1) for i in range(SAMPLE_CHUNKS))]
+        lo, hi = None, None
+        for a, b in runs:
+            ids = self.read(a, b)
+            lo = int(ids.min()) if lo is None else min(lo, int(ids.min()))
+            hi = int(ids.max()) if hi is None else max(hi, int(ids.max()))
+        return lo, hi
+
+
+def _sidecar(path: Path) -> dict[str, Any]:
+    """The sidecar's settings, checked (``{}`` when there is none)."""
+    side = path / SIDECAR if path.is_dir() else path.with_name(path.name + ".json")
+    if not side.is_file():
+        return {}
+    try:
+        meta = json.loads(side.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{side}: not a JSON object ({e})") from None
+    if not isinstance(meta, dict) or set(meta) - set(_SIDECAR_KEYS):
+        extra = sorted(set(meta) - set(_SIDECAR_KEYS)) if isinstance(meta, dict) else type(meta).__name__
+        raise ValueError(f"{side}: a token-file sidecar is a JSON object of {list(_SIDECAR_KEYS)}, got {extra}")
+    if "dtype" in meta and meta["dtype"] not in DTYPES:
+        raise ValueError(f"{side}: dtype must be one of {list(DTYPES)}, got {meta['dtype']!r}")
+    for key, least in (("eos_id", 0), ("vocab_size", 1)):
+        value = meta.get(key)
+        if value is not None and not (isinstance(value, int) and not isinstance(value, bool) and value >= least):
+            raise ValueError(f"{side}: {key} must be an int >= {least}, got {value!r}")
+    return meta
+
+
+def _settle(path: Path, key: str, flag: str, given: Any, meta: dict[str, Any]) -> Any:
+    """A flag's value, or the sidecar's; both and different is an error."""
+    if given is not None and key in meta and meta[key] != given:
+        raise ValueError(f"{path}: {flag} {given} but its sidecar says {key} {meta[key]!r}; drop one")
+    return given if given is not None else meta.get(key)
+
+
+def _shards(path: Path) -> list[Path]:
+    files = sorted(p for p in path.iterdir() if p.is_file() and p.suffix.lower() in _SUFFIXES
+                   and not p.name.startswith("."))
+    kinds = {p.suffix.lower() for p in files}
+    if not files:
+        raise ValueError(f"{path}: a token directory holds .bin or .npy shards, found none")
+    if len(kinds) > 1:
+        raise ValueError(f"{path}: shards must be all .bin or all .npy, found both")
+    return files
+
+
+def _mapped(path: Path, dtype: Any, offset: int, count: int) -> Any:
+    """``count`` ids of ``dtype`` from byte ``offset`` of ``path``: a read-only numpy view of
+    a memory map advised ``MADV_RANDOM``. The loader reads windows at random places, and
+    the kernel's default read-ahead around each page fault made a window cost ~100× more
+    (np.memmap: 5.3 ms per 4 KiB window on a VM, 0.05 ms advised; benchmarks/README.md)."""
+    import mmap
+
+    import numpy as np
+
+    with open(path, "rb") as f:
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    if hasattr(mm, "madvise") and hasattr(mmap, "MADV_RANDOM"):  # not on every platform
+        mm.madvise(mmap.MADV_RANDOM)
+    return np.frombuffer(mm, dtype=dtype, count=count, offset=offset)
+
+
+def _map(path: Path, dtype: str | None) -> tuple[Any, str]:
+    """One shard memory-mapped (``None`` if it is empty) and its dtype's name."""
+    import numpy as np
+
+    if path.suffix.lower() == ".npy":
+        # allow_pickle=False: a token file must never be able to run code. mmap_mode="r"
+        # reads the header only (shape, dtype, where the data starts).
+        array = np.load(path, mmap_mode="r", allow_pickle=False)
         if array.ndim != 1:
             raise ValueError(f"{path}: expected a 1-D array of token ids, got shape {array.shape}")
         if array.dtype.kind not in "iu":
             raise ValueError(f"{path}: expected an integer dtype for token ids, got {array.dtype}")
-        if array.size and int(array.min()) < 0:
-            raise ValueError(f"{path}: token ids must be non-negative, got {int(array.min())}")
-        ids: Any = array
-    elif suffix == ".bin":
-        import numpy as np
-
-        nbytes = path.stat().st_size
-        if nbytes % 2:
-            raise ValueError(f"{path}: a .bin token file holds uint16 ids, but its size ({nbytes} bytes) is odd")
-        ids = np.fromfile(path, dtype="<u2")  # explicit little-endian, as nanoGPT writes it on x86/ARM hosts
-    else:
-        ids = path.read_bytes()
-    if len(ids) == 0:
-        raise ValueError(f"{path}: the file holds no tokens")
-    return ids
+        if dtype is not None and array.dtype != np.dtype(dtype):
+            raise ValueError(f"{path}: --data-dtype {dtype}, but the array holds {array.dtype}")
+        if not array.size:
+            return None, str(array.dtype)
+        return _mapped(path, array.dtype, array.offset, array.size), str(array.dtype)
+    dtype = dtype or "uint16"
+    size, nbytes = np.dtype(dtype).itemsize, path.stat().st_size
+    if nbytes % size:
+        raise ValueError(f"{path}: a .bin token file holds {dtype} ids, but its size ({nbytes} bytes) is "
+                         + ("odd" if size == 2 else f"not a multiple of {size}"))
+    # explicit little-endian, as nanoGPT writes it on x86/ARM hosts
+    return (_mapped(path, np.dtype(dtype).newbyteorder("<"), 0, nbytes // size) if nbytes else None), dtype
 
 
-def token_stats(path: str | os.PathLike[str] | None) -> tuple[int, int]:
-    """``(number of tokens, largest id)`` of a token file (:func:`read_ids`)."""
-    ids = read_ids(path)
-    return len(ids), int(max(ids) if isinstance(ids, bytes) else ids.max())
+@functools.lru_cache(maxsize=4)
+def _encode(text_path: str, tokenizer: str) -> tuple[Any, int]:
+    """Text tokenized by a ``tokenizer.json`` (cached: the preflight, rank 0 and the
+    reference all ask); returns the ids (numpy) and the tokenizer's vocabulary size."""
+    import numpy as np
+
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        raise ValueError("--tokenizer needs the Hugging Face tokenizers library: pip install 'dtp[hf]'") from None
+    try:
+        tok = Tokenizer.from_file(tokenizer)
+    except Exception as e:  # the library raises its own Exception subclass for a bad file
+        raise ValueError(f"--tokenizer {tokenizer}: not a tokenizer.json ({' '.join(str(e).split())[:120]})") from None
+    text = _text(text_path)
+    ids = tok.encode(text, add_special_tokens=False).ids
+    dtype = np.uint16 if tok.get_vocab_size() <= 1 << 16 else np.uint32
+    return np.asarray(ids, dtype=dtype), tok.get_vocab_size()
+
+
+def _text(path: str | None) -> str:
+    raw = (resources.files("dtp") / "assets" / "corpus.txt").read_bytes() if path is None else Path(path).read_bytes()
+    return raw.decode("utf-8", errors="replace")
+
+
+def open_tokens(path: str | os.PathLike[str] | None, *, dtype: str | None = None, eos_id: int | None = None,
+                tokenizer: str | os.PathLike[str] | None = None) -> Tokens:
+    """The token ids ``--data`` names (formats: this module's docstring); token files are
+    memory-mapped, text is tokenized in memory.
+
+    Raises ``FileNotFoundError`` for a missing path and ``ValueError`` for a file that holds
+    no tokens, a wrong shape, dtype or size, a bad sidecar, or a flag that does not apply.
+
+    >>> len(open_tokens(None)) > 300_000
+    True
+    """
+    import numpy as np
+
+    if dtype is not None and dtype not in DTYPES:
+        raise ValueError(f"--data-dtype must be one of {list(DTYPES)}, got {dtype!r}")
+    p = None if path is None else Path(path)
+    if p is not None and not p.exists():
+        raise FileNotFoundError(f"[Errno 2] No such file or directory: '{p}'")
+    token_file = p is not None and (p.is_dir() or p.suffix.lower() in _SUFFIXES)
+    if token_file and tokenizer is not None:
+        raise ValueError(f"{p}: --tokenizer tokenizes text, but this is a token file (already ids)")
+    if not token_file:
+        if dtype is not None:
+            raise ValueError(f"{p or 'the bundled corpus'}: --data-dtype is for .bin token files, not text")
+        if tokenizer is not None:
+            ids, vocab = _encode(None if p is None else str(p), str(tokenizer))
+        else:  # byte tokens
+            raw = (resources.files("dtp") / "assets" / "corpus.txt").read_bytes() if p is None else p.read_bytes()
+            ids, vocab = np.frombuffer(raw, dtype=np.uint8), None
+        if not len(ids):
+            raise ValueError(f"{p}: the file holds no tokens")
+        return Tokens([ids], eos_id=eos_id, vocab_size=vocab, name=str(p or "the bundled corpus"))
+    meta = _sidecar(p)
+    dtype = _settle(p, "dtype", "--data-dtype", dtype, meta)
+    eos_id = _settle(p, "eos_id", "--eos-id", eos_id, meta)
+    files = _shards(p) if p.is_dir() else [p]
+    mapped = [_map(f, dtype) for f in files]
+    kinds = {d for _, d in mapped}
+    if len(kinds) > 1:
+        raise ValueError(f"{p}: shards of different dtypes ({sorted(kinds)}); write them alike")
+    parts = [m for m, _ in mapped if m is not None]
+    if not parts:
+        raise ValueError(f"{p}: the file holds no tokens" if not p.is_dir() else f"{p}: the shards hold no tokens")
+    vocab = meta.get("vocab_size")
+    if eos_id is not None and vocab is not None and eos_id >= vocab:
+        raise ValueError(f"{p}: eos_id {eos_id} is outside the vocabulary [0, {vocab})")
+    return Tokens(parts, eos_id=eos_id, vocab_size=vocab, name=str(p))
+
+
+def token_stats(path: str | os.PathLike[str] | None, *, dtype: str | None = None, eos_id: int | None = None,
+                tokenizer: str | os.PathLike[str] | None = None) -> tuple[int, int]:
+    """``(number of tokens, largest id)`` of ``--data``, reading only a bounded sample.
+
+    The count comes from the file sizes (or ``.npy`` headers). The largest id is
+    ``vocab_size - 1`` when the sidecar or tokenizer states the vocabulary, else the
+    largest in :meth:`Tokens.sample_range` (an id above it that the sample missed is caught
+    by the batch check, ``dtp.shard_batch``, when a batch holds it). A negative id in the
+    sample is a ``ValueError``.
+    """
+    tokens = open_tokens(path, dtype=dtype, eos_id=eos_id, tokenizer=tokenizer)
+    if tokens.vocab_size is not None:
+        return len(tokens), tokens.vocab_size - 1
+    lo, hi = tokens.sample_range()
+    if lo < 0:
+        raise ValueError(f"{tokens.name}: token ids must be non-negative, got {lo}")
+    return len(tokens), hi
 
 
 def held_out_start(n_tokens: int) -> int:

@@ -35,7 +35,7 @@ from torch.distributed.tensor import DTensor
 
 from .spec import P, shard
 
-__all__ = ["with_buffers", "lay_out", "apply_update", "plain"]
+__all__ = ["with_buffers", "reading", "lay_out", "apply_update", "plain"]
 
 PyTree = Any
 
@@ -100,6 +100,19 @@ def with_buffers(params: PyTree, buffers: PyTree) -> PyTree:
         return _SequenceView(params, buffers)
     raise ValueError(f"with_buffers: buffers ({type(buffers).__name__}) do not mirror the parameters here "
                      f"({type(params).__name__}); nest them as the parameters are nested")
+
+
+def reading(loss_fn: Callable[[Any, Any], Any], buffers: Any) -> Callable[[Any, Any], Any]:
+    """``loss_fn`` reading ``buffers`` laid over its parameters (:func:`with_buffers`);
+    ``loss_fn`` itself when there are none.
+
+    >>> f = reading(lambda params, batch: params["bias"] + batch, {"bias": 10})
+    >>> f({"w": 1}, 5)
+    15
+    """
+    if not buffers:
+        return loss_fn
+    return lambda params, batch: loss_fn(with_buffers(params, buffers), batch)
 
 
 def plain(x: torch.Tensor) -> torch.Tensor:

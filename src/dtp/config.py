@@ -34,6 +34,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Callable, Iterator, Mapping
 
 from . import layouts, schedules
+from ._token_files import DTYPES as TOKEN_DTYPES
 from .layouts import CP_ALGORITHMS, ZERO_STAGES, Layout
 from .layouts.zero import misplaced_options
 from ._rules import SCORE_FUNCTIONS
@@ -124,7 +125,10 @@ class RunConfig:
     recompute: str = "none"
     clip: float = 1.0  # 0: off
     seed: int = 0
-    data: str | None = None  # a token file; None: the bundled corpus
+    data: str | None = None  # a token file, a directory of shards, or text; None: the bundled corpus
+    data_dtype: str | None = None  # a .bin file's ids, uint16 or uint32; None: its sidecar's, else uint16
+    eos_id: int | None = None  # the id that ends a document; None: the token sidecar's
+    tokenizer: str | None = None  # a Hugging Face tokenizer.json for text data; None: byte tokens
     max_skipped: int = DEFAULT_MAX_SKIPPED  # 0: never abort
     # ---- mixture of experts (None: the model preset's)
     num_experts: int | None = None
@@ -200,6 +204,10 @@ class RunConfig:
             fail(f"{n('max_restarts')} needs {n('save_every')} N: a restart resumes from the newest checkpoint")
         if self.resume and self.out is None:
             fail(f"{n('resume')} continues the run in {n('out')}; name it ({n('out')} runs/…)")
+        if self.data_dtype is not None and self.data_dtype not in TOKEN_DTYPES:
+            fail(f"{n('data_dtype')} must be one of {', '.join(TOKEN_DTYPES)}; got {self.data_dtype!r}")
+        if self.data_dtype is not None and self.tokenizer is not None:
+            fail(f"{n('data_dtype')} describes a token file and {n('tokenizer')} tokenizes text: choose one")
 
     def _check_types(self, fail: Callable[[str], None], n: Callable[[str], str]) -> None:
         for f in fields(self):
@@ -213,7 +221,7 @@ class RunConfig:
             if value is not None and value < 1:
                 fail(f"{n(name)} must be >= 1, got {value}")
         for name in ("bucket_mb", "lr", "clip", "max_skipped", "num_experts", "eval_every", "save_every",
-                     "max_restarts", "router_bias_update", "aux_loss_coeff"):
+                     "max_restarts", "router_bias_update", "aux_loss_coeff", "eos_id"):
             value = getattr(self, name)
             if value is not None and value < 0:
                 fail(f"{n(name)} must be >= 0, got {value}")

@@ -1,4 +1,5 @@
-"""Training data: a byte-level tokenizer, token-file loading and a resumable batch loader.
+"""Training data: a byte-level tokenizer, token files (memory-mapped: :func:`open_tokens`) and
+a resumable batch loader.
 
 Everything here is rank-independent on purpose: every rank that builds a
 :class:`TokenLoader` with the same arguments produces the same *global* batch,
@@ -20,11 +21,12 @@ from __future__ import annotations
 import os
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 
-from ._token_files import read_ids
+from ._token_files import Tokens, open_tokens
 
-__all__ = ["ByteTokenizer", "load_tokens", "TokenLoader"]
+__all__ = ["ByteTokenizer", "load_tokens", "open_tokens", "Tokens", "TokenLoader"]
 
 
 def _bytes_to_tokens(data: bytes) -> torch.Tensor:
@@ -83,16 +85,19 @@ class ByteTokenizer:
 
 
 def load_tokens(path: str | os.PathLike[str] | None = None) -> torch.Tensor:
-    """Load a 1-D int64 token tensor.
+    """Load a whole token file into a 1-D int64 tensor (small corpora; for large ones
+    :func:`open_tokens` maps the file and :class:`TokenLoader` reads only its windows).
 
     * ``None``: the bundled corpus (Bierce's *The Devil's Dictionary*, about
       383 KB, see ``dtp/assets/SOURCE.md``) as byte tokens.
     * ``*.npy``: a 1-D integer array of token ids.
-    * ``*.bin``: raw little-endian uint16 token ids (the nanoGPT convention).
+    * ``*.bin``: raw little-endian uint16 token ids (the nanoGPT convention; a sidecar
+      may say uint32, :mod:`dtp._token_files`).
+    * a directory of ``.bin`` or ``.npy`` shards, read in name order as one stream.
     * anything else: read as bytes and byte-tokenized like :class:`ByteTokenizer`.
 
     Raises ``FileNotFoundError`` for a missing file and ``ValueError`` for an
-    empty file or an array of the wrong shape or dtype.
+    empty file, an array of the wrong shape or dtype, or a negative id.
 
     Example::
 
@@ -100,10 +105,11 @@ def load_tokens(path: str | os.PathLike[str] | None = None) -> torch.Tensor:
         >>> tokens.dtype, tokens.ndim
         (torch.int64, 1)
     """
-    ids = read_ids(path)  # formats and their checks: dtp._token_files, torch-free for the CLI
-    if isinstance(ids, bytes):
-        return _bytes_to_tokens(ids)
-    return torch.from_numpy(ids.astype("int64"))
+    source = open_tokens(path)
+    ids = torch.from_numpy(source.read(0, len(source)))
+    if int(ids.min()) < 0:
+        raise ValueError(f"{path}: token ids must be non-negative, got {int(ids.min())}")
+    return ids
 
 
 class TokenLoader:
@@ -121,6 +127,10 @@ class TokenLoader:
     batch. The whole position is one integer, the number of batches served,
     so :meth:`state_dict` is tiny and resuming is exact.
 
+    ``tokens`` is a 1-D integer tensor, or :class:`Tokens` (:func:`open_tokens`: a
+    memory-mapped file or shard directory), from which each batch reads only its
+    ``batch_size`` windows.
+
     Example::
 
         >>> loader = TokenLoader(torch.arange(100), batch_size=2, seq_len=8, seed=0)
@@ -135,20 +145,27 @@ class TokenLoader:
     """
 
     def __init__(
-        self, tokens: torch.Tensor, *, batch_size: int, seq_len: int, seed: int = 0
+        self, tokens: torch.Tensor | Tokens, *, batch_size: int, seq_len: int, seed: int = 0
     ) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if seq_len < 1:
             raise ValueError(f"seq_len must be >= 1, got {seq_len}")
-        tokens = torch.as_tensor(tokens)
-        if tokens.ndim != 1:
-            raise ValueError(f"tokens must be 1-D, got shape {tuple(tokens.shape)}")
-        if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
-            raise ValueError(f"tokens must have an integer dtype, got {tokens.dtype}")
+        if isinstance(tokens, Tokens):
+            # Memory-mapped (or in memory): each batch reads its own windows, nothing more.
+            self._source: Tokens | None = tokens
+            n = len(tokens)
+        else:
+            tokens = torch.as_tensor(tokens)
+            if tokens.ndim != 1:
+                raise ValueError(f"tokens must be 1-D, got shape {tuple(tokens.shape)}")
+            if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
+                raise ValueError(f"tokens must have an integer dtype, got {tokens.dtype}")
+            self._source = None
+            self.tokens = tokens.to(torch.int64).contiguous()
+            n = tokens.numel()
 
         window = seq_len + 1
-        n = tokens.numel()
         if n < window:
             raise ValueError(
                 f"corpus has {n} tokens, shorter than one window of "
@@ -161,7 +178,7 @@ class TokenLoader:
                 f"seq_len + 1 = {window} tokens, fewer than batch_size = {batch_size}"
             )
 
-        self.tokens = tokens.to(torch.int64).contiguous()
+        self.num_tokens = n
         self.batch_size = batch_size
         self.seq_len = seq_len
         self.seed = seed
@@ -205,7 +222,11 @@ class TokenLoader:
         epoch, index = divmod(self._step, self.batches_per_epoch)
         perm = self._permutation(epoch)
         picked = perm[index * self.batch_size : (index + 1) * self.batch_size]
-        windows = self.tokens[picked[:, None] * self.seq_len + self._offsets]
+        if self._source is None:
+            windows = self.tokens[picked[:, None] * self.seq_len + self._offsets]
+        else:
+            starts = (picked * self.seq_len).tolist()
+            windows = torch.from_numpy(np.stack([self._source.read(a, a + self.seq_len + 1) for a in starts]))
         self._step += 1
         return {
             "tokens": windows[:, :-1].contiguous(),
@@ -225,7 +246,7 @@ class TokenLoader:
             "seed": self.seed,
             "batch_size": self.batch_size,
             "seq_len": self.seq_len,
-            "num_tokens": self.tokens.numel(),
+            "num_tokens": self.num_tokens,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -14,8 +14,8 @@ next collective until the process-group timeout. The guard closes both:
   :data:`WIDTH` int64 (560 bytes per rank): an ok flag (this rank's own validation
   passed), a hash of the fields every rank must agree on (shapes, dtypes and placements
   of the batch or parameters, step options, layout rules and options, mesh, step), the
-  min/max of the token/target ids (:data:`ID_KEYS`), and 64 checksum slots, one per set
-  of mesh axes: a tensor split over axes A (a batch shard; a parameter at create, whole,
+  min/max of the token/target ids (:data:`ID_KEYS`; a target of -100 is masked, not an
+  id: :func:`id_range`), and 64 checksum slots, one per set of mesh axes: a tensor split over axes A (a batch shard; a parameter at create, whole,
   A empty; the global batch given to shard_batch, A empty) lands in slot A and is compared between the ranks with equal coordinates on
   A, the ones that must hold identical values.
 * **on disagreement** (a failed flag, hashes or checksums that differ): a second
@@ -51,12 +51,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from . import comm
+from ._rules import IGNORE_INDEX
 from .comm import CommLog
 from .mesh import all_coordinates, axis_names, axis_sizes, flatten_axes
 from .spec import spec_of
 
 __all__ = ["ENV", "ID_KEYS", "WIDTH", "Agreements", "Fingerprint", "mode", "log", "agree", "check_state",
-           "check_step", "check_ids", "checksum"]
+           "check_step", "check_ids", "id_range", "checksum"]
 
 ENV = "DTP_CHECKS"
 ID_KEYS = ("tokens", "targets")  # batch entries that hold vocabulary ids
@@ -167,6 +168,23 @@ def _common_fields(mesh: DeviceMesh, layout: Any) -> dict[str, str]:
             "layout": f"{layout.name or 'custom'} #{_hash(describe_layout(layout)) & 0xFFFFFFFF:08x}"}
 
 
+def id_range(key: str, ids: torch.Tensor) -> tuple[int, int] | None:
+    """``(min, max)`` of the vocabulary ids in ``batch[key]`` (``None``: none). In
+    ``targets`` :data:`~dtp._rules.IGNORE_INDEX` is no id (a masked target), so it is left
+    out; any other negative still shows as the minimum.
+
+    >>> id_range("targets", torch.tensor([5, -100, 7])), id_range("tokens", torch.tensor([5, -100]))
+    ((5, 7), (-100, 5))
+    """
+    ids = ids.detach()
+    if key == "targets":
+        ids = ids[ids != IGNORE_INDEX]
+    if not ids.numel():
+        return None
+    lo, hi = torch.aminmax(ids)
+    return int(lo), int(hi)
+
+
 def check_ids(key: str, lo: int, hi: int, vocab: int | None, what: str, where: str = "") -> None:
     """``ValueError`` when ids ``[lo, hi]`` of ``batch[key]`` leave ``[0, vocab)``."""
     if vocab is not None and lo <= hi and (lo < 0 or hi >= vocab):
@@ -248,8 +266,9 @@ def check_step(agreed: Agreements, mesh: DeviceMesh, layout: Any, step: int, bat
             fp.replicas[f"batch[{k!r}]"] = (_mask(v, mesh), checksum(v))
             local = v.to_local() if isinstance(v, DTensor) else v
             if k in ID_KEYS and local.numel() and not (local.is_floating_point() or local.is_complex()):
-                lo, hi = torch.aminmax(local.detach())
-                fp.ids[k] = (int(lo), int(hi))
+                found = id_range(k, local)
+                if found is not None:
+                    fp.ids[k] = found
     agree(what, mesh, fp, vocab=agreed.vocab)
     if error is not None:
         raise error

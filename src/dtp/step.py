@@ -32,11 +32,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from . import guard, strategies
-from .buffers import apply_update, lay_out as lay_out_buffers, with_buffers
+from .buffers import apply_update, lay_out as lay_out_buffers, reading
 from ._rules import is_positive_int
 from .comm import comm_log, span
 from .layouts import Layout, check_divisible, use_layout
 from .optim import GradientTransformation, apply_updates, clip_by_global_norm, map_param_trees
+from .ops.parallel import count_targets, mean_over
 from .ops.recompute import POLICIES, recompute as recompute_policy
 from .redistribute import local_map, value_of
 from .spec import P, shard, spec_of
@@ -229,8 +230,9 @@ def shard_batch(batch: Mapping[str, torch.Tensor], state: TrainState) -> dict[st
     try:
         for k, v in batch.items():
             if k in guard.ID_KEYS and isinstance(v, torch.Tensor) and v.numel() and not v.is_floating_point():
-                lo, hi = torch.aminmax(v)
-                guard.check_ids(k, int(lo), int(hi), state.checks.vocab, "shard_batch")
+                found = guard.id_range(k, v)  # a target of -100 is masked (IGNORE_INDEX), not an id
+                if found is not None:
+                    guard.check_ids(k, *found, state.checks.vocab, "shard_batch")
             spec = state.layout.activation_spec(_BATCH_AXES[: v.dim()], mesh)
             _check_seq("shard_batch", k, v, state)
             if v.dim() > 1:
@@ -357,9 +359,29 @@ def _check_inputs(batch: Mapping[str, torch.Tensor], state: TrainState, microbat
 
 
 def _forward_backward(loss_fn: Callable, run: strategies.StepRun | strategies.Scheduled,
+                      batch: Mapping[str, torch.Tensor], m: int) -> tuple[float, Any, int | None]:
+    """The one microbatch loop: each microbatch's loss weighted 1/m. With ``targets`` in
+    the batch, the cross-entropy divides by their valid count over the whole batch / m
+    (:func:`dtp.ops.mean_over`; counted at the first loss, one small all-reduce per axis
+    that splits them), so the step's loss is the mean over every valid target whatever
+    the layout and ``m``. Returns the loss, aux and that count (``None``: no ``targets``,
+    or a pipeline stage without the loss). Where the gradients go is the run's business."""
+    microbatches = _split_microbatches(batch, m)
+    if "targets" not in batch:
+        return (*_run_microbatches(loss_fn, run, microbatches), None)
+    counted: list[int] = []
+
+    def divisor() -> float:  # called by the first cross-entropy, after its forward (mean_over)
+        counted.append(count_targets(batch["targets"]))
+        return max(counted[0], 1) / m
+
+    with mean_over(divisor):
+        loss, aux = _run_microbatches(loss_fn, run, microbatches)
+    return loss, aux, (counted[0] if counted else None)
+
+
+def _run_microbatches(loss_fn: Callable, run: strategies.StepRun | strategies.Scheduled,
                       microbatches: list[dict[str, torch.Tensor]]) -> tuple[float, Any]:
-    """The one microbatch loop: each microbatch's mean weighted 1/m, so gradient
-    accumulation equals one big batch. Where the gradients go is the run's business."""
     if isinstance(run, strategies.Scheduled):  # it orders forwards and backwards itself
         return run.schedule(loss_fn, microbatches)
     total, auxes, m = 0.0, [], len(microbatches)
@@ -389,12 +411,13 @@ def value_and_grad(loss_fn: Callable[[PyTree, Mapping[str, torch.Tensor]], Any],
                    recompute: str | None = None) -> tuple[float, Any, PyTree]:
     """Mean loss, aux and gradients laid out like the parameters (what ``train_step`` uses).
 
-    Gradient accumulation equals one big batch: each microbatch's mean is weighted 1/m.
+    Gradient accumulation equals one big batch: the cross-entropy's mean is over the
+    valid targets of the whole batch (:func:`_forward_backward`).
     """
     run = strategies.begin(state.params, state.zero, microbatches, gradients_only=True)
     _check_inputs(batch, state, microbatches, recompute)
     with use_layout(state.layout, state.mesh), recompute_policy(recompute):
-        loss, aux = _forward_backward(_reading(loss_fn, state.buffers), run, _split_microbatches(batch, microbatches))
+        loss, aux, _ = _forward_backward(reading(loss_fn, state.buffers), run, batch, microbatches)
         (_, grads), = run.gradients()
     return loss, aux, grads
 
@@ -426,9 +449,15 @@ def train_step(loss_fn: Callable[[PyTree, Mapping[str, torch.Tensor]], Any], sta
     as the optimizer's own count and Megatron's lr scheduler do, so the schedule does not
     advance past a batch that taught nothing.
 
-    Metrics: ``loss``, ``grad_norm``, ``lr``, ``tokens``, ``step_time`` (s),
-    ``comm_bytes`` — ``{axis: {collective: bytes sent per rank}}`` from the comm log —
-    and ``skipped`` (bool: the update was skipped).
+    Loss masks: targets equal to ``dtp.ops.IGNORE_INDEX`` (-100) are skipped, and the
+    loss is the mean over the valid targets of the whole global batch — every microbatch,
+    every rank — as one device taking the batch at once computes it.
+
+    Metrics: ``loss``, ``grad_norm``, ``lr``, ``tokens`` (processed), ``loss_tokens`` (the
+    valid targets the loss averaged over; ``None`` on a pipeline stage without the loss),
+    ``step_time`` (s), ``comm_bytes`` —
+    ``{axis: {collective: bytes sent per rank}}`` from the comm log — and ``skipped``
+    (bool: the update was skipped).
 
     >>> import warnings
     >>> mesh = dtp.make_mesh(dp=1)                  # one process: a mesh of one device
@@ -456,8 +485,7 @@ def train_step(loss_fn: Callable[[PyTree, Mapping[str, torch.Tensor]], Any], sta
                            mesh=state.mesh)
     with comm_log() as log:
         with use_layout(state.layout, state.mesh), recompute_policy(recompute):
-            loss, aux = _forward_backward(_reading(loss_fn, state.buffers), run,
-                                          _split_microbatches(batch, microbatches))
+            loss, aux, counted = _forward_backward(reading(loss_fn, state.buffers), run, batch, microbatches)
         with torch.no_grad(), span("update"):
             updated, opt_state, norm, bad = _update(run, state.optimizer, state.opt_state, clip_norm, loss)
             # On a skip ``updated`` is the targets as they were: ZeRO still gathers them into
@@ -473,14 +501,7 @@ def train_step(loss_fn: Callable[[PyTree, Mapping[str, torch.Tensor]], Any], sta
                       f"(parameters, optimizer state and step unchanged)", RuntimeWarning, stacklevel=2)
     new = dataclasses.replace(state, step=state.step + (bad is None), params=params, opt_state=opt_state, zero=zero,
                               buffers=buffers)
-    return new, _metrics(state, batch, loss, aux, norm, t0, log, skipped=bad is not None)
-
-
-def _reading(loss_fn: Callable, buffers: PyTree) -> Callable:
-    """``loss_fn`` reading the buffers laid over the parameters (itself without buffers)."""
-    if not buffers:
-        return loss_fn
-    return lambda params, batch: loss_fn(with_buffers(params, buffers), batch)
+    return new, _metrics(state, batch, loss, aux, norm, t0, log, skipped=bad is not None, counted=counted)
 
 
 def _first_rank(mesh: DeviceMesh) -> bool:
@@ -559,9 +580,12 @@ def _state_join(template: PyTree, targets: list[PyTree], parts: list[PyTree]) ->
 
 
 def _metrics(state: TrainState, batch: Mapping[str, torch.Tensor], loss: float, aux: Any, norm: torch.Tensor,
-             t0: float, log: Any, *, skipped: bool) -> dict[str, Any]:
+             t0: float, log: Any, *, skipped: bool, counted: int | None) -> dict[str, Any]:
     tokens = batch["tokens"].numel() if "tokens" in batch else next(iter(batch.values())).numel()
     metrics = {
+        # the targets the loss averaged over (IGNORE_INDEX excluded; None: no loss on this
+        # pipeline stage, or no targets); ``tokens``: those processed
+        "loss_tokens": counted,
         "loss": loss,
         "grad_norm": float(norm),
         "lr": state.optimizer.schedule(state.step) if state.optimizer.schedule else float("nan"),

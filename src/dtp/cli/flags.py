@@ -24,7 +24,7 @@ from typing import Any, Callable, Sequence
 from .. import layouts, schedules
 from .._mesh_shape import MeshShape
 from .._rules import RUN_RTOL
-from .._token_files import held_out_start, token_stats
+from .._token_files import DTYPES as TOKEN_DTYPES, held_out_start, token_stats
 from .._rules import SCORE_FUNCTIONS
 from ..config import DEFAULT_WARMUP, DTYPES, MODEL_FIELDS, RECOMPUTE, RunConfig, flag_names, mesh_axes_of, type_error
 from ..launch import in_torchrun
@@ -176,7 +176,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--clip", type=_non_negative_float, default=RUN_DEFAULTS["clip"], help="global-norm gradient clip (0: off)")
     g.add_argument("--seed", type=int, default=RUN_DEFAULTS["seed"], help="seed of the model init and the data order")
     g.add_argument("--data", default=RUN_DEFAULTS["data"],
-                   help="token file: .txt (bytes), .npy (int ids), .bin (uint16 ids); default: bundled corpus")
+                   help="token file (.npy; .bin: uint16 ids unless --data-dtype or its sidecar says uint32) or a "
+                        "directory of them, memory-mapped; or text (bytes, or --tokenizer's); default: bundled corpus")
+    g.add_argument("--data-dtype", choices=TOKEN_DTYPES, default=RUN_DEFAULTS["data_dtype"],
+                   help="the ids of --data's .bin files (default: the sidecar's dtype, else uint16)")
+    g.add_argument("--eos-id", type=_non_negative_int, default=RUN_DEFAULTS["eos_id"], metavar="ID",
+                   help="the id that ends a document in --data (default: the sidecar's eos_id)")
+    g.add_argument("--tokenizer", default=RUN_DEFAULTS["tokenizer"], metavar="TOKENIZER_JSON",
+                   help="a Hugging Face tokenizer.json that tokenizes --data's text (pip install 'dtp[hf]')")
     # Non-finite steps: train_step skips them (state unchanged); the loop counts them.
     g.add_argument("--max-skipped", type=_non_negative_int, default=RUN_DEFAULTS["max_skipped"], metavar="N",
                    help="abort after N steps in a row skipped for a non-finite loss or gradient norm (0: never)")
@@ -303,8 +310,9 @@ def validate(args: argparse.Namespace, *, world_size: int | None = None) -> argp
     >>> validate(build_parser().parse_args(["train", "--dp", "2", "--tp", "2"])).nproc
     4
     """
-    if args.data is not None:
-        args.data = str(Path(args.data).expanduser().resolve())
+    for name in ("data", "tokenizer"):
+        if getattr(args, name) is not None:
+            setattr(args, name, str(Path(getattr(args, name)).expanduser().resolve()))
     if args.print_schedule and args.pp == 1:
         raise UsageError("--print-schedule prints the pipeline's schedule; pipeline options need --pp > 1")
     if args.resume and args.overwrite:
@@ -455,9 +463,10 @@ def preflight(args: argparse.Namespace, *, check_out: bool = True) -> Layout:
     """
     layout = build_layout(args)
     try:
-        n_tokens, max_id = token_stats(args.data)
+        n_tokens, max_id = token_stats(args.data, dtype=args.data_dtype, eos_id=args.eos_id,
+                                       tokenizer=args.tokenizer)
     except (OSError, ValueError) as e:
-        raise UsageError(f"--data: {e}") from None
+        raise UsageError(f"--data: {e}" if not str(e).startswith("--") else str(e)) from None
     cfg = model_config.config(args.model, vocab_size=vocab_size(args.model, max_id), **model_overrides(args))
     mesh = MeshShape(mesh_axes(args))
     what = f"--model {args.model} on the mesh {format_mesh(mesh.sizes)}"

@@ -30,7 +30,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from .. import (Layout, TrainState, checkpoint, comm, make_mesh, optim, shard_batch, strategies, train_step,
                 wait, with_buffers)
 from .._token_files import held_out_start
-from ..data import TokenLoader, load_tokens
+from ..data import TokenLoader, Tokens, open_tokens
 from ..launch import in_torchrun
 from ..mesh import clear_mesh_cache
 from ..models import llama
@@ -48,28 +48,34 @@ def _torch_dtype(name: str) -> torch.dtype:
     return getattr(torch, name)  # a name of dtp.config.DTYPES (the run config checked it)
 
 
-@functools.lru_cache(maxsize=2)  # rank 0 reads it for the run config, then trains with it
-def _load_data(path: str | None) -> torch.Tensor:
+@functools.lru_cache(maxsize=2)  # rank 0 opens it for the run config, then trains with it
+def _open_data(path: str | None, dtype: str | None, eos_id: int | None, tokenizer: str | None) -> Tokens:
     try:
-        return load_tokens(path)
+        return open_tokens(path, dtype=dtype, eos_id=eos_id, tokenizer=tokenizer)
     except (FileNotFoundError, IsADirectoryError, PermissionError) as e:
         raise UsageError(f"--data: {e}") from None
 
 
-def _splits(args: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _load_data(args: Mapping[str, Any] | argparse.Namespace) -> Tokens:
+    """``--data`` as the run's flags describe it: memory-mapped token files, or text in memory."""
+    get = args.get if isinstance(args, Mapping) else lambda k: getattr(args, k, None)
+    return _open_data(get("data"), get("data_dtype"), get("eos_id"), get("tokenizer"))
+
+
+def _splits(args: Mapping[str, Any]) -> tuple[Tokens, Tokens | None]:
     """The training tokens and, with ``--eval-every``, the held-out ones (the corpus's last
     tenth, :func:`dtp._token_files.held_out_start`): the same split on every rank and in
-    the 1-process reference."""
-    tokens = _load_data(args["data"])
+    the 1-process reference. Views of the mapped file: nothing is read here."""
+    tokens = _load_data(args)
     if not args.get("eval_every"):  # run directories from before the flag: no split
         return tokens, None
-    cut = held_out_start(tokens.numel())
-    return tokens[:cut], tokens[cut:]
+    return tokens.split(held_out_start(len(tokens)))
 
 
-def _vocab_size(model: str, tokens: torch.Tensor) -> int:
-    """:func:`dtp.cli.flags.vocab_size` for a token tensor."""
-    return vocab_size(model, int(tokens.max()))
+def _vocab_size(model: str, tokens: Tokens) -> int:
+    """:func:`dtp.cli.flags.vocab_size` for the tokens: the preflight's rule
+    (:func:`dtp._token_files.token_stats`: the stated vocabulary, else a bounded sample)."""
+    return vocab_size(model, tokens.vocab_size - 1 if tokens.vocab_size is not None else tokens.sample_range()[1])
 
 
 def _lr_schedule(peak: float, warmup: int, steps: int) -> optim.Schedule:
@@ -173,7 +179,7 @@ def train_loop(args: Mapping[str, Any], mesh: DeviceMesh, layout: Layout, *, rec
     return records
 
 
-def _eval_batches(held_out: torch.Tensor, args: Mapping[str, Any]) -> list[dict[str, torch.Tensor]]:
+def _eval_batches(held_out: Tokens, args: Mapping[str, Any]) -> list[dict[str, torch.Tensor]]:
     """The held-out batches every evaluation uses: the first :data:`EVAL_BATCHES` of a
     loader over the held-out split (fewer if it holds fewer), the same ones each time."""
     loader = TokenLoader(held_out, batch_size=args["batch"], seq_len=args["seq"], seed=args["seed"])
@@ -264,7 +270,7 @@ def single_process_world() -> Iterator[DeviceMesh]:
 def _run_config(args: argparse.Namespace, world_size: int) -> dict[str, Any]:
     # The run (dtp.RunConfig's fields), and what the ranks found: vocabulary, world, mesh.
     cfg = args.run_config.to_dict()
-    cfg.update(vocab_size=_vocab_size(args.model, _load_data(args.data)), world_size=world_size,
+    cfg.update(vocab_size=_vocab_size(args.model, _load_data(args)), world_size=world_size,
                mesh=mesh_axes(args), warmup_from_step_one=True)
     return cfg
 

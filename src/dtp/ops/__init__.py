@@ -4,7 +4,8 @@ expert parallel (``ops.moe_dispatch``: dispatch / combine)."""
 
 from . import moe_dispatch
 from .attention import attention, rotary
-from .parallel import cross_entropy, embedding, linear
+from .parallel import IGNORE_INDEX, count_targets, cross_entropy, embedding, linear, mean_over
 from .recompute import recompute, remat
 
-__all__ = ["moe_dispatch", "attention", "rotary", "linear", "embedding", "cross_entropy", "recompute", "remat"]
+__all__ = ["moe_dispatch", "attention", "rotary", "linear", "embedding", "cross_entropy",
+           "count_targets", "mean_over", "IGNORE_INDEX", "recompute", "remat"]

@@ -4,23 +4,33 @@ Both work on the local vocab shard and never gather the full vocabulary: the emb
 returns a pending sum over the vocab axes (the layout's next ``constrain`` resolves it
 with an all-reduce, or a reduce-scatter under sequence parallel), and the loss exchanges
 only per-token scalars — a max and a (sum-exp, target-logit) pair — over the vocab axes.
+
+Loss masks: a target equal to :data:`IGNORE_INDEX` (-100, Hugging Face's convention) is
+skipped, and the mean is over the valid targets of the *global* batch, whatever splits it.
+Inside ``train_step`` the divisor is the valid targets of the step's whole batch (every
+microbatch, every rank: :func:`mean_over`), so gradient accumulation and every layout equal
+one device taking the batch at once.
 """
 
 from __future__ import annotations
 
-from .._rules import accum_dtype
-import math
+import contextlib
+import threading
+from typing import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from .. import comm
+from .._rules import IGNORE_INDEX, accum_dtype
 from ..redistribute import local_map, reshard
 from ..mesh import axis_names, block_index
 from ..spec import P, spec_of
 
-__all__ = ["linear", "embedding", "cross_entropy"]
+__all__ = ["linear", "embedding", "cross_entropy", "count_targets", "mean_over", "IGNORE_INDEX"]
+
+_divisor = threading.local()  # mean_over's divisor in this thread (the loss runs in the step's thread)
 
 
 def _vocab_offset(mesh, axes: tuple[str, ...], local_size: int) -> int:
@@ -97,19 +107,82 @@ def embedding(table: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     return local_map(lookup, (None, None), spec, check_shapes=False)(table, tokens)
 
 
+def count_targets(targets: torch.Tensor) -> int:
+    """The valid targets (not :data:`IGNORE_INDEX`) of the global ``targets``.
+
+    On a DTensor each rank counts its shard and the counts are summed over the mesh
+    axes that split it: one all-reduce of one int64 per axis (tag ``"loss"``).
+
+    >>> count_targets(torch.tensor([[3, -100, 5], [-100, -100, 0]]))
+    3
+    """
+    if not isinstance(targets, DTensor):
+        return int((targets != IGNORE_INDEX).sum())
+    n = (targets.to_local() != IGNORE_INDEX).sum().reshape(1).to(torch.int64)
+    spec = spec_of(targets)
+    for axis in _ordered(targets.device_mesh, tuple(a for d in range(targets.dim()) for a in spec.axes_of(d))):
+        n = comm.all_reduce(n, targets.device_mesh, axis, tag="loss")
+    return int(n[0])
+
+
+@contextlib.contextmanager
+def mean_over(divisor: float | Callable[[], float]) -> Iterator[None]:
+    """Inside, :func:`cross_entropy` divides its sum over the valid targets by ``divisor``
+    (> 0) instead of counting its own targets. A callable is called once, by the first
+    cross-entropy inside: ``train_step`` counts the batch's targets there, after forward,
+    so the count's all-reduce never waits in front of forward's parameter gathers.
+
+    ``train_step`` sets it to (the valid targets of the step's whole batch) / microbatches:
+    each microbatch's loss, weighted 1/m, then adds up to the one global mean (Hugging
+    Face's ``num_items_in_batch``, torchtitan's global valid-token count); the MoE aux
+    losses keep their 1/m weight.
+
+    >>> logits, targets = torch.zeros(1, 2, 4), torch.tensor([[0, -100]])
+    >>> with mean_over(2.0):
+    ...     round(float(cross_entropy(logits, targets)), 4)   # log(4) / 2
+    0.6931
+    """
+    previous = getattr(_divisor, "value", None)
+    _divisor.value = [divisor]
+    try:
+        yield
+    finally:
+        _divisor.value = previous
+
+
+def _active_divisor() -> float | None:
+    held = getattr(_divisor, "value", None)
+    if held is None:
+        return None
+    if callable(held[0]):
+        held[0] = held[0]()
+    if not held[0] > 0:
+        raise ValueError(f"mean_over: divisor must be > 0, got {held[0]!r}")
+    return float(held[0])
+
+
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean token cross-entropy of ``logits`` (batch, seq, vocab) against ``targets``.
 
     Computed in fp32 (fp64 stays fp64). With the vocab split, the full logits are never
-    gathered; with the batch/sequence split, the mean is over the global token count.
-    The result is a replicated scalar.
+    gathered; with the batch/sequence split, the mean is over the global count of valid
+    targets (:func:`count_targets`; under :func:`mean_over`, its divisor). Targets equal
+    to :data:`IGNORE_INDEX` add nothing; with no valid target the loss is 0. The result is
+    a replicated scalar.
 
     >>> float(cross_entropy(torch.zeros(1, 2, 4), torch.tensor([[0, 3]])))  # log(4)
     1.3862943649291992
+    >>> float(cross_entropy(torch.zeros(1, 2, 4), torch.tensor([[0, -100]])))  # one valid target
+    1.3862943649291992
     """
     acc = accum_dtype(logits.dtype)
+    divisor = _active_divisor()
+    if divisor is None:
+        divisor = max(count_targets(targets), 1)  # nothing to learn from: 0, not 0/0
     if not isinstance(logits, DTensor):
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).to(acc), targets.reshape(-1))
+        total = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).to(acc), targets.reshape(-1),
+                                ignore_index=IGNORE_INDEX, reduction="sum")
+        return total / divisor
     mesh = logits.device_mesh
     lspec, tspec = spec_of(logits), spec_of(targets)
     tok_dims = (lspec.axes_of(0), lspec.axes_of(1))
@@ -126,18 +199,18 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         shifted = local - m.unsqueeze(-1)
         v_local = local.shape[-1]
         offset = _vocab_offset(mesh, vocab_axes, v_local)
-        mine = (ids >= offset) & (ids < offset + v_local)
+        mine = (ids >= offset) & (ids < offset + v_local)  # IGNORE_INDEX is no rank's
         picked = shifted.gather(-1, (ids - offset).clamp(0, v_local - 1).unsqueeze(-1)).squeeze(-1) * mine
         return torch.stack([shifted.exp().sum(-1), picked], dim=-1)
 
-    def mean(pair: torch.Tensor) -> torch.Tensor:
-        per_token = pair[..., 0].log() - pair[..., 1]
-        return per_token.sum() / math.prod(targets.shape)
+    def total(pair: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        per_token = torch.where(ids != IGNORE_INDEX, pair[..., 0].log() - pair[..., 1], 0.0)
+        return per_token.sum() / divisor
 
     tok = P(tok_dims[0] or None, tok_dims[1] or None)
     pair = local_map(sums, (None, None), P(*tok.dims, None, partial=vocab_axes), check_shapes=False)(logits, targets)
     # One exchange of two scalars per token over the vocab axes: (sum of exp, target logit).
     pair = reshard(pair, P(*tok.dims, None), tag="cross_entropy")
     token_axes = _ordered(mesh, tok_dims[0] + tok_dims[1])
-    total = local_map(mean, (None,), P(partial=token_axes), check_shapes=False)(pair)
-    return reshard(total, P(), tag="loss")
+    loss = local_map(total, (None, None), P(partial=token_axes), check_shapes=False)(pair, targets)
+    return reshard(loss, P(), tag="loss")

@@ -11,7 +11,7 @@ Modules: :mod:`.setup` (the configuration, per-rank shapes), :mod:`.traffic` (co
 
 >>> p = plan("tiny", batch=8, seq=16, dp=2)
 >>> p.bytes
-{'dp': {'all_reduce': 427268}}
+{'dp': {'all_reduce': 427276}}
 >>> p.fits(1.0)
 True
 
@@ -108,7 +108,7 @@ def plan(model: str | llama.LlamaConfig | RunConfig = "tiny", *, batch: int = 8,
     >>> round(p.bubble, 3), p.params // 10**9
     (0.158, 70)
     >>> plan(RunConfig(model="tiny", batch=8, seq=16, dp=2)).bytes
-    {'dp': {'all_reduce': 427268}}
+    {'dp': {'all_reduce': 427276}}
     """
     if isinstance(model, RunConfig):
         if parallel or layout is not None:

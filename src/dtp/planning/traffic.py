@@ -11,7 +11,8 @@ grad               gradients of parameters replicated over a data axis (dp witho
                    microbatch under ZeRO, which adds each microbatch into its buckets)
 zero               ZeRO buckets over dp: reduce-scatter once per step; all-gather once (stage
                    1/2) or per microbatch, forward plus backward re-gathers (stage 3)
-loss, norm         the loss (accumulation dtype) over each data axis per microbatch; the
+loss, norm         the loss (accumulation dtype) over each data axis per microbatch, and the
+                   count of valid targets (int64) once per step; the
                    gradient norm over the axes gradients are split on (tp, ep, pp, dp under
                    ZeRO)
 tp                 SP: all-gather entering / reduce-scatter leaving each attention and MLP,
@@ -101,7 +102,7 @@ def traffic(s: Setup, rank_leaves: list[Leaf], stage: int = 0) -> list[Traffic]:
     >>> from dtp.planning.setup import leaves
     >>> s = Setup(cfg=llama.config("tiny"), dp=2, batch=8, seq=16)
     >>> summary(traffic(s, leaves(s)))
-    {'dp': {'all_reduce': 427268}}
+    {'dp': {'all_reduce': 427276}}
     """
     out: list[Traffic] = []
     cfg, axes, m = s.cfg, s.axes, s.microbatches
@@ -147,6 +148,8 @@ def traffic(s: Setup, rank_leaves: list[Leaf], stage: int = 0) -> list[Traffic]:
     if s.pp == 1 or has_head:
         for axis in ("cp", "ep", "dp"):  # the loss is a scalar in the accumulation dtype (measured)
             add(axis, "all_reduce", "loss", m, _ar(acc, axes.get(axis, 1)))
+            # and the valid targets of the step's batch, counted once at the first loss (int64)
+            add(axis, "all_reduce", "loss", 1, _ar(8, axes.get(axis, 1)))
     norm_axes = ["tp", "pp"] + (["ep"] if any(l.splits("ep") for l in rank_leaves) else []) + \
         (["dp"] if zero_dp else [])
     for axis in norm_axes:

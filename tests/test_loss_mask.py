@@ -1,0 +1,118 @@
+"""Loss masks: targets equal to IGNORE_INDEX (-100) are skipped and the loss is the mean
+over the valid targets of the whole global batch. Under data, vocab (tp + sp) and context
+parallel and with microbatches, on a batch whose masks are uneven across ranks, rows,
+microbatches and sequence halves, the loss and gradients equal one device taking the batch
+at once (fp64, 1e-10); the guard accepts -100 in targets and nothing else negative."""
+
+import functools
+
+import pytest
+import torch
+
+import dtp
+from dtp.models import llama
+from dtp.ops import IGNORE_INDEX, count_targets, cross_entropy
+from dtp.testing import assert_tree_close, reference_value_and_grad, run
+
+CFG = llama.config("tiny", n_heads=4, n_kv_heads=2, n_layers=1)
+LOSS = functools.partial(llama.loss, cfg=CFG)
+
+
+def _masked_batch(b: int = 8, s: int = 16) -> dict[str, torch.Tensor]:
+    """Rows 0..b/2-1 (dp rank 0's) mostly masked, row 1 entirely; the even rows (microbatch 0)
+    more than the odd; the sequence's first half (cp rank 0's, contiguous) more than the rest."""
+    g = torch.Generator().manual_seed(3)
+    tok = torch.randint(0, CFG.vocab_size, (b, s + 1), generator=g)
+    targets = tok[:, 1:].clone()
+    p = torch.full((b, s), 0.1, dtype=torch.float64)
+    p[: b // 2] = 0.6
+    p[::2] += 0.2
+    p[:, : s // 2] += 0.1
+    targets[torch.rand(b, s, generator=g, dtype=torch.float64) < p] = IGNORE_INDEX
+    targets[1] = IGNORE_INDEX
+    return {"tokens": tok[:, :-1].contiguous(), "targets": targets}
+
+
+def _state(mesh_axes, layout):
+    return dtp.TrainState.create(llama.init(CFG, seed=0, dtype=torch.float64), dtp.optim.sgd(0.1),
+                                 mesh=dtp.make_mesh(**mesh_axes), layout=layout, axes=llama.param_axes(CFG),
+                                 axis_sizes=llama.axis_sizes(CFG))
+
+
+def _parity(mesh_axes, layout, microbatches):
+    batch = _masked_batch()
+    ref_loss, ref_grads = reference_value_and_grad(LOSS, llama.init(CFG, seed=0, dtype=torch.float64), batch)
+    state = _state(mesh_axes, layout)
+    placed = dtp.shard_batch(batch, state)
+    out = []
+    for m in microbatches:
+        loss, _, grads = dtp.step.value_and_grad(LOSS, state, placed, microbatches=m)
+        assert abs(loss - ref_loss) <= 1e-10 * abs(ref_loss), (mesh_axes, m, loss, ref_loss)
+        assert_tree_close(grads, ref_grads, name=f"grads {mesh_axes} microbatches={m}")
+        out.append(loss)
+    _, metrics = dtp.train_step(LOSS, state, placed, microbatches=microbatches[-1])
+    return out, metrics["loss_tokens"]
+
+
+CASES = {
+    "dp2 (microbatches 1, 2)": ({"dp": 2}, dtp.layouts.data(), (1, 2)),
+    "tp2+sp vocab parallel": ({"tp": 2}, dtp.layouts.megatron(sequence_parallel=True), (1, 2)),
+    "cp2 ring": ({"cp": 2}, dtp.layouts.context("ring"), (1,)),
+    "cp2 ring contiguous + dp2, microbatches 2": (
+        {"dp": 2, "cp": 2}, dtp.layouts.data() + dtp.layouts.context("ring", load_balance=None), (2,)),
+}
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_masked_loss_matches_one_device_fp64(name):
+    mesh_axes, layout, microbatches = CASES[name]
+    world = 1
+    for n in mesh_axes.values():
+        world *= n
+    results = run(_parity, mesh_axes, layout, microbatches, world_size=world)
+    valid = int((_masked_batch()["targets"] != IGNORE_INDEX).sum())
+    assert all(r[1] == valid for r in results), (name, [r[1] for r in results], valid)
+
+
+def test_microbatches_equal_one_big_batch_on_one_device():
+    """Gradient accumulation is not an average of microbatch means: microbatch 0 holds far
+    fewer valid targets than microbatch 1, and the step still equals the whole batch."""
+    batch = _masked_batch()
+    evens, odds = (int((batch["targets"][k::2] != IGNORE_INDEX).sum()) for k in (0, 1))
+    assert evens < 0.7 * odds
+    ref_loss, ref_grads = reference_value_and_grad(LOSS, llama.init(CFG, seed=0, dtype=torch.float64), batch)
+    state = _state({"dp": 1}, dtp.layouts.data())
+    loss, _, grads = dtp.step.value_and_grad(LOSS, state, batch, microbatches=2)
+    assert abs(loss - ref_loss) <= 1e-10 * abs(ref_loss)
+    assert_tree_close(grads, ref_grads, name="grads")
+
+
+def test_masked_targets_add_nothing_and_all_masked_is_zero():
+    logits = torch.randn(2, 3, 5, dtype=torch.float64, requires_grad=True)
+    targets = torch.tensor([[1, IGNORE_INDEX, 4], [IGNORE_INDEX, IGNORE_INDEX, 0]])
+    expected = torch.nn.functional.cross_entropy(logits.reshape(-1, 5), targets.reshape(-1), ignore_index=-100)
+    assert abs(float(cross_entropy(logits, targets)) - float(expected)) < 1e-14
+    assert count_targets(targets) == 3
+    none = cross_entropy(logits, torch.full((2, 3), IGNORE_INDEX))
+    none.backward()
+    assert float(none) == 0.0 and float(logits.grad.abs().sum()) == 0.0
+
+
+def _guard(targets):
+    state = _state({"dp": 2}, dtp.layouts.data())
+    batch = {"tokens": torch.zeros(4, 8, dtype=torch.long), "targets": targets}
+    try:
+        dtp.train_step(LOSS, state, dtp.shard_batch(batch, state))
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_guard_accepts_ignore_index_and_rejects_other_negative_ids():
+    ok = torch.zeros(4, 8, dtype=torch.long)
+    ok[:2] = IGNORE_INDEX  # rank 0's rows: nothing to learn from there
+    bad = ok.clone()
+    bad[3, 0] = -5
+    assert run(_guard, ok, world_size=2) == [None, None]
+    errors = run(_guard, bad, world_size=2)
+    assert errors[0] == errors[1] and "holds ids from -5" in errors[0], errors

@@ -1,0 +1,172 @@
+"""Token files at scale: ``--data`` as a uint16/uint32 file or a directory of shards,
+memory-mapped and never read whole (the preflight reads a bounded sample, the loader its
+windows); the sidecar and flags that describe them; the loader's position resumes; text
+tokenized by a Hugging Face ``tokenizer.json`` made here (nothing downloaded)."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from dtp import _token_files
+from dtp._token_files import SAMPLE_TOKENS, Tokens, open_tokens, token_stats
+from dtp.data import TokenLoader
+
+
+def _shards(root: Path, arrays, dtype="uint32", suffix=".bin", sidecar=None) -> Path:
+    root.mkdir()
+    for i, a in enumerate(arrays):
+        if suffix == ".bin":
+            np.asarray(a, dtype=f"<{np.dtype(dtype).str[1:]}").tofile(root / f"shard_{i:03d}.bin")
+        else:
+            np.save(root / f"shard_{i:03d}.npy", np.asarray(a, dtype=dtype))
+    if sidecar:
+        (root / "tokens.json").write_text(json.dumps(sidecar))
+    return root
+
+
+def _batches(loader, n):
+    return [loader.next_batch() for _ in range(n)]
+
+
+@pytest.mark.parametrize("suffix", [".bin", ".npy"])
+def test_uint32_shard_directory_is_one_stream(tmp_path, suffix):
+    rng = np.random.default_rng(0)
+    arrays = [rng.integers(0, 2**20, n) for n in (1000, 7, 2345)]  # ids past uint16's range
+    root = _shards(tmp_path / "d", arrays, suffix=suffix,
+                   sidecar={"eos_id": 3, **({"dtype": "uint32"} if suffix == ".bin" else {})})
+    tokens = open_tokens(root)
+    whole = np.concatenate(arrays)
+    assert len(tokens) == whole.size and tokens.eos_id == 3
+    assert np.array_equal(tokens.read(990, 1010), whole[990:1010])  # across three shards
+    assert token_stats(root) == (whole.size, int(whole.max()))  # small: the sample is every id
+    mapped = TokenLoader(tokens, batch_size=4, seq_len=16, seed=5)
+    in_memory = TokenLoader(torch.from_numpy(whole), batch_size=4, seq_len=16, seed=5)
+    for a, b in zip(_batches(mapped, 6), _batches(in_memory, 6)):
+        assert torch.equal(a["tokens"], b["tokens"]) and torch.equal(a["targets"], b["targets"])
+
+
+def test_bin_is_uint16_unless_said(tmp_path):
+    f = tmp_path / "t.bin"
+    np.arange(10, dtype="<u4").tofile(f)
+    assert len(open_tokens(f)) == 20  # read as uint16: twice as many ids
+    assert open_tokens(f, dtype="uint32").read(0, 10).tolist() == list(range(10))
+    (tmp_path / "t.bin.json").write_text('{"dtype": "uint32", "vocab_size": 64}')
+    assert len(open_tokens(f)) == 10 and token_stats(f) == (10, 63)  # the stated vocabulary, nothing read
+
+
+@pytest.mark.parametrize("case, match", [
+    ("flag disagrees", r"--data-dtype uint16 but its sidecar says dtype 'uint32'"),
+    ("unknown key", r"a JSON object of \['dtype', 'eos_id', 'vocab_size'\], got \['bos'\]"),
+    ("bad dtype", r"dtype must be one of \['uint16', 'uint32'\], got 'int8'"),
+    ("mixed shards", r"all \.bin or all \.npy"),
+    ("empty directory", r"holds \.bin or \.npy shards, found none"),
+    ("tokenizer on ids", r"--tokenizer tokenizes text, but this is a token file"),
+    ("eos outside vocab", r"eos_id 9 is outside the vocabulary \[0, 8\)"),
+])
+def test_bad_token_data_is_a_clear_error(tmp_path, case, match):
+    root = tmp_path / "d"
+    kwargs = {}
+    if case == "flag disagrees":
+        _shards(root, [[1, 2]], dtype="uint32")
+        (root / "tokens.json").write_text('{"dtype": "uint32"}')
+        kwargs["dtype"] = "uint16"
+    elif case == "unknown key":
+        _shards(root, [[1, 2]], sidecar={"bos": 1})
+    elif case == "bad dtype":
+        _shards(root, [[1, 2]], dtype="uint16")
+        (root / "tokens.json").write_text('{"dtype": "int8"}')
+    elif case == "mixed shards":
+        _shards(root, [[1, 2]])
+        np.save(root / "x.npy", np.arange(3))
+    elif case == "empty directory":
+        root.mkdir()
+    elif case == "tokenizer on ids":
+        _shards(root, [[1, 2]])
+        kwargs["tokenizer"] = str(tmp_path / "tokenizer.json")
+    elif case == "eos outside vocab":
+        _shards(root, [[1, 2]], sidecar={"eos_id": 9, "vocab_size": 8})
+    with pytest.raises(ValueError, match=match):
+        open_tokens(root, **kwargs)
+
+
+def test_large_file_is_never_read_whole(tmp_path, monkeypatch):
+    """A file 16× the preflight's sample: the preflight reads SAMPLE_TOKENS ids, each batch its
+    windows, and nothing reads the file whole (every whole-file reader is refused)."""
+    n = 16 * SAMPLE_TOKENS
+    f = tmp_path / "big.bin"
+    np.arange(n, dtype=np.uint32).astype("<u2").tofile(f)  # 32 MiB
+    read = []
+    real = Tokens.read
+    monkeypatch.setattr(Tokens, "read", lambda self, a, b: read.append(b - a) or real(self, a, b))
+
+    def refuse(*a, **k):
+        raise AssertionError("a token file was read whole")
+
+    monkeypatch.setattr(np, "fromfile", refuse)
+    monkeypatch.setattr(Path, "read_bytes", refuse)
+    count, largest = token_stats(f)
+    assert count == n and largest == 65535  # the sample starts at every 64th of the file: it sees the wrap
+    assert sum(read) == SAMPLE_TOKENS
+    read.clear()
+    loader = TokenLoader(open_tokens(f), batch_size=4, seq_len=64, seed=0)
+    batches = _batches(loader, 3)
+    assert sum(read) == 3 * 4 * 65
+    assert all(torch.equal((b["tokens"] + 1) % 65536, b["targets"]) for b in batches)
+
+
+def test_mapped_loader_resumes_where_it_stopped(tmp_path):
+    root = _shards(tmp_path / "d", [np.arange(5000), np.arange(3000)], sidecar={"dtype": "uint32"})
+    tokens = open_tokens(root)
+    full = _batches(TokenLoader(tokens, batch_size=3, seq_len=32, seed=2), 5)
+    first = TokenLoader(tokens, batch_size=3, seq_len=32, seed=2)
+    _batches(first, 2)
+    again = TokenLoader(open_tokens(root), batch_size=3, seq_len=32, seed=2)
+    again.load_state_dict(first.state_dict())
+    assert all(torch.equal(a["tokens"], b["tokens"]) for a, b in zip(_batches(again, 3), full[2:]))
+    train, held_out = tokens.split(7000)
+    assert len(train) == 7000 and held_out.read(0, 3).tolist() == [2000, 2001, 2002]
+    with pytest.raises(ValueError, match="num_tokens: saved 8000, loader has 7000"):
+        TokenLoader(train, batch_size=3, seq_len=32, seed=2).load_state_dict(first.state_dict())
+
+
+TEXT = "the cat sat on the mat\nthe dog sat on the log\na cat and a dog\n" * 3
+
+
+def make_tokenizer(path: Path) -> Path:
+    """A tiny word-level tokenizer trained here on :data:`TEXT`."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator(TEXT.splitlines(), trainers.WordLevelTrainer(special_tokens=["[UNK]", "[EOS]"]))
+    tok.save(str(path))
+    return path
+
+
+def test_tokenizer_tokenizes_text(tmp_path):
+    pytest.importorskip("tokenizers")
+    from tokenizers import Tokenizer
+
+    tokenizer = make_tokenizer(tmp_path / "tokenizer.json")
+    text = tmp_path / "corpus.txt"
+    text.write_text(TEXT)
+    tokens = open_tokens(text, tokenizer=tokenizer)
+    expected = Tokenizer.from_file(str(tokenizer)).encode(TEXT, add_special_tokens=False).ids
+    assert tokens.read(0, len(tokens)).tolist() == expected and len(expected) == 51
+    vocab = Tokenizer.from_file(str(tokenizer)).get_vocab_size()
+    assert token_stats(text, tokenizer=tokenizer) == (51, vocab - 1)  # the tokenizer's vocabulary
+    with pytest.raises(ValueError, match="not a tokenizer.json"):
+        open_tokens(text, tokenizer=text)
+
+
+def test_token_stats_sample_is_bounded(monkeypatch):
+    monkeypatch.setattr(_token_files, "SAMPLE_TOKENS", 64)
+    t = Tokens([np.arange(10_000, dtype=np.uint32)])
+    spans = []
+    real = Tokens.read
+    monkeypatch.setattr(Tokens, "read", lambda self, a, b: spans.append((a, b)) or real(self, a, b))
+    assert t.sample_range() == (0, 9999)  # first and last runs included
+    assert len(spans) == _token_files.SAMPLE_CHUNKS and sum(b - a for a, b in spans) == 64
