@@ -277,7 +277,7 @@ class Run:
             self.act_sends.pop((stage + 1, i)).wait()
         leaves = self._weights(i)
         if keep_graph:  # zero bubble's I: the input's gradient, and what W starts from
-            dx, self.pending_w[(chunk, i)] = pipeline_split.backward_input(out, grad, x, leaves)
+            dx, self.pending_w[(chunk, i)] = pipeline_split.backward_input(out, grad, x, leaves, views=self.zero)
             grads = (dx,)
         elif x is not None or leaves:
             grads = torch.autograd.grad(out, ([x] if x is not None else []) + leaves, grad_outputs=grad,
