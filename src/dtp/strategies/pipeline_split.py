@@ -17,8 +17,10 @@ lower node's gradient would arrive twice (once from its own start, once through 
 upper node): a pre-hook replaces what reaches it by what ``I`` saw there, so each weight's
 gradient counts once (that group then pays for the chain between the two). Under ZeRO
 the weight is one anchor every parameter view hangs from: W groups by view, asks for the
-gradient arriving at each view, then runs that view's backward (its bucket's add). A stage with no input gradient to compute (the first: token ids)
-keeps the whole graph and ``W`` is its full backward.
+gradient arriving at each view, then runs that view's backward (its bucket's add).
+
+A stage with no input gradient to compute (the first: token ids) keeps the whole graph
+and ``W`` is its full backward.
 """
 
 from __future__ import annotations
