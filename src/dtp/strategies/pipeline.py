@@ -4,7 +4,8 @@ Rank ``r`` of the ``pp`` axis holds the global stages the schedule's stage map g
 (:class:`dtp.schedules.Schedule`: ``r, r+p, …``, one per virtual chunk, or under a V
 schedule ``r`` and ``2p-1-r``; layers per stage: :func:`dtp.layouts.pipeline.assign`),
 i.e. the parameters those stages' layers read, laid out by the rest of the layout on the
-*stage mesh* (the mesh without ``pp``: dp, cp, tp go on as everywhere else). The parameters of other stages are ``None`` in its tree.
+*stage mesh* (the mesh without ``pp``: dp, cp, tp go on as everywhere else). The
+parameters of other stages are ``None`` in its tree.
 
 For each action of its list, in order:
 
