@@ -30,10 +30,20 @@ def test_print_schedule_shows_each_ranks_actions(capsys) -> None:
      r"multiple of"),
     (["--pp", "2", "--virtual-stages", "2", "--microbatches", "2"], r"--virtual-stages 2 needs --pp-schedule interleaved"),
     (["--virtual-stages", "2"], r"need --pp > 1"),
+    (["--pp", "2", "--pp-schedule", "zbv", "--virtual-stages", "3", "--microbatches", "2"],
+     r"'zbv' holds two chunks per rank \(a V: stages r and 2p-1-r\), got v=3"),
+    (["--pp", "2", "--pp-schedule", "dualpipev", "--microbatches", "2"], r"'dualpipev' needs at least 2p=4 microbatches"),
 ])
 def test_pipeline_flag_errors(flags, match) -> None:
     with pytest.raises(ValueError, match=match):
         parse_args(["train", *flags])
+
+
+def test_print_schedule_shows_the_v_and_its_pairs(capsys) -> None:
+    assert main(["train", "--pp", "2", "--pp-schedule", "dualpipev", "--microbatches", "4", "--print-schedule"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("dualpipev schedule, pp=2, virtual stages 2, 4 microbatches")
+    assert out[1].split()[2:5] == ["F0.0", "F0.1", "F0.2"] and "F0.3&B1.1" in out[1]
 
 
 def test_too_few_layers_is_one_line(capsys) -> None:

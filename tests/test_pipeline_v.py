@@ -172,3 +172,47 @@ def test_split_backward_costs_what_the_full_one_does(first, stop, tie):
         assert (g is None) == (x is None)
         if g is not None:
             torch.testing.assert_close(g, x, rtol=1e-12, atol=1e-14)
+
+
+def _backward_flops(axes: dict, layout, m: int) -> dict[str, int]:
+    """FLOPs of one rank's B, I and W actions over :func:`_train`'s steps."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from dtp.strategies import pipeline as pl
+
+    totals: dict[str, int] = {}
+    saved = {name: getattr(pl.Run, name) for name in ("_B", "_I", "_W")}
+    inside = [False]
+
+    def counting(kind: str, fn):
+        def action(self, *args, **kwargs):
+            if inside[0]:  # B runs through I: count the outer action
+                return fn(self, *args, **kwargs)
+            inside[0] = True
+            try:
+                with FlopCounterMode(display=False) as counter:
+                    return fn(self, *args, **kwargs)
+            finally:
+                inside[0] = False
+                totals[kind] = totals.get(kind, 0) + counter.get_total_flops()
+        return action
+
+    for name, fn in saved.items():
+        setattr(pl.Run, name, counting(name[1], fn))
+    try:
+        _train(axes, layout, _cfg(), m)
+    finally:
+        for name, fn in saved.items():
+            setattr(pl.Run, name, fn)
+    return totals
+
+
+def test_under_zero_i_plus_w_is_b_on_every_rank():
+    """ZeRO's parameters are views of one anchor: W asks for each view's gradient, then
+    runs that view's backward (its bucket's add); no rank computes more than 1f1b's B."""
+    zero = layouts.data() + layouts.zero(1, bucket_mb=1e-3)
+    full = run(_backward_flops, {"pp": 2, "dp": 2}, zero + layouts.pipeline("1f1b"), 2, world_size=4)
+    split = run(_backward_flops, {"pp": 2, "dp": 2}, zero + layouts.pipeline("zb-h1"), 2, world_size=4)
+    for rank, (b, iw) in enumerate(zip(full, split)):
+        assert iw.get("I", 0) + iw["W"] == b["B"], (rank, b, iw)
+    assert split[2]["I"] > 0  # the second stage's I computes the input's gradient

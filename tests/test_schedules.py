@@ -358,7 +358,7 @@ def test_v_placement_puts_first_and_last_stage_on_rank_0():
 def test_dualpipev_pairs_forward_and_backward_of_other_microbatches():
     for p, v, m in _valid_cases("dualpipev"):
         pairs = [item for rank in make("dualpipev", p=p, v=v, m=m) for item in rank if isinstance(item, Pair)]
-        assert pairs or m == 2 * p - 0 and p == 1, (p, m)
+        assert pairs, (p, m)
         assert all(x.forward.microbatch != x.backward.microbatch or x.forward.chunk != x.backward.chunk
                    for x in pairs)
     with pytest.raises(ValueError, match="needs an F action and a B action"):

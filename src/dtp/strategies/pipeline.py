@@ -2,9 +2,10 @@
 
 Rank ``r`` of the ``pp`` axis holds the global stages the schedule's stage map gives it
 (:class:`dtp.schedules.Schedule`: ``r, r+p, …``, one per virtual chunk, or under a V
-schedule ``r`` and ``2p-1-r``; layers per stage: :func:`dtp.layouts.pipeline.assign`), i.e. the parameters those stages' layers read,
-laid out by the rest of the layout on the *stage mesh* (the mesh without ``pp``: dp, cp,
-tp go on as everywhere else). The parameters of other stages are ``None`` in its tree.
+schedule ``r`` and ``2p-1-r``; layers per stage: :func:`dtp.layouts.pipeline.assign`),
+i.e. the parameters those stages' layers read, laid out by the rest of the layout on the
+*stage mesh* (the mesh without ``pp``: dp, cp, tp go on as everywhere else). The
+parameters of other stages are ``None`` in its tree.
 
 For each action of its list, in order:
 
@@ -277,7 +278,7 @@ class Run:
             self.act_sends.pop((stage + 1, i)).wait()
         leaves = self._weights(i)
         if keep_graph:  # zero bubble's I: the input's gradient, and what W starts from
-            dx, self.pending_w[(chunk, i)] = pipeline_split.backward_input(out, grad, x, leaves)
+            dx, self.pending_w[(chunk, i)] = pipeline_split.backward_input(out, grad, x, leaves, views=self.zero)
             grads = (dx,)
         elif x is not None or leaves:
             grads = torch.autograd.grad(out, ([x] if x is not None else []) + leaves, grad_outputs=grad,

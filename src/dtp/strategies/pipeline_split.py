@@ -15,8 +15,12 @@ group's weights only, so the engine runs nothing of the input chain below the gr
 nodes. Where a weight reaches two boundary nodes one of which lies below the other, the
 lower node's gradient would arrive twice (once from its own start, once through the
 upper node): a pre-hook replaces what reaches it by what ``I`` saw there, so each weight's
-gradient counts once (that group then pays for the chain between the two). A stage with no input gradient to compute (the first: token ids)
-keeps the whole graph and ``W`` is its full backward.
+gradient counts once (that group then pays for the chain between the two). Under ZeRO
+the weight is one anchor every parameter view hangs from: W groups by view, asks for the
+gradient arriving at each view, then runs that view's backward (its bucket's add).
+
+A stage with no input gradient to compute (the first: token ids) keeps the whole graph
+and ``W`` is its full backward.
 """
 
 from __future__ import annotations
@@ -65,7 +69,7 @@ class WeightGrad:
     and the gradients that reached those nodes (or, where there was no input gradient,
     the output and its gradient: ``whole``)."""
 
-    def __init__(self, groups: list[tuple[list[Node], list[int]]], grads: dict[Node, tuple],
+    def __init__(self, groups: list[tuple[list[Node], list[Node | int]]], grads: dict[Node, tuple],
                  whole: tuple[Any, Any] | None):
         self.groups, self.grads, self.whole = groups, grads, whole
 
@@ -79,7 +83,7 @@ class WeightGrad:
         result: list[torch.Tensor | None] = [None] * len(weights)
         for boundary, members in self.groups:
             # One backward per group: starting at a group's nodes and asking for only its
-            # weights, the engine runs nothing of the input chain below them.
+            # weights (or views), the engine runs nothing of the input chain below them.
             starts = [(GradientEdge(node, k), g) for node in boundary for k, g in enumerate(self.grads.get(node, ()))
                       if g is not None]
             if not starts:
@@ -87,33 +91,45 @@ class WeightGrad:
             handles = [node.register_prehook(lambda grad_outputs, saved=self.grads[node]: saved)
                        for node in boundary if len(boundary) > 1 and node in self.grads]
             try:
-                got = torch.autograd.grad([e for e, _ in starts], [get_gradient_edge(weights[j]) for j in members],
-                                          grad_outputs=[g for _, g in starts], retain_graph=True, allow_unused=True)
+                targets = [GradientEdge(m, 0) if isinstance(m, Node) else get_gradient_edge(weights[m])
+                           for m in members]
+                got = torch.autograd.grad([e for e, _ in starts], targets, grad_outputs=[g for _, g in starts],
+                                          retain_graph=True, allow_unused=True)
             finally:
                 for h in handles:
                     h.remove()
-            for j, g in zip(members, got):
-                result[j] = g
+            views = [(m, g) for m, g in zip(members, got) if isinstance(m, Node) and g is not None]
+            if views:  # each view's own backward (ZeRO's: it adds into its bucket), down to its anchor
+                torch.autograd.grad([GradientEdge(m, 0) for m, _ in views], [get_gradient_edge(w) for w in weights],
+                                    grad_outputs=[g for _, g in views], allow_unused=True)
+            for m, g in zip(members, got):
+                if not isinstance(m, Node):
+                    result[m] = g
         self.groups, self.grads = [], {}
         return tuple(result)
 
 
 def backward_input(out: torch.Tensor, grad: torch.Tensor | None, x: torch.Tensor | None,
-                   weights: Sequence[torch.Tensor]) -> tuple[torch.Tensor | None, WeightGrad]:
+                   weights: Sequence[torch.Tensor], *, views: bool = False) -> tuple[torch.Tensor | None, WeightGrad]:
     """``(d out / d x, what W needs)``: ``I`` of the module docstring. ``x`` is the stage's
-    input leaf (``None`` on the first stage: then ``W`` does the whole backward)."""
+    input leaf (``None`` on the first stage: then ``W`` does the whole backward).
+    ``views``: the weights are anchors the parameters hang from as views (ZeRO's), each
+    view's backward doing the work; W groups by view, and runs each view's backward."""
     if x is None or out.grad_fn is None:
         return None, WeightGrad([], {}, (out, grad))
     parents = _parents(out.grad_fn)
     x_node = get_gradient_edge(x).node
     on_path = _above([x_node], parents, set()) if x_node in parents else set()
     # Weights whose boundary nodes overlap share one group (union by shared node).
-    groups: list[tuple[set[Node], list[int]]] = []
+    groups: list[tuple[set[Node], list[Node | int]]] = []
+    units: list[tuple[Node, Node | int]] = []  # (node to walk up from, what W asks for)
     for j, w in enumerate(weights):
         node = get_gradient_edge(w).node if w.requires_grad else None
         if node not in parents:
             continue  # not read by this stage: its gradient is None
-        mine, members = _above([node], parents, on_path) & on_path, [j]
+        units += [(v, v) for v in parents[node]] if views else [(node, j)]
+    for node, unit in units:
+        mine, members = _above([node], parents, on_path) & on_path, [unit]
         for group in [g for g in groups if g[0] & mine]:
             groups.remove(group)
             mine, members = mine | group[0], group[1] + members
