@@ -6,5 +6,6 @@ from . import moe_dispatch
 from .attention import attention, rotary
 from .parallel import cross_entropy, embedding, linear
 from .recompute import recompute, remat
+from .vocab import mask_padded_vocab
 
-__all__ = ["moe_dispatch", "attention", "rotary", "linear", "embedding", "cross_entropy", "recompute", "remat"]
+__all__ = ["moe_dispatch", "attention", "rotary", "linear", "embedding", "cross_entropy", "recompute", "remat", "mask_padded_vocab"]
