@@ -103,7 +103,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
         from .. import schedules
         from ..models import config as model_config
 
-        n_layers = model_config.n_sequential_layers(model_config.config(args.model))
+        n_layers = model_config.n_sequential_layers(model_config.config_for(args.model, init_from=args.init_from))
         table = schedules.format_schedule(
             schedules.make(args.pp_schedule, p=args.pp, v=args.virtual_stages, m=args.microbatches), p=args.pp)
         print(f"{args.pp_schedule} schedule, pp={args.pp}, virtual stages {args.virtual_stages}, "

@@ -33,7 +33,7 @@ from .._token_files import held_out_start
 from ..data import TokenLoader, load_tokens
 from ..launch import in_torchrun
 from ..mesh import clear_mesh_cache
-from ..models import llama
+from ..models import hf, llama
 from ..redistribute import value_of
 from .flags import (EVAL_BATCHES, PROG, UsageError, build_layout, format_mesh, mesh_axes, model_overrides,
                     train_argv, vocab_size)
@@ -67,9 +67,18 @@ def _splits(args: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None]
     return tokens[:cut], tokens[cut:]
 
 
-def _vocab_size(model: str, tokens: torch.Tensor) -> int:
-    """:func:`dtp.cli.flags.vocab_size` for a token tensor."""
-    return vocab_size(model, int(tokens.max()))
+def _vocab_size(args: Any, tokens: torch.Tensor) -> int:
+    """:func:`dtp.cli.flags.vocab_size` for a token tensor; ``--init-from``'s own (padded)."""
+    if getattr(args, "init_from", None):
+        return _model(vars(args), None).vocab_size
+    return vocab_size(args.model, int(tokens.max()))
+
+
+def _model(args: Mapping[str, Any], vocab: int | None) -> llama.LlamaConfig:
+    """The run's model (``args``: the run config as a mapping): the preset with the run's
+    vocabulary, or ``--init-from``'s."""
+    return llama.config_for(args["model"], init_from=args.get("init_from"), vocab_size=vocab,
+                            **model_overrides(args))
 
 
 def _lr_schedule(peak: float, warmup: int, steps: int) -> optim.Schedule:
@@ -108,9 +117,12 @@ def train_loop(args: Mapping[str, Any], mesh: DeviceMesh, layout: Layout, *, rec
     torch.manual_seed(args["seed"])
     tokens, held_out = _splits(args)
     loader = TokenLoader(tokens, batch_size=args["batch"], seq_len=args["seq"], seed=args["seed"])
-    cfg = llama.config(args["model"], vocab_size=args["vocab_size"], **model_overrides(args))
+    cfg = _model(args, args["vocab_size"])
     dtype = _torch_dtype(args["dtype"])
-    params = llama.init(cfg, seed=args["seed"], dtype=dtype)
+    if args.get("init_from"):  # every rank reads the whole model (a sharded read is not wired in yet)
+        params = hf.from_hf(args["init_from"], dtype=dtype, vocab_multiple=hf.INIT_VOCAB_MULTIPLE)[1]
+    else:
+        params = llama.init(cfg, seed=args["seed"], dtype=dtype)
     if args.get("warmup_from_step_one"):
         schedule = _lr_schedule(args["lr"], args["warmup"], args["steps"])
     else:  # a run directory from before: the schedule it ran (lr 0 at step 1), so dtp check agrees
@@ -261,7 +273,7 @@ def single_process_world() -> Iterator[DeviceMesh]:
 def _run_config(args: argparse.Namespace, world_size: int) -> dict[str, Any]:
     # The run (dtp.RunConfig's fields), and what the ranks found: vocabulary, world, mesh.
     cfg = args.run_config.to_dict()
-    cfg.update(vocab_size=_vocab_size(args.model, _load_data(args.data)), world_size=world_size,
+    cfg.update(vocab_size=_vocab_size(args, _load_data(args.data)), world_size=world_size,
                mesh=mesh_axes(args), warmup_from_step_one=True)
     return cfg
 
@@ -435,9 +447,10 @@ def _print_header(args: argparse.Namespace, run_cfg: Mapping[str, Any], layout: 
                   stream: TextIO | None) -> None:
     """The run's first line: model and its parameter count, mesh, layout, dtype, directory;
     then the plan's per-rank memory, when :mod:`dtp.plan` provides it (:func:`_plan_memory`)."""
-    cfg = llama.config(args.model, vocab_size=run_cfg["vocab_size"], **model_overrides(args))
+    cfg = _model(vars(args), run_cfg["vocab_size"])
     params = llama.param_count(cfg)
-    print(f"{PROG} train: {args.model} ({_count(params)} parameters) on mesh {format_mesh(run_cfg['mesh'])} "
+    model = args.init_from if args.init_from else args.model
+    print(f"{PROG} train: {model} ({_count(params)} parameters) on mesh {format_mesh(run_cfg['mesh'])} "
           f"({world} rank{'s' * (world > 1)}), layout {layout.name}, {args.dtype}, writing {out}",
           file=stream, flush=True)
     memory = _plan_memory(args)

@@ -38,11 +38,11 @@ from torch.distributed.tensor import DTensor
 from ..ops import attention, cross_entropy, embedding, linear, mask_padded_vocab, remat, rotary
 from ..ops.moe import moe_ffn
 from .._rules import accum_dtype
-from .config import (CONFIGS, LlamaConfig, block_shapes, axis_sizes, config, flops_per_token, is_moe,
-                     n_sequential_layers, param_axes, param_count)
+from .config import (CONFIGS, LlamaConfig, RopeScaling, block_shapes, axis_sizes, config, config_for, flops_per_token,
+                     is_moe, n_sequential_layers, param_axes, param_count)
 from .sequential import Layer, Sequential
 
-__all__ = ["LlamaConfig", "CONFIGS", "config", "block_shapes", "init", "param_axes", "axis_sizes", "apply", "loss", "sequential",
+__all__ = ["LlamaConfig", "RopeScaling", "CONFIGS", "config", "config_for", "block_shapes", "init", "param_axes", "axis_sizes", "apply", "loss", "sequential",
            "param_count", "flops_per_token", "is_moe", "n_sequential_layers"]
 
 
