@@ -178,3 +178,24 @@ def test_to_hf_refuses_what_mixtral_cannot_express(tmp_path: Path) -> None:
     cfg = llama.config("tiny-moe", shared_experts=1)
     with pytest.raises(ValueError, match="shared_experts"):
         hf.to_hf(cfg, llama.init(cfg), tmp_path)
+
+
+def test_dtp_train_init_from_then_export_loads_in_transformers(root: Path, tmp_path: Path, monkeypatch) -> None:
+    """Fine-tune a transformers-made model for a step on one process, save, ``dtp export
+    --hf``: transformers loads the export, and its logits are the trained parameters'."""
+    from dtp import cli
+
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(k, raising=False)
+    src, run, out = _saved("gqa", root), tmp_path / "run", tmp_path / "gqa-ft"
+    flags = ["--init-from", str(src), "--steps", "1", "--batch", "4", "--seq", "16", "--dtype", "float64",
+             "--save-every", "1", "--out", str(run)]
+    data = tmp_path / "tokens.npy"
+    np = pytest.importorskip("numpy")
+    np.save(data, torch.randint(0, V, (4096,), generator=torch.Generator().manual_seed(1)).numpy())
+    assert cli.main(["train", *flags, "--data", str(data)]) == 0
+    assert cli.main(["export", "--hf", str(out), "--run", str(run)]) == 0
+    cfg, params = hf.from_hf(out, dtype=torch.float64)
+    assert cfg == hf.from_hf(src)[0] and not torch.equal(params["embed"], hf.from_hf(src, torch.float64)[1]["embed"])
+    with torch.no_grad():
+        torch.testing.assert_close(_load(out)(TOKENS).logits, llama.apply(params, TOKENS, cfg), atol=ATOL, rtol=0)

@@ -103,7 +103,7 @@ class _HelpFormatter(argparse.HelpFormatter):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of the ``dtp`` command (subcommands ``train``, ``plan`` and ``check``).
+    """The argument parser of the ``dtp`` command (subcommands ``train``, ``plan``, ``check`` and ``export``).
 
     >>> args = build_parser().parse_args(["train", "--dp", "2", "--tp", "2", "--sp"])
     >>> args.dp, args.tp, args.sp, args.dtype
@@ -239,6 +239,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     plan_cli.add_train_flags(t)
     plan_cli.add_parser(sub, t)  # dtp plan: train's parallel and model flags, shared
+    from .export import add_parser as add_export  # it reports with this module's UsageError
+
+    add_export(sub)
 
     c = sub.add_parser("check", help="compare a finished run's losses with a 1-process reference",
                        formatter_class=_HelpFormatter)
