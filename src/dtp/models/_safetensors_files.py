@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Entry", "weight_files", "open_weights", "write_sharded", "INDEX", "SINGLE"]
+__all__ = ["Entry", "weight_files", "open_weights", "bytes_read", "write_sharded", "INDEX", "SINGLE"]
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -62,24 +62,46 @@ def _header(file: Path) -> dict[str, Any]:
         return json.loads(f.read(n))
 
 
-@contextmanager
-def open_weights(path: str | os.PathLike[str]) -> Iterator[Callable[[str], torch.Tensor]]:
-    """``get(name)``: one tensor read from its file (each file opened once, memory-mapped).
+_READ = [0]  # tensor bytes this process asked the files for (bytes_read)
 
-    Raises: ``KeyError`` naming the directory for a tensor it does not hold.
+
+def bytes_read() -> int:
+    """Tensor bytes this process has read from Hugging Face weight files so far (what a
+    sharded load's test counts).
+
+    >>> isinstance(bytes_read(), int)
+    True
+    """
+    return _READ[0]
+
+
+@contextmanager
+def open_weights(path: str | os.PathLike[str]) -> Iterator[Callable[..., torch.Tensor]]:
+    """``get(name, shape, box)``: the block ``box`` (``[start, stop)`` per dim) of tensor
+    ``name``, which must have ``shape``, read with ``get_slice`` (each file opened once,
+    memory-mapped: only the block's bytes are read).
+
+    Raises: ``KeyError`` naming the directory for a tensor it does not hold;
+    ``ValueError`` for a tensor of another shape.
     """
     safe_open = _safetensors().safe_open
     where = weight_files(path)
     with ExitStack() as stack:
         handles: dict[Path, Any] = {}
 
-        def get(name: str) -> torch.Tensor:
+        def get(name: str, shape: tuple[int, ...], box: tuple[tuple[int, int], ...]) -> torch.Tensor:
             if name not in where:
                 raise KeyError(f"from_hf: {path} has no tensor {name!r}")
             file = where[name]
             if file not in handles:
                 handles[file] = stack.enter_context(safe_open(str(file), framework="pt"))
-            return handles[file].get_tensor(name)
+            piece = handles[file].get_slice(name)
+            found = tuple(piece.get_shape())
+            if found != tuple(shape):
+                raise ValueError(f"from_hf: {name} has shape {found}, config.json implies {tuple(shape)}")
+            t = piece[tuple(slice(a, b) for a, b in box)]
+            _READ[0] += t.numel() * t.element_size()
+            return t
 
         yield get
 

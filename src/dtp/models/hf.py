@@ -36,17 +36,18 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch.distributed.tensor import DTensor
 
 from .._rules import accum_dtype
-from ._safetensors_files import Entry, open_weights, write_sharded
+from ._safetensors_files import Entry, bytes_read, open_weights, write_sharded
 from .config import LlamaConfig, block_shapes, is_moe
 from .hf_config import INIT_VOCAB_MULTIPLE, check_mixtral, config_from_hf, hf_config, padded_vocab
 
-__all__ = ["from_hf", "to_hf", "config_from_hf", "hf_config", "padded_vocab", "INIT_VOCAB_MULTIPLE"]
+__all__ = ["from_hf", "to_hf", "read_blocks", "bytes_read", "config_from_hf", "hf_config", "padded_vocab",
+           "INIT_VOCAB_MULTIPLE", "Box"]
 
 _ATTN = (("input_layernorm.weight", "attn_norm", False), ("self_attn.q_proj.weight", "wq", True),
          ("self_attn.k_proj.weight", "wk", True), ("self_attn.v_proj.weight", "wv", True),
@@ -57,10 +58,9 @@ _DTYPE_NAMES = {torch.float64: "float64", torch.float32: "float32", torch.float1
                 torch.bfloat16: "bfloat16"}
 
 
-def _check_shape(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-    if tuple(t.shape) != shape:
-        raise ValueError(f"from_hf: {name} has shape {tuple(t.shape)}, config.json implies {shape}")
-    return t
+Box = tuple[tuple[int, int], ...]  # [start, stop) per dim, in dtp's orientation
+# A parameter's path ("layers.0.wq") and global shape -> the block of it to read (None: whole).
+BlockFn = Callable[[str, tuple[int, ...]], "Box | None"]
 
 
 def from_hf(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32,
@@ -68,7 +68,8 @@ def from_hf(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32,
     """``(cfg, params)`` of a local Hugging Face Llama / Mistral / Mixtral directory
     (``config.json``; ``*.safetensors`` with or without ``model.safetensors.index.json``):
     global tensors in ``dtype`` (an MoE router in fp32, fp64 in fp64), ready for
-    ``TrainState.create``. Reads one tensor at a time, memory-mapped.
+    ``TrainState.create``. Reads one tensor at a time, memory-mapped
+    (``TrainState.from_hf`` reads only each rank's blocks).
 
     - `dtype`: the parameters' dtype, default fp32.
     - `vocab_multiple`: pad the vocabulary to a multiple of it (module docstring), default 1.
@@ -77,40 +78,58 @@ def from_hf(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32,
     ``KeyError`` for a missing tensor; ``ImportError`` without ``safetensors``.
     """
     cfg = config_from_hf(path, vocab_multiple)
+    return cfg, read_blocks(path, cfg, dtype, lambda name, shape: None)
+
+
+def read_blocks(path: str | os.PathLike[str], cfg: LlamaConfig, dtype: torch.dtype,
+                block: BlockFn) -> dict[str, Any]:
+    """The parameter tree of ``cfg`` from the directory at ``path``, each leaf only its
+    ``block(leaf path, global shape)`` (``None``: whole), read with safetensors'
+    ``get_slice``: no byte outside the blocks is asked for (vocabulary padding is zeros,
+    not read). :func:`bytes_read` counts them.
+
+    Raises: as :func:`from_hf`.
+    """
     vocab = cfg.vocab_size - cfg.vocab_pad
 
-    def convert(t: torch.Tensor, transpose: bool, to: torch.dtype = dtype) -> torch.Tensor:
-        return (t.T if transpose else t).to(to).contiguous()
-
-    def padded(t: torch.Tensor) -> torch.Tensor:  # (V, D) rows -> (V + pad, D), zeros below
-        _check_shape("the embedding", t, (vocab, cfg.dim))
-        out = torch.zeros(cfg.vocab_size, cfg.dim, dtype=dtype)
-        out[:vocab] = t
-        return out
+    def box_of(name: str, shape: tuple[int, ...]) -> Box:
+        return block(name, shape) or tuple((0, n) for n in shape)
 
     with open_weights(path) as get:
-        params: dict[str, Any] = {"embed": padded(get("model.embed_tokens.weight")), "layers": []}
+        def read(key: str, hf_shape: tuple[int, ...], box: Box, transpose: bool, to: torch.dtype = dtype) -> torch.Tensor:
+            t = get(key, hf_shape, box[::-1] if transpose else box)
+            return (t.T if transpose else t).to(to).contiguous()
+
+        def vocab_rows(key: str, box: Box, transpose: bool) -> torch.Tensor:
+            # rows of the padded (V + pad, D) table; in dtp's (D, V + pad) orientation for the head
+            (r0, r1), cols = (box[1], box[0]) if transpose else (box[0], box[1])
+            out = torch.zeros(r1 - r0, cols[1] - cols[0], dtype=dtype)
+            if min(r1, vocab) > r0:
+                out[:min(r1, vocab) - r0] = get(key, (vocab, cfg.dim), ((r0, min(r1, vocab)), cols)).to(dtype)
+            return (out.T if transpose else out).contiguous()
+
+        params: dict[str, Any] = {
+            "embed": vocab_rows("model.embed_tokens.weight", box_of("embed", (cfg.vocab_size, cfg.dim)), False),
+            "layers": []}
         for i in range(cfg.n_layers):
             shapes, pre = block_shapes(cfg, i), f"model.layers.{i}."
-            layer = {ours: _check_shape(pre + hf, convert(get(pre + hf), t), shapes[ours]) for hf, ours, t in _ATTN}
-            if not is_moe(cfg, i):
-                layer.update((ours, _check_shape(pre + hf, convert(get(pre + hf), True), shapes[ours]))
-                             for hf, ours in _MLP)
-            else:
+            layer = {}
+            for key, ours, t in _ATTN + tuple((k, o, True) for k, o in _MLP) * (not is_moe(cfg, i)):
+                shape = shapes[ours]
+                layer[ours] = read(pre + key, shape[::-1] if t else shape, box_of(f"layers.{i}.{ours}", shape), t)
+            if is_moe(cfg, i):
                 moe = pre + "block_sparse_moe."
-                router = convert(get(moe + "gate.weight"), True, accum_dtype(dtype))
-                layer["router"] = _check_shape(moe + "gate.weight", router, shapes["router"])
-                for hf, ours in _EXPERT:
-                    stacked = torch.empty(shapes[ours], dtype=dtype)
-                    for e in range(cfg.num_experts):
-                        key = f"{moe}experts.{e}.{hf}.weight"
-                        stacked[e] = _check_shape(key, convert(get(key), True), shapes[ours][1:])
-                    layer[ours] = stacked
+                layer["router"] = read(moe + "gate.weight", shapes["router"][::-1],
+                                       box_of(f"layers.{i}.router", shapes["router"]), True, accum_dtype(dtype))
+                for key, ours in _EXPERT:
+                    (e0, e1), *inner = box_of(f"layers.{i}.{ours}", shapes[ours])
+                    layer[ours] = torch.stack([read(f"{moe}experts.{e}.{key}.weight", shapes[ours][1:][::-1],
+                                                    tuple(inner), True) for e in range(e0, e1)])
             params["layers"].append(layer)
-        params["final_norm"] = _check_shape("model.norm.weight", get("model.norm.weight").to(dtype), (cfg.dim,))
+        params["final_norm"] = read("model.norm.weight", (cfg.dim,), box_of("final_norm", (cfg.dim,)), False)
         if not cfg.tie_embeddings:
-            params["lm_head"] = padded(get("lm_head.weight")).T.contiguous()
-    return cfg, params
+            params["lm_head"] = vocab_rows("lm_head.weight", box_of("lm_head", (cfg.dim, cfg.vocab_size)), True)
+    return params
 
 
 def _plain(name: str, x: Any) -> torch.Tensor:
