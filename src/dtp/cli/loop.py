@@ -119,10 +119,6 @@ def train_loop(args: Mapping[str, Any], mesh: DeviceMesh, layout: Layout, *, rec
     loader = TokenLoader(tokens, batch_size=args["batch"], seq_len=args["seq"], seed=args["seed"])
     cfg = _model(args, args["vocab_size"])
     dtype = _torch_dtype(args["dtype"])
-    if args.get("init_from"):  # every rank reads the whole model (a sharded read is not wired in yet)
-        params = hf.from_hf(args["init_from"], dtype=dtype, vocab_multiple=hf.INIT_VOCAB_MULTIPLE)[1]
-    else:
-        params = llama.init(cfg, seed=args["seed"], dtype=dtype)
     if args.get("warmup_from_step_one"):
         schedule = _lr_schedule(args["lr"], args["warmup"], args["steps"])
     else:  # a run directory from before: the schedule it ran (lr 0 at step 1), so dtp check agrees
@@ -130,8 +126,12 @@ def train_loop(args: Mapping[str, Any], mesh: DeviceMesh, layout: Layout, *, rec
     opt = optim.adamw(schedule, weight_decay=0.1)
     # axis_sizes: the layout's rules (heads per tp × Ulysses degree, kv heads per head
     # chunk, vocab per tp …) are checked here, on every rank, before any collective.
-    state = TrainState.create(params, opt, mesh=mesh, layout=layout, axes=llama.param_axes(cfg),
-                              axis_sizes=llama.axis_sizes(cfg))
+    if args.get("init_from"):  # each rank reads only its blocks of the weight files
+        state = TrainState.from_hf(args["init_from"], opt, mesh=mesh, layout=layout, dtype=dtype,
+                                   vocab_multiple=hf.INIT_VOCAB_MULTIPLE)
+    else:
+        state = TrainState.create(llama.init(cfg, seed=args["seed"], dtype=dtype), opt, mesh=mesh, layout=layout,
+                                  axes=llama.param_axes(cfg), axis_sizes=llama.axis_sizes(cfg))
     loss_fn = llama.sequential(cfg)  # the model as layers: a pipeline cuts it into stages; else llama.loss
     clip = args["clip"] if args["clip"] > 0 else None
     skips = SkipCounter(args.get("max_skipped", 0))  # run directories from before the flag: never abort
