@@ -76,6 +76,14 @@ def from_hf(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32,
 
     Raises: ``ValueError`` for an unsupported config or a tensor of the wrong shape;
     ``KeyError`` for a missing tensor; ``ImportError`` without ``safetensors``.
+
+    >>> import tempfile
+    >>> from dtp.models import llama
+    >>> cfg = llama.config("tiny", n_layers=1, vocab_size=300)
+    >>> path = tempfile.mkdtemp(); _ = to_hf(cfg, llama.init(cfg), path)
+    >>> padded, params = from_hf(path, vocab_multiple=128)
+    >>> padded.vocab_size, padded.vocab_pad, tuple(params["lm_head"].shape)
+    (384, 84, (64, 384))
     """
     cfg = config_from_hf(path, vocab_multiple)
     return cfg, read_blocks(path, cfg, dtype, lambda name, shape: None)
@@ -114,7 +122,8 @@ def read_blocks(path: str | os.PathLike[str], cfg: LlamaConfig, dtype: torch.dty
         for i in range(cfg.n_layers):
             shapes, pre = block_shapes(cfg, i), f"model.layers.{i}."
             layer = {}
-            for key, ours, t in _ATTN + tuple((k, o, True) for k, o in _MLP) * (not is_moe(cfg, i)):
+            dense_mlp = () if is_moe(cfg, i) else tuple((key, ours, True) for key, ours in _MLP)
+            for key, ours, t in _ATTN + dense_mlp:
                 shape = shapes[ours]
                 layer[ours] = read(pre + key, shape[::-1] if t else shape, box_of(f"layers.{i}.{ours}", shape), t)
             if is_moe(cfg, i):
