@@ -2,7 +2,7 @@
 transformers (nothing downloaded) give the same logits under dtp as under transformers
 (fp64 models; transformers computes RoPE in fp32, hence 1e-6), for Llama with and without
 Llama 3.1 rope scaling, tied and untied, GQA, an explicit head_dim, a transformers-4
-config.json, and Mixtral; ``to_hf`` writes what transformers loads to the same logits and
+config.json, Mistral and Mixtral; ``to_hf`` writes what transformers loads to the same logits and
 ``from_hf`` reads back bit-exactly; a greedy continuation equals ``generate``; a padded
 vocabulary changes neither the loss nor its gradients, under vocab-parallel tp too.
 """
@@ -35,6 +35,7 @@ CASES = {
     "llama3_rope_tied": dict(num_key_value_heads=1, rope_scaling=LLAMA3, tie_word_embeddings=True),
     "head_dim": dict(num_key_value_heads=2, head_dim=16),
     "mixtral": dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2),
+    "mistral": dict(num_key_value_heads=2, sliding_window=64),  # longer than TOKENS: plain causal
 }
 
 
@@ -46,6 +47,8 @@ def _hf_model(case: str) -> torch.nn.Module:
         cfg = transformers.MixtralConfig(**kw)
         cfg._experts_implementation = "eager"  # the grouped-mm kernel has no fp64
         return transformers.MixtralForCausalLM(cfg).double().eval()
+    if case == "mistral":
+        return transformers.MistralForCausalLM(transformers.MistralConfig(**kw)).double().eval()
     return transformers.LlamaForCausalLM(transformers.LlamaConfig(**kw)).double().eval()
 
 
@@ -62,7 +65,7 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _load(path: Path) -> torch.nn.Module:
-    cls = transformers.MixtralForCausalLM if "mixtral" in path.name else transformers.LlamaForCausalLM
+    cls = transformers.AutoModelForCausalLM
     kw = {"experts_implementation": "eager"} if "mixtral" in path.name else {}
     return cls.from_pretrained(path, dtype=torch.float64, **kw).eval()
 
