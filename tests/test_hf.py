@@ -171,6 +171,7 @@ def test_padded_vocabulary_under_vocab_parallel_tp4(root: Path) -> None:
     ({"attention_bias": True}, "attention_bias=true is not supported"),
     ({"hidden_act": "gelu"}, "hidden_act must be 'silu'"),
     ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}, "rope type 'yarn'"),
+    ({"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5 is not supported"),
 ])
 def test_unsupported_configs_are_refused(root: Path, change: dict, match: str) -> None:
     hf_cfg = {**json.loads((_saved("gqa", root) / "config.json").read_text()), **change}

@@ -44,6 +44,9 @@ def _rope(hf: dict[str, Any]) -> tuple[float, RopeScaling | None]:
         raise ValueError(f"from_hf: per-layer-type rope_parameters are not supported, got {params}")
     if params is None:
         params = {**(hf.get("rope_scaling") or {}), "rope_theta": hf.get("rope_theta", 10000.0)}
+    partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise ValueError(f"from_hf: partial_rotary_factor={partial} is not supported (dtp rotates the whole head)")
     kind = params.get("rope_type", params.get("type", "default"))
     theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
     if kind == "default":
