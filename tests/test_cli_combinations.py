@@ -30,6 +30,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+import torch
 
 from dtp import cli, launch, testing
 
@@ -110,6 +111,8 @@ ROWS: dict[str, list[str]] = {
     # ---- the dtypes, where the dtype is the point (their own tolerances)
     "fp32 dp2 tp2 sp": ["--dp", "2", "--tp", "2", "--sp", "--dtype", "float32"],
     "bf16 dp2 zero1": ["--dp", "2", "--zero", "1", "--dtype", "bfloat16"],
+    # ---- fine-tuning a Hugging Face model (made by _hf_dir): 300 token ids padded to 384 over tp
+    "init-from HF dir dp2 tp2 sp": ["--init-from", "HF_DIR", "--dp", "2", "--tp", "2", "--sp"],
     # ---- the run's other flags: evaluation, checkpoints, skip budget, memory check, timeouts
     "dp2 eval, checkpoints, async save": ["--dp", "2", "--eval-every", "2", "--save-every", "2", "--keep", "1",
                                           "--async-save", "--max-skipped", "2",
@@ -122,7 +125,8 @@ ROWS: dict[str, list[str]] = {
 
 # The default run's sample: one row of each family, the defects of issue 20 among them.
 SAMPLE = ["dp4 zero3 both overlaps", "cp4 double_ring window 2", "cp4 hybrid ulysses 2", "pp2 1f1b",
-          "pp4 gpipe", "moe dp2 m2", "moe ep2 tp2 sp sigmoid bias-update m2", "dp2 uint32 shard directory, eval"]
+          "pp4 gpipe", "moe dp2 m2", "moe ep2 tp2 sp sigmoid bias-update m2", "dp2 uint32 shard directory, eval",
+          "init-from HF dir dp2 tp2 sp"]
 
 # Flags no row sets, and why.
 NOT_ROWS = {
@@ -159,11 +163,29 @@ def _data_files() -> dict[str, str]:
             "tokenizer": str(make_tokenizer(root / "tokenizer.json"))}
 
 
+@functools.cache
+def _hf_dir() -> str:
+    """A tiny Hugging Face Llama directory (dtp's own to_hf: no transformers needed) whose
+    300 token ids do not split over tp until padded."""
+    from dtp.models import hf, llama
+
+    cfg = llama.config("tiny", vocab_size=300)
+    path = Path(tempfile.mkdtemp(prefix="dtp-hf-")) / "tiny-300"
+    hf.to_hf(cfg, llama.init(cfg, seed=1, dtype=torch.float64), path)
+    return str(path)
+
+
+def _needs(name: str) -> None:
+    """Skip a row whose optional package is missing (CI installs the test extra, which has them)."""
+    if "--init-from" in ROWS[name]:
+        pytest.importorskip("safetensors")
+
+
 def _flags(name: str) -> list[str]:
     row = ROWS[name]
     if any("{" in f for f in row):
         row = [f.format(**_data_files()) for f in row]
-    return [*BASE, *row]
+    return [_hf_dir() if f == "HF_DIR" else f for f in [*BASE, *row]]
 
 
 def _ranks(flags: list[str]) -> int:
@@ -220,6 +242,7 @@ def _pool_launch(nproc: int, argv: list[str], *, max_restarts: int = 0, **_: obj
 
 @pytest.mark.parametrize("name", SAMPLE)
 def test_sample_row_trains_and_matches_one_process(name, tmp_path, monkeypatch) -> None:
+    _needs(name)
     out = tmp_path / "run"
     monkeypatch.setattr(launch, "launch", _pool_launch)
     stdout, stderr = io.StringIO(), io.StringIO()
@@ -236,6 +259,7 @@ def test_sample_row_trains_and_matches_one_process(name, tmp_path, monkeypatch) 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(ROWS))
 def test_row_trains_and_matches_one_process(name, tmp_path) -> None:
+    _needs(name)
     out = tmp_path / "run"
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", launch.ERROR_DIR_ENV)}

@@ -63,7 +63,14 @@ BAD_RUNS = {
     "check with capacity on a split batch": (["--model", "tiny-moe", "--ep", "2", "--capacity-factor", "1.5",
                                               "--check"], "each rank drops by its own tokens"),
     "pp with moe": (["--pp", "2", "--model", "tiny-moe", "--microbatches", "2"], "so MoE with pp is not supported"),
+    # --init-from (HF_DIR: a config.json of 100 token ids, made by the fixture; no weights are read)
+    "init-from with model": (["--init-from", "HF_DIR", "--model", "small"],
+                             "--model small and --init-from both choose the model"),
+    "init-from missing": (["--init-from", "/nonexistent/hf"], "--init-from /nonexistent/hf: No such file"),
+    "init-from vocab vs data": (["--init-from", "HF_DIR"], "has 100 token ids; tokenize the data with its tokenizer"),
 }
+_HF_CONFIG = {"model_type": "llama", "vocab_size": 100, "hidden_size": 64, "intermediate_size": 128,
+              "num_hidden_layers": 2, "num_attention_heads": 4}
 
 _PROBE = """
 import contextlib, io, json, sys
@@ -80,9 +87,11 @@ print(json.dumps(results))
 
 
 @pytest.fixture(scope="module")
-def bad_runs() -> dict[str, list]:
+def bad_runs(tmp_path_factory) -> dict[str, list]:
     """Every case of :data:`BAD_RUNS` through ``dtp.cli.main`` in one fresh interpreter."""
-    argv = {name: flags for name, (flags, _) in BAD_RUNS.items()}
+    hf_dir = tmp_path_factory.mktemp("hf")
+    (hf_dir / "config.json").write_text(json.dumps(_HF_CONFIG))
+    argv = {name: [str(hf_dir) if f == "HF_DIR" else f for f in flags] for name, (flags, _) in BAD_RUNS.items()}
     proc = subprocess.run([sys.executable, "-c", _PROBE, json.dumps(argv)], env=_env(), capture_output=True,
                           text=True, timeout=120, cwd=Path(SRC).parent)
     assert proc.returncode == 0, proc.stderr

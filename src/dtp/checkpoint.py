@@ -154,17 +154,20 @@ class AsyncSave:
         return self._future is None or self._future.done()
 
 
-_SAVE_GROUP: list[Any] = []
+_SAVE_GROUP: list[tuple[Any, Any]] = []  # (the world it belongs to, the group)
 
 
 def _save_group() -> Any:
     """A process group of its own for DCP's background collectives (async save): they
-    must not interleave with training's on the same group. Made once, on every rank."""
+    must not interleave with training's on the same group. Made once per world, on every
+    rank (a process that tears its world down and starts another — ``dtp train`` then
+    ``dtp export`` from Python — must not reuse the dead world's group)."""
     if not dist.is_initialized():
         return None
-    if not _SAVE_GROUP:
-        _SAVE_GROUP.append(dist.new_group(backend="gloo"))
-    return _SAVE_GROUP[0]
+    world = dist.group.WORLD
+    if not _SAVE_GROUP or _SAVE_GROUP[0][0] is not world:
+        _SAVE_GROUP[:] = [(world, dist.new_group(backend="gloo"))]
+    return _SAVE_GROUP[0][1]
 
 
 def save(state: TrainState, root: str | os.PathLike[str], *, extra: Mapping[str, Any] | None = None,

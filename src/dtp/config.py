@@ -115,6 +115,7 @@ class RunConfig:
     bucket_mb: float = 40.0
     # ---- model and training
     model: str = "tiny"
+    init_from: str | None = None  # a Hugging Face directory: the model (its config.json) and its weights
     steps: int = 50
     batch: int = 8
     seq: int = 64
@@ -198,6 +199,13 @@ class RunConfig:
                  f"{self.dp} × {self.ep} × {self.microbatches}: ep is a data axis too")
         self._check_experts(fail, n)
         self._check_pipeline(fail, n)
+        if self.init_from is not None:
+            given = [n(k) for k in ("num_experts", "top_k") if getattr(self, k) is not None]
+            if self.model != _FIELDS["model"].default:
+                given.insert(0, f"{n('model')} {self.model}")
+            if given:
+                fail(f"{' and '.join(given)} and {n('init_from')} both choose the model: it comes from "
+                     f"{n('init_from')}'s config.json; drop {' and '.join(given)}")
         if self.async_save and not self.save_every:
             fail(f"{n('async_save')} needs {n('save_every')} N: there is nothing to save")
         if self.max_restarts and not self.save_every:

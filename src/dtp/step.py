@@ -126,6 +126,16 @@ class TrainState:
         return cls(0, params, opt_state, optimizer, mesh, layout, axes, strategy, checks, buffers or None,
                    buffer_update)
 
+    @classmethod
+    def from_hf(cls, path: str, optimizer: GradientTransformation, *, mesh: DeviceMesh, layout: Layout,
+                dtype: torch.dtype = torch.float32, vocab_multiple: int = 1) -> "TrainState":
+        """The state of a Hugging Face directory's model, each rank reading only its own
+        blocks of the weight files (:func:`dtp.hf_state.state_from_hf`); equal to
+        ``create(models.hf.from_hf(path, dtype, vocab_multiple)[1], ...)``."""
+        from .hf_state import state_from_hf  # it builds on this module
+
+        return state_from_hf(path, optimizer, mesh=mesh, layout=layout, dtype=dtype, vocab_multiple=vocab_multiple)
+
     def replace(self, **changes: Any) -> "TrainState":
         if "params" in changes and "zero" not in changes and self.zero is not None and self.zero.plan is not None:
             raise ValueError("TrainState.replace: under ZeRO the parameters live in the buckets and master "

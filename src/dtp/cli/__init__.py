@@ -5,11 +5,13 @@
     dtp train --nproc 4 --dp 2 --tp 2 --sp --model tiny --steps 50 --check
     dtp check runs/20250101-120000          # re-verify a finished run against 1 process
     dtp plan --model llama3-8b --dp 8 --zero 1 --dtype bfloat16 --memory-gb 80   # predict, allocate nothing
+    dtp train --init-from llama-dir --tp 2 --save-every 50 --out runs/ft   # fine-tune a Hugging Face model
+    dtp export --hf ft-hf --run runs/ft                 # its newest checkpoint as Hugging Face
 
 The package reads in the order a run goes: :mod:`~dtp.cli.flags` (parser, flag checks,
 the run configuration), :mod:`~dtp.cli.loop` (layout, mesh, the per-rank training loop),
-:mod:`~dtp.cli.report` (console lines, run-directory files, summary, plot) and
-:mod:`~dtp.cli.check` (the 1-process reference). What one module uses of another is in
+:mod:`~dtp.cli.report` (console lines, run-directory files, summary, plot),
+:mod:`~dtp.cli.check` (the 1-process reference) and :mod:`~dtp.cli.export` (``dtp export``). What one module uses of another is in
 that module's ``__all__``; names with ``_`` stay inside their module.
 
 Exit codes: 0 success, 1 a rank crashed, a collective failed (a peer died or stalled past
@@ -103,7 +105,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
         from .. import schedules
         from ..models import config as model_config
 
-        n_layers = model_config.n_sequential_layers(model_config.config(args.model))
+        n_layers = model_config.n_sequential_layers(model_config.config_for(args.model, init_from=args.init_from))
         v = layout.pipeline.virtual_stages  # a V schedule's 2 chunks per rank
         table = schedules.format_schedule(schedules.make(args.pp_schedule, p=args.pp, v=v, m=args.microbatches),
                                           p=args.pp)
@@ -164,6 +166,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from .check import check_run
 
             return check_run(args.run_dir, rtol=args.rtol)
+        if args.command == "export":
+            from .export import cmd_export
+
+            return cmd_export(args)
         parser.print_help(sys.stderr)
         return 2
     except KeyboardInterrupt as e:

@@ -104,7 +104,7 @@ class _HelpFormatter(argparse.HelpFormatter):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of the ``dtp`` command (subcommands ``train``, ``plan`` and ``check``).
+    """The argument parser of the ``dtp`` command (subcommands ``train``, ``plan``, ``check`` and ``export``).
 
     >>> args = build_parser().parse_args(["train", "--dp", "2", "--tp", "2", "--sp"])
     >>> args.dp, args.tp, args.sp, args.dtype
@@ -163,6 +163,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = t.add_argument_group("model and training")
     g.add_argument("--model", default=RUN_DEFAULTS["model"], help="llama preset: tiny, small, 1b, llama2-7b, llama3-8b, ...")
+    g.add_argument("--init-from", default=RUN_DEFAULTS["init_from"], metavar="HF_DIR",
+                   help="fine-tune a Hugging Face Llama / Mistral / Mixtral: the model from HF_DIR's config.json "
+                        "(instead of --model), its weights from HF_DIR's *.safetensors; the vocabulary padded "
+                        "to a multiple of 128 so tp splits it (pip install 'dtp[hf]')")
     g.add_argument("--steps", type=_positive("--steps"), default=RUN_DEFAULTS["steps"], help="optimizer steps")
     g.add_argument("--batch", type=_positive("--batch"), default=RUN_DEFAULTS["batch"], help="global batch size (sequences)")
     g.add_argument("--seq", type=_positive("--seq"), default=RUN_DEFAULTS["seq"], help="sequence length (tokens)")
@@ -259,6 +263,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     plan_cli.add_train_flags(t)
     plan_cli.add_parser(sub, t)  # dtp plan: train's parallel and model flags, shared
+    from .export import add_parser as add_export  # it reports with this module's UsageError
+
+    add_export(sub)
 
     c = sub.add_parser("check", help="compare a finished run's losses with a 1-process reference",
                        formatter_class=_HelpFormatter)
@@ -310,8 +317,8 @@ def validate(args: argparse.Namespace, *, world_size: int | None = None) -> argp
     >>> validate(build_parser().parse_args(["train", "--dp", "2", "--tp", "2"])).nproc
     4
     """
-    for name in ("data", "tokenizer"):
-        if getattr(args, name) is not None:
+    for name in ("data", "tokenizer", "init_from"):  # the ranks and the reference may run elsewhere
+        if getattr(args, name, None) is not None:
             setattr(args, name, str(Path(getattr(args, name)).expanduser().resolve()))
     if args.print_schedule and args.pp == 1:
         raise UsageError("--print-schedule prints the pipeline's schedule; pipeline options need --pp > 1")
@@ -467,9 +474,10 @@ def preflight(args: argparse.Namespace, *, check_out: bool = True) -> Layout:
                                        tokenizer=args.tokenizer)
     except (OSError, ValueError) as e:
         raise UsageError(f"--data: {e}" if not str(e).startswith("--") else str(e)) from None
-    cfg = model_config.config(args.model, vocab_size=vocab_size(args.model, max_id), **model_overrides(args))
+    cfg = _model(args, max_id)
     mesh = MeshShape(mesh_axes(args))
-    what = f"--model {args.model} on the mesh {format_mesh(mesh.sizes)}"
+    model = f"--init-from {args.init_from}" if args.init_from else f"--model {args.model}"
+    what = f"{model} on the mesh {format_mesh(mesh.sizes)}"
     split = args.dp * args.ep * args.cp
     if args.check and cfg.num_experts and cfg.capacity_factor is not None and split > 1:
         # dtp.ops.moe: capacity is computed from the tokens a rank routes (Megatron's rule),
@@ -494,6 +502,26 @@ def preflight(args: argparse.Namespace, *, check_out: bool = True) -> Layout:
     if check_out:
         check_out_dir(args)
     return layout
+
+
+def _model(args: argparse.Namespace, max_id: int) -> model_config.LlamaConfig:
+    """The run's model: the preset, its vocabulary grown to the data's ids (:func:`vocab_size`),
+    or ``--init-from``'s, which must hold the data's ids."""
+    if args.init_from is None:
+        return model_config.config(args.model, vocab_size=vocab_size(args.model, max_id), **model_overrides(args))
+    if importlib.util.find_spec("safetensors") is None:
+        raise UsageError("--init-from reads Hugging Face weights with safetensors: pip install 'dtp[hf]'")
+    try:
+        cfg = model_config.config_for(args.model, init_from=args.init_from, **model_overrides(args))
+    except OSError as e:
+        raise UsageError(f"--init-from {args.init_from}: {e.strerror or e} ({e.filename})") from None
+    except (ValueError, KeyError) as e:
+        raise UsageError(f"--init-from {args.init_from}: {e}") from None
+    real = cfg.vocab_size - cfg.vocab_pad
+    if max_id >= real:
+        raise UsageError(f"--data holds token id {max_id}, but the model of --init-from {args.init_from} has "
+                         f"{real} token ids; tokenize the data with its tokenizer")
+    return cfg
 
 
 def _check_corpus(args: argparse.Namespace, n_tokens: int) -> None:

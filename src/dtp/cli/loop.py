@@ -30,10 +30,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from .. import (Layout, TrainState, checkpoint, comm, make_mesh, optim, shard_batch, strategies, train_step,
                 wait, with_buffers)
 from .._token_files import held_out_start
+from ..buffers import lay_out as lay_out_buffers
 from ..data import TokenLoader, Tokens, open_tokens
 from ..launch import in_torchrun
 from ..mesh import clear_mesh_cache
-from ..models import llama
+from ..models import hf, llama
 from ..redistribute import value_of
 from .flags import (EVAL_BATCHES, PROG, UsageError, build_layout, format_mesh, mesh_axes, model_overrides,
                     train_argv, vocab_size)
@@ -72,10 +73,20 @@ def _splits(args: Mapping[str, Any]) -> tuple[Tokens, Tokens | None]:
     return tokens.split(held_out_start(len(tokens)))
 
 
-def _vocab_size(model: str, tokens: Tokens) -> int:
+def _vocab_size(args: Any, tokens: Tokens) -> int:
     """:func:`dtp.cli.flags.vocab_size` for the tokens: the preflight's rule
-    (:func:`dtp._token_files.token_stats`: the stated vocabulary, else a bounded sample)."""
-    return vocab_size(model, tokens.vocab_size - 1 if tokens.vocab_size is not None else tokens.sample_range()[1])
+    (:func:`dtp._token_files.token_stats`: the stated vocabulary, else a bounded sample);
+    ``--init-from``'s own (padded)."""
+    if getattr(args, "init_from", None):
+        return _model(vars(args), None).vocab_size
+    return vocab_size(args.model, tokens.vocab_size - 1 if tokens.vocab_size is not None else tokens.sample_range()[1])
+
+
+def _model(args: Mapping[str, Any], vocab: int | None) -> llama.LlamaConfig:
+    """The run's model (``args``: the run config as a mapping): the preset with the run's
+    vocabulary, or ``--init-from``'s."""
+    return llama.config_for(args["model"], init_from=args.get("init_from"), vocab_size=vocab,
+                            **model_overrides(args))
 
 
 def _lr_schedule(peak: float, warmup: int, steps: int) -> optim.Schedule:
@@ -114,9 +125,8 @@ def train_loop(args: Mapping[str, Any], mesh: DeviceMesh, layout: Layout, *, rec
     torch.manual_seed(args["seed"])
     tokens, held_out = _splits(args)
     loader = TokenLoader(tokens, batch_size=args["batch"], seq_len=args["seq"], seed=args["seed"])
-    cfg = llama.config(args["model"], vocab_size=args["vocab_size"], **model_overrides(args))
+    cfg = _model(args, args["vocab_size"])
     dtype = _torch_dtype(args["dtype"])
-    params = llama.init(cfg, seed=args["seed"], dtype=dtype)
     if args.get("warmup_from_step_one"):
         schedule = _lr_schedule(args["lr"], args["warmup"], args["steps"])
     else:  # a run directory from before: the schedule it ran (lr 0 at step 1), so dtp check agrees
@@ -124,10 +134,16 @@ def train_loop(args: Mapping[str, Any], mesh: DeviceMesh, layout: Layout, *, rec
     opt = optim.adamw(schedule, weight_decay=0.1)
     # axis_sizes: the layout's rules (heads per tp × Ulysses degree, kv heads per head
     # chunk, vocab per tp …) are checked here, on every rank, before any collective.
-    # buffers: aux-loss-free balancing's router biases (none without --router-bias-update)
-    state = TrainState.create(params, opt, mesh=mesh, layout=layout, axes=llama.param_axes(cfg),
-                              axis_sizes=llama.axis_sizes(cfg), buffers=llama.init_buffers(cfg, dtype),
-                              buffer_update=llama.buffer_update(cfg))
+    if args.get("init_from"):  # each rank reads only its blocks of the weight files
+        state = TrainState.from_hf(args["init_from"], opt, mesh=mesh, layout=layout, dtype=dtype,
+                                   vocab_multiple=hf.INIT_VOCAB_MULTIPLE)
+        if buffers := llama.init_buffers(cfg, dtype):  # aux-loss-free balancing's router biases
+            state = state.replace(buffers=lay_out_buffers(buffers, mesh), buffer_update=llama.buffer_update(cfg))
+    else:
+        # buffers: aux-loss-free balancing's router biases (none without --router-bias-update)
+        state = TrainState.create(llama.init(cfg, seed=args["seed"], dtype=dtype), opt, mesh=mesh, layout=layout,
+                                  axes=llama.param_axes(cfg), axis_sizes=llama.axis_sizes(cfg),
+                                  buffers=llama.init_buffers(cfg, dtype), buffer_update=llama.buffer_update(cfg))
     loss_fn = llama.sequential(cfg)  # the model as layers: a pipeline cuts it into stages; else llama.loss
     clip = args["clip"] if args["clip"] > 0 else None
     skips = SkipCounter(args.get("max_skipped", 0))  # run directories from before the flag: never abort
@@ -270,7 +286,7 @@ def single_process_world() -> Iterator[DeviceMesh]:
 def _run_config(args: argparse.Namespace, world_size: int) -> dict[str, Any]:
     # The run (dtp.RunConfig's fields), and what the ranks found: vocabulary, world, mesh.
     cfg = args.run_config.to_dict()
-    cfg.update(vocab_size=_vocab_size(args.model, _load_data(args)), world_size=world_size,
+    cfg.update(vocab_size=_vocab_size(args, _load_data(args)), world_size=world_size,
                mesh=mesh_axes(args), warmup_from_step_one=True)
     return cfg
 
@@ -444,9 +460,10 @@ def _print_header(args: argparse.Namespace, run_cfg: Mapping[str, Any], layout: 
                   stream: TextIO | None) -> None:
     """The run's first line: model and its parameter count, mesh, layout, dtype, directory;
     then the plan's per-rank memory, when :mod:`dtp.plan` provides it (:func:`_plan_memory`)."""
-    cfg = llama.config(args.model, vocab_size=run_cfg["vocab_size"], **model_overrides(args))
+    cfg = _model(vars(args), run_cfg["vocab_size"])
     params = llama.param_count(cfg)
-    print(f"{PROG} train: {args.model} ({_count(params)} parameters) on mesh {format_mesh(run_cfg['mesh'])} "
+    model = args.init_from if args.init_from else args.model
+    print(f"{PROG} train: {model} ({_count(params)} parameters) on mesh {format_mesh(run_cfg['mesh'])} "
           f"({world} rank{'s' * (world > 1)}), layout {layout.name}, {args.dtype}, writing {out}",
           file=stream, flush=True)
     memory = _plan_memory(args)

@@ -64,7 +64,7 @@ def plan_from_args(args: argparse.Namespace) -> "Plan":
     from ..planning import plan
     from .flags import run_config
 
-    return _named(plan(run_config(args)), args.model)
+    return _named(plan(run_config(args)), getattr(args, "init_from", None) or args.model)
 
 
 def _named(p: "Plan", name: str) -> "Plan":

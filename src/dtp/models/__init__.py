@@ -9,9 +9,9 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__all__ = ["llama", "sequential", "Layer", "Sequential"]
+__all__ = ["llama", "hf", "sequential", "Layer", "Sequential"]
 
-_SOURCES = {"llama": ".llama", "sequential": ".sequential", "config": ".config",
+_SOURCES = {"llama": ".llama", "hf": ".hf", "sequential": ".sequential", "config": ".config",
             "Layer": ".sequential", "Sequential": ".sequential"}
 
 
@@ -27,5 +27,5 @@ def __getattr__(name: str) -> Any:
 
 
 if TYPE_CHECKING:
-    from . import config, llama, sequential
+    from . import config, hf, llama, sequential
     from .sequential import Layer, Sequential

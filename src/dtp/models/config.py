@@ -10,19 +10,49 @@ counts) — no torch, so ``dtp train`` checks a model against a layout before im
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
 
 from .._rules import SCORE_FUNCTIONS, check_groups
 
-__all__ = ["LlamaConfig", "CONFIGS", "config", "block_shapes", "param_axes", "axis_sizes", "param_count", "flops_per_token",
+__all__ = ["LlamaConfig", "RopeScaling", "CONFIGS", "config", "config_for", "block_shapes", "param_axes", "axis_sizes",
+           "param_count", "flops_per_token",
            "is_moe", "n_sequential_layers"]
 
 
 @dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3.1's RoPE frequency scaling (Hugging Face's ``rope_type: "llama3"``):
+    wavelengths longer than ``original_max_position_embeddings / low_freq_factor`` are
+    stretched by ``factor``, shorter than ``.../ high_freq_factor`` kept, and the band
+    between interpolated smoothly.
+
+    >>> RopeScaling(factor=8.0).as_tuple()
+    (8.0, 1.0, 4.0, 8192)
+    """
+
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def __post_init__(self) -> None:
+        if not (self.factor > 0 and self.high_freq_factor > self.low_freq_factor > 0
+                and self.original_max_position_embeddings > 0):
+            raise ValueError(f"RopeScaling: needs factor > 0, high_freq_factor > low_freq_factor > 0 and "
+                             f"original_max_position_embeddings > 0, got {self}")
+
+    def as_tuple(self) -> tuple[float, float, float, int]:
+        """(factor, low_freq_factor, high_freq_factor, original_max_position_embeddings):
+        what :func:`dtp.ops.rotary` takes as ``scaling``."""
+        return (self.factor, self.low_freq_factor, self.high_freq_factor, self.original_max_position_embeddings)
+
+
+@dataclass(frozen=True)
 class LlamaConfig:
-    vocab_size: int = 256
+    vocab_size: int = 256  # rows of the embedding, vocab_pad included
     dim: int = 64
     n_layers: int = 2
     n_heads: int = 4
@@ -32,6 +62,14 @@ class LlamaConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
+    # None: dim // n_heads, filled in when built (so dataclasses.replace keeps it: give
+    # head_dim=None again when changing dim or n_heads).
+    head_dim: int | None = None
+    rope_scaling: RopeScaling | None = None  # None: plain RoPE
+    # Rows at the end of the vocabulary no token uses, so that it splits over tp
+    # (Megatron's --make-vocab-size-divisible-by). Their logits are the dtype's lowest
+    # value: never the argmax, exp() of them is 0, so the loss is the unpadded model's.
+    vocab_pad: int = 0
     # Mixture of experts (module docstring); num_experts=0 is the dense model.
     num_experts: int = 0  # experts per MoE block; 0: dense
     top_k: int = 2  # experts per token, 1 <= top_k <= num_experts
@@ -55,17 +93,23 @@ class LlamaConfig:
     router_bias_update: float = 0.0
 
     @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
-
-    @property
     def expert_dim(self) -> int:
         """Each expert's hidden width (``moe_ffn_dim``, else ``ffn_dim``)."""
         return self.ffn_dim if self.moe_ffn_dim is None else self.moe_ffn_dim
 
     def __post_init__(self) -> None:
-        if self.dim % self.n_heads:
-            raise ValueError(f"LlamaConfig: dim={self.dim} is not divisible by n_heads={self.n_heads}")
+        if isinstance(self.rope_scaling, dict):  # as read back from TOML / JSON
+            object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
+        if self.head_dim is None:
+            if self.dim % self.n_heads:
+                raise ValueError(f"LlamaConfig: dim={self.dim} is not divisible by n_heads={self.n_heads}; "
+                                 f"give head_dim")
+            object.__setattr__(self, "head_dim", self.dim // self.n_heads)
+        if self.head_dim < 1:
+            raise ValueError(f"LlamaConfig: head_dim must be >= 1, got {self.head_dim}")
+        if not 0 <= self.vocab_pad < self.vocab_size:
+            raise ValueError(f"LlamaConfig: vocab_pad must be in [0, vocab_size={self.vocab_size}), "
+                             f"got {self.vocab_pad}")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"LlamaConfig: n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
         if self.head_dim % 2:
@@ -128,6 +172,24 @@ def config(name: str = "tiny", **overrides: Any) -> LlamaConfig:
     if name not in CONFIGS:
         raise ValueError(f"unknown model {name!r}; choose one of {sorted(CONFIGS)}")
     return LlamaConfig(**{**CONFIGS[name], **overrides})
+
+
+def config_for(model: str, *, init_from: str | None = None, vocab_size: int | None = None,
+               **overrides: Any) -> LlamaConfig:
+    """A run's model: the preset ``model`` (its vocabulary ``vocab_size`` when given), or,
+    with ``init_from``, the Hugging Face directory's (its vocabulary padded to a multiple
+    of :data:`dtp.models.hf.INIT_VOCAB_MULTIPLE`; ``vocab_size`` then unused), with the
+    field ``overrides`` on top.
+
+    >>> config_for("tiny", vocab_size=384).vocab_size
+    384
+    """
+    if init_from is None:
+        return config(model, **({} if vocab_size is None else {"vocab_size": vocab_size}), **overrides)
+    from .hf_config import INIT_VOCAB_MULTIPLE, config_from_hf  # it builds on this module
+
+    cfg = config_from_hf(init_from, vocab_multiple=INIT_VOCAB_MULTIPLE)
+    return dataclasses.replace(cfg, **overrides) if overrides else cfg
 
 
 def is_moe(cfg: LlamaConfig, i: int) -> bool:

@@ -35,15 +35,16 @@ import torch.nn.functional as F
 from ..layouts import constrain
 from torch.distributed.tensor import DTensor
 
-from ..ops import attention, cross_entropy, embedding, linear, remat, rotary
+from ..ops import attention, cross_entropy, embedding, linear, mask_padded_vocab, remat, rotary
 from ..ops.moe import moe_ffn, update_bias
 from .._rules import accum_dtype
-from .config import (CONFIGS, LlamaConfig, block_shapes, axis_sizes, config, flops_per_token, is_moe,
-                     n_sequential_layers, param_axes, param_count)
+from .config import (CONFIGS, LlamaConfig, RopeScaling, block_shapes, axis_sizes, config, config_for, flops_per_token,
+                     is_moe, n_sequential_layers, param_axes, param_count)
 from .sequential import Layer, Sequential
 
-__all__ = ["LlamaConfig", "CONFIGS", "config", "block_shapes", "init", "init_buffers", "buffer_update", "param_axes",
-           "axis_sizes", "apply", "loss", "sequential", "param_count", "flops_per_token", "is_moe", "n_sequential_layers"]
+__all__ = ["LlamaConfig", "RopeScaling", "CONFIGS", "config", "config_for", "block_shapes", "init", "init_buffers",
+           "buffer_update", "param_axes", "axis_sizes", "apply", "loss", "sequential", "param_count", "flops_per_token",
+           "is_moe", "n_sequential_layers"]
 
 
 def init(cfg: LlamaConfig, seed: int = 0, dtype: torch.dtype = torch.float32,
@@ -127,8 +128,9 @@ def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 
 def _attention(layer: dict[str, torch.Tensor], x: torch.Tensor, cfg: LlamaConfig) -> torch.Tensor:
     b, s, hd = x.shape[0], x.shape[1], cfg.head_dim
-    q = rotary(linear(x, layer["wq"]).view(b, s, cfg.n_heads, hd), cfg.rope_theta).transpose(1, 2)
-    k = rotary(linear(x, layer["wk"]).view(b, s, cfg.n_kv_heads, hd), cfg.rope_theta).transpose(1, 2)
+    scaling = cfg.rope_scaling.as_tuple() if cfg.rope_scaling else None
+    q = rotary(linear(x, layer["wq"]).view(b, s, cfg.n_heads, hd), cfg.rope_theta, scaling).transpose(1, 2)
+    k = rotary(linear(x, layer["wk"]).view(b, s, cfg.n_kv_heads, hd), cfg.rope_theta, scaling).transpose(1, 2)
     v = linear(x, layer["wv"]).view(b, s, cfg.n_kv_heads, hd).transpose(1, 2)
     q = constrain(q, ("batch", "heads", "seq", "head_dim"), name="q")
     k = constrain(k, ("batch", "kv_heads", "seq", "head_dim"), name="k")
@@ -196,7 +198,8 @@ def _embed(params: dict[str, Any], x: Any, batch: dict[str, torch.Tensor]) -> to
 def _logits(params: dict[str, Any], h: torch.Tensor, cfg: LlamaConfig) -> torch.Tensor:
     x = constrain(_rms_norm(h, params["final_norm"], cfg.norm_eps), ("batch", "seq", "embed"), name="head_in")
     head = params["embed"].transpose(0, 1) if cfg.tie_embeddings else params["lm_head"]
-    return constrain(linear(x, head), ("batch", "seq", "vocab"), name="logits")
+    logits = constrain(linear(x, head), ("batch", "seq", "vocab"), name="logits")
+    return mask_padded_vocab(logits, cfg.vocab_size - cfg.vocab_pad) if cfg.vocab_pad else logits
 
 
 def _forward(params: dict[str, Any], tokens: torch.Tensor, cfg: LlamaConfig) -> tuple[torch.Tensor, tuple]:

@@ -19,7 +19,7 @@ from ..redistribute import local_map
 from ..spec import spec_of
 from .recompute import remat
 
-__all__ = ["attention", "rotary"]
+__all__ = ["attention", "rotary", "rope_frequencies"]
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float | None) -> torch.Tensor:
@@ -84,18 +84,42 @@ def _positions(x: DTensor, seq_dim: int) -> torch.Tensor:
     return order[idx * local:(idx + 1) * local]
 
 
-def _rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+def rope_frequencies(half: int, theta: float, scaling: tuple[float, float, float, int] | None,
+                     dtype: torch.dtype, device: torch.device | None = None) -> torch.Tensor:
+    """RoPE's ``half`` inverse frequencies ``theta^(-i/half)``, with Llama 3.1's scaling
+    when ``scaling`` is ``(factor, low_freq_factor, high_freq_factor, original_len)``.
+
+    >>> rope_frequencies(4, 10000.0, None, torch.float64)
+    tensor([1.0000, 0.1000, 0.0100, 0.0010], dtype=torch.float64)
+    """
+    inv = 1.0 / theta ** (torch.arange(0, half, dtype=dtype, device=device) / half)
+    if scaling is None:
+        return inv
+    factor, low, high, original = scaling
+    wavelen = 2 * math.pi / inv
+    # Long wavelengths are stretched by factor, short ones kept, the band between blended.
+    stretched = torch.where(wavelen > original / low, inv / factor, inv)
+    smooth = (original / wavelen - low) / (high - low)
+    blended = (1 - smooth) * stretched / factor + smooth * stretched
+    medium = ~(wavelen < original / high) & ~(wavelen > original / low)
+    return torch.where(medium, blended, stretched)
+
+
+def _rope(x: torch.Tensor, positions: torch.Tensor, theta: float,
+          scaling: tuple[float, float, float, int] | None = None) -> torch.Tensor:
     acc = accum_dtype(x.dtype)
     half = x.shape[-1] // 2
-    inv = 1.0 / theta ** (torch.arange(0, half, dtype=acc, device=x.device) / half)
+    inv = rope_frequencies(half, theta, scaling, acc, x.device)
     ang = positions.to(acc)[:, None] * inv[None, :]  # (seq, half)
     cos, sin = ang.cos()[:, None, :], ang.sin()[:, None, :]  # broadcast over heads
     x1, x2 = x.to(acc)[..., :half], x.to(acc)[..., half:]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
-def rotary(x: torch.Tensor, theta: float = 10000.0) -> torch.Tensor:
-    """Rotary position embedding of ``x`` laid out (batch, seq, heads, head_dim).
+def rotary(x: torch.Tensor, theta: float = 10000.0,
+           scaling: tuple[float, float, float, int] | None = None) -> torch.Tensor:
+    """Rotary position embedding of ``x`` laid out (batch, seq, heads, head_dim); with
+    ``scaling``, Llama 3.1's frequency scaling (:func:`rope_frequencies`).
 
     Positions are the global sequence positions of the rows this rank holds — under
     context parallel with zigzag load balance, the original positions of its chunks.
@@ -104,9 +128,9 @@ def rotary(x: torch.Tensor, theta: float = 10000.0) -> torch.Tensor:
     torch.Size([1, 8, 2, 16])
     """
     if not isinstance(x, DTensor):
-        return _rope(x, torch.arange(x.shape[1], device=x.device), theta)
+        return _rope(x, torch.arange(x.shape[1], device=x.device), theta, scaling)
     spec = spec_of(x)
     if spec.axes_of(3):
         raise ValueError(f"rotary: head_dim must not be split ({spec})")
     positions = _positions(x, 1)
-    return local_map(lambda t: _rope(t, positions.to(t.device), theta), (None,), spec, check_shapes=False)(x)
+    return local_map(lambda t: _rope(t, positions.to(t.device), theta, scaling), (None,), spec, check_shapes=False)(x)

@@ -98,7 +98,7 @@ class Setup:
         >>> Setup.arguments_of(RunConfig(dp=2, zero=1))[4]["zero"]
         1
         """
-        cfg = llama.config(config.model, **config.model_overrides())
+        cfg = llama.config_for(config.model, init_from=config.init_from, **config.model_overrides())
         fields = ("dp", "tp", "cp", "pp", "pp_schedule", "virtual_stages", "ep", "zero", "bucket_mb",
                   "reshard_after_forward", "microbatches", "recompute", "dtype")
         parallel = {k: getattr(config, k) for k in fields}

@@ -1,0 +1,157 @@
+"""Hugging Face ``config.json`` <-> :class:`LlamaConfig`, torch-free (``dtp train
+--init-from`` checks a run against the model before importing torch); the weights are
+:mod:`dtp.models.hf`'s.
+
+:mod:`dtp.models.hf` re-exports every name here; import them from there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from .config import LlamaConfig, RopeScaling
+
+__all__ = ["config_from_hf", "hf_config", "padded_vocab", "check_mixtral", "INIT_VOCAB_MULTIPLE"]
+
+_MODEL_TYPES = ("llama", "mistral", "mixtral")
+_DTYPES = ("float64", "float32", "float16", "bfloat16")
+# dtp train --init-from pads the vocabulary to a multiple of this (Megatron's default
+# --make-vocab-size-divisible-by), whatever tp is: runs under different layouts then share
+# one model (checkpoints, --check's one-process reference), and any power-of-two tp up to
+# 128 splits it.
+INIT_VOCAB_MULTIPLE = 128
+
+
+def padded_vocab(vocab: int, multiple: int) -> int:
+    """``vocab`` rounded up to a multiple of ``multiple``.
+
+    >>> padded_vocab(32000, 128 * 3)
+    32256
+    """
+    if not (isinstance(multiple, int) and multiple >= 1):
+        raise ValueError(f"padded_vocab: multiple must be an int >= 1, got {multiple!r}")
+    return -(-vocab // multiple) * multiple
+
+
+def _rope(hf: dict[str, Any]) -> tuple[float, RopeScaling | None]:
+    """(rope_theta, scaling) from transformers 5's ``rope_parameters`` or transformers
+    4's ``rope_theta`` + ``rope_scaling``."""
+    params = hf.get("rope_parameters")
+    if params is not None and "rope_type" not in params and "rope_theta" not in params:
+        raise ValueError(f"from_hf: per-layer-type rope_parameters are not supported, got {params}")
+    if params is None:
+        params = {**(hf.get("rope_scaling") or {}), "rope_theta": hf.get("rope_theta", 10000.0)}
+    partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise ValueError(f"from_hf: partial_rotary_factor={partial} is not supported (dtp rotates the whole head)")
+    kind = params.get("rope_type", params.get("type", "default"))
+    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    if kind == "default":
+        return theta, None
+    if kind != "llama3":
+        raise ValueError(f"from_hf: rope type {kind!r} is not supported (only 'default' and 'llama3')")
+    return theta, RopeScaling(factor=float(params["factor"]), low_freq_factor=float(params["low_freq_factor"]),
+                              high_freq_factor=float(params["high_freq_factor"]),
+                              original_max_position_embeddings=int(params["original_max_position_embeddings"]))
+
+
+def config_from_hf(hf: dict[str, Any] | str | os.PathLike[str], vocab_multiple: int = 1) -> LlamaConfig:
+    """The :class:`LlamaConfig` of a Hugging Face ``config.json`` (a dict, the file, or
+    its directory): Llama, Mistral (a ``sliding_window`` caps ``max_seq_len``: within it
+    attention is plain causal) or Mixtral.
+
+    Raises: ``ValueError`` for what dtp's Llama does not compute (biases, another
+    activation, another rope type).
+
+    >>> config_from_hf({"model_type": "llama", "vocab_size": 300, "hidden_size": 64, "intermediate_size": 128,
+    ...     "num_hidden_layers": 2, "num_attention_heads": 4}, vocab_multiple=128).vocab_pad
+    84
+    """
+    if not isinstance(hf, dict):
+        file = Path(hf)
+        hf = json.loads((file / "config.json" if file.is_dir() else file).read_text())
+    kind = hf.get("model_type")
+    if kind not in _MODEL_TYPES:
+        raise ValueError(f"from_hf: model_type {kind!r} is not supported; choose one of {_MODEL_TYPES}")
+    for flag in ("attention_bias", "mlp_bias"):
+        if hf.get(flag):
+            raise ValueError(f"from_hf: {flag}=true is not supported (dtp's Llama has no biases)")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"from_hf: hidden_act must be 'silu', got {hf['hidden_act']!r}")
+    theta, scaling = _rope(hf)
+    vocab = int(hf["vocab_size"])
+    max_len = int(hf.get("max_position_embeddings", 2048))
+    if hf.get("sliding_window"):
+        max_len = min(max_len, int(hf["sliding_window"]))
+    heads = int(hf["num_attention_heads"])
+    fields: dict[str, Any] = dict(
+        vocab_size=padded_vocab(vocab, vocab_multiple), vocab_pad=padded_vocab(vocab, vocab_multiple) - vocab,
+        dim=int(hf["hidden_size"]), n_layers=int(hf["num_hidden_layers"]), n_heads=heads,
+        n_kv_heads=int(hf.get("num_key_value_heads") or heads), ffn_dim=int(hf["intermediate_size"]),
+        max_seq_len=max_len, rope_theta=theta, rope_scaling=scaling, norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)), head_dim=hf.get("head_dim"))
+    if kind == "mixtral":
+        fields.update(num_experts=int(hf["num_local_experts"]), top_k=int(hf["num_experts_per_tok"]),
+                      aux_loss_coeff=float(hf.get("router_aux_loss_coef", 0.01)))
+    return LlamaConfig(**fields)
+
+
+def check_mixtral(cfg: LlamaConfig) -> None:
+    """Raise ``ValueError`` if ``cfg`` has MoE options ``MixtralForCausalLM`` cannot express.
+
+    >>> from dtp.models.config import config
+    >>> check_mixtral(config("tiny-moe"))
+    """
+    if not cfg.num_experts:
+        return
+    odd = {name: value for name, value in [("moe_every", cfg.moe_every), ("shared_experts", cfg.shared_experts),
+                                          ("pre_softmax", cfg.pre_softmax), ("capacity_factor", cfg.capacity_factor),
+                                          ("moe_ffn_dim", cfg.moe_ffn_dim)]
+           if value not in (None, 0, False) and not (name == "moe_every" and value == 1)}
+    if odd:
+        raise ValueError(f"to_hf: Mixtral has MoE in every block, no shared experts, top-k-then-softmax routing, "
+                         f"no capacity and one FFN width; this model sets {odd}")
+
+
+def hf_config(cfg: LlamaConfig, dtype: str = "float32") -> dict[str, Any]:
+    """The ``config.json`` of ``cfg`` for transformers (``LlamaForCausalLM``, or
+    ``MixtralForCausalLM`` with experts), padding stripped; the rope in both forms
+    (transformers 5's ``rope_parameters``, transformers 4's ``rope_theta`` +
+    ``rope_scaling``).
+
+    >>> from dtp.models.config import config
+    >>> hf_config(config("tiny"))["architectures"]
+    ['LlamaForCausalLM']
+    """
+    check_mixtral(cfg)
+    if dtype not in _DTYPES:
+        raise ValueError(f"hf_config: dtype must be one of {_DTYPES}, got {dtype!r}")
+    scaling = None
+    if cfg.rope_scaling is not None:
+        s = cfg.rope_scaling
+        scaling = {"rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
+                   "high_freq_factor": s.high_freq_factor,
+                   "original_max_position_embeddings": s.original_max_position_embeddings}
+    moe = cfg.num_experts > 0
+    out: dict[str, Any] = {
+        "architectures": ["MixtralForCausalLM" if moe else "LlamaForCausalLM"],
+        "model_type": "mixtral" if moe else "llama",
+        "vocab_size": cfg.vocab_size - cfg.vocab_pad, "hidden_size": cfg.dim, "intermediate_size": cfg.ffn_dim,
+        "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim, "hidden_act": "silu",
+        "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta, **(scaling or {})},
+        "rope_theta": cfg.rope_theta, "rope_scaling": scaling, "dtype": dtype, "torch_dtype": dtype,
+    }
+    if moe:
+        out.update(num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.top_k,
+                   router_aux_loss_coef=cfg.aux_loss_coeff, sliding_window=None, output_router_logits=False)
+    else:
+        out.update(attention_bias=False, mlp_bias=False)
+    return out
+
+

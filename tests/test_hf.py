@@ -1,0 +1,239 @@
+"""Hugging Face checkpoints in and out (dtp.models.hf): tiny random models made here with
+transformers (nothing downloaded) give the same logits under dtp as under transformers
+(fp64 models; transformers computes RoPE in fp32, hence 1e-6), for Llama with and without
+Llama 3.1 rope scaling, tied and untied, GQA, an explicit head_dim, a transformers-4
+config.json, Mistral and Mixtral; ``to_hf`` writes what transformers loads to the same logits and
+``from_hf`` reads back bit-exactly; a greedy continuation equals ``generate``; a padded
+vocabulary changes neither the loss nor its gradients, under vocab-parallel tp too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+from pathlib import Path
+
+import optree
+import pytest
+import torch
+
+from dtp.models import hf, llama
+from dtp.testing import reference_value_and_grad, run
+
+transformers = pytest.importorskip("transformers")
+safetensors = pytest.importorskip("safetensors")
+
+V = 100
+ATOL = 1e-6  # transformers' RoPE is fp32 even in an fp64 model
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 8}
+CASES = {
+    "gqa": dict(num_key_value_heads=2),
+    "mha_tied": dict(num_key_value_heads=4, tie_word_embeddings=True),
+    "llama3_rope": dict(num_key_value_heads=2, rope_scaling=LLAMA3),
+    "llama3_rope_tied": dict(num_key_value_heads=1, rope_scaling=LLAMA3, tie_word_embeddings=True),
+    "head_dim": dict(num_key_value_heads=2, head_dim=16),
+    "mixtral": dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2),
+    "mistral": dict(num_key_value_heads=2, sliding_window=64),  # longer than TOKENS: plain causal
+}
+
+
+def _hf_model(case: str) -> torch.nn.Module:
+    kw = dict(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+              rope_theta=500.0, **CASES[case])
+    torch.manual_seed(sum(map(ord, case)))
+    if case == "mixtral":
+        cfg = transformers.MixtralConfig(**kw)
+        cfg._experts_implementation = "eager"  # the grouped-mm kernel has no fp64
+        return transformers.MixtralForCausalLM(cfg).double().eval()
+    if case == "mistral":
+        return transformers.MistralForCausalLM(transformers.MistralConfig(**kw)).double().eval()
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**kw)).double().eval()
+
+
+@functools.cache
+def _saved(case: str, root: Path) -> Path:
+    path = root / case
+    _hf_model(case).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("hf")
+
+
+def _load(path: Path) -> torch.nn.Module:
+    cls = transformers.AutoModelForCausalLM
+    kw = {"experts_implementation": "eager"} if "mixtral" in path.name else {}
+    return cls.from_pretrained(path, dtype=torch.float64, **kw).eval()
+
+
+TOKENS = torch.randint(0, V, (2, 24), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_from_hf_logits_equal_transformers(case: str, root: Path) -> None:
+    path = _saved(case, root)
+    cfg, params = hf.from_hf(path, dtype=torch.float64)
+    with torch.no_grad():
+        expected = _load(path)(TOKENS).logits
+    torch.testing.assert_close(llama.apply(params, TOKENS, cfg), expected, atol=ATOL, rtol=0)
+    if "llama3" in case:  # the scaling is really applied: without it the logits differ
+        plain = llama.apply(params, TOKENS, dataclasses.replace(cfg, rope_scaling=None))
+        assert (plain - expected).abs().max() > 100 * ATOL
+
+
+def test_transformers_4_config_form_reads_the_same(root: Path, tmp_path: Path) -> None:
+    src = _saved("llama3_rope", root)
+    hf_cfg = json.loads((src / "config.json").read_text())
+    rope = hf_cfg.pop("rope_parameters")
+    hf_cfg.update(rope_theta=rope.pop("rope_theta"), rope_scaling={**rope, "type": rope.pop("rope_type")})
+    (tmp_path / "config.json").write_text(json.dumps(hf_cfg))
+    (tmp_path / "model.safetensors").symlink_to(src / "model.safetensors")
+    assert hf.from_hf(tmp_path)[0] == hf.from_hf(src)[0]
+
+
+@pytest.mark.parametrize("case", ["llama3_rope_tied", "gqa", "mixtral"])
+def test_to_hf_loads_in_transformers_and_round_trips_bit_exactly(case: str, root: Path, tmp_path: Path) -> None:
+    src = _saved(case, root)
+    cfg, params = hf.from_hf(src, dtype=torch.float32, vocab_multiple=64)  # pad 100 -> 128, stripped again
+    out = tmp_path / case
+    files = hf.to_hf(cfg, params, out, max_shard_bytes=16_000)
+    assert len(files) > 1 and (out / "model.safetensors.index.json").is_file()
+    with torch.no_grad():
+        torch.testing.assert_close(_load(out)(TOKENS).logits, _load(src)(TOKENS).logits, atol=0, rtol=0)
+    assert hf.from_hf(out, vocab_multiple=64)[0] == cfg
+    with safetensors.safe_open(str(src / "model.safetensors"), "pt") as a:
+        index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+        assert sorted(index) == sorted(a.keys())  # per-expert keys, as stored
+        for name in a.keys():
+            with safetensors.safe_open(str(out / index[name]), "pt") as b:
+                assert torch.equal(a.get_tensor(name), b.get_tensor(name)), name
+
+
+def _greedy(params: dict, cfg: llama.LlamaConfig, tokens: torch.Tensor, n: int) -> torch.Tensor:
+    for _ in range(n):  # the whole prefix again each time: no KV cache to get wrong
+        nxt = llama.apply(params, tokens, cfg)[:, -1].argmax(-1, keepdim=True)
+        tokens = torch.cat([tokens, nxt], dim=1)
+    return tokens
+
+
+@pytest.mark.parametrize("case", ["llama3_rope", "mixtral"])
+def test_greedy_continuation_equals_generate(case: str, root: Path) -> None:
+    path = _saved(case, root)
+    cfg, params = hf.from_hf(path, dtype=torch.float64, vocab_multiple=64)
+    prompt = TOKENS[:, :6]
+    expected = _load(path).generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=8,
+                                    do_sample=False, pad_token_id=0)
+    assert torch.equal(_greedy(params, cfg, prompt, 8), expected)
+
+
+def test_padded_vocabulary_changes_no_loss_and_no_gradient(root: Path) -> None:
+    path = _saved("gqa", root)
+    batch = {"tokens": TOKENS[:, :-1], "targets": TOKENS[:, 1:]}
+    (cfg, params), (pcfg, padded) = hf.from_hf(path, torch.float64), hf.from_hf(path, torch.float64, 64)
+    assert pcfg.vocab_size == 128 and pcfg.vocab_pad == 28
+    loss, grads = reference_value_and_grad(functools.partial(llama.loss, cfg=cfg), params, batch)
+    ploss, pgrads = reference_value_and_grad(functools.partial(llama.loss, cfg=pcfg), padded, batch)
+    assert ploss == loss
+    torch.testing.assert_close(pgrads["embed"][:V], grads["embed"], atol=1e-15, rtol=0)
+    assert not pgrads["embed"][V:].any() and not pgrads["lm_head"][:, V:].any()
+
+
+def _tp4_loss(cfg: llama.LlamaConfig, params: dict, batch: dict) -> tuple[float, torch.Tensor]:
+    import dtp
+    import dtp.step
+
+    state = dtp.TrainState.create(params, dtp.optim.sgd(0.0), mesh=dtp.make_mesh(tp=4),
+                                  layout=dtp.layouts.megatron(), axes=llama.param_axes(cfg),
+                                  axis_sizes=llama.axis_sizes(cfg))
+    loss, _, grads = dtp.step.value_and_grad(functools.partial(llama.loss, cfg=cfg), state, dtp.shard_batch(batch, state))
+    return float(loss), grads["embed"].to_local()  # this rank's 64 vocab rows (tied: the head's too)
+
+
+def test_padded_vocabulary_under_vocab_parallel_tp4(root: Path) -> None:
+    """100 rows padded to 256 over tp 4: two ranks hold only padding columns."""
+    path = _saved("mha_tied", root)
+    batch = {"tokens": TOKENS[:, :-1].contiguous(), "targets": TOKENS[:, 1:].contiguous()}
+    cfg, params = hf.from_hf(path, torch.float64)
+    pcfg, padded = hf.from_hf(path, torch.float64, vocab_multiple=256)
+    expected = float(llama.loss(params, batch, cfg))
+    results = run(_tp4_loss, pcfg, padded, batch, world_size=4)
+    grad = torch.cat([g for _, g in results])
+    assert all(abs(loss - expected) <= 1e-12 for loss, _ in results)
+    assert torch.isfinite(grad).all() and grad[:V].any() and not grad[V:].any()
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"model_type": "gpt2"}, "model_type 'gpt2' is not supported"),
+    ({"attention_bias": True}, "attention_bias=true is not supported"),
+    ({"hidden_act": "gelu"}, "hidden_act must be 'silu'"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}, "rope type 'yarn'"),
+    ({"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5 is not supported"),
+])
+def test_unsupported_configs_are_refused(root: Path, change: dict, match: str) -> None:
+    hf_cfg = {**json.loads((_saved("gqa", root) / "config.json").read_text()), **change}
+    with pytest.raises(ValueError, match=match):
+        hf.config_from_hf(hf_cfg)
+
+
+def test_to_hf_refuses_what_mixtral_cannot_express(tmp_path: Path) -> None:
+    cfg = llama.config("tiny-moe", shared_experts=1)
+    with pytest.raises(ValueError, match="shared_experts"):
+        hf.to_hf(cfg, llama.init(cfg), tmp_path)
+
+
+def test_dtp_train_init_from_then_export_loads_in_transformers(root: Path, tmp_path: Path, monkeypatch) -> None:
+    """Fine-tune a transformers-made model for a step on one process, save, ``dtp export
+    --hf``: transformers loads the export, and its logits are the trained parameters'."""
+    from dtp import cli
+
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(k, raising=False)
+    src, run, out = _saved("gqa", root), tmp_path / "run", tmp_path / "gqa-ft"
+    flags = ["--init-from", str(src), "--steps", "1", "--batch", "4", "--seq", "16", "--dtype", "float64",
+             "--save-every", "1", "--out", str(run)]
+    data = tmp_path / "tokens.npy"
+    np = pytest.importorskip("numpy")
+    np.save(data, torch.randint(0, V, (4096,), generator=torch.Generator().manual_seed(1)).numpy())
+    assert cli.main(["train", *flags, "--data", str(data)]) == 0
+    assert cli.main(["export", "--hf", str(out), "--run", str(run)]) == 0
+    cfg, params = hf.from_hf(out, dtype=torch.float64)
+    assert cfg == hf.from_hf(src)[0] and not torch.equal(params["embed"], hf.from_hf(src, torch.float64)[1]["embed"])
+    with torch.no_grad():
+        torch.testing.assert_close(_load(out)(TOKENS).logits, llama.apply(params, TOKENS, cfg), atol=ATOL, rtol=0)
+
+
+def _sharded_load(path: str, zero: int) -> dict:
+    """On a dp2 × tp2 rank: TrainState.from_hf's pieces against create's, the bytes read,
+    and a step's loss."""
+    import dtp
+    from dtp.models import hf as hf_mod
+
+    layout = dtp.layouts.data() + dtp.layouts.megatron() + (dtp.layouts.zero(zero) if zero else dtp.Layout())
+    mesh, opt = dtp.make_mesh(dp=2, tp=2), dtp.optim.adamw(1e-3)
+    before = hf_mod.bytes_read()
+    state = dtp.TrainState.from_hf(path, opt, mesh=mesh, layout=layout, dtype=torch.float64)
+    read = hf_mod.bytes_read() - before
+    cfg, params = hf_mod.from_hf(path, dtype=torch.float64)
+    whole = dtp.TrainState.create(params, opt, mesh=mesh, layout=layout, axes=llama.param_axes(cfg),
+                                  axis_sizes=llama.axis_sizes(cfg))
+    mine = [x.to_local() for x in optree.tree_leaves(state.params)]
+    same = all(torch.equal(a, b.to_local()) for a, b in zip(mine, optree.tree_leaves(whole.params)))
+    batch = {"tokens": TOKENS[:, :-1].contiguous(), "targets": TOKENS[:, 1:].contiguous()}
+    losses = [float(dtp.train_step(functools.partial(llama.loss, cfg=cfg), s, dtp.shard_batch(batch, s))[1]["loss"])
+              for s in (state, whole)]
+    return {"same": same, "read": read, "local": sum(x.numel() * 8 for x in mine), "losses": losses}
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_sharded_load_reads_only_each_ranks_blocks(root: Path, zero: int) -> None:
+    """dp2 × tp2: each rank reads exactly its blocks (1/tp of every split matrix, norms
+    whole), about 0.55 of the file here; the state equals create's and trains the same."""
+    path = _saved("mha_tied", root)  # 4 kv heads: tp2 splits them
+    total = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    for r in run(_sharded_load, str(path), zero, world_size=4):
+        assert r["same"] and r["losses"][0] == r["losses"][1]
+        assert r["read"] == r["local"] and r["read"] < 0.6 * total, (r["read"], total)
