@@ -35,6 +35,7 @@ from . import guard, strategies
 from ._rules import is_positive_int
 from .comm import comm_log, span
 from .layouts import Layout, check_divisible, use_layout
+from .mesh import mesh_device
 from .optim import GradientTransformation, apply_updates, clip_by_global_norm, map_param_trees
 from .ops.recompute import POLICIES, recompute as recompute_policy
 from .redistribute import local_map, value_of
@@ -109,13 +110,13 @@ class TrainState:
         return cls(0, params, opt_state, optimizer, mesh, layout, axes, strategy, checks)
 
     def replace(self, **changes: Any) -> "TrainState":
-        if "params" in changes and "zero" not in changes and self.zero is not None and self.zero.plan is not None:
-            raise ValueError("TrainState.replace: under ZeRO the parameters live in the buckets and master "
-                             "slices; new parameters need a new state (TrainState.create)")
+        if "params" in changes and "zero" not in changes and strategies.owns_params(self.zero):
+            raise ValueError("TrainState.replace: the parameters derive from the master weights (ZeRO's buckets "
+                             "and slices, or mixed precision's); new parameters need a new state (TrainState.create)")
         return dataclasses.replace(self, **changes)
 
     def __repr__(self) -> str:
-        extra = f", zero=stage {self.zero.stage}" if self.zero is not None else ""
+        extra = strategies.describe(self.zero)
         return f"TrainState(step={self.step}, layout={self.layout.name or 'custom'!r}, mesh={self.mesh}{extra})"
 
     def param_specs(self) -> PyTree:
@@ -137,8 +138,9 @@ def _lay_out(paths: list[str], leaves: list[torch.Tensor], axes_leaves: list[Any
             raise ValueError(f"param {path}: logical axes {ax!r} do not match its shape {tuple(x.shape)}")
         if _single_device(mesh):
             # One device: nothing to distribute, so no DTensor dispatch either. Every
-            # dtp function takes plain tensors; the model runs as eager PyTorch.
-            sharded.append(x.detach().clone().requires_grad_(True))
+            # dtp function takes plain tensors; the model runs as eager PyTorch, on the
+            # mesh's device (a one-GPU run computes on the GPU, not where init made them).
+            sharded.append(x.detach().to(mesh_device(mesh), copy=True).requires_grad_(True))
             continue
         spec = layout.param_spec(ax, mesh, name=f"param {path}")
         sharded.append(shard(x.detach(), mesh, spec, name=f"param {path}").requires_grad_(True))
@@ -203,11 +205,12 @@ def shard_batch(batch: Mapping[str, torch.Tensor], state: TrainState) -> dict[st
     ``tokens``/``targets`` are checked against the vocabulary here (a min/max) every
     call, and the first call with each batch shape has the ranks agree (:mod:`dtp.guard`)
     on the batch and on each rank's check result, so a failure is the same error on
-    every rank.
+    every rank. One device: the batch moves to the mesh's device, plain.
     """
     mesh = compute_mesh(state)
     if _single_device(mesh):
-        return dict(batch)
+        device = mesh_device(state.mesh)
+        return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
     out, error = {}, None
     try:
         for k, v in batch.items():
@@ -320,6 +323,9 @@ def _check_inputs(batch: Mapping[str, torch.Tensor], state: TrainState, microbat
             raise TypeError(f"train_step: batch[{k!r}] must be a tensor, got {type(v).__name__}")
         if not isinstance(v, DTensor) and not _single_device(mesh):
             raise ValueError(f"train_step: batch[{k!r}] is a plain tensor; place it with dtp.shard_batch(batch, state)")
+        if not isinstance(v, DTensor) and v.device != mesh_device(state.mesh):
+            raise ValueError(f"train_step: batch[{k!r}] is on {v.device}, the state on {mesh_device(state.mesh)}; "
+                             f"place it with dtp.shard_batch(batch, state)")
         if isinstance(v, DTensor) and v.device_mesh is not mesh and v.device_mesh != mesh:
             raise ValueError(f"train_step: batch[{k!r}] is placed on another mesh ({v.device_mesh}) than the "
                              f"state's ({mesh}); place it with dtp.shard_batch(batch, state)")
