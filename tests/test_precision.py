@@ -264,3 +264,19 @@ def test_resume_across_precision_modes():
     assert all(math.isfinite(x) for x in resumed)
     _, resumed, keys, _ = run(_save_and_resume, "dp2 mixed", "dp2 pure", root + "/b", world_size=2)[0]
     assert keys and all(math.isfinite(x) for x in resumed)
+
+
+# --------------------------------------------------------------------------- the mesh's device
+
+
+def test_a_one_device_run_computes_on_the_mesh_device():
+    """On a fake npu (tests/scripts/fake_npu_device.py: tensors on "npu" computed on CPU),
+    parameters, Adam moments, master weights and batches are on the mesh's device before
+    and after two mixed-precision steps, and the losses are the CPU run's."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parent / "scripts" / "fake_npu_train.py"
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert "fake npu train ok" in out.stdout, out.stdout[-2000:] + out.stderr[-4000:]
