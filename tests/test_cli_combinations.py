@@ -97,6 +97,8 @@ ROWS: dict[str, list[str]] = {
     # ---- the dtypes, where the dtype is the point (their own tolerances)
     "fp32 dp2 tp2 sp": ["--dp", "2", "--tp", "2", "--sp", "--dtype", "float32"],
     "bf16 dp2 zero1": ["--dp", "2", "--zero", "1", "--dtype", "bfloat16"],
+    "bf16 mixed dp2 tp2 sp m2": ["--dp", "2", "--tp", "2", "--sp", "--dtype", "bfloat16", "--precision", "mixed",
+                                 "--microbatches", "2"],
     # ---- the run's other flags: evaluation, checkpoints, skip budget, memory check, timeouts
     "dp2 eval, checkpoints, async save": ["--dp", "2", "--eval-every", "2", "--save-every", "2", "--keep", "1",
                                           "--async-save", "--max-skipped", "2",
