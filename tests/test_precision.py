@@ -211,6 +211,7 @@ CKPT_CASES = {
     "dp2 pure": ({"dp": 2}, layouts.data()),
     "dp2 zero1": ({"dp": 2}, layouts.data() + layouts.zero(1, bucket_mb=1e-3)),
     "tp2 mixed": ({"tp": 2}, layouts.megatron(sequence_parallel=True) + layouts.mixed_precision()),
+    "pp2 mixed": ({"pp": 2}, layouts.pipeline("1f1b") + layouts.mixed_precision()),
 }
 
 
@@ -223,7 +224,7 @@ def _ckpt_state(name: str) -> dtp.TrainState:
 def _steps(state: dtp.TrainState, n: int) -> tuple[dtp.TrainState, list[float]]:
     losses = []
     for _ in range(n):
-        state, metrics = dtp.train_step(MODEL, state, dtp.shard_batch(_batch(), state))
+        state, metrics = dtp.train_step(MODEL, state, dtp.shard_batch(_batch(), state), microbatches=2)
         losses.append(metrics["loss"])
     return state, losses
 
@@ -242,7 +243,7 @@ def _save_and_resume(saved: str, loaded: str, root: str) -> tuple[list[float], l
 
 
 @pytest.mark.parametrize("saved,loaded", [("dp2 mixed", "dp2 mixed"), ("dp2 mixed", "dp2 zero1"),
-                                          ("dp2 zero1", "tp2 mixed")])
+                                          ("dp2 zero1", "tp2 mixed"), ("pp2 mixed", "dp2 mixed")])
 def test_checkpoints_keep_the_master_weights_and_resume_bit_exact(saved, loaded, tmp_path):
     straight, resumed, keys, _ = run(_save_and_resume, saved, loaded, str(tmp_path / "c"), world_size=2)[0]
     assert keys and all(k.startswith("master/") for k in keys)  # every bf16 parameter's fp32 master weights

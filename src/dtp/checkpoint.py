@@ -4,7 +4,9 @@ What is saved does not depend on the mesh, the layout or ZeRO's buckets: every p
 as one global tensor (``param/<path>``), its optimizer state per parameter
 (``opt/<field>/<path>``: Adam's moments, momentum), the optimizer's scalars
 (``opt/<field>``: the update count), the fp32 master weights where they differ from the
-parameters' dtype (``master/<path>``), and in a plain-JSON ``manifest.json`` the step,
+parameters' dtype (``master/<path>``: ZeRO's slices or ``layouts.mixed_precision``'s tree,
+either loads into the other; a state without master weights loads without them, one with
+them starts them from the parameters when the checkpoint has none), and in a plain-JSON ``manifest.json`` the step,
 the RNG state, the caller's ``extra`` (a data loader's position, the model config) and
 the versions. So a checkpoint saved under one layout loads into any other: DCP reads
 each rank's block of each global tensor from whichever files hold it.
