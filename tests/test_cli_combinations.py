@@ -111,6 +111,8 @@ ROWS: dict[str, list[str]] = {
     # ---- the dtypes, where the dtype is the point (their own tolerances)
     "fp32 dp2 tp2 sp": ["--dp", "2", "--tp", "2", "--sp", "--dtype", "float32"],
     "bf16 dp2 zero1": ["--dp", "2", "--zero", "1", "--dtype", "bfloat16"],
+    "bf16 mixed dp2 tp2 sp m2": ["--dp", "2", "--tp", "2", "--sp", "--dtype", "bfloat16", "--precision", "mixed",
+                                 "--microbatches", "2"],
     # ---- fine-tuning a Hugging Face model (made by _hf_dir): 300 token ids padded to 384 over tp
     "init-from HF dir dp2 tp2 sp": ["--init-from", "HF_DIR", "--dp", "2", "--tp", "2", "--sp"],
     # ---- the run's other flags: evaluation, checkpoints, skip budget, memory check, timeouts

@@ -108,3 +108,16 @@ def test_ranks_receive_the_config_and_the_run_records_it(tmp_path) -> None:
     assert (rc.dp, rc.lr, rc.save_every, rc.out) == (2, 0.002, 2, str(out))
     manifest = next((out / "checkpoints").glob("*/manifest.json"))
     assert json.loads(manifest.read_text())["extra"]["run"]["lr"] == 0.002
+
+
+def test_precision_is_a_field_its_rules_are_said_before_any_rank_starts() -> None:
+    rc = RunConfig(dtype="bfloat16", precision="mixed", dp=2)
+    assert rc.layout().precision is not None and RunConfig(dtype="bfloat16").layout().precision is None
+    assert cli.parse_args(rc.argv()).run_config == rc
+    with pytest.raises(ValueError, match=r"^--precision mixed keeps fp32 master weights beside bf16 parameters: "
+                                         r"it needs --dtype bfloat16, got --dtype float32"):
+        cli.parse_args(["train", "--precision", "mixed"])
+    with pytest.raises(ValueError, match=r"^RunConfig: precision pure is not available with zero 1: ZeRO's"):
+        RunConfig(dtype="bfloat16", precision="pure", zero=1, dp=2)
+    with pytest.raises(ValueError, match=r"precision must be one of pure, mixed; got 'fp8'"):
+        RunConfig(precision="fp8")

@@ -73,7 +73,7 @@ def test_composition_takes_the_right_hand_options() -> None:
 def test_layout_has_no_string_keyed_options() -> None:
     assert not hasattr(dtp.Layout(), "options")
     assert {f.name for f in dataclasses.fields(dtp.Layout)} == {
-        "params", "activations", "megatron", "context", "zero", "pipeline", "expert", "name"}
+        "params", "activations", "megatron", "context", "zero", "pipeline", "expert", "precision", "name"}
 
 
 def test_zero_active_needs_a_stage_and_a_split_axis() -> None:

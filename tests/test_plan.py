@@ -132,6 +132,7 @@ def _all(cases):
 # loss and the saved activations do.
 CASES_2 = {
     "dp2": (dict(dp=2), "tiny", 8, 16),
+    "dp2 bf16 mixed": (dict(dp=2, dtype="bfloat16", precision="mixed"), "tiny", 8, 16),  # fp32 gradient reduce
     "dp2 zero1": (dict(dp=2, zero=1), "tiny", 8, 128),
     "dp2 zero2": (dict(dp=2, zero=2), "tiny", 8, 128),
     "dp2 zero3": (dict(dp=2, zero=3), "tiny", 8, 128),

@@ -5,7 +5,9 @@ as one global tensor (``param/<path>``), every buffer (``buffer/<path>``: the st
 gradient trains, :mod:`dtp.buffers`), its optimizer state per parameter
 (``opt/<field>/<path>``: Adam's moments, momentum), the optimizer's scalars
 (``opt/<field>``: the update count), the fp32 master weights where they differ from the
-parameters' dtype (``master/<path>``), and in a plain-JSON ``manifest.json`` the step,
+parameters' dtype (``master/<path>``: ZeRO's slices or ``layouts.mixed_precision``'s tree,
+either loads into the other; a state without master weights loads without them, one with
+them starts them from the parameters when the checkpoint has none), and in a plain-JSON ``manifest.json`` the step,
 the RNG state, the caller's ``extra`` (a data loader's position, the model config) and
 the versions. So a checkpoint saved under one layout loads into any other: DCP reads
 each rank's block of each global tensor from whichever files hold it.
@@ -61,7 +63,7 @@ from ._rules import accum_dtype
 from .optim import map_param_trees
 from .spec import spec_of, wrap_local
 from .step import TrainState, wait
-from .strategies import zero as zero_mod
+from .strategies import precision, zero as zero_mod
 from ._checkpoint_pieces import LoadPlanner, Pieces, SavePlanner, zero_pieces
 
 __all__ = ["save", "load", "latest", "read_manifest", "AsyncSave", "FORMAT"]
@@ -90,7 +92,7 @@ def _logical(state: TrainState) -> dict[str, Any]:
     if state.buffers:  # the non-trainable collection (dtp.buffers): replicated, whole
         for path, x in zip(_paths(state.buffers), optree.tree_leaves(state.buffers)):
             out[f"buffer/{path}"] = _detach(x)
-    if z is not None and z.plan is not None:  # ZeRO after step one: everything from the slices
+    if isinstance(z, zero_mod.ZeroState) and z.plan is not None:  # ZeRO after step one: all from the slices
         paths = [leaf.path for leaf in z.leaves]
         master = [m.to_local() for m in z.master]
         for path, piece, leaf in zip(paths, zero_pieces(z, master), z.leaves):
@@ -109,9 +111,11 @@ def _logical(state: TrainState) -> dict[str, Any]:
     params = state.params
     for path, x in zip(_paths(params), optree.tree_leaves(params)):
         out[f"param/{path}"] = _detach(x)
-    if z is not None and z.loaded_master is not None:
-        for path, x in zip(_paths(params), optree.tree_leaves(z.loaded_master)):
-            out[f"master/{path}"] = _detach(x)
+    master = z.master if isinstance(z, precision.MasterWeights) else None if z is None else z.loaded_master
+    if master is not None:  # mixed precision's master weights, or those ZeRO loaded (before step one)
+        for path, x, p in zip(_paths(params), optree.tree_leaves(master), optree.tree_leaves(params)):
+            if x.dtype != p.dtype:  # an fp32 parameter is its own master weight
+                out[f"master/{path}"] = _detach(x)
     if state.opt_state is not None:
         def mirror(name: str, tree: PyTree) -> PyTree:
             for path, x in zip(_paths(params), optree.tree_leaves(tree)):
@@ -280,7 +284,7 @@ def _manifest(state: TrainState, extra: Mapping[str, Any] | None) -> dict[str, A
         "torch": torch.__version__,
         "mesh": dict(zip(state.mesh.mesh_dim_names or (), state.mesh.mesh.shape)),
         "layout": state.layout.name or "custom",
-        "zero_stage": state.zero.stage if state.zero is not None else 0,
+        "zero_stage": state.zero.stage if isinstance(state.zero, zero_mod.ZeroState) else 0,
         "rng": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(),
         "extra": extra,
     }
@@ -419,7 +423,7 @@ def _empty_like(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tens
 def _whole_params(like: TrainState) -> PyTree:
     """Empty parameters laid out as the layout says (ZeRO: before any bucket)."""
     z = like.zero
-    if z is None:
+    if not isinstance(z, zero_mod.ZeroState):
         return optree.tree_map(_empty_like, like.params)
     leaves = [wrap_local(torch.empty(leaf.local_shape, dtype=leaf.dtype), leaf.mesh, leaf.spec, leaf.shape)
               for leaf in z.leaves]
@@ -478,8 +482,9 @@ def _targets(like: TrainState, manifest: Mapping[str, Any]) -> tuple[dict[str, t
     loaded_master = None
     if z is not None and any(k.startswith("master/") for k in saved):
         loaded_master = optree.tree_map(lambda x: _empty_like(x, accum_dtype(x.dtype)), params)
-        for p, x in zip(_paths(params), optree.tree_leaves(loaded_master)):
-            targets[f"master/{p}"] = x
+        for p, x, param in zip(_paths(params), optree.tree_leaves(loaded_master), optree.tree_leaves(params)):
+            if x.dtype != param.dtype:  # the others are their parameters (filled in by build)
+                targets[f"master/{p}"] = x
     opt_state = None
     if any(k.startswith("opt/") for k in saved):
         shaped = params if z is None else optree.tree_map(lambda x: _empty_like(x, accum_dtype(x.dtype)), params)
@@ -497,10 +502,17 @@ def _targets(like: TrainState, manifest: Mapping[str, Any]) -> tuple[dict[str, t
 
     def build(step: int) -> TrainState:
         loaded = optree.tree_map(lambda x: x.requires_grad_(True), params)
+        master = None if loaded_master is None else optree.tree_map(
+            lambda m, p: m if m.dtype != p.dtype else p.detach(), loaded_master, loaded)
         if z is None:
             opt = like.optimizer.init(loaded) if opt_state is None else opt_state
             return dataclasses.replace(like, step=step, params=loaded, opt_state=opt, buffers=buffers)
-        fresh = zero_mod.ZeroState(z.options, z.leaves, z.skeleton, loaded_master=loaded_master)
+        if isinstance(z, precision.MasterWeights):
+            # Saved without master weights (pure bf16): they start as the parameters, exactly.
+            weights = precision.create(loaded) if master is None else precision.MasterWeights(master)
+            opt = like.optimizer.init(weights.master) if opt_state is None else opt_state
+            return dataclasses.replace(like, step=step, params=loaded, opt_state=opt, zero=weights, buffers=buffers)
+        fresh = zero_mod.ZeroState(z.options, z.leaves, z.skeleton, loaded_master=master)
         return dataclasses.replace(like, step=step, params=loaded, opt_state=opt_state, zero=fresh, buffers=buffers)
 
     return targets, build

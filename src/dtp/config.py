@@ -35,7 +35,7 @@ from typing import Any, Callable, Iterator, Mapping
 
 from . import layouts, schedules
 from ._token_files import DTYPES as TOKEN_DTYPES
-from .layouts import CP_ALGORITHMS, ZERO_STAGES, Layout
+from .layouts import CP_ALGORITHMS, PRECISIONS, ZERO_STAGES, Layout
 from .layouts.zero import misplaced_options
 from ._rules import SCORE_FUNCTIONS
 
@@ -120,6 +120,7 @@ class RunConfig:
     batch: int = 8
     seq: int = 64
     dtype: str = "float32"
+    precision: str | None = None  # "pure" | "mixed" (fp32 master weights); None: mixed under zero, else pure
     lr: float = 3e-3
     warmup: int | None = None  # None: min(DEFAULT_WARMUP, steps)
     microbatches: int = 1
@@ -189,6 +190,13 @@ class RunConfig:
             self._zero_layout()
         except ValueError as e:
             fail(str(e))
+        if self.precision == "mixed" and self.dtype != "bfloat16":
+            fail(f"{n('precision')} mixed keeps fp32 master weights beside bf16 parameters: it needs {n('dtype')} "
+                 f"bfloat16, got {n('dtype')} {self.dtype} (already its own master weights)")
+        if self.precision == "pure" and self.zero and self.dtype == "bfloat16":
+            fail(f"{n('precision')} pure is not available with {n('zero')} {self.zero}: ZeRO's distributed "
+                 f"optimizer keeps fp32 master slices of bf16 parameters (mixed by construction); drop "
+                 f"{n('precision')} pure or {n('zero')}")
         if self.sp and self.tp == 1:
             # Sequence parallel splits over the tp group; with a group of one it would be
             # silently off, so say so instead of running something else than was asked.
@@ -243,6 +251,8 @@ class RunConfig:
                 fail(f"{n(name)} must be one of {', '.join(map(str, choices))}; got {getattr(self, name)!r}")
         if self.router_score is not None and self.router_score not in SCORE_FUNCTIONS:
             fail(f"{n('router_score')} must be one of {', '.join(SCORE_FUNCTIONS)}; got {self.router_score!r}")
+        if self.precision is not None and self.precision not in PRECISIONS:
+            fail(f"{n('precision')} must be one of {', '.join(PRECISIONS)}; got {self.precision!r}")
         if self.cp_algo is not None and self.cp_algo not in CP_ALGORITHMS:
             fail(f"{n('cp_algo')} must be one of {', '.join(CP_ALGORITHMS)}; got {self.cp_algo!r}")
 
@@ -296,7 +306,8 @@ class RunConfig:
 
     def layout(self) -> Layout:
         """``data() + megatron(sequence_parallel=sp)`` (+ ``context(...)`` with cp > 1, + ``zero``,
-        + ``expert`` with ep > 1, + ``pipeline`` with pp > 1): the options mapped to the presets,
+        + ``mixed_precision`` with precision mixed, + ``expert`` with ep > 1, + ``pipeline`` with
+        pp > 1): the options mapped to the presets,
         which check their own. Megatron's rules name ``tp``; on a mesh without it they are
         dropped, so the same layout serves tp = 1.
 
@@ -311,6 +322,8 @@ class RunConfig:
             layout = layout + layouts.context(**options)
         if self.zero:  # zero 0 is plain data parallel, which the layout already is
             layout = layout + self._zero_layout()
+        if self.precision == "mixed":
+            layout = layout + layouts.mixed_precision()
         if self.ep > 1:
             layout = layout + layouts.expert(pipe_experts=self.pipe_experts, multi_data=self.multi_data,
                                              multi_stream=self.multi_stream, tp_axis="tp" if self.expert_tp else None)

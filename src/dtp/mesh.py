@@ -22,7 +22,7 @@ from ._rules import is_positive_int
 from ._mesh_shape import axis_names  # torch-free: the layouts check against a MeshShape too
 from ._torch import flatten_mesh
 
-__all__ = ["make_mesh", "detect_device", "axis_names", "axis_sizes", "axis_size", "coordinates", "all_coordinates", "axis_coordinate",
+__all__ = ["make_mesh", "detect_device", "mesh_device", "axis_names", "axis_sizes", "axis_size", "coordinates", "all_coordinates", "axis_coordinate",
            "block_index", "flatten_axes", "clear_mesh_cache"]
 
 _BACKEND_FOR_DEVICE = {"cuda": "nccl", "npu": "hccl", "cpu": "gloo"}
@@ -190,6 +190,23 @@ def make_mesh(*, device: str | None = None, timeout: float | datetime.timedelta 
         mesh = init_device_mesh(device_type, tuple(axes.values()), mesh_dim_names=tuple(axes))
         _MESH_CACHE[key] = mesh
     return mesh
+
+
+def mesh_device(mesh: DeviceMesh) -> torch.device:
+    """The device this rank computes on for ``mesh``: ``cpu``, or the mesh's device type
+    at the current index (``cuda:0`` …; :func:`make_mesh` set it from ``LOCAL_RANK``).
+
+    Where dtp puts what it creates (parameters, optimizer state, master weights, batches),
+    world 1 included: a one-device run on a GPU computes there, not on the CPU.
+
+    >>> mesh_device(make_mesh(dp=1))
+    device(type='cpu')
+    """
+    if mesh.device_type == "cpu":
+        return torch.device("cpu")
+    module = getattr(torch, mesh.device_type, None)
+    index = module.current_device() if module is not None and hasattr(module, "current_device") else 0
+    return torch.device(mesh.device_type, index)
 
 
 def clear_mesh_cache() -> None:

@@ -42,6 +42,8 @@ from .redistribute import from_local, reshard
 from .spec import P, spec_of
 
 __all__ = [
+    "state_part",
+    "state_join",
     "GradientTransformation",
     "Schedule",
     "ScalarOrSchedule",
@@ -518,3 +520,36 @@ def map_param_trees(state: PyTree, params: PyTree, on_tree: Callable[[str, PyTre
         return node if node is None else on_leaf(name, node)
 
     return walk(state, ())
+
+
+def state_part(state: PyTree, groups: list[PyTree], i: int) -> PyTree:
+    """Group ``i``'s part of an elementwise optimizer's state over a list of parameter
+    groups (ZeRO's buckets): every subtree that mirrors ``groups``
+    (:func:`map_param_trees` knows which from the optimizer's own tree: moments,
+    momentum) cut to ``[groups[i]]``'s; the rest (the count) kept.
+
+    >>> groups = [{"w": torch.ones(2)}, {"w": torch.ones(3)}]
+    >>> part = state_part(adamw(0.1).init(groups), groups, 1)
+    >>> part.mu[0]["w"].shape, int(part.count)
+    (torch.Size([3]), 0)
+    """
+    return map_param_trees(state, groups, lambda name, tree: [tree[i]])
+
+
+def state_join(template: PyTree, groups: list[PyTree], parts: list[PyTree]) -> PyTree:
+    """Inverse of :func:`state_part`: the per-group states (each over ``[groups[k]]``)
+    as one state over ``groups``, shaped like ``template``; the shared leaves (the
+    count) from the parts, on which the groups agree.
+
+    >>> groups = [{"w": torch.ones(2)}, {"w": torch.ones(3)}]
+    >>> state = adamw(0.1).init(groups)
+    >>> joined = state_join(state, groups, [state_part(state, groups, k) for k in range(2)])
+    >>> [m["w"].shape for m in joined.mu]
+    [torch.Size([2]), torch.Size([3])]
+    """
+    trees: dict[str, list[Any]] = {}
+    leaves: dict[str, Any] = {}
+    for k, part in enumerate(parts):
+        map_param_trees(part, [groups[k]], lambda name, tree: trees.setdefault(name, []).append(tree[0]),
+                        lambda name, x: leaves.__setitem__(name, x))
+    return map_param_trees(template, groups, lambda name, tree: trees[name], lambda name, x: leaves[name])

@@ -22,7 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 
 from ._torch import StridedShard, maybe_run_for_local_tensor
-from .mesh import axis_names, axis_sizes, block_index
+from .mesh import axis_names, axis_sizes, block_index, mesh_device
 
 __all__ = ["P", "to_placements", "from_placements", "shard", "spec_of", "check_spec", "wrap_local"]
 
@@ -203,8 +203,10 @@ def _take_block(t: torch.Tensor, spec: P, mesh: DeviceMesh, *coord: int) -> torc
 def shard(tensor: torch.Tensor, mesh: DeviceMesh, spec: P, *, name: str = "tensor") -> DTensor:
     """Turn a global tensor, identical on every rank, into a DTensor laid out as ``spec``.
 
-    No communication: each rank keeps its own block. Axes in ``partial`` keep the value
-    on coordinate 0 and zeros elsewhere, so the pending sum is the original tensor.
+    No communication: each rank keeps its own block, on the mesh's device
+    (:func:`dtp.mesh.mesh_device`; only the block is copied there). Axes in ``partial``
+    keep the value on coordinate 0 and zeros elsewhere, so the pending sum is the
+    original tensor.
 
     >>> mesh = make_mesh(dp=1)
     >>> x = shard(torch.arange(4.0), mesh, P("dp"))
@@ -215,6 +217,9 @@ def shard(tensor: torch.Tensor, mesh: DeviceMesh, spec: P, *, name: str = "tenso
         raise ValueError(f"{name}: already a DTensor with spec {spec_of(tensor)}; use dtp.reshard to move it")
     check_spec(spec, mesh, tensor.shape, name)
     local = _take_block(tensor.detach(), spec, mesh, *mesh.get_coordinate())
+    device = mesh_device(mesh)
+    if local.device != device:
+        local = local.to(device)
     # A new leaf (like distribute_tensor): gradients land on the DTensor itself.
     return wrap_local(local, mesh, spec, tuple(tensor.shape)).requires_grad_(tensor.requires_grad)
 

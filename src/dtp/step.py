@@ -36,7 +36,8 @@ from .buffers import apply_update, lay_out as lay_out_buffers, reading
 from ._rules import is_positive_int
 from .comm import comm_log, span
 from .layouts import Layout, check_divisible, use_layout
-from .optim import GradientTransformation, apply_updates, clip_by_global_norm, map_param_trees
+from .mesh import mesh_device
+from .optim import GradientTransformation, apply_updates, clip_by_global_norm, state_join, state_part
 from .ops.parallel import count_targets, mean_over
 from .ops.recompute import POLICIES, recompute as recompute_policy
 from .redistribute import local_map, value_of
@@ -137,13 +138,13 @@ class TrainState:
         return state_from_hf(path, optimizer, mesh=mesh, layout=layout, dtype=dtype, vocab_multiple=vocab_multiple)
 
     def replace(self, **changes: Any) -> "TrainState":
-        if "params" in changes and "zero" not in changes and self.zero is not None and self.zero.plan is not None:
-            raise ValueError("TrainState.replace: under ZeRO the parameters live in the buckets and master "
-                             "slices; new parameters need a new state (TrainState.create)")
+        if "params" in changes and "zero" not in changes and strategies.owns_params(self.zero):
+            raise ValueError("TrainState.replace: the parameters derive from the master weights (ZeRO's buckets "
+                             "and slices, or mixed precision's); new parameters need a new state (TrainState.create)")
         return dataclasses.replace(self, **changes)
 
     def __repr__(self) -> str:
-        extra = f", zero=stage {self.zero.stage}" if self.zero is not None else ""
+        extra = strategies.describe(self.zero)
         return f"TrainState(step={self.step}, layout={self.layout.name or 'custom'!r}, mesh={self.mesh}{extra})"
 
     def param_specs(self) -> PyTree:
@@ -165,8 +166,9 @@ def _lay_out(paths: list[str], leaves: list[torch.Tensor], axes_leaves: list[Any
             raise ValueError(f"param {path}: logical axes {ax!r} do not match its shape {tuple(x.shape)}")
         if _single_device(mesh):
             # One device: nothing to distribute, so no DTensor dispatch either. Every
-            # dtp function takes plain tensors; the model runs as eager PyTorch.
-            sharded.append(x.detach().clone().requires_grad_(True))
+            # dtp function takes plain tensors; the model runs as eager PyTorch, on the
+            # mesh's device (a one-GPU run computes on the GPU, not where init made them).
+            sharded.append(x.detach().to(mesh_device(mesh), copy=True).requires_grad_(True))
             continue
         spec = layout.param_spec(ax, mesh, name=f"param {path}")
         sharded.append(shard(x.detach(), mesh, spec, name=f"param {path}").requires_grad_(True))
@@ -231,11 +233,12 @@ def shard_batch(batch: Mapping[str, torch.Tensor], state: TrainState) -> dict[st
     ``tokens``/``targets`` are checked against the vocabulary here (a min/max) every
     call, and the first call with each batch shape has the ranks agree (:mod:`dtp.guard`)
     on the batch and on each rank's check result, so a failure is the same error on
-    every rank.
+    every rank. One device: the batch moves to the mesh's device, plain.
     """
     mesh = compute_mesh(state)
     if _single_device(mesh):
-        return dict(batch)
+        device = mesh_device(state.mesh)
+        return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
     out, error = {}, None
     try:
         for k, v in batch.items():
@@ -349,6 +352,9 @@ def _check_inputs(batch: Mapping[str, torch.Tensor], state: TrainState, microbat
             raise TypeError(f"train_step: batch[{k!r}] must be a tensor, got {type(v).__name__}")
         if not isinstance(v, DTensor) and not _single_device(mesh):
             raise ValueError(f"train_step: batch[{k!r}] is a plain tensor; place it with dtp.shard_batch(batch, state)")
+        if not isinstance(v, DTensor) and v.device != mesh_device(state.mesh):
+            raise ValueError(f"train_step: batch[{k!r}] is on {v.device}, the state on {mesh_device(state.mesh)}; "
+                             f"place it with dtp.shard_batch(batch, state)")
         if isinstance(v, DTensor) and v.device_mesh is not mesh and v.device_mesh != mesh:
             raise ValueError(f"train_step: batch[{k!r}] is placed on another mesh ({v.device_mesh}) than the "
                              f"state's ({mesh}); place it with dtp.shard_batch(batch, state)")
@@ -550,14 +556,14 @@ def _update(run: strategies.StepRun, optimizer: GradientTransformation, opt_stat
         parts: list[PyTree] = [None] * n
         new = list(targets)
         for i, g in run.gradients():
-            u, parts[i] = optimizer.update([g], _state_part(opt_state, targets, i), [targets[i]])
+            u, parts[i] = optimizer.update([g], state_part(opt_state, targets, i), [targets[i]])
             new[i] = apply_updates([targets[i]], u)[0]
             grads[i] = g
         norm = run.norm(grads)  # after every bucket's update, off their path
         # A skip drops the new tensors (the old ones were never written to): nothing to
         # undo, and nothing extra on the steps that are not skipped.
         bad = _non_finite(loss, norm)
-        return (targets, opt_state, norm, bad) if bad else (new, _state_join(opt_state, targets, parts), norm, None)
+        return (targets, opt_state, norm, bad) if bad else (new, state_join(opt_state, targets, parts), norm, None)
     for i, g in run.gradients():
         grads[i] = g
     tree, params = (grads, targets) if run.grouped else (grads[0], targets[0])
@@ -570,23 +576,6 @@ def _update(run: strategies.StepRun, optimizer: GradientTransformation, opt_stat
     updates, opt_state = optimizer.update(tree, opt_state, params)
     new = apply_updates(params, updates)
     return (new if run.grouped else [new]), opt_state, norm, None
-
-
-def _state_part(state: PyTree, targets: list[PyTree], i: int) -> PyTree:
-    """Group ``i``'s part of an elementwise optimizer's state: every subtree that mirrors
-    the groups (moments, momentum: :func:`dtp.optim.map_param_trees` knows which, from
-    the optimizer's own tree) cut to ``[i]``; the rest (the count) kept."""
-    return map_param_trees(state, targets, lambda name, tree: [tree[i]])
-
-
-def _state_join(template: PyTree, targets: list[PyTree], parts: list[PyTree]) -> PyTree:
-    """Inverse of :func:`_state_part` over the per-group updated states."""
-    trees: dict[str, list[Any]] = {}
-    leaves: dict[str, Any] = {}
-    for k, part in enumerate(parts):
-        map_param_trees(part, [targets[k]], lambda name, tree: trees.setdefault(name, []).append(tree[0]),
-                        lambda name, x: leaves.__setitem__(name, x))  # shared (the count): the groups agree
-    return map_param_trees(template, targets, lambda name, tree: trees[name], lambda name, x: leaves[name])
 
 
 def _metrics(state: TrainState, batch: Mapping[str, torch.Tensor], loss: float, aux: Any, norm: torch.Tensor,

@@ -48,7 +48,8 @@ router        the router's scores over all experts (never split)
 Modules: :mod:`.core` (``Layout``, the active layout), :mod:`.megatron` (``data``,
 ``megatron``), :mod:`.context` (``context`` and the cp sequence order), :mod:`.zero`,
 :mod:`.pipeline` (``pipeline``: stages, schedule, virtual stages), :mod:`.expert` (``expert``:
-experts over ``ep``, which is also a data axis).
+experts over ``ep``, which is also a data axis), :mod:`.precision` (``mixed_precision``: fp32
+master weights and gradient accumulation beside bf16 parameters).
 The package attributes ``megatron``, ``context`` and ``zero`` are the preset functions;
 import the modules as ``from dtp.layouts.zero import ZeroOptions`` when you need them.
 """
@@ -73,11 +74,12 @@ from .core import MODEL_AXES, Axes, Layout, constrain, current, use_layout
 from .expert import ExpertOptions, expert
 from .megatron import MegatronOptions, data, megatron
 from .pipeline import PipelineOptions, pipeline
+from .precision import PRECISIONS, PrecisionOptions, mixed_precision
 from .zero import ZERO_STAGES, ZeroOptions, zero
 
 __all__ = [
     "Layout", "data", "megatron", "context", "context_options", "zero", "pipeline", "PipelineOptions", "expert",
-    "ExpertOptions", "use_layout", "current", "constrain",
+    "ExpertOptions", "mixed_precision", "PrecisionOptions", "PRECISIONS", "use_layout", "current", "constrain",
     "MegatronOptions", "ContextOptions", "ZeroOptions", "CP_ALGORITHMS", "LOAD_BALANCE", "ZERO_STAGES",
     "Axes", "MODEL_AXES", "attended_kv_heads", "check_cp", "check_divisible", "check_load_balance", "check_window",
     "zigzag_permutation", "cp_permutation", "to_cp_order", "from_cp_order",

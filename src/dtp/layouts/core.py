@@ -28,6 +28,7 @@ if TYPE_CHECKING:  # and the option modules import Layout to build their presets
     from .expert import ExpertOptions
     from .megatron import MegatronOptions
     from .pipeline import PipelineOptions
+    from .precision import PrecisionOptions
     from .zero import ZeroOptions
 
 __all__ = ["Layout", "Axes", "MODEL_AXES", "use_layout", "current", "constrain"]
@@ -76,6 +77,7 @@ class Layout:
     zero: ZeroOptions | None = None  # set by layouts.zero (stage >= 1); None: gradients all-reduced
     pipeline: PipelineOptions | None = None  # set by layouts.pipeline; None: no pipeline
     expert: ExpertOptions | None = None  # set by layouts.expert; None: experts where the rules put them
+    precision: PrecisionOptions | None = None  # set by layouts.mixed_precision; None: updates in the params' dtype
     name: str = ""  # for messages: the presets it was composed from
 
     def __add__(self, other: Layout) -> Layout:
@@ -84,7 +86,7 @@ class Layout:
         return Layout(_merge(self.params, other.params), _merge(self.activations, other.activations),
                       megatron=_right(self.megatron, other.megatron), context=_right(self.context, other.context),
                       zero=_right(self.zero, other.zero), pipeline=_right(self.pipeline, other.pipeline),
-                      expert=_right(self.expert, other.expert),
+                      expert=_right(self.expert, other.expert), precision=_right(self.precision, other.precision),
                       name=" + ".join(n for n in (self.name, other.name) if n))
 
     def _spec(self, rules: Mapping[str, Axes], logical: Sequence[str | None], mesh: DeviceMesh, name: str) -> P:

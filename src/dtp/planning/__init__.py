@@ -96,7 +96,7 @@ def plan(model: str | llama.LlamaConfig | RunConfig = "tiny", *, batch: int = 8,
       builds from the same flags.
     - `parallel`: the fields of :class:`Setup`: ``dp, tp, sp, cp, cp_algo, cp_window,
       ulysses_degree, cp_head_chunks, pp, pp_schedule, virtual_stages, ep, zero, bucket_mb,
-      reshard_after_forward, microbatches, recompute, dtype`` (``dtp train``'s flags, same
+      reshard_after_forward, microbatches, recompute, dtype, precision`` (``dtp train``'s flags, same
       defaults). With a `layout`, the mesh sizes and ZeRO / pipeline fields must describe
       the same run; context options given here too must agree with its.
 

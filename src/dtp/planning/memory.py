@@ -213,8 +213,8 @@ def phases(s: Setup, rank_leaves: list[Leaf], stage: int = 0) -> dict[str, tuple
             gathered_fwd = sum(z for z, b in zip(sizes, buckets) if not (b[3] and s.reshard_after_forward))
             gathered_bwd = sum(sorted(sizes)[-2:])
     else:
-        grads = w
-        reduction = w if s.dp > 1 else 0  # DDP's all-reduce works on a copy of each gradient
+        grads = _grad_bytes(s, w)
+        reduction = grads if s.dp > 1 else 0  # DDP's all-reduce works on a copy of each gradient
     # Which blocks, head and embedding this rank runs, per microbatch.
     blocks = sorted({int(l.path.split(".")[1]) for l in rank_leaves if l.path.startswith("layers.")})
     has_head = any(l.path == "final_norm" for l in rank_leaves)
@@ -262,6 +262,18 @@ def phases(s: Setup, rank_leaves: list[Leaf], stage: int = 0) -> dict[str, tuple
     return out
 
 
+def _grad_bytes(s: Setup, w: int) -> int:
+    """Gradient bytes of ``w`` parameter bytes without ZeRO: the parameters' own, or under
+    ``layouts.mixed_precision`` of bf16 parameters their fp32 accumulators (as big as the
+    master weights and each moment).
+
+    >>> _grad_bytes(Setup(dtype="bfloat16", precision="mixed"), 100), _grad_bytes(Setup(dtype="bfloat16"), 100)
+    (200, 100)
+    """
+    e, acc = s.torch_dtype.itemsize, accum_dtype(s.torch_dtype).itemsize
+    return w * acc // e if s.layout.precision is not None else w
+
+
 def memory(s: Setup, rank_leaves: list[Leaf], stage: int = 0) -> Memory:
     """The memory of pipeline rank ``stage`` holding ``rank_leaves``.
 
@@ -294,8 +306,9 @@ def memory(s: Setup, rank_leaves: list[Leaf], stage: int = 0) -> Memory:
             update = max(update, 3 * slice_ * acc + buf + staging)
         update += data
     else:
-        params, optimizer, grads = w, 2 * w, w
-        update = 6 * w + data
+        grads = _grad_bytes(s, w)  # mixed precision: fp32 gradients, master weights and moments
+        params, optimizer = w, (3 if grads != w else 2) * grads
+        update = 6 * grads + (w if grads != w else 0) + data  # mixed: then the master weights rounded
     moments = phases(s, rank_leaves, stage)
     moment = max(moments, key=lambda k: sum(moments[k]))
     activations = max(saved for _, saved, _ in moments.values())

@@ -65,6 +65,7 @@ class Setup:
     microbatches: int = 1
     recompute: Literal["none", "full", "selective"] = "none"
     dtype: str = "float32"
+    precision: str | None = None  # RunConfig's: "mixed" adds fp32 master weights and gradients beside bf16
     # The layout planned (dtp.cli.flags.build_layout's); None: layout_for(self). Filled in
     # by __post_init__, so after construction it is always a Layout.
     layout: Layout | None = field(default=None, repr=False)
@@ -100,7 +101,7 @@ class Setup:
         """
         cfg = llama.config_for(config.model, init_from=config.init_from, **config.model_overrides())
         fields = ("dp", "tp", "cp", "pp", "pp_schedule", "virtual_stages", "ep", "zero", "bucket_mb",
-                  "reshard_after_forward", "microbatches", "recompute", "dtype")
+                  "reshard_after_forward", "microbatches", "recompute", "dtype", "precision")
         parallel = {k: getattr(config, k) for k in fields}
         parallel["sp"] = config.sp and config.tp > 1
         return cfg, config.batch, config.seq, config.layout(), parallel
@@ -182,7 +183,8 @@ def layout_for(s: Setup) -> Layout:
                      ulysses_degree=s.ulysses_degree, cp_head_chunks=s.cp_head_chunks, zero=s.zero,
                      bucket_mb=s.bucket_mb, reshard_after_forward=s.reshard_after_forward, ep=s.ep, pp=s.pp,
                      pp_schedule=s.pp_schedule, virtual_stages=s.virtual_stages, dp=s.dp, tp=s.tp,
-                     microbatches=s.microbatches, batch=s.batch, seq=s.seq).layout()
+                     microbatches=s.microbatches, batch=s.batch, seq=s.seq, dtype=s.dtype,
+                     precision=s.precision).layout()
 
 
 @dataclass(frozen=True)

@@ -123,12 +123,14 @@ def traffic(s: Setup, rank_leaves: list[Leaf], stage: int = 0) -> list[Traffic]:
     # Without ZeRO pending sums accumulate over microbatches and reduce once; ZeRO adds each
     # microbatch's gradient into its bucket, so the other axes reduce it every microbatch.
     grad_times = m if zero_dp else 1
+    # Mixed precision (without ZeRO) accumulates and reduces the gradients in fp32.
+    widen = 1 if zero_dp or s.layout.precision is None else acc // e
     for axis in ("cp", "ep", "tp") + (() if zero_dp else ("dp",)):
         n = axes.get(axis, 1)
         per: dict[int, int] = defaultdict(int)
         for leaf in rank_leaves:
             if not leaf.splits(axis):
-                per[_ar(leaf.nbytes, n)] += 1
+                per[_ar(leaf.nbytes * (widen if leaf.dtype == s.torch_dtype else 1), n)] += 1
         for each, times in sorted(per.items()):
             add(axis, "all_reduce", "grad", times * grad_times, each)
     if zero_dp:

@@ -26,6 +26,8 @@ and asks a :class:`StepRun` for the parts that differ between strategies:
 Strategies today: :mod:`.replicated` (gradients all-reduced to the parameters' layout,
 DDP), :mod:`.zero` (ZeRO 1/2/3 buckets: reduce-scatter, sharded update, all-gather) and
 :mod:`.pipeline` (stages over ``pp``: any schedule's action list, sends and receives).
+:mod:`.precision` (``layouts.mixed_precision``) wraps the replicated or pipeline run so the
+optimizer updates fp32 master weights (ZeRO's own slices already are).
 
 Adding a strategy: options as a frozen, self-checking object in ``dtp.layouts``; the
 collectives through :mod:`dtp.comm`; a ``StepRun`` here; :func:`begin` picks it from the
@@ -43,10 +45,10 @@ from ..layouts import Layout, use_layout
 from ..layouts.pipeline import assign
 from ..redistribute import value_of
 from ..models.sequential import Sequential
-from . import pipeline, replicated, zero
+from . import pipeline, precision, replicated, zero
 
 __all__ = ["StepRun", "Scheduled", "begin", "create", "compute_mesh", "gather", "wait", "check", "evaluate",
-           "replicated", "zero", "pipeline"]
+           "describe", "owns_params", "replicated", "zero", "pipeline", "precision"]
 
 PyTree = Any
 
@@ -90,12 +92,32 @@ class Scheduled(_Run, Protocol):
 def create(params: PyTree, optimizer: Any, layout: Layout, mesh: DeviceMesh) -> tuple[PyTree, Any]:
     """``(opt_state, strategy state)`` of a new :class:`dtp.TrainState` over laid-out
     ``params``: ZeRO's state (buckets and the sharded optimizer state come in step one)
-    when the layout shards over a data axis of more than one device, else the optimizer's
-    own state and ``None``."""
+    when the layout shards over a data axis of more than one device; under
+    ``layouts.mixed_precision`` with bf16 parameters the master weights
+    (:class:`.precision.MasterWeights`) and the optimizer state over them; else the
+    optimizer's own state and ``None``."""
     options = None if mesh.size() == 1 else zero.options(layout, mesh)
     if options is not None:
         return None, zero.create(params, options)
+    if layout.precision is not None and precision.needed(params):
+        master = precision.create(params)
+        return optimizer.init(master.master), master
     return optimizer.init(params), None
+
+
+def describe(state: Any) -> str:
+    """The strategy state in a ``TrainState``'s repr (``""``: none)."""
+    if isinstance(state, zero.ZeroState):
+        return f", zero=stage {state.stage}"
+    return f", master={state!r}" if state is not None else ""
+
+
+def owns_params(state: Any) -> bool:
+    """Whether the parameters derive from the strategy state (ZeRO's buckets after step
+    one, mixed precision's master weights): new parameters then need a new state."""
+    if isinstance(state, zero.ZeroState):
+        return state.plan is not None
+    return isinstance(state, precision.MasterWeights)
 
 
 def _pipeline_options(layout: Layout, mesh: DeviceMesh) -> Any:
@@ -117,12 +139,12 @@ def gather(params: PyTree, state: Any, layout: Layout, mesh: DeviceMesh) -> PyTr
     if opts is not None:
         wait(state)  # ZeRO 1/2 under the stages: their views may still be filling
         return pipeline.gather(params, mesh, opts.axis)
-    return params if state is None else zero.gather(state, params)
+    return zero.gather(state, params) if isinstance(state, zero.ZeroState) else params
 
 
 def wait(state: Any) -> None:
     """Wait for what a strategy state still has in flight (ZeRO's prefetched gathers)."""
-    if state is not None:
+    if isinstance(state, zero.ZeroState):
         state.wait()
 
 
@@ -180,11 +202,16 @@ def begin(params: PyTree, state: Any, microbatches: int, *, loss_fn: Any = None,
     has one on ``mesh``, ZeRO's when ``state`` is ZeRO's, else replicated.
     ``gradients_only`` (:func:`dtp.step.value_and_grad`): a strategy whose gradients
     never take the parameters' layout refuses."""
-    if gradients_only and state is not None:
+    if gradients_only and isinstance(state, zero.ZeroState):
         raise ValueError("value_and_grad: a ZeRO state's gradients are reduce-scattered into bucket slices "
                          "inside dtp.train_step; call train_step (or drop layouts.zero)")
+    master = state if isinstance(state, precision.MasterWeights) else None
     if layout is not None and mesh is not None and _pipeline_options(layout, mesh) is not None:
-        return pipeline.Run(params, pipeline.Context(layout, mesh, loss_fn, microbatches, state))
+        zero_state = state if master is None else None
+        run = pipeline.Run(params, pipeline.Context(layout, mesh, loss_fn, microbatches, zero_state))
+        return run if master is None else precision.wrap(run, master)
+    if master is not None:  # mixed precision: fp32 accumulators, the master weights updated
+        return precision.wrap(replicated.Run(params, microbatches, accumulate=True), master)
     if state is not None:
         return zero.Run(state, params, microbatches)
     return replicated.Run(params, microbatches)

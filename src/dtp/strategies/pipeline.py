@@ -50,6 +50,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from .. import comm, schedules
+from .._rules import accum_dtype
 from .._torch import local_shape
 from ..layouts import Layout, use_layout
 from ..layouts.pipeline import assign
@@ -140,7 +141,8 @@ class Run:
                 zero_mod.create(self.params_tree, zero_opts)
             self.inner = zero_mod.Run(z, self.params_tree, self.m)
         else:
-            self.inner = replicated.Run(self.params_tree, self.m)
+            # Mixed precision (the caller wraps this run): gradients accumulate in fp32.
+            self.inner = replicated.Run(self.params_tree, self.m, accumulate=ctx.layout.precision is not None)
         self.grouped = self.inner.grouped
         # full leaf index (None included) -> index among the held leaves (the inner run's)
         self.held = {j: k for k, j in enumerate(j for j, x in enumerate(local) if x is not None)}
@@ -221,13 +223,14 @@ class Run:
         if opt_state is None:
             return optimizer.init(targets[0])
         full = optree.tree_unflatten(self.treedef, list(range(len(self.keep))))
+        return map_param_trees(opt_state, full, lambda name, tree: self.mirror(tree))
 
-        def mirror(name: str, tree: PyTree) -> PyTree:
-            leaves = optree.tree_leaves(tree, none_is_leaf=True)
-            return optree.tree_unflatten(self.treedef, [self._to_stage(x) if keep and x is not None else None
-                                                        for x, keep in zip(leaves, self.keep)])
-
-        return map_param_trees(opt_state, full, mirror)
+    def mirror(self, tree: PyTree) -> PyTree:
+        """A per-parameter tree of the whole mesh (or already this rank's) as this rank's
+        stages hold it: its parameters' entries on the stage mesh, ``None`` elsewhere."""
+        leaves = optree.tree_leaves(tree, none_is_leaf=True)
+        return optree.tree_unflatten(self.treedef, [self._to_stage(x) if keep and x is not None else None
+                                                    for x, keep in zip(leaves, self.keep)])
 
     def norm(self, grads: PyTree) -> torch.Tensor:
         """The gradient norm over every stage: each rank's squares (a tied parameter
@@ -383,7 +386,7 @@ class Run:
             k = self.held[j]
             g, leaf = self.inner.grad(k), optree.tree_leaves(self.params_tree)[k]
             if g is None:  # a stage that does not read it after all: its share is zero
-                g = torch.zeros_like(leaf)
+                g = torch.zeros_like(leaf, dtype=accum_dtype(leaf.dtype) if self.inner.accumulate else leaf.dtype)
             if isinstance(g, DTensor) and spec_of(g) != spec_of(leaf):
                 # Each end's gradient in the parameter's layout first (its dp reduction),
                 # so the two add as plain local tensors whatever their pending sums were.

@@ -5,6 +5,10 @@ is split on (``Partial`` over ``dp``, and over ``cp``/``tp`` for parameters thos
 over). Microbatches accumulate in that layout — pending sums add locally, no collective —
 and after the last one each gradient goes to its parameter's spec: ``Partial →
 Replicate`` is the all-reduce (tag ``grad reduce``), once per step whatever ``m``.
+
+With ``accumulate=True`` (mixed precision, :mod:`.precision`) the accumulators are in the
+accumulation dtype (fp32 for bf16 gradients: a local cast of the first microbatch's),
+so the sum over microbatches and its all-reduce are fp32, as Megatron's main grads.
 """
 
 from __future__ import annotations
@@ -16,9 +20,10 @@ import optree
 import torch
 from torch.distributed.tensor import DTensor
 
+from .._rules import accum_dtype
 from ..optim import global_norm
 from ..redistribute import reshard
-from ..spec import P, spec_of
+from ..spec import P, spec_of, wrap_local
 
 __all__ = ["Run"]
 
@@ -29,14 +34,24 @@ def _spec(x: torch.Tensor) -> P | None:
     return spec_of(x) if isinstance(x, DTensor) else None
 
 
+def _cast(g: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``g`` in ``dtype``, locally: a pending sum stays pending (each rank casts its part)."""
+    if g.dtype == dtype:
+        return g
+    if not isinstance(g, DTensor):
+        return g.to(dtype)
+    return wrap_local(g.to_local().to(dtype), g.device_mesh, spec_of(g), tuple(g.shape))
+
+
 class Run:
     """One step over replicated parameters: the optimizer updates the parameter tree."""
 
     grouped = False
 
-    def __init__(self, params: PyTree, microbatches: int):
+    def __init__(self, params: PyTree, microbatches: int, *, accumulate: bool = False):
         self.leaves, self.treedef = optree.tree_flatten(params)
         self.grads: list[torch.Tensor | None] = [None] * len(self.leaves)
+        self.accumulate = accumulate  # accumulate (and reduce) in the accumulation dtype
 
     def params(self) -> PyTree:
         return optree.tree_unflatten(self.treedef, self.leaves)
@@ -54,7 +69,7 @@ class Run:
                 continue
             acc = self.grads[i]
             if acc is None:
-                self.grads[i] = g
+                self.grads[i] = _cast(g, accum_dtype(g.dtype)) if self.accumulate else g
             else:  # accumulate in the accumulator's layout (pending sums add locally)
                 self.grads[i] = acc + (g if _spec(g) == _spec(acc) else reshard(g, spec_of(acc)))
 
@@ -69,13 +84,17 @@ class Run:
         # To the parameters' layout: pending sums over dp become all-reduces (DDP).
         reduced = []
         for g, p in zip(self.grads, self.leaves):
-            g = torch.zeros_like(p) if g is None else g
+            g = torch.zeros_like(p, dtype=accum_dtype(p.dtype) if self.accumulate else p.dtype) if g is None else g
             reduced.append(reshard(g, spec_of(p), tag="grad reduce") if _spec(g) != _spec(p) else g)
         self.grads = [None] * len(self.leaves)
         yield 0, optree.tree_unflatten(self.treedef, reduced)
 
     def targets(self) -> list[PyTree]:
         return [self.params()]
+
+    def mirror(self, tree: PyTree) -> PyTree:
+        """A per-parameter tree laid out like the targets: ``tree`` itself."""
+        return tree
 
     def opt_state(self, optimizer: Any, opt_state: PyTree, targets: list[PyTree]) -> PyTree:
         return optimizer.init(targets[0]) if opt_state is None else opt_state
