@@ -1,0 +1,86 @@
+"""Async tensor parallel (``layouts.megatron(sequence_parallel=True, async_tp=True)``):
+three steps equal one device in fp64 and non-async SP in fp32, with the same bytes per
+rank per mesh axis; the block entries are one ring each (the kinds change to send_recv)."""
+import functools
+import math
+
+import optree
+import pytest
+import torch
+from torch.distributed.tensor import DTensor
+
+import dtp
+from dtp.models import llama
+from dtp.testing import assert_tree_close, reference_value_and_grad, run
+
+CFG = llama.config("tiny", n_heads=8, n_kv_heads=4)
+LOSS = functools.partial(llama.loss, cfg=CFG)
+
+
+def _batch(seed, b=4, s=16):
+    tok = torch.randint(0, CFG.vocab_size, (b, s + 1), generator=torch.Generator().manual_seed(seed))
+    return {"tokens": tok[:, :-1].contiguous(), "targets": tok[:, 1:].contiguous()}
+
+
+def _full(x):
+    return (x.full_tensor() if isinstance(x, DTensor) else x).detach()
+
+
+def _layout(mesh_axes, async_tp, zero=None):
+    layout = dtp.layouts.data() + dtp.layouts.megatron(sequence_parallel=True, async_tp=async_tp)
+    if "cp" in mesh_axes:
+        layout = layout + dtp.layouts.context("ring")
+    return layout + (dtp.layouts.zero(stage=zero, bucket_mb=0.02) if zero else dtp.Layout())
+
+
+def _three_steps(mesh_axes, async_tp, dtype, recompute=None, zero=None, microbatches=1):
+    mesh = dtp.make_mesh(**mesh_axes)
+    opt = dtp.optim.adamw(dtp.optim.warmup_cosine(3e-3, 1, 3), weight_decay=0.1)
+    state = dtp.TrainState.create(llama.init(CFG, seed=0, dtype=dtype), opt, mesh=mesh,
+                                  layout=_layout(mesh_axes, async_tp, zero), axes=llama.param_axes(CFG),
+                                  axis_sizes=llama.axis_sizes(CFG))
+    losses = []
+    with dtp.comm.comm_log() as log:
+        for step in range(3):
+            state, metrics = dtp.train_step(LOSS, state, dtp.shard_batch(_batch(step), state),
+                                            recompute=recompute, microbatches=microbatches)
+            losses.append(float(metrics["loss"]))
+    params = optree.tree_map(_full, dtp.gather_params(state))
+    per_axis = {axis: sum(kinds.values()) for axis, kinds in log.summary().items()}
+    return losses, params, per_axis, log.summary()
+
+
+def _pair(mesh_axes, dtype, **kw):
+    """Async and non-async SP on one pool (rank 0's results)."""
+    out = (_three_steps(mesh_axes, True, dtype, **kw), _three_steps(mesh_axes, False, dtype, **kw))
+    return out if torch.distributed.get_rank() == 0 else None
+
+
+@functools.lru_cache(maxsize=1)
+def _reference():
+    params = llama.init(CFG, seed=0, dtype=torch.float64)
+    opt = dtp.optim.adamw(dtp.optim.warmup_cosine(3e-3, 1, 3), weight_decay=0.1)
+    opt_state, losses = opt.init(params), []
+    for step in range(3):
+        loss, grads = reference_value_and_grad(LOSS, params, _batch(step))
+        losses.append(float(loss))
+        updates, opt_state = opt.update(grads, opt_state, params)
+        params = dtp.optim.apply_updates(params, updates)
+    return losses, optree.tree_map(torch.Tensor.detach, params)
+
+
+def _check_fp64(result, what):
+    (losses, params, per_axis, kinds), (_, base_params, base_axis, base_kinds) = result
+    ref_losses, ref_params = _reference()
+    assert losses == pytest.approx(ref_losses, rel=1e-10, abs=1e-10), what
+    assert base_params.keys() == params.keys()
+    assert_tree_close(params, ref_params, name=f"{what} async tp vs one device")
+    assert per_axis == base_axis, f"{what}: bytes per axis {per_axis} vs non-async {base_axis}"
+    assert "send_recv" in kinds["tp"] and "all_gather" not in kinds["tp"].keys() - base_kinds["tp"].keys()
+    assert kinds["tp"].get("reduce_scatter", 0) < base_kinds["tp"]["reduce_scatter"], what
+
+
+@pytest.mark.parametrize("mesh_axes, kw", [({"tp": 2}, {}), ({"dp": 2, "tp": 2}, {"recompute": "full"})],
+                         ids=["tp2", "dp2 tp2 recompute"])
+def test_async_tp_matches_single_device_fp64_and_non_async_bytes(mesh_axes, kw):
+    _check_fp64(run(_pair, mesh_axes, torch.float64, world_size=math.prod(mesh_axes.values()), **kw)[0], mesh_axes)
