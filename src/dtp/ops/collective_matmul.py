@@ -167,17 +167,25 @@ class _RingMatmul(torch.autograd.Function):
         return g @ w.transpose(0, 1), gw, None, None
 
 
-class _MatmulScatter(torch.autograd.Function):
-    """Row-parallel ``x @ w`` reduce-scattered over ``axis`` along ``dim``, as the dual
-    ring; backward: the ring all-gather of the gradient under its matmuls."""
+class _MatmulScatterGrad(torch.autograd.Function):
+    """The exit's autograd half: holds ``x`` and ``w`` and, in backward, runs the ring
+    all-gather of the output gradient under its matmuls. Forward returns a free zero
+    stand-in of the output's shape; :class:`_MatmulScatter` computes the value.
+
+    Two nodes, so that a recompute (non-reentrant checkpoint) which only needs ``x`` and
+    ``w`` back stops before the ring runs: its early stop fires when a node that saves
+    is made, after that node's forward; one node would run the ring first, then stop
+    (one reduce-scatter's bytes more than non-async SP per recomputed block)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, w: torch.Tensor, mesh: DeviceMesh, axis: str,  # type: ignore[override]
                 dim: int, tag: str) -> torch.Tensor:
-        n, me = _ring_of(mesh, axis)
+        n, _ = _ring_of(mesh, axis)
         ctx.save_for_backward(x, w)
         ctx.mesh, ctx.axis, ctx.dim, ctx.tag = mesh, axis, dim, tag
-        return _scatter_ring(lambda c: _chunk(x, dim, n, c) @ w, n, me, mesh, axis, tag)
+        shape = list(x.shape[:-1]) + [w.shape[-1]]
+        shape[dim] //= n
+        return x.new_zeros(()).expand(shape)
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):  # type: ignore[override]
@@ -196,6 +204,27 @@ class _MatmulScatter(torch.autograd.Function):
             if handle is not None:
                 cur = handle.wait()
         return gx, gw, None, None, None, None
+
+
+class _MatmulScatter(torch.autograd.Function):
+    """Row-parallel ``x @ w`` reduce-scattered over ``axis`` along ``dim``, as the dual
+    ring; its gradient passes to :class:`_MatmulScatterGrad` through ``stand_in``."""
+
+    @staticmethod
+    def forward(ctx, stand_in: torch.Tensor, x: torch.Tensor, w: torch.Tensor, mesh: DeviceMesh,  # type: ignore[override]
+                axis: str, dim: int, tag: str) -> torch.Tensor:
+        n, me = _ring_of(mesh, axis)
+        return _scatter_ring(lambda c: _chunk(x, dim, n, c) @ w, n, me, mesh, axis, tag)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):  # type: ignore[override]
+        return g, None, None, None, None, None, None
+
+
+def _matmul_scatter(x: torch.Tensor, w: torch.Tensor, mesh: DeviceMesh, axis: str, dim: int,
+                    tag: str) -> torch.Tensor:
+    stand_in = _MatmulScatterGrad.apply(x, w, mesh, axis, dim, tag)
+    return _MatmulScatter.apply(stand_in, x.detach(), w.detach(), mesh, axis, dim, tag)
 
 
 def _single(x: DTensor, dst: P, kind: str, axis: str) -> int | None:
@@ -228,7 +257,7 @@ def ring_constrain(x: DTensor, dst: P, *, tag: str) -> DTensor | None:
         n = axis_sizes(x.device_mesh)[axis]
         if x.shape[dim] % n:
             return reshard(materialized(x), dst, tag=tag)
-        fn = lambda xl, wl: _MatmulScatter.apply(xl, wl, x.device_mesh, axis, dim, tag)  # noqa: E731
+        fn = lambda xl, wl: _matmul_scatter(xl, wl, x.device_mesh, axis, dim, tag)  # noqa: E731
         return local_map(fn, (None, None), dst, check_shapes=False)(xin, w)
     dim = _single(x, dst, "all_gather", axis)
     if dim is None:
