@@ -80,7 +80,30 @@ def _check_fp64(result, what):
     assert kinds["tp"].get("reduce_scatter", 0) < base_kinds["tp"]["reduce_scatter"], what
 
 
-@pytest.mark.parametrize("mesh_axes, kw", [({"tp": 2}, {}), ({"dp": 2, "tp": 2}, {"recompute": "full"})],
-                         ids=["tp2", "dp2 tp2 recompute"])
-def test_async_tp_matches_single_device_fp64_and_non_async_bytes(mesh_axes, kw):
-    _check_fp64(run(_pair, mesh_axes, torch.float64, world_size=math.prod(mesh_axes.values()), **kw)[0], mesh_axes)
+def test_async_tp_tp2_matches_single_device_fp64_and_non_async_fp32():
+    _check_fp64(run(_pair, {"tp": 2}, torch.float64, world_size=2)[0], "tp2")
+    (losses, params, per_axis, _), (base_losses, base_params, base_axis, _) = run(
+        _pair, {"tp": 2}, torch.float32, world_size=2)[0]
+    assert per_axis == base_axis
+    assert losses == pytest.approx(base_losses, rel=1e-6)
+    assert_tree_close(params, base_params, name="fp32 async vs non-async", rtol=1e-5, atol=1e-6)
+
+
+# Composition, each with its own pool size: recompute (the exit's saving node lets the
+# recompute stop before the dual ring), ZeRO-3, context parallel's ring, tp4 ± dp.
+SLOW_CASES = {
+    "dp2 tp2 recompute full": ({"dp": 2, "tp": 2}, {"recompute": "full"}),
+    "dp2 tp2 zero3 m2 recompute selective": ({"dp": 2, "tp": 2}, {"zero": 3, "microbatches": 2,
+                                                                  "recompute": "selective"}),
+    "cp2 tp2 ring recompute full": ({"cp": 2, "tp": 2}, {"recompute": "full"}),
+    "tp4": ({"tp": 4}, {}),
+    "dp2 tp4 recompute full": ({"dp": 2, "tp": 4}, {"recompute": "full"}),
+    "dp2 cp2 tp2 zero3": ({"dp": 2, "cp": 2, "tp": 2}, {"zero": 3}),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(SLOW_CASES))
+def test_async_tp_composes_fp64(name):
+    mesh_axes, kw = SLOW_CASES[name]
+    _check_fp64(run(_pair, mesh_axes, torch.float64, world_size=math.prod(mesh_axes.values()), **kw)[0], name)
