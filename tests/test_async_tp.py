@@ -107,3 +107,26 @@ SLOW_CASES = {
 def test_async_tp_composes_fp64(name):
     mesh_axes, kw = SLOW_CASES[name]
     _check_fp64(run(_pair, mesh_axes, torch.float64, world_size=math.prod(mesh_axes.values()), **kw)[0], name)
+
+
+def _measured_bytes(kw):
+    """The comm log of a second step (dtp train's sequential model), as test_plan's."""
+    from dtp.planning import Setup, layout_for
+
+    cfg = llama.config("tiny")
+    s = Setup(model="tiny", cfg=cfg, batch=8, seq=16, **kw)
+    tok = torch.randint(0, cfg.vocab_size, (8, 17), generator=torch.Generator().manual_seed(0))
+    data = {"tokens": tok[:, :-1].contiguous(), "targets": tok[:, 1:].contiguous()}
+    state = dtp.TrainState.create(llama.init(cfg, seed=0), dtp.optim.adamw(1e-3), mesh=dtp.make_mesh(**s.axes),
+                                  layout=layout_for(s), axes=llama.param_axes(cfg), axis_sizes=llama.axis_sizes(cfg))
+    for _ in range(2):
+        with dtp.comm_log() as log:
+            state, _ = dtp.train_step(llama.sequential(cfg), state, dtp.shard_batch(data, state), clip_norm=1.0,
+                                      microbatches=s.microbatches, recompute=None if s.recompute == "none"
+                                      else s.recompute)
+    return log.summary()
+
+
+def test_plan_predicts_the_async_tp_records():
+    kw = dict(tp=2, sp=True, async_tp=True, microbatches=2, recompute="full")
+    assert dtp.plan("tiny", batch=8, seq=16, **kw).bytes == run(_measured_bytes, kw, world_size=2)[0]
