@@ -52,7 +52,7 @@ from ..mesh import axis_sizes, coordinates
 from ..redistribute import Step, local_map, plan, reshard
 from ..spec import P, spec_of, wrap_local
 
-__all__ = ["ring_constrain", "ring_linear", "deferred", "materialized", "async_axis"]
+__all__ = ["ring_constrain", "ring_linear", "defers", "deferred", "materialized", "async_axis"]
 
 _DEFERRED = "_dtp_deferred"  # attribute of a deferred DTensor: (x, w) of its row-parallel matmul
 _RING = "_dtp_ring"  # attribute of an entry DTensor: (its _RingState, the buffer under it)
@@ -271,6 +271,19 @@ def ring_constrain(x: DTensor, dst: P, *, tag: str) -> DTensor | None:
     out = _RingEntry.apply(x, buffer, state, dst)
     setattr(out, _RING, (state, buffer))
     return out
+
+
+def defers(x: torch.Tensor, w_in: tuple[str, ...]) -> bool:
+    """Whether ``linear`` leaves ``x @ w`` to the exit's ring: under async tp, for a weight
+    whose input dim is split over exactly the tp axis (row parallel) and an ``x`` with no
+    pending sum, on real ranks (a LocalTensor simulation has no point-to-point).
+
+    >>> defers(torch.ones(2), ("tp",))   # no active layout
+    False
+    """
+    axis = async_axis()
+    return (axis is not None and isinstance(x, DTensor) and w_in == (axis,) and not spec_of(x).partial
+            and not is_local_tensor(local_tensor(x)))
 
 
 def deferred(x: DTensor, w: DTensor, spec: P) -> DTensor:

@@ -82,8 +82,7 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     ring = collective_matmul.ring_linear(x, w, spec)
     if ring is not None:
         return ring
-    axis = collective_matmul.async_axis()
-    if axis is not None and not xs.partial and w_in == (axis,):
+    if collective_matmul.defers(x, w_in):
         return collective_matmul.deferred(x, w, spec)
     return local_map(torch.matmul, (None, None), spec, check_shapes=False)(x, w)
 
