@@ -32,6 +32,13 @@ matmul). Its backward is the ring all-gather of the output gradient, each arrivi
 multiplied into its rows of the input gradient and added to the weight gradient while
 the next one moves.
 
+What runs under each hop: forward, the entry's first consumer's matmul on the shard in
+hand (not K/V or up: they are later ``linear`` calls) and the exit's next partial
+product; backward, the exit gradient's input- and weight-gradient products. The entry's
+backward reduce-scatter ring has no matmul under it: the consumers' input gradients are
+all computed (by autograd, in their own nodes) before it can start. The ring is one
+direction (tp - 1 hops; the bidirectional variant is not built).
+
 Outside a layout with async_tp, on a LocalTensor simulation (no point-to-point there) or
 for any other plan, both fall back to the collectives of :mod:`dtp.redistribute`.
 """
