@@ -56,7 +56,7 @@ from .. import comm
 from .._torch import is_local_tensor, local_tensor
 from ..layouts import current
 from ..mesh import axis_sizes, coordinates
-from ..redistribute import Step, local_map, plan, reshard
+from ..redistribute import local_map, plan, reshard
 from ..spec import P, spec_of, wrap_local
 
 __all__ = ["ring_constrain", "ring_linear", "defers", "deferred", "materialized", "async_axis"]
@@ -218,8 +218,8 @@ class _MatmulScatter(torch.autograd.Function):
     ring; its gradient passes to :class:`_MatmulScatterGrad` through ``stand_in``."""
 
     @staticmethod
-    def forward(ctx, stand_in: torch.Tensor, x: torch.Tensor, w: torch.Tensor, mesh: DeviceMesh,  # type: ignore[override]
-                axis: str, dim: int, tag: str) -> torch.Tensor:
+    def forward(ctx, stand_in: torch.Tensor, x: torch.Tensor,  # type: ignore[override]
+                w: torch.Tensor, mesh: DeviceMesh, axis: str, dim: int, tag: str) -> torch.Tensor:
         n, me = _ring_of(mesh, axis)
         return _scatter_ring(lambda c: _chunk(x, dim, n, c) @ w, n, me, mesh, axis, tag)
 

@@ -181,7 +181,8 @@ def layout_for(s: Setup) -> Layout:
     >>> layout_for(Setup(cp=4, cp_algo="double_ring", cp_window=2, seq=16)).context.window
     2
     """
-    return RunConfig(sp=s.sp and s.tp > 1, async_tp=s.async_tp and s.sp and s.tp > 1, cp=s.cp, cp_algo=s.cp_algo, cp_window=s.cp_window,
+    return RunConfig(sp=s.sp and s.tp > 1, async_tp=s.async_tp and s.sp and s.tp > 1, cp=s.cp, cp_algo=s.cp_algo,
+                     cp_window=s.cp_window,
                      ulysses_degree=s.ulysses_degree, cp_head_chunks=s.cp_head_chunks, zero=s.zero,
                      bucket_mb=s.bucket_mb, reshard_after_forward=s.reshard_after_forward, ep=s.ep, pp=s.pp,
                      pp_schedule=s.pp_schedule, virtual_stages=s.virtual_stages, dp=s.dp, tp=s.tp,
