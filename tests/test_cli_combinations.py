@@ -56,6 +56,9 @@ ROWS: dict[str, list[str]] = {
     # ---- tensor and sequence parallel
     "tp2": ["--tp", "2"],
     "tp2 sp recompute full": ["--tp", "2", "--sp", "--recompute", "full"],
+    "tp2 sp async-tp": ["--tp", "2", "--sp", "--async-tp"],
+    "dp2 tp2 sp async-tp zero3 recompute full m2": ["--dp", "2", "--tp", "2", "--sp", "--async-tp", "--zero", "3",
+                                                     "--recompute", "full", "--microbatches", "2"],
     "dp2 tp2 sp zero2 recompute selective": ["--dp", "2", "--tp", "2", "--sp", "--zero", "2",
                                              "--recompute", "selective"],
     "dp4 tp2 sp zero1 m2": ["--dp", "4", "--tp", "2", "--sp", "--zero", "1", "--microbatches", "2"],
@@ -65,6 +68,7 @@ ROWS: dict[str, list[str]] = {
     "cp4 ring": ["--cp", "4", "--cp-algo", "ring"],
     "cp4 double_ring window 2": ["--cp", "4", "--cp-algo", "double_ring", "--cp-window", "2"],
     "cp4 hybrid ulysses 2": ["--cp", "4", "--cp-algo", "hybrid", "--ulysses-degree", "2"],
+    "cp2 tp2 sp async-tp ring recompute full": ["--cp", "2", "--tp", "2", "--sp", "--async-tp", "--recompute", "full"],
     "dp2 cp2 tp2 sp head-chunks 1": ["--dp", "2", "--cp", "2", "--tp", "2", "--sp", "--cp-head-chunks", "1"],
     "dp2 cp4 double_ring zero1": ["--dp", "2", "--cp", "4", "--cp-algo", "double_ring", "--cp-window", "2",
                                   "--zero", "1"],
@@ -80,6 +84,9 @@ ROWS: dict[str, list[str]] = {
                                "--virtual-stages", "2", "--microbatches", "4"],
     "pp2 cp2 1f1b recompute full": ["--pp", "2", "--cp", "2", "--microbatches", "2", "--recompute", "full"],
     "pp2 dp2 tp2 zb-h1": ["--pp", "2", "--dp", "2", "--tp", "2", "--pp-schedule", "zb-h1", "--microbatches", "2"],
+    "pp2 tp2 sp async-tp 1f1b": ["--pp", "2", "--tp", "2", "--sp", "--async-tp", "--microbatches", "2"],
+    "pp2 dp2 tp2 sp async-tp zbv": ["--pp", "2", "--dp", "2", "--tp", "2", "--sp", "--async-tp", "--pp-schedule", "zbv",
+                                    "--microbatches", "2"],
     "pp2 dualpipev": ["--pp", "2", "--pp-schedule", "dualpipev", "--microbatches", "4"],
     "pp2 dp2 tp2 sp zbv eval": ["--pp", "2", "--dp", "2", "--tp", "2", "--sp", "--pp-schedule", "zbv",
                                 "--microbatches", "2", "--eval-every", "2"],
@@ -128,7 +135,7 @@ ROWS: dict[str, list[str]] = {
 # The default run's sample: one row of each family, the defects of issue 20 among them.
 SAMPLE = ["dp4 zero3 both overlaps", "cp4 double_ring window 2", "cp4 hybrid ulysses 2", "pp2 1f1b",
           "pp4 gpipe", "moe dp2 m2", "moe ep2 tp2 sp sigmoid bias-update m2", "dp2 uint32 shard directory, eval",
-          "init-from HF dir dp2 tp2 sp"]
+          "init-from HF dir dp2 tp2 sp", "tp2 sp async-tp"]
 
 # Flags no row sets, and why.
 NOT_ROWS = {

@@ -36,6 +36,9 @@ def test_fields_are_the_flags_and_checks_speak_either_language() -> None:
         RunConfig(dtype="fp8")
     with pytest.raises(ValueError, match=r"steps must be an integer, got 2.5"):
         RunConfig(steps=2.5)
+    with pytest.raises(ValueError, match=r"^--async-tp overlaps sequence parallel's all-gathers / reduce-scatters "
+                                         r"with the matmuls: it needs --tp > 1 --sp$"):
+        cli.parse_args(["train", "--tp", "2", "--async-tp"])
 
 
 def test_the_cli_layout_mesh_and_argv_come_from_the_config() -> None:

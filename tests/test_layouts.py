@@ -48,6 +48,8 @@ def test_options_check_themselves_when_built() -> None:
         ContextOptions(algo="hybrid")
     with pytest.raises(TypeError, match="layouts.megatron: sequence_parallel must be a bool"):
         MegatronOptions(sequence_parallel="yes")
+    with pytest.raises(ValueError, match="layouts.megatron: async_tp .* needs sequence_parallel=True"):
+        MegatronOptions(async_tp=True)
     assert ZeroOptions(bucket_mb=8) == ZeroOptions(bucket_mb=8.0)  # canonical once built
     with pytest.raises(TypeError):  # a misspelt option is not silently dropped
         layouts.zero(1, bucket_size=8)
@@ -133,3 +135,11 @@ def test_a_rule_naming_an_axis_no_preset_uses_warns_once() -> None:
         warnings.simplefilter("error")
         layout.check_mesh(MeshShape({"dp": 1}))  # once per layout and mesh
         (dtp.layouts.data() + dtp.layouts.megatron()).check_mesh(MeshShape({"dp": 1}))  # 'tp': a preset's axis
+
+
+def test_async_tp_refuses_experts_before_any_collective() -> None:
+    layout = layouts.megatron(sequence_parallel=True, async_tp=True)
+    mesh = _Mesh(tp=2)
+    layout.check_sizes({"heads": 4, "embed": 8}, mesh)
+    with pytest.raises(ValueError, match=r"model: layouts.megatron\(async_tp=True\) is not available with experts"):
+        layout.check_sizes({"heads": 4, "expert": 4}, mesh)

@@ -103,6 +103,7 @@ class RunConfig:
     cp: int = 1
     tp: int = 1
     sp: bool = False
+    async_tp: bool = False  # SP's all-gathers / reduce-scatters as rings under the matmuls (needs sp)
     cp_algo: str | None = None
     cp_window: int | None = None
     ulysses_degree: int | None = None
@@ -202,6 +203,9 @@ class RunConfig:
             # silently off, so say so instead of running something else than was asked.
             fail(f"{n('sp')} (sequence parallel) splits the sequence over the tp group: it needs {n('tp')} > 1, "
                  f"got {n('tp')} 1")
+        if self.async_tp and not self.sp:
+            fail(f"{n('async_tp')} overlaps sequence parallel's all-gathers / reduce-scatters with the matmuls: "
+                 f"it needs {n('tp')} > 1 {n('sp')}")
         if self.ep > 1 and self.batch % (self.dp * self.ep * self.microbatches):
             fail(f"{n('batch')} {self.batch} must be divisible by {n('dp')} × {n('ep')} × {n('microbatches')} = "
                  f"{self.dp} × {self.ep} × {self.microbatches}: ep is a data axis too")
@@ -314,7 +318,7 @@ class RunConfig:
         >>> RunConfig(cp=2, cp_algo="ulysses").layout().context.algo
         'ulysses'
         """
-        layout = layouts.data() + layouts.megatron(sequence_parallel=self.sp)
+        layout = layouts.data() + layouts.megatron(sequence_parallel=self.sp, async_tp=self.async_tp)
         if self.cp > 1:
             options = {k: v for k, v in (("algo", self.cp_algo), ("window", self.cp_window),
                                          ("ulysses_degree", self.ulysses_degree),

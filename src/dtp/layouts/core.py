@@ -216,6 +216,11 @@ class Layout:
         :meth:`ZeroOptions.check`); then every logical axis size must divide by its split,
         e.g. ``heads=6`` on ``tp=4`` fails. ``what`` starts the messages.
         """
+        if self.megatron is not None and self.megatron.async_tp and sizes.get("expert"):
+            # The routers read the gathered block input directly (not through linear),
+            # which the collective matmul fills only as its first matmul runs.
+            raise ValueError(f"{what}: layouts.megatron(async_tp=True) is not available with experts "
+                             f"(expert={sizes['expert']}): drop async_tp (--async-tp) or use a dense model")
         if self.context is not None:
             self.context.check(sizes, mesh, tp=self.degree("heads", mesh), what=what)
         if self.zero is not None:
@@ -285,4 +290,12 @@ def constrain(x: torch.Tensor, logical: Sequence[str | None], *, name: str = "ac
     layout, mesh = active
     if len(logical) != x.dim():
         raise ValueError(f"{name}: {len(logical)} logical axes {tuple(logical)} for a tensor of shape {tuple(x.shape)}")
-    return reshard(x, layout.activation_spec(logical, mesh, name=name), name=name, tag=name)
+    spec = layout.activation_spec(logical, mesh, name=name)
+    if layout.megatron is not None and layout.megatron.async_tp:
+        from ..ops.collective_matmul import materialized, ring_constrain  # async tp's rings
+
+        ring = ring_constrain(x, spec, tag=name)
+        if ring is not None:
+            return ring
+        x = materialized(x)
+    return reshard(x, spec, name=name, tag=name)

@@ -23,18 +23,25 @@ class MegatronOptions:
     """What :func:`megatron` was asked for; the rules it adds to the layout follow from it.
 
     >>> MegatronOptions(sequence_parallel=True)
-    MegatronOptions(sequence_parallel=True, axis='tp')
+    MegatronOptions(sequence_parallel=True, axis='tp', async_tp=False)
     """
 
     sequence_parallel: bool = False  # split the residual stream's sequence over axis too (Megatron-SP)
     axis: str = "tp"  # the mesh axis heads, kv heads, MLP width and vocab are split over
+    # SP's all-gathers / reduce-scatters as rings of send/recv hops under the block's
+    # matmuls (dtp.ops.collective_matmul); needs sequence_parallel.
+    async_tp: bool = False
 
     def __post_init__(self) -> None:
-        if not isinstance(self.sequence_parallel, bool):
-            raise TypeError(f"layouts.megatron: sequence_parallel must be a bool, got {self.sequence_parallel!r}")
+        for name in ("sequence_parallel", "async_tp"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"layouts.megatron: {name} must be a bool, got {getattr(self, name)!r}")
+        if self.async_tp and not self.sequence_parallel:
+            raise ValueError("layouts.megatron: async_tp overlaps sequence parallel's all-gathers and "
+                             "reduce-scatters with the matmuls; it needs sequence_parallel=True")
 
 
-def megatron(sequence_parallel: bool = MegatronOptions.sequence_parallel, **options: str) -> Layout:
+def megatron(sequence_parallel: bool = MegatronOptions.sequence_parallel, **options: str | bool) -> Layout:
     """Megatron tensor parallel over ``axis`` (optionally with sequence parallel).
 
     Column-parallel QKV / gate / up (output features on ``tp``), row-parallel output /
@@ -42,14 +49,20 @@ def megatron(sequence_parallel: bool = MegatronOptions.sequence_parallel, **opti
     embedding and cross-entropy. With ``sequence_parallel`` the residual stream (norms,
     residual adds) is split on sequence over ``tp``; entering a block is then an
     all-gather and leaving it a reduce-scatter, exactly Megatron-SP's collectives.
-    Options (defaults in :class:`MegatronOptions`): ``sequence_parallel``, ``axis``.
+    Options (defaults in :class:`MegatronOptions`): ``sequence_parallel``, ``axis``,
+    ``async_tp`` (the collective matmul of :mod:`dtp.ops.collective_matmul`: the block
+    entry's all-gather and exit's reduce-scatter become rings of hops that move while the
+    column / row-parallel matmuls run; the same values, bytes and rules).
 
     >>> megatron(sequence_parallel=True).activations["res_seq"]
     ('tp',)
+    >>> megatron(sequence_parallel=True, async_tp=True).name
+    'megatron(sequence_parallel=True, async_tp=True)'
     """
-    opts = MegatronOptions(sequence_parallel=sequence_parallel, **options)
+    opts = MegatronOptions(sequence_parallel=sequence_parallel, **options)  # type: ignore[arg-type]
     shard = {"heads": (opts.axis,), "kv_heads": (opts.axis,), "mlp": (opts.axis,), "vocab": (opts.axis,)}
     acts = dict(shard)
     if opts.sequence_parallel:
         acts["res_seq"] = (opts.axis,)
-    return Layout(shard, acts, megatron=opts, name=f"megatron(sequence_parallel={opts.sequence_parallel})")
+    name = f"megatron(sequence_parallel={opts.sequence_parallel}{', async_tp=True' if opts.async_tp else ''})"
+    return Layout(shard, acts, megatron=opts, name=name)

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from .. import comm
+from . import collective_matmul
 from .._rules import IGNORE_INDEX, accum_dtype
 from ..redistribute import local_map, reshard
 from ..mesh import axis_names, block_index
@@ -57,6 +58,7 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """
     if not isinstance(x, DTensor):
         return x @ w
+    x = collective_matmul.materialized(x)  # a deferred row-parallel output read here: computed
     mesh = w.device_mesh
     xs, ws = spec_of(x), spec_of(w)
     w_in, w_out = ws.axes_of(0), ws.axes_of(1)
@@ -75,6 +77,13 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     # holds some columns); w's over everything that splits x's rows, and x's own
     # pending-sum terms. The output's shape follows from the checked specs: no shape check.
     spec = P(*[a or None for a in lead], w_out or None, partial=_ordered(mesh, xs.partial + w_in))
+    # Async tp (dtp.ops.collective_matmul): the block entry's ring runs under its first
+    # consumer's matmul; a row-parallel output waits for constrain's dual ring.
+    ring = collective_matmul.ring_linear(x, w, spec)
+    if ring is not None:
+        return ring
+    if collective_matmul.defers(x, w_in):
+        return collective_matmul.deferred(x, w, spec)
     return local_map(torch.matmul, (None, None), spec, check_shapes=False)(x, w)
 
 

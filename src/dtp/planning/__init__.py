@@ -94,7 +94,7 @@ def plan(model: str | llama.LlamaConfig | RunConfig = "tiny", *, batch: int = 8,
       :func:`dtp.cli.flags.build_layout` of its flags); the plan reads how attention runs
       over cp from it. Default: :func:`layout_for` the keywords, the one ``dtp train``
       builds from the same flags.
-    - `parallel`: the fields of :class:`Setup`: ``dp, tp, sp, cp, cp_algo, cp_window,
+    - `parallel`: the fields of :class:`Setup`: ``dp, tp, sp, async_tp, cp, cp_algo, cp_window,
       ulysses_degree, cp_head_chunks, pp, pp_schedule, virtual_stages, ep, zero, bucket_mb,
       reshard_after_forward, microbatches, recompute, dtype, precision`` (``dtp train``'s flags, same
       defaults). With a `layout`, the mesh sizes and ZeRO / pipeline fields must describe

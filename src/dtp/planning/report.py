@@ -32,7 +32,7 @@ def _describe(p: "Plan") -> str:
     s = p.setup
     parts = [f"{a}={n}" for a, n in s.axes.items() if n > 1]
     if s.sp and s.tp > 1:
-        parts.append("sp")
+        parts.append("sp async_tp" if s.async_tp else "sp")
     ctx = s.context  # the layout's: what the plan modelled, not the keywords
     if ctx is not None:
         parts.append(f"cp_algo={ctx.algo}")

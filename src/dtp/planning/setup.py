@@ -47,6 +47,7 @@ class Setup:
     dp: int = 1
     tp: int = 1
     sp: bool = False  # Megatron sequence parallel (with tp > 1)
+    async_tp: bool = False  # SP's collectives as send/recv rings (dtp.ops.collective_matmul; with sp)
     cp: int = 1
     # --cp-algo, --cp-window, --ulysses-degree, --cp-head-chunks: what layout_for builds the
     # context preset from when no layout is given (None: layouts.context's defaults). The
@@ -104,6 +105,7 @@ class Setup:
                   "reshard_after_forward", "microbatches", "recompute", "dtype", "precision")
         parallel = {k: getattr(config, k) for k in fields}
         parallel["sp"] = config.sp and config.tp > 1
+        parallel["async_tp"] = config.async_tp and parallel["sp"]
         return cfg, config.batch, config.seq, config.layout(), parallel
 
     def _context_keywords(self) -> dict[str, Any]:
@@ -179,7 +181,8 @@ def layout_for(s: Setup) -> Layout:
     >>> layout_for(Setup(cp=4, cp_algo="double_ring", cp_window=2, seq=16)).context.window
     2
     """
-    return RunConfig(sp=s.sp and s.tp > 1, cp=s.cp, cp_algo=s.cp_algo, cp_window=s.cp_window,
+    return RunConfig(sp=s.sp and s.tp > 1, async_tp=s.async_tp and s.sp and s.tp > 1, cp=s.cp, cp_algo=s.cp_algo,
+                     cp_window=s.cp_window,
                      ulysses_degree=s.ulysses_degree, cp_head_chunks=s.cp_head_chunks, zero=s.zero,
                      bucket_mb=s.bucket_mb, reshard_after_forward=s.reshard_after_forward, ep=s.ep, pp=s.pp,
                      pp_schedule=s.pp_schedule, virtual_stages=s.virtual_stages, dp=s.dp, tp=s.tp,

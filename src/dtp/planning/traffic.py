@@ -163,7 +163,17 @@ def traffic(s: Setup, rank_leaves: list[Leaf], stage: int = 0) -> list[Traffic]:
     if tp > 1:
         whole = s.tokens * cfg.dim * e  # (b, s/cp, h): what a row-parallel output is
         ends = has_embed + has_head
-        if s.sp:
+        if s.sp and s.async_tp:
+            # Rings of tp-1 hops of one shard (dtp.ops.collective_matmul): per block, the two
+            # entries and two exits, forward and backward, and under full recompute the
+            # entries again and the attention exit (the recompute stops before the MLP's);
+            # the head's entry both ways. The embedding's pending sum is no matmul's: it
+            # keeps its reduce-scatter and, in backward, its all-gather.
+            rings = 8 * L + 2 * has_head + 3 * L * full
+            add("tp", "send_recv", "async tp", m * rings * (tp - 1), whole // tp)
+            add("tp", "all_gather", "sp", m * has_embed, _ag(whole // tp, tp))
+            add("tp", "reduce_scatter", "sp", m * has_embed, _rs(whole, tp))
+        elif s.sp:
             add("tp", "all_gather", "sp", m * (4 * L + ends + 2 * L * full), _ag(whole // tp, tp))
             add("tp", "reduce_scatter", "sp", m * (4 * L + ends + L * full), _rs(whole, tp))
         else:

@@ -1,0 +1,134 @@
+"""Async tensor parallel vs Megatron-SP on gloo ranks: step time with the tp link modelled
+slow, the exposed-communication fraction, and a timeline.
+
+    python benchmarks/async_tp.py --config small --seq 128 --batch 4 --tp 2 --repeats 7
+
+One training step = forward + backward + AdamW of ``llama.config(--config)``, fp32, on
+``make_mesh(tp=--tp)`` under ``layouts.megatron(sequence_parallel=True, async_tp=...)``.
+Loopback gloo is nearly free, so ``dtp.comm.simulated_link(bandwidth=B, axes=("tp",))``
+slows every tp record (transfers queued per axis, point-to-point hops booked from when
+they are posted). ``B`` is set so the modelled tp communication of one non-async step
+takes ``--comm-ratio`` × its measured step time without the link (the default 0.5 is
+about the share of a tiny/small step spent in the block's matmuls on this CPU).
+
+Steps alternate (async, non-async; order swapped each round, every rank starting
+together); a step's time is the slower rank's; medians of ``--repeats``. Columns:
+
+* ``step`` — median seconds; ``vs sp`` — async / non-async;
+* ``ideal`` — max(compute, comm) with ``compute`` the step without the link;
+  ``ratio`` — step / ideal;
+* ``exposed`` — Σ seconds blocked in wait() on tp records / modelled tp link time of the
+  step (1: nothing hidden, 0: all hidden).
+
+Afterwards one async step under the link is recorded on rank 0 and printed with
+``log.timeline()``: the ring hops (``send_recv``) run inside the forward / backward spans.
+Not a test: times on a shared 2-core CPU are noisy; read the ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from functools import partial
+
+import torch
+
+
+def _bench(cfg, batch: dict, tp: int, repeats: int, ratio: float, width: int) -> dict:
+    import torch.distributed as dist
+
+    import dtp
+    from dtp.models import llama
+
+    def alternating_times(steps: dict, n: int) -> dict[str, list[float]]:
+        # _common's, inlined: this function runs in the rank pool's workers
+        times: dict[str, list[float]] = {k: [] for k in steps}
+        for i in range(n):
+            for k in (list(steps) if i % 2 == 0 else list(steps)[::-1]):
+                dist.barrier()
+                t0 = time.perf_counter()
+                steps[k]()
+                times[k].append(time.perf_counter() - t0)
+        return times
+
+    torch.set_num_threads(1)
+    mesh = dtp.make_mesh(tp=tp)
+    loss_fn = partial(llama.loss, cfg=cfg)
+    boxes = {}
+    for name, on in (("async", True), ("sp", False)):
+        layout = dtp.layouts.megatron(sequence_parallel=True, async_tp=on)
+        st = dtp.TrainState.create(llama.init(cfg, seed=0), dtp.optim.adamw(1e-3), mesh=mesh, layout=layout,
+                                   axes=llama.param_axes(cfg), axis_sizes=llama.axis_sizes(cfg))
+        boxes[name] = {"state": st, "batch": dtp.shard_batch(batch, st)}
+
+    def step(name: str) -> None:
+        box = boxes[name]
+        box["state"], box["m"] = dtp.train_step(loss_fn, box["state"], box["batch"])
+
+    steps = {name: partial(step, name) for name in boxes}
+    alternating_times(steps, 2)  # warm-up
+    free = alternating_times(steps, repeats)
+    with dtp.comm_log() as log:
+        step("sp")
+    nbytes = sum(r.bytes for r in log.filter(axis="tp"))
+    c = torch.tensor([statistics.median(free["sp"])], dtype=torch.float64)
+    dist.all_reduce(c, op=dist.ReduceOp.MAX)
+    bandwidth = nbytes / (ratio * float(c))
+    with dtp.comm.simulated_link(bandwidth, axes=("tp",)):
+        linked = alternating_times(steps, repeats)
+        exposed = {}
+        for name in boxes:
+            with dtp.comm_log() as log:
+                step(name)
+            recs = log.filter(axis="tp")
+            exposed[name] = sum(r.waited for r in recs) / (sum(r.bytes for r in recs) / bandwidth)
+        dist.barrier()
+        with dtp.comm_log() as tl:
+            with dtp.comm.span("async step"):
+                step("async")
+    return dict(free=free, linked=linked, exposed=exposed, bytes=nbytes, bandwidth=bandwidth,
+                comm=nbytes / bandwidth, timeline=tl.timeline(width) if dist.get_rank() == 0 else "",
+                loss={k: float(b["m"]["loss"]) for k, b in boxes.items()})
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default="small", help="llama.config name")
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--comm-ratio", type=float, default=0.5, help="modelled tp comm / non-async step time")
+    ap.add_argument("--width", type=int, default=100)
+    args = ap.parse_args()
+
+    from dtp.models import llama
+    from dtp.testing import run
+
+    cfg = llama.config(args.config)
+    g = torch.Generator().manual_seed(1)
+    toks = torch.randint(0, cfg.vocab_size, (args.batch, args.seq + 1), generator=g)
+    batch = {"tokens": toks[:, :-1].contiguous(), "targets": toks[:, 1:].contiguous()}
+    res = run(_bench, cfg, batch, args.tp, args.repeats, args.comm_ratio, args.width, world_size=args.tp,
+              timeout=1800)
+
+    def med(key: str, name: str) -> float:
+        return statistics.median(max(rk[key][name][i] for rk in res) for i in range(args.repeats))
+
+    r0 = res[0]
+    compute = med("free", "sp")
+    ideal = max(compute, r0["comm"])
+    print(f"{args.config} batch {args.batch} seq {args.seq} tp {args.tp}: tp bytes/step/rank {r0['bytes']}, "
+          f"modelled comm {1e3 * r0['comm']:.1f} ms, compute {1e3 * compute:.1f} ms (losses {r0['loss']})")
+    print(f"{'':8}{'loopback':>10}{'link':>10}{'vs sp':>8}{'ratio':>8}{'exposed':>9}")
+    for name in ("sp", "async"):
+        link = med("linked", name)
+        print(f"{name:8}{1e3 * med('free', name):>9.1f}m{1e3 * link:>9.1f}m"
+              f"{link / med('linked', 'sp'):>8.2f}{link / ideal:>8.2f}{r0['exposed'][name]:>9.2f}")
+    print(f"loopback async / sp: {med('free', 'async') / compute:.2f}")
+    print(r0["timeline"])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,340 @@
+"""Async tensor parallel: sequence parallel's collectives as rings under the matmuls.
+
+Under ``layouts.megatron(sequence_parallel=True, async_tp=True)`` a block's entry
+all-gather and exit reduce-scatter over the tp axis become rings of ``tp - 1``
+:func:`dtp.comm.send_recv` hops (the decomposition of Wang et al., ASPLOS 2023, XLA's
+collective matmul), each hop moving while a matmul runs on the shard in hand. The
+bytes per rank per axis are the collectives' own ((n-1) shards each way); only the
+records' kind changes (``send_recv``). The model does not change; ``constrain`` and
+``linear`` share the work through two hand-offs:
+
+**Entry (all-gather → column-parallel matmuls).** ``constrain`` of a seq-split input to
+a gathered one (plan: one all-gather over tp) does not gather: :func:`ring_constrain`
+returns a DTensor over a buffer of the gathered shape holding only this rank's shard,
+with the ring's state attached to that DTensor. The first ``linear`` that reads it runs
+the ring (:class:`_RingMatmul`): each step multiplies the shard in hand into its rows of
+the output while the next shard moves, and copies every arriving shard into the buffer.
+Every later consumer of the same input (K and V after Q; up after gate) finds the buffer
+full and multiplies it whole: ONE ring per block entry, however many consumers. The
+gradients of all consumers add up in autograd before the entry's backward
+(:class:`_RingEntry`), which reduce-scatters them once, as the dual ring of partial sums.
+The buffer starts as NaN, so a reader other than ``linear`` (which would see it before
+the ring ran) fails loudly; the routers of MoE models are such readers, so
+``Layout.check_sizes`` refuses async_tp with experts.
+
+**Exit (row-parallel matmul → reduce-scatter).** ``linear`` with a row-parallel weight
+(its output a pending sum over tp) returns a *deferred* DTensor: a NaN placeholder of the
+output's shape that remembers its input and weight. ``constrain`` to the seq-split
+residual (plan: one reduce-scatter over tp) runs :class:`_MatmulScatter`: the partial sum
+of one destination's rows is computed while the previous one is in flight, and each hop
+adds its own term. Any other use goes through :func:`materialized` first (the plain
+matmul). Its backward is the ring all-gather of the output gradient, each arriving shard
+multiplied into its rows of the input gradient and added to the weight gradient while
+the next one moves.
+
+What runs under each hop: forward, the entry's first consumer's matmul on the shard in
+hand (not K/V or up: they are later ``linear`` calls) and the exit's next partial
+product; backward, the exit gradient's input- and weight-gradient products. The entry's
+backward reduce-scatter ring has no matmul under it: the consumers' input gradients are
+all computed (by autograd, in their own nodes) before it can start. The ring is one
+direction (tp - 1 hops; the bidirectional variant is not built).
+
+Outside a layout with async_tp, on a LocalTensor simulation (no point-to-point there) or
+for any other plan, both fall back to the collectives of :mod:`dtp.redistribute`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from .. import comm
+from .._torch import is_local_tensor, local_tensor
+from ..layouts import current
+from ..mesh import axis_sizes, coordinates
+from ..redistribute import local_map, plan, reshard
+from ..spec import P, spec_of, wrap_local
+
+__all__ = ["ring_constrain", "ring_linear", "defers", "deferred", "materialized", "async_axis"]
+
+_DEFERRED = "_dtp_deferred"  # attribute of a deferred DTensor: (x, w) of its row-parallel matmul
+_RING = "_dtp_ring"  # attribute of an entry DTensor: (its _RingState, the buffer under it)
+
+
+def async_axis() -> str | None:
+    """The tp axis whose SP collectives run as rings: the active layout's, when it asks
+    for ``async_tp``; else ``None``.
+
+    >>> async_axis() is None   # no active layout
+    True
+    """
+    active = current()
+    if active is None or active[0].megatron is None or not active[0].megatron.async_tp:
+        return None
+    return active[0].megatron.axis
+
+
+@dataclass
+class _RingState:
+    """What the entry ring of one gathered input needs: this rank's shard, where it goes."""
+
+    shard: torch.Tensor  # this rank's seq shard (local, no autograd)
+    mesh: DeviceMesh
+    axis: str
+    dim: int  # the gathered (sequence) dim
+    tag: str
+    filled: bool = False
+
+
+def _chunk(t: torch.Tensor, dim: int, n: int, i: int) -> torch.Tensor:
+    size = t.shape[dim] // n
+    return t.narrow(dim, i * size, size)
+
+
+def _ring_of(mesh: DeviceMesh, axis: str) -> tuple[int, int]:
+    return axis_sizes(mesh)[axis], coordinates(mesh)[axis]
+
+
+def _gather_ring(state: _RingState, buffer: torch.Tensor, w: torch.Tensor | None) -> torch.Tensor | None:
+    """Run the entry ring: fill ``buffer`` shard by shard; with ``w``, multiply each
+    shard into its rows of ``buffer @ w`` while the next one moves (returned)."""
+    n, me = _ring_of(state.mesh, state.axis)
+    out = None if w is None else buffer.new_empty((*buffer.shape[:-1], w.shape[-1]))
+    cur = state.shard
+    for s in range(n):
+        handle = (comm.send_recv(cur, state.mesh, state.axis, shift=1, async_op=True, tag=state.tag)
+                  if s < n - 1 else None)
+        if out is not None:  # the shard of coordinate me - s, under the hop in flight
+            _chunk(out, state.dim, n, (me - s) % n).copy_(cur @ w)
+        if handle is not None:
+            cur = handle.wait()
+            _chunk(buffer, state.dim, n, (me - s - 1) % n).copy_(cur)
+    state.filled = True
+    return out
+
+
+def _scatter_ring(terms: Any, n: int, me: int, mesh: DeviceMesh, axis: str, tag: str) -> torch.Tensor:
+    """The dual ring: ``terms(c)`` is this rank's term of destination chunk ``c``; after
+    ``n - 1`` hops of partial sums each rank holds the whole sum of its own chunk. The
+    next term is computed while the previous partial sum is in flight."""
+    acc = terms((me - 1) % n)
+    for s in range(n - 1):
+        handle = comm.send_recv(acc, mesh, axis, shift=1, async_op=True, tag=tag)
+        nxt = terms((me - s - 2) % n)
+        acc = handle.wait() + nxt
+    return acc
+
+
+class _RingEntry(torch.autograd.Function):
+    """seq-split x → the gathered-shape ``buffer`` holding only x's shard (the ring runs
+    in the first consumer); backward: the gradients of every consumer, summed,
+    reduce-scattered by the dual ring."""
+
+    @staticmethod
+    def forward(ctx, x: DTensor, buffer: torch.Tensor, state: _RingState, dst: P) -> DTensor:  # type: ignore[override]
+        n, me = _ring_of(state.mesh, state.axis)
+        ctx.src, ctx.dst, ctx.dim, ctx.axis, ctx.tag, ctx.shape = (spec_of(x), dst, state.dim, state.axis,
+                                                                   state.tag, tuple(x.shape))
+        _chunk(buffer, state.dim, n, me).copy_(state.shard)
+        return wrap_local(buffer, state.mesh, dst, tuple(x.shape))
+
+    @staticmethod
+    def backward(ctx, grad: DTensor):  # type: ignore[override]
+        pending = P(*ctx.dst.dims, partial=(ctx.axis,))
+        tag = f"{ctx.tag} backward"
+        if spec_of(grad) != pending:  # not the consumers' pending sum: the general path
+            return reshard(grad, P(*ctx.src.dims), tag=tag), None, None, None
+        mesh, g = grad.device_mesh, local_tensor(grad)
+        n, me = _ring_of(mesh, ctx.axis)
+        out = _scatter_ring(lambda c: _chunk(g, ctx.dim, n, c).contiguous(), n, me, mesh, ctx.axis, tag)
+        return wrap_local(out, mesh, P(*ctx.src.dims), ctx.shape), None, None, None
+
+
+class _RingMatmul(torch.autograd.Function):
+    """The first consumer of an entry buffer: ``buffer @ w`` computed ring-wise while the
+    buffer fills; backward is a plain matmul's (the buffer is whole by then)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, buffer: torch.Tensor,  # type: ignore[override]
+                state: _RingState) -> torch.Tensor:
+        out = _gather_ring(state, buffer, w)
+        # The buffer, whole by now; not x: autograd forbids reading a view (x, made by
+        # to_local) whose base changed in place after it was made.
+        ctx.save_for_backward(buffer, w)
+        return out
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):  # type: ignore[override]
+        x, w = ctx.saved_tensors
+        gw = x.reshape(-1, x.shape[-1]).transpose(0, 1) @ g.reshape(-1, g.shape[-1])
+        return g @ w.transpose(0, 1), gw, None, None
+
+
+class _MatmulScatterGrad(torch.autograd.Function):
+    """The exit's autograd half: holds ``x`` and ``w`` and, in backward, runs the ring
+    all-gather of the output gradient under its matmuls. Forward returns a free zero
+    stand-in of the output's shape; :class:`_MatmulScatter` computes the value.
+
+    Two nodes, so that a recompute (non-reentrant checkpoint) which only needs ``x`` and
+    ``w`` back stops before the ring runs: its early stop fires when a node that saves
+    is made, after that node's forward; one node would run the ring first, then stop
+    (one reduce-scatter's bytes more than non-async SP per recomputed block)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, mesh: DeviceMesh, axis: str,  # type: ignore[override]
+                dim: int, tag: str) -> torch.Tensor:
+        n, _ = _ring_of(mesh, axis)
+        ctx.save_for_backward(x, w)
+        ctx.mesh, ctx.axis, ctx.dim, ctx.tag = mesh, axis, dim, tag
+        shape = list(x.shape[:-1]) + [w.shape[-1]]
+        shape[dim] //= n
+        return x.new_zeros(()).expand(shape)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):  # type: ignore[override]
+        x, w = ctx.saved_tensors
+        n, me = _ring_of(ctx.mesh, ctx.axis)
+        gx = torch.empty_like(x)
+        gw = torch.zeros_like(w)
+        cur = g.contiguous()
+        for s in range(n):
+            handle = (comm.send_recv(cur, ctx.mesh, ctx.axis, shift=1, async_op=True, tag=f"{ctx.tag} backward")
+                      if s < n - 1 else None)
+            c = (me - s) % n  # the chunk of the gradient in hand, under the hop in flight
+            _chunk(gx, ctx.dim, n, c).copy_(cur @ w.transpose(0, 1))
+            xc = _chunk(x, ctx.dim, n, c)
+            gw += xc.reshape(-1, xc.shape[-1]).transpose(0, 1) @ cur.reshape(-1, cur.shape[-1])
+            if handle is not None:
+                cur = handle.wait()
+        return gx, gw, None, None, None, None
+
+
+class _MatmulScatter(torch.autograd.Function):
+    """Row-parallel ``x @ w`` reduce-scattered over ``axis`` along ``dim``, as the dual
+    ring; its gradient passes to :class:`_MatmulScatterGrad` through ``stand_in``."""
+
+    @staticmethod
+    def forward(ctx, stand_in: torch.Tensor, x: torch.Tensor,  # type: ignore[override]
+                w: torch.Tensor, mesh: DeviceMesh, axis: str, dim: int, tag: str) -> torch.Tensor:
+        n, me = _ring_of(mesh, axis)
+        return _scatter_ring(lambda c: _chunk(x, dim, n, c) @ w, n, me, mesh, axis, tag)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):  # type: ignore[override]
+        return g, None, None, None, None, None, None
+
+
+def _matmul_scatter(x: torch.Tensor, w: torch.Tensor, mesh: DeviceMesh, axis: str, dim: int,
+                    tag: str) -> torch.Tensor:
+    stand_in = _MatmulScatterGrad.apply(x, w, mesh, axis, dim, tag)
+    return _MatmulScatter.apply(stand_in, x.detach(), w.detach(), mesh, axis, dim, tag)
+
+
+def _single(x: DTensor, dst: P, kind: str, axis: str) -> int | None:
+    """The tensor dim of the one ``kind`` step over ``axis`` that takes ``x`` to ``dst``
+    (a leading dim, not the last), or ``None`` when the plan is anything else."""
+    steps = plan(spec_of(x), dst, x.dim())
+    if len(steps) == 1 and steps[0].kind == kind and steps[0].axis == axis and 0 <= steps[0].dim < x.dim() - 1:
+        return steps[0].dim
+    return None
+
+
+def ring_constrain(x: DTensor, dst: P, *, tag: str) -> DTensor | None:
+    """``constrain``'s async-tp path: the entry ring's buffer (a gather over the tp axis),
+    the exit's dual ring (a deferred row-parallel output reduce-scattered over it), or
+    ``None`` for every other move (the caller reshards; a deferred ``x`` is materialized
+    here first).
+
+    >>> ring_constrain(torch.ones(2), P(), tag="x") is None   # a plain tensor: nothing to do
+    True
+    """
+    axis = async_axis()
+    if axis is None or not isinstance(x, DTensor) or is_local_tensor(local_tensor(x)):
+        return None
+    held = getattr(x, _DEFERRED, None)
+    if held is not None:
+        dim = _single(x, dst, "reduce_scatter", axis)
+        if dim is None:
+            return reshard(materialized(x), dst, tag=tag)
+        xin, w, _ = held
+        n = axis_sizes(x.device_mesh)[axis]
+        if x.shape[dim] % n:
+            return reshard(materialized(x), dst, tag=tag)
+        fn = lambda xl, wl: _matmul_scatter(xl, wl, x.device_mesh, axis, dim, tag)  # noqa: E731
+        return local_map(fn, (None, None), dst, check_shapes=False)(xin, w)
+    dim = _single(x, dst, "all_gather", axis)
+    if dim is None:
+        return None
+    local = local_tensor(x)
+    shape = list(local.shape)
+    shape[dim] *= axis_sizes(x.device_mesh)[axis]
+    # NaN until the ring fills it: a reader other than linear fails loudly (module docstring).
+    buffer = torch.full(shape, float("nan"), dtype=local.dtype, device=local.device)
+    state = _RingState(local.detach().contiguous(), x.device_mesh, axis, dim, tag)
+    out = _RingEntry.apply(x, buffer, state, dst)
+    setattr(out, _RING, (state, buffer))
+    return out
+
+
+def defers(x: torch.Tensor, w_in: tuple[str, ...]) -> bool:
+    """Whether ``linear`` leaves ``x @ w`` to the exit's ring: under async tp, for a weight
+    whose input dim is split over exactly the tp axis (row parallel) and an ``x`` with no
+    pending sum, on real ranks (a LocalTensor simulation has no point-to-point).
+
+    >>> defers(torch.ones(2), ("tp",))   # no active layout
+    False
+    """
+    axis = async_axis()
+    return (axis is not None and isinstance(x, DTensor) and w_in == (axis,) and not spec_of(x).partial
+            and not is_local_tensor(local_tensor(x)))
+
+
+def deferred(x: DTensor, w: DTensor, spec: P) -> DTensor:
+    """``x @ w`` for a row-parallel ``w``, not yet computed: a NaN placeholder laid out as
+    ``spec`` that :func:`ring_constrain` computes as the dual ring (or
+    :func:`materialized` as a plain matmul)."""
+    local_x, local_w = local_tensor(x), local_tensor(w)
+    shape = (*local_x.shape[:-1], local_w.shape[-1])
+    placeholder = torch.full((1,) * len(shape), float("nan"), dtype=local_x.dtype,
+                             device=local_x.device).expand(shape)
+    out = wrap_local(placeholder, x.device_mesh, spec, (*x.shape[:-1], w.shape[-1]))
+    setattr(out, _DEFERRED, (x, w, spec))
+    return out
+
+
+def materialized(x: torch.Tensor) -> torch.Tensor:
+    """``x`` itself, or a deferred row-parallel output computed as a plain local matmul.
+
+    >>> materialized(torch.ones(2)).tolist()
+    [1.0, 1.0]
+    """
+    held = getattr(x, _DEFERRED, None)
+    if held is None:
+        return x
+    xin, w, spec = held
+    return local_map(torch.matmul, (None, None), spec, check_shapes=False)(xin, w)
+
+
+def ring_linear(x: DTensor, w: DTensor, spec: P) -> DTensor | None:
+    """``linear``'s async-tp path: ``x @ w`` (output laid out as ``spec``) when ``x`` is an
+    entry buffer the ring has not filled yet: the ring runs here under the matmul. For a
+    weight not split over the ring's axis the ring only fills the buffer. ``None`` when
+    ``x`` is no unfilled buffer (the caller multiplies as usual).
+
+    >>> ring_linear(torch.ones(2, 2), torch.ones(2, 2), P()) is None
+    True
+    """
+    held: tuple[_RingState, torch.Tensor] | None = getattr(x, _RING, None)
+    if held is None or held[0].filled:
+        return None
+    state, buffer = held
+    if state.axis not in spec_of(w).axes_of(1) or spec_of(x).axes_of(x.dim() - 1):
+        with torch.no_grad():
+            _gather_ring(state, buffer, None)
+        return None
+    fn = lambda xl, wl: _RingMatmul.apply(xl, wl, buffer, state)  # noqa: E731
+    return local_map(fn, (None, None), spec, check_shapes=False)(x, w)
