@@ -33,18 +33,24 @@ def _whole(tree):
                            none_is_leaf=False)
 
 
-def _train(axes: dict, layout, cfg, m: int) -> dict:
+def _train(axes: dict, layout, cfg, m: int, save_to: str | None = None, load_from: str | None = None) -> dict:
+    """3 steps (``save_to``: saved after the first; ``load_from``: steps 2 and 3 from there)."""
     mesh = dtp.make_mesh(**axes)
     opt = dtp.optim.adamw(dtp.optim.warmup_cosine(1e-2, 1, 10), weight_decay=0.1)
     bias = bool(cfg.router_bias_update)
-    state = dtp.TrainState.create(llama.init(cfg, seed=0, dtype=torch.float64), opt, mesh=mesh, layout=layout,
-                                  axes=llama.param_axes(cfg), axis_sizes=llama.axis_sizes(cfg),
+    state = dtp.TrainState.create(llama.init(cfg, seed=int(load_from is not None), dtype=torch.float64), opt,
+                                  mesh=mesh, layout=layout, axes=llama.param_axes(cfg),
+                                  axis_sizes=llama.axis_sizes(cfg),
                                   buffers=llama.init_buffers(cfg, torch.float64) if bias else None,
                                   buffer_update=llama.buffer_update(cfg) if bias else None)
+    if load_from is not None:
+        state, _ = dtp.checkpoint.load(load_from, like=state)
     model = llama.sequential(cfg)
     out = {"loss": [], "aux": [], "buffers": []}
-    for step in range(STEPS):
+    for step in range(int(load_from is not None), STEPS):
         state, metrics = dtp.train_step(model, state, dtp.shard_batch(_batch(cfg, step), state), microbatches=m)
+        if step == 0 and save_to is not None:
+            dtp.checkpoint.save(state, save_to)
         out["loss"].append(metrics["loss"])
         out["aux"].append(_whole(metrics["aux"]))
         out["buffers"].append(_whole(state.buffers) if bias else None)
@@ -114,3 +120,25 @@ def test_moe_under_every_schedule_and_dp_ep_pp_equals_one_device(name):
     want = _reference(cfg, m)
     for r, out in enumerate(got):
         _check(out, want, f"{name} rank {r}")
+
+
+@pytest.mark.parametrize("into", ["ep2", "pp2"])
+def test_a_pp2_ep2_checkpoint_with_the_bias_loads_under_ep2_and_pp2(into, tmp_path):
+    cfg, root = _cfg(True), str(tmp_path / "ckpt")
+    want = run(_train, {"pp": 2, "ep": 2}, _ep_pp("1f1b"), cfg, 2, root, world_size=4)[0]
+    axes, layout = ({"ep": 2}, layouts.data() + layouts.expert()) if into == "ep2" else \
+        ({"pp": 2}, layouts.pipeline("zb-h1"))
+    got = run(_train, axes, layout, cfg, 2, None, root, world_size=2)
+    tail = {"loss": want["loss"][1:], "aux": want["aux"][1:], "buffers": want["buffers"][1:], "params": want["params"]}
+    for r, out in enumerate(got):
+        _check(out, tail, f"pp2 x ep2 -> {into} rank {r}")
+
+
+def test_the_plan_counts_the_aux_carry_and_does_not_refuse():
+    plan = dtp.plan("tiny-moe", batch=8, seq=16, pp=2, ep=2, microbatches=4)
+    # The last stage (the plan's rank) sends each microbatch's hidden-state gradient (8 rows
+    # / ep 2 / 4 microbatches = 1 row of 16 tokens × dim 64, fp32) and block 0's two aux
+    # losses' gradients back.
+    assert plan.bytes["pp"]["send"] == 4 * (1 * 16 * 64 * 4 + 2 * 4)
+    # the grad norm (fp32), and the head's aux to every stage: 4 × (3 + 2 blocks × 5) float64
+    assert plan.bytes["pp"]["all_reduce"] == 4 + 4 * 13 * 8

@@ -97,19 +97,29 @@ def read_header(h: torch.Tensor, mesh: DeviceMesh | None) -> Meta:
     return shape, dtype, placements, bool(h[_GATHER]), bool(h[_GRAD])
 
 
+def _pack(blob: bytes) -> torch.Tensor:
+    """Bytes as int64 words, eight a word (a sum with zeros keeps any bit pattern)."""
+    padded = blob + bytes(-len(blob) % 8)
+    return torch.frombuffer(bytearray(padded), dtype=torch.int64).clone() if padded else \
+        torch.zeros(0, dtype=torch.int64)
+
+
+def _unpack(words: torch.Tensor, size: int) -> bytes:
+    return words.contiguous().numpy().tobytes()[:size]
+
+
 def tree_words(spec: Any, leaves: Sequence[torch.Tensor]) -> torch.Tensor:
     """The tree message: leaf count, the structure (pickled), every leaf's header but the first."""
     blob = pickle.dumps(spec)
     heads = [header(x) for x in leaves[1:]]
-    return torch.cat([torch.tensor([len(leaves), len(blob)], dtype=torch.int64), *heads,
-                      torch.tensor(list(blob), dtype=torch.int64)])
+    return torch.cat([torch.tensor([len(leaves), len(blob)], dtype=torch.int64), *heads, _pack(blob)])
 
 
 def read_tree_words(words: torch.Tensor, mesh: DeviceMesh | None) -> tuple[Any, list[Meta]]:
     """The structure and the headers of leaves 1… from :func:`tree_words`' message."""
     n, size = int(words[0]), int(words[1])
     metas = [read_header(words[2 + k * HEADER:2 + (k + 1) * HEADER], mesh) for k in range(n - 1)]
-    blob = bytes(int(b) for b in words[2 + (n - 1) * HEADER:2 + (n - 1) * HEADER + size])
+    blob = _unpack(words[2 + (n - 1) * HEADER:], size)
     return pickle.loads(blob), metas
 
 
@@ -221,7 +231,8 @@ class Incoming:
 def share(tree: PyTree, holder: bool, mesh: DeviceMesh, axis: str) -> PyTree:
     """The holder's ``tree`` (plain tensors and picklable values) on every rank of
     ``axis``: two all-reduces (its structure, then every tensor as float64 — exact for
-    counts below 2⁵³ and for float32/64) plus one for the structure's length. Every rank
+    counts below 2⁵³ and for float32/64; a few hundred bytes for the structure) plus one
+    for the structure's length. Every rank
     of ``axis`` calls it; exactly one is the holder.
 
     >>> share({"a": torch.ones(1)}, True, None, "pp")["a"].tolist()
@@ -233,12 +244,9 @@ def share(tree: PyTree, holder: bool, mesh: DeviceMesh, axis: str) -> PyTree:
     tensors = [x.full_tensor() if isinstance(x, DTensor) else x for x in leaves if isinstance(x, torch.Tensor)]
     shapes = [("tensor", tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else ("value", x) for x in leaves]
     blob = pickle.dumps((spec, shapes)) if holder else b""
-    size = comm.all_reduce(torch.tensor([len(blob)], dtype=torch.int64), mesh, axis, tag="pp aux size")
-    words = torch.zeros(int(size[0]), dtype=torch.int64)
-    if holder:
-        words += torch.tensor(list(blob), dtype=torch.int64)
-    words = comm.all_reduce(words, mesh, axis, tag="pp aux tree")
-    spec, shapes = pickle.loads(bytes(int(b) for b in words))
+    size = int(comm.all_reduce(torch.tensor([len(blob)], dtype=torch.int64), mesh, axis, tag="pp aux size")[0])
+    words = _pack(blob) if holder else torch.zeros(-(-size // 8), dtype=torch.int64)
+    spec, shapes = pickle.loads(_unpack(comm.all_reduce(words, mesh, axis, tag="pp aux tree"), size))
     sizes = [torch.Size(s[1]).numel() for s in shapes if s[0] == "tensor"]
     flat = torch.cat([x.detach().reshape(-1).to(torch.float64).cpu() for x in tensors]) if holder and tensors else \
         torch.zeros(sum(sizes), dtype=torch.float64)
