@@ -26,11 +26,18 @@ For each action of its list, in order:
   in flight meanwhile).
 
 Receives are posted one action ahead (the next action's input is on the wire while this
-one computes); sends never block. Each message carries a small header (global shape,
-dtype, placements) so stages need not know each other's shapes. With tensor parallel and
+one computes); sends never block. What travels is the model's carry: one tensor, or a
+tree (an MoE model's hidden state and its blocks' aux losses and statistics), one
+message per leaf; gradients come back for the leaves that required one
+(:mod:`.pipeline_wire`). Microbatch 0's messages carry small headers (global shape,
+dtype, placements, the tree's structure) so stages need not know each other's shapes. With tensor parallel and
 an activation replicated over ``tp``, each tp rank sends only its 1/t of the sequence and
 the receiver all-gathers it over ``tp`` (Megatron's scatter/gather optimisation; with
 sequence parallel the residual already is split, so nothing extra moves).
+
+``TrainState.buffers`` (replicated on the whole mesh) are laid over each stage's
+parameters on the stage mesh; with a tree carry the head's aux goes to every pp rank
+after the schedule, so the buffers' update is the same everywhere.
 
 After the schedule: tied parameters (the embedding the first and the last stage both
 read) have their gradients summed between those two ranks; then gradients are reduced
@@ -151,7 +158,7 @@ class Run:
         self.saved: dict[tuple[int, int], tuple[Any, Any]] = {}  # (chunk, mb) -> (input, output)
         self.pending_w: dict[tuple[int, int], pipeline_split.WeightGrad] = {}
         self.recvs: dict[tuple[str, int, int], Any] = {}
-        self.meta: dict[tuple[str, int], tuple] = {}  # (kind, stage) -> microbatch 0's header, read
+        self.meta: dict[tuple[str, int], tuple] = {}  # (kind, stage) -> microbatch 0's headers: structure, leaves
         self.sends: list[comm.CommHandle] = []
         self.act_sends: dict[tuple[int, int], list[comm.CommHandle]] = {}  # (next stage, mb) -> carry sent
         self.losses: dict[int, float] = {}
