@@ -109,7 +109,8 @@ class WeightGrad:
         return tuple(result)
 
 
-def backward_input(out: torch.Tensor | Sequence[torch.Tensor], grad: Any, x: torch.Tensor | Sequence[torch.Tensor] | None,
+def backward_input(out: torch.Tensor | Sequence[torch.Tensor], grad: Any,
+                   x: torch.Tensor | Sequence[torch.Tensor] | None,
                    weights: Sequence[torch.Tensor], *, views: bool = False) -> tuple[Any, WeightGrad]:
     """``(d out / d x, what W needs)``: ``I`` of the module docstring. ``x`` is the stage's
     input leaf (``None`` on the first stage: then ``W`` does the whole backward), or a
@@ -154,4 +155,5 @@ def backward_input(out: torch.Tensor | Sequence[torch.Tensor], grad: Any, x: tor
     finally:
         for h in handles:
             h.remove()
-    return (list(dxs) if many else dxs[0]), WeightGrad([(sorted(nodes, key=id), members) for nodes, members in groups], grads, None)
+    kept = WeightGrad([(sorted(nodes, key=id), members) for nodes, members in groups], grads, None)
+    return (list(dxs) if many else dxs[0]), kept
