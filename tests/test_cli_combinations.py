@@ -115,6 +115,14 @@ ROWS: dict[str, list[str]] = {
                                                      "--router-bias-update", "1e-3", "--microbatches", "2"],
     "moe ep2 tp2 sp sigmoid bias-update m2": [*MOE, "--ep", "2", "--tp", "2", "--sp", "--router-score", "sigmoid",
                                               "--router-bias-update", "1e-3", "--microbatches", "2"],
+    # ---- MoE inside pipeline stages: the carry holds the aux losses, the bias moves on every stage
+    "moe pp2 ep2 1f1b m4": [*MOE, "--pp", "2", "--ep", "2", "--microbatches", "4"],
+    "moe pp2 ep2 dualpipev sigmoid bias-update m4": [*MOE, "--pp", "2", "--ep", "2", "--pp-schedule", "dualpipev",
+                                                     "--router-score", "sigmoid", "--router-bias-update", "1e-3",
+                                                     "--microbatches", "4"],
+    "moe dp2 pp2 ep2 interleaved bias-update m2": [*MOE, "--dp", "2", "--pp", "2", "--ep", "2", "--pp-schedule",
+                                                   "interleaved", "--virtual-stages", "2",
+                                                   "--router-bias-update", "1e-3", "--microbatches", "2"],
     # ---- the dtypes, where the dtype is the point (their own tolerances)
     "fp32 dp2 tp2 sp": ["--dp", "2", "--tp", "2", "--sp", "--dtype", "float32"],
     "bf16 dp2 zero1": ["--dp", "2", "--zero", "1", "--dtype", "bfloat16"],
@@ -134,7 +142,8 @@ ROWS: dict[str, list[str]] = {
 
 # The default run's sample: one row of each family, the defects of issue 20 among them.
 SAMPLE = ["dp4 zero3 both overlaps", "cp4 double_ring window 2", "cp4 hybrid ulysses 2", "pp2 1f1b",
-          "pp4 gpipe", "moe dp2 m2", "moe ep2 tp2 sp sigmoid bias-update m2", "dp2 uint32 shard directory, eval",
+          "pp4 gpipe", "moe dp2 m2", "moe ep2 tp2 sp sigmoid bias-update m2",
+          "moe pp2 ep2 dualpipev sigmoid bias-update m4", "dp2 uint32 shard directory, eval",
           "init-from HF dir dp2 tp2 sp", "tp2 sp async-tp"]
 
 # Flags no row sets, and why.

@@ -62,7 +62,6 @@ BAD_RUNS = {
                                           "2", "--ignore-memory-check"], "and tied embeddings is not supported"),
     "check with capacity on a split batch": (["--model", "tiny-moe", "--ep", "2", "--capacity-factor", "1.5",
                                               "--check"], "each rank drops by its own tokens"),
-    "pp with moe": (["--pp", "2", "--model", "tiny-moe", "--microbatches", "2"], "so MoE with pp is not supported"),
     # --init-from (HF_DIR: a config.json of 100 token ids, made by the fixture; no weights are read)
     "init-from with model": (["--init-from", "HF_DIR", "--model", "small"],
                              "--model small and --init-from both choose the model"),

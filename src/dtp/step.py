@@ -111,9 +111,6 @@ class TrainState:
         try:
             axes_leaves = treedef.flatten_up_to(axes)
             layout.check_mesh(mesh)
-            if buffers and strategies.compute_mesh(layout, mesh) is not mesh:
-                raise ValueError("TrainState.create: buffers under layouts.pipeline are not supported yet "
-                                 "(the stages would each need their blocks' share)")
             buffers = lay_out_buffers(buffers, mesh)
             if axis_sizes:
                 layout.check_sizes(axis_sizes, mesh, what="TrainState.create")
@@ -498,7 +495,7 @@ def train_step(loss_fn: Callable[[PyTree, Mapping[str, torch.Tensor]], Any], sta
     guard.check_step(state.checks, state.mesh, state.layout, state.step, batch,
                      {"microbatches": microbatches, "recompute": recompute, "clip_norm": clip_norm}, error)
     run = strategies.begin(state.params, state.zero, microbatches, loss_fn=loss_fn, layout=state.layout,
-                           mesh=state.mesh)
+                           mesh=state.mesh, buffers=state.buffers)
     with comm_log() as log:
         with use_layout(state.layout, state.mesh), recompute_policy(recompute):
             loss, aux, counted = _forward_backward(reading(loss_fn, state.buffers), run, batch, microbatches)

@@ -497,10 +497,9 @@ def preflight(args: argparse.Namespace, *, check_out: bool = True) -> Layout:
         layout.pipeline.check(n_layers=model_config.n_sequential_layers(cfg), mesh=mesh,
                               microbatches=args.microbatches,
                               what=f"--pp {args.pp} --virtual-stages {args.virtual_stages}")
-        # The model's facts as llama.sequential(cfg) has them: the head reads the embedding
-        # when tied; MoE blocks make the carry between layers a tree.
+        # The model's facts as llama.sequential(cfg) has them: the head reads the embedding when tied.
         layout.pipeline.check_composition(layout, mesh, shared=("embed",) if cfg.tie_embeddings else (),
-                                          carries_tree=cfg.num_experts > 0, what=f"--pp {args.pp}")
+                                          what=f"--pp {args.pp}")
     if layout.context is not None:
         layouts.check_divisible(args.seq, layout.context_degree(mesh), layout.context.load_balance,
                                 what=f"--seq {args.seq}")

@@ -87,14 +87,12 @@ class PipelineOptions:
         assign(n_layers, p, v, self.layer_split, what=what)
 
     def check_composition(self, layout: Layout, mesh: DeviceMesh, *, shared: Sequence[str] = (),
-                          carries_tree: bool = False, what: str = "train_step") -> None:
+                          what: str = "train_step") -> None:
         """``ValueError`` for what this pipeline does not compose with on ``mesh``: the one
         place these rules live (``train_step`` asks with the model it runs, ``dtp train``'s
         preflight with the model's config, before any rank starts).
 
         - `shared`: parameters the first and the last stage both read (tied embeddings).
-        - `carries_tree`: the model passes a tree between its layers (an MoE model's
-          ``(h, aux losses)``), where a stage boundary sends one tensor.
 
         >>> from dtp import layouts
         >>> from dtp._mesh_shape import MeshShape
@@ -106,10 +104,6 @@ class PipelineOptions:
         """
         if not self.active(mesh):
             return
-        if carries_tree:
-            raise ValueError(f"{what}: this model passes a tree between its layers (an MoE model's (h, aux "
-                             "losses)); layouts.pipeline sends one tensor between stages, so MoE with pp is not "
-                             "supported yet: use pp=1")
         z = layout.zero
         if z is None or not z.active(mesh):
             return

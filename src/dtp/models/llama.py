@@ -232,8 +232,8 @@ def sequential(cfg: LlamaConfig) -> Sequential:
     as ``loss_fn(params, batch)`` it equals :func:`loss`. With ``tie_embeddings`` the
     first and the last layer both read ``embed``. With MoE blocks the carry after the
     first of them is ``(h, auxes)`` and the head returns ``(loss, aux)`` as :func:`loss`;
-    ``layouts.pipeline`` sends one tensor between stages, so it refuses MoE models
-    (``carry="tree"``) before any collective, until the carry can travel.
+    under ``layouts.pipeline`` that whole carry travels between stages (``carry="tree"``:
+    the aux losses keep their gradients, and the head's aux reaches every pp rank).
 
     >>> cfg = config("tiny")
     >>> [layer.name for layer in sequential(cfg).layers]

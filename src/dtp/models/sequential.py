@@ -47,8 +47,9 @@ class Sequential:
             raise TypeError("Sequential: give a non-empty sequence of dtp.Layer")
         if carry not in ("tensor", "tree"):
             raise ValueError(f"Sequential: carry must be 'tensor' or 'tree', got {carry!r}")
-        # What passes between layers: one tensor (a pipeline sends it between stages), or a
-        # tree of them (an MoE model's (h, aux losses)), which layouts.pipeline refuses up front.
+        # What passes between layers: one tensor, or a tree of them (an MoE model's (h, aux
+        # losses)); a pipeline sends either between stages, and with a tree it also shares
+        # the head's aux over pp (the model's statistics, wanted on every rank).
         self.carry = carry
 
     def __len__(self) -> int:

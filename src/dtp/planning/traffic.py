@@ -29,7 +29,9 @@ cp                 per layer and microbatch, attention's collectives (:func:`att
                    of cp/u on ``cp_ring`` (``cp_outer`` × ``cp_inner``) with the gathered
                    K/V; full recompute repeats the forward's
 ep                 dispatch and combine all-to-all-v forward and backward, the counts exchange
-pp                 one activation send per microbatch per stage boundary, and one gradient back
+pp                 one activation send per microbatch per stage boundary, and one gradient back;
+                   MoE: the aux losses and statistics in the carry, their losses' gradients
+                   back, and the head's aux to every pp rank (float64)
 =================  ==========================================================================
 """
 
@@ -44,6 +46,7 @@ from ..comm import ring_bytes
 from ..schedules import global_stage, placement, stage_owner
 from ..layouts.zero import bucket_groups, padded_numel
 from ..layouts import attended_kv_heads
+from ..layouts.pipeline import assign
 from ..models import llama
 from ..ops.context import default_chunks
 from .setup import Leaf, Setup
@@ -208,6 +211,20 @@ def traffic(s: Setup, rank_leaves: list[Leaf], stage: int = 0) -> list[Traffic]:
 
         sends = sum(remote(g, g + 1) + remote(g, g - 1) for g in held)
         add("pp", "send", "activations", m * sends, act)
+        # MoE: the carry also holds each earlier MoE block's aux losses and statistics
+        # (aux, z, dropped, E counts) forward, the two losses' gradients back; the head's
+        # aux reaches every pp rank as float64 (headers and the tree's structure not counted).
+        if cfg.num_experts:
+            ranges = assign(llama.n_sequential_layers(cfg), p, v)  # layer 1 + i is block i
+
+            def moe_before(g: int) -> int:  # the MoE blocks global stage g receives the aux of
+                return sum(llama.is_moe(cfg, i) for i in range(cfg.n_layers) if 1 + i < ranges[g][0])
+
+            carried = sum(moe_before(g + 1) * (3 + cfg.num_experts) for g in held if remote(g, g + 1)) + \
+                sum(moe_before(g) * 2 for g in held if remote(g, g - 1))
+            add("pp", "send", "moe aux carry", m, carried * acc)
+            n_moe = sum(llama.is_moe(cfg, i) for i in range(cfg.n_layers))
+            add("pp", "all_reduce", "moe aux to every stage", 1, _ar(m * (3 + n_moe * (cfg.num_experts + 1)) * 8, p))
     return out
 
 

@@ -159,7 +159,7 @@ def check(loss_fn: Any, layout: Layout, mesh: DeviceMesh, microbatches: int) -> 
                         f"layers (e.g. llama.sequential(cfg)), got {type(loss_fn).__name__}")
     opts.check(n_layers=len(loss_fn), mesh=mesh, microbatches=microbatches)
     first, last = loss_fn.paths(0, 1), loss_fn.paths(len(loss_fn) - 1)
-    opts.check_composition(layout, mesh, shared=sorted(set(first) & set(last)), carries_tree=loss_fn.carry != "tensor")
+    opts.check_composition(layout, mesh, shared=sorted(set(first) & set(last)))
 
 
 def evaluate(loss_fn: Any, params: PyTree, state: Any, layout: Layout, mesh: DeviceMesh,
@@ -189,7 +189,7 @@ def evaluate(loss_fn: Any, params: PyTree, state: Any, layout: Layout, mesh: Dev
         raise TypeError(f"evaluate: under layouts.pipeline loss_fn must be the model as a dtp.Sequential of "
                         f"layers (e.g. llama.sequential(cfg)), got {type(loss_fn).__name__}")
     # The layers and what composes (a forward-only schedule runs any number of batches).
-    opts.check_composition(layout, mesh, carries_tree=loss_fn.carry != "tensor", what="evaluate")
+    opts.check_composition(layout, mesh, what="evaluate")
     assign(len(loss_fn), opts.degree(mesh), opts.virtual_stages, opts.layer_split, what="evaluate")
     wait(state)  # ZeRO 1/2 under the stages: their views may still be filling
     run = pipeline.Run(params, pipeline.Context(layout, mesh, loss_fn, len(batches)), forward_only=True)
@@ -197,18 +197,20 @@ def evaluate(loss_fn: Any, params: PyTree, state: Any, layout: Layout, mesh: Dev
 
 
 def begin(params: PyTree, state: Any, microbatches: int, *, loss_fn: Any = None, layout: Layout | None = None,
-          mesh: DeviceMesh | None = None, gradients_only: bool = False) -> StepRun | Scheduled:
+          mesh: DeviceMesh | None = None, gradients_only: bool = False, buffers: PyTree = None
+          ) -> StepRun | Scheduled:
     """The run of the strategy a state is laid out for: the pipeline's when the layout
     has one on ``mesh``, ZeRO's when ``state`` is ZeRO's, else replicated.
     ``gradients_only`` (:func:`dtp.step.value_and_grad`): a strategy whose gradients
-    never take the parameters' layout refuses."""
+    never take the parameters' layout refuses. ``buffers`` (``TrainState.buffers``): the
+    pipeline's stages lay them over their parameters (elsewhere ``loss_fn`` reads them)."""
     if gradients_only and isinstance(state, zero.ZeroState):
         raise ValueError("value_and_grad: a ZeRO state's gradients are reduce-scattered into bucket slices "
                          "inside dtp.train_step; call train_step (or drop layouts.zero)")
     master = state if isinstance(state, precision.MasterWeights) else None
     if layout is not None and mesh is not None and _pipeline_options(layout, mesh) is not None:
         zero_state = state if master is None else None
-        run = pipeline.Run(params, pipeline.Context(layout, mesh, loss_fn, microbatches, zero_state))
+        run = pipeline.Run(params, pipeline.Context(layout, mesh, loss_fn, microbatches, zero_state, buffers))
         return run if master is None else precision.wrap(run, master)
     if master is not None:  # mixed precision: fp32 accumulators, the master weights updated
         return precision.wrap(replicated.Run(params, microbatches, accumulate=True), master)

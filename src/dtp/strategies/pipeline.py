@@ -26,11 +26,18 @@ For each action of its list, in order:
   in flight meanwhile).
 
 Receives are posted one action ahead (the next action's input is on the wire while this
-one computes); sends never block. Each message carries a small header (global shape,
-dtype, placements) so stages need not know each other's shapes. With tensor parallel and
+one computes); sends never block. What travels is the model's carry: one tensor, or a
+tree (an MoE model's hidden state and its blocks' aux losses and statistics), one
+message per leaf; gradients come back for the leaves that required one
+(:mod:`.pipeline_wire`). Microbatch 0's messages carry small headers (global shape,
+dtype, placements, the tree's structure) so stages need not know each other's shapes. With tensor parallel and
 an activation replicated over ``tp``, each tp rank sends only its 1/t of the sequence and
 the receiver all-gathers it over ``tp`` (Megatron's scatter/gather optimisation; with
 sequence parallel the residual already is split, so nothing extra moves).
+
+``TrainState.buffers`` (replicated on the whole mesh) are laid over each stage's
+parameters on the stage mesh; with a tree carry the head's aux goes to every pp rank
+after the schedule, so the buffers' update is the same everywhere.
 
 After the schedule: tied parameters (the embedding the first and the last stage both
 read) have their gradients summed between those two ranks; then gradients are reduced
@@ -55,18 +62,18 @@ from .._torch import local_shape
 from ..layouts import Layout, use_layout
 from ..layouts.pipeline import assign
 from ..mesh import axis_names, axis_sizes, coordinates, sub_mesh
+from ..buffers import with_buffers
 from ..models.sequential import Sequential
 from ..optim import global_norm, map_param_trees
 from ..redistribute import reshard, value_of
 from ..spec import P, spec_of, wrap_local
-from . import pipeline_split, replicated
+from . import pipeline_split, pipeline_wire as wire, replicated
 from . import zero as zero_mod
 
 __all__ = ["Context", "Run", "stage_mesh", "gather"]
 
 PyTree = Any
-_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64, torch.int32)
-_HEADER = 24  # int64 words: ndim, 8 dims, dtype, then one placement code per mesh dim (≤ 14)
+_PARTS = 1024  # message keys per (channel, microbatch): headers, the tree, one per leaf (pipeline_wire)
 
 
 @dataclass(frozen=True)
@@ -78,6 +85,7 @@ class Context:
     model: Sequential
     microbatches: int
     zero: "zero_mod.ZeroState | None" = None  # the state's ZeRO part (stage 1/2 under each stage)
+    buffers: PyTree = None  # TrainState.buffers (whole-mesh, replicated): every stage reads them all
 
 
 def stage_mesh(mesh: DeviceMesh, axis: str) -> DeviceMesh | None:
@@ -132,6 +140,7 @@ class Run:
         self.paths = paths
         local = [self._to_stage(x) if keep and x is not None else None for x, keep in zip(leaves, self.keep)]
         self.params_tree = optree.tree_unflatten(self.treedef, local)
+        self.buffers = optree.tree_map(self._to_stage, ctx.buffers) if ctx.buffers else None
         zero_opts = None if self.smesh is None or forward_only else zero_mod.options(ctx.layout, self.smesh)
         self.zero = zero_opts is not None
         if self.zero:
@@ -149,9 +158,9 @@ class Run:
         self.saved: dict[tuple[int, int], tuple[Any, Any]] = {}  # (chunk, mb) -> (input, output)
         self.pending_w: dict[tuple[int, int], pipeline_split.WeightGrad] = {}
         self.recvs: dict[tuple[str, int, int], Any] = {}
-        self.meta: dict[tuple[str, int], tuple] = {}  # (kind, stage) -> microbatch 0's header, read
+        self.meta: dict[tuple[str, int], tuple] = {}  # (kind, stage) -> microbatch 0's headers: structure, leaves
         self.sends: list[comm.CommHandle] = []
-        self.act_sends: dict[tuple[int, int], comm.CommHandle] = {}  # (next stage, mb) -> activation sent
+        self.act_sends: dict[tuple[int, int], list[comm.CommHandle]] = {}  # (next stage, mb) -> carry sent
         self.losses: dict[int, float] = {}
         self.auxes: dict[int, Any] = {}
 
@@ -168,12 +177,15 @@ class Run:
 
     # ---- the StepRun interface
     def params(self) -> PyTree:
-        # ZeRO: a fresh read-only view per forward (its reads record use and find buckets)
-        return self.inner.params() if self.zero else self.params_tree
+        # ZeRO: a fresh read-only view per forward (its reads record use and find buckets);
+        # the buffers (replicated everywhere, a bias per expert) laid over on the stage mesh.
+        return with_buffers(self.inner.params() if self.zero else self.params_tree, self.buffers)
 
     def schedule(self, loss_fn: Callable, microbatches: list[Mapping[str, Any]]) -> tuple[float, Any]:
-        """Run this rank's action list; returns the mean loss (on every rank) and aux
-        (the last stage's, ``None`` elsewhere)."""
+        """Run this rank's action list; returns the mean loss (on every rank) and aux: the
+        last stage's, ``None`` elsewhere — on every rank when the model's carry is a tree
+        (MoE: the buffers' update and ``metrics["aux"]`` need it everywhere; one small
+        broadcast over pp, :func:`.pipeline_wire.share`)."""
         actions = self.plan[self.rank]
         self.mbs = microbatches
         with use_layout(self.ctx.layout, self.smesh) if self.smesh is not None else contextlib.nullcontext():
@@ -184,13 +196,16 @@ class Run:
                 # ahead); the forward's send is in flight while the backward computes.
                 for action in (item.forward, item.backward) if isinstance(item, schedules.Pair) else (item,):
                     getattr(self, f"_{action.kind}")(action.chunk, action.microbatch)
-        for handle in [*self.sends, *self.act_sends.values()]:
+        for handle in [*self.sends, *(h for hs in self.act_sends.values() for h in hs)]:
             handle.wait()
         self.sends.clear()
         self.act_sends.clear()
         self._sum_tied()
-        return self._loss(), (self.auxes.get(0) if self.m == 1 else tuple(self.auxes[i] for i in sorted(self.auxes))
-                              ) if self.auxes else None
+        aux = (self.auxes.get(0) if self.m == 1 else tuple(self.auxes[i] for i in sorted(self.auxes))
+               ) if self.auxes else None
+        if self.ctx.model.carry == "tree":
+            aux = wire.share(aux, self._holds_last(), self.ctx.mesh, self.axis)
+        return self._loss(), aux
 
     def evaluate(self, batches: list[Mapping[str, Any]]) -> list[float]:
         """Each batch's loss (one microbatch each), forward only, on every rank: this
@@ -204,7 +219,7 @@ class Run:
                 if k + 1 < len(actions):
                     self._prefetch(actions[k + 1])
                 self._F(action.chunk, action.microbatch)
-        for handle in self.act_sends.values():
+        for handle in (h for hs in self.act_sends.values() for h in hs):
             handle.wait()
         self.act_sends.clear()
         mine = torch.tensor([self.losses.get(i, 0.0) for i in range(self.m)], dtype=torch.float64)
@@ -253,7 +268,7 @@ class Run:
 
     def _F(self, chunk: int, i: int) -> None:
         stage, first, stop = self._stage(chunk)
-        x, value = (None, None) if stage == 0 else self._take("act", stage, i)
+        xs, value = ([], None) if stage == 0 else self._take("act", stage, i)
         out = self.ctx.model.run(self.params(), value, self.mbs[i], first, stop)
         if stage == self.n_stages - 1:
             loss, aux = out if isinstance(out, tuple) else (out, None)
@@ -261,36 +276,40 @@ class Run:
             if aux is not None:
                 self.auxes[i] = aux
             if not self.forward_only:
-                self.saved[(chunk, i)] = (x, loss / self.m)
+                self.saved[(chunk, i)] = (xs, [loss / self.m])
             return
-        out, scattered = _scatter(out)  # in the graph: its backward gathers the gradient back
+        leaves, spec = wire.flatten(out)  # the hidden state, then (MoE) the aux losses and statistics
+        h, scattered = wire.scatter(leaves[0])  # in the graph: its backward gathers the gradient back
+        leaves = [wire.sendable(x) for x in (h, *leaves[1:])]
         if not self.forward_only:
-            self.saved[(chunk, i)] = (x, out)
-        self._send("act", stage + 1, i, out.detach(), gather=scattered)
+            self.saved[(chunk, i)] = (xs, leaves)
+        self._send("act", stage + 1, i, leaves, spec, gather=scattered)
 
     def _B(self, chunk: int, i: int) -> None:
         self._I(chunk, i, keep_graph=False)
 
     def _I(self, chunk: int, i: int, keep_graph: bool = True) -> None:
         stage = self._stage(chunk)[0]
-        x, out = self.saved.pop((chunk, i))
-        grad = None if stage == self.n_stages - 1 else self._take("grad", stage, i)[1]
+        xs, outs = self.saved.pop((chunk, i))
+        # The outputs the next stage sent gradients for: those that required one, in order.
+        outs = [o for o in outs if o.requires_grad]
+        grads = None if stage == self.n_stages - 1 else self._take("grad", stage, i)[0]
         if (stage + 1, i) in self.act_sends:
             # Its gradient came back, so the activation arrived: let its buffer go now, not
             # at the end of the step (interleaved's peak equalled GPipe's before).
-            self.act_sends.pop((stage + 1, i)).wait()
+            for handle in self.act_sends.pop((stage + 1, i)):
+                handle.wait()
         leaves = self._weights(i)
         if keep_graph:  # zero bubble's I: the input's gradient, and what W starts from
-            dx, self.pending_w[(chunk, i)] = pipeline_split.backward_input(out, grad, x, leaves, views=self.zero)
-            grads = (dx,)
-        elif x is not None or leaves:
-            grads = torch.autograd.grad(out, ([x] if x is not None else []) + leaves, grad_outputs=grad,
-                                        allow_unused=True)
-        if x is not None:
-            dx = grads[0] if grads[0] is not None else torch.zeros_like(x)
-            self._send("grad", stage - 1, i, dx)
+            dxs, self.pending_w[(chunk, i)] = pipeline_split.backward_input(outs, grads, xs, leaves, views=self.zero)
+        elif xs or leaves:
+            got = torch.autograd.grad(outs, xs + leaves, grad_outputs=grads, allow_unused=True)
+            dxs, weights = got[:len(xs)], got[len(xs):]
+        if xs:
+            dxs = [g if g is not None else torch.zeros_like(x) for g, x in zip(dxs, xs)]
+            self._send("grad", stage - 1, i, dxs, optree.tree_structure(dxs))
         if not keep_graph and not self.zero:  # ZeRO's views added theirs into the buckets during backward
-            self.inner.add(grads[1 if x is not None else 0:])
+            self.inner.add(weights)
 
     def _W(self, chunk: int, i: int) -> None:
         grads = self.pending_w.pop((chunk, i)).run(self._weights(i))
@@ -310,29 +329,40 @@ class Run:
         return schedules.stage_owner(stage, self.p, self.placement)[0]
 
     def _key(self, kind: str, stage: int, i: int, part: int) -> int:
-        return ((stage * 2 + (kind == "grad")) * self.m + i) * 2 + part
+        return ((stage * 2 + (kind == "grad")) * self.m + i) * _PARTS + part
 
-    def _send(self, kind: str, stage: int, i: int, x: torch.Tensor, gather: bool = False) -> None:
-        """Post ``x`` (an activation for ``stage``, or a gradient for it) to its rank;
-        ``gather``: the receiver all-gathers its last dim (it came scattered)."""
+    def _send(self, kind: str, stage: int, i: int, leaves: list[torch.Tensor], spec: Any,
+              gather: bool = False) -> None:
+        """Post a carry's ``leaves`` (an activation for ``stage``, or gradients for it) to
+        its rank, one message each (:mod:`.pipeline_wire`); ``gather``: the receiver
+        all-gathers leaf 0's last dim (it came scattered)."""
         to = self._rank_of(stage)
-        x = _sendable(x)
-        header = _header(x, gather)
-        local = x.to_local() if isinstance(x, DTensor) else x
-        tag = f"pp {kind} stage {stage} mb {i}"
         if to == self.rank:  # interleaved with p = 1: a stage hands to the next on this rank
-            self.recvs[(kind, stage, i)] = _Local(x, gather)
+            self.recvs[(kind, stage, i)] = wire.Local(leaves, spec, gather)
             return
-        # Microbatches of a step share their shapes: only microbatch 0's message carries a
-        # header, so the receiver can post every later body's receive ahead.
+        if len(leaves) >= _PARTS - 2:
+            raise ValueError(f"layouts.pipeline: a carry of {len(leaves)} tensors between stages; at most "
+                             f"{_PARTS - 3} travel")
+        tag = f"pp {kind} stage {stage} mb {i}"
+        posted = []
+        # Microbatches of a step share their shapes: only microbatch 0's message carries
+        # headers, so the receiver can post every later body's receive ahead.
         if i == 0:
-            self.sends.append(comm.send(header, self.ctx.mesh, self.axis, to=to, key=self._key(kind, stage, i, 0),
-                                        tag=tag + " header"))
-        handle = comm.send(local, self.ctx.mesh, self.axis, to=to, key=self._key(kind, stage, i, 1), tag=tag)
+            tree = wire.tree_words(spec, leaves) if len(leaves) > 1 or (kind == "act" and spec.num_nodes > 1) else None
+            posted.append(comm.send(wire.header(leaves[0], gather, 0 if tree is None else len(tree)), self.ctx.mesh,
+                                    self.axis, to=to, key=self._key(kind, stage, i, 0), tag=tag + " header"))
+            if tree is not None:
+                posted.append(comm.send(tree, self.ctx.mesh, self.axis, to=to, key=self._key(kind, stage, i, 2),
+                                        tag=tag + " tree"))
+        for j, x in enumerate(leaves):
+            local = (x.to_local() if isinstance(x, DTensor) else x).detach()
+            posted.append(comm.send(local, self.ctx.mesh, self.axis, to=to, key=self._key(kind, stage, i, 1 if j == 0
+                                    else 2 + j), tag=tag + (f" leaf {j}" if j else "")))
         if kind == "act":
-            self.act_sends[(stage, i)] = handle  # waited for at this microbatch's backward
+            self.sends += posted[:-len(leaves)] if i == 0 else []
+            self.act_sends[(stage, i)] = posted[-len(leaves):]  # waited for at this microbatch's backward
         else:
-            self.sends.append(handle)
+            self.sends += posted
 
     def _prefetch(self, item: "schedules.Action | schedules.Pair") -> None:
         for action in (item.forward, item.backward) if isinstance(item, schedules.Pair) else (item,):
@@ -349,24 +379,32 @@ class Run:
         frm = self._rank_of(stage - 1 if kind == "act" else stage + 1)
         if frm == self.rank:
             return  # handed over locally by _send
-        header = None if i else comm.recv((_HEADER,), torch.int64, self.ctx.mesh, self.axis, frm=frm,
+        header = None if i else comm.recv((wire.HEADER,), torch.int64, self.ctx.mesh, self.axis, frm=frm,
                                           key=self._key(kind, stage, i, 0), tag=f"pp {kind} stage {stage} mb 0 header")
-        self.recvs[key] = _Incoming(self, (kind, stage), header, frm, self._key(kind, stage, i, 1),
-                                    f"pp {kind} stage {stage} mb {i}")
+        self.recvs[key] = wire.Incoming(self.meta, (kind, stage), header, frm,
+                                        lambda part: self._key(kind, stage, i, part),
+                                        f"pp {kind} stage {stage} mb {i}", self.ctx.mesh, self.axis, self.smesh)
 
-    def _take(self, kind: str, stage: int, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(as received, as used)``: an activation that came scattered over tp is a
-        leaf (its gradient goes back as it came) and is all-gathered for use."""
+    def _take(self, kind: str, stage: int, i: int) -> tuple[list[torch.Tensor], Any]:
+        """``(the leaves to differentiate, the carry as used)``: received activations
+        that required a gradient become leaves that do (their gradients go back as they
+        came); one that came scattered over tp is all-gathered for use. Gradients:
+        ``(the list, the list)``."""
         self._post(kind, stage, i)
-        x, gather = self.recvs.pop((kind, stage, i)).wait()
+        leaves, spec, gathers, needs = self.recvs.pop((kind, stage, i)).wait()
         if kind != "act":
-            return x, x
-        x.requires_grad_(True)
-        if not gather:
-            return x, x
-        spec = spec_of(x)
-        dims = [() if d == x.dim() - 1 else spec.axes_of(d) for d in range(x.dim())]
-        return x, reshard(x, P(*dims), tag="pp gather")
+            return leaves, leaves
+        for j, x in enumerate(leaves):
+            if needs[j] and x.is_floating_point():
+                x.requires_grad_(True)
+        xs = [x for x in leaves if x.requires_grad]
+        used = list(leaves)
+        if gathers[0]:
+            x = leaves[0]
+            src = spec_of(x)
+            used[0] = reshard(x, P(*[() if d == x.dim() - 1 else src.axes_of(d) for d in range(x.dim())]),
+                              tag="pp gather")
+        return xs, optree.tree_unflatten(spec, used)
 
     # ---- after the schedule
     def _holds_first(self) -> bool:
@@ -392,7 +430,7 @@ class Run:
                 # so the two add as plain local tensors whatever their pending sums were.
                 g = reshard(g, spec_of(leaf), tag="grad reduce")
             local = g.to_local() if isinstance(g, DTensor) else g
-            key = 1_000_000 + j
+            key = 2 ** 30 + j  # above every stage message's key
             send = comm.send(local, self.ctx.mesh, self.axis, to=peer, key=key, tag=f"pp tied grad {path}")
             theirs = comm.recv(local.shape, local.dtype, self.ctx.mesh, self.axis, frm=peer, key=key,
                                tag=f"pp tied grad {path}", device=local.device).wait()
@@ -423,127 +461,15 @@ def gather(params: PyTree, mesh: DeviceMesh, axis: str) -> PyTree:
     for j, x in enumerate(leaves):
         held = torch.tensor([float(me if x is not None else 1e9)], dtype=torch.float64)
         owner = int(-comm.all_reduce(-held, mesh, axis, op="max", tag=f"pp gather owner {j}")[0])
-        header = _header(x) if me == owner else torch.full((_HEADER,), -(2 ** 40), dtype=torch.int64)
+        header = wire.header(x) if me == owner else torch.full((wire.HEADER,), -(2 ** 40), dtype=torch.int64)
         header = comm.all_reduce(header, mesh, axis, op="max", tag=f"pp gather header {j}")
-        shape, dtype, placements = _read_header(header, smesh)
+        shape, dtype, placements, _, _ = wire.read_header(header, smesh)
         local = (x.to_local() if isinstance(x, DTensor) else x).detach() if me == owner else \
-            torch.zeros(_local_shape(shape, smesh, placements), dtype=dtype)
+            torch.zeros(wire.local_size(shape, smesh, placements), dtype=dtype)
         local = comm.all_reduce(local, mesh, axis, tag=f"pp gather {j}")
         if placements is None:
             out.append(local.requires_grad_(True))
         else:
             out.append(DTensor.from_local(local, smesh, placements, run_check=False, shape=torch.Size(shape),
-                                          stride=_contiguous(shape)).requires_grad_(True))
+                                          stride=wire.contiguous(shape)).requires_grad_(True))
     return optree.tree_unflatten(treedef, out)
-
-
-class _Local:
-    """A hand-over between two stages of this rank (interleaved with pp=1 neighbours)."""
-
-    def __init__(self, x: torch.Tensor, gather: bool):
-        self.x, self.gather = x, gather
-
-    def wait(self) -> tuple[torch.Tensor, bool]:
-        return self.x.detach(), self.gather
-
-
-class _Incoming:
-    """A message on its way. Microbatch 0's header (shape, dtype, placements) is read
-    when it is taken; every later microbatch's body receive is posted as soon as that is
-    known — ahead of the action that needs it, so the sender's transfer is answered while
-    this rank computes. Measured on gloo (benchmarks/pipeline.py, 2 ranks): a body whose
-    receive is posted only when needed waits 0.3-2.3 ms for the busy sender, posted ahead
-    0.01 ms; and gloo's send/recv works report completion only once waited for, so no
-    polling can find a header that came in early."""
-
-    def __init__(self, run: Run, channel: tuple[str, int], header: comm.CommHandle | None, frm: int, key: int,
-                 tag: str):
-        self.run, self.channel, self.header, self.frm, self.key, self.tag = run, channel, header, frm, key, tag
-        self.body: comm.CommHandle | None = None
-        self._post_body()
-
-    def _post_body(self) -> None:
-        meta = self.run.meta.get(self.channel)
-        if self.body is None and meta is not None:
-            shape, dtype, placements, _ = meta
-            self.body = comm.recv(_local_shape(shape, self.run.smesh, placements), dtype, self.run.ctx.mesh,
-                                  self.run.axis, frm=self.frm, key=self.key, tag=self.tag)
-
-    def wait(self) -> tuple[torch.Tensor, bool]:
-        if self.header is not None:
-            header = self.header.wait()
-            shape, dtype, placements = _read_header(header, self.run.smesh)
-            self.run.meta[self.channel] = (shape, dtype, placements, bool(header[_HEADER - 1]))
-        self._post_body()
-        body = self.body.wait()
-        shape, _, placements, gather = self.run.meta[self.channel]
-        if placements is None:
-            return body, False
-        x = DTensor.from_local(body, self.run.smesh, placements, run_check=False, shape=torch.Size(shape),
-                               stride=_contiguous(shape))
-        return x, gather
-
-
-def _contiguous(shape: Sequence[int]) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for n in reversed(shape):
-        stride.append(acc)
-        acc *= n
-    return tuple(reversed(stride))
-
-
-def _sendable(x: torch.Tensor) -> torch.Tensor:
-    """Pending sums are reduced before a tensor leaves its stage."""
-    if isinstance(x, DTensor) and any(isinstance(pl, Partial) for pl in x.placements):
-        spec = spec_of(x)
-        x = reshard(x, P(*spec.dims), tag="pp send reduce")
-    return x
-
-
-def _scatter(x: torch.Tensor) -> tuple[torch.Tensor, bool]:
-    """Megatron's scatter/gather optimisation: an activation replicated over a mesh axis
-    (tp without sequence parallel) leaves its stage split over that axis along its last
-    dim — each rank sends 1/t, the receiver all-gathers. A local slice here (no
-    collective); in the graph, so the gradient comes back the same way."""
-    if not isinstance(x, DTensor) or x.dim() == 0:
-        return x, False
-    spec, mesh = spec_of(x), x.device_mesh
-    last = x.dim() - 1
-    if spec.partial or spec.axes_of(last):
-        return x, False
-    names = axis_names(mesh)
-    for a, pl in zip(names, x.placements):
-        if isinstance(pl, Replicate) and mesh.size(names.index(a)) > 1 and x.shape[last] % mesh.size(names.index(a)) == 0:
-            dims = [spec.axes_of(d) for d in range(last)] + [(a,)]
-            return reshard(x, P(*dims), tag="pp scatter"), True
-    return x, False
-
-
-def _header(x: torch.Tensor, gather: bool = False) -> torch.Tensor:
-    h = torch.zeros(_HEADER, dtype=torch.int64)
-    h[0] = x.dim()
-    h[1:1 + x.dim()] = torch.tensor(list(x.shape), dtype=torch.int64)
-    h[9] = _DTYPES.index(x.dtype)
-    h[_HEADER - 1] = int(gather)
-    if isinstance(x, DTensor):
-        for d, pl in enumerate(x.placements):
-            h[10 + d] = 1 if isinstance(pl, Replicate) else 2 + pl.dim  # Shard(dim)
-    else:
-        h[10] = -1  # a plain tensor
-    return h
-
-
-def _read_header(h: torch.Tensor, mesh: DeviceMesh | None) -> tuple[tuple[int, ...], torch.dtype, Any]:
-    n = int(h[0])
-    shape = tuple(int(v) for v in h[1:1 + n])
-    dtype = _DTYPES[int(h[9])]
-    if int(h[10]) == -1 or mesh is None:
-        return shape, dtype, None
-    placements = tuple(Replicate() if int(c) == 1 else Shard(int(c) - 2) for c in h[10:10 + mesh.ndim])
-    return shape, dtype, placements
-
-
-def _local_shape(shape: Sequence[int], mesh: DeviceMesh | None, placements: Any) -> tuple[int, ...]:
-    if placements is None or mesh is None:
-        return tuple(shape)
-    return local_shape(tuple(shape), mesh, placements)

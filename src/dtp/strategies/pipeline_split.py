@@ -33,10 +33,10 @@ from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 __all__ = ["WeightGrad", "backward_input"]
 
 
-def _parents(root: Node) -> dict[Node, list[Node]]:
-    """Each node of the graph below ``root`` and the nodes that feed it gradients."""
-    parents: dict[Node, list[Node]] = {root: []}
-    stack = [root]
+def _parents(roots: Sequence[Node]) -> dict[Node, list[Node]]:
+    """Each node of the graph below ``roots`` and the nodes that feed it gradients."""
+    parents: dict[Node, list[Node]] = {root: [] for root in roots}
+    stack = list(parents)
     while stack:
         node = stack.pop()
         for child, _ in node.next_functions:
@@ -109,17 +109,24 @@ class WeightGrad:
         return tuple(result)
 
 
-def backward_input(out: torch.Tensor, grad: torch.Tensor | None, x: torch.Tensor | None,
-                   weights: Sequence[torch.Tensor], *, views: bool = False) -> tuple[torch.Tensor | None, WeightGrad]:
+def backward_input(out: torch.Tensor | Sequence[torch.Tensor], grad: Any,
+                   x: torch.Tensor | Sequence[torch.Tensor] | None,
+                   weights: Sequence[torch.Tensor], *, views: bool = False) -> tuple[Any, WeightGrad]:
     """``(d out / d x, what W needs)``: ``I`` of the module docstring. ``x`` is the stage's
-    input leaf (``None`` on the first stage: then ``W`` does the whole backward).
+    input leaf (``None`` on the first stage: then ``W`` does the whole backward), or a
+    list of them (a carry's tree: the hidden state and the aux losses; ``out`` and
+    ``grad`` then are lists too, and so is the result's first item).
     ``views``: the weights are anchors the parameters hang from as views (ZeRO's), each
     view's backward doing the work; W groups by view, and runs each view's backward."""
-    if x is None or out.grad_fn is None:
-        return None, WeightGrad([], {}, (out, grad))
-    parents = _parents(out.grad_fn)
-    x_node = get_gradient_edge(x).node
-    on_path = _above([x_node], parents, set()) if x_node in parents else set()
+    many = not isinstance(x, torch.Tensor) and x is not None
+    xs = list(x) if many else ([] if x is None else [x])
+    outs = [out] if isinstance(out, torch.Tensor) else list(out)
+    roots = [get_gradient_edge(o).node for o in outs if o.requires_grad]
+    if not xs or all(o.grad_fn is None for o in outs):
+        return ([None] * len(xs) if many else None), WeightGrad([], {}, (outs, grad))
+    parents = _parents(roots)
+    x_nodes = [n for n in (get_gradient_edge(v).node for v in xs) if n in parents]
+    on_path = _above(x_nodes, parents, set())
     # Weights whose boundary nodes overlap share one group (union by shared node).
     groups: list[tuple[set[Node], list[Node | int]]] = []
     units: list[tuple[Node, Node | int]] = []  # (node to walk up from, what W asks for)
@@ -144,8 +151,9 @@ def backward_input(out: torch.Tensor, grad: torch.Tensor | None, x: torch.Tensor
 
     handles = [node.register_prehook(keeper(node)) for node in boundary]
     try:
-        (dx,) = torch.autograd.grad(out, [x], grad_outputs=grad, retain_graph=True, allow_unused=True)
+        dxs = torch.autograd.grad(outs, xs, grad_outputs=grad, retain_graph=True, allow_unused=True)
     finally:
         for h in handles:
             h.remove()
-    return dx, WeightGrad([(sorted(nodes, key=id), members) for nodes, members in groups], grads, None)
+    kept = WeightGrad([(sorted(nodes, key=id), members) for nodes, members in groups], grads, None)
+    return (list(dxs) if many else dxs[0]), kept
