@@ -54,11 +54,10 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import optree
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor import DTensor
 
 from .. import comm, schedules
 from .._rules import accum_dtype
-from .._torch import local_shape
 from ..layouts import Layout, use_layout
 from ..layouts.pipeline import assign
 from ..mesh import axis_names, axis_sizes, coordinates, sub_mesh
