@@ -4,7 +4,7 @@ merge by log-sum-exp, dK/dV travel back with the blocks in backward."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -16,7 +16,9 @@ from ... import comm
 from ...layouts import check_window
 from ...mesh import axis_coordinate, block_index
 from ...redistribute import local_map
+from ...spec import P
 from ..blockwise import accum_dtype, block_backward, block_forward, merge_into, ring_block_plan, softmax_scale
+from ._docs import Docs
 from ._common import (
     _check_axis_name,
     _check_chunks,
@@ -41,6 +43,14 @@ class _Ring:
     n: int
     w: int
     rank: int  # ring coordinate = outer coordinate * w + inner coordinate
+    docs: Docs | None = field(default=None, compare=False)  # packed documents: masks per tile
+
+    def tasks(self, src: int, causal: bool, load_balance: str | None, L: int, phase: str) -> list:
+        """The blocks to compute against ``src``'s K/V: the zigzag/causal plan, or with
+        packed documents the tiles some document spans (each with its mask)."""
+        if self.docs is not None:
+            return self.docs.tasks(self.rank, src, phase)
+        return ring_block_plan(self.rank, src, self.n, causal=causal, load_balance=load_balance, local_len=L)
 
     @property
     def n_out(self) -> int:
@@ -79,7 +89,7 @@ def _ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: _Ring
         for s in range(ring.w):
             nxt = _send(cur, ring, ring.inner, f"ring fwd step {step}") if s + 1 < ring.w else None
             src = ring.src(t, s)
-            tasks = ring_block_plan(ring.rank, src, ring.n, causal=causal, load_balance=load_balance, local_len=L)
+            tasks = ring.tasks(src, causal, load_balance, L, "fwd")
             with _traced("fwd", step, src, tasks):
                 for task in tasks:
                     qs, ks = task.q_slice, task.k_slice
@@ -148,7 +158,7 @@ def _ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
         for s in range(ring.w):
             nxt = _send(cur, ring, ring.inner, f"ring bwd step {step}") if s + 1 < ring.w else None
             src = ring.src(t, s)
-            tasks = ring_block_plan(ring.rank, src, ring.n, causal=causal, load_balance=load_balance, local_len=L)
+            tasks = ring.tasks(src, causal, load_balance, L, "bwd")
             # The first step of an inner round starts a partial; later steps hold their
             # block's (few) kernel results until the incoming partial lands, then add.
             grad = torch.zeros(cur.shape, dtype=acc, device=cur.device) if partial is None else None
@@ -251,17 +261,29 @@ def _ring_local(ql: torch.Tensor, kl: torch.Tensor, vl: torch.Tensor, ring: _Rin
 
 
 def _ring_dtensor(q: DTensor, k: DTensor, v: DTensor, lay: _Layout, ring: _Ring, causal: bool,
-                  load_balance: str | None, scale: float | None, chunks: int) -> DTensor:
-    def local(ql: torch.Tensor, kl: torch.Tensor, vl: torch.Tensor) -> torch.Tensor:
-        return _ring_local(ql, kl, vl, ring, causal, load_balance, scale, chunks)
+                  load_balance: str | None, scale: float | None, chunks: int,
+                  docs: tuple[DTensor, DTensor] | None = None) -> DTensor:
+    def local(ql: torch.Tensor, kl: torch.Tensor, vl: torch.Tensor, *doc: torch.Tensor) -> torch.Tensor:
+        r = ring
+        if doc:  # (batch, seq) ids and positions of the whole sequence, data order
+            L = ql.shape[2]
+            ids, pos = (tuple(t[:, c * L:(c + 1) * L] for c in range(ring.n)) for t in doc)
+            r = replace(ring, docs=Docs(ids, pos, causal))
+            if ring.n == 1:
+                return _RingAttention.apply(ql, kl, vl, r, causal, load_balance,
+                                            softmax_scale(scale, ql.shape[-1]), chunks)
+        return _ring_local(ql, kl, vl, r, causal, load_balance, scale, chunks)
 
     # The output is laid out like q (checked inputs, same local shape on every rank).
-    return local_map(local, (None, None, None), lay.spec, check_shapes=False)(q, k, v)
+    if docs is None:
+        return local_map(local, (None, None, None), lay.spec, check_shapes=False)(q, k, v)
+    whole = P(lay.spec.dims[0] if lay.spec.dims else None)  # batch as q's, the sequence gathered
+    return local_map(local, (None, None, None, whole, whole), lay.spec, check_shapes=False)(q, k, v, *docs)
 
 
 def ring_attention(q: DTensor, k: DTensor, v: DTensor, *, axis: str = "cp", causal: bool = True,
                    scale: float | None = None, load_balance: str | None = "zigzag",
-                   head_chunks: int | None = None) -> DTensor:
+                   head_chunks: int | None = None, docs: tuple[DTensor, DTensor] | None = None) -> DTensor:
     """Ring attention over mesh axis ``axis`` (Megatron-CP / ring-flash-attention).
 
     Each rank keeps its Q block; the K/V blocks (one ``(2, b, h_kv, s/cp, d)`` buffer)
@@ -282,6 +304,10 @@ def ring_attention(q: DTensor, k: DTensor, v: DTensor, *, axis: str = "cp", caus
     Megatron's schedule. Tags and trace steps number on across chunks (chunk ``c``
     starts at step ``c·cp``). A ring of one sends nothing and is one plain SDPA call.
 
+    ``docs``: packed documents, the ``(documents, positions)`` batch entries laid out
+    like the tokens (:mod:`dtp.ops.documents`): a query sees the keys of its own
+    document only; tiles no document spans are skipped (:func:`block_counts`).
+
     Not run as a doctest: the ring sends point to point, which needs real ranks
     (``dtp.testing.run``), not ``simulate``; tests/test_context.py runs it.
 
@@ -292,12 +318,13 @@ def ring_attention(q: DTensor, k: DTensor, v: DTensor, *, axis: str = "cp", caus
     lay = _check_inputs(fn, q, k, v, (axis,), load_balance)
     chunks = _check_chunks(fn, head_chunks, k.shape[1] // lay.tp, lay.cp, _kv_bytes(k))
     ring = _Ring(lay.mesh, axis, None, lay.cp, lay.cp, axis_coordinate(lay.mesh, axis))
-    return _ring_dtensor(q, k, v, lay, ring, causal, load_balance, scale, chunks)
+    return _ring_dtensor(q, k, v, lay, ring, causal, load_balance, scale, chunks, docs)
 
 
 def double_ring_attention(q: DTensor, k: DTensor, v: DTensor, *, window: int, axis: str = "cp",
                           causal: bool = True, scale: float | None = None,
-                          load_balance: str | None = "zigzag", head_chunks: int | None = None) -> DTensor:
+                          load_balance: str | None = "zigzag", head_chunks: int | None = None,
+                          docs: tuple[DTensor, DTensor] | None = None) -> DTensor:
     """MindSpeed's double-ring attention over ``axis`` with windows of ``window`` ranks.
 
     The cp ranks form ``cp / window`` windows of ``window`` consecutive ranks (on one node,
@@ -310,7 +337,8 @@ def double_ring_attention(q: DTensor, k: DTensor, v: DTensor, *, window: int, ax
     The two rings run on a cached view of the mesh with ``axis`` split into
     ``{axis}_outer`` (size ``cp/window``) and ``{axis}_inner`` (size ``window``), the names
     the comm log shows. Needs ``1 < window < cp`` and ``cp % window == 0``
-    (:func:`dtp.layouts.check_window`: cp 2 has no double ring).
+    (:func:`dtp.layouts.check_window`: cp 2 has no double ring). ``docs`` as for
+    :func:`ring_attention`.
 
     Not run as a doctest: the ring sends point to point, which needs real ranks
     (``dtp.testing.run``), not ``simulate``; tests/test_context.py runs it.
@@ -325,4 +353,4 @@ def double_ring_attention(q: DTensor, k: DTensor, v: DTensor, *, window: int, ax
     view, (outer, inner) = _unflatten(lay.mesh, axis, (lay.cp // w, w), ("outer", "inner"))
     rank = block_index(view, (outer, inner))
     ring = _Ring(view, inner, outer, lay.cp, w, rank)
-    return _ring_dtensor(q, k, v, lay, ring, causal, load_balance, scale, chunks)
+    return _ring_dtensor(q, k, v, lay, ring, causal, load_balance, scale, chunks, docs)

@@ -1,0 +1,107 @@
+"""Packed documents under context parallel: which (Q tile, K/V tile) pairs a rank
+computes, with which mask, and the count of the tiles it skips. No collectives here:
+the document ids and positions of the whole sequence are on every rank of a cp group
+(gathered once per attention call, two int64 per token), so each rank knows the rows of
+every K/V block that reaches it without sending anything more."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
+from ..blockwise import BlockTask
+from ..documents import document_keep
+
+__all__ = ["block_counts"]
+
+_counts: dict[str, int] | None = None
+
+
+@contextlib.contextmanager
+def block_counts() -> Iterator[dict[str, int]]:
+    """Count the forward tiles this rank computes and skips under packed documents.
+
+    Yields a dict that fills with ``computed``, ``skipped`` (tiles no document spans: no
+    kernel runs) and ``attended`` (the (query, key) pairs the computed tiles attend).
+
+    >>> with block_counts() as counts:
+    ...     pass
+    >>> counts
+    {'computed': 0, 'skipped': 0, 'attended': 0}
+    """
+    global _counts
+    previous, counts = _counts, {"computed": 0, "skipped": 0, "attended": 0}
+    _counts = counts
+    try:
+        yield counts
+    finally:
+        _counts = previous
+
+
+def _mask_of(keep: torch.Tensor) -> object:
+    """The cheapest mask that says ``keep``: "full" / "causal" take the fused kernels."""
+    if bool(keep.all()):
+        return "full"
+    sq, sk = keep.shape[1:]
+    if sq == sk and torch.equal(keep, torch.ones(sq, sk, dtype=torch.bool, device=keep.device).tril().expand_as(keep)):
+        return "causal"
+    return keep
+
+
+def _count(key: str, n: int) -> None:
+    if _counts is not None:
+        _counts[key] += n
+
+
+@dataclass(frozen=True)
+class Docs:
+    """Document ids and positions of the rows each ring coordinate holds (``ids[c]``,
+    ``pos[c]``: ``(batch, L)``), and whether attention is causal within a document."""
+
+    ids: tuple[torch.Tensor, ...]
+    pos: tuple[torch.Tensor, ...]
+    causal: bool
+    tiles: int = 2  # K/V and Q blocks are cut into this many tiles each for skipping
+
+    def keep(self, a: int, b: int) -> torch.Tensor:
+        return document_keep(self.ids[a], self.pos[a], self.ids[b], self.pos[b], self.causal)
+
+    def tasks(self, rank: int, src: int, phase: str) -> list[BlockTask]:
+        """The tiles of Q (this rank) × K/V (from ``src``) that some document spans.
+        The diagonal block is one task over every row (each query sees itself), which
+        the ring's accumulator starts from."""
+        keep = self.keep(rank, src)
+        L = keep.shape[1]
+        if src == rank:
+            if phase == "fwd":
+                _count("computed", 1)
+                _count("attended", int(keep.sum()))
+            return [BlockTask(slice(0, L), slice(0, L), _mask_of(keep))]  # type: ignore[arg-type]
+        t = self.tiles if L % self.tiles == 0 else 1
+        size, out = L // t, []
+        for i in range(t):
+            for j in range(t):
+                qs, ks = slice(i * size, (i + 1) * size), slice(j * size, (j + 1) * size)
+                sub = keep[:, qs, ks]
+                n = int(sub.sum())
+                if phase == "fwd":
+                    _count("computed" if n else "skipped", 1)
+                    _count("attended", n)
+                if n:
+                    out.append(BlockTask(qs, ks, _mask_of(sub)))  # type: ignore[arg-type]
+        return out
+
+
+def gathered(full: torch.Tensor, first: int, u: int, L: int,
+             slots: list[list[tuple[slice, slice]]]) -> torch.Tensor:
+    """The rows of cp pieces ``first .. first+u-1`` of ``full`` (``(batch, cp·L)``, data
+    order) placed as a Ulysses gather places them (``slots``, from ``ulysses._slots``)."""
+    out = full.new_empty((full.shape[0], u * L))
+    for j, places in enumerate(slots):
+        piece = full[:, (first + j) * L:(first + j + 1) * L]
+        for dst, src in places:
+            out[:, dst] = piece[:, src]
+    return out
