@@ -65,6 +65,13 @@ ROWS: dict[str, list[str]] = {
     "cp4 ring": ["--cp", "4", "--cp-algo", "ring"],
     "cp4 double_ring window 2": ["--cp", "4", "--cp-algo", "double_ring", "--cp-window", "2"],
     "cp4 hybrid ulysses 2": ["--cp", "4", "--cp-algo", "hybrid", "--ulysses-degree", "2"],
+    # packed documents (lines of the bundled corpus; a uint32 directory's EOS id 1)
+    "cp2 ring document-mask": ["--cp", "2", "--cp-algo", "ring", "--document-mask"],
+    "dp2 cp2 ulysses document-mask uint32 directory": ["--dp", "2", "--cp", "2", "--cp-algo", "ulysses",
+                                                        "--document-mask", "--data", "{uint32_dir}",
+                                                        "--data-dtype", "uint32", "--eos-id", "1"],
+    "cp4 hybrid ulysses 2 document-mask": ["--cp", "4", "--cp-algo", "hybrid", "--ulysses-degree", "2",
+                                           "--document-mask"],
     "dp2 cp2 tp2 sp head-chunks 1": ["--dp", "2", "--cp", "2", "--tp", "2", "--sp", "--cp-head-chunks", "1"],
     "dp2 cp4 double_ring zero1": ["--dp", "2", "--cp", "4", "--cp-algo", "double_ring", "--cp-window", "2",
                                   "--zero", "1"],
@@ -126,7 +133,7 @@ ROWS: dict[str, list[str]] = {
 }
 
 # The default run's sample: one row of each family, the defects of issue 20 among them.
-SAMPLE = ["dp4 zero3 both overlaps", "cp4 double_ring window 2", "cp4 hybrid ulysses 2", "pp2 1f1b",
+SAMPLE = ["dp4 zero3 both overlaps", "cp2 ring document-mask", "cp4 double_ring window 2", "cp4 hybrid ulysses 2", "pp2 1f1b",
           "pp4 gpipe", "moe dp2 m2", "moe ep2 tp2 sp sigmoid bias-update m2", "dp2 uint32 shard directory, eval",
           "init-from HF dir dp2 tp2 sp"]
 
