@@ -102,8 +102,8 @@ def test_packed_documents_match_each_document_alone(name):
     mesh_axes, layout = CASES[name]
     counts = run(_parity, mesh_axes, layout, world_size=_world(mesh_axes))
     if name.startswith("cp2 ring"):
-        # A tile is skipped when no row's documents span it (row 2 is one document, so few are).
-        assert sum(c["skipped"] for c in counts) > 0 and all(c["computed"] > 0 for c in counts), counts
+        # Every rank skips some row's tiles (rows 0, 1 and 3 hold short documents).
+        assert all(c["skipped"] > 0 and c["computed"] > 0 for c in counts), counts
 
 
 @pytest.mark.slow
@@ -112,7 +112,7 @@ def test_packed_documents_match_each_document_alone_cp4(name):
     mesh_axes, layout = CASES4[name]
     counts = run(_parity, mesh_axes, layout, world_size=4)
     if "ring" in name:
-        assert sum(c["skipped"] for c in counts) > 0, counts
+        assert all(c["skipped"] > 0 for c in counts), counts
 
 
 def _lognormal_positions(seed: int, s: int) -> torch.Tensor:

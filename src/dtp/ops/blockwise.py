@@ -440,11 +440,14 @@ def merge_into(out: torch.Tensor, lse: torch.Tensor, out_b: torch.Tensor, lse_b:
 
 
 class BlockTask(NamedTuple):
-    """One block of work: ``q_local[q_slice]`` against ``kv_block[k_slice]`` with ``mask``."""
+    """One block of work: ``q_local[q_slice]`` against ``kv_block[k_slice]`` with ``mask``,
+    for the batch rows ``rows`` (all of them but with packed documents, whose tiles a
+    run of rows may skip)."""
 
     q_slice: slice
     k_slice: slice
     mask: "Mask"
+    rows: slice = slice(None)
 
 
 def ring_block_plan(
@@ -475,7 +478,7 @@ def ring_block_plan(
     An empty list means "skip this step" (no compute; the K/V block still travels on).
 
     >>> ring_block_plan(1, 0, 2, causal=True, load_balance="zigzag")
-    [BlockTask(q_slice=slice(0, 2, None), k_slice=slice(0, 1, None), mask='full')]
+    [BlockTask(q_slice=slice(0, 2, None), k_slice=slice(0, 1, None), mask='full', rows=slice(None, None, None))]
     >>> ring_block_plan(0, 1, 2, causal=True, load_balance=None, local_len=4)
     []
     """

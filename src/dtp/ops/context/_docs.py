@@ -24,8 +24,9 @@ _counts: dict[str, int] | None = None
 def block_counts() -> Iterator[dict[str, int]]:
     """Count the forward tiles this rank computes and skips under packed documents.
 
-    Yields a dict that fills with ``computed``, ``skipped`` (tiles no document spans: no
-    kernel runs) and ``attended`` (the (query, key) pairs the computed tiles attend).
+    Yields a dict that fills with ``computed``, ``skipped`` (a batch row's tiles no
+    document spans: no kernel runs for them) and ``attended`` (the (query, key) pairs
+    attended). The diagonal block counts as one computed tile for the whole batch.
 
     >>> with block_counts() as counts:
     ...     pass
@@ -86,13 +87,26 @@ class Docs:
             for j in range(t):
                 qs, ks = slice(i * size, (i + 1) * size), slice(j * size, (j + 1) * size)
                 sub = keep[:, qs, ks]
-                n = int(sub.sum())
+                spans = sub.flatten(1).any(1).tolist()  # per row: does a document span this tile?
                 if phase == "fwd":
-                    _count("computed" if n else "skipped", 1)
-                    _count("attended", n)
-                if n:
-                    out.append(BlockTask(qs, ks, _mask_of(sub)))  # type: ignore[arg-type]
+                    _count("computed", sum(spans))
+                    _count("skipped", len(spans) - sum(spans))
+                    _count("attended", int(sub.sum()))
+                for rows in _runs(spans):  # one kernel per run of consecutive rows that need it
+                    out.append(BlockTask(qs, ks, _mask_of(sub[rows]), rows))  # type: ignore[arg-type]
         return out
+
+
+def _runs(flags: list[bool]) -> list[slice]:
+    """Slices of the runs of True in ``flags``; the whole batch as ``slice(None)``."""
+    runs, start = [], None
+    for i, f in enumerate([*flags, False]):
+        if f and start is None:
+            start = i
+        elif not f and start is not None:
+            runs.append(slice(None) if (start, i) == (0, len(flags)) else slice(start, i))
+            start = None
+    return runs
 
 
 def gathered(full: torch.Tensor, first: int, u: int, L: int,

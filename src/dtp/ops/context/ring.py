@@ -92,18 +92,18 @@ def _ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: _Ring
             tasks = ring.tasks(src, causal, load_balance, L, "fwd")
             with _traced("fwd", step, src, tasks):
                 for task in tasks:
-                    qs, ks = task.q_slice, task.k_slice
-                    ob, lb = block_forward(q[:, :, qs], cur[0][:, :, ks], cur[1][:, :, ks], scale=scale,
+                    qs, ks, rb = task.q_slice, task.k_slice, task.rows
+                    ob, lb = block_forward(q[rb, :, qs], cur[0][rb, :, ks], cur[1][rb, :, ks], scale=scale,
                                            mask=task.mask)  # type: ignore[arg-type]
                     if out is None:
                         # Step 0 is this rank's own block: one task over every row (causal
                         # or not), so every accumulator row is non-empty from here on.
-                        assert src == ring.rank and qs == slice(0, L)
+                        assert src == ring.rank and qs == slice(0, L) and rb == slice(None)
                         out = out_to if out_to.dtype == acc else torch.empty(ob.shape, dtype=acc, device=ob.device)
                         out.copy_(ob)
                         lse_to.copy_(lb)
                     else:
-                        merge_into(out[:, :, qs], lse_to[:, :, qs], ob, lb)
+                        merge_into(out[rb, :, qs], lse_to[rb, :, qs], ob, lb)
                     del ob, lb
             if nxt is not None:
                 cur = nxt.wait()
@@ -162,27 +162,27 @@ def _ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
             # The first step of an inner round starts a partial; later steps hold their
             # block's (few) kernel results until the incoming partial lands, then add.
             grad = torch.zeros(cur.shape, dtype=acc, device=cur.device) if partial is None else None
-            pending: list[tuple[slice, torch.Tensor, torch.Tensor]] = []
+            pending: list[tuple[slice, slice, torch.Tensor, torch.Tensor]] = []
             with _traced("bwd", step, src, tasks):
                 for task in tasks:
-                    qs, ks = task.q_slice, task.k_slice
-                    gq, gk, gv = block_backward(dout[:, :, qs], q[:, :, qs], cur[0][:, :, ks], cur[1][:, :, ks],
-                                                out[:, :, qs], lse[:, :, qs], scale=scale,
+                    qs, ks, rb = task.q_slice, task.k_slice, task.rows
+                    gq, gk, gv = block_backward(dout[rb, :, qs], q[rb, :, qs], cur[0][rb, :, ks], cur[1][rb, :, ks],
+                                                out[rb, :, qs], lse[rb, :, qs], scale=scale,
                                                 mask=task.mask)  # type: ignore[arg-type]
-                    dq[:, :, qs] += gq
+                    dq[rb, :, qs] += gq
                     del gq
                     if grad is not None:
-                        grad[0][:, :, ks] += gk
-                        grad[1][:, :, ks] += gv
+                        grad[0][rb, :, ks] += gk
+                        grad[1][rb, :, ks] += gv
                     else:
-                        pending.append((ks, gk, gv))
+                        pending.append((rb, ks, gk, gv))
                     del gk, gv
             if grad is None:
                 assert partial is not None
                 grad = partial.wait()  # also completes our previous send: that buffer is free
-                for ks, gk, gv in pending:
-                    grad[0][:, :, ks] += gk
-                    grad[1][:, :, ks] += gv
+                for rb, ks, gk, gv in pending:
+                    grad[0][rb, :, ks] += gk
+                    grad[1][rb, :, ks] += gv
                 pending.clear()
             partial = _send(grad, ring, ring.inner, f"ring bwd dkv step {step}")
             del grad
