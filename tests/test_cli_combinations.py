@@ -72,7 +72,7 @@ ROWS: dict[str, list[str]] = {
                                                         "--data-dtype", "uint32", "--eos-id", "1"],
     "cp4 hybrid ulysses 2 document-mask": ["--cp", "4", "--cp-algo", "hybrid", "--ulysses-degree", "2",
                                            "--document-mask"],
-    "pp2 1f1b document-mask": ["--pp", "2", "--microbatches", "2", "--document-mask"],
+    "pp2 1f1b document-mask, eval": ["--pp", "2", "--microbatches", "2", "--document-mask", "--eval-every", "2"],
     "moe cp2 ring document-mask": [*MOE, "--cp", "2", "--document-mask"],
     "dp2 cp2 tp2 sp head-chunks 1": ["--dp", "2", "--cp", "2", "--tp", "2", "--sp", "--cp-head-chunks", "1"],
     "dp2 cp4 double_ring zero1": ["--dp", "2", "--cp", "4", "--cp-algo", "double_ring", "--cp-window", "2",
