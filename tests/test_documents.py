@@ -79,7 +79,9 @@ def _parity(mesh_axes, layout):
 
 CASES = {
     "dp2 (local attention)": ({"dp": 2}, dtp.layouts.data()),
-    "tp2 (local attention, heads split)": ({"tp": 2}, dtp.layouts.megatron()),
+    "tp2 sp (local attention, heads split)": ({"tp": 2}, dtp.layouts.megatron(sequence_parallel=True)),
+    "dp2 cp2 tp2 ring": ({"dp": 2, "cp": 2, "tp": 2}, dtp.layouts.data() + dtp.layouts.megatron()
+                         + dtp.layouts.context("ring")),
     "cp2 ring": ({"cp": 2}, dtp.layouts.context("ring")),
     "cp2 ring contiguous": ({"cp": 2}, dtp.layouts.context("ring", load_balance=None)),
     "cp2 ulysses": ({"cp": 2}, dtp.layouts.context("ulysses")),
