@@ -103,7 +103,7 @@ def _world(mesh_axes):
 def test_packed_documents_match_each_document_alone(name):
     mesh_axes, layout = CASES[name]
     counts = run(_parity, mesh_axes, layout, world_size=_world(mesh_axes))
-    if name.startswith("cp2 ring"):
+    if "cp2" in name:
         # Every rank skips some row's tiles (rows 0, 1 and 3 hold short documents).
         assert all(c["skipped"] > 0 and c["computed"] > 0 for c in counts), counts
 
@@ -113,8 +113,8 @@ def test_packed_documents_match_each_document_alone(name):
 def test_packed_documents_match_each_document_alone_cp4(name):
     mesh_axes, layout = CASES4[name]
     counts = run(_parity, mesh_axes, layout, world_size=4)
-    if "ring" in name:
-        assert all(c["skipped"] > 0 for c in counts), counts
+    # (The contiguous hybrid's ring tiles of 8 tokens all hold some pair on this batch.)
+    assert all(c["computed"] > 0 and (c["skipped"] > 0 or "contiguous" in name) for c in counts), counts
 
 
 def _lognormal_positions(seed: int, s: int) -> torch.Tensor:

@@ -26,7 +26,7 @@ def block_counts() -> Iterator[dict[str, int]]:
 
     Yields a dict that fills with ``computed``, ``skipped`` (a batch row's tiles no
     document spans: no kernel runs for them) and ``attended`` (the (query, key) pairs
-    attended). The diagonal block counts as one computed tile for the whole batch.
+    attended).
 
     >>> with block_counts() as counts:
     ...     pass
@@ -71,29 +71,26 @@ class Docs:
         return document_keep(self.ids[a], self.pos[a], self.ids[b], self.pos[b], self.causal)
 
     def tasks(self, rank: int, src: int, phase: str) -> list[BlockTask]:
-        """The tiles of Q (this rank) × K/V (from ``src``) that some document spans.
-        The diagonal block is one task over every row (each query sees itself), which
-        the ring's accumulator starts from."""
+        """The tiles of Q (this rank) × K/V (from ``src``) that some document spans, per
+        run of batch rows. In the diagonal block the diagonal tiles come first: each of
+        their rows sees itself, so the ring's accumulator starts from them."""
         keep = self.keep(rank, src)
         L = keep.shape[1]
-        if src == rank:
-            if phase == "fwd":
-                _count("computed", 1)
-                _count("attended", int(keep.sum()))
-            return [BlockTask(slice(0, L), slice(0, L), _mask_of(keep))]  # type: ignore[arg-type]
         t = self.tiles if L % self.tiles == 0 else 1
         size, out = L // t, []
-        for i in range(t):
-            for j in range(t):
-                qs, ks = slice(i * size, (i + 1) * size), slice(j * size, (j + 1) * size)
-                sub = keep[:, qs, ks]
-                spans = sub.flatten(1).any(1).tolist()  # per row: does a document span this tile?
-                if phase == "fwd":
-                    _count("computed", sum(spans))
-                    _count("skipped", len(spans) - sum(spans))
-                    _count("attended", int(sub.sum()))
-                for rows in _runs(spans):  # one kernel per run of consecutive rows that need it
-                    out.append(BlockTask(qs, ks, _mask_of(sub[rows]), rows))  # type: ignore[arg-type]
+        pairs = [(i, j) for i in range(t) for j in range(t)]
+        if src == rank:  # the diagonal tiles first: every row of theirs sees itself
+            pairs.sort(key=lambda p: p[0] != p[1])
+        for i, j in pairs:
+            qs, ks = slice(i * size, (i + 1) * size), slice(j * size, (j + 1) * size)
+            sub = keep[:, qs, ks]
+            spans = sub.flatten(1).any(1).tolist()  # per row: does a document span this tile?
+            if phase == "fwd":
+                _count("computed", sum(spans))
+                _count("skipped", len(spans) - sum(spans))
+                _count("attended", int(sub.sum()))
+            for rows in _runs(spans):  # one kernel per run of consecutive rows that need it
+                out.append(BlockTask(qs, ks, _mask_of(sub[rows]), rows))  # type: ignore[arg-type]
         return out
 
 

@@ -97,11 +97,18 @@ def _ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: _Ring
                                            mask=task.mask)  # type: ignore[arg-type]
                     if out is None:
                         # Step 0 is this rank's own block: one task over every row (causal
-                        # or not), so every accumulator row is non-empty from here on.
-                        assert src == ring.rank and qs == slice(0, L) and rb == slice(None)
-                        out = out_to if out_to.dtype == acc else torch.empty(ob.shape, dtype=acc, device=ob.device)
-                        out.copy_(ob)
-                        lse_to.copy_(lb)
+                        # or not), so every accumulator row is non-empty from here on. With
+                        # packed documents its diagonal tiles come first instead, each of
+                        # whose rows sees itself: merged into an empty accumulator (w = 1).
+                        assert src == ring.rank
+                        out = out_to if out_to.dtype == acc else torch.empty(q.shape, dtype=acc, device=q.device)
+                        if qs == slice(0, L) and rb == slice(None):
+                            out.copy_(ob)
+                            lse_to.copy_(lb)
+                        else:
+                            out.zero_()
+                            lse_to.fill_(float("-inf"))
+                            merge_into(out[rb, :, qs], lse_to[rb, :, qs], ob, lb)
                     else:
                         merge_into(out[rb, :, qs], lse_to[rb, :, qs], ob, lb)
                     del ob, lb
@@ -184,7 +191,9 @@ def _ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
                     grad[0][rb, :, ks] += gk
                     grad[1][rb, :, ks] += gv
                 pending.clear()
-            partial = _send(grad, ring, ring.inner, f"ring bwd dkv step {step}")
+            # A ring of one (packed documents' tiles over a Ulysses-gathered sequence) keeps it.
+            partial = _send(grad, ring, ring.inner, f"ring bwd dkv step {step}") if ring.w > 1 \
+                else comm.CommHandle(None, None, lambda g=grad: g)
             del grad
             if nxt is not None:
                 cur = nxt.wait()

@@ -4,7 +4,7 @@ for USP), all-to-all back, head chunk by head chunk."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -17,7 +17,6 @@ from ..._torch import make_saved_tensor, unpack_saved
 from ...redistribute import local_map
 from ..blockwise import accum_dtype, block_backward, block_forward, select_impl, softmax_scale
 from ...spec import P
-from ..documents import document_keep
 from ._docs import Docs, gathered
 from ._common import _check_axis_name, _check_heads, _check_inputs, _check_ulysses_chunks, _Layout
 from .ring import _Ring, _ring_backward, _ring_forward
@@ -39,13 +38,10 @@ class _UlyssesPlan:
     scale: float
     ring: _Ring | None  # None: attention on the gathered sequence; else a ring over it (USP)
     load_balance: str | None
-    keep: torch.Tensor | None = field(default=None, compare=False)  # packed documents, no ring
 
     @property
-    def mask(self) -> object:
+    def mask(self) -> str:
         """The block mask of attention over the whole gathered sequence."""
-        if self.keep is not None:
-            return self.keep
         return "causal" if self.causal else "full"
 
 
@@ -118,7 +114,7 @@ def _recomputes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: _Ulysse
     where no fused block backward exists (CUDA: it would need the forward's RNG state),
     rather than run the (tiled, but unfused) math backward over the whole gathered
     sequence. Then only q/k/v need saving, not the output and LSE."""
-    return plan.ring is None and plan.keep is None and select_impl(q, k, v, plan.mask, backward=True) == "math"
+    return plan.ring is None and select_impl(q, k, v, plan.mask, backward=True) == "math"
 
 
 def _recompute_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -267,12 +263,15 @@ def _assemble(pieces: list[torch.Tensor], shape: tuple[int, ...], dtype: torch.d
 
 
 def _with_docs(plan: _UlyssesPlan, L: int, ids: torch.Tensor, pos: torch.Tensor) -> _UlyssesPlan:
-    """``plan`` with packed documents: the mask of the gathered sequence (pure Ulysses),
-    or the document rows of each ring coordinate's gathered sequence (the hybrid)."""
+    """``plan`` with packed documents: the document rows of each ring coordinate's
+    gathered sequence (the hybrid), or of the whole gathered sequence (pure Ulysses)."""
     slots = _slots(plan.u, L, plan.zigzag)
     if plan.ring is None:
+        # A ring of one over the gathered sequence (it sends nothing): its tiles, 2 per
+        # gathered piece, are skipped where no document spans them, as a ring's are.
         gi, gp = (gathered(t, 0, plan.u, L, slots) for t in (ids, pos))
-        return replace(plan, keep=document_keep(gi, gp, gi, gp, plan.causal))
+        one = _Ring(plan.mesh, plan.axis, None, 1, 1, 0, Docs((gi,), (gp,), plan.causal, tiles=2 * plan.u))
+        return replace(plan, ring=one)
     coords = range(plan.ring.n)  # ring coordinate c gathers cp pieces c·u .. c·u+u-1
     docs = Docs(*(tuple(gathered(t, c * plan.u, plan.u, L, slots) for c in coords) for t in (ids, pos)),
                 causal=plan.causal)
