@@ -67,6 +67,9 @@ BAD_RUNS = {
                              "--model small and --init-from both choose the model"),
     "init-from missing": (["--init-from", "/nonexistent/hf"], "--init-from /nonexistent/hf: No such file"),
     "init-from vocab vs data": (["--init-from", "HF_DIR"], "has 100 token ids; tokenize the data with its tokenizer"),
+    # packed documents in a token file with no EOS id (TOKENS: a .bin file of 200 ids the fixture makes)
+    "document mask without an eos id": (["--document-mask", "--data", "TOKENS"],
+                                        "--document-mask needs the id that ends a document: pass --eos-id"),
 }
 _HF_CONFIG = {"model_type": "llama", "vocab_size": 100, "hidden_size": 64, "intermediate_size": 128,
               "num_hidden_layers": 2, "num_attention_heads": 4}
@@ -90,7 +93,9 @@ def bad_runs(tmp_path_factory) -> dict[str, list]:
     """Every case of :data:`BAD_RUNS` through ``dtp.cli.main`` in one fresh interpreter."""
     hf_dir = tmp_path_factory.mktemp("hf")
     (hf_dir / "config.json").write_text(json.dumps(_HF_CONFIG))
-    argv = {name: [str(hf_dir) if f == "HF_DIR" else f for f in flags] for name, (flags, _) in BAD_RUNS.items()}
+    (hf_dir / "tokens.bin").write_bytes(bytes(range(200)) * 4)  # 400 uint16 ids, no sidecar
+    places = {"HF_DIR": str(hf_dir), "TOKENS": str(hf_dir / "tokens.bin")}
+    argv = {name: [places.get(f, f) for f in flags] for name, (flags, _) in BAD_RUNS.items()}
     proc = subprocess.run([sys.executable, "-c", _PROBE, json.dumps(argv)], env=_env(), capture_output=True,
                           text=True, timeout=120, cwd=Path(SRC).parent)
     assert proc.returncode == 0, proc.stderr

@@ -34,7 +34,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Sequence
 
-__all__ = ["Tokens", "open_tokens", "token_stats", "held_out_start", "HELD_OUT_FRACTION", "DTYPES", "SIDECAR",
+__all__ = ["Tokens", "open_tokens", "document_eos", "token_stats", "held_out_start", "HELD_OUT_FRACTION", "DTYPES", "SIDECAR",
            "SAMPLE_TOKENS"]
 
 # The held-out split (``dtp train --eval-every``): the corpus's last tenth. The end of the
@@ -297,3 +297,23 @@ def held_out_start(n_tokens: int) -> int:
     900
     """
     return n_tokens - int(n_tokens * HELD_OUT_FRACTION)
+
+
+#: Byte text has no EOS token: with ``--document-mask`` its documents are lines.
+NEWLINE = 10
+
+
+def document_eos(tokens: Tokens) -> int:
+    """The id that ends a document in ``tokens``: its EOS id (``--eos-id`` or the
+    sidecar's), or for byte text the newline byte; ``ValueError`` when it has none.
+
+    >>> import numpy as np
+    >>> document_eos(Tokens([np.frombuffer(b"one\\ntwo", dtype=np.uint8)]))
+    10
+    """
+    if tokens.eos_id is not None:
+        return tokens.eos_id
+    if all(str(getattr(p, "dtype", "")) == "uint8" for p in tokens.parts):
+        return NEWLINE
+    raise ValueError(f"{tokens.name}: --document-mask needs the id that ends a document: pass --eos-id, "
+                     "or give it in the token sidecar (eos_id)")

@@ -132,6 +132,7 @@ class RunConfig:
     data_dtype: str | None = None  # a .bin file's ids, uint16 or uint32; None: its sidecar's, else uint16
     eos_id: int | None = None  # the id that ends a document; None: the token sidecar's
     tokenizer: str | None = None  # a Hugging Face tokenizer.json for text data; None: byte tokens
+    document_mask: bool = False  # packed documents: attention and RoPE positions per document (ops.documents)
     max_skipped: int = DEFAULT_MAX_SKIPPED  # 0: never abort
     # ---- mixture of experts (None: the model preset's)
     num_experts: int | None = None

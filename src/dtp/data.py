@@ -24,9 +24,10 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from ._token_files import Tokens, open_tokens
+from ._token_files import Tokens, document_eos, open_tokens
+from .ops.documents import pack_documents
 
-__all__ = ["ByteTokenizer", "load_tokens", "open_tokens", "Tokens", "TokenLoader"]
+__all__ = ["ByteTokenizer", "load_tokens", "open_tokens", "Tokens", "TokenLoader", "document_eos"]
 
 
 def _bytes_to_tokens(data: bytes) -> torch.Tensor:
@@ -145,7 +146,8 @@ class TokenLoader:
     """
 
     def __init__(
-        self, tokens: torch.Tensor | Tokens, *, batch_size: int, seq_len: int, seed: int = 0
+        self, tokens: torch.Tensor | Tokens, *, batch_size: int, seq_len: int, seed: int = 0,
+        documents: int | None = None,
     ) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -187,6 +189,7 @@ class TokenLoader:
         self._perm_epoch = -1
         self._perm = torch.empty(0, dtype=torch.int64)
         self._offsets = torch.arange(window)
+        self.documents = documents  # the EOS id: batches carry packed documents (ops.documents)
 
     @property
     def batches_per_epoch(self) -> int:
@@ -228,10 +231,8 @@ class TokenLoader:
             starts = (picked * self.seq_len).tolist()
             windows = torch.from_numpy(np.stack([self._source.read(a, a + self.seq_len + 1) for a in starts]))
         self._step += 1
-        return {
-            "tokens": windows[:, :-1].contiguous(),
-            "targets": windows[:, 1:].contiguous(),
-        }
+        batch = {"tokens": windows[:, :-1].contiguous(), "targets": windows[:, 1:].contiguous()}
+        return batch if self.documents is None else pack_documents(batch, self.documents)
 
     def state_dict(self) -> dict[str, Any]:
         """The loader's position plus the settings it is only valid for (plain ints).

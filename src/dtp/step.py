@@ -38,6 +38,7 @@ from .comm import comm_log, span
 from .layouts import Layout, check_divisible, use_layout
 from .mesh import mesh_device
 from .optim import GradientTransformation, apply_updates, clip_by_global_norm, state_join, state_part
+from .ops.documents import document_order, reorder
 from .ops.parallel import count_targets, mean_over
 from .ops.recompute import POLICIES, recompute as recompute_policy
 from .redistribute import local_map, value_of
@@ -238,6 +239,7 @@ def shard_batch(batch: Mapping[str, torch.Tensor], state: TrainState) -> dict[st
         return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
     out, error = {}, None
     try:
+        order = document_order(batch, state.layout.context_degree(state.mesh))  # packed documents: balanced
         for k, v in batch.items():
             if k in guard.ID_KEYS and isinstance(v, torch.Tensor) and v.numel() and not v.is_floating_point():
                 found = guard.id_range(k, v)  # a target of -100 is masked (IGNORE_INDEX), not an id
@@ -246,9 +248,9 @@ def shard_batch(batch: Mapping[str, torch.Tensor], state: TrainState) -> dict[st
             spec = state.layout.activation_spec(_BATCH_AXES[: v.dim()], mesh)
             _check_seq("shard_batch", k, v, state)
             if v.dim() > 1:
-                # The layout owns the sequence order (zigzag: rank r's chunks r and 2·cp−1−r
-                # side by side). Tokens and targets move together, so the mean loss is unchanged.
-                v = state.layout.to_cp_order(v, 1, mesh)
+                # The layout owns the sequence order (zigzag: rank r's chunks r and 2·cp−1−r side by
+                # side). Every entry moves alike, so the mean loss is unchanged.
+                v = state.layout.to_cp_order(v, 1, mesh) if order is None else reorder(v, order)
             out[k] = shard(v, mesh, spec, name=f"shard_batch: batch[{k!r}]")
             _check_pipe_experts("shard_batch", k, out[k], state)
     except (ValueError, TypeError) as e:

@@ -24,7 +24,7 @@ from typing import Any, Callable, Sequence
 from .. import layouts, schedules
 from .._mesh_shape import MeshShape
 from .._rules import RUN_RTOL
-from .._token_files import DTYPES as TOKEN_DTYPES, held_out_start, token_stats
+from .._token_files import DTYPES as TOKEN_DTYPES, document_eos, held_out_start, open_tokens, token_stats
 from .._rules import SCORE_FUNCTIONS
 from ..config import DEFAULT_WARMUP, DTYPES, MODEL_FIELDS, RECOMPUTE, RunConfig, flag_names, mesh_axes_of, type_error
 from ..launch import in_torchrun
@@ -192,6 +192,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the ids of --data's .bin files (default: the sidecar's dtype, else uint16)")
     g.add_argument("--eos-id", type=_non_negative_int, default=RUN_DEFAULTS["eos_id"], metavar="ID",
                    help="the id that ends a document in --data (default: the sidecar's eos_id)")
+    g.add_argument("--document-mask", action="store_true",
+                   help="pack documents (ended by --eos-id; lines of byte text): attention within each document, "
+                        "positions restarting in each, the target at each document end masked")
     g.add_argument("--tokenizer", default=RUN_DEFAULTS["tokenizer"], metavar="TOKENIZER_JSON",
                    help="a Hugging Face tokenizer.json that tokenizes --data's text (pip install 'dtp[hf]')")
     # Non-finite steps: train_step skips them (state unchanged); the loop counts them.
@@ -480,6 +483,11 @@ def preflight(args: argparse.Namespace, *, check_out: bool = True) -> Layout:
                                        tokenizer=args.tokenizer)
     except (OSError, ValueError) as e:
         raise UsageError(f"--data: {e}" if not str(e).startswith("--") else str(e)) from None
+    if args.document_mask:
+        try:
+            document_eos(open_tokens(args.data, dtype=args.data_dtype, eos_id=args.eos_id, tokenizer=args.tokenizer))
+        except ValueError as e:
+            raise UsageError(str(e)) from None
     cfg = _model(args, max_id)
     mesh = MeshShape(mesh_axes(args))
     model = f"--init-from {args.init_from}" if args.init_from else f"--model {args.model}"

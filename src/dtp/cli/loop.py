@@ -31,7 +31,7 @@ from .. import (Layout, TrainState, checkpoint, comm, make_mesh, optim, shard_ba
                 wait, with_buffers)
 from .._token_files import held_out_start
 from ..buffers import lay_out as lay_out_buffers
-from ..data import TokenLoader, Tokens, open_tokens
+from ..data import TokenLoader, Tokens, document_eos, open_tokens
 from ..launch import in_torchrun
 from ..mesh import clear_mesh_cache
 from ..models import hf, llama
@@ -71,6 +71,11 @@ def _splits(args: Mapping[str, Any]) -> tuple[Tokens, Tokens | None]:
     if not args.get("eval_every"):  # run directories from before the flag: no split
         return tokens, None
     return tokens.split(held_out_start(len(tokens)))
+
+
+def _documents(args: Mapping[str, Any], tokens: Tokens) -> int | None:
+    """The EOS id that packs ``--document-mask`` batches (None: plain windows)."""
+    return document_eos(tokens) if args.get("document_mask") else None
 
 
 def _vocab_size(args: Any, tokens: Tokens) -> int:
@@ -124,7 +129,8 @@ def train_loop(args: Mapping[str, Any], mesh: DeviceMesh, layout: Layout, *, rec
     metrics of the steps it ran (after the resumed one, when resuming)."""
     torch.manual_seed(args["seed"])
     tokens, held_out = _splits(args)
-    loader = TokenLoader(tokens, batch_size=args["batch"], seq_len=args["seq"], seed=args["seed"])
+    loader = TokenLoader(tokens, batch_size=args["batch"], seq_len=args["seq"], seed=args["seed"],
+                         documents=_documents(args, tokens))
     cfg = _model(args, args["vocab_size"])
     dtype = _torch_dtype(args["dtype"])
     if args.get("warmup_from_step_one"):
@@ -198,7 +204,8 @@ def train_loop(args: Mapping[str, Any], mesh: DeviceMesh, layout: Layout, *, rec
 def _eval_batches(held_out: Tokens, args: Mapping[str, Any]) -> list[dict[str, torch.Tensor]]:
     """The held-out batches every evaluation uses: the first :data:`EVAL_BATCHES` of a
     loader over the held-out split (fewer if it holds fewer), the same ones each time."""
-    loader = TokenLoader(held_out, batch_size=args["batch"], seq_len=args["seq"], seed=args["seed"])
+    loader = TokenLoader(held_out, batch_size=args["batch"], seq_len=args["seq"], seed=args["seed"],
+                         documents=_documents(args, held_out))
     return [loader.next_batch() for _ in range(min(EVAL_BATCHES, loader.batches_per_epoch))]
 
 

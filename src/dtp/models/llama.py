@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from ..layouts import constrain
 from torch.distributed.tensor import DTensor
 
+from ..ops.attention import Docs
 from ..ops import attention, cross_entropy, embedding, linear, mask_padded_vocab, remat, rotary
 from ..ops.moe import moe_ffn, update_bias
 from .._rules import accum_dtype
@@ -126,16 +127,23 @@ def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * w
 
 
-def _attention(layer: dict[str, torch.Tensor], x: torch.Tensor, cfg: LlamaConfig) -> torch.Tensor:
+def _docs(batch: dict[str, Any]) -> Docs | None:
+    """Packed documents' ``(documents, positions)`` when the batch has them (``--document-mask``)."""
+    return (batch["documents"], batch["positions"]) if "documents" in batch else None
+
+
+def _attention(layer: dict[str, torch.Tensor], x: torch.Tensor, cfg: LlamaConfig,
+               docs: Docs | None = None) -> torch.Tensor:
     b, s, hd = x.shape[0], x.shape[1], cfg.head_dim
     scaling = cfg.rope_scaling.as_tuple() if cfg.rope_scaling else None
-    q = rotary(linear(x, layer["wq"]).view(b, s, cfg.n_heads, hd), cfg.rope_theta, scaling).transpose(1, 2)
-    k = rotary(linear(x, layer["wk"]).view(b, s, cfg.n_kv_heads, hd), cfg.rope_theta, scaling).transpose(1, 2)
+    pos = None if docs is None else docs[1]
+    q = rotary(linear(x, layer["wq"]).view(b, s, cfg.n_heads, hd), cfg.rope_theta, scaling, pos).transpose(1, 2)
+    k = rotary(linear(x, layer["wk"]).view(b, s, cfg.n_kv_heads, hd), cfg.rope_theta, scaling, pos).transpose(1, 2)
     v = linear(x, layer["wv"]).view(b, s, cfg.n_kv_heads, hd).transpose(1, 2)
     q = constrain(q, ("batch", "heads", "seq", "head_dim"), name="q")
     k = constrain(k, ("batch", "kv_heads", "seq", "head_dim"), name="k")
     v = constrain(v, ("batch", "kv_heads", "seq", "head_dim"), name="v")
-    o = attention(q, k, v, causal=True).transpose(1, 2).reshape(b, s, cfg.n_heads * hd)
+    o = attention(q, k, v, causal=True, docs=docs).transpose(1, 2).reshape(b, s, cfg.n_heads * hd)
     return linear(o, layer["wo"])  # row parallel: a pending sum over the heads' axes
 
 
@@ -143,13 +151,13 @@ def _mlp(layer: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
     return linear(F.silu(linear(x, layer["w_gate"])) * linear(x, layer["w_up"]), layer["w_down"])
 
 
-def _block(layer: dict[str, torch.Tensor], h: torch.Tensor, cfg: LlamaConfig) -> Any:
+def _block(layer: dict[str, torch.Tensor], h: torch.Tensor, cfg: LlamaConfig, docs: Docs | None = None) -> Any:
     """The new residual stream; an MoE block (its parameters have a ``router``) returns
     ``(h, aux)`` with its :func:`~dtp.ops.moe.moe_ffn` aux."""
     # Entering a block: the residual stream (split on sequence under SP) is gathered;
     # leaving it: the row-parallel pending sum is reduced back onto the residual layout.
     x = constrain(_rms_norm(h, layer["attn_norm"], cfg.norm_eps), ("batch", "seq", "embed"), name="attn_in")
-    h = h + constrain(_attention(layer, x, cfg), ("batch", "res_seq", "embed"), name="attn_out")
+    h = h + constrain(_attention(layer, x, cfg, docs), ("batch", "res_seq", "embed"), name="attn_out")
     x = constrain(_rms_norm(h, layer["mlp_norm"], cfg.norm_eps), ("batch", "seq", "embed"), name="mlp_in")
     if "router" not in layer:
         return h + constrain(_mlp(layer, x), ("batch", "res_seq", "embed"), name="mlp_out")
@@ -163,10 +171,10 @@ def _block(layer: dict[str, torch.Tensor], h: torch.Tensor, cfg: LlamaConfig) ->
     return h + constrain(y, ("batch", "res_seq", "embed"), name="mlp_out"), aux
 
 
-def _run_block(layer: dict[str, torch.Tensor], x: Any, cfg: LlamaConfig) -> Any:
+def _run_block(layer: dict[str, torch.Tensor], x: Any, cfg: LlamaConfig, docs: Docs | None = None) -> Any:
     """One block on the carry: ``h``, or ``(h, auxes)`` once an MoE block has run."""
     h, auxes = x if isinstance(x, tuple) else (x, ())
-    out = remat(_block, layer, h, cfg, level="full")
+    out = remat(_block, layer, h, cfg, docs, level="full")
     if isinstance(out, tuple):
         return out[0], auxes + (out[1],)
     return (out, auxes) if auxes else out
@@ -202,10 +210,11 @@ def _logits(params: dict[str, Any], h: torch.Tensor, cfg: LlamaConfig) -> torch.
     return mask_padded_vocab(logits, cfg.vocab_size - cfg.vocab_pad) if cfg.vocab_pad else logits
 
 
-def _forward(params: dict[str, Any], tokens: torch.Tensor, cfg: LlamaConfig) -> tuple[torch.Tensor, tuple]:
+def _forward(params: dict[str, Any], tokens: torch.Tensor, cfg: LlamaConfig,
+             docs: Docs | None = None) -> tuple[torch.Tensor, tuple]:
     x = _embed(params, None, {"tokens": tokens})
     for layer in params["layers"]:
-        x = _run_block(layer, x, cfg)
+        x = _run_block(layer, x, cfg, docs)
     h, auxes = x if isinstance(x, tuple) else (x, ())
     return _logits(params, h, cfg), auxes
 
@@ -216,13 +225,15 @@ def apply(params: dict[str, Any], tokens: torch.Tensor, cfg: LlamaConfig) -> tor
 
 
 def loss(params: dict[str, Any], batch: dict[str, torch.Tensor], cfg: LlamaConfig) -> Any:
-    """Mean next-token cross-entropy; ``batch`` has ``tokens`` and ``targets`` (batch, seq).
+    """Mean next-token cross-entropy; ``batch`` has ``tokens`` and ``targets`` (batch, seq),
+    and for packed documents ``documents`` and ``positions`` (:mod:`dtp.ops.documents`:
+    attention within each document, RoPE positions restarting in each).
 
     With MoE blocks: ``(cross-entropy + Σ aux_loss + Σ z_loss, aux)``; ``aux`` holds
     ``lm_loss``, ``aux_loss``, ``z_loss`` (detached scalars), ``tokens_per_expert``
     (int64, one row per MoE block) and ``dropped_fraction`` (one per MoE block).
     """
-    logits, auxes = _forward(params, batch["tokens"], cfg)
+    logits, auxes = _forward(params, batch["tokens"], cfg, _docs(batch))
     return _with_aux(cross_entropy(logits, batch["targets"]), auxes)
 
 
@@ -240,7 +251,7 @@ def sequential(cfg: LlamaConfig) -> Sequential:
     ['embed', 'block 0', 'block 1', 'head']
     """
     def block(i: int):
-        return lambda p, x, b: _run_block(p["layers"][i], x, cfg)
+        return lambda p, x, b: _run_block(p["layers"][i], x, cfg, _docs(b))
 
     def last(p: dict[str, Any], x: Any, b: dict[str, torch.Tensor]) -> Any:
         h, auxes = x if isinstance(x, tuple) else (x, ())

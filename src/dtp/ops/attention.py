@@ -16,44 +16,67 @@ from torch.distributed.tensor import DTensor
 
 from ..mesh import axis_sizes, block_index
 from ..redistribute import local_map
-from ..spec import spec_of
+from ..spec import P, spec_of
+from .documents import document_keep
 from .recompute import remat
 
 __all__ = ["attention", "rotary", "rope_frequencies"]
 
 
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float | None) -> torch.Tensor:
-    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float | None,
+          ids: torch.Tensor | None = None, pos: torch.Tensor | None = None) -> torch.Tensor:
+    gqa = k.shape[1] != q.shape[1]
+    if ids is None or pos is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=gqa)
+    keep = document_keep(ids, pos, ids, pos, causal)[:, None]  # every query sees itself: no empty row
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=keep, scale=scale, enable_gqa=gqa)
+
+
+Docs = tuple[torch.Tensor, torch.Tensor]
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
-              scale: float | None = None) -> torch.Tensor:
+              scale: float | None = None, docs: Docs | None = None) -> torch.Tensor:
     """Scaled dot-product attention of (batch, heads, seq, head_dim) tensors; k/v may
     have fewer heads (grouped-query attention).
+
+    ``docs``: packed documents, the batch's ``(documents, positions)`` entries
+    ``(batch, seq)`` laid out like the tokens (:mod:`dtp.ops.documents`): each query
+    attends only to its own document's keys.
 
     >>> q = torch.randn(1, 4, 8, 16); kv = torch.randn(1, 2, 8, 16)
     >>> attention(q, kv, kv).shape
     torch.Size([1, 4, 8, 16])
+    >>> ids, pos = torch.tensor([[0] * 5 + [1] * 3]), torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2]])
+    >>> alone = attention(q[:, :, 5:], kv[:, :, 5:], kv[:, :, 5:])  # the second document on its own
+    >>> torch.allclose(attention(q, kv, kv, docs=(ids, pos))[:, :, 5:], alone)
+    True
     """
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"attention: {q.shape[1]} query heads do not group evenly over {k.shape[1]} kv heads")
+    if docs is not None and (len(docs) != 2 or any(d.shape != (q.shape[0], q.shape[2]) for d in docs)):
+        raise ValueError(f"attention: docs must be (documents, positions) of shape {(q.shape[0], q.shape[2])}")
     if not isinstance(q, DTensor):
-        return remat(_sdpa, q, k, v, causal, scale, level="selective")
+        return remat(_sdpa, q, k, v, causal, scale, *(docs or ()), level="selective")
     qs, ks = spec_of(q), spec_of(k)
     if qs.axes_of(2) or ks.axes_of(2):
-        return _context(q, k, v, causal, scale)
+        return _context(q, k, v, causal, scale, docs)
     if qs.axes_of(0) != ks.axes_of(0) or qs.axes_of(1) != ks.axes_of(1) or spec_of(v) != ks:
         raise ValueError(f"attention: q {qs}, k {ks} and v {spec_of(v)} must split batch and heads alike")
 
-    def local(ql: torch.Tensor, kl: torch.Tensor, vl: torch.Tensor) -> torch.Tensor:
+    def local(ql: torch.Tensor, kl: torch.Tensor, vl: torch.Tensor, *doc: torch.Tensor) -> torch.Tensor:
         if ql.shape[1] % kl.shape[1]:  # the same on every rank: the specs split heads alike
             raise ValueError(f"attention: local heads {ql.shape[1]} (q) vs {kl.shape[1]} (kv) do not group evenly")
-        return remat(_sdpa, ql, kl, vl, causal, scale, level="selective")
+        return remat(_sdpa, ql, kl, vl, causal, scale, *doc, level="selective")
 
-    return local_map(local, (None, None, None), qs, check_shapes=False)(q, k, v)
+    if docs is None:
+        return local_map(local, (None, None, None), qs, check_shapes=False)(q, k, v)
+    rows = P(*qs.dims[:1], *qs.dims[2:3])  # (batch, seq) as q's
+    return local_map(local, (None, None, None, rows, rows), qs, check_shapes=False)(q, k, v, *docs)
 
 
-def _context(q: DTensor, k: DTensor, v: DTensor, causal: bool, scale: float | None) -> DTensor:
+def _context(q: DTensor, k: DTensor, v: DTensor, causal: bool, scale: float | None,
+             docs: Docs | None = None) -> DTensor:
     """Sequence split over a context-parallel axis: run the active layout's algorithm."""
     from ..layouts import context_options
     from .context import context_attention
@@ -68,6 +91,8 @@ def _context(q: DTensor, k: DTensor, v: DTensor, causal: bool, scale: float | No
         kwargs["window"] = opts.window
     if opts.algo == "hybrid":
         kwargs["ulysses_degree"] = opts.ulysses_degree
+    if docs is not None:
+        kwargs["docs"] = docs
     return context_attention(q, k, v, algo=opts.algo, **kwargs)
 
 
@@ -110,27 +135,43 @@ def _rope(x: torch.Tensor, positions: torch.Tensor, theta: float,
     acc = accum_dtype(x.dtype)
     half = x.shape[-1] // 2
     inv = rope_frequencies(half, theta, scaling, acc, x.device)
-    ang = positions.to(acc)[:, None] * inv[None, :]  # (seq, half)
-    cos, sin = ang.cos()[:, None, :], ang.sin()[:, None, :]  # broadcast over heads
+    ang = positions.to(acc)[..., None] * inv  # (seq, half), or (batch, seq, half) for documents
+    cos, sin = ang.cos().unsqueeze(-2), ang.sin().unsqueeze(-2)  # broadcast over heads
     x1, x2 = x.to(acc)[..., :half], x.to(acc)[..., half:]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
 def rotary(x: torch.Tensor, theta: float = 10000.0,
-           scaling: tuple[float, float, float, int] | None = None) -> torch.Tensor:
+           scaling: tuple[float, float, float, int] | None = None,
+           positions: torch.Tensor | None = None) -> torch.Tensor:
     """Rotary position embedding of ``x`` laid out (batch, seq, heads, head_dim); with
     ``scaling``, Llama 3.1's frequency scaling (:func:`rope_frequencies`).
 
     Positions are the global sequence positions of the rows this rank holds — under
     context parallel with zigzag load balance, the original positions of its chunks.
+    ``positions`` ``(batch, seq)``, laid out like the tokens, gives them instead (packed
+    documents: positions restart in each document).
 
     >>> rotary(torch.randn(1, 8, 2, 16)).shape
     torch.Size([1, 8, 2, 16])
+    >>> x = torch.randn(1, 8, 2, 16)
+    >>> torch.allclose(rotary(x, positions=torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]]))[:, 3:], rotary(x[:, 3:]))
+    True
     """
+    if positions is not None and positions.shape != x.shape[:2]:
+        raise ValueError(f"rotary: positions must be (batch, seq) = {tuple(x.shape[:2])}, got {tuple(positions.shape)}")
     if not isinstance(x, DTensor):
-        return _rope(x, torch.arange(x.shape[1], device=x.device), theta, scaling)
+        pos = torch.arange(x.shape[1], device=x.device) if positions is None else positions
+        return _rope(x, pos, theta, scaling)
     spec = spec_of(x)
     if spec.axes_of(3):
         raise ValueError(f"rotary: head_dim must not be split ({spec})")
+    if positions is not None:
+        rows = P(*spec.dims[:2])  # (batch, seq) as x's
+
+        def rope(t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+            return _rope(t, p.to(t.device), theta, scaling)
+
+        return local_map(rope, (None, rows), spec, check_shapes=False)(x, positions)
     positions = _positions(x, 1)
     return local_map(lambda t: _rope(t, positions.to(t.device), theta, scaling), (None,), spec, check_shapes=False)(x)

@@ -87,7 +87,7 @@ __all__ = [
     "ring_block_plan",
 ]
 
-Mask = Literal["full", "causal"]
+Mask = Literal["full", "causal"] | torch.Tensor  # a tensor: bool (batch, s_q, s_k), True = attend
 Impl = Literal["auto", "math", "fused"]
 
 #: Environment variable that overrides ``impl="auto"`` (values: auto, math, fused).
@@ -101,7 +101,11 @@ _CUDA_FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # --------------------------------------------------------------------------- helpers
 
 
-def _check_mask(mask: str) -> None:
+def _check_mask(mask: object) -> None:
+    if isinstance(mask, torch.Tensor):
+        if mask.dtype != torch.bool or mask.dim() != 3:
+            raise ValueError(f"a mask tensor must be bool (batch, s_q, s_k), got {mask.dtype} {tuple(mask.shape)}")
+        return
     if mask not in _MASKS:
         raise ValueError(f"mask must be one of {_MASKS}, got {mask!r}")
 
@@ -139,9 +143,11 @@ def _causal_keep(rows: range, sk: int, device: torch.device) -> torch.Tensor:
 
 
 def _fused_unavailable(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: str, backward: bool
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, backward: bool
 ) -> str | None:
     """Why no fused kernel applies to this block (None when one does)."""
+    if isinstance(mask, torch.Tensor):
+        return "an explicit mask (packed documents): the math path"
     if not (q.dtype == k.dtype == v.dtype):
         return f"mixed dtypes {q.dtype}/{k.dtype}/{v.dtype}"
     if q.shape[2] == 0 or k.shape[2] == 0:
@@ -170,7 +176,7 @@ def select_impl(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    mask: str = "full",
+    mask: Mask = "full",
     *,
     backward: bool = False,
     impl: Impl = "auto",
@@ -205,7 +211,7 @@ def select_impl(
 
 
 def _math_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: str
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: Mask
 ) -> tuple[torch.Tensor, torch.Tensor]:
     b, hq, hkv, sq, sk, d = _check_qkv(q, k, v)
     g = hq // hkv
@@ -215,7 +221,9 @@ def _math_forward(
     # the s_q x s_k score matrices of its g query heads -- no extra memory.
     qa = q.to(acc).reshape(b, hkv, g * sq, d)
     s = torch.matmul(qa, k.to(acc).transpose(-1, -2)).mul_(scale).view(b, hkv, g, sq, sk)
-    if mask == "causal":
+    if isinstance(mask, torch.Tensor):
+        s.masked_fill_(~mask[:, None, None], float("-inf"))
+    elif mask == "causal":
         s.masked_fill_(~_causal_keep(range(sq), sk, s.device), float("-inf"))
     lse = torch.logsumexp(s, dim=-1)  # -inf for rows that see no key (only if s_k == 0)
     # exp(s - lse) in place (p reuses the score buffer); a -inf row would give
@@ -252,8 +260,9 @@ def block_forward(
         q: ``(b, h_q, s_q, d)``.
         k, v: ``(b, h_kv, s_k, d)`` with ``h_q % h_kv == 0``.
         scale: softmax scale; ``None`` means ``1/sqrt(d)``.
-        mask: ``"full"`` (every key visible) or ``"causal"`` (top-left aligned: query ``i``
-            sees keys ``j <= i``; the diagonal block of a ring).
+        mask: ``"full"`` (every key visible), ``"causal"`` (top-left aligned: query ``i``
+            sees keys ``j <= i``; the diagonal block of a ring) or a bool ``(b, s_q, s_k)``
+            tensor, True where a query sees a key (packed documents; the math path).
         impl: see :func:`select_impl`.
 
     Returns:
@@ -304,7 +313,7 @@ def _math_backward(
     out: torch.Tensor,
     lse: torch.Tensor,
     scale: float,
-    mask: str,
+    mask: Mask,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     b, hq, hkv, sq, sk, d = _check_qkv(q, k, v)
     g = hq // hkv
@@ -326,7 +335,9 @@ def _math_backward(
         lt = lse[:, :, i0:i1].to(acc).reshape(b, hkv, g, t, 1)
         lt = torch.where(torch.isneginf(lt), torch.zeros_like(lt), lt)  # no NaN rows
         s = torch.matmul(qa, ka.transpose(-1, -2)).mul_(scale).view(b, hkv, g, t, sk)
-        if mask == "causal":
+        if isinstance(mask, torch.Tensor):
+            s.masked_fill_(~mask[:, None, None, i0:i1], float("-inf"))
+        elif mask == "causal":
             s.masked_fill_(~_causal_keep(range(i0, i1), sk, s.device), float("-inf"))
         p = s.sub_(lt).exp_().view(b, hkv, g * t, sk)  # P = exp(S*scale - lse_global)
         # dV = P^T dO; the contraction over g*rows also sums the GQA query groups.
@@ -429,11 +440,14 @@ def merge_into(out: torch.Tensor, lse: torch.Tensor, out_b: torch.Tensor, lse_b:
 
 
 class BlockTask(NamedTuple):
-    """One block of work: ``q_local[q_slice]`` against ``kv_block[k_slice]`` with ``mask``."""
+    """One block of work: ``q_local[q_slice]`` against ``kv_block[k_slice]`` with ``mask``,
+    for the batch rows ``rows`` (all of them but with packed documents, whose tiles a
+    run of rows may skip)."""
 
     q_slice: slice
     k_slice: slice
-    mask: str
+    mask: "Mask"
+    rows: slice = slice(None)
 
 
 def ring_block_plan(
@@ -464,7 +478,7 @@ def ring_block_plan(
     An empty list means "skip this step" (no compute; the K/V block still travels on).
 
     >>> ring_block_plan(1, 0, 2, causal=True, load_balance="zigzag")
-    [BlockTask(q_slice=slice(0, 2, None), k_slice=slice(0, 1, None), mask='full')]
+    [BlockTask(q_slice=slice(0, 2, None), k_slice=slice(0, 1, None), mask='full', rows=slice(None, None, None))]
     >>> ring_block_plan(0, 1, 2, causal=True, load_balance=None, local_len=4)
     []
     """

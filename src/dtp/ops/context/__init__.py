@@ -34,11 +34,16 @@ sub-axes (double ring windows, the hybrid's ring × Ulysses split of ``cp``) are
 made with ``DeviceMesh._unflatten`` and cached per mesh. Every constraint is checked,
 with a ``ValueError`` naming it, on every rank before any collective.
 
+Packed documents (``docs=(documents, positions)``, :mod:`dtp.ops.documents`): every
+algorithm takes them; a rank computes only the tiles some document spans, each under
+its document mask, and :func:`block_counts` counts the tiles computed and skipped.
+
 :func:`trace_compute` records when each ring step's block computation started and ended,
 so tests can prove the transfers overlap the compute.
 """
 
 from ._common import CHUNK_TARGET, MIN_CHUNK_BYTES, default_chunks, trace_compute  # noqa: F401 (constants)
+from ._docs import block_counts
 from .dispatch import ALGORITHMS, context_attention
 from .hybrid import hybrid_attention
 from .ring import double_ring_attention, ring_attention
@@ -53,4 +58,5 @@ __all__ = [
     "default_chunks",
     "ALGORITHMS",
     "trace_compute",
+    "block_counts",
 ]

@@ -19,7 +19,8 @@ __all__ = ["hybrid_attention"]
 
 def hybrid_attention(q: DTensor, k: DTensor, v: DTensor, *, ulysses_degree: int | None = None, window: int = 1,
                      axis: str | Sequence[str] = "cp", causal: bool = True, scale: float | None = None,
-                     load_balance: str | None = "zigzag", head_chunks: int | None = None) -> DTensor:
+                     load_balance: str | None = "zigzag", head_chunks: int | None = None,
+                     docs: tuple[DTensor, DTensor] | None = None) -> DTensor:
     """USP: Ulysses over groups of ``ulysses_degree`` contiguous cp ranks, ring attention
     (double ring with ``window > 1``) over the strided rest (MindSpeed ``hybrid_cp_algo``).
 
@@ -36,7 +37,8 @@ def hybrid_attention(q: DTensor, k: DTensor, v: DTensor, *, ulysses_degree: int 
     with a window) or a pair ``(ring_axis, ulysses_axis)`` of mesh axes over which the
     sequence is split (major → minor), ``ulysses_degree`` then defaulting to the second's
     size. Needs ``R > 1`` (for ``R = 1`` use :func:`ulysses_attention`) and
-    ``window`` in ``[1, R)`` dividing ``R``.
+    ``window`` in ``[1, R)`` dividing ``R``. ``docs``: packed documents, as for
+    :func:`~dtp.ops.context.ring_attention`.
 
     Not run as a doctest: the ring sends point to point, which needs real ranks
     (``dtp.testing.run``), not ``simulate``; tests/test_context.py runs it.
@@ -95,4 +97,4 @@ def hybrid_attention(q: DTensor, k: DTensor, v: DTensor, *, ulysses_degree: int 
     # the local shards are the same on either mesh, so q/k/v and the output stay on lay.mesh.
     plan = _UlyssesPlan(view, uly, u, r, chunks, load_balance == "zigzag", causal, softmax_scale(scale, q.shape[-1]),
                         ring, load_balance)
-    return _ulysses_dtensor(q, k, v, lay, plan)
+    return _ulysses_dtensor(q, k, v, lay, plan, docs)

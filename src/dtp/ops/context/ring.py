@@ -4,7 +4,7 @@ merge by log-sum-exp, dK/dV travel back with the blocks in backward."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -16,7 +16,9 @@ from ... import comm
 from ...layouts import check_window
 from ...mesh import axis_coordinate, block_index
 from ...redistribute import local_map
+from ...spec import P
 from ..blockwise import accum_dtype, block_backward, block_forward, merge_into, ring_block_plan, softmax_scale
+from ._docs import Docs
 from ._common import (
     _check_axis_name,
     _check_chunks,
@@ -41,6 +43,14 @@ class _Ring:
     n: int
     w: int
     rank: int  # ring coordinate = outer coordinate * w + inner coordinate
+    docs: Docs | None = field(default=None, compare=False)  # packed documents: masks per tile
+
+    def tasks(self, src: int, causal: bool, load_balance: str | None, L: int, phase: str) -> list:
+        """The blocks to compute against ``src``'s K/V: the zigzag/causal plan, or with
+        packed documents the tiles some document spans (each with its mask)."""
+        if self.docs is not None:
+            return self.docs.tasks(self.rank, src, phase)
+        return ring_block_plan(self.rank, src, self.n, causal=causal, load_balance=load_balance, local_len=L)
 
     @property
     def n_out(self) -> int:
@@ -79,21 +89,28 @@ def _ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: _Ring
         for s in range(ring.w):
             nxt = _send(cur, ring, ring.inner, f"ring fwd step {step}") if s + 1 < ring.w else None
             src = ring.src(t, s)
-            tasks = ring_block_plan(ring.rank, src, ring.n, causal=causal, load_balance=load_balance, local_len=L)
+            tasks = ring.tasks(src, causal, load_balance, L, "fwd")
             with _traced("fwd", step, src, tasks):
                 for task in tasks:
-                    qs, ks = task.q_slice, task.k_slice
-                    ob, lb = block_forward(q[:, :, qs], cur[0][:, :, ks], cur[1][:, :, ks], scale=scale,
+                    qs, ks, rb = task.q_slice, task.k_slice, task.rows
+                    ob, lb = block_forward(q[rb, :, qs], cur[0][rb, :, ks], cur[1][rb, :, ks], scale=scale,
                                            mask=task.mask)  # type: ignore[arg-type]
                     if out is None:
                         # Step 0 is this rank's own block: one task over every row (causal
-                        # or not), so every accumulator row is non-empty from here on.
-                        assert src == ring.rank and qs == slice(0, L)
-                        out = out_to if out_to.dtype == acc else torch.empty(ob.shape, dtype=acc, device=ob.device)
-                        out.copy_(ob)
-                        lse_to.copy_(lb)
+                        # or not), so every accumulator row is non-empty from here on. With
+                        # packed documents its diagonal tiles come first instead, each of
+                        # whose rows sees itself: merged into an empty accumulator (w = 1).
+                        assert src == ring.rank
+                        out = out_to if out_to.dtype == acc else torch.empty(q.shape, dtype=acc, device=q.device)
+                        if qs == slice(0, L) and rb == slice(None):
+                            out.copy_(ob)
+                            lse_to.copy_(lb)
+                        else:
+                            out.zero_()
+                            lse_to.fill_(float("-inf"))
+                            merge_into(out[rb, :, qs], lse_to[rb, :, qs], ob, lb)
                     else:
-                        merge_into(out[:, :, qs], lse_to[:, :, qs], ob, lb)
+                        merge_into(out[rb, :, qs], lse_to[rb, :, qs], ob, lb)
                     del ob, lb
             if nxt is not None:
                 cur = nxt.wait()
@@ -148,33 +165,35 @@ def _ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
         for s in range(ring.w):
             nxt = _send(cur, ring, ring.inner, f"ring bwd step {step}") if s + 1 < ring.w else None
             src = ring.src(t, s)
-            tasks = ring_block_plan(ring.rank, src, ring.n, causal=causal, load_balance=load_balance, local_len=L)
+            tasks = ring.tasks(src, causal, load_balance, L, "bwd")
             # The first step of an inner round starts a partial; later steps hold their
             # block's (few) kernel results until the incoming partial lands, then add.
             grad = torch.zeros(cur.shape, dtype=acc, device=cur.device) if partial is None else None
-            pending: list[tuple[slice, torch.Tensor, torch.Tensor]] = []
+            pending: list[tuple[slice, slice, torch.Tensor, torch.Tensor]] = []
             with _traced("bwd", step, src, tasks):
                 for task in tasks:
-                    qs, ks = task.q_slice, task.k_slice
-                    gq, gk, gv = block_backward(dout[:, :, qs], q[:, :, qs], cur[0][:, :, ks], cur[1][:, :, ks],
-                                                out[:, :, qs], lse[:, :, qs], scale=scale,
+                    qs, ks, rb = task.q_slice, task.k_slice, task.rows
+                    gq, gk, gv = block_backward(dout[rb, :, qs], q[rb, :, qs], cur[0][rb, :, ks], cur[1][rb, :, ks],
+                                                out[rb, :, qs], lse[rb, :, qs], scale=scale,
                                                 mask=task.mask)  # type: ignore[arg-type]
-                    dq[:, :, qs] += gq
+                    dq[rb, :, qs] += gq
                     del gq
                     if grad is not None:
-                        grad[0][:, :, ks] += gk
-                        grad[1][:, :, ks] += gv
+                        grad[0][rb, :, ks] += gk
+                        grad[1][rb, :, ks] += gv
                     else:
-                        pending.append((ks, gk, gv))
+                        pending.append((rb, ks, gk, gv))
                     del gk, gv
             if grad is None:
                 assert partial is not None
                 grad = partial.wait()  # also completes our previous send: that buffer is free
-                for ks, gk, gv in pending:
-                    grad[0][:, :, ks] += gk
-                    grad[1][:, :, ks] += gv
+                for rb, ks, gk, gv in pending:
+                    grad[0][rb, :, ks] += gk
+                    grad[1][rb, :, ks] += gv
                 pending.clear()
-            partial = _send(grad, ring, ring.inner, f"ring bwd dkv step {step}")
+            # A ring of one (packed documents' tiles over a Ulysses-gathered sequence) keeps it.
+            partial = _send(grad, ring, ring.inner, f"ring bwd dkv step {step}") if ring.w > 1 \
+                else comm.CommHandle(None, None, lambda g=grad: g)
             del grad
             if nxt is not None:
                 cur = nxt.wait()
@@ -251,17 +270,29 @@ def _ring_local(ql: torch.Tensor, kl: torch.Tensor, vl: torch.Tensor, ring: _Rin
 
 
 def _ring_dtensor(q: DTensor, k: DTensor, v: DTensor, lay: _Layout, ring: _Ring, causal: bool,
-                  load_balance: str | None, scale: float | None, chunks: int) -> DTensor:
-    def local(ql: torch.Tensor, kl: torch.Tensor, vl: torch.Tensor) -> torch.Tensor:
-        return _ring_local(ql, kl, vl, ring, causal, load_balance, scale, chunks)
+                  load_balance: str | None, scale: float | None, chunks: int,
+                  docs: tuple[DTensor, DTensor] | None = None) -> DTensor:
+    def local(ql: torch.Tensor, kl: torch.Tensor, vl: torch.Tensor, *doc: torch.Tensor) -> torch.Tensor:
+        r = ring
+        if doc:  # (batch, seq) ids and positions of the whole sequence, data order
+            L = ql.shape[2]
+            ids, pos = (tuple(t[:, c * L:(c + 1) * L] for c in range(ring.n)) for t in doc)
+            r = replace(ring, docs=Docs(ids, pos, causal))
+            if ring.n == 1:
+                return _RingAttention.apply(ql, kl, vl, r, causal, load_balance,
+                                            softmax_scale(scale, ql.shape[-1]), chunks)
+        return _ring_local(ql, kl, vl, r, causal, load_balance, scale, chunks)
 
     # The output is laid out like q (checked inputs, same local shape on every rank).
-    return local_map(local, (None, None, None), lay.spec, check_shapes=False)(q, k, v)
+    if docs is None:
+        return local_map(local, (None, None, None), lay.spec, check_shapes=False)(q, k, v)
+    whole = P(lay.spec.dims[0] if lay.spec.dims else None)  # batch as q's, the sequence gathered
+    return local_map(local, (None, None, None, whole, whole), lay.spec, check_shapes=False)(q, k, v, *docs)
 
 
 def ring_attention(q: DTensor, k: DTensor, v: DTensor, *, axis: str = "cp", causal: bool = True,
                    scale: float | None = None, load_balance: str | None = "zigzag",
-                   head_chunks: int | None = None) -> DTensor:
+                   head_chunks: int | None = None, docs: tuple[DTensor, DTensor] | None = None) -> DTensor:
     """Ring attention over mesh axis ``axis`` (Megatron-CP / ring-flash-attention).
 
     Each rank keeps its Q block; the K/V blocks (one ``(2, b, h_kv, s/cp, d)`` buffer)
@@ -282,6 +313,10 @@ def ring_attention(q: DTensor, k: DTensor, v: DTensor, *, axis: str = "cp", caus
     Megatron's schedule. Tags and trace steps number on across chunks (chunk ``c``
     starts at step ``c·cp``). A ring of one sends nothing and is one plain SDPA call.
 
+    ``docs``: packed documents, the ``(documents, positions)`` batch entries laid out
+    like the tokens (:mod:`dtp.ops.documents`): a query sees the keys of its own
+    document only; tiles no document spans are skipped (:func:`block_counts`).
+
     Not run as a doctest: the ring sends point to point, which needs real ranks
     (``dtp.testing.run``), not ``simulate``; tests/test_context.py runs it.
 
@@ -292,12 +327,13 @@ def ring_attention(q: DTensor, k: DTensor, v: DTensor, *, axis: str = "cp", caus
     lay = _check_inputs(fn, q, k, v, (axis,), load_balance)
     chunks = _check_chunks(fn, head_chunks, k.shape[1] // lay.tp, lay.cp, _kv_bytes(k))
     ring = _Ring(lay.mesh, axis, None, lay.cp, lay.cp, axis_coordinate(lay.mesh, axis))
-    return _ring_dtensor(q, k, v, lay, ring, causal, load_balance, scale, chunks)
+    return _ring_dtensor(q, k, v, lay, ring, causal, load_balance, scale, chunks, docs)
 
 
 def double_ring_attention(q: DTensor, k: DTensor, v: DTensor, *, window: int, axis: str = "cp",
                           causal: bool = True, scale: float | None = None,
-                          load_balance: str | None = "zigzag", head_chunks: int | None = None) -> DTensor:
+                          load_balance: str | None = "zigzag", head_chunks: int | None = None,
+                          docs: tuple[DTensor, DTensor] | None = None) -> DTensor:
     """MindSpeed's double-ring attention over ``axis`` with windows of ``window`` ranks.
 
     The cp ranks form ``cp / window`` windows of ``window`` consecutive ranks (on one node,
@@ -310,7 +346,8 @@ def double_ring_attention(q: DTensor, k: DTensor, v: DTensor, *, window: int, ax
     The two rings run on a cached view of the mesh with ``axis`` split into
     ``{axis}_outer`` (size ``cp/window``) and ``{axis}_inner`` (size ``window``), the names
     the comm log shows. Needs ``1 < window < cp`` and ``cp % window == 0``
-    (:func:`dtp.layouts.check_window`: cp 2 has no double ring).
+    (:func:`dtp.layouts.check_window`: cp 2 has no double ring). ``docs`` as for
+    :func:`ring_attention`.
 
     Not run as a doctest: the ring sends point to point, which needs real ranks
     (``dtp.testing.run``), not ``simulate``; tests/test_context.py runs it.
@@ -325,4 +362,4 @@ def double_ring_attention(q: DTensor, k: DTensor, v: DTensor, *, window: int, ax
     view, (outer, inner) = _unflatten(lay.mesh, axis, (lay.cp // w, w), ("outer", "inner"))
     rank = block_index(view, (outer, inner))
     ring = _Ring(view, inner, outer, lay.cp, w, rank)
-    return _ring_dtensor(q, k, v, lay, ring, causal, load_balance, scale, chunks)
+    return _ring_dtensor(q, k, v, lay, ring, causal, load_balance, scale, chunks, docs)

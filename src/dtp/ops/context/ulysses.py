@@ -4,7 +4,7 @@ for USP), all-to-all back, head chunk by head chunk."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -16,6 +16,8 @@ from ... import comm
 from ..._torch import make_saved_tensor, unpack_saved
 from ...redistribute import local_map
 from ..blockwise import accum_dtype, block_backward, block_forward, select_impl, softmax_scale
+from ...spec import P
+from ._docs import Docs, gathered
 from ._common import _check_axis_name, _check_heads, _check_inputs, _check_ulysses_chunks, _Layout
 from .ring import _Ring, _ring_backward, _ring_forward
 
@@ -260,19 +262,41 @@ def _assemble(pieces: list[torch.Tensor], shape: tuple[int, ...], dtype: torch.d
     return out
 
 
-def _ulysses_dtensor(q: DTensor, k: DTensor, v: DTensor, lay: _Layout, plan: _UlyssesPlan) -> DTensor:
+def _with_docs(plan: _UlyssesPlan, L: int, ids: torch.Tensor, pos: torch.Tensor) -> _UlyssesPlan:
+    """``plan`` with packed documents: the document rows of each ring coordinate's
+    gathered sequence (the hybrid), or of the whole gathered sequence (pure Ulysses)."""
+    slots = _slots(plan.u, L, plan.zigzag)
+    if plan.ring is None:
+        # A ring of one over the gathered sequence (it sends nothing): its tiles, 2 per
+        # gathered piece, are skipped where no document spans them, as a ring's are.
+        gi, gp = (gathered(t, 0, plan.u, L, slots) for t in (ids, pos))
+        one = _Ring(plan.mesh, plan.axis, None, 1, 1, 0, Docs((gi,), (gp,), plan.causal, tiles=2 * plan.u))
+        return replace(plan, ring=one)
+    coords = range(plan.ring.n)  # ring coordinate c gathers cp pieces c·u .. c·u+u-1
+    docs = Docs(*(tuple(gathered(t, c * plan.u, plan.u, L, slots) for c in coords) for t in (ids, pos)),
+                causal=plan.causal)
+    return replace(plan, ring=replace(plan.ring, docs=docs))
+
+
+def _ulysses_dtensor(q: DTensor, k: DTensor, v: DTensor, lay: _Layout, plan: _UlyssesPlan,
+                     docs: tuple[DTensor, DTensor] | None = None) -> DTensor:
     """Ulysses on the local shards of ``q``/``k``/``v`` (laid out as ``lay`` says); the
     collectives run on ``plan.mesh``, which for the hybrid is a view of ``lay.mesh``
-    with ``cp`` split into ring and Ulysses sub-axes (the same ranks, the same shards)."""
-    def local(ql: torch.Tensor, kl: torch.Tensor, vl: torch.Tensor) -> torch.Tensor:
-        return _UlyssesAttention.apply(ql, kl, vl, plan, torch.is_grad_enabled())
+    with ``cp`` split into ring and Ulysses sub-axes (the same ranks, the same shards).
+    ``docs``: packed documents' ``(documents, positions)``, laid out like the tokens."""
+    def local(ql: torch.Tensor, kl: torch.Tensor, vl: torch.Tensor, *doc: torch.Tensor) -> torch.Tensor:
+        p = _with_docs(plan, ql.shape[2], *doc) if doc else plan
+        return _UlyssesAttention.apply(ql, kl, vl, p, torch.is_grad_enabled())
 
-    return local_map(local, (None, None, None), lay.spec, check_shapes=False)(q, k, v)
+    if docs is None:
+        return local_map(local, (None, None, None), lay.spec, check_shapes=False)(q, k, v)
+    whole = P(lay.spec.dims[0] if lay.spec.dims else None)  # batch as q's, the sequence gathered
+    return local_map(local, (None, None, None, whole, whole), lay.spec, check_shapes=False)(q, k, v, *docs)
 
 
 def ulysses_attention(q: DTensor, k: DTensor, v: DTensor, *, axis: str = "cp", causal: bool = True,
                       scale: float | None = None, load_balance: str | None = "zigzag",
-                      head_chunks: int | None = None) -> DTensor:
+                      head_chunks: int | None = None, docs: tuple[DTensor, DTensor] | None = None) -> DTensor:
     """DeepSpeed-Ulysses attention: all-to-all over ``axis`` from a sequence split to a
     head split, local attention on the full sequence, all-to-all back.
 
@@ -305,6 +329,9 @@ def ulysses_attention(q: DTensor, k: DTensor, v: DTensor, *, axis: str = "cp", c
     gets query heads ``[c·hq/cp, (c+1)·hq/cp)``, all in the group of repeated kv head
     ``c``. That needs ``kv_heads/tp`` to divide cp; otherwise ``ValueError``.
 
+    ``docs``: packed documents' ``(documents, positions)`` laid out like the tokens; the
+    gathered sequence attends under their mask (:func:`dtp.ops.documents.document_keep`).
+
     >>> with dtp.testing.simulate(2):
     ...     mesh = make_mesh(cp=2)
     ...     q, k, v = (dtp.shard(torch.randn(1, 4, 16, 8), mesh, P(None, None, "cp")) for _ in range(3))
@@ -319,4 +346,4 @@ def ulysses_attention(q: DTensor, k: DTensor, v: DTensor, *, axis: str = "cp", c
     chunks = _check_ulysses_chunks(fn, head_chunks, k, lay.tp, r, lay.cp, lay.cp)
     plan = _UlyssesPlan(lay.mesh, axis, lay.cp, r, chunks, load_balance == "zigzag", causal,
                         softmax_scale(scale, q.shape[-1]), None, load_balance)
-    return _ulysses_dtensor(q, k, v, lay, plan)
+    return _ulysses_dtensor(q, k, v, lay, plan, docs)
