@@ -56,6 +56,8 @@ ROWS: dict[str, list[str]] = {
     # ---- tensor and sequence parallel
     "tp2": ["--tp", "2"],
     "tp2 sp recompute full": ["--tp", "2", "--sp", "--recompute", "full"],
+    # compiled regions (dtp.compiled): local_map bodies between dtp's collectives, blocks at rest
+    "tp2 sp compile aot_eager recompute full": ["--tp", "2", "--sp", "--compile", "aot_eager", "--recompute", "full"],
     "dp2 tp2 sp zero2 recompute selective": ["--dp", "2", "--tp", "2", "--sp", "--zero", "2",
                                              "--recompute", "selective"],
     "dp4 tp2 sp zero1 m2": ["--dp", "4", "--tp", "2", "--sp", "--zero", "1", "--microbatches", "2"],

@@ -56,16 +56,18 @@ import contextlib
 import dataclasses
 import functools
 import threading
+import re
 import types
+from collections import Counter
 from typing import Any, Callable, Iterator
 
 import torch
 
+from ._rules import COMPILE_BACKENDS as BACKENDS
 from ._torch import dynamo_counters
 
 __all__ = ["BACKENDS", "CompileOptions", "options_of", "compiling", "active", "region", "Watch", "report"]
 
-BACKENDS = ("inductor", "aot_eager", "eager")  # torch.compile's backends dtp runs and tests
 _state = threading.local()
 _cache: dict[tuple[types.CodeType, "CompileOptions"], Callable[..., Any]] = {}
 
@@ -174,19 +176,27 @@ def _breaks() -> dict[str, int]:
     return dict(dynamo_counters()["graph_break"])
 
 
-def report(first: dict[str, int] | None = None) -> str:
-    """The graph breaks met so far in this process, each reason's first line with its
-    count, and the graphs compiled; with ``first`` (the first step's
-    :meth:`Watch.metrics`) the graphs compiled since are named recompiles.
+def report(recompiles: int | None = None) -> str:
+    """The graphs compiled and graph breaks met so far in this process: each break's
+    reason (dynamo's explanation) with its count; ``recompiles``
+    (the graphs the steps after the first compiled) is added when given.
 
-    >>> report().splitlines()[0].startswith("compiled graphs:")
+    >>> report(recompiles=0).splitlines()[0].startswith("compiled graphs:")
     True
     """
-    graphs = _graphs()
-    lines = [f"compiled graphs: {graphs}" + (f" ({graphs - first['compile_graphs']} after the first step: "
-                                             f"recompiles)" if first else "")]
-    breaks = _breaks()
-    lines.append(f"graph breaks: {sum(breaks.values())}")
-    for reason, n in sorted(breaks.items(), key=lambda kv: -kv[1]):
-        lines.append(f"  {n} × {reason.strip().splitlines()[0]}")
+    graphs, breaks = _graphs(), Counter()
+    for reason, n in _breaks().items():
+        breaks[_reason(reason)] += n
+    lines = [f"compiled graphs: {graphs}" + (f", recompiles after the first step: {recompiles}"
+                                             if recompiles is not None else ""),
+             f"graph breaks: {sum(breaks.values())}"]
+    lines += [f"  {n} × {reason}" for reason, n in breaks.most_common()]
     return "\n".join(lines)
+
+
+def _reason(text: str) -> str:
+    """One line of a break's reason: dynamo's explanation (else its first line), without
+    the addresses that make each function's break a reason of its own."""
+    lines = [ln.strip() for ln in text.strip().splitlines()]
+    why = next((ln.removeprefix("Explanation:").strip() for ln in lines if ln.startswith("Explanation:")), "")
+    return re.sub(r" at 0x[0-9a-f]+", "", why or lines[0])[:200]
