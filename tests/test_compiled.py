@@ -42,15 +42,16 @@ def _train(name: str, compile) -> dict:
     mesh = dtp.make_mesh(**axes)
     state = dtp.TrainState.create(llama.init(cfg, seed=0, dtype=torch.float64), dtp.optim.adamw(1e-2), mesh=mesh,
                                   layout=layout, axes=llama.param_axes(cfg), axis_sizes=llama.axis_sizes(cfg))
-    losses, norms, counts = [], [], []
+    losses, norms, counts, comm = [], [], [], []
     for _ in range(STEPS):
         state, metrics = dtp.train_step(llama.sequential(cfg), state, dtp.shard_batch(_batch(cfg), state),
                                         microbatches=m, compile=compile, clip_norm=1.0)
         losses.append(metrics["loss"])
         norms.append(metrics["grad_norm"])
         counts.append((metrics.get("compile_graphs"), metrics.get("compile_breaks")))
+        comm.append(metrics["comm_bytes"])
     dtp.wait(state)
-    return {"losses": losses, "norms": norms, "counts": counts, "report": report() if compile else ""}
+    return {"losses": losses, "norms": norms, "counts": counts, "comm": comm, "report": report() if compile else ""}
 
 
 def _compare(name: str, backend: str) -> list[dict]:
@@ -63,6 +64,7 @@ def _compare(name: str, backend: str) -> list[dict]:
     for e, c in zip(eager, compiled):
         for a, b in zip(e["losses"] + e["norms"], c["losses"] + c["norms"]):
             assert abs(a - b) <= FP64_BAR * max(1.0, abs(a)), (name, e, c)
+        assert c["comm"] == e["comm"], (name, e["comm"], c["comm"])  # the same collectives, the same bytes
         # Recompiles are bounded: whatever the first step compiled (nothing when an earlier
         # test in the same pooled rank compiled these regions already), later steps reuse.
         assert all(graphs == 0 for graphs, _ in c["counts"][1:]), c

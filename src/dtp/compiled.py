@@ -25,11 +25,11 @@ What a region meets on its way:
   (the region receives the gathered tensor), so they are neither traced nor breaks.
 - **custom autograd Functions** (ring attention's, the expert dispatch's) that call a
   collective are a graph break at their ``apply``: dynamo runs the whole Function eagerly.
-  Those without a collective are traced with their backward.
 - **the pipeline's split backward** (zero-bubble and V schedules: input gradients first,
-  weight gradients later) composes without a break: a region's backward is one autograd
-  node, so the two passes each run it (the weight pass recomputes the input-gradient
-  part: correct, a little more work).
+  weight gradients later, :mod:`dtp.strategies.pipeline_split`) composes without a break:
+  a block's compiled backward is one autograd node on the input's path that also leads to
+  the weights, so the weight pass restarts at it and runs it again (correct; the weight
+  pass redoes that block's input-gradient part).
 
 Recompiles are bounded: each region keeps its own cache (one code object per region), so
 the regions do not share the recompile limit; with the default ``dynamic=None`` a region
@@ -55,8 +55,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import threading
 import re
+import threading
 import types
 from collections import Counter
 from typing import Any, Callable, Iterator
