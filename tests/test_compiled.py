@@ -90,7 +90,7 @@ def test_inductor_step_equals_eager(name):
     _compare(name, "inductor")
 
 
-def test_bad_compile_argument_is_a_clear_error_before_any_collective():
+def _bad_arguments() -> None:
     mesh = dtp.make_mesh(dp=1)
     state = dtp.TrainState.create({"w": torch.ones(2)}, dtp.optim.sgd(0.1), mesh=mesh, layout=layouts.data(),
                                   axes={"w": ("embed",)})
@@ -99,6 +99,10 @@ def test_bad_compile_argument_is_a_clear_error_before_any_collective():
         dtp.train_step(loss_fn, state, {"x": torch.ones(1, 2)}, compile="tvm")
     with pytest.raises(TypeError, match=r"compile must be a bool, a backend name or a dtp.CompileOptions; got int"):
         dtp.train_step(loss_fn, state, {"x": torch.ones(1, 2)}, compile=3)
+
+
+def test_bad_compile_argument_is_a_clear_error_before_any_collective():
+    run(_bad_arguments, world_size=1)  # a pooled rank: this process keeps no process group
     with pytest.raises(ValueError, match=r"RunConfig: compile must be one of inductor, aot_eager, eager; got 'tvm'"):
         dtp.RunConfig(compile="tvm")
     assert cli.parse_args(["train", "--compile"]).compile == "inductor"
