@@ -27,8 +27,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from .. import (CompileOptions, Layout, TrainState, checkpoint, comm, make_mesh, optim, shard_batch, strategies, train_step,
-                wait, with_buffers)
+from .. import (CompileOptions, Layout, TrainState, checkpoint, comm, make_mesh, optim, shard_batch, strategies,
+                train_step, wait, with_buffers)
 from .._token_files import held_out_start
 from ..buffers import lay_out as lay_out_buffers
 from ..data import TokenLoader, Tokens, open_tokens
