@@ -72,11 +72,12 @@ def _compare(name: str, backend: str) -> list[dict]:
     return compiled
 
 
-# The default run: the world-2 cases that share their pooled ranks' warm-up (the first
-# compile in a process costs ~10 s, later ones ~1-3 s). Slow: the one-device run (its own
-# pooled process; pp2's stages already run the block regions on plain tensors), ring
-# attention (8 regions, ~25 s) and dropless MoE (~30 graphs, 30 breaks, ~90 s on 2 cores).
-SLOW = {"one", "cp2 ring", "ep2 moe"}
+# The default run: the world-2 cases, which share their pooled ranks' warm-up and the
+# regions they have in common (the first compile in a process ~10 s, then ~1-6 s each:
+# ~30 s in all on 2 cores). Slow: the one-device run (its own pooled process; pp2's stages
+# already run the block regions on plain tensors) and dropless MoE (~30 graphs, ~30
+# breaks: ~90 s).
+SLOW = {"one", "ep2 moe"}
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in CASES])
