@@ -59,6 +59,8 @@ ROWS: dict[str, list[str]] = {
     "tp2 sp async-tp": ["--tp", "2", "--sp", "--async-tp"],
     "dp2 tp2 sp async-tp zero3 recompute full m2": ["--dp", "2", "--tp", "2", "--sp", "--async-tp", "--zero", "3",
                                                      "--recompute", "full", "--microbatches", "2"],
+    # compiled regions (dtp.compiled): local_map bodies between dtp's collectives, blocks at rest
+    "tp2 sp compile aot_eager recompute full": ["--tp", "2", "--sp", "--compile", "aot_eager", "--recompute", "full"],
     "dp2 tp2 sp zero2 recompute selective": ["--dp", "2", "--tp", "2", "--sp", "--zero", "2",
                                              "--recompute", "selective"],
     "dp4 tp2 sp zero1 m2": ["--dp", "4", "--tp", "2", "--sp", "--zero", "1", "--microbatches", "2"],

@@ -44,6 +44,13 @@ def test_mesh_flatten_unflatten():
         assert view.mesh_dim_names == ("dp", "cp_a", "cp_b") and view.mesh.shape == (2, 2, 2)
 
 
+def test_dynamo_counters():
+    from torch._dynamo.utils import counters
+
+    assert _torch.dynamo_counters() is counters
+    assert isinstance(counters["stats"].get("unique_graphs", 0), int) and hasattr(counters["graph_break"], "items")
+
+
 def test_autograd_internals():
     assert torch._C._current_graph_task_id() == -1 and _torch.current_graph_task_id() == -1
     from torch._C._autograd import SavedTensor, _make_saved_tensor

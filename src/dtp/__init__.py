@@ -28,7 +28,7 @@ __all__ = [
     "comm_log", "CommLog", "CommRecord",
     "Layout", "layouts", "use_layout", "constrain", "ops", "optim", "strategies", "zero", "comm", "schedules",
     "TrainState", "train_step", "shard_batch", "gather_params", "wait", "checkpoint", "Layer", "Sequential", "plan",
-    "RunConfig", "with_buffers",
+    "RunConfig", "with_buffers", "CompileOptions",
 ]
 
 # Public names that are submodules. (``dtp.visualize`` is a function: its module is
@@ -46,7 +46,7 @@ _SOURCES: dict[str, str] = {
     "P": ".spec", "shard": ".spec", "spec_of": ".spec",
     "TrainState": ".step", "gather_params": ".step", "shard_batch": ".step", "train_step": ".step", "wait": ".step",
     "zero": ".strategies", "visualize": ".visualization", "plan": ".planning", "RunConfig": ".config",
-    "with_buffers": ".buffers",
+    "with_buffers": ".buffers", "CompileOptions": ".compiled",
 }
 
 

@@ -14,8 +14,11 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["accum_dtype", "is_positive_int", "STEP_TOLERANCE", "RUN_RTOL", "SCORE_FUNCTIONS", "check_groups",
+__all__ = ["accum_dtype", "is_positive_int", "STEP_TOLERANCE", "RUN_RTOL", "SCORE_FUNCTIONS", "COMPILE_BACKENDS", "check_groups",
            "IGNORE_INDEX"]
+
+#: torch.compile's backends a compiled step (dtp.compiled, ``dtp train --compile``) runs with.
+COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
 
 #: The MoE router's score functions (dtp.ops.moe_router): Megatron's softmax, DeepSeek-V3's sigmoid.
 SCORE_FUNCTIONS = ("softmax", "sigmoid")

@@ -144,3 +144,12 @@ def grouped_mm_usable(x: torch.Tensor, *weights: torch.Tensor) -> bool:
     if torch.cuda.get_device_capability(x.device) < (9, 0):
         return False
     return all(w.dtype == torch.bfloat16 and w.shape[-1] % 8 == 0 and w.shape[-2] % 8 == 0 for w in weights)
+
+
+def dynamo_counters() -> Any:
+    """torch.compile's process-wide counters: ``["stats"]["unique_graphs"]`` (graphs
+    compiled) and ``["graph_break"]`` (reason -> count), what ``dtp.compiled`` reports.
+    Public alternative: ``torch._dynamo.explain`` (one call, not a running count)."""
+    from torch._dynamo.utils import counters
+
+    return counters

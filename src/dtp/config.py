@@ -37,7 +37,7 @@ from . import layouts, schedules
 from ._token_files import DTYPES as TOKEN_DTYPES
 from .layouts import CP_ALGORITHMS, PRECISIONS, ZERO_STAGES, Layout
 from .layouts.zero import misplaced_options
-from ._rules import SCORE_FUNCTIONS
+from ._rules import COMPILE_BACKENDS, SCORE_FUNCTIONS
 
 __all__ = ["RunConfig", "DTYPES", "RECOMPUTE", "MODEL_FIELDS", "flag_names", "to_toml", "mesh_axes_of", "type_error"]
 
@@ -126,6 +126,7 @@ class RunConfig:
     warmup: int | None = None  # None: min(DEFAULT_WARMUP, steps)
     microbatches: int = 1
     recompute: str = "none"
+    compile: str | None = None  # a torch.compile backend (dtp.compiled); None: eager
     clip: float = 1.0  # 0: off
     seed: int = 0
     data: str | None = None  # a token file, a directory of shards, or text; None: the bundled corpus
@@ -256,6 +257,8 @@ class RunConfig:
                 fail(f"{n(name)} must be one of {', '.join(map(str, choices))}; got {getattr(self, name)!r}")
         if self.router_score is not None and self.router_score not in SCORE_FUNCTIONS:
             fail(f"{n('router_score')} must be one of {', '.join(SCORE_FUNCTIONS)}; got {self.router_score!r}")
+        if self.compile is not None and self.compile not in COMPILE_BACKENDS:
+            fail(f"{n('compile')} must be one of {', '.join(COMPILE_BACKENDS)}; got {self.compile!r}")
         if self.precision is not None and self.precision not in PRECISIONS:
             fail(f"{n('precision')} must be one of {', '.join(PRECISIONS)}; got {self.precision!r}")
         if self.cp_algo is not None and self.cp_algo not in CP_ALGORITHMS:

@@ -34,6 +34,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial
 
 from . import comm
+from .compiled import region
 from ._torch import local_tensor, maybe_run_for_local_tensor
 from .mesh import axis_names, axis_sizes, coordinates
 from .spec import P, wrap_local, check_spec, spec_of
@@ -394,7 +395,7 @@ def _local_map_call(fn: Callable[..., Any], in_specs: Any, out_specs: Any, check
             raise TypeError(f"local_map: argument leaf {i} is a plain tensor but its in-spec is {spec}; "
                             "shard it with dtp.shard first, or give it the in-spec None to pass it as is")
         inputs.append(x)
-    result = fn(*optree.tree_unflatten(treedef, inputs))
+    result = region(fn)(*optree.tree_unflatten(treedef, inputs))  # compiled under train_step(compile=...)
     out_specs_full = _spec_leaves(out_specs, result, "out_specs")
     out_leaves, out_def = optree.tree_flatten(result, none_is_leaf=True)
     paths = None  # leaf paths name outputs in messages; built only when there is a message to write

@@ -35,6 +35,7 @@ from . import guard, strategies
 from .buffers import apply_update, lay_out as lay_out_buffers, reading
 from ._rules import is_positive_int
 from .comm import comm_log, span
+from .compiled import CompileOptions, compiling, options_of
 from .layouts import Layout, check_divisible, use_layout
 from .mesh import mesh_device
 from .optim import GradientTransformation, apply_updates, clip_by_global_norm, state_join, state_part
@@ -439,7 +440,7 @@ def value_and_grad(loss_fn: Callable[[PyTree, Mapping[str, torch.Tensor]], Any],
 
 def train_step(loss_fn: Callable[[PyTree, Mapping[str, torch.Tensor]], Any], state: TrainState,
                batch: Mapping[str, torch.Tensor], *, microbatches: int = 1, recompute: str | None = None,
-               clip_norm: float | None = None) -> tuple[TrainState, dict[str, Any]]:
+               clip_norm: float | None = None, compile: bool | str | CompileOptions = False) -> tuple[TrainState, dict]:
     """One optimizer step: forward/backward over ``microbatches``, gradient reduction to
     the parameters' layout, optional global-norm clipping, the optimizer update.
 
@@ -447,10 +448,10 @@ def train_step(loss_fn: Callable[[PyTree, Mapping[str, torch.Tensor]], Any], sta
     ``microbatches > 1`` ``metrics["aux"]`` is the tuple of every microbatch's aux).
     ``recompute`` is ``None``, ``"full"`` (each block) or ``"selective"`` (attention core).
     How gradients are reduced and parameters updated is the state's strategy
-    (:mod:`dtp.strategies`: replicated all-reduce, or ZeRO buckets); this function is
-    the same for all of them.
+    (:mod:`dtp.strategies`: replicated all-reduce, or ZeRO buckets), not this function's.
 
-    ``clip_norm`` is ``None`` (no clipping) or a finite number > 0.
+    ``clip_norm`` is ``None`` (no clipping) or a finite number > 0. ``compile`` (``True``,
+    a backend or :class:`dtp.CompileOptions`) compiles the local computation (:mod:`dtp.compiled`).
 
     Before any collective the inputs are checked, and (first step of each batch
     signature, :mod:`dtp.guard`) the ranks agree that they were given the same batch
@@ -470,9 +471,8 @@ def train_step(loss_fn: Callable[[PyTree, Mapping[str, torch.Tensor]], Any], sta
 
     Metrics: ``loss``, ``grad_norm``, ``lr``, ``tokens`` (processed), ``loss_tokens`` (the
     valid targets the loss averaged over; ``None`` on a pipeline stage without the loss),
-    ``step_time`` (s), ``comm_bytes`` —
-    ``{axis: {collective: bytes sent per rank}}`` from the comm log — and ``skipped``
-    (bool: the update was skipped).
+    ``step_time`` (s), ``comm_bytes`` (``{axis: {collective: bytes sent per rank}}``),
+    ``skipped`` (bool) and, compiled, ``compile_graphs`` and ``compile_breaks``.
 
     >>> import warnings
     >>> mesh = dtp.make_mesh(dp=1)                  # one process: a mesh of one device
@@ -487,19 +487,20 @@ def train_step(loss_fn: Callable[[PyTree, Mapping[str, torch.Tensor]], Any], sta
     >>> state.step, metrics["skipped"], state.params["w"], len(seen)
     (1, True, tensor([0.9500, 0.9500], requires_grad=True), 1)
     """
-    t0 = time.perf_counter()
-    error = None
+    t0, error, options = time.perf_counter(), None, None
     try:
         _check_inputs(batch, state, microbatches, recompute, clip_norm)
+        options = options_of(compile)
         strategies.check(loss_fn, state.layout, state.mesh, microbatches)
     except (ValueError, TypeError) as e:
         error = e
     guard.check_step(state.checks, state.mesh, state.layout, state.step, batch,
-                     {"microbatches": microbatches, "recompute": recompute, "clip_norm": clip_norm}, error)
+                     {"microbatches": microbatches, "recompute": recompute, "clip_norm": clip_norm,
+                      "compile": repr(options)}, error)
     run = strategies.begin(state.params, state.zero, microbatches, loss_fn=loss_fn, layout=state.layout,
                            mesh=state.mesh, buffers=state.buffers)
     with comm_log() as log:
-        with use_layout(state.layout, state.mesh), recompute_policy(recompute):
+        with use_layout(state.layout, state.mesh), recompute_policy(recompute), compiling(options) as watch:
             loss, aux, counted = _forward_backward(reading(loss_fn, state.buffers), run, batch, microbatches)
         with torch.no_grad(), span("update"):
             updated, opt_state, norm, bad = _update(run, state.optimizer, state.opt_state, clip_norm, loss)
@@ -516,7 +517,8 @@ def train_step(loss_fn: Callable[[PyTree, Mapping[str, torch.Tensor]], Any], sta
                       f"(parameters, optimizer state and step unchanged)", RuntimeWarning, stacklevel=2)
     new = dataclasses.replace(state, step=state.step + (bad is None), params=params, opt_state=opt_state, zero=zero,
                               buffers=buffers)
-    return new, _metrics(state, batch, loss, aux, norm, t0, log, skipped=bad is not None, counted=counted)
+    return new, {**_metrics(state, batch, loss, aux, norm, t0, log, skipped=bad is not None, counted=counted),
+                 **(watch.metrics() if options else {})}
 
 
 def _first_rank(mesh: DeviceMesh) -> bool:

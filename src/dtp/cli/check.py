@@ -96,7 +96,7 @@ def check_run(run_dir: str | os.PathLike[str], *, rtol: float | None = None,
     with single_process_world() as mesh:
         # The run's precision too: mixed and pure bf16 are different computations.
         layout = layouts.data() + (layouts.mixed_precision() if cfg.get("precision") == "mixed" else layouts.Layout())
-        ref = [r["loss"] for r in train_loop(cfg, mesh, layout, recompute=None)]
+        ref = [r["loss"] for r in train_loop({**cfg, "compile": None}, mesh, layout, recompute=None)]  # eager
     result = compare_losses(run, ref, rtol)
     result.update(dtype=cfg["dtype"], run_losses=run, reference_losses=ref)
     write_json(run_dir / "check.json", result)

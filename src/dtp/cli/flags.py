@@ -25,7 +25,7 @@ from .. import layouts, schedules
 from .._mesh_shape import MeshShape
 from .._rules import RUN_RTOL
 from .._token_files import DTYPES as TOKEN_DTYPES, document_eos, held_out_start, open_tokens, token_stats
-from .._rules import SCORE_FUNCTIONS
+from .._rules import COMPILE_BACKENDS, SCORE_FUNCTIONS
 from ..config import DEFAULT_WARMUP, DTYPES, MODEL_FIELDS, RECOMPUTE, RunConfig, flag_names, mesh_axes_of, type_error
 from ..launch import in_torchrun
 from ..layouts import CP_ALGORITHMS, ZERO_STAGES, Layout
@@ -183,6 +183,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--microbatches", type=_positive("--microbatches"), default=RUN_DEFAULTS["microbatches"],
                    help="gradient-accumulation microbatches per step")
     g.add_argument("--recompute", choices=RECOMPUTE, default=RUN_DEFAULTS["recompute"], help="activation recomputation")
+    g.add_argument("--compile", nargs="?", const="inductor", choices=COMPILE_BACKENDS, default=RUN_DEFAULTS["compile"],
+                   metavar="BACKEND", help="compile the local computation (each block, or each local_map body; "
+                   "dtp's collectives run between): torch.compile's inductor, or aot_eager / eager (with --debug: "
+                   "prints the graph breaks and recompiles)")
     g.add_argument("--clip", type=_non_negative_float, default=RUN_DEFAULTS["clip"], help="global-norm gradient clip (0: off)")
     g.add_argument("--seed", type=int, default=RUN_DEFAULTS["seed"], help="seed of the model init and the data order")
     g.add_argument("--data", default=RUN_DEFAULTS["data"],

@@ -27,8 +27,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from .. import (Layout, TrainState, checkpoint, comm, make_mesh, optim, shard_batch, strategies, train_step,
-                wait, with_buffers)
+from .. import (CompileOptions, Layout, TrainState, checkpoint, comm, make_mesh, optim, shard_batch, strategies,
+                train_step, wait, with_buffers)
 from .._token_files import held_out_start
 from ..buffers import lay_out as lay_out_buffers
 from ..data import TokenLoader, Tokens, document_eos, open_tokens
@@ -39,7 +39,7 @@ from ..redistribute import value_of
 from .flags import (EVAL_BATCHES, PROG, UsageError, build_layout, format_mesh, mesh_axes, model_overrides,
                     train_argv, vocab_size)
 from .report import (atomic_write_text, format_summary, plot_losses, Progress, write_json, format_bytes, read_metrics,
-                     report_exception, summarize)
+                     print_compile_report, report_exception, summarize)
 
 __all__ = ["build_layout", "SkipCounter", "TrainingAborted", "Terminated", "train_loop", "train_rank",
            "single_process_world"]
@@ -167,10 +167,12 @@ def train_loop(args: Mapping[str, Any], mesh: DeviceMesh, layout: Layout, *, rec
         loader.load_state_dict((extra or {}).get("loader", {}))
         first = loader.state_dict()["step"] + 1  # iterations, skipped steps included (state.step counts updates)
     records, saving = [], None
+    # Dropless MoE changes its expert batches' shapes every step: dynamic from the start.
+    compiling = args.get("compile") and CompileOptions(backend=args["compile"], dynamic=cfg.num_experts > 0 or None)
     for step in range(first, args["steps"] + 1):
         batch = shard_batch(loader.next_batch(), state)
         state, m = train_step(loss_fn, state, batch, microbatches=args["microbatches"],
-                              recompute=recompute, clip_norm=clip)
+                              recompute=recompute, clip_norm=clip, compile=compiling)
         step_time = float(m["step_time"])
         skips.add(bool(m["skipped"]))
         tokens_per_s = int(m["tokens"]) / step_time if step_time > 0 else None
@@ -180,7 +182,10 @@ def train_loop(args: Mapping[str, Any], mesh: DeviceMesh, layout: Layout, *, rec
                   "mfu": tokens_per_s * flops_per_token / peak if tokens_per_s and peak > 0 else None,
                   "comm_bytes": {a: {k: int(b) for k, b in kinds.items()}
                                  for a, kinds in (m.get("comm_bytes") or {}).items()},
-                  "skipped": bool(m["skipped"]), "skipped_steps": skips.total, **_moe_metrics(m.get("aux"))}
+                  "skipped": bool(m["skipped"]), "skipped_steps": skips.total, **_moe_metrics(m.get("aux")),
+                  **{k: m[k] for k in ("compile_graphs", "compile_breaks") if k in m}}
+        if compiling and args.get("debug") and (step == first or step == args["steps"]):
+            print_compile_report(step, [r.get("compile_graphs", 0) for r in [*records, record]])
         if eval_every and (step % eval_every == 0 or step == args["steps"]):
             t0 = time.perf_counter()
             record["eval_loss"] = _evaluate(state, cfg, eval_batches)

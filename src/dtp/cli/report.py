@@ -41,7 +41,7 @@ from ..launch import report_error as _report_error
 from ..plot import atomic_path, plot_loss
 from .flags import PROG
 
-__all__ = ["format_bytes", "format_step", "format_duration", "progress_bar", "summarize", "describe_exception",
+__all__ = ["print_compile_report", "format_bytes", "format_step", "format_duration", "progress_bar", "summarize", "describe_exception",
            "clear_run_files", "read_metrics", "report_exception", "Progress", "plot_losses", "write_json",
            "atomic_write_text", "format_summary", "default_out"]
 
@@ -214,6 +214,17 @@ def atomic_write_text(path: Path, text: str) -> None:
 
 def write_json(path: Path, obj: Any) -> None:
     atomic_write_text(path, json.dumps(obj, indent=2) + "\n")
+
+
+def print_compile_report(step: int, graphs_per_step: Sequence[int]) -> None:
+    """``dtp train --compile --debug``: after the first and the last step, on rank 0, the
+    graph breaks met and the recompiles (graphs compiled after the first step)."""
+    import torch.distributed as dist  # here: the launcher reads this module before torch
+
+    from .. import compiled
+
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(f"compile after step {step}: " + compiled.report(recompiles=sum(graphs_per_step[1:])), flush=True)
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:

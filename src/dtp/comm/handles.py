@@ -149,6 +149,7 @@ class CommHandle:
                 if (mirror := _flight_mirror()) is not None:
                     mirror.update(self._record)
 
+    @torch.compiler.disable  # a graph break inside a compiled region (dtp.compiled)
     def wait(self) -> torch.Tensor:
         if self._result is None:
             entered = time.perf_counter()

@@ -25,7 +25,10 @@ __all__ = ["attention", "rotary", "rope_frequencies"]
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float | None,
           ids: torch.Tensor | None = None, pos: torch.Tensor | None = None) -> torch.Tensor:
-    gqa = k.shape[1] != q.shape[1]
+    # A branch, not enable_gqa=(k heads != q heads): in a compiled region with dynamic
+    # shapes that comparison is a SymBool, which SDPA refuses (a graph break); a branch
+    # specialises it (a guard).
+    gqa = True if k.shape[1] != q.shape[1] else False
     if ids is None or pos is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=gqa)
     keep = document_keep(ids, pos, ids, pos, causal)[:, None]  # every query sees itself: no empty row

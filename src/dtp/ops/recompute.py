@@ -12,7 +12,11 @@ import contextlib
 import threading
 from typing import Any, Callable, Iterator
 
+import optree
+from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
+
+from ..compiled import active, region
 
 __all__ = ["policy", "recompute", "remat", "POLICIES"]
 
@@ -47,7 +51,14 @@ def recompute(name: str | None) -> Iterator[None]:
 
 
 def remat(fn: Callable[..., Any], *args: Any, level: str = "full") -> Any:
-    """Call ``fn(*args)``, recomputing it in backward when the policy is ``level``."""
+    """Call ``fn(*args)``, recomputing it in backward when the policy is ``level``.
+
+    A block (``level="full"``) on plain tensors is a compiled region under
+    ``train_step(compile=...)`` (:mod:`dtp.compiled`): nothing in it communicates. On
+    DTensors the regions are the :func:`dtp.local_map` bodies inside it instead.
+    """
+    if level == "full" and active() is not None and not any(isinstance(a, DTensor) for a in optree.tree_leaves(args[:2])):
+        fn = region(fn)
     if policy() == level:
         return checkpoint(fn, *args, use_reentrant=False)
     return fn(*args)

@@ -263,9 +263,10 @@ def _ring_local(ql: torch.Tensor, kl: torch.Tensor, vl: torch.Tensor, ring: _Rin
     if ring.n == 1:
         # A ring of one sends nothing, and its one block is exactly SDPA on the local
         # sequence (cp order of one rank is the identity): the fused kernel, no ring
-        # buffers, the same memory as a plain SDPA call.
+        # buffers, the same memory as a plain SDPA call. (enable_gqa a branch, not the
+        # comparison: see dtp.ops.attention._sdpa.)
         return F.scaled_dot_product_attention(ql, kl, vl, is_causal=causal, scale=scale,
-                                              enable_gqa=kl.shape[1] != ql.shape[1])
+                                              enable_gqa=True if kl.shape[1] != ql.shape[1] else False)
     return _RingAttention.apply(ql, kl, vl, ring, causal, load_balance, softmax_scale(scale, ql.shape[-1]), chunks)
 
 

@@ -1,0 +1,202 @@
+"""The compiled step: which computation ``torch.compile`` traces, and what stays eager.
+
+``train_step(..., compile=True)`` (``dtp train --compile``) does not wrap the loss:
+torch 2.13 cannot trace DTensor's dispatch of a tp + SP model (``as_strided not
+supported with DTensor``). Compiled regions are the **local computation** instead, and
+dtp's collectives run between them, eagerly:
+
+- **plain tensors** (a one-device mesh, or a pipeline stage on one device): each
+  transformer block is one region — it starts and ends at :func:`dtp.ops.remat`'s block
+  boundary, recomputed whole under ``recompute="full"``. The embedding and the head's
+  loss run eagerly between the blocks.
+- **DTensors** (every other layout): each :func:`dtp.local_map` body is one region — the
+  attention core (local SDPA, or a context-parallel algorithm's local work), rotary, the
+  embedding lookup, the vocab-parallel cross-entropy's local sums, the MoE experts.
+  DTensor arithmetic between them (norms, residual adds, matmuls of the ``linear`` op, a
+  builtin that compiling would not speed up) and every :func:`dtp.reshard` run eagerly.
+
+What a region meets on its way:
+
+- **dtp's collectives** (:mod:`dtp.comm`: every collective and ``CommHandle.wait``) are
+  ``torch.compiler.disable``'d: each is a listed graph break, so a ring's send/recv or an
+  expert dispatch's all-to-all inside a region splits it in two, and the comm log, the
+  simulated link and the flight recorder see the same records as in eager.
+- **ZeRO's lazy gathers** happen when ``loss_fn`` reads a parameter, outside any region
+  (the region receives the gathered tensor), so they are neither traced nor breaks.
+- **custom autograd Functions** (ring attention's, the expert dispatch's) that call a
+  collective are a graph break at their ``apply``: dynamo runs the whole Function eagerly.
+- **the pipeline's split backward** (zero-bubble and V schedules: input gradients first,
+  weight gradients later, :mod:`dtp.strategies.pipeline_split`) composes without a break:
+  a block's compiled backward is one autograd node on the input's path that also leads to
+  the weights, so the weight pass restarts at it and runs it again (correct; the weight
+  pass redoes that block's input-gradient part).
+
+Recompiles are bounded: each region keeps its own cache (one code object per region), so
+the regions do not share the recompile limit; with the default ``dynamic=None`` a region
+whose shapes change is compiled once more with those dims dynamic (PyTorch's automatic
+dynamic shapes), and ``dynamic=True`` (``dtp train`` picks it for MoE, whose dropless
+expert batches change size every step) starts there. ``train_step``'s metrics count the
+graphs compiled and the graph breaks met in that step (``compile_graphs``,
+``compile_breaks``): after the first step any new graph is a recompile. ``dtp train
+--compile --debug`` prints the break reasons and the recompiles (:func:`report`).
+
+>>> f = region(lambda x: x.sin() * 2)             # no compiling(): the function itself
+>>> f(torch.zeros(2)).tolist()
+[0.0, 0.0]
+>>> with compiling(CompileOptions(backend="eager")) as watch:
+...     g = region(lambda x: x.cos() + 1)
+...     y = g(torch.zeros(2))
+>>> y.tolist(), watch.metrics()["compile_graphs"]
+([2.0, 2.0], 1)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import re
+import threading
+import types
+from collections import Counter
+from typing import Any, Callable, Iterator
+
+import torch
+
+from ._rules import COMPILE_BACKENDS as BACKENDS
+from ._torch import dynamo_counters
+
+__all__ = ["BACKENDS", "CompileOptions", "options_of", "compiling", "active", "region", "Watch", "report"]
+
+_state = threading.local()
+_cache: dict[tuple[types.CodeType, "CompileOptions"], Callable[..., Any]] = {}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CompileOptions:
+    """How regions are compiled: ``backend`` (one of :data:`BACKENDS`) and ``dynamic``
+    (``None``: PyTorch's automatic dynamic shapes after a shape change; ``True``: dynamic
+    from the start; ``False``: a recompile per shape).
+
+    >>> CompileOptions(backend="aot_eager", dynamic=True).backend
+    'aot_eager'
+    """
+
+    backend: str = "inductor"
+    dynamic: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"compile backend must be one of {', '.join(BACKENDS)}; got {self.backend!r}")
+        if self.dynamic not in (None, True, False):
+            raise ValueError(f"compile dynamic must be None, True or False; got {self.dynamic!r}")
+
+
+def options_of(compile: bool | str | CompileOptions | None) -> CompileOptions | None:
+    """``train_step``'s ``compile`` argument as options (``None``: eager): ``True`` is
+    inductor, a string names the backend.
+
+    >>> options_of(False), options_of("eager")
+    (None, CompileOptions(backend='eager', dynamic=None))
+    """
+    if compile is None or compile is False:
+        return None
+    if compile is True:
+        return CompileOptions()
+    if isinstance(compile, str):
+        return CompileOptions(backend=compile)
+    if isinstance(compile, CompileOptions):
+        return compile
+    raise TypeError(f"compile must be a bool, a backend name or a dtp.CompileOptions; got {type(compile).__name__}")
+
+
+def active() -> CompileOptions | None:
+    """The options regions are compiled with here (``None``: eager)."""
+    return getattr(_state, "options", None)
+
+
+class Watch:
+    """The graphs compiled and graph breaks met since it was made (dynamo's counters
+    are process-wide; this is their difference)."""
+
+    def __init__(self) -> None:
+        self._graphs, self._breaks = _graphs(), _breaks()
+
+    def metrics(self) -> dict[str, int]:
+        """``compile_graphs`` (new graphs: after the first step, recompiles) and
+        ``compile_breaks`` (graph breaks met while tracing them)."""
+        breaks = _breaks()
+        return {"compile_graphs": _graphs() - self._graphs,
+                "compile_breaks": sum(breaks.values()) - sum(self._breaks.values())}
+
+
+@contextlib.contextmanager
+def compiling(options: bool | str | CompileOptions | None) -> Iterator[Watch]:
+    """Compile the regions met inside (``None``/``False``: eager, as outside)."""
+    previous = active()
+    _state.options = options_of(options)
+    try:
+        yield Watch()
+    finally:
+        _state.options = previous
+
+
+def region(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` as a compiled region when :func:`compiling` is on (else ``fn``).
+
+    Ops build their local functions per call (closures over the call's values), so a
+    region is not ``torch.compile(fn)`` (≈170 µs to build each time) but one compiled
+    trampoline per code object, cached: dynamo inlines ``fn`` and guards on its code
+    and its closure, so a new closure of the same code reuses the graph. A builtin
+    (``torch.matmul``) is returned as is: one kernel gains nothing from compiling.
+    """
+    options = active()
+    if options is None or not isinstance(fn, types.FunctionType):
+        return fn
+    key = (fn.__code__, options)
+    compiled = _cache.get(key)
+    if compiled is None:
+        # Its own code object (named after fn, so a break or recompile names the region):
+        # dynamo's cache and recompile limit are per code object.
+        code = _call.__code__.replace(co_name=f"dtp_region_{fn.__code__.co_name}")
+        trampoline = types.FunctionType(code, _call.__globals__, code.co_name)
+        compiled = _cache[key] = torch.compile(trampoline, backend=options.backend, dynamic=options.dynamic)
+    return functools.partial(compiled, fn)
+
+
+def _call(fn: Callable[..., Any], *args: Any) -> Any:
+    return fn(*args)
+
+
+def _graphs() -> int:
+    return int(dynamo_counters()["stats"].get("unique_graphs", 0))
+
+
+def _breaks() -> dict[str, int]:
+    return dict(dynamo_counters()["graph_break"])
+
+
+def report(recompiles: int | None = None) -> str:
+    """The graphs compiled and graph breaks met so far in this process: each break's
+    reason (dynamo's explanation) with its count; ``recompiles``
+    (the graphs the steps after the first compiled) is added when given.
+
+    >>> report(recompiles=0).splitlines()[0].startswith("compiled graphs:")
+    True
+    """
+    graphs, breaks = _graphs(), Counter()
+    for reason, n in _breaks().items():
+        breaks[_reason(reason)] += n
+    lines = [f"compiled graphs: {graphs}" + (f", recompiles after the first step: {recompiles}"
+                                             if recompiles is not None else ""),
+             f"graph breaks: {sum(breaks.values())}"]
+    lines += [f"  {n} × {reason}" for reason, n in breaks.most_common()]
+    return "\n".join(lines)
+
+
+def _reason(text: str) -> str:
+    """One line of a break's reason: dynamo's explanation (else its first line), without
+    the addresses that make each function's break a reason of its own."""
+    lines = [ln.strip() for ln in text.strip().splitlines()]
+    why = next((ln.removeprefix("Explanation:").strip() for ln in lines if ln.startswith("Explanation:")), "")
+    return re.sub(r" at 0x[0-9a-f]+", "", why or lines[0])[:200]

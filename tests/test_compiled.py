@@ -1,0 +1,109 @@
+"""The compiled step (:mod:`dtp.compiled`): ``train_step(compile=...)`` equals the eager
+step on every kind of layout — its regions are the local computation, dtp's collectives
+run between them — with the graphs compiled and graph breaks counted per step.
+
+The default run uses ``backend="aot_eager"`` (traced and differentiated as inductor
+would be, without code generation: a few seconds per case); inductor is ``-m slow``.
+"""
+
+import pytest
+import torch
+
+import dtp
+from dtp import cli, layouts
+from dtp.compiled import CompileOptions, report
+from dtp.models import llama
+from dtp.testing import run
+
+CFG = llama.config("tiny", n_layers=1)
+MOE = llama.config("tiny-moe", n_layers=1, capacity_factor=None)
+FP64_BAR = 1e-10
+STEPS = 2
+
+# name -> (mesh axes, layout, model config, microbatches)
+CASES = {
+    "one": ({"dp": 1}, layouts.data(), CFG, 1),
+    "dp2": ({"dp": 2}, layouts.data(), CFG, 2),
+    "tp2 sp": ({"tp": 2}, layouts.data() + layouts.megatron(sequence_parallel=True), CFG, 1),
+    "cp2 ring": ({"cp": 2}, layouts.data() + layouts.context("ring"), CFG, 1),
+    "dp2 zero3": ({"dp": 2}, layouts.data() + layouts.zero(3, bucket_mb=1e-3), CFG, 1),
+    "pp2 zb-h1": ({"pp": 2}, layouts.pipeline("zb-h1"), CFG, 2),
+    "ep2 moe": ({"ep": 2}, layouts.data() + layouts.expert(), MOE, 1),
+}
+
+
+def _batch(cfg) -> dict[str, torch.Tensor]:
+    tok = torch.randint(0, cfg.vocab_size, (4, 17), generator=torch.Generator().manual_seed(3))
+    return {"tokens": tok[:, :-1].contiguous(), "targets": tok[:, 1:].contiguous()}
+
+
+def _train(name: str, compile) -> dict:
+    axes, layout, cfg, m = CASES[name]
+    mesh = dtp.make_mesh(**axes)
+    state = dtp.TrainState.create(llama.init(cfg, seed=0, dtype=torch.float64), dtp.optim.adamw(1e-2), mesh=mesh,
+                                  layout=layout, axes=llama.param_axes(cfg), axis_sizes=llama.axis_sizes(cfg))
+    losses, norms, counts, comm = [], [], [], []
+    for _ in range(STEPS):
+        state, metrics = dtp.train_step(llama.sequential(cfg), state, dtp.shard_batch(_batch(cfg), state),
+                                        microbatches=m, compile=compile, clip_norm=1.0)
+        losses.append(metrics["loss"])
+        norms.append(metrics["grad_norm"])
+        counts.append((metrics.get("compile_graphs"), metrics.get("compile_breaks")))
+        comm.append(metrics["comm_bytes"])
+    dtp.wait(state)
+    return {"losses": losses, "norms": norms, "counts": counts, "comm": comm, "report": report() if compile else ""}
+
+
+def _compare(name: str, backend: str) -> list[dict]:
+    world = 1
+    for n in CASES[name][0].values():
+        world *= n
+    eager = run(_train, name, False, world_size=world)
+    compiled = run(_train, name, CompileOptions(backend=backend, dynamic=CASES[name][2].num_experts > 0 or None),
+                   world_size=world)
+    for e, c in zip(eager, compiled):
+        for a, b in zip(e["losses"] + e["norms"], c["losses"] + c["norms"]):
+            assert abs(a - b) <= FP64_BAR * max(1.0, abs(a)), (name, e, c)
+        assert c["comm"] == e["comm"], (name, e["comm"], c["comm"])  # the same collectives, the same bytes
+        # Recompiles are bounded: whatever the first step compiled (nothing when an earlier
+        # test in the same pooled rank compiled these regions already), later steps reuse.
+        assert all(graphs == 0 for graphs, _ in c["counts"][1:]), c
+        assert not c["report"].startswith("compiled graphs: 0"), c
+    return compiled
+
+
+# The default run: the world-2 cases, which share their pooled ranks' warm-up and the
+# regions they have in common (the first compile in a process ~10 s, then ~1-6 s each:
+# ~30 s in all on 2 cores). Slow: the one-device run (its own pooled process; pp2's stages
+# already run the block regions on plain tensors) and dropless MoE (~30 graphs, ~30
+# breaks: ~90 s).
+SLOW = {"one", "ep2 moe"}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in CASES])
+def test_compiled_step_equals_eager(name):
+    _compare(name, "aot_eager")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["one", "tp2 sp"])
+def test_inductor_step_equals_eager(name):
+    _compare(name, "inductor")
+
+
+def _bad_arguments() -> None:
+    mesh = dtp.make_mesh(dp=1)
+    state = dtp.TrainState.create({"w": torch.ones(2)}, dtp.optim.sgd(0.1), mesh=mesh, layout=layouts.data(),
+                                  axes={"w": ("embed",)})
+    loss_fn = lambda p, b: (p["w"] * b["x"]).mean()  # noqa: E731
+    with pytest.raises(ValueError, match=r"compile backend must be one of inductor, aot_eager, eager; got 'tvm'"):
+        dtp.train_step(loss_fn, state, {"x": torch.ones(1, 2)}, compile="tvm")
+    with pytest.raises(TypeError, match=r"compile must be a bool, a backend name or a dtp.CompileOptions; got int"):
+        dtp.train_step(loss_fn, state, {"x": torch.ones(1, 2)}, compile=3)
+
+
+def test_bad_compile_argument_is_a_clear_error_before_any_collective():
+    run(_bad_arguments, world_size=1)  # a pooled rank: this process keeps no process group
+    with pytest.raises(ValueError, match=r"RunConfig: compile must be one of inductor, aot_eager, eager; got 'tvm'"):
+        dtp.RunConfig(compile="tvm")
+    assert cli.parse_args(["train", "--compile"]).compile == "inductor"
