@@ -31,6 +31,14 @@ def _no_process_group() -> None:
 def _doctest_env(request: pytest.FixtureRequest) -> object:
     if getattr(request.node, "dtest", None) is None:  # not a doctest item
         yield
+        # A test that made a 1-rank mesh in this process (instead of under
+        # dtp.testing.simulate or run) would leave its group to every later simulate().
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            _no_process_group()
+            pytest.fail("this test left a process group in the test process: make its mesh under "
+                        "dtp.testing.simulate(n) or dtp.testing.run", pytrace=False)
         return
     import torch
 
