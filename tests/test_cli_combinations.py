@@ -128,9 +128,10 @@ ROWS: dict[str, list[str]] = {
                                               "--router-bias-update", "1e-3", "--microbatches", "2"],
     # ---- MoE inside pipeline stages: the carry holds the aux losses, the bias moves on every stage
     "moe pp2 ep2 1f1b m4": [*MOE, "--pp", "2", "--ep", "2", "--microbatches", "4"],
-    "moe pp2 ep2 dualpipev sigmoid bias-update m4": [*MOE, "--pp", "2", "--ep", "2", "--pp-schedule", "dualpipev",
-                                                     "--router-score", "sigmoid", "--router-bias-update", "1e-3",
-                                                     "--microbatches", "4"],
+    "moe pp2 ep2 dualpipev sigmoid bias-update m4, eval": [*MOE, "--pp", "2", "--ep", "2", "--pp-schedule",
+                                                           "dualpipev", "--router-score", "sigmoid",
+                                                           "--router-bias-update", "1e-3", "--microbatches", "4",
+                                                           "--eval-every", "2"],
     "moe dp2 pp2 ep2 interleaved bias-update m2": [*MOE, "--dp", "2", "--pp", "2", "--ep", "2", "--pp-schedule",
                                                    "interleaved", "--virtual-stages", "2",
                                                    "--router-bias-update", "1e-3", "--microbatches", "2"],
@@ -155,7 +156,7 @@ ROWS: dict[str, list[str]] = {
 # (pp4 gpipe, issue 20's other pipeline defect, is in the slow table: pp2 1f1b covers it by default.)
 SAMPLE = ["dp4 zero3 both overlaps", "cp2 ring document-mask", "cp4 double_ring window 2", "cp4 hybrid ulysses 2",
           "pp2 1f1b", "moe dp2 m2", "moe ep2 tp2 sp sigmoid bias-update m2",
-          "moe pp2 ep2 dualpipev sigmoid bias-update m4", "dp2 uint32 shard directory, eval",
+          "moe pp2 ep2 dualpipev sigmoid bias-update m4, eval", "dp2 uint32 shard directory, eval",
           "init-from HF dir dp2 tp2 sp", "tp2 sp async-tp"]
 
 # Flags no row sets, and why.

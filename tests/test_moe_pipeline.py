@@ -4,6 +4,8 @@ head's aux reaches every pp rank, the router's bias (``TrainState.buffers``, rep
 every rank) moves from the step's loads. Each equals the one-device run (fp64, 1e-10 on
 the loss, ``metrics["aux"]``, the parameters and the buffers, 3 steps)."""
 
+import math
+
 import optree
 import pytest
 import torch
@@ -95,31 +97,23 @@ SLOW = {
 }
 
 
-@pytest.mark.parametrize("name", list(CASES))
-def test_moe_under_a_pipeline_equals_one_device(name):
-    axes, layout, bias, m = CASES[name]
+def _equals_one_device(name: str, axes: dict[str, int], layout, bias: bool, m: int) -> None:
     cfg = _cfg(bias)
-    world = 1
-    for n in axes.values():
-        world *= n
-    got = run(_train, axes, layout, cfg, m, world_size=world)
+    got = run(_train, axes, layout, cfg, m, world_size=math.prod(axes.values()))
     want = _reference(cfg, m)
     for r, out in enumerate(got):  # metrics["aux"] and the buffers on every rank, not only the last stage's
         _check(out, want, f"{name} rank {r}")
 
 
+@pytest.mark.parametrize("name", list(CASES))
+def test_moe_under_a_pipeline_equals_one_device(name):
+    _equals_one_device(name, *CASES[name])
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(SLOW))
 def test_moe_under_every_schedule_and_dp_ep_pp_equals_one_device(name):
-    axes, layout, bias, m = SLOW[name]
-    cfg = _cfg(bias)
-    world = 1
-    for n in axes.values():
-        world *= n
-    got = run(_train, axes, layout, cfg, m, world_size=world)
-    want = _reference(cfg, m)
-    for r, out in enumerate(got):
-        _check(out, want, f"{name} rank {r}")
+    _equals_one_device(name, *SLOW[name])
 
 
 @pytest.mark.parametrize("into", ["ep2", "pp2"])

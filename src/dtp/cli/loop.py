@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from .. import (CompileOptions, Layout, TrainState, checkpoint, comm, make_mesh, optim, shard_batch, strategies,
-                train_step, wait, with_buffers)
+                train_step, wait)
 from .._token_files import held_out_start
 from ..buffers import lay_out as lay_out_buffers
 from ..data import TokenLoader, Tokens, document_eos, open_tokens
@@ -219,12 +219,8 @@ def _evaluate(state: TrainState, cfg: llama.LlamaConfig, batches: list[dict[str,
     the same value on every rank (a global mean). Every rank calls it at the same step:
     under ZeRO-3 the parameters are all-gathered, under a pipeline the batches run through
     the stages as a forward-only schedule (:func:`dtp.strategies.evaluate`)."""
-    model = llama.sequential(cfg)
-    # Buffers (the router's bias) lie over the parameters; only MoE models have them, and
-    # those do not run under a pipeline, whose evaluate needs the Sequential itself.
-    loss_fn = model if not state.buffers else (lambda params, batch: model(with_buffers(params, state.buffers), batch))
-    results = strategies.evaluate(loss_fn, state.params, state.zero, state.layout, state.mesh,
-                                  [shard_batch(batch, state) for batch in batches])
+    results = strategies.evaluate(llama.sequential(cfg), state.params, state.zero, state.layout, state.mesh,
+                                  [shard_batch(batch, state) for batch in batches], buffers=state.buffers)
     # An MoE model returns (loss + aux terms, aux): the held-out number is the LM loss.
     total = sum(value_of(aux["lm_loss"].detach()) if aux is not None else loss for loss, aux in results)
     return total / len(batches)

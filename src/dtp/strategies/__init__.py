@@ -41,6 +41,7 @@ from typing import Any, ContextManager, Iterator, Protocol, Sequence, runtime_ch
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
+from ..buffers import with_buffers
 from ..layouts import Layout, use_layout
 from ..layouts.pipeline import assign
 from ..redistribute import value_of
@@ -163,21 +164,22 @@ def check(loss_fn: Any, layout: Layout, mesh: DeviceMesh, microbatches: int) -> 
 
 
 def evaluate(loss_fn: Any, params: PyTree, state: Any, layout: Layout, mesh: DeviceMesh,
-             batches: Sequence[Any]) -> list[tuple[float, Any]]:
+             batches: Sequence[Any], *, buffers: PyTree = None) -> list[tuple[float, Any]]:
     """``(loss, aux)`` of ``loss_fn`` on each of ``batches`` (placed by ``shard_batch``),
     forward only, the same on every rank (call it on every rank).
 
     Under a pipeline the batches are the microbatches of a forward-only schedule over the
     stages (``loss_fn`` the :class:`dtp.Sequential`; one all-reduce of the losses over pp,
     aux ``None``); elsewhere ``loss_fn`` runs whole on :func:`gather`'s parameters (under
-    ZeRO-3 an all-gather of every bucket).
+    ZeRO-3 an all-gather of every bucket). ``buffers`` (``TrainState.buffers``) are laid
+    over the parameters there and over each stage's, as in a training step.
 
     Raises: ``TypeError`` / ``ValueError`` (before any collective) for a pipeline's
     ``loss_fn`` that is no Sequential or whose layers do not fill its stages.
     """
     opts = _pipeline_options(layout, mesh)
     if opts is None:
-        whole = gather(params, state, layout, mesh)
+        whole = with_buffers(gather(params, state, layout, mesh), buffers)
         out = []
         with torch.no_grad(), use_layout(layout, mesh):
             for batch in batches:
@@ -192,7 +194,8 @@ def evaluate(loss_fn: Any, params: PyTree, state: Any, layout: Layout, mesh: Dev
     opts.check_composition(layout, mesh, what="evaluate")
     assign(len(loss_fn), opts.degree(mesh), opts.virtual_stages, opts.layer_split, what="evaluate")
     wait(state)  # ZeRO 1/2 under the stages: their views may still be filling
-    run = pipeline.Run(params, pipeline.Context(layout, mesh, loss_fn, len(batches)), forward_only=True)
+    run = pipeline.Run(params, pipeline.Context(layout, mesh, loss_fn, len(batches), buffers=buffers),
+                       forward_only=True)
     return [(loss, None) for loss in run.evaluate(list(batches))]
 
 
