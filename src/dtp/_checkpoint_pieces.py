@@ -16,39 +16,9 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 from ._torch import StridedShard, global_offset
 from .spec import to_placements
 from .strategies import zero as zero_mod
+from .strategies.zero_plan import boxes
 
 __all__ = ["Pieces", "SavePlanner", "LoadPlanner", "zero_pieces", "boxes"]
-
-
-def boxes(shape: Sequence[int], start: int, stop: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
-    """Elements ``[start, stop)`` of a row-major tensor of ``shape`` as rectangles
-    ``(offsets, sizes)`` in order, each a contiguous run of the flat order.
-
-    >>> boxes((3, 4), 2, 9)        # the end of row 0, row 1, the start of row 2
-    [((0, 2), (1, 2)), ((1, 0), (1, 4)), ((2, 0), (1, 1))]
-    """
-    if start >= stop:
-        return []
-    if not shape:
-        return [((), ())]
-    inner = math.prod(shape[1:])
-    (r0, c0), (r1, c1) = divmod(start, inner), divmod(stop, inner)
-    rest = tuple(shape[1:])
-
-    def row(r: int, a: int, b: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
-        return [((r, *o), (1, *z)) for o, z in boxes(rest, a, b)]
-
-    if r0 == r1:
-        return row(r0, c0, c1)
-    out = []
-    if c0:
-        out += row(r0, c0, inner)
-        r0 += 1
-    if r1 > r0:
-        out.append(((r0, *(0,) * len(rest)), (r1 - r0, *rest)))
-    if c1:
-        out += row(r1, 0, c1)
-    return out
 
 
 class Pieces:

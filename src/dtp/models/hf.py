@@ -59,8 +59,9 @@ _DTYPE_NAMES = {torch.float64: "float64", torch.float32: "float32", torch.float1
 
 
 Box = tuple[tuple[int, int], ...]  # [start, stop) per dim, in dtp's orientation
-# A parameter's path ("layers.0.wq") and global shape -> the block of it to read (None: whole).
-BlockFn = Callable[[str, tuple[int, ...]], "Box | None"]
+# A parameter's path ("layers.0.wq") and global shape -> the block of it to read (None: whole;
+# a list of boxes: their elements, flattened and joined).
+BlockFn = Callable[[str, tuple[int, ...]], "Box | list[Box] | None"]
 
 
 def from_hf(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32,
@@ -92,32 +93,52 @@ def from_hf(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32,
 def read_blocks(path: str | os.PathLike[str], cfg: LlamaConfig, dtype: torch.dtype,
                 block: BlockFn) -> dict[str, Any]:
     """The parameter tree of ``cfg`` from the directory at ``path``, each leaf only its
-    ``block(leaf path, global shape)`` (``None``: whole), read with safetensors'
-    ``get_slice``: no byte outside the blocks is asked for (vocabulary padding is zeros,
-    not read). :func:`bytes_read` counts them.
+    ``block(leaf path, global shape)``: ``None`` the whole tensor, a :data:`Box` that
+    block, a list of boxes their elements flattened and joined in order (a 1-D leaf: a
+    ZeRO rank's runs of a parameter). Read with safetensors' ``get_slice``: no byte
+    outside the blocks is asked for (vocabulary padding is zeros, not read).
+    :func:`bytes_read` counts them.
 
     Raises: as :func:`from_hf`.
     """
     vocab = cfg.vocab_size - cfg.vocab_pad
 
-    def box_of(name: str, shape: tuple[int, ...]) -> Box:
-        return block(name, shape) or tuple((0, n) for n in shape)
-
     with open_weights(path) as get:
-        def read(key: str, hf_shape: tuple[int, ...], box: Box, transpose: bool, to: torch.dtype = dtype) -> torch.Tensor:
-            t = get(key, hf_shape, box[::-1] if transpose else box)
-            return (t.T if transpose else t).to(to).contiguous()
+        def leaf(name: str, shape: tuple[int, ...], read_box: Callable[[Box], torch.Tensor]) -> torch.Tensor:
+            want = block(name, shape)
+            if want is None:
+                return read_box(tuple((0, n) for n in shape))
+            if isinstance(want, list):
+                return torch.cat([read_box(b).reshape(-1) for b in want]) if want else read_box(
+                    tuple((0, 0) for _ in shape)).reshape(-1)
+            return read_box(want)
 
-        def vocab_rows(key: str, box: Box, transpose: bool) -> torch.Tensor:
-            # rows of the padded (V + pad, D) table; in dtp's (D, V + pad) orientation for the head
-            (r0, r1), cols = (box[1], box[0]) if transpose else (box[0], box[1])
-            out = torch.zeros(r1 - r0, cols[1] - cols[0], dtype=dtype)
-            if min(r1, vocab) > r0:
-                out[:min(r1, vocab) - r0] = get(key, (vocab, cfg.dim), ((r0, min(r1, vocab)), cols)).to(dtype)
-            return (out.T if transpose else out).contiguous()
+        def read(key: str, hf_shape: tuple[int, ...], transpose: bool, to: torch.dtype = dtype
+                 ) -> Callable[[Box], torch.Tensor]:
+            def read_box(box: Box) -> torch.Tensor:
+                t = get(key, hf_shape, box[::-1] if transpose else box)
+                return (t.T if transpose else t).to(to).contiguous()
+            return read_box
+
+        def vocab_rows(key: str, transpose: bool) -> Callable[[Box], torch.Tensor]:
+            def read_box(box: Box) -> torch.Tensor:
+                # rows of the padded (V + pad, D) table; in dtp's (D, V + pad) orientation for the head
+                (r0, r1), cols = (box[1], box[0]) if transpose else (box[0], box[1])
+                out = torch.zeros(r1 - r0, cols[1] - cols[0], dtype=dtype)
+                if min(r1, vocab) > r0:
+                    out[:min(r1, vocab) - r0] = get(key, (vocab, cfg.dim), ((r0, min(r1, vocab)), cols)).to(dtype)
+                return (out.T if transpose else out).contiguous()
+            return read_box
+
+        def experts(keys: list[str], shape: tuple[int, ...]) -> Callable[[Box], torch.Tensor]:
+            def read_box(box: Box) -> torch.Tensor:  # (E, in, out): one file tensor per expert
+                (e0, e1), *inner = box
+                blocks = [read(keys[e], shape[1:][::-1], True)(tuple(inner)) for e in range(e0, e1)]
+                return torch.stack(blocks) if blocks else torch.zeros(0, *(b - a for a, b in inner), dtype=dtype)
+            return read_box
 
         params: dict[str, Any] = {
-            "embed": vocab_rows("model.embed_tokens.weight", box_of("embed", (cfg.vocab_size, cfg.dim)), False),
+            "embed": leaf("embed", (cfg.vocab_size, cfg.dim), vocab_rows("model.embed_tokens.weight", False)),
             "layers": []}
         for i in range(cfg.n_layers):
             shapes, pre = block_shapes(cfg, i), f"model.layers.{i}."
@@ -125,19 +146,18 @@ def read_blocks(path: str | os.PathLike[str], cfg: LlamaConfig, dtype: torch.dty
             dense_mlp = () if is_moe(cfg, i) else tuple((key, ours, True) for key, ours in _MLP)
             for key, ours, t in _ATTN + dense_mlp:
                 shape = shapes[ours]
-                layer[ours] = read(pre + key, shape[::-1] if t else shape, box_of(f"layers.{i}.{ours}", shape), t)
+                layer[ours] = leaf(f"layers.{i}.{ours}", shape, read(pre + key, shape[::-1] if t else shape, t))
             if is_moe(cfg, i):
                 moe = pre + "block_sparse_moe."
-                layer["router"] = read(moe + "gate.weight", shapes["router"][::-1],
-                                       box_of(f"layers.{i}.router", shapes["router"]), True, accum_dtype(dtype))
+                layer["router"] = leaf(f"layers.{i}.router", shapes["router"],
+                                       read(moe + "gate.weight", shapes["router"][::-1], True, accum_dtype(dtype)))
                 for key, ours in _EXPERT:
-                    (e0, e1), *inner = box_of(f"layers.{i}.{ours}", shapes[ours])
-                    layer[ours] = torch.stack([read(f"{moe}experts.{e}.{key}.weight", shapes[ours][1:][::-1],
-                                                    tuple(inner), True) for e in range(e0, e1)])
+                    keys = [f"{moe}experts.{e}.{key}.weight" for e in range(cfg.num_experts)]
+                    layer[ours] = leaf(f"layers.{i}.{ours}", shapes[ours], experts(keys, shapes[ours]))
             params["layers"].append(layer)
-        params["final_norm"] = read("model.norm.weight", (cfg.dim,), box_of("final_norm", (cfg.dim,)), False)
+        params["final_norm"] = leaf("final_norm", (cfg.dim,), read("model.norm.weight", (cfg.dim,), False))
         if not cfg.tie_embeddings:
-            params["lm_head"] = vocab_rows("lm_head.weight", box_of("lm_head", (cfg.dim, cfg.vocab_size)), True)
+            params["lm_head"] = leaf("lm_head", (cfg.dim, cfg.vocab_size), vocab_rows("lm_head.weight", True))
     return params
 
 

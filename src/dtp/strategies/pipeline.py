@@ -69,7 +69,7 @@ from ..spec import P, spec_of, wrap_local
 from . import pipeline_split, pipeline_wire as wire, replicated
 from . import zero as zero_mod
 
-__all__ = ["Context", "Run", "stage_mesh", "gather"]
+__all__ = ["Context", "Run", "stage_mesh", "gather", "held"]
 
 PyTree = Any
 _PARTS = 1024  # message keys per (channel, microbatch): headers, the tree, one per leaf (pipeline_wire)
@@ -106,6 +106,19 @@ def _paths(tree: PyTree) -> list[str]:
 
 def _owned(path: str, prefixes: Sequence[str]) -> bool:
     return any(path == q or path.startswith(q + ".") for q in prefixes)
+
+
+def held(model: Sequential, layout: Layout, mesh: DeviceMesh) -> Callable[[str], bool]:
+    """Whether this pp rank holds the parameter at a leaf path: its stages (the
+    schedule's stage-to-rank map, :func:`dtp.schedules.placement`) read it. What
+    ``TrainState.from_hf`` reads, and what a step keeps of the state's parameters."""
+    opts = layout.pipeline
+    p, v = opts.degree(mesh), opts.virtual_stages
+    ranges = assign(len(model), p, v, opts.layer_split)
+    rank, placement = coordinates(mesh)[opts.axis], schedules.placement(opts.schedule)
+    stages = [schedules.global_stage(c, rank, p, placement) for c in range(v)]
+    owned = tuple(set().union(*(model.paths(*ranges[stage]) for stage in stages)))
+    return lambda path: _owned(path, owned)
 
 
 class Run:

@@ -33,7 +33,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
-import math
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, ContextManager, Iterator, Sequence
@@ -46,15 +45,17 @@ from torch.distributed.tensor import DTensor
 from .. import comm
 from .._rules import accum_dtype  # gradients and master weights of bf16/fp16 params are fp32 (Megatron's)
 from ..layouts import Layout
-from ..layouts.zero import ZeroOptions, bucket_groups, padded_numel
+from ..layouts.zero import ZeroOptions
 from .._torch import local_tensor
-from ..mesh import axis_names, axis_sizes, coordinates
 from ..optim import global_norm, map_param_trees
 from ..redistribute import reshard
 from ..spec import P, wrap_local, spec_of
+from .zero_plan import Bucket, Leaf, ZeroPlan, flat_global, leaf, local_parts, slice_of
+from .zero_plan import plan as make_plan
 from .zero_views import LazyMapping, LazySequence, ParamView, in_backward
 
-__all__ = ["ZeroState", "ZeroPlan", "Bucket", "InflightGathers", "Run", "options", "gather", "bytes_per_parameter"]
+__all__ = ["ZeroState", "ZeroPlan", "Bucket", "Leaf", "InflightGathers", "Run", "options", "gather", "at_rest",
+           "bytes_per_parameter"]
 
 PyTree = Any
 
@@ -77,56 +78,6 @@ def bytes_per_parameter(param_bytes: int, dp: int, *, master: bool) -> float:
     else:  # fp32/fp64 params are their own master weights; moments in the params' dtype
         grad, sharded = param_bytes, 2 * param_bytes
     return param_bytes + grad + sharded / dp
-
-
-@dataclass(frozen=True)
-class _Leaf:
-    """One parameter as this rank holds it (its tp/cp shard, replicated over dp)."""
-
-    path: str
-    mesh: DeviceMesh
-    spec: P
-    shape: tuple[int, ...]
-    local_shape: tuple[int, ...]
-    dtype: torch.dtype
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.local_shape)
-
-    def view(self, flat: torch.Tensor, offset: int) -> torch.Tensor:
-        """This parameter's shard inside a flat bucket buffer starting at ``offset``."""
-        return flat.narrow(0, offset, self.numel).view(self.local_shape)
-
-
-@dataclass(frozen=True)
-class Bucket:
-    """A contiguous flat buffer of parameters; ``numel`` is padded to divide by dp."""
-
-    index: int
-    members: tuple[int, ...]  # leaf indices in buffer order (= first use)
-    offsets: tuple[int, ...]
-    numel: int
-    dtype: torch.dtype
-    spec: P  # spec of the flat slices (dp and whatever splits the members)
-    paths: tuple[str, ...]
-    dp: int
-    last_use: int  # position of the bucket's last read in the first step's forward
-
-    @property
-    def shard_numel(self) -> int:
-        return self.numel // self.dp
-
-
-@dataclass(frozen=True)
-class ZeroPlan:
-    """Buckets and use order, fixed in the first step."""
-
-    axis: str
-    mesh: DeviceMesh
-    buckets: tuple[Bucket, ...]
-    where: tuple[tuple[int, int], ...]  # leaf -> (bucket, offset)
-    use_order: tuple[str, ...]  # parameter paths in the order forward first read them
 
 
 class InflightGathers:
@@ -160,7 +111,7 @@ class ZeroState:
     Its pytree children are the master slices (flat DTensors sharded over dp)."""
 
     options: ZeroOptions
-    leaves: tuple[_Leaf, ...]
+    leaves: tuple[Leaf, ...]
     skeleton: PyTree  # the params tree with leaf indices for leaves
     plan: ZeroPlan | None = None
     master: tuple[DTensor, ...] = ()
@@ -184,14 +135,7 @@ class ZeroState:
         parameter's flat local shard)``; an empty range when none of it is here. What a
         checkpoint needs of the bucket geometry, without reading the plan's internals."""
         assert self.plan is not None, "ZeroState.local_parts: no bucket plan before step one"
-        r = coordinates(self.plan.mesh)[self.plan.axis]
-        out: list[tuple[int, int, int, int]] = [(0, 0, 0, 0)] * len(self.leaves)
-        for b in self.plan.buckets:
-            lo, hi = r * b.shard_numel, (r + 1) * b.shard_numel
-            for i, off in zip(b.members, b.offsets):
-                start, stop = max(off, lo), min(off + self.leaves[i].numel, hi)
-                out[i] = (b.index, start - lo, start - off, max(start, stop) - off)
-        return out
+        return local_parts(self.plan, self.leaves)
 
 
 optree.register_pytree_node(
@@ -223,54 +167,10 @@ def create(params: PyTree, opts: ZeroOptions) -> ZeroState:
     """ZeRO state for freshly laid-out ``params`` (DTensors); buckets come in step one."""
     leaves, treedef = optree.tree_flatten(params)
     paths = [".".join(map(str, p)) for p in optree.tree_paths(params)]
-    metas = []
-    for path, x in zip(paths, leaves):
-        spec = spec_of(x)
-        if opts.axis in spec.used_axes():
-            raise ValueError(f"param {path}: spec {spec} splits the ZeRO axis {opts.axis!r}; ZeRO shards "
-                             f"the optimizer over it itself — keep parameters replicated over {opts.axis!r}")
-        metas.append(_Leaf(path, x.device_mesh, spec, tuple(x.shape), tuple(x.to_local().shape), x.dtype))
+    metas = [leaf(path, x.device_mesh, spec_of(x), tuple(x.shape), x.dtype, opts.axis)
+             for path, x in zip(paths, leaves)]
     skeleton = optree.tree_unflatten(treedef, list(range(len(leaves))))
     return ZeroState(opts, tuple(metas), skeleton)
-
-
-# --------------------------------------------------------------------------- planning
-
-
-def _plan(z: ZeroState, used: Sequence[int]) -> ZeroPlan:
-    """Buckets in first-use order, one open bucket per (dtype, sharded axes)."""
-    mesh = z.leaves[0].mesh
-    names, sizes = axis_names(mesh), axis_sizes(mesh)
-    axis, dp = z.options.axis, sizes[z.options.axis]
-    order = list(dict.fromkeys(used)) + [i for i in range(len(z.leaves)) if i not in set(used)]
-    leaves = [z.leaves[i] for i in order]
-    groups = [(key, [order[k] for k in members]) for key, members in bucket_groups(
-        [(leaf.dtype, tuple(a for a in names if a in set(leaf.spec.used_axes()))) for leaf in leaves],
-        [leaf.numel for leaf in leaves], [leaf.dtype.itemsize for leaf in leaves], z.options.bucket_mb)]
-    last_read = {i: pos for pos, i in enumerate(used)}
-    buckets, where = [], [(-1, -1)] * len(z.leaves)
-    for index, ((dtype, axes), members) in enumerate(groups):
-        offsets, total = [], 0
-        for i in members:
-            offsets.append(total)
-            where[i] = (index, total)
-            total += z.leaves[i].numel
-        padded = padded_numel(total, dp)
-        spec = P(tuple(a for a in names if a in set(axes) | {axis}))
-        last = max((last_read.get(i, len(used)) for i in members), default=len(used))
-        buckets.append(Bucket(index, tuple(members), tuple(offsets), padded, dtype, spec,
-                              tuple(z.leaves[i].path for i in members), dp, last))
-    return ZeroPlan(axis, mesh, tuple(buckets), tuple(where), tuple(z.leaves[i].path for i in order))
-
-
-def _flat_global(b: Bucket, mesh: DeviceMesh) -> tuple[int]:
-    sizes = axis_sizes(mesh)
-    return (b.shard_numel * math.prod(sizes[a] for a in b.spec.axes_of(0)),)
-
-
-def _slice_of(plan: ZeroPlan, b: Bucket, flat: torch.Tensor) -> torch.Tensor:
-    r = coordinates(plan.mesh)[plan.axis]
-    return flat[r * b.shard_numel:(r + 1) * b.shard_numel]
 
 
 def _param_slice(master: DTensor, b: Bucket) -> torch.Tensor:
@@ -438,7 +338,7 @@ class Run:
         views each bucket waits for."""
         self.microbatch = microbatch
         if self.z.plan is None:
-            self.z = dataclasses.replace(self.z, plan=_plan(self.z, self.used))
+            self.z = dataclasses.replace(self.z, plan=make_plan(self.z.leaves, self.z.options, self.used))
             _check_same_plan(self.z.plan, self.device)
         z = self.z
         self.position = 0
@@ -510,7 +410,7 @@ class Run:
                 handle = self.reduce[i]
                 assert handle is not None
                 self.reduce[i] = None  # the slice is the caller's now; drop the handle
-                yield i, wrap_local(handle.wait(), mesh, b.spec, _flat_global(b, mesh))
+                yield i, wrap_local(handle.wait(), mesh, b.spec, flat_global(b, mesh))
         finally:
             # A caller that stops early (an optimizer that raised) must not leave
             # collectives unwaited: every rank posted them.
@@ -537,7 +437,7 @@ class Run:
             flat = torch.zeros(b.numel, dtype=accum_dtype(b.dtype), device=self.device)
             for i, off in zip(b.members, b.offsets):
                 z.leaves[i].view(flat, off).copy_(leaves[i])
-            out.append(wrap_local(_slice_of(plan, b, flat).clone(), plan.mesh, b.spec, _flat_global(b, plan.mesh)))
+            out.append(wrap_local(slice_of(plan, b, flat).clone(), plan.mesh, b.spec, flat_global(b, plan.mesh)))
         return out
 
     def opt_state(self, optimizer: Any, opt_state: PyTree, targets: list[DTensor]) -> PyTree:
@@ -557,22 +457,30 @@ class Run:
         """The new state: updated master slices, and (stage 1/2) every bucket's all-gather
         posted in forward-use order — left in flight with ``overlap_param_gather``, which
         the next forward waits for bucket by bucket."""
-        z, plan = self.z, self.z.plan
-        master = tuple(m.detach() for m in updated)
-        if z.stage == 3:
-            return None, ZeroState(z.options, z.leaves, z.skeleton, plan, master)
-        overlap = z.options.overlap_param_gather
-        buffers, handles = [], []
-        for b in plan.buckets:  # in forward-use order: the first needed is the first done
-            buf = torch.empty(b.numel, dtype=b.dtype, device=master[b.index].to_local().device)
-            h = _gather(plan, b, _param_slice(master[b.index], b), async_op=True, tag="param gather", out=buf)
-            if not overlap:
-                h.wait()
-            buffers.append(buf)
-            handles.append(h if overlap else None)
-        new = ZeroState(z.options, z.leaves, z.skeleton, plan, master, tuple(buffers), InflightGathers(handles))
-        # Views of the buffers, possibly still being filled: dtp.gather_params(state) waits.
-        return _tree_of_views(new, new.buffers, requires_grad=True), new
+        return at_rest(self.z, tuple(m.detach() for m in updated))
+
+
+def at_rest(z: ZeroState, master: Sequence[DTensor]) -> tuple[PyTree, ZeroState]:
+    """``(params, state)`` at rest from this rank's master slices (one per bucket of
+    ``z.plan``): stage 3 keeps only the slices (``params`` is ``None``); stage 1/2 post
+    every bucket's all-gather into the buffers the next forward reads, in forward-use
+    order, left in flight under ``overlap_param_gather``. A collective over the ZeRO axis
+    (stage 1/2): call it on every rank."""
+    plan, master = z.plan, tuple(master)
+    if z.stage == 3:
+        return None, ZeroState(z.options, z.leaves, z.skeleton, plan, master)
+    overlap = z.options.overlap_param_gather
+    buffers, handles = [], []
+    for b in plan.buckets:  # in forward-use order: the first needed is the first done
+        buf = torch.empty(b.numel, dtype=b.dtype, device=master[b.index].to_local().device)
+        h = _gather(plan, b, _param_slice(master[b.index], b), async_op=True, tag="param gather", out=buf)
+        if not overlap:
+            h.wait()
+        buffers.append(buf)
+        handles.append(h if overlap else None)
+    new = ZeroState(z.options, z.leaves, z.skeleton, plan, master, tuple(buffers), InflightGathers(handles))
+    # Views of the buffers, possibly still being filled: dtp.gather_params(state) waits.
+    return _tree_of_views(new, new.buffers, requires_grad=True), new
 
 
 def _check_same_plan(plan: ZeroPlan, device: torch.device) -> None:
