@@ -237,3 +237,27 @@ def test_sharded_load_reads_only_each_ranks_blocks(root: Path) -> None:
     for r in run(_sharded_load, str(path), 0, world_size=4):
         assert r["same"] and r["losses"][0] == r["losses"][1]
         assert r["read"] == r["local"] and r["read"] < 0.6 * total, (r["read"], total)
+
+
+def test_export_streams_parameters_and_writes_what_to_hf_writes(tmp_path: Path) -> None:
+    """``dtp export --hf`` reads the checkpoint one parameter at a time (never the
+    optimizer state: ``ParamReader``) and writes the files ``to_hf`` writes from the whole
+    tree, byte for byte — Mixtral's per-expert keys from the stacked experts included."""
+    import dataclasses as dc
+
+    import dtp
+    from dtp import cli
+
+    from dtp.cli.loop import single_process_world
+
+    cfg = llama.config("tiny-moe", n_layers=2, vocab_size=V)
+    params = llama.init(cfg, dtype=torch.float64)
+    with single_process_world() as mesh:  # leaves no process group behind
+        state = dtp.TrainState.create(params, dtp.optim.adamw(1e-3), mesh=mesh, layout=dtp.layouts.data(),
+                                      axes=llama.param_axes(cfg))
+        dtp.checkpoint.save(state, tmp_path / "run" / "checkpoints",
+                            extra={"model": dc.asdict(cfg), "run": {"dtype": "float64"}})
+    assert cli.main(["export", "--hf", str(tmp_path / "out"), "--run", str(tmp_path / "run")]) == 0
+    hf.to_hf(cfg, params, tmp_path / "whole")
+    for name in ("config.json", "model.safetensors"):
+        assert (tmp_path / "out" / name).read_bytes() == (tmp_path / "whole" / name).read_bytes(), name

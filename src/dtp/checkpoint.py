@@ -40,13 +40,9 @@ from __future__ import annotations
 
 import base64
 import dataclasses
-import io
 import json
 import os
-import pickle
-import re
 import shutil
-import zlib
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -54,7 +50,7 @@ import optree
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
@@ -65,13 +61,12 @@ from .spec import spec_of, wrap_local
 from .step import TrainState, wait
 from .strategies import precision, zero as zero_mod
 from ._checkpoint_pieces import LoadPlanner, Pieces, SavePlanner, zero_pieces
+from ._checkpoint_files import (FORMAT, MANIFEST, SafeReader, atomic_json, checkpoints, file_sums, latest,
+                                open_checkpoint, read_manifest, read_metadata, verify_files)
 
-__all__ = ["save", "load", "latest", "read_manifest", "AsyncSave", "FORMAT"]
+__all__ = ["save", "load", "latest", "read_manifest", "AsyncSave", "ParamReader", "FORMAT"]
 
 PyTree = Any
-FORMAT = 1  # manifest["format"]: bumped when the key scheme changes
-MANIFEST = "manifest.json"
-_STEP_DIR = re.compile(r"^step_(\d{8})$")
 
 
 # --------------------------------------------------------------------------- the logical state
@@ -213,23 +208,23 @@ def save(state: TrainState, root: str | os.PathLike[str], *, extra: Mapping[str,
     def finish() -> None:
         # Each rank checksums the files it wrote (read back from the page cache): DCP
         # reads a flipped byte silently (measured on torch 2.13), so load checks them.
-        _atomic_json(partial / f".files_rank{rank}.json", _file_sums(partial, f"__{rank}_"))
+        atomic_json(partial / f".files_rank{rank}.json", file_sums(partial, f"__{rank}_"))
         comm.barrier(tag="checkpoint written")  # every rank's files are in partial/
         if rank == 0:
             manifest["files"] = {}
             for part in sorted(partial.glob(".files_rank*.json")):
                 manifest["files"].update(json.loads(part.read_text()))
                 part.unlink()
-            manifest["files"][".metadata"] = _file_sums(partial, ".metadata")[".metadata"]
+            manifest["files"][".metadata"] = file_sums(partial, ".metadata")[".metadata"]
             # Every rank's tensors (a pipeline rank holds only its stages'): from DCP's plan.
             manifest["tensors"] = {name: {"shape": list(md.size), "dtype": str(md.properties.dtype).removeprefix("torch.")}
-                                   for name, md in sorted(_metadata(partial).state_dict_metadata.items())
+                                   for name, md in sorted(read_metadata(partial).state_dict_metadata.items())
                                    if isinstance(md, TensorStorageMetadata)}
-            _atomic_json(partial / MANIFEST, manifest)
+            atomic_json(partial / MANIFEST, manifest)
             shutil.rmtree(final, ignore_errors=True)
             os.replace(partial, final)
             if keep is not None:
-                for old in _checkpoints(root)[:-keep]:
+                for old in checkpoints(root)[:-keep]:
                     shutil.rmtree(old, ignore_errors=True)
         comm.barrier(tag="checkpoint renamed")
 
@@ -290,126 +285,7 @@ def _manifest(state: TrainState, extra: Mapping[str, Any] | None) -> dict[str, A
     }
 
 
-def _crc(path: Path) -> int:
-    crc = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 24):
-            crc = zlib.crc32(chunk, crc)
-    return crc
-
-
-def _file_sums(directory: Path, prefix: str) -> dict[str, list[int]]:
-    """``{file name: [bytes, crc32]}`` of the files in ``directory`` starting with ``prefix``."""
-    return {p.name: [p.stat().st_size, _crc(p)] for p in sorted(directory.iterdir()) if p.name.startswith(prefix)}
-
-
-def _verify_files(path: Path, manifest: Mapping[str, Any], rank: int, world: int) -> None:
-    """Every file the manifest lists is there with its size (each rank checks all: a
-    stat each); this rank checks the CRC32 of every ``world``-th file (the reads shared)
-    and of ``.metadata``, which every rank unpickles."""
-    files = manifest.get("files")
-    if not isinstance(files, dict) or ".metadata" not in files:
-        raise ValueError(f"checkpoint {path}: the manifest lists no files (not written by dtp.checkpoint.save?)")
-    for i, (name, (size, crc)) in enumerate(sorted(files.items())):
-        f = path / name
-        if not f.is_file():
-            raise ValueError(f"checkpoint {path}: file {name} is missing")
-        if f.stat().st_size != size:
-            raise ValueError(f"checkpoint {path}: file {name} has {f.stat().st_size} bytes, {size} were written "
-                             f"(truncated or replaced)")
-        if (i % world == rank or name == ".metadata") and _crc(f) != crc:  # every rank reads .metadata
-            raise ValueError(f"checkpoint {path}: file {name} is corrupt (CRC32 {_crc(f):08x}, written {crc:08x})")
-
-
-def _atomic_json(path: Path, obj: Any) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1) + "\n")
-    os.replace(tmp, path)
-
-
-def _checkpoints(root: Path) -> list[Path]:
-    if not root.is_dir():
-        return []
-    found = [p for p in root.iterdir() if _STEP_DIR.match(p.name) and (p / MANIFEST).is_file()]
-    return sorted(found, key=lambda p: p.name)
-
-
-def latest(root: str | os.PathLike[str]) -> Path | None:
-    """The newest complete checkpoint under ``root`` (``None`` if there is none).
-
-    >>> latest("/nonexistent") is None
-    True
-    """
-    found = _checkpoints(Path(root))
-    return found[-1] if found else None
-
-
 # --------------------------------------------------------------------------- load
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """DCP's ``.metadata`` is a pickle: resolve only the names a DCP metadata file is
-    made of (listed from what torch 2.13 writes), so a crafted checkpoint cannot run
-    code when it is opened. ``torch.load`` of the data files is ``weights_only`` already."""
-
-    _METADATA = "torch.distributed.checkpoint.metadata"
-    _NAMES = {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
-              ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath")}
-
-    def find_class(self, module: str, name: str) -> Any:
-        if "." not in name:
-            if (module, name) in self._NAMES:
-                return super().find_class(module, name)
-            if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-                return getattr(torch, name)
-            if module == self._METADATA:
-                found = super().find_class(module, name)
-                if isinstance(found, type):  # dataclasses and enums, never a function
-                    return found
-        raise pickle.UnpicklingError(f"{module}.{name} is not part of a DCP metadata file")
-
-
-class _SafeReader(FileSystemReader):
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        path = Path(self.path) / ".metadata"
-        metadata = _MetadataUnpickler(io.BytesIO(path.read_bytes())).load()
-        if not isinstance(metadata, Metadata):
-            raise pickle.UnpicklingError(f"{path} does not hold DCP metadata")
-        if getattr(metadata, "storage_meta", None) is None:
-            from torch.distributed.checkpoint.metadata import StorageMeta
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
-
-
-def read_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """The manifest of the checkpoint at ``path`` (or of the newest one under it).
-    ``ValueError`` if there is none or it is not a dtp checkpoint manifest."""
-    return _open(Path(path))[1]
-
-
-def _open(path: Path) -> tuple[Path, dict[str, Any]]:
-    """Resolve, read and check what is on disk; raises ``ValueError`` naming the file."""
-    if not (path / MANIFEST).is_file():
-        found = latest(path)
-        if found is None:
-            raise ValueError(f"checkpoint: no checkpoint at {path} (no {MANIFEST} there, nor a step_* "
-                             f"directory holding one)")
-        path = found
-    try:
-        manifest = json.loads((path / MANIFEST).read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"checkpoint: {path / MANIFEST} is unreadable ({e})") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or "tensors" not in manifest:
-        raise ValueError(f"checkpoint: {path / MANIFEST} is not a dtp checkpoint manifest of format {FORMAT}")
-    return path, manifest
-
-
-def _metadata(path: Path) -> Metadata:
-    try:
-        return _SafeReader(path).read_metadata()
-    except (OSError, EOFError, pickle.UnpicklingError, AttributeError, ValueError, TypeError, IndexError) as e:
-        raise ValueError(f"checkpoint: {path / '.metadata'} is missing or corrupt ({type(e).__name__}: {e})") from None
 
 
 def _empty_like(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -446,17 +322,17 @@ def load(path: str | os.PathLike[str], like: TrainState, *, restore_rng: bool = 
     """
     error, found = None, Path(path)
     try:
-        found, manifest = _open(found)
+        found, manifest = open_checkpoint(found)
         rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-        _verify_files(found, manifest, rank, world)
-        metadata = _metadata(found)
+        verify_files(found, manifest, rank, world)
+        metadata = read_metadata(found)
         targets, build = _targets(like, manifest)
         _check(found, manifest["tensors"], targets, metadata)
     except ValueError as e:
         error = e
     guard.check_together("checkpoint.load", like.mesh, {"checkpoint": str(found)}, error)
     try:
-        dcp.load(targets, storage_reader=_SafeReader(found), planner=LoadPlanner(), process_group=_save_group())
+        dcp.load(targets, storage_reader=SafeReader(found), planner=LoadPlanner(), process_group=_save_group())
     except BaseException as e:  # DCP wraps rank failures in CheckpointException, a BaseException
         if isinstance(e, (KeyboardInterrupt, SystemExit)):
             raise
@@ -465,6 +341,49 @@ def load(path: str | os.PathLike[str], like: TrainState, *, restore_rng: bool = 
     if restore_rng and manifest.get("rng"):
         torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(manifest["rng"])), dtype=torch.uint8))
     return new, manifest.get("extra")
+
+
+class ParamReader:
+    """A checkpoint's parameters read one at a time on one process, each as its global
+    tensor, never the optimizer state — what ``dtp export`` streams.
+
+    Opening it checks the files' sizes and CRC32s (streamed, 16 MiB at a time) and reads
+    the metadata; :meth:`read` then asks DCP for one tensor, whose saved chunks are read
+    and copied in (a chunk at a time; no other tensor is touched).
+
+    Raises: ``ValueError`` for a missing, corrupt or foreign checkpoint, naming the file.
+
+    >>> import tempfile
+    >>> state = dtp.TrainState.create({"w": torch.arange(6.).view(2, 3)}, dtp.optim.adamw(0.1),
+    ...                               mesh=dtp.make_mesh(dp=1), layout=dtp.layouts.data(), axes={"w": ("embed", "mlp")})
+    >>> reader = ParamReader(dtp.checkpoint.save(state, tempfile.mkdtemp()))
+    >>> reader.names(), reader.read("w")[1].tolist()
+    (['w'], [3.0, 4.0, 5.0])
+    """
+
+    def __init__(self, path: str | os.PathLike[str]):
+        self.path, self.manifest = open_checkpoint(Path(path))
+        verify_files(self.path, self.manifest, 0, 1)
+        self.metadata = read_metadata(self.path)
+
+    def names(self) -> list[str]:
+        """The parameters' dotted paths (``layers.0.wq``), sorted."""
+        return sorted(k[len("param/"):] for k in self.metadata.state_dict_metadata if k.startswith("param/"))
+
+    def read(self, name: str) -> torch.Tensor:
+        """Parameter ``name`` (a dotted path), whole, in the dtype it was saved in."""
+        md = self.metadata.state_dict_metadata.get(f"param/{name}")
+        if not isinstance(md, TensorStorageMetadata):
+            raise ValueError(f"checkpoint {self.path}: has no parameter {name!r}")
+        target = {f"param/{name}": torch.empty(tuple(md.size), dtype=md.properties.dtype)}
+        try:
+            dcp.load(target, storage_reader=SafeReader(self.path), planner=LoadPlanner(),
+                     no_dist=not dist.is_initialized())
+        except BaseException as e:  # DCP wraps failures in CheckpointException, a BaseException
+            if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                raise
+            raise ValueError(f"checkpoint: reading {name} from {self.path} failed: {_first_line(e)}") from None
+        return target[f"param/{name}"]
 
 
 def _targets(like: TrainState, manifest: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], Any]:

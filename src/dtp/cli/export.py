@@ -6,9 +6,12 @@
 
 ``--hf`` writes what :func:`dtp.models.hf.to_hf` writes (``config.json``, sharded
 ``.safetensors`` with their index, vocabulary padding stripped), which transformers'
-``AutoModelForCausalLM.from_pretrained(OUT)`` loads. The checkpoint is read on one
-process (any layout saved it: checkpoints are logical), so this process holds the whole
-model and its optimizer state once.
+``AutoModelForCausalLM.from_pretrained(OUT)`` loads. It streams: the checkpoint is read
+on one process (any layout saved it: checkpoints are logical) one parameter at a time
+(:class:`dtp.checkpoint.ParamReader`), which is written and freed before the next is
+read; the optimizer state is never read (only its files' CRC32s are checked, streamed).
+Peak memory is about one tensor — a Mixtral layer's stacked experts — twice (read, then
+transposed for writing), not the model.
 """
 
 from __future__ import annotations
@@ -44,35 +47,37 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 def cmd_export(args: argparse.Namespace) -> int:
     """``dtp export --hf OUT --run RUN``; returns the exit code (bad input: :class:`UsageError`)."""
-    import optree
     import torch
-    from torch.distributed.tensor import DTensor
 
-    from .. import TrainState, checkpoint, layouts, optim
+    from .. import checkpoint
     from ..models import hf, llama
-    from .loop import single_process_world
 
     run = Path(args.run)
     root = run / "checkpoints" if (run / "checkpoints").is_dir() else run
     try:
-        manifest = checkpoint.read_manifest(root)
+        reader = checkpoint.ParamReader(root)
     except ValueError as e:
         raise UsageError(f"--run {run}: {e}; a run saves checkpoints with --save-every N") from None
-    extra = manifest.get("extra") or {}
+    extra = reader.manifest.get("extra") or {}
     if "model" not in extra or "run" not in extra:
         raise UsageError(f"--run {run}: the checkpoint does not record its model (not saved by dtp train)")
     cfg = llama.LlamaConfig(**extra["model"])
     saved = getattr(torch, extra["run"]["dtype"])
-    with single_process_world() as mesh:
-        # The optimizer the run used (AdamW): the checkpoint's moments must have somewhere to go.
-        like = TrainState.create(llama.init(cfg, dtype=saved), optim.adamw(0.0), mesh=mesh, layout=layouts.data(),
-                                 axes=llama.param_axes(cfg), axis_sizes=llama.axis_sizes(cfg))
-        state, _ = checkpoint.load(root, like, restore_rng=False)
-        # One rank: each DTensor's local block is the whole tensor (no collective).
-        tree = optree.tree_map(lambda x: (x.to_local() if isinstance(x, DTensor) else x).detach(), state.params)
-        files = hf.to_hf(cfg, tree, args.hf, dtype=getattr(torch, args.dtype) if args.dtype else saved,
-                         max_shard_bytes=int(args.max_shard_gb * 2**30))
-    print(f"dtp export: step {manifest['step']} of {run} -> {args.hf} ({len(files)} file{'s' * (len(files) > 1)})",
-          file=sys.stdout)
-    return 0
+    last: dict[str, torch.Tensor] = {}  # the stacked experts being written (one tensor)
 
+    def read(path: tuple) -> torch.Tensor:
+        name = ".".join(map(str, path[:3] if path[0] == "layers" else path))
+        if name not in last:
+            last.clear()  # free the previous one before reading the next
+            last[name] = reader.read(name)
+        t = last[name]
+        if len(path) == 4:  # one expert of a stacked parameter: its neighbours come next
+            return t[path[3]]
+        del last[name]
+        return t
+
+    files = hf.to_hf(cfg, read, args.hf, dtype=getattr(torch, args.dtype) if args.dtype else saved,
+                     max_shard_bytes=int(args.max_shard_gb * 2**30))
+    print(f"dtp export: step {reader.manifest['step']} of {run} -> {args.hf} "
+          f"({len(files)} file{'s' * (len(files) > 1)})", file=sys.stdout)
+    return 0

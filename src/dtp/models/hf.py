@@ -170,18 +170,22 @@ def _plain(name: str, x: Any) -> torch.Tensor:
     return x
 
 
-def to_hf(cfg: LlamaConfig, params: dict[str, Any], path: str | os.PathLike[str], *,
-          dtype: torch.dtype | None = None, max_shard_bytes: int = 5 * 2**30) -> list[Path]:
+def to_hf(cfg: LlamaConfig, params: dict[str, Any] | Callable[[tuple], torch.Tensor],
+          path: str | os.PathLike[str], *, dtype: torch.dtype | None = None,
+          max_shard_bytes: int = 5 * 2**30) -> list[Path]:
     """Write ``params`` (global tensors, as :func:`from_hf` returns or ``init`` builds) as
     a Hugging Face directory: ``config.json`` (:func:`hf_config`) and sharded
     ``.safetensors`` files with their index (one ``model.safetensors`` when they fit),
     one tensor at a time, vocabulary padding stripped. Returns the weight files.
+    ``params`` may instead be a function of a leaf's path (``("layers", 0, "wq")``; an
+    expert's ``("layers", 1, "w_gate", e)``) called when that tensor is written, so only
+    the tensor being written is ever held (``dtp export --hf``); ``dtype`` is then needed.
 
     - `dtype`: the dtype written (default: the embedding's).
     - `max_shard_bytes`: the most bytes per file (transformers' default, 5 GiB).
 
-    Raises: ``TypeError`` for DTensor leaves; ``ValueError`` for an MoE model Mixtral
-    cannot express.
+    Raises: ``TypeError`` for DTensor leaves (or a function without ``dtype``); ``ValueError``
+    for an MoE model Mixtral cannot express.
 
     >>> import tempfile
     >>> from dtp.models import llama
@@ -190,6 +194,8 @@ def to_hf(cfg: LlamaConfig, params: dict[str, Any], path: str | os.PathLike[str]
     ['model.safetensors']
     """
     check_mixtral(cfg)
+    if dtype is None and callable(params):
+        raise TypeError("to_hf: with params given as a function, pass dtype")
     dtype = dtype or _plain("embed", params["embed"]).dtype
     vocab = cfg.vocab_size - cfg.vocab_pad
 
@@ -201,6 +207,8 @@ def to_hf(cfg: LlamaConfig, params: dict[str, Any], path: str | os.PathLike[str]
 
     def leaf(*path: Any) -> Any:
         def get() -> torch.Tensor:
+            if callable(params):  # read when its turn comes (dtp export: from a checkpoint)
+                return _plain(".".join(map(str, path)), params(path))
             x: Any = params
             for p in path:
                 x = x[p]
@@ -217,9 +225,9 @@ def to_hf(cfg: LlamaConfig, params: dict[str, Any], path: str | os.PathLike[str]
             continue
         moe = pre + "block_sparse_moe."
         entries.append(entry(moe + "gate.weight", leaf("layers", i, "router"), True, shapes["router"][::-1]))
-        for e in range(cfg.num_experts):
+        for hf, ours in _EXPERT:  # one stacked parameter's experts after another (a reader caches one)
             entries += [entry(f"{moe}experts.{e}.{hf}.weight", leaf("layers", i, ours, e), True,
-                              shapes[ours][1:][::-1]) for hf, ours in _EXPERT]
+                              shapes[ours][1:][::-1]) for e in range(cfg.num_experts)]
     entries.append(entry("model.norm.weight", leaf("final_norm"), False, (cfg.dim,)))
     if not cfg.tie_embeddings:
         entries.append(entry("lm_head.weight", lambda: leaf("lm_head")()[:, :vocab], True, (vocab, cfg.dim)))
