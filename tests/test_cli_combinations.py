@@ -142,6 +142,15 @@ ROWS: dict[str, list[str]] = {
                                  "--microbatches", "2"],
     # ---- fine-tuning a Hugging Face model (made by _hf_dir): 300 token ids padded to 384 over tp
     "init-from HF dir dp2 tp2 sp": ["--init-from", "HF_DIR", "--dp", "2", "--tp", "2", "--sp"],
+    # each rank reads only its flat ZeRO pieces / its stages' blocks (TrainState.from_hf)
+    "init-from HF dir dp2 tp2 sp zero3, text through a tokenizer.json": [
+        "--init-from", "HF_DIR", "--dp", "2", "--tp", "2", "--sp", "--zero", "3", "--data", "{text}",
+        "--tokenizer", "{tokenizer}"],
+    "init-from HF dir cp2 ring document-mask, uint32 shard directory": [
+        "--init-from", "HF_DIR", "--cp", "2", "--cp-algo", "ring", "--document-mask", "--data", "{uint32_dir_300}",
+        "--data-dtype", "uint32", "--eos-id", "1"],
+    "init-from HF dir pp2 interleaved v2": ["--init-from", "HF_DIR", "--pp", "2", "--pp-schedule", "interleaved",
+                                            "--virtual-stages", "2", "--microbatches", "2"],
     # ---- the run's other flags: evaluation, checkpoints, skip budget, memory check, timeouts
     "dp2 eval, checkpoints, async save": ["--dp", "2", "--eval-every", "2", "--save-every", "2", "--keep", "1",
                                           "--async-save", "--max-skipped", "2",
@@ -157,7 +166,7 @@ ROWS: dict[str, list[str]] = {
 SAMPLE = ["dp4 zero3 both overlaps", "cp2 ring document-mask", "cp4 double_ring window 2", "cp4 hybrid ulysses 2",
           "pp2 1f1b", "moe dp2 m2", "moe ep2 tp2 sp sigmoid bias-update m2",
           "moe pp2 ep2 dualpipev sigmoid bias-update m4, eval", "dp2 uint32 shard directory, eval",
-          "init-from HF dir dp2 tp2 sp", "tp2 sp async-tp"]
+          "init-from HF dir dp2 tp2 sp zero3, text through a tokenizer.json", "tp2 sp async-tp"]
 
 # Flags no row sets, and why.
 NOT_ROWS = {
@@ -176,7 +185,8 @@ NOT_ROWS = {
 @functools.lru_cache(maxsize=1)
 def _data_files() -> dict[str, str]:
     """The files the data rows name, made once per session: a directory of three uint32
-    shards (ids past the bundled corpus's bytes, below 512) with its sidecar, and a text
+    shards (ids past the bundled corpus's bytes, below 512) with its sidecar, one of ids below
+    300 for the HF rows, and a text
     with a word-level tokenizer.json trained on it here (tests/test_token_files.py)."""
     import numpy as np
 
@@ -189,8 +199,13 @@ def _data_files() -> dict[str, str]:
     for i, part in enumerate(np.array_split(ids, 3)):
         part.tofile(shards / f"part_{i}.bin")
     (shards / "tokens.json").write_text(json.dumps({"dtype": "uint32", "eos_id": 1}))
+    small = root / "shards_300"  # ids the HF rows' 300-token vocabulary holds
+    small.mkdir()
+    for i, part in enumerate(np.array_split(ids % 300, 2)):
+        part.tofile(small / f"part_{i}.bin")
+    (small / "tokens.json").write_text(json.dumps({"dtype": "uint32", "eos_id": 1}))
     (root / "corpus.txt").write_text(TEXT * 40)
-    return {"uint32_dir": str(shards), "text": str(root / "corpus.txt"),
+    return {"uint32_dir": str(shards), "uint32_dir_300": str(small), "text": str(root / "corpus.txt"),
             "tokenizer": str(make_tokenizer(root / "tokenizer.json"))}
 
 
