@@ -129,9 +129,9 @@ class TrainState:
     @classmethod
     def from_hf(cls, path: str, optimizer: GradientTransformation, *, mesh: DeviceMesh, layout: Layout,
                 dtype: torch.dtype = torch.float32, vocab_multiple: int = 1) -> "TrainState":
-        """The state of a Hugging Face directory's model, each rank reading only its own
-        blocks of the weight files (:func:`dtp.hf_state.state_from_hf`); equal to
-        ``create(models.hf.from_hf(path, dtype, vocab_multiple)[1], ...)``."""
+        """The state of a Hugging Face directory's model, each rank reading only what it
+        holds (blocks, ZeRO slices, stages: :func:`dtp.hf_state.state_from_hf`); it trains
+        as ``create(models.hf.from_hf(path, dtype, vocab_multiple)[1], ...)`` does."""
         from .hf_state import state_from_hf  # it builds on this module
 
         return state_from_hf(path, optimizer, mesh=mesh, layout=layout, dtype=dtype, vocab_multiple=vocab_multiple)

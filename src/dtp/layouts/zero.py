@@ -19,7 +19,8 @@ Stages over the data-parallel ``axis`` (Ψ: the parameter bytes of a rank's mode
 
 The first step reads the parameters as ``TrainState.create`` laid them out (whole on
 every dp rank) and records their use order; buckets, master slices and optimizer state
-exist from the end of that step on (``state.opt_state`` is ``None`` before). Buckets
+exist from the end of that step on (``state.opt_state`` is ``None`` before; a state from
+``TrainState.from_hf`` has them from the start, each rank reading only its slices). Buckets
 follow the parameters' real use order, recorded in the first step's forward (MindSpeed's
 ``--reset-bucket-group-order``), not the order they were created in.
 """

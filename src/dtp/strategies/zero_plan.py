@@ -50,6 +50,9 @@ def leaf(path: str, mesh: DeviceMesh, spec: P, shape: Sequence[int], dtype: torc
     splits, as ``dtp.shard`` checks), without the tensor.
 
     Raises: ``ValueError`` when ``spec`` splits the ZeRO ``axis`` itself.
+
+    >>> leaf("w", dtp.make_mesh(dp=1), P(), (4, 3), torch.float32, "dp").local_shape
+    (4, 3)
     """
     if axis in spec.used_axes():
         raise ValueError(f"param {path}: spec {spec} splits the ZeRO axis {axis!r}; ZeRO shards "
@@ -92,7 +95,15 @@ class ZeroPlan:
 def plan(leaves: Sequence[Leaf], options: ZeroOptions, used: Sequence[int]) -> ZeroPlan:
     """Buckets in first-use order (``used``: leaf indices as the forward read them,
     repeats included), one open bucket per (dtype, sharded axes); leaves never read go
-    last."""
+    last.
+
+    >>> from dtp.layouts.zero import ZeroOptions
+    >>> mesh = dtp.make_mesh(dp=1)
+    >>> ws = [leaf(n, mesh, P(), (2, 3), torch.float32, "dp") for n in ("a", "b")]
+    >>> p = plan(ws, ZeroOptions(stage=3), used=[1, 0])
+    >>> p.use_order, [b.numel for b in p.buckets], local_parts(p, ws), flat_global(p.buckets[0], mesh)
+    (('b', 'a'), [12], [(0, 6, 0, 6), (0, 0, 0, 6)], (12,))
+    """
     mesh = leaves[0].mesh
     names, sizes = axis_names(mesh), axis_sizes(mesh)
     axis, dp = options.axis, sizes[options.axis]
