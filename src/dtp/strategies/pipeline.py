@@ -143,12 +143,12 @@ class Run:
         # (global stage, first layer, stop) of this rank's chunks, chunk order
         stages = [schedules.global_stage(c, self.rank, self.p, self.placement) for c in range(self.v)]
         self.chunks = tuple((stage, *ranges[stage]) for stage in stages)
-        owned = set().union(*(model.paths(first, stop) for _, first, stop in self.chunks))
         # The embedding both ends read (tied weights): its gradient is summed between them.
         self.tied = tuple(sorted(set(model.paths(*ranges[0])) & set(model.paths(*ranges[-1]))))
         leaves, self.treedef = optree.tree_flatten(params, none_is_leaf=True)
         paths = _paths(optree.tree_unflatten(self.treedef, list(range(len(leaves)))))
-        self.keep = [_owned(path, tuple(owned)) for path in paths]
+        is_held = held(model, ctx.layout, ctx.mesh)  # what from_hf reads: one rule
+        self.keep = [is_held(path) for path in paths]
         self.paths = paths
         local = [self._to_stage(x) if keep and x is not None else None for x, keep in zip(leaves, self.keep)]
         self.params_tree = optree.tree_unflatten(self.treedef, local)
