@@ -1,0 +1,124 @@
+"""``layouts.expert(ep_overlap=True)``: one microbatch's expert all-to-alls hidden under
+another microbatch's compute (Megatron-core's ``--overlap-moe-expert-parallel-comm``,
+DeepSeek's two-microbatch overlap), at pp = 1.
+
+A :class:`Run` wraps the step's own run (replicated or mixed precision): the same
+gradients, targets and update; only the order of the microbatches' forwards and
+backwards is its own. They run in *phases* of two cooperative lanes
+(:mod:`dtp.ops.lanes`), one microbatch task per lane::
+
+    (F0, F1)  (B0, F2)  (B1, F3)  …  (B[m-3], F[m-1])  (B[m-2], B[m-1])
+
+A lane keeps the turn until its MoE block posts a dispatch or combine all-to-all
+(forward, or its gradient's in backward: :mod:`dtp.ops.moe_dispatch`,
+:mod:`dtp.ops.moe_pipe`), then the other lane computes — its attention and router, its
+experts, its backward — while the transfer travels; in steady state one microbatch's
+forward runs beside the previous one's backward, as combined 1F1B does. Only the very
+first forward all-to-all and the very last backward one have nothing to hide under.
+
+Numbers: each microbatch computes exactly what it computes in the plain loop, its loss
+weighted 1/m, its gradients added to the run's accumulators when its backward ends
+(the two backwards of the last phase may add in either order: sums equal to rounding).
+Collective order: the turn passes only at those all-to-alls, so it is the same on every
+rank. Memory: up to three microbatches' activations are alive at once (two in the plain
+loop's worst case: one).
+
+Thread-local state the step set — the layout, the recompute policy, the loss divisor
+(:func:`dtp.ops.mean_over`), the comm logs and the compile options — is carried into
+each lane. On a GPU a backward's autograd functions run on the device's autograd
+thread, not the lane: there the backward all-to-alls are waited in place (forwards
+still overlap).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator
+
+import torch
+
+from .. import comm
+from ..compiled import active as compile_options, compiling
+from ..layouts import current, use_layout
+from ..ops import lanes
+from ..ops.parallel import mean_over_here
+from ..ops.recompute import policy, recompute
+from ..redistribute import value_of
+
+__all__ = ["Run", "phases"]
+
+
+def phases(m: int) -> list[tuple[tuple[str, int], ...]]:
+    """The lanes' tasks, phase by phase: ``("F", k)`` is microbatch k's forward,
+    ``("B", k)`` its backward.
+
+    >>> phases(2)
+    [(('F', 0), ('F', 1)), (('B', 0), ('B', 1))]
+    >>> phases(4)
+    [(('F', 0), ('F', 1)), (('B', 0), ('F', 2)), (('B', 1), ('F', 3)), (('B', 2), ('B', 3))]
+    """
+    if m < 2:
+        raise ValueError(f"ep_overlap: needs microbatches >= 2 (one microbatch's all-to-all hides under "
+                         f"another's compute), got {m}")
+    return [(("F", 0), ("F", 1)), *((("B", k - 2), ("F", k)) for k in range(2, m)), (("B", m - 2), ("B", m - 1))]
+
+
+def _carry() -> Callable[[], contextlib.AbstractContextManager[None]]:
+    """What a lane enters to see the step's thread-local state (module docstring)."""
+    layout, policy_now, options = current(), policy(), compile_options()
+    logs, divisor = comm.active_logs(), mean_over_here()
+
+    @contextlib.contextmanager
+    def enter() -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            if layout is not None:
+                stack.enter_context(use_layout(*layout))
+            for ctx in (recompute(policy_now), compiling(options), comm.record_into(logs), divisor()):
+                stack.enter_context(ctx)
+            yield
+
+    return enter
+
+
+class Run:
+    """The step's run with its microbatches scheduled in lanes (module docstring):
+    everything but :meth:`schedule` is the wrapped run's."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def __getattr__(self, name: str) -> Any:  # params, gradients, targets, opt_state, norm, finish, grouped
+        return getattr(self.inner, name)
+
+    def schedule(self, loss_fn: Any, microbatches: list[Any]) -> tuple[float, Any]:
+        m, run = len(microbatches), self.inner
+        carry = _carry()
+        outs: list[tuple[torch.Tensor, Any] | None] = [None] * m
+
+        def forward(k: int) -> None:
+            with carry(), comm.span("forward"), run.forward():
+                out = loss_fn(run.params(), microbatches[k])
+            loss, aux = out if isinstance(out, tuple) else (out, None)
+            if not isinstance(loss, torch.Tensor):
+                raise TypeError(f"train_step: loss_fn must return a scalar tensor (or (loss, aux)), got "
+                                f"{type(loss).__name__}")
+            if loss.dim() != 0:
+                raise ValueError(f"train_step: loss_fn must return a scalar loss (the batch mean), got shape "
+                                 f"{tuple(loss.shape)}; reduce it, e.g. loss.mean()")
+            outs[k] = (loss, aux)
+
+        def backward(k: int) -> None:
+            loss = outs[k][0]  # type: ignore[index]
+            with carry(), comm.span("backward"):
+                run.backward(loss / m, k)
+            outs[k] = (loss.detach(), outs[k][1])  # type: ignore[index]  # the graph is spent
+
+        for phase in phases(m):
+            lanes.run([(lambda f=forward if kind == "F" else backward, k=k: f(k)) for kind, k in phase])
+        total = 0.0
+        for loss, _ in outs:  # type: ignore[misc]
+            total += value_of(loss.detach()) / m
+        auxes = [aux for _, aux in outs]  # type: ignore[misc]
+        if all(a is None for a in auxes):
+            return total, None
+        return total, tuple(auxes)
