@@ -3,6 +3,8 @@ expert all-to-all in flight while the other computes (dtp.strategies.ep_overlap)
 equals the one-device run (fp64, 1e-10 on the loss, ``metrics["aux"]``, the parameters
 and the router's bias, 3 steps), and the rules are refused on every rank alike."""
 
+import math
+
 import pytest
 import torch
 
@@ -32,10 +34,7 @@ SLOW = {
 
 def _equals_one_device(name: str, axes: dict, layout, bias: bool, m: int) -> None:
     cfg = _cfg(bias)
-    world = 1
-    for n in axes.values():
-        world *= n
-    got = run(_train, axes, layout, cfg, m, world_size=world)
+    got = run(_train, axes, layout, cfg, m, world_size=math.prod(axes.values()))
     want = _reference(cfg, m)
     for r, out in enumerate(got):
         _check(out, want, f"{name} rank {r}")
@@ -111,8 +110,8 @@ def _refused(axes: dict, layout, m: int) -> str:
 @pytest.mark.parametrize("axes, layout, m, match", [
     ({"ep": 2}, _ep(), 1, "needs microbatches >= 2, got 1"),
     ({"dp": 2, "ep": 1}, _ep(), 2, "has size 1 on this mesh"),
-    ({"ep": 2}, _ep() + layouts.zero(1), 2, "drop layouts.zero or ep_overlap"),
+    ({"dp": 2, "ep": 2}, _ep() + layouts.zero(1), 2, "drop layouts.zero or ep_overlap"),
 ])
 def test_bad_combinations_are_refused_on_every_rank(axes, layout, m, match):
-    for message in run(_refused, axes, layout, m, world_size=2):
+    for message in run(_refused, axes, layout, m, world_size=math.prod(axes.values())):
         assert match in message
