@@ -11,7 +11,7 @@ lanes post collectives is a function of the program alone: the same on every ran
 which gloo and NCCL need (they match collectives by issue order). Outside a lane
 :func:`hide` is ``handle.wait()``.
 
-Why threads and not one loop: the model is one function that the all-to-all sits deep
+The lanes are threads kept for the process (:class:`_Worker`). Why threads and not one loop: the model is one function that the all-to-all sits deep
 inside (the MoE block of layer i); a thread keeps each microbatch's place in it, forward
 or backward (CPU autograd runs a backward on the thread that asked for it), without the
 model knowing. Thread-local state the step set (layout, recompute, loss divisor, comm
@@ -20,6 +20,7 @@ logs) is the caller's to carry into the lanes (:mod:`dtp.strategies.ep_overlap`)
 
 from __future__ import annotations
 
+import queue
 import threading
 from typing import Any, Callable, Protocol, Sequence
 
@@ -80,18 +81,40 @@ def hide(handle: _Waitable) -> Any:
     return handle.wait()
 
 
+class _Worker:
+    """A lane's thread, kept for the process: DTensor caches its sharding propagation per
+    thread (torch 2.13's ``LocalLRUCache``), so a fresh thread per microbatch would pay
+    for every op's propagation again (measured: a step 3× slower)."""
+
+    def __init__(self, i: int) -> None:
+        self.jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        threading.Thread(target=self._loop, name=f"dtp lane {i}", daemon=True).start()
+
+    def _loop(self) -> None:
+        while True:
+            self.jobs.get()()
+
+
+_workers: list[_Worker] = []
+_workers_lock = threading.Lock()
+
+
 def run(fns: Sequence[Callable[[], Any]]) -> list[Any]:
     """Run ``fns`` as cooperative lanes (one at a time, lane 0 first, the turn passed at
-    :func:`hide` and when a lane ends); return their results in order. The first error
-    any lane raised is raised here, after every lane has ended.
+    :func:`hide` and when a lane ends) on the process's lane threads; return their
+    results in order. The first error any lane raised is raised here, after every lane
+    has ended.
 
     >>> order = []
     >>> run([lambda: order.append("a") or 1, lambda: order.append("b") or 2]), order
     ([1, 2], ['a', 'b'])
     """
+    if active():
+        raise RuntimeError("dtp.ops.lanes.run: called from inside a lane (its thread would wait for itself)")
     lanes = _Lanes(len(fns))
     results: list[Any] = [None] * len(fns)
     errors: list[BaseException | None] = [None] * len(fns)
+    ended = threading.Semaphore(0)
 
     def work(i: int) -> None:
         _here.lane = (lanes, i)
@@ -106,12 +129,16 @@ def run(fns: Sequence[Callable[[], Any]]) -> list[Any]:
             with lanes.cv:
                 lanes.done[i] = True
                 lanes.give(i)
+            ended.release()
 
-    threads = [threading.Thread(target=work, args=(i,), name=f"dtp lane {i}", daemon=True) for i in range(len(fns))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    with _workers_lock:
+        while len(_workers) < len(fns):
+            _workers.append(_Worker(len(_workers)))
+        workers = _workers[:len(fns)]
+    for i, w in enumerate(workers):
+        w.jobs.put(lambda i=i: work(i))
+    for _ in fns:
+        ended.acquire()
     for e in errors:
         if e is not None:
             raise e

@@ -166,9 +166,11 @@ def mean_over_here() -> Callable[[], contextlib.AbstractContextManager[None]]:
 
     >>> import threading
     >>> seen = []
+    >>> def lane(carry):
+    ...     with carry():
+    ...         seen.append(_active_divisor())
     >>> with mean_over(2.0):
-    ...     carry = mean_over_here()
-    ...     t = threading.Thread(target=lambda: seen.append(carry().__enter__() or _active_divisor()))
+    ...     t = threading.Thread(target=lane, args=(mean_over_here(),))
     ...     t.start(); t.join()
     >>> seen
     [2.0]
