@@ -6,9 +6,9 @@ microbatch's compute (``layouts.expert(ep_overlap=True)``, dtp.strategies.ep_ove
     python benchmarks/moe_ep_overlap.py --repeats 7  # the same
 
 One step = ``dtp.train_step`` (sgd, lr 0: the routing stays put) of a Llama MoE
-(``tiny-moe`` widened: ``--dim``, ``--hidden`` per expert, ``--layers`` every one MoE,
-2 experts on ep 2 — one local expert, top-2, multi_data 1) on ``--microbatches`` m
-microbatches of ``--batch`` × ``--seq`` tokens per rank. Every collective on ``ep`` runs
+(``tiny-moe`` widened: ``--ep-dim``, ``--ep-hidden`` per expert, ``--ep-layers`` every
+one MoE, 2 experts on ep 2 — one local expert, top-2, multi_data 1) on ``--microbatches``
+m microbatches of ``--ep-batch`` × ``--ep-seq`` tokens per rank. Every collective on ``ep`` runs
 under ``dtp.comm.simulated_link(B, axes=("ep",))``, ``B`` calibrated so the step's token
 all-to-alls (dispatch, combine and their backwards) take as long on the link as the
 experts' fwd+bwd take to compute: ``moe.experts`` fwd+bwd on top_k × tokens rows, × m ×
@@ -20,8 +20,9 @@ link, link}. Reported (medians over the repeats, the slower rank of each):
 * ``step``: the whole ``train_step`` (its gradient all-reduce over ep is on the link
   too, the same in both); ``fb``: from the step's start to its first ``grad reduce``
   collective (the microbatches alone);
-* ``exposed``: Σ ``CommRecord.waited`` over the token all-to-alls (tags ``moe dispatch``,
-  ``moe combine`` and their backwards), the time a rank sat blocked in them; ``added`` =
+* ``exposed``: Σ ``CommRecord.waited`` over the MoE all-to-alls (tags ``moe dispatch``,
+  ``moe combine`` and their backwards, and the ``moe dispatch counts`` exchange: on the
+  link it queues behind the token transfers), the time a rank sat blocked in them; ``added`` =
   exposed with the link − without it (what the link costs), against ``link`` = Σ bytes/B
   of the same records (what the link needs). Target: added ≤ 30 % of link;
 * ``ratio``: ep-overlap's step / the plain step, both under the link. Target ≤ 0.85.
@@ -38,8 +39,8 @@ import torch
 WORLD = 2
 
 
-def _is_token_a2a(r) -> bool:
-    return r.kind == "all_to_all_v" and r.tag.startswith("moe")
+def _is_moe_a2a(r) -> bool:
+    return r.kind in ("all_to_all_v", "all_to_all") and r.tag.startswith("moe")
 
 
 def _cfg(dim: int, hidden: int, layers: int):
@@ -95,7 +96,7 @@ def _bench(dim: int, hidden: int, layers: int, batch: int, seq: int, m: int, war
                 t0 = time.perf_counter()
                 states[label], _ = dtp.train_step(model, states[label], batches[label], microbatches=m)
                 dt = time.perf_counter() - t0
-        a2a = [r for r in log.records if _is_token_a2a(r)]
+        a2a = [r for r in log.records if _is_moe_a2a(r)]
         reduce = [r.issued for r in log.records if r.tag == "grad reduce"]
         return {"step": dt, "fb": (min(reduce) if reduce else t0 + dt) - t0,
                 "exposed": sum(r.waited for r in a2a), "bytes": sum(r.bytes for r in a2a), "n": len(a2a)}
@@ -132,8 +133,8 @@ def report(res: list[dict], args) -> dict:
     """Print the table; return the headline figures."""
     med = statistics.median
     bw, comm = res[0]["bandwidth"], res[0]["bytes"] / res[0]["bandwidth"]
-    print(f"ep-overlap, ep {WORLD} pp 1, 1 local expert, top-2, dim {args.dim}, expert hidden {args.hidden}, "
-          f"{args.layers} MoE layers, m {args.microbatches} × {args.batch}×{args.seq} tokens per rank; "
+    print(f"ep-overlap, ep {WORLD} pp 1, 1 local expert, top-2, dim {args.ep_dim}, expert hidden {args.ep_hidden}, "
+          f"{args.ep_layers} MoE layers, m {args.microbatches} × {args.ep_batch}×{args.ep_seq} tokens per rank; "
           f"link {bw / 1e6:.1f} MB/s: token all-to-alls {1e3 * comm:.1f} ms/step on it, experts "
           f"{1e3 * res[0]['expert']:.1f} ms/step; medians of {args.repeats} alternated repeats, slower rank")
     print(f"{'run':<18}{'step ms':>9}{'fb ms':>8}{'exposed ms':>12}")
@@ -154,12 +155,12 @@ def report(res: list[dict], args) -> dict:
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    """The shape flags (shared with ``benchmarks/moe.py --ep-overlap``, which prefixes none)."""
-    ap.add_argument("--ep-dim", dest="dim", type=int, default=256)
-    ap.add_argument("--ep-hidden", dest="hidden", type=int, default=512, help="the expert's hidden width")
-    ap.add_argument("--ep-layers", dest="layers", type=int, default=2)
-    ap.add_argument("--ep-batch", dest="batch", type=int, default=2, help="sequences per rank per microbatch")
-    ap.add_argument("--ep-seq", dest="seq", type=int, default=128)
+    """The shape flags (also ``benchmarks/moe.py --ep-overlap``'s: hence the ``ep-`` prefix)."""
+    ap.add_argument("--ep-dim", dest="ep_dim", type=int, default=256)
+    ap.add_argument("--ep-hidden", dest="ep_hidden", type=int, default=512, help="the expert's hidden width")
+    ap.add_argument("--ep-layers", dest="ep_layers", type=int, default=2)
+    ap.add_argument("--ep-batch", dest="ep_batch", type=int, default=2, help="sequences per rank per microbatch")
+    ap.add_argument("--ep-seq", dest="ep_seq", type=int, default=128)
     ap.add_argument("--microbatches", type=int, default=4)
 
 
@@ -173,8 +174,8 @@ def run_bench(args) -> dict:
     if __name__ != "__main__":  # imported (by moe.py, a test): the ranks cannot import it by name
         cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
-    res = run(_bench, args.dim, args.hidden, args.layers, args.batch, args.seq, args.microbatches, args.warmup,
-              args.repeats, world_size=WORLD, timeout=3600)
+    res = run(_bench, args.ep_dim, args.ep_hidden, args.ep_layers, args.ep_batch, args.ep_seq, args.microbatches,
+              args.warmup, args.repeats, world_size=WORLD, timeout=3600)
     return report(res, args)
 
 

@@ -134,7 +134,10 @@ def plan(x: torch.Tensor, expert_ids: torch.Tensor, num_experts: int, mesh: Devi
     local = num_experts // n
     error, counts = _bad_ids(fn, x, expert_ids, num_experts)
     send_counts = torch.full((n, local), -1, dtype=torch.int64, device=x.device) if error else counts.reshape(n, local)
-    recv = comm.exchange_counts(send_counts, mesh, axis, tag="moe dispatch counts")
+    if lanes.active():  # ep_overlap: the other lanes compute while the counts travel (behind earlier transfers)
+        recv = lanes.hide(comm.exchange_counts(send_counts, mesh, axis, async_op=True, tag="moe dispatch counts"))
+    else:
+        recv = comm.exchange_counts(send_counts, mesh, axis, tag="moe dispatch counts")
     recv_list = recv.tolist()  # the layer's one host sync
     if error:
         raise ValueError(error)

@@ -45,22 +45,20 @@ from ..ops.parallel import mean_over_here
 from ..ops.recompute import policy, recompute
 from ..redistribute import value_of
 
-__all__ = ["Run", "phases"]
+__all__ = ["Run", "chains"]
 
 
-def phases(m: int) -> list[tuple[tuple[str, int], ...]]:
-    """The lanes' tasks, phase by phase: ``("F", k)`` is microbatch k's forward,
-    ``("B", k)`` its backward.
+def chains(m: int) -> list[list[tuple[str, int]]]:
+    """Each lane's tasks in order: ``("F", k)`` is microbatch k's forward, ``("B", k)`` its
+    backward; lane j takes the microbatches k ≡ j (mod 2), each forward then backward.
 
-    >>> phases(2)
-    [(('F', 0), ('F', 1)), (('B', 0), ('B', 1))]
-    >>> phases(4)
-    [(('F', 0), ('F', 1)), (('B', 0), ('F', 2)), (('B', 1), ('F', 3)), (('B', 2), ('B', 3))]
+    >>> chains(4)
+    [[('F', 0), ('B', 0), ('F', 2), ('B', 2)], [('F', 1), ('B', 1), ('F', 3), ('B', 3)]]
     """
     if m < 2:
         raise ValueError(f"ep_overlap: needs microbatches >= 2 (one microbatch's all-to-all hides under "
                          f"another's compute), got {m}")
-    return [(("F", 0), ("F", 1)), *((("B", k - 2), ("F", k)) for k in range(2, m)), (("B", m - 2), ("B", m - 1))]
+    return [[(kind, k) for k in range(j, m, 2) for kind in "FB"] for j in range(2)]
 
 
 def _carry() -> Callable[[], contextlib.AbstractContextManager[None]]:
@@ -113,8 +111,13 @@ class Run:
                 run.backward(loss / m, k)
             outs[k] = (loss.detach(), outs[k][1])  # type: ignore[index]  # the graph is spent
 
-        for phase in phases(m):
-            lanes.run([(lambda f=forward if kind == "F" else backward, k=k: f(k)) for kind, k in phase])
+        def lane(tasks: list[tuple[str, int]]) -> Callable[[], None]:
+            def work() -> None:
+                for kind, k in tasks:
+                    (forward if kind == "F" else backward)(k)
+            return work
+
+        lanes.run([lane(tasks) for tasks in chains(m)])
         total = 0.0
         for loss, _ in outs:  # type: ignore[misc]
             total += value_of(loss.detach()) / m
