@@ -4,24 +4,23 @@ DeepSeek's two-microbatch overlap), at pp = 1.
 
 A :class:`Run` wraps the step's own run (replicated or mixed precision): the same
 gradients, targets and update; only the order of the microbatches' forwards and
-backwards is its own. They run in *phases* of two cooperative lanes
-(:mod:`dtp.ops.lanes`), one microbatch task per lane::
+backwards is its own. They run on two cooperative lanes (:mod:`dtp.ops.lanes`), lane j
+taking the microbatches k ≡ j (mod 2), each forward then backward (:func:`chains`)::
 
-    (F0, F1)  (B0, F2)  (B1, F3)  …  (B[m-3], F[m-1])  (B[m-2], B[m-1])
+    lane 0:  F0 B0 F2 B2 …
+    lane 1:  F1 B1 F3 B3 …
 
-A lane keeps the turn until its MoE block posts a dispatch or combine all-to-all
-(forward, or its gradient's in backward: :mod:`dtp.ops.moe_dispatch`,
-:mod:`dtp.ops.moe_pipe`), then the other lane computes — its attention and router, its
-experts, its backward — while the transfer travels; in steady state one microbatch's
-forward runs beside the previous one's backward, as combined 1F1B does. Only the very
-first forward all-to-all and the very last backward one have nothing to hide under.
+A lane keeps the turn until its MoE block posts an all-to-all — the counts exchange,
+dispatch or combine, forward or its gradient's in backward (:mod:`dtp.ops.moe_dispatch`,
+:mod:`dtp.ops.moe_pipe`) — then the other lane computes (its attention and router, its
+experts, its backward) while the transfer travels. Nothing waits between microbatches,
+so only the step's first all-to-all and its last ones lack a partner.
 
 Numbers: each microbatch computes exactly what it computes in the plain loop, its loss
 weighted 1/m, its gradients added to the run's accumulators when its backward ends
-(the two backwards of the last phase may add in either order: sums equal to rounding).
-Collective order: the turn passes only at those all-to-alls, so it is the same on every
-rank. Memory: up to three microbatches' activations are alive at once (two in the plain
-loop's worst case: one).
+(the lanes' backwards may end in either order: sums equal to rounding). Collective
+order: the turn passes only at those all-to-alls, so it is the same on every rank.
+Memory: two microbatches' activations are alive at once (the plain loop: one).
 
 Thread-local state the step set — the layout, the recompute policy, the loss divisor
 (:func:`dtp.ops.mean_over`), the comm logs and the compile options — is carried into
