@@ -115,3 +115,20 @@ def _refused(axes: dict, layout, m: int) -> str:
 def test_bad_combinations_are_refused_on_every_rank(axes, layout, m, match):
     for message in run(_refused, axes, layout, m, world_size=math.prod(axes.values())):
         assert match in message
+
+
+@pytest.mark.parametrize("fields, match", [
+    (dict(ep_overlap=True, microbatches=2), "ep_overlap configure expert parallel; they need ep > 1"),
+    (dict(ep=2, ep_overlap=True), "at pp 1 it needs microbatches >= 2, got 1"),
+    (dict(ep=2, pp=2, ep_overlap=True, microbatches=4), "not implemented under a pipeline yet"),
+    (dict(ep=2, dp=2, zero=1, ep_overlap=True, microbatches=2, batch=8), "drop zero 1 or ep_overlap"),
+])
+def test_run_config_states_the_rules(fields, match):
+    with pytest.raises(ValueError, match=match):
+        dtp.RunConfig(model="tiny-moe", **fields)
+
+
+def test_the_plan_takes_it_and_the_layout_carries_it():
+    rc = dtp.RunConfig(model="tiny-moe", ep=2, microbatches=4, ep_overlap=True)
+    assert rc.layout().expert.ep_overlap
+    assert dtp.plan(rc).bytes
