@@ -25,6 +25,7 @@ CASES = {
     "ep2 m2": ({"ep": 2}, _ep(), False, 2),
     "ep2 m4 + V3 router and bias": ({"ep": 2}, _ep(), True, 4),
     "ep2 pipe-experts m4": ({"ep": 2}, _ep(pipe_experts=True), False, 4),
+    "pp2 x ep2 1f1b m4 + bias": ({"pp": 2, "ep": 2}, _ep() + layouts.pipeline("1f1b"), True, 4),
 }
 SLOW = {
     "dp2 x ep2 m2 + bias": ({"dp": 2, "ep": 2}, _ep(), True, 2),
@@ -120,7 +121,8 @@ def test_bad_combinations_are_refused_on_every_rank(axes, layout, m, match):
 @pytest.mark.parametrize("fields, match", [
     (dict(ep_overlap=True, microbatches=2), "ep_overlap configure expert parallel; they need ep > 1"),
     (dict(ep=2, ep_overlap=True), "at pp 1 it needs microbatches >= 2, got 1"),
-    (dict(ep=2, pp=2, ep_overlap=True, microbatches=4), "not implemented under a pipeline yet"),
+    (dict(ep=2, pp=2, pp_schedule="dualpipev", ep_overlap=True, microbatches=4),
+     "not implemented for pp_schedule dualpipev yet"),
     (dict(ep=2, dp=2, zero=1, ep_overlap=True, microbatches=2, batch=8), "drop zero 1 or ep_overlap"),
 ])
 def test_run_config_states_the_rules(fields, match):
@@ -129,6 +131,7 @@ def test_run_config_states_the_rules(fields, match):
 
 
 def test_the_plan_takes_it_and_the_layout_carries_it():
-    rc = dtp.RunConfig(model="tiny-moe", ep=2, microbatches=4, ep_overlap=True)
-    assert rc.layout().expert.ep_overlap
-    assert dtp.plan(rc).bytes
+    for extra in ({}, {"pp": 2}):
+        rc = dtp.RunConfig(model="tiny-moe", ep=2, microbatches=4, ep_overlap=True, **extra)
+        assert rc.layout().expert.ep_overlap
+        assert dtp.plan(rc).bytes

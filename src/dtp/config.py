@@ -37,6 +37,7 @@ from . import layouts, schedules
 from ._token_files import DTYPES as TOKEN_DTYPES
 from .layouts import CP_ALGORITHMS, PRECISIONS, ZERO_STAGES, Layout
 from .layouts.zero import misplaced_options
+from .layouts.expert import EP_OVERLAP_SCHEDULES
 from ._rules import COMPILE_BACKENDS, SCORE_FUNCTIONS
 
 __all__ = ["RunConfig", "DTYPES", "RECOMPUTE", "MODEL_FIELDS", "flag_names", "to_toml", "mesh_axes_of", "type_error"]
@@ -278,12 +279,13 @@ class RunConfig:
                  f"reduce-scatters; it needs {n('tp')} > 1 {n('sp')}")
         if self.expert_tp and self.tp == 1:
             fail(f"{n('expert_tp')} splits each expert over tp; it needs {n('tp')} > 1")
-        if self.ep_overlap and self.pp > 1:
-            fail(f"{n('ep_overlap')} is not implemented under a pipeline yet ({n('pp')} {self.pp}); drop one")
+        if self.ep_overlap and self.pp > 1 and self.pp_schedule not in EP_OVERLAP_SCHEDULES:
+            fail(f"{n('ep_overlap')} under a pipeline runs the {'/'.join(EP_OVERLAP_SCHEDULES)} schedule's F/B pairs "
+                 f"side by side; not implemented for {n('pp_schedule')} {self.pp_schedule} yet")
         if self.ep_overlap and self.zero:
             fail(f"{n('ep_overlap')} runs two microbatches' backwards side by side, which ZeRO's per-bucket "
                  f"gradient reduction does not allow; drop {n('zero')} {self.zero} or {n('ep_overlap')}")
-        if self.ep_overlap and self.microbatches < 2:
+        if self.ep_overlap and self.pp == 1 and self.microbatches < 2:
             fail(f"{n('ep_overlap')} hides one microbatch's all-to-all under another microbatch's compute: at "
                  f"{n('pp')} 1 it needs {n('microbatches')} >= 2, got {self.microbatches}")
 

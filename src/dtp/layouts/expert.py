@@ -47,7 +47,11 @@ if TYPE_CHECKING:  # torch-free at import: the CLI checks layouts before torch l
 from .._mesh_shape import axis_names
 from .core import Layout
 
-__all__ = ["ExpertOptions", "expert"]
+__all__ = ["ExpertOptions", "expert", "EP_OVERLAP_SCHEDULES"]
+
+#: The pipeline schedules ``ep_overlap`` runs under (pp > 1): their steady state's F and
+#: the B of an earlier microbatch side by side (dtp.strategies.pipeline).
+EP_OVERLAP_SCHEDULES = ("1f1b",)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -136,14 +136,16 @@ def _check_ep_overlap(layout: Layout, mesh: DeviceMesh, microbatches: int) -> No
     if opts.degree(mesh) == 1:
         raise ValueError(f"train_step: layouts.expert(ep_overlap=True) hides the expert all-to-alls, but the "
                          f"expert axis {opts.label} has size 1 on this mesh: there is none; drop ep_overlap")
-    if _pipeline_options(layout, mesh) is not None:
-        raise ValueError("train_step: layouts.expert(ep_overlap=True) is not implemented under layouts.pipeline "
-                         "yet (pp > 1); drop ep_overlap or the pipeline")
+    pipe = _pipeline_options(layout, mesh)
+    if pipe is not None and pipe.schedule not in ep_overlap.PIPELINE_SCHEDULES:
+        raise ValueError(f"train_step: layouts.expert(ep_overlap=True) under layouts.pipeline runs the "
+                         f"{'/'.join(ep_overlap.PIPELINE_SCHEDULES)} schedule's F/B pairs side by side; not "
+                         f"implemented for {pipe.schedule!r} yet")
     if zero.options(layout, mesh) is not None:
         raise ValueError("train_step: layouts.expert(ep_overlap=True) runs two microbatches' backwards side by "
                          "side, which ZeRO's per-bucket gradient reduction does not allow; drop layouts.zero "
                          "or ep_overlap")
-    if microbatches < 2:
+    if pipe is None and microbatches < 2:
         raise ValueError(f"train_step: layouts.expert(ep_overlap=True) hides one microbatch's all-to-all under "
                          f"another microbatch's compute: it needs microbatches >= 2, got {microbatches}")
 

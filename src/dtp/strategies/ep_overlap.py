@@ -39,12 +39,17 @@ import torch
 from .. import comm
 from ..compiled import active as compile_options, compiling
 from ..layouts import current, use_layout
+from ..layouts.expert import EP_OVERLAP_SCHEDULES
 from ..ops import lanes
 from ..ops.parallel import mean_over_here
 from ..ops.recompute import policy, recompute
 from ..redistribute import value_of
 
-__all__ = ["Run", "chains"]
+__all__ = ["Run", "chains", "carry", "PIPELINE_SCHEDULES"]
+
+#: The pipeline schedules whose consecutive F / B actions of two microbatches run side by
+#: side on two lanes (``dtp.strategies.pipeline.Run._in_lanes``).
+PIPELINE_SCHEDULES = EP_OVERLAP_SCHEDULES
 
 
 def chains(m: int) -> list[list[tuple[str, int]]]:
@@ -60,7 +65,7 @@ def chains(m: int) -> list[list[tuple[str, int]]]:
     return [[(kind, k) for k in range(j, m, 2) for kind in "FB"] for j in range(2)]
 
 
-def _carry() -> Callable[[], contextlib.AbstractContextManager[None]]:
+def carry() -> Callable[[], contextlib.AbstractContextManager[None]]:
     """What a lane enters to see the step's thread-local state (module docstring)."""
     layout, policy_now, options = current(), policy(), compile_options()
     logs, divisor = comm.active_logs(), mean_over_here()
@@ -89,11 +94,11 @@ class Run:
 
     def schedule(self, loss_fn: Any, microbatches: list[Any]) -> tuple[float, Any]:
         m, run = len(microbatches), self.inner
-        carry = _carry()
+        enter = carry()
         outs: list[tuple[torch.Tensor, Any] | None] = [None] * m
 
         def forward(k: int) -> None:
-            with carry(), comm.span("forward"), run.forward():
+            with enter(), comm.span("forward"), run.forward():
                 out = loss_fn(run.params(), microbatches[k])
             loss, aux = out if isinstance(out, tuple) else (out, None)
             if not isinstance(loss, torch.Tensor):
@@ -106,7 +111,7 @@ class Run:
 
         def backward(k: int) -> None:
             loss = outs[k][0]  # type: ignore[index]
-            with carry(), comm.span("backward"):
+            with enter(), comm.span("backward"):
                 run.backward(loss / m, k)
             outs[k] = (loss.detach(), outs[k][1])  # type: ignore[index]  # the graph is spent
 
