@@ -135,3 +135,33 @@ def test_the_plan_takes_it_and_the_layout_carries_it():
         rc = dtp.RunConfig(model="tiny-moe", ep=2, microbatches=4, ep_overlap=True, **extra)
         assert rc.layout().expert.ep_overlap
         assert dtp.plan(rc).bytes
+
+
+def _pairs_in_lanes() -> int:
+    """How many F/B pairs ran on lanes in one pp2 × ep2 1f1b m4 step, on this rank."""
+    from dtp.ops import lanes as lanes_mod
+
+    calls = []
+    real = lanes_mod.run
+
+    def counting(fns):
+        calls.append(len(fns))
+        return real(fns)
+
+    lanes_mod.run = counting
+    try:
+        cfg = _cfg(False)
+        state = dtp.TrainState.create(llama.init(cfg, seed=0), dtp.optim.sgd(0.1), mesh=dtp.make_mesh(pp=2, ep=2),
+                                      layout=_ep() + layouts.pipeline("1f1b"), axes=llama.param_axes(cfg),
+                                      axis_sizes=llama.axis_sizes(cfg))
+        tok = torch.randint(0, cfg.vocab_size, (8, 17), generator=torch.Generator().manual_seed(0))
+        batch = dtp.shard_batch({"tokens": tok[:, :-1].contiguous(), "targets": tok[:, 1:].contiguous()}, state)
+        dtp.train_step(llama.sequential(cfg), state, batch, microbatches=4)
+    finally:
+        lanes_mod.run = real
+    return len(calls)
+
+
+def test_under_1f1b_the_first_stage_pairs_its_steady_state_and_the_last_runs_one_by_one():
+    # ranks 0, 1: stage 0 (F0 | F1 B0 | F2 B1 | F3 B2 | B3); ranks 2, 3: the last stage
+    assert run(_pairs_in_lanes, world_size=4) == [3, 3, 0, 0]

@@ -1,6 +1,8 @@
 """``layouts.expert(ep_overlap=True)``: one microbatch's expert all-to-alls hidden under
 another microbatch's compute (Megatron-core's ``--overlap-moe-expert-parallel-comm``,
-DeepSeek's two-microbatch overlap), at pp = 1.
+DeepSeek's two-microbatch overlap). At pp = 1 this module's :class:`Run`; under a 1f1b
+pipeline the pipeline runner puts its steady-state F / B pairs on the same lanes
+(``dtp.strategies.pipeline.Run._in_lanes``, :data:`PIPELINE_SCHEDULES`).
 
 A :class:`Run` wraps the step's own run (replicated or mixed precision): the same
 gradients, targets and update; only the order of the microbatches' forwards and

@@ -25,6 +25,10 @@ For each action of its list, in order:
   computes, the forward's output posted before the backward computes (its transfer is
   in flight meanwhile).
 
+Under ``layouts.expert(ep_overlap=True)`` (1f1b) an F followed by the B of an earlier
+microbatch run side by side on two cooperative lanes (:mod:`dtp.ops.lanes`), one's expert
+all-to-alls under the other's compute, both inputs received before either starts.
+
 Receives are posted one action ahead (the next action's input is on the wire while this
 one computes); sends never block. What travels is the model's carry: one tensor, or a
 tree (an MoE model's hidden state and its blocks' aux losses and statistics), one
