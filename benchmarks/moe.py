@@ -537,7 +537,16 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--parts", nargs="+", default=["sweep", "torchtitan"], choices=["sweep", "torchtitan"])
     ap.add_argument("--quick", action="store_true", help="per rank 1x256 tokens, dim 128, hidden 256, 3 repeats")
+    ap.add_argument("--ep-overlap", action="store_true",
+                    help="instead: --ep-overlap vs without on 2 ranks (ep 2, pp 1; benchmarks/moe_ep_overlap.py, "
+                         "its --ep-* shape flags; --repeats 7 or more)")
+    import moe_ep_overlap  # this directory (sys.path[0] when run as a script)
+
+    moe_ep_overlap.add_arguments(ap)
     args = ap.parse_args()
+    if args.ep_overlap:
+        moe_ep_overlap.run_bench(args)
+        return
     if args.quick:
         args.batch, args.dim, args.hidden, args.repeats = 1, 128, 256, 3
 

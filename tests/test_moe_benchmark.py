@@ -51,3 +51,24 @@ def test_without_torchtitan_the_comparison_prints_one_skip_line(monkeypatch, cap
     monkeypatch.setattr(sys, "argv", ["moe.py", "--parts", "torchtitan"])
     bench.main()
     assert capsys.readouterr().out.strip() == bench.TITAN_MISSING
+
+
+def test_ep_overlap_part_times_both_runs_with_and_without_the_link() -> None:
+    """``benchmarks/moe.py --ep-overlap`` (benchmarks/moe_ep_overlap.py) on tiny sizes: the
+    four runs come back, the same MoE all-to-alls in each (4 per layer and microbatch, and
+    the counts exchange), and the report prints its two targets."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "moe_ep_overlap.py"
+    spec = importlib.util.spec_from_file_location("benchmarks_moe_ep_overlap", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    cloudpickle.register_pickle_by_value(module)
+    # dim 32, hidden 32, 1 layer, per rank 1×8 tokens per microbatch, m 2; no warm-up, one repeat
+    res = run(module._bench, 32, 32, 1, 1, 8, 2, 0, 1, world_size=2)
+    for out in res:
+        assert set(out["rows"]) == {"plain free", "plain link", "ep-overlap free", "ep-overlap link"}
+        assert {row[0]["n"] for row in out["rows"].values()} == {2 * (4 + 1)}, out["rows"]
+    args = type("Args", (), dict(ep_dim=32, ep_hidden=32, ep_layers=1, ep_batch=1, ep_seq=8, microbatches=2,
+                                 repeats=1))()
+    figures = module.report(res, args)
+    assert set(figures) == {"plain", "ep-overlap", "ratio", "fb ratio"}

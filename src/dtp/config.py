@@ -37,6 +37,7 @@ from . import layouts, schedules
 from ._token_files import DTYPES as TOKEN_DTYPES
 from .layouts import CP_ALGORITHMS, PRECISIONS, ZERO_STAGES, Layout
 from .layouts.zero import misplaced_options
+from .layouts.expert import EP_OVERLAP_SCHEDULES
 from ._rules import COMPILE_BACKENDS, SCORE_FUNCTIONS
 
 __all__ = ["RunConfig", "DTYPES", "RECOMPUTE", "MODEL_FIELDS", "flag_names", "to_toml", "mesh_axes_of", "type_error"]
@@ -149,6 +150,7 @@ class RunConfig:
     pipe_experts: bool = False
     multi_data: int = 1
     multi_stream: bool = False
+    ep_overlap: bool = False  # one microbatch's expert all-to-alls under another's compute
     # ---- output, checkpoints, failures
     out: str | None = None
     log_every: int = 1
@@ -265,7 +267,7 @@ class RunConfig:
             fail(f"{n('cp_algo')} must be one of {', '.join(CP_ALGORITHMS)}; got {self.cp_algo!r}")
 
     def _check_experts(self, fail: Callable[[str], None], n: Callable[[str], str]) -> None:
-        on = [k for k in ("expert_tp", "pipe_experts", "multi_data", "multi_stream")
+        on = [k for k in ("expert_tp", "pipe_experts", "multi_data", "multi_stream", "ep_overlap")
               if (getattr(self, k) > 1 if k == "multi_data" else getattr(self, k))]
         if on and self.ep == 1:
             fail(f"{' '.join(n(k) for k in on)} configure expert parallel; they need {n('ep')} > 1")
@@ -277,6 +279,15 @@ class RunConfig:
                  f"reduce-scatters; it needs {n('tp')} > 1 {n('sp')}")
         if self.expert_tp and self.tp == 1:
             fail(f"{n('expert_tp')} splits each expert over tp; it needs {n('tp')} > 1")
+        if self.ep_overlap and self.pp > 1 and self.pp_schedule not in EP_OVERLAP_SCHEDULES:
+            fail(f"{n('ep_overlap')} under a pipeline runs the {'/'.join(EP_OVERLAP_SCHEDULES)} schedule's F/B pairs "
+                 f"side by side; not implemented for {n('pp_schedule')} {self.pp_schedule} yet")
+        if self.ep_overlap and self.zero:
+            fail(f"{n('ep_overlap')} runs two microbatches' backwards side by side, which ZeRO's per-bucket "
+                 f"gradient reduction does not allow; drop {n('zero')} {self.zero} or {n('ep_overlap')}")
+        if self.ep_overlap and self.pp == 1 and self.microbatches < 2:
+            fail(f"{n('ep_overlap')} hides one microbatch's all-to-all under another microbatch's compute: at "
+                 f"{n('pp')} 1 it needs {n('microbatches')} >= 2, got {self.microbatches}")
 
     def _check_pipeline(self, fail: Callable[[str], None], n: Callable[[str], str]) -> None:
         if self.pp == 1 and self.virtual_stages > 1:
@@ -334,7 +345,8 @@ class RunConfig:
             layout = layout + layouts.mixed_precision()
         if self.ep > 1:
             layout = layout + layouts.expert(pipe_experts=self.pipe_experts, multi_data=self.multi_data,
-                                             multi_stream=self.multi_stream, tp_axis="tp" if self.expert_tp else None)
+                                             multi_stream=self.multi_stream, tp_axis="tp" if self.expert_tp else None,
+                                             ep_overlap=self.ep_overlap)
         if self.pp > 1:
             layout = layout + layouts.pipeline(self.pp_schedule, virtual_stages=self.virtual_stages)
         return layout

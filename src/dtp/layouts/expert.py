@@ -47,7 +47,11 @@ if TYPE_CHECKING:  # torch-free at import: the CLI checks layouts before torch l
 from .._mesh_shape import axis_names
 from .core import Layout
 
-__all__ = ["ExpertOptions", "expert"]
+__all__ = ["ExpertOptions", "expert", "EP_OVERLAP_SCHEDULES"]
+
+#: The pipeline schedules ``ep_overlap`` runs under (pp > 1): their steady state's F and
+#: the B of an earlier microbatch side by side (dtp.strategies.pipeline).
+EP_OVERLAP_SCHEDULES = ("1f1b",)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -72,9 +76,12 @@ class ExpertOptions:
     # split each expert's hidden width over this axis (Megatron's expert tensor parallel),
     # e.g. layouts.megatron's "tp"; None: experts whole on every rank of it
     tp_axis: str | None = None
+    # hide one microbatch's expert all-to-alls under another's compute (dtp.strategies.ep_overlap:
+    # microbatches in pairs of cooperative lanes, the turn passed at each all-to-all)
+    ep_overlap: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("pipe_experts", "multi_stream"):
+        for name in ("pipe_experts", "multi_stream", "ep_overlap"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"layouts.expert: {name} must be a bool, got {getattr(self, name)!r}")
         if self.tp_axis is not None and (not isinstance(self.tp_axis, str) or not self.tp_axis):
@@ -135,7 +142,7 @@ class ExpertOptions:
 
 def expert(axis: str | Sequence[str] = ExpertOptions.axis, *, pipe_experts: bool = ExpertOptions.pipe_experts,
            multi_data: int = ExpertOptions.multi_data, multi_stream: bool = ExpertOptions.multi_stream,
-           tp_axis: str | None = ExpertOptions.tp_axis) -> Layout:
+           tp_axis: str | None = ExpertOptions.tp_axis, ep_overlap: bool = ExpertOptions.ep_overlap) -> Layout:
     """Expert parallel over ``axis``: experts ``Shard(0)`` on it, and the batch split over
     it too (it is a data axis for everything else; module docstring). Compose with
     :func:`~dtp.layouts.data` for expert-data-parallel on a ``dp × ep`` mesh. A tuple of
@@ -146,6 +153,9 @@ def expert(axis: str | Sequence[str] = ExpertOptions.axis, *, pipe_experts: bool
     ``--pipe-experts-multi-stream``). Same numbers as without, the all-to-all hidden
     behind the expert FFN. ``tp_axis``: split each expert's hidden width over that axis
     (``expert_mlp`` on it; Megatron's expert tensor parallel, module docstring).
+    ``ep_overlap``: while one microbatch's dispatch / combine all-to-all travels, another
+    microbatch computes (Megatron's ``--overlap-moe-expert-parallel-comm``;
+    :mod:`dtp.strategies.ep_overlap`); needs ``train_step(microbatches >= 2)``.
 
     Raises: ``TypeError`` for an ``axis`` that is not a name or names; a model whose
     experts do not divide by the ep degree is refused by ``TrainState.create``
@@ -161,7 +171,7 @@ def expert(axis: str | Sequence[str] = ExpertOptions.axis, *, pipe_experts: bool
     ValueError: layouts.expert: multi_data splits the pipe-experts schedule; it needs pipe_experts=True
     """
     opts = ExpertOptions(axis=tuple(axis) if isinstance(axis, (tuple, list)) else axis, pipe_experts=pipe_experts,
-                         multi_data=multi_data, multi_stream=multi_stream, tp_axis=tp_axis)
+                         multi_data=multi_data, multi_stream=multi_stream, tp_axis=tp_axis, ep_overlap=ep_overlap)
     acts = {"batch": opts.axes} if isinstance(opts.axis, str) else {}
     rules = {"expert": opts.axes, **({"expert_mlp": (opts.tp_axis,)} if opts.tp_axis else {})}
     return Layout(rules, acts, expert=opts, name=f"expert({opts.axis!r})")

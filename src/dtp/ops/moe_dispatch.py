@@ -38,6 +38,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .. import comm
 from ..mesh import axis_size
+from . import lanes
 
 __all__ = ["DispatchPlan", "plan", "dispatch", "combine"]
 
@@ -70,13 +71,23 @@ class _AllToAllV(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, mesh, axis, send, recv, tag):  # type: ignore[override]
         ctx.args = (mesh, axis, send, recv, tag)
-        return comm.all_to_all_v(x, mesh, axis, send_counts=send, recv_counts=recv, tag=tag)
+        return _exchange(x, mesh, axis, send, recv, tag)
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         mesh, axis, send, recv, tag = ctx.args
-        back = comm.all_to_all_v(grad, mesh, axis, send_counts=recv, recv_counts=send, tag=f"{tag} backward")
+        back = _exchange(grad, mesh, axis, recv, send, f"{tag} backward")
         return back, None, None, None, None, None
+
+
+def _exchange(x: torch.Tensor, mesh: DeviceMesh, axis: str, send: tuple[int, ...], recv: tuple[int, ...],
+              tag: str) -> torch.Tensor:
+    """The all-to-all; inside a lane (``ep_overlap``) posted, and the other lanes compute
+    while it travels (:func:`dtp.ops.lanes.hide`)."""
+    if lanes.active():
+        return lanes.hide(comm.all_to_all_v(x, mesh, axis, send_counts=send, recv_counts=recv, async_op=True,
+                                            tag=tag))
+    return comm.all_to_all_v(x, mesh, axis, send_counts=send, recv_counts=recv, tag=tag)
 
 
 def _inverse(perm: torch.Tensor) -> torch.Tensor:
@@ -123,7 +134,10 @@ def plan(x: torch.Tensor, expert_ids: torch.Tensor, num_experts: int, mesh: Devi
     local = num_experts // n
     error, counts = _bad_ids(fn, x, expert_ids, num_experts)
     send_counts = torch.full((n, local), -1, dtype=torch.int64, device=x.device) if error else counts.reshape(n, local)
-    recv = comm.exchange_counts(send_counts, mesh, axis, tag="moe dispatch counts")
+    if lanes.active():  # ep_overlap: the other lanes compute while the counts travel (behind earlier transfers)
+        recv = lanes.hide(comm.exchange_counts(send_counts, mesh, axis, async_op=True, tag="moe dispatch counts"))
+    else:
+        recv = comm.exchange_counts(send_counts, mesh, axis, tag="moe dispatch counts")
     recv_list = recv.tolist()  # the layer's one host sync
     if error:
         raise ValueError(error)

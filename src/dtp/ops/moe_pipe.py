@@ -59,7 +59,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .. import comm
 from ..mesh import axis_names, axis_size, flatten_axes, twin
-from . import moe_dispatch
+from . import lanes, moe_dispatch
 
 __all__ = ["Chunks", "chunks", "expert_path", "Stream"]
 
@@ -219,13 +219,16 @@ Compute = Callable[[int, torch.Tensor], torch.Tensor]
 
 
 def _serial(inputs: list[torch.Tensor], j: _Journey, compute: Compute) -> list[torch.Tensor]:
+    def move(x: torch.Tensor, leg: Leg) -> torch.Tensor:  # under ep_overlap: another microbatch computes meanwhile
+        return lanes.hide(leg(x, True)) if lanes.active() else leg(x, False)
+
     out = []
     for i, x in enumerate(inputs):
         for leg in j.inbound[i]:
-            x = leg(x, False)
+            x = move(x, leg)
         y = compute(i, x)
         for leg in j.outbound[i]:
-            y = leg(y, False)
+            y = move(y, leg)
         out.append(y)
     return out
 
@@ -245,11 +248,12 @@ def _pipelined(inputs: list[torch.Tensor], j: _Journey, compute: Compute) -> lis
     for i in range(n):
         if i + 1 < n:  # the next chunk's later in-legs go out before this one computes
             arriving[i + 1] = advance(first[i + 1], j.inbound[i + 1][1:])
-        leaving[i] = j.outbound[i][0](compute(i, arriving.pop(i).wait()), True)
+        # under ep_overlap another microbatch computes while the chunk is out (dtp.ops.lanes)
+        leaving[i] = j.outbound[i][0](compute(i, lanes.hide(arriving.pop(i))), True)
         if i >= 1:
             leaving[i - 1] = advance(leaving[i - 1], j.outbound[i - 1][1:])
     leaving[n - 1] = advance(leaving[n - 1], j.outbound[n - 1][1:])
-    return [leaving[i].wait() for i in range(n)]
+    return [lanes.hide(leaving[i]) for i in range(n)]
 
 
 class Stream:

@@ -29,7 +29,7 @@ from ..redistribute import local_map, reshard
 from ..mesh import axis_names, block_index
 from ..spec import P, spec_of
 
-__all__ = ["linear", "embedding", "cross_entropy", "count_targets", "mean_over", "IGNORE_INDEX"]
+__all__ = ["linear", "embedding", "cross_entropy", "count_targets", "mean_over", "mean_over_here", "IGNORE_INDEX"]
 
 _divisor = threading.local()  # mean_over's divisor in this thread (the loss runs in the step's thread)
 
@@ -157,6 +157,36 @@ def mean_over(divisor: float | Callable[[], float]) -> Iterator[None]:
         yield
     finally:
         _divisor.value = previous
+
+
+def mean_over_here() -> Callable[[], contextlib.AbstractContextManager[None]]:
+    """What another thread enters to see this thread's :func:`mean_over`: the same
+    divisor, counted once whichever thread's cross-entropy asks first (the microbatch
+    lanes of ``layouts.expert(ep_overlap=True)`` run the loss off the step's thread).
+
+    >>> import threading
+    >>> seen = []
+    >>> def lane(carry):
+    ...     with carry():
+    ...         seen.append(_active_divisor())
+    >>> with mean_over(2.0):
+    ...     t = threading.Thread(target=lane, args=(mean_over_here(),))
+    ...     t.start(); t.join()
+    >>> seen
+    [2.0]
+    """
+    held = getattr(_divisor, "value", None)
+
+    @contextlib.contextmanager
+    def enter() -> Iterator[None]:
+        previous = getattr(_divisor, "value", None)
+        _divisor.value = held
+        try:
+            yield
+        finally:
+            _divisor.value = previous
+
+    return enter
 
 
 def _active_divisor() -> float | None:

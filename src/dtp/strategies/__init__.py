@@ -46,10 +46,10 @@ from ..layouts import Layout, use_layout
 from ..layouts.pipeline import assign
 from ..redistribute import value_of
 from ..models.sequential import Sequential
-from . import pipeline, precision, replicated, zero
+from . import ep_overlap, pipeline, precision, replicated, zero
 
 __all__ = ["StepRun", "Scheduled", "begin", "create", "compute_mesh", "gather", "wait", "check", "evaluate",
-           "describe", "owns_params", "replicated", "zero", "pipeline", "precision"]
+           "describe", "owns_params", "replicated", "zero", "pipeline", "precision", "ep_overlap"]
 
 PyTree = Any
 
@@ -126,6 +126,30 @@ def _pipeline_options(layout: Layout, mesh: DeviceMesh) -> Any:
     return opts if opts is not None and opts.active(mesh) else None
 
 
+def _ep_overlap(layout: Layout, mesh: DeviceMesh) -> bool:
+    return layout.expert is not None and layout.expert.ep_overlap
+
+
+def _check_ep_overlap(layout: Layout, mesh: DeviceMesh, microbatches: int) -> None:
+    """``layouts.expert(ep_overlap=True)``'s rules (:mod:`.ep_overlap`), every rank alike."""
+    opts = layout.expert
+    if opts.degree(mesh) == 1:
+        raise ValueError(f"train_step: layouts.expert(ep_overlap=True) hides the expert all-to-alls, but the "
+                         f"expert axis {opts.label} has size 1 on this mesh: there is none; drop ep_overlap")
+    pipe = _pipeline_options(layout, mesh)
+    if pipe is not None and pipe.schedule not in ep_overlap.PIPELINE_SCHEDULES:
+        raise ValueError(f"train_step: layouts.expert(ep_overlap=True) under layouts.pipeline runs the "
+                         f"{'/'.join(ep_overlap.PIPELINE_SCHEDULES)} schedule's F/B pairs side by side; not "
+                         f"implemented for {pipe.schedule!r} yet")
+    if zero.options(layout, mesh) is not None:
+        raise ValueError("train_step: layouts.expert(ep_overlap=True) runs two microbatches' backwards side by "
+                         "side, which ZeRO's per-bucket gradient reduction does not allow; drop layouts.zero "
+                         "or ep_overlap")
+    if pipe is None and microbatches < 2:
+        raise ValueError(f"train_step: layouts.expert(ep_overlap=True) hides one microbatch's all-to-all under "
+                         f"another microbatch's compute: it needs microbatches >= 2, got {microbatches}")
+
+
 def compute_mesh(layout: Layout, mesh: DeviceMesh) -> DeviceMesh | None:
     """Where a state's computations run: ``mesh``, or under a pipeline the stage mesh
     (``None`` when a stage is one device: its tensors are plain)."""
@@ -151,7 +175,10 @@ def wait(state: Any) -> None:
 
 def check(loss_fn: Any, layout: Layout, mesh: DeviceMesh, microbatches: int) -> None:
     """The strategies' rules for this step's model and microbatches (the pipeline's: a
-    :class:`dtp.Sequential`, its layers and microbatches, what it composes with)."""
+    :class:`dtp.Sequential`, its layers and microbatches, what it composes with;
+    ``ep_overlap``'s: an expert axis, pp = 1, no ZeRO, microbatches >= 2)."""
+    if _ep_overlap(layout, mesh):
+        _check_ep_overlap(layout, mesh, microbatches)
     opts = _pipeline_options(layout, mesh)
     if opts is None:
         return
@@ -216,7 +243,11 @@ def begin(params: PyTree, state: Any, microbatches: int, *, loss_fn: Any = None,
         run = pipeline.Run(params, pipeline.Context(layout, mesh, loss_fn, microbatches, zero_state, buffers))
         return run if master is None else precision.wrap(run, master)
     if master is not None:  # mixed precision: fp32 accumulators, the master weights updated
-        return precision.wrap(replicated.Run(params, microbatches, accumulate=True), master)
-    if state is not None:
-        return zero.Run(state, params, microbatches)
-    return replicated.Run(params, microbatches)
+        run = precision.wrap(replicated.Run(params, microbatches, accumulate=True), master)
+    elif state is not None:
+        run = zero.Run(state, params, microbatches)
+    else:
+        run = replicated.Run(params, microbatches)
+    if layout is not None and mesh is not None and _ep_overlap(layout, mesh) and not gradients_only:
+        return ep_overlap.Run(run)  # its microbatches in lanes (check() has refused what it cannot run)
+    return run

@@ -25,6 +25,10 @@ For each action of its list, in order:
   computes, the forward's output posted before the backward computes (its transfer is
   in flight meanwhile).
 
+Under ``layouts.expert(ep_overlap=True)`` (1f1b) an F followed by the B of an earlier
+microbatch run side by side on two cooperative lanes (:mod:`dtp.ops.lanes`), one's expert
+all-to-alls under the other's compute, both inputs received before either starts.
+
 Receives are posted one action ahead (the next action's input is on the wire while this
 one computes); sends never block. What travels is the model's carry: one tensor, or a
 tree (an MoE model's hidden state and its blocks' aux losses and statistics), one
@@ -66,7 +70,8 @@ from ..models.sequential import Sequential
 from ..optim import global_norm, map_param_trees
 from ..redistribute import reshard, value_of
 from ..spec import P, spec_of, wrap_local
-from . import pipeline_split, pipeline_wire as wire, replicated
+from ..ops import lanes
+from . import ep_overlap, pipeline_split, pipeline_wire as wire, replicated
 from . import zero as zero_mod
 
 __all__ = ["Context", "Run", "stage_mesh", "gather", "held"]
@@ -119,6 +124,26 @@ def held(model: Sequential, layout: Layout, mesh: DeviceMesh) -> Callable[[str],
     stages = [schedules.global_stage(c, rank, p, placement) for c in range(v)]
     owned = tuple(set().union(*(model.paths(*ranges[stage]) for stage in stages)))
     return lambda path: _owned(path, owned)
+
+
+class _Arrived:
+    """A receive already waited for (:meth:`Run._in_lanes`): ``wait()`` hands its result."""
+
+    def __init__(self, result: Any) -> None:
+        self.result = result
+
+    def wait(self) -> Any:
+        return self.result
+
+
+def _lane_pair(a: Any, b: Any) -> bool:
+    """Whether two consecutive items run side by side under ``ep_overlap``: an F, then the
+    B of an earlier microbatch (1F1B's steady state). Both inputs are received before
+    either runs; the B's gradient then never waits on this F's output. The reverse order
+    (the last stage's B then F) would: its F's activation comes from a previous stage that
+    itself waits for this B's gradient — so the last stage runs its actions one by one."""
+    return (isinstance(a, schedules.Action) and isinstance(b, schedules.Action) and a.kind == "F"
+            and b.kind == "B" and b.microbatch < a.microbatch)
 
 
 class Run:
@@ -175,6 +200,8 @@ class Run:
         self.act_sends: dict[tuple[int, int], list[comm.CommHandle]] = {}  # (next stage, mb) -> carry sent
         self.losses: dict[int, float] = {}
         self.auxes: dict[int, Any] = {}
+        expert = ctx.layout.expert
+        self._lanes = expert is not None and expert.ep_overlap and not forward_only  # ep_overlap's F/B pairs
 
     # ---- placement
     def _to_stage(self, x: torch.Tensor) -> torch.Tensor:
@@ -201,13 +228,20 @@ class Run:
         actions = self.plan[self.rank]
         self.mbs = microbatches
         with use_layout(self.ctx.layout, self.smesh) if self.smesh is not None else contextlib.nullcontext():
-            for k, item in enumerate(actions):
+            k = 0
+            while k < len(actions):
+                item = actions[k]
+                if self._lanes and k + 1 < len(actions) and _lane_pair(item, actions[k + 1]):
+                    self._in_lanes(item, actions[k + 1], actions[k + 2] if k + 2 < len(actions) else None)
+                    k += 2
+                    continue
                 if k + 1 < len(actions):
                     self._prefetch(actions[k + 1])
                 # A pair's backward input was posted with its forward's (above, one item
                 # ahead); the forward's send is in flight while the backward computes.
                 for action in (item.forward, item.backward) if isinstance(item, schedules.Pair) else (item,):
                     getattr(self, f"_{action.kind}")(action.chunk, action.microbatch)
+                k += 1
         for handle in [*self.sends, *(h for hs in self.act_sends.values() for h in hs)]:
             handle.wait()
         self.sends.clear()
@@ -375,6 +409,30 @@ class Run:
             self.act_sends[(stage, i)] = posted[-len(leaves):]  # waited for at this microbatch's backward
         else:
             self.sends += posted
+
+    def _in_lanes(self, a: "schedules.Action", b: "schedules.Action", after: Any) -> None:
+        """``ep_overlap`` (:mod:`.ep_overlap`): an F and a B of two microbatches side by side
+        on two lanes, one's expert all-to-alls under the other's compute. Both inputs are
+        received first, here, so no lane ever blocks on another stage (the turn moves only
+        at the all-to-alls: the same order on every rank of the stage)."""
+        if after is not None:
+            self._prefetch(after)
+        for action in (a, b):
+            stage = action.stage(self.rank, self.p, self.placement)
+            kind = "act" if action.kind == "F" else "grad"
+            if (stage > 0) if kind == "act" else (stage < self.n_stages - 1):
+                self._post(kind, stage, action.microbatch)
+                self.recvs[(kind, stage, action.microbatch)] = _Arrived(
+                    self.recvs.pop((kind, stage, action.microbatch)).wait())
+        enter = ep_overlap.carry()
+
+        def lane(action: "schedules.Action") -> Callable[[], None]:
+            def work() -> None:
+                with enter():
+                    getattr(self, f"_{action.kind}")(action.chunk, action.microbatch)
+            return work
+
+        lanes.run([lane(a), lane(b)])
 
     def _prefetch(self, item: "schedules.Action | schedules.Pair") -> None:
         for action in (item.forward, item.backward) if isinstance(item, schedules.Pair) else (item,):

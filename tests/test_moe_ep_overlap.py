@@ -1,0 +1,167 @@
+"""``layouts.expert(ep_overlap=True)``: microbatches in pairs of cooperative lanes, one's
+expert all-to-all in flight while the other computes (dtp.strategies.ep_overlap). Each
+equals the one-device run (fp64, 1e-10 on the loss, ``metrics["aux"]``, the parameters
+and the router's bias, 3 steps), and the rules are refused on every rank alike."""
+
+import math
+
+import pytest
+import torch
+
+import dtp
+from dtp import layouts
+from dtp.models import llama
+from dtp.ops import lanes
+from dtp.testing import run
+
+from test_moe_pipeline import _cfg, _check, _reference, _train
+
+
+def _ep(**kw):
+    return layouts.data() + layouts.expert(ep_overlap=True, **kw)
+
+
+CASES = {
+    "ep2 m2": ({"ep": 2}, _ep(), False, 2),
+    "ep2 m4 + V3 router and bias": ({"ep": 2}, _ep(), True, 4),
+    "ep2 pipe-experts m4": ({"ep": 2}, _ep(pipe_experts=True), False, 4),
+    "pp2 x ep2 1f1b m4 + bias": ({"pp": 2, "ep": 2}, _ep() + layouts.pipeline("1f1b"), True, 4),
+}
+SLOW = {
+    "dp2 x ep2 m2 + bias": ({"dp": 2, "ep": 2}, _ep(), True, 2),
+    "ep2 pipe-experts multi-data 2 m2 + bias": ({"ep": 2}, _ep(pipe_experts=True, multi_data=2), True, 2),
+}
+
+
+def _equals_one_device(name: str, axes: dict, layout, bias: bool, m: int) -> None:
+    cfg = _cfg(bias)
+    got = run(_train, axes, layout, cfg, m, world_size=math.prod(axes.values()))
+    want = _reference(cfg, m)
+    for r, out in enumerate(got):
+        _check(out, want, f"{name} rank {r}")
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_ep_overlap_equals_one_device(name):
+    _equals_one_device(name, *CASES[name])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(SLOW))
+def test_ep_overlap_with_dp_and_multi_data_equals_one_device(name):
+    _equals_one_device(name, *SLOW[name])
+
+
+def _interleaving() -> list[str]:
+    """The comm log's order of a step's MoE all-to-alls under ep_overlap (ep2, m2, 1 MoE layer)."""
+    cfg = llama.config("tiny-moe", n_layers=1, moe_every=1)
+    mesh = dtp.make_mesh(ep=2)
+    state = dtp.TrainState.create(llama.init(cfg, seed=0), dtp.optim.sgd(0.1), mesh=mesh, layout=_ep(),
+                                  axes=llama.param_axes(cfg), axis_sizes=llama.axis_sizes(cfg))
+    tok = torch.randint(0, cfg.vocab_size, (4, 17), generator=torch.Generator().manual_seed(0))
+    batch = dtp.shard_batch({"tokens": tok[:, :-1].contiguous(), "targets": tok[:, 1:].contiguous()}, state)
+    with dtp.comm_log() as log:
+        dtp.train_step(llama.sequential(cfg), state, batch, microbatches=2)
+    return [r.tag for r in log.records if r.kind == "all_to_all_v"]
+
+
+def test_the_lanes_take_turns_at_each_all_to_all():
+    """F0 posts its dispatch, F1 computes and posts its own before F0's combine: the two
+    forwards interleave, then the two backwards."""
+    tags = run(_interleaving, world_size=2)[0]
+    assert tags == ["moe dispatch", "moe dispatch", "moe combine", "moe combine",
+                    "moe combine backward", "moe combine backward", "moe dispatch backward", "moe dispatch backward"]
+
+
+def test_lanes_run_one_at_a_time_and_pass_the_turn_at_hide():
+    order = []
+
+    class Done:
+        def wait(self):
+            return None
+
+    def lane(name):
+        def fn():
+            for i in range(2):
+                order.append(f"{name}{i}")
+                lanes.hide(Done())
+            return name
+        return fn
+
+    assert lanes.run([lane("a"), lane("b")]) == ["a", "b"]
+    assert order == ["a0", "b0", "a1", "b1"]
+    with pytest.raises(RuntimeError, match="boom"):
+        lanes.run([lambda: (_ for _ in ()).throw(RuntimeError("boom")), lane("c")])
+
+
+def _refused(axes: dict, layout, m: int) -> str:
+    cfg = llama.config("tiny-moe", n_layers=1, moe_every=1)
+    mesh = dtp.make_mesh(**axes)
+    state = dtp.TrainState.create(llama.init(cfg, seed=0), dtp.optim.sgd(0.1), mesh=mesh, layout=layout,
+                                  axes=llama.param_axes(cfg), axis_sizes=llama.axis_sizes(cfg))
+    tok = torch.zeros(8, 16, dtype=torch.long)
+    try:
+        dtp.train_step(llama.sequential(cfg), state, dtp.shard_batch({"tokens": tok, "targets": tok}, state),
+                       microbatches=m)
+    except ValueError as e:
+        return str(e)
+    return "not refused"
+
+
+@pytest.mark.parametrize("axes, layout, m, match", [
+    ({"ep": 2}, _ep(), 1, "needs microbatches >= 2, got 1"),
+    ({"dp": 2, "ep": 1}, _ep(), 2, "has size 1 on this mesh"),
+    ({"dp": 2, "ep": 2}, _ep() + layouts.zero(1), 2, "drop layouts.zero or ep_overlap"),
+])
+def test_bad_combinations_are_refused_on_every_rank(axes, layout, m, match):
+    for message in run(_refused, axes, layout, m, world_size=math.prod(axes.values())):
+        assert match in message
+
+
+@pytest.mark.parametrize("fields, match", [
+    (dict(ep_overlap=True, microbatches=2), "ep_overlap configure expert parallel; they need ep > 1"),
+    (dict(ep=2, ep_overlap=True), "at pp 1 it needs microbatches >= 2, got 1"),
+    (dict(ep=2, pp=2, pp_schedule="dualpipev", ep_overlap=True, microbatches=4),
+     "not implemented for pp_schedule dualpipev yet"),
+    (dict(ep=2, dp=2, zero=1, ep_overlap=True, microbatches=2, batch=8), "drop zero 1 or ep_overlap"),
+])
+def test_run_config_states_the_rules(fields, match):
+    with pytest.raises(ValueError, match=match):
+        dtp.RunConfig(model="tiny-moe", **fields)
+
+
+def test_the_plan_takes_it_and_the_layout_carries_it():
+    for extra in ({}, {"pp": 2}):
+        rc = dtp.RunConfig(model="tiny-moe", ep=2, microbatches=4, ep_overlap=True, **extra)
+        assert rc.layout().expert.ep_overlap
+        assert dtp.plan(rc).bytes
+
+
+def _pairs_in_lanes() -> int:
+    """How many F/B pairs ran on lanes in one pp2 × ep2 1f1b m4 step, on this rank."""
+    from dtp.ops import lanes as lanes_mod
+
+    calls = []
+    real = lanes_mod.run
+
+    def counting(fns):
+        calls.append(len(fns))
+        return real(fns)
+
+    lanes_mod.run = counting
+    try:
+        cfg = _cfg(False)
+        state = dtp.TrainState.create(llama.init(cfg, seed=0), dtp.optim.sgd(0.1), mesh=dtp.make_mesh(pp=2, ep=2),
+                                      layout=_ep() + layouts.pipeline("1f1b"), axes=llama.param_axes(cfg),
+                                      axis_sizes=llama.axis_sizes(cfg))
+        tok = torch.randint(0, cfg.vocab_size, (8, 17), generator=torch.Generator().manual_seed(0))
+        batch = dtp.shard_batch({"tokens": tok[:, :-1].contiguous(), "targets": tok[:, 1:].contiguous()}, state)
+        dtp.train_step(llama.sequential(cfg), state, batch, microbatches=4)
+    finally:
+        lanes_mod.run = real
+    return len(calls)
+
+
+def test_under_1f1b_the_first_stage_pairs_its_steady_state_and_the_last_runs_one_by_one():
+    # ranks 0, 1: stage 0 (F0 | F1 B0 | F2 B1 | F3 B2 | B3); ranks 2, 3: the last stage
+    assert run(_pairs_in_lanes, world_size=4) == [3, 3, 0, 0]
