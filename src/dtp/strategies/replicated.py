@@ -67,7 +67,15 @@ class Run:
         self.add(torch.autograd.grad(loss, self.leaves, allow_unused=True))
 
     def add(self, grads: Any) -> None:
-        """Add one backward's gradients (one per leaf, ``None`` for unused leaves)."""
+        """Add one backward's gradients (one per leaf, ``None`` for unused leaves). The
+        caller's tensors are never written to: only a sum this run made is added into.
+
+        >>> run, g = Run({"w": torch.zeros(2)}, 3), torch.ones(2)
+        >>> for _ in range(3):
+        ...     run.add([g])
+        >>> run.grad(0).tolist(), g.tolist()
+        ([3.0, 3.0], [1.0, 1.0])
+        """
         for i, g in enumerate(grads):
             if g is None:
                 continue
