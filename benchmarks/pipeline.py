@@ -546,6 +546,14 @@ def report_bubble(res: list[list[dict]], p: int, layers: int, dim: int, rows: in
                                             for rk in res))
     if split:
         print("zb-h1's split backward, (I + W) / 1f1b's B per rank: " + "; ".join(split))
+
+    def cost(s: str, m: int, kind: str) -> float:  # mean over ranks, as the table's action ms
+        return statistics.mean(rk[found[(s, m)]]["costs"][kind] for rk in res)
+
+    half = [f"m={m} " + " ".join(f"{kind} {cost('interleaved', m, kind) / cost('1f1b', m, kind):.3f}" for kind in "FB")
+            for m in sorted({c["m"] for c in res[0]}) if ("interleaved", m) in found and ("1f1b", m) in found]
+    if half:  # the fixed cost per action: a half-size action (interleaved's chunk) over a full one (1f1b's stage)
+        print("half-size action / full-size (interleaved v=2 / 1f1b, mean over ranks): " + "; ".join(half))
     print("step = train_step, sched = its Run.schedule (slower rank); sim ms = the makespan simulated with the "
           "measured action costs; busy = compute in F/B/I/W, wait = actions waiting for their input (mean over "
           "ranks); bubble = 1 - busy/sched per rank; sim = simulate per rank with F=1 B=2 W=B/2, sim@cost = with "

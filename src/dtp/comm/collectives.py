@@ -59,7 +59,7 @@ def _run(kind: str, mesh: DeviceMesh, axis: str, x: torch.Tensor, nbytes: Callab
     except RuntimeError as e:  # a peer already gone: gloo can fail at posting
         raise _failure(record, e) from e
     link = (axis, record.bytes) if _link_applies(axis) else None
-    handle = CommHandle(work, record, finish, link, received)
+    handle = CommHandle(work, record, finish, link, received, x.device.type)
     return handle if async_op else handle.wait()
 
 

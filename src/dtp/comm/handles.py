@@ -38,6 +38,11 @@ _mark_lock = threading.Lock()
 # is gone for good, so a long-lived process (a dtp.testing pool rank) leaks nothing.
 _unwaited: "weakref.WeakSet[CommHandle]" = weakref.WeakSet()
 
+# (kind, device type) of works seen without a completion future (gloo's send/recv):
+# asking again raises each time, ≈30-40 µs a message on this machine (a pipeline step
+# posts hundreds), so later handles of that kind skip the attempt.
+_futureless: set[tuple[str, str]] = set()
+
 
 def drain() -> int:
     """Wait for every collective this process posted with ``async_op=True`` and has not
@@ -64,10 +69,11 @@ class CommHandle:
 
     ``link`` is ``(axis, bytes sent)`` under :func:`dtp.comm.simulated_link`;
     ``received`` the bytes a point-to-point receive brings in (its record counts none:
-    the sender does), which the link books on the incoming queue."""
+    the sender does), which the link books on the incoming queue; ``device`` the
+    tensor's device type (with the kind, what a missing future is remembered by)."""
 
     def __init__(self, work: object | None, record: CommRecord | None, finish: Callable[[], torch.Tensor],
-                 link: tuple[str, int] | None = None, received: int = 0):
+                 link: tuple[str, int] | None = None, received: int = 0, device: str = "cpu"):
         self._work, self._record, self._finish = work, record, finish
         self._link = link  # (axis, bytes) under simulated_link
         self._deadline: float | None = None  # end of the modelled transfer
@@ -79,11 +85,15 @@ class CommHandle:
             _unwaited.add(self)  # until wait(): drain() finds it
         future = getattr(work, "get_future", None)
         if record is not None and work is not None:
+            kind = (record.kind, device)
             try:
+                if kind in _futureless:
+                    raise NotImplementedError
                 future().then(self._mark_done)  # type: ignore[misc]
             except (TypeError, RuntimeError, NotImplementedError):
                 # No future (gloo's send/recv): completion is taken at wait() — unless the
                 # link must see the transfer from when it was posted (see dtp.comm.link).
+                _futureless.add(kind)
                 if link is not None:
                     self._book_point_to_point(work, link, received)
 

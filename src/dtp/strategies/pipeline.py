@@ -177,6 +177,7 @@ class Run:
         self.paths = paths
         local = [self._to_stage(x) if keep and x is not None else None for x, keep in zip(leaves, self.keep)]
         self.params_tree = optree.tree_unflatten(self.treedef, local)
+        self.leaves = optree.tree_leaves(self.params_tree)  # what a backward differentiates (no ZeRO)
         self.buffers = optree.tree_map(self._to_stage, ctx.buffers) if ctx.buffers else None
         zero_opts = None if self.smesh is None or forward_only else zero_mod.options(ctx.layout, self.smesh)
         self.zero = zero_opts is not None
@@ -366,7 +367,7 @@ class Run:
         """What a backward differentiates for the parameters: the leaves, or under ZeRO
         the anchor its views hang from (their backward fills the buckets)."""
         if not self.zero:
-            return optree.tree_leaves(self.params_tree)
+            return self.leaves
         self.inner.begin_backward(i)
         return [self.inner.anchor]
 
@@ -492,7 +493,7 @@ class Run:
             if not keep or not _owned(path, self.tied):
                 continue
             k = self.held[j]
-            g, leaf = self.inner.grad(k), optree.tree_leaves(self.params_tree)[k]
+            g, leaf = self.inner.grad(k), self.leaves[k]
             if g is None:  # a stage that does not read it after all: its share is zero
                 g = torch.zeros_like(leaf, dtype=accum_dtype(leaf.dtype) if self.inner.accumulate else leaf.dtype)
             if isinstance(g, DTensor) and spec_of(g) != spec_of(leaf):

@@ -41,6 +41,8 @@ HEADER = 24  # int64 words: ndim, 8 dims, dtype, one placement code per mesh dim
 _DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64, torch.int32)
 _GRAD, _TREE, _GATHER = HEADER - 3, HEADER - 2, HEADER - 1
 
+_LEAF = optree.tree_structure(0)  # a carry that is one tensor
+
 # One leaf as the receiver rebuilds it: (global shape, dtype, placements or None, came
 # scattered, requires a gradient).
 Meta = tuple[tuple[int, ...], torch.dtype, Any, bool, bool]
@@ -63,6 +65,8 @@ def flatten(carry: PyTree) -> tuple[list[torch.Tensor], Any]:
 
     Raises: ``TypeError`` for a leaf that is not a tensor.
     """
+    if isinstance(carry, torch.Tensor):  # a dense model's carry: no tree to walk, every microbatch
+        return [carry], _LEAF
     leaves, spec = optree.tree_flatten(_plain(carry))
     bad = [type(x).__name__ for x in leaves if not isinstance(x, torch.Tensor)]
     if bad or not leaves:
@@ -254,7 +258,7 @@ class Incoming:
         if self.head is not None:
             head = self.head.wait()
             first, words = read_header(head, self.smesh), int(head[_TREE])
-            spec, rest = optree.tree_structure(0), []
+            spec, rest = _LEAF, []
             if words:
                 tree = comm.recv((words,), torch.int64, self.mesh, self.axis, frm=self.frm, key=self.keys(2),
                                  tag=self.tag + " tree").wait()

@@ -51,6 +51,10 @@ class Run:
     def __init__(self, params: PyTree, microbatches: int, *, accumulate: bool = False):
         self.leaves, self.treedef = optree.tree_flatten(params)
         self.grads: list[torch.Tensor | None] = [None] * len(self.leaves)
+        # An accumulator this run allocated (a sum it made, not autograd's first
+        # gradient, which may be a view or expanded): later microbatches add into it in
+        # place, one allocation per leaf and step instead of one per microbatch.
+        self.owned = [False] * len(self.leaves)
         self.accumulate = accumulate  # accumulate (and reduce) in the accumulation dtype
 
     def params(self) -> PyTree:
@@ -63,22 +67,36 @@ class Run:
         self.add(torch.autograd.grad(loss, self.leaves, allow_unused=True))
 
     def add(self, grads: Any) -> None:
-        """Add one backward's gradients (one per leaf, ``None`` for unused leaves)."""
+        """Add one backward's gradients (one per leaf, ``None`` for unused leaves). The
+        caller's tensors are never written to: only a sum this run made is added into.
+
+        >>> run, g = Run({"w": torch.zeros(2)}, 3), torch.ones(2)
+        >>> for _ in range(3):
+        ...     run.add([g])
+        >>> run.grad(0).tolist(), g.tolist()
+        ([3.0, 3.0], [1.0, 1.0])
+        """
         for i, g in enumerate(grads):
             if g is None:
                 continue
             acc = self.grads[i]
             if acc is None:
                 self.grads[i] = _cast(g, accum_dtype(g.dtype)) if self.accumulate else g
-            else:  # accumulate in the accumulator's layout (pending sums add locally)
-                self.grads[i] = acc + (g if _spec(g) == _spec(acc) else reshard(g, spec_of(acc)))
+                continue
+            # accumulate in the accumulator's layout (pending sums add locally)
+            g = g if _spec(g) == _spec(acc) else reshard(g, spec_of(acc))
+            if self.owned[i]:
+                (acc.to_local() if isinstance(acc, DTensor) else acc).add_(
+                    g.to_local() if isinstance(g, DTensor) else g)
+            else:
+                self.grads[i], self.owned[i] = acc + g, True
 
     def grad(self, i: int) -> torch.Tensor | None:
         """Leaf ``i``'s accumulated (not yet reduced) gradient."""
         return self.grads[i]
 
     def set_grad(self, i: int, g: torch.Tensor) -> None:
-        self.grads[i] = g
+        self.grads[i], self.owned[i] = g, False
 
     def gradients(self) -> Iterator[tuple[int, PyTree]]:
         # To the parameters' layout: pending sums over dp become all-reduces (DDP).
@@ -86,7 +104,7 @@ class Run:
         for g, p in zip(self.grads, self.leaves):
             g = torch.zeros_like(p, dtype=accum_dtype(p.dtype) if self.accumulate else p.dtype) if g is None else g
             reduced.append(reshard(g, spec_of(p), tag="grad reduce") if _spec(g) != _spec(p) else g)
-        self.grads = [None] * len(self.leaves)
+        self.grads, self.owned = [None] * len(self.leaves), [False] * len(self.leaves)
         yield 0, optree.tree_unflatten(self.treedef, reduced)
 
     def targets(self) -> list[PyTree]:
