@@ -98,6 +98,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _pipeline_torch import StageTimer, rotating_times, torch_chunk  # noqa: E402
 
 SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zbv", 2), ("dualpipev", 2))
 TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B",
@@ -131,20 +132,6 @@ def make_model(layers: int):
         return lambda p, x, b: torch.tanh(x @ p[f"w{i}"])
 
     return Sequential([Layer(layer(i), (f"w{i}",), f"layer {i}") for i in range(layers)])
-
-
-def _torch_chunk(weights: list[torch.Tensor]) -> torch.nn.Module:
-    class Chunk(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.w = torch.nn.ParameterList([torch.nn.Parameter(w.detach().clone()) for w in weights])
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            for w in self.w:
-                x = torch.tanh(x @ w)
-            return x
-
-    return Chunk()
 
 
 def _dtp_state(params, schedule: str, v: int, p: int):
@@ -291,58 +278,6 @@ def _memory(params, rows: int, p: int, m: int, variants: list[tuple[str, int]]) 
 
 
 # ------------------------------------------------------------------ dtp vs torch.distributed.pipelining
-class _StageTimer:
-    """Wraps ``forward_one_chunk`` / ``backward_one_chunk`` / ``backward_weight_one_chunk``
-    of torch's pipeline stages: their compute (torch's schedules wait for a stage's input
-    before calling them)."""
-
-    NAMES = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
-
-    def __init__(self):
-        from torch.distributed.pipelining.stage import _PipelineStageBase
-
-        self.cls = _PipelineStageBase
-        self.saved = {name: getattr(self.cls, name) for name in self.NAMES}
-        self.busy, self.depth = 0.0, 0
-        timer = self
-
-        def timed(fn):
-            def wrapper(*args, **kwargs):
-                if timer.depth:
-                    return fn(*args, **kwargs)
-                timer.depth += 1
-                t0 = time.perf_counter()
-                try:
-                    return fn(*args, **kwargs)
-                finally:
-                    timer.depth -= 1
-                    timer.busy += time.perf_counter() - t0
-            return wrapper
-
-        for name, fn in self.saved.items():
-            setattr(self.cls, name, timed(fn))
-
-    def restore(self) -> None:
-        for name, fn in self.saved.items():
-            setattr(self.cls, name, fn)
-
-
-def _rotating_times(steps: dict, repeats: int) -> dict[str, list[float]]:
-    """``_common.alternating_times`` for any number of steps: each round runs every step
-    once, the order rotated every round, every rank starting each call together."""
-    import torch.distributed as dist
-
-    names = list(steps)
-    times: dict[str, list[float]] = {name: [] for name in names}
-    for i in range(repeats):
-        for name in names[i % len(names):] + names[:i % len(names)]:
-            dist.barrier()
-            t0 = time.perf_counter()
-            steps[name]()
-            times[name].append(time.perf_counter() - t0)
-    return times
-
-
 def _vs_torch(params, rows: int, p: int, m: int, schedules: list[tuple[str, int]], warmup: int,
               repeats: int) -> list[dict]:
     import torch.distributed as dist
@@ -359,7 +294,7 @@ def _vs_torch(params, rows: int, p: int, m: int, schedules: list[tuple[str, int]
     batch = make_batch(m * rows, dim)
     names = list(params)
     out = []
-    timer, stage_timer = _ActionTimer(), _StageTimer()
+    timer, stage_timer = _ActionTimer(), StageTimer()
     try:
         for schedule, v in schedules:
             n_stages = p * v
@@ -370,7 +305,7 @@ def _vs_torch(params, rows: int, p: int, m: int, schedules: list[tuple[str, int]
             stages, modules = [], []
             for c in range(v):
                 s = dtp.schedules.global_stage(c, rank, p, where)
-                mod = _torch_chunk([params[names[j]] for j in range(*ranges[s])])
+                mod = torch_chunk([params[names[j]] for j in range(*ranges[s])])
                 modules.append(mod)
                 stages.append(pipelining.PipelineStage(mod, s, n_stages, torch.device("cpu")))
             cls = getattr(pipelining, TORCH_SCHEDULES[schedule])
@@ -440,7 +375,7 @@ def _vs_torch(params, rows: int, p: int, m: int, schedules: list[tuple[str, int]
             for box in boxes.values():
                 box["bubble"].clear()
                 box["busy"].clear()
-            times = _rotating_times({"dtp": dtp_step, "torch": torch_step}, repeats)
+            times = rotating_times({"dtp": dtp_step, "torch": torch_step}, repeats)
             out.append(dict(schedule=schedule, v=v, times=times, first=first_losses,
                             dtp_bytes=dtp_bytes, torch_bytes=dict(counted),
                             bubble={side: statistics.median(box["bubble"]) for side, box in boxes.items()},
