@@ -21,7 +21,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 
-from ._torch import StridedShard, maybe_run_for_local_tensor
+from ._torch import StridedShard, maybe_run_for_local_tensor, new_dtensor
 from .mesh import axis_names, axis_sizes, block_index, mesh_device
 
 __all__ = ["P", "to_placements", "from_placements", "shard", "spec_of", "check_spec", "wrap_local"]
@@ -240,8 +240,20 @@ def wrap_local(local: torch.Tensor, mesh: DeviceMesh, spec: P, shape: tuple[int,
     >>> wrap_local(torch.ones(2, 3), make_mesh(dp=1), P("dp"), (2, 3)).shape
     torch.Size([2, 3])
     """
-    return DTensor.from_local(local, mesh, to_placements(spec, mesh), run_check=False, shape=torch.Size(shape),
-                              stride=_contiguous_stride(shape))
+    placements, stride = to_placements(spec, mesh), _contiguous_stride(tuple(shape))
+    if _plain_wrap(local, mesh):
+        # The placement is known and no gradient flows through ``local`` (a collective's
+        # result inside an autograd Function, an optimizer update, a gradient): the
+        # DTensor is built directly, without from_local's autograd node (~99 per tp step).
+        return new_dtensor(local, mesh, placements, tuple(shape), stride)
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size(shape), stride=stride)
+
+
+def _plain_wrap(local: torch.Tensor, mesh: DeviceMesh) -> bool:
+    """Whether :func:`wrap_local` may skip ``from_local``: nothing to differentiate
+    through, the shard already on the mesh's device type, no compiler tracing."""
+    return (not (local.requires_grad and torch.is_grad_enabled()) and local.device.type == mesh.device_type
+            and not torch.compiler.is_compiling())
 
 
 def spec_of(x: torch.Tensor) -> P:
