@@ -32,8 +32,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
-import math
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, ContextManager, Iterator, Sequence
@@ -46,12 +44,14 @@ from torch.distributed.tensor import DTensor
 from .. import comm
 from .._rules import accum_dtype  # gradients and master weights of bf16/fp16 params are fp32 (Megatron's)
 from ..layouts import Layout
-from ..layouts.zero import ZeroOptions, bucket_groups, padded_numel
+from ..layouts.zero import ZeroOptions
 from .._torch import local_tensor
-from ..mesh import axis_names, axis_sizes, coordinates
+from ..mesh import coordinates
 from ..optim import global_norm, map_param_trees
 from ..redistribute import reshard
-from ..spec import P, wrap_local, spec_of
+from ..spec import P, wrap_local, wrap_placed, spec_of
+from .zero_plan import (Bucket, Leaf, ZeroPlan, check_same_plan, flat_global, gather_bucket, make_plan,
+                        param_slice, slice_of)
 from .zero_views import LazyMapping, LazySequence, ParamView, in_backward
 
 __all__ = ["ZeroState", "ZeroPlan", "Bucket", "InflightGathers", "Run", "options", "gather", "bytes_per_parameter"]
@@ -77,56 +77,6 @@ def bytes_per_parameter(param_bytes: int, dp: int, *, master: bool) -> float:
     else:  # fp32/fp64 params are their own master weights; moments in the params' dtype
         grad, sharded = param_bytes, 2 * param_bytes
     return param_bytes + grad + sharded / dp
-
-
-@dataclass(frozen=True)
-class _Leaf:
-    """One parameter as this rank holds it (its tp/cp shard, replicated over dp)."""
-
-    path: str
-    mesh: DeviceMesh
-    spec: P
-    shape: tuple[int, ...]
-    local_shape: tuple[int, ...]
-    dtype: torch.dtype
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.local_shape)
-
-    def view(self, flat: torch.Tensor, offset: int) -> torch.Tensor:
-        """This parameter's shard inside a flat bucket buffer starting at ``offset``."""
-        return flat.narrow(0, offset, self.numel).view(self.local_shape)
-
-
-@dataclass(frozen=True)
-class Bucket:
-    """A contiguous flat buffer of parameters; ``numel`` is padded to divide by dp."""
-
-    index: int
-    members: tuple[int, ...]  # leaf indices in buffer order (= first use)
-    offsets: tuple[int, ...]
-    numel: int
-    dtype: torch.dtype
-    spec: P  # spec of the flat slices (dp and whatever splits the members)
-    paths: tuple[str, ...]
-    dp: int
-    last_use: int  # position of the bucket's last read in the first step's forward
-
-    @property
-    def shard_numel(self) -> int:
-        return self.numel // self.dp
-
-
-@dataclass(frozen=True)
-class ZeroPlan:
-    """Buckets and use order, fixed in the first step."""
-
-    axis: str
-    mesh: DeviceMesh
-    buckets: tuple[Bucket, ...]
-    where: tuple[tuple[int, int], ...]  # leaf -> (bucket, offset)
-    use_order: tuple[str, ...]  # parameter paths in the order forward first read them
 
 
 class InflightGathers:
@@ -160,7 +110,7 @@ class ZeroState:
     Its pytree children are the master slices (flat DTensors sharded over dp)."""
 
     options: ZeroOptions
-    leaves: tuple[_Leaf, ...]
+    leaves: tuple[Leaf, ...]
     skeleton: PyTree  # the params tree with leaf indices for leaves
     plan: ZeroPlan | None = None
     master: tuple[DTensor, ...] = ()
@@ -214,7 +164,7 @@ def gather(z: ZeroState, raw: PyTree) -> PyTree:
     z.pending.wait()
     if z.stage < 3:
         return raw
-    bufs = [_gather(z.plan, b, _param_slice(z.master[b.index], b), async_op=False, tag="zero3 read")
+    bufs = [gather_bucket(z.plan, b, param_slice(z.master[b.index], b), async_op=False, tag="zero3 read")
             for b in z.plan.buckets]
     return _tree_of_views(z, bufs, requires_grad=True)
 
@@ -229,59 +179,9 @@ def create(params: PyTree, opts: ZeroOptions) -> ZeroState:
         if opts.axis in spec.used_axes():
             raise ValueError(f"param {path}: spec {spec} splits the ZeRO axis {opts.axis!r}; ZeRO shards "
                              f"the optimizer over it itself — keep parameters replicated over {opts.axis!r}")
-        metas.append(_Leaf(path, x.device_mesh, spec, tuple(x.shape), tuple(x.to_local().shape), x.dtype))
+        metas.append(Leaf(path, x.device_mesh, spec, tuple(x.shape), tuple(x.to_local().shape), x.dtype))
     skeleton = optree.tree_unflatten(treedef, list(range(len(leaves))))
     return ZeroState(opts, tuple(metas), skeleton)
-
-
-# --------------------------------------------------------------------------- planning
-
-
-def _plan(z: ZeroState, used: Sequence[int]) -> ZeroPlan:
-    """Buckets in first-use order, one open bucket per (dtype, sharded axes)."""
-    mesh = z.leaves[0].mesh
-    names, sizes = axis_names(mesh), axis_sizes(mesh)
-    axis, dp = z.options.axis, sizes[z.options.axis]
-    order = list(dict.fromkeys(used)) + [i for i in range(len(z.leaves)) if i not in set(used)]
-    leaves = [z.leaves[i] for i in order]
-    groups = [(key, [order[k] for k in members]) for key, members in bucket_groups(
-        [(leaf.dtype, tuple(a for a in names if a in set(leaf.spec.used_axes()))) for leaf in leaves],
-        [leaf.numel for leaf in leaves], [leaf.dtype.itemsize for leaf in leaves], z.options.bucket_mb)]
-    last_read = {i: pos for pos, i in enumerate(used)}
-    buckets, where = [], [(-1, -1)] * len(z.leaves)
-    for index, ((dtype, axes), members) in enumerate(groups):
-        offsets, total = [], 0
-        for i in members:
-            offsets.append(total)
-            where[i] = (index, total)
-            total += z.leaves[i].numel
-        padded = padded_numel(total, dp)
-        spec = P(tuple(a for a in names if a in set(axes) | {axis}))
-        last = max((last_read.get(i, len(used)) for i in members), default=len(used))
-        buckets.append(Bucket(index, tuple(members), tuple(offsets), padded, dtype, spec,
-                              tuple(z.leaves[i].path for i in members), dp, last))
-    return ZeroPlan(axis, mesh, tuple(buckets), tuple(where), tuple(z.leaves[i].path for i in order))
-
-
-def _flat_global(b: Bucket, mesh: DeviceMesh) -> tuple[int]:
-    sizes = axis_sizes(mesh)
-    return (b.shard_numel * math.prod(sizes[a] for a in b.spec.axes_of(0)),)
-
-
-def _slice_of(plan: ZeroPlan, b: Bucket, flat: torch.Tensor) -> torch.Tensor:
-    r = coordinates(plan.mesh)[plan.axis]
-    return flat[r * b.shard_numel:(r + 1) * b.shard_numel]
-
-
-def _param_slice(master: DTensor, b: Bucket) -> torch.Tensor:
-    """This rank's slice of a bucket in the parameters' dtype (from the master slice)."""
-    return master.to_local().to(b.dtype)
-
-
-def _gather(plan: ZeroPlan, b: Bucket, piece: torch.Tensor, *, async_op: bool, tag: str,
-            out: torch.Tensor | None = None) -> Any:
-    out = piece.new_empty(b.numel) if out is None else out
-    return comm.all_gather(piece, plan.mesh, plan.axis, out=out, async_op=async_op, tag=f"{tag} bucket {b.index}")
 
 
 def _tree_of_views(z: ZeroState, bufs: Sequence[torch.Tensor], *, requires_grad: bool) -> PyTree:
@@ -390,7 +290,7 @@ class Run:
         plan = self.z.plan
         bucket = plan.buckets[b]
         tag = "zero3 backward gather" if in_backward() else "zero3 gather"
-        return _gather(plan, bucket, _param_slice(self.z.master[b], bucket), async_op=True, tag=tag)
+        return gather_bucket(plan, bucket, param_slice(self.z.master[b], bucket), async_op=True, tag=tag)
 
     def _hold(self, b: int, buf: torch.Tensor) -> None:
         self.live[b] = buf
@@ -423,7 +323,7 @@ class Run:
         if saved.meta is None:
             return local
         mesh, placements, shape, stride = saved.meta
-        return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
+        return wrap_placed(local, mesh, placements, shape, stride)
 
     # ---- backward
     def backward(self, loss: torch.Tensor, microbatch: int) -> None:
@@ -438,8 +338,8 @@ class Run:
         views each bucket waits for."""
         self.microbatch = microbatch
         if self.z.plan is None:
-            self.z = dataclasses.replace(self.z, plan=_plan(self.z, self.used))
-            _check_same_plan(self.z.plan, self.device)
+            self.z = dataclasses.replace(self.z, plan=make_plan(self.z.leaves, self.z.options, self.used))
+            check_same_plan(self.z.plan, self.device)
         z = self.z
         self.position = 0
         if not self.grad_bufs:
@@ -486,6 +386,13 @@ class Run:
         self.reduce_order.append(b)
         if self.z.stage >= 2:  # only the slice outlives the reduce-scatter (the handle keeps it until done)
             self.grad_bufs[b] = None
+        # Earlier reduce-scatters that have completed land now (a wait that does not
+        # block): each handle then keeps only its 1/dp slice, so the whole-size bucket and
+        # receive buffer go at once, not at the update (as FSDP2 frees its reduce-scatter
+        # input); one still on the wire stays there, never stalling backward.
+        for i in self.reduce_order[:-1]:
+            if (handle := self.reduce[i]) is not None and handle.is_completed():
+                handle.wait()
 
     def gradients(self) -> Iterator[tuple[int, DTensor]]:
         """``(bucket, reduced gradient slice)`` for every bucket, in the order the
@@ -510,7 +417,7 @@ class Run:
                 handle = self.reduce[i]
                 assert handle is not None
                 self.reduce[i] = None  # the slice is the caller's now; drop the handle
-                yield i, wrap_local(handle.wait(), mesh, b.spec, _flat_global(b, mesh))
+                yield i, wrap_local(handle.wait(), mesh, b.spec, flat_global(b, mesh))
         finally:
             # A caller that stops early (an optimizer that raised) must not leave
             # collectives unwaited: every rank posted them.
@@ -537,7 +444,7 @@ class Run:
             flat = torch.zeros(b.numel, dtype=accum_dtype(b.dtype), device=self.device)
             for i, off in zip(b.members, b.offsets):
                 z.leaves[i].view(flat, off).copy_(leaves[i])
-            out.append(wrap_local(_slice_of(plan, b, flat).clone(), plan.mesh, b.spec, _flat_global(b, plan.mesh)))
+            out.append(wrap_local(slice_of(plan, b, flat).clone(), plan.mesh, b.spec, flat_global(b, plan.mesh)))
         return out
 
     def opt_state(self, optimizer: Any, opt_state: PyTree, targets: list[DTensor]) -> PyTree:
@@ -565,7 +472,7 @@ class Run:
         buffers, handles = [], []
         for b in plan.buckets:  # in forward-use order: the first needed is the first done
             buf = torch.empty(b.numel, dtype=b.dtype, device=master[b.index].to_local().device)
-            h = _gather(plan, b, _param_slice(master[b.index], b), async_op=True, tag="param gather", out=buf)
+            h = gather_bucket(plan, b, param_slice(master[b.index], b), async_op=True, tag="param gather", out=buf)
             if not overlap:
                 h.wait()
             buffers.append(buf)
@@ -573,20 +480,6 @@ class Run:
         new = ZeroState(z.options, z.leaves, z.skeleton, plan, master, tuple(buffers), InflightGathers(handles))
         # Views of the buffers, possibly still being filled: dtp.gather_params(state) waits.
         return _tree_of_views(new, new.buffers, requires_grad=True), new
-
-
-def _check_same_plan(plan: ZeroPlan, device: torch.device) -> None:
-    """Every dp rank must have read the parameters in the same order (so built the same
-    buckets); a data-dependent forward could differ. One tiny all-reduce, in step one."""
-    digest = hashlib.sha256(repr((plan.use_order, [b.numel for b in plan.buckets])).encode()).digest()
-    mine = torch.tensor([int.from_bytes(digest[:6], "big"), -int.from_bytes(digest[:6], "big")],
-                        dtype=torch.float64, device=device)
-    both = comm.all_reduce(mine, plan.mesh, plan.axis, op="max", tag="zero plan check")
-    if both[0] != -both[1]:
-        raise ValueError(
-            f"ZeRO: ranks on {plan.axis!r} read the parameters in different orders in the first step "
-            f"(this rank: {list(plan.use_order)[:6]}…), so their buckets would not line up; the forward "
-            f"must read every parameter in the same order on every rank")
 
 
 @dataclass(frozen=True)
