@@ -75,7 +75,14 @@ class ZeroPlan:
 
 def make_plan(leaves: Sequence[Leaf], options: ZeroOptions, used: Sequence[int]) -> ZeroPlan:
     """Buckets in first-use order (``used``: the leaf indices forward read, in order),
-    one open bucket per (dtype, sharded axes)."""
+    one open bucket per (dtype, sharded axes).
+
+    >>> mesh = make_mesh(dp=1)
+    >>> leaves = [Leaf("w", mesh, P(), (4, 3), (4, 3), torch.float32), Leaf("b", mesh, P(), (3,), (3,), torch.float32)]
+    >>> plan = make_plan(leaves, ZeroOptions(stage=3), used=[1, 0])
+    >>> [(b.members, b.offsets, b.numel) for b in plan.buckets], plan.use_order
+    ([((1, 0), (0, 3), 15)], ('b', 'w'))
+    """
     all_leaves = leaves
     mesh = all_leaves[0].mesh
     names, sizes = axis_names(mesh), axis_sizes(mesh)
@@ -102,32 +109,63 @@ def make_plan(leaves: Sequence[Leaf], options: ZeroOptions, used: Sequence[int])
 
 
 def flat_global(b: Bucket, mesh: DeviceMesh) -> tuple[int]:
-    """The global shape of bucket ``b``'s flat slices as a DTensor on ``mesh``."""
+    """The global shape of bucket ``b``'s flat slices as a DTensor on ``mesh``.
+
+    >>> mesh = make_mesh(dp=1)
+    >>> plan = make_plan([Leaf("w", mesh, P(), (4, 3), (4, 3), torch.float32)], ZeroOptions(stage=3), [0])
+    >>> flat_global(plan.buckets[0], mesh)
+    (12,)
+    """
     sizes = axis_sizes(mesh)
     return (b.shard_numel * math.prod(sizes[a] for a in b.spec.axes_of(0)),)
 
 
 def slice_of(plan: ZeroPlan, b: Bucket, flat: torch.Tensor) -> torch.Tensor:
-    """This rank's dp slice of a whole flat bucket ``flat``."""
+    """This rank's dp slice of a whole flat bucket ``flat``.
+
+    >>> mesh = make_mesh(dp=1)
+    >>> plan = make_plan([Leaf("w", mesh, P(), (2,), (2,), torch.float32)], ZeroOptions(stage=3), [0])
+    >>> slice_of(plan, plan.buckets[0], torch.arange(2.0)).tolist()
+    [0.0, 1.0]
+    """
     r = coordinates(plan.mesh)[plan.axis]
     return flat[r * b.shard_numel:(r + 1) * b.shard_numel]
 
 
 def param_slice(master: DTensor, b: Bucket) -> torch.Tensor:
-    """This rank's slice of a bucket in the parameters' dtype (from the master slice)."""
+    """This rank's slice of a bucket in the parameters' dtype (from the master slice).
+
+    >>> mesh = make_mesh(dp=1)
+    >>> plan = make_plan([Leaf("w", mesh, P(), (2,), (2,), torch.bfloat16)], ZeroOptions(stage=3), [0])
+    >>> param_slice(dtp.shard(torch.ones(2), mesh, P("dp")), plan.buckets[0]).dtype
+    torch.bfloat16
+    """
     return master.to_local().to(b.dtype)
 
 
 def gather_bucket(plan: ZeroPlan, b: Bucket, piece: torch.Tensor, *, async_op: bool, tag: str,
                   out: torch.Tensor | None = None) -> Any:
-    """All-gather bucket ``b`` from this rank's slice ``piece`` (into ``out`` if given)."""
+    """All-gather bucket ``b`` from this rank's slice ``piece`` (into ``out`` if given);
+    with ``async_op`` a :class:`dtp.comm.CommHandle`.
+
+    >>> mesh = make_mesh(dp=1)
+    >>> plan = make_plan([Leaf("w", mesh, P(), (2,), (2,), torch.float32)], ZeroOptions(stage=3), [0])
+    >>> gather_bucket(plan, plan.buckets[0], torch.ones(2), async_op=False, tag="read").tolist()
+    [1.0, 1.0]
+    """
     out = piece.new_empty(b.numel) if out is None else out
     return comm.all_gather(piece, plan.mesh, plan.axis, out=out, async_op=async_op, tag=f"{tag} bucket {b.index}")
 
 
 def check_same_plan(plan: ZeroPlan, device: torch.device) -> None:
     """Every dp rank must have read the parameters in the same order (so built the same
-    buckets); a data-dependent forward could differ. One tiny all-reduce, in step one."""
+    buckets); a data-dependent forward could differ. One tiny all-reduce, in step one
+    (none over a dp axis of one).
+
+    >>> mesh = make_mesh(dp=1)
+    >>> check_same_plan(make_plan([Leaf("w", mesh, P(), (2,), (2,), torch.float32)], ZeroOptions(stage=3), [0]),
+    ...                 torch.device("cpu"))
+    """
     digest = hashlib.sha256(repr((plan.use_order, [b.numel for b in plan.buckets])).encode()).digest()
     mine = torch.tensor([int.from_bytes(digest[:6], "big"), -int.from_bytes(digest[:6], "big")],
                         dtype=torch.float64, device=device)
