@@ -104,3 +104,20 @@ def test_grouped_mm_exists_and_is_used_only_where_it_runs():
     assert callable(torch._grouped_mm)  # CUDA-only kernel; its numbers are checked on a GPU (benchmarks/moe_grouped_gemm.py)
     x, w = torch.ones(4, 8, dtype=torch.bfloat16), torch.ones(2, 8, 8, dtype=torch.bfloat16)
     assert not _torch.grouped_mm_usable(x, w)  # CPU: the padded bmm runs instead
+
+
+def test_new_dtensor_constructor():
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    assert _params(TensorMeta)[:3] == ["shape", "stride", "dtype"] and callable(DTensorSpec)
+    with simulate(2):
+        mesh = dtp.make_mesh(dp=2)
+        placements = dtp.spec.to_placements(dtp.P("dp"), mesh)
+        local = torch.ones(2, 3)
+        x = _torch.new_dtensor(local, mesh, placements, (4, 3), (3, 1))
+        y = DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size((4, 3)), stride=(3, 1))
+        assert (x.shape, x.stride(), x.placements, x.dtype) == (y.shape, y.stride(), y.placements, y.dtype)
+        assert x._spec is _torch.new_dtensor(local, mesh, placements, (4, 3), (3, 1))._spec  # one spec, shared
+        assert _torch.local_tensor(x) is not local  # a fresh view of the same memory
+        local.add_(1)
+        assert torch.equal(x.to_local(), local)

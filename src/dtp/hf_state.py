@@ -10,7 +10,7 @@ never read), then wraps it as its piece of the DTensor:
 * tp / cp / ep: a rank reads its block of each split tensor (1/tp of a split matrix); a
   parameter replicated over dp is read by each dp rank (its own copy).
 * ZeRO (stage 1, 2 or 3 over dp): the bucket plan is made before any weight is read
-  (:func:`dtp.strategies.zero_plan.plan`: the one rule step one uses), in the order the
+  (:func:`dtp.strategies.zero_plan.make_plan`: the one rule step one uses), in the order the
   model declares its layers read their parameters (``llama.sequential(cfg)``; within a
   block, tree order) instead of step one's recorded order. A rank reads only the element
   runs of its slice of every bucket — 1/(dp·tp) of the file — as its fp32 master slices;
@@ -88,7 +88,7 @@ def _zero_parts(cfg: LlamaConfig, paths: list[str], specs: list[P], shapes: list
     """The bucket plan and, per parameter, the global boxes of its elements in this
     rank's bucket slices (in slice order)."""
     leaves = [zero_plan.leaf(p, mesh, s, shape, d, opts.axis) for p, s, shape, d in zip(paths, specs, shapes, dtypes)]
-    plan = zero_plan.plan(leaves, opts, _declared_use(cfg, paths))
+    plan = zero_plan.make_plan(leaves, opts, _declared_use(cfg, paths))
     parts = dict(zip(paths, zero_plan.local_parts(plan, leaves)))
     where = {p: (leaf, tuple(a for a, _ in _box(leaf.spec, mesh, leaf.shape))) for p, leaf in zip(paths, leaves)}
 

@@ -39,7 +39,7 @@ import torch
 from torch.distributed.tensor import DTensor, Partial
 
 from .redistribute import from_local, reshard
-from .spec import P, spec_of
+from .spec import P, spec_of, wrap_like
 
 __all__ = [
     "state_part",
@@ -200,10 +200,7 @@ def _local(x: torch.Tensor) -> torch.Tensor:
 
 def _like(local: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     """Wrap a local result with ``ref``'s mesh, placements and global shape (no communication)."""
-    if not isinstance(ref, DTensor):
-        return local
-    return DTensor.from_local(local, ref.device_mesh, ref.placements, run_check=False,
-                              shape=ref.shape, stride=ref.stride())
+    return wrap_like(local, ref) if isinstance(ref, DTensor) else local
 
 
 def _map_local(fn: Callable[..., tuple[torch.Tensor, ...]], grads: PyTree,

@@ -21,10 +21,11 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 
-from ._torch import StridedShard, maybe_run_for_local_tensor
+from ._torch import StridedShard, maybe_run_for_local_tensor, new_dtensor
 from .mesh import axis_names, axis_sizes, block_index, mesh_device
 
-__all__ = ["P", "to_placements", "from_placements", "shard", "spec_of", "check_spec", "wrap_local"]
+__all__ = ["P", "to_placements", "from_placements", "shard", "spec_of", "check_spec", "wrap_local", "wrap_like",
+           "wrap_placed"]
 
 DimSpec = Union[None, str, Sequence[str]]
 
@@ -240,8 +241,47 @@ def wrap_local(local: torch.Tensor, mesh: DeviceMesh, spec: P, shape: tuple[int,
     >>> wrap_local(torch.ones(2, 3), make_mesh(dp=1), P("dp"), (2, 3)).shape
     torch.Size([2, 3])
     """
-    return DTensor.from_local(local, mesh, to_placements(spec, mesh), run_check=False, shape=torch.Size(shape),
-                              stride=_contiguous_stride(shape))
+    placements, stride = to_placements(spec, mesh), _contiguous_stride(tuple(shape))
+    if _plain_wrap(local, mesh):
+        # The placement is known and no gradient flows through ``local`` (a collective's
+        # result inside an autograd Function, an optimizer update, a gradient): the
+        # DTensor is built directly, without from_local's autograd node (~99 per tp step).
+        return new_dtensor(local, mesh, placements, tuple(shape), stride)
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size(shape), stride=stride)
+
+
+def wrap_like(local: torch.Tensor, ref: DTensor) -> DTensor:
+    """:func:`wrap_local` with ``ref``'s mesh, placements, global shape and stride: the
+    DTensor holding ``local`` where ``ref`` holds its shard (an optimizer's result for a
+    parameter); built directly when no gradient flows through ``local``.
+
+    >>> ref = shard(torch.zeros(2, 3), make_mesh(dp=1), P("dp"))
+    >>> spec_of(wrap_like(torch.ones(2, 3), ref)), wrap_like(torch.ones(2, 3), ref).shape
+    (P('dp'), torch.Size([2, 3]))
+    """
+    return wrap_placed(local, ref.device_mesh, tuple(ref.placements), tuple(ref.shape), ref.stride())
+
+
+def wrap_placed(local: torch.Tensor, mesh: DeviceMesh, placements: tuple[Placement, ...], shape: tuple[int, ...],
+                stride: tuple[int, ...]) -> DTensor:
+    """``DTensor.from_local(local, mesh, placements, run_check=False, shape=, stride=)``,
+    built directly (no autograd node, a shared spec) when no gradient flows through
+    ``local``: for callers that hold the placements already (a saved tensor's).
+
+    >>> mesh = make_mesh(dp=1)
+    >>> wrap_placed(torch.ones(2, 3), mesh, to_placements(P("dp"), mesh), (2, 3), (3, 1)).placements
+    (Shard(dim=0),)
+    """
+    if _plain_wrap(local, mesh):
+        return new_dtensor(local, mesh, tuple(placements), tuple(shape), tuple(stride))
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size(shape), stride=tuple(stride))
+
+
+def _plain_wrap(local: torch.Tensor, mesh: DeviceMesh) -> bool:
+    """Whether :func:`wrap_local` may skip ``from_local``: nothing to differentiate
+    through, the shard already on the mesh's device type, no compiler tracing."""
+    return (not (local.requires_grad and torch.is_grad_enabled()) and local.device.type == mesh.device_type
+            and not torch.compiler.is_compiling())
 
 
 def spec_of(x: torch.Tensor) -> P:

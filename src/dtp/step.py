@@ -40,7 +40,7 @@ from .layouts import Layout, check_divisible, use_layout
 from .mesh import mesh_device
 from .optim import GradientTransformation, apply_updates, clip_by_global_norm, state_join, state_part
 from .ops.documents import document_order, reorder
-from .ops.parallel import count_targets, mean_over
+from .ops.parallel import mean_over, target_count
 from .ops.recompute import POLICIES, recompute as recompute_policy
 from .redistribute import local_map, value_of
 from .spec import P, shard, spec_of
@@ -378,7 +378,7 @@ def _forward_backward(loss_fn: Callable, run: strategies.StepRun | strategies.Sc
                       batch: Mapping[str, torch.Tensor], m: int) -> tuple[float, Any, int | None]:
     """The one microbatch loop: each microbatch's loss weighted 1/m. With ``targets`` in
     the batch, the cross-entropy divides by their valid count over the whole batch / m
-    (:func:`dtp.ops.mean_over`; counted at the first loss, one small all-reduce per axis
+    (:func:`dtp.ops.mean_over`; posted first, read at the first loss, one small all-reduce per axis
     that splits them), so the step's loss is the mean over every valid target whatever
     the layout and ``m``. Returns the loss, aux and that count (``None``: no ``targets``,
     or a pipeline stage without the loss). Where the gradients go is the run's business."""
@@ -386,9 +386,10 @@ def _forward_backward(loss_fn: Callable, run: strategies.StepRun | strategies.Sc
     if "targets" not in batch:
         return (*_run_microbatches(loss_fn, run, microbatches), None)
     counted: list[int] = []
+    count = target_count(batch["targets"], post_now=not isinstance(run, strategies.Scheduled))  # waited late
 
     def divisor() -> float:  # called by the first cross-entropy, after its forward (mean_over)
-        counted.append(count_targets(batch["targets"]))
+        counted.append(count())
         return max(counted[0], 1) / m
 
     with mean_over(divisor):

@@ -135,10 +135,7 @@ def reduce_scatter(x: torch.Tensor, mesh: DeviceMesh, axis: str, *, dim: int = 0
             # on its own: measured, torch 2.13), so an "async" one would hide nothing.
             # The same bytes as an all-to-all, which gloo does run in the background:
             # chunk k goes to coordinate k, and the n chunks that arrive are summed here.
-            # Costs a whole-size receive buffer while in flight (instead of 1/n).
-            recv = torch.empty_like(inp)
-            work = dist.all_to_all_single(recv, inp, group=group, async_op=True)
-            return work, (lambda: recv.sum(0, dtype=recv.dtype))
+            return _gloo_async_reduce_scatter(inp, group, n)
         out = x.new_empty(inp.shape[1:])
         # Flat buffers: the chunks are contiguous either way, and LocalTensorMode's
         # reduce-scatter (torch 2.13) mishandles multi-dim ones.
@@ -146,6 +143,41 @@ def reduce_scatter(x: torch.Tensor, mesh: DeviceMesh, axis: str, *, dim: int = 0
         return work, (lambda: out)
 
     return _run("reduce_scatter", mesh, axis, x, lambda n: ring_bytes("reduce_scatter", _nbytes(x), n), post, async_op, tag)
+
+
+def _gloo_async_reduce_scatter(inp: torch.Tensor, group: dist.ProcessGroup, n: int):
+    """Reduce-scatter of ``inp`` (n, c, ...) as an all-to-all (gloo runs that one in the
+    background). A rank at either end of the axis sends and receives only its peers'
+    chunks — its own is the contiguous rest, read in place — so its receive buffer is
+    (n-1)/n of the input (1/2 at n = 2, FSDP2's reduce-scatter output size) instead of
+    all of it; a middle rank still sends itself its chunk. Every rank passes split sizes,
+    so all take gloo's alltoallv (alltoall and alltoallv do not pair up)."""
+    r = group.rank()
+    if r in (0, n - 1):
+        send = inp[1:] if r == 0 else inp[:-1]
+        splits = [int(k != r) for k in range(n)]
+    else:
+        send, splits = inp, [1] * n
+    recv = torch.empty_like(send)
+    work = dist.all_to_all_single(recv, send, output_split_sizes=splits, input_split_sizes=splits, group=group,
+                                  async_op=True)
+
+    edge = send is not inp
+
+    def chunk(k: int) -> torch.Tensor:  # coordinate k's contribution to this rank's chunk
+        if edge and k == r:
+            return inp[r]
+        return recv[k - 1 if edge and r == 0 else k]
+
+    def finish() -> torch.Tensor:
+        # Summed in coordinate order, as the whole-size form did: at n = 2 the same bits.
+        chunks = [chunk(k) for k in range(n)]
+        out = chunks[0] + chunks[1]
+        for c in chunks[2:]:
+            out += c
+        return out
+
+    return work, finish
 
 
 @_eager

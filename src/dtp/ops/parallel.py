@@ -134,6 +134,32 @@ def count_targets(targets: torch.Tensor) -> int:
     return int(n[0])
 
 
+def target_count(targets: torch.Tensor, *, post_now: bool) -> Callable[[], int]:
+    """:func:`count_targets` split in two: with ``post_now`` the first all-reduce is
+    posted here, unwaited, and the returned function waits for it (and runs any further
+    axis's); without, the function does all of it. ``train_step`` posts the count before
+    forward and reads it at the first loss: no wait in between, and none in front of
+    forward's collectives.
+
+    >>> target_count(torch.tensor([[3, -100, 5]]), post_now=True)()
+    2
+    """
+    if not post_now or not isinstance(targets, DTensor):
+        return lambda: count_targets(targets)
+    n = (targets.to_local() != IGNORE_INDEX).sum().reshape(1).to(torch.int64)
+    spec, mesh = spec_of(targets), targets.device_mesh
+    axes = _ordered(mesh, tuple(a for d in range(targets.dim()) for a in spec.axes_of(d)))
+    first = comm.all_reduce(n, mesh, axes[0], async_op=True, tag="loss") if axes else None
+
+    def finish() -> int:
+        total = first.wait() if first is not None else n
+        for axis in axes[1:]:
+            total = comm.all_reduce(total, mesh, axis, tag="loss")
+        return int(total[0])
+
+    return finish
+
+
 @contextlib.contextmanager
 def mean_over(divisor: float | Callable[[], float]) -> Iterator[None]:
     """Inside, :func:`cross_entropy` divides its sum over the valid targets by ``divisor``

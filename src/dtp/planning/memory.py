@@ -203,10 +203,13 @@ def phases(s: Setup, rank_leaves: list[Leaf], stage: int = 0) -> dict[str, tuple
     if zero:
         buckets = zero_buckets(s, rank_leaves)
         grads = sum(b[0] * b[2] for b in buckets)
-        # Every bucket's reduce-scatter is posted before the first is waited for. On gloo
-        # it runs as an all-to-all (dtp.comm): a whole-bucket receive buffer each, then the
-        # slices (measured, dp2 ZeRO-3: 1.5 × the gradients); elsewhere the slices only.
-        reduction = grads // s.dp + (grads if _gloo(s) else 0)
+        # Every bucket's reduce-scatter may still be in flight when backward ends (one
+        # lands early only if done by the next post). On gloo it runs as an all-to-all
+        # (dtp.comm): a receive buffer each, the peers' chunks ((dp-1)/dp of the bucket)
+        # at the dp axis' ends, the whole bucket on a middle rank, then the slices;
+        # elsewhere the slices only.
+        recv = (grads * (s.dp - 1) // s.dp if s.dp == 2 else grads) if _gloo(s) else 0
+        reduction = grads // s.dp + recv
         if zero == 3:  # gathered buckets: at the loss those not freed after forward (all
             # without resharding); in backward the one in use and the one prefetched
             sizes = [b[0] * b[1] for b in buckets]

@@ -20,9 +20,11 @@ import optree
 import torch
 from torch.distributed.tensor import DTensor
 
+from .. import comm
 from .._rules import accum_dtype
+from .._torch import local_tensor
 from ..optim import global_norm
-from ..redistribute import reshard
+from ..redistribute import plan, reshard
 from ..spec import P, spec_of, wrap_local
 
 __all__ = ["Run"]
@@ -99,12 +101,26 @@ class Run:
         self.grads[i], self.owned[i] = g, False
 
     def gradients(self) -> Iterator[tuple[int, PyTree]]:
-        # To the parameters' layout: pending sums over dp become all-reduces (DDP).
-        reduced = []
+        # To the parameters' layout: pending sums over dp become all-reduces (DDP). A
+        # gradient whose move is one all-reduce has it posted without waiting, all of
+        # them before the first wait (posted early, waited late: no round trip through
+        # Python per leaf); other moves reshard as usual.
+        reduced: list[Any] = []
         for g, p in zip(self.grads, self.leaves):
             g = torch.zeros_like(p, dtype=accum_dtype(p.dtype) if self.accumulate else p.dtype) if g is None else g
-            reduced.append(reshard(g, spec_of(p), tag="grad reduce") if _spec(g) != _spec(p) else g)
+            src, dst = _spec(g), _spec(p)
+            if src == dst:
+                reduced.append(g)
+                continue
+            steps = plan(src, dst, g.dim())
+            if len(steps) == 1 and steps[0].kind == "all_reduce":
+                handle = comm.all_reduce(local_tensor(g), g.device_mesh, steps[0].axis, async_op=True,
+                                         tag="grad reduce")
+                reduced.append((handle, g.device_mesh, dst, tuple(g.shape)))
+            else:
+                reduced.append(reshard(g, dst, tag="grad reduce"))
         self.grads, self.owned = [None] * len(self.leaves), [False] * len(self.leaves)
+        reduced = [wrap_local(r[0].wait(), *r[1:]) if type(r) is tuple else r for r in reduced]
         yield 0, optree.tree_unflatten(self.treedef, reduced)
 
     def targets(self) -> list[PyTree]:

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, ContextManager, Iterator, Sequence
@@ -49,9 +48,10 @@ from ..layouts.zero import ZeroOptions
 from .._torch import local_tensor
 from ..optim import global_norm, map_param_trees
 from ..redistribute import reshard
-from ..spec import P, wrap_local, spec_of
-from .zero_plan import Bucket, Leaf, ZeroPlan, flat_global, leaf, local_parts, slice_of
-from .zero_plan import plan as make_plan
+from ..spec import P, wrap_local, wrap_placed, spec_of
+from .zero_plan import (Bucket, Leaf, ZeroPlan, check_same_plan, flat_global, gather_bucket, leaf, local_parts,
+                        make_plan,
+                        param_slice, slice_of)
 from .zero_views import LazyMapping, LazySequence, ParamView, in_backward
 
 __all__ = ["ZeroState", "ZeroPlan", "Bucket", "Leaf", "InflightGathers", "Run", "options", "gather", "at_rest",
@@ -158,7 +158,7 @@ def gather(z: ZeroState, raw: PyTree) -> PyTree:
     z.pending.wait()
     if z.stage < 3:
         return raw
-    bufs = [_gather(z.plan, b, _param_slice(z.master[b.index], b), async_op=False, tag="zero3 read")
+    bufs = [gather_bucket(z.plan, b, param_slice(z.master[b.index], b), async_op=False, tag="zero3 read")
             for b in z.plan.buckets]
     return _tree_of_views(z, bufs, requires_grad=True)
 
@@ -171,17 +171,6 @@ def create(params: PyTree, opts: ZeroOptions) -> ZeroState:
              for path, x in zip(paths, leaves)]
     skeleton = optree.tree_unflatten(treedef, list(range(len(leaves))))
     return ZeroState(opts, tuple(metas), skeleton)
-
-
-def _param_slice(master: DTensor, b: Bucket) -> torch.Tensor:
-    """This rank's slice of a bucket in the parameters' dtype (from the master slice)."""
-    return master.to_local().to(b.dtype)
-
-
-def _gather(plan: ZeroPlan, b: Bucket, piece: torch.Tensor, *, async_op: bool, tag: str,
-            out: torch.Tensor | None = None) -> Any:
-    out = piece.new_empty(b.numel) if out is None else out
-    return comm.all_gather(piece, plan.mesh, plan.axis, out=out, async_op=async_op, tag=f"{tag} bucket {b.index}")
 
 
 def _tree_of_views(z: ZeroState, bufs: Sequence[torch.Tensor], *, requires_grad: bool) -> PyTree:
@@ -290,7 +279,7 @@ class Run:
         plan = self.z.plan
         bucket = plan.buckets[b]
         tag = "zero3 backward gather" if in_backward() else "zero3 gather"
-        return _gather(plan, bucket, _param_slice(self.z.master[b], bucket), async_op=True, tag=tag)
+        return gather_bucket(plan, bucket, param_slice(self.z.master[b], bucket), async_op=True, tag=tag)
 
     def _hold(self, b: int, buf: torch.Tensor) -> None:
         self.live[b] = buf
@@ -323,7 +312,7 @@ class Run:
         if saved.meta is None:
             return local
         mesh, placements, shape, stride = saved.meta
-        return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
+        return wrap_placed(local, mesh, placements, shape, stride)
 
     # ---- backward
     def backward(self, loss: torch.Tensor, microbatch: int) -> None:
@@ -339,7 +328,7 @@ class Run:
         self.microbatch = microbatch
         if self.z.plan is None:
             self.z = dataclasses.replace(self.z, plan=make_plan(self.z.leaves, self.z.options, self.used))
-            _check_same_plan(self.z.plan, self.device)
+            check_same_plan(self.z.plan, self.device)
         z = self.z
         self.position = 0
         if not self.grad_bufs:
@@ -386,6 +375,13 @@ class Run:
         self.reduce_order.append(b)
         if self.z.stage >= 2:  # only the slice outlives the reduce-scatter (the handle keeps it until done)
             self.grad_bufs[b] = None
+        # Earlier reduce-scatters that have completed land now (a wait that does not
+        # block): each handle then keeps only its 1/dp slice, so the whole-size bucket and
+        # receive buffer go at once, not at the update (as FSDP2 frees its reduce-scatter
+        # input); one still on the wire stays there, never stalling backward.
+        for i in self.reduce_order[:-1]:
+            if (handle := self.reduce[i]) is not None and handle.is_completed():
+                handle.wait()
 
     def gradients(self) -> Iterator[tuple[int, DTensor]]:
         """``(bucket, reduced gradient slice)`` for every bucket, in the order the
@@ -473,7 +469,7 @@ def at_rest(z: ZeroState, master: Sequence[DTensor]) -> tuple[PyTree, ZeroState]
     buffers, handles = [], []
     for b in plan.buckets:  # in forward-use order: the first needed is the first done
         buf = torch.empty(b.numel, dtype=b.dtype, device=master[b.index].to_local().device)
-        h = _gather(plan, b, _param_slice(master[b.index], b), async_op=True, tag="param gather", out=buf)
+        h = gather_bucket(plan, b, param_slice(master[b.index], b), async_op=True, tag="param gather", out=buf)
         if not overlap:
             h.wait()
         buffers.append(buf)
@@ -481,20 +477,6 @@ def at_rest(z: ZeroState, master: Sequence[DTensor]) -> tuple[PyTree, ZeroState]
     new = ZeroState(z.options, z.leaves, z.skeleton, plan, master, tuple(buffers), InflightGathers(handles))
     # Views of the buffers, possibly still being filled: dtp.gather_params(state) waits.
     return _tree_of_views(new, new.buffers, requires_grad=True), new
-
-
-def _check_same_plan(plan: ZeroPlan, device: torch.device) -> None:
-    """Every dp rank must have read the parameters in the same order (so built the same
-    buckets); a data-dependent forward could differ. One tiny all-reduce, in step one."""
-    digest = hashlib.sha256(repr((plan.use_order, [b.numel for b in plan.buckets])).encode()).digest()
-    mine = torch.tensor([int.from_bytes(digest[:6], "big"), -int.from_bytes(digest[:6], "big")],
-                        dtype=torch.float64, device=device)
-    both = comm.all_reduce(mine, plan.mesh, plan.axis, op="max", tag="zero plan check")
-    if both[0] != -both[1]:
-        raise ValueError(
-            f"ZeRO: ranks on {plan.axis!r} read the parameters in different orders in the first step "
-            f"(this rank: {list(plan.use_order)[:6]}…), so their buckets would not line up; the forward "
-            f"must read every parameter in the same order on every rank")
 
 
 @dataclass(frozen=True)

@@ -11,18 +11,22 @@ that each rank reads only the elements of its bucket slices.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
+from .. import comm
 from ..layouts.zero import ZeroOptions, bucket_groups, padded_numel
 from ..mesh import axis_names, axis_sizes, coordinates
 from ..spec import P
 
-__all__ = ["Leaf", "Bucket", "ZeroPlan", "leaf", "plan", "local_parts", "flat_global", "slice_of", "boxes"]
+__all__ = ["Leaf", "Bucket", "ZeroPlan", "leaf", "make_plan", "check_same_plan", "local_parts", "flat_global", "slice_of",
+           "param_slice", "gather_bucket", "boxes"]
 
 
 @dataclass(frozen=True)
@@ -92,7 +96,7 @@ class ZeroPlan:
     use_order: tuple[str, ...]  # parameter paths in the order forward first read them
 
 
-def plan(leaves: Sequence[Leaf], options: ZeroOptions, used: Sequence[int]) -> ZeroPlan:
+def make_plan(leaves: Sequence[Leaf], options: ZeroOptions, used: Sequence[int]) -> ZeroPlan:
     """Buckets in first-use order (``used``: leaf indices as the forward read them,
     repeats included), one open bucket per (dtype, sharded axes); leaves never read go
     last.
@@ -100,7 +104,7 @@ def plan(leaves: Sequence[Leaf], options: ZeroOptions, used: Sequence[int]) -> Z
     >>> from dtp.layouts.zero import ZeroOptions
     >>> mesh = dtp.make_mesh(dp=1)
     >>> ws = [leaf(n, mesh, P(), (2, 3), torch.float32, "dp") for n in ("a", "b")]
-    >>> p = plan(ws, ZeroOptions(stage=3), used=[1, 0])
+    >>> p = make_plan(ws, ZeroOptions(stage=3), used=[1, 0])
     >>> p.use_order, [b.numel for b in p.buckets], local_parts(p, ws), flat_global(p.buckets[0], mesh)
     (('b', 'a'), [12], [(0, 6, 0, 6), (0, 0, 0, 6)], (12,))
     """
@@ -184,3 +188,48 @@ def boxes(shape: Sequence[int], start: int, stop: int) -> list[tuple[tuple[int, 
     if c1:
         out += row(r1, 0, c1)
     return out
+
+
+def param_slice(master: DTensor, b: Bucket) -> torch.Tensor:
+    """This rank's slice of a bucket in the parameters' dtype (from the master slice).
+
+    >>> mesh = dtp.make_mesh(dp=1)
+    >>> plan = make_plan([Leaf("w", mesh, P(), (2,), (2,), torch.bfloat16)], ZeroOptions(stage=3), [0])
+    >>> param_slice(dtp.shard(torch.ones(2), mesh, P("dp")), plan.buckets[0]).dtype
+    torch.bfloat16
+    """
+    return master.to_local().to(b.dtype)
+
+
+def gather_bucket(plan: ZeroPlan, b: Bucket, piece: torch.Tensor, *, async_op: bool, tag: str,
+                  out: torch.Tensor | None = None) -> Any:
+    """All-gather bucket ``b`` from this rank's slice ``piece`` (into ``out`` if given);
+    with ``async_op`` a :class:`dtp.comm.CommHandle`.
+
+    >>> mesh = dtp.make_mesh(dp=1)
+    >>> plan = make_plan([Leaf("w", mesh, P(), (2,), (2,), torch.float32)], ZeroOptions(stage=3), [0])
+    >>> gather_bucket(plan, plan.buckets[0], torch.ones(2), async_op=False, tag="read").tolist()
+    [1.0, 1.0]
+    """
+    out = piece.new_empty(b.numel) if out is None else out
+    return comm.all_gather(piece, plan.mesh, plan.axis, out=out, async_op=async_op, tag=f"{tag} bucket {b.index}")
+
+
+def check_same_plan(plan: ZeroPlan, device: torch.device) -> None:
+    """Every dp rank must have read the parameters in the same order (so built the same
+    buckets); a data-dependent forward could differ. One tiny all-reduce, in step one
+    (none over a dp axis of one).
+
+    >>> mesh = dtp.make_mesh(dp=1)
+    >>> check_same_plan(make_plan([Leaf("w", mesh, P(), (2,), (2,), torch.float32)], ZeroOptions(stage=3), [0]),
+    ...                 torch.device("cpu"))
+    """
+    digest = hashlib.sha256(repr((plan.use_order, [b.numel for b in plan.buckets])).encode()).digest()
+    mine = torch.tensor([int.from_bytes(digest[:6], "big"), -int.from_bytes(digest[:6], "big")],
+                        dtype=torch.float64, device=device)
+    both = comm.all_reduce(mine, plan.mesh, plan.axis, op="max", tag="zero plan check")
+    if both[0] != -both[1]:
+        raise ValueError(
+            f"ZeRO: ranks on {plan.axis!r} read the parameters in different orders in the first step "
+            f"(this rank: {list(plan.use_order)[:6]}…), so their buckets would not line up; the forward "
+            f"must read every parameter in the same order on every rank")
