@@ -1,7 +1,7 @@
 """Async tensor parallel vs Megatron-SP on gloo ranks: step time with the tp link modelled
 slow, the exposed-communication fraction, and a timeline.
 
-    python benchmarks/async_tp.py --config small --seq 128 --batch 4 --tp 2 --repeats 7
+    python benchmarks/async_tp.py --config small --seq 256 --batch 4 --tp 2 --repeats 7
 
 One training step = forward + backward + AdamW of ``llama.config(--config)``, fp32, on
 ``make_mesh(tp=--tp)`` under ``layouts.megatron(sequence_parallel=True, async_tp=...)``.
@@ -95,17 +95,24 @@ def _bench(cfg, batch: dict, tp: int, repeats: int, ratio: float, width: int, ca
     bandwidth = nbytes / (ratio * float(c[0]))
     with dtp.comm.simulated_link(bandwidth, axes=("tp",)):
         linked = alternating_times(steps, repeats)
-        exposed = {}
+        exposed, per_tag = {}, {}
         for name in boxes:
             with dtp.comm_log() as log:
                 step(name)
             recs = log.filter(axis="tp")
             exposed[name] = sum(r.waited for r in recs) / (sum(r.bytes for r in recs) / bandwidth)
+            rows: dict[str, list[float]] = {}
+            for r in recs:  # per collective: count, seconds waited, modelled link seconds
+                row = rows.setdefault(f"{r.kind} {r.tag}", [0, 0.0, 0.0])
+                row[0] += 1
+                row[1] += r.waited
+                row[2] += r.bytes / bandwidth
+            per_tag[name] = rows
         dist.barrier()
         with dtp.comm_log() as tl:
             with dtp.comm.span("async step"):
                 step("async")
-    return dict(free=free, linked=linked, exposed=exposed, bytes=nbytes, bandwidth=bandwidth, matmul=matmul,
+    return dict(free=free, linked=linked, exposed=exposed, per_tag=per_tag, bytes=nbytes, bandwidth=bandwidth, matmul=matmul,
                 comm=nbytes / bandwidth, timeline=tl.timeline(width) if dist.get_rank() == 0 else "",
                 loss={k: float(b["m"]["loss"]) for k, b in boxes.items()})
 
@@ -113,6 +120,7 @@ def _bench(cfg, batch: dict, tp: int, repeats: int, ratio: float, width: int, ca
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default="small", help="llama.config name")
+    ap.add_argument("--dim", type=int, default=None, help="override the config's dim (ffn_dim follows as 3x)")
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--tp", type=int, default=2)
@@ -126,7 +134,7 @@ def main() -> None:
     from dtp.models import llama
     from dtp.testing import run
 
-    cfg = llama.config(args.config)
+    cfg = llama.config(args.config, **({} if args.dim is None else dict(dim=args.dim, ffn_dim=3 * args.dim)))
     g = torch.Generator().manual_seed(1)
     toks = torch.randint(0, cfg.vocab_size, (args.batch, args.seq + 1), generator=g)
     batch = {"tokens": toks[:, :-1].contiguous(), "targets": toks[:, 1:].contiguous()}
@@ -148,6 +156,10 @@ def main() -> None:
         print(f"{name:8}{1e3 * med('free', name):>9.1f}m{1e3 * link:>9.1f}m"
               f"{link / med('linked', 'sp'):>8.2f}{link / ideal:>8.2f}{r0['exposed'][name]:>9.2f}")
     print(f"loopback async / sp: {med('free', 'async') / compute:.2f}")
+    print("rank 0, one step under the link, per collective: count, ms waited / ms of modelled link time")
+    for name in ("sp", "async"):
+        rows = sorted(r0["per_tag"][name].items(), key=lambda kv: -kv[1][2])
+        print(f"  {name}: " + "; ".join(f"{k} x{n} {1e3 * w:.1f}/{1e3 * t:.1f}" for k, (n, w, t) in rows if t > 1e-4))
     print(r0["timeline"])
 
 

@@ -24,7 +24,10 @@ gradients once, as the dual ring of partial sums, computing its own weight gradi
 the own chunk's input gradient under the hop. (It checks that every later consumer has
 run first and fails loudly otherwise.) A plain consumer (a weight not split over the
 ring's axis) sends its input gradient to the entry's own reduce-scatter
-(:class:`_RingEntry`).
+(:class:`_RingEntry`), and so does every consumer inside :func:`split_backward` (zero
+bubble's input-gradient pass runs only the nodes on the input's path, which a
+weight-gradient-only consumer is not on; the pipeline strategy sets it for schedules with
+``I`` / ``W`` actions).
 The buffer starts as NaN, so a reader other than ``linear`` (which would see it before
 the ring ran) fails loudly; the routers of MoE models are such readers, so
 ``Layout.check_sizes`` refuses async_tp with experts.
@@ -54,8 +57,9 @@ for any other plan, both fall back to the collectives of :mod:`dtp.redistribute`
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -68,10 +72,32 @@ from ..mesh import axis_sizes, coordinates
 from ..redistribute import local_map, plan, reshard
 from ..spec import P, spec_of, wrap_local
 
-__all__ = ["ring_constrain", "ring_linear", "defers", "deferred", "materialized", "async_axis"]
+__all__ = ["ring_constrain", "ring_linear", "defers", "deferred", "materialized", "async_axis", "split_backward"]
 
 _DEFERRED = "_dtp_deferred"  # attribute of a deferred DTensor: (x, w) of its row-parallel matmul
 _RING = "_dtp_ring"  # attribute of an entry DTensor: (its _RingState, the buffer under it)
+
+
+_split_depth = 0  # > 0 inside split_backward()
+
+
+@contextlib.contextmanager
+def split_backward() -> Iterator[None]:
+    """Forwards run inside will have their backward split (zero bubble's ``I`` then
+    ``W``): each later consumer of an entry ring sends its input gradient to the entry's
+    own reduce-scatter, as a plain matmul would, instead of to the first consumer's ring.
+    ``I`` runs only the nodes on the input's path, and a later consumer whose backward
+    computes only its weight's gradient is not on it (module docstring).
+
+    >>> with split_backward():
+    ...     pass
+    """
+    global _split_depth
+    _split_depth += 1
+    try:
+        yield
+    finally:
+        _split_depth -= 1
 
 
 def async_axis() -> str | None:
@@ -98,6 +124,7 @@ class _RingState:
     dim: int  # the gathered (sequence) dim
     tag: str
     filled: bool = False
+    split: bool = False  # made inside split_backward(): consumers' input gradients go to the entry
     consumers: int = 0  # ring consumers (column-parallel linears) of the buffer in forward
     # (output gradient, weight) of each later consumer, left by its backward for the
     # first consumer's, which reduce-scatters all their input gradients in one ring.
@@ -192,6 +219,9 @@ class _RingMatmul(torch.autograd.Function):
     def backward(ctx, g: torch.Tensor):  # type: ignore[override]
         x, w = ctx.saved_tensors
         state: _RingState = ctx.state
+        if state.split:  # its input is the buffer: the entry reduce-scatters every consumer's gradient
+            gw = x.reshape(-1, x.shape[-1]).transpose(0, 1) @ g.reshape(-1, g.shape[-1])
+            return g @ w.transpose(0, 1), gw, None, None
         if len(state.stash) != state.consumers - 1:
             raise RuntimeError(f"async tp ({state.tag}): the entry's first consumer ran its backward before "
                                f"{state.consumers - 1 - len(state.stash)} later consumer(s) of the same input; "
@@ -335,7 +365,7 @@ def ring_constrain(x: DTensor, dst: P, *, tag: str) -> DTensor | None:
     shape[dim] *= axis_sizes(x.device_mesh)[axis]
     # NaN until the ring fills it: a reader other than linear fails loudly (module docstring).
     buffer = torch.full(shape, float("nan"), dtype=local.dtype, device=local.device)
-    state = _RingState(local.detach().contiguous(), x, x.device_mesh, axis, dim, tag)
+    state = _RingState(local.detach().contiguous(), x, x.device_mesh, axis, dim, tag, split=_split_depth > 0)
     out = _RingEntry.apply(x, buffer, state, dst)
     setattr(out, _RING, (state, buffer))
     return out
@@ -395,7 +425,7 @@ def ring_linear(x: DTensor, w: DTensor, spec: P) -> DTensor | None:
     state, buffer = held
     column = state.axis in spec_of(w).axes_of(1) and not spec_of(x).axes_of(x.dim() - 1)
     if state.filled:
-        if not column or not state.consumers:
+        if not column or not state.consumers or state.split:
             return None  # a plain consumer: its input gradient reaches the entry's own ring
         state.consumers += 1
         # x detached: this consumer's input gradient goes to the first one's ring instead.
@@ -405,6 +435,9 @@ def ring_linear(x: DTensor, w: DTensor, spec: P) -> DTensor | None:
         with torch.no_grad():
             _gather_ring(state, buffer, None)
         return None
+    if state.split:  # the entry's own reduce-scatter serves every consumer (split_backward)
+        fn = lambda xl, wl: _RingMatmul.apply(xl, wl, buffer, state)  # noqa: E731
+        return local_map(fn, (None, None), spec, check_shapes=False)(x, w)
     xs, state.x, state.consumers = state.x, None, 1
     first = lambda xl, wl: _RingMatmul.apply(xl, wl, buffer, state)  # noqa: E731
     return local_map(first, (None, None), spec, check_shapes=False)(xs, w)
