@@ -50,7 +50,8 @@ def _matmul_seconds(step) -> float:
     return sum(e.self_cpu_time_total for e in prof.key_averages() if e.key == "aten::mm") * 1e-6
 
 
-def _bench(cfg, batch: dict, tp: int, repeats: int, ratio: float, width: int, calibrate: str) -> dict:
+def _bench(cfg, batch: dict, tp: int, repeats: int, ratio: float, width: int, calibrate: str,
+           fixed: float | None) -> dict:
     import torch.distributed as dist
 
     import dtp
@@ -92,7 +93,7 @@ def _bench(cfg, batch: dict, tp: int, repeats: int, ratio: float, width: int, ca
     c = torch.tensor([ref, matmul], dtype=torch.float64)
     dist.all_reduce(c, op=dist.ReduceOp.MAX)
     matmul = float(c[1])
-    bandwidth = nbytes / (ratio * float(c[0]))
+    bandwidth = fixed or nbytes / (ratio * float(c[0]))
     with dtp.comm.simulated_link(bandwidth, axes=("tp",)):
         linked = alternating_times(steps, repeats)
         exposed, per_tag = {}, {}
@@ -128,6 +129,8 @@ def main() -> None:
     ap.add_argument("--comm-ratio", type=float, default=1.0, help="modelled tp comm / the --calibrate reference")
     ap.add_argument("--calibrate", choices=("matmul", "step"), default="matmul",
                     help="reference time: the SP step's matmuls (default) or the whole SP step")
+    ap.add_argument("--bandwidth", type=float, default=None,
+                    help="the tp link's bytes/s, fixed (no calibration): to compare two code versions on one link")
     ap.add_argument("--width", type=int, default=100)
     args = ap.parse_args()
 
@@ -138,7 +141,8 @@ def main() -> None:
     g = torch.Generator().manual_seed(1)
     toks = torch.randint(0, cfg.vocab_size, (args.batch, args.seq + 1), generator=g)
     batch = {"tokens": toks[:, :-1].contiguous(), "targets": toks[:, 1:].contiguous()}
-    res = run(_bench, cfg, batch, args.tp, args.repeats, args.comm_ratio, args.width, args.calibrate, world_size=args.tp,
+    res = run(_bench, cfg, batch, args.tp, args.repeats, args.comm_ratio, args.width, args.calibrate, args.bandwidth,
+              world_size=args.tp,
               timeout=1800)
 
     def med(key: str, name: str) -> float:
@@ -155,7 +159,7 @@ def main() -> None:
         link = med("linked", name)
         print(f"{name:8}{1e3 * med('free', name):>9.1f}m{1e3 * link:>9.1f}m"
               f"{link / med('linked', 'sp'):>8.2f}{link / ideal:>8.2f}{r0['exposed'][name]:>9.2f}")
-    print(f"loopback async / sp: {med('free', 'async') / compute:.2f}")
+    print(f"loopback async / sp: {med('free', 'async') / compute:.2f}; link {r0['bandwidth'] / 1e6:.1f} MB/s")
     print("rank 0, one step under the link, per collective: count, ms waited / ms of modelled link time")
     for name in ("sp", "async"):
         rows = sorted(r0["per_tag"][name].items(), key=lambda kv: -kv[1][2])
