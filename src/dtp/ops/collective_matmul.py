@@ -412,9 +412,11 @@ def materialized(x: torch.Tensor) -> torch.Tensor:
 
 def ring_linear(x: DTensor, w: DTensor, spec: P) -> DTensor | None:
     """``linear``'s async-tp path: ``x @ w`` (output laid out as ``spec``) when ``x`` is an
-    entry buffer the ring has not filled yet: the ring runs here under the matmul. For a
-    weight not split over the ring's axis the ring only fills the buffer. ``None`` when
-    ``x`` is no unfilled buffer (the caller multiplies as usual).
+    entry buffer the ring has not filled yet: the ring runs here under the matmul; or,
+    for a later column-parallel consumer of a filled one, the matmul whose input gradient
+    joins the first consumer's ring. For a weight not split over the ring's axis the ring
+    only fills the buffer. ``None`` when the caller multiplies as usual (``x`` no entry
+    buffer, or a plain consumer of a filled one).
 
     >>> ring_linear(torch.ones(2, 2), torch.ones(2, 2), P()) is None
     True
