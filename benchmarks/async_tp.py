@@ -12,9 +12,10 @@ takes ``--comm-ratio`` × a reference time measured without the link: with
 ``--calibrate matmul`` (the default, the issue's setting: "the SP collectives take about
 as long as the block's matmuls") the self time of the step's ``aten::mm`` calls
 (torch.profiler, the slower rank); with ``--calibrate step`` the whole non-async step.
-On this CPU the matmuls are only ~15-25 % of a small step (SDPA, elementwise ops,
+On this CPU the matmuls measured ~10-40 % of a small step (SDPA, elementwise ops,
 autograd and the optimizer are the rest), so ``--calibrate step --comm-ratio 0.5`` makes
-the link ~2-3× the matmuls that can run under it: no ring can hide that.
+the link longer than all the matmuls that could run under it: no ring can hide that.
+``--bandwidth`` fixes the link instead (to compare two code versions on one link).
 
 Steps alternate (async, non-async; order swapped each round, every rank starting
 together); a step's time is the slower rank's; medians of ``--repeats``. Columns:
