@@ -1,6 +1,7 @@
 """Async tensor parallel (``layouts.megatron(sequence_parallel=True, async_tp=True)``):
 three steps equal one device in fp64 and non-async SP in fp32, with the same bytes per
 rank per mesh axis; the block entries are one ring each (the kinds change to send_recv)."""
+import contextlib
 import functools
 import math
 
@@ -11,6 +12,7 @@ from torch.distributed.tensor import DTensor
 
 import dtp
 from dtp.models import llama
+from dtp.ops.collective_matmul import split_backward
 from dtp.testing import assert_tree_close, reference_value_and_grad, run
 
 CFG = llama.config("tiny", n_heads=8, n_kv_heads=4)
@@ -33,14 +35,15 @@ def _layout(mesh_axes, async_tp, zero=None):
     return layout + (dtp.layouts.zero(stage=zero, bucket_mb=0.02) if zero else dtp.Layout())
 
 
-def _three_steps(mesh_axes, async_tp, dtype, recompute=None, zero=None, microbatches=1):
+def _three_steps(mesh_axes, async_tp, dtype, recompute=None, zero=None, microbatches=1, split=False):
     mesh = dtp.make_mesh(**mesh_axes)
     opt = dtp.optim.adamw(dtp.optim.warmup_cosine(3e-3, 1, 3), weight_decay=0.1)
     state = dtp.TrainState.create(llama.init(CFG, seed=0, dtype=dtype), opt, mesh=mesh,
                                   layout=_layout(mesh_axes, async_tp, zero), axes=llama.param_axes(CFG),
                                   axis_sizes=llama.axis_sizes(CFG))
     losses = []
-    with dtp.comm.comm_log() as log:
+    # split: every consumer's input gradient to the entry's ring, as under zero bubble's I / W
+    with dtp.comm.comm_log() as log, split_backward() if split else contextlib.nullcontext():
         for step in range(3):
             state, metrics = dtp.train_step(LOSS, state, dtp.shard_batch(_batch(step), state),
                                             recompute=recompute, microbatches=microbatches)
@@ -99,6 +102,7 @@ SLOW_CASES = {
     "tp4": ({"tp": 4}, {}),
     "dp2 tp4 recompute full": ({"dp": 2, "tp": 4}, {"recompute": "full"}),
     "dp2 cp2 tp2 zero3": ({"dp": 2, "cp": 2, "tp": 2}, {"zero": 3}),
+    "tp2 split backward recompute full": ({"tp": 2}, {"split": True, "recompute": "full"}),
 }
 
 

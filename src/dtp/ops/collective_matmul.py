@@ -15,9 +15,19 @@ with the ring's state attached to that DTensor. The first ``linear`` that reads 
 the ring (:class:`_RingMatmul`): each step multiplies the shard in hand into its rows of
 the output while the next shard moves, and copies every arriving shard into the buffer.
 Every later consumer of the same input (K and V after Q; up after gate) finds the buffer
-full and multiplies it whole: ONE ring per block entry, however many consumers. The
-gradients of all consumers add up in autograd before the entry's backward
-(:class:`_RingEntry`), which reduce-scatters them once, as the dual ring of partial sums.
+full and multiplies it whole (:class:`_RingConsumer`): ONE ring per block entry, however
+many consumers. In backward the later consumers run first (autograd runs the later-made
+of two ready nodes first) and compute only their weight gradients, leaving their output
+gradients with the ring's state; the first consumer's backward, whose autograd input is
+the seq-split input itself, then reduce-scatters the sum of all the consumers' input
+gradients once, as the dual ring of partial sums, computing its own weight gradient and
+the own chunk's input gradient under the hop. (It checks that every later consumer has
+run first and fails loudly otherwise.) A plain consumer (a weight not split over the
+ring's axis) sends its input gradient to the entry's own reduce-scatter
+(:class:`_RingEntry`), and so does every consumer inside :func:`split_backward` (zero
+bubble's input-gradient pass runs only the nodes on the input's path, which a
+weight-gradient-only consumer is not on; the pipeline strategy sets it for schedules with
+``I`` / ``W`` actions).
 The buffer starts as NaN, so a reader other than ``linear`` (which would see it before
 the ring ran) fails loudly; the routers of MoE models are such readers, so
 ``Layout.check_sizes`` refuses async_tp with experts.
@@ -33,11 +43,13 @@ multiplied into its rows of the input gradient and added to the weight gradient 
 the next one moves.
 
 What runs under each hop: forward, the entry's first consumer's matmul on the shard in
-hand (not K/V or up: they are later ``linear`` calls) and the exit's next partial
-product; backward, the exit gradient's input- and weight-gradient products. The entry's
-backward reduce-scatter ring has no matmul under it: the consumers' input gradients are
-all computed (by autograd, in their own nodes) before it can start. The ring is one
-direction (tp - 1 hops; the bidirectional variant is not built).
+hand (not K/V or up: they are later ``linear`` calls, not known when the ring runs) and
+the exit's next partial product; backward, the exit gradient's input- and weight-gradient
+products, and under the entry's reduce-scatter the next chunk's input gradient (all
+consumers) plus the first consumer's weight gradient (the later consumers' weight
+gradients are computed in their own nodes, before the ring: autograd can only deliver a
+weight's gradient from a node that took the weight). The ring is one direction (tp - 1
+hops; the bidirectional variant is not built).
 
 Outside a layout with async_tp, on a LocalTensor simulation (no point-to-point there) or
 for any other plan, both fall back to the collectives of :mod:`dtp.redistribute`.
@@ -45,8 +57,9 @@ for any other plan, both fall back to the collectives of :mod:`dtp.redistribute`
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Iterator
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -59,10 +72,32 @@ from ..mesh import axis_sizes, coordinates
 from ..redistribute import local_map, plan, reshard
 from ..spec import P, spec_of, wrap_local
 
-__all__ = ["ring_constrain", "ring_linear", "defers", "deferred", "materialized", "async_axis"]
+__all__ = ["ring_constrain", "ring_linear", "defers", "deferred", "materialized", "async_axis", "split_backward"]
 
 _DEFERRED = "_dtp_deferred"  # attribute of a deferred DTensor: (x, w) of its row-parallel matmul
 _RING = "_dtp_ring"  # attribute of an entry DTensor: (its _RingState, the buffer under it)
+
+
+_split_depth = 0  # > 0 inside split_backward()
+
+
+@contextlib.contextmanager
+def split_backward() -> Iterator[None]:
+    """Forwards run inside will have their backward split (zero bubble's ``I`` then
+    ``W``): each later consumer of an entry ring sends its input gradient to the entry's
+    own reduce-scatter, as a plain matmul would, instead of to the first consumer's ring.
+    ``I`` runs only the nodes on the input's path, and a later consumer whose backward
+    computes only its weight's gradient is not on it (module docstring).
+
+    >>> with split_backward():
+    ...     pass
+    """
+    global _split_depth
+    _split_depth += 1
+    try:
+        yield
+    finally:
+        _split_depth -= 1
 
 
 def async_axis() -> str | None:
@@ -82,12 +117,18 @@ def async_axis() -> str | None:
 class _RingState:
     """What the entry ring of one gathered input needs: this rank's shard, where it goes."""
 
-    shard: torch.Tensor  # this rank's seq shard (local, no autograd)
+    shard: torch.Tensor | None  # this rank's seq shard (local, no autograd); dropped once sent
+    x: DTensor | None  # the seq-split input: the first consumer's autograd input; dropped after
     mesh: DeviceMesh
     axis: str
     dim: int  # the gathered (sequence) dim
     tag: str
     filled: bool = False
+    split: bool = False  # made inside split_backward(): consumers' input gradients go to the entry
+    consumers: int = 0  # ring consumers (column-parallel linears) of the buffer in forward
+    # (output gradient, weight) of each later consumer, left by its backward for the
+    # first consumer's, which reduce-scatters all their input gradients in one ring.
+    stash: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
 
 def _chunk(t: torch.Tensor, dim: int, n: int, i: int) -> torch.Tensor:
@@ -104,7 +145,8 @@ def _gather_ring(state: _RingState, buffer: torch.Tensor, w: torch.Tensor | None
     shard into its rows of ``buffer @ w`` while the next one moves (returned)."""
     n, me = _ring_of(state.mesh, state.axis)
     out = None if w is None else buffer.new_empty((*buffer.shape[:-1], w.shape[-1]))
-    cur = state.shard
+    cur, state.shard = state.shard, None
+    assert cur is not None, "async tp: an entry ring runs once"
     for s in range(n):
         handle = (comm.send_recv(cur, state.mesh, state.axis, shift=1, async_op=True, tag=state.tag)
                   if s < n - 1 else None)
@@ -117,14 +159,18 @@ def _gather_ring(state: _RingState, buffer: torch.Tensor, w: torch.Tensor | None
     return out
 
 
-def _scatter_ring(terms: Any, n: int, me: int, mesh: DeviceMesh, axis: str, tag: str) -> torch.Tensor:
+def _scatter_ring(terms: Any, n: int, me: int, mesh: DeviceMesh, axis: str, tag: str,
+                  under: Any = None) -> torch.Tensor:
     """The dual ring: ``terms(c)`` is this rank's term of destination chunk ``c``; after
     ``n - 1`` hops of partial sums each rank holds the whole sum of its own chunk. The
-    next term is computed while the previous partial sum is in flight."""
+    next term is computed while the previous partial sum is in flight, and ``under()``
+    (work that needs no hop: weight gradients) while the first one is."""
     acc = terms((me - 1) % n)
     for s in range(n - 1):
         handle = comm.send_recv(acc, mesh, axis, shift=1, async_op=True, tag=tag)
         nxt = terms((me - s - 2) % n)
+        if s == 0 and under is not None:
+            under()
         acc = handle.wait() + nxt
     return acc
 
@@ -156,22 +202,67 @@ class _RingEntry(torch.autograd.Function):
 
 class _RingMatmul(torch.autograd.Function):
     """The first consumer of an entry buffer: ``buffer @ w`` computed ring-wise while the
-    buffer fills; backward is a plain matmul's (the buffer is whole by then)."""
+    buffer fills. Its autograd input is the seq-split ``x`` itself (not the buffer): its
+    backward runs after every later consumer's (:class:`_RingConsumer`, made after it)
+    and reduce-scatters the sum of all their input gradients as the dual ring, with this
+    consumer's weight gradient and the own chunk's input gradient computed under the hop."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, w: torch.Tensor, buffer: torch.Tensor,  # type: ignore[override]
                 state: _RingState) -> torch.Tensor:
         out = _gather_ring(state, buffer, w)
-        # The buffer, whole by now; not x: autograd forbids reading a view (x, made by
-        # to_local) whose base changed in place after it was made.
-        ctx.save_for_backward(buffer, w)
+        ctx.save_for_backward(buffer, w)  # whole by now
+        ctx.state, ctx.x_shape = state, tuple(x.shape)
         return out
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):  # type: ignore[override]
         x, w = ctx.saved_tensors
-        gw = x.reshape(-1, x.shape[-1]).transpose(0, 1) @ g.reshape(-1, g.shape[-1])
-        return g @ w.transpose(0, 1), gw, None, None
+        state: _RingState = ctx.state
+        if state.split:  # its input is the buffer: the entry reduce-scatters every consumer's gradient
+            gw = x.reshape(-1, x.shape[-1]).transpose(0, 1) @ g.reshape(-1, g.shape[-1])
+            return g @ w.transpose(0, 1), gw, None, None
+        if len(state.stash) != state.consumers - 1:
+            raise RuntimeError(f"async tp ({state.tag}): the entry's first consumer ran its backward before "
+                               f"{state.consumers - 1 - len(state.stash)} later consumer(s) of the same input; "
+                               "its reduce-scatter needs all their gradients")
+        pairs, state.stash = [(g, w), *state.stash], []
+        n, me = _ring_of(state.mesh, state.axis)
+        gw: list[torch.Tensor] = []
+
+        def terms(c: int) -> torch.Tensor:  # Σ over consumers of chunk c's input gradient
+            out = None
+            for gi, wi in pairs:
+                t = _chunk(gi, state.dim, n, c) @ wi.transpose(0, 1)
+                out = t if out is None else out.add_(t)
+            assert out is not None
+            return out.contiguous()
+
+        def weight_grad() -> None:
+            gw.append(x.reshape(-1, x.shape[-1]).transpose(0, 1) @ g.reshape(-1, g.shape[-1]))
+
+        gx = _scatter_ring(terms, n, me, state.mesh, state.axis, f"{state.tag} backward", weight_grad)
+        if not gw:  # a ring of one rank: no hop to hide it under
+            weight_grad()
+        return gx.reshape(ctx.x_shape), gw[0], None, None
+
+
+class _RingConsumer(torch.autograd.Function):
+    """A later consumer of a filled entry buffer (K and V after Q; up after gate): a plain
+    ``x @ w`` whose backward computes only the weight gradient and leaves the output
+    gradient to the first consumer's ring (:class:`_RingMatmul`)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, state: _RingState) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(x, w)
+        ctx.state = state
+        return x @ w
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):  # type: ignore[override]
+        x, w = ctx.saved_tensors
+        ctx.state.stash.append((g, w))
+        return None, x.reshape(-1, x.shape[-1]).transpose(0, 1) @ g.reshape(-1, g.shape[-1]), None
 
 
 class _MatmulScatterGrad(torch.autograd.Function):
@@ -274,7 +365,7 @@ def ring_constrain(x: DTensor, dst: P, *, tag: str) -> DTensor | None:
     shape[dim] *= axis_sizes(x.device_mesh)[axis]
     # NaN until the ring fills it: a reader other than linear fails loudly (module docstring).
     buffer = torch.full(shape, float("nan"), dtype=local.dtype, device=local.device)
-    state = _RingState(local.detach().contiguous(), x.device_mesh, axis, dim, tag)
+    state = _RingState(local.detach().contiguous(), x, x.device_mesh, axis, dim, tag, split=_split_depth > 0)
     out = _RingEntry.apply(x, buffer, state, dst)
     setattr(out, _RING, (state, buffer))
     return out
@@ -321,20 +412,34 @@ def materialized(x: torch.Tensor) -> torch.Tensor:
 
 def ring_linear(x: DTensor, w: DTensor, spec: P) -> DTensor | None:
     """``linear``'s async-tp path: ``x @ w`` (output laid out as ``spec``) when ``x`` is an
-    entry buffer the ring has not filled yet: the ring runs here under the matmul. For a
-    weight not split over the ring's axis the ring only fills the buffer. ``None`` when
-    ``x`` is no unfilled buffer (the caller multiplies as usual).
+    entry buffer the ring has not filled yet: the ring runs here under the matmul; or,
+    for a later column-parallel consumer of a filled one, the matmul whose input gradient
+    joins the first consumer's ring. For a weight not split over the ring's axis the ring
+    only fills the buffer. ``None`` when the caller multiplies as usual (``x`` no entry
+    buffer, or a plain consumer of a filled one).
 
     >>> ring_linear(torch.ones(2, 2), torch.ones(2, 2), P()) is None
     True
     """
     held: tuple[_RingState, torch.Tensor] | None = getattr(x, _RING, None)
-    if held is None or held[0].filled:
+    if held is None:
         return None
     state, buffer = held
-    if state.axis not in spec_of(w).axes_of(1) or spec_of(x).axes_of(x.dim() - 1):
+    column = state.axis in spec_of(w).axes_of(1) and not spec_of(x).axes_of(x.dim() - 1)
+    if state.filled:
+        if not column or not state.consumers or state.split:
+            return None  # a plain consumer: its input gradient reaches the entry's own ring
+        state.consumers += 1
+        # x detached: this consumer's input gradient goes to the first one's ring instead.
+        later = lambda xl, wl: _RingConsumer.apply(xl, wl, state)  # noqa: E731
+        return local_map(later, (None, None), spec, check_shapes=False)(x.detach(), w)
+    if not column:
         with torch.no_grad():
             _gather_ring(state, buffer, None)
         return None
-    fn = lambda xl, wl: _RingMatmul.apply(xl, wl, buffer, state)  # noqa: E731
-    return local_map(fn, (None, None), spec, check_shapes=False)(x, w)
+    if state.split:  # the entry's own reduce-scatter serves every consumer (split_backward)
+        fn = lambda xl, wl: _RingMatmul.apply(xl, wl, buffer, state)  # noqa: E731
+        return local_map(fn, (None, None), spec, check_shapes=False)(x, w)
+    xs, state.x, state.consumers = state.x, None, 1
+    first = lambda xl, wl: _RingMatmul.apply(xl, wl, buffer, state)  # noqa: E731
+    return local_map(first, (None, None), spec, check_shapes=False)(xs, w)

@@ -67,6 +67,7 @@ from ..layouts.pipeline import assign
 from ..mesh import axis_names, axis_sizes, coordinates, sub_mesh
 from ..buffers import with_buffers
 from ..models.sequential import Sequential
+from ..ops import collective_matmul
 from ..optim import global_norm, map_param_trees
 from ..redistribute import reshard, value_of
 from ..spec import P, spec_of, wrap_local
@@ -163,6 +164,10 @@ class Run:
         self.plan = (schedules.forward_only if forward_only else schedules.make)(
             opts.schedule, p=self.p, v=self.v, m=ctx.microbatches)
         self.placement = self.plan.placement  # the stage-to-rank map: the schedule's
+        # Zero bubble's I / W: async tp's entry rings must not route input gradients
+        # through weight-only nodes (collective_matmul.split_backward).
+        self.split = any(a.kind == "I" for item in self.plan[self.rank]
+                         for a in ((item.forward, item.backward) if isinstance(item, schedules.Pair) else (item,)))
         model = ctx.model
         ranges = assign(len(model), self.p, self.v, opts.layer_split)
         # (global stage, first layer, stop) of this rank's chunks, chunk order
@@ -228,7 +233,8 @@ class Run:
         broadcast over pp, :func:`.pipeline_wire.share`)."""
         actions = self.plan[self.rank]
         self.mbs = microbatches
-        with use_layout(self.ctx.layout, self.smesh) if self.smesh is not None else contextlib.nullcontext():
+        with use_layout(self.ctx.layout, self.smesh) if self.smesh is not None else contextlib.nullcontext(), \
+                collective_matmul.split_backward() if self.split else contextlib.nullcontext():  # recomputes too
             k = 0
             while k < len(actions):
                 item = actions[k]
