@@ -359,7 +359,8 @@ class Run:
             got = torch.autograd.grad(outs, xs + leaves, grad_outputs=grads, allow_unused=True)
             dxs, weights = got[:len(xs)], got[len(xs):]
         if xs:
-            dxs = [g if g is not None else torch.zeros_like(x) for g, x in zip(dxs, xs)]
+            # A gradient may come back as a pending sum like an activation: reduced before it leaves.
+            dxs = [wire.sendable(g) if g is not None else torch.zeros_like(x) for g, x in zip(dxs, xs)]
             self._send("grad", stage - 1, i, dxs, optree.tree_structure(dxs))
         if not keep_graph and not self.zero:  # ZeRO's views added theirs into the buckets during backward
             self.inner.add(weights)
