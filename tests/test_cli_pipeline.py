@@ -88,6 +88,7 @@ def test_dualpipev_checks_and_its_eval_loss_is_one_process(tmp_path, monkeypatch
     assert evals(pp) == pytest.approx(evals(one), rel=1e-10, abs=0)
 
 
+@pytest.mark.slow  # ~25 s on 2 cores; tests/test_moe_pipeline.py checks the same aux in the default run
 def test_moe_eval_loss_under_pp2_ep2_is_one_process(tmp_path, monkeypatch) -> None:
     """``dtp train --model tiny-moe --pp 2 --ep 2 --eval-every 2``: the held-out loss is
     the LM loss, as one process reports it (fp64, 1e-10). The forward-only schedule
