@@ -86,3 +86,26 @@ def test_dualpipev_checks_and_its_eval_loss_is_one_process(tmp_path, monkeypatch
 
     assert len(evals(pp)) == 2
     assert evals(pp) == pytest.approx(evals(one), rel=1e-10, abs=0)
+
+
+@pytest.mark.slow  # ~25 s on 2 cores; tests/test_moe_pipeline.py checks the same aux in the default run
+def test_moe_eval_loss_under_pp2_ep2_is_one_process(tmp_path, monkeypatch) -> None:
+    """``dtp train --model tiny-moe --pp 2 --ep 2 --eval-every 2``: the held-out loss is
+    the LM loss, as one process reports it (fp64, 1e-10). The forward-only schedule
+    answered aux ``None``, and the loop read the loss with the aux terms added."""
+    from dtp import launch
+    from test_cli_combinations import _pool_launch
+
+    monkeypatch.setattr(launch, "launch", _pool_launch)
+    flags = ["train", "--model", "tiny-moe", "--steps", "2", "--batch", "8", "--seq", "16", "--dtype", "float64",
+             "--eval-every", "2", "--microbatches", "2"]
+    pp, one = tmp_path / "pp", tmp_path / "one"
+    assert main([*flags, "--pp", "2", "--ep", "2", "--out", str(pp)]) == 0
+    assert main([*flags, "--out", str(one)]) == 0
+
+    def evals(out):
+        return [r["eval_loss"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+                if r.get("eval_loss") is not None]
+
+    assert len(evals(pp)) == 1
+    assert evals(pp) == pytest.approx(evals(one), rel=1e-10, abs=0)

@@ -136,3 +136,31 @@ def test_the_plan_counts_the_aux_carry_and_does_not_refuse():
     assert plan.bytes["pp"]["send"] == 4 * (1 * 16 * 64 * 4 + 2 * 4)
     # the grad norm (fp32), and the head's aux to every stage: 4 × (3 + 2 blocks × 5) float64
     assert plan.bytes["pp"]["all_reduce"] == 4 + 4 * 13 * 8
+
+
+def _evaluate(axes: dict, layout, cfg) -> list:
+    """``strategies.evaluate`` on two held-out batches (each one microbatch): ``(loss, aux)`` whole."""
+    mesh = dtp.make_mesh(**axes)
+    state = dtp.TrainState.create(llama.init(cfg, seed=0, dtype=torch.float64), dtp.optim.sgd(0.1), mesh=mesh,
+                                  layout=layout, axes=llama.param_axes(cfg), axis_sizes=llama.axis_sizes(cfg),
+                                  buffers=llama.init_buffers(cfg, torch.float64))
+    batches = [dtp.shard_batch(_batch(cfg, 10 + k), state) for k in range(2)]
+    out = dtp.strategies.evaluate(llama.sequential(cfg), state.params, state.zero, state.layout, state.mesh,
+                                  batches, buffers=state.buffers)
+    return [(loss, None if aux is None else _whole(dict(aux))) for loss, aux in out]
+
+
+def test_evaluation_under_a_pipeline_returns_the_aux_of_one_device():
+    """The forward-only schedule's aux (each block's aux / z losses, the LM loss) on every
+    rank of pp2 × ep2, as the one-process evaluation returns it (it was ``None``)."""
+    cfg = _cfg(True)
+    want = run(_evaluate, {"dp": 1}, layouts.data(), cfg, world_size=1)[0]
+    got = run(_evaluate, {"pp": 2, "ep": 2}, _ep_pp("1f1b"), cfg, world_size=4)
+    for r, results in enumerate(got):
+        assert len(results) == len(want)
+        for (loss, aux), (w_loss, w_aux) in zip(results, want):
+            torch.testing.assert_close(torch.tensor(loss), torch.tensor(w_loss), rtol=RTOL, atol=0)
+            assert aux is not None, f"rank {r}: evaluate returned aux None under the pipeline"
+            assert optree.tree_structure(aux) == optree.tree_structure(w_aux), f"rank {r}"
+            for path, g, w in zip(optree.tree_paths(w_aux), optree.tree_leaves(aux), optree.tree_leaves(w_aux)):
+                torch.testing.assert_close(g, w, rtol=RTOL, atol=1e-13, msg=lambda m: f"rank {r} aux {path}: {m}")

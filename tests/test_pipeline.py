@@ -6,7 +6,7 @@ import functools
 import optree
 import pytest
 import torch
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 import dtp
 from dtp import layouts
@@ -210,6 +210,38 @@ CASES.update(ZERO)
 @pytest.mark.parametrize("name", list(ZERO))
 def test_zero_1_and_2_under_each_stage_equal_one_device(name):
     test_pipeline_composes_and_equals_one_device(name)
+
+
+ORDER = {  # the mesh order the CLI never builds (RunConfig.mesh_axes puts pp first): dp outer
+    "dp2 x pp2 zero1 1f1b": ({"dp": 2, "pp": 2}, layouts.data() + layouts.zero(1, bucket_mb=1e-3) +
+                             layouts.pipeline("1f1b"), {}, 2, 1.0),
+    "dp2 x pp2 zero2 gpipe": ({"dp": 2, "pp": 2}, layouts.data() + layouts.zero(2, bucket_mb=1e-3) +
+                              layouts.pipeline("gpipe"), {}, 2, None),
+}
+CASES.update(ORDER)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(ORDER))
+def test_zero_under_stages_equals_one_device_whichever_axis_is_outer(name):
+    test_pipeline_composes_and_equals_one_device(name)
+
+
+def _pending_sum_on_the_wire():
+    from torch.distributed.tensor import Partial
+    from dtp.strategies import pipeline_wire as wire
+
+    mesh = dtp.make_mesh(dp=1)
+    x = DTensor.from_local(torch.ones(2, dtype=torch.float64), mesh, [Partial()])
+    with pytest.raises(ValueError, match="only Replicate and Shard travel"):
+        wire.header(x)
+    return wire.read_header(wire.header(wire.sendable(x)), mesh)[2]
+
+
+def test_a_pending_sum_is_reduced_before_its_header_is_written():
+    """A Partial placement has no header code: sendable() reduces it (activations and,
+    now, gradients alike); header() says so instead of an AttributeError."""
+    assert run(_pending_sum_on_the_wire, world_size=1)[0] == (Replicate(),)
 
 
 @pytest.mark.parametrize("schedule,recompute", [("zb-h1", "full"), ("interleaved", "selective")])

@@ -196,8 +196,8 @@ def evaluate(loss_fn: Any, params: PyTree, state: Any, layout: Layout, mesh: Dev
     forward only, the same on every rank (call it on every rank).
 
     Under a pipeline the batches are the microbatches of a forward-only schedule over the
-    stages (``loss_fn`` the :class:`dtp.Sequential`; one all-reduce of the losses over pp,
-    aux ``None``); elsewhere ``loss_fn`` runs whole on :func:`gather`'s parameters (under
+    stages (``loss_fn`` the :class:`dtp.Sequential`; one all-reduce of the losses over pp;
+    aux as in a training step: an MoE model's on every rank, shared over pp); elsewhere ``loss_fn`` runs whole on :func:`gather`'s parameters (under
     ZeRO-3 an all-gather of every bucket). ``buffers`` (``TrainState.buffers``) are laid
     over the parameters there and over each stage's, as in a training step.
 
@@ -223,7 +223,7 @@ def evaluate(loss_fn: Any, params: PyTree, state: Any, layout: Layout, mesh: Dev
     wait(state)  # ZeRO 1/2 under the stages: their views may still be filling
     run = pipeline.Run(params, pipeline.Context(layout, mesh, loss_fn, len(batches), buffers=buffers),
                        forward_only=True)
-    return [(loss, None) for loss in run.evaluate(list(batches))]
+    return run.evaluate(list(batches))
 
 
 def begin(params: PyTree, state: Any, microbatches: int, *, loss_fn: Any = None, layout: Layout | None = None,

@@ -260,10 +260,12 @@ class Run:
             aux = wire.share(aux, self._holds_last(), self.ctx.mesh, self.axis)
         return self._loss(), aux
 
-    def evaluate(self, batches: list[Mapping[str, Any]]) -> list[float]:
-        """Each batch's loss (one microbatch each), forward only, on every rank: this
-        rank's forwards in stage order (:func:`dtp.schedules.forward_only`), then one
-        all-reduce over pp of the last stage's losses."""
+    def evaluate(self, batches: list[Mapping[str, Any]]) -> list[tuple[float, Any]]:
+        """Each batch's ``(loss, aux)`` (one microbatch each), forward only, on every rank:
+        this rank's forwards in stage order (:func:`dtp.schedules.forward_only`), then one
+        all-reduce over pp of the last stage's losses. ``aux`` as :meth:`schedule` gives
+        it: with a tree carry (MoE) the last stage's, shared over pp; else the last
+        stage's, ``None`` elsewhere."""
         self.mbs = batches
         actions = self.plan[self.rank]
         with torch.no_grad(), use_layout(self.ctx.layout, self.smesh) if self.smesh is not None else \
@@ -275,8 +277,12 @@ class Run:
         for handle in (h for hs in self.act_sends.values() for h in hs):
             handle.wait()
         self.act_sends.clear()
+        auxes = [self.auxes.get(i) for i in range(self.m)] if self.auxes else None
+        if self.ctx.model.carry == "tree":  # every rank reads the aux (the CLI's held-out LM loss)
+            auxes = wire.share(auxes, self._holds_last(), self.ctx.mesh, self.axis)
         mine = torch.tensor([self.losses.get(i, 0.0) for i in range(self.m)], dtype=torch.float64)
-        return comm.all_reduce(mine, self.ctx.mesh, self.axis, tag="pipeline eval loss").tolist()
+        losses = comm.all_reduce(mine, self.ctx.mesh, self.axis, tag="pipeline eval loss").tolist()
+        return [(loss, None if auxes is None else auxes[i]) for i, loss in enumerate(losses)]
 
     def gradients(self) -> Iterator[tuple[int, PyTree]]:
         return self.inner.gradients()
@@ -359,7 +365,8 @@ class Run:
             got = torch.autograd.grad(outs, xs + leaves, grad_outputs=grads, allow_unused=True)
             dxs, weights = got[:len(xs)], got[len(xs):]
         if xs:
-            dxs = [g if g is not None else torch.zeros_like(x) for g, x in zip(dxs, xs)]
+            # A gradient may come back as a pending sum like an activation: reduced before it leaves.
+            dxs = [wire.sendable(g) if g is not None else torch.zeros_like(x) for g, x in zip(dxs, xs)]
             self._send("grad", stage - 1, i, dxs, optree.tree_structure(dxs))
         if not keep_graph and not self.zero:  # ZeRO's views added theirs into the buckets during backward
             self.inner.add(weights)

@@ -88,6 +88,9 @@ def header(x: torch.Tensor, gather: bool = False, tree_words: int = 0) -> torch.
     h[_GRAD], h[_TREE], h[_GATHER] = int(x.requires_grad), tree_words, int(gather)
     if isinstance(x, DTensor):
         for d, pl in enumerate(x.placements):
+            if not isinstance(pl, (Replicate, Shard)):  # a pending sum has no code: sendable() reduces it first
+                raise ValueError(f"layouts.pipeline: a tensor leaving its stage has placement {pl} on mesh dim {d} "
+                                 f"({x.placements}); only Replicate and Shard travel (reduce it with sendable)")
             h[10 + d] = 1 if isinstance(pl, Replicate) else 2 + pl.dim  # Shard(dim)
     else:
         h[10] = -1  # a plain tensor
