@@ -237,7 +237,13 @@ def _failure(record: CommRecord, error: BaseException) -> CollectiveError:
     except (RuntimeError, ValueError):
         rank = -1
     tag = f" {record.tag!r}" if record.tag else ""
+    entries = flight_record()
+    shown = format_flight_record(entries)
+    # Collectives posted together and waited later (a step's gradient all-reduces) put the
+    # failed one before the last three: name it first, so the line always shows it.
+    if all(e.seq != record.seq for e in entries[-3:]):
+        shown = ", …, ".join([str(e) for e in entries if e.seq == record.seq][:1] + [shown])
     return CollectiveError(
         f"rank {rank}: {record.kind} over {record.axis!r} (#{record.seq}{tag}) failed "
         f"{time.perf_counter() - record.issued:.2f} s after it was posted: {text}. "
-        f"Last collectives here: {format_flight_record(flight_record())}", record)
+        f"Last collectives here: {shown}", record)
