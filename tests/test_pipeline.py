@@ -212,6 +212,16 @@ def test_zero_1_and_2_under_each_stage_equal_one_device(name):
     test_pipeline_composes_and_equals_one_device(name)
 
 
+def test_a_pp2_dp2_zero1_checkpoint_resumes_as_if_never_stopped(tmp_path):
+    """The loaded optimizer state covers every stage: each rank's ZeRO cuts its stages'
+    share into its buckets (it used to keep the per-parameter tree and fail in the update)."""
+    cfg, root = _cfg(), str(tmp_path / "ckpt")
+    axes, layout = {"pp": 2, "dp": 2}, layouts.data() + layouts.zero(1, bucket_mb=1e-3) + layouts.pipeline("1f1b")
+    want = run(_save_pp, axes, layout, cfg, root, 2, world_size=4)[0]
+    got = run(_load_pp, axes, layout, cfg, root, 2, world_size=4)[0]
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want[1:]), rtol=RTOL, atol=0)
+
+
 ORDER = {  # the mesh order the CLI never builds (RunConfig.mesh_axes puts pp first): dp outer
     "dp2 x pp2 zero1 1f1b": ({"dp": 2, "pp": 2}, layouts.data() + layouts.zero(1, bucket_mb=1e-3) +
                              layouts.pipeline("1f1b"), {}, 2, 1.0),

@@ -310,6 +310,9 @@ def format_summary(s: Mapping[str, Any]) -> str:
 # --------------------------------------------------------------------------- errors
 
 
+_MAX_MESSAGE = 600  # characters of an error's message on its one line
+
+
 def report_exception(e: Exception, command: str, out: str | None) -> int:
     """One line on stderr (through the launcher, once per distinct message) for ``e``;
     returns the exit code. Once per exception: a rank reports a crash as soon as it
@@ -339,6 +342,8 @@ def _report(e: Exception, command: str, out: str | None) -> int:
     if isinstance(e, (ValueError, NotImplementedError)):
         # Validation errors (ours, the layouts', the model's) are one line, not a traceback.
         message = " ".join(line.strip() for line in str(e).splitlines() if line.strip())
+        if len(message) > _MAX_MESSAGE:  # a library's message can carry a whole tensor's repr
+            message = f"{message[:_MAX_MESSAGE]}… ({len(message) - _MAX_MESSAGE} characters cut)"
         _report_error(f"{PROG} {command}: error: {message}")
         return 2
     # A crash: the exception and the line that raised it, one line per failing rank; the

@@ -51,6 +51,7 @@ over dp as in :mod:`.replicated`, and the gradient norm sums over all stages.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Sequence
@@ -191,6 +192,10 @@ class Run:
             # in the first step (the state's ZeroState covers every parameter until then).
             z = ctx.zero if ctx.zero is not None and ctx.zero.plan is not None else \
                 zero_mod.create(self.params_tree, zero_opts)
+            if z.plan is None and ctx.zero is not None and ctx.zero.loaded_master is not None:
+                # A checkpoint's master weights (bf16 parameters): this rank's stages' share,
+                # cut into the buckets in step one — not restarted from the parameters.
+                z = dataclasses.replace(z, loaded_master=self.mirror(ctx.zero.loaded_master))
             self.inner = zero_mod.Run(z, self.params_tree, self.m)
         else:
             # Mixed precision (the caller wraps this run): gradients accumulate in fp32.
@@ -292,11 +297,15 @@ class Run:
 
     def opt_state(self, optimizer: Any, opt_state: PyTree, targets: list[PyTree]) -> PyTree:
         """The optimizer state of this rank's parameters, on the stage mesh (others ``None``)."""
+        full = optree.tree_unflatten(self.treedef, list(range(len(self.keep))))
         if self.zero:
+            # A loaded per-parameter state covers every stage: ZeRO cuts this rank's share
+            # into its buckets (a state already in buckets passes through untouched).
+            if opt_state is not None:
+                opt_state = map_param_trees(opt_state, full, lambda name, tree: self.mirror(tree))
             return self.inner.opt_state(optimizer, opt_state, targets)
         if opt_state is None:
             return optimizer.init(targets[0])
-        full = optree.tree_unflatten(self.treedef, list(range(len(self.keep))))
         return map_param_trees(opt_state, full, lambda name, tree: self.mirror(tree))
 
     def mirror(self, tree: PyTree) -> PyTree:
