@@ -516,7 +516,8 @@ def test_stalled_peer_times_out_after_timeout_flag(tmp_path) -> None:
     assert proc.returncode == 1, err
     assert _processes_of(out, proc.pid) == {}
     assert re.search(r"^dtp train: rank 0: \w+ over 'dp' \(#\d+ '[^']*'\) failed 3\.\d\d s after it was posted: "
-                     r"Timed out waiting 3000ms for \w+ operation to complete \(a peer did not join it in time", err, re.M), err
+                     r"(Timed out waiting 3000ms for \w+ operation to complete|Application timeout caused pair closure) "
+                     r"\(a peer did not join it in time", err, re.M), err
 
 
 def test_stalled_peer_in_a_users_loop(tmp_path) -> None:

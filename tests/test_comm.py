@@ -81,6 +81,9 @@ def test_not_a_flight_record_is_a_value_error(tmp_path) -> None:
     ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 5000ms "
      "for recv operation to complete",
      "Timed out waiting 5000ms for recv operation to complete (a peer did not join it in time"),
+    # a collective posted beside the one that timed out, on the same pair
+    ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:598] Application timeout caused pair "
+     "closure", "Application timeout caused pair closure (a peer did not join it in time"),
     ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:3748: "
      "Connection reset by peer. This is typically caused by a remote worker hanging or bugs in the application. "
      "Check the logs of the remote worker before reporting an error. GLHF! \U0001f3d6\ufe0f",

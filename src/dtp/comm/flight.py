@@ -228,7 +228,10 @@ def _failure(record: CommRecord, error: BaseException) -> CollectiveError:
         mirror.update(record)
     text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     text = _SOURCE_PREFIX.sub("", text).split(". This is typically")[0].rstrip(".")
-    if "Timed out" in text or "timed out" in text:
+    # gloo says "Timed out waiting …" for the collective that timed out, and "Application
+    # timeout caused pair closure" for one posted beside it on the same pair (a step's
+    # gradient all-reduces are posted together): the same fact.
+    if "timed out" in text.lower() or "timeout" in text.lower():
         text += " (a peer did not join it in time: stalled or dead, or the timeout is too short for this job)"
     elif "by peer" in text:
         text += " (a peer's process has ended)"
