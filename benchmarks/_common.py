@@ -78,3 +78,20 @@ def peak_bytes(fn: Callable[[], object]) -> int:
     events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
                     key=lambda e: e.start_ns())
     return max(itertools.accumulate((e.nbytes() for e in events), initial=0))
+
+
+def hf_model_parser(doc: str | None, *, repeats: int) -> argparse.ArgumentParser:
+    """Flags of the Hugging Face load / export benchmarks: the model's width and depth, repeats."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dim", type=int, default=512)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=repeats)
+    return ap
+
+
+def hf_model_config(dim: int, layers: int):
+    """The Llama-3-shaped model those benchmarks load and export: a 32k vocabulary, GQA 8/4."""
+    from dtp.models import llama
+
+    return llama.config("tiny", vocab_size=32000, dim=dim, n_layers=layers, n_heads=8, n_kv_heads=4,
+                        ffn_dim=int(dim * 8 / 3) // 64 * 64)

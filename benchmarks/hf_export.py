@@ -15,13 +15,15 @@ bytes and of its largest tensor (the embedding). Not a test.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import hf_model_config, hf_model_parser  # noqa: E402
 
 # Every process imports what both exports use first (DCP's modules alone are ~80 MiB).
 _IMPORTS = ("import sys, torch; torch.set_num_threads(1); import torch.distributed.checkpoint, dtp, dtp.checkpoint, "
@@ -52,17 +54,12 @@ def _peak(body: str, path: str) -> int:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--dim", type=int, default=512)
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--repeats", type=int, default=3)
-    args = ap.parse_args()
+    args = hf_model_parser(__doc__, repeats=3).parse_args()
     import dtp
     from dtp.cli.loop import single_process_world
     from dtp.models import llama
 
-    cfg = llama.config("tiny", vocab_size=32000, dim=args.dim, n_layers=args.layers, n_heads=8, n_kv_heads=4,
-                       ffn_dim=int(args.dim * 8 / 3) // 64 * 64)
+    cfg = hf_model_config(args.dim, args.layers)
     model_bytes = llama.param_count(cfg) * 4
     with tempfile.TemporaryDirectory() as path:
         with single_process_world() as mesh:

@@ -14,7 +14,6 @@ times the copy and the placement, not a cold disk. Not a test.
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
@@ -24,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 
-from _common import alternating_times  # noqa: E402
+from _common import alternating_times, hf_model_config, hf_model_parser  # noqa: E402
 
 
 def _rank(path: str, repeats: int) -> dict:
@@ -55,16 +54,11 @@ def _rank(path: str, repeats: int) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--dim", type=int, default=512)
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--repeats", type=int, default=5)
-    args = ap.parse_args()
+    args = hf_model_parser(__doc__, repeats=5).parse_args()
     from dtp.models import hf, llama
     from dtp.testing import run
 
-    cfg = llama.config("tiny", vocab_size=32000, dim=args.dim, n_layers=args.layers, n_heads=8, n_kv_heads=4,
-                       ffn_dim=int(args.dim * 8 / 3) // 64 * 64)
+    cfg = hf_model_config(args.dim, args.layers)
     with tempfile.TemporaryDirectory() as path:
         hf.to_hf(cfg, llama.init(cfg), path)
         size = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(".safetensors"))

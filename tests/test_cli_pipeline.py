@@ -64,6 +64,12 @@ def test_pp2_tp2_sp_trains_and_matches_one_process(tmp_path) -> None:
     assert record["comm_bytes"]["pp"]["send"] > 0
 
 
+
+def _evals(out) -> list[float]:
+    """The held-out losses a run wrote to its metrics."""
+    return [r["eval_loss"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+            if r.get("eval_loss") is not None]
+
 def test_dualpipev_checks_and_its_eval_loss_is_one_process(tmp_path, monkeypatch, capsys) -> None:
     """``dtp train --pp 2 --pp-schedule dualpipev --microbatches 4 --eval-every 2 --check``
     (ranks from the test pool): training equals one process, and the held-out losses of
@@ -80,12 +86,8 @@ def test_dualpipev_checks_and_its_eval_loss_is_one_process(tmp_path, monkeypatch
     assert ": OK" in capsys.readouterr().out
     assert main([*flags, "--out", str(one)]) == 0
 
-    def evals(out):
-        return [r["eval_loss"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
-                if r.get("eval_loss") is not None]
-
-    assert len(evals(pp)) == 2
-    assert evals(pp) == pytest.approx(evals(one), rel=1e-10, abs=0)
+    assert len(_evals(pp)) == 2
+    assert _evals(pp) == pytest.approx(_evals(one), rel=1e-10, abs=0)
 
 
 @pytest.mark.slow  # ~25 s on 2 cores; tests/test_moe_pipeline.py checks the same aux in the default run
@@ -103,9 +105,5 @@ def test_moe_eval_loss_under_pp2_ep2_is_one_process(tmp_path, monkeypatch) -> No
     assert main([*flags, "--pp", "2", "--ep", "2", "--out", str(pp)]) == 0
     assert main([*flags, "--out", str(one)]) == 0
 
-    def evals(out):
-        return [r["eval_loss"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
-                if r.get("eval_loss") is not None]
-
-    assert len(evals(pp)) == 1
-    assert evals(pp) == pytest.approx(evals(one), rel=1e-10, abs=0)
+    assert len(_evals(pp)) == 1
+    assert _evals(pp) == pytest.approx(_evals(one), rel=1e-10, abs=0)

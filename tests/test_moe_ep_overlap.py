@@ -14,7 +14,7 @@ from dtp.models import llama
 from dtp.ops import lanes
 from dtp.testing import run
 
-from test_moe_pipeline import _cfg, _check, _reference, _train
+from test_moe_pipeline import _cfg, _equals_one_device
 
 
 def _ep(**kw):
@@ -31,14 +31,6 @@ SLOW = {
     "dp2 x ep2 m2 + bias": ({"dp": 2, "ep": 2}, _ep(), True, 2),
     "ep2 pipe-experts multi-data 2 m2 + bias": ({"ep": 2}, _ep(pipe_experts=True, multi_data=2), True, 2),
 }
-
-
-def _equals_one_device(name: str, axes: dict, layout, bias: bool, m: int) -> None:
-    cfg = _cfg(bias)
-    got = run(_train, axes, layout, cfg, m, world_size=math.prod(axes.values()))
-    want = _reference(cfg, m)
-    for r, out in enumerate(got):
-        _check(out, want, f"{name} rank {r}")
 
 
 @pytest.mark.parametrize("name", list(CASES))

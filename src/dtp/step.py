@@ -44,6 +44,7 @@ from .ops.parallel import mean_over, target_count
 from .ops.recompute import POLICIES, recompute as recompute_policy
 from .redistribute import local_map, value_of
 from .spec import P, shard, spec_of
+from .strategies.loss_out import split as split_loss
 
 __all__ = ["TrainState", "train_step", "value_and_grad", "shard_batch", "gather_params", "wait"]
 
@@ -405,13 +406,7 @@ def _run_microbatches(loss_fn: Callable, run: strategies.StepRun | strategies.Sc
     for k, mb in enumerate(microbatches):
         with span("forward"), run.forward():
             out = loss_fn(run.params(), mb)
-        loss, aux = out if isinstance(out, tuple) else (out, None)
-        if not isinstance(loss, torch.Tensor):
-            raise TypeError(f"train_step: loss_fn must return a scalar tensor (or (loss, aux)), got "
-                            f"{type(loss).__name__}")
-        if loss.dim() != 0:
-            raise ValueError(f"train_step: loss_fn must return a scalar loss (the batch mean), got shape "
-                             f"{tuple(loss.shape)}; reduce it, e.g. loss.mean()")
+        loss, aux = split_loss(out)
         with span("backward"):
             run.backward(loss / m, k)
         total += value_of(loss.detach()) / m

@@ -46,6 +46,7 @@ from ..ops import lanes
 from ..ops.parallel import mean_over_here
 from ..ops.recompute import policy, recompute
 from ..redistribute import value_of
+from .loss_out import split as split_loss
 
 __all__ = ["Run", "chains", "carry", "PIPELINE_SCHEDULES"]
 
@@ -102,13 +103,7 @@ class Run:
         def forward(k: int) -> None:
             with enter(), comm.span("forward"), run.forward():
                 out = loss_fn(run.params(), microbatches[k])
-            loss, aux = out if isinstance(out, tuple) else (out, None)
-            if not isinstance(loss, torch.Tensor):
-                raise TypeError(f"train_step: loss_fn must return a scalar tensor (or (loss, aux)), got "
-                                f"{type(loss).__name__}")
-            if loss.dim() != 0:
-                raise ValueError(f"train_step: loss_fn must return a scalar loss (the batch mean), got shape "
-                                 f"{tuple(loss.shape)}; reduce it, e.g. loss.mean()")
+            loss, aux = split_loss(out)
             outs[k] = (loss, aux)
 
         def backward(k: int) -> None:
