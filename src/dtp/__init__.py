@@ -44,7 +44,7 @@ _SOURCES: dict[str, str] = {
     "Layer": ".models.sequential", "Sequential": ".models.sequential",
     "from_local": ".redistribute", "local_map": ".redistribute", "reshard": ".redistribute",
     "P": ".spec", "shard": ".spec", "spec_of": ".spec",
-    "TrainState": ".step", "gather_params": ".step", "shard_batch": ".step", "train_step": ".step", "wait": ".step",
+    "TrainState": ".state", "gather_params": ".state", "wait": ".state", "shard_batch": ".step", "train_step": ".step",
     "zero": ".strategies", "visualize": ".visualization", "plan": ".planning", "RunConfig": ".config",
     "with_buffers": ".buffers", "CompileOptions": ".compiled",
 }
@@ -77,7 +77,8 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the eager imports of befor
     from .models.sequential import Layer, Sequential
     from .redistribute import from_local, local_map, reshard
     from .spec import P, shard, spec_of
-    from .step import TrainState, gather_params, shard_batch, train_step, wait
+    from .state import TrainState, gather_params, wait
+    from .step import shard_batch, train_step
     from .strategies import zero
     from .visualization import visualize
     from .planning import plan

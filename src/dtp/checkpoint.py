@@ -58,7 +58,7 @@ from . import comm, guard
 from ._rules import accum_dtype
 from .optim import map_param_trees
 from .spec import spec_of, wrap_local
-from .step import TrainState, wait
+from .state import TrainState, wait
 from .strategies import precision, zero as zero_mod
 from ._checkpoint_pieces import LoadPlanner, Pieces, SavePlanner, zero_pieces
 from ._checkpoint_files import (FORMAT, MANIFEST, SafeReader, atomic_json, checkpoints, file_sums, latest,

@@ -38,7 +38,7 @@ from .models import hf, llama
 from .models.config import LlamaConfig
 from .optim import GradientTransformation
 from .spec import P, check_spec, wrap_local
-from .step import TrainState
+from .state import TrainState
 from .strategies import pipeline, zero, zero_plan
 
 __all__ = ["state_from_hf"]

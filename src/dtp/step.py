@@ -22,208 +22,33 @@ import dataclasses
 import math
 import time
 import warnings
-from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-import optree
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from . import guard, strategies
-from .buffers import apply_update, lay_out as lay_out_buffers, reading
+from .buffers import apply_update, reading
 from ._rules import is_positive_int
 from .comm import comm_log, span
 from .compiled import CompileOptions, compiling, options_of
-from .layouts import Layout, check_divisible, use_layout
+from .layouts import check_divisible, use_layout
 from .mesh import mesh_device
 from .optim import GradientTransformation, apply_updates, clip_by_global_norm, state_join, state_part
 from .ops.documents import document_order, reorder
 from .ops.parallel import mean_over, target_count
 from .ops.recompute import POLICIES, recompute as recompute_policy
 from .redistribute import local_map, value_of
-from .spec import P, shard, spec_of
+from .spec import shard, spec_of
+from .state import TrainState, _single_device
 from .strategies.loss_out import split as split_loss
 
-__all__ = ["TrainState", "train_step", "value_and_grad", "shard_batch", "gather_params", "wait"]
+__all__ = ["train_step", "value_and_grad", "shard_batch"]
 
 PyTree = Any
 _BATCH_AXES = ("batch", "seq")
-
-
-def _is_axes(x: object) -> bool:
-    return isinstance(x, tuple) and all(isinstance(a, str) for a in x)
-
-
-@dataclass(frozen=True, repr=False, eq=False)
-class TrainState:
-    """Step, parameters and optimizer state (a pytree), plus the static layout context.
-
-    Plain data: reading a field returns what is stored and never communicates.
-    ``params``/``opt_state`` are pytrees of DTensors laid out as ``layout`` says on
-    ``mesh``; ``axes`` holds each parameter's logical axis names. Functions take a state
-    and return a new one; nothing is modified in place.
-
-    Under ``layouts.zero(stage)`` (see :mod:`dtp.strategies.zero`) ``zero`` holds the
-    buckets, this rank's fp32 master-weight slices and (stage 1/2) the gathered parameter
-    buffers; ``opt_state`` covers the master slices. Both come with the first step,
-    which orders the buckets by first use: before it ``opt_state`` is ``None``
-    (``optimizer.init(state.params)`` is the state it starts from), or the per-parameter
-    state :func:`dtp.checkpoint.load` brought, which step one cuts into the buckets. Stage 1/2 ``params``
-    are views of buffers that ``overlap_param_gather`` may still be filling, and stage 3
-    keeps no whole parameters at all (``params`` is ``None`` after the first step):
-    :func:`gather_params` is the one call that waits for, or gathers, them.
-
-    ``buffers`` is the non-trainable collection (:mod:`dtp.buffers`: aux-loss-free
-    balancing's router bias): ``loss_fn`` reads it laid over the parameters, the
-    optimizer never sees it, and ``buffer_update`` renews it after each applied step.
-    """
-
-    step: int
-    params: PyTree
-    opt_state: PyTree
-    optimizer: GradientTransformation
-    mesh: DeviceMesh
-    layout: Layout
-    axes: PyTree
-    zero: Any = None  # the strategy's own state (ZeRO's buckets and master slices), or None
-    checks: guard.Agreements = dataclasses.field(default_factory=guard.Agreements)  # what the ranks agreed on
-    buffers: PyTree = None  # state no gradient trains (dtp.buffers), or None
-    buffer_update: Callable[[PyTree, Any], PyTree] | None = None  # (buffers, aux) -> buffers after each step
-
-    @classmethod
-    def create(cls, params: PyTree, optimizer: GradientTransformation, *, mesh: DeviceMesh, layout: Layout,
-               axes: PyTree, axis_sizes: Mapping[str, int] | None = None, buffers: PyTree = None,
-               buffer_update: Callable[[PyTree, Any], PyTree] | None = None) -> "TrainState":
-        """Lay global ``params`` (identical on every rank) out as ``layout`` says.
-
-        ``axis_sizes`` (e.g. ``llama.axis_sizes(cfg)``: heads, kv_heads, vocab …) are
-        checked against the layout first, so a bad split is a clear ``ValueError`` on
-        every rank before any collective runs. Then the ranks agree (:mod:`dtp.guard`:
-        one small all-gather) that they were given the same mesh, layout and parameters,
-        and any rank's validation error is raised on every rank.
-
-        ``buffers`` (whole tensors, e.g. ``llama.init_buffers(cfg)``) are replicated on
-        the mesh; ``buffer_update`` (e.g. ``llama.buffer_update(cfg)``) renews them after
-        each step from the step's aux (:mod:`dtp.buffers`).
-        """
-        leaves, treedef = optree.tree_flatten(params)
-        paths = [".".join(map(str, p)) for p in optree.tree_paths(params)]
-        error, sharded, axes_leaves = None, [], [None] * len(leaves)
-        try:
-            axes_leaves = treedef.flatten_up_to(axes)
-            layout.check_mesh(mesh)
-            buffers = lay_out_buffers(buffers, mesh)
-            if axis_sizes:
-                layout.check_sizes(axis_sizes, mesh, what="TrainState.create")
-            sharded = _lay_out(paths, leaves, axes_leaves, mesh, layout)
-        except (ValueError, TypeError) as e:
-            error = e
-        guard.check_state(mesh, layout, dict(zip(paths, leaves)), dict(zip(paths, axes_leaves)), error)
-        checks = _agreements(leaves, axes_leaves)
-        params = optree.tree_unflatten(treedef, sharded)
-        opt_state, strategy = strategies.create(params, optimizer, layout, mesh)
-        return cls(0, params, opt_state, optimizer, mesh, layout, axes, strategy, checks, buffers or None,
-                   buffer_update)
-
-    @classmethod
-    def from_hf(cls, path: str, optimizer: GradientTransformation, *, mesh: DeviceMesh, layout: Layout,
-                dtype: torch.dtype = torch.float32, vocab_multiple: int = 1) -> "TrainState":
-        """The state of a Hugging Face directory's model, each rank reading only what it
-        holds (blocks, ZeRO slices, stages: :func:`dtp.hf_state.state_from_hf`); it trains
-        as ``create(models.hf.from_hf(path, dtype, vocab_multiple)[1], ...)`` does."""
-        from .hf_state import state_from_hf  # it builds on this module
-
-        return state_from_hf(path, optimizer, mesh=mesh, layout=layout, dtype=dtype, vocab_multiple=vocab_multiple)
-
-    def replace(self, **changes: Any) -> "TrainState":
-        if "params" in changes and "zero" not in changes and strategies.owns_params(self.zero):
-            raise ValueError("TrainState.replace: the parameters derive from the master weights (ZeRO's buckets "
-                             "and slices, or mixed precision's); new parameters need a new state (TrainState.create)")
-        return dataclasses.replace(self, **changes)
-
-    def __repr__(self) -> str:
-        extra = strategies.describe(self.zero)
-        return f"TrainState(step={self.step}, layout={self.layout.name or 'custom'!r}, mesh={self.mesh}{extra})"
-
-    def param_specs(self) -> PyTree:
-        """Each parameter's spec at rest (``None`` for the plain tensors of a 1-device mesh)."""
-        return optree.tree_map(_spec, self.params, none_is_leaf=True)
-
-
-_CHILDREN = ("params", "opt_state", "zero", "buffers")  # the tensors; the rest is static
-_STATIC = ("step", "optimizer", "mesh", "layout", "axes", "checks", "buffer_update")
-
-
-def _lay_out(paths: list[str], leaves: list[torch.Tensor], axes_leaves: list[Any], mesh: DeviceMesh,
-             layout: Layout) -> list[torch.Tensor]:
-    sharded = []
-    for path, x, ax in zip(paths, leaves, axes_leaves):
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"TrainState.create: param {path} must be a tensor, got {type(x).__name__}")
-        if not _is_axes(ax) or len(ax) != x.dim():
-            raise ValueError(f"param {path}: logical axes {ax!r} do not match its shape {tuple(x.shape)}")
-        if _single_device(mesh):
-            # One device: nothing to distribute, so no DTensor dispatch either. Every
-            # dtp function takes plain tensors; the model runs as eager PyTorch, on the
-            # mesh's device (a one-GPU run computes on the GPU, not where init made them).
-            sharded.append(x.detach().to(mesh_device(mesh), copy=True).requires_grad_(True))
-            continue
-        spec = layout.param_spec(ax, mesh, name=f"param {path}")
-        sharded.append(shard(x.detach(), mesh, spec, name=f"param {path}").requires_grad_(True))
-    return sharded
-
-
-def _agreements(leaves: list[torch.Tensor], axes_leaves: list[Any]) -> guard.Agreements:
-    """The static facts later checks need: the vocab size (ids are checked against it)
-    and the parameters' floating dtype (a float batch entry must match it)."""
-    vocab = next((x.shape[ax.index("vocab")] for x, ax in zip(leaves, axes_leaves) if "vocab" in ax), None)
-    floats = {x.dtype for x in leaves if x.is_floating_point()}
-    return guard.Agreements(vocab=vocab, param_dtype=floats.pop() if len(floats) == 1 else None)
-
-optree.register_pytree_node(
-    TrainState,
-    lambda s: (tuple(getattr(s, f) for f in _CHILDREN), tuple(getattr(s, f) for f in _STATIC), _CHILDREN),
-    lambda static, children: TrainState(**dict(zip(_STATIC, static)), **dict(zip(_CHILDREN, children))),
-    namespace="dtp",
-)
-
-
-def gather_params(state: TrainState) -> PyTree:
-    """The whole parameter tree, laid out as the layout says — the explicit call.
-
-    Without ZeRO it is ``state.params``. Under ZeRO stage 1/2 it waits for parameter
-    all-gathers still in flight (``overlap_param_gather``; no new collective). Under
-    stage 3 it all-gathers every bucket: a collective, so call it on every rank.
-
-    >>> mesh = dtp.make_mesh(dp=1)                  # one process: a mesh of one device
-    >>> state = dtp.TrainState.create({"w": torch.ones(2)}, dtp.optim.sgd(0.1), mesh=mesh,
-    ...                               layout=dtp.layouts.data(), axes={"w": ("embed",)})
-    >>> dtp.gather_params(state)["w"]
-    tensor([1., 1.], requires_grad=True)
-    """
-    return strategies.gather(state.params, state.zero, state.layout, state.mesh)
-
-
-def wait(state: TrainState) -> None:
-    """Wait for every collective ``state`` still has in flight; starts none.
-
-    Under ZeRO stage 1/2 with ``overlap_param_gather`` a step returns with the next
-    step's parameter all-gathers still on the wire (the next forward waits for them
-    bucket by bucket). After the last step nothing waits for them: call ``wait(state)``
-    on every rank before ``torch.distributed.destroy_process_group()`` or the end of the
-    process. Without it, on gloo, a gather that completes during interpreter shutdown
-    aborts the process (``terminate called without an active exception``; measured on
-    torch 2.13: 3 runs of 3 at dp=4). Waiting twice, or on a state with nothing in
-    flight, is a no-op.
-
-    >>> mesh = dtp.make_mesh(dp=1)                  # one process: a mesh of one device
-    >>> state = dtp.TrainState.create({"w": torch.ones(2)}, dtp.optim.sgd(0.1), mesh=mesh,
-    ...                               layout=dtp.layouts.data(), axes={"w": ("embed",)})
-    >>> dtp.wait(state)                             # nothing in flight: returns at once
-    """
-    strategies.wait(state.zero)
 
 
 def shard_batch(batch: Mapping[str, torch.Tensor], state: TrainState) -> dict[str, DTensor]:
@@ -278,18 +103,10 @@ def _check_pipe_experts(what: str, key: str, v: DTensor, state: TrainState) -> N
                                          f"{what}: batch[{key!r}] of shape {tuple(v.shape)}")
 
 
-def _single_device(mesh: DeviceMesh | None) -> bool:
-    return mesh is None or mesh.size() == 1
-
-
 def compute_mesh(state: TrainState) -> DeviceMesh | None:
     """Where ``state``'s computations run: its mesh, or under a pipeline the stage mesh
     (``None`` when a stage is one device)."""
     return strategies.compute_mesh(state.layout, state.mesh)
-
-
-def _spec(x: torch.Tensor) -> P | None:
-    return spec_of(x) if isinstance(x, DTensor) else None
 
 
 def microbatch_rows(rows: int, n: int, k: int) -> slice:
