@@ -33,7 +33,7 @@ from .._token_files import held_out_start
 from ..buffers import lay_out as lay_out_buffers
 from ..data import TokenLoader, Tokens, document_eos, open_tokens
 from ..launch import in_torchrun
-from ..mesh import clear_mesh_cache
+from ..mesh import clear_mesh_cache, mesh_device
 from ..models import hf, llama
 from ..redistribute import value_of
 from .flags import (EVAL_BATCHES, PROG, UsageError, build_layout, format_mesh, mesh_axes, model_overrides,
@@ -158,7 +158,7 @@ def train_loop(args: Mapping[str, Any], mesh: DeviceMesh, layout: Layout, *, rec
     # MFU: the model's training FLOPs per token (PaLM's count) against a matmul's measured
     # rate on this rank (a CPU has no datasheet peak dtp could look up): an estimate.
     flops_per_token = llama.flops_per_token(cfg, args["seq"])
-    peak = _matmul_rate(dtype) * mesh.size()
+    peak = _matmul_rate(dtype, mesh_device(mesh)) * mesh.size()
     first = 1
     if checkpoints is not None and checkpoints.resume_from is not None:
         # The same state and data position whatever the flags it was saved under:
@@ -226,14 +226,18 @@ def _evaluate(state: TrainState, cfg: llama.LlamaConfig, batches: list[dict[str,
     return total / len(batches)
 
 
-def _matmul_rate(dtype: torch.dtype, n: int = 256, repeats: int = 5) -> float:
-    """FLOP/s of an ``n × n`` matmul in ``dtype`` on this rank, the best of ``repeats``:
-    the denominator of the MFU estimate (a few ms once per run)."""
-    a = torch.randn(n, n, generator=torch.Generator().manual_seed(0)).to(dtype)
+def _matmul_rate(dtype: torch.dtype, device: torch.device, repeats: int = 5) -> float:
+    """FLOP/s of a square matmul on this rank's device, best of ``repeats``: the MFU's
+    denominator. An accelerator gets a large one, synchronized (256² times the launch)."""
+    n = 256 if device.type == "cpu" else 4096
+    sync = (lambda: None) if device.type == "cpu" else (lambda: torch.accelerator.synchronize(device))
+    a = torch.randn(n, n, generator=torch.Generator().manual_seed(0)).to(device=device, dtype=dtype)
     best = math.inf
     for _ in range(repeats + 1):  # the first warms up the kernel
+        sync()
         t0 = time.perf_counter()
         a @ a
+        sync()
         best = min(best, time.perf_counter() - t0)
     return 2 * n**3 / best if best > 0 else 0.0
 
