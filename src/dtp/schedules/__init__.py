@@ -61,7 +61,7 @@ from __future__ import annotations
 from .actions import (PLACEMENTS, SCHEDULES, V_SCHEDULES, Action, Pair, Schedule, chunks_per_rank, global_stage,
                       placement, stage_owner)
 from .build import check, forward_only, make
-from .simulate import Event, Timeline, dependencies_ok, format_schedule, simulate
+from .simulate import Event, Timeline, dependencies_ok, format_schedule, lane_pairs, simulate
 
 __all__ = [
     "SCHEDULES",
@@ -78,6 +78,7 @@ __all__ = [
     "make",
     "forward_only",
     "dependencies_ok",
+    "lane_pairs",
     "simulate",
     "global_stage",
     "stage_owner",

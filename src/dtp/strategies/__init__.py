@@ -44,6 +44,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from ..buffers import with_buffers
 from ..layouts import Layout, use_layout
 from ..layouts.pipeline import assign
+from ..layouts.expert import NO_PAIRS
 from ..redistribute import value_of
 from ..models.sequential import Sequential
 from . import ep_overlap, pipeline, precision, replicated, zero
@@ -138,9 +139,9 @@ def _check_ep_overlap(layout: Layout, mesh: DeviceMesh, microbatches: int) -> No
                          f"expert axis {opts.label} has size 1 on this mesh: there is none; drop ep_overlap")
     pipe = _pipeline_options(layout, mesh)
     if pipe is not None and pipe.schedule not in ep_overlap.PIPELINE_SCHEDULES:
-        raise ValueError(f"train_step: layouts.expert(ep_overlap=True) under layouts.pipeline runs the "
-                         f"{'/'.join(ep_overlap.PIPELINE_SCHEDULES)} schedule's F/B pairs side by side; not "
-                         f"implemented for {pipe.schedule!r} yet")
+        raise ValueError(f"train_step: layouts.expert(ep_overlap=True) under layouts.pipeline runs an F and a B "
+                         f"of two microbatches side by side ({'/'.join(ep_overlap.PIPELINE_SCHEDULES)}); not for "
+                         f"{pipe.schedule!r}: {NO_PAIRS}")
     if zero.options(layout, mesh) is not None:
         raise ValueError("train_step: layouts.expert(ep_overlap=True) runs two microbatches' backwards side by "
                          "side, which ZeRO's per-bucket gradient reduction does not allow; drop layouts.zero "
