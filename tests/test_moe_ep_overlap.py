@@ -29,6 +29,11 @@ CASES = {
     "pp2 x ep2 dualpipev m4 + bias": ({"pp": 2, "ep": 2}, _ep() + layouts.pipeline("dualpipev"), True, 4),
 }
 SLOW = {
+    "dp2 x ep2 zero1 m2 + bias": ({"dp": 2, "ep": 2}, _ep() + layouts.zero(1), True, 2),
+    "dp2 x ep2 zero2 m2": ({"dp": 2, "ep": 2}, _ep() + layouts.zero(2), False, 2),
+    # batch 8 over dp·ep 4: m 2; the last stage runs F0 | B0 F1 on lanes | B1
+    "dp2 x pp2 x ep2 zero1 1f1b m2 + bias": ({"dp": 2, "pp": 2, "ep": 2},
+                                              _ep() + layouts.zero(1) + layouts.pipeline("1f1b"), True, 2),
     "pp2 x ep2 interleaved v2 m4 + bias": ({"pp": 2, "ep": 2}, _ep() + layouts.pipeline("interleaved", virtual_stages=2),
                                            True, 4),
     "dp2 x ep2 m2 + bias": ({"dp": 2, "ep": 2}, _ep(), True, 2),
@@ -106,7 +111,8 @@ def _refused(axes: dict, layout, m: int) -> str:
 @pytest.mark.parametrize("axes, layout, m, match", [
     ({"ep": 2}, _ep(), 1, "needs microbatches >= 2, got 1"),
     ({"dp": 2, "ep": 1}, _ep(), 2, "has size 1 on this mesh"),
-    ({"dp": 2, "ep": 2}, _ep() + layouts.zero(1), 2, "drop layouts.zero or ep_overlap"),
+    ({"dp": 2, "ep": 2}, _ep() + layouts.zero(3), 2, "ZeRO 3 gathers and frees each bucket"),
+    ({"dp": 2, "ep": 2}, _ep() + layouts.zero(2, overlap_grad_reduce=True), 2, "without overlap_grad_reduce"),
 ])
 def test_bad_combinations_are_refused_on_every_rank(axes, layout, m, match):
     for message in run(_refused, axes, layout, m, world_size=math.prod(axes.values())):
@@ -118,7 +124,7 @@ def test_bad_combinations_are_refused_on_every_rank(axes, layout, m, match):
     (dict(ep=2, ep_overlap=True), "at pp 1 it needs microbatches >= 2, got 1"),
     (dict(ep=2, pp=2, pp_schedule="zbv", ep_overlap=True, microbatches=4),
      "not for pp_schedule zbv"),
-    (dict(ep=2, dp=2, zero=1, ep_overlap=True, microbatches=2, batch=8), "drop zero 1 or ep_overlap"),
+    (dict(ep=2, dp=2, zero=3, ep_overlap=True, microbatches=2, batch=8), "use zero 1 or 2 without"),
 ])
 def test_run_config_states_the_rules(fields, match):
     with pytest.raises(ValueError, match=match):
