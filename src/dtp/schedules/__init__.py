@@ -1,8 +1,8 @@
 """Pipeline schedules as data: one list of actions per pipeline rank, no torch.
 
 actions.py (Action, Pair, Schedule, the stage map), build.py (:func:`make`, :func:`check`),
-v.py (zbv, dualpipev), simulate.py (:func:`dependencies_ok`, :func:`simulate`,
-:func:`format_schedule`).
+v.py (zbv, dualpipev), simulate.py (:func:`dependencies_ok`, :func:`lane_pairs`,
+:func:`simulate`, :func:`format_schedule`).
 
 A schedule is a tuple with one action list per pipeline rank ``0..p-1``. The runner
 executes each rank's list in order; a send never blocks and a receive waits only for

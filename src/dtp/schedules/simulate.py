@@ -1,4 +1,5 @@
-"""Checking and timing a schedule: :func:`dependencies_ok`, :func:`simulate`, :func:`format_schedule`."""
+"""Checking and timing a schedule: :func:`dependencies_ok`, :func:`lane_pairs`, :func:`simulate`,
+:func:`format_schedule`."""
 
 from __future__ import annotations
 
