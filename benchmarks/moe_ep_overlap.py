@@ -1,9 +1,14 @@
 """``--ep-overlap`` on a simulated link: one microbatch's expert all-to-alls under another
 microbatch's compute (``layouts.expert(ep_overlap=True)``, dtp.strategies.ep_overlap),
-2 gloo ranks, ep 2, pp 1 — the part of ``benchmarks/moe.py --ep-overlap``.
+2 gloo ranks, ep 2, pp 1 — the part of ``benchmarks/moe.py --ep-overlap``; with ``--ep-pp 2``
+4 ranks, pp 2 × ep 2, under ``--ep-schedule`` (1f1b, interleaved v2 or dualpipev; on 2
+cores: reported, not gated).
 
     python benchmarks/moe.py --ep-overlap            # ~2 minutes on 2 loaded cores
     python benchmarks/moe_ep_overlap.py --repeats 7  # the same
+    python benchmarks/moe_ep_overlap.py --ep-pp 2 --ep-schedule dualpipev --ep-layers 4 --repeats 5
+
+(dualpipev's 2·pp stages need ``--ep-layers`` ≥ 4 for a MoE block on each.)
 
 One step = ``dtp.train_step`` (sgd, lr 0: the routing stays put) of a Llama MoE
 (``tiny-moe`` widened: ``--ep-dim``, ``--ep-hidden`` per expert, ``--ep-layers`` every
@@ -12,7 +17,8 @@ m microbatches of ``--ep-batch`` × ``--ep-seq`` tokens per rank. Every collecti
 under ``dtp.comm.simulated_link(B, axes=("ep",))``, ``B`` calibrated so the step's token
 all-to-alls (dispatch, combine and their backwards) take as long on the link as the
 experts' fwd+bwd take to compute: ``moe.experts`` fwd+bwd on top_k × tokens rows, × m ×
-layers, the fastest of several runs (load only ever adds), the slower rank.
+the stage's layers (layers / pp), the fastest of several runs (load only ever adds), the
+slower rank.
 
 Four runs per repeat, in an order reversed every repeat: {plain, ep-overlap} × {no
 link, link}. Reported (medians over the repeats, the slower rank of each):
@@ -68,7 +74,8 @@ def _expert_seconds(cfg, rows: int, repeats: int) -> float:
     return best
 
 
-def _bench(dim: int, hidden: int, layers: int, batch: int, seq: int, m: int, warmup: int, repeats: int) -> dict:
+def _bench(dim: int, hidden: int, layers: int, batch: int, seq: int, m: int, warmup: int, repeats: int,
+           pp: int = 1, schedule: str = "1f1b") -> dict:
     import torch.distributed as dist
 
     import dtp
@@ -77,12 +84,13 @@ def _bench(dim: int, hidden: int, layers: int, batch: int, seq: int, m: int, war
 
     torch.set_num_threads(1)
     cfg = _cfg(dim, hidden, layers)
-    mesh = dtp.make_mesh(ep=WORLD)
+    mesh = dtp.make_mesh(pp=pp, ep=WORLD) if pp > 1 else dtp.make_mesh(ep=WORLD)
+    pipe = layouts.pipeline(schedule, virtual_stages=2 if schedule == "interleaved" else 1) if pp > 1 else None
     tok = torch.randint(0, cfg.vocab_size, (WORLD * m * batch, seq + 1), generator=torch.Generator().manual_seed(1))
     states, batches = {}, {}
     for label, on in (("plain", False), ("ep-overlap", True)):
         states[label] = dtp.TrainState.create(llama.init(cfg, seed=0), dtp.optim.sgd(0.0), mesh=mesh,
-                                              layout=layouts.data() + layouts.expert(ep_overlap=on),
+                                              layout=_layout(layouts, on, pipe),
                                               axes=llama.param_axes(cfg), axis_sizes=llama.axis_sizes(cfg))
         batches[label] = dtp.shard_batch({"tokens": tok[:, :-1].contiguous(), "targets": tok[:, 1:].contiguous()},
                                          states[label])
@@ -105,7 +113,7 @@ def _bench(dim: int, hidden: int, layers: int, batch: int, seq: int, m: int, war
         for label in states:
             step(label, None)
     nbytes = step("plain", None)["bytes"]
-    compute = _expert_seconds(cfg, batch * seq * cfg.top_k, 3) * m * layers
+    compute = _expert_seconds(cfg, batch * seq * cfg.top_k, 3) * m * layers / pp  # one stage's layers
     agreed = torch.tensor([compute, nbytes], dtype=torch.float64)
     dist.all_reduce(agreed, op=dist.ReduceOp.MAX)  # every rank models the same link
     bandwidth = float(agreed[1] / agreed[0])
@@ -115,6 +123,11 @@ def _bench(dim: int, hidden: int, layers: int, batch: int, seq: int, m: int, war
         for label, link in (runs if i % 2 == 0 else list(reversed(runs))):
             rows[f"{label} {'link' if link else 'free'}"].append(step(label, link))
     return {"rows": rows, "bandwidth": bandwidth, "expert": float(agreed[0]), "bytes": float(agreed[1])}
+
+
+def _layout(layouts, on: bool, pipe):
+    layout = layouts.data() + layouts.expert(ep_overlap=on)
+    return layout if pipe is None else layout + pipe
 
 
 class _nothing:
@@ -133,7 +146,7 @@ def report(res: list[dict], args) -> dict:
     """Print the table; return the headline figures."""
     med = statistics.median
     bw, comm = res[0]["bandwidth"], res[0]["bytes"] / res[0]["bandwidth"]
-    print(f"ep-overlap, ep {WORLD} pp 1, 1 local expert, top-2, dim {args.ep_dim}, expert hidden {args.ep_hidden}, "
+    print(f"ep-overlap, ep {WORLD} pp {getattr(args, 'ep_pp', 1)} {getattr(args, 'ep_schedule', '')}, 1 local expert, top-2, dim {args.ep_dim}, expert hidden {args.ep_hidden}, "
           f"{args.ep_layers} MoE layers, m {args.microbatches} × {args.ep_batch}×{args.ep_seq} tokens per rank; "
           f"link {bw / 1e6:.1f} MB/s: token all-to-alls {1e3 * comm:.1f} ms/step on it, experts "
           f"{1e3 * res[0]['expert']:.1f} ms/step; medians of {args.repeats} alternated repeats, slower rank")
@@ -162,6 +175,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--ep-batch", dest="ep_batch", type=int, default=2, help="sequences per rank per microbatch")
     ap.add_argument("--ep-seq", dest="ep_seq", type=int, default=128)
     ap.add_argument("--microbatches", type=int, default=4)
+    ap.add_argument("--ep-pp", dest="ep_pp", type=int, default=1, help="pipeline stages (2: 4 ranks)")
+    ap.add_argument("--ep-schedule", dest="ep_schedule", default="1f1b", choices=("1f1b", "interleaved", "dualpipev"))
 
 
 def run_bench(args) -> dict:
@@ -175,7 +190,7 @@ def run_bench(args) -> dict:
         cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
     res = run(_bench, args.ep_dim, args.ep_hidden, args.ep_layers, args.ep_batch, args.ep_seq, args.microbatches,
-              args.warmup, args.repeats, world_size=WORLD, timeout=3600)
+              args.warmup, args.repeats, args.ep_pp, args.ep_schedule, world_size=WORLD * args.ep_pp, timeout=3600)
     return report(res, args)
 
 

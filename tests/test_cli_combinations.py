@@ -138,6 +138,13 @@ ROWS: dict[str, list[str]] = {
     # ---- one microbatch's expert all-to-alls under another's compute (microbatches in lanes)
     "moe ep2 m4 ep-overlap": [*MOE, "--ep", "2", "--microbatches", "4", "--ep-overlap"],
     "moe pp2 ep2 1f1b m4 ep-overlap": [*MOE, "--pp", "2", "--ep", "2", "--microbatches", "4", "--ep-overlap"],
+    "moe pp2 ep2 dualpipev bias-update m4 ep-overlap": [*MOE, "--pp", "2", "--ep", "2", "--pp-schedule", "dualpipev",
+                                                        "--router-bias-update", "1e-3", "--microbatches", "4",
+                                                        "--ep-overlap"],
+    "moe pp2 ep2 interleaved m4 ep-overlap": [*MOE, "--pp", "2", "--ep", "2", "--pp-schedule", "interleaved",
+                                              "--virtual-stages", "2", "--microbatches", "4", "--ep-overlap"],
+    "moe dp2 ep2 zero1 m2 ep-overlap": [*MOE, "--dp", "2", "--ep", "2", "--zero", "1", "--microbatches", "2",
+                                        "--ep-overlap"],
     # ---- the dtypes, where the dtype is the point (their own tolerances)
     "fp32 dp2 tp2 sp": ["--dp", "2", "--tp", "2", "--sp", "--dtype", "float32"],
     "bf16 dp2 zero1": ["--dp", "2", "--zero", "1", "--dtype", "bfloat16"],

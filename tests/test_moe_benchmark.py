@@ -72,3 +72,10 @@ def test_ep_overlap_part_times_both_runs_with_and_without_the_link() -> None:
                                  repeats=1))()
     figures = module.report(res, args)
     assert set(figures) == {"plain", "ep-overlap", "ratio", "fb ratio"}
+    # pp 2 × ep 2 under dualpipev (4 ranks): 4 layers over its 4 stages, m 4: every rank
+    # holds MoE blocks, each 4 + 1 all-to-alls per microbatch, the same in every run
+    res = run(module._bench, 32, 32, 4, 1, 8, 4, 0, 1, 2, "dualpipev", world_size=4)
+    for out in res:
+        (n,) = {row[0]["n"] for row in out["rows"].values()}
+        assert n > 0 and n % (4 * (4 + 1)) == 0, out["rows"]
+    assert set(module.report(res, args)) == {"plain", "ep-overlap", "ratio", "fb ratio"}

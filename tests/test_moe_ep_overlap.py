@@ -26,8 +26,16 @@ CASES = {
     "ep2 m4 + V3 router and bias": ({"ep": 2}, _ep(), True, 4),
     "ep2 pipe-experts m4": ({"ep": 2}, _ep(pipe_experts=True), False, 4),
     "pp2 x ep2 1f1b m4 + bias": ({"pp": 2, "ep": 2}, _ep() + layouts.pipeline("1f1b"), True, 4),
+    "pp2 x ep2 dualpipev m4 + bias": ({"pp": 2, "ep": 2}, _ep() + layouts.pipeline("dualpipev"), True, 4),
 }
 SLOW = {
+    "dp2 x ep2 zero1 m2 + bias": ({"dp": 2, "ep": 2}, _ep() + layouts.zero(1), True, 2),
+    "dp2 x ep2 zero2 m2": ({"dp": 2, "ep": 2}, _ep() + layouts.zero(2), False, 2),
+    # batch 8 over dp·ep 4: m 2; the last stage runs F0 | B0 F1 on lanes | B1
+    "dp2 x pp2 x ep2 zero1 1f1b m2 + bias": ({"dp": 2, "pp": 2, "ep": 2},
+                                              _ep() + layouts.zero(1) + layouts.pipeline("1f1b"), True, 2),
+    "pp2 x ep2 interleaved v2 m4 + bias": ({"pp": 2, "ep": 2}, _ep() + layouts.pipeline("interleaved", virtual_stages=2),
+                                           True, 4),
     "dp2 x ep2 m2 + bias": ({"dp": 2, "ep": 2}, _ep(), True, 2),
     "ep2 pipe-experts multi-data 2 m2 + bias": ({"ep": 2}, _ep(pipe_experts=True, multi_data=2), True, 2),
 }
@@ -103,7 +111,8 @@ def _refused(axes: dict, layout, m: int) -> str:
 @pytest.mark.parametrize("axes, layout, m, match", [
     ({"ep": 2}, _ep(), 1, "needs microbatches >= 2, got 1"),
     ({"dp": 2, "ep": 1}, _ep(), 2, "has size 1 on this mesh"),
-    ({"dp": 2, "ep": 2}, _ep() + layouts.zero(1), 2, "drop layouts.zero or ep_overlap"),
+    ({"dp": 2, "ep": 2}, _ep() + layouts.zero(3), 2, "ZeRO 3 gathers and frees each bucket"),
+    ({"dp": 2, "ep": 2}, _ep() + layouts.zero(2, overlap_grad_reduce=True), 2, "without overlap_grad_reduce"),
 ])
 def test_bad_combinations_are_refused_on_every_rank(axes, layout, m, match):
     for message in run(_refused, axes, layout, m, world_size=math.prod(axes.values())):
@@ -113,9 +122,9 @@ def test_bad_combinations_are_refused_on_every_rank(axes, layout, m, match):
 @pytest.mark.parametrize("fields, match", [
     (dict(ep_overlap=True, microbatches=2), "ep_overlap configure expert parallel; they need ep > 1"),
     (dict(ep=2, ep_overlap=True), "at pp 1 it needs microbatches >= 2, got 1"),
-    (dict(ep=2, pp=2, pp_schedule="dualpipev", ep_overlap=True, microbatches=4),
-     "not implemented for pp_schedule dualpipev yet"),
-    (dict(ep=2, dp=2, zero=1, ep_overlap=True, microbatches=2, batch=8), "drop zero 1 or ep_overlap"),
+    (dict(ep=2, pp=2, pp_schedule="zbv", ep_overlap=True, microbatches=4),
+     "not for pp_schedule zbv"),
+    (dict(ep=2, dp=2, zero=3, ep_overlap=True, microbatches=2, batch=8), "use zero 1 or 2 without"),
 ])
 def test_run_config_states_the_rules(fields, match):
     with pytest.raises(ValueError, match=match):
@@ -129,8 +138,8 @@ def test_the_plan_takes_it_and_the_layout_carries_it():
         assert dtp.plan(rc).bytes
 
 
-def _pairs_in_lanes() -> int:
-    """How many F/B pairs ran on lanes in one pp2 × ep2 1f1b m4 step, on this rank."""
+def _pairs_in_lanes(schedule: str = "1f1b") -> int:
+    """How many F/B pairs ran on lanes in one pp2 × ep2 m4 step of ``schedule``, on this rank."""
     from dtp.ops import lanes as lanes_mod
 
     calls = []
@@ -144,7 +153,7 @@ def _pairs_in_lanes() -> int:
     try:
         cfg = _cfg(False)
         state = dtp.TrainState.create(llama.init(cfg, seed=0), dtp.optim.sgd(0.1), mesh=dtp.make_mesh(pp=2, ep=2),
-                                      layout=_ep() + layouts.pipeline("1f1b"), axes=llama.param_axes(cfg),
+                                      layout=_ep() + layouts.pipeline(schedule), axes=llama.param_axes(cfg),
                                       axis_sizes=llama.axis_sizes(cfg))
         tok = torch.randint(0, cfg.vocab_size, (8, 17), generator=torch.Generator().manual_seed(0))
         batch = dtp.shard_batch({"tokens": tok[:, :-1].contiguous(), "targets": tok[:, 1:].contiguous()}, state)
@@ -154,6 +163,13 @@ def _pairs_in_lanes() -> int:
     return len(calls)
 
 
-def test_under_1f1b_the_first_stage_pairs_its_steady_state_and_the_last_runs_one_by_one():
-    # ranks 0, 1: stage 0 (F0 | F1 B0 | F2 B1 | F3 B2 | B3); ranks 2, 3: the last stage
-    assert run(_pairs_in_lanes, world_size=4) == [3, 3, 0, 0]
+def test_under_1f1b_every_stage_pairs_a_b_with_the_next_f():
+    # ranks 0, 1: stage 0 (F0 F1 | B0 F2 | B1 F3 | B2 B3); ranks 2, 3: the last stage
+    # (F0 | B0 F1 | B1 F2 | B2 F3 | B3): dtp.schedules.lane_pairs
+    assert run(_pairs_in_lanes, world_size=4) == [2, 2, 3, 3]
+
+
+@pytest.mark.slow
+def test_under_dualpipev_its_f_and_b_pairs_run_on_lanes():
+    # rank 0 (stages 0, 3): F0.3&B1.1 F1.2&B0.0 F1.3&B0.1; rank 1 (stages 1, 2) adds F0.2 beside B1.0
+    assert run(_pairs_in_lanes, "dualpipev", world_size=4) == [3, 3, 4, 4]

@@ -32,9 +32,11 @@ from dtp.schedules import (
     check,
     dependencies_ok,
     format_schedule,
+    lane_pairs,
     make,
     simulate,
 )
+from dtp.schedules.actions import flat
 
 
 def _valid_cases(name: str, max_p: int = 8, max_m: int = 16):
@@ -374,3 +376,36 @@ def test_v_schedules_beat_1f1b_at_equal_costs(name):
         one = simulate(make("1f1b", p=p, m=m), p=p, v=1, m=m, f=2.0, b=4.0)
         vee = simulate(make(name, p=p, v=2, m=m), p=p, v=2, m=m, f=1.0, b=2.0, w=1.0)
         assert vee.makespan < one.makespan and vee.bubble_ratio < one.bubble_ratio, (name, p)
+
+
+@pytest.mark.parametrize("name, v", [("1f1b", 1), ("interleaved", 2), ("dualpipev", 2), ("gpipe", 1)])
+@pytest.mark.parametrize("p, m", [(2, 4), (4, 8), (3, 5)])
+def test_lane_pairs_keep_each_rank_order_and_never_deadlock(name, v, p, m):
+    """Under ep_overlap each pair receives both inputs before it starts: the plan still
+    runs (dependencies_ok with each pair one event), holds the same actions in the same
+    order, pairs only an F with a B of another (chunk, microbatch), and keeps every one
+    of the schedule's own F&B pairs (DualPipeV)."""
+    try:
+        plan = make(name, p=p, v=v, m=m)
+    except ValueError as e:  # interleaved: m a multiple of p; dualpipev: m >= 2p
+        pytest.skip(str(e))
+    lanes = lane_pairs(plan, p=p, v=v, m=m)
+    dependencies_ok(lanes, p=p, v=v, m=m)
+    assert lanes.placement == plan.placement
+    for r in range(p):
+        # each item of the lanes' plan is the next one or two actions of the rank's list
+        # (a pair may hold its B before its F)
+        actions, k = [a for item in plan[r] for a in flat(item)], 0
+        for item in lanes[r]:
+            group = flat(item)
+            assert set(group) == set(actions[k:k + len(group)]), (r, str(item))
+            k += len(group)
+            if isinstance(item, Pair):
+                assert (item.forward.chunk, item.forward.microbatch) != (item.backward.chunk, item.backward.microbatch)
+        assert k == len(actions)
+        own = {item for item in plan[r] if isinstance(item, Pair)}
+        assert own <= set(lanes[r])
+    if name == "gpipe":  # every F before any B: at most the last forward beside the first backward
+        assert all(sum(isinstance(item, Pair) for item in rank) <= 1 for rank in lanes)
+    if name == "1f1b":  # every stage: m - (p-r-1) - 1 pairs (a B with the next F)
+        assert [sum(isinstance(i, Pair) for i in lanes[r]) for r in range(p)] == [m - p + r for r in range(p)]

@@ -241,7 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "all-gathers / reduce-scatters, so they never run at the same time")
     g.add_argument("--ep-overlap", action="store_true",
                    help="hide one microbatch's expert all-to-alls under another microbatch's compute (needs --ep; "
-                        "at pp 1 --microbatches >= 2; under --pp the 1f1b schedule)")
+                        "at pp 1 --microbatches >= 2; under --pp 1f1b, interleaved or dualpipev)")
 
     g = t.add_argument_group("output")
     g.add_argument("--out", default=RUN_DEFAULTS["out"], help="run directory (default: runs/<timestamp>)")

@@ -47,11 +47,15 @@ if TYPE_CHECKING:  # torch-free at import: the CLI checks layouts before torch l
 from .._mesh_shape import axis_names
 from .core import Layout
 
-__all__ = ["ExpertOptions", "expert", "EP_OVERLAP_SCHEDULES"]
+__all__ = ["ExpertOptions", "expert", "EP_OVERLAP_SCHEDULES", "NO_PAIRS"]
 
-#: The pipeline schedules ``ep_overlap`` runs under (pp > 1): their steady state's F and
-#: the B of an earlier microbatch side by side (dtp.strategies.pipeline).
-EP_OVERLAP_SCHEDULES = ("1f1b",)
+#: The pipeline schedules ``ep_overlap`` runs under (pp > 1): an F and a B of other
+#: microbatches side by side where that cannot deadlock (dtp.schedules.lane_pairs). Not
+#: gpipe, zb-h1, zbv (:data:`NO_PAIRS`).
+EP_OVERLAP_SCHEDULES = ("1f1b", "interleaved", "dualpipev")
+#: Why the other schedules are refused (the refusals' text).
+NO_PAIRS = ("gpipe runs every F before any B (one F beside a B at most: nothing to hide under); zb-h1 "
+            "and zbv split each B into I and W, which the lanes do not pair")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,8 +1,8 @@
 """Pipeline schedules as data: one list of actions per pipeline rank, no torch.
 
 actions.py (Action, Pair, Schedule, the stage map), build.py (:func:`make`, :func:`check`),
-v.py (zbv, dualpipev), simulate.py (:func:`dependencies_ok`, :func:`simulate`,
-:func:`format_schedule`).
+v.py (zbv, dualpipev), simulate.py (:func:`dependencies_ok`, :func:`lane_pairs`,
+:func:`simulate`, :func:`format_schedule`).
 
 A schedule is a tuple with one action list per pipeline rank ``0..p-1``. The runner
 executes each rank's list in order; a send never blocks and a receive waits only for
@@ -61,7 +61,7 @@ from __future__ import annotations
 from .actions import (PLACEMENTS, SCHEDULES, V_SCHEDULES, Action, Pair, Schedule, chunks_per_rank, global_stage,
                       placement, stage_owner)
 from .build import check, forward_only, make
-from .simulate import Event, Timeline, dependencies_ok, format_schedule, simulate
+from .simulate import Event, Timeline, dependencies_ok, format_schedule, lane_pairs, simulate
 
 __all__ = [
     "SCHEDULES",
@@ -78,6 +78,7 @@ __all__ = [
     "make",
     "forward_only",
     "dependencies_ok",
+    "lane_pairs",
     "simulate",
     "global_stage",
     "stage_owner",

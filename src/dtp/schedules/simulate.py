@@ -1,14 +1,15 @@
-"""Checking and timing a schedule: :func:`dependencies_ok`, :func:`simulate`, :func:`format_schedule`."""
+"""Checking and timing a schedule: :func:`dependencies_ok`, :func:`lane_pairs`, :func:`simulate`,
+:func:`format_schedule`."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import NamedTuple, Sequence
 
-from .actions import KINDS, Action, Pair, flat, placement_of, stage_owner
+from .actions import KINDS, Action, Pair, Schedule, flat, placement_of, stage_owner
 from .build import check_counts, make
 
-__all__ = ["Event", "Timeline", "dependencies_ok", "simulate", "format_schedule"]
+__all__ = ["Event", "Timeline", "dependencies_ok", "lane_pairs", "simulate", "format_schedule"]
 
 # A schedule as read here: a Schedule, or any per-rank lists (placement "loop").
 Ranks = Sequence[Sequence["Action | Pair"]]
@@ -169,6 +170,63 @@ def dependencies_ok(schedule: Ranks, *, p: int, v: int, m: int) -> None:
     fn = "schedules.dependencies_ok"
     _validate(fn, schedule, p, v, m)
     _execute(fn, schedule, p, v, dict.fromkeys((*KINDS, "F&B"), 1.0))
+
+
+def lane_pairs(schedule: Ranks, *, p: int, v: int, m: int) -> Schedule:
+    """``schedule`` with the F and B actions that may run side by side on one rank (two
+    cooperative lanes, ``layouts.expert(ep_overlap=True)``) made :class:`Pair` s, and its
+    own pairs that may not split into their F then B: the plan the pipeline runner runs
+    under ``ep_overlap``, every pair on lanes.
+
+    A pair on lanes receives both inputs before either action starts, and its outputs
+    count only from its end: a rank blocked on a receive inside a lane would hold the
+    turn. So a pairing is safe when :func:`dependencies_ok` holds with each pair as one
+    event, exactly its model of a :class:`Pair`. Candidates, greedily, each kept only if
+    the whole schedule still runs: the schedule's own pairs (DualPipeV's F&B), then a B
+    followed by an F, then an F followed by a B, each of two different microbatches or
+    chunks, ranks in order, each list left to right. The order matters: under 1f1b,
+    "B then F" pairs every stage's steady state (``p-r-1`` warm-up forwards: ``m-p+r``
+    pairs on rank r), where "F then B" on the first stage would make the last stage's
+    pairs wait on themselves. I / W actions (zero bubble) stay alone. Costs one walk per
+    candidate: cache it.
+
+    Raises: ``ValueError`` as :func:`dependencies_ok`.
+
+    >>> s = lane_pairs(make("1f1b", p=2, m=4), p=2, v=1, m=4)
+    >>> [" ".join(map(str, rank)) for rank in s]
+    ['F0.0 F0.1 F0.2&B0.0 F0.3&B0.1 B0.2 B0.3', 'F0.0 F0.1&B0.0 F0.2&B0.1 F0.3&B0.2 B0.3']
+    """
+    fn = "schedules.lane_pairs"
+    _validate(fn, schedule, p, v, m)
+    pl = placement_of(schedule)
+    costs = dict.fromkeys((*KINDS, "F&B"), 1.0)
+    own = [{(a.forward, a.backward) for a in rank if isinstance(a, Pair)} for rank in schedule]
+    units: list[list[Action | Pair]] = [[a for item in rank for a in flat(item)] for rank in schedule]
+
+    def runs(candidate: list[list[Action | Pair]]) -> bool:
+        try:
+            _execute(fn, candidate, p, v, costs)
+        except ValueError:
+            return False
+        return True
+
+    tiers = (lambda r, a, b: (a, b) in own[r],
+             lambda r, a, b: a.kind == "B" and b.kind == "F",
+             lambda r, a, b: a.kind == "F" and b.kind == "B")
+    for wanted in tiers:
+        for r in range(p):
+            k = 0
+            while k + 1 < len(units[r]):
+                a, b = units[r][k], units[r][k + 1]
+                if (isinstance(a, Action) and isinstance(b, Action) and {a.kind, b.kind} == {"F", "B"}
+                        and (a.chunk, a.microbatch) != (b.chunk, b.microbatch) and wanted(r, a, b)):
+                    pair = Pair(*((a, b) if a.kind == "F" else (b, a)))
+                    trial = [list(rank) for rank in units]
+                    trial[r][k:k + 2] = [pair]
+                    if runs(Schedule(trial, pl)):
+                        units = trial
+                k += 1
+    return Schedule(units, pl)
 
 
 def _peak_in_flight(actions: Sequence[Action | Pair]) -> int:

@@ -44,6 +44,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from ..buffers import with_buffers
 from ..layouts import Layout, use_layout
 from ..layouts.pipeline import assign
+from ..layouts.expert import NO_PAIRS
 from ..redistribute import value_of
 from ..models.sequential import Sequential
 from . import ep_overlap, pipeline, precision, replicated, zero
@@ -138,13 +139,18 @@ def _check_ep_overlap(layout: Layout, mesh: DeviceMesh, microbatches: int) -> No
                          f"expert axis {opts.label} has size 1 on this mesh: there is none; drop ep_overlap")
     pipe = _pipeline_options(layout, mesh)
     if pipe is not None and pipe.schedule not in ep_overlap.PIPELINE_SCHEDULES:
-        raise ValueError(f"train_step: layouts.expert(ep_overlap=True) under layouts.pipeline runs the "
-                         f"{'/'.join(ep_overlap.PIPELINE_SCHEDULES)} schedule's F/B pairs side by side; not "
-                         f"implemented for {pipe.schedule!r} yet")
-    if zero.options(layout, mesh) is not None:
-        raise ValueError("train_step: layouts.expert(ep_overlap=True) runs two microbatches' backwards side by "
-                         "side, which ZeRO's per-bucket gradient reduction does not allow; drop layouts.zero "
-                         "or ep_overlap")
+        raise ValueError(f"train_step: layouts.expert(ep_overlap=True) under layouts.pipeline runs an F and a B "
+                         f"of two microbatches side by side ({'/'.join(ep_overlap.PIPELINE_SCHEDULES)}); not for "
+                         f"{pipe.schedule!r}: {NO_PAIRS}")
+    z = zero.options(layout, mesh)
+    if z is not None and (z.stage == 3 or z.overlap_grad_reduce):
+        # ZeRO 1/2 compose: their buckets add each backward's gradients in any order and are
+        # reduce-scattered after the step's backwards; these count one microbatch at a time.
+        what = "3 gathers and frees each bucket per forward / backward" if z.stage == 3 else \
+            "with overlap_grad_reduce reduce-scatters each bucket when the last backward fills it"
+        raise ValueError(f"train_step: layouts.expert(ep_overlap=True) runs two microbatches' forwards and "
+                         f"backwards side by side, and ZeRO {what}, counting one microbatch at a time; use "
+                         f"layouts.zero(1 or 2) without overlap_grad_reduce, or drop ep_overlap")
     if pipe is None and microbatches < 2:
         raise ValueError(f"train_step: layouts.expert(ep_overlap=True) hides one microbatch's all-to-all under "
                          f"another microbatch's compute: it needs microbatches >= 2, got {microbatches}")
@@ -176,7 +182,8 @@ def wait(state: Any) -> None:
 def check(loss_fn: Any, layout: Layout, mesh: DeviceMesh, microbatches: int) -> None:
     """The strategies' rules for this step's model and microbatches (the pipeline's: a
     :class:`dtp.Sequential`, its layers and microbatches, what it composes with;
-    ``ep_overlap``'s: an expert axis, pp = 1, no ZeRO, microbatches >= 2)."""
+    ``ep_overlap``'s: an expert axis, a schedule it pairs, ZeRO 1/2 without
+    overlap_grad_reduce, microbatches >= 2 at pp 1)."""
     if _ep_overlap(layout, mesh):
         _check_ep_overlap(layout, mesh, microbatches)
     opts = _pipeline_options(layout, mesh)

@@ -25,9 +25,11 @@ For each action of its list, in order:
   computes, the forward's output posted before the backward computes (its transfer is
   in flight meanwhile).
 
-Under ``layouts.expert(ep_overlap=True)`` (1f1b) an F followed by the B of an earlier
-microbatch run side by side on two cooperative lanes (:mod:`dtp.ops.lanes`), one's expert
-all-to-alls under the other's compute, both inputs received before either starts.
+Under ``layouts.expert(ep_overlap=True)`` (1f1b, interleaved, dualpipev) the plan's pairs
+(:func:`dtp.schedules.lane_pairs`: DualPipeV's F&B, and adjacent F / B actions of other
+microbatches where that cannot deadlock) run side by side on two cooperative lanes
+(:mod:`dtp.ops.lanes`), one's expert all-to-alls under the other's compute, both inputs
+received before either starts.
 
 Receives are posted one action ahead (the next action's input is on the wire while this
 one computes); sends never block. What travels is the model's carry: one tensor, or a
@@ -138,16 +140,6 @@ class _Arrived:
         return self.result
 
 
-def _lane_pair(a: Any, b: Any) -> bool:
-    """Whether two consecutive items run side by side under ``ep_overlap``: an F, then the
-    B of an earlier microbatch (1F1B's steady state). Both inputs are received before
-    either runs; the B's gradient then never waits on this F's output. The reverse order
-    (the last stage's B then F) would: its F's activation comes from a previous stage that
-    itself waits for this B's gradient — so the last stage runs its actions one by one."""
-    return (isinstance(a, schedules.Action) and isinstance(b, schedules.Action) and a.kind == "F"
-            and b.kind == "B" and b.microbatch < a.microbatch)
-
-
 class Run:
     """One step of a pipeline schedule (a :class:`dtp.strategies.Scheduled`); with
     ``forward_only`` the evaluation's forwards (:meth:`evaluate`), no gradients."""
@@ -162,8 +154,11 @@ class Run:
         self.smesh = stage_mesh(ctx.mesh, self.axis)
         self.n_stages = self.p * self.v
         self.forward_only = forward_only
-        self.plan = (schedules.forward_only if forward_only else schedules.make)(
-            opts.schedule, p=self.p, v=self.v, m=ctx.microbatches)
+        expert = ctx.layout.expert
+        self._lanes = expert is not None and expert.ep_overlap and not forward_only  # ep_overlap: pairs on lanes
+        self.plan = ep_overlap.pipeline_plan(opts.schedule, self.p, self.v, ctx.microbatches) if self._lanes else \
+            (schedules.forward_only if forward_only else schedules.make)(opts.schedule, p=self.p, v=self.v,
+                                                                        m=ctx.microbatches)
         self.placement = self.plan.placement  # the stage-to-rank map: the schedule's
         # Zero bubble's I / W: async tp's entry rings must not route input gradients
         # through weight-only nodes (collective_matmul.split_backward).
@@ -211,8 +206,6 @@ class Run:
         self.act_sends: dict[tuple[int, int], list[comm.CommHandle]] = {}  # (next stage, mb) -> carry sent
         self.losses: dict[int, float] = {}
         self.auxes: dict[int, Any] = {}
-        expert = ctx.layout.expert
-        self._lanes = expert is not None and expert.ep_overlap and not forward_only  # ep_overlap's F/B pairs
 
     # ---- placement
     def _to_stage(self, x: torch.Tensor) -> torch.Tensor:
@@ -243,9 +236,9 @@ class Run:
             k = 0
             while k < len(actions):
                 item = actions[k]
-                if self._lanes and k + 1 < len(actions) and _lane_pair(item, actions[k + 1]):
-                    self._in_lanes(item, actions[k + 1], actions[k + 2] if k + 2 < len(actions) else None)
-                    k += 2
+                if self._lanes and isinstance(item, schedules.Pair):  # every pair of the lanes' plan
+                    self._in_lanes(item.forward, item.backward, actions[k + 1] if k + 1 < len(actions) else None)
+                    k += 1
                     continue
                 if k + 1 < len(actions):
                     self._prefetch(actions[k + 1])
