@@ -74,6 +74,7 @@ from ..redistribute import reshard, value_of
 from ..spec import P, spec_of, wrap_local
 from ..ops import lanes
 from . import ep_overlap, pipeline_split, pipeline_wire as wire, replicated
+from .pipeline_plan import plan as plan_of
 from . import zero as zero_mod
 
 __all__ = ["Context", "Run", "stage_mesh", "gather", "held"]
@@ -162,8 +163,8 @@ class Run:
         self.smesh = stage_mesh(ctx.mesh, self.axis)
         self.n_stages = self.p * self.v
         self.forward_only = forward_only
-        self.plan = (schedules.forward_only if forward_only else schedules.make)(
-            opts.schedule, p=self.p, v=self.v, m=ctx.microbatches)
+        # The schedule and this rank's walk of it (receives to post ahead): cached per config.
+        self.plan, self.steps = plan_of(opts.schedule, self.p, self.v, ctx.microbatches, self.rank, forward_only)
         self.placement = self.plan.placement  # the stage-to-rank map: the schedule's
         # Zero bubble's I / W: async tp's entry rings must not route input gradients
         # through weight-only nodes (collective_matmul.split_backward).
@@ -206,6 +207,7 @@ class Run:
         self.saved: dict[tuple[int, int], tuple[Any, Any]] = {}  # (chunk, mb) -> (input, output)
         self.pending_w: dict[tuple[int, int], pipeline_split.WeightGrad] = {}
         self.recvs: dict[tuple[str, int, int], Any] = {}
+        self.posted: set[tuple[str, int, int]] = set()  # every receive posted this step (taken or not)
         self.meta: dict[tuple[str, int], tuple] = {}  # (kind, stage) -> microbatch 0's headers: structure, leaves
         self.sends: list[comm.CommHandle] = []
         self.act_sends: dict[tuple[int, int], list[comm.CommHandle]] = {}  # (next stage, mb) -> carry sent
@@ -247,12 +249,13 @@ class Run:
                     self._in_lanes(item, actions[k + 1], actions[k + 2] if k + 2 < len(actions) else None)
                     k += 2
                     continue
-                if k + 1 < len(actions):
-                    self._prefetch(actions[k + 1])
-                # A pair's backward input was posted with its forward's (above, one item
-                # ahead); the forward's send is in flight while the backward computes.
-                for action in (item.forward, item.backward) if isinstance(item, schedules.Pair) else (item,):
-                    getattr(self, f"_{action.kind}")(action.chunk, action.microbatch)
+                step = self.steps[k]
+                for recv in step.posts:  # a few items ahead (pipeline_plan)
+                    self._post(*recv)
+                # A pair's backward input was posted with its forward's (items ahead); the
+                # forward's send is in flight while the backward computes.
+                for kind, chunk, i in step.runs:
+                    getattr(self, f"_{kind}")(chunk, i)
                 k += 1
         for handle in [*self.sends, *(h for hs in self.act_sends.values() for h in hs)]:
             handle.wait()
@@ -272,13 +275,12 @@ class Run:
         it: with a tree carry (MoE) the last stage's, shared over pp; else the last
         stage's, ``None`` elsewhere."""
         self.mbs = batches
-        actions = self.plan[self.rank]
         with torch.no_grad(), use_layout(self.ctx.layout, self.smesh) if self.smesh is not None else \
                 contextlib.nullcontext():
-            for k, action in enumerate(actions):
-                if k + 1 < len(actions):
-                    self._prefetch(actions[k + 1])
-                self._F(action.chunk, action.microbatch)
+            for step in self.steps:
+                for recv in step.posts:
+                    self._post(*recv)
+                self._F(step.item.chunk, step.item.microbatch)
         for handle in (h for hs in self.act_sends.values() for h in hs):
             handle.wait()
         self.act_sends.clear()
@@ -467,11 +469,12 @@ class Run:
 
     def _post(self, kind: str, stage: int, i: int) -> None:
         key = (kind, stage, i)
-        if key in self.recvs:
+        if key in self.posted:
             return
         frm = self._rank_of(stage - 1 if kind == "act" else stage + 1)
         if frm == self.rank:
             return  # handed over locally by _send
+        self.posted.add(key)
         header = None if i else comm.recv((wire.HEADER,), torch.int64, self.ctx.mesh, self.axis, frm=frm,
                                           key=self._key(kind, stage, i, 0), tag=f"pp {kind} stage {stage} mb 0 header")
         self.recvs[key] = wire.Incoming(self.meta, (kind, stage), header, frm,
@@ -485,6 +488,10 @@ class Run:
         ``(the list, the list)``."""
         self._post(kind, stage, i)
         leaves, spec, gathers, needs = self.recvs.pop((kind, stage, i)).wait()
+        if i == 0:  # its header is read: the channel's later receives posted ahead get their bodies posted
+            for (k, s, _), pending in self.recvs.items():
+                if (k, s) == (kind, stage) and isinstance(pending, wire.Incoming):
+                    pending.post_bodies()
         if kind != "act":
             return leaves, leaves
         for j, x in enumerate(leaves):
