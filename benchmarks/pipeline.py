@@ -18,7 +18,11 @@ receiver when it needs the data, and the sender at the microbatch's backward (ac
 or the end of the schedule (gradients). The link would then queue sends late instead of
 hiding them.
 
-First line: the latency of a gloo receive for a message that is already sent while its
+First line: the transport's hop, one hand-over of a ``rows × dim`` message measured with
+bare ``torch.distributed`` (receive posted ahead, sender computing after its send; from
+the send's post to the end of the receiver's wait, ``_pipeline_p2p.hop_latency``). The
+bubble table simulates each schedule without it (``sim ms``) and with it per hand-over
+between ranks (``+hop``, ``dtp.schedules.simulate(hop=…)``). Second line: the latency of a gloo receive for a message that is already sent while its
 sender computes, with the receive posted ahead vs posted when needed. In dtp's runner only
 microbatch 0's message of each (kind, stage) carries a 192-byte header (shape, dtype,
 placements); once it is read (``Run.meta``), every later body's receive is posted ahead

@@ -29,8 +29,9 @@ Under ``layouts.expert(ep_overlap=True)`` (1f1b) an F followed by the B of an ea
 microbatch run side by side on two cooperative lanes (:mod:`dtp.ops.lanes`), one's expert
 all-to-alls under the other's compute, both inputs received before either starts.
 
-Receives are posted one action ahead (the next action's input is on the wire while this
-one computes); sends never block. What travels is the model's carry: one tensor, or a
+Receives are posted three items ahead (:mod:`.pipeline_plan`: a gloo receive posted
+before the peer's send costs tens of µs, after it milliseconds when the peer computes);
+sends never block. What travels is the model's carry: one tensor, or a
 tree (an MoE model's hidden state and its blocks' aux losses and statistics), one
 message per leaf; gradients come back for the leaves that required one
 (:mod:`.pipeline_wire`). Microbatch 0's messages carry small headers (global shape,
