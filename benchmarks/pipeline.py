@@ -18,7 +18,11 @@ receiver when it needs the data, and the sender at the microbatch's backward (ac
 or the end of the schedule (gradients). The link would then queue sends late instead of
 hiding them.
 
-First line: the latency of a gloo receive for a message that is already sent while its
+First line: the transport's hop, one hand-over of a ``rows × dim`` message measured with
+bare ``torch.distributed`` (receive posted ahead, sender computing after its send; from
+the send's post to the end of the receiver's wait, ``_pipeline_p2p.hop_latency``). The
+bubble table simulates each schedule without it (``sim ms``) and with it per hand-over
+between ranks (``+hop``, ``dtp.schedules.simulate(hop=…)``). Second line: the latency of a gloo receive for a message that is already sent while its
 sender computes, with the receive posted ahead vs posted when needed. In dtp's runner only
 microbatch 0's message of each (kind, stage) carries a 192-byte header (shape, dtype,
 placements); once it is read (``Run.meta``), every later body's receive is posted ahead
@@ -98,6 +102,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _pipeline_p2p import hop_latency, p2p_latency  # noqa: E402
 from _pipeline_torch import StageTimer, rotating_times, torch_chunk  # noqa: E402
 
 SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zbv", 2), ("dualpipev", 2))
@@ -386,47 +391,11 @@ def _vs_torch(params, rows: int, p: int, m: int, schedules: list[tuple[str, int]
     return out
 
 
-# ------------------------------------------------------------------ gloo receive latency
-def _p2p_latency(rows: int, dim: int, repeats: int) -> dict[str, float] | None:
-    """Rank 0 sends one ``rows × dim`` fp32 message and computes for 20 ms; rank 1 computes
-    for 5 ms (the message is sent by then) and waits for it, its receive posted before the
-    5 ms or after them. Median wait in ms (rank 1; ``None`` on rank 0)."""
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    rank = dist.get_rank()
-    a, x = torch.randn(256, 256), torch.randn(rows, dim)
-
-    def busy(seconds: float) -> None:
-        t0 = time.perf_counter()
-        while time.perf_counter() - t0 < seconds:
-            a @ a
-
-    waits: dict[str, list[float]] = {"ahead": [], "when needed": []}
-    for k in range(2 * (repeats + 1)):
-        how = ("ahead", "when needed")[k % 2]
-        dist.barrier()
-        if rank == 0:
-            work = dist.isend(x, 1, tag=k)
-            busy(0.02)
-            work.wait()
-            continue
-        buf = torch.empty(rows, dim)
-        work = dist.irecv(buf, 0, tag=k) if how == "ahead" else None
-        busy(0.005)
-        t0 = time.perf_counter()
-        if work is None:
-            work = dist.irecv(buf, 0, tag=k)
-        work.wait()
-        if k >= 2:
-            waits[how].append(1e3 * (time.perf_counter() - t0))
-    return {how: statistics.median(ws) for how, ws in waits.items()} if rank == 1 else None
-
-
 # ------------------------------------------------------------------ report
-def _sim(schedule: str, v: int, p: int, m: int, costs: dict | None = None):
+def _sim(schedule: str, v: int, p: int, m: int, costs: dict | None = None, hop: float = 0.0):
     """Per-rank idle fractions, bubble ratio and makespan of ``dtp.schedules.simulate``:
-    ideal costs (F = 1, B = 2, W = B/2) or the measured ones (``costs``: seconds)."""
+    ideal costs (F = 1, B = 2, W = B/2) or the measured ones (``costs``: seconds), and
+    ``hop`` seconds per hand-over between ranks."""
     from dtp import schedules
 
     kw = {}
@@ -435,7 +404,7 @@ def _sim(schedule: str, v: int, p: int, m: int, costs: dict | None = None):
         kw = dict(f=costs["F"], b=b, fb=costs["F"] + b)
         if "W" in costs:
             kw["w"] = min(costs["W"], b)
-    t = schedules.simulate(schedules.make(schedule, p=p, v=v, m=m), p=p, v=v, m=m, **kw)
+    t = schedules.simulate(schedules.make(schedule, p=p, v=v, m=m), p=p, v=v, m=m, hop=hop, **kw)
     return [1 - b / t.makespan for b in t.busy], t.bubble_ratio, t.makespan
 
 
@@ -443,11 +412,12 @@ def _ranks(xs) -> str:
     return "/".join(f"{x:.2f}" for x in xs)
 
 
-def report_bubble(res: list[list[dict]], p: int, layers: int, dim: int, rows: int, repeats: int) -> None:
+def report_bubble(res: list[list[dict]], p: int, layers: int, dim: int, rows: int, repeats: int,
+                  hop: float = 0.0) -> None:
     w = 5 * p + 1
     print(f"(a) bubble, p={p}: {layers} layers tanh(x @ w), w {dim}x{dim}, {rows} rows per microbatch, fp32, "
           f"1 thread per rank; median of {repeats} steps (action costs: mean); per rank r0/r1/…")
-    print(f"{'schedule':<16}{'m':>3}{'step ms':>9}{'sched ms':>9}{'sim ms':>8}{'busy ms':>9}{'wait ms':>9}"
+    print(f"{'schedule':<16}{'m':>3}{'step ms':>9}{'sched ms':>9}{'sim ms':>8}{'+hop':>7}{'busy ms':>9}{'wait ms':>9}"
           f"{'bubble':>{w}}{'sim':>{w}}{'sim@cost':>{w}}{'ratio':>7}{'formula':>8}{'sim@c':>7}   action ms")
     for k, cfg in enumerate(res[0]):
         s, v, m = cfg["schedule"], cfg["v"], cfg["m"]
@@ -467,9 +437,12 @@ def report_bubble(res: list[list[dict]], p: int, layers: int, dim: int, rows: in
         costs = {kind: statistics.mean(rk["costs"][kind] for rk in per) for kind in per[0]["costs"]}
         ideal, ideal_ratio, _ = _sim(s, v, p, m)
         atcost, cost_ratio, makespan = _sim(s, v, p, m, costs)
+        with_hop = _sim(s, v, p, m, costs, hop)[2]
+        cfg["ratios"] = (sched / makespan, sched / with_hop, step)
         name = s + (f" v={v}" if v > 1 else "")
         acts = " ".join(f"{kind} {1e3 * c:.2f}" for kind, c in sorted(costs.items()))
-        print(f"{name:<16}{m:>3}{1e3 * step:>9.1f}{1e3 * sched:>9.1f}{1e3 * makespan:>8.1f}{1e3 * busy:>9.1f}"
+        print(f"{name:<16}{m:>3}{1e3 * step:>9.1f}{1e3 * sched:>9.1f}{1e3 * makespan:>8.1f}{1e3 * with_hop:>7.1f}"
+              f"{1e3 * busy:>9.1f}"
               f"{1e3 * take:>9.1f}{_ranks(bubble):>{w}}{_ranks(ideal):>{w}}{_ranks(atcost):>{w}}{ratio:>7.3f}"
               f"{ideal_ratio:>8.3f}{cost_ratio:>7.3f}   {acts}")
     found = {(c["schedule"], c["m"]): k for k, c in enumerate(res[0])}
@@ -489,8 +462,16 @@ def report_bubble(res: list[list[dict]], p: int, layers: int, dim: int, rows: in
             for m in sorted({c["m"] for c in res[0]}) if ("interleaved", m) in found and ("1f1b", m) in found]
     if half:  # the fixed cost per action: a half-size action (interleaved's chunk) over a full one (1f1b's stage)
         print("half-size action / full-size (interleaved v=2 / 1f1b, mean over ranks): " + "; ".join(half))
+    for m in sorted({c["m"] for c in res[0]}):
+        cfgs = [c for c in res[0] if c["m"] == m]
+        print(f"m={m} schedule / simulation at the measured costs, without | with the hop of {1e3 * hop:.2f} ms: "
+              + ", ".join(f"{c['schedule']} {c['ratios'][0]:.2f} | {c['ratios'][1]:.2f}" for c in cfgs))
+        if ("1f1b", m) in found:
+            one = res[0][found[("1f1b", m)]]["ratios"][2]
+            print(f"m={m} step / 1f1b's step: " + ", ".join(f"{c['schedule']} {c['ratios'][2] / one:.2f}"
+                                                           for c in cfgs if c["schedule"] != "1f1b"))
     print("step = train_step, sched = its Run.schedule (slower rank); sim ms = the makespan simulated with the "
-          "measured action costs; busy = compute in F/B/I/W, wait = actions waiting for their input (mean over "
+          "measured action costs, +hop = with the measured hop per hand-over between ranks; busy = compute in F/B/I/W, wait = actions waiting for their input (mean over "
           "ranks); bubble = 1 - busy/sched per rank; sim = simulate per rank with F=1 B=2 W=B/2, sim@cost = with "
           "the measured costs; ratio = measured idle/compute over all ranks beside simulate's bubble_ratio "
           "(formula: (p-1)/m, (p-1)/(v·m), zb-h1 ~1/3 of 1f1b's) and with the measured costs (sim@c)")
@@ -516,7 +497,10 @@ def main() -> None:
     params = make_params(args.layers, args.dim)
     chosen = [(s, v) for s, v in SCHEDULES if s in args.schedules]
     if "bubble" in args.parts:
-        lat = run(_p2p_latency, args.rows, args.dim, args.repeats, world_size=2)[1]
+        hop = run(hop_latency, args.rows, args.dim, args.repeats, world_size=2)[0]
+        print(f"gloo hop of one {args.rows}x{args.dim} fp32 message, receive posted ahead, sender computing after "
+              f"its send (bare torch.distributed, 2 ranks, median of {4 * args.repeats}): {1e3 * hop:.3f} ms")
+        lat = run(p2p_latency, args.rows, args.dim, args.repeats, world_size=2)[1]
         print(f"gloo receive of one {args.rows}x{args.dim} fp32 message already sent while its sender computes "
               f"(2 ranks, median of {args.repeats}): {lat['ahead']:.2f} ms with the receive posted ahead, "
               f"{lat['when needed']:.2f} ms posted when needed")
@@ -524,7 +508,7 @@ def main() -> None:
         for p in args.pp:
             res = run(_bubble, params, args.rows, p, args.m, chosen, args.warmup, args.repeats, world_size=p,
                       timeout=1200)
-            report_bubble(res, p, args.layers, args.dim, args.rows, args.repeats)
+            report_bubble(res, p, args.layers, args.dim, args.rows, args.repeats, hop)
             print()
     p = args.pp[0]
     if "memory" in args.parts:

@@ -10,6 +10,7 @@ import torch
 import dtp
 from dtp import layouts
 from dtp.models import llama
+from dtp.strategies import pipeline_plan
 from dtp.testing import run
 from test_pipeline import RTOL, _cfg, _check, _load_pp, _reference, _save_pp, _train
 
@@ -81,13 +82,18 @@ def _first_pair_posts(m: int) -> list[str]:
     return [r.tag for r in log.records if r.kind == "recv" and "header" not in r.tag]
 
 
-def test_dualpipev_posts_a_pairs_receives_together():
+def test_dualpipev_posts_a_pairs_receives_ahead():
     # Rank 0 (stages 0 and 3) at p=2, m=4 runs ... F1.2&B0.0 B1.2 F1.3&B0.1 ...: the pair
     # F1.3&B0.1 needs stage 3's activation of mb 3 and stage 0's gradient of mb 1, both
-    # posted one after the other before B1.2 computes (the loss's stage: no receive).
+    # posted before B1.2 computes (the runner posts pipeline_plan.AHEAD items ahead).
+    _, steps = pipeline_plan.plan("dualpipev", 2, 2, 4, 0)
+    k = next(k for k, s in enumerate(steps) if str(s.item) == "F1.3&B0.1")
+    assert str(steps[k - 1].item) == "B1.2"
+    assert {("act", 3, 3), ("grad", 0, 1)} <= {r for s in steps[:k - 1] for r in s.posts}
+    # The runner posts in the plan's order; microbatch 0's bodies once its header is read.
     tags = run(_first_pair_posts, 4, world_size=2)[0]
-    i = tags.index("pp act stage 3 mb 3")
-    assert tags[i + 1] == "pp grad stage 0 mb 1", tags
+    want = [f"pp {kind} stage {stage} mb {i}" for s in steps for kind, stage, i in s.posts if i]
+    assert [t for t in tags if not t.endswith(" mb 0")] == want, tags
 
 
 # ------------------------------------------------------------------ evaluation under a pipeline

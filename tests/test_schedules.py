@@ -160,6 +160,23 @@ def test_simulate_times_follow_the_costs():
     assert [(e.end - e.start, e.action.kind) for e in zb.events[0]] == [(1.0, "F"), (1.5, "I"), (0.5, "W")]
 
 
+def test_simulate_hop_delays_only_hand_overs_between_ranks():
+    # gpipe p=2 m=2: rank 1's F waits one hop for each activation, rank 0's B one for each gradient.
+    t = simulate(make("gpipe", p=2, m=2), p=2, v=1, m=2, f=1.0, b=3.0, hop=0.5)
+    assert [(e.start, str(e.action)) for e in t.events[1]] == [(1.5, "F0.0"), (2.5, "F0.1"), (3.5, "B0.0"),
+                                                                  (6.5, "B0.1")]
+    assert [(e.start, str(e.action)) for e in t.events[0]][2:] == [(7.0, "B0.0"), (10.0, "B0.1")]
+    assert t.makespan == 13.0
+    # A V schedule's turn at the last stage is within rank 0: no hop there; p=1 has none at all.
+    one = simulate(make("interleaved", p=1, v=2, m=2), p=1, v=2, m=2, hop=5.0)
+    assert one.makespan == simulate(make("interleaved", p=1, v=2, m=2), p=1, v=2, m=2).makespan
+    for name, v in (("1f1b", 1), ("zbv", 2), ("dualpipev", 2)):
+        s = make(name, p=2, v=v, m=4)
+        assert simulate(s, p=2, v=v, m=4, hop=0.1).makespan > simulate(s, p=2, v=v, m=4).makespan
+    with pytest.raises(ValueError, match=r"hop \(the latency of one hand-over between ranks\) must be a number >= 0"):
+        simulate(make("1f1b", p=2, m=2), p=2, v=1, m=2, hop=-1.0)
+
+
 def test_format_schedule_1f1b_p2_m4():
     assert format_schedule(make("1f1b", p=2, m=4), p=2) == (
         "rank 0: F0.0 F0.1 .    B0.0 F0.2 B0.1 F0.3 B0.2 .    B0.3\n"

@@ -101,16 +101,18 @@ def _validate(fn: str, schedule: Ranks, p: int, v: int, m: int) -> None:
 
 
 def _execute(
-    fn: str, schedule: Ranks, p: int, v: int, cost: dict[str, float]
+    fn: str, schedule: Ranks, p: int, v: int, cost: dict[str, float], hop: float = 0.0
 ) -> list[list[Event]]:
     """Run every rank's list in order, each action as soon as its rank and inputs are free.
 
     Start times depend only on the rank's previous end and the inputs' ends, so visiting
     ranks round-robin gives the same times as a global clock would. A :class:`Pair` is
     one event (cost ``cost["F&B"]``) that needs both inputs and delivers both at its end.
+    An input made on another rank is there ``hop`` after its action ends.
     """
     stages, pl = p * v, placement_of(schedule)
     done: dict[tuple[str, int, int], float] = {}
+    made_on: dict[tuple[str, int, int], int] = {}
     events: list[list[Event]] = [[] for _ in range(p)]
     pos = [0] * p
     free = [0.0] * p
@@ -127,14 +129,15 @@ def _execute(
                 needs = needs_of(r, item)
                 if any(key not in done for key in needs):
                     break
-                start = max([free[r]] + [done[key] for key in needs])
+                start = max([free[r]] + [done[key] + (hop if made_on[key] != r else 0.0) for key in needs])
                 free[r] = start + cost["F&B" if isinstance(item, Pair) else item.kind]
                 events[r].append(Event(start, free[r], item))
                 for a in flat(item):
                     stage = a.stage(r, p, pl)
-                    done[({"B": "G", "I": "G"}.get(a.kind, a.kind), stage, a.microbatch)] = free[r]
+                    key = ({"B": "G", "I": "G"}.get(a.kind, a.kind), stage, a.microbatch)
+                    done[key], made_on[key] = free[r], r
                     if a.kind == "B":
-                        done[("W", stage, a.microbatch)] = free[r]
+                        done[("W", stage, a.microbatch)], made_on[("W", stage, a.microbatch)] = free[r], r
                 pos[r] += 1
                 moved = True
     stuck = [r for r in range(p) if pos[r] < len(schedule[r])]
@@ -251,26 +254,36 @@ def simulate(
     b: float = 2.0,
     w: float | None = None,
     fb: float | None = None,
+    hop: float = 0.0,
 ) -> Timeline:
-    """Time ``schedule`` event by event: each rank runs its list in order, comm costs 0.
+    """Time ``schedule`` event by event: each rank runs its list in order, comm costs
+    ``hop`` per hand-over between ranks (0 by default).
 
-    An action starts when its rank is free and its inputs are done (:func:`dependencies_ok`).
+    An action starts when its rank is free and its inputs are done (:func:`dependencies_ok`)
+    — an input from another rank ``hop`` later.
 
     - `f`: cost of one ``F``, default 1.0. `b`: cost of one ``B``, default 2.0.
     - `w`: cost of one ``W``, default ``b / 2``; an ``I`` costs ``b - w``.
     - `fb`: cost of one :class:`Pair` (``F&B``), default ``f + b`` (one thread runs
       both; less where one's communication would otherwise show).
+    - `hop`: the transport's latency of one hand-over between ranks (an activation or
+      a gradient from another rank), default 0; a hand-over within a rank (a V
+      schedule's turn, interleaved at p=1) costs nothing. A measured transport latency,
+      so that a runner is compared with what its transport allows
+      (``benchmarks/pipeline.py`` measures it with bare gloo sends).
 
     Costs are per action, i.e. per chunk: to compare makespans of ``v`` chunks with
     ``v = 1``, pass ``f / v`` and ``b / v`` (bubble ratios do not change with the scale).
 
     Raises: ``ValueError`` as :func:`dependencies_ok`, or for costs not ``f > 0``,
-    ``b > 0``, ``0 <= w <= b``.
+    ``b > 0``, ``0 <= w <= b``, ``hop >= 0``.
 
     >>> from dtp.schedules import simulate  # the doctest namespace's simulate is dtp.testing's
     >>> t = simulate(make("1f1b", p=4, m=8), p=4, v=1, m=8)
     >>> t.makespan, round(t.bubble_fraction, 4), t.bubble_ratio, t.peak_in_flight
     (33.0, 0.2727, 0.375, (4, 3, 2, 1))
+    >>> simulate(make("1f1b", p=4, m=8), p=4, v=1, m=8, hop=0.25).makespan  # 16 hops on its critical path
+    37.0
     """
     fn = "schedules.simulate"
     w = b / 2 if w is None else w
@@ -284,8 +297,11 @@ def simulate(
     fb = f + b if fb is None else fb
     if not isinstance(fb, (int, float)) or isinstance(fb, bool) or not fb > 0:
         raise ValueError(f"{fn}: fb (the cost of one F&B pair) must be a number > 0, got {fb!r}")
+    if not isinstance(hop, (int, float)) or isinstance(hop, bool) or not hop >= 0:
+        raise ValueError(f"{fn}: hop (the latency of one hand-over between ranks) must be a number >= 0, "
+                         f"got {hop!r}")
     _validate(fn, schedule, p, v, m)
-    events = _execute(fn, schedule, p, v, {"F": f, "B": b, "I": b - w, "W": w, "F&B": fb})
+    events = _execute(fn, schedule, p, v, {"F": f, "B": b, "I": b - w, "W": w, "F&B": fb}, hop)
     makespan = max((rank[-1].end for rank in events if rank), default=0.0)
     busy = tuple(sum(e.end - e.start for e in rank) for rank in events)
     total = sum(busy)

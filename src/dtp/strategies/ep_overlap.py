@@ -1,8 +1,9 @@
 """``layouts.expert(ep_overlap=True)``: one microbatch's expert all-to-alls hidden under
 another microbatch's compute (Megatron-core's ``--overlap-moe-expert-parallel-comm``,
 DeepSeek's two-microbatch overlap). At pp = 1 this module's :class:`Run`; under a pipeline
-(1f1b, interleaved, dualpipev) the runner puts the pairs of :func:`pipeline_plan` on the
-same lanes (``dtp.strategies.pipeline.Run._in_lanes``, :data:`PIPELINE_SCHEDULES`).
+(1f1b, interleaved, dualpipev) the runner puts the pairs of its lanes' plan
+(:func:`dtp.strategies.pipeline_plan.plan` with ``lanes=True``) on the same lanes
+(``dtp.strategies.pipeline.Run._in_lanes``, :data:`PIPELINE_SCHEDULES`).
 
 A :class:`Run` wraps the step's own run (replicated or mixed precision): the same
 gradients, targets and update; only the order of the microbatches' forwards and
@@ -34,7 +35,6 @@ still overlap).
 from __future__ import annotations
 
 import contextlib
-import functools
 from typing import Any, Callable, Iterator
 
 import torch
@@ -49,22 +49,11 @@ from ..ops.recompute import policy, recompute
 from ..redistribute import value_of
 from .loss_out import split as split_loss
 
-__all__ = ["Run", "chains", "carry", "pipeline_plan", "PIPELINE_SCHEDULES"]
+__all__ = ["Run", "chains", "carry", "PIPELINE_SCHEDULES"]
 
 #: The pipeline schedules whose F / B actions of two microbatches run side by side on two
-#: lanes where :func:`pipeline_plan` pairs them (``dtp.strategies.pipeline.Run._in_lanes``).
+#: lanes where :func:`dtp.schedules.lane_pairs` pairs them (``dtp.strategies.pipeline.Run._in_lanes``).
 PIPELINE_SCHEDULES = EP_OVERLAP_SCHEDULES
-
-
-@functools.lru_cache(maxsize=32)
-def pipeline_plan(name: str, p: int, v: int, m: int) -> schedules.Schedule:
-    """Schedule ``name``'s plan under ep_overlap: each :class:`dtp.schedules.Pair` runs on
-    two lanes (:func:`dtp.schedules.lane_pairs`, cached: one walk per candidate pair).
-
-    >>> [" ".join(map(str, rank)) for rank in pipeline_plan("1f1b", 2, 1, 3)]
-    ['F0.0 F0.1 F0.2&B0.0 B0.1 B0.2', 'F0.0 F0.1&B0.0 F0.2&B0.1 B0.2']
-    """
-    return schedules.lane_pairs(schedules.make(name, p=p, v=v, m=m), p=p, v=v, m=m)
 
 
 def chains(m: int) -> list[list[tuple[str, int]]]:

@@ -31,8 +31,9 @@ microbatches where that cannot deadlock) run side by side on two cooperative lan
 (:mod:`dtp.ops.lanes`), one's expert all-to-alls under the other's compute, both inputs
 received before either starts.
 
-Receives are posted one action ahead (the next action's input is on the wire while this
-one computes); sends never block. What travels is the model's carry: one tensor, or a
+Receives are posted three items ahead (:mod:`.pipeline_plan`: a gloo receive posted
+before the peer's send costs tens of µs, after it milliseconds when the peer computes);
+sends never block. What travels is the model's carry: one tensor, or a
 tree (an MoE model's hidden state and its blocks' aux losses and statistics), one
 message per leaf; gradients come back for the leaves that required one
 (:mod:`.pipeline_wire`). Microbatch 0's messages carry small headers (global shape,
@@ -76,6 +77,7 @@ from ..redistribute import reshard, value_of
 from ..spec import P, spec_of, wrap_local
 from ..ops import lanes
 from . import ep_overlap, pipeline_split, pipeline_wire as wire, replicated
+from .pipeline_plan import plan as plan_of
 from . import zero as zero_mod
 
 __all__ = ["Context", "Run", "stage_mesh", "gather", "held"]
@@ -156,9 +158,10 @@ class Run:
         self.forward_only = forward_only
         expert = ctx.layout.expert
         self._lanes = expert is not None and expert.ep_overlap and not forward_only  # ep_overlap: pairs on lanes
-        self.plan = ep_overlap.pipeline_plan(opts.schedule, self.p, self.v, ctx.microbatches) if self._lanes else \
-            (schedules.forward_only if forward_only else schedules.make)(opts.schedule, p=self.p, v=self.v,
-                                                                        m=ctx.microbatches)
+        # The schedule (under ep_overlap its lanes' plan) and this rank's walk of it
+        # (receives to post ahead): cached per config.
+        self.plan, self.steps = plan_of(opts.schedule, self.p, self.v, ctx.microbatches, self.rank, forward_only,
+                                        lanes=self._lanes)
         self.placement = self.plan.placement  # the stage-to-rank map: the schedule's
         # Zero bubble's I / W: async tp's entry rings must not route input gradients
         # through weight-only nodes (collective_matmul.split_backward).
@@ -201,6 +204,7 @@ class Run:
         self.saved: dict[tuple[int, int], tuple[Any, Any]] = {}  # (chunk, mb) -> (input, output)
         self.pending_w: dict[tuple[int, int], pipeline_split.WeightGrad] = {}
         self.recvs: dict[tuple[str, int, int], Any] = {}
+        self.posted: set[tuple[str, int, int]] = set()  # every receive posted this step (taken or not)
         self.meta: dict[tuple[str, int], tuple] = {}  # (kind, stage) -> microbatch 0's headers: structure, leaves
         self.sends: list[comm.CommHandle] = []
         self.act_sends: dict[tuple[int, int], list[comm.CommHandle]] = {}  # (next stage, mb) -> carry sent
@@ -233,20 +237,16 @@ class Run:
         self.mbs = microbatches
         with use_layout(self.ctx.layout, self.smesh) if self.smesh is not None else contextlib.nullcontext(), \
                 collective_matmul.split_backward() if self.split else contextlib.nullcontext():  # recomputes too
-            k = 0
-            while k < len(actions):
-                item = actions[k]
+            for item, step in zip(actions, self.steps):
+                for recv in step.posts:  # a few items ahead (pipeline_plan)
+                    self._post(*recv)
                 if self._lanes and isinstance(item, schedules.Pair):  # every pair of the lanes' plan
-                    self._in_lanes(item.forward, item.backward, actions[k + 1] if k + 1 < len(actions) else None)
-                    k += 1
+                    self._in_lanes(item.forward, item.backward)
                     continue
-                if k + 1 < len(actions):
-                    self._prefetch(actions[k + 1])
-                # A pair's backward input was posted with its forward's (above, one item
-                # ahead); the forward's send is in flight while the backward computes.
-                for action in (item.forward, item.backward) if isinstance(item, schedules.Pair) else (item,):
-                    getattr(self, f"_{action.kind}")(action.chunk, action.microbatch)
-                k += 1
+                # A pair's backward input was posted with its forward's (items ahead); the
+                # forward's send is in flight while the backward computes.
+                for kind, chunk, i in step.runs:
+                    getattr(self, f"_{kind}")(chunk, i)
         for handle in [*self.sends, *(h for hs in self.act_sends.values() for h in hs)]:
             handle.wait()
         self.sends.clear()
@@ -265,13 +265,12 @@ class Run:
         it: with a tree carry (MoE) the last stage's, shared over pp; else the last
         stage's, ``None`` elsewhere."""
         self.mbs = batches
-        actions = self.plan[self.rank]
         with torch.no_grad(), use_layout(self.ctx.layout, self.smesh) if self.smesh is not None else \
                 contextlib.nullcontext():
-            for k, action in enumerate(actions):
-                if k + 1 < len(actions):
-                    self._prefetch(actions[k + 1])
-                self._F(action.chunk, action.microbatch)
+            for step in self.steps:
+                for recv in step.posts:
+                    self._post(*recv)
+                self._F(step.item.chunk, step.item.microbatch)
         for handle in (h for hs in self.act_sends.values() for h in hs):
             handle.wait()
         self.act_sends.clear()
@@ -426,13 +425,11 @@ class Run:
         else:
             self.sends += posted
 
-    def _in_lanes(self, a: "schedules.Action", b: "schedules.Action", after: Any) -> None:
+    def _in_lanes(self, a: "schedules.Action", b: "schedules.Action") -> None:
         """``ep_overlap`` (:mod:`.ep_overlap`): an F and a B of two microbatches side by side
         on two lanes, one's expert all-to-alls under the other's compute. Both inputs are
         received first, here, so no lane ever blocks on another stage (the turn moves only
         at the all-to-alls: the same order on every rank of the stage)."""
-        if after is not None:
-            self._prefetch(after)
         for action in (a, b):
             stage = action.stage(self.rank, self.p, self.placement)
             kind = "act" if action.kind == "F" else "grad"
@@ -450,21 +447,14 @@ class Run:
 
         lanes.run([lane(a), lane(b)])
 
-    def _prefetch(self, item: "schedules.Action | schedules.Pair") -> None:
-        for action in (item.forward, item.backward) if isinstance(item, schedules.Pair) else (item,):
-            stage = action.stage(self.rank, self.p, self.placement)
-            if action.kind == "F" and stage > 0:
-                self._post("act", stage, action.microbatch)
-            elif action.kind in ("B", "I") and stage < self.n_stages - 1:
-                self._post("grad", stage, action.microbatch)
-
     def _post(self, kind: str, stage: int, i: int) -> None:
         key = (kind, stage, i)
-        if key in self.recvs:
+        if key in self.posted:
             return
         frm = self._rank_of(stage - 1 if kind == "act" else stage + 1)
         if frm == self.rank:
             return  # handed over locally by _send
+        self.posted.add(key)
         header = None if i else comm.recv((wire.HEADER,), torch.int64, self.ctx.mesh, self.axis, frm=frm,
                                           key=self._key(kind, stage, i, 0), tag=f"pp {kind} stage {stage} mb 0 header")
         self.recvs[key] = wire.Incoming(self.meta, (kind, stage), header, frm,
@@ -478,6 +468,10 @@ class Run:
         ``(the list, the list)``."""
         self._post(kind, stage, i)
         leaves, spec, gathers, needs = self.recvs.pop((kind, stage, i)).wait()
+        if i == 0:  # its header is read: the channel's later receives posted ahead get their bodies posted
+            for (k, s, _), pending in self.recvs.items():
+                if (k, s) == (kind, stage) and isinstance(pending, wire.Incoming):
+                    pending.post_bodies()
         if kind != "act":
             return leaves, leaves
         for j, x in enumerate(leaves):

@@ -245,9 +245,10 @@ class Incoming:
         self.channels, self.channel, self.head, self.frm, self.keys, self.tag = channels, channel, head, frm, keys, tag
         self.mesh, self.axis, self.smesh = mesh, axis, smesh
         self.bodies: list[comm.CommHandle] | None = None
-        self._post_bodies()
+        self.post_bodies()
 
-    def _post_bodies(self) -> None:
+    def post_bodies(self) -> None:
+        """Post the bodies' receives once the channel's headers are known (idempotent)."""
         known = self.channels.get(self.channel)
         if self.bodies is None and known is not None:
             _, metas = known
@@ -267,7 +268,7 @@ class Incoming:
                                  tag=self.tag + " tree").wait()
                 spec, rest = read_tree_words(tree, self.smesh)
             self.channels[self.channel] = (spec, [first, *rest])
-        self._post_bodies()
+        self.post_bodies()
         spec, metas = self.channels[self.channel]
         leaves = [rebuild(h.wait(), meta, self.smesh) for h, meta in zip(self.bodies, metas)]
         return leaves, spec, [m[3] for m in metas], [m[4] for m in metas]
