@@ -39,7 +39,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from .. import comm, schedules
+from .. import comm
 from ..compiled import active as compile_options, compiling
 from ..layouts import current, use_layout
 from ..layouts.expert import EP_OVERLAP_SCHEDULES
