@@ -282,11 +282,11 @@ def constrain(x: torch.Tensor, logical: Sequence[str | None], *, name: str = "ac
     """
     from torch.distributed.tensor import DTensor
 
-    from ..redistribute import reshard
-
     active = current()
     if active is None or not isinstance(x, DTensor):
-        return x
+        return x  # before the import below: one device calls this per block, every step
+    from ..redistribute import reshard
+
     layout, mesh = active
     if len(logical) != x.dim():
         raise ValueError(f"{name}: {len(logical)} logical axes {tuple(logical)} for a tensor of shape {tuple(x.shape)}")
