@@ -102,15 +102,31 @@ def map_local(kernel: Kernel, grads: PyTree, others: Sequence[tuple[str, PyTree 
     """
     leaves, treedef = optree.tree_flatten(grads)
     other_leaves = [(name, None if t is None else treedef.flatten_up_to(t)) for name, t in others]
-    _check(grads, leaves, other_leaves)
     if not leaves:
         return [treedef.unflatten([]) for _ in range(n_out)]
-    with torch.no_grad():
-        outs = kernel([local_of(g) for g in leaves],
-                      *(None if xs is None else [local_of(x) for x in xs] for _, xs in other_leaves))
+    if _all_plain(leaves, other_leaves):  # one device: nothing to unwrap, check or wrap back
+        with torch.no_grad():
+            outs = kernel(leaves, *(xs for _, xs in other_leaves))
+        wrap = False
+    else:
+        _check(grads, leaves, other_leaves)
+        with torch.no_grad():
+            outs = kernel([local_of(g) for g in leaves],
+                          *(None if xs is None else [local_of(x) for x in xs] for _, xs in other_leaves))
+        wrap = True
     if len(outs) != n_out:
         raise ValueError(f"map_local: the kernel returned {len(outs)} lists, expected {n_out}")
+    if not wrap:
+        return [treedef.unflatten(out) for out in outs]
     return [treedef.unflatten([_like(r, g) for r, g in zip(out, leaves)]) for out in outs]
+
+
+def _all_plain(leaves: list[torch.Tensor], others: Sequence[tuple[str, list[torch.Tensor] | None]]) -> bool:
+    """Every leaf of every tree a plain tensor, each of the gradient's shape: the common
+    one-device case, proved in one pass per tree (any mismatch: the full check names it)."""
+    return (not any(isinstance(g, DTensor) for g in leaves)
+            and all(xs is None or all(not isinstance(x, DTensor) and x.shape == g.shape for x, g in zip(xs, leaves))
+                    for _, xs in others))
 
 
 def zeros_like_tree(params: PyTree) -> PyTree:
