@@ -232,7 +232,8 @@ def _run_microbatches(loss_fn: Callable, run: strategies.StepRun | strategies.Sc
             out = loss_fn(run.params(), mb)
         loss, aux = split_loss(out)
         with span("backward"):
-            run.backward(loss / m, k)
+            # x / 1 is x bit for bit: one microbatch skips the op and its backward node.
+            run.backward(loss / m if m > 1 else loss, k)
         total += value_of(loss.detach()) / m
         auxes.append(aux)
     # One aux per microbatch: dtp cannot know whether to sum (token counts) or average
