@@ -279,3 +279,55 @@ def _adamw_on_mesh():
 def test_adamw_on_dtensors_equals_single_device():
     reps = run(_adamw_on_mesh, world_size=4)
     assert all(torch.equal(r, reps[0]) for r in reps)  # the replicated param stays identical
+
+
+def _per_leaf_sgd(g, buf, p, *, rate, momentum, nesterov, wd):
+    """The single-tensor SGD step dtp ran leaf by leaf before its foreach kernels."""
+    d = g.add(p, alpha=wd) if wd else g
+    if momentum:
+        buf = buf.mul(momentum).add(d)
+        d = d.add(buf, alpha=momentum) if nesterov else buf
+    return d.mul(-rate), buf
+
+
+def _per_leaf_adamw(g, m, v, p, *, rate, step, b1, b2, eps, wd):
+    """The single-tensor AdamW step dtp ran leaf by leaf before its foreach kernels."""
+    step_size, bc2_sqrt = rate / (1.0 - b1**step), (1.0 - b2**step) ** 0.5
+    m = torch.lerp(m, g, 1.0 - b1)
+    v = torch.addcmul(v.mul(b2), g, g, value=1.0 - b2)
+    denom = v.sqrt().div(bc2_sqrt).add(eps)
+    u = torch.addcdiv(p.mul(-rate * wd), m, denom, value=-step_size) if wd else torch.div(m, denom).mul(-step_size)
+    return u, m, v
+
+
+@pytest.mark.parametrize("momentum, nesterov, wd", [(0.0, False, 0.0), (0.9, True, 0.05), (0.5, False, 0.01)])
+def test_foreach_sgd_is_bit_for_bit_the_per_leaf_step(momentum, nesterov, wd):
+    params, opt = _tree(), optim.sgd(0.1, momentum=momentum, nesterov=nesterov, weight_decay=wd)
+    state, ref_p, ref_b = opt.init(params), _leaves(params), [torch.zeros_like(p) for p in _leaves(params)]
+    for k in range(STEPS):
+        g = _grads(params, k)
+        updates, state = opt.update(g, state, params)
+        params = optim.apply_updates(params, updates)
+        ref = [_per_leaf_sgd(*x, rate=0.1, momentum=momentum, nesterov=nesterov, wd=wd)
+               for x in zip(_leaves(g), ref_b, ref_p)]
+        ref_p, ref_b = [p + u for p, (u, _) in zip(ref_p, ref)], [b for _, b in ref]
+        assert all(torch.equal(a, b) for a, b in zip(_leaves(params), ref_p, strict=True))
+        if momentum:
+            assert all(torch.equal(a, b) for a, b in zip(_leaves(state.momentum), ref_b, strict=True))
+
+
+@pytest.mark.parametrize("wd", [0.0, 0.1])
+def test_foreach_adamw_is_bit_for_bit_the_per_leaf_step(wd):
+    params, opt = _tree(), optim.adamw(1e-2, b1=0.8, b2=0.95, eps=1e-6, weight_decay=wd)
+    state, ref_p = opt.init(params), _leaves(params)
+    ref_m, ref_v = [torch.zeros_like(p) for p in ref_p], [torch.zeros_like(p) for p in ref_p]
+    for k in range(STEPS):
+        g = _grads(params, k)
+        updates, state = opt.update(g, state, params)
+        params = optim.apply_updates(params, updates)
+        ref = [_per_leaf_adamw(*x, rate=1e-2, step=k + 1, b1=0.8, b2=0.95, eps=1e-6, wd=wd)
+               for x in zip(_leaves(g), ref_m, ref_v, ref_p)]
+        ref_p = [p + u for p, (u, _, _) in zip(ref_p, ref)]
+        ref_m, ref_v = [m for _, m, _ in ref], [v for _, _, v in ref]
+        for ours, theirs in ((params, ref_p), (state.mu, ref_m), (state.nu, ref_v)):
+            assert all(torch.equal(a, b) for a, b in zip(_leaves(ours), theirs, strict=True))

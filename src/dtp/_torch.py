@@ -60,8 +60,10 @@ def new_dtensor(local: torch.Tensor, mesh: DeviceMesh, placements: tuple, shape:
     caller checks); ``local`` must already be on the mesh's device type. Public
     alternative: ``DTensor.from_local(..., run_check=False)`` (about 4x the Python work)."""
     spec = _dtensor_spec(mesh, placements, shape, stride, local.dtype)
-    # requires_grad as from_local under no_grad: a leaf when ``local`` is one.
-    return DTensor(local.view_as(local), spec, requires_grad=local.requires_grad)  # type: ignore[call-arg]
+    # requires_grad as from_local under no_grad: a leaf when ``local`` is one. ``__new__``
+    # alone: DTensor's ``__init__`` does nothing but sits behind dynamo's disable wrapper,
+    # three Python frames per DTensor (measured: a third of a wrap's cost, torch 2.13).
+    return DTensor.__new__(DTensor, local.view_as(local), spec, requires_grad=local.requires_grad)  # type: ignore[call-arg]
 
 
 @functools.lru_cache(maxsize=8192)

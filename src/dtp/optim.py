@@ -36,10 +36,11 @@ from typing import Any, Callable, NamedTuple, Sequence, Union
 
 import optree
 import torch
-from torch.distributed.tensor import DTensor, Partial
+from torch.distributed.tensor import DTensor
 
+from .leafwise import local_of, map_local, paths, zeros_like_tree
 from .redistribute import from_local, reshard
-from .spec import P, spec_of, wrap_like
+from .spec import P, spec_of
 
 __all__ = [
     "state_part",
@@ -159,74 +160,7 @@ def _as_schedule(lr: ScalarOrSchedule, name: str) -> Schedule:
     return constant(lr)
 
 
-# --------------------------------------------------------------------------- leafwise machinery
-
-
-def _paths(tree: PyTree) -> list[str]:
-    return ["".join(f"[{k!r}]" for k in path) or "<root>" for path in optree.tree_paths(tree)]
-
-
-def _check_layout(path: str, ref: torch.Tensor, others: Sequence[tuple[str, torch.Tensor]]) -> None:
-    """All leaves of one position must be laid out alike, so local math is global math.
-
-    Mismatched placements would make DTensor redistribute implicitly (unrecorded
-    communication) — or, on local tensors, silently compute garbage; refuse instead.
-    """
-    if isinstance(ref, DTensor):
-        if any(isinstance(p, Partial) for p in ref.placements):
-            raise ValueError(
-                f"{path}: gradient has pending sums (spec {spec_of(ref)}); reduce it first, "
-                f"e.g. dtp.reshard(grad, spec_of(param))"
-            )
-        for what, x in others:
-            if not isinstance(x, DTensor):
-                raise ValueError(f"{path}: gradient is a DTensor but the {what} is a plain {type(x).__name__}")
-            if x.device_mesh != ref.device_mesh or tuple(x.placements) != tuple(ref.placements) or x.shape != ref.shape:
-                raise ValueError(
-                    f"{path}: {what} is laid out as {spec_of(x)} {tuple(x.shape)} but the gradient as "
-                    f"{spec_of(ref)} {tuple(ref.shape)}; dtp.reshard one of them first"
-                )
-    else:
-        for what, x in others:
-            if isinstance(x, DTensor):
-                raise ValueError(f"{path}: the {what} is a DTensor but the gradient is a plain tensor")
-            if x.shape != ref.shape:
-                raise ValueError(f"{path}: {what} has shape {tuple(x.shape)} but the gradient {tuple(ref.shape)}")
-
-
-def _local(x: torch.Tensor) -> torch.Tensor:
-    return x.to_local() if isinstance(x, DTensor) else x
-
-
-def _like(local: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
-    """Wrap a local result with ``ref``'s mesh, placements and global shape (no communication)."""
-    return wrap_like(local, ref) if isinstance(ref, DTensor) else local
-
-
-def _map_local(fn: Callable[..., tuple[torch.Tensor, ...]], grads: PyTree,
-               others: Sequence[tuple[str, PyTree | None]], n_out: int) -> list[PyTree]:
-    """Apply ``fn(g, *others)`` to local shards leaf by leaf; return ``n_out`` trees shaped
-    and laid out like ``grads``. ``others`` are ``(name, tree)``; ``None`` trees pass ``None``."""
-    leaves, treedef = optree.tree_flatten(grads)
-    other_leaves = [[None] * len(leaves) if t is None else treedef.flatten_up_to(t) for _, t in others]
-    paths = _paths(grads)
-    outs: list[list[torch.Tensor]] = [[] for _ in range(n_out)]
-    with torch.no_grad():
-        for i, g in enumerate(leaves):
-            row = [ol[i] for ol in other_leaves]
-            _check_layout(paths[i], g, [(name, x) for (name, _), x in zip(others, row) if x is not None])
-            res = fn(_local(g), *(None if x is None else _local(x) for x in row))
-            for k, r in enumerate(res):
-                outs[k].append(_like(r, g))
-    return [treedef.unflatten(o) for o in outs]
-
-
-def _zeros_like_tree(params: PyTree) -> PyTree:
-    def zeros(p: torch.Tensor) -> torch.Tensor:
-        return _like(torch.zeros_like(_local(p), memory_format=torch.contiguous_format), p)
-
-    with torch.no_grad():
-        return optree.tree_map(zeros, params)
+# --------------------------------------------------------------------------- counts
 
 
 def _next_count(count: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -257,7 +191,7 @@ def sgd(lr: ScalarOrSchedule, momentum: float = 0.0, nesterov: bool = False,
         raise ValueError("sgd: nesterov momentum needs momentum > 0")
 
     def init(params: PyTree) -> SGDState:
-        buf = _zeros_like_tree(params) if momentum else None
+        buf = zeros_like_tree(params) if momentum else None
         return SGDState(torch.zeros((), dtype=torch.int64), buf)
 
     def update(grads: PyTree, state: SGDState, params: PyTree | None = None) -> tuple[PyTree, SGDState]:
@@ -266,19 +200,22 @@ def sgd(lr: ScalarOrSchedule, momentum: float = 0.0, nesterov: bool = False,
         count, step = _next_count(state.count)
         rate = float(schedule(step - 1))
 
-        def one(g, buf, p):
-            d = g.add(p, alpha=weight_decay) if weight_decay else g
+        def kernel(gs, bufs, ps):
+            # torch.optim.SGD's foreach path, op for op as its single-tensor one: the same
+            # numbers, one call per op for every leaf instead of one per leaf.
+            ds = torch._foreach_add(gs, ps, alpha=weight_decay) if weight_decay else gs
             if momentum:
                 # A zero buffer makes the first step buf = d, as torch's lazy clone does.
-                buf = buf.mul(momentum).add(d)
-                d = d.add(buf, alpha=momentum) if nesterov else buf
-            return d.mul(-rate), buf
+                bufs = torch._foreach_mul(bufs, momentum)
+                torch._foreach_add_(bufs, ds)
+                ds = torch._foreach_add(ds, bufs, alpha=momentum) if nesterov else bufs
+            return (torch._foreach_mul(ds, -rate), bufs) if momentum else (torch._foreach_mul(ds, -rate),)
 
         others = [("momentum buffer", state.momentum), ("param", params if weight_decay else None)]
         if momentum:
-            updates, buf = _map_local(one, grads, others, 2)
+            updates, buf = map_local(kernel, grads, others, 2)
         else:
-            updates, = _map_local(lambda g, _b, p: one(g, None, p)[:1], grads, others, 1)
+            updates, = map_local(kernel, grads, others, 1)
             buf = None
         return updates, SGDState(count, buf)
 
@@ -307,7 +244,7 @@ def adamw(lr: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, eps: float =
         raise ValueError(f"adamw: eps and weight_decay must be >= 0, got {eps}, {weight_decay}")
 
     def init(params: PyTree) -> AdamWState:
-        return AdamWState(torch.zeros((), dtype=torch.int64), _zeros_like_tree(params), _zeros_like_tree(params))
+        return AdamWState(torch.zeros((), dtype=torch.int64), zeros_like_tree(params), zeros_like_tree(params))
 
     def update(grads: PyTree, state: AdamWState, params: PyTree | None = None) -> tuple[PyTree, AdamWState]:
         if weight_decay and params is None:
@@ -319,20 +256,26 @@ def adamw(lr: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, eps: float =
         step_size = rate / (1.0 - b1**step)
         bc2_sqrt = (1.0 - b2**step) ** 0.5
 
-        def one(g, m, v, p):
-            m = torch.lerp(m, g, 1.0 - b1)
-            v = torch.addcmul(v.mul(b2), g, g, value=1.0 - b2)
-            denom = v.sqrt().div(bc2_sqrt).add(eps)
+        def kernel(gs, ms, vs, ps):
+            # The single-tensor ops in the same order, each over every leaf at once.
+            ms = torch._foreach_lerp(ms, gs, 1.0 - b1)
+            vs = torch._foreach_mul(vs, b2)
+            torch._foreach_addcmul_(vs, gs, gs, value=1.0 - b2)
+            denom = torch._foreach_sqrt(vs)
+            torch._foreach_div_(denom, bc2_sqrt)
+            torch._foreach_add_(denom, eps)
             if weight_decay:
                 # p·(1 - lr·wd) - p = -lr·wd·p: decoupled decay, not added to the gradient.
-                u = torch.addcdiv(p.mul(-rate * weight_decay), m, denom, value=-step_size)
+                us = torch._foreach_mul(ps, -rate * weight_decay)
+                torch._foreach_addcdiv_(us, ms, denom, value=-step_size)
             else:
-                u = torch.div(m, denom).mul(-step_size)
-            return u, m, v
+                us = torch._foreach_div(ms, denom)
+                torch._foreach_mul_(us, -step_size)
+            return us, ms, vs
 
         others = [("first moment", state.mu), ("second moment", state.nu),
                   ("param", params if weight_decay else None)]
-        updates, mu, nu = _map_local(one, grads, others, 3)
+        updates, mu, nu = map_local(kernel, grads, others, 3)
         return updates, AdamWState(count, mu, nu)
 
     return GradientTransformation(init, update, schedule, elementwise=True)
@@ -391,7 +334,7 @@ def apply_updates(params: PyTree, updates: PyTree) -> PyTree:
     >>> apply_updates({"w": torch.ones(2)}, {"w": torch.full((2,), -0.5)})
     {'w': tensor([0.5000, 0.5000])}
     """
-    new, = _map_local(lambda u, p: (p + u,), updates, [("param", params)], 1)
+    new, = map_local(lambda us, ps: (torch._foreach_add(ps, us),), updates, [("param", params)], 1)
     return optree.tree_map(lambda n, p: n.requires_grad_(True) if p.requires_grad else n,
                            new, params)
 
@@ -399,9 +342,10 @@ def apply_updates(params: PyTree, updates: PyTree) -> PyTree:
 # --------------------------------------------------------------------------- norms and clipping
 
 
-def _sum_squares(x: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
-    x = x.to(acc)
-    return torch.sum(x * x)
+def _sum_squares(xs: list[torch.Tensor], acc: torch.dtype) -> torch.Tensor:
+    """Σ x² over every tensor of ``xs``, in ``acc``: one foreach call for the leaves."""
+    norms = torch.stack(torch._foreach_norm(xs, 2, acc))
+    return torch.sum(norms * norms)
 
 
 def global_norm(grads: PyTree) -> torch.Tensor:
@@ -414,7 +358,8 @@ def global_norm(grads: PyTree) -> torch.Tensor:
     S's — each group masked to coordinate 0 on the axes of U it is replicated over, so
     every distinct shard counts once. One :func:`dtp.reshard` to ``P()`` then reduces it:
     one recorded ``all_reduce`` of a single element per mesh axis in U (none when no leaf
-    is sharded). Squares are summed in fp32 (fp64 if any leaf is fp64). Plain tensors
+    is sharded). Squares are summed in fp32 (fp64 if any leaf is fp64), each group's
+    leaves at once (``torch._foreach_norm``, as ``clip_grad_norm_``'s foreach path). Plain tensors
     are taken to be replicated. Leaves with pending sums (``Partial``) are refused: the
     norm of a sum is not the sum of norms.
 
@@ -425,20 +370,18 @@ def global_norm(grads: PyTree) -> torch.Tensor:
     if not leaves:
         return torch.zeros((), dtype=torch.float32)
     acc = accum_dtype(*(x.dtype for x in leaves))
-    paths = _paths(grads)
-    plain: torch.Tensor | None = None
-    # [(mesh, {sharded axes in mesh order: local sum of squares})], in first-seen order so
-    # every rank issues the same collectives in the same order.
-    per_mesh: list[tuple[Any, dict[tuple[str, ...], torch.Tensor]]] = []
-    for path, g in zip(paths, leaves):
+    plain: list[torch.Tensor] = []
+    # [(mesh, {sharded axes in mesh order: local shards})], in first-seen order so every
+    # rank issues the same collectives in the same order.
+    per_mesh: list[tuple[Any, dict[tuple[str, ...], list[torch.Tensor]]]] = []
+    for i, g in enumerate(leaves):
         if not isinstance(g, DTensor):
-            s = _sum_squares(g, acc)
-            plain = s if plain is None else plain + s
+            plain.append(g)
             continue
         spec = spec_of(g)
         if spec.partial:
             raise ValueError(
-                f"global_norm: {path} has pending sums over {spec.partial} (spec {spec}); reduce it "
+                f"global_norm: {paths(grads)[i]} has pending sums over {spec.partial} (spec {spec}); reduce it "
                 f"first (dtp.reshard to a spec without partial)"
             )
         names = g.device_mesh.mesh_dim_names
@@ -448,15 +391,14 @@ def global_norm(grads: PyTree) -> torch.Tensor:
         if groups is None:
             groups = {}
             per_mesh.append((g.device_mesh, groups))
-        s = _sum_squares(g.to_local(), acc)
-        groups[key] = s if key not in groups else groups[key] + s
+        groups.setdefault(key, []).append(local_of(g))
 
-    total = plain
+    total = _sum_squares(plain, acc) if plain else None
     for mesh, groups in per_mesh:
         union = tuple(a for a in mesh.mesh_dim_names if any(a in key for key in groups))
         local: torch.Tensor | None = None
-        for key, s in groups.items():
-            part = from_local(s.reshape(1), mesh, P(partial=key), name="global_norm")
+        for key, xs in groups.items():
+            part = from_local(_sum_squares(xs, acc).reshape(1), mesh, P(partial=key), name="global_norm")
             # Widening a pending sum is free: the value stays on coordinate 0 of the new
             # axes, zeros elsewhere (where the grads are replicated copies).
             part = reshard(part, P(partial=union), name="global_norm").to_local()
@@ -482,7 +424,7 @@ def clip_by_global_norm(grads: PyTree, max_norm: float, *, norm: torch.Tensor | 
     scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     # Scaling unconditionally (by exactly 1.0 when under the limit) keeps the same
     # numbers as torch, which also multiplies always; a 0-d scale keeps each leaf's dtype.
-    clipped, = _map_local(lambda g: (g * scale.to(g.device),), grads, [], 1)
+    clipped, = map_local(lambda gs: ([g * scale.to(g.device) for g in gs],), grads, [], 1)
     return clipped, norm
 
 

@@ -272,6 +272,17 @@ def use_layout(layout: Layout, mesh: DeviceMesh) -> Iterator[Layout]:
         _active.stack.pop()
 
 
+_dtensor_type: list[type] = []  # DTensor, imported at first use: this module loads without torch (the CLI)
+
+
+def _is_dtensor(x: object) -> bool:
+    if not _dtensor_type:
+        from torch.distributed.tensor import DTensor
+
+        _dtensor_type.append(DTensor)
+    return isinstance(x, _dtensor_type[0])
+
+
 def constrain(x: torch.Tensor, logical: Sequence[str | None], *, name: str = "activation") -> torch.Tensor:
     """``with_sharding_constraint``: reshard ``x`` to where the active layout puts it.
 
@@ -280,13 +291,11 @@ def constrain(x: torch.Tensor, logical: Sequence[str | None], *, name: str = "ac
 
     >>> h = constrain(h, ("batch", "res_seq", "embed"))       # doctest: +SKIP
     """
-    from torch.distributed.tensor import DTensor
-
+    active = current()
+    if active is None or not _is_dtensor(x):
+        return x  # before the import below: one device calls this per block, every step
     from ..redistribute import reshard
 
-    active = current()
-    if active is None or not isinstance(x, DTensor):
-        return x
     layout, mesh = active
     if len(logical) != x.dim():
         raise ValueError(f"{name}: {len(logical)} logical axes {tuple(logical)} for a tensor of shape {tuple(x.shape)}")
