@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from ..mesh import mesh_device
 from .flight import _failure, _record
 from .handles import CommHandle
 from .link import _link_applies
@@ -61,6 +62,15 @@ def _run(kind: str, mesh: DeviceMesh, axis: str, x: torch.Tensor, nbytes: Callab
     link = (axis, record.bytes) if _link_applies(axis) else None
     handle = CommHandle(work, record, finish, link, received, x.device.type)
     return handle if async_op else handle.wait()
+
+
+def _on_mesh(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """``x`` on the mesh's device: the small host tensors dtp's strategies reduce or send
+    (a loss, a pipeline header, a flag) travel on an NCCL/HCCL mesh's device, which is the
+    only one such a backend moves; on a CPU mesh (gloo) nothing is copied."""
+    if mesh.device_type == "cpu" or x.device.type != "cpu":
+        return x
+    return x.to(mesh_device(mesh))
 
 
 def _nbytes(x: torch.Tensor) -> int:
@@ -185,10 +195,10 @@ def all_reduce(x: torch.Tensor, mesh: DeviceMesh, axis: str, *, op: str = "sum",
                tag: str = "") -> torch.Tensor | CommHandle:
     """Reduce ``x`` over the axis with ``op`` ("sum" or "max") into a new tensor."""
     reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
-    out = x.detach().clone(memory_format=torch.contiguous_format)
+    out = _on_mesh(x.detach(), mesh).clone(memory_format=torch.contiguous_format)
 
-    def post(group: dist.ProcessGroup, n: int):
-        return dist.all_reduce(out, op=reduce_op, group=group, async_op=True), (lambda: out)
+    def post(group: dist.ProcessGroup, n: int):  # a host tensor comes back to the host
+        return dist.all_reduce(out, op=reduce_op, group=group, async_op=True), (lambda: out.to(x.device))
 
     return _run("all_reduce", mesh, axis, x, lambda n: ring_bytes("all_reduce", _nbytes(x), n), post, async_op, tag)
 
@@ -305,7 +315,7 @@ def send(x: torch.Tensor, mesh: DeviceMesh, axis: str, *, to: int, key: int, tag
     wait on the handle before reusing ``x``). ``key`` (an int, as gloo's tag) pairs it with
     the :func:`recv` of the same key, so sends and receives between two ranks may be
     posted in any order. What a pipeline stage does with its activations and gradients."""
-    x = x.contiguous()
+    x = _on_mesh(x.contiguous(), mesh)
 
     def post(group: dist.ProcessGroup, n: int):
         return dist.isend(x, dist.get_global_rank(group, to), group=group, tag=key), (lambda: x)
@@ -317,8 +327,9 @@ def send(x: torch.Tensor, mesh: DeviceMesh, axis: str, *, to: int, key: int, tag
 def recv(shape: Sequence[int], dtype: torch.dtype, mesh: DeviceMesh, axis: str, *, frm: int, key: int,
          tag: str = "", device: torch.device | str | None = None) -> CommHandle:
     """Post a receive of a ``shape``/``dtype`` tensor from coordinate ``frm`` on ``axis``
-    (asynchronous: ``wait()`` returns the tensor). Records 0 bytes: the sender counts them."""
-    out = torch.empty(tuple(shape), dtype=dtype, device=device)
+    (asynchronous: ``wait()`` returns the tensor, on ``device``: by default the mesh's).
+    Records 0 bytes: the sender counts them."""
+    out = torch.empty(tuple(shape), dtype=dtype, device=mesh_device(mesh) if device is None else device)
 
     def post(group: dist.ProcessGroup, n: int):
         return dist.irecv(out, dist.get_global_rank(group, frm), group=group, tag=key), (lambda: out)

@@ -68,7 +68,7 @@ from .. import comm, schedules
 from .._rules import accum_dtype
 from ..layouts import Layout, use_layout
 from ..layouts.pipeline import assign
-from ..mesh import axis_names, axis_sizes, coordinates, sub_mesh
+from ..mesh import axis_names, axis_sizes, coordinates, mesh_device, sub_mesh
 from ..buffers import with_buffers
 from ..models.sequential import Sequential
 from ..ops import collective_matmul
@@ -545,7 +545,7 @@ def gather(params: PyTree, mesh: DeviceMesh, axis: str) -> PyTree:
         header = comm.all_reduce(header, mesh, axis, op="max", tag=f"pp gather header {j}")
         shape, dtype, placements, _, _ = wire.read_header(header, smesh)
         local = (x.to_local() if isinstance(x, DTensor) else x).detach() if me == owner else \
-            torch.zeros(wire.local_size(shape, smesh, placements), dtype=dtype)
+            torch.zeros(wire.local_size(shape, smesh, placements), dtype=dtype, device=mesh_device(mesh))
         local = comm.all_reduce(local, mesh, axis, tag=f"pp gather {j}")
         if placements is None:
             out.append(local.requires_grad_(True))

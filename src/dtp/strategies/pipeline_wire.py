@@ -121,7 +121,7 @@ def _pack(blob: bytes) -> torch.Tensor:
 
 
 def _unpack(words: torch.Tensor, size: int) -> bytes:
-    return words.contiguous().numpy().tobytes()[:size]
+    return words.contiguous().cpu().numpy().tobytes()[:size]
 
 
 def tree_words(spec: Any, leaves: Sequence[torch.Tensor]) -> torch.Tensor:
