@@ -45,6 +45,7 @@ from .. import comm
 from .._rules import accum_dtype  # gradients and master weights of bf16/fp16 params are fp32 (Megatron's)
 from ..layouts import Layout
 from ..layouts.zero import ZeroOptions
+from ..ops.local_batch import LocalBatch
 from .._torch import local_tensor
 from ..optim import global_norm, map_param_trees
 from ..redistribute import reshard
@@ -188,10 +189,13 @@ class Run:
 
     grouped = True  # the optimizer state covers the list of master slices, one per bucket
 
-    def __init__(self, z: ZeroState, raw: PyTree, microbatches: int):
+    def __init__(self, z: ZeroState, raw: PyTree, microbatches: int, *, local: LocalBatch | None = None):
         # The first step fixes the plan on the run's own copy of the (frozen) state, never
         # on the caller's; the in-flight gathers are shared: waiting on one is idempotent.
         self.z, self.microbatches = z, microbatches
+        # Local batch mode (:mod:`.local`): the forward reads the bucket views as plain
+        # tensors and their gradients arrive as this rank's plain terms (pending over dp).
+        self.local = local
         self.raw_leaves = None if z.plan is not None else [x.to_local() for x in optree.tree_leaves(raw)]
         self.device = (self.raw_leaves[0] if self.raw_leaves else z.master[0].to_local()).device
         self.anchor = torch.zeros((), requires_grad=True, device=self.device)
@@ -345,14 +349,18 @@ class Run:
         z, plan = self.z, self.z.plan
         leaf = z.leaves[i]
         if not isinstance(grad, DTensor):
-            raise TypeError(f"param {leaf.path}: gradient is a plain tensor; expected a DTensor")
-        # Resolve every pending sum but dp's (e.g. norm weights under SP over tp); dp's
-        # is what the bucket's reduce-scatter is for.
-        target = P(*leaf.spec.dims, partial=(plan.axis,))
-        if spec_of(grad) != target:
-            grad = reshard(grad, target, name=f"grad {leaf.path}", tag="grad reduce")
+            if self.local is None:
+                raise TypeError(f"param {leaf.path}: gradient is a plain tensor; expected a DTensor")
+            local = grad  # local batch mode: this rank's term, pending over dp as the bucket expects
+        else:
+            # Resolve every pending sum but dp's (e.g. norm weights under SP over tp); dp's
+            # is what the bucket's reduce-scatter is for.
+            target = P(*leaf.spec.dims, partial=(plan.axis,))
+            if spec_of(grad) != target:
+                grad = reshard(grad, target, name=f"grad {leaf.path}", tag="grad reduce")
+            local = local_tensor(grad)
         b, off = plan.where[i]
-        leaf.view(self._grad_buffer(b), off).add_(grad.to_local())
+        leaf.view(self._grad_buffer(b), off).add_(local)
         self.pending[b] -= 1
         last = self.microbatch == self.microbatches - 1
         if self.pending[b] == 0:
