@@ -261,7 +261,9 @@ def train_step(loss_fn: Callable[[PyTree, Mapping[str, torch.Tensor]], Any], sta
     ``microbatches > 1`` ``metrics["aux"]`` is the tuple of every microbatch's aux).
     ``recompute`` is ``None``, ``"full"`` (each block) or ``"selective"`` (attention core).
     How gradients are reduced and parameters updated is the state's strategy
-    (:mod:`dtp.strategies`: replicated all-reduce, or ZeRO buckets), not this function's.
+    (:mod:`dtp.strategies`: replicated all-reduce, or ZeRO buckets), not this function's;
+    where the layout splits only the batch and ``loss_fn`` is
+    :func:`dtp.ops.local_batch.batch_local` (``llama.loss``), it runs on plain local tensors.
 
     ``clip_norm`` is ``None`` (no clipping) or a finite number > 0. ``compile`` (``True``,
     a backend or :class:`dtp.CompileOptions`) compiles the local computation (:mod:`dtp.compiled`).

@@ -69,7 +69,8 @@ class _Summed(torch.autograd.Function):
 class PendingStats:
     """A block's statistics with their all-reduce in flight; :meth:`wait` returns them
     summed over every pending axis (a replicated DTensor, in the autograd graph).
-    A plain tensor (one device) is its own total.
+    A plain tensor (one device) is its own total; in local batch mode
+    (:mod:`dtp.ops.local_batch`) it is one rank's sums, pending over the batch axes.
 
     >>> PendingStats(torch.ones(3)).wait().tolist()
     [1.0, 1.0, 1.0]

@@ -27,7 +27,9 @@ Strategies today: :mod:`.replicated` (gradients all-reduced to the parameters' l
 DDP), :mod:`.zero` (ZeRO 1/2/3 buckets: reduce-scatter, sharded update, all-gather) and
 :mod:`.pipeline` (stages over ``pp``: any schedule's action list, sends and receives).
 :mod:`.precision` (``layouts.mixed_precision``) wraps the replicated or pipeline run so the
-optimizer updates fp32 master weights (ZeRO's own slices already are).
+optimizer updates fp32 master weights (ZeRO's own slices already are). Where the layout
+splits only the batch, the replicated and ZeRO runs compute on plain local tensors
+(:mod:`.local`; ``train_step`` calls ``loss_fn`` through :func:`computing`).
 
 Adding a strategy: options as a frozen, self-checking object in ``dtp.layouts``; the
 collectives through :mod:`dtp.comm`; a ``StepRun`` here; :func:`begin` picks it from the
