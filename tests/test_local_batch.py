@@ -38,7 +38,7 @@ def _full(x):
     return (x.full_tensor() if isinstance(x, DTensor) else x).detach()
 
 
-def _steps(cfg, zero, microbatches, loss_fn=None):
+def _steps(cfg, zero, microbatches, loss_fn=None, recompute=None):
     mesh = dtp.make_mesh(dp=torch.distributed.get_world_size())
     loss_fn = loss_fn or functools.partial(llama.loss, cfg=cfg)
     state = dtp.TrainState.create(llama.init(cfg, seed=0, dtype=torch.float64), dtp.optim.adamw(1e-2), mesh=mesh,
@@ -49,7 +49,7 @@ def _steps(cfg, zero, microbatches, loss_fn=None):
     with dtp.comm_log() as log:
         for step in range(STEPS):
             state, metrics = dtp.train_step(loss_fn, state, dtp.shard_batch(_batch(cfg, step), state),
-                                            microbatches=microbatches)
+                                            microbatches=microbatches, recompute=recompute)
             losses.append(metrics["loss"])
     records = sorted((r.kind, r.tag, r.axis, r.bytes) for r in log.records)
     return optree.tree_map(_full, dtp.gather_params(state)), losses, local is not None, records
@@ -74,8 +74,8 @@ def _reference(cfg):
 
 
 def _check(cases, results):
-    for (cfg, zero, mb), (params, losses, local, _) in zip(cases, results):
-        what = f"{cfg.name if hasattr(cfg, 'name') else cfg.num_experts} zero={zero} microbatches={mb}"
+    for (cfg, zero, mb, *rest), (params, losses, local, _) in zip(cases, results):
+        what = f"experts={cfg.num_experts} zero={zero} microbatches={mb} {rest}"
         ref, ref_losses = _reference(cfg)
         assert local, what
         assert losses == pytest.approx(ref_losses, rel=1e-10, abs=0), what
@@ -83,7 +83,7 @@ def _check(cases, results):
 
 
 DP2 = [(CFG, None, 1), (CFG, None, 2), (CFG, 1, 1), (CFG, 2, 2), (CFG, 3, 1), (CFG, 3, 2), (MOE, None, 1),
-       (MOE, 3, 1)]
+       (MOE, 3, 1), (CFG, 3, 2, None, "full")]  # the last: blocks recomputed in backward read their buckets again
 
 
 def test_local_mode_matches_single_device_dp2():

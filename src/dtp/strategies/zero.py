@@ -204,6 +204,7 @@ class Run:
         self.views = [0] * len(z.leaves)
         self.microbatch = 0
         self.grad_bufs: list[torch.Tensor | None] = []
+        self.parts: dict[int, dict[int, torch.Tensor]] = {}  # bucket -> leaf -> gradient held until copy-in
         self.pending: list[int] = []
         self.reduce: list[comm.CommHandle | None] = []
         self.reduce_order: list[int] = []  # buckets in the order their reduce-scatters were posted
@@ -360,7 +361,16 @@ class Run:
                 grad = reshard(grad, target, name=f"grad {leaf.path}", tag="grad reduce")
             local = local_tensor(grad)
         b, off = plan.where[i]
-        leaf.view(self._grad_buffer(b), off).add_(local)
+        if self.grad_bufs[b] is not None:  # a later microbatch: add into the accumulator
+            leaf.view(self.grad_bufs[b], off).add_(local)
+        else:
+            # Keep the gradient as it came until the bucket's last one is in, then copy them
+            # all into the flat bucket at once (FSDP2's copy-in at post-backward): the
+            # whole-size buffer then exists only once this bucket's backward is over and
+            # its activations are freed, not from its first gradient on (the step's peak).
+            parts = self.parts.setdefault(b, {})
+            held = parts.get(i)
+            parts[i] = local if held is None else held.to(accum_dtype(held.dtype)) + local
         self.pending[b] -= 1
         last = self.microbatch == self.microbatches - 1
         if self.pending[b] == 0:
@@ -368,12 +378,22 @@ class Run:
                 self._release(b)
             if last and z.options.overlap_grad_reduce:
                 self._post_reduce(b)
+            elif b in self.parts:
+                self._grad_buffer(b)  # into the accumulator now: the held gradients go
 
     def _grad_buffer(self, b: int) -> torch.Tensor:
-        """Bucket ``b``'s full gradient accumulator, zeroed on first use."""
+        """Bucket ``b``'s full gradient accumulator: on first use the gradients held for it
+        copied in (zeros where none came, and in the padding)."""
         if self.grad_bufs[b] is None:
             bucket = self.z.plan.buckets[b]
-            self.grad_bufs[b] = torch.zeros(bucket.numel, dtype=accum_dtype(bucket.dtype), device=self.device)
+            buf = torch.empty(bucket.numel, dtype=accum_dtype(bucket.dtype), device=self.device)
+            parts, end = self.parts.pop(b, {}), 0
+            for i, off in zip(bucket.members, bucket.offsets):
+                view, g = self.z.leaves[i].view(buf, off), parts.get(i)
+                view.zero_() if g is None else view.copy_(g)
+                end = max(end, off + self.z.leaves[i].numel)
+            buf[end:].zero_()
+            self.grad_bufs[b] = buf
         return self.grad_bufs[b]
 
     def _post_reduce(self, b: int) -> None:
