@@ -269,7 +269,9 @@ def train_step(loss_fn: Callable[[PyTree, Mapping[str, torch.Tensor]], Any], sta
     ``microbatches > 1`` ``metrics["aux"]`` is the tuple of every microbatch's aux).
     ``recompute`` is ``None``, ``"full"`` (each block) or ``"selective"`` (attention core).
     How gradients are reduced and parameters updated is the state's strategy
-    (:mod:`dtp.strategies`: replicated all-reduce, or ZeRO buckets), not this function's.
+    (:mod:`dtp.strategies`: replicated all-reduce, or ZeRO buckets), not this function's;
+    where the layout splits only the batch and ``loss_fn`` is
+    :func:`dtp.ops.local_batch.batch_local` (``llama.loss``), it runs on plain local tensors.
 
     ``clip_norm`` is ``None`` (no clipping) or a finite number > 0. ``compile`` (``True``,
     a backend or :class:`dtp.CompileOptions`) compiles the local computation (:mod:`dtp.compiled`).
@@ -319,10 +321,11 @@ def train_step(loss_fn: Callable[[PyTree, Mapping[str, torch.Tensor]], Any], sta
                      {"microbatches": microbatches, "recompute": recompute, "clip_norm": clip_norm,
                       "compile": repr(options)}, error)
     run = strategies.begin(state.params, state.zero, microbatches, loss_fn=loss_fn, layout=state.layout,
-                           mesh=state.mesh, buffers=state.buffers)
+                           mesh=state.mesh, buffers=state.buffers, compiled=options is not None)
     with comm_log() as log:
         with use_layout(state.layout, state.mesh), recompute_policy(recompute), compiling(options) as watch:
-            loss, aux, counted = _forward_backward(reading(loss_fn, state.buffers), run, batch, microbatches)
+            loss, aux, counted = _forward_backward(strategies.computing(run, reading(loss_fn, state.buffers)), run,
+                                                   batch, microbatches)
         with torch.no_grad(), span("update"):
             updated, opt_state, norm, bad = _update(run, state.optimizer, state.opt_state, clip_norm, loss)
             # On a skip ``updated`` is the targets as they were: ZeRO still gathers them into

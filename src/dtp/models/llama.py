@@ -38,6 +38,7 @@ from torch.distributed.tensor import DTensor
 from ..ops.attention import Docs
 from ..ops import attention, cross_entropy, embedding, linear, mask_padded_vocab, remat, rms_norm, rotary
 from ..ops.moe import moe_ffn, update_bias
+from ..ops.local_batch import batch_local
 from .._rules import accum_dtype
 from .config import (CONFIGS, LlamaConfig, RopeScaling, block_shapes, axis_sizes, config, config_for, flops_per_token,
                      is_moe, n_sequential_layers, param_axes, param_count)
@@ -218,6 +219,7 @@ def apply(params: dict[str, Any], tokens: torch.Tensor, cfg: LlamaConfig) -> tor
     return _forward(params, tokens, cfg)[0]
 
 
+@batch_local  # reduces over the batch only through dtp.ops (cross_entropy, MoE statistics)
 def loss(params: dict[str, Any], batch: dict[str, torch.Tensor], cfg: LlamaConfig) -> Any:
     """Mean next-token cross-entropy; ``batch`` has ``tokens`` and ``targets`` (batch, seq),
     and for packed documents ``documents`` and ``positions`` (:mod:`dtp.ops.documents`:
@@ -252,6 +254,6 @@ def sequential(cfg: LlamaConfig) -> Sequential:
         return _with_aux(cross_entropy(_logits(p, h, cfg), b["targets"]), auxes)
 
     head = ("final_norm", "embed" if cfg.tie_embeddings else "lm_head")
-    return Sequential([Layer(_embed, ("embed",), "embed"),
+    return batch_local(Sequential([Layer(_embed, ("embed",), "embed"),
                        *(Layer(block(i), (f"layers.{i}",), f"block {i}") for i in range(cfg.n_layers)),
-                       Layer(last, head, "head")], carry="tree" if cfg.num_experts else "tensor")
+                       Layer(last, head, "head")], carry="tree" if cfg.num_experts else "tensor"))

@@ -43,6 +43,7 @@ from ..redistribute import local_map
 from ..spec import P, spec_of
 from . import moe_dispatch, moe_pipe
 from .moe_router import SCORE_FUNCTIONS, Routing, balance, load_balancing_loss, route, update_bias, z_loss
+from .local_batch import batch_split
 from .moe_stats import Aux, PendingStats
 
 __all__ = ["Routing", "SCORE_FUNCTIONS", "route", "load_balancing_loss", "z_loss", "update_bias", "experts",
@@ -220,7 +221,9 @@ def moe_ffn(params: Mapping[str, torch.Tensor], x: torch.Tensor, *, top_k: int, 
         return _local_moe(x_l, router, w_gate, w_up, w_down, bias_l, top_k, routing, ep)
 
     e = params["router"].shape[-1]
-    tokens = math.prod(x.shape[:-1])  # global: a DTensor's shape is the whole tensor's
+    # global: a DTensor's shape is the whole tensor's; a plain tensor in local batch mode
+    # holds one rank's even share of the batch (dtp.ops.local_batch)
+    tokens = math.prod(x.shape[:-1]) * (1 if isinstance(x, DTensor) else batch_split())
     if isinstance(x, DTensor):
         spec = spec_of(x)
         token_axes = tuple(a for d in range(x.dim() - 1) for a in spec.axes_of(d))

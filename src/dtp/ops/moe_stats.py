@@ -31,6 +31,7 @@ from .. import comm
 from .._torch import current_graph_task_id, local_tensor
 from ..redistribute import reshard
 from ..spec import P, spec_of, wrap_local
+from .local_batch import active
 
 __all__ = ["PendingStats", "Aux"]
 
@@ -52,10 +53,24 @@ class _Reduced(torch.autograd.Function):
         return (grad if spec_of(grad) == target else reshard(grad, target, tag=f"{TAG} backward")), None
 
 
+class _Summed(torch.autograd.Function):
+    """Local batch mode's :class:`_Reduced`: plain ``x`` (this rank's sums) → ``total``,
+    the gradient passed to ``x`` as it is."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, total: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return total
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        return grad, None
+
+
 class PendingStats:
     """A block's statistics with their all-reduce in flight; :meth:`wait` returns them
     summed over every pending axis (a replicated DTensor, in the autograd graph).
-    A plain tensor (one device) is its own total.
+    A plain tensor (one device) is its own total; in local batch mode
+    (:mod:`dtp.ops.local_batch`) it is one rank's sums, pending over the batch axes.
 
     >>> PendingStats(torch.ones(3)).wait().tolist()
     [1.0, 1.0, 1.0]
@@ -65,11 +80,15 @@ class PendingStats:
         self._stats, self._total = stats, None
         self._axes: tuple[str, ...] = ()
         self._handle = None
-        if not isinstance(stats, DTensor):
+        batch = active()
+        if not isinstance(stats, DTensor) and (batch is None or not batch.axes):
             self._total = stats
             return
-        self._axes = spec_of(stats).partial
-        local = local_tensor(stats).detach()
+        if isinstance(stats, DTensor):
+            self._mesh, self._axes = stats.device_mesh, spec_of(stats).partial
+        else:  # one rank's rows in local batch mode: the sums are pending over its axes
+            self._mesh, self._axes = batch.mesh, batch.axes
+        local = (local_tensor(stats) if isinstance(stats, DTensor) else stats).detach()
         if not self._axes:
             self._handle = comm.CommHandle(None, None, lambda: local)
         elif current_graph_task_id() != -1:  # recomputed in backward: nobody reads this aux
@@ -77,7 +96,7 @@ class PendingStats:
             self._handle, self._axes = comm.CommHandle(None, None, lambda: total), ()
         else:
             _advance()  # the blocks before: each one's next axis, posted here, in program order
-            self._handle = comm.all_reduce(local, stats.device_mesh, self._axes[0], async_op=True, tag=TAG)
+            self._handle = comm.all_reduce(local, self._mesh, self._axes[0], async_op=True, tag=TAG)
             self._axes = self._axes[1:]
             if self._axes:
                 _chains.pending = [*getattr(_chains, "pending", []), self]
@@ -85,19 +104,20 @@ class PendingStats:
     def _post_next(self) -> None:
         if self._total is None and self._axes:
             total = self._handle.wait()
-            self._handle = comm.all_reduce(total, self._stats.device_mesh, self._axes[0], async_op=True, tag=TAG)
+            self._handle = comm.all_reduce(total, self._mesh, self._axes[0], async_op=True, tag=TAG)
             self._axes = self._axes[1:]
 
     def _rest(self, total: torch.Tensor, axes: tuple[str, ...]) -> torch.Tensor:
         for axis in axes:
-            total = comm.all_reduce(total, self._stats.device_mesh, axis, tag=TAG)
+            total = comm.all_reduce(total, self._mesh, axis, tag=TAG)
         return total
 
     def wait(self) -> torch.Tensor:
         if self._total is None:
             total = self._rest(self._handle.wait(), self._axes)
             self._axes = ()
-            self._total = _Reduced.apply(self._stats, total)
+            summed = _Reduced if isinstance(self._stats, DTensor) else _Summed
+            self._total = summed.apply(self._stats, total)
             self._stats = self._handle = None  # the graph holds what backward needs
         return self._total
 

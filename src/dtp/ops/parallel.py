@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 
 from .. import comm
 from . import collective_matmul
+from .local_batch import batch_sum
 from .._rules import IGNORE_INDEX, accum_dtype
 from ..redistribute import local_map, reshard
 from ..mesh import axis_names, block_index
@@ -125,8 +126,8 @@ def count_targets(targets: torch.Tensor) -> int:
     >>> count_targets(torch.tensor([[3, -100, 5], [-100, -100, 0]]))
     3
     """
-    if not isinstance(targets, DTensor):
-        return int((targets != IGNORE_INDEX).sum())
+    if not isinstance(targets, DTensor):  # local batch mode (dtp.ops.local_batch): summed over its axes
+        return int(batch_sum((targets != IGNORE_INDEX).sum().reshape(1).to(torch.int64), "loss")[0])
     n = (targets.to_local() != IGNORE_INDEX).sum().reshape(1).to(torch.int64)
     spec = spec_of(targets)
     for axis in _ordered(targets.device_mesh, tuple(a for d in range(targets.dim()) for a in spec.axes_of(d))):
@@ -247,7 +248,9 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     if not isinstance(logits, DTensor):
         total = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).to(acc), targets.reshape(-1),
                                 ignore_index=IGNORE_INDEX, reduction="sum")
-        return total / divisor
+        # One rank's rows in local batch mode: its term of the global mean, summed over the
+        # batch axes as a DTensor's pending sum would be (same all-reduce; identity backward).
+        return batch_sum((total / divisor).reshape(1), "loss").reshape(())
     mesh = logits.device_mesh
     lspec, tspec = spec_of(logits), spec_of(targets)
     tok_dims = (lspec.axes_of(0), lspec.axes_of(1))

@@ -27,7 +27,9 @@ Strategies today: :mod:`.replicated` (gradients all-reduced to the parameters' l
 DDP), :mod:`.zero` (ZeRO 1/2/3 buckets: reduce-scatter, sharded update, all-gather) and
 :mod:`.pipeline` (stages over ``pp``: any schedule's action list, sends and receives).
 :mod:`.precision` (``layouts.mixed_precision``) wraps the replicated or pipeline run so the
-optimizer updates fp32 master weights (ZeRO's own slices already are).
+optimizer updates fp32 master weights (ZeRO's own slices already are). Where the layout
+splits only the batch, the replicated and ZeRO runs compute on plain local tensors
+(:mod:`.local`; ``train_step`` calls ``loss_fn`` through :func:`computing`).
 
 Adding a strategy: options as a frozen, self-checking object in ``dtp.layouts``; the
 collectives through :mod:`dtp.comm`; a ``StepRun`` here; :func:`begin` picks it from the
@@ -38,19 +40,22 @@ from __future__ import annotations
 
 from typing import Any, ContextManager, Iterator, Protocol, Sequence, runtime_checkable
 
+import optree
 import torch
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from ..buffers import with_buffers
 from ..layouts import Layout, use_layout
 from ..layouts.pipeline import assign
 from ..layouts.expert import NO_PAIRS
 from ..redistribute import value_of
+from ..spec import spec_of
 from ..models.sequential import Sequential
-from . import ep_overlap, pipeline, precision, replicated, zero
+from . import ep_overlap, local, pipeline, precision, replicated, zero
 
-__all__ = ["StepRun", "Scheduled", "begin", "create", "compute_mesh", "gather", "wait", "check", "evaluate",
-           "describe", "owns_params", "replicated", "zero", "pipeline", "precision", "ep_overlap"]
+__all__ = ["StepRun", "Scheduled", "begin", "computing", "create", "compute_mesh", "gather", "wait", "check", "evaluate",
+           "describe", "owns_params", "replicated", "zero", "pipeline", "precision", "ep_overlap", "local"]
 
 PyTree = Any
 
@@ -233,14 +238,28 @@ def evaluate(loss_fn: Any, params: PyTree, state: Any, layout: Layout, mesh: Dev
     return run.evaluate(list(batches))
 
 
+def computing(run: Any, loss_fn: Any) -> Any:
+    """``loss_fn`` as ``run`` calls it: on this rank's batch rows in local batch mode
+    (:mod:`.local`), else as it is.
+
+    >>> f = lambda params, batch: 0.0
+    >>> computing(replicated.Run({}, 1), f) is f
+    True
+    """
+    return local.wrap(loss_fn, getattr(run, "local", None))
+
+
 def begin(params: PyTree, state: Any, microbatches: int, *, loss_fn: Any = None, layout: Layout | None = None,
-          mesh: DeviceMesh | None = None, gradients_only: bool = False, buffers: PyTree = None
-          ) -> StepRun | Scheduled:
+          mesh: DeviceMesh | None = None, gradients_only: bool = False, buffers: PyTree = None,
+          compiled: bool = False) -> StepRun | Scheduled:
     """The run of the strategy a state is laid out for: the pipeline's when the layout
     has one on ``mesh``, ZeRO's when ``state`` is ZeRO's, else replicated.
     ``gradients_only`` (:func:`dtp.step.value_and_grad`): a strategy whose gradients
     never take the parameters' layout refuses. ``buffers`` (``TrainState.buffers``): the
-    pipeline's stages lay them over their parameters (elsewhere ``loss_fn`` reads them)."""
+    pipeline's stages lay them over their parameters (elsewhere ``loss_fn`` reads them).
+    The replicated and ZeRO runs compute on plain local tensors when :func:`.local.decide`
+    allows (``compiled``: a compiled step, which keeps DTensors); call ``loss_fn`` through
+    :func:`computing`."""
     if gradients_only and isinstance(state, zero.ZeroState):
         raise ValueError("value_and_grad: a ZeRO state's gradients are reduce-scattered into bucket slices "
                          "inside dtp.train_step; call train_step (or drop layouts.zero)")
@@ -249,12 +268,17 @@ def begin(params: PyTree, state: Any, microbatches: int, *, loss_fn: Any = None,
         zero_state = state if master is None else None
         run = pipeline.Run(params, pipeline.Context(layout, mesh, loss_fn, microbatches, zero_state, buffers))
         return run if master is None else precision.wrap(run, master)
+    batch = None
+    if not gradients_only:  # value_and_grad hands back gradients in the parameters' layout
+        specs = ([x.spec for x in state.leaves] if isinstance(state, zero.ZeroState)
+                 else [spec_of(x) if isinstance(x, DTensor) else None for x in optree.tree_leaves(params)])
+        batch = local.decide(specs, loss_fn, layout, mesh, buffers=buffers, compiled=compiled)
     if master is not None:  # mixed precision: fp32 accumulators, the master weights updated
-        run = precision.wrap(replicated.Run(params, microbatches, accumulate=True), master)
+        run = precision.wrap(replicated.Run(params, microbatches, accumulate=True, local=batch), master)
     elif state is not None:
-        run = zero.Run(state, params, microbatches)
+        run = zero.Run(state, params, microbatches, local=batch)
     else:
-        run = replicated.Run(params, microbatches)
+        run = replicated.Run(params, microbatches, local=batch)
     if layout is not None and mesh is not None and _ep_overlap(layout, mesh) and not gradients_only:
         return ep_overlap.Run(run)  # its microbatches in lanes (check() has refused what it cannot run)
     return run

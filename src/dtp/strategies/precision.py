@@ -85,6 +85,7 @@ class Run:
     def __init__(self, inner: Any, state: MasterWeights):
         self.inner, self.state = inner, state
         self.grouped = inner.grouped
+        self.local = getattr(inner, "local", None)  # local batch mode is the inner run's
 
     def params(self) -> PyTree:
         return self.inner.params()

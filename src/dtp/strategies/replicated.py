@@ -25,7 +25,9 @@ from .._rules import accum_dtype
 from .._torch import local_tensor
 from ..optim import global_norm
 from ..redistribute import plan, reshard
+from ..ops.local_batch import LocalBatch
 from ..spec import P, spec_of, wrap_local
+from .local import pending
 
 __all__ = ["Run"]
 
@@ -50,8 +52,14 @@ class Run:
 
     grouped = False
 
-    def __init__(self, params: PyTree, microbatches: int, *, accumulate: bool = False):
+    def __init__(self, params: PyTree, microbatches: int, *, accumulate: bool = False,
+                 local: LocalBatch | None = None):
         self.leaves, self.treedef = optree.tree_flatten(params)
+        # Local batch mode (:mod:`.local`): the forward reads plain leaves sharing the
+        # parameters' storage; their gradients are laid out as pending sums on arrival.
+        self.local = local
+        self.inputs = self.leaves if local is None else [
+            local_tensor(x).detach().requires_grad_(x.requires_grad) for x in self.leaves]
         self.grads: list[torch.Tensor | None] = [None] * len(self.leaves)
         # An accumulator this run allocated (a sum it made, not autograd's first
         # gradient, which may be a view or expanded): later microbatches add into it in
@@ -60,13 +68,16 @@ class Run:
         self.accumulate = accumulate  # accumulate (and reduce) in the accumulation dtype
 
     def params(self) -> PyTree:
-        return optree.tree_unflatten(self.treedef, self.leaves)
+        return optree.tree_unflatten(self.treedef, self.inputs)
 
     def forward(self) -> ContextManager[None]:
         return contextlib.nullcontext()
 
     def backward(self, loss: torch.Tensor, microbatch: int) -> None:
-        self.add(torch.autograd.grad(loss, self.leaves, allow_unused=True))
+        grads = torch.autograd.grad(loss, self.inputs, allow_unused=True)
+        if self.local is not None:
+            grads = [g if g is None else pending(g, p, self.local) for g, p in zip(grads, self.leaves)]
+        self.add(grads)
 
     def add(self, grads: Any) -> None:
         """Add one backward's gradients (one per leaf, ``None`` for unused leaves). The
@@ -124,7 +135,7 @@ class Run:
         yield 0, optree.tree_unflatten(self.treedef, reduced)
 
     def targets(self) -> list[PyTree]:
-        return [self.params()]
+        return [optree.tree_unflatten(self.treedef, self.leaves)]
 
     def mirror(self, tree: PyTree) -> PyTree:
         """A per-parameter tree laid out like the targets: ``tree`` itself."""

@@ -45,6 +45,7 @@ from .. import comm
 from .._rules import accum_dtype  # gradients and master weights of bf16/fp16 params are fp32 (Megatron's)
 from ..layouts import Layout
 from ..layouts.zero import ZeroOptions
+from ..ops.local_batch import LocalBatch
 from .._torch import local_tensor
 from ..optim import global_norm, map_param_trees
 from ..redistribute import reshard
@@ -188,10 +189,13 @@ class Run:
 
     grouped = True  # the optimizer state covers the list of master slices, one per bucket
 
-    def __init__(self, z: ZeroState, raw: PyTree, microbatches: int):
+    def __init__(self, z: ZeroState, raw: PyTree, microbatches: int, *, local: LocalBatch | None = None):
         # The first step fixes the plan on the run's own copy of the (frozen) state, never
         # on the caller's; the in-flight gathers are shared: waiting on one is idempotent.
         self.z, self.microbatches = z, microbatches
+        # Local batch mode (:mod:`.local`): the forward reads the bucket views as plain
+        # tensors and their gradients arrive as this rank's plain terms (pending over dp).
+        self.local = local
         self.raw_leaves = None if z.plan is not None else [x.to_local() for x in optree.tree_leaves(raw)]
         self.device = (self.raw_leaves[0] if self.raw_leaves else z.master[0].to_local()).device
         self.anchor = torch.zeros((), requires_grad=True, device=self.device)
@@ -200,6 +204,7 @@ class Run:
         self.views = [0] * len(z.leaves)
         self.microbatch = 0
         self.grad_bufs: list[torch.Tensor | None] = []
+        self.parts: dict[int, dict[int, torch.Tensor]] = {}  # bucket -> leaf -> gradient held until copy-in
         self.pending: list[int] = []
         self.reduce: list[comm.CommHandle | None] = []
         self.reduce_order: list[int] = []  # buckets in the order their reduce-scatters were posted
@@ -345,14 +350,27 @@ class Run:
         z, plan = self.z, self.z.plan
         leaf = z.leaves[i]
         if not isinstance(grad, DTensor):
-            raise TypeError(f"param {leaf.path}: gradient is a plain tensor; expected a DTensor")
-        # Resolve every pending sum but dp's (e.g. norm weights under SP over tp); dp's
-        # is what the bucket's reduce-scatter is for.
-        target = P(*leaf.spec.dims, partial=(plan.axis,))
-        if spec_of(grad) != target:
-            grad = reshard(grad, target, name=f"grad {leaf.path}", tag="grad reduce")
+            if self.local is None:
+                raise TypeError(f"param {leaf.path}: gradient is a plain tensor; expected a DTensor")
+            local = grad  # local batch mode: this rank's term, pending over dp as the bucket expects
+        else:
+            # Resolve every pending sum but dp's (e.g. norm weights under SP over tp); dp's
+            # is what the bucket's reduce-scatter is for.
+            target = P(*leaf.spec.dims, partial=(plan.axis,))
+            if spec_of(grad) != target:
+                grad = reshard(grad, target, name=f"grad {leaf.path}", tag="grad reduce")
+            local = local_tensor(grad)
         b, off = plan.where[i]
-        leaf.view(self._grad_buffer(b), off).add_(grad.to_local())
+        if self.grad_bufs[b] is not None:  # a later microbatch: add into the accumulator
+            leaf.view(self.grad_bufs[b], off).add_(local)
+        else:
+            # Keep the gradient as it came until the bucket's last one is in, then copy them
+            # all into the flat bucket at once (FSDP2's copy-in at post-backward): the
+            # whole-size buffer then exists only once this bucket's backward is over and
+            # its activations are freed, not from its first gradient on (the step's peak).
+            parts = self.parts.setdefault(b, {})
+            held = parts.get(i)
+            parts[i] = local if held is None else held.to(accum_dtype(held.dtype)) + local
         self.pending[b] -= 1
         last = self.microbatch == self.microbatches - 1
         if self.pending[b] == 0:
@@ -360,12 +378,22 @@ class Run:
                 self._release(b)
             if last and z.options.overlap_grad_reduce:
                 self._post_reduce(b)
+            elif b in self.parts:
+                self._grad_buffer(b)  # into the accumulator now: the held gradients go
 
     def _grad_buffer(self, b: int) -> torch.Tensor:
-        """Bucket ``b``'s full gradient accumulator, zeroed on first use."""
+        """Bucket ``b``'s full gradient accumulator: on first use the gradients held for it
+        copied in (zeros where none came, and in the padding)."""
         if self.grad_bufs[b] is None:
             bucket = self.z.plan.buckets[b]
-            self.grad_bufs[b] = torch.zeros(bucket.numel, dtype=accum_dtype(bucket.dtype), device=self.device)
+            buf = torch.empty(bucket.numel, dtype=accum_dtype(bucket.dtype), device=self.device)
+            parts, end = self.parts.pop(b, {}), 0
+            for i, off in zip(bucket.members, bucket.offsets):
+                view, g = self.z.leaves[i].view(buf, off), parts.get(i)
+                view.zero_() if g is None else view.copy_(g)
+                end = max(end, off + self.z.leaves[i].numel)
+            buf[end:].zero_()
+            self.grad_bufs[b] = buf
         return self.grad_bufs[b]
 
     def _post_reduce(self, b: int) -> None:

@@ -22,13 +22,15 @@ class ParamView(torch.autograd.Function):
     """A parameter leaf for the forward; its backward feeds the gradient to its bucket."""
 
     @staticmethod
-    def forward(ctx, anchor: torch.Tensor, local: torch.Tensor, step: "Run", i: int) -> DTensor:  # type: ignore[override]
+    def forward(ctx, anchor: torch.Tensor, local: torch.Tensor, step: "Run", i: int) -> torch.Tensor:  # type: ignore[override]
         ctx.step, ctx.i = step, i
+        if step.local is not None:  # local batch mode: the plain view (no DTensor per op)
+            return local.view_as(local)
         leaf = step.z.leaves[i]
         return wrap_local(local, leaf.mesh, leaf.spec, leaf.shape)
 
     @staticmethod
-    def backward(ctx, grad: DTensor):  # type: ignore[override]
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
         ctx.step.add_grad(ctx.i, grad)
         return None, None, None, None
 
