@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from ._rules import accum_dtype
 import math
-from typing import Any, Callable, NamedTuple, Sequence, Union
+from typing import Any, Callable, NamedTuple, Union
 
 import optree
 import torch

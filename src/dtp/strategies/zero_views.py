@@ -7,7 +7,6 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from .._torch import current_graph_task_id
 from ..spec import wrap_local
