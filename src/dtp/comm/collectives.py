@@ -64,13 +64,26 @@ def _run(kind: str, mesh: DeviceMesh, axis: str, x: torch.Tensor, nbytes: Callab
     return handle if async_op else handle.wait()
 
 
-def _on_mesh(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
-    """``x`` on the mesh's device: the small host tensors dtp's strategies reduce or send
-    (a loss, a pipeline header, a flag) travel on an NCCL/HCCL mesh's device, which is the
-    only one such a backend moves; on a CPU mesh (gloo) nothing is copied."""
+_HOST_OK: dict[int, bool] = {}  # id(process group) -> it moves CPU tensors
+
+
+def _on_mesh(x: torch.Tensor, mesh: DeviceMesh, axis: str) -> torch.Tensor:
+    """``x``, or a copy on the mesh's device where ``axis``' process group cannot move CPU
+    tensors: the small host tensors dtp's strategies reduce or send (a loss, a pipeline
+    header) then travel on the device, the only one NCCL moves. A group with a CPU
+    backend (gloo; ``"cuda:nccl,cpu:gloo"``) takes them as they are."""
     if mesh.device_type == "cpu" or x.device.type != "cpu":
         return x
-    return x.to(mesh_device(mesh))
+    group = _group(mesh, axis)[0]
+    ok = _HOST_OK.get(id(group))
+    if ok is None:
+        try:
+            group._get_backend(torch.device("cpu"))
+            ok = True
+        except RuntimeError:  # "No backend type associated with device type cpu"
+            ok = False
+        _HOST_OK[id(group)] = ok
+    return x if ok else x.to(mesh_device(mesh))
 
 
 def _nbytes(x: torch.Tensor) -> int:
@@ -195,7 +208,7 @@ def all_reduce(x: torch.Tensor, mesh: DeviceMesh, axis: str, *, op: str = "sum",
                tag: str = "") -> torch.Tensor | CommHandle:
     """Reduce ``x`` over the axis with ``op`` ("sum" or "max") into a new tensor."""
     reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
-    out = _on_mesh(x.detach(), mesh).clone(memory_format=torch.contiguous_format)
+    out = _on_mesh(x.detach(), mesh, axis).clone(memory_format=torch.contiguous_format)
 
     def post(group: dist.ProcessGroup, n: int):  # a host tensor comes back to the host
         return dist.all_reduce(out, op=reduce_op, group=group, async_op=True), (lambda: out.to(x.device))
@@ -315,7 +328,7 @@ def send(x: torch.Tensor, mesh: DeviceMesh, axis: str, *, to: int, key: int, tag
     wait on the handle before reusing ``x``). ``key`` (an int, as gloo's tag) pairs it with
     the :func:`recv` of the same key, so sends and receives between two ranks may be
     posted in any order. What a pipeline stage does with its activations and gradients."""
-    x = _on_mesh(x.contiguous(), mesh)
+    x = _on_mesh(x.contiguous(), mesh, axis)
 
     def post(group: dist.ProcessGroup, n: int):
         return dist.isend(x, dist.get_global_rank(group, to), group=group, tag=key), (lambda: x)
