@@ -36,7 +36,7 @@ from ..layouts import constrain
 from torch.distributed.tensor import DTensor
 
 from ..ops.attention import Docs
-from ..ops import attention, cross_entropy, embedding, linear, mask_padded_vocab, remat, rotary
+from ..ops import attention, cross_entropy, embedding, linear, mask_padded_vocab, remat, rms_norm, rotary
 from ..ops.moe import moe_ffn, update_bias
 from ..ops.local_batch import batch_local
 from .._rules import accum_dtype
@@ -122,15 +122,6 @@ def buffer_update(cfg: LlamaConfig) -> Any:
     return update
 
 
-def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    # DTensor's own ops, not ops.rms_norm's one local_map: under tp without SP and full
-    # recompute that one's backward issues fewer norm-gradient all-reduces than dtp.plan
-    # predicts (5 of them, tiny), and why was not traced in time — kept out until it is.
-    acc = accum_dtype(x.dtype)
-    xf = x.to(acc)
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * w
-
-
 def _docs(batch: dict[str, Any]) -> Docs | None:
     """Packed documents' ``(documents, positions)`` when the batch has them (``--document-mask``)."""
     return (batch["documents"], batch["positions"]) if "documents" in batch else None
@@ -160,9 +151,9 @@ def _block(layer: dict[str, torch.Tensor], h: torch.Tensor, cfg: LlamaConfig, do
     ``(h, aux)`` with its :func:`~dtp.ops.moe.moe_ffn` aux."""
     # Entering a block: the residual stream (split on sequence under SP) is gathered;
     # leaving it: the row-parallel pending sum is reduced back onto the residual layout.
-    x = constrain(_rms_norm(h, layer["attn_norm"], cfg.norm_eps), ("batch", "seq", "embed"), name="attn_in")
+    x = constrain(rms_norm(h, layer["attn_norm"], cfg.norm_eps), ("batch", "seq", "embed"), name="attn_in")
     h = h + constrain(_attention(layer, x, cfg, docs), ("batch", "res_seq", "embed"), name="attn_out")
-    x = constrain(_rms_norm(h, layer["mlp_norm"], cfg.norm_eps), ("batch", "seq", "embed"), name="mlp_in")
+    x = constrain(rms_norm(h, layer["mlp_norm"], cfg.norm_eps), ("batch", "seq", "embed"), name="mlp_in")
     if "router" not in layer:
         return h + constrain(_mlp(layer, x), ("batch", "res_seq", "embed"), name="mlp_out")
     if cfg.router_bias_update and "router_bias" not in layer:
@@ -208,7 +199,7 @@ def _embed(params: dict[str, Any], x: Any, batch: dict[str, torch.Tensor]) -> to
 
 
 def _logits(params: dict[str, Any], h: torch.Tensor, cfg: LlamaConfig) -> torch.Tensor:
-    x = constrain(_rms_norm(h, params["final_norm"], cfg.norm_eps), ("batch", "seq", "embed"), name="head_in")
+    x = constrain(rms_norm(h, params["final_norm"], cfg.norm_eps), ("batch", "seq", "embed"), name="head_in")
     head = params["embed"].transpose(0, 1) if cfg.tie_embeddings else params["lm_head"]
     logits = constrain(linear(x, head), ("batch", "seq", "vocab"), name="logits")
     return mask_padded_vocab(logits, cfg.vocab_size - cfg.vocab_pad) if cfg.vocab_pad else logits
