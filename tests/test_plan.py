@@ -143,6 +143,7 @@ CASES_2 = {
     "dp2 zero3 small buckets m=2": (dict(dp=2, zero=3, bucket_mb=0.05, microbatches=2), "tiny", 8, 128),
     "dp2 zero1 small buckets": (dict(dp=2, zero=1, bucket_mb=0.05), "tiny", 8, 128),
     "tp2 sp": (dict(tp=2, sp=True), "tiny", 8, 16),
+    "tp2 no sp": (dict(tp=2), "tiny", 8, 16),
     "tp2 no sp m=2 full recompute": (dict(tp=2, microbatches=2, recompute="full"), "tiny", 8, 16),
     "tp2 sp m=2 full recompute": (dict(tp=2, sp=True, microbatches=2, recompute="full"), "tiny", 8, 16),
     "tp2 sp m=2 seq256": (dict(tp=2, sp=True, microbatches=2), "tiny", 8, 256),

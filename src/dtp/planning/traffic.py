@@ -7,7 +7,7 @@ data-dependent all-to-all-v aside (predicted for balanced routing). The patterns
 
 =================  ==========================================================================
 grad               gradients of parameters replicated over a data axis (dp without ZeRO, cp,
-                   ep; tp for norms and routers): one all-reduce each, once per step (per
+                   ep; tp for routers, and for norms under SP only): one all-reduce each, once per step (per
                    microbatch under ZeRO, which adds each microbatch into its buckets)
 zero               ZeRO buckets over dp: reduce-scatter once per step; all-gather once (stage
                    1/2) or per microbatch, forward plus backward re-gathers (stage 3)
@@ -132,7 +132,9 @@ def traffic(s: Setup, rank_leaves: list[Leaf], stage: int = 0) -> list[Traffic]:
         n = axes.get(axis, 1)
         per: dict[int, int] = defaultdict(int)
         for leaf in rank_leaves:
-            if not leaf.splits(axis):
+            # A norm's weight under tp without SP: ops.rms_norm takes the whole (reduced)
+            # gradient of its output, so its weight's gradient is already whole on every rank.
+            if not leaf.splits(axis) and not (axis == "tp" and not s.sp and leaf.path.endswith("norm")):
                 per[_ar(leaf.nbytes * (widen if leaf.dtype == s.torch_dtype else 1), n)] += 1
         for each, times in sorted(per.items()):
             add(axis, "all_reduce", "grad", times * grad_times, each)
