@@ -64,9 +64,6 @@ def _run(kind: str, mesh: DeviceMesh, axis: str, x: torch.Tensor, nbytes: Callab
     return handle if async_op else handle.wait()
 
 
-_HOST_OK: dict[int, bool] = {}  # id(process group) -> it moves CPU tensors
-
-
 def _on_mesh(x: torch.Tensor, mesh: DeviceMesh, axis: str) -> torch.Tensor:
     """``x``, or a copy on the mesh's device where ``axis``' process group cannot move CPU
     tensors: the small host tensors dtp's strategies reduce or send (a loss, a pipeline
@@ -74,16 +71,11 @@ def _on_mesh(x: torch.Tensor, mesh: DeviceMesh, axis: str) -> torch.Tensor:
     backend (gloo; ``"cuda:nccl,cpu:gloo"``) takes them as they are."""
     if mesh.device_type == "cpu" or x.device.type != "cpu":
         return x
-    group = _group(mesh, axis)[0]
-    ok = _HOST_OK.get(id(group))
-    if ok is None:
-        try:
-            group._get_backend(torch.device("cpu"))
-            ok = True
-        except RuntimeError:  # "No backend type associated with device type cpu"
-            ok = False
-        _HOST_OK[id(group)] = ok
-    return x if ok else x.to(mesh_device(mesh))
+    try:  # asked each time, not cached by id(group): a destroyed group's id is reused
+        _group(mesh, axis)[0]._get_backend(torch.device("cpu"))
+        return x
+    except RuntimeError:  # "No backend type associated with device type cpu"
+        return x.to(mesh_device(mesh))
 
 
 def _nbytes(x: torch.Tensor) -> int:

@@ -77,7 +77,7 @@ from ..redistribute import reshard, value_of
 from ..spec import P, spec_of, wrap_local
 from ..ops import lanes
 from . import ep_overlap, pipeline_split, pipeline_wire as wire, replicated
-from .pipeline_plan import plan as plan_of
+from .pipeline_plan import plan as plan_of, receive_of
 from . import zero as zero_mod
 
 __all__ = ["Context", "Run", "stage_mesh", "gather", "held"]
@@ -430,13 +430,11 @@ class Run:
         on two lanes, one's expert all-to-alls under the other's compute. Both inputs are
         received first, here, so no lane ever blocks on another stage (the turn moves only
         at the all-to-alls: the same order on every rank of the stage)."""
-        for action in (a, b):
-            stage = action.stage(self.rank, self.p, self.placement)
-            kind = "act" if action.kind == "F" else "grad"
-            if (stage > 0) if kind == "act" else (stage < self.n_stages - 1):
-                self._post(kind, stage, action.microbatch)
-                self.recvs[(kind, stage, action.microbatch)] = _Arrived(
-                    self.recvs.pop((kind, stage, action.microbatch)).wait())
+        for action in (a, b):  # a hand-over within the rank is already in self.recvs
+            key = receive_of(action, self.rank, self.p, self.placement, self.n_stages)
+            if key is not None:
+                self._post(*key)
+                self.recvs[key] = _Arrived(self.recvs.pop(key).wait())
         enter = ep_overlap.carry()
 
         def lane(action: "schedules.Action") -> Callable[[], None]:

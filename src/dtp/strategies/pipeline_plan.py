@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from .. import schedules
 from ..schedules.actions import flat
 
-__all__ = ["AHEAD", "Step", "plan"]
+__all__ = ["AHEAD", "Step", "plan", "receive_of"]
 
 #: How many items ahead of the action that reads it a receive is posted.
 AHEAD = 3
@@ -43,8 +43,13 @@ class Step:
     posts: tuple[Recv, ...]
 
 
-def _needs(action: "schedules.Action", rank: int, p: int, placement: str, n_stages: int) -> Recv | None:
-    """What ``action`` receives from another rank (a hand-over within the rank is local)."""
+def receive_of(action: "schedules.Action", rank: int, p: int, placement: str, n_stages: int) -> Recv | None:
+    """What ``action`` receives from another rank (a hand-over within the rank is local:
+    ``None``).
+
+    >>> receive_of(schedules.make("1f1b", p=2, v=1, m=2)[1][0], 1, 2, "loop", 2)
+    ('act', 1, 0)
+    """
     stage = action.stage(rank, p, placement)
     if action.kind == "F" and stage > 0:
         kind, frm = "act", stage - 1
@@ -77,7 +82,7 @@ def plan(name: str, p: int, v: int, m: int, rank: int, forward_only: bool = Fals
     items = schedule[rank]
     n_stages = p * v
     acts = [flat(item) for item in items]
-    needs = [[r for a in item_acts if (r := _needs(a, rank, p, schedule.placement, n_stages)) is not None]
+    needs = [[r for a in item_acts if (r := receive_of(a, rank, p, schedule.placement, n_stages)) is not None]
              for item_acts in acts]
     posted: set[Recv] = set()
     steps = []
