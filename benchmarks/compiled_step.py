@@ -2,7 +2,8 @@
 
     python benchmarks/compiled_step.py --configs tiny small --seq 128 --batch 8 --repeats 9
 
-For each layout (world 1: ``make_mesh(dp=1)``, the blocks are the compiled regions; tp=2
+For each layout (world 1: ``make_mesh(dp=1)``, the blocks are the compiled regions; dp=2
+and dp=2 ZeRO-3 on 2 gloo ranks: local batch mode, the blocks on plain tensors again; tp=2
 + SP on 2 gloo ranks: the ``local_map`` bodies are), two states from the same weights,
 one stepped eagerly and one compiled with ``--backend`` (default inductor), steps
 alternated (the order swapped every round, a barrier before each), median of
@@ -20,7 +21,7 @@ from functools import partial
 import torch
 from _common import alternating_times, llama_step_parser
 
-LAYOUTS = {"world 1": 1, "tp2 sp": 2}
+LAYOUTS = {"world 1": 1, "dp2": 2, "dp2 zero3": 2, "tp2 sp": 2}
 
 
 def _bench(cfg, batch: dict[str, torch.Tensor], layout_name: str, backend: str, warmup: int,
@@ -32,6 +33,10 @@ def _bench(cfg, batch: dict[str, torch.Tensor], layout_name: str, backend: str, 
     torch.set_num_threads(1)
     if layout_name == "world 1":
         mesh, layout = dtp.make_mesh(dp=1), dtp.layouts.data()
+    elif layout_name == "dp2":
+        mesh, layout = dtp.make_mesh(dp=2), dtp.layouts.data()
+    elif layout_name == "dp2 zero3":
+        mesh, layout = dtp.make_mesh(dp=2), dtp.layouts.data() + dtp.layouts.zero(3)
     else:
         mesh, layout = dtp.make_mesh(tp=2), dtp.layouts.data() + dtp.layouts.megatron(sequence_parallel=True)
     loss_fn = partial(llama.loss, cfg=cfg)

@@ -5,7 +5,8 @@ torch 2.13 cannot trace DTensor's dispatch of a tp + SP model (``as_strided not
 supported with DTensor``). Compiled regions are the **local computation** instead, and
 dtp's collectives run between them, eagerly:
 
-- **plain tensors** (a one-device mesh, or a pipeline stage on one device): each
+- **plain tensors** (a one-device mesh, a pipeline stage on one device, or a layout that
+  splits only the batch — dp, ZeRO 1/2/3 — in local batch mode, :mod:`dtp.strategies.local`): each
   transformer block is one region — it starts and ends at :func:`dtp.ops.remat`'s block
   boundary, recomputed whole under ``recompute="full"``. The embedding and the head's
   loss run eagerly between the blocks.
@@ -22,7 +23,8 @@ What a region meets on its way:
   expert dispatch's all-to-all inside a region splits it in two, and the comm log, the
   simulated link and the flight recorder see the same records as in eager.
 - **ZeRO's lazy gathers** happen when ``loss_fn`` reads a parameter, outside any region
-  (the region receives the gathered tensor), so they are neither traced nor breaks.
+  (the region receives the gathered tensor), so they are neither traced nor breaks: a
+  block region's parameters are read just before it starts (:func:`dtp.ops.remat`).
 - **custom autograd Functions** (ring attention's, the expert dispatch's) that call a
   collective are a graph break at their ``apply``: dynamo runs the whole Function eagerly.
 - **the pipeline's split backward** (zero-bubble and V schedules: input gradients first,

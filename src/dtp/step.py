@@ -321,7 +321,7 @@ def train_step(loss_fn: Callable[[PyTree, Mapping[str, torch.Tensor]], Any], sta
                      {"microbatches": microbatches, "recompute": recompute, "clip_norm": clip_norm,
                       "compile": repr(options)}, error)
     run = strategies.begin(state.params, state.zero, microbatches, loss_fn=loss_fn, layout=state.layout,
-                           mesh=state.mesh, buffers=state.buffers, compiled=options is not None)
+                           mesh=state.mesh, buffers=state.buffers)
     with comm_log() as log:
         with use_layout(state.layout, state.mesh), recompute_policy(recompute), compiling(options) as watch:
             loss, aux, counted = _forward_backward(strategies.computing(run, reading(loss_fn, state.buffers)), run,

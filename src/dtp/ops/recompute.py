@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from collections.abc import Mapping, Sequence
 from typing import Any, Callable, Iterator
 
 import optree
@@ -50,6 +51,21 @@ def recompute(name: str | None) -> Iterator[None]:
         _state.policy = previous
 
 
+def _read(x: Any) -> Any:
+    """``x`` with every mapping read into a dict and every list-like sequence into a list,
+    recursively (a lazy parameter view is read through); tensors and tuples as they are.
+
+    >>> import types
+    >>> _read(types.MappingProxyType({"w": types.MappingProxyType({"b": 1})}))
+    {'w': {'b': 1}}
+    """
+    if isinstance(x, Mapping):
+        return {k: _read(v) for k, v in x.items()}
+    if isinstance(x, Sequence) and not isinstance(x, (str, bytes, tuple)):
+        return [_read(v) for v in x]
+    return x
+
+
 def remat(fn: Callable[..., Any], *args: Any, level: str = "full") -> Any:
     """Call ``fn(*args)``, recomputing it in backward when the policy is ``level``.
 
@@ -58,6 +74,10 @@ def remat(fn: Callable[..., Any], *args: Any, level: str = "full") -> Any:
     DTensors the regions are the :func:`dtp.local_map` bodies inside it instead.
     """
     if level == "full" and active() is not None and not any(isinstance(a, DTensor) for a in optree.tree_leaves(args[:2])):
+        # A strategy's lazy parameter view (ZeRO's: a read waits for the bucket's gather and
+        # adds an autograd Function) is read here, outside the region: traced, it would
+        # guard on the bucket's index and the read's shape and recompile each block.
+        args = tuple(_read(a) for a in args)
         fn = region(fn)
     if policy() == level:
         return checkpoint(fn, *args, use_reentrant=False)

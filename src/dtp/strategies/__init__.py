@@ -250,15 +250,15 @@ def computing(run: Any, loss_fn: Any) -> Any:
 
 
 def begin(params: PyTree, state: Any, microbatches: int, *, loss_fn: Any = None, layout: Layout | None = None,
-          mesh: DeviceMesh | None = None, gradients_only: bool = False, buffers: PyTree = None,
-          compiled: bool = False) -> StepRun | Scheduled:
+          mesh: DeviceMesh | None = None, gradients_only: bool = False,
+          buffers: PyTree = None) -> StepRun | Scheduled:
     """The run of the strategy a state is laid out for: the pipeline's when the layout
     has one on ``mesh``, ZeRO's when ``state`` is ZeRO's, else replicated.
     ``gradients_only`` (:func:`dtp.step.value_and_grad`): a strategy whose gradients
     never take the parameters' layout refuses. ``buffers`` (``TrainState.buffers``): the
     pipeline's stages lay them over their parameters (elsewhere ``loss_fn`` reads them).
     The replicated and ZeRO runs compute on plain local tensors when :func:`.local.decide`
-    allows (``compiled``: a compiled step, which keeps DTensors); call ``loss_fn`` through
+    allows; call ``loss_fn`` through
     :func:`computing`."""
     if gradients_only and isinstance(state, zero.ZeroState):
         raise ValueError("value_and_grad: a ZeRO state's gradients are reduce-scattered into bucket slices "
@@ -272,7 +272,7 @@ def begin(params: PyTree, state: Any, microbatches: int, *, loss_fn: Any = None,
     if not gradients_only:  # value_and_grad hands back gradients in the parameters' layout
         specs = ([x.spec for x in state.leaves] if isinstance(state, zero.ZeroState)
                  else [spec_of(x) if isinstance(x, DTensor) else None for x in optree.tree_leaves(params)])
-        batch = local.decide(specs, loss_fn, layout, mesh, buffers=buffers, compiled=compiled)
+        batch = local.decide(specs, loss_fn, layout, mesh, buffers=buffers)
     if master is not None:  # mixed precision: fp32 accumulators, the master weights updated
         run = precision.wrap(replicated.Run(params, microbatches, accumulate=True, local=batch), master)
     elif state is not None:

@@ -33,22 +33,22 @@ PyTree = Any
 
 
 def decide(specs: Sequence[P | None], loss_fn: Any, layout: Layout | None, mesh: DeviceMesh | None, *,
-           buffers: PyTree = None, compiled: bool = False) -> LocalBatch | None:
+           buffers: PyTree = None) -> LocalBatch | None:
     """The batch split a step may compute under on plain tensors (``None``: DTensors).
 
     Local when all hold: ``loss_fn`` is :func:`dtp.ops.local_batch.batch_local`; the
-    mesh has more than one device; no compiled step (its regions are the DTensor ops'
-    local bodies) and no buffers laid over the parameters; every parameter's spec
+    mesh has more than one device; no buffers laid over the parameters; every parameter's spec
     (``specs``; ``None``: a plain tensor) is replicated on the mesh (so nothing splits it:
     no tp / ep); the layout's ``(batch, seq)`` activations split only the batch dim, over
-    at least one axis.
+    at least one axis. A compiled step computes so too: its regions are then whole blocks
+    on plain tensors, as on one device (:mod:`dtp.compiled`).
 
     >>> decide([P()], lambda p, b: 0.0, dtp.layouts.data(), dtp.make_mesh(dp=1)) is None
     True
     """
     if layout is None or mesh is None or mesh.size() == 1 or not is_batch_local(loss_fn):
         return None
-    if buffers or compiled or any(s is None or s != P() for s in specs):
+    if buffers or any(s is None or s != P() for s in specs):
         return None
     spec = layout.activation_spec(("batch", "seq"), mesh)
     if spec.partial or spec.axes_of(1) or not spec.axes_of(0):
