@@ -232,11 +232,13 @@ def test_predicted_peak_bounds_the_measured(measured, measured_memory_only, name
 def test_70b_plans_in_well_under_a_second_without_allocating():
     from torch.profiler import ProfilerActivity, profile
 
+    # This thread's CPU time, not wall time: on the shared 2-core machine at load 11 the
+    # wall clock passed 0.5 s while the plan itself computed for a fraction of that.
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        t0 = time.perf_counter()
+        t0 = time.thread_time()
         p = dtp.plan("llama3-70b", batch=256, seq=8192, dp=8, tp=8, sp=True, pp=4, microbatches=32, zero=1,
                      recompute="full", dtype="bfloat16")
-        seconds = time.perf_counter() - t0
+        seconds = time.thread_time() - t0
     allocated = sum(e.nbytes() for e in prof.profiler.kineto_results.events()
                     if e.name() == "[memory]" and e.nbytes() > 0)
     assert seconds < 0.5

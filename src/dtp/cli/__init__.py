@@ -173,7 +173,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return 2
     except KeyboardInterrupt as e:
-        # Ctrl-C (130), or SIGTERM raised as dtp.cli.loop.Terminated (143): what was written
+        # Ctrl-C (130), or SIGTERM raised as dtp.cli.process.Terminated (143): what was written
         # so far is on disk, the run's summary and plot too. No traceback.
         return 128 + int(getattr(e, "signum", signal.SIGINT))
     except Exception as e:  # noqa: BLE001 -- sorted below; a crash becomes one line unless --debug

@@ -17,7 +17,7 @@ if in_torchrun():
     sys.stdout.flush()
     sys.stderr.flush()
     if code == 128 + signal.SIGTERM:
-        # Stopped by SIGTERM, files written on the way (dtp.cli.loop.Terminated): end by
+        # Stopped by SIGTERM, files written on the way (dtp.cli.process.Terminated): end by
         # that signal as well, so torchrun's agent and the launcher see "stopped", not a crash.
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGTERM)

@@ -16,27 +16,24 @@ import functools
 import json
 import math
 import os
-import signal
-import threading
 import time
 import shlex
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, TextIO
+from typing import Any, Callable, Mapping, TextIO
 
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from .. import (CompileOptions, Layout, TrainState, checkpoint, comm, make_mesh, optim, shard_batch, strategies,
-                train_step, wait)
+from .. import CompileOptions, Layout, TrainState, checkpoint, optim, shard_batch, strategies, train_step, wait
 from .._token_files import held_out_start
 from ..buffers import lay_out as lay_out_buffers
 from ..data import TokenLoader, Tokens, document_eos, open_tokens
-from ..launch import in_torchrun
-from ..mesh import clear_mesh_cache, mesh_device
+from ..mesh import mesh_device
 from ..models import hf, llama
 from ..redistribute import value_of
-from .flags import (EVAL_BATCHES, PROG, UsageError, build_layout, format_mesh, mesh_axes, model_overrides,
+from .process import Terminated, sigterm_ignored, sigterm_raises, run_world, single_process_world, why
+from .parser import EVAL_BATCHES, PROG
+from .flags import (UsageError, build_layout, format_mesh, mesh_axes, model_overrides,
                     train_argv, vocab_size)
 from .report import (atomic_write_text, format_summary, plot_losses, Progress, write_json, format_bytes, read_metrics,
                      print_compile_report, report_exception, summarize)
@@ -282,100 +279,12 @@ class SkipCounter:
                 f"{self.max_skipped} (0: never abort)")
 
 
-@contextlib.contextmanager
-def single_process_world() -> Iterator[DeviceMesh]:
-    """A 1-rank mesh in this process; the process group it creates is torn down after,
-    so ``main()`` called from Python leaves no global state behind."""
-    created = not dist.is_initialized()
-    try:
-        yield make_mesh(dp=1)
-    finally:
-        if created and dist.is_initialized():
-            clear_mesh_cache()
-            dist.destroy_process_group()
-
-
 def _run_config(args: argparse.Namespace, world_size: int) -> dict[str, Any]:
     # The run (dtp.RunConfig's fields), and what the ranks found: vocabulary, world, mesh.
     cfg = args.run_config.to_dict()
     cfg.update(vocab_size=_vocab_size(args, _load_data(args)), world_size=world_size,
                mesh=mesh_axes(args), warmup_from_step_one=True)
     return cfg
-
-
-@contextlib.contextmanager
-def _world(args: argparse.Namespace) -> Iterator[DeviceMesh]:
-    """The run's mesh: from torchrun's environment in a rank, else a world of one here."""
-    if not in_torchrun():
-        with single_process_world() as mesh:
-            yield mesh
-        return
-    created = not dist.is_initialized()
-    try:
-        yield make_mesh(**mesh_axes(args), timeout=args.timeout)
-        _quiesce()
-    finally:
-        # A clean shutdown: torch warns about process groups left to the interpreter exit.
-        if created and dist.is_initialized():
-            clear_mesh_cache()  # a live DeviceMesh keeps the group and its gloo threads alive (measured)
-            dist.destroy_process_group()
-
-
-def _quiesce() -> None:
-    """Before the process group goes: nothing in flight here, nor on any peer.
-
-    Measured on torch 2.13 (gloo; a core dump of an aborted rank): the group outlived
-    ``destroy_process_group`` (a live DeviceMesh holds it) into interpreter shutdown, an
-    all-gather of the last step completed then on a gloo thread, and its Python completion
-    callback (dtp.comm's timing) could not take the GIL: ``pthread_exit`` through C++ →
-    ``terminate called without an active exception``. So wait for every handle this rank
-    posted (``train_loop`` already waited for its state's), then a barrier, so no rank closes
-    its connections while a peer is still in a collective with it (the issue's
-    ``gloo::IoException ... Connection reset by peer``). Only on success: after an error
-    the peers may never reach the barrier (the launcher stops them instead).
-    """
-    comm.drain()
-    dist.barrier()
-
-
-class Terminated(KeyboardInterrupt):
-    """``SIGTERM`` reached this rank (the launcher stopping it, or ``kill``): raised like
-    Ctrl-C's ``KeyboardInterrupt``, so the run's summary and plot are written on the way out."""
-
-    signum = signal.SIGTERM
-
-
-@contextlib.contextmanager
-def _sigterm_raises() -> Iterator[None]:
-    """While training, ``SIGTERM`` raises :class:`Terminated` (Python's default would end
-    the process on the spot, files unwritten). Only in the main thread: elsewhere Python
-    cannot install handlers, and the caller has its own."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def handler(signum: int, frame: Any) -> None:
-        raise Terminated(f"stopped by signal {signal.Signals(signum).name}")
-
-    previous = signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
-@contextlib.contextmanager
-def _sigterm_ignored() -> Iterator[None]:
-    """``SIGTERM`` waits (ignored) while rank 0 writes its last files, a second or so; the
-    launcher's agent would ``SIGKILL`` a rank that took 30 s. Main thread only (as above)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def train_rank(args: argparse.Namespace, *, stream: TextIO | None = None) -> int:
@@ -430,11 +339,11 @@ def train_rank(args: argparse.Namespace, *, stream: TextIO | None = None) -> int
 
         interrupted = None
         try:
-            with _sigterm_raises(), _world(args) as mesh:
+            with sigterm_raises(), run_world(args) as mesh:
                 train_loop(run_cfg, mesh, layout, recompute=_recompute(args), on_step=on_step, checkpoints=checkpoints)
                 del mesh  # the last reference: destroy_process_group then really ends the group
         except BaseException as e:
-            interrupted = _why(e)
+            interrupted = why(e)
             if isinstance(e, Exception) and not args.debug:
                 # Say what happened now, not after the summary and plot below: once one rank
                 # has exited the launcher stops the others, and a rank stopped before it
@@ -443,18 +352,9 @@ def train_rank(args: argparse.Namespace, *, stream: TextIO | None = None) -> int
             raise
         finally:
             if rank == 0 and records:
-                with _sigterm_ignored():  # a stop during the last writes would leave no plot
+                with sigterm_ignored():  # a stop during the last writes would leave no plot
                     _finish(out, records, run_cfg, interrupted, stream)
     return 0
-
-
-def _why(e: BaseException) -> str:
-    """What ended a run early, for ``summary.json``'s ``interrupted``."""
-    if isinstance(e, Terminated):
-        return "SIGTERM"
-    if isinstance(e, KeyboardInterrupt):
-        return "Ctrl-C"
-    return f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
 
 
 def _finish(out: Path, records: list[dict[str, Any]], run_cfg: Mapping[str, Any], interrupted: str | None,

@@ -157,9 +157,9 @@ def default_out() -> str:
 
 
 def clear_run_files(out: Path) -> None:
-    """``--overwrite``: delete what an earlier run wrote in ``out`` (:data:`~dtp.cli.flags.RUN_FILES`,
+    """``--overwrite``: delete what an earlier run wrote in ``out`` (:data:`~dtp.cli.parser.RUN_FILES`,
     their temporary files too), and nothing else that is there."""
-    from .flags import RUN_FILES
+    from .parser import RUN_FILES
 
     for name in RUN_FILES:
         path = out / name

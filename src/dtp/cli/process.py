@@ -1,0 +1,117 @@
+"""A rank's life around the training loop of ``dtp train``: its world (torchrun's, or one
+process), a clean shutdown of the process group, and what ``SIGTERM`` does meanwhile."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import signal
+import threading
+from typing import Any, Iterator
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from .. import comm, make_mesh
+from ..launch import in_torchrun
+from ..mesh import clear_mesh_cache
+from .flags import mesh_axes
+
+__all__ = ["Terminated", "single_process_world", "run_world", "sigterm_raises", "sigterm_ignored", "why"]
+
+
+@contextlib.contextmanager
+def single_process_world() -> Iterator[DeviceMesh]:
+    """A 1-rank mesh in this process; the process group it creates is torn down after,
+    so ``main()`` called from Python leaves no global state behind."""
+    created = not dist.is_initialized()
+    try:
+        yield make_mesh(dp=1)
+    finally:
+        if created and dist.is_initialized():
+            clear_mesh_cache()
+            dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def run_world(args: argparse.Namespace) -> Iterator[DeviceMesh]:
+    """The run's mesh: from torchrun's environment in a rank, else a world of one here."""
+    if not in_torchrun():
+        with single_process_world() as mesh:
+            yield mesh
+        return
+    created = not dist.is_initialized()
+    try:
+        yield make_mesh(**mesh_axes(args), timeout=args.timeout)
+        _quiesce()
+    finally:
+        # A clean shutdown: torch warns about process groups left to the interpreter exit.
+        if created and dist.is_initialized():
+            clear_mesh_cache()  # a live DeviceMesh keeps the group and its gloo threads alive (measured)
+            dist.destroy_process_group()
+
+
+def _quiesce() -> None:
+    """Before the process group goes: nothing in flight here, nor on any peer.
+
+    Measured on torch 2.13 (gloo; a core dump of an aborted rank): the group outlived
+    ``destroy_process_group`` (a live DeviceMesh holds it) into interpreter shutdown, an
+    all-gather of the last step completed then on a gloo thread, and its Python completion
+    callback (dtp.comm's timing) could not take the GIL: ``pthread_exit`` through C++ →
+    ``terminate called without an active exception``. So wait for every handle this rank
+    posted (``train_loop`` already waited for its state's), then a barrier, so no rank closes
+    its connections while a peer is still in a collective with it (the issue's
+    ``gloo::IoException ... Connection reset by peer``). Only on success: after an error
+    the peers may never reach the barrier (the launcher stops them instead).
+    """
+    comm.drain()
+    dist.barrier()
+
+
+class Terminated(KeyboardInterrupt):
+    """``SIGTERM`` reached this rank (the launcher stopping it, or ``kill``): raised like
+    Ctrl-C's ``KeyboardInterrupt``, so the run's summary and plot are written on the way out."""
+
+    signum = signal.SIGTERM
+
+
+@contextlib.contextmanager
+def sigterm_raises() -> Iterator[None]:
+    """While training, ``SIGTERM`` raises :class:`Terminated` (Python's default would end
+    the process on the spot, files unwritten). Only in the main thread: elsewhere Python
+    cannot install handlers, and the caller has its own."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: Any) -> None:
+        raise Terminated(f"stopped by signal {signal.Signals(signum).name}")
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@contextlib.contextmanager
+def sigterm_ignored() -> Iterator[None]:
+    """``SIGTERM`` waits (ignored) while rank 0 writes its last files, a second or so; the
+    launcher's agent would ``SIGKILL`` a rank that took 30 s. Main thread only (as above)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def why(e: BaseException) -> str:
+    """What ended a run early, for ``summary.json``'s ``interrupted``."""
+    if isinstance(e, Terminated):
+        return "SIGTERM"
+    if isinstance(e, KeyboardInterrupt):
+        return "Ctrl-C"
+    return f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
