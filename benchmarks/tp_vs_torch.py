@@ -26,6 +26,8 @@ machine are noisy; the ratios are measured side by side in one run.
 
 from __future__ import annotations
 
+import functools
+
 import statistics
 from collections import defaultdict
 from functools import partial
@@ -40,14 +42,26 @@ LR = 0.1
 # --------------------------------------------------------------------------- torch's Llama
 
 
-def _rope(x: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotary embedding of (batch, seq, heads, head_dim), halves rotated (as dtp.ops.rotary)."""
-    half = x.shape[-1] // 2
+@functools.lru_cache(maxsize=8)
+def _rope_tables(seq: int, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin over (seq, 1, head_dim), made once per shape, as Hugging Face's
+    ``LlamaRotaryEmbedding`` (once per forward for every layer) and torchtitan's
+    ``freqs_cis`` buffer do — not per call."""
+    half = head_dim // 2
     inv = 1.0 / theta ** (torch.arange(0, half, dtype=torch.float32) / half)
-    ang = torch.arange(x.shape[1], dtype=torch.float32)[:, None] * inv[None, :]
+    ang = torch.arange(seq, dtype=torch.float32)[:, None] * inv[None, :]
     cos, sin = ang.cos()[:, None, :], ang.sin()[:, None, :]
-    x1, x2 = x.float()[..., :half], x.float()[..., half:]
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+    return torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
+
+
+def _rope(x: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotary embedding of (batch, seq, heads, head_dim), halves rotated (as dtp.ops.rotary),
+    in Hugging Face's form ``x·cos + rotate_half(x)·sin``: the same bits as the halves' form."""
+    cos, sin = _rope_tables(x.shape[1], x.shape[-1], theta)
+    half = x.shape[-1] // 2
+    xf = x.float()
+    rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
+    return (xf * cos + rotated * sin).to(x.dtype)
 
 
 class RMSNorm(nn.Module):
