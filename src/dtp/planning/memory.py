@@ -302,10 +302,11 @@ def memory(s: Setup, rank_leaves: list[Leaf], stage: int = 0) -> Memory:
         # The new tree over the slices, and one slice-sized temporary of AdamW's (a bucket's
         # slice is one tensor: measured 7 slices at ZeRO-3's update peak, torch 2.13)
         update = 6 * slice_ * acc + max(b[0] for b in buckets) // s.dp * acc
-        if zero < 3:  # then the new slices gathered into new buckets, on gloo through a
-            # staging buffer of a whole bucket (measured, torch 2.13: dp4 ZeRO-1's peak, 3
-            # slices + 2 buckets)
-            staging = max(b[0] * b[1] for b in buckets) if _gloo(s) else 0
+        if zero < 3:  # then the new slices gathered into new buckets, on gloo over more
+            # than 2 ranks through a staging buffer of a whole bucket (measured, torch 2.13:
+            # dp4 ZeRO-1's peak, 3 slices + 2 buckets); at dp=2 dtp.comm gathers straight
+            # into the bucket (an all-to-all)
+            staging = max(b[0] * b[1] for b in buckets) if _gloo(s) and s.dp > 2 else 0
             update = max(update, 3 * slice_ * acc + buf + staging)
         update += data
     else:
