@@ -8,8 +8,8 @@ data parallel over dp=2 (each rank takes half of the global batch).
 
 * dtp: ``layouts.data() + layouts.zero(3, bucket_mb=--bucket-mb, overlap_grad_reduce=True,
   overlap_param_gather=True)`` on ``make_mesh(dp=2)``, ``dtp.train_step`` with
-  ``dtp.optim.adamw``. Stage-3 buckets end at each block's end (FSDP2's unit below);
-  the default ``--bucket-mb 3`` splits none of "small"'s blocks further.
+  ``dtp.optim.adamw``. The default ``--bucket-mb 3`` gives about one bucket per
+  transformer block of "small" (FSDP2's unit below).
 * torch: the ``nn.Module`` Llama of ``tp_vs_torch.py`` (imported from it) with the weights
   of ``llama.init(cfg, seed=0)``, ``fully_shard`` on every transformer block and on the root
   (mesh = the same 1-D dp mesh, gloo CPU), ``torch.optim.AdamW``; the loss is the mean over

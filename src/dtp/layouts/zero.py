@@ -10,8 +10,7 @@ Stages over the data-parallel ``axis`` (Ψ: the parameter bytes of a rank's mode
 * ``stage=3``: parameters too rest as slices; forward all-gathers a bucket right before
   its first use (always prefetching the next: ``overlap_param_gather`` is implied),
   backward gathers it again for the saved activations that need it, then frees it — 3Ψ
-  of traffic. A stage-3 bucket also ends where a block ends (:func:`block_of`), as
-  FSDP2 wraps each transformer block, so the one held whole is one block's. ``reshard_after_forward=False`` (FSDP2's option of that name) keeps every
+  of traffic. ``reshard_after_forward=False`` (FSDP2's option of that name) keeps every
   bucket forward gathered until backward is done with it: parameters still rest as
   slices between steps, but a step holds them whole from forward to backward, and
   traffic is 2Ψ. ``prefetch`` is how many buckets are gathered ahead of the one in use:
