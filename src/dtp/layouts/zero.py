@@ -41,7 +41,7 @@ from .core import Layout
 from .megatron import data
 
 __all__ = ["ZERO_STAGES", "STAGE_RULES", "ZeroOptions", "misplaced_options", "zero", "bucket_groups",
-           "block_of", "padded_numel"]
+           "padded_numel"]
 
 ZeroStage = Literal[0, 1, 2, 3]
 ZERO_STAGES: tuple[ZeroStage, ...] = (0, 1, 2, 3)
@@ -156,25 +156,19 @@ def misplaced_options(stage: int, **values: object) -> list[tuple[str, tuple[int
 
 
 def bucket_groups(keys: Sequence[Hashable], numels: Sequence[int], itemsizes: Sequence[int],
-                  bucket_mb: float, units: Sequence[Hashable] | None = None) -> list[tuple[Hashable, list[int]]]:
+                  bucket_mb: float) -> list[tuple[Hashable, list[int]]]:
     """ZeRO's bucket plan, the one rule the strategy, :func:`dtp.plan` and checkpoints share:
     the leaves (given in use order) go into one open bucket per key (dtype, mesh axes the
-    parameter is split on), which closes once it holds ``bucket_mb`` MiB — or, with
-    ``units`` (stage 3: :func:`block_of` of each leaf), before a leaf of another unit, so
-    that no bucket spans two blocks. Returns ``(key, member indices)`` in bucket order.
-    Pure, torch-free.
+    parameter is split on), which closes once it holds ``bucket_mb`` MiB. Returns
+    ``(key, member indices)`` in bucket order. Pure, torch-free.
 
     >>> bucket_groups(["a", "b", "a", "a"], [3, 5, 2, 4], [4, 4, 4, 4], bucket_mb=16 / 2**20)
     [('a', [0, 2]), ('b', [1]), ('a', [3])]
-    >>> bucket_groups(["a"] * 4, [3, 5, 2, 4], [4] * 4, bucket_mb=1, units=[None, "l.0", "l.0", "l.1"])
-    [('a', [0]), ('a', [1, 2]), ('a', [3])]
     """
     open_: dict[Hashable, list[int]] = {}
     groups: list[tuple[Hashable, list[int]]] = []
     for i, (key, itemsize) in enumerate(zip(keys, itemsizes)):
         cap = max(1, int(bucket_mb * 2**20) // itemsize)
-        if key in open_ and units is not None and units[open_[key][0]] != units[i]:
-            del open_[key]
         if key not in open_:
             open_[key] = []
             groups.append((key, open_[key]))
@@ -182,27 +176,6 @@ def bucket_groups(keys: Sequence[Hashable], numels: Sequence[int], itemsizes: Se
         if sum(numels[j] for j in open_[key]) >= cap:
             del open_[key]
     return groups
-
-
-def block_of(path: str) -> str | None:
-    """The block a parameter belongs to, for stage 3's buckets: its path up to the first
-    index of a sequence whose elements are subtrees (``layers.3.wq`` → ``layers.3``, as
-    FSDP2 wraps each transformer block); ``None`` outside one (``embed``, and the tensors
-    of a plain list of tensors).
-
-    Why stage 3 closes buckets there: a gathered bucket is held whole, so one spanning
-    blocks holds parameters the step is not near — at the start of backward, the step's
-    peak, llama "tiny" as one 0.4 MiB bucket held all of it where FSDP2 holds its root's
-    0.13 MiB (``benchmarks/zero_vs_fsdp.py``). Neighbours outside any block still share.
-
-    >>> block_of("layers.3.wq"), block_of("embed"), block_of("ws.0")
-    ('layers.3', None, None)
-    """
-    parts = path.split(".")
-    for k, part in enumerate(parts[:-1]):
-        if part.isdigit():
-            return ".".join(parts[:k + 1])
-    return None
 
 
 def padded_numel(total: int, ways: int) -> int:

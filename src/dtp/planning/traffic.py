@@ -44,7 +44,7 @@ from functools import partial
 from .._rules import accum_dtype
 from ..comm import ring_bytes
 from ..schedules import global_stage, placement, stage_owner
-from ..layouts.zero import block_of, bucket_groups, padded_numel
+from ..layouts.zero import bucket_groups, padded_numel
 from ..layouts import attended_kv_heads
 from ..layouts.pipeline import assign
 from ..models import llama
@@ -79,15 +79,13 @@ def zero_buckets(s: Setup, rank_leaves: list[Leaf]) -> list[tuple[int, int, int,
     bytes per element, grad bytes per element, released after forward)`` in bucket order.
 
     One open bucket per (dtype, mesh axes the parameter is split on), filled in use order
-    and closed once it holds ``bucket_mb`` (stage 3: and at each block's end); padded to
-    a multiple of dp. Stage 3 frees a bucket in forward once a later read follows its
-    last one: all but the last read's.
+    and closed once it holds ``bucket_mb``; padded to a multiple of dp. Stage 3 frees a
+    bucket in forward once a later read follows its last one: all but the last read's.
     """
     names = list(s.axes)
     groups = [members for _, members in bucket_groups(
         [(leaf.dtype, tuple(a for a in names if a in set(leaf.spec.used_axes()))) for leaf in rank_leaves],
-        [leaf.numel for leaf in rank_leaves], [leaf.dtype.itemsize for leaf in rank_leaves], s.bucket_mb,
-        [block_of(leaf.path) for leaf in rank_leaves] if s.zero == 3 else None)]
+        [leaf.numel for leaf in rank_leaves], [leaf.dtype.itemsize for leaf in rank_leaves], s.bucket_mb)]
     # Reads in forward: every leaf once, a tied embedding again at the head.
     last_read = len(rank_leaves) - 1
     tied = s.cfg.tie_embeddings and any(l.path == "final_norm" for l in rank_leaves)

@@ -21,7 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from .. import comm
-from ..layouts.zero import ZeroOptions, block_of, bucket_groups, padded_numel
+from ..layouts.zero import ZeroOptions, bucket_groups, padded_numel
 from ..mesh import axis_names, axis_sizes, coordinates
 from ..spec import P
 
@@ -116,8 +116,7 @@ def make_plan(leaves: Sequence[Leaf], options: ZeroOptions, used: Sequence[int])
     ordered = [leaves[i] for i in order]
     groups = [(key, [order[k] for k in members]) for key, members in bucket_groups(
         [(x.dtype, tuple(a for a in names if a in set(x.spec.used_axes()))) for x in ordered],
-        [x.numel for x in ordered], [x.dtype.itemsize for x in ordered], options.bucket_mb,
-        [block_of(x.path) for x in ordered] if options.stage == 3 else None)]
+        [x.numel for x in ordered], [x.dtype.itemsize for x in ordered], options.bucket_mb)]
     last_read = {i: pos for pos, i in enumerate(used)}
     buckets, where = [], [(-1, -1)] * len(leaves)
     for index, ((dtype, axes), members) in enumerate(groups):
