@@ -181,7 +181,13 @@ class Run:
         self.paths = paths
         local = [self._to_stage(x) if keep and x is not None else None for x, keep in zip(leaves, self.keep)]
         self.params_tree = optree.tree_unflatten(self.treedef, local)
-        self.leaves = optree.tree_leaves(self.params_tree)  # what a backward differentiates (no ZeRO)
+        self.leaves = optree.tree_leaves(self.params_tree)  # the held parameters (the inner run's order)
+        # Per chunk, the held leaves its layers read: what its backward differentiates (no
+        # ZeRO). Asking autograd for the other chunks' leaves too (interleaved, V) added
+        # inputs that are never reached and a None per leaf to every accumulation.
+        held_paths = [path for path, x in zip(paths, local) if x is not None]
+        self.own = tuple(tuple(k for k, path in enumerate(held_paths) if _owned(path, model.paths(first, stop)))
+                         for _, first, stop in self.chunks)
         self.buffers = optree.tree_map(self._to_stage, ctx.buffers) if ctx.buffers else None
         zero_opts = None if self.smesh is None or forward_only else zero_mod.options(ctx.layout, self.smesh)
         self.zero = zero_opts is not None
@@ -359,7 +365,7 @@ class Run:
             # at the end of the step (interleaved's peak equalled GPipe's before).
             for handle in self.act_sends.pop((stage + 1, i)):
                 handle.wait()
-        leaves = self._weights(i)
+        leaves = self._weights(chunk, i)
         if keep_graph:  # zero bubble's I: the input's gradient, and what W starts from
             dxs, self.pending_w[(chunk, i)] = pipeline_split.backward_input(outs, grads, xs, leaves, views=self.zero)
         elif xs or leaves:
@@ -370,20 +376,31 @@ class Run:
             dxs = [wire.sendable(g) if g is not None else torch.zeros_like(x) for g, x in zip(dxs, xs)]
             self._send("grad", stage - 1, i, dxs, optree.tree_structure(dxs))
         if not keep_graph and not self.zero:  # ZeRO's views added theirs into the buckets during backward
-            self.inner.add(weights)
+            self._add(chunk, weights)
 
     def _W(self, chunk: int, i: int) -> None:
-        grads = self.pending_w.pop((chunk, i)).run(self._weights(i))
+        grads = self.pending_w.pop((chunk, i)).run(self._weights(chunk, i))
         if not self.zero:
-            self.inner.add(grads)
+            self._add(chunk, grads)
 
-    def _weights(self, i: int) -> list[torch.Tensor]:
-        """What a backward differentiates for the parameters: the leaves, or under ZeRO
-        the anchor its views hang from (their backward fills the buckets)."""
+    def _weights(self, chunk: int, i: int) -> list[torch.Tensor]:
+        """What a backward differentiates for the parameters: the chunk's leaves, or under
+        ZeRO the anchor its views hang from (their backward fills the buckets)."""
         if not self.zero:
-            return self.leaves
+            own = self.own[chunk]
+            return self.leaves if len(own) == len(self.leaves) else [self.leaves[k] for k in own]
         self.inner.begin_backward(i)
         return [self.inner.anchor]
+
+    def _add(self, chunk: int, grads: Sequence[torch.Tensor | None]) -> None:
+        """The chunk's weight gradients (:meth:`_weights`' order) into the step's accumulators."""
+        own = self.own[chunk]
+        if len(own) != len(self.leaves):
+            full: list[torch.Tensor | None] = [None] * len(self.leaves)
+            for k, g in zip(own, grads):
+                full[k] = g
+            grads = full
+        self.inner.add(grads)
 
     # ---- point to point
     def _rank_of(self, stage: int) -> int:
