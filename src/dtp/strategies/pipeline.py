@@ -213,6 +213,7 @@ class Run:
         self.posted: set[tuple[str, int, int]] = set()  # every receive posted this step (taken or not)
         self.meta: dict[tuple[str, int], tuple] = {}  # (kind, stage) -> microbatch 0's headers: structure, leaves
         self.sends: list[comm.CommHandle] = []
+        self.peers: dict[int, comm.Peer] = {}  # pp rank -> its Peer, made at the first message
         self.act_sends: dict[tuple[int, int], list[comm.CommHandle]] = {}  # (next stage, mb) -> carry sent
         self.losses: dict[int, float] = {}
         self.auxes: dict[int, Any] = {}
@@ -406,6 +407,12 @@ class Run:
     def _rank_of(self, stage: int) -> int:
         return schedules.stage_owner(stage, self.p, self.placement)[0]
 
+    def _peer(self, rank: int) -> comm.Peer:
+        """The pp neighbour ``rank`` for this step's messages (its group looked up once)."""
+        if (peer := self.peers.get(rank)) is None:
+            peer = self.peers[rank] = comm.Peer(self.ctx.mesh, self.axis, rank)
+        return peer
+
     def _key(self, kind: str, stage: int, i: int, part: int) -> int:
         return ((stage * 2 + (kind == "grad")) * self.m + i) * _PARTS + part
 
@@ -421,21 +428,20 @@ class Run:
         if len(leaves) >= _PARTS - 2:
             raise ValueError(f"layouts.pipeline: a carry of {len(leaves)} tensors between stages; at most "
                              f"{_PARTS - 3} travel")
-        tag = f"pp {kind} stage {stage} mb {i}"
+        tag, peer = f"pp {kind} stage {stage} mb {i}", self._peer(to)
         posted = []
         # Microbatches of a step share their shapes: only microbatch 0's message carries
         # headers, so the receiver can post every later body's receive ahead.
         if i == 0:
             tree = wire.tree_words(spec, leaves) if len(leaves) > 1 or (kind == "act" and spec.num_nodes > 1) else None
-            posted.append(comm.send(wire.header(leaves[0], gather, 0 if tree is None else len(tree)), self.ctx.mesh,
-                                    self.axis, to=to, key=self._key(kind, stage, i, 0), tag=tag + " header"))
+            posted.append(peer.send(wire.header(leaves[0], gather, 0 if tree is None else len(tree)),
+                                    key=self._key(kind, stage, i, 0), tag=tag + " header"))
             if tree is not None:
-                posted.append(comm.send(tree, self.ctx.mesh, self.axis, to=to, key=self._key(kind, stage, i, 2),
-                                        tag=tag + " tree"))
+                posted.append(peer.send(tree, key=self._key(kind, stage, i, 2), tag=tag + " tree"))
         for j, x in enumerate(leaves):
             local = (x.to_local() if isinstance(x, DTensor) else x).detach()
-            posted.append(comm.send(local, self.ctx.mesh, self.axis, to=to, key=self._key(kind, stage, i, 1 if j == 0
-                                    else 2 + j), tag=tag + (f" leaf {j}" if j else "")))
+            posted.append(peer.send(local, key=self._key(kind, stage, i, 1 if j == 0 else 2 + j),
+                                    tag=tag + (f" leaf {j}" if j else "")))
         if kind == "act":
             self.sends += posted[:-len(leaves)] if i == 0 else []
             self.act_sends[(stage, i)] = posted[-len(leaves):]  # waited for at this microbatch's backward
@@ -470,11 +476,12 @@ class Run:
         if frm == self.rank:
             return  # handed over locally by _send
         self.posted.add(key)
-        header = None if i else comm.recv((wire.HEADER,), torch.int64, self.ctx.mesh, self.axis, frm=frm,
-                                          key=self._key(kind, stage, i, 0), tag=f"pp {kind} stage {stage} mb 0 header")
-        self.recvs[key] = wire.Incoming(self.meta, (kind, stage), header, frm,
+        peer = self._peer(frm)
+        header = None if i else peer.recv((wire.HEADER,), torch.int64, key=self._key(kind, stage, i, 0),
+                                          tag=f"pp {kind} stage {stage} mb 0 header")
+        self.recvs[key] = wire.Incoming(self.meta, (kind, stage), header, peer,
                                         lambda part: self._key(kind, stage, i, part),
-                                        f"pp {kind} stage {stage} mb {i}", self.ctx.mesh, self.axis, self.smesh)
+                                        f"pp {kind} stage {stage} mb {i}", self.smesh)
 
     def _take(self, kind: str, stage: int, i: int) -> tuple[list[torch.Tensor], Any]:
         """``(the leaves to differentiate, the carry as used)``: received activations
