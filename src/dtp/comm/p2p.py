@@ -4,11 +4,12 @@ and :func:`send` / :func:`recv` (one message each).
 A pipeline stage posts 9-27 messages a step per rank at pp=2 (``benchmarks/pipeline.py``),
 each through the same group to the same coordinate. :func:`send` / :func:`recv` look the
 group up per message (``DeviceMesh.get_group``, the rank map, ``dist.isend``'s checks, the
-compiler guard): measured on this 2-core machine (``benchmarks/pipeline_counts.py``'s
-bare probe, gloo, receiver posted ahead) 75-86 µs of the posting thread's CPU per
-message, against 22-39 µs for a bare ``dist.isend``/``irecv``. A :class:`Peer` made once
-per step does that look-up once and posts on the group directly; every message is still
-recorded (:func:`dtp.comm.comm_log`, the flight record) and handled as any other.
+compiler guard): measured on this 2-core machine (a one-off probe, 2 gloo ranks, 50
+messages of 8 B or 512 KB, receiver posted ahead, 2026-11-26) 75-98 µs of the posting
+thread's CPU per message and 105 Python calls a send and its wait, against 20-54 µs for a
+bare ``dist.isend``/``irecv``. A :class:`Peer` made once per step does that look-up once
+and posts on the group directly (38-66 µs, 42 calls); every message is still recorded
+(:func:`dtp.comm.comm_log`, the flight record) and handled as any other.
 
 >>> with dtp.testing.simulate(2):
 ...     mesh = make_mesh(pp=2)
