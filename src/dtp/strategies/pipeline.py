@@ -11,7 +11,7 @@ For each action of its list, in order:
 
 * ``F`` (chunk c, microbatch i): the stage's input is the microbatch (first stage) or
   the activation received from the previous stage; run the stage's layers; post the
-  output to the next stage (``dtp.comm.send``, asynchronous) — or, on the last stage,
+  output to the next stage (``dtp.comm.Peer.send``, asynchronous) — or, on the last stage,
   keep the loss;
 * ``B``: backward of that microbatch through the stage with the gradient received from
   the next stage (the loss weighted 1/m on the last stage); post the input's gradient to
