@@ -15,9 +15,11 @@ One module per job; each imports only from those above it:
 ``flight``       the always-on flight recorder (:func:`flight_record`), its file
                  mirror (:data:`FLIGHT_DIR_ENV`), :class:`CollectiveError`
 ``handles``      :class:`CommHandle` (an ``async_op=True`` collective), :func:`drain`
-``collectives``  the collectives (incl. :func:`send` / :func:`recv`,
-                 :func:`all_to_all_v`, :func:`exchange_counts`, :func:`barrier`) and
-                 the bytes each records (:func:`ring_bytes`)
+``collectives``  the collectives (incl. :func:`all_to_all_v`,
+                 :func:`exchange_counts`, :func:`barrier`) and the bytes each records
+                 (:func:`ring_bytes`)
+``p2p``          point to point: :class:`Peer` (one coordinate, its group resolved
+                 once), :func:`send` / :func:`recv`
 ===============  =====================================================================
 
 >>> with dtp.testing.simulate(2):
@@ -30,11 +32,12 @@ One module per job; each imports only from those above it:
 
 from __future__ import annotations
 
-from .collectives import (all_gather, all_reduce, all_to_all, all_to_all_v, barrier, exchange_counts, recv,
-                          reduce_scatter, ring_bytes, send, send_recv)
+from .collectives import (all_gather, all_reduce, all_to_all, all_to_all_v, barrier, exchange_counts,
+                          reduce_scatter, ring_bytes, send_recv)
 from .flight import FLIGHT_DIR_ENV, FLIGHT_SLOTS, CollectiveError, FlightEntry, flight_record, format_flight_record
 from .handles import CommHandle, drain
 from .link import simulated_link
+from .p2p import Peer, recv, send
 from .records import CommLog, CommRecord, Span, active_logs, comm_log, record_into, span
 
 
@@ -55,6 +58,7 @@ __all__ = [
     "send_recv",
     "send",
     "recv",
+    "Peer",
     "barrier",
     "drain",
     "Span",

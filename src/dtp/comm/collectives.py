@@ -37,7 +37,7 @@ from .link import _link_applies
 _eager = torch.compiler.disable
 
 __all__ = ["ring_bytes", "all_gather", "reduce_scatter", "all_reduce", "all_to_all", "all_to_all_v",
-           "exchange_counts", "send_recv", "send", "recv", "barrier"]
+           "exchange_counts", "send_recv", "barrier"]
 
 
 def _group(mesh: DeviceMesh, axis: str) -> tuple[dist.ProcessGroup, int]:
@@ -336,35 +336,6 @@ def send_recv(x: torch.Tensor, mesh: DeviceMesh, axis: str, *, shift: int = 1, a
 
     return _run("send_recv", mesh, axis, x, lambda n: _nbytes(x) if n > 1 else 0, post, async_op, tag,
                 received=_nbytes(x))
-
-
-@_eager
-def send(x: torch.Tensor, mesh: DeviceMesh, axis: str, *, to: int, key: int, tag: str = "") -> CommHandle:
-    """Post ``x`` to coordinate ``to`` on ``axis`` (point to point, always asynchronous;
-    wait on the handle before reusing ``x``). ``key`` (an int, as gloo's tag) pairs it with
-    the :func:`recv` of the same key, so sends and receives between two ranks may be
-    posted in any order. What a pipeline stage does with its activations and gradients."""
-    x = _on_mesh(x.contiguous(), mesh, axis)
-
-    def post(group: dist.ProcessGroup, n: int):
-        return dist.isend(x, dist.get_global_rank(group, to), group=group, tag=key), (lambda: x)
-
-    return _run("send", mesh, axis, x, lambda n: _nbytes(x), post, True, tag)  # type: ignore[return-value]
-
-
-@_eager
-def recv(shape: Sequence[int], dtype: torch.dtype, mesh: DeviceMesh, axis: str, *, frm: int, key: int,
-         tag: str = "", device: torch.device | str | None = None) -> CommHandle:
-    """Post a receive of a ``shape``/``dtype`` tensor from coordinate ``frm`` on ``axis``
-    (asynchronous: ``wait()`` returns the tensor, on ``device``: by default the mesh's).
-    Records 0 bytes: the sender counts them."""
-    out = torch.empty(tuple(shape), dtype=dtype, device=mesh_device(mesh) if device is None else device)
-
-    def post(group: dist.ProcessGroup, n: int):
-        return dist.irecv(out, dist.get_global_rank(group, frm), group=group, tag=key), (lambda: out)
-
-    return _run("recv", mesh, axis, out, lambda n: 0, post, True, tag,  # type: ignore[return-value]
-                received=_nbytes(out))
 
 
 class _Works:

@@ -11,7 +11,7 @@ For each action of its list, in order:
 
 * ``F`` (chunk c, microbatch i): the stage's input is the microbatch (first stage) or
   the activation received from the previous stage; run the stage's layers; post the
-  output to the next stage (``dtp.comm.send``, asynchronous) — or, on the last stage,
+  output to the next stage (``dtp.comm.Peer.send``, asynchronous) — or, on the last stage,
   keep the loss;
 * ``B``: backward of that microbatch through the stage with the gradient received from
   the next stage (the loss weighted 1/m on the last stage); post the input's gradient to
@@ -181,7 +181,13 @@ class Run:
         self.paths = paths
         local = [self._to_stage(x) if keep and x is not None else None for x, keep in zip(leaves, self.keep)]
         self.params_tree = optree.tree_unflatten(self.treedef, local)
-        self.leaves = optree.tree_leaves(self.params_tree)  # what a backward differentiates (no ZeRO)
+        self.leaves = optree.tree_leaves(self.params_tree)  # the held parameters (the inner run's order)
+        # Per chunk, the held leaves its layers read: what its backward differentiates (no
+        # ZeRO). Asking autograd for the other chunks' leaves too (interleaved, V) added
+        # inputs that are never reached and a None per leaf to every accumulation.
+        held_paths = [path for path, x in zip(paths, local) if x is not None]
+        self.own = tuple(tuple(k for k, path in enumerate(held_paths) if _owned(path, model.paths(first, stop)))
+                         for _, first, stop in self.chunks)
         self.buffers = optree.tree_map(self._to_stage, ctx.buffers) if ctx.buffers else None
         zero_opts = None if self.smesh is None or forward_only else zero_mod.options(ctx.layout, self.smesh)
         self.zero = zero_opts is not None
@@ -207,6 +213,7 @@ class Run:
         self.posted: set[tuple[str, int, int]] = set()  # every receive posted this step (taken or not)
         self.meta: dict[tuple[str, int], tuple] = {}  # (kind, stage) -> microbatch 0's headers: structure, leaves
         self.sends: list[comm.CommHandle] = []
+        self.peers: dict[int, comm.Peer] = {}  # pp rank -> its Peer, made at the first message
         self.act_sends: dict[tuple[int, int], list[comm.CommHandle]] = {}  # (next stage, mb) -> carry sent
         self.losses: dict[int, float] = {}
         self.auxes: dict[int, Any] = {}
@@ -359,7 +366,7 @@ class Run:
             # at the end of the step (interleaved's peak equalled GPipe's before).
             for handle in self.act_sends.pop((stage + 1, i)):
                 handle.wait()
-        leaves = self._weights(i)
+        leaves = self._weights(chunk, i)
         if keep_graph:  # zero bubble's I: the input's gradient, and what W starts from
             dxs, self.pending_w[(chunk, i)] = pipeline_split.backward_input(outs, grads, xs, leaves, views=self.zero)
         elif xs or leaves:
@@ -370,24 +377,41 @@ class Run:
             dxs = [wire.sendable(g) if g is not None else torch.zeros_like(x) for g, x in zip(dxs, xs)]
             self._send("grad", stage - 1, i, dxs, optree.tree_structure(dxs))
         if not keep_graph and not self.zero:  # ZeRO's views added theirs into the buckets during backward
-            self.inner.add(weights)
+            self._add(chunk, weights)
 
     def _W(self, chunk: int, i: int) -> None:
-        grads = self.pending_w.pop((chunk, i)).run(self._weights(i))
+        grads = self.pending_w.pop((chunk, i)).run(self._weights(chunk, i))
         if not self.zero:
-            self.inner.add(grads)
+            self._add(chunk, grads)
 
-    def _weights(self, i: int) -> list[torch.Tensor]:
-        """What a backward differentiates for the parameters: the leaves, or under ZeRO
-        the anchor its views hang from (their backward fills the buckets)."""
+    def _weights(self, chunk: int, i: int) -> list[torch.Tensor]:
+        """What a backward differentiates for the parameters: the chunk's leaves, or under
+        ZeRO the anchor its views hang from (their backward fills the buckets)."""
         if not self.zero:
-            return self.leaves
+            own = self.own[chunk]
+            return self.leaves if len(own) == len(self.leaves) else [self.leaves[k] for k in own]
         self.inner.begin_backward(i)
         return [self.inner.anchor]
+
+    def _add(self, chunk: int, grads: Sequence[torch.Tensor | None]) -> None:
+        """The chunk's weight gradients (:meth:`_weights`' order) into the step's accumulators."""
+        own = self.own[chunk]
+        if len(own) != len(self.leaves):
+            full: list[torch.Tensor | None] = [None] * len(self.leaves)
+            for k, g in zip(own, grads):
+                full[k] = g
+            grads = full
+        self.inner.add(grads)
 
     # ---- point to point
     def _rank_of(self, stage: int) -> int:
         return schedules.stage_owner(stage, self.p, self.placement)[0]
+
+    def _peer(self, rank: int) -> comm.Peer:
+        """The pp neighbour ``rank`` for this step's messages (its group looked up once)."""
+        if (peer := self.peers.get(rank)) is None:
+            peer = self.peers[rank] = comm.Peer(self.ctx.mesh, self.axis, rank)
+        return peer
 
     def _key(self, kind: str, stage: int, i: int, part: int) -> int:
         return ((stage * 2 + (kind == "grad")) * self.m + i) * _PARTS + part
@@ -404,21 +428,20 @@ class Run:
         if len(leaves) >= _PARTS - 2:
             raise ValueError(f"layouts.pipeline: a carry of {len(leaves)} tensors between stages; at most "
                              f"{_PARTS - 3} travel")
-        tag = f"pp {kind} stage {stage} mb {i}"
+        tag, peer = f"pp {kind} stage {stage} mb {i}", self._peer(to)
         posted = []
         # Microbatches of a step share their shapes: only microbatch 0's message carries
         # headers, so the receiver can post every later body's receive ahead.
         if i == 0:
             tree = wire.tree_words(spec, leaves) if len(leaves) > 1 or (kind == "act" and spec.num_nodes > 1) else None
-            posted.append(comm.send(wire.header(leaves[0], gather, 0 if tree is None else len(tree)), self.ctx.mesh,
-                                    self.axis, to=to, key=self._key(kind, stage, i, 0), tag=tag + " header"))
+            posted.append(peer.send(wire.header(leaves[0], gather, 0 if tree is None else len(tree)),
+                                    key=self._key(kind, stage, i, 0), tag=tag + " header"))
             if tree is not None:
-                posted.append(comm.send(tree, self.ctx.mesh, self.axis, to=to, key=self._key(kind, stage, i, 2),
-                                        tag=tag + " tree"))
+                posted.append(peer.send(tree, key=self._key(kind, stage, i, 2), tag=tag + " tree"))
         for j, x in enumerate(leaves):
             local = (x.to_local() if isinstance(x, DTensor) else x).detach()
-            posted.append(comm.send(local, self.ctx.mesh, self.axis, to=to, key=self._key(kind, stage, i, 1 if j == 0
-                                    else 2 + j), tag=tag + (f" leaf {j}" if j else "")))
+            posted.append(peer.send(local, key=self._key(kind, stage, i, 1 if j == 0 else 2 + j),
+                                    tag=tag + (f" leaf {j}" if j else "")))
         if kind == "act":
             self.sends += posted[:-len(leaves)] if i == 0 else []
             self.act_sends[(stage, i)] = posted[-len(leaves):]  # waited for at this microbatch's backward
@@ -453,11 +476,12 @@ class Run:
         if frm == self.rank:
             return  # handed over locally by _send
         self.posted.add(key)
-        header = None if i else comm.recv((wire.HEADER,), torch.int64, self.ctx.mesh, self.axis, frm=frm,
-                                          key=self._key(kind, stage, i, 0), tag=f"pp {kind} stage {stage} mb 0 header")
-        self.recvs[key] = wire.Incoming(self.meta, (kind, stage), header, frm,
+        peer = self._peer(frm)
+        header = None if i else peer.recv((wire.HEADER,), torch.int64, key=self._key(kind, stage, i, 0),
+                                          tag=f"pp {kind} stage {stage} mb 0 header")
+        self.recvs[key] = wire.Incoming(self.meta, (kind, stage), header, peer,
                                         lambda part: self._key(kind, stage, i, part),
-                                        f"pp {kind} stage {stage} mb {i}", self.ctx.mesh, self.axis, self.smesh)
+                                        f"pp {kind} stage {stage} mb {i}", self.smesh)
 
     def _take(self, kind: str, stage: int, i: int) -> tuple[list[torch.Tensor], Any]:
         """``(the leaves to differentiate, the carry as used)``: received activations

@@ -81,9 +81,11 @@ def header(x: torch.Tensor, gather: bool = False, tree_words: int = 0) -> torch.
     >>> read_header(header(torch.ones(2, 3, dtype=torch.float64)), None)
     ((2, 3), torch.float64, None, False, False)
     """
-    h = torch.zeros(HEADER, dtype=torch.int64)
+    # Filled as a list, one tensor made at the end: item assignments into a tensor were
+    # ~10 aten calls a header (benchmarks/pipeline_counts.py).
+    h = [0] * HEADER
     h[0] = x.dim()
-    h[1:1 + x.dim()] = torch.tensor(list(x.shape), dtype=torch.int64)
+    h[1:1 + x.dim()] = list(x.shape)
     h[9] = _DTYPES.index(x.dtype)
     h[_GRAD], h[_TREE], h[_GATHER] = int(x.requires_grad), tree_words, int(gather)
     if isinstance(x, DTensor):
@@ -94,7 +96,7 @@ def header(x: torch.Tensor, gather: bool = False, tree_words: int = 0) -> torch.
             h[10 + d] = 1 if isinstance(pl, Replicate) else 2 + pl.dim  # Shard(dim)
     else:
         h[10] = -1  # a plain tensor
-    return h
+    return torch.tensor(h, dtype=torch.int64)
 
 
 def read_header(h: torch.Tensor, mesh: DeviceMesh | None) -> Meta:
@@ -104,12 +106,13 @@ def read_header(h: torch.Tensor, mesh: DeviceMesh | None) -> Meta:
     >>> read_header(header(torch.zeros(4, requires_grad=True)), None)[4]
     True
     """
-    n = int(h[0])
-    shape = tuple(int(v) for v in h[1:1 + n])
-    dtype = _DTYPES[int(h[9])]
+    h = h.tolist()  # one read, not an item read per word
+    n = h[0]
+    shape = tuple(h[1:1 + n])
+    dtype = _DTYPES[h[9]]
     placements = None
-    if int(h[10]) != -1 and mesh is not None:
-        placements = tuple(Replicate() if int(c) == 1 else Shard(int(c) - 2) for c in h[10:10 + mesh.ndim])
+    if h[10] != -1 and mesh is not None:
+        placements = tuple(Replicate() if c == 1 else Shard(c - 2) for c in h[10:10 + mesh.ndim])
     return shape, dtype, placements, bool(h[_GATHER]), bool(h[_GRAD])
 
 
@@ -237,13 +240,14 @@ class Incoming:
     ms; and gloo's send/recv works report completion only once waited for, so no
     polling can find a header that came in early.
 
-    ``channels``: the run's ``(kind, stage) -> (structure, metas)``; ``keys(part)`` the
+    ``channels``: the run's ``(kind, stage) -> (structure, metas)``; ``peer`` the sending
+    stage's rank (:class:`dtp.comm.Peer`); ``keys(part)`` the
     message key of part 0 (leaf 0's header), 1 (its body), 2 (the tree), 2+j (leaf j)."""
 
-    def __init__(self, channels: dict, channel: tuple[str, int], head: comm.CommHandle | None, frm: int,
-                 keys: Any, tag: str, mesh: DeviceMesh, axis: str, smesh: DeviceMesh | None):
-        self.channels, self.channel, self.head, self.frm, self.keys, self.tag = channels, channel, head, frm, keys, tag
-        self.mesh, self.axis, self.smesh = mesh, axis, smesh
+    def __init__(self, channels: dict, channel: tuple[str, int], head: comm.CommHandle | None, peer: comm.Peer,
+                 keys: Any, tag: str, smesh: DeviceMesh | None):
+        self.channels, self.channel, self.head, self.peer, self.keys, self.tag = channels, channel, head, peer, keys, tag
+        self.smesh = smesh
         self.bodies: list[comm.CommHandle] | None = None
         self.post_bodies()
 
@@ -252,9 +256,8 @@ class Incoming:
         known = self.channels.get(self.channel)
         if self.bodies is None and known is not None:
             _, metas = known
-            self.bodies = [comm.recv(local_size(shape, self.smesh, placements), dtype, self.mesh, self.axis,
-                                     frm=self.frm, key=self.keys(1 if j == 0 else 2 + j),
-                                     tag=self.tag + (f" leaf {j}" if j else ""))
+            self.bodies = [self.peer.recv(local_size(shape, self.smesh, placements), dtype,
+                                          key=self.keys(1 if j == 0 else 2 + j), tag=self.tag + (f" leaf {j}" if j else ""))
                            for j, (shape, dtype, placements, _, _) in enumerate(metas)]
 
     def wait(self) -> tuple[list[torch.Tensor], Any, list[bool], list[bool]]:
@@ -264,8 +267,7 @@ class Incoming:
             first, words = read_header(head, self.smesh), int(head[_TREE])
             spec, rest = _LEAF, []
             if words:
-                tree = comm.recv((words,), torch.int64, self.mesh, self.axis, frm=self.frm, key=self.keys(2),
-                                 tag=self.tag + " tree").wait()
+                tree = self.peer.recv((words,), torch.int64, key=self.keys(2), tag=self.tag + " tree").wait()
                 spec, rest = read_tree_words(tree, self.smesh)
             self.channels[self.channel] = (spec, [first, *rest])
         self.post_bodies()
