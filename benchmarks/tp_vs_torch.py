@@ -26,7 +26,6 @@ machine are noisy; the ratios are measured side by side in one run.
 
 from __future__ import annotations
 
-import functools
 
 import statistics
 from collections import defaultdict
@@ -42,11 +41,21 @@ LR = 0.1
 # --------------------------------------------------------------------------- torch's Llama
 
 
-@functools.lru_cache(maxsize=8)
+_TABLES: dict[tuple[int, int, float], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
 def _rope_tables(seq: int, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin over (seq, 1, head_dim), made once per shape, as Hugging Face's
     ``LlamaRotaryEmbedding`` (once per forward for every layer) and torchtitan's
-    ``freqs_cis`` buffer do — not per call."""
+    ``freqs_cis`` buffer do — not per call. (A dict, not ``functools.lru_cache``: the rank
+    pool ships this script's functions by value, and an lru_cache wrapper goes by name.)"""
+    key = (seq, head_dim, theta)
+    if key not in _TABLES:
+        _TABLES[key] = _make_tables(seq, head_dim, theta)
+    return _TABLES[key]
+
+
+def _make_tables(seq: int, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
     half = head_dim // 2
     inv = 1.0 / theta ** (torch.arange(0, half, dtype=torch.float32) / half)
     ang = torch.arange(seq, dtype=torch.float32)[:, None] * inv[None, :]
