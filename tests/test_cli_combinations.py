@@ -61,6 +61,8 @@ ROWS: dict[str, list[str]] = {
                                                      "--recompute", "full", "--microbatches", "2"],
     # compiled regions (dtp.compiled): local_map bodies between dtp's collectives, blocks at rest
     "tp2 sp compile aot_eager recompute full": ["--tp", "2", "--sp", "--compile", "aot_eager", "--recompute", "full"],
+    # local batch mode compiled: whole blocks on plain tensors, ZeRO-3's parameters read before each region
+    "dp2 zero3 compile aot_eager m2": ["--dp", "2", "--zero", "3", "--compile", "aot_eager", "--microbatches", "2"],
     "dp2 tp2 sp zero2 recompute selective": ["--dp", "2", "--tp", "2", "--sp", "--zero", "2",
                                              "--recompute", "selective"],
     "dp4 tp2 sp zero1 m2": ["--dp", "4", "--tp", "2", "--sp", "--zero", "1", "--microbatches", "2"],
