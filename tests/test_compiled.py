@@ -27,9 +27,15 @@ CASES = {
     "tp2 sp": ({"tp": 2}, layouts.data() + layouts.megatron(sequence_parallel=True), CFG, 1),
     "cp2 ring": ({"cp": 2}, layouts.data() + layouts.context("ring"), CFG, 1),
     "dp2 zero3": ({"dp": 2}, layouts.data() + layouts.zero(3, bucket_mb=1e-3), CFG, 1),
+    "dp2 zero3 recompute": ({"dp": 2}, layouts.data() + layouts.zero(3, bucket_mb=1e-3), CFG, 1),
     "pp2 zb-h1": ({"pp": 2}, layouts.pipeline("zb-h1"), CFG, 2),
     "ep2 moe": ({"ep": 2}, layouts.data() + layouts.expert(), MOE, 1),
 }
+
+
+# Cases run with recompute="full": a recomputed block region reads (ZeRO-3: re-gathers) its
+# parameters again, as eager does — the comm bytes below are equal only then.
+RECOMPUTE = {"dp2 zero3 recompute": "full"}
 
 
 def _batch(cfg) -> dict[str, torch.Tensor]:
@@ -45,7 +51,8 @@ def _train(name: str, compile) -> dict:
     losses, norms, counts, comm = [], [], [], []
     for _ in range(STEPS):
         state, metrics = dtp.train_step(llama.sequential(cfg), state, dtp.shard_batch(_batch(cfg), state),
-                                        microbatches=m, compile=compile, clip_norm=1.0)
+                                        microbatches=m, compile=compile, clip_norm=1.0,
+                                        recompute=RECOMPUTE.get(name))
         losses.append(metrics["loss"])
         norms.append(metrics["grad_norm"])
         counts.append((metrics.get("compile_graphs"), metrics.get("compile_breaks")))

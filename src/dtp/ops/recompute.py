@@ -75,10 +75,14 @@ def remat(fn: Callable[..., Any], *args: Any, level: str = "full") -> Any:
     """
     if level == "full" and active() is not None and not any(isinstance(a, DTensor) for a in optree.tree_leaves(args[:2])):
         # A strategy's lazy parameter view (ZeRO's: a read waits for the bucket's gather and
-        # adds an autograd Function) is read here, outside the region: traced, it would
-        # guard on the bucket's index and the read's shape and recompile each block.
-        args = tuple(_read(a) for a in args)
-        fn = region(fn)
+        # adds an autograd Function) is read just before the region, outside it: traced, it
+        # would guard on the bucket's index and the read's shape and recompile each block.
+        # Inside what checkpoint re-runs, so a recomputed block reads (re-gathers) again,
+        # as in eager, instead of keeping forward's views and their buckets alive.
+        compiled = region(fn)
+
+        def fn(*lazy: Any) -> Any:
+            return compiled(*(_read(a) for a in lazy))
     if policy() == level:
         return checkpoint(fn, *args, use_reentrant=False)
     return fn(*args)
