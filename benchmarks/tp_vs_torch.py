@@ -15,6 +15,16 @@ One training step = forward + backward + SGD update (fp32).
   and feed-forward, row-wise embedding, col-wise head with ``loss_parallel``),
   ``torch.optim.SGD``.
 
+``--compile BACKEND`` compiles both sides with the same backend (``inductor``,
+``aot_eager``): dtp with ``train_step(..., compile=BACKEND)`` (under tp its regions are the
+``local_map`` bodies, :mod:`dtp.compiled`), torch with ``torch.compile(model)`` over the
+whole parallelized model, the cross-entropy under ``loss_parallel`` left eager. torchtitan
+compiles each block instead; on torch 2.13 CPU / gloo that fails in the first backward
+(aot_eager and inductor alike: the compiled block hands a plain-tensor gradient to the
+eager ``PrepareModuleInput`` redistribute, ``AttributeError: 'Tensor' object has no
+attribute '_local_tensor'``), so the whole model is the region a torch user can compile
+here. The first step of each (compiling) is a warm-up step.
+
 Steps of the two are interleaved (alternating which goes first), each behind a barrier;
 the time of an iteration is the slower rank's; the table shows medians, and the ratio of
 the fastest iterations as a less noise-prone second reading. Bytes are bytes *sent per
@@ -266,7 +276,7 @@ def check_single_process(cfg, batch) -> tuple[float, float, float]:
     return float(ref.detach()), float(out.detach()), rel
 
 
-def _bench(cfg, batch: dict, warmup: int, repeats: int) -> dict:
+def _bench(cfg, batch: dict, warmup: int, repeats: int, backend: str | None = None) -> dict:
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import loss_parallel
 
@@ -284,11 +294,13 @@ def _bench(cfg, batch: dict, warmup: int, repeats: int) -> dict:
     box = {"state": state}
 
     def dtp_step() -> float:
-        box["state"], m = dtp.train_step(loss_fn, box["state"], dtp_batch)
+        box["state"], m = dtp.train_step(loss_fn, box["state"], dtp_batch, compile=backend or False)
         return m["loss"]
 
     # (b) torch
     model = parallelize_torchtitan(TorchLlama(cfg).load_dtp(llama.init(cfg, seed=0)), mesh)
+    if backend:  # the whole model: per-block regions fail on CPU / gloo (module docstring)
+        model = torch.compile(model, backend=backend)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     tokens, targets = batch["tokens"], batch["targets"]
     counter = CollectiveCounter()
@@ -311,8 +323,9 @@ def _bench(cfg, batch: dict, warmup: int, repeats: int) -> dict:
         dtp_losses = [dtp_step()]
     with counter:
         torch_losses = [torch_step()]
-    grad_placements = {n: str(p.grad.placements) for n, p in model.named_parameters()
-                       if n in ("norm.weight", "layers.0.attention_norm.weight", "layers.0.attention.wq.weight")}
+    grad_placements = {n.removeprefix("_orig_mod."): str(p.grad.placements) for n, p in model.named_parameters()
+                       if n.removeprefix("_orig_mod.") in ("norm.weight", "layers.0.attention_norm.weight",
+                                                           "layers.0.attention.wq.weight")}
     dtp_losses.append(dtp_step())
     torch_losses.append(torch_step())
     for _ in range(max(0, warmup - 2)):
@@ -376,6 +389,8 @@ def _profile(cfg, batch: dict, steps: int) -> str:
 
 def main() -> None:
     ap = llama_step_parser(__doc__, repeats=11, profile_help="instead: cProfile STEPS dtp steps of the last config on rank 0")
+    ap.add_argument("--compile", default=None, choices=("inductor", "aot_eager"),
+                    help="compile both sides with this backend (module docstring)")
     args = ap.parse_args()
     from dtp.models import llama
     from dtp.testing import run
@@ -392,7 +407,7 @@ def main() -> None:
         ref, mine, grel = check_single_process(cfg, batch)
         print(f"[{name}] single process: llama.loss {ref:.7f}  TorchLlama {mine:.7f}  |diff| {abs(ref - mine):.2e}  "
               f"max rel grad diff {grel:.2e}")
-        res = run(_bench, cfg, batch, args.warmup, args.repeats, world_size=2, timeout=1200)
+        res = run(_bench, cfg, batch, args.warmup, args.repeats, args.compile, world_size=2, timeout=1800)
         r0 = res[0]
         print(f"[{name}] tp=2 losses step 0, 1: dtp {r0['dtp_losses'][0]:.7f}, {r0['dtp_losses'][1]:.7f}  "
               f"torch {r0['torch_losses'][0]:.7f}, {r0['torch_losses'][1]:.7f}")
@@ -413,8 +428,9 @@ def main() -> None:
             for (kind, phase), (cnt, b) in by_phase:
                 print(f"    {who:<7}{kind:<16}{phase:<14}{cnt:>6}{b:>12}")
     print()
-    print(f"gloo, tp=2 + sequence parallel on 2 ranks (1 thread each), fp32, batch {args.batch}, seq {args.seq}; "
-          f"median of {args.repeats} steps (fwd+bwd+SGD) after {args.warmup} warm-up; ratio = dtp / torch")
+    compiled = f"compiled ({args.compile}), " if args.compile else ""
+    print(f"gloo, tp=2 + sequence parallel on 2 ranks (1 thread each), {compiled}fp32, batch {args.batch}, "
+          f"seq {args.seq}; median of {args.repeats} steps (fwd+bwd+SGD) after {args.warmup} warm-up; ratio = dtp / torch")
     print(f"{'config':<8}{'params':>9}{'dtp ms':>9}{'torch ms':>10}{'time':>7}{'(mins)':>8}"
           f"{'dtp bytes':>12}{'torch bytes':>13}{'bytes':>9}")
     for name, cfg, t, db, tb in rows:
