@@ -63,8 +63,10 @@ their receives ahead (torch from shapes inferred on the first step, dtp from mic
 0's header). Each round runs one step of each, the order alternated every round; a
 round's time is the
 slower rank's; the table gives medians. The table also gives compute and bubble per rank:
-torch's compute is its stages' ``forward_one_chunk`` / ``backward_one_chunk``, which its
-schedules call once the input is in. dtp's schedule time includes the loss all-reduce, so
+torch's busy time is its stages' ``forward_one_chunk`` / ``backward_one_chunk``, which its
+schedules call once the input is in, plus its posting of sends and receives
+(``schedules._batch_p2p``, actions of their own there), as dtp's includes the sends its
+actions post. dtp's schedule time includes the loss all-reduce, so
 its last rank waits there for the first to finish. torch's last rank returns from
 ``step()`` without that wait, so its rank-1 bubble leaves out the cool-down. Bytes sent
 per rank in one steady-state step:
@@ -571,7 +573,7 @@ def main() -> None:
                   f"{db:>{9 * p + 2}}{tb:>{9 * p + 2}}{br:>7.3f}{msgs:>16}  {dl:.7f} / {tl:.7f}")
         extra = res[0][0]["dtp_bytes"]
         print("ratio = dtp / torch; (mins) = ratio of the fastest rounds; busy = compute ms per step, mean over ranks (dtp: F/B/I/W less "
-              "their waits; torch: its stages' forward/backward_one_chunk); bubble = 1 - busy / schedule per rank "
+              "their waits; torch: its stages' forward/backward_one_chunk and _batch_p2p posting); bubble = 1 - busy / schedule per rank "
               "(dtp: Run.schedule; torch: schedule.step), median; bytes sent per rank r0/r1/…: dtp = its send bodies "
               "(comm log), torch = isend tensors (schedules._batch_p2p wrapped); msgs = rank 0's gloo sends per step "
               f"(dtp: bodies + headers). dtp also sends a 192-byte header per (kind, stage) channel, with "
