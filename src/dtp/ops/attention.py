@@ -160,12 +160,19 @@ def _rope_tables(n: int, half: int, theta: float, scaling: tuple[float, float, f
     return got
 
 
-def _rope(x: torch.Tensor, positions: torch.Tensor, theta: float,
+def _rope(x: torch.Tensor, positions: torch.Tensor | None, theta: float,
           scaling: tuple[float, float, float, int] | None = None, length: int | None = None) -> torch.Tensor:
-    """``x`` rotated at ``positions``; ``length`` (every position is below it) lets the
-    cached tables serve (``None``: positions given by the caller, tables made here)."""
+    """``x`` rotated at ``positions`` (``None``: its rows are positions 0 … seq-1);
+    ``length`` (every position is below it) lets the cached tables serve (``None``:
+    positions given by the caller, tables made here)."""
     acc = accum_dtype(x.dtype)
     half = x.shape[-1] // 2
+    if positions is None:
+        positions, length = torch.arange(x.shape[1], device=x.device), x.shape[1]
+        if not torch.compiler.is_compiling():  # the tables' first rows: a view, no gather
+            table_cos, table_sin = _rope_tables(length, half, theta, scaling, acc, x.device)
+            return _Rotate.apply(x.to(acc), table_cos[:length].unsqueeze(-2),
+                                 table_sin[:length].unsqueeze(-2)).to(x.dtype)
     if length is None or torch.compiler.is_compiling():  # a traced region makes its own
         inv = rope_frequencies(half, theta, scaling, acc, x.device)
         cos, sin = _tables(positions.to(acc)[..., None] * inv)  # (seq, 2·half), or (batch, seq, 2·half)
@@ -218,11 +225,12 @@ def rotary(x: torch.Tensor, theta: float = 10000.0,
     if positions is not None and positions.shape != x.shape[:2]:
         raise ValueError(f"rotary: positions must be (batch, seq) = {tuple(x.shape[:2])}, got {tuple(positions.shape)}")
     if not isinstance(x, DTensor):
-        pos = torch.arange(x.shape[1], device=x.device) if positions is None else positions
-        return _rope(x, pos, theta, scaling, None if positions is not None else x.shape[1])
+        return _rope(x, positions, theta, scaling)
     spec = spec_of(x)
     if spec.axes_of(3):
         raise ValueError(f"rotary: head_dim must not be split ({spec})")
+    if positions is None and not spec.axes_of(1):  # every row here, in order (tp, sp after the gather)
+        return local_map(lambda t: _rope(t, None, theta, scaling), (None,), spec, check_shapes=False)(x)
     if positions is not None:
         rows = P(*spec.dims[:2])  # (batch, seq) as x's
 
