@@ -104,9 +104,8 @@ def all_gather(x: torch.Tensor, mesh: DeviceMesh, axis: str, *, dim: int = 0, ou
     """Concatenate every rank's ``x`` along ``dim`` in axis-coordinate order.
 
     ``out`` (``dim=0`` only): a contiguous buffer of the gathered shape to gather into,
-    so a caller can hand out views of it while the gather is still in flight. Every rank
-    of the axis must pass the same ``async_op``: on gloo over 2 ranks the async form is an
-    all-to-all with the same bytes (:func:`_gloo_async_all_gather`).
+    so a caller can hand out views of it while the gather is still in flight. On gloo
+    over 2 ranks it runs as an all-to-all with the same bytes (:func:`_gloo_all_gather`).
     """
     x = x.contiguous()
     if out is not None and (dim != 0 or not out.is_contiguous()):
@@ -116,8 +115,8 @@ def all_gather(x: torch.Tensor, mesh: DeviceMesh, axis: str, *, dim: int = 0, ou
         nonlocal out
         if out is None:
             out = x.new_empty((n * x.shape[0], *x.shape[1:])) if dim == 0 else x.new_empty((n, *x.shape))
-        if async_op and n == 2 and dist.get_backend(group) == "gloo":
-            work = _gloo_async_all_gather(x.view(-1), out.view(n, -1), group)
+        if n == 2 and dist.get_backend(group) == "gloo":
+            work = _gloo_all_gather(x.view(-1), out.view(n, -1), group)
         else:
             work = dist.all_gather_single(out.view(-1), x.view(-1), group=group, async_op=True)
 
@@ -139,8 +138,7 @@ def reduce_scatter(x: torch.Tensor, mesh: DeviceMesh, axis: str, *, dim: int = 0
                    async_op: bool = False, tag: str = "") -> torch.Tensor | CommHandle:
     """Sum ``x`` over the axis and keep this rank's ``dim``-chunk (by coordinate).
 
-    Every rank of the axis must pass the same ``async_op``: on gloo the async form is a
-    different collective (an all-to-all, see below) with the same bytes.
+    On gloo it runs as an all-to-all with the same bytes (:func:`_gloo_reduce_scatter`).
     """
 
     def post(group: dist.ProcessGroup, n: int):
@@ -150,12 +148,14 @@ def reduce_scatter(x: torch.Tensor, mesh: DeviceMesh, axis: str, *, dim: int = 0
         # Bring the n destination chunks to the front so the backend splits on dim 0;
         # what is left, (*x.shape[:dim], c, *x.shape[dim+1:]), is exactly the result.
         inp = x.reshape(*x.shape[:dim], n, c, *x.shape[dim + 1:]).movedim(dim, 0).contiguous()
-        if async_op and dist.get_backend(group) == "gloo":
+        if dist.get_backend(group) == "gloo":
             # gloo's reduce-scatter does not run until wait() (its work never completes
-            # on its own: measured, torch 2.13), so an "async" one would hide nothing.
+            # on its own: measured, torch 2.13), so an "async" one would hide nothing,
+            # and waited at once it is slow: 2.6× the all-to-all's time at 2 × 2 MiB,
+            # 3.1× at 4 ranks (medians of 41 and 21 alternated calls, loaded machine).
             # The same bytes as an all-to-all, which gloo does run in the background:
             # chunk k goes to coordinate k, and the n chunks that arrive are summed here.
-            return _gloo_async_reduce_scatter(inp, group, n)
+            return _gloo_reduce_scatter(inp, group, n)
         out = x.new_empty(inp.shape[1:])
         # Flat buffers: the chunks are contiguous either way, and LocalTensorMode's
         # reduce-scatter (torch 2.13) mishandles multi-dim ones.
@@ -165,7 +165,7 @@ def reduce_scatter(x: torch.Tensor, mesh: DeviceMesh, axis: str, *, dim: int = 0
     return _run("reduce_scatter", mesh, axis, x, lambda n: ring_bytes("reduce_scatter", _nbytes(x), n), post, async_op, tag)
 
 
-def _gloo_async_reduce_scatter(inp: torch.Tensor, group: dist.ProcessGroup, n: int):
+def _gloo_reduce_scatter(inp: torch.Tensor, group: dist.ProcessGroup, n: int):
     """Reduce-scatter of ``inp`` (n, c, ...) as an all-to-all (gloo runs that one in the
     background). A rank at either end of the axis sends and receives only its peers'
     chunks — its own is the contiguous rest, read in place — so its receive buffer is
@@ -200,7 +200,7 @@ def _gloo_async_reduce_scatter(inp: torch.Tensor, group: dist.ProcessGroup, n: i
     return work, finish
 
 
-def _gloo_async_all_gather(x: torch.Tensor, out: torch.Tensor, group: dist.ProcessGroup) -> object:
+def _gloo_all_gather(x: torch.Tensor, out: torch.Tensor, group: dist.ProcessGroup) -> object:
     """All-gather of the flat ``x`` into the rows of ``out`` (2, x.numel()) over 2 ranks as
     an all-to-all, which gloo writes straight into ``out``: each rank sends ``x`` as it
     is and receives its peer's row; its own is copied here. Same bytes as the ring.
@@ -209,7 +209,9 @@ def _gloo_async_all_gather(x: torch.Tensor, out: torch.Tensor, group: dist.Proce
     out (torch 2.13, ``ProcessGroupGloo``'s allgather; ``torch.profiler`` shows it as a
     full-size ``aten::empty`` on the gloo thread). While a ZeRO-3 prefetch waits for a
     late peer that is a second whole bucket beside the step's peak — 3 MiB of llama
-    "small" at dp=2, its whole excess over FSDP2's peak. Over more ranks the all-to-all
+    "small" at dp=2, its whole excess over FSDP2's peak; and waited at once (sequence
+    parallel's gathers) the staging costs time: 1.7× the all-to-all's at 2 × 2 MiB
+    (median of 41 alternated calls, loaded machine). Over more ranks the all-to-all
     would need ``x`` repeated per receiver, as large as gloo's staging and held for as
     long as the gather is in flight, so they keep the all-gather."""
     r = group.rank()
