@@ -72,7 +72,8 @@ from ..mesh import axis_sizes, coordinates
 from ..redistribute import local_map, plan, reshard
 from ..spec import P, spec_of, wrap_local
 
-__all__ = ["ring_constrain", "ring_linear", "defers", "deferred", "materialized", "async_axis", "split_backward"]
+__all__ = ["ring_constrain", "ring_linear", "filled", "defers", "deferred", "materialized", "async_axis",
+           "split_backward"]
 
 _DEFERRED = "_dtp_deferred"  # attribute of a deferred DTensor: (x, w) of its row-parallel matmul
 _RING = "_dtp_ring"  # attribute of an entry DTensor: (its _RingState, the buffer under it)
@@ -371,6 +372,29 @@ def ring_constrain(x: DTensor, dst: P, *, tag: str) -> DTensor | None:
     return out
 
 
+def filled(x: torch.Tensor) -> torch.Tensor:
+    """``x`` itself, with an entry buffer no ``linear`` has filled yet filled now by the
+    plain ring (``tp - 1`` hops, nothing under them): for ops that read a block's
+    gathered input other than through ``linear`` (the MoE router and token dispatch).
+
+    Its gradient reaches the entry's own reduce-scatter (:class:`_RingEntry`, the dual
+    ring when it is a pending sum over tp), summed there by autograd with every other
+    consumer's: one reduce-scatter per entry, as non-async SP's all-gather backward.
+
+    >>> filled(torch.ones(2)).tolist()   # not an entry buffer: as is
+    [1.0, 1.0]
+    """
+    held: tuple[_RingState, torch.Tensor] | None = getattr(x, _RING, None)
+    if held is not None and not held[0].filled:
+        state, buffer = held
+        # The first consumer of an unfilled buffer: no ring consumer takes the seq-split
+        # input after this (ring_linear finds it filled), so drop the reference now.
+        state.x = None
+        with torch.no_grad():
+            _gather_ring(state, buffer, None)
+    return x
+
+
 def defers(x: torch.Tensor, w_in: tuple[str, ...]) -> bool:
     """Whether ``linear`` leaves ``x @ w`` to the exit's ring: under async tp, for a weight
     whose input dim is split over exactly the tp axis (row parallel) and an ``x`` with no
@@ -434,8 +458,7 @@ def ring_linear(x: DTensor, w: DTensor, spec: P) -> DTensor | None:
         later = lambda xl, wl: _RingConsumer.apply(xl, wl, state)  # noqa: E731
         return local_map(later, (None, None), spec, check_shapes=False)(x.detach(), w)
     if not column:
-        with torch.no_grad():
-            _gather_ring(state, buffer, None)
+        filled(x)
         return None
     if state.split:  # the entry's own reduce-scatter serves every consumer (split_backward)
         fn = lambda xl, wl: _RingMatmul.apply(xl, wl, buffer, state)  # noqa: E731
