@@ -1,6 +1,8 @@
 """Async tensor parallel (``layouts.megatron(sequence_parallel=True, async_tp=True)``):
 three steps equal one device in fp64 and non-async SP in fp32, with the same bytes per
-rank per mesh axis; the block entries are one ring each (the kinds change to send_recv)."""
+rank per mesh axis; the block entries are one ring each (the kinds change to send_recv).
+MoE models too (tiny-moe with a shared expert; ep2 × tp2 with experts whole or split over
+tp), and dtp.plan predicts their records."""
 import contextlib
 import functools
 import math
@@ -151,6 +153,15 @@ def test_async_tp_moe_composes_fp64(name):
     mesh_axes, kw = MOE_CASES[name]
     result = run(_pair, mesh_axes, torch.float64, moe=True, world_size=math.prod(mesh_axes.values()), **kw)[0]
     _check_fp64(result, name, moe=True)
+
+
+@pytest.mark.slow
+def test_async_tp_moe_expert_tp_fp32_equals_non_async():
+    (losses, params, per_axis, _), (base_losses, base_params, base_axis, _) = run(
+        _pair, {"ep": 2, "tp": 2}, torch.float32, moe=True, expert_tp=True, world_size=4)[0]
+    assert per_axis == base_axis
+    assert losses == pytest.approx(base_losses, rel=1e-6)
+    assert_tree_close(params, base_params, name="moe expert-tp fp32 async vs non-async", rtol=1e-5, atol=1e-6)
 
 
 def _measured_bytes(kw, model="tiny"):
