@@ -164,11 +164,11 @@ def test_async_tp_moe_expert_tp_fp32_equals_non_async():
     assert_tree_close(params, base_params, name="moe expert-tp fp32 async vs non-async", rtol=1e-5, atol=1e-6)
 
 
-def _measured_bytes(kw, model="tiny"):
+def _measured_bytes(kw, model="tiny", **overrides):
     """The comm log of a second step (dtp train's sequential model), as test_plan's."""
     from dtp.planning import Setup, layout_for
 
-    cfg = llama.config(model)
+    cfg = llama.config(model, **overrides)
     s = Setup(model=model, cfg=cfg, batch=8, seq=16, **kw)
     tok = torch.randint(0, cfg.vocab_size, (8, 17), generator=torch.Generator().manual_seed(0))
     data = {"tokens": tok[:, :-1].contiguous(), "targets": tok[:, 1:].contiguous()}
@@ -189,23 +189,28 @@ def test_plan_predicts_the_async_tp_records():
 
 # MoE blocks under tp (experts whole on every tp rank): the entry filled by the plain ring,
 # the exit a slice forward and an all-gather backward; router and expert gradients whole.
+# With a shared expert (a dense MLP beside them) the exit and the entry's gradient move.
 PLAN_MOE = {"tp2 sp async-tp m2 recompute full": dict(tp=2, sp=True, async_tp=True, microbatches=2, recompute="full"),
             "tp2 sp async-tp": dict(tp=2, sp=True, async_tp=True), "tp2 sp": dict(tp=2, sp=True),
             "tp2 m2 recompute full": dict(tp=2, microbatches=2, recompute="full")}
 
 
+def _moe_bytes(cases):
+    return [_measured_bytes(kw, "tiny-moe", shared_experts=shared) for shared, kw in cases]
+
+
 def test_plan_predicts_the_moe_async_tp_records():
-    measured = run(lambda cases: [_measured_bytes(kw, "tiny-moe") for kw in cases], list(PLAN_MOE.values()),
-                   world_size=2)[0]
-    for (name, kw), got in zip(PLAN_MOE.items(), measured):
-        assert dtp.plan("tiny-moe", batch=8, seq=16, **kw).bytes == got, name
+    cases = [(shared, kw) for shared in (0, 1) for kw in PLAN_MOE.values()]
+    for (shared, kw), got in zip(cases, run(_moe_bytes, cases, world_size=2)[0]):
+        cfg = llama.config("tiny-moe", shared_experts=shared)
+        assert dtp.plan(cfg, batch=8, seq=16, **kw).bytes == got, (shared, kw)
 
 
 @pytest.mark.slow
 def test_plan_predicts_the_moe_async_tp_records_with_ep_and_dp():
     cases = {"ep2 tp2 sp async-tp": dict(ep=2, tp=2, sp=True, async_tp=True),
              "dp2 tp2 sp async-tp recompute full": dict(dp=2, tp=2, sp=True, async_tp=True, recompute="full")}
-    measured = run(lambda cs: [_measured_bytes(kw, "tiny-moe") for kw in cs], list(cases.values()), world_size=4)[0]
+    measured = run(_moe_bytes, [(0, kw) for kw in cases.values()], world_size=4)[0]
     for (name, kw), got in zip(cases.items(), measured):
         want = dtp.plan("tiny-moe", batch=8, seq=16, **kw).bytes
         # EP's all-to-all-v follows the routing; the plan's is balanced (tests/test_plan.py)

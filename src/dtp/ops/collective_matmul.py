@@ -32,31 +32,6 @@ The buffer starts as NaN, so a reader other than ``linear`` that would see it be
 the ring ran fails loudly. An op that reads it whole calls :func:`filled` first, which
 runs the entry as the plain ring (the same hops, nothing under them).
 
-**MoE blocks** (dense attention, MoE FFN). The attention entries and exits keep their
-rings. The MoE FFN's entry is read by the router and the token dispatch, not by a
-``linear``, so :func:`dtp.ops.moe.moe_ffn` fills it before routing: its ``tp - 1`` hops
-stay exposed, as the all-gather they replace (the router's matmul is d × E, nothing worth
-hiding, and the experts need the routing first). A shared expert's gate / up then read
-the filled buffer as plain consumers; making its gate the ring's first consumer instead
-would send the router's input gradient to the entry's own reduce-scatter besides the
-first consumer's ring: two reduce-scatters, more bytes than non-async SP. Every reader's
-input gradient reaches :class:`_RingEntry`, summed by autograd, and moves once: the dual
-ring when the sum is pending over tp (experts split over tp, or a shared expert), a local
-slice when it is whole on every tp rank (experts whole on each, routing the same tokens:
-measured, no tp bytes), as non-async SP's all-gather backward. The block's
-exit has no row-parallel ``linear`` to defer (the routed experts' output is combined per
-token; a shared expert's deferred output is materialized for the sum), so it keeps
-non-async SP's collectives: a reduce-scatter with experts over tp, else a slice forward
-and an all-gather backward. **Experts over tp** (``layouts.expert(tp_axis="tp")``,
-``--expert-tp``): the tp all-gathers / reduce-scatters of :mod:`dtp.ops.moe_pipe` stay
-collectives. The decomposition fits one chunk's gather → SwiGLU → scatter, but there the
-legs and the compute are separate on purpose: one engine runs forward and backward, and
-``pipe_experts`` already hides each chunk's legs under another chunk's FFN (what the ring
-would buy); a ring fuses a chunk's matmuls into its own legs, which the ``multi_stream``
-engine cannot take (its legs run on another thread, one collective at a time, so they
-never meet an ep all-to-all) and every engine would need twice. They read the rows of the
-filled buffer, so they are correct under async tp, with non-async SP's bytes.
-
 **Exit (row-parallel matmul → reduce-scatter).** ``linear`` with a row-parallel weight
 (its output a pending sum over tp) returns a *deferred* DTensor: a NaN placeholder of the
 output's shape that remembers its input and weight. ``constrain`` to the seq-split
@@ -75,6 +50,32 @@ consumers) plus the first consumer's weight gradient (the later consumers' weigh
 gradients are computed in their own nodes, before the ring: autograd can only deliver a
 weight's gradient from a node that took the weight). The ring is one direction (tp - 1
 hops; the bidirectional variant is not built).
+
+**MoE blocks** (dense attention, MoE FFN). The attention entries and exits keep their
+rings. The MoE FFN's entry is read by the router and the token dispatch, not by a
+``linear``, so :func:`dtp.ops.moe.moe_ffn` fills it before routing: its ``tp - 1`` hops
+stay exposed, as the all-gather they replace (the router's matmul is d × E, nothing
+worth hiding, and the experts need the routing first). A shared expert's gate / up then
+read the filled buffer as plain consumers; making its gate the ring's first consumer
+instead would send the router's input gradient to the entry's own reduce-scatter besides
+the first consumer's ring: two reduce-scatters, more bytes than non-async SP. Every
+reader's input gradient reaches :class:`_RingEntry`, summed by autograd, and moves at
+most once: the dual ring when the sum is pending over tp (experts split over tp, or a
+shared expert), a local slice when it is whole on every tp rank (experts whole on each,
+routing the same tokens: measured, no tp bytes), as non-async SP's all-gather backward.
+The block's exit has no row-parallel ``linear`` to defer (the routed experts' output is
+combined per token; a shared expert's deferred output is materialized for the sum), so
+it keeps non-async SP's collectives: a reduce-scatter with experts over tp, else a slice
+forward and an all-gather backward. **Experts over tp**
+(``layouts.expert(tp_axis="tp")``, ``--expert-tp``): the tp all-gathers /
+reduce-scatters of :mod:`dtp.ops.moe_pipe` stay collectives. The decomposition fits one
+chunk's gather → SwiGLU → scatter, but there the legs and the compute are separate on
+purpose: one engine runs forward and backward, and ``pipe_experts`` already hides each
+chunk's legs under another chunk's FFN (what the ring would buy); a ring fuses a chunk's
+matmuls into its own legs, which the ``multi_stream`` engine cannot take (its legs run
+on another thread, one collective at a time, so they never meet an ep all-to-all) and
+each other engine would need in a second, fused form. They read the rows of the filled
+buffer, so they are correct under async tp, with non-async SP's bytes.
 
 Outside a layout with async_tp, on a LocalTensor simulation (no point-to-point there) or
 for any other plan, both fall back to the collectives of :mod:`dtp.redistribute`.

@@ -20,8 +20,9 @@ loss, norm         the loss (accumulation dtype) over each data axis per microba
 tp                 SP: all-gather entering / reduce-scatter leaving each attention and MLP,
                    twice (forward, backward), plus the embedding and head; no SP: all-reduces;
                    full recompute repeats the forward's up to the last one of each block;
-                   an MoE block with experts whole on every tp rank: its exit a slice forward
-                   and an all-gather backward, its entry's gradient moves not at all; async
+                   an MoE block with experts whole on every tp rank (no shared expert): its
+                   exit a slice forward and an all-gather backward, its entry's gradient
+                   does not move; async
                    tp: rings (its MoE entries filled by the plain ring, the exits as SP's);
                    vocab-parallel cross-entropy: two small all-reduces per microbatch
 cp                 per layer and microbatch, attention's collectives (:func:`attention`):
@@ -178,11 +179,12 @@ def traffic(s: Setup, rank_leaves: list[Leaf], stage: int = 0) -> list[Traffic]:
 
     # --- tensor parallel activations, per microbatch
     L, full = len(blocks), s.recompute == "full"
-    # MoE blocks with experts whole on every tp rank: the MoE output is whole on each (its
-    # exit a slice forward, an all-gather backward) and so is its input's gradient (no
-    # move); with experts split over tp they move like a dense MLP's, beside the expert
-    # path's own tp legs (data-dependent: not predicted, as EP's all-to-all-v is balanced).
-    W = 0 if expert_tp else len(moe_blocks)
+    # MoE blocks with experts whole on every tp rank and no shared expert: the MoE output
+    # is whole on each (its exit a slice forward, an all-gather backward) and so is its
+    # input's gradient (no move). With experts split over tp, or a shared expert (a dense
+    # MLP, split over tp), they move like a dense MLP's, beside the expert path's own tp
+    # legs with experts split over tp (data-dependent: not predicted).
+    W = 0 if expert_tp or cfg.shared_experts else len(moe_blocks)
     tp = axes.get("tp", 1)
     if tp > 1:
         whole = s.tokens * cfg.dim * e  # (b, s/cp, h): what a row-parallel output is
