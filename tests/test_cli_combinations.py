@@ -114,6 +114,18 @@ ROWS: dict[str, list[str]] = {
     "moe ep2 pipe-experts multi-data 2": [*MOE, "--ep", "2", "--pipe-experts", "--multi-data", "2"],
     "moe ep2 tp2 sp pipe-experts multi-stream expert-tp": [*MOE, "--ep", "2", "--tp", "2", "--sp", "--pipe-experts",
                                                            "--multi-stream", "--expert-tp"],
+    # async tp: the attention entries keep their matmul rings, an MoE block's entry is filled by
+    # the plain ring before the router reads it; --expert-tp's own tp legs stay collectives
+    "moe tp2 sp async-tp m2": [*MOE, "--tp", "2", "--sp", "--async-tp", "--microbatches", "2"],
+    "moe ep2 tp2 sp async-tp expert-tp pipe-experts": [*MOE, "--ep", "2", "--tp", "2", "--sp", "--async-tp",
+                                                       "--expert-tp", "--pipe-experts"],
+    "moe ep2 tp2 sp async-tp expert-tp multi-stream recompute full": [
+        *MOE, "--ep", "2", "--tp", "2", "--sp", "--async-tp", "--expert-tp", "--pipe-experts", "--multi-stream",
+        "--recompute", "full"],
+    "moe ep2 tp2 sp async-tp m4 ep-overlap": [*MOE, "--ep", "2", "--tp", "2", "--sp", "--async-tp", "--microbatches",
+                                              "4", "--ep-overlap"],
+    "moe pp2 tp2 sp async-tp zbv m2": [*MOE, "--pp", "2", "--tp", "2", "--sp", "--async-tp", "--pp-schedule", "zbv",
+                                       "--microbatches", "2"],
     # capacity: tokens split over tp (sp) are gathered before routing; a dp/ep/cp split drops
     # by each rank's tokens (Megatron's rule), which --check refuses (test_cli_preflight.py)
     "moe tp2 sp capacity": [*MOE, "--tp", "2", "--sp", "--capacity-factor", "1.5"],

@@ -214,6 +214,27 @@ def test_expert_parallel_bytes_equal_except_routing(measured):
     assert routed_want == pytest.approx(routed_got, rel=0.10)
 
 
+# MoE beside the other token axes: bytes only. The routing statistics are summed over each
+# token axis (dp, cp, not only ep's); under tp: tests/test_async_tp.py.
+MOE_BYTES_2 = {"moe dp2 m=2 full recompute": (dict(dp=2, microbatches=2, recompute="full"), "tiny-moe", 8, 16),
+               "moe cp2": (dict(cp=2), "tiny-moe", 8, 16)}
+
+
+def _bytes_only(cases):
+    return [_peak_and_bytes(*c)[0] for c in cases]
+
+
+def test_moe_bytes_over_dp_and_cp_equal_the_comm_log():
+    measured = run(_bytes_only, list(MOE_BYTES_2.values()), world_size=2)[0]
+    for name, got in zip(MOE_BYTES_2, measured):
+        assert _plan_of(MOE_BYTES_2[name]).bytes == got, name
+
+
+def _plan_of(case) -> dtp.planning.Plan:
+    kw, model, batch, seq = case
+    return dtp.plan(model, batch=batch, seq=seq, **kw)
+
+
 # A measurement, so not in the default run (the bytes checks above are exact and stay):
 # `python -m pytest -m slow tests/test_plan.py`. Repeatable to the byte between runs and
 # ranks since the collectives' buffers are freed where the profiler sees it (before, one

@@ -114,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--sp", action="store_true", help="Megatron sequence parallel (needs --tp > 1)")
     g.add_argument("--async-tp", action="store_true",
                    help="with --sp: the block's all-gathers / reduce-scatters as rings of send/recv hops under the "
-                        "matmuls (collective matmul; dense models)")
+                        "matmuls (collective matmul)")
     g.add_argument("--cp-algo", choices=CP_ALGORITHMS, default=RUN_DEFAULTS["cp_algo"], help="context-parallel algorithm (with --cp > 1)")
     g.add_argument("--cp-window", type=_positive("--cp-window"), default=RUN_DEFAULTS["cp_window"],
                    help="double-ring window: cp ranks per inner ring (MindSpeed --cp-window-size; with --cp > 1)")

@@ -216,11 +216,6 @@ class Layout:
         :meth:`ZeroOptions.check`); then every logical axis size must divide by its split,
         e.g. ``heads=6`` on ``tp=4`` fails. ``what`` starts the messages.
         """
-        if self.megatron is not None and self.megatron.async_tp and sizes.get("expert"):
-            # The routers read the gathered block input directly (not through linear),
-            # which the collective matmul fills only as its first matmul runs.
-            raise ValueError(f"{what}: layouts.megatron(async_tp=True) is not available with experts "
-                             f"(expert={sizes['expert']}): drop async_tp (--async-tp) or use a dense model")
         if self.context is not None:
             self.context.check(sizes, mesh, tp=self.degree("heads", mesh), what=what)
         if self.zero is not None:

@@ -28,9 +28,9 @@ ring's axis) sends its input gradient to the entry's own reduce-scatter
 bubble's input-gradient pass runs only the nodes on the input's path, which a
 weight-gradient-only consumer is not on; the pipeline strategy sets it for schedules with
 ``I`` / ``W`` actions).
-The buffer starts as NaN, so a reader other than ``linear`` (which would see it before
-the ring ran) fails loudly; the routers of MoE models are such readers, so
-``Layout.check_sizes`` refuses async_tp with experts.
+The buffer starts as NaN, so a reader other than ``linear`` that would see it before
+the ring ran fails loudly. An op that reads it whole calls :func:`filled` first, which
+runs the entry as the plain ring (the same hops, nothing under them).
 
 **Exit (row-parallel matmul → reduce-scatter).** ``linear`` with a row-parallel weight
 (its output a pending sum over tp) returns a *deferred* DTensor: a NaN placeholder of the
@@ -50,6 +50,32 @@ consumers) plus the first consumer's weight gradient (the later consumers' weigh
 gradients are computed in their own nodes, before the ring: autograd can only deliver a
 weight's gradient from a node that took the weight). The ring is one direction (tp - 1
 hops; the bidirectional variant is not built).
+
+**MoE blocks** (dense attention, MoE FFN). The attention entries and exits keep their
+rings. The MoE FFN's entry is read by the router and the token dispatch, not by a
+``linear``, so :func:`dtp.ops.moe.moe_ffn` fills it before routing: its ``tp - 1`` hops
+stay exposed, as the all-gather they replace (the router's matmul is d × E, nothing
+worth hiding, and the experts need the routing first). A shared expert's gate / up then
+read the filled buffer as plain consumers; making its gate the ring's first consumer
+instead would send the router's input gradient to the entry's own reduce-scatter besides
+the first consumer's ring: two reduce-scatters, more bytes than non-async SP. Every
+reader's input gradient reaches :class:`_RingEntry`, summed by autograd, and moves at
+most once: the dual ring when the sum is pending over tp (experts split over tp, or a
+shared expert), a local slice when it is whole on every tp rank (experts whole on each,
+routing the same tokens: measured, no tp bytes), as non-async SP's all-gather backward.
+The block's exit has no row-parallel ``linear`` to defer (the routed experts' output is
+combined per token; a shared expert's deferred output is materialized for the sum), so
+it keeps non-async SP's collectives: a reduce-scatter with experts over tp, else a slice
+forward and an all-gather backward. **Experts over tp**
+(``layouts.expert(tp_axis="tp")``, ``--expert-tp``): the tp all-gathers /
+reduce-scatters of :mod:`dtp.ops.moe_pipe` stay collectives. The decomposition fits one
+chunk's gather → SwiGLU → scatter, but there the legs and the compute are separate on
+purpose: one engine runs forward and backward, and ``pipe_experts`` already hides each
+chunk's legs under another chunk's FFN (what the ring would buy); a ring fuses a chunk's
+matmuls into its own legs, which the ``multi_stream`` engine cannot take (its legs run
+on another thread, one collective at a time, so they never meet an ep all-to-all) and
+each other engine would need in a second, fused form. They read the rows of the filled
+buffer, so they are correct under async tp, with non-async SP's bytes.
 
 Outside a layout with async_tp, on a LocalTensor simulation (no point-to-point there) or
 for any other plan, both fall back to the collectives of :mod:`dtp.redistribute`.
@@ -72,7 +98,8 @@ from ..mesh import axis_sizes, coordinates
 from ..redistribute import local_map, plan, reshard
 from ..spec import P, spec_of, wrap_local
 
-__all__ = ["ring_constrain", "ring_linear", "defers", "deferred", "materialized", "async_axis", "split_backward"]
+__all__ = ["ring_constrain", "ring_linear", "filled", "defers", "deferred", "materialized", "async_axis",
+           "split_backward"]
 
 _DEFERRED = "_dtp_deferred"  # attribute of a deferred DTensor: (x, w) of its row-parallel matmul
 _RING = "_dtp_ring"  # attribute of an entry DTensor: (its _RingState, the buffer under it)
@@ -371,6 +398,29 @@ def ring_constrain(x: DTensor, dst: P, *, tag: str) -> DTensor | None:
     return out
 
 
+def filled(x: torch.Tensor) -> torch.Tensor:
+    """``x`` itself, with an entry buffer no ``linear`` has filled yet filled now by the
+    plain ring (``tp - 1`` hops, nothing under them): for ops that read a block's
+    gathered input other than through ``linear`` (the MoE router and token dispatch).
+
+    Its gradient reaches the entry's own reduce-scatter (:class:`_RingEntry`, the dual
+    ring when it is a pending sum over tp), summed there by autograd with every other
+    consumer's: one reduce-scatter per entry, as non-async SP's all-gather backward.
+
+    >>> filled(torch.ones(2)).tolist()   # not an entry buffer: as is
+    [1.0, 1.0]
+    """
+    held: tuple[_RingState, torch.Tensor] | None = getattr(x, _RING, None)
+    if held is not None and not held[0].filled:
+        state, buffer = held
+        # The first consumer of an unfilled buffer: no ring consumer takes the seq-split
+        # input after this (ring_linear finds it filled), so drop the reference now.
+        state.x = None
+        with torch.no_grad():
+            _gather_ring(state, buffer, None)
+    return x
+
+
 def defers(x: torch.Tensor, w_in: tuple[str, ...]) -> bool:
     """Whether ``linear`` leaves ``x @ w`` to the exit's ring: under async tp, for a weight
     whose input dim is split over exactly the tp axis (row parallel) and an ``x`` with no
@@ -434,8 +484,7 @@ def ring_linear(x: DTensor, w: DTensor, spec: P) -> DTensor | None:
         later = lambda xl, wl: _RingConsumer.apply(xl, wl, state)  # noqa: E731
         return local_map(later, (None, None), spec, check_shapes=False)(x.detach(), w)
     if not column:
-        with torch.no_grad():
-            _gather_ring(state, buffer, None)
+        filled(x)
         return None
     if state.split:  # the entry's own reduce-scatter serves every consumer (split_backward)
         fn = lambda xl, wl: _RingMatmul.apply(xl, wl, buffer, state)  # noqa: E731

@@ -41,7 +41,7 @@ from ..layouts.expert import ExpertOptions
 from ..mesh import axis_names, flatten_axes
 from ..redistribute import local_map
 from ..spec import P, spec_of
-from . import moe_dispatch, moe_pipe
+from . import collective_matmul, moe_dispatch, moe_pipe
 from .moe_router import SCORE_FUNCTIONS, Routing, balance, load_balancing_loss, route, update_bias, z_loss
 from .local_batch import batch_split
 from .moe_stats import Aux, PendingStats
@@ -225,6 +225,10 @@ def moe_ffn(params: Mapping[str, torch.Tensor], x: torch.Tensor, *, top_k: int, 
     # holds one rank's even share of the batch (dtp.ops.local_batch)
     tokens = math.prod(x.shape[:-1]) * (1 if isinstance(x, DTensor) else batch_split())
     if isinstance(x, DTensor):
+        # Under async tp x may be a block entry's buffer that only linear fills; the router
+        # and the dispatch read it whole, so its ring runs now (its gradient is still
+        # reduce-scattered once, at the entry: dtp.ops.collective_matmul.filled).
+        x = collective_matmul.filled(x)
         spec = spec_of(x)
         token_axes = tuple(a for d in range(x.dim() - 1) for a in spec.axes_of(d))
         ep = _expert_group(params, x, token_axes)
@@ -236,8 +240,10 @@ def moe_ffn(params: Mapping[str, torch.Tensor], x: torch.Tensor, *, top_k: int, 
     posted = PendingStats(stats)  # in flight until the aux is read (the loss, at the head)
     if "shared_gate" in params:
         from .parallel import linear  # the shared expert is a dense MLP: tensor parallel like one
-        y = y + linear(F.silu(linear(x, params["shared_gate"])) * linear(x, params["shared_up"]),
-                       params["shared_down"])
+        shared = linear(F.silu(linear(x, params["shared_gate"])) * linear(x, params["shared_up"]),
+                        params["shared_down"])
+        # Async tp defers a row-parallel output to the exit's ring; this sum reads it first.
+        y = y + collective_matmul.materialized(shared)
 
     def aux(total: torch.Tensor) -> dict[str, torch.Tensor]:
         p_sum, counts, lse2, kept = total[:e], total[e:2 * e].detach(), total[2 * e], total[2 * e + 1].detach()

@@ -7,7 +7,9 @@ data-dependent all-to-all-v aside (predicted for balanced routing). The patterns
 
 =================  ==========================================================================
 grad               gradients of parameters replicated over a data axis (dp without ZeRO, cp,
-                   ep; tp for routers, and for norms under SP only): one all-reduce each, once per step (per
+                   ep; tp for norms under SP only, and for routers of experts split over tp:
+                   experts whole on every tp rank make their and the router's gradients whole
+                   there): one all-reduce each, once per step (per
                    microbatch under ZeRO, which adds each microbatch into its buckets)
 zero               ZeRO buckets over dp: reduce-scatter once per step; all-gather once (stage
                    1/2) or per microbatch, forward plus backward re-gathers (stage 3)
@@ -18,6 +20,10 @@ loss, norm         the loss (accumulation dtype) over each data axis per microba
 tp                 SP: all-gather entering / reduce-scatter leaving each attention and MLP,
                    twice (forward, backward), plus the embedding and head; no SP: all-reduces;
                    full recompute repeats the forward's up to the last one of each block;
+                   an MoE block with experts whole on every tp rank (no shared expert): its
+                   exit a slice forward and an all-gather backward, its entry's gradient
+                   does not move; async
+                   tp: rings (its MoE entries filled by the plain ring, the exits as SP's);
                    vocab-parallel cross-entropy: two small all-reduces per microbatch
 cp                 per layer and microbatch, attention's collectives (:func:`attention`):
                    ring of n: n−1 K/V blocks forward, n−1 K/V + n dK/dV partials backward
@@ -68,6 +74,9 @@ class Traffic:
     def total(self) -> int:
         return self.times * self.each
 
+
+# An MoE block's routed parameters (not the shared expert's, split over tp like a dense MLP).
+_ROUTED = ("router", "w_gate", "w_up", "w_down")
 
 # The comm log's formulas and rounding, per record (bytes of local input, ranks).
 _ag, _rs, _ar, _a2a = (partial(ring_bytes, kind) for kind in ("all_gather", "reduce_scatter", "all_reduce",
@@ -128,13 +137,19 @@ def traffic(s: Setup, rank_leaves: list[Leaf], stage: int = 0) -> list[Traffic]:
     grad_times = m if zero_dp else 1
     # Mixed precision (without ZeRO) accumulates and reduces the gradients in fp32.
     widen = 1 if zero_dp or s.layout.precision is None else acc // e
+    expert_tp = s.layout.expert is not None and s.layout.expert.tp_axis == "tp"
     for axis in ("cp", "ep", "tp") + (() if zero_dp else ("dp",)):
         n = axes.get(axis, 1)
         per: dict[int, int] = defaultdict(int)
         for leaf in rank_leaves:
             # A norm's weight under tp without SP: ops.rms_norm takes the whole (reduced)
             # gradient of its output, so its weight's gradient is already whole on every rank.
-            if not leaf.splits(axis) and not (axis == "tp" and not s.sp and leaf.path.endswith("norm")):
+            # Experts whole on every tp rank route the same tokens: their and the router's
+            # gradients are whole there too (split over tp, the router's is a pending sum).
+            whole_on_tp = (axis == "tp" and leaf.path.rsplit(".", 1)[-1] in _ROUTED
+                           and not (expert_tp and leaf.path.endswith("router")))
+            if not leaf.splits(axis) and not whole_on_tp and not (axis == "tp" and not s.sp and
+                                                                  leaf.path.endswith("norm")):
                 per[_ar(leaf.nbytes * (widen if leaf.dtype == s.torch_dtype else 1), n)] += 1
         for each, times in sorted(per.items()):
             add(axis, "all_reduce", "grad", times * grad_times, each)
@@ -164,6 +179,12 @@ def traffic(s: Setup, rank_leaves: list[Leaf], stage: int = 0) -> list[Traffic]:
 
     # --- tensor parallel activations, per microbatch
     L, full = len(blocks), s.recompute == "full"
+    # MoE blocks with experts whole on every tp rank and no shared expert: the MoE output
+    # is whole on each (its exit a slice forward, an all-gather backward) and so is its
+    # input's gradient (no move). With experts split over tp, or a shared expert (a dense
+    # MLP, split over tp), they move like a dense MLP's, beside the expert path's own tp
+    # legs with experts split over tp (data-dependent: not predicted).
+    W = 0 if expert_tp or cfg.shared_experts else len(moe_blocks)
     tp = axes.get("tp", 1)
     if tp > 1:
         whole = s.tokens * cfg.dim * e  # (b, s/cp, h): what a row-parallel output is
@@ -173,16 +194,19 @@ def traffic(s: Setup, rank_leaves: list[Leaf], stage: int = 0) -> list[Traffic]:
             # entries and two exits, forward and backward, and under full recompute the
             # entries again and the attention exit (the recompute stops before the MLP's);
             # the head's entry both ways. The embedding's pending sum is no matmul's: it
-            # keeps its reduce-scatter and, in backward, its all-gather.
-            rings = 8 * L + 2 * has_head + 3 * L * full
+            # keeps its reduce-scatter and, in backward, its all-gather; so does an MoE
+            # block's exit (no row-parallel linear), whose entry is filled by the ring
+            # forward (collective_matmul.filled) and, with W, moves no gradient back.
+            moe_exits = len(moe_blocks)
+            rings = 8 * L - 2 * moe_exits - W + 2 * has_head + 3 * L * full
             add("tp", "send_recv", "async tp", m * rings * (tp - 1), whole // tp)
-            add("tp", "all_gather", "sp", m * has_embed, _ag(whole // tp, tp))
-            add("tp", "reduce_scatter", "sp", m * has_embed, _rs(whole, tp))
+            add("tp", "all_gather", "sp", m * (has_embed + moe_exits), _ag(whole // tp, tp))
+            add("tp", "reduce_scatter", "sp", m * (has_embed + moe_exits - W), _rs(whole, tp))
         elif s.sp:
             add("tp", "all_gather", "sp", m * (4 * L + ends + 2 * L * full), _ag(whole // tp, tp))
-            add("tp", "reduce_scatter", "sp", m * (4 * L + ends + L * full), _rs(whole, tp))
+            add("tp", "reduce_scatter", "sp", m * (4 * L - 2 * W + ends + L * full), _rs(whole, tp))
         else:
-            add("tp", "all_reduce", "tp", m * (4 * L + ends + L * full), _ar(whole, tp))
+            add("tp", "all_reduce", "tp", m * (4 * L - 2 * W + ends + L * full), _ar(whole, tp))
         if has_head:  # vocab-parallel cross-entropy: max and (sum-exp, target logit)
             add("tp", "all_reduce", "cross_entropy", m, _ar(s.tokens * acc, tp))
             add("tp", "all_reduce", "cross_entropy", m, _ar(2 * s.tokens * acc, tp))
@@ -197,9 +221,10 @@ def traffic(s: Setup, rank_leaves: list[Leaf], stage: int = 0) -> list[Traffic]:
         rows = s.tokens * cfg.top_k * (ep - 1) // ep
         add("ep", "all_to_all_v", "moe dispatch/combine", m * len(moe_blocks) * (4 + 2 * full), rows * cfg.dim * e)
         add("ep", "all_to_all", "moe counts", m * len(moe_blocks) * (1 + full), (ep - 1) * cfg.num_experts // ep * 8)
-        for axis in ("ep", "dp"):
-            add(axis, "all_reduce", "moe stats", m * len(moe_blocks), _ar((2 * cfg.num_experts + 2) * acc,
-                                                                          axes.get(axis, 1)))
+    # the routing statistics, summed over the token axes (and tp where each tp rank holds a share)
+    for axis in ("ep", "dp", "cp") + (("tp",) if expert_tp else ()):
+        add(axis, "all_reduce", "moe stats", m * len(moe_blocks), _ar((2 * cfg.num_experts + 2) * acc,
+                                                                      axes.get(axis, 1)))
 
     # --- pipeline: activations forward, their gradients back, per microbatch and chunk
     if s.pp > 1:
