@@ -245,15 +245,28 @@ def _run_microbatches(loss_fn: Callable, run: strategies.StepRun | strategies.Sc
 
 def value_and_grad(loss_fn: Callable[[PyTree, Mapping[str, torch.Tensor]], Any], state: TrainState,
                    batch: Mapping[str, torch.Tensor], *, microbatches: int = 1,
-                   recompute: str | None = None) -> tuple[float, Any, PyTree]:
+                   recompute: str | None = None,
+                   compile: bool | str | CompileOptions = False) -> tuple[float, Any, PyTree]:
     """Mean loss, aux and gradients laid out like the parameters (what ``train_step`` uses).
 
     Gradient accumulation equals one big batch: the cross-entropy's mean is over the
-    valid targets of the whole batch (:func:`_forward_backward`).
+    valid targets of the whole batch (:func:`_forward_backward`). ``compile`` compiles
+    the local computation as ``train_step``'s does (:mod:`dtp.compiled`; the gradients
+    come back laid out like the parameters, so the regions are the ``local_map`` bodies
+    wherever the mesh has more than one device).
+
+    >>> mesh = dtp.make_mesh(dp=1)
+    >>> state = dtp.TrainState.create({"w": torch.ones(2)}, dtp.optim.sgd(0.1), mesh=mesh,
+    ...                               layout=dtp.layouts.data(), axes={"w": ("embed",)})
+    >>> loss_fn = lambda params, batch: (params["w"] * batch["x"]).sum()
+    >>> loss, aux, grads = dtp.step.value_and_grad(loss_fn, state, {"x": torch.ones(1, 2)}, compile="eager")
+    >>> loss, grads["w"]
+    (2.0, tensor([1., 1.]))
     """
+    options = options_of(compile)  # a bad argument fails here, before any collective
     run = strategies.begin(state.params, state.zero, microbatches, gradients_only=True)
     _check_inputs(batch, state, microbatches, recompute)
-    with use_layout(state.layout, state.mesh), recompute_policy(recompute):
+    with use_layout(state.layout, state.mesh), recompute_policy(recompute), compiling(options):
         loss, aux, _ = _forward_backward(reading(loss_fn, state.buffers), run, batch, microbatches)
         (_, grads), = run.gradients()
     return loss, aux, grads
