@@ -370,25 +370,32 @@ def _update(run: strategies.StepRun, optimizer: GradientTransformation, opt_stat
     non-finite loss or norm the targets and state come back untouched.
 
     With several groups (ZeRO buckets), an elementwise optimizer (sgd, adamw) and no
-    clipping, each group is updated as soon as its reduction lands, under the later
-    groups' transfers (Megatron waits for all of them first); clipping needs every
-    group's norm first, so it updates all at once."""
+    clipping, the norm is taken as soon as the last reduction lands, then each group is
+    updated in group order (the order the next forward reads them) and handed to
+    ``run.updated`` at once, which lets ZeRO post its all-gather there: the rest of the
+    update runs under the gathers instead of before them. Profiled under a link as slow
+    as compute (benchmarks/zero_overlap.py): the last group to land is the one the next
+    forward reads first, so no gather could start before then anyway, and posting them
+    all after the whole update left the link idle for it (~40 ms of a ~330 ms stage-1
+    step). The norm comes first because a skip must gather the old targets. Clipping
+    needs the norm too, and updates all groups at once."""
     targets = run.targets()
     opt_state = run.opt_state(optimizer, opt_state, targets)  # ZeRO's first step makes or cuts it
     n = len(targets)
     grads: list[PyTree] = [None] * n
     if run.grouped and clip_norm is None and optimizer.elementwise:
+        for i, g in run.gradients():
+            grads[i] = g
+        norm = run.norm(grads)
+        if bad := _non_finite(loss, norm):  # as Megatron: the optimizer does not run at all
+            return targets, opt_state, norm, bad
         parts: list[PyTree] = [None] * n
         new = list(targets)
-        for i, g in run.gradients():
-            u, parts[i] = optimizer.update([g], state_part(opt_state, targets, i), [targets[i]])
+        for i in range(n):
+            u, parts[i] = optimizer.update([grads[i]], state_part(opt_state, targets, i), [targets[i]])
             new[i] = apply_updates([targets[i]], u)[0]
-            grads[i] = g
-        norm = run.norm(grads)  # after every bucket's update, off their path
-        # A skip drops the new tensors (the old ones were never written to): nothing to
-        # undo, and nothing extra on the steps that are not skipped.
-        bad = _non_finite(loss, norm)
-        return (targets, opt_state, norm, bad) if bad else (new, state_join(opt_state, targets, parts), norm, None)
+            run.updated(i, new[i])
+        return new, state_join(opt_state, targets, parts), norm, None
     for i, g in run.gradients():
         grads[i] = g
     tree, params = (grads, targets) if run.grouped else (grads[0], targets[0])

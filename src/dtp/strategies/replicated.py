@@ -147,5 +147,8 @@ class Run:
     def norm(self, grads: PyTree) -> torch.Tensor:
         return global_norm(grads)
 
+    def updated(self, i: int, target: PyTree) -> None:
+        """Nothing to post: one group, its result is the parameters."""
+
     def finish(self, updated: list[PyTree]) -> tuple[PyTree, None]:
         return updated[0], None

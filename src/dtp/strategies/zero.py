@@ -216,6 +216,7 @@ class Run:
         self.prefetch_depth = z.options.prefetch  # stage 3: buckets gathered ahead
         self.prefetch: dict[int, comm.CommHandle] = {}
         self.live_ptrs: dict[int, int] = {}
+        self.posted: dict[int, tuple[torch.Tensor, comm.CommHandle]] = {}  # stage 1/2: gathers posted by updated()
 
     # ---- forward
     def params(self) -> PyTree:
@@ -487,27 +488,39 @@ class Run:
     def norm(self, grads: PyTree) -> torch.Tensor:
         return global_norm(grads)
 
+    def updated(self, i: int, target: DTensor) -> None:
+        """Bucket ``i``'s new master slice is final (the update went in bucket order):
+        under ``overlap_param_gather`` (stage 1/2) its all-gather goes now, so the rest
+        of the update runs under it. Profiled (benchmarks/zero_overlap.py, stage 1, link
+        as slow as compute): posted all at :meth:`finish`, the link idled through the
+        update and the next forward waited on its last gathers."""
+        z = self.z
+        if z.stage < 3 and z.options.overlap_param_gather:
+            self.posted[i] = _post_param_gather(z.plan, z.plan.buckets[i], target)
+
     def finish(self, updated: list[DTensor]) -> tuple[PyTree, ZeroState]:
         """The new state: updated master slices, and (stage 1/2) every bucket's all-gather
-        posted in forward-use order — left in flight with ``overlap_param_gather``, which
-        the next forward waits for bucket by bucket."""
-        return at_rest(self.z, tuple(m.detach() for m in updated))
+        posted in forward-use order (those :meth:`updated` has not posted yet) — left in
+        flight with ``overlap_param_gather``, which the next forward waits for bucket by
+        bucket."""
+        return at_rest(self.z, tuple(m.detach() for m in updated), posted=self.posted)
 
 
-def at_rest(z: ZeroState, master: Sequence[DTensor]) -> tuple[PyTree, ZeroState]:
+def at_rest(z: ZeroState, master: Sequence[DTensor],
+            posted: dict[int, tuple[torch.Tensor, comm.CommHandle]] | None = None) -> tuple[PyTree, ZeroState]:
     """``(params, state)`` at rest from this rank's master slices (one per bucket of
     ``z.plan``): stage 3 keeps only the slices (``params`` is ``None``); stage 1/2 post
     every bucket's all-gather into the buffers the next forward reads, in forward-use
-    order, left in flight under ``overlap_param_gather``. A collective over the ZeRO axis
-    (stage 1/2): call it on every rank."""
-    plan, master = z.plan, tuple(master)
+    order, left in flight under ``overlap_param_gather`` (``posted``: the ``(buffer,
+    handle)`` of buckets already posted from these slices). A collective over the ZeRO
+    axis (stage 1/2): call it on every rank."""
+    plan, master, posted = z.plan, tuple(master), posted or {}
     if z.stage == 3:
         return None, ZeroState(z.options, z.leaves, z.skeleton, plan, master)
     overlap = z.options.overlap_param_gather
     buffers, handles = [], []
     for b in plan.buckets:  # in forward-use order: the first needed is the first done
-        buf = torch.empty(b.numel, dtype=b.dtype, device=master[b.index].to_local().device)
-        h = gather_bucket(plan, b, param_slice(master[b.index], b), async_op=True, tag="param gather", out=buf)
+        buf, h = posted[b.index] if b.index in posted else _post_param_gather(plan, b, master[b.index])
         if not overlap:
             h.wait()
         buffers.append(buf)
@@ -515,6 +528,13 @@ def at_rest(z: ZeroState, master: Sequence[DTensor]) -> tuple[PyTree, ZeroState]
     new = ZeroState(z.options, z.leaves, z.skeleton, plan, master, tuple(buffers), InflightGathers(handles))
     # Views of the buffers, possibly still being filled: dtp.gather_params(state) waits.
     return _tree_of_views(new, new.buffers, requires_grad=True), new
+
+
+def _post_param_gather(plan: ZeroPlan, b: Bucket, master: DTensor) -> tuple[torch.Tensor, comm.CommHandle]:
+    """Stage 1/2: bucket ``b``'s all-gather from this rank's master slice into a new
+    buffer (in the parameters' dtype), posted asynchronously."""
+    buf = torch.empty(b.numel, dtype=b.dtype, device=master.to_local().device)
+    return buf, gather_bucket(plan, b, param_slice(master, b), async_op=True, tag="param gather", out=buf)
 
 
 @dataclass(frozen=True)
