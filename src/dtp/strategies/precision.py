@@ -108,6 +108,9 @@ class Run:
     def norm(self, grads: PyTree) -> torch.Tensor:
         return self.inner.norm(grads)
 
+    def in_flight(self) -> bool:
+        return self.inner.in_flight()
+
     def updated(self, i: int, target: PyTree) -> None:
         """Nothing yet: the parameters are the master weights rounded, at :meth:`finish`."""
 

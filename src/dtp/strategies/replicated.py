@@ -147,6 +147,9 @@ class Run:
     def norm(self, grads: PyTree) -> torch.Tensor:
         return global_norm(grads)
 
+    def in_flight(self) -> bool:
+        return False  # gradients() has waited for every reduction
+
     def updated(self, i: int, target: PyTree) -> None:
         """Nothing to post: one group, its result is the parameters."""
 

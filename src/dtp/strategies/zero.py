@@ -497,6 +497,11 @@ class Run:
     def norm(self, grads: PyTree) -> torch.Tensor:
         return global_norm(grads)
 
+    def in_flight(self) -> bool:
+        """Some bucket's reduce-scatter that :meth:`gradients` has not yielded is still on
+        the wire (asking does not wait)."""
+        return any(h is not None and not h.is_completed() for h in self.reduce)
+
     def updated(self, i: int, target: DTensor) -> None:
         """Bucket ``i``'s new master slice is final (the update went in bucket order):
         under ``overlap_param_gather`` its all-gather goes now, so the rest of the update
