@@ -38,7 +38,9 @@ Afterwards one overlapped stage-``--timeline-stage`` pair of steps is recorded w
 (``step k`` wraps a whole ``train_step``; ``forward`` / ``backward`` / ``update`` are
 ``train_step``'s own spans) and per collective (posted → completed, modelled link
 included). Two steps, because the parameter all-gathers of one step run under the
-forward of the next.
+forward of the next. Last, how long the modelled link sat idle in each span: with comm =
+compute a step can only reach max(compute, comm) if the link never idles, so a step's
+idle link time is (up to rank skew) what it has above that.
 
 Not a test: times on a shared 2-core CPU are noisy; read the ratios.
 """
@@ -58,6 +60,25 @@ def make_batch(cfg, batch: int, seq: int, seed: int = 1) -> dict[str, torch.Tens
     g = torch.Generator().manual_seed(seed)
     toks = torch.randint(0, cfg.vocab_size, (batch, seq + 1), generator=g)
     return {"tokens": toks[:, :-1].contiguous(), "targets": toks[:, 1:].contiguous()}
+
+
+def link_idle(log, bandwidth: float, latency: float) -> list[tuple[str, float, float]]:
+    """Per span of ``log``: its length and how long the modelled dp link was idle in it
+    (ms). A dp collective's modelled transfer ends at its ``completed`` and takes
+    ``latency + bytes / bandwidth`` (``dtp.comm.link``), which gives when the link was busy."""
+    busy = sorted((r.completed - latency - r.bytes / bandwidth, r.completed) for r in log.records
+                  if r.axis == "dp" and r.completed is not None and r.bytes)
+    merged: list[list[float]] = []
+    for a, b in busy:
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    out = []
+    for sp in log.spans:
+        on = sum(max(0.0, min(b, sp.end) - max(a, sp.start)) for a, b in merged)
+        out.append((sp.name, 1e3 * (sp.end - sp.start), 1e3 * (sp.end - sp.start - on)))
+    return out
 
 
 def _bench(cfg, batch: dict, stages: list[str], bucket_mb: float, warmup: int, repeats: int,
@@ -162,6 +183,7 @@ def _bench(cfg, batch: dict, stages: list[str], bucket_mb: float, warmup: int, r
                         by[key] = by.get(key, 0) + 1
                     summary.append((sp.name, 1e3 * (sp.end - sp.start), by))
                 res["overlap_summary"] = summary
+                res["link_idle"] = link_idle(tl, bandwidth, latency)
         out["stages"][stage] = res
     return out
 
@@ -226,6 +248,10 @@ def main() -> None:
         for name, ms, by in r0[ts]["overlap_summary"]:
             what = ", ".join(f"{v}× {k}" for k, v in by.items()) or "-"
             print(f"  {name:<9}{ms:>8.1f} ms  {what}")
+        print()
+        print("modelled dp link idle during each span (a step's idle link time is what overlap cannot hide):")
+        for name, ms, idle in r0[ts]["link_idle"]:
+            print(f"  {name:<9}{ms:>8.1f} ms  idle {idle:6.1f} ms ({idle / ms:.0%})")
 
 
 if __name__ == "__main__":

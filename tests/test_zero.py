@@ -227,9 +227,10 @@ def test_parameters_created_out_of_use_order():
 # --------------------------------------------------------------------------- bytes
 
 
-def _bytes(stage, reshard_after_forward=True):
+def _bytes(stage, reshard_after_forward=True, overlap=False):
     mesh = dtp.make_mesh(dp=2)
-    layout = dtp.layouts.data() + (dtp.layouts.zero(stage, bucket_mb=BUCKET, reshard_after_forward=reshard_after_forward)
+    layout = dtp.layouts.data() + (dtp.layouts.zero(stage, bucket_mb=BUCKET, reshard_after_forward=reshard_after_forward,
+                                                    overlap_grad_reduce=overlap, overlap_param_gather=overlap)
                                    if stage else dtp.Layout())
     state = dtp.TrainState.create(llama.init(CFG, seed=0), dtp.optim.adamw(1e-3), mesh=mesh, layout=layout,
                                   axes=llama.param_axes(CFG))
@@ -252,14 +253,16 @@ def test_comm_volume_is_2psi_for_zero12_and_3psi_for_zero3():
     plain, opt_plain, _, _ = run(_bytes, 0, world_size=2)[0]
     assert plain == {"all_reduce": 2 * (dp - 1) * psi // dp, "reduce_scatter": 0, "all_gather": 0}
     assert opt_plain == 2 * psi  # Adam moments, whole on every rank
-    for stage in (1, 2, 3):
-        moved, opt_bytes, padded, kept = run(_bytes, stage, world_size=2)[0]
+    # With the overlaps the same bytes: stage 3's update posts the next forward's first
+    # gathers, which that step then does not post again.
+    for stage, overlap in ((1, False), (2, False), (3, False), (1, True), (3, True)):
+        moved, opt_bytes, padded, kept = run(_bytes, stage, True, overlap, world_size=2)[0]
         assert padded - psi < 4 * dp * 8  # each bucket pads to a multiple of dp at most
         share = (dp - 1) * padded // dp
         # Stage 3 gathers in forward and again in backward — but for the bucket forward
         # read last, which it keeps for backward to start with.
         gathered = share if stage < 3 else 2 * share - (dp - 1) * kept // dp
-        assert moved == {"all_reduce": 0, "reduce_scatter": share, "all_gather": gathered}, stage
+        assert moved == {"all_reduce": 0, "reduce_scatter": share, "all_gather": gathered}, (stage, overlap)
         assert opt_bytes == 2 * padded // dp  # the moments of this rank's slices only: 1/dp
     # Stage 3 without resharding after forward: no backward re-gather, 2Ψ like stage 2.
     moved, opt_bytes, padded, _ = run(_bytes, 3, False, world_size=2)[0]

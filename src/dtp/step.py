@@ -383,25 +383,39 @@ def _update(run: strategies.StepRun, optimizer: GradientTransformation, opt_stat
     non-finite loss or norm the targets and state come back untouched.
 
     With several groups (ZeRO buckets), an elementwise optimizer (sgd, adamw) and no
-    clipping, each group is updated as soon as its reduction lands, under the later
-    groups' transfers (Megatron waits for all of them first); clipping needs every
-    group's norm first, so it updates all at once."""
+    clipping, each group is updated as its reduction lands while later ones are still on
+    the wire (``run.in_flight()``); once all have landed, the norm is taken and the
+    groups are handed in group order (the next forward's read order) to
+    ``run.updated``, where ZeRO posts each all-gather, the groups not updated yet updated
+    just before theirs. The last group to land is the one the next forward reads first,
+    so no gather could start earlier; this way the update runs under the reduce-scatters
+    still in flight and, for what is left of it, under the gathers. The norm comes first
+    because a skip must gather the old targets. Clipping needs the norm before any
+    update, and updates all groups at once."""
     targets = run.targets()
     opt_state = run.opt_state(optimizer, opt_state, targets)  # ZeRO's first step makes or cuts it
     n = len(targets)
     grads: list[PyTree] = [None] * n
     if run.grouped and clip_norm is None and optimizer.elementwise:
         parts: list[PyTree] = [None] * n
-        new = list(targets)
-        for i, g in run.gradients():
-            u, parts[i] = optimizer.update([g], state_part(opt_state, targets, i), [targets[i]])
+        new: list[PyTree | None] = [None] * n
+
+        def update(i: int) -> None:
+            u, parts[i] = optimizer.update([grads[i]], state_part(opt_state, targets, i), [targets[i]])
             new[i] = apply_updates([targets[i]], u)[0]
+
+        for i, g in run.gradients():
             grads[i] = g
-        norm = run.norm(grads)  # after every bucket's update, off their path
-        # A skip drops the new tensors (the old ones were never written to): nothing to
-        # undo, and nothing extra on the steps that are not skipped.
-        bad = _non_finite(loss, norm)
-        return (targets, opt_state, norm, bad) if bad else (new, state_join(opt_state, targets, parts), norm, None)
+            if run.in_flight():
+                update(i)  # under the later groups' transfers; a skip drops it
+        norm = run.norm(grads)
+        if bad := _non_finite(loss, norm):  # as Megatron: the optimizer does not run at all
+            return targets, opt_state, norm, bad
+        for i in range(n):
+            if new[i] is None:
+                update(i)
+            run.updated(i, new[i])
+        return new, state_join(opt_state, targets, parts), norm, None
     for i, g in run.gradients():
         grads[i] = g
     tree, params = (grads, targets) if run.grouped else (grads[0], targets[0])

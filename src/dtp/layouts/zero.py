@@ -8,14 +8,15 @@ Stages over the data-parallel ``axis`` (Ψ: the parameter bytes of a rank's mode
 * ``stage=2``: as 1, and a bucket's full gradient buffer is released as soon as its
   reduce-scatter is done, so only gradient slices outlive backward.
 * ``stage=3``: parameters too rest as slices; forward all-gathers a bucket right before
-  its first use (always prefetching the next: ``overlap_param_gather`` is implied),
-  backward gathers it again for the saved activations that need it, then frees it — 3Ψ
-  of traffic. ``reshard_after_forward=False`` (FSDP2's option of that name) keeps every
-  bucket forward gathered until backward is done with it: parameters still rest as
-  slices between steps, but a step holds them whole from forward to backward, and
-  traffic is 2Ψ. ``prefetch`` is how many buckets are gathered ahead of the one in use:
-  more keeps a slow link busy (the FIFO link of ``benchmarks/zero_overlap.py`` needs
-  2-3) at the cost of that many more whole buckets in memory.
+  its first use (always prefetching the next; ``overlap_param_gather`` posts the first
+  ones in the step before, during its update), backward gathers it again for the saved
+  activations that need it, then frees it — 3Ψ of traffic. ``reshard_after_forward=False``
+  (FSDP2's option of that name) keeps every bucket forward gathered until backward is
+  done with it: parameters still rest as slices between steps, but a step holds them
+  whole from forward to backward, and traffic is 2Ψ. ``prefetch`` is how many buckets
+  are gathered ahead of the one in use: more keeps a slow link busy (the FIFO link of
+  ``benchmarks/zero_overlap.py`` needs 2-3) at the cost of that many more whole buckets
+  in memory.
 
 The first step reads the parameters as ``TrainState.create`` laid them out (whole on
 every dp rank) and records their use order; buckets, master slices and optimizer state
@@ -123,7 +124,9 @@ def zero(stage: ZeroStage = ZeroOptions.stage, **options: object) -> Layout:
     * ``overlap_grad_reduce``: start each bucket's reduce-scatter during backward as soon
       as its last gradient is in (on the last microbatch only);
     * ``overlap_param_gather``: leave the all-gathers of the update in flight in the
-      returned state; the next forward waits on each bucket right before its first use;
+      returned state; the next forward waits on each bucket right before its first use
+      (stage 3: the update gathers the next forward's first ``prefetch`` + 1 buckets,
+      which the state then holds whole until that forward takes them);
     * ``reshard_after_forward``, ``prefetch``: stage-3 options; ``axis``: the mesh axis.
 
     Defaults: :class:`ZeroOptions`. ``stage=0`` is :func:`data` over ``axis``. Raises

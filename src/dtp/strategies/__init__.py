@@ -20,6 +20,10 @@ and asks a :class:`StepRun` for the parts that differ between strategies:
                             backwards itself: it runs the microbatches here
 ``run.grouped``             ``False``: one group, and the optimizer state covers its tree;
                             ``True``: the optimizer state covers the list of groups
+``run.in_flight()``         a reduction :meth:`gradients` has not yielded is still on the wire
+``run.updated(i, new)``      group ``i``'s update is final (grouped runs, elementwise optimizer,
+                            groups in order, before ``finish``): ZeRO posts its
+                            all-gather there, under the rest of the update
 ``run.finish(updated)``     the new ``(params, opt_state-independent strategy state)``
 ==========================  ===============================================================
 
@@ -74,6 +78,10 @@ class _Run(Protocol):
     def opt_state(self, optimizer: Any, opt_state: PyTree, targets: list[PyTree]) -> PyTree: ...
 
     def norm(self, grads: PyTree) -> torch.Tensor: ...
+
+    def in_flight(self) -> bool: ...
+
+    def updated(self, i: int, target: PyTree) -> None: ...
 
     def finish(self, updated: list[PyTree]) -> tuple[PyTree, Any]: ...
 

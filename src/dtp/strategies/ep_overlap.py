@@ -93,7 +93,7 @@ class Run:
     def __init__(self, inner: Any) -> None:
         self.inner = inner
 
-    def __getattr__(self, name: str) -> Any:  # params, gradients, targets, opt_state, norm, finish, grouped
+    def __getattr__(self, name: str) -> Any:  # params, gradients, targets, opt_state, norm, in_flight, updated, finish, grouped
         return getattr(self.inner, name)
 
     def schedule(self, loss_fn: Any, microbatches: list[Any]) -> tuple[float, Any]:

@@ -326,6 +326,12 @@ class Run:
         total = comm.all_reduce(local.reshape(1), self.ctx.mesh, self.axis, tag="pipeline grad norm")
         return torch.sqrt(total[0]).to(local.dtype)
 
+    def in_flight(self) -> bool:
+        return self.inner.in_flight()
+
+    def updated(self, i: int, target: PyTree) -> None:
+        self.inner.updated(i, target)
+
     def finish(self, updated: list[PyTree]) -> tuple[PyTree, Any]:
         return self.inner.finish(updated) if self.zero else (updated[0], None)
 

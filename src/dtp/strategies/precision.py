@@ -108,6 +108,12 @@ class Run:
     def norm(self, grads: PyTree) -> torch.Tensor:
         return self.inner.norm(grads)
 
+    def in_flight(self) -> bool:
+        return self.inner.in_flight()
+
+    def updated(self, i: int, target: PyTree) -> None:
+        """Nothing yet: the parameters are the master weights rounded, at :meth:`finish`."""
+
     def finish(self, updated: list[PyTree]) -> tuple[PyTree, MasterWeights]:
         master = optree.tree_map(torch.Tensor.detach, updated[0])
         # The parameters are the master weights rounded to their own dtypes (the run's

@@ -147,5 +147,11 @@ class Run:
     def norm(self, grads: PyTree) -> torch.Tensor:
         return global_norm(grads)
 
+    def in_flight(self) -> bool:
+        return False  # gradients() has waited for every reduction
+
+    def updated(self, i: int, target: PyTree) -> None:
+        """Nothing to post: one group, its result is the parameters."""
+
     def finish(self, updated: list[PyTree]) -> tuple[PyTree, None]:
         return updated[0], None

@@ -84,22 +84,33 @@ def bytes_per_parameter(param_bytes: int, dp: int, *, master: bool) -> float:
 class InflightGathers:
     """Parameter all-gathers still on the wire between steps, one slot per bucket.
 
-    Mutable by name and by design: waiting clears a slot. A :class:`ZeroState` holds one
+    Mutable by name and by design: waiting clears a slot (stage 1/2: the result is in the
+    state's buffers), or with ``hold`` (stage 3: the result is the gathered bucket, which
+    the next step :meth:`take` s) keeps the waited handle. A :class:`ZeroState` holds one
     so the state itself stays plain data; waiting twice is harmless."""
 
-    def __init__(self, handles: Sequence[comm.CommHandle | None] = ()):
-        self._handles = list(handles)
+    def __init__(self, handles: Sequence[comm.CommHandle | None] = (), *, hold: bool = False):
+        self._handles, self._keep = list(handles), hold
 
     def wait(self, bucket: int | None = None) -> None:
         """Wait for bucket ``bucket``'s gather (all of them with ``None``); no new collective."""
         for b in range(len(self._handles)) if bucket is None else (bucket,):
             if b < len(self._handles) and self._handles[b] is not None:
                 self._handles[b].wait()
-                self._handles[b] = None
+                if not self._keep:
+                    self._handles[b] = None
+
+    def take(self, bucket: int) -> comm.CommHandle | None:
+        """Stage 3: bucket ``bucket``'s gather the step before posted (``None``: none),
+        handed over once, so that the state no longer holds the whole bucket."""
+        handle = self._handles[bucket] if bucket < len(self._handles) else None
+        if handle is not None:
+            self._handles[bucket] = None
+        return handle
 
     def done(self) -> bool:
-        """True once nothing is left in flight (every slot waited for)."""
-        return all(h is None for h in self._handles)
+        """True once nothing is left in flight (every slot waited for or taken)."""
+        return all(h is None or h.is_completed() for h in self._handles)
 
 
 @dataclass(frozen=True)
@@ -216,6 +227,7 @@ class Run:
         self.prefetch_depth = z.options.prefetch  # stage 3: buckets gathered ahead
         self.prefetch: dict[int, comm.CommHandle] = {}
         self.live_ptrs: dict[int, int] = {}
+        self.posted: dict[int, tuple[torch.Tensor | None, comm.CommHandle]] = {}  # gathers updated() posted
 
     # ---- forward
     def params(self) -> PyTree:
@@ -268,9 +280,7 @@ class Run:
         (``ahead`` = +1 forward, -1 backward)."""
         plan = self.z.plan
         if b not in self.live:
-            handle = self.prefetch.pop(b, None)
-            if handle is None:
-                handle = self._post_gather(b)
+            handle = self.prefetch.pop(b, None) or self.z.pending.take(b) or self._post_gather(b)
             self._hold(b, handle.wait())
         if ahead > 0 and self.reshard:  # forward: free what the first step's forward read for the last time
             for k in [k for k in self.live if k != b and plan.buckets[k].last_use < self.position]:
@@ -278,7 +288,7 @@ class Run:
         for d in range(1, self.prefetch_depth + 1):
             nxt = b + ahead * d
             if 0 <= nxt < len(plan.buckets) and nxt not in self.live and nxt not in self.prefetch:
-                self.prefetch[nxt] = self._post_gather(nxt)
+                self.prefetch[nxt] = self.z.pending.take(nxt) or self._post_gather(nxt)
         return self.live[b]
 
     def _post_gather(self, b: int) -> comm.CommHandle:
@@ -487,27 +497,54 @@ class Run:
     def norm(self, grads: PyTree) -> torch.Tensor:
         return global_norm(grads)
 
+    def in_flight(self) -> bool:
+        """Some bucket's reduce-scatter that :meth:`gradients` has not yielded is still on
+        the wire (asking does not wait)."""
+        return any(h is not None and not h.is_completed() for h in self.reduce)
+
+    def updated(self, i: int, target: DTensor) -> None:
+        """Bucket ``i``'s new master slice is final (the update went in bucket order):
+        under ``overlap_param_gather`` its all-gather goes now, so the rest of the update
+        runs under it — every bucket's for stage 1/2; for stage 3 the next forward's
+        first ``prefetch`` + 1 (what that forward holds at its first read), left in the
+        state for it. Profiled (benchmarks/zero_overlap.py, link as slow as compute): with
+        stage 3's posted at the next forward's first read, the link idled through 75-90 %
+        of the update; stage 1/2's, posted at :meth:`finish`, waited for the whole update."""
+        z = self.z
+        if not z.options.overlap_param_gather:
+            return
+        bucket = z.plan.buckets[i]
+        if z.stage < 3:
+            self.posted[i] = _post_param_gather(z.plan, bucket, target)
+        elif i <= self.prefetch_depth:
+            self.posted[i] = (None, gather_bucket(z.plan, bucket, param_slice(target, bucket), async_op=True,
+                                                  tag="zero3 gather"))
+
     def finish(self, updated: list[DTensor]) -> tuple[PyTree, ZeroState]:
         """The new state: updated master slices, and (stage 1/2) every bucket's all-gather
-        posted in forward-use order — left in flight with ``overlap_param_gather``, which
-        the next forward waits for bucket by bucket."""
-        return at_rest(self.z, tuple(m.detach() for m in updated))
+        posted in forward-use order (those :meth:`updated` has not posted yet) — left in
+        flight with ``overlap_param_gather``, which the next forward waits for bucket by
+        bucket."""
+        return at_rest(self.z, tuple(m.detach() for m in updated), posted=self.posted)
 
 
-def at_rest(z: ZeroState, master: Sequence[DTensor]) -> tuple[PyTree, ZeroState]:
+def at_rest(z: ZeroState, master: Sequence[DTensor],
+            posted: dict[int, tuple[torch.Tensor | None, comm.CommHandle]] | None = None) -> tuple[PyTree, ZeroState]:
     """``(params, state)`` at rest from this rank's master slices (one per bucket of
-    ``z.plan``): stage 3 keeps only the slices (``params`` is ``None``); stage 1/2 post
-    every bucket's all-gather into the buffers the next forward reads, in forward-use
-    order, left in flight under ``overlap_param_gather``. A collective over the ZeRO axis
-    (stage 1/2): call it on every rank."""
-    plan, master = z.plan, tuple(master)
+    ``z.plan``): stage 3 keeps only the slices (``params`` is ``None``) and the gathers
+    ``posted`` for the next forward; stage 1/2 post every bucket's all-gather into the
+    buffers the next forward reads, in forward-use order, left in flight under
+    ``overlap_param_gather`` (``posted``: the ``(buffer, handle)`` of buckets already
+    posted from these slices). A collective over the ZeRO axis (stage 1/2): call it on
+    every rank."""
+    plan, master, posted = z.plan, tuple(master), posted or {}
     if z.stage == 3:
-        return None, ZeroState(z.options, z.leaves, z.skeleton, plan, master)
+        ahead = InflightGathers([posted[b][1] if b in posted else None for b in range(len(plan.buckets))], hold=True)
+        return None, ZeroState(z.options, z.leaves, z.skeleton, plan, master, pending=ahead)
     overlap = z.options.overlap_param_gather
     buffers, handles = [], []
     for b in plan.buckets:  # in forward-use order: the first needed is the first done
-        buf = torch.empty(b.numel, dtype=b.dtype, device=master[b.index].to_local().device)
-        h = gather_bucket(plan, b, param_slice(master[b.index], b), async_op=True, tag="param gather", out=buf)
+        buf, h = posted[b.index] if b.index in posted else _post_param_gather(plan, b, master[b.index])
         if not overlap:
             h.wait()
         buffers.append(buf)
@@ -515,6 +552,13 @@ def at_rest(z: ZeroState, master: Sequence[DTensor]) -> tuple[PyTree, ZeroState]
     new = ZeroState(z.options, z.leaves, z.skeleton, plan, master, tuple(buffers), InflightGathers(handles))
     # Views of the buffers, possibly still being filled: dtp.gather_params(state) waits.
     return _tree_of_views(new, new.buffers, requires_grad=True), new
+
+
+def _post_param_gather(plan: ZeroPlan, b: Bucket, master: DTensor) -> tuple[torch.Tensor, comm.CommHandle]:
+    """Stage 1/2: bucket ``b``'s all-gather from this rank's master slice into a new
+    buffer (in the parameters' dtype), posted asynchronously."""
+    buf = torch.empty(b.numel, dtype=b.dtype, device=master.to_local().device)
+    return buf, gather_bucket(plan, b, param_slice(master, b), async_op=True, tag="param gather", out=buf)
 
 
 @dataclass(frozen=True)
