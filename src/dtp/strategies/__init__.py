@@ -21,7 +21,7 @@ and asks a :class:`StepRun` for the parts that differ between strategies:
 ``run.grouped``             ``False``: one group, and the optimizer state covers its tree;
                             ``True``: the optimizer state covers the list of groups
 ``run.in_flight()``         a reduction :meth:`gradients` has not yielded is still on the wire
-``run.updated(i, new)``      group ``i``'s update is final (grouped runs, elementwise optimizer,
+``run.updated(i, new)``     group ``i``'s update is final (grouped runs, elementwise optimizer,
                             groups in order, before ``finish``): ZeRO posts its
                             all-gather there, under the rest of the update
 ``run.finish(updated)``     the new ``(params, opt_state-independent strategy state)``
