@@ -168,11 +168,11 @@ def _rope(x: torch.Tensor, positions: torch.Tensor | None, theta: float,
     acc = accum_dtype(x.dtype)
     half = x.shape[-1] // 2
     if positions is None:
-        positions, length = torch.arange(x.shape[1], device=x.device), x.shape[1]
+        n = x.shape[1]
         if not torch.compiler.is_compiling():  # the tables' first rows: a view, no gather
-            table_cos, table_sin = _rope_tables(length, half, theta, scaling, acc, x.device)
-            return _Rotate.apply(x.to(acc), table_cos[:length].unsqueeze(-2),
-                                 table_sin[:length].unsqueeze(-2)).to(x.dtype)
+            table_cos, table_sin = _rope_tables(n, half, theta, scaling, acc, x.device)
+            return _Rotate.apply(x.to(acc), table_cos[:n].unsqueeze(-2), table_sin[:n].unsqueeze(-2)).to(x.dtype)
+        positions = torch.arange(n, device=x.device)  # a traced region makes its own tables below
     if length is None or torch.compiler.is_compiling():  # a traced region makes its own
         inv = rope_frequencies(half, theta, scaling, acc, x.device)
         cos, sin = _tables(positions.to(acc)[..., None] * inv)  # (seq, 2·half), or (batch, seq, 2·half)
