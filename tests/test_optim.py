@@ -54,21 +54,28 @@ def _torch_trajectory(make_opt, params, lrs=None):
     return out
 
 
-def _ours_trajectory(opt, params):
+def _ours_trajectory(opt, params, fused=False):
+    """``fused``: ``optim.step`` (the optimizer's ``apply``, one pass) instead of
+    ``update`` + ``apply_updates``."""
     state = opt.init(params)
     out = []
     for k in range(STEPS):
-        updates, state = opt.update(_grads(params, k), state, params)
-        params = optim.apply_updates(params, updates)
+        if fused:
+            params, state = optim.step(opt, _grads(params, k), state, params)
+        else:
+            updates, state = opt.update(_grads(params, k), state, params)
+            params = optim.apply_updates(params, updates)
         out.append(_leaves(params))
     return out, state
 
 
+@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("momentum, nesterov, wd", [(0.0, False, 0.0), (0.0, False, 0.1), (0.9, False, 0.0),
                                                     (0.9, True, 0.05), (0.5, False, 0.01)])
-def test_sgd_matches_torch(momentum, nesterov, wd):
+def test_sgd_matches_torch(momentum, nesterov, wd, fused):
     params = _tree()
-    ours, state = _ours_trajectory(optim.sgd(0.1, momentum=momentum, nesterov=nesterov, weight_decay=wd), params)
+    ours, state = _ours_trajectory(optim.sgd(0.1, momentum=momentum, nesterov=nesterov, weight_decay=wd), params,
+                                   fused)
     ref = _torch_trajectory(lambda ts: torch.optim.SGD(ts, lr=0.1, momentum=momentum, nesterov=nesterov,
                                                        weight_decay=wd), params)
     for k in range(STEPS):
@@ -79,9 +86,11 @@ def test_sgd_matches_torch(momentum, nesterov, wd):
 
 @pytest.mark.parametrize("wd, betas, eps", [(0.0, (0.9, 0.999), 1e-8), (0.1, (0.9, 0.95), 1e-8),
                                             (0.01, (0.8, 0.99), 1e-3)])
-def test_adamw_matches_torch(wd, betas, eps):
+@pytest.mark.parametrize("fused", [False, True])
+def test_adamw_matches_torch(wd, betas, eps, fused):
     params = _tree(1)
-    ours, state = _ours_trajectory(optim.adamw(1e-2, b1=betas[0], b2=betas[1], eps=eps, weight_decay=wd), params)
+    ours, state = _ours_trajectory(optim.adamw(1e-2, b1=betas[0], b2=betas[1], eps=eps, weight_decay=wd), params,
+                                   fused)
     ref = _torch_trajectory(lambda ts: torch.optim.AdamW(ts, lr=1e-2, betas=betas, eps=eps, weight_decay=wd,
                                                          foreach=False), params)
     for k in range(STEPS):
@@ -331,3 +340,36 @@ def test_foreach_adamw_is_bit_for_bit_the_per_leaf_step(wd):
         ref_m, ref_v = [m for _, m, _ in ref], [v for _, _, v in ref]
         for ours, theirs in ((params, ref_p), (state.mu, ref_m), (state.nu, ref_v)):
             assert all(torch.equal(a, b) for a, b in zip(_leaves(ours), theirs, strict=True))
+
+
+@pytest.mark.parametrize("make, make_torch", [
+    (lambda: optim.sgd(0.1), lambda ts: torch.optim.SGD(ts, lr=0.1, foreach=False)),
+    (lambda: optim.sgd(0.1, momentum=0.9, nesterov=True, weight_decay=0.05),
+     lambda ts: torch.optim.SGD(ts, lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.05, foreach=False)),
+    (lambda: optim.adamw(1e-2), lambda ts: torch.optim.AdamW(ts, lr=1e-2, weight_decay=0.0, foreach=False)),
+    (lambda: optim.adamw(1e-2, b1=0.8, b2=0.95, eps=1e-6, weight_decay=0.1),
+     lambda ts: torch.optim.AdamW(ts, lr=1e-2, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1, foreach=False)),
+])
+def test_fused_step_is_bit_for_bit_torch_optim(make, make_torch):
+    """``optim.step`` (the optimizer's ``apply``) runs torch.optim's single-tensor ops, the
+    last one writing the parameter: the same bits as torch.optim, step after step."""
+    params = _tree(5)
+    ours, _ = _ours_trajectory(make(), params, fused=True)
+    ref = _torch_trajectory(make_torch, params)
+    for k in range(STEPS):
+        assert all(torch.equal(a, b) for a, b in zip(ours[k], ref[k], strict=True)), k
+
+
+def test_fused_step_keeps_inputs_and_requires_grad():
+    params = {"w": torch.ones(3, requires_grad=True), "b": torch.ones(2)}
+    grads = {"w": torch.full((3,), 0.5), "b": torch.full((2,), 0.5)}
+    for opt in [optim.sgd(0.1, momentum=0.9), optim.adamw(1e-2, weight_decay=0.1),
+                optim.chain(optim.clip(0.5), optim.adamw(1e-2))]:
+        state = opt.init(params)
+        snap = [x.clone() for x in _leaves((params, grads, state))]
+        new, new_state = optim.step(opt, grads, state, params)
+        assert all(torch.equal(a, b) for a, b in zip(_leaves((params, grads, state)), snap, strict=True))
+        assert new["w"].requires_grad and new["w"].is_leaf and not new["b"].requires_grad
+        updates, ref_state = opt.update(grads, state, params)
+        torch.testing.assert_close(new, optim.apply_updates(params, updates))
+        assert optree.tree_structure(new_state) == optree.tree_structure(ref_state)

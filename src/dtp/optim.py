@@ -5,7 +5,10 @@ An optimizer is a :class:`GradientTransformation`: a pair of pure functions
 * ``init(params) -> state``
 * ``update(grads, state, params) -> (updates, new_state)``
 
-and training applies ``params = apply_updates(params, updates)``. Nothing is mutated:
+and training applies ``params = apply_updates(params, updates)`` — or, in one pass,
+``params, state = step(opt, grads, state, params)``, which ``train_step`` uses: sgd and
+adamw then write the new parameter with their last op, as torch.optim does (bit for bit
+its single-tensor step), instead of an update tensor that a second pass adds. Nothing is mutated:
 every function returns new tensors, so a training step is a pure function of
 ``(params, opt_state, batch)``.
 
@@ -57,6 +60,7 @@ __all__ = [
     "constant",
     "warmup_cosine",
     "apply_updates",
+    "step",
     "global_norm",
     "clip_by_global_norm",
     "map_param_trees",
@@ -89,6 +93,12 @@ class GradientTransformation(NamedTuple):
     # they are) it gives those leaves' part of the whole update. ZeRO then updates each
     # bucket as soon as its gradient arrives. sgd/adamw are; clip (a global norm) is not.
     elementwise: bool = False
+    # ``apply(grads, state, params) -> (new_params, state)``: the update added to the
+    # params in the same pass, where the transformation can (sgd, adamw): the last op
+    # writes the new parameter instead of an update that a second pass adds, as
+    # torch.optim does it (``p.add_(d, alpha=-lr)``, AdamW's ``p.mul_(1 - lr·wd)`` +
+    # ``p.addcdiv_``). ``None``: :func:`step` runs ``update`` and :func:`apply_updates`.
+    apply: Callable[[PyTree, PyTree, PyTree], tuple[PyTree, PyTree]] | None = None
 
 
 class SGDState(NamedTuple):
@@ -194,32 +204,40 @@ def sgd(lr: ScalarOrSchedule, momentum: float = 0.0, nesterov: bool = False,
         buf = zeros_like_tree(params) if momentum else None
         return SGDState(torch.zeros((), dtype=torch.int64), buf)
 
-    def update(grads: PyTree, state: SGDState, params: PyTree | None = None) -> tuple[PyTree, SGDState]:
-        if weight_decay and params is None:
+    def run(grads: PyTree, state: SGDState, params: PyTree | None, apply: bool) -> tuple[PyTree, SGDState]:
+        if (weight_decay or apply) and params is None:
             raise ValueError("sgd: weight_decay needs the params; call update(grads, state, params)")
         count, step = _next_count(state.count)
         rate = float(schedule(step - 1))
 
         def kernel(gs, bufs, ps):
-            # torch.optim.SGD's foreach path, op for op as its single-tensor one: the same
-            # numbers, one call per op for every leaf instead of one per leaf.
+            # torch.optim.SGD's ops (its foreach path is its single-tensor one, op for op):
+            # one call per op for every leaf instead of one per leaf.
             ds = torch._foreach_add(gs, ps, alpha=weight_decay) if weight_decay else gs
             if momentum:
                 # A zero buffer makes the first step buf = d, as torch's lazy clone does.
                 bufs = torch._foreach_mul(bufs, momentum)
                 torch._foreach_add_(bufs, ds)
                 ds = torch._foreach_add(ds, bufs, alpha=momentum) if nesterov else bufs
-            return (torch._foreach_mul(ds, -rate), bufs) if momentum else (torch._foreach_mul(ds, -rate),)
+            # ``apply``: torch's ``p.add_(d, alpha=-lr)``, one pass; else the update -lr·d.
+            out = torch._foreach_add(ps, ds, alpha=-rate) if apply else torch._foreach_mul(ds, -rate)
+            return (out, bufs) if momentum else (out,)
 
-        others = [("momentum buffer", state.momentum), ("param", params if weight_decay else None)]
+        others = [("momentum buffer", state.momentum), ("param", params if weight_decay or apply else None)]
         if momentum:
-            updates, buf = map_local(kernel, grads, others, 2)
+            out, buf = map_local(kernel, grads, others, 2)
         else:
-            updates, = map_local(kernel, grads, others, 1)
+            out, = map_local(kernel, grads, others, 1)
             buf = None
-        return updates, SGDState(count, buf)
+        return (_as_params(out, params) if apply else out), SGDState(count, buf)
 
-    return GradientTransformation(init, update, schedule, elementwise=True)
+    def update(grads: PyTree, state: SGDState, params: PyTree | None = None) -> tuple[PyTree, SGDState]:
+        return run(grads, state, params, apply=False)
+
+    def apply(grads: PyTree, state: SGDState, params: PyTree) -> tuple[PyTree, SGDState]:
+        return run(grads, state, params, apply=True)
+
+    return GradientTransformation(init, update, schedule, elementwise=True, apply=apply)
 
 
 def adamw(lr: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
@@ -246,8 +264,8 @@ def adamw(lr: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, eps: float =
     def init(params: PyTree) -> AdamWState:
         return AdamWState(torch.zeros((), dtype=torch.int64), zeros_like_tree(params), zeros_like_tree(params))
 
-    def update(grads: PyTree, state: AdamWState, params: PyTree | None = None) -> tuple[PyTree, AdamWState]:
-        if weight_decay and params is None:
+    def run(grads: PyTree, state: AdamWState, params: PyTree | None, apply: bool) -> tuple[PyTree, AdamWState]:
+        if (weight_decay or apply) and params is None:
             raise ValueError("adamw: weight_decay needs the params; call update(grads, state, params)")
         count, step = _next_count(state.count)
         rate = float(schedule(step - 1))
@@ -264,21 +282,33 @@ def adamw(lr: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, eps: float =
             denom = torch._foreach_sqrt(vs)
             torch._foreach_div_(denom, bc2_sqrt)
             torch._foreach_add_(denom, eps)
-            if weight_decay:
+            if apply:  # torch's p.mul_(1 - lr·wd); p.addcdiv_(m, denom, value=-step_size)
+                if weight_decay:
+                    out = torch._foreach_mul(ps, 1.0 - rate * weight_decay)
+                    torch._foreach_addcdiv_(out, ms, denom, value=-step_size)
+                else:
+                    out = torch._foreach_addcdiv(ps, ms, denom, value=-step_size)
+            elif weight_decay:
                 # p·(1 - lr·wd) - p = -lr·wd·p: decoupled decay, not added to the gradient.
-                us = torch._foreach_mul(ps, -rate * weight_decay)
-                torch._foreach_addcdiv_(us, ms, denom, value=-step_size)
+                out = torch._foreach_mul(ps, -rate * weight_decay)
+                torch._foreach_addcdiv_(out, ms, denom, value=-step_size)
             else:
-                us = torch._foreach_div(ms, denom)
-                torch._foreach_mul_(us, -step_size)
-            return us, ms, vs
+                out = torch._foreach_div(ms, denom)
+                torch._foreach_mul_(out, -step_size)
+            return out, ms, vs
 
         others = [("first moment", state.mu), ("second moment", state.nu),
-                  ("param", params if weight_decay else None)]
-        updates, mu, nu = map_local(kernel, grads, others, 3)
-        return updates, AdamWState(count, mu, nu)
+                  ("param", params if weight_decay or apply else None)]
+        out, mu, nu = map_local(kernel, grads, others, 3)
+        return (_as_params(out, params) if apply else out), AdamWState(count, mu, nu)
 
-    return GradientTransformation(init, update, schedule, elementwise=True)
+    def update(grads: PyTree, state: AdamWState, params: PyTree | None = None) -> tuple[PyTree, AdamWState]:
+        return run(grads, state, params, apply=False)
+
+    def apply(grads: PyTree, state: AdamWState, params: PyTree) -> tuple[PyTree, AdamWState]:
+        return run(grads, state, params, apply=True)
+
+    return GradientTransformation(init, update, schedule, elementwise=True, apply=apply)
 
 
 def clip(max_norm: float) -> GradientTransformation:
@@ -321,8 +351,20 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
             new_state.append(s)
         return grads, tuple(new_state)
 
+    fusable = bool(transforms) and transforms[-1].apply is not None
+    before = chain(*transforms[:-1]) if fusable else None
+
+    def apply(grads: PyTree, state: tuple, params: PyTree) -> tuple[PyTree, tuple]:
+        # The parts before the last as ``update``; the last one writes the params.
+        if len(state) != len(transforms):
+            raise ValueError(f"chain: state has {len(state)} parts for {len(transforms)} transformations")
+        grads, head = before.update(grads, state[:-1], params)
+        new, last = transforms[-1].apply(grads, state[-1], params)
+        return new, (*head, last)
+
     return GradientTransformation(init, update, next((t.schedule for t in transforms if t.schedule), None),
-                                  elementwise=all(t.elementwise for t in transforms))
+                                  elementwise=all(t.elementwise for t in transforms),
+                                  apply=apply if fusable else None)
 
 
 def apply_updates(params: PyTree, updates: PyTree) -> PyTree:
@@ -335,8 +377,30 @@ def apply_updates(params: PyTree, updates: PyTree) -> PyTree:
     {'w': tensor([0.5000, 0.5000])}
     """
     new, = map_local(lambda us, ps: (torch._foreach_add(ps, us),), updates, [("param", params)], 1)
-    return optree.tree_map(lambda n, p: n.requires_grad_(True) if p.requires_grad else n,
-                           new, params)
+    return _as_params(new, params)
+
+
+def _as_params(new: PyTree, params: PyTree) -> PyTree:
+    """``new`` with each leaf requiring grad where the parameter it replaces did."""
+    return optree.tree_map(lambda n, p: n.requires_grad_(True) if p.requires_grad else n, new, params)
+
+
+def step(optimizer: GradientTransformation, grads: PyTree, state: PyTree,
+         params: PyTree) -> tuple[PyTree, PyTree]:
+    """One optimizer step: the new params and state. ``optimizer.apply`` where it has
+    one (one pass fewer over every parameter: sgd, adamw, a chain ending in them), else
+    ``update`` then :func:`apply_updates`; the same numbers up to the rounding of that
+    last add.
+
+    >>> opt = sgd(0.5)
+    >>> params, state = step(opt, {"w": torch.ones(2)}, opt.init({"w": torch.ones(2)}), {"w": torch.ones(2)})
+    >>> params["w"], int(state.count)
+    (tensor([0.5000, 0.5000]), 1)
+    """
+    if optimizer.apply is not None:
+        return optimizer.apply(grads, state, params)
+    updates, state = optimizer.update(grads, state, params)
+    return apply_updates(params, updates), state
 
 
 # --------------------------------------------------------------------------- norms and clipping

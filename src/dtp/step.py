@@ -36,7 +36,8 @@ from .comm import comm_log, span
 from .compiled import CompileOptions, compiling, options_of
 from .layouts import check_divisible, use_layout
 from .mesh import mesh_device
-from .optim import GradientTransformation, apply_updates, clip_by_global_norm, state_join, state_part
+from .optim import GradientTransformation, clip_by_global_norm, state_join, state_part
+from .optim import step as optimizer_step
 from .ops.documents import document_order, reorder
 from .ops.parallel import mean_over, target_count
 from .ops.recompute import POLICIES, recompute as recompute_policy
@@ -401,8 +402,8 @@ def _update(run: strategies.StepRun, optimizer: GradientTransformation, opt_stat
         new: list[PyTree | None] = [None] * n
 
         def update(i: int) -> None:
-            u, parts[i] = optimizer.update([grads[i]], state_part(opt_state, targets, i), [targets[i]])
-            new[i] = apply_updates([targets[i]], u)[0]
+            (new[i],), parts[i] = optimizer_step(optimizer, [grads[i]], state_part(opt_state, targets, i),
+                                                 [targets[i]])
 
         for i, g in run.gradients():
             grads[i] = g
@@ -425,8 +426,7 @@ def _update(run: strategies.StepRun, optimizer: GradientTransformation, opt_stat
     bad = _non_finite(loss, norm)
     if bad:  # as Megatron: the optimizer does not run at all
         return targets, opt_state, norm, bad
-    updates, opt_state = optimizer.update(tree, opt_state, params)
-    new = apply_updates(params, updates)
+    new, opt_state = optimizer_step(optimizer, tree, opt_state, params)
     return (new if run.grouped else [new]), opt_state, norm, None
 
 
