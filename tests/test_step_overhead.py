@@ -114,3 +114,42 @@ def test_python_calls_per_step() -> None:
     tp = run(_python_calls, "tp", world_size=2)[0]
     assert one < 1_600, one
     assert tp < 27_500, tp
+
+
+def _update_passes(opt_name: str) -> dict[str, int]:
+    """The foreach ops one steady-state world-1 step runs over the parameters (the
+    update and the gradient norm; the model has none), counted by a dispatch mode."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import dtp
+
+    class Count(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: dict[str, int] = {}
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            if name.startswith("_foreach"):
+                self.ops[name] = self.ops.get(name, 0) + 1
+            return func(*args, **(kwargs or {}))
+
+    opt = {"sgd": dtp.optim.sgd(0.1), "adamw": dtp.optim.adamw(1e-3, weight_decay=0.01)}[opt_name]
+    state = dtp.TrainState.create({"w": torch.ones(4, 3), "b": torch.ones(3)}, opt, mesh=dtp.make_mesh(dp=1),
+                                  layout=dtp.layouts.data(), axes={"w": ("vocab", "embed"), "b": ("embed",)})
+    loss_fn = lambda p, batch: ((batch["x"] @ p["w"]) * p["b"]).square().mean()  # noqa: E731
+    batch = {"x": torch.ones(2, 4)}
+    state, _ = dtp.train_step(loss_fn, state, batch)
+    with Count() as count:
+        dtp.train_step(loss_fn, state, batch)
+    return count.ops
+
+
+def test_the_update_writes_the_parameters_in_its_last_op() -> None:
+    # Before optim.step, sgd made an update tensor (_foreach_mul) that apply_updates
+    # added in a second pass (_foreach_add), and adamw's last op wrote an update too;
+    # now the last op writes the new parameter, as torch.optim's does.
+    assert run(_update_passes, "sgd", world_size=1)[0] == {"_foreach_norm": 1, "_foreach_add": 1}
+    adamw = run(_update_passes, "adamw", world_size=1)[0]
+    assert adamw == {"_foreach_norm": 1, "_foreach_lerp": 1, "_foreach_mul": 2, "_foreach_addcmul_": 1,
+                     "_foreach_sqrt": 1, "_foreach_div_": 1, "_foreach_add_": 1, "_foreach_addcdiv_": 1}, adamw
