@@ -153,3 +153,49 @@ def test_the_update_writes_the_parameters_in_its_last_op() -> None:
     adamw = run(_update_passes, "adamw", world_size=1)[0]
     assert adamw == {"_foreach_norm": 1, "_foreach_lerp": 1, "_foreach_mul": 2, "_foreach_addcmul_": 1,
                      "_foreach_sqrt": 1, "_foreach_div_": 1, "_foreach_add_": 1, "_foreach_addcdiv_": 1}, adamw
+
+
+def _scalar_reads(microbatches: int) -> tuple[list[str], float, float]:
+    """Where one steady-state world-1 step of tiny Llama reads a scalar to the host
+    (``aten._local_scalar_dense``: ``float()``, ``int()``, ``.item()``), by function."""
+    import traceback
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import dtp
+    from dtp.models import llama
+
+    class Reads(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.where: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket.__name__ == "_local_scalar_dense":
+                frames = [f for f in traceback.extract_stack() if "/dtp/" in f.filename]
+                self.where.append(frames[-1].name if frames else "?")
+            return func(*args, **(kwargs or {}))
+
+    cfg = llama.config("tiny")
+    tokens = torch.randint(0, cfg.vocab_size, (8, 17), generator=torch.Generator().manual_seed(0))
+    batch = {"tokens": tokens[:, :-1], "targets": tokens[:, 1:]}
+    state = dtp.TrainState.create(llama.init(cfg, seed=0), dtp.optim.sgd(0.1), mesh=dtp.make_mesh(dp=1),
+                                  layout=dtp.layouts.data(), axes=llama.param_axes(cfg),
+                                  axis_sizes=llama.axis_sizes(cfg))
+    loss_fn = partial(llama.loss, cfg=cfg)
+    state, _ = dtp.train_step(loss_fn, state, batch, microbatches=microbatches)
+    with Reads() as reads:
+        _, metrics = dtp.train_step(loss_fn, state, batch, microbatches=microbatches)
+    return reads.where, metrics["loss"], metrics["grad_norm"]
+
+
+def test_a_step_reads_the_device_once_for_its_loss_and_norm() -> None:
+    # Before: one read per microbatch's loss, the norm twice (the skip decision, the
+    # metric), the target count and the optimizer's host count: 8 at m = 4. Now the
+    # loss (summed on the device) and the norm come back in one ``tolist`` at the end;
+    # what is left reads the target count (the cross-entropy divides by it) and the
+    # optimizer's step count, a host tensor.
+    (one, loss1, norm1), = run(_scalar_reads, 1, world_size=1)
+    (four, loss4, norm4), = run(_scalar_reads, 4, world_size=1)
+    assert sorted(one) == sorted(four) == ["_next_count", "count_targets"], (one, four)
+    assert abs(loss1 - loss4) < 1e-5 and abs(norm1 - norm4) < 1e-4 and loss1 > 0 and norm1 > 0

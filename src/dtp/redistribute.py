@@ -39,7 +39,7 @@ from ._torch import local_tensor, maybe_run_for_local_tensor
 from .mesh import axis_names, axis_sizes, coordinates
 from .spec import P, wrap_local, check_spec, spec_of
 
-__all__ = ["Step", "plan", "reshard", "redistribute_local", "to_local", "from_local", "local_map", "value_of"]
+__all__ = ["Step", "plan", "reshard", "redistribute_local", "to_local", "from_local", "local_map", "value_of", "scalar_of"]
 
 
 @dataclass(frozen=True)
@@ -429,8 +429,19 @@ def value_of(x: torch.Tensor) -> float:
     >>> value_of(torch.tensor(2.5))
     2.5
     """
+    return float(scalar_of(x))
+
+
+def scalar_of(x: torch.Tensor) -> torch.Tensor:
+    """:func:`value_of` without reading it: the reduced scalar as a 0-d tensor, left on
+    its device, so a step can read several values in one host transfer at its end
+    instead of waiting for the device at each.
+
+    >>> scalar_of(torch.tensor(2.5))
+    tensor(2.5000)
+    """
     if not isinstance(x, DTensor):
-        return float(x)
+        return x.detach().reshape(())
     local = x.to_local().detach().reshape(1)
     names = x.device_mesh.mesh_dim_names or ()
     for m, pl in enumerate(x.placements):
@@ -438,4 +449,4 @@ def value_of(x: torch.Tensor) -> float:
             local = comm.all_reduce(local, x.device_mesh, names[m], tag="loss value")
             if pl.reduce_op == "avg":
                 local = local / x.device_mesh.size(m)
-    return float(local[0])
+    return local[0]

@@ -22,7 +22,7 @@ import dataclasses
 import math
 import time
 import warnings
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Union
 
 import torch
 import torch.distributed as dist
@@ -41,7 +41,7 @@ from .optim import step as optimizer_step
 from .ops.documents import document_order, reorder
 from .ops.parallel import mean_over, target_count
 from .ops.recompute import POLICIES, recompute as recompute_policy
-from .redistribute import local_map, value_of
+from .redistribute import local_map, scalar_of
 from .spec import shard, spec_of
 from .state import TrainState, _single_device
 from .strategies.loss_out import split as split_loss
@@ -49,6 +49,9 @@ from .strategies.loss_out import split as split_loss
 __all__ = ["train_step", "value_and_grad", "shard_batch"]
 
 PyTree = Any
+# A step's loss before it is read: a 0-d fp64 tensor on the device, or a float (a schedule
+# reads its own).
+Loss = Union[torch.Tensor, float]
 _BATCH_AXES = ("batch", "seq")
 
 
@@ -194,13 +197,14 @@ def _check_inputs(batch: Mapping[str, torch.Tensor], state: TrainState, microbat
 
 
 def _forward_backward(loss_fn: Callable, run: strategies.StepRun | strategies.Scheduled,
-                      batch: Mapping[str, torch.Tensor], m: int) -> tuple[float, Any, int | None]:
+                      batch: Mapping[str, torch.Tensor], m: int) -> tuple[Loss, Any, int | None]:
     """The one microbatch loop: each microbatch's loss weighted 1/m. With ``targets`` in
     the batch, the cross-entropy divides by their valid count over the whole batch / m
     (:func:`dtp.ops.mean_over`; posted first, read at the first loss, one small all-reduce per axis
     that splits them), so the step's loss is the mean over every valid target whatever
-    the layout and ``m``. Returns the loss, aux and that count (``None``: no ``targets``,
-    or a pipeline stage without the loss). Where the gradients go is the run's business."""
+    the layout and ``m``. Returns the loss (not read yet: :func:`_read`), aux and that count
+    (``None``: no ``targets``, or a pipeline stage without the loss). Where the gradients
+    go is the run's business."""
     microbatches = _split_microbatches(batch, m)
     if "targets" not in batch:
         return (*_run_microbatches(loss_fn, run, microbatches), None)
@@ -224,10 +228,11 @@ def _scheduled(run: strategies.StepRun | strategies.Scheduled) -> bool:
 
 
 def _run_microbatches(loss_fn: Callable, run: strategies.StepRun | strategies.Scheduled,
-                      microbatches: list[dict[str, torch.Tensor]]) -> tuple[float, Any]:
+                      microbatches: list[dict[str, torch.Tensor]]) -> tuple[Loss, Any]:
     if _scheduled(run):  # it orders forwards and backwards itself
         return run.schedule(loss_fn, microbatches)
-    total, auxes, m = 0.0, [], len(microbatches)
+    total: torch.Tensor | None = None
+    auxes, m = [], len(microbatches)
     for k, mb in enumerate(microbatches):
         with span("forward"), run.forward():
             out = loss_fn(run.params(), mb)
@@ -235,7 +240,11 @@ def _run_microbatches(loss_fn: Callable, run: strategies.StepRun | strategies.Sc
         with span("backward"):
             # x / 1 is x bit for bit: one microbatch skips the op and its backward node.
             run.backward(loss / m if m > 1 else loss, k)
-        total += value_of(loss.detach()) / m
+        # Summed on the device in fp64 — the bits a Python float sum of each value / m
+        # gives — and read once with the norm at the step's end: a host read here would
+        # wait for each microbatch's backward before the next forward is queued.
+        part = scalar_of(loss.detach()).to(torch.float64) / m
+        total = part if total is None else total + part
         auxes.append(aux)
     # One aux per microbatch: dtp cannot know whether to sum (token counts) or average
     # (accuracies) them, and keeping only the last silently halved a count at m=2.
@@ -248,7 +257,7 @@ def value_and_grad(loss_fn: Callable[[PyTree, Mapping[str, torch.Tensor]], Any],
                    batch: Mapping[str, torch.Tensor], *, microbatches: int = 1,
                    recompute: str | None = None,
                    compile: bool | str | CompileOptions = False) -> tuple[float, Any, PyTree]:
-    """Mean loss, aux and gradients laid out like the parameters (what ``train_step`` uses).
+    """Mean loss (a float), aux and gradients laid out like the parameters (what ``train_step`` uses).
 
     Gradient accumulation equals one big batch: the cross-entropy's mean is over the
     valid targets of the whole batch (:func:`_forward_backward`). ``compile`` compiles
@@ -270,7 +279,7 @@ def value_and_grad(loss_fn: Callable[[PyTree, Mapping[str, torch.Tensor]], Any],
     with use_layout(state.layout, state.mesh), recompute_policy(recompute), compiling(options):
         loss, aux, _ = _forward_backward(reading(loss_fn, state.buffers), run, batch, microbatches)
         (_, grads), = run.gradients()
-    return loss, aux, grads
+    return float(loss), aux, grads
 
 
 def train_step(loss_fn: Callable[[PyTree, Mapping[str, torch.Tensor]], Any], state: TrainState,
@@ -341,7 +350,7 @@ def train_step(loss_fn: Callable[[PyTree, Mapping[str, torch.Tensor]], Any], sta
             loss, aux, counted = _forward_backward(strategies.computing(run, reading(loss_fn, state.buffers)), run,
                                                    batch, microbatches)
         with torch.no_grad(), span("update"):
-            updated, opt_state, norm, bad = _update(run, state.optimizer, state.opt_state, clip_norm, loss)
+            updated, opt_state, (loss, norm), bad = _update(run, state.optimizer, state.opt_state, clip_norm, loss)
             # On a skip ``updated`` is the targets as they were: ZeRO still gathers them into
             # new buffers (first step: cuts them), so every step has the same collectives.
             params, zero = run.finish(updated)
@@ -364,24 +373,32 @@ def _first_rank(mesh: DeviceMesh) -> bool:
     return not dist.is_initialized() or dist.get_rank() == int(mesh.mesh.flatten()[0])
 
 
-def _non_finite(loss: float, norm: torch.Tensor) -> str | None:
+def _read(loss: Loss, norm: torch.Tensor) -> tuple[float, float]:
+    """The step's loss and gradient norm as floats, in one host read: the step's one wait
+    for the device besides the target count's (a float loss comes from a schedule)."""
+    values = torch.stack([torch.as_tensor(loss, dtype=torch.float64, device=norm.device), norm.to(torch.float64)])
+    loss_value, norm_value = values.cpu().tolist()  # one transfer (a subclass has no tolist)
+    return loss_value, norm_value
+
+
+def _non_finite(loss: float, norm: float) -> str | None:
     """What is non-finite (``None``: nothing). Both are identical on every rank — the loss
     is the replicated mean and the norm is reduced over every axis and every ZeRO bucket,
     so a NaN in any rank's gradient slice reaches it — and deciding on them needs no
     collective of its own. Reading the norm waits for it (a device sync, as Megatron's
     found-inf check), before the parameters are gathered: which ones depends on it."""
-    norm_value = float(norm)
     bad = [f"loss ({loss})"] * (not math.isfinite(loss))
-    bad += [f"gradient norm ({norm_value})"] * (not math.isfinite(norm_value))
+    bad += [f"gradient norm ({norm})"] * (not math.isfinite(norm))
     return " and ".join(bad) or None
 
 
 def _update(run: strategies.StepRun, optimizer: GradientTransformation, opt_state: PyTree,
-            clip_norm: float | None, loss: float) -> tuple[list[PyTree], PyTree, torch.Tensor, str | None]:
+            clip_norm: float | None, loss: Loss) -> tuple[list[PyTree], PyTree, tuple[float, float], str | None]:
     """The one update path: the run's reduced gradients, clipped to ``clip_norm`` over
     all of them, applied to the run's targets. Returns the new targets, optimizer state,
-    gradient norm and what was non-finite (``None``: the update was applied); with a
-    non-finite loss or norm the targets and state come back untouched.
+    the loss and gradient norm read (:func:`_read`) and what was non-finite (``None``: the
+    update was applied); with a non-finite loss or norm the targets and state come back
+    untouched.
 
     With several groups (ZeRO buckets), an elementwise optimizer (sgd, adamw) and no
     clipping, each group is updated as its reduction lands while later ones are still on
@@ -409,28 +426,28 @@ def _update(run: strategies.StepRun, optimizer: GradientTransformation, opt_stat
             grads[i] = g
             if run.in_flight():
                 update(i)  # under the later groups' transfers; a skip drops it
-        norm = run.norm(grads)
-        if bad := _non_finite(loss, norm):  # as Megatron: the optimizer does not run at all
-            return targets, opt_state, norm, bad
+        values = _read(loss, run.norm(grads))
+        if bad := _non_finite(*values):  # as Megatron: the optimizer does not run at all
+            return targets, opt_state, values, bad
         for i in range(n):
             if new[i] is None:
                 update(i)
             run.updated(i, new[i])
-        return new, state_join(opt_state, targets, parts), norm, None
+        return new, state_join(opt_state, targets, parts), values, None
     for i, g in run.gradients():
         grads[i] = g
     tree, params = (grads, targets) if run.grouped else (grads[0], targets[0])
     norm = run.norm(tree)
     if clip_norm is not None:
         tree, norm = clip_by_global_norm(tree, clip_norm, norm=norm)
-    bad = _non_finite(loss, norm)
-    if bad:  # as Megatron: the optimizer does not run at all
-        return targets, opt_state, norm, bad
+    values = _read(loss, norm)
+    if bad := _non_finite(*values):  # as Megatron: the optimizer does not run at all
+        return targets, opt_state, values, bad
     new, opt_state = optimizer_step(optimizer, tree, opt_state, params)
-    return (new if run.grouped else [new]), opt_state, norm, None
+    return (new if run.grouped else [new]), opt_state, values, None
 
 
-def _metrics(state: TrainState, batch: Mapping[str, torch.Tensor], loss: float, aux: Any, norm: torch.Tensor,
+def _metrics(state: TrainState, batch: Mapping[str, torch.Tensor], loss: float, aux: Any, norm: float,
              t0: float, log: Any, *, skipped: bool, counted: int | None) -> dict[str, Any]:
     tokens = batch["tokens"].numel() if "tokens" in batch else next(iter(batch.values())).numel()
     metrics = {
@@ -438,7 +455,7 @@ def _metrics(state: TrainState, batch: Mapping[str, torch.Tensor], loss: float, 
         # pipeline stage, or no targets); ``tokens``: those processed
         "loss_tokens": counted,
         "loss": loss,
-        "grad_norm": float(norm),
+        "grad_norm": norm,
         "lr": state.optimizer.schedule(state.step) if state.optimizer.schedule else float("nan"),
         "tokens": int(tokens),
         "step_time": time.perf_counter() - t0,
