@@ -1,9 +1,12 @@
 """Async tensor parallel: sequence parallel's collectives as rings under the matmuls.
 
 Under ``layouts.megatron(sequence_parallel=True, async_tp=True)`` a block's entry
-all-gather and exit reduce-scatter over the tp axis become rings of ``tp - 1``
+all-gather and exit reduce-scatter over the tp axis become rings of
 :func:`dtp.comm.send_recv` hops (the decomposition of Wang et al., ASPLOS 2023, XLA's
-collective matmul), each hop moving while a matmul runs on the shard in hand. The
+collective matmul), each hop moving while a matmul runs on the shard in hand: one-way
+(``tp - 1`` steps) at tp 2, bidirectional (a hop each way a step, ``tp // 2`` steps)
+from tp 3 up where the shards halve evenly (:mod:`dtp.ops.tp_rings` has the schedules
+and says when each is chosen and what each buys on which link). The
 bytes per rank per axis are the collectives' own ((n-1) shards each way); only the
 records' kind changes (``send_recv``). The model does not change; ``constrain`` and
 ``linear`` share the work through two hand-offs:
@@ -48,12 +51,13 @@ the exit's next partial product; backward, the exit gradient's input- and weight
 products, and under the entry's reduce-scatter the next chunk's input gradient (all
 consumers) plus the first consumer's weight gradient (the later consumers' weight
 gradients are computed in their own nodes, before the ring: autograd can only deliver a
-weight's gradient from a node that took the weight). The ring is one direction (tp - 1
-hops; the bidirectional variant is not built).
+weight's gradient from a node that took the weight). Bidirectional, the first step's two
+hops run under the own shard's product and each later step's under the two shards the
+step before brought.
 
 **MoE blocks** (dense attention, MoE FFN). The attention entries and exits keep their
 rings. The MoE FFN's entry is read by the router and the token dispatch, not by a
-``linear``, so :func:`dtp.ops.moe.moe_ffn` fills it before routing: its ``tp - 1`` hops
+``linear``, so :func:`dtp.ops.moe.moe_ffn` fills it before routing: its hops
 stay exposed, as the all-gather they replace (the router's matmul is d × E, nothing
 worth hiding, and the experts need the routing first). A shared expert's gate / up then
 read the filled buffer as plain consumers; making its gate the ring's first consumer
@@ -385,7 +389,7 @@ def ring_constrain(x: DTensor, dst: P, *, tag: str) -> DTensor | None:
 
 def filled(x: torch.Tensor) -> torch.Tensor:
     """``x`` itself, with an entry buffer no ``linear`` has filled yet filled now by the
-    plain ring (``tp - 1`` hops, nothing under them): for ops that read a block's
+    plain ring (its hops with nothing under them): for ops that read a block's
     gathered input other than through ``linear`` (the MoE router and token dispatch).
 
     Its gradient reaches the entry's own reduce-scatter (:class:`_RingEntry`, the dual
