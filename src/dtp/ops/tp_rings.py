@@ -89,11 +89,11 @@ def _added(t: torch.Tensor, r: torch.Tensor, dim: int, part: int | None) -> torc
     return torch.cat((lo + r, hi) if part == 0 else (lo, hi + r), dim)
 
 
-Use = Callable[[int, "int | None", torch.Tensor], None]
+_Use = Callable[[int, int | None, torch.Tensor], None]  # (coordinate, half or None, its shard)
 
 
 def gather_ring(shard: torch.Tensor, n: int, me: int, mesh: DeviceMesh | None, axis: str, dim: int, tag: str,
-                use: Use, *, bidirectional: bool) -> None:
+                use: _Use, *, bidirectional: bool) -> None:
     """The ring all-gather of every coordinate's ``shard`` over ``axis``: calls
     ``use(c, part, x)`` with coordinate ``c``'s shard (or its half ``part``) — this
     rank's first, each while the next hops are in flight, the last ones after.
@@ -129,10 +129,10 @@ def gather_ring(shard: torch.Tensor, n: int, me: int, mesh: DeviceMesh | None, a
     use((me + steps) % n, 1 if halves else None, ccw)
 
 
-Terms = Callable[[int, "int | None"], torch.Tensor]
+_Terms = Callable[[int, int | None], torch.Tensor]  # (destination chunk, half or None) -> term
 
 
-def scatter_ring(terms: Terms, n: int, me: int, mesh: DeviceMesh | None, axis: str, dim: int, tag: str,
+def scatter_ring(terms: _Terms, n: int, me: int, mesh: DeviceMesh | None, axis: str, dim: int, tag: str,
                  under: Callable[[], None] | None = None, *, bidirectional: bool) -> torch.Tensor:
     """The dual ring: ``terms(c, part)`` is this rank's term of destination chunk ``c``
     (or its half ``part`` along ``dim``); returns the whole sum of this rank's own chunk.
