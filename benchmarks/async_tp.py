@@ -16,9 +16,16 @@ On this CPU the matmuls measured ~10-40 % of a small step (SDPA, elementwise ops
 autograd and the optimizer are the rest), so ``--calibrate step --comm-ratio 0.5`` makes
 the link longer than all the matmuls that could run under it: no ring can hide that.
 ``--bandwidth`` fixes the link instead (to compare two code versions on one link).
+``--neighbours`` models a link to each ring neighbour (a ring or torus) instead of one
+link a rank (a switch, the default): only there do a bidirectional ring's two hops of a
+step move at once (``dtp.comm.simulated_link``).
 
-Steps alternate (async, non-async; order swapped each round, every rank starting
-together); a step's time is the slower rank's; medians of ``--repeats``. Columns:
+``--one-way`` adds a third variant, ``one-way``: async tp with its rings forced one-way
+(``dtp.ops.tp_rings.one_way``), to set the bidirectional rings that ``async`` runs from
+tp 3 up against the one-way ones on the same link (at tp 2 both are one-way).
+
+Steps alternate (async, non-async[, one-way]; order reversed each round, every rank
+starting together); a step's time is the slower rank's; medians of ``--repeats``. Columns:
 
 * ``step`` — median seconds; ``vs sp`` — async / non-async;
 * ``ideal`` — max(compute, comm) with ``compute`` the step without the link;
@@ -34,6 +41,7 @@ Not a test: times on a shared 2-core CPU are noisy; read the ratios.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 from functools import partial
@@ -52,11 +60,12 @@ def _matmul_seconds(step) -> float:
 
 
 def _bench(cfg, batch: dict, tp: int, repeats: int, ratio: float, width: int, calibrate: str,
-           fixed: float | None) -> dict:
+           fixed: float | None, one_way: bool = False, neighbours: bool = False) -> dict:
     import torch.distributed as dist
 
     import dtp
     from dtp.models import llama
+    from dtp.ops.tp_rings import one_way as one_way_rings
 
     def alternating_times(steps: dict, n: int) -> dict[str, list[float]]:
         # _common's, inlined: this function runs in the rank pool's workers
@@ -73,7 +82,7 @@ def _bench(cfg, batch: dict, tp: int, repeats: int, ratio: float, width: int, ca
     mesh = dtp.make_mesh(tp=tp)
     loss_fn = partial(llama.loss, cfg=cfg)
     boxes = {}
-    for name, on in (("async", True), ("sp", False)):
+    for name, on in (("async", True), ("sp", False), *((("one-way", True),) if one_way else ())):
         layout = dtp.layouts.megatron(sequence_parallel=True, async_tp=on)
         st = dtp.TrainState.create(llama.init(cfg, seed=0), dtp.optim.adamw(1e-3), mesh=mesh, layout=layout,
                                    axes=llama.param_axes(cfg), axis_sizes=llama.axis_sizes(cfg))
@@ -81,7 +90,8 @@ def _bench(cfg, batch: dict, tp: int, repeats: int, ratio: float, width: int, ca
 
     def step(name: str) -> None:
         box = boxes[name]
-        box["state"], box["m"] = dtp.train_step(loss_fn, box["state"], box["batch"])
+        with one_way_rings() if name == "one-way" else contextlib.nullcontext():
+            box["state"], box["m"] = dtp.train_step(loss_fn, box["state"], box["batch"])
 
     steps = {name: partial(step, name) for name in boxes}
     alternating_times(steps, 2)  # warm-up
@@ -95,7 +105,7 @@ def _bench(cfg, batch: dict, tp: int, repeats: int, ratio: float, width: int, ca
     dist.all_reduce(c, op=dist.ReduceOp.MAX)
     matmul = float(c[1])
     bandwidth = fixed or nbytes / (ratio * float(c[0]))
-    with dtp.comm.simulated_link(bandwidth, axes=("tp",)):
+    with dtp.comm.simulated_link(bandwidth, axes=("tp",), neighbours=neighbours):
         linked = alternating_times(steps, repeats)
         exposed, per_tag = {}, {}
         for name in boxes:
@@ -132,6 +142,10 @@ def main() -> None:
                     help="reference time: the SP step's matmuls (default) or the whole SP step")
     ap.add_argument("--bandwidth", type=float, default=None,
                     help="the tp link's bytes/s, fixed (no calibration): to compare two code versions on one link")
+    ap.add_argument("--one-way", action="store_true",
+                    help="also time async tp with one-way rings (vs the bidirectional ones from tp 3 up)")
+    ap.add_argument("--neighbours", action="store_true",
+                    help="model a link to each ring neighbour (ring / torus), not one link a rank (switch)")
     ap.add_argument("--width", type=int, default=100)
     args = ap.parse_args()
 
@@ -143,7 +157,7 @@ def main() -> None:
     toks = torch.randint(0, cfg.vocab_size, (args.batch, args.seq + 1), generator=g)
     batch = {"tokens": toks[:, :-1].contiguous(), "targets": toks[:, 1:].contiguous()}
     res = run(_bench, cfg, batch, args.tp, args.repeats, args.comm_ratio, args.width, args.calibrate, args.bandwidth,
-              world_size=args.tp,
+              args.one_way, args.neighbours, world_size=args.tp,
               timeout=1800)
 
     def med(key: str, name: str) -> float:
@@ -156,13 +170,15 @@ def main() -> None:
           f"modelled comm {1e3 * r0['comm']:.1f} ms, compute {1e3 * compute:.1f} ms of which matmuls "
           f"{1e3 * r0['matmul']:.1f} ms (losses {r0['loss']})")
     print(f"{'':8}{'loopback':>10}{'link':>10}{'vs sp':>8}{'ratio':>8}{'exposed':>9}")
-    for name in ("sp", "async"):
+    names = ("sp", "async", *(("one-way",) if args.one_way else ()))
+    for name in names:
         link = med("linked", name)
         print(f"{name:8}{1e3 * med('free', name):>9.1f}m{1e3 * link:>9.1f}m"
               f"{link / med('linked', 'sp'):>8.2f}{link / ideal:>8.2f}{r0['exposed'][name]:>9.2f}")
-    print(f"loopback async / sp: {med('free', 'async') / compute:.2f}; link {r0['bandwidth'] / 1e6:.1f} MB/s")
+    print(f"loopback async / sp: {med('free', 'async') / compute:.2f}; link {r0['bandwidth'] / 1e6:.1f} MB/s"
+          f" ({'a link to each neighbour' if args.neighbours else 'one link a rank'})")
     print("rank 0, one step under the link, per collective: count, ms waited / ms of modelled link time")
-    for name in ("sp", "async"):
+    for name in names:
         rows = sorted(r0["per_tag"][name].items(), key=lambda kv: -kv[1][2])
         print(f"  {name}: " + "; ".join(f"{k} x{n} {1e3 * w:.1f}/{1e3 * t:.1f}" for k, (n, w, t) in rows if t > 1e-4))
     print(r0["timeline"])

@@ -15,6 +15,7 @@ from torch.distributed.tensor import DTensor
 import dtp
 from dtp.models import llama
 from dtp.ops.collective_matmul import split_backward
+from dtp.ops.tp_rings import one_way
 from dtp.testing import assert_tree_close, reference_value_and_grad, run
 
 CFG = llama.config("tiny", n_heads=8, n_kv_heads=4)
@@ -42,7 +43,7 @@ def _layout(mesh_axes, async_tp, zero=None, expert_tp=False, pipe_experts=False)
 
 
 def _three_steps(mesh_axes, async_tp, dtype, recompute=None, zero=None, microbatches=1, split=False, moe=False,
-                 **expert):
+                 one_way_rings=False, **expert):
     cfg = MOE_CFG if moe else CFG
     mesh = dtp.make_mesh(**mesh_axes)
     opt = dtp.optim.adamw(dtp.optim.warmup_cosine(3e-3, 1, 3), weight_decay=0.1)
@@ -51,7 +52,8 @@ def _three_steps(mesh_axes, async_tp, dtype, recompute=None, zero=None, microbat
                                   axis_sizes=llama.axis_sizes(cfg))
     losses = []
     # split: every consumer's input gradient to the entry's ring, as under zero bubble's I / W
-    with dtp.comm.comm_log() as log, split_backward() if split else contextlib.nullcontext():
+    with dtp.comm.comm_log() as log, split_backward() if split else contextlib.nullcontext(), \
+            one_way() if one_way_rings else contextlib.nullcontext():
         for step in range(3):
             state, metrics = dtp.train_step(functools.partial(llama.loss, cfg=cfg), state,
                                             dtp.shard_batch(_batch(step), state),
@@ -103,13 +105,15 @@ def test_async_tp_tp2_matches_single_device_fp64_and_non_async_fp32():
 
 
 # Composition, each with its own pool size: recompute (the exit's saving node lets the
-# recompute stop before the dual ring), ZeRO-3, context parallel's ring, tp4 ± dp.
+# recompute stop before the dual ring), ZeRO-3, context parallel's ring, tp4 ± dp (the
+# rings bidirectional there; one-way forced too).
 SLOW_CASES = {
     "dp2 tp2 recompute full": ({"dp": 2, "tp": 2}, {"recompute": "full"}),
     "dp2 tp2 zero3 m2 recompute selective": ({"dp": 2, "tp": 2}, {"zero": 3, "microbatches": 2,
                                                                   "recompute": "selective"}),
     "cp2 tp2 ring recompute full": ({"cp": 2, "tp": 2}, {"recompute": "full"}),
     "tp4": ({"tp": 4}, {}),
+    "tp4 one-way": ({"tp": 4}, {"one_way_rings": True}),
     "dp2 tp4 recompute full": ({"dp": 2, "tp": 4}, {"recompute": "full"}),
     "dp2 cp2 tp2 zero3": ({"dp": 2, "cp": 2, "tp": 2}, {"zero": 3}),
     "tp2 split backward recompute full": ({"tp": 2}, {"split": True, "recompute": "full"}),
@@ -121,6 +125,29 @@ SLOW_CASES = {
 def test_async_tp_composes_fp64(name):
     mesh_axes, kw = SLOW_CASES[name]
     _check_fp64(run(_pair, mesh_axes, torch.float64, world_size=math.prod(mesh_axes.values()), **kw)[0], name)
+
+
+def _hops(one_way_rings):
+    """send_recv records and tp bytes of one async step at tp4, non-async SP's tp bytes."""
+    out = []
+    for async_tp in (True, False):
+        mesh = dtp.make_mesh(tp=4)
+        state = dtp.TrainState.create(llama.init(CFG, seed=0), dtp.optim.adamw(1e-3), mesh=mesh,
+                                      layout=_layout({"tp": 4}, async_tp), axes=llama.param_axes(CFG),
+                                      axis_sizes=llama.axis_sizes(CFG))
+        with dtp.comm_log() as log, one_way() if one_way_rings else contextlib.nullcontext():
+            dtp.train_step(LOSS, state, dtp.shard_batch(_batch(0), state))
+        out.append((len(log.filter(kind="send_recv")), sum(log.summary()["tp"].values())))
+    return out
+
+
+def test_async_tp_tp4_rings_are_bidirectional_with_the_same_bytes():
+    # tp4, seq 16: shards of 4 rows; every ring two hops a step over 2 steps (4 hops)
+    # where one-way takes 3, the bytes per rank those of non-async SP either way.
+    (bidi, bidi_bytes), (_, sp_bytes) = run(_hops, False, world_size=4)[0]
+    (one, one_bytes), _ = run(_hops, True, world_size=4)[0]
+    assert one > 0 and bidi * 3 == one * 4, (bidi, one)
+    assert bidi_bytes == one_bytes == sp_bytes
 
 
 def test_async_tp_moe_tp2_matches_single_device_fp64_and_non_async_fp32():

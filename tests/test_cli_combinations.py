@@ -57,6 +57,8 @@ ROWS: dict[str, list[str]] = {
     "tp2": ["--tp", "2"],
     "tp2 sp recompute full": ["--tp", "2", "--sp", "--recompute", "full"],
     "tp2 sp async-tp": ["--tp", "2", "--sp", "--async-tp"],
+    # tp4: async tp's rings bidirectional (small: tiny's 2 kv heads do not split over 4)
+    "small tp4 sp async-tp": ["--model", "small", "--tp", "4", "--sp", "--async-tp"],
     "dp2 tp2 sp async-tp zero3 recompute full m2": ["--dp", "2", "--tp", "2", "--sp", "--async-tp", "--zero", "3",
                                                      "--recompute", "full", "--microbatches", "2"],
     # compiled regions (dtp.compiled): local_map bodies between dtp's collectives, blocks at rest

@@ -176,3 +176,20 @@ def test_reduce_scatter_and_all_gather_on_gloo_give_every_peers_values_and_ring_
     # computed from every peer's input, not against each other.
     for rank in run(_gloo_forms, world_size=4):
         assert all(ok and bytes_diff == 0 for _, ok, bytes_diff in rank), rank
+
+
+def test_simulated_link_with_neighbours_moves_both_ways_round_the_ring_at_once() -> None:
+    # The model itself, no ranks: a 1 B/s link, so a 1000 B transfer books 1000 s. One link
+    # a rank (the default) queues the hop to c - 1 behind the one to c + 1; a link to each
+    # neighbour does not, while a second hop the same way still queues.
+    from dtp.comm.link import _link_deadline
+
+    with comm.simulated_link(bandwidth=1.0):
+        first = _link_deadline("tp", 1000, route=1)
+        assert first is not None and _link_deadline("tp", 1000, route=-1) == first + 1000
+    with comm.simulated_link(bandwidth=1.0, neighbours=True):
+        first = _link_deadline("tp", 1000, route=1)
+        other_way = _link_deadline("tp", 1000, route=-1)
+        assert first is not None and other_way is not None and other_way < first + 1000
+        assert _link_deadline("tp", 1000, route=1) == first + 1000
+        assert _link_deadline("tp", 1000, incoming=True, route=-1) < first + 1000  # incoming: its own queue

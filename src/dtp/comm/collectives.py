@@ -49,7 +49,7 @@ def _group(mesh: DeviceMesh, axis: str) -> tuple[dist.ProcessGroup, int]:
 
 def _run(kind: str, mesh: DeviceMesh, axis: str, x: torch.Tensor, nbytes: Callable[[int], float],
          post: Callable[[dist.ProcessGroup, int], tuple[object, Callable[[], torch.Tensor]]],
-         async_op: bool, tag: str, received: int = 0) -> torch.Tensor | CommHandle:
+         async_op: bool, tag: str, received: int = 0, route: int = 1) -> torch.Tensor | CommHandle:
     group, n = _group(mesh, axis)
     if n == 1:  # nothing moves: no collective, no record (a ring of one does no send/recv)
         handle = CommHandle(None, None, lambda: x)
@@ -59,7 +59,7 @@ def _run(kind: str, mesh: DeviceMesh, axis: str, x: torch.Tensor, nbytes: Callab
         work, finish = post(group, n)
     except RuntimeError as e:  # a peer already gone: gloo can fail at posting
         raise _failure(record, e) from e
-    link = (axis, record.bytes) if _link_applies(axis) else None
+    link = (axis, record.bytes, route) if _link_applies(axis) else None
     handle = CommHandle(work, record, finish, link, received, x.device.type)
     return handle if async_op else handle.wait()
 
@@ -337,7 +337,7 @@ def send_recv(x: torch.Tensor, mesh: DeviceMesh, axis: str, *, shift: int = 1, a
         return _Works(works), (lambda: out)
 
     return _run("send_recv", mesh, axis, x, lambda n: _nbytes(x) if n > 1 else 0, post, async_op, tag,
-                received=_nbytes(x))
+                received=_nbytes(x), route=1 if shift >= 0 else -1)
 
 
 class _Works:

@@ -97,15 +97,16 @@ def _finished() -> torch.Tensor:
 class CommHandle:
     """An in-flight collective; :meth:`wait` returns its (post-processed) result.
 
-    ``link`` is ``(axis, bytes sent)`` under :func:`dtp.comm.simulated_link`;
+    ``link`` is ``(axis, bytes sent, route)`` under :func:`dtp.comm.simulated_link`
+    (``route``: +1, or -1 for a point-to-point hop to coordinate c - 1);
     ``received`` the bytes a point-to-point receive brings in (its record counts none:
     the sender does), which the link books on the incoming queue; ``device`` the
     tensor's device type (with the kind, what a missing future is remembered by)."""
 
     def __init__(self, work: object | None, record: CommRecord | None, finish: Callable[[], torch.Tensor],
-                 link: tuple[str, int] | None = None, received: int = 0, device: str = "cpu"):
+                 link: tuple[str, int, int] | None = None, received: int = 0, device: str = "cpu"):
         self._work, self._record, self._finish = work, record, finish
-        self._link = link  # (axis, bytes) under simulated_link
+        self._link = link  # (axis, bytes, route) under simulated_link
         self._deadline: float | None = None  # end of the modelled transfer
         self._done = False  # completion seen (and the link booked)
         self._result: torch.Tensor | None = None
@@ -127,11 +128,11 @@ class CommHandle:
                 if link is not None:
                     self._book_point_to_point(work, link, received)
 
-    def _book_point_to_point(self, work: object, link: tuple[str, int], received: int) -> None:
-        axis, sent = link
+    def _book_point_to_point(self, work: object, link: tuple[str, int, int], received: int) -> None:
+        axis, sent, route = link
         self._done = True  # booked here, not by _mark_done
         if sent:  # leaves when posted
-            self._deadline = _link_deadline(axis, sent)
+            self._deadline = _link_deadline(axis, sent, route=route)
         if not received:
             return
         self._arrived = threading.Event()
@@ -140,15 +141,15 @@ class CommHandle:
         # turns true before wait(), and one shared waiter would see a late peer hold up
         # the rest. Pooled: Thread.start() blocks until the new thread runs, which on a
         # busy CPU measured ~1-3 ms of the posting thread per hop.
-        _waiters.submit(self._wait_in_thread, work, axis, received)
+        _waiters.submit(self._wait_in_thread, work, axis, received, route)
 
-    def _wait_in_thread(self, work: object, axis: str, received: int) -> None:
+    def _wait_in_thread(self, work: object, axis: str, received: int, route: int) -> None:
         try:
             work.wait()  # type: ignore[attr-defined]
         except RuntimeError as e:  # raised again by wait() on the posting thread
             self._error = e
         else:
-            end = _link_deadline(axis, received, incoming=True)
+            end = _link_deadline(axis, received, incoming=True, route=route)
             with _mark_lock:
                 self._deadline = max(self._deadline or 0.0, end or 0.0)
                 if self._record is not None:  # the data is in: complete when the modelled transfer is
@@ -184,7 +185,8 @@ class CommHandle:
             # The modelled transfer starts when the real collective has finished, i.e.
             # once every rank has posted it: waiting for a late peer is never hidden.
             if self._link is not None:
-                self._deadline = _link_deadline(*self._link)
+                axis, sent, route = self._link
+                self._deadline = _link_deadline(axis, sent, route=route)
             if self._record is not None and self._record.completed is None:
                 self._record.completed = max(time.perf_counter(), self._deadline or 0.0)
                 if (mirror := _flight_mirror()) is not None:

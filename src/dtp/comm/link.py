@@ -12,7 +12,10 @@ __all__ = ["simulated_link"]
 
 # Overlap only shows on a link slower than compute. On one CPU machine loopback gloo is
 # nearly free, so dtp can stand in a documented, deterministic link model: each mesh axis
-# is one full-duplex link of ``bandwidth`` bytes/s and ``latency`` s per rank.
+# is one full-duplex link of ``bandwidth`` bytes/s and ``latency`` s per rank (a switch), or
+# with ``neighbours=True`` one such link to each ring neighbour (a ring or torus), so what a
+# rank sends to coordinate c + 1 and to c - 1 moves at once (a bidirectional ring's two hops,
+# dtp.ops.tp_rings); a collective (a ring algorithm, one way round) takes the c + 1 link.
 # - A collective's modelled transfer starts once the real one has finished (every rank
 #   has posted it) and queues behind the rank's earlier transfers out on that axis.
 # - Point to point (send, recv, a ring step's send_recv): gloo's isend/irecv have no
@@ -29,9 +32,11 @@ _link: dict[str, object] = {}
 
 
 @contextlib.contextmanager
-def simulated_link(bandwidth: float, latency: float = 0.0, axes: Sequence[str] | None = None) -> Iterator[None]:
+def simulated_link(bandwidth: float, latency: float = 0.0, axes: Sequence[str] | None = None, *,
+                   neighbours: bool = False) -> Iterator[None]:
     """Make every recorded collective on ``axes`` (all by default) take at least
-    ``latency + bytes_sent / bandwidth`` seconds, queued per axis.
+    ``latency + bytes_sent / bandwidth`` seconds, queued per axis (``neighbours``: per
+    axis and ring direction, a link to each neighbour; default False, one link a rank).
 
     Bytes are the per-rank bytes of the comm log (ring algorithms), so a ``bandwidth``
     of 1e8 models a 100 MB/s (0.8 Gbit/s) link per rank. Process-wide; every rank must
@@ -48,7 +53,7 @@ def simulated_link(bandwidth: float, latency: float = 0.0, axes: Sequence[str] |
         previous = dict(_link)
         _link.clear()
         _link.update(bandwidth=float(bandwidth), latency=float(latency),
-                     axes=None if axes is None else frozenset(axes), busy={})
+                     axes=None if axes is None else frozenset(axes), busy={}, neighbours=bool(neighbours))
     try:
         yield
     finally:
@@ -62,14 +67,16 @@ def _link_applies(axis: str) -> bool:
         return bool(_link) and (_link["axes"] is None or axis in _link["axes"])
 
 
-def _link_deadline(axis: str, nbytes: int, incoming: bool = False) -> float | None:
+def _link_deadline(axis: str, nbytes: int, incoming: bool = False, *, route: int = 1) -> float | None:
     """When a modelled transfer of ``nbytes`` on ``axis`` starting now would end (it
-    queues behind the axis's earlier transfers in the same direction: out, or ``incoming``)."""
+    queues behind the axis's earlier transfers in the same direction: out, or ``incoming``;
+    with ``neighbours``, the same way round the ring too: ``route`` +1 or -1)."""
     with _link_lock:
         if not _link:
             return None
-        busy: dict[tuple[str, bool], float] = _link["busy"]  # type: ignore[assignment]
-        start = max(time.perf_counter(), busy.get((axis, incoming), 0.0))
+        busy: dict[tuple[str, bool, int], float] = _link["busy"]  # type: ignore[assignment]
+        key = (axis, incoming, route if _link["neighbours"] else 1)
+        start = max(time.perf_counter(), busy.get(key, 0.0))
         end = start + _link["latency"] + nbytes / _link["bandwidth"]  # type: ignore[operator]
-        busy[(axis, incoming)] = end
+        busy[key] = end
         return end

@@ -59,7 +59,7 @@ class Peer:
             work = (self.group.send if kind == "send" else self.group.recv)([wire], self.to, key)
         except RuntimeError as e:  # a peer already gone: gloo can fail at posting
             raise _failure(record, e) from e
-        link = (self.axis, record.bytes) if self.linked else None
+        link = (self.axis, record.bytes, 1) if self.linked else None
         return CommHandle(work, record, lambda: x, link, received, x.device.type)
 
     def send(self, x: torch.Tensor, *, key: int, tag: str = "") -> CommHandle:

@@ -52,7 +52,8 @@ def megatron(sequence_parallel: bool = MegatronOptions.sequence_parallel, **opti
     Options (defaults in :class:`MegatronOptions`): ``sequence_parallel``, ``axis``,
     ``async_tp`` (the collective matmul of :mod:`dtp.ops.collective_matmul`: the block
     entry's all-gather and exit's reduce-scatter become rings of hops that move while the
-    column / row-parallel matmuls run; the same values, bytes and rules).
+    column / row-parallel matmuls run; the same values, bytes and rules; one-way at tp 2,
+    bidirectional (tp // 2 steps, not tp - 1) from tp 3 up: :mod:`dtp.ops.tp_rings`).
 
     >>> megatron(sequence_parallel=True).activations["res_seq"]
     ('tp',)

@@ -1,9 +1,12 @@
 """Async tensor parallel: sequence parallel's collectives as rings under the matmuls.
 
 Under ``layouts.megatron(sequence_parallel=True, async_tp=True)`` a block's entry
-all-gather and exit reduce-scatter over the tp axis become rings of ``tp - 1``
+all-gather and exit reduce-scatter over the tp axis become rings of
 :func:`dtp.comm.send_recv` hops (the decomposition of Wang et al., ASPLOS 2023, XLA's
-collective matmul), each hop moving while a matmul runs on the shard in hand. The
+collective matmul), each hop moving while a matmul runs on the shard in hand: one-way
+(``tp - 1`` steps) at tp 2, bidirectional (a hop each way a step, ``tp // 2`` steps)
+from tp 3 up where the shards halve evenly (:mod:`dtp.ops.tp_rings` has the schedules
+and says when each is chosen and what each buys on which link). The
 bytes per rank per axis are the collectives' own ((n-1) shards each way); only the
 records' kind changes (``send_recv``). The model does not change; ``constrain`` and
 ``linear`` share the work through two hand-offs:
@@ -48,12 +51,13 @@ the exit's next partial product; backward, the exit gradient's input- and weight
 products, and under the entry's reduce-scatter the next chunk's input gradient (all
 consumers) plus the first consumer's weight gradient (the later consumers' weight
 gradients are computed in their own nodes, before the ring: autograd can only deliver a
-weight's gradient from a node that took the weight). The ring is one direction (tp - 1
-hops; the bidirectional variant is not built).
+weight's gradient from a node that took the weight). Bidirectional, the first step's two
+hops run under the own shard's product and each later step's under the two shards the
+step before brought.
 
 **MoE blocks** (dense attention, MoE FFN). The attention entries and exits keep their
 rings. The MoE FFN's entry is read by the router and the token dispatch, not by a
-``linear``, so :func:`dtp.ops.moe.moe_ffn` fills it before routing: its ``tp - 1`` hops
+``linear``, so :func:`dtp.ops.moe.moe_ffn` fills it before routing: its hops
 stay exposed, as the all-gather they replace (the router's matmul is d × E, nothing
 worth hiding, and the experts need the routing first). A shared expert's gate / up then
 read the filled buffer as plain consumers; making its gate the ring's first consumer
@@ -85,18 +89,18 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Iterator
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from .. import comm
 from .._torch import is_local_tensor, local_tensor
 from ..layouts import current
 from ..mesh import axis_sizes, coordinates
 from ..redistribute import local_map, plan, reshard
 from ..spec import P, spec_of, wrap_local
+from .tp_rings import both_ways, gather_ring, piece, scatter_ring
 
 __all__ = ["ring_constrain", "ring_linear", "filled", "defers", "deferred", "materialized", "async_axis",
            "split_backward"]
@@ -152,15 +156,11 @@ class _RingState:
     tag: str
     filled: bool = False
     split: bool = False  # made inside split_backward(): consumers' input gradients go to the entry
+    both_ways: bool = False  # the rings (forward and backward) bidirectional: dtp.ops.tp_rings.both_ways
     consumers: int = 0  # ring consumers (column-parallel linears) of the buffer in forward
     # (output gradient, weight) of each later consumer, left by its backward for the
     # first consumer's, which reduce-scatters all their input gradients in one ring.
     stash: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
-
-
-def _chunk(t: torch.Tensor, dim: int, n: int, i: int) -> torch.Tensor:
-    size = t.shape[dim] // n
-    return t.narrow(dim, i * size, size)
 
 
 def _ring_of(mesh: DeviceMesh, axis: str) -> tuple[int, int]:
@@ -169,37 +169,21 @@ def _ring_of(mesh: DeviceMesh, axis: str) -> tuple[int, int]:
 
 def _gather_ring(state: _RingState, buffer: torch.Tensor, w: torch.Tensor | None) -> torch.Tensor | None:
     """Run the entry ring: fill ``buffer`` shard by shard; with ``w``, multiply each
-    shard into its rows of ``buffer @ w`` while the next one moves (returned)."""
+    shard into its rows of ``buffer @ w`` while the next ones move (returned)."""
     n, me = _ring_of(state.mesh, state.axis)
     out = None if w is None else buffer.new_empty((*buffer.shape[:-1], w.shape[-1]))
-    cur, state.shard = state.shard, None
-    assert cur is not None, "async tp: an entry ring runs once"
-    for s in range(n):
-        handle = (comm.send_recv(cur, state.mesh, state.axis, shift=1, async_op=True, tag=state.tag)
-                  if s < n - 1 else None)
-        if out is not None:  # the shard of coordinate me - s, under the hop in flight
-            _chunk(out, state.dim, n, (me - s) % n).copy_(cur @ w)
-        if handle is not None:
-            cur = handle.wait()
-            _chunk(buffer, state.dim, n, (me - s - 1) % n).copy_(cur)
+    shard, state.shard = state.shard, None
+    assert shard is not None, "async tp: an entry ring runs once"
+
+    def use(c: int, part: int | None, x: torch.Tensor) -> None:
+        if c != me:  # the own shard is in the buffer already (_RingEntry)
+            piece(buffer, state.dim, n, c, part).copy_(x)
+        if out is not None:
+            piece(out, state.dim, n, c, part).copy_(x @ w)
+
+    gather_ring(shard, n, me, state.mesh, state.axis, state.dim, state.tag, use, bidirectional=state.both_ways)
     state.filled = True
     return out
-
-
-def _scatter_ring(terms: Any, n: int, me: int, mesh: DeviceMesh, axis: str, tag: str,
-                  under: Any = None) -> torch.Tensor:
-    """The dual ring: ``terms(c)`` is this rank's term of destination chunk ``c``; after
-    ``n - 1`` hops of partial sums each rank holds the whole sum of its own chunk. The
-    next term is computed while the previous partial sum is in flight, and ``under()``
-    (work that needs no hop: weight gradients) while the first one is."""
-    acc = terms((me - 1) % n)
-    for s in range(n - 1):
-        handle = comm.send_recv(acc, mesh, axis, shift=1, async_op=True, tag=tag)
-        nxt = terms((me - s - 2) % n)
-        if s == 0 and under is not None:
-            under()
-        acc = handle.wait() + nxt
-    return acc
 
 
 class _RingEntry(torch.autograd.Function):
@@ -212,7 +196,8 @@ class _RingEntry(torch.autograd.Function):
         n, me = _ring_of(state.mesh, state.axis)
         ctx.src, ctx.dst, ctx.dim, ctx.axis, ctx.tag, ctx.shape = (spec_of(x), dst, state.dim, state.axis,
                                                                    state.tag, tuple(x.shape))
-        _chunk(buffer, state.dim, n, me).copy_(state.shard)
+        ctx.both_ways = state.both_ways
+        piece(buffer, state.dim, n, me).copy_(state.shard)
         return wrap_local(buffer, state.mesh, dst, tuple(x.shape))
 
     @staticmethod
@@ -223,7 +208,8 @@ class _RingEntry(torch.autograd.Function):
             return reshard(grad, P(*ctx.src.dims), tag=tag), None, None, None
         mesh, g = grad.device_mesh, local_tensor(grad)
         n, me = _ring_of(mesh, ctx.axis)
-        out = _scatter_ring(lambda c: _chunk(g, ctx.dim, n, c).contiguous(), n, me, mesh, ctx.axis, tag)
+        out = scatter_ring(lambda c, part: piece(g, ctx.dim, n, c, part).contiguous(), n, me, mesh, ctx.axis,
+                           ctx.dim, tag, bidirectional=ctx.both_ways)
         return wrap_local(out, mesh, P(*ctx.src.dims), ctx.shape), None, None, None
 
 
@@ -257,10 +243,10 @@ class _RingMatmul(torch.autograd.Function):
         n, me = _ring_of(state.mesh, state.axis)
         gw: list[torch.Tensor] = []
 
-        def terms(c: int) -> torch.Tensor:  # Σ over consumers of chunk c's input gradient
+        def terms(c: int, part: int | None) -> torch.Tensor:  # Σ over consumers of chunk c's input gradient
             out = None
             for gi, wi in pairs:
-                t = _chunk(gi, state.dim, n, c) @ wi.transpose(0, 1)
+                t = piece(gi, state.dim, n, c, part) @ wi.transpose(0, 1)
                 out = t if out is None else out.add_(t)
             assert out is not None
             return out.contiguous()
@@ -268,7 +254,8 @@ class _RingMatmul(torch.autograd.Function):
         def weight_grad() -> None:
             gw.append(x.reshape(-1, x.shape[-1]).transpose(0, 1) @ g.reshape(-1, g.shape[-1]))
 
-        gx = _scatter_ring(terms, n, me, state.mesh, state.axis, f"{state.tag} backward", weight_grad)
+        gx = scatter_ring(terms, n, me, state.mesh, state.axis, state.dim, f"{state.tag} backward", weight_grad,
+                          bidirectional=state.both_ways)
         if not gw:  # a ring of one rank: no hop to hide it under
             weight_grad()
         return gx.reshape(ctx.x_shape), gw[0], None, None
@@ -304,10 +291,10 @@ class _MatmulScatterGrad(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, w: torch.Tensor, mesh: DeviceMesh, axis: str,  # type: ignore[override]
-                dim: int, tag: str) -> torch.Tensor:
+                dim: int, tag: str, bidirectional: bool) -> torch.Tensor:
         n, _ = _ring_of(mesh, axis)
         ctx.save_for_backward(x, w)
-        ctx.mesh, ctx.axis, ctx.dim, ctx.tag = mesh, axis, dim, tag
+        ctx.mesh, ctx.axis, ctx.dim, ctx.tag, ctx.both_ways = mesh, axis, dim, tag, bidirectional
         shape = list(x.shape[:-1]) + [w.shape[-1]]
         shape[dim] //= n
         return x.new_zeros(()).expand(shape)
@@ -318,17 +305,15 @@ class _MatmulScatterGrad(torch.autograd.Function):
         n, me = _ring_of(ctx.mesh, ctx.axis)
         gx = torch.empty_like(x)
         gw = torch.zeros_like(w)
-        cur = g.contiguous()
-        for s in range(n):
-            handle = (comm.send_recv(cur, ctx.mesh, ctx.axis, shift=1, async_op=True, tag=f"{ctx.tag} backward")
-                      if s < n - 1 else None)
-            c = (me - s) % n  # the chunk of the gradient in hand, under the hop in flight
-            _chunk(gx, ctx.dim, n, c).copy_(cur @ w.transpose(0, 1))
-            xc = _chunk(x, ctx.dim, n, c)
-            gw += xc.reshape(-1, xc.shape[-1]).transpose(0, 1) @ cur.reshape(-1, cur.shape[-1])
-            if handle is not None:
-                cur = handle.wait()
-        return gx, gw, None, None, None, None
+
+        def use(c: int, part: int | None, gc: torch.Tensor) -> None:  # under the hops in flight
+            piece(gx, ctx.dim, n, c, part).copy_(gc @ w.transpose(0, 1))
+            xc = piece(x, ctx.dim, n, c, part)
+            gw.add_(xc.reshape(-1, xc.shape[-1]).transpose(0, 1) @ gc.reshape(-1, gc.shape[-1]))
+
+        gather_ring(g.contiguous(), n, me, ctx.mesh, ctx.axis, ctx.dim, f"{ctx.tag} backward", use,
+                    bidirectional=ctx.both_ways)
+        return gx, gw, None, None, None, None, None
 
 
 class _MatmulScatter(torch.autograd.Function):
@@ -337,19 +322,22 @@ class _MatmulScatter(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, stand_in: torch.Tensor, x: torch.Tensor,  # type: ignore[override]
-                w: torch.Tensor, mesh: DeviceMesh, axis: str, dim: int, tag: str) -> torch.Tensor:
+                w: torch.Tensor, mesh: DeviceMesh, axis: str, dim: int, tag: str, bidirectional: bool) -> torch.Tensor:
         n, me = _ring_of(mesh, axis)
-        return _scatter_ring(lambda c: _chunk(x, dim, n, c) @ w, n, me, mesh, axis, tag)
+        return scatter_ring(lambda c, part: piece(x, dim, n, c, part) @ w, n, me, mesh, axis, dim, tag,
+                            bidirectional=bidirectional)
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):  # type: ignore[override]
-        return g, None, None, None, None, None, None
+        return g, None, None, None, None, None, None, None
 
 
 def _matmul_scatter(x: torch.Tensor, w: torch.Tensor, mesh: DeviceMesh, axis: str, dim: int,
                     tag: str) -> torch.Tensor:
-    stand_in = _MatmulScatterGrad.apply(x, w, mesh, axis, dim, tag)
-    return _MatmulScatter.apply(stand_in, x.detach(), w.detach(), mesh, axis, dim, tag)
+    n, _ = _ring_of(mesh, axis)
+    bidirectional = both_ways(n, x.shape[dim] // n)  # taken once: forward and backward alike
+    stand_in = _MatmulScatterGrad.apply(x, w, mesh, axis, dim, tag, bidirectional)
+    return _MatmulScatter.apply(stand_in, x.detach(), w.detach(), mesh, axis, dim, tag, bidirectional)
 
 
 def _single(x: DTensor, dst: P, kind: str, axis: str) -> int | None:
@@ -392,7 +380,8 @@ def ring_constrain(x: DTensor, dst: P, *, tag: str) -> DTensor | None:
     shape[dim] *= axis_sizes(x.device_mesh)[axis]
     # NaN until the ring fills it: a reader other than linear fails loudly (module docstring).
     buffer = torch.full(shape, float("nan"), dtype=local.dtype, device=local.device)
-    state = _RingState(local.detach().contiguous(), x, x.device_mesh, axis, dim, tag, split=_split_depth > 0)
+    state = _RingState(local.detach().contiguous(), x, x.device_mesh, axis, dim, tag, split=_split_depth > 0,
+                       both_ways=both_ways(axis_sizes(x.device_mesh)[axis], local.shape[dim]))
     out = _RingEntry.apply(x, buffer, state, dst)
     setattr(out, _RING, (state, buffer))
     return out
@@ -400,7 +389,7 @@ def ring_constrain(x: DTensor, dst: P, *, tag: str) -> DTensor | None:
 
 def filled(x: torch.Tensor) -> torch.Tensor:
     """``x`` itself, with an entry buffer no ``linear`` has filled yet filled now by the
-    plain ring (``tp - 1`` hops, nothing under them): for ops that read a block's
+    plain ring (its hops with nothing under them): for ops that read a block's
     gathered input other than through ``linear`` (the MoE router and token dispatch).
 
     Its gradient reaches the entry's own reduce-scatter (:class:`_RingEntry`, the dual

@@ -190,7 +190,9 @@ def traffic(s: Setup, rank_leaves: list[Leaf], stage: int = 0) -> list[Traffic]:
         whole = s.tokens * cfg.dim * e  # (b, s/cp, h): what a row-parallel output is
         ends = has_embed + has_head
         if s.sp and s.async_tp:
-            # Rings of tp-1 hops of one shard (dtp.ops.collective_matmul): per block, the two
+            # Rings of tp-1 shards per rank (dtp.ops.collective_matmul; counted in shards: from
+            # tp 3 up the rings are bidirectional, two hops a step and the opposite shard in
+            # halves, so more records of the same bytes in all): per block, the two
             # entries and two exits, forward and backward, and under full recompute the
             # entries again and the attention exit (the recompute stops before the MLP's);
             # the head's entry both ways. The embedding's pending sum is no matmul's: it
