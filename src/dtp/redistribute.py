@@ -24,7 +24,6 @@ gradient of each term of a sum is the gradient of the sum).
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence

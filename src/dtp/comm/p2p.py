@@ -22,7 +22,6 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..mesh import mesh_device
