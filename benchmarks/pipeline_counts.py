@@ -15,7 +15,8 @@ counters slow what they count, so the CPU pass runs without them):
 * ``py calls``: Python and C function calls (``sys.setprofile``) inside the action;
 * ``aten ops`` / ``allocs``: aten calls (a ``TorchDispatchMode``), and of their outputs
   those whose storage is none of the op's inputs' (a new tensor);
-* ``grad inputs``: tensors an action asks ``torch.autograd.grad`` for (input and weights);
+* ``grad inputs``: tensors (or gradient edges) an action asks the autograd engine for
+  (input and weights; the runner calls it through ``pipeline_split``'s ``run_backward``);
 * ``posted`` / ``waits``: gloo sends and receives posted (``dtp.comm`` records) and
   ``CommHandle.wait`` calls inside the action (its own receive included).
 """
@@ -61,13 +62,14 @@ def _count(schedules, m: int, rows: int, dim: int, layers: int, warmup: int, ste
     import pipeline as bench
     from dtp import comm
     from dtp.strategies import pipeline as pl
+    from dtp.strategies import pipeline_split as split
 
     torch.set_num_threads(1)
     params, model = bench.make_params(layers, dim), bench.make_model(layers)
     batch = bench.make_batch(m * rows, dim)
     kinds = ("_F", "_B", "_I", "_W")
     saved = {k: getattr(pl.Run, k) for k in kinds}
-    grad, wait = torch.autograd.grad, comm.CommHandle.wait
+    grad, wait = split.run_backward, comm.CommHandle.wait
     out = {}
     try:
         for schedule, v in schedules:
@@ -78,17 +80,17 @@ def _count(schedules, m: int, rows: int, dim: int, layers: int, warmup: int, ste
             stats: dict = collections.defaultdict(collections.Counter)
             inside = [None]  # the action kind being counted (the outer one: _B calls _I), in the CPU pass
 
-            def counted_grad(outputs, inputs, *a, **k):
+            def counted_grad(outputs, grad_outputs, inputs, *a, **k):
                 if inside[0] and counting[0] == "cpu":
-                    stats[inside[0]]["grad inputs"] += len(inputs) if isinstance(inputs, (list, tuple)) else 1
-                return grad(outputs, inputs, *a, **k)
+                    stats[inside[0]]["grad inputs"] += len(inputs)
+                return grad(outputs, grad_outputs, inputs, *a, **k)
 
             def counted_wait(handle):
                 if inside[0] and counting[0] == "cpu":
                     stats[inside[0]]["waits"] += 1
                 return wait(handle)
 
-            torch.autograd.grad, comm.CommHandle.wait = counted_grad, counted_wait
+            split.run_backward, comm.CommHandle.wait = counted_grad, counted_wait
             counting = [None]
             for counter in COUNTERS:
                 counting[0] = counter
@@ -142,7 +144,7 @@ def _count(schedules, m: int, rows: int, dim: int, layers: int, warmup: int, ste
                 per[kind]["count"] = n["cpu"] / steps
             out[schedule] = per
     finally:
-        torch.autograd.grad, comm.CommHandle.wait = grad, wait
+        split.run_backward, comm.CommHandle.wait = grad, wait
         for k in kinds:
             setattr(pl.Run, k, saved[k])
     return out

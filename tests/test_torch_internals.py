@@ -121,3 +121,22 @@ def test_new_dtensor_constructor():
         assert _torch.local_tensor(x) is not local  # a fresh view of the same memory
         local.add_(1)
         assert torch.equal(x.to_local(), local)
+
+
+def test_run_backward_is_autograd_grad_without_its_checks():
+    from torch.autograd.graph import GradientEdge, _engine_run_backward, get_gradient_edge
+
+    assert callable(_engine_run_backward)
+    w = torch.randn(3, 3, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(2, 3, dtype=torch.float64, requires_grad=True)
+    unused = torch.zeros(1, requires_grad=True)
+    y = torch.tanh(x @ w)
+    g = torch.randn(2, 3, dtype=torch.float64)
+    want = torch.autograd.grad(y, [x, w, unused], g, retain_graph=True, allow_unused=True)
+    got = _torch.run_backward([y], [g], [x, w, unused], retain_graph=True)
+    assert got[2] is None and all(torch.equal(a, b) for a, b in zip(got[:2], want[:2]))
+    # Edges as outputs and inputs (what the zero-bubble weight pass starts from and asks for)
+    mm = y.grad_fn.next_functions[0][0]
+    dy = torch.ops.aten.tanh_backward(g, y.detach())  # what reaches the mm node: tanh's own backward, same bits
+    dw = _torch.run_backward([GradientEdge(mm, 0)], [dy], [get_gradient_edge(w)])
+    assert torch.equal(dw[0], want[1])

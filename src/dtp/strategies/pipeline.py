@@ -376,7 +376,7 @@ class Run:
         if keep_graph:  # zero bubble's I: the input's gradient, and what W starts from
             dxs, self.pending_w[(chunk, i)] = pipeline_split.backward_input(outs, grads, xs, leaves, views=self.zero)
         elif xs or leaves:
-            got = torch.autograd.grad(outs, xs + leaves, grad_outputs=grads, allow_unused=True)
+            got = pipeline_split.differentiate(outs, grads, xs + leaves)
             dxs, weights = got[:len(xs)], got[len(xs):]
         if xs:
             # A gradient may come back as a pending sum like an activation: reduced before it leaves.
