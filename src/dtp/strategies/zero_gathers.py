@@ -3,9 +3,9 @@
 Stage 1/2 gather every bucket into the buffers the next forward reads; stage 3 gathers
 the next forward's first ``prefetch`` + 1 buckets during the update and holds them whole
 until that forward takes them (``overlap_param_gather``). Those held buckets are memory
-at rest (llama "small" at ``bucket_mb=3``: 2 buckets, 5.5 MiB per rank beside 18.8 MiB of
-master slices and moments), so they are named here, where :func:`dtp.plan` and the
-benchmarks can count them, not only where a profile finds them.
+at rest (llama "small" at ``bucket_mb=3``, dp=2: 2 buckets, 6.25 MiB per rank beside
+18.76 MiB of master slices and moments), so they are named here, where :func:`dtp.plan`
+(``held_gathers``) and the benchmarks can count them, not only where a profile finds them.
 """
 
 from __future__ import annotations
