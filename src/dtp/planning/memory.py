@@ -10,16 +10,18 @@ its cases it is 0-4 % over, bf16 included):
   optimizer is functional); under ZeRO 1/2 the gathered parameter buckets (padded) plus
   this rank's slice of fp32 master weights and moments; under ZeRO 3 the master slice
   (it is the parameters) and the moments, and with ``overlap_param_gather`` the next
-  forward's first ``prefetch`` + 1 buckets, gathered during the update (:func:`held_gathers`). The step's token ids and targets (int64)
-  sit beside them throughout.
+  forward's first ``prefetch`` + 1 buckets, gathered during the update
+  (:func:`held_gathers`). The step's token ids and targets (int64) sit beside them
+  throughout.
 * **forward and backward** — the fullest of a few moments (:func:`phases`), each the rest
   plus what exists then: the loss being computed (every saved activation, the logits
   and, in low precision, their fp32 copy); the loss's backward (the gradient of its
   exponentials); the backward below it (the whole gradient buffers — under ZeRO with one
   microbatch only the head's gradients, the others held as they come until their bucket
   is full — the logits' gradient, three residual-sized temporaries); under full
-  recompute a block rebuilt, at its MLP and at its first norm; with dp > 1 the gradient reduction after backward. Gradients exist
-  from the head's matmul backward on, with several microbatches from the first on.
+  recompute a block rebuilt, at its MLP and at its first norm; with dp > 1 the gradient
+  reduction after backward. Gradients exist from the head's matmul backward on, with
+  several microbatches from the first on.
   ZeRO-3's gathered buckets count where they live: at the loss those not freed after
   forward, in backward the one in use and the one prefetched.
 * **update** — the rest plus the new tree the functional update builds beside the old
