@@ -32,7 +32,9 @@ high-water mark is reset (``echo 5 > /proc/self/clear_refs``) and ``--mem-steps`
 run. Reported peak = ``state`` + ``transient``:
 
 * ``state`` (exact): bytes of the distinct storages of the tensors that persist between
-  steps on a rank — dtp: master slices + AdamW moments; torch: sharded parameters, their
+  steps on a rank — dtp: master slices + AdamW moments + the buckets gathered for the next
+  forward during the update (``overlap_param_gather``; they are in the resident set after
+  warm-up, so the transient below does not see them); torch: sharded parameters, their
   ``.grad`` (FSDP2 keeps them after ``step()``; ``zero_grad(set_to_none=True)`` runs at the
   start of the next step, as usual), AdamW ``exp_avg``/``exp_avg_sq``;
 * ``transient`` (measured): VmHWM during the measured steps − VmRSS after warm-up —
@@ -158,6 +160,9 @@ def _setup(cfg, batch: dict, which: str, bucket_mb: float):
                                      if isinstance(x, torch.Tensor)]]
             if st.zero.stage < 3:
                 ts += st.zero.buffers
+            # Stage 3 with overlap_param_gather: the next forward's first buckets, gathered
+            # during the update and held whole until that forward takes them.
+            ts += st.zero.pending.held()
             return _storage_bytes(ts)
 
         return step, state_bytes, box

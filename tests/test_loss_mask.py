@@ -5,6 +5,7 @@ microbatches and sequence halves, the loss and gradients equal one device taking
 at once (fp64, 1e-10); the guard accepts -100 in targets and nothing else negative."""
 
 import functools
+import itertools
 
 import pytest
 import torch
@@ -97,6 +98,37 @@ def test_masked_targets_add_nothing_and_all_masked_is_zero():
     none = cross_entropy(logits, torch.full((2, 3), IGNORE_INDEX))
     none.backward()
     assert float(none) == 0.0 and float(logits.grad.abs().sum()) == 0.0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_local_loss_is_torch_cross_entropy_bitwise(dtype):
+    """On plain tensors (local batch mode) the loss and the logits' gradient are
+    ``F.cross_entropy``'s bit for bit, masked rows included; its backward writes the
+    gradient in place, so it holds two logits-sized tensors where autograd's holds three."""
+    from torch.profiler import ProfilerActivity, profile
+
+    g = torch.Generator().manual_seed(0)
+    logits = (3 * torch.randn(4, 64, 256, generator=g)).to(dtype)
+    targets = torch.randint(0, 256, (4, 64), generator=g)
+    targets[:, ::5] = IGNORE_INDEX
+    ours, theirs = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+    loss = cross_entropy(ours, targets)
+    acc = torch.float64 if dtype == torch.float64 else torch.float32  # the loss runs in fp32 (fp64 stays)
+    ref = torch.nn.functional.cross_entropy(theirs.reshape(-1, 256).to(acc), targets.reshape(-1), ignore_index=-100,
+                                            reduction="sum") / count_targets(targets)
+    assert torch.equal(loss, ref), (float(loss), float(ref))
+    peaks = []
+    for out, x in ((loss, ours), (ref, theirs)):
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            out.backward()
+        sizes = [e.nbytes() for e in sorted(prof.profiler.kineto_results.events(), key=lambda e: e.start_ns())
+                 if e.name() == "[memory]"]
+        peaks.append(max(itertools.accumulate(sizes, initial=0)))
+    assert torch.equal(ours.grad, theirs.grad)
+    # Ours: the gradient (bf16: then its cast); autograd's: nll_loss's gradient beside
+    # log-softmax's (bf16: the cast once the former is gone) — a logits-sized tensor more.
+    saved = logits.numel() * logits.element_size()
+    assert peaks[0] <= peaks[1] - saved + 4096, (peaks, saved)
 
 
 def _guard(targets):

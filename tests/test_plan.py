@@ -250,6 +250,36 @@ def test_predicted_peak_bounds_the_measured(measured, measured_memory_only, name
     assert plan.peak <= peak * MEMORY_OVER, where
 
 
+def _state_at_rest(prefetch: int) -> tuple[int, int]:
+    """One rank after two ZeRO-3 steps with ``overlap_param_gather``: bytes of the
+    buckets its state holds for the next forward, and of everything it keeps at rest."""
+    cfg = llama.config("tiny")
+    layout = dtp.layouts.data() + dtp.layouts.zero(3, bucket_mb=0.05, overlap_param_gather=True, prefetch=prefetch)
+    state = dtp.TrainState.create(llama.init(cfg, seed=0), dtp.optim.adamw(1e-3), mesh=dtp.make_mesh(dp=2),
+                                  layout=layout, axes=llama.param_axes(cfg))
+    tok = torch.randint(0, cfg.vocab_size, (8, 17), generator=torch.Generator().manual_seed(0))
+    batch = dtp.shard_batch({"tokens": tok[:, :-1].contiguous(), "targets": tok[:, 1:].contiguous()}, state)
+    for _ in range(2):
+        state, _ = dtp.train_step(llama.sequential(cfg), state, batch)
+    dtp.wait(state)
+    held = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in state.zero.pending.held()}
+    rest = {t.to_local().untyped_storage().data_ptr(): t.to_local().untyped_storage().nbytes()
+            for t in [*state.zero.master, *torch.utils._pytree.tree_leaves(state.opt_state)]
+            if isinstance(t, torch.Tensor) and t.dim() > 0}
+    return sum(held.values()), sum(held.values()) + sum(rest.values())
+
+
+@pytest.mark.parametrize("prefetch", [1, 2])
+def test_plan_counts_zero3_held_gathers_exactly(prefetch):
+    """ZeRO-3's next-forward buckets, gathered during the update and held between steps,
+    are in the plan's rest to the byte (and the rest with them)."""
+    held, rest = run(_state_at_rest, prefetch, world_size=2)[0]
+    layout = dtp.layouts.data() + dtp.layouts.zero(3, bucket_mb=0.05, overlap_param_gather=True, prefetch=prefetch)
+    m = dtp.plan("tiny", batch=8, seq=16, dp=2, zero=3, bucket_mb=0.05, layout=layout).worst
+    assert held > 0 and (m.held, m.rest) == (held, rest)
+    assert dtp.plan("tiny", batch=8, seq=16, dp=2, zero=3, bucket_mb=0.05).worst.held == 0  # no overlap: none held
+
+
 def test_70b_plans_in_well_under_a_second_without_allocating():
     from torch.profiler import ProfilerActivity, profile
 

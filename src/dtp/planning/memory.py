@@ -8,16 +8,20 @@ its cases it is 0-4 % over, bf16 included):
 
 * **at rest** — parameters and AdamW's two moments in the parameters' dtype (dtp's
   optimizer is functional); under ZeRO 1/2 the gathered parameter buckets (padded) plus
-  this rank's slice of fp32 master weights and moments; under ZeRO 3 only the master
-  slice (it is the parameters) and the moments. The step's token ids and targets (int64)
-  sit beside them throughout.
+  this rank's slice of fp32 master weights and moments; under ZeRO 3 the master slice
+  (it is the parameters) and the moments, and with ``overlap_param_gather`` the next
+  forward's first ``prefetch`` + 1 buckets, gathered during the update
+  (:func:`held_gathers`). The step's token ids and targets (int64) sit beside them
+  throughout.
 * **forward and backward** — the fullest of a few moments (:func:`phases`), each the rest
   plus what exists then: the loss being computed (every saved activation, the logits
   and, in low precision, their fp32 copy); the loss's backward (the gradient of its
-  exponentials); the backward below it (the whole gradient buffers, the logits' gradient,
-  three residual-sized temporaries); under full recompute a block rebuilt, at its MLP and
-  at its first norm; with dp > 1 the gradient reduction after backward. Gradients exist
-  from the head's matmul backward on, with several microbatches from the first on.
+  exponentials); the backward below it (the whole gradient buffers — under ZeRO with one
+  microbatch only the head's gradients, the others held as they come until their bucket
+  is full — the logits' gradient, three residual-sized temporaries); under full
+  recompute a block rebuilt, at its MLP and at its first norm; with dp > 1 the gradient
+  reduction after backward. Gradients exist from the head's matmul backward on, with
+  several microbatches from the first on.
   ZeRO-3's gathered buckets count where they live: at the loss those not freed after
   forward, in backward the one in use and the one prefetched.
 * **update** — the rest plus the new tree the functional update builds beside the old
@@ -40,7 +44,9 @@ The loss (:func:`dtp.ops.parallel.cross_entropy`, vocab-parallel or not) runs in
 keeps two logits-sized fp32 tensors — the shifted logits (``gather`` saves its input) and
 their exponentials (``exp`` saves its output) — beside the target index and mask; while
 it runs, the logits (and their fp32 copy) are alive too: at the loss, where most plans
-peak, a rank holds every saved activation and three logits-sized tensors.
+peak, a rank holds every saved activation and three logits-sized tensors. On plain
+tensors (a layout that splits only the batch) it keeps the log-softmax alone, and its
+backward writes the gradient in place: two.
 """
 
 from __future__ import annotations
@@ -53,7 +59,7 @@ from ..models import llama
 from .setup import Leaf, Setup
 from .traffic import zero_buckets
 
-__all__ = ["Memory", "memory", "block_activations", "phases"]
+__all__ = ["Memory", "memory", "block_activations", "phases", "held_gathers"]
 
 
 @dataclass(frozen=True)
@@ -71,11 +77,14 @@ class Memory:
     update: int  # the new tree the optimizer step builds beside the old
     in_flight: int  # microbatches whose activations the rank holds at once
     moment: str  # which moment of forward/backward is the fullest
-    step_peak: int  # bytes at that moment, the rest included
+    step_peak: int  # bytes at that moment, the rest included (the held gathers taken by then)
+    # ZeRO-3 with overlap_param_gather: the next forward's first prefetch + 1 buckets,
+    # gathered during the update and held whole between steps (forward takes them)
+    held: int = 0
 
     @property
     def rest(self) -> int:
-        return self.params + self.optimizer
+        return self.params + self.optimizer + self.held
 
     @property
     def backward_peak(self) -> int:
@@ -148,7 +157,8 @@ def _head(s: Setup) -> _Head:
     acc = accum_dtype(s.torch_dtype).itemsize
     t, tr = s.tokens, s.residual_tokens
     logits = t * cfg.vocab_size // s.tp
-    loss_saved = 2 * logits * acc  # shifted logits and their exponentials, fp32
+    # shifted logits and their exponentials, fp32; on plain tensors the log-softmax only
+    loss_saved = (1 if _local_batch(s) else 2) * logits * acc
     # norm: input, normalised, the head's (gathered) input, rsqrt; the loss: target index
     # (int64) and mask (bool), the (sum of exp, target logit) pairs, per-token losses
     saved = _norm(s) + loss_saved + t * (8 + 1) + 3 * t * acc
@@ -159,6 +169,12 @@ def _head(s: Setup) -> _Head:
     # masked, the sum of exponentials, their pair (stacked): 5·t·acc beside the 3 kept.
     forward = logits * e + copy + 2 * t * acc
     return _Head(saved, forward, logits * acc, logits * e + 3 * t * cfg.dim * e, loss_saved)
+
+
+def _local_batch(s: Setup) -> bool:
+    """Whether the step computes on plain local tensors (:mod:`dtp.strategies.local`:
+    the layout splits only the batch, over more than one rank; ``llama``'s loss may)."""
+    return s.dp > 1 and s.tp == s.cp == s.ep == s.pp == 1
 
 
 def _gloo(s: Setup) -> bool:
@@ -191,7 +207,7 @@ def phases(s: Setup, rank_leaves: list[Leaf], stage: int = 0) -> dict[str, tuple
     >>> from dtp.planning.setup import leaves
     >>> s = Setup(cfg=llama.config("tiny"), dp=2, batch=8, seq=256)
     >>> {k: sum(v) for k, v in phases(s, leaves(s)).items()}      # doctest: +NORMALIZE_WHITESPACE
-    {'loss forward': 13546752, 'loss backward': 13538560, 'below the loss': 12655104,
+    {'loss forward': 12498176, 'loss backward': 12489984, 'below the loss': 12655104,
      'gradient reduction': 871168}
     """
     cfg, e = s.cfg, s.torch_dtype.itemsize
@@ -242,7 +258,12 @@ def phases(s: Setup, rank_leaves: list[Leaf], stage: int = 0) -> dict[str, tuple
         everything = saved(kept + embed + head.saved)
         out["loss forward"] = (early, everything, head.forward + gathered_fwd + data)
         out["loss backward"] = (early, everything, head.backward + gathered_bwd + data)
-        out["below the loss"] = (grads, everything - head.loss_saved, head.below + gathered_bwd + data)
+        # ZeRO keeps gradients as they come until their bucket's last is in, so below the
+        # loss (one microbatch) only the head's exist, in the accumulation dtype.
+        head_paths = ("final_norm", "embed" if cfg.tie_embeddings else "lm_head")
+        head_grads = sum(l.numel * acc for l in rank_leaves if l.path in head_paths)
+        below = early or head_grads if zero else grads
+        out["below the loss"] = (below, everything - head.loss_saved, head.below + gathered_bwd + data)
     else:  # a pipeline rank without the head: its backward starts at its last block
         out["backward"] = (grads, saved(kept + embed), 3 * s.residual_tokens * cfg.dim * e + gathered_bwd + data)
     if full and per_block:
@@ -290,6 +311,7 @@ def memory(s: Setup, rank_leaves: list[Leaf], stage: int = 0) -> Memory:
     w = sum(l.nbytes for l in rank_leaves)
     zero = s.zero if s.dp > 1 else 0
     data = _data(s)
+    held = 0
     if zero:
         buckets = zero_buckets(s, rank_leaves)
         padded = sum(b[0] for b in buckets)
@@ -299,6 +321,7 @@ def memory(s: Setup, rank_leaves: list[Leaf], stage: int = 0) -> Memory:
             params, optimizer = buf, 3 * slice_ * acc
         else:  # the master slice is the parameters (gathers cast it on the fly)
             params, optimizer = slice_ * acc, 2 * slice_ * acc
+            held = held_gathers(s, buckets)
         # The new tree over the slices, and one slice-sized temporary of AdamW's (a bucket's
         # slice is one tensor: measured 7 slices at ZeRO-3's update peak, torch 2.13)
         update = 6 * slice_ * acc + max(b[0] for b in buckets) // s.dp * acc
@@ -317,4 +340,22 @@ def memory(s: Setup, rank_leaves: list[Leaf], stage: int = 0) -> Memory:
     moment = max(moments, key=lambda k: sum(moments[k]))
     activations = max(saved for _, saved, _ in moments.values())
     return Memory(stage, params, grads, optimizer, activations, moments[moment][2], update, _in_flight(s, stage),
-                  moment, params + optimizer + sum(moments[moment]))
+                  moment, params + optimizer + sum(moments[moment]), held)
+
+
+def held_gathers(s: Setup, buckets: list[tuple[int, int, int, bool]]) -> int:
+    """Bytes of the whole buckets ZeRO-3 holds between steps: under
+    ``overlap_param_gather`` the update gathers the next forward's first ``prefetch`` + 1
+    buckets (what that forward holds at its first read) and the state keeps them until
+    it takes them (:class:`dtp.strategies.zero_gathers.InflightGathers`); none otherwise.
+
+    >>> from dtp.planning.setup import leaves
+    >>> s = Setup(cfg=llama.config("tiny"), dp=2, zero=3, bucket_mb=0.05,
+    ...           layout=dtp.layouts.data() + dtp.layouts.zero(3, bucket_mb=0.05, overlap_param_gather=True))
+    >>> held_gathers(s, zero_buckets(s, leaves(s)))     # prefetch 1: buckets 0 and 1, whole, fp32
+    147968
+    """
+    opts = s.layout.zero if s.layout is not None else None
+    if s.zero != 3 or s.dp == 1 or opts is None or not opts.overlap_param_gather:
+        return 0
+    return sum(b[0] * b[1] for b in buckets[:opts.prefetch + 1])

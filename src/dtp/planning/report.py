@@ -64,6 +64,8 @@ def format_plan(p: "Plan", memory_gb: float | None = None) -> str:
     rows = [("parameters", m.params), ("optimizer state", m.optimizer), ("gradients", m.grads),
             (f"activations ({m.in_flight} microbatch{'es' if m.in_flight > 1 else ''} in flight)",
              m.activations), ("working set", m.working)]
+    if m.held:  # ZeRO-3's next-forward gathers (overlap_param_gather), held between steps
+        rows.insert(2, ("gathered for the next forward", m.held))
     lines = [_describe(p), f"memory per rank (pipeline rank {m.stage})"]
     lines += [f"  {name:<36}{format_bytes(v):>12}" for name, v in rows]
     lines.append(f"  {'peak in backward':<36}{format_bytes(m.backward_peak):>12}")

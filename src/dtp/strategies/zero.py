@@ -53,6 +53,7 @@ from ..spec import P, wrap_local, wrap_placed, spec_of
 from .zero_plan import (Bucket, Leaf, ZeroPlan, check_same_plan, flat_global, gather_bucket, leaf, local_parts,
                         make_plan,
                         param_slice, slice_of)
+from .zero_gathers import InflightGathers
 from .zero_views import LazyMapping, LazySequence, ParamView, in_backward
 
 __all__ = ["ZeroState", "ZeroPlan", "Bucket", "Leaf", "InflightGathers", "Run", "options", "gather", "at_rest",
@@ -79,38 +80,6 @@ def bytes_per_parameter(param_bytes: int, dp: int, *, master: bool) -> float:
     else:  # fp32/fp64 params are their own master weights; moments in the params' dtype
         grad, sharded = param_bytes, 2 * param_bytes
     return param_bytes + grad + sharded / dp
-
-
-class InflightGathers:
-    """Parameter all-gathers still on the wire between steps, one slot per bucket.
-
-    Mutable by name and by design: waiting clears a slot (stage 1/2: the result is in the
-    state's buffers), or with ``hold`` (stage 3: the result is the gathered bucket, which
-    the next step :meth:`take` s) keeps the waited handle. A :class:`ZeroState` holds one
-    so the state itself stays plain data; waiting twice is harmless."""
-
-    def __init__(self, handles: Sequence[comm.CommHandle | None] = (), *, hold: bool = False):
-        self._handles, self._keep = list(handles), hold
-
-    def wait(self, bucket: int | None = None) -> None:
-        """Wait for bucket ``bucket``'s gather (all of them with ``None``); no new collective."""
-        for b in range(len(self._handles)) if bucket is None else (bucket,):
-            if b < len(self._handles) and self._handles[b] is not None:
-                self._handles[b].wait()
-                if not self._keep:
-                    self._handles[b] = None
-
-    def take(self, bucket: int) -> comm.CommHandle | None:
-        """Stage 3: bucket ``bucket``'s gather the step before posted (``None``: none),
-        handed over once, so that the state no longer holds the whole bucket."""
-        handle = self._handles[bucket] if bucket < len(self._handles) else None
-        if handle is not None:
-            self._handles[bucket] = None
-        return handle
-
-    def done(self) -> bool:
-        """True once nothing is left in flight (every slot waited for or taken)."""
-        return all(h is None or h.is_completed() for h in self._handles)
 
 
 @dataclass(frozen=True)
@@ -517,8 +486,9 @@ class Run:
         if z.stage < 3:
             self.posted[i] = _post_param_gather(z.plan, bucket, target)
         elif i <= self.prefetch_depth:
-            self.posted[i] = (None, gather_bucket(z.plan, bucket, param_slice(target, bucket), async_op=True,
-                                                  tag="zero3 gather"))
+            buf = torch.empty(bucket.numel, dtype=bucket.dtype, device=self.device)
+            self.posted[i] = (buf, gather_bucket(z.plan, bucket, param_slice(target, bucket), async_op=True,
+                                                 tag="zero3 gather", out=buf))
 
     def finish(self, updated: list[DTensor]) -> tuple[PyTree, ZeroState]:
         """The new state: updated master slices, and (stage 1/2) every bucket's all-gather
@@ -539,7 +509,8 @@ def at_rest(z: ZeroState, master: Sequence[DTensor],
     every rank."""
     plan, master, posted = z.plan, tuple(master), posted or {}
     if z.stage == 3:
-        ahead = InflightGathers([posted[b][1] if b in posted else None for b in range(len(plan.buckets))], hold=True)
+        slots = [posted.get(b, (None, None)) for b in range(len(plan.buckets))]
+        ahead = InflightGathers([h for _, h in slots], hold=True, buffers=[buf for buf, _ in slots])
         return None, ZeroState(z.options, z.leaves, z.skeleton, plan, master, pending=ahead)
     overlap = z.options.overlap_param_gather
     buffers, handles = [], []
