@@ -25,9 +25,11 @@ its cases it is 0-4 % over, bf16 included):
   ZeRO-3's gathered buckets count where they live: at the loss those not freed after
   forward, in backward the one in use and the one prefetched.
 * **update** — the rest plus the new tree the functional update builds beside the old
-  one: gradients, clipped gradients, update, both new moments and the new parameters
-  (6 × the parameters; under ZeRO 6 × the slice and a slice-sized temporary, then at 1/2
-  the new slices gathered into new buckets).
+  one: gradients, clipped gradients, both new moments, Adam's denominator and the new
+  parameters — 6 × the parameters, measured, replicated; under ZeRO 5 × the slice and a
+  slice-sized temporary (one slice fewer since :func:`dtp.optim.step` writes the new
+  parameters with the optimizer's last op), then at ZeRO-1/2 the new slices gathered
+  into new buckets.
 
 Saved activations per block, for ``t`` tokens a rank computes (``b·s/cp``), ``t_r`` in
 its residual stream (``/tp`` with SP), element size ``e``, accumulation size ``a`` (fp32
@@ -323,8 +325,9 @@ def memory(s: Setup, rank_leaves: list[Leaf], stage: int = 0) -> Memory:
             params, optimizer = slice_ * acc, 2 * slice_ * acc
             held = held_gathers(s, buckets)
         # The new tree over the slices, and one slice-sized temporary of AdamW's (a bucket's
-        # slice is one tensor: measured 7 slices at ZeRO-3's update peak, torch 2.13)
-        update = 6 * slice_ * acc + max(b[0] for b in buckets) // s.dp * acc
+        # slice is one tensor: measured 6 slices at ZeRO-3's update peak since optim.step,
+        # 7 before it, torch 2.13)
+        update = 5 * slice_ * acc + max(b[0] for b in buckets) // s.dp * acc
         if zero < 3:  # then the new slices gathered into new buckets, on gloo over more
             # than 2 ranks through a staging buffer of a whole bucket (measured, torch 2.13:
             # dp4 ZeRO-1's peak, 3 slices + 2 buckets); at dp=2 dtp.comm gathers straight
