@@ -118,6 +118,19 @@ LR = 0.1
 
 
 # ------------------------------------------------------------------ the model, both ways
+def step_parser(doc: str | None, *, steps: int) -> argparse.ArgumentParser:
+    """The flags the one-table pipeline probes (``pipeline_counts.py``, ``pipeline_cpu.py``)
+    share: this benchmark's model and step, one microbatch count, the schedules."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--dim", type=int, default=512)
+    ap.add_argument("--rows", type=int, default=256)
+    ap.add_argument("--m", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=steps)
+    ap.add_argument("--schedules", nargs="+", default=["1f1b", "interleaved", "zb-h1", "zbv", "dualpipev"])
+    return ap
+
+
 def make_params(layers: int, dim: int, seed: int = 0) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return {f"w{i}": torch.randn(dim, dim, generator=g) / dim ** 0.5 for i in range(layers)}

@@ -23,7 +23,6 @@ counters slow what they count, so the CPU pass runs without them):
 
 from __future__ import annotations
 
-import argparse
 import collections
 import os
 import statistics
@@ -151,17 +150,12 @@ def _count(schedules, m: int, rows: int, dim: int, layers: int, warmup: int, ste
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--dim", type=int, default=512)
-    ap.add_argument("--rows", type=int, default=256)
-    ap.add_argument("--m", type=int, default=8)
+    import pipeline as bench
+
+    ap = bench.step_parser(__doc__, steps=3)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--schedules", nargs="+", default=["1f1b", "interleaved", "zb-h1", "zbv", "dualpipev"])
     args = ap.parse_args()
 
-    import pipeline as bench
     from dtp.testing import run
 
     chosen = [(s, v) for s, v in bench.SCHEDULES if s in args.schedules]

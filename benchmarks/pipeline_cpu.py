@@ -14,7 +14,6 @@ so a schedule beats 1F1B only if its simulated gain exceeds its extra CPU.
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
@@ -49,16 +48,11 @@ def _steps(schedules, m: int, rows: int, dim: int, layers: int, steps: int) -> d
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--dim", type=int, default=512)
-    ap.add_argument("--rows", type=int, default=256)
-    ap.add_argument("--m", type=int, default=8)
-    ap.add_argument("--steps", type=int, default=7)
-    ap.add_argument("--schedules", nargs="+", default=["1f1b", "interleaved", "zb-h1", "zbv", "dualpipev"])
+    import pipeline as bench
+
+    ap = bench.step_parser(__doc__, steps=7)
     args = ap.parse_args()
 
-    import pipeline as bench
     from dtp.testing import run
 
     chosen = [(s, v) for s, v in bench.SCHEDULES if s in args.schedules]
