@@ -206,7 +206,8 @@ def sgd(lr: ScalarOrSchedule, momentum: float = 0.0, nesterov: bool = False,
 
     def run(grads: PyTree, state: SGDState, params: PyTree | None, apply: bool) -> tuple[PyTree, SGDState]:
         if (weight_decay or apply) and params is None:
-            raise ValueError("sgd: weight_decay needs the params; call update(grads, state, params)")
+            raise ValueError(f"sgd: {'weight_decay' if weight_decay else 'apply'} needs the params; "
+                             f"call {'apply' if apply else 'update'}(grads, state, params)")
         count, step = _next_count(state.count)
         rate = float(schedule(step - 1))
 
@@ -266,7 +267,8 @@ def adamw(lr: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, eps: float =
 
     def run(grads: PyTree, state: AdamWState, params: PyTree | None, apply: bool) -> tuple[PyTree, AdamWState]:
         if (weight_decay or apply) and params is None:
-            raise ValueError("adamw: weight_decay needs the params; call update(grads, state, params)")
+            raise ValueError(f"adamw: {'weight_decay' if weight_decay else 'apply'} needs the params; "
+                             f"call {'apply' if apply else 'update'}(grads, state, params)")
         count, step = _next_count(state.count)
         rate = float(schedule(step - 1))
         # The same scalar algebra as torch's single-tensor AdamW, so trajectories agree to

@@ -385,8 +385,9 @@ def _non_finite(loss: float, norm: float) -> str | None:
     """What is non-finite (``None``: nothing). Both are identical on every rank — the loss
     is the replicated mean and the norm is reduced over every axis and every ZeRO bucket,
     so a NaN in any rank's gradient slice reaches it — and deciding on them needs no
-    collective of its own. Reading the norm waits for it (a device sync, as Megatron's
-    found-inf check), before the parameters are gathered: which ones depends on it."""
+    collective of its own. Reading them (:func:`_read`) waits for the norm (a device sync,
+    as Megatron's found-inf check), before the parameters are gathered: which ones depends
+    on it."""
     bad = [f"loss ({loss})"] * (not math.isfinite(loss))
     bad += [f"gradient norm ({norm})"] * (not math.isfinite(norm))
     return " and ".join(bad) or None
