@@ -197,23 +197,24 @@ def _check_inputs(batch: Mapping[str, torch.Tensor], state: TrainState, microbat
 
 
 def _forward_backward(loss_fn: Callable, run: strategies.StepRun | strategies.Scheduled,
-                      batch: Mapping[str, torch.Tensor], m: int) -> tuple[Loss, Any, int | None]:
+                      batch: Mapping[str, torch.Tensor], m: int) -> tuple[Loss, Any, torch.Tensor | None]:
     """The one microbatch loop: each microbatch's loss weighted 1/m. With ``targets`` in
     the batch, the cross-entropy divides by their valid count over the whole batch / m
-    (:func:`dtp.ops.mean_over`; posted first, read at the first loss, one small all-reduce per axis
-    that splits them), so the step's loss is the mean over every valid target whatever
-    the layout and ``m``. Returns the loss (not read yet: :func:`_read`), aux and that count
-    (``None``: no ``targets``, or a pipeline stage without the loss). Where the gradients
+    (:func:`dtp.ops.mean_over`; posted first, waited at the first loss, one small
+    all-reduce per axis that splits them), so the step's loss is the mean over every
+    valid target whatever the layout and ``m``. Returns the loss, aux and that count (the
+    loss and the count on the device, not read yet: :func:`_read`; the count ``None``
+    with no ``targets``, or on a pipeline stage without the loss). Where the gradients
     go is the run's business."""
     microbatches = _split_microbatches(batch, m)
     if "targets" not in batch:
         return (*_run_microbatches(loss_fn, run, microbatches), None)
-    counted: list[int] = []
-    count = target_count(batch["targets"], post_now=not _scheduled(run))  # waited late
+    counted: list[torch.Tensor] = []
+    count = target_count(batch["targets"], post_now=not _scheduled(run))  # waited late, never read here
 
-    def divisor() -> float:  # called by the first cross-entropy, after its forward (mean_over)
+    def divisor() -> torch.Tensor:  # called by the first cross-entropy, after its forward (mean_over)
         counted.append(count())
-        return max(counted[0], 1) / m
+        return counted[0].clamp_min(1).to(torch.float64) / m  # the float max(count, 1) / m, on the device
 
     with mean_over(divisor):
         loss, aux = _run_microbatches(loss_fn, run, microbatches)
@@ -350,7 +351,8 @@ def train_step(loss_fn: Callable[[PyTree, Mapping[str, torch.Tensor]], Any], sta
             loss, aux, counted = _forward_backward(strategies.computing(run, reading(loss_fn, state.buffers)), run,
                                                    batch, microbatches)
         with torch.no_grad(), span("update"):
-            updated, opt_state, (loss, norm), bad = _update(run, state.optimizer, state.opt_state, clip_norm, loss)
+            updated, opt_state, (loss, norm, counted), bad = _update(run, state.optimizer, state.opt_state,
+                                                                     clip_norm, loss, counted)
             # On a skip ``updated`` is the targets as they were: ZeRO still gathers them into
             # new buffers (first step: cuts them), so every step has the same collectives.
             params, zero = run.finish(updated)
@@ -373,12 +375,15 @@ def _first_rank(mesh: DeviceMesh) -> bool:
     return not dist.is_initialized() or dist.get_rank() == int(mesh.mesh.flatten()[0])
 
 
-def _read(loss: Loss, norm: torch.Tensor) -> tuple[float, float]:
-    """The step's loss and gradient norm as floats, in one host read: the step's one wait
-    for the device besides the target count's (a float loss comes from a schedule)."""
-    values = torch.stack([torch.as_tensor(loss, dtype=torch.float64, device=norm.device), norm.to(torch.float64)])
-    loss_value, norm_value = values.cpu().tolist()  # one transfer (a subclass has no tolist)
-    return loss_value, norm_value
+def _read(loss: Loss, norm: torch.Tensor, count: torch.Tensor | None) -> tuple[float, float, int | None]:
+    """The step's loss, gradient norm and valid-target count (``None``: none counted) in
+    one host read, the step's one wait for the device (a float loss comes from a
+    schedule). A count is exact in float64 up to 2**53 targets."""
+    parts = [torch.as_tensor(loss, dtype=torch.float64, device=norm.device), norm.to(torch.float64)]
+    if count is not None:
+        parts.append(count.reshape(()).to(device=norm.device, dtype=torch.float64))
+    values = torch.stack(parts).cpu().tolist()  # one transfer (a subclass has no tolist)
+    return values[0], values[1], (int(values[2]) if count is not None else None)
 
 
 def _non_finite(loss: float, norm: float) -> str | None:
@@ -394,10 +399,11 @@ def _non_finite(loss: float, norm: float) -> str | None:
 
 
 def _update(run: strategies.StepRun, optimizer: GradientTransformation, opt_state: PyTree,
-            clip_norm: float | None, loss: Loss) -> tuple[list[PyTree], PyTree, tuple[float, float], str | None]:
+            clip_norm: float | None, loss: Loss, count: torch.Tensor | None
+            ) -> tuple[list[PyTree], PyTree, tuple[float, float, int | None], str | None]:
     """The one update path: the run's reduced gradients, clipped to ``clip_norm`` over
     all of them, applied to the run's targets. Returns the new targets, optimizer state,
-    the loss and gradient norm read (:func:`_read`) and what was non-finite (``None``: the
+    the loss, gradient norm and target count read (:func:`_read`) and what was non-finite (``None``: the
     update was applied); with a non-finite loss or norm the targets and state come back
     untouched.
 
@@ -427,8 +433,8 @@ def _update(run: strategies.StepRun, optimizer: GradientTransformation, opt_stat
             grads[i] = g
             if run.in_flight():
                 update(i)  # under the later groups' transfers; a skip drops it
-        values = _read(loss, run.norm(grads))
-        if bad := _non_finite(*values):  # as Megatron: the optimizer does not run at all
+        values = _read(loss, run.norm(grads), count)
+        if bad := _non_finite(*values[:2]):  # as Megatron: the optimizer does not run at all
             return targets, opt_state, values, bad
         for i in range(n):
             if new[i] is None:
@@ -441,8 +447,8 @@ def _update(run: strategies.StepRun, optimizer: GradientTransformation, opt_stat
     norm = run.norm(tree)
     if clip_norm is not None:
         tree, norm = clip_by_global_norm(tree, clip_norm, norm=norm)
-    values = _read(loss, norm)
-    if bad := _non_finite(*values):  # as Megatron: the optimizer does not run at all
+    values = _read(loss, norm, count)
+    if bad := _non_finite(*values[:2]):  # as Megatron: the optimizer does not run at all
         return targets, opt_state, values, bad
     new, opt_state = optimizer_step(optimizer, tree, opt_state, params)
     return (new if run.grouped else [new]), opt_state, values, None

@@ -8,6 +8,7 @@ context-parallel axis selects the layout's context-parallel algorithm.
 from __future__ import annotations
 
 from .._rules import accum_dtype
+from .._torch import is_local_tensor
 import math
 
 import torch
@@ -156,7 +157,12 @@ def _rope_tables(n: int, half: int, theta: float, scaling: tuple[float, float, f
     if got is None or got[0].shape[0] < n:
         length = max(n, 2 * got[0].shape[0]) if got is not None else n
         inv = rope_frequencies(half, theta, scaling, dtype, device)
-        got = _TABLES[key] = _tables(torch.arange(length, device=device).to(dtype)[:, None] * inv)
+        got = _tables(torch.arange(length, device=device).to(dtype)[:, None] * inv)
+        if not is_local_tensor(got[0]):
+            # Under dtp.testing.simulate (LocalTensorMode) arange makes per-rank tensors:
+            # cached, they reached a later plain run of the same process (the CLI's
+            # loss became a LocalTensor after a simulated doctest).
+            _TABLES[key] = got
     return got
 
 

@@ -127,37 +127,33 @@ def count_targets(targets: torch.Tensor) -> int:
     >>> count_targets(torch.tensor([[3, -100, 5], [-100, -100, 0]]))
     3
     """
-    if not isinstance(targets, DTensor):  # local batch mode (dtp.ops.local_batch): summed over its axes
-        return int(batch_sum((targets != IGNORE_INDEX).sum().reshape(1).to(torch.int64), "loss")[0])
-    n = (targets.to_local() != IGNORE_INDEX).sum().reshape(1).to(torch.int64)
-    spec = spec_of(targets)
-    for axis in _ordered(targets.device_mesh, tuple(a for d in range(targets.dim()) for a in spec.axes_of(d))):
-        n = comm.all_reduce(n, targets.device_mesh, axis, tag="loss")
-    return int(n[0])
+    return int(target_count(targets, post_now=False)()[0])
 
 
-def target_count(targets: torch.Tensor, *, post_now: bool) -> Callable[[], int]:
-    """:func:`count_targets` split in two: with ``post_now`` the first all-reduce is
-    posted here, unwaited, and the returned function waits for it (and runs any further
-    axis's); without, the function does all of it. ``train_step`` posts the count before
-    forward and reads it at the first loss: no wait in between, and none in front of
-    forward's collectives.
+def target_count(targets: torch.Tensor, *, post_now: bool) -> Callable[[], torch.Tensor]:
+    """:func:`count_targets` split in two and kept on the device: with ``post_now`` the
+    first all-reduce is posted here, unwaited; the returned function waits for it (and
+    runs any further axis's) and gives the count as a one-element int64 tensor on the
+    targets' device, never read to the host. ``train_step`` posts the count before
+    forward, divides the first loss by it and reads it with the loss and the gradient
+    norm at the step's end: on a GPU no wait for the device in the middle of forward.
 
     >>> target_count(torch.tensor([[3, -100, 5]]), post_now=True)()
-    2
+    tensor([2])
     """
-    if not post_now or not isinstance(targets, DTensor):
-        return lambda: count_targets(targets)
+    if not isinstance(targets, DTensor):  # local batch mode (dtp.ops.local_batch): summed over its axes
+        n = (targets != IGNORE_INDEX).sum().reshape(1).to(torch.int64)
+        return lambda: batch_sum(n, "loss")
     n = (targets.to_local() != IGNORE_INDEX).sum().reshape(1).to(torch.int64)
     spec, mesh = spec_of(targets), targets.device_mesh
     axes = _ordered(mesh, tuple(a for d in range(targets.dim()) for a in spec.axes_of(d)))
-    first = comm.all_reduce(n, mesh, axes[0], async_op=True, tag="loss") if axes else None
+    first = comm.all_reduce(n, mesh, axes[0], async_op=True, tag="loss") if axes and post_now else None
 
-    def finish() -> int:
+    def finish() -> torch.Tensor:
         total = first.wait() if first is not None else n
-        for axis in axes[1:]:
+        for axis in axes[1:] if first is not None else axes:
             total = comm.all_reduce(total, mesh, axis, tag="loss")
-        return int(total[0])
+        return total
 
     return finish
 
@@ -217,15 +213,28 @@ def mean_over_here() -> Callable[[], contextlib.AbstractContextManager[None]]:
     return enter
 
 
-def _active_divisor() -> float | None:
+def _active_divisor() -> float | torch.Tensor | None:
+    """The divisor set by :func:`mean_over` (a callable's called once, here); a tensor
+    (``train_step``'s device-side count) is > 0 by construction and not read."""
     held = getattr(_divisor, "value", None)
     if held is None:
         return None
     if callable(held[0]):
         held[0] = held[0]()
+    if isinstance(held[0], torch.Tensor):
+        return held[0]
     if not held[0] > 0:
         raise ValueError(f"mean_over: divisor must be > 0, got {held[0]!r}")
     return float(held[0])
+
+
+def _divide(total: torch.Tensor, divisor: float | torch.Tensor) -> torch.Tensor:
+    """``total / divisor`` in ``total``'s dtype: a 0-dim tensor divisor of another dtype
+    would promote a 0-dim ``total`` (fp64 over fp32); cast, it divides to the bits a
+    Python float divisor gives (both are rounded to ``total``'s dtype first)."""
+    if isinstance(divisor, torch.Tensor):
+        return total / divisor.to(total.dtype).reshape(())
+    return total / divisor
 
 
 class _SummedCrossEntropy(torch.autograd.Function):
@@ -288,7 +297,7 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         total = _summed_cross_entropy(logits.reshape(-1, logits.shape[-1]).to(acc), targets.reshape(-1))
         # One rank's rows in local batch mode: its term of the global mean, summed over the
         # batch axes as a DTensor's pending sum would be (same all-reduce; identity backward).
-        return batch_sum((total / divisor).reshape(1), "loss").reshape(())
+        return batch_sum(_divide(total, divisor).reshape(1), "loss").reshape(())
     mesh = logits.device_mesh
     lspec, tspec = spec_of(logits), spec_of(targets)
     tok_dims = (lspec.axes_of(0), lspec.axes_of(1))
@@ -311,7 +320,7 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
     def total(pair: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         per_token = torch.where(ids != IGNORE_INDEX, pair[..., 0].log() - pair[..., 1], 0.0)
-        return per_token.sum() / divisor
+        return _divide(per_token.sum(), divisor)
 
     tok = P(tok_dims[0] or None, tok_dims[1] or None)
     pair = local_map(sums, (None, None), P(*tok.dims, None, partial=vocab_axes), check_shapes=False)(logits, targets)
