@@ -189,6 +189,7 @@ class _ActionTimer:
                     timer.depth -= 1
                     timer.busy += dt - (timer.take - take0)
                     timer.costs.setdefault(kind, []).append(dt - (timer.take - take0))
+                    timer.stage_costs.setdefault((run.chunks[chunk][0], kind), []).append(dt - (timer.take - take0))
             return timed
 
         def adding_to(total: str, fn):
@@ -210,6 +211,7 @@ class _ActionTimer:
     def reset(self) -> None:
         self.depth, self.busy, self.take, self.wall = 0, 0.0, 0.0, 0.0
         self.costs: dict[str, list[float]] = {}
+        self.stage_costs: dict[tuple[int, str], list[float]] = {}  # (global stage, kind)
 
     def restore(self) -> None:
         for name, fn in self.saved.items():
@@ -234,7 +236,7 @@ def _bubble(params, rows: int, p: int, ms: list[int], schedules: list[tuple[str,
         for schedule, v in schedules:
             state = _dtp_state(params, schedule, v, p)
             configs.append(dict(schedule=schedule, v=v, m=m, state=state, batch=dtp.shard_batch(batch, state),
-                                steps=[], costs={}))
+                                steps=[], costs={}, stage_costs={}))
     timer = _ActionTimer()
     try:
         for k in range(warmup + repeats):
@@ -248,10 +250,13 @@ def _bubble(params, rows: int, p: int, ms: list[int], schedules: list[tuple[str,
                     c["steps"].append(dict(step=step, wall=timer.wall, busy=timer.busy, take=timer.take))
                     for kind, ts in timer.costs.items():
                         c["costs"].setdefault(kind, []).extend(ts)
+                    for key, ts in timer.stage_costs.items():
+                        c["stage_costs"].setdefault(key, []).extend(ts)
     finally:
         timer.restore()
     return [dict(schedule=c["schedule"], v=c["v"], m=c["m"], steps=c["steps"],
-                 costs={kind: statistics.mean(ts) for kind, ts in c["costs"].items()}) for c in configs]
+                 costs={kind: statistics.mean(ts) for kind, ts in c["costs"].items()},
+                 stage_costs={key: statistics.mean(ts) for key, ts in c["stage_costs"].items()}) for c in configs]
 
 
 # ------------------------------------------------------------------ peak memory
@@ -407,18 +412,23 @@ def _vs_torch(params, rows: int, p: int, m: int, schedules: list[tuple[str, int]
 
 
 # ------------------------------------------------------------------ report
-def _sim(schedule: str, v: int, p: int, m: int, costs: dict | None = None, hop: float = 0.0):
+def _sim(schedule: str, v: int, p: int, m: int, costs: dict | None = None, hop: float = 0.0,
+         stage_costs: dict | None = None):
     """Per-rank idle fractions, bubble ratio and makespan of ``dtp.schedules.simulate``:
-    ideal costs (F = 1, B = 2, W = B/2) or the measured ones (``costs``: seconds), and
+    ideal costs (F = 1, B = 2, W = B/2) or the measured ones (``costs``: seconds, mean
+    per kind; with ``stage_costs`` each stage's own, ``(stage, kind) -> seconds``), and
     ``hop`` seconds per hand-over between ranks."""
     from dtp import schedules
 
-    kw = {}
+    kw: dict = {}
     if costs:
         b = costs["B"] if "B" in costs else costs["I"] + costs["W"]
         kw = dict(f=costs["F"], b=b, fb=costs["F"] + b)
         if "W" in costs:
             kw["w"] = min(costs["W"], b)
+    if stage_costs:  # every stage's own costs (the means stand where a stage has none of a kind)
+        kw = dict(kw, stage_costs=stage_costs)
+        kw.pop("fb", None)  # a pair: its two actions' stage costs
     t = schedules.simulate(schedules.make(schedule, p=p, v=v, m=m), p=p, v=v, m=m, hop=hop, **kw)
     return [1 - b / t.makespan for b in t.busy], t.bubble_ratio, t.makespan
 
@@ -453,7 +463,11 @@ def report_bubble(res: list[list[dict]], p: int, layers: int, dim: int, rows: in
         ideal, ideal_ratio, _ = _sim(s, v, p, m)
         atcost, cost_ratio, makespan = _sim(s, v, p, m, costs)
         with_hop = _sim(s, v, p, m, costs, hop)[2]
-        cfg["ratios"] = (sched / makespan, sched / with_hop, step)
+        # Each stage's own measured costs (the first stage has no input gradient, the
+        # last a loss: the mean per kind puts their rank's load on both ranks alike).
+        staged = {key: c for rk in per for key, c in rk["stage_costs"].items()}
+        by_stage = _sim(s, v, p, m, costs, 0.0, staged)[2], _sim(s, v, p, m, costs, hop, staged)[2]
+        cfg["ratios"] = (sched / makespan, sched / with_hop, step, sched / by_stage[0], sched / by_stage[1])
         name = s + (f" v={v}" if v > 1 else "")
         acts = " ".join(f"{kind} {1e3 * c:.2f}" for kind, c in sorted(costs.items()))
         print(f"{name:<16}{m:>3}{1e3 * step:>9.1f}{1e3 * sched:>9.1f}{1e3 * makespan:>8.1f}{1e3 * with_hop:>7.1f}"
@@ -481,6 +495,8 @@ def report_bubble(res: list[list[dict]], p: int, layers: int, dim: int, rows: in
         cfgs = [c for c in res[0] if c["m"] == m]
         print(f"m={m} schedule / simulation at the measured costs, without | with the hop of {1e3 * hop:.2f} ms: "
               + ", ".join(f"{c['schedule']} {c['ratios'][0]:.2f} | {c['ratios'][1]:.2f}" for c in cfgs))
+        print(f"m={m} schedule / simulation at each stage's measured costs, without | with the hop: "
+              + ", ".join(f"{c['schedule']} {c['ratios'][3]:.2f} | {c['ratios'][4]:.2f}" for c in cfgs))
         if ("1f1b", m) in found:
             one = res[0][found[("1f1b", m)]]["ratios"][2]
             print(f"m={m} step / 1f1b's step: " + ", ".join(f"{c['schedule']} {c['ratios'][2] / one:.2f}"

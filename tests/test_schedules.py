@@ -160,6 +160,35 @@ def test_simulate_times_follow_the_costs():
     assert [(e.end - e.start, e.action.kind) for e in zb.events[0]] == [(1.0, "F"), (1.5, "I"), (0.5, "W")]
 
 
+@pytest.mark.parametrize("name,v", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zbv", 2),
+                                    ("dualpipev", 2)])
+def test_simulate_stage_costs_override_per_stage(name, v):
+    # Every stage given the uniform costs: the same timeline as the scalar costs.
+    s, p, m = make(name, p=2, v=v, m=4), 2, 4
+    uniform = {(st, k): c for st in range(p * v) for k, c in (("F", 1.0), ("B", 3.0), ("I", 2.0), ("W", 1.0))}
+    assert simulate(s, p=p, v=v, m=m, f=1.0, b=3.0, w=1.0, stage_costs=uniform) == \
+        simulate(s, p=p, v=v, m=m, f=1.0, b=3.0, w=1.0)
+    # One stage's forward slower: its rank's events of that stage take that long, the
+    # makespan grows, nothing else changes cost.
+    slow = simulate(s, p=p, v=v, m=m, stage_costs={(1, "F"): 2.5})
+    durations = {(a.kind, a.stage(r, p, s.placement)): e.end - e.start
+                 for r, rank in enumerate(slow.events) for e in rank for a in flat(e.action)
+                 if not isinstance(e.action, Pair)}
+    assert durations[("F", 1)] == 2.5 and durations[("F", 0)] == 1.0
+    assert slow.makespan > simulate(s, p=p, v=v, m=m).makespan
+
+
+def test_simulate_stage_costs_1f1b_p2():
+    s = make("1f1b", p=2, m=2)
+    assert simulate(s, p=2, v=1, m=2).makespan == 9.0
+    assert simulate(s, p=2, v=1, m=2, stage_costs={(0, "B"): 1.0}).makespan == 8.0  # the first stage's B cheaper
+    assert simulate(s, p=2, v=1, m=2, stage_costs={(1, "F"): 3.0}).makespan == 13.0
+    with pytest.raises(ValueError, match=r"stage_costs maps \(stage in \[0, 2\), kind in .*got \(2, 'F'\): 1\.0"):
+        simulate(s, p=2, v=1, m=2, stage_costs={(2, "F"): 1.0})
+    with pytest.raises(ValueError, match=r"stage_costs maps .*got \(0, 'F'\): -1"):
+        simulate(s, p=2, v=1, m=2, stage_costs={(0, "F"): -1})
+
+
 def test_simulate_hop_delays_only_hand_overs_between_ranks():
     # gpipe p=2 m=2: rank 1's F waits one hop for each activation, rank 0's B one for each gradient.
     t = simulate(make("gpipe", p=2, m=2), p=2, v=1, m=2, f=1.0, b=3.0, hop=0.5)

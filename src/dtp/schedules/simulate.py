@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple, Sequence
+from typing import Mapping, NamedTuple, Sequence
 
 from .actions import KINDS, Action, Pair, Schedule, flat, placement_of, stage_owner
 from .build import check_counts, make
@@ -101,7 +101,8 @@ def _validate(fn: str, schedule: Ranks, p: int, v: int, m: int) -> None:
 
 
 def _execute(
-    fn: str, schedule: Ranks, p: int, v: int, cost: dict[str, float], hop: float = 0.0
+    fn: str, schedule: Ranks, p: int, v: int, cost: dict[str, float], hop: float = 0.0,
+    stage_costs: Mapping[tuple[int, str], float] | None = None,
 ) -> list[list[Event]]:
     """Run every rank's list in order, each action as soon as its rank and inputs are free.
 
@@ -109,8 +110,18 @@ def _execute(
     ranks round-robin gives the same times as a global clock would. A :class:`Pair` is
     one event (cost ``cost["F&B"]``) that needs both inputs and delivers both at its end.
     An input made on another rank is there ``hop`` after its action ends.
+    ``stage_costs`` (``(global stage, kind) -> cost``) overrides ``cost`` per stage; a
+    Pair then costs its two actions' sum unless ``cost`` has an ``"F&B"``.
     """
     stages, pl = p * v, placement_of(schedule)
+
+    def cost_of(r: int, item: Action | Pair) -> float:
+        if not stage_costs:
+            return cost["F&B" if isinstance(item, Pair) else item.kind]
+        if isinstance(item, Pair) and "F&B" in cost:
+            return cost["F&B"]
+        return sum(stage_costs.get((a.stage(r, p, pl), a.kind), cost[a.kind]) for a in flat(item))
+
     done: dict[tuple[str, int, int], float] = {}
     made_on: dict[tuple[str, int, int], int] = {}
     events: list[list[Event]] = [[] for _ in range(p)]
@@ -130,7 +141,7 @@ def _execute(
                 if any(key not in done for key in needs):
                     break
                 start = max([free[r]] + [done[key] + (hop if made_on[key] != r else 0.0) for key in needs])
-                free[r] = start + cost["F&B" if isinstance(item, Pair) else item.kind]
+                free[r] = start + cost_of(r, item)
                 events[r].append(Event(start, free[r], item))
                 for a in flat(item):
                     stage = a.stage(r, p, pl)
@@ -255,6 +266,7 @@ def simulate(
     w: float | None = None,
     fb: float | None = None,
     hop: float = 0.0,
+    stage_costs: Mapping[tuple[int, str], float] | None = None,
 ) -> Timeline:
     """Time ``schedule`` event by event: each rank runs its list in order, comm costs
     ``hop`` per hand-over between ranks (0 by default).
@@ -271,6 +283,10 @@ def simulate(
       schedule's turn, interleaved at p=1) costs nothing. A measured transport latency,
       so that a runner is compared with what its transport allows
       (``benchmarks/pipeline.py`` measures it with bare gloo sends).
+    - `stage_costs`: ``{(global stage, kind): cost}`` where stages differ (measured:
+      the first stage has no input gradient to compute, the last a loss), overriding
+      the uniform cost of that kind there; a Pair then costs its two actions' sum
+      unless ``fb`` is given.
 
     Costs are per action, i.e. per chunk: to compare makespans of ``v`` chunks with
     ``v = 1``, pass ``f / v`` and ``b / v`` (bubble ratios do not change with the scale).
@@ -284,6 +300,8 @@ def simulate(
     (33.0, 0.2727, 0.375, (4, 3, 2, 1))
     >>> simulate(make("1f1b", p=4, m=8), p=4, v=1, m=8, hop=0.25).makespan  # 16 hops on its critical path
     37.0
+    >>> simulate(make("1f1b", p=2, m=2), p=2, v=1, m=2, stage_costs={(0, "B"): 1.0}).makespan  # vs 9.0
+    8.0
     """
     fn = "schedules.simulate"
     w = b / 2 if w is None else w
@@ -294,14 +312,23 @@ def simulate(
             )
     if not isinstance(w, (int, float)) or isinstance(w, bool) or not 0 <= w <= b:
         raise ValueError(f"{fn}: w (the W part of a backward) must be in [0, b={b}], got {w!r}")
-    fb = f + b if fb is None else fb
+    given_fb, fb = fb is not None, f + b if fb is None else fb
     if not isinstance(fb, (int, float)) or isinstance(fb, bool) or not fb > 0:
         raise ValueError(f"{fn}: fb (the cost of one F&B pair) must be a number > 0, got {fb!r}")
     if not isinstance(hop, (int, float)) or isinstance(hop, bool) or not hop >= 0:
         raise ValueError(f"{fn}: hop (the latency of one hand-over between ranks) must be a number >= 0, "
                          f"got {hop!r}")
+    for key, value in (stage_costs or {}).items():
+        ok_key = isinstance(key, tuple) and len(key) == 2 and key[1] in KINDS and \
+            isinstance(key[0], int) and 0 <= key[0] < p * v
+        if not ok_key or not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 0:
+            raise ValueError(f"{fn}: stage_costs maps (stage in [0, {p * v}), kind in {KINDS}) to a cost >= 0, "
+                             f"got {key!r}: {value!r}")
     _validate(fn, schedule, p, v, m)
-    events = _execute(fn, schedule, p, v, {"F": f, "B": b, "I": b - w, "W": w, "F&B": fb}, hop)
+    cost = {"F": f, "B": b, "I": b - w, "W": w}
+    if given_fb or not stage_costs:
+        cost["F&B"] = fb
+    events = _execute(fn, schedule, p, v, cost, hop, stage_costs)
     makespan = max((rank[-1].end for rank in events if rank), default=0.0)
     busy = tuple(sum(e.end - e.start for e in rank) for rank in events)
     total = sum(busy)
