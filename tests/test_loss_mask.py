@@ -149,3 +149,37 @@ def test_guard_accepts_ignore_index_and_rejects_other_negative_ids():
     assert run(_guard, ok, world_size=2) == [None, None]
     errors = run(_guard, bad, world_size=2)
     assert errors[0] == errors[1] and "holds ids from -5" in errors[0], errors
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 3, 7])
+def test_the_device_divisor_gives_the_float_divisors_bits(dtype, m):
+    """``train_step`` divides by the valid count / m as a float64 tensor on the device
+    (:class:`DeviceDivisor`, never read to the host); the loss and the logits' gradient
+    are the bits the Python float ``max(count, 1) / m`` gave (plain tensors; the sharded
+    path divides its sum the same way, ``_divide``)."""
+    from dtp.ops.parallel import DeviceDivisor, mean_over
+
+    g = torch.Generator().manual_seed(m)
+    logits = (3 * torch.randn(2, 37, 50, generator=g)).to(dtype)
+    targets = torch.randint(0, 50, (2, 37), generator=g)
+    targets[:, ::4] = IGNORE_INDEX
+    count = count_targets(targets)
+    out = []
+    for divisor in (max(count, 1) / m, lambda: DeviceDivisor(torch.tensor([count]).clamp_min(1).to(torch.float64) / m)):
+        x = logits.clone().requires_grad_()
+        with mean_over(divisor):
+            loss = cross_entropy(x, targets)
+        loss.backward()
+        out.append((loss.detach(), x.grad))
+    (l1, g1), (l2, g2) = out
+    assert l1.dtype == l2.dtype and torch.equal(l1, l2) and torch.equal(g1, g2), (float(l1), float(l2))
+
+
+def test_a_tensor_divisor_is_still_checked():
+    from dtp.ops.parallel import mean_over
+
+    logits, targets = torch.zeros(1, 2, 4), torch.tensor([[0, 1]])
+    for bad in (0.0, torch.tensor(0.0), torch.tensor(-2.0)):
+        with mean_over(bad), pytest.raises(ValueError, match="mean_over: divisor must be > 0"):
+            cross_entropy(logits, targets)

@@ -1,7 +1,6 @@
 """Pipeline parallel: every schedule, alone and with dp / tp (+sp) / cp / tied embeddings,
 equals the single-device run (fp64, 1e-10 on every loss and the final parameters)."""
 
-import functools
 
 import optree
 import pytest
@@ -268,3 +267,24 @@ def test_an_uneven_layer_split_equals_one_device():
     cfg = _cfg()
     got = run(_train, {"pp": 2}, layouts.pipeline("1f1b", layer_split=(1, 5)), cfg, 2, world_size=2)[0]
     _check(got, _reference(cfg, 2))
+
+
+def _loss_tokens(m: int) -> tuple[int | None, float]:
+    cfg = _cfg()
+    mesh = dtp.make_mesh(pp=2)
+    state = dtp.TrainState.create(llama.init(cfg, seed=0, dtype=torch.float64), dtp.optim.sgd(0.1), mesh=mesh,
+                                  layout=layouts.pipeline("1f1b"), axes=llama.param_axes(cfg),
+                                  axis_sizes=llama.axis_sizes(cfg))
+    batch = _batch(cfg, 0)
+    batch["targets"][:, ::3] = dtp.ops.IGNORE_INDEX
+    _, metrics = dtp.train_step(llama.sequential(cfg), state, dtp.shard_batch(batch, state), microbatches=m)
+    return metrics["loss_tokens"], metrics["loss"]
+
+
+def test_the_last_stage_reports_the_valid_targets_it_divided_by():
+    # The count stays on the device through the schedule and is read with the loss (a
+    # float from the schedule) and the norm at the step's end: the loss stage has it,
+    # the other stage none.
+    valid = 8 * (16 - len(range(0, 16, 3)))  # 8 rows of 16 targets, every third ignored
+    (first, loss0), (last, loss1) = run(_loss_tokens, 2, world_size=2)
+    assert (first, last) == (None, valid) and loss0 == loss1 > 0

@@ -165,7 +165,8 @@ def test_simulate_times_follow_the_costs():
 def test_simulate_stage_costs_override_per_stage(name, v):
     # Every stage given the uniform costs: the same timeline as the scalar costs.
     s, p, m = make(name, p=2, v=v, m=4), 2, 4
-    uniform = {(st, k): c for st in range(p * v) for k, c in (("F", 1.0), ("B", 3.0), ("I", 2.0), ("W", 1.0))}
+    runs = {(a.stage(r, p, s.placement), a.kind) for r, rank in enumerate(s) for item in rank for a in flat(item)}
+    uniform = {(st, k): {"F": 1.0, "B": 3.0, "I": 2.0, "W": 1.0}[k] for st, k in runs}
     assert simulate(s, p=p, v=v, m=m, f=1.0, b=3.0, w=1.0, stage_costs=uniform) == \
         simulate(s, p=p, v=v, m=m, f=1.0, b=3.0, w=1.0)
     # One stage's forward slower: its rank's events of that stage take that long, the
@@ -187,6 +188,24 @@ def test_simulate_stage_costs_1f1b_p2():
         simulate(s, p=2, v=1, m=2, stage_costs={(2, "F"): 1.0})
     with pytest.raises(ValueError, match=r"stage_costs maps .*got \(0, 'F'\): -1"):
         simulate(s, p=2, v=1, m=2, stage_costs={(0, "F"): -1})
+    with pytest.raises(ValueError, match=r"stage_costs maps .*got \(True, 'F'\)"):
+        simulate(s, p=2, v=1, m=2, stage_costs={(True, "F"): 1.0})
+    with pytest.raises(ValueError, match=r"stage_costs must be a mapping"):
+        simulate(s, p=2, v=1, m=2, stage_costs=[((0, "F"), 1.0)])
+    # zb-h1 runs I and W, never B: a B cost is a mistake, not silently unused.
+    with pytest.raises(ValueError, match=r"does not run: \[\(0, 'B'\)\]"):
+        simulate(make("zb-h1", p=2, m=2), p=2, v=1, m=2, stage_costs={(0, "B"): 1.0})
+
+
+def test_simulate_pair_costs_its_stages_unless_fb_is_given():
+    s, p, v, m = make("dualpipev", p=2, v=2, m=4), 2, 2, 4
+    slow_f = {(st, "F"): 1.5 for st in range(p * v)}
+    pairs = [e for rank in simulate(s, p=p, v=v, m=m, stage_costs=slow_f).events for e in rank
+             if isinstance(e.action, Pair)]
+    assert pairs and all(e.end - e.start == 1.5 + 2.0 for e in pairs)  # F at its stage cost, B uniform
+    given = [e for rank in simulate(s, p=p, v=v, m=m, fb=2.5, stage_costs=slow_f).events for e in rank
+             if isinstance(e.action, Pair)]
+    assert all(e.end - e.start == 2.5 for e in given)
 
 
 def test_simulate_hop_delays_only_hand_overs_between_ranks():

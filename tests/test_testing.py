@@ -199,3 +199,20 @@ def test_one_process_simulation():
         assert [v.tolist() for v in rank_values(x.to_local())] == [[0, 1], [2, 3], [4, 5], [6, 7]]
         y = dtp.reshard(x, P())
         assert all(torch.equal(v, torch.arange(8.0)) for v in rank_values(y.to_local()))
+
+
+def test_simulate_leaves_no_per_rank_tensors_in_dtps_caches():
+    # RoPE's tables are cached per (head_dim, theta, dtype, device); made under
+    # simulate (LocalTensorMode: arange is per-rank), a cached pair reached a later plain
+    # run in the same process, whose loss then became a LocalTensor.
+    import sys
+
+    from dtp._torch import is_local_tensor
+
+    attention = sys.modules["dtp.ops.attention"]  # the module (dtp.ops.attention the attribute is the function)
+
+    x = torch.randn(1, 8, 2, 12)  # a head_dim no other test uses: this test makes its tables
+    with simulate(2):
+        attention.rotary(torch.randn(1, 8, 2, 12))
+    assert not any(is_local_tensor(t) for pair in attention._TABLES.values() for t in pair)
+    assert not is_local_tensor(attention.rotary(x))

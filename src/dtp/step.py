@@ -39,7 +39,7 @@ from .mesh import mesh_device
 from .optim import GradientTransformation, clip_by_global_norm, state_join, state_part
 from .optim import step as optimizer_step
 from .ops.documents import document_order, reorder
-from .ops.parallel import mean_over, target_count
+from .ops.parallel import DeviceDivisor, mean_over, target_count
 from .ops.recompute import POLICIES, recompute as recompute_policy
 from .redistribute import local_map, scalar_of
 from .spec import shard, spec_of
@@ -200,8 +200,9 @@ def _forward_backward(loss_fn: Callable, run: strategies.StepRun | strategies.Sc
                       batch: Mapping[str, torch.Tensor], m: int) -> tuple[Loss, Any, torch.Tensor | None]:
     """The one microbatch loop: each microbatch's loss weighted 1/m. With ``targets`` in
     the batch, the cross-entropy divides by their valid count over the whole batch / m
-    (:func:`dtp.ops.mean_over`; posted first, waited at the first loss, one small
-    all-reduce per axis that splits them), so the step's loss is the mean over every
+    (:func:`dtp.ops.mean_over`; one small all-reduce per axis that splits them, the
+    first posted before forward and waited at the first loss — at a pipeline's last
+    stage, which schedules itself, all run at its first loss), so the step's loss is the mean over every
     valid target whatever the layout and ``m``. Returns the loss, aux and that count (the
     loss and the count on the device, not read yet: :func:`_read`; the count ``None``
     with no ``targets``, or on a pipeline stage without the loss). Where the gradients
@@ -212,9 +213,10 @@ def _forward_backward(loss_fn: Callable, run: strategies.StepRun | strategies.Sc
     counted: list[torch.Tensor] = []
     count = target_count(batch["targets"], post_now=not _scheduled(run))  # waited late, never read here
 
-    def divisor() -> torch.Tensor:  # called by the first cross-entropy, after its forward (mean_over)
+    def divisor() -> DeviceDivisor:  # called by the first cross-entropy, after its forward (mean_over)
         counted.append(count())
-        return counted[0].clamp_min(1).to(torch.float64) / m  # the float max(count, 1) / m, on the device
+        # max(count, 1) / m as the float it was, but on the device: no host read here.
+        return DeviceDivisor(counted[0].clamp_min(1).to(torch.float64) / m)
 
     with mean_over(divisor):
         loss, aux = _run_microbatches(loss_fn, run, microbatches)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Callable, Iterator
+from typing import Callable, Iterator, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -135,8 +135,10 @@ def target_count(targets: torch.Tensor, *, post_now: bool) -> Callable[[], torch
     first all-reduce is posted here, unwaited; the returned function waits for it (and
     runs any further axis's) and gives the count as a one-element int64 tensor on the
     targets' device, never read to the host. ``train_step`` posts the count before
-    forward, divides the first loss by it and reads it with the loss and the gradient
-    norm at the step's end: on a GPU no wait for the device in the middle of forward.
+    forward (not where the run schedules itself, as a pipeline does: ``post_now=False``
+    runs every all-reduce at the call), divides the first loss by it and reads it with
+    the loss and the gradient norm at the step's end: on a GPU no wait for the device in
+    the middle of forward.
 
     >>> target_count(torch.tensor([[3, -100, 5]]), post_now=True)()
     tensor([2])
@@ -159,7 +161,7 @@ def target_count(targets: torch.Tensor, *, post_now: bool) -> Callable[[], torch
 
 
 @contextlib.contextmanager
-def mean_over(divisor: float | Callable[[], float]) -> Iterator[None]:
+def mean_over(divisor: float | Callable[[], float | DeviceDivisor]) -> Iterator[None]:
     """Inside, :func:`cross_entropy` divides its sum over the valid targets by ``divisor``
     (> 0) instead of counting its own targets. A callable is called once, by the first
     cross-entropy inside: ``train_step`` counts the batch's targets there, after forward,
@@ -213,16 +215,24 @@ def mean_over_here() -> Callable[[], contextlib.AbstractContextManager[None]]:
     return enter
 
 
+class DeviceDivisor(NamedTuple):
+    """``train_step``'s divisor for :func:`mean_over`: (valid targets, at least 1) / m as
+    a float64 tensor on the device, > 0 by construction, so it is never read to the host
+    to be checked. Any other divisor (a number, a tensor) is read and checked."""
+
+    value: torch.Tensor
+
+
 def _active_divisor() -> float | torch.Tensor | None:
-    """The divisor set by :func:`mean_over` (a callable's called once, here); a tensor
-    (``train_step``'s device-side count) is > 0 by construction and not read."""
+    """The divisor set by :func:`mean_over` (a callable's called once, here): a float,
+    or the device tensor of a :class:`DeviceDivisor`."""
     held = getattr(_divisor, "value", None)
     if held is None:
         return None
     if callable(held[0]):
         held[0] = held[0]()
-    if isinstance(held[0], torch.Tensor):
-        return held[0]
+    if isinstance(held[0], DeviceDivisor):
+        return held[0].value
     if not held[0] > 0:
         raise ValueError(f"mean_over: divisor must be > 0, got {held[0]!r}")
     return float(held[0])

@@ -108,10 +108,11 @@ def _execute(
 
     Start times depend only on the rank's previous end and the inputs' ends, so visiting
     ranks round-robin gives the same times as a global clock would. A :class:`Pair` is
-    one event (cost ``cost["F&B"]``) that needs both inputs and delivers both at its end.
-    An input made on another rank is there ``hop`` after its action ends.
-    ``stage_costs`` (``(global stage, kind) -> cost``) overrides ``cost`` per stage; a
-    Pair then costs its two actions' sum unless ``cost`` has an ``"F&B"``.
+    one event that needs both inputs and delivers both at its end; it costs
+    ``cost["F&B"]``, or with ``stage_costs`` and no ``"F&B"`` in ``cost`` its two
+    actions' sum. ``stage_costs`` (``(global stage, kind) -> cost``) overrides ``cost``
+    for that stage's actions of that kind. An input made on another rank is there
+    ``hop`` after its action ends.
     """
     stages, pl = p * v, placement_of(schedule)
 
@@ -292,7 +293,8 @@ def simulate(
     ``v = 1``, pass ``f / v`` and ``b / v`` (bubble ratios do not change with the scale).
 
     Raises: ``ValueError`` as :func:`dependencies_ok`, or for costs not ``f > 0``,
-    ``b > 0``, ``0 <= w <= b``, ``hop >= 0``.
+    ``b > 0``, ``0 <= w <= b``, ``hop >= 0``, or ``stage_costs`` not a mapping of
+    ``(stage in [0, p·v), kind)`` to a cost ``>= 0`` for actions the schedule runs.
 
     >>> from dtp.schedules import simulate  # the doctest namespace's simulate is dtp.testing's
     >>> t = simulate(make("1f1b", p=4, m=8), p=4, v=1, m=8)
@@ -318,13 +320,20 @@ def simulate(
     if not isinstance(hop, (int, float)) or isinstance(hop, bool) or not hop >= 0:
         raise ValueError(f"{fn}: hop (the latency of one hand-over between ranks) must be a number >= 0, "
                          f"got {hop!r}")
+    if stage_costs is not None and not isinstance(stage_costs, Mapping):
+        raise ValueError(f"{fn}: stage_costs must be a mapping (stage, kind) -> cost, got {type(stage_costs).__name__}")
     for key, value in (stage_costs or {}).items():
         ok_key = isinstance(key, tuple) and len(key) == 2 and key[1] in KINDS and \
-            isinstance(key[0], int) and 0 <= key[0] < p * v
+            isinstance(key[0], int) and not isinstance(key[0], bool) and 0 <= key[0] < p * v
         if not ok_key or not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 0:
             raise ValueError(f"{fn}: stage_costs maps (stage in [0, {p * v}), kind in {KINDS}) to a cost >= 0, "
                              f"got {key!r}: {value!r}")
     _validate(fn, schedule, p, v, m)
+    if stage_costs:  # a cost for an action the schedule never runs is a mistake, not a no-op
+        pl = placement_of(schedule)
+        runs = {(a.stage(r, p, pl), a.kind) for r, rank in enumerate(schedule) for item in rank for a in flat(item)}
+        if unused := sorted(set(stage_costs) - runs):
+            raise ValueError(f"{fn}: stage_costs names actions this schedule does not run: {unused}")
     cost = {"F": f, "B": b, "I": b - w, "W": w}
     if given_fb or not stage_costs:
         cost["F&B"] = fb
