@@ -185,11 +185,10 @@ class _ActionTimer:
                 try:
                     return fn(run, chunk, i, *args, **kwargs)
                 finally:
-                    dt = time.perf_counter() - t0
+                    busy = time.perf_counter() - t0 - (timer.take - take0)
                     timer.depth -= 1
-                    timer.busy += dt - (timer.take - take0)
-                    timer.costs.setdefault(kind, []).append(dt - (timer.take - take0))
-                    timer.stage_costs.setdefault((run.chunks[chunk][0], kind), []).append(dt - (timer.take - take0))
+                    timer.busy += busy
+                    timer.costs.setdefault((run.chunks[chunk][0], kind), []).append(busy)
             return timed
 
         def adding_to(total: str, fn):
@@ -210,8 +209,7 @@ class _ActionTimer:
 
     def reset(self) -> None:
         self.depth, self.busy, self.take, self.wall = 0, 0.0, 0.0, 0.0
-        self.costs: dict[str, list[float]] = {}
-        self.stage_costs: dict[tuple[int, str], list[float]] = {}  # (global stage, kind)
+        self.costs: dict[tuple[int, str], list[float]] = {}  # (global stage, kind) -> each action's
 
     def restore(self) -> None:
         for name, fn in self.saved.items():
@@ -222,7 +220,7 @@ def _bubble(params, rows: int, p: int, ms: list[int], schedules: list[tuple[str,
             repeats: int) -> list[dict]:
     """Every (m, schedule) configuration, one step of each in turn (so load drift on a
     shared machine hits all alike): per step the rank's train_step, schedule, busy and
-    wait seconds, and the mean cost of each action kind."""
+    wait seconds; the mean cost of each action kind, and of each (stage, kind)."""
     import torch.distributed as dist
 
     import dtp
@@ -236,7 +234,7 @@ def _bubble(params, rows: int, p: int, ms: list[int], schedules: list[tuple[str,
         for schedule, v in schedules:
             state = _dtp_state(params, schedule, v, p)
             configs.append(dict(schedule=schedule, v=v, m=m, state=state, batch=dtp.shard_batch(batch, state),
-                                steps=[], costs={}, stage_costs={}))
+                                steps=[], costs={}))
     timer = _ActionTimer()
     try:
         for k in range(warmup + repeats):
@@ -248,15 +246,19 @@ def _bubble(params, rows: int, p: int, ms: list[int], schedules: list[tuple[str,
                 step = time.perf_counter() - t0
                 if k >= warmup:
                     c["steps"].append(dict(step=step, wall=timer.wall, busy=timer.busy, take=timer.take))
-                    for kind, ts in timer.costs.items():
-                        c["costs"].setdefault(kind, []).extend(ts)
-                    for key, ts in timer.stage_costs.items():
-                        c["stage_costs"].setdefault(key, []).extend(ts)
+                    for key, ts in timer.costs.items():
+                        c["costs"].setdefault(key, []).extend(ts)
     finally:
         timer.restore()
-    return [dict(schedule=c["schedule"], v=c["v"], m=c["m"], steps=c["steps"],
-                 costs={kind: statistics.mean(ts) for kind, ts in c["costs"].items()},
-                 stage_costs={key: statistics.mean(ts) for key, ts in c["stage_costs"].items()}) for c in configs]
+    out = []
+    for c in configs:
+        by_kind: dict[str, list[float]] = {}  # every stage's actions of a kind: the mean per kind
+        for (_, kind), ts in c["costs"].items():
+            by_kind.setdefault(kind, []).extend(ts)
+        out.append(dict(schedule=c["schedule"], v=c["v"], m=c["m"], steps=c["steps"],
+                        costs={kind: statistics.mean(ts) for kind, ts in by_kind.items()},
+                        stage_costs={key: statistics.mean(ts) for key, ts in c["costs"].items()}))
+    return out
 
 
 # ------------------------------------------------------------------ peak memory
@@ -423,12 +425,13 @@ def _sim(schedule: str, v: int, p: int, m: int, costs: dict | None = None, hop: 
     kw: dict = {}
     if costs:
         b = costs["B"] if "B" in costs else costs["I"] + costs["W"]
-        kw = dict(f=costs["F"], b=b, fb=costs["F"] + b)
+        kw = dict(f=costs["F"], b=b)
         if "W" in costs:
             kw["w"] = min(costs["W"], b)
-    if stage_costs:  # every stage's own costs (the means stand where a stage has none of a kind)
-        kw = dict(kw, stage_costs=stage_costs)
-        kw.pop("fb", None)  # a pair: its two actions' stage costs
+    if stage_costs:  # every stage's own costs (a pair: its two actions'); the means stand for the rest
+        kw["stage_costs"] = stage_costs
+    elif costs:
+        kw["fb"] = kw["f"] + kw["b"]
     t = schedules.simulate(schedules.make(schedule, p=p, v=v, m=m), p=p, v=v, m=m, hop=hop, **kw)
     return [1 - b / t.makespan for b in t.busy], t.bubble_ratio, t.makespan
 

@@ -1,7 +1,6 @@
 """Pipeline parallel: every schedule, alone and with dp / tp (+sp) / cp / tied embeddings,
 equals the single-device run (fp64, 1e-10 on every loss and the final parameters)."""
 
-
 import optree
 import pytest
 import torch

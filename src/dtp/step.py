@@ -202,11 +202,11 @@ def _forward_backward(loss_fn: Callable, run: strategies.StepRun | strategies.Sc
     the batch, the cross-entropy divides by their valid count over the whole batch / m
     (:func:`dtp.ops.mean_over`; one small all-reduce per axis that splits them, the
     first posted before forward and waited at the first loss — at a pipeline's last
-    stage, which schedules itself, all run at its first loss), so the step's loss is the mean over every
-    valid target whatever the layout and ``m``. Returns the loss, aux and that count (the
-    loss and the count on the device, not read yet: :func:`_read`; the count ``None``
-    with no ``targets``, or on a pipeline stage without the loss). Where the gradients
-    go is the run's business."""
+    stage, which schedules itself, all run at its first loss), so the step's loss is the
+    mean over every valid target whatever the layout and ``m``. Returns the loss, aux
+    and that count (the loss and the count on the device, not read yet: :func:`_read`;
+    the count ``None`` with no ``targets``, or on a pipeline stage without the loss).
+    Where the gradients go is the run's business."""
     microbatches = _split_microbatches(batch, m)
     if "targets" not in batch:
         return (*_run_microbatches(loss_fn, run, microbatches), None)
@@ -405,9 +405,9 @@ def _update(run: strategies.StepRun, optimizer: GradientTransformation, opt_stat
             ) -> tuple[list[PyTree], PyTree, tuple[float, float, int | None], str | None]:
     """The one update path: the run's reduced gradients, clipped to ``clip_norm`` over
     all of them, applied to the run's targets. Returns the new targets, optimizer state,
-    the loss, gradient norm and target count read (:func:`_read`) and what was non-finite (``None``: the
-    update was applied); with a non-finite loss or norm the targets and state come back
-    untouched.
+    the loss, gradient norm and target count read (:func:`_read`) and what was
+    non-finite (``None``: the update was applied); with a non-finite loss or norm the
+    targets and state come back untouched.
 
     With several groups (ZeRO buckets), an elementwise optimizer (sgd, adamw) and no
     clipping, each group is updated as its reduction lands while later ones are still on

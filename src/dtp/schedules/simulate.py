@@ -64,7 +64,9 @@ def _key_label(key: tuple[str, int, int], p: int, pl: str) -> str:
     return f"{name}{chunk}.{mb} of rank {rank} (stage {stage})"
 
 
-def _validate(fn: str, schedule: Ranks, p: int, v: int, m: int) -> None:
+def _validate(fn: str, schedule: Ranks, p: int, v: int, m: int) -> set[tuple[int, str]]:
+    """Raise unless ``schedule`` is well formed (:func:`dependencies_ok`'s rules but the
+    order); returns the ``(stage, kind)`` pairs it runs."""
     check_counts(fn, p, v, m)
     if len(schedule) != p:
         raise ValueError(
@@ -98,6 +100,7 @@ def _validate(fn: str, schedule: Ranks, p: int, v: int, m: int) -> None:
                     f"{fn}: {where} has {n['B']} B, {n['I']} I and {n['W']} W actions; it needs "
                     f"exactly one B, or exactly one I and one W"
                 )
+    return {(stage, kind) for kind, stage, _ in counts}
 
 
 def _execute(
@@ -328,10 +331,8 @@ def simulate(
         if not ok_key or not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 0:
             raise ValueError(f"{fn}: stage_costs maps (stage in [0, {p * v}), kind in {KINDS}) to a cost >= 0, "
                              f"got {key!r}: {value!r}")
-    _validate(fn, schedule, p, v, m)
+    runs = _validate(fn, schedule, p, v, m)
     if stage_costs:  # a cost for an action the schedule never runs is a mistake, not a no-op
-        pl = placement_of(schedule)
-        runs = {(a.stage(r, p, pl), a.kind) for r, rank in enumerate(schedule) for item in rank for a in flat(item)}
         if unused := sorted(set(stage_costs) - runs):
             raise ValueError(f"{fn}: stage_costs names actions this schedule does not run: {unused}")
     cost = {"F": f, "B": b, "I": b - w, "W": w}
