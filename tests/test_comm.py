@@ -193,3 +193,49 @@ def test_simulated_link_with_neighbours_moves_both_ways_round_the_ring_at_once()
         assert first is not None and other_way is not None and other_way < first + 1000
         assert _link_deadline("tp", 1000, route=1) == first + 1000
         assert _link_deadline("tp", 1000, incoming=True, route=-1) < first + 1000  # incoming: its own queue
+
+
+def _both_ways(coalesce: bool) -> dict:
+    # Rank r sends r + 1 (10 + r) to c + 1 (c - 1): what arrives is its neighbours' values.
+    # coalesce=True stands in for NCCL, whose batch comes back as one work for every op.
+    mesh = dtp.make_mesh(tp=dist.get_world_size())
+    n, me = mesh.size(0), mesh.get_local_rank(0)
+    batches: list[int] = []
+    real = dist.batch_isend_irecv
+
+    class _One:  # every op of the batch behind one work that may be waited twice, as NCCL's
+        def __init__(self, works):
+            self.works = works  # (a gloo receive waited twice waits for a next message)
+
+        def wait(self):
+            for w in self.works:
+                w.wait()
+            self.works = []
+            return True
+
+        def is_completed(self):
+            return all(w.is_completed() for w in self.works)
+
+    def counted(ops):
+        batches.append(len(ops))
+        works = real(ops)
+        return [_One(works)] if coalesce else works
+
+    dist.batch_isend_irecv = counted
+    try:
+        with dtp.comm_log() as log:
+            right, left = comm.send_recv_batch([(torch.full((3,), me + 1.0), 1), (torch.full((2,), 10.0 + me), -1)],
+                                               mesh, "tp", tag="both")
+            got = (right.wait().tolist(), left.wait().tolist())
+    finally:
+        dist.batch_isend_irecv = real
+    return dict(got=got, want=([float((me - 1) % n + 1)] * 3, [10.0 + (me + 1) % n] * 2), batches=batches,
+                records=[(r.kind, r.axis, r.bytes, r.tag) for r in log.records])
+
+
+@pytest.mark.parametrize("coalesce", [False, True], ids=["gloo", "one work"])
+def test_send_recv_batch_posts_both_directions_as_one_batch(coalesce: bool) -> None:
+    for rank in run(_both_ways, coalesce, world_size=3):
+        assert rank["got"] == rank["want"], rank
+        assert rank["batches"] == [4], rank  # both directions' send and receive, one call
+        assert rank["records"] == [("send_recv", "tp", 12, "both"), ("send_recv", "tp", 8, "both")], rank

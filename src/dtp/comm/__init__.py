@@ -33,7 +33,7 @@ One module per job; each imports only from those above it:
 from __future__ import annotations
 
 from .collectives import (all_gather, all_reduce, all_to_all, all_to_all_v, barrier, exchange_counts,
-                          reduce_scatter, ring_bytes, send_recv)
+                          reduce_scatter, ring_bytes, send_recv, send_recv_batch)
 from .flight import FLIGHT_DIR_ENV, FLIGHT_SLOTS, CollectiveError, FlightEntry, flight_record, format_flight_record
 from .handles import CommHandle, drain
 from .link import simulated_link
@@ -56,6 +56,7 @@ __all__ = [
     "all_to_all_v",
     "exchange_counts",
     "send_recv",
+    "send_recv_batch",
     "send",
     "recv",
     "Peer",

@@ -37,7 +37,7 @@ from .link import _link_applies
 _eager = torch.compiler.disable
 
 __all__ = ["ring_bytes", "all_gather", "reduce_scatter", "all_reduce", "all_to_all", "all_to_all_v",
-           "exchange_counts", "send_recv", "barrier"]
+           "exchange_counts", "send_recv", "send_recv_batch", "barrier"]
 
 
 def _group(mesh: DeviceMesh, axis: str) -> tuple[dist.ProcessGroup, int]:
@@ -324,20 +324,60 @@ def exchange_counts(counts: torch.Tensor, mesh: DeviceMesh, axis: str, *, async_
 @_eager
 def send_recv(x: torch.Tensor, mesh: DeviceMesh, axis: str, *, shift: int = 1, async_op: bool = False,
               tag: str = "") -> torch.Tensor | CommHandle:
-    """Ring step: send ``x`` to coordinate ``c + shift`` and receive from ``c - shift``."""
-    x = x.contiguous()
+    """Ring step: send ``x`` to coordinate ``c + shift`` and receive from ``c - shift``
+    (one pair of :func:`send_recv_batch`)."""
+    handle, = _send_recv_batch([(x, shift)], mesh, axis, tag, async_op)
+    return handle if async_op else handle.wait()
 
-    def post(group: dist.ProcessGroup, n: int):
-        me = dist.get_rank(group)
-        dst = dist.get_global_rank(group, (me + shift) % n)
-        src = dist.get_global_rank(group, (me - shift) % n)
-        out = torch.empty_like(x)
-        ops = [dist.P2POp(dist.isend, x, dst, group), dist.P2POp(dist.irecv, out, src, group)]
+
+@_eager
+def send_recv_batch(pairs: Sequence[tuple[torch.Tensor, int]], mesh: DeviceMesh, axis: str, *,
+                    tag: str = "") -> list[CommHandle]:
+    """Several ring steps posted as one batch: for each ``(x, shift)``, send ``x`` to
+    coordinate ``c + shift`` and receive the same shape from ``c - shift``. One handle
+    per pair (always asynchronous), each recorded as a ``send_recv`` of its bytes on its
+    way round the ring (``shift`` ≥ 0 or < 0: what ``simulated_link(neighbours=True)``
+    routes by).
+
+    Why one batch: NCCL runs one ``batch_isend_irecv`` as one group (``ncclGroupStart``
+    / ``End``), and two batches on one communicator one after the other on its stream,
+    so a bidirectional ring's two directions (:mod:`dtp.ops.tp_rings`) only move at once
+    when they are posted together. gloo posts each message on its own either way; a
+    handle then waits for its own pair only. Where the backend coalesces the batch into
+    one work (NCCL), every handle waits for that work.
+
+    >>> mesh = make_mesh(tp=1)  # a ring of one: nothing moves (tests/test_comm.py runs 3 ranks)
+    >>> right, left = send_recv_batch([(torch.ones(2), 1), (torch.zeros(2), -1)], mesh, "tp")
+    >>> right.wait().tolist(), left.wait().tolist()
+    ([1.0, 1.0], [0.0, 0.0])
+    """
+    return _send_recv_batch(pairs, mesh, axis, tag, True)
+
+
+def _send_recv_batch(pairs: Sequence[tuple[torch.Tensor, int]], mesh: DeviceMesh, axis: str, tag: str,
+                     async_op: bool) -> list[CommHandle]:
+    pairs = [(x.contiguous(), shift) for x, shift in pairs]
+    group, n = _group(mesh, axis)
+    if n == 1:  # nothing moves: no message, no record (a ring of one does no send/recv)
+        return [CommHandle(None, None, lambda x=x: x) for x, _ in pairs]
+    records = [_record("send_recv", axis, _nbytes(x), n, x, async_op, tag) for x, _ in pairs]
+    me = dist.get_rank(group)
+    outs = [torch.empty_like(x) for x, _ in pairs]
+    ops = []
+    for (x, shift), out in zip(pairs, outs):
+        ops += [dist.P2POp(dist.isend, x, dist.get_global_rank(group, (me + shift) % n), group),
+                dist.P2POp(dist.irecv, out, dist.get_global_rank(group, (me - shift) % n), group)]
+    try:
         works = dist.batch_isend_irecv(ops)
-        return _Works(works), (lambda: out)
-
-    return _run("send_recv", mesh, axis, x, lambda n: _nbytes(x) if n > 1 else 0, post, async_op, tag,
-                received=_nbytes(x), route=1 if shift >= 0 else -1)
+    except RuntimeError as e:  # a peer already gone: gloo can fail at posting
+        raise _failure(records[0], e) from e
+    linked = _link_applies(axis)
+    handles = []
+    for k, ((x, shift), out, record) in enumerate(zip(pairs, outs, records)):
+        mine = works[2 * k:2 * k + 2] if len(works) == len(ops) else works  # per op, or the batch's one work
+        link = (axis, record.bytes, 1 if shift >= 0 else -1) if linked else None
+        handles.append(CommHandle(_Works(mine), record, lambda out=out: out, link, _nbytes(x), x.device.type))
+    return handles
 
 
 class _Works:

@@ -1,7 +1,9 @@
 """The hop schedules of async tensor parallel (:mod:`dtp.ops.collective_matmul`): a ring
 all-gather that hands each shard to the caller as it arrives (:func:`gather_ring`) and
 the dual ring of partial sums that reduce-scatters (:func:`scatter_ring`), one-way or
-bidirectional. Every hop is a :func:`dtp.comm.send_recv` on the tp axis (recorded).
+bidirectional. Every hop is a :func:`dtp.comm.send_recv` on the tp axis (recorded); a
+bidirectional step posts its two as one :func:`dtp.comm.send_recv_batch`, so that NCCL
+moves them as one group rather than one direction after the other on its stream.
 
 **One-way** (shift +1): ``n - 1`` steps of one hop, one shard each. **Bidirectional**
 (Wang et al., ASPLOS 2023; XLA's collective matmul): every step sends one hop each way
@@ -116,9 +118,8 @@ def gather_ring(shard: torch.Tensor, n: int, me: int, mesh: DeviceMesh | None, a
     cw = ccw = shard  # the shards travelling clockwise (to c + 1) and counter-clockwise
     for s in range(1, steps + 1):
         last = halves and s == steps  # the opposite shard: half each way
-        right = comm.send_recv(piece(cw, dim, 1, 0, 0) if last else cw, mesh, axis, shift=1, async_op=True, tag=tag)
-        left = comm.send_recv(piece(ccw, dim, 1, 0, 1) if last else ccw, mesh, axis, shift=-1, async_op=True,
-                              tag=tag)
+        right, left = comm.send_recv_batch([(piece(cw, dim, 1, 0, 0) if last else cw, 1),
+                                            (piece(ccw, dim, 1, 0, 1) if last else ccw, -1)], mesh, axis, tag=tag)
         if s == 1:  # under the first hops: the own shard, the only one in hand
             use(me, None, shard)
         else:  # under these hops: the two shards the previous step brought
@@ -158,8 +159,7 @@ def scatter_ring(terms: _Terms, n: int, me: int, mesh: DeviceMesh | None, axis: 
     cw = terms((me + steps) % n, 0 if halves else None)
     ccw = terms((me - steps) % n, 1 if halves else None)
     for s in range(1, steps + 1):
-        right = comm.send_recv(cw, mesh, axis, shift=1, async_op=True, tag=tag)
-        left = comm.send_recv(ccw, mesh, axis, shift=-1, async_op=True, tag=tag)
+        right, left = comm.send_recv_batch([(cw, 1), (ccw, -1)], mesh, axis, tag=tag)
         if s < steps:
             nxt_cw, nxt_ccw = terms((me + steps - s) % n, None), terms((me - steps + s) % n, None)
         else:
