@@ -476,13 +476,15 @@ def test_stopping_the_launcher_leaves_no_rank_behind(tmp_path, sig) -> None:
 
 
 def test_dead_peer_ends_the_run_at_once_with_each_ranks_last_collectives(tmp_path) -> None:
-    """A rank SIGKILLed mid-run: the other's collective fails at once (well inside the 60 s
-    --timeout), and the launcher names both ranks and their last collectives (~8 s)."""
-    proc, out, ranks = _start_training(tmp_path, "--timeout", "60")
+    """A rank SIGKILLed mid-run: the other's collective fails at once, not after the 300 s
+    --timeout, and the launcher names both ranks and their last collectives (~2 s quiet).
+    The bound is a sixth of the timeout: CI beside other work (load 10-23) stretched the
+    ~2 s of detection and teardown to 11-17 s."""
+    proc, out, ranks = _start_training(tmp_path, "--timeout", "300")
     os.kill(ranks[1], signal.SIGKILL)
-    took, err = _finish(proc, within=60)
+    took, err = _finish(proc, within=120)
     assert proc.returncode == 1, err
-    assert took < 10, f"{took:.1f} s\n{err}"
+    assert took < 50, f"{took:.1f} s\n{err}"
     assert _processes_of(out, proc.pid) == {}
     assert re.search(r"^dtp: rank 1 was killed by SIGKILL; last collectives: (#\d+ \w+ dp '[^']*' [\d.]+ k?B \w[\w ]*(, )?){3}$",
                      err, re.M), err
