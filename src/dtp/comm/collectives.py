@@ -370,6 +370,8 @@ def _send_recv_batch(pairs: Sequence[tuple[torch.Tensor, int]], mesh: DeviceMesh
     try:
         works = dist.batch_isend_irecv(ops)
     except RuntimeError as e:  # a peer already gone: gloo can fail at posting
+        for record in records[1:]:  # none of the batch went: each is marked failed, the first named
+            _failure(record, e)
         raise _failure(records[0], e) from e
     linked = _link_applies(axis)
     handles = []
