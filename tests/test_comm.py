@@ -206,36 +206,48 @@ def _both_ways(coalesce: bool) -> dict:
     class _One:  # every op of the batch behind one work that may be waited twice, as NCCL's
         def __init__(self, works):
             self.works = works  # (a gloo receive waited twice waits for a next message)
+            self.waited = 0
 
         def wait(self):
+            self.waited += 1
             for w in self.works:
                 w.wait()
             self.works = []
             return True
 
         def is_completed(self):
-            return all(w.is_completed() for w in self.works)
+            return not self.works
+
+        def get_future(self):  # as gloo's send/recv: none (the handle takes completion at wait())
+            raise RuntimeError("no future")
+
+    ones: list[_One] = []
 
     def counted(ops):
         batches.append(len(ops))
         works = real(ops)
-        return [_One(works)] if coalesce else works
+        if coalesce:
+            ones.append(_One(works))
+            return ones[-1:]
+        return works
 
     dist.batch_isend_irecv = counted
     try:
         with dtp.comm_log() as log:
             right, left = comm.send_recv_batch([(torch.full((3,), me + 1.0), 1), (torch.full((2,), 10.0 + me), -1)],
                                                mesh, "tp", tag="both")
-            got = (right.wait().tolist(), left.wait().tolist())
+            # The second pair's handle first: with one coalesced work, it must wait for it too.
+            got = (left.wait().tolist(), right.wait().tolist())
     finally:
         dist.batch_isend_irecv = real
-    return dict(got=got, want=([float((me - 1) % n + 1)] * 3, [10.0 + (me + 1) % n] * 2), batches=batches,
-                records=[(r.kind, r.axis, r.bytes, r.tag) for r in log.records])
+    return dict(got=got, want=([10.0 + (me + 1) % n] * 2, [float((me - 1) % n + 1)] * 3), batches=batches,
+                waited=[o.waited for o in ones], records=[(r.kind, r.axis, r.bytes, r.tag) for r in log.records])
 
 
-@pytest.mark.parametrize("coalesce", [False, True], ids=["gloo", "one work"])
+@pytest.mark.parametrize("coalesce", [False, True], ids=["gloo", "coalesced"])
 def test_send_recv_batch_posts_both_directions_as_one_batch(coalesce: bool) -> None:
     for rank in run(_both_ways, coalesce, world_size=3):
         assert rank["got"] == rank["want"], rank
         assert rank["batches"] == [4], rank  # both directions' send and receive, one call
+        assert rank["waited"] == ([2] if coalesce else []), rank  # each handle waited the one work
         assert rank["records"] == [("send_recv", "tp", 12, "both"), ("send_recv", "tp", 8, "both")], rank

@@ -13,7 +13,7 @@ reduce_scatter  (n-1)/n × local input bytes
 all_reduce      2 (n-1)/n × bytes
 all_to_all      (n-1)/n × local input bytes
 all_to_all_v    rows sent to the other coordinates × bytes per row (uneven splits)
-send_recv       bytes of the tensor sent
+send_recv       bytes of the tensor sent (send_recv_batch: one record per pair)
 ==============  ================================
 """
 
@@ -358,6 +358,8 @@ def _send_recv_batch(pairs: Sequence[tuple[torch.Tensor, int]], mesh: DeviceMesh
                      async_op: bool) -> list[CommHandle]:
     pairs = [(x.contiguous(), shift) for x, shift in pairs]
     group, n = _group(mesh, axis)
+    if not pairs:
+        return []
     if n == 1:  # nothing moves: no message, no record (a ring of one does no send/recv)
         return [CommHandle(None, None, lambda x=x: x) for x, _ in pairs]
     records = [_record("send_recv", axis, _nbytes(x), n, x, async_op, tag) for x, _ in pairs]
@@ -370,13 +372,15 @@ def _send_recv_batch(pairs: Sequence[tuple[torch.Tensor, int]], mesh: DeviceMesh
     try:
         works = dist.batch_isend_irecv(ops)
     except RuntimeError as e:  # a peer already gone: gloo can fail at posting
-        for record in records[1:]:  # none of the batch went: each is marked failed, the first named
-            _failure(record, e)
+        for record in records[1:]:  # the batch failed: each record is marked so, the first named
+            record.failed = True
         raise _failure(records[0], e) from e
     linked = _link_applies(axis)
     handles = []
     for k, ((x, shift), out, record) in enumerate(zip(pairs, outs, records)):
-        mine = works[2 * k:2 * k + 2] if len(works) == len(ops) else works  # per op, or the batch's one work
+        # One work per op (gloo: this pair's two), or the batch's one coalesced work (NCCL),
+        # which every handle waits for (waiting an NCCL work twice is harmless).
+        mine = works[2 * k:2 * k + 2] if len(works) == len(ops) else works
         link = (axis, record.bytes, 1 if shift >= 0 else -1) if linked else None
         handles.append(CommHandle(_Works(mine), record, lambda out=out: out, link, _nbytes(x), x.device.type))
     return handles
