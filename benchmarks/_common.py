@@ -95,3 +95,28 @@ def hf_model_config(dim: int, layers: int):
 
     return llama.config("tiny", vocab_size=32000, dim=dim, n_layers=layers, n_heads=8, n_kv_heads=4,
                         ffn_dim=int(dim * 8 / 3) // 64 * 64)
+
+
+def union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """``(start, end)`` intervals merged where they touch or overlap, sorted; empty ones dropped.
+
+    >>> union([(3.0, 4.0), (0.0, 1.0), (0.5, 2.0), (5.0, 5.0)])
+    [(0.0, 2.0), (3.0, 4.0)]
+    """
+    out: list[tuple[float, float]] = []
+    for a, b in sorted(spans):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        elif b > a:
+            out.append((a, b))
+    return out
+
+
+def uncovered(span: tuple[float, float], merged: list[tuple[float, float]]) -> float:
+    """How much of ``span`` no interval of ``merged`` (:func:`union`'s) covers.
+
+    >>> uncovered((0.0, 10.0), union([(1.0, 3.0), (2.0, 4.0), (9.0, 12.0)]))
+    6.0
+    """
+    a, b = span
+    return max(0.0, b - a - sum(max(0.0, min(b, e) - max(a, s)) for s, e in merged))

@@ -29,6 +29,7 @@ import statistics
 from functools import partial
 
 import torch
+from _common import uncovered, union
 
 
 def _records(bandwidth: float, stage: int, config: str, seq: int, batch: int, bucket_mb: float,
@@ -58,23 +59,6 @@ def _records(bandwidth: float, stage: int, config: str, seq: int, batch: int, bu
     return [(r.kind, r.issued, r.completed, r.bytes) for r in log.records if r.axis == "dp"]
 
 
-def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    out: list[tuple[float, float]] = []
-    for a, b in sorted(spans):
-        if out and a <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], b))
-        elif b > a:
-            out.append((a, b))
-    return out
-
-
-def _outside(span: tuple[float, float], busy: list[tuple[float, float]]) -> float:
-    """How much of ``span`` no interval of ``busy`` (merged, sorted) covers."""
-    a, b = span
-    covered = sum(max(0.0, min(b, e) - max(a, s)) for s, e in busy)
-    return max(0.0, b - a - covered)
-
-
 def delays(rank0: list, rank1: list, bandwidth: float) -> tuple[dict[str, list[float]], float, float, float]:
     """Per kind, each transfer's delay on rank 0's link (s): the part of the time from
     "every rank posted" to its modelled start during which the link carried nothing; the
@@ -93,13 +77,13 @@ def delays(rank0: list, rank1: list, bandwidth: float) -> tuple[dict[str, list[f
                  for a, b in zip(rank0, rank1) if (c := a[2]) is not None and (n := a[3])]
     if not transfers:
         return {}, 0.0, 0.0, 0.0
-    busy = _union([(start, end) for start, end, _, _ in transfers])
+    busy = union([(start, end) for start, end, _, _ in transfers])
     first = min(min(t[2] for t in transfers), busy[0][0])  # the window opens at the first posting
     out: dict[str, list[float]] = {}
     for start, _, posted, kind in transfers:
-        out.setdefault(kind, []).append(_outside((posted, start), busy))
-    waiting = _union([(posted, start) for start, _, posted, _ in transfers])
-    idle = sum(_outside(span, busy) for span in waiting)
+        out.setdefault(kind, []).append(uncovered((posted, start), busy))
+    waiting = union([(posted, start) for start, _, posted, _ in transfers])
+    idle = sum(uncovered(span, busy) for span in waiting)
     return out, idle, busy[-1][1] - first, sum(e - a for a, e in busy)
 
 

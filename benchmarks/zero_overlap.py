@@ -54,6 +54,7 @@ import time
 from functools import partial
 
 import torch
+from _common import uncovered, union
 
 
 def make_batch(cfg, batch: int, seq: int, seed: int = 1) -> dict[str, torch.Tensor]:
@@ -66,19 +67,9 @@ def link_idle(log, bandwidth: float, latency: float) -> list[tuple[str, float, f
     """Per span of ``log``: its length and how long the modelled dp link was idle in it
     (ms). A dp collective's modelled transfer ends at its ``completed`` and takes
     ``latency + bytes / bandwidth`` (``dtp.comm.link``), which gives when the link was busy."""
-    busy = sorted((r.completed - latency - r.bytes / bandwidth, r.completed) for r in log.records
-                  if r.axis == "dp" and r.completed is not None and r.bytes)
-    merged: list[list[float]] = []
-    for a, b in busy:
-        if merged and a <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], b)
-        else:
-            merged.append([a, b])
-    out = []
-    for sp in log.spans:
-        on = sum(max(0.0, min(b, sp.end) - max(a, sp.start)) for a, b in merged)
-        out.append((sp.name, 1e3 * (sp.end - sp.start), 1e3 * (sp.end - sp.start - on)))
-    return out
+    busy = union([(r.completed - latency - r.bytes / bandwidth, r.completed) for r in log.records
+                  if r.axis == "dp" and r.completed is not None and r.bytes])
+    return [(sp.name, 1e3 * (sp.end - sp.start), 1e3 * uncovered((sp.start, sp.end), busy)) for sp in log.spans]
 
 
 def _bench(cfg, batch: dict, stages: list[str], bucket_mb: float, warmup: int, repeats: int,
