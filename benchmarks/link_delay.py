@@ -4,22 +4,23 @@ set beside the moment both ranks had posted it.
 
     python benchmarks/link_delay.py --stage 1 --bandwidth 71e6
 
-``simulated_link`` starts a collective's modelled transfer once the real (loopback) one
-has finished — the only sign, inside one process, that every rank has posted it — and
-queues it behind the axis's earlier transfers. Both ranks run on this machine, so their
-``CommRecord.issued`` times share one clock: pairing the two ranks' records (same posting
-order), "every rank posted" is the later of the two. For each transfer the script takes
-``delay = modelled start − max(every rank posted, the link free)``: time the modelled link
-sat idle although the collective was posted everywhere and nothing held the link, i.e.
-the real transfer's own duration (gloo's threads on two busy cores) counted before the
-modelled one. Per kind (summed, rank 0's link), and the idle time all of them cover
-together (a stretch two transfers wait through counted once), a step.
+Both ranks run on this machine, so their ``CommRecord.issued`` times share one clock:
+pairing the two ranks' records (same posting order), "every rank posted" is the later of
+the two. For each transfer the script takes ``delay = modelled start − max(every rank
+posted, the link free)`` (modelled start: completion − the modelled length): time the
+modelled link sat idle although the collective was posted everywhere and nothing held the
+link. Per kind (summed, rank 0's link), and the idle time all of them cover together (a
+stretch two transfers wait through counted once), a step.
 
-The model, :mod:`dtp.comm.link`, is left as it is (every overlap figure in
-``benchmarks/README.md`` is under it); this measures what it charges that a link
-starting at "every rank posted" would not. ``--bandwidth`` 71e6 is about what
-``zero_overlap.py --config small --seq 64 --batch 8 --bucket-mb 0.5`` calibrates stage 1
-to on this 2-core machine (its communication ≈ its compute).
+Until the posting board (:mod:`dtp.comm.board`), ``simulated_link`` started a transfer
+once the real loopback one had finished, and this measured 36–45 ms a step of such delay
+(stage 1, five runs; ``benchmarks/README.md``). Now a transfer starts when the last rank
+posted it, so what is left is where the real loopback transfer outlasts the modelled one
+(completion is the later of the two): the one-element all-reduces (loss, norm: modelled
+≈ 0 at latency 0), and any loopback transfer slowed by two busy cores past its model.
+``--bandwidth`` 71e6 is about what ``zero_overlap.py --config small --seq 64 --batch 8
+--bucket-mb 0.5`` calibrates stage 1 to on this 2-core machine (its communication ≈ its
+compute).
 """
 
 from __future__ import annotations

@@ -133,6 +133,47 @@ def test_point_to_point_transfers_are_seen_by_the_link_from_when_they_are_posted
     assert recv_waited < 0.2 and recv_total < 1.15
 
 
+def _from_last_post(kind: str) -> tuple[float, float, float, bool]:
+    # 16 MB under a link that moves it in 0.1 s; rank 1 posts 0.2 s after rank 0. Returns
+    # (posted, completed) on the wall clock the ranks share, the modelled transfer's
+    # length, and whether the board's file is gone once KEPT later contexts were entered.
+    mesh = dtp.make_mesh(pp=2)
+    rank = dist.get_rank()
+    x = torch.ones(4_000_000)
+    to_wall = time.time() - time.perf_counter()
+    with comm.simulated_link(bandwidth=16e6 / 0.1, axes=("pp",)), comm.comm_log() as log:
+        board = comm.link._link_board()
+        if rank == 1:
+            time.sleep(0.2)
+        if kind == "all_reduce":
+            comm.all_reduce(x, mesh, "pp")
+        elif rank == 0:
+            comm.send(x, mesh, "pp", to=1, key=3).wait()
+        else:
+            comm.recv(x.shape, x.dtype, mesh, "pp", frm=0, key=3).wait()
+        rec = log.records[-1]
+    assert board is not None and board.path.exists()
+    comm.barrier()  # the receiver has read the sender's entry: the sender's file may go
+    for _ in range(comm.board.KEPT):
+        with comm.simulated_link(bandwidth=1e9):
+            pass
+    return rec.issued + to_wall, rec.completed + to_wall, 0.1, not board.path.exists()
+
+
+@pytest.mark.parametrize("kind", ["all_reduce", "recv"])
+def test_link_starts_a_transfer_when_the_last_rank_posted_it(kind) -> None:
+    # The posting board (dtp.comm.board): the modelled transfer starts when the last rank
+    # posted (rank 1, 0.2 s late), not once the real 16 MB loopback transfer has finished
+    # on top of that (several ms: before the board, completion came that much later).
+    (post0, done0, length, gone0), (post1, done1, _, gone1) = run(_from_last_post, kind, world_size=2)
+    assert post1 - post0 > 0.15
+    receiver_done = done1 if kind == "recv" else max(done0, done1)
+    assert abs(receiver_done - (post1 + length)) < 1e-3, (receiver_done - post1, length)
+    if kind == "all_reduce":
+        assert abs(done0 - done1) < 1e-3
+    assert gone0 and gone1
+
+
 def _gloo_forms() -> list[tuple[str, bool, int]]:
     """Reduce-scatter and all-gather, waited at once and async (on gloo both are
     all-to-alls, written into ``out=`` for the gather), dims 0 and 1, on a 4-rank mesh's

@@ -36,9 +36,11 @@ import importlib
 import io
 import os
 import secrets
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 import types
@@ -123,7 +125,10 @@ class _Pool:
         env = dict(os.environ)
         # Workers import what this process can: the test modules, the notebook's paths.
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-        env.update(OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
+        # A temporary directory of the pool's own, removed with it: workers end by kill(),
+        # so what they leave in TMPDIR (dtp.comm.board's files) is not removed at their exit.
+        self.tmp = tempfile.mkdtemp(prefix="dtp-pool-")
+        env.update(OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), TMPDIR=self.tmp,
                    WORLD_SIZE=str(world_size), DTP_POOL_ADDRESS=f"127.0.0.1:{listener.address[1]}",
                    DTP_POOL_AUTHKEY=authkey.hex())
         # Each worker in a session of its own: a terminal's Ctrl-C and a Jupyter kernel's
@@ -188,6 +193,7 @@ class _Pool:
             if c is not None:
                 with contextlib.suppress(Exception):
                     c.close()
+        shutil.rmtree(self.tmp, ignore_errors=True)
 
 
 def _wait_readable(listener: Listener, timeout: float) -> bool:

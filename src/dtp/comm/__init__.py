@@ -11,6 +11,8 @@ One module per job; each imports only from those above it:
 ``records``      :class:`CommRecord`, :class:`CommLog`, :func:`comm_log`, :func:`span`;
                  which logs a thread records into (:func:`active_logs`,
                  :func:`record_into`)
+``board``        when each rank posted each transfer, shared between the processes of
+                 one machine (the link model's start times)
 ``link``         :func:`simulated_link`: a slow link modelled per mesh axis
 ``flight``       the always-on flight recorder (:func:`flight_record`), its file
                  mirror (:data:`FLIGHT_DIR_ENV`), :class:`CollectiveError`

@@ -30,7 +30,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from ..mesh import mesh_device
 from .flight import _failure, _record
 from .handles import CommHandle
-from .link import _link_applies
+from .link import _link_applies, _link_board
 
 # A collective inside a compiled region (dtp.compiled) is a graph break: it runs eagerly,
 # recorded as always, and the region is traced around it (≈0.6 µs per call in eager).
@@ -55,11 +55,14 @@ def _run(kind: str, mesh: DeviceMesh, axis: str, x: torch.Tensor, nbytes: Callab
         handle = CommHandle(None, None, lambda: x)
         return handle if async_op else handle.wait()
     record = _record(kind, axis, nbytes(n), n, x, async_op, tag)
+    link = None
+    if _link_applies(axis):  # noted on the board before posting: a peer reads it once this has arrived
+        board = _link_board()
+        link = (axis, record.bytes, route, board and board.collective(group, record.issued))
     try:
         work, finish = post(group, n)
     except RuntimeError as e:  # a peer already gone: gloo can fail at posting
         raise _failure(record, e) from e
-    link = (axis, record.bytes, route) if _link_applies(axis) else None
     handle = CommHandle(work, record, finish, link, received, x.device.type)
     return handle if async_op else handle.wait()
 
@@ -366,9 +369,15 @@ def _send_recv_batch(pairs: Sequence[tuple[torch.Tensor, int]], mesh: DeviceMesh
     me = dist.get_rank(group)
     outs = [torch.empty_like(x) for x, _ in pairs]
     ops = []
-    for (x, shift), out in zip(pairs, outs):
-        ops += [dist.P2POp(dist.isend, x, dist.get_global_rank(group, (me + shift) % n), group),
-                dist.P2POp(dist.irecv, out, dist.get_global_rank(group, (me - shift) % n), group)]
+    board = _link_board() if _link_applies(axis) else None
+    arrivals: list[Callable[[], float | None] | None] = []
+    for (x, shift), out, record in zip(pairs, outs, records):
+        to, frm = (me + shift) % n, (me - shift) % n
+        ops += [dist.P2POp(dist.isend, x, dist.get_global_rank(group, to), group),
+                dist.P2POp(dist.irecv, out, dist.get_global_rank(group, frm), group)]
+        if board is not None:  # batch_isend_irecv posts with tag 0
+            board.send(group, to, 0, record.issued)
+        arrivals.append(board and board.recv(group, frm, 0, record.issued))
     try:
         works = dist.batch_isend_irecv(ops)
     except RuntimeError as e:  # a peer already gone: gloo can fail at posting
@@ -381,7 +390,7 @@ def _send_recv_batch(pairs: Sequence[tuple[torch.Tensor, int]], mesh: DeviceMesh
         # One work per op (gloo: this pair's two), or the batch's one coalesced work (NCCL),
         # which every handle waits for (waiting an NCCL work twice is harmless).
         mine = works[2 * k:2 * k + 2] if len(works) == len(ops) else works
-        link = (axis, record.bytes, 1 if shift >= 0 else -1) if linked else None
+        link = (axis, record.bytes, 1 if shift >= 0 else -1, arrivals[k]) if linked else None
         handles.append(CommHandle(_Works(mine), record, lambda out=out: out, link, _nbytes(x), x.device.type))
     return handles
 

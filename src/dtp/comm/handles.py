@@ -44,6 +44,9 @@ _unwaited: "weakref.WeakSet[CommHandle]" = weakref.WeakSet()
 # posts hundreds), so later handles of that kind skip the attempt.
 _futureless: set[tuple[str, str]] = set()
 
+# A handle's link under simulated_link: axis, bytes sent, route, when every rank had posted.
+_Link = tuple[str, int, int, "Callable[[], float | None] | None"]
+
 
 def drain() -> int:
     """Wait for every collective this process posted with ``async_op=True`` and has not
@@ -97,16 +100,19 @@ def _finished() -> torch.Tensor:
 class CommHandle:
     """An in-flight collective; :meth:`wait` returns its (post-processed) result.
 
-    ``link`` is ``(axis, bytes sent, route)`` under :func:`dtp.comm.simulated_link`
-    (``route``: +1, or -1 for a point-to-point hop to coordinate c - 1);
+    ``link`` is ``(axis, bytes sent, route, since)`` under :func:`dtp.comm.simulated_link`
+    (``route``: +1, or -1 for a point-to-point hop to coordinate c - 1; ``since``, from
+    the posting board, tells once the transfer is real when every rank it needs had
+    posted it: a collective's whole group, a receive's sender and itself; None, or a
+    None answer, where that is unknown);
     ``received`` the bytes a point-to-point receive brings in (its record counts none:
     the sender does), which the link books on the incoming queue; ``device`` the
     tensor's device type (with the kind, what a missing future is remembered by)."""
 
     def __init__(self, work: object | None, record: CommRecord | None, finish: Callable[[], torch.Tensor],
-                 link: tuple[str, int, int] | None = None, received: int = 0, device: str = "cpu"):
+                 link: _Link | None = None, received: int = 0, device: str = "cpu"):
         self._work, self._record, self._finish = work, record, finish
-        self._link = link  # (axis, bytes, route) under simulated_link
+        self._link = link  # (axis, bytes, route, since) under simulated_link
         self._deadline: float | None = None  # end of the modelled transfer
         self._done = False  # completion seen (and the link booked)
         self._result: torch.Tensor | None = None
@@ -128,8 +134,8 @@ class CommHandle:
                 if link is not None:
                     self._book_point_to_point(work, link, received)
 
-    def _book_point_to_point(self, work: object, link: tuple[str, int, int], received: int) -> None:
-        axis, sent, route = link
+    def _book_point_to_point(self, work: object, link: _Link, received: int) -> None:
+        axis, sent, route, since = link
         self._done = True  # booked here, not by _mark_done
         if sent:  # leaves when posted
             self._deadline = _link_deadline(axis, sent, route=route)
@@ -141,15 +147,16 @@ class CommHandle:
         # turns true before wait(), and one shared waiter would see a late peer hold up
         # the rest. Pooled: Thread.start() blocks until the new thread runs, which on a
         # busy CPU measured ~1-3 ms of the posting thread per hop.
-        _waiters.submit(self._wait_in_thread, work, axis, received, route)
+        _waiters.submit(self._wait_in_thread, work, axis, received, route, since)
 
-    def _wait_in_thread(self, work: object, axis: str, received: int, route: int) -> None:
+    def _wait_in_thread(self, work: object, axis: str, received: int, route: int,
+                        since: Callable[[], float | None] | None) -> None:
         try:
             work.wait()  # type: ignore[attr-defined]
         except RuntimeError as e:  # raised again by wait() on the posting thread
             self._error = e
         else:
-            end = _link_deadline(axis, received, incoming=True, route=route)
+            end = _link_deadline(axis, received, incoming=True, route=route, start=since and since())
             with _mark_lock:
                 self._deadline = max(self._deadline or 0.0, end or 0.0)
                 if self._record is not None:  # the data is in: complete when the modelled transfer is
@@ -182,11 +189,12 @@ class CommHandle:
             if self._done:
                 return
             self._done = True
-            # The modelled transfer starts when the real collective has finished, i.e.
-            # once every rank has posted it: waiting for a late peer is never hidden.
+            # The modelled transfer starts once every rank has posted the collective (the
+            # board; unknown: now, when the real one has finished): waiting for a late
+            # peer is never hidden, and the loopback transfer is not charged on top.
             if self._link is not None:
-                axis, sent, route = self._link
-                self._deadline = _link_deadline(axis, sent, route=route)
+                axis, sent, route, since = self._link
+                self._deadline = _link_deadline(axis, sent, route=route, start=since and since())
             if self._record is not None and self._record.completed is None:
                 self._record.completed = max(time.perf_counter(), self._deadline or 0.0)
                 if (mirror := _flight_mirror()) is not None:

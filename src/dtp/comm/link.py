@@ -8,6 +8,8 @@ import threading
 import time
 from typing import Iterator, Sequence
 
+from .board import Board, open_board
+
 __all__ = ["simulated_link"]
 
 # Overlap only shows on a link slower than compute. On one CPU machine loopback gloo is
@@ -16,15 +18,17 @@ __all__ = ["simulated_link"]
 # with ``neighbours=True`` one such link to each ring neighbour (a ring or torus), so what a
 # rank sends to coordinate c + 1 and to c - 1 moves at once (a bidirectional ring's two hops,
 # dtp.ops.tp_rings); a collective (a ring algorithm, one way round) takes the c + 1 link.
-# - A collective's modelled transfer starts once the real one has finished (every rank
-#   has posted it) and queues behind the rank's earlier transfers out on that axis.
+# - A collective's modelled transfer starts when the last rank of its group posted it
+#   (read from the posting board, dtp.comm.board; where a rank's entry is missing, when
+#   the real one has finished) and queues behind the rank's earlier transfers out on that
+#   axis. It completes when the modelled transfer would, or the real one has, the later.
 # - Point to point (send, recv, a ring step's send_recv): gloo's isend/irecv have no
 #   completion future (torch 2.13: "Work::getFuture not implemented"), so the handle
 #   books them itself. A send's transfer starts when it is posted (the eager protocol of
 #   NCCL and gloo for activation-sized messages) on the outgoing queue; a receive's starts
-#   when its data has really arrived — which needs both sides posted, the most the
-#   backend lets one rank see of the other — on the incoming queue, seen by a waiter
-#   thread, so the receiver pays the transfer too and compute in between hides it.
+#   when both sides have posted (the board again; unknown: when its data has really
+#   arrived) on the incoming queue, booked by a waiter thread once the data is in, so the
+#   receiver pays the transfer too and compute in between hides it.
 # A handle is complete when its transfers would be; waiting blocks until then and compute
 # in between runs freely — exactly what overlap hides.
 _link_lock = threading.Lock()
@@ -49,11 +53,13 @@ def simulated_link(bandwidth: float, latency: float = 0.0, axes: Sequence[str] |
     """
     if bandwidth <= 0 or latency < 0:
         raise ValueError(f"simulated_link: bandwidth must be > 0 and latency >= 0, got {bandwidth}, {latency}")
+    board = open_board()
     with _link_lock:
         previous = dict(_link)
         _link.clear()
         _link.update(bandwidth=float(bandwidth), latency=float(latency),
-                     axes=None if axes is None else frozenset(axes), busy={}, neighbours=bool(neighbours))
+                     axes=None if axes is None else frozenset(axes), busy={}, neighbours=bool(neighbours),
+                     board=board)
     try:
         yield
     finally:
@@ -67,16 +73,24 @@ def _link_applies(axis: str) -> bool:
         return bool(_link) and (_link["axes"] is None or axis in _link["axes"])
 
 
-def _link_deadline(axis: str, nbytes: int, incoming: bool = False, *, route: int = 1) -> float | None:
-    """When a modelled transfer of ``nbytes`` on ``axis`` starting now would end (it
-    queues behind the axis's earlier transfers in the same direction: out, or ``incoming``;
-    with ``neighbours``, the same way round the ring too: ``route`` +1 or -1)."""
+def _link_board() -> Board | None:
+    """The posting board of the link in force (None: none, or ranks cannot share one)."""
+    with _link_lock:
+        return _link.get("board")  # type: ignore[return-value]
+
+
+def _link_deadline(axis: str, nbytes: int, incoming: bool = False, *, route: int = 1,
+                   start: float | None = None) -> float | None:
+    """When a modelled transfer of ``nbytes`` on ``axis`` starting at ``start`` (a
+    ``perf_counter`` time; default now) would end (it queues behind the axis's earlier
+    transfers in the same direction: out, or ``incoming``; with ``neighbours``, the same
+    way round the ring too: ``route`` +1 or -1)."""
     with _link_lock:
         if not _link:
             return None
         busy: dict[tuple[str, bool, int], float] = _link["busy"]  # type: ignore[assignment]
         key = (axis, incoming, route if _link["neighbours"] else 1)
-        start = max(time.perf_counter(), busy.get(key, 0.0))
+        start = max(time.perf_counter() if start is None else start, busy.get(key, 0.0))
         end = start + _link["latency"] + nbytes / _link["bandwidth"]  # type: ignore[operator]
         busy[key] = end
         return end

@@ -28,7 +28,7 @@ from ..mesh import mesh_device
 from .collectives import _eager, _group, _nbytes, _on_mesh
 from .flight import _failure, _record
 from .handles import CommHandle
-from .link import _link_applies
+from .link import _link_applies, _link_board
 
 __all__ = ["Peer", "send", "recv"]
 
@@ -50,6 +50,15 @@ class Peer:
         if self.n == 1:  # nothing moves: no message, no record
             return CommHandle(None, None, lambda: x)
         record = _record(kind, self.axis, sent, self.n, x, True, tag)
+        link = None
+        if self.linked:  # noted on the board before posting: the receiver reads it once the data is in
+            board = _link_board()
+            since = None
+            if board is not None and kind == "send":
+                board.send(self.group, self.to, key, record.issued)
+            elif board is not None:
+                since = board.recv(self.group, self.to, key, record.issued)
+            link = (self.axis, record.bytes, 1, since)
         try:
             # The group's own send/recv: ``to`` is already the group rank (dist.isend would
             # map it to a global rank and back, and check the tensor and group each time);
@@ -58,7 +67,6 @@ class Peer:
             work = (self.group.send if kind == "send" else self.group.recv)([wire], self.to, key)
         except RuntimeError as e:  # a peer already gone: gloo can fail at posting
             raise _failure(record, e) from e
-        link = (self.axis, record.bytes, 1) if self.linked else None
         return CommHandle(work, record, lambda: x, link, received, x.device.type)
 
     def send(self, x: torch.Tensor, *, key: int, tag: str = "") -> CommHandle:
