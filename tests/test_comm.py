@@ -174,6 +174,37 @@ def test_link_starts_a_transfer_when_the_last_rank_posted_it(kind) -> None:
     assert gone0 and gone1
 
 
+def test_posting_board_matches_operations_across_ranks_and_says_unknown_when_an_entry_is_missing(
+        tmp_path, monkeypatch) -> None:
+    # Two boards of one run in one directory stand in for two ranks (no processes): the
+    # n-th collective on a group, and the n-th message with a tag from one rank to the
+    # other, find each other; a rank that has not written its entry reads as unknown
+    # (None), which the link takes as "start when the real transfer has finished".
+    from dtp.comm.board import Board
+
+    class Group:
+        group_name = "7"
+
+    group = Group()
+    boards = [Board(tmp_path, "run", 1, rank) for rank in (0, 1)]
+    for b in boards:
+        b._members["7"] = [0, 1]
+    first = boards[0].collective(group, 10.0)
+    assert first() is None  # rank 1 has not posted it
+    second = boards[1].collective(group, 12.5)
+    assert first() == pytest.approx(12.5, abs=1e-3) and second() == pytest.approx(12.5, abs=1e-3)  # each in its clock
+    assert boards[0].collective(group, 20.0)() is None  # the next one: rank 1 is not there yet
+    monkeypatch.setattr(comm.board.dist, "get_rank", lambda g: boards.index(current))
+    current = boards[1]
+    arrival = boards[1].recv(group, 0, 5, 30.0)
+    assert arrival() is None  # the sender's entry is missing
+    current = boards[0]
+    boards[0].send(group, 1, 4, 31.0)  # another tag: not this receive's message
+    assert arrival() is None
+    boards[0].send(group, 1, 5, 33.0)
+    assert arrival() == pytest.approx(33.0, abs=1e-3)
+
+
 def _gloo_forms() -> list[tuple[str, bool, int]]:
     """Reduce-scatter and all-gather, waited at once and async (on gloo both are
     all-to-alls, written into ``out=`` for the gather), dims 0 and 1, on a 4-rank mesh's
