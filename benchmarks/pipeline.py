@@ -11,12 +11,10 @@ global batch is ``m × rows``), so one action costs the same for every ``m``. Me
 ``dtp.make_mesh(pp=p)`` (a stage is one device: plain tensors), ``dtp.optim.sgd(0.1)``,
 one thread per rank.
 
-No ``simulated_link``. Loopback gloo moves an activation in well under a millisecond, so
-the link would be the only reason to use it. But gloo's ``send``/``recv`` have no
-completion future, so dtp books a modelled transfer only when the runner waits on it: the
-receiver when it needs the data, and the sender at the microbatch's backward (activations)
-or the end of the schedule (gradients). The link would then queue sends late instead of
-hiding them.
+No ``simulated_link`` here: loopback gloo moves an activation in well under a
+millisecond, which is what this table measures the runner on. ``pipeline_link.py`` runs
+the same model and schedules under the link (a send's transfer from its posting, a
+receive's from when both ends had posted: :mod:`dtp.comm.board`).
 
 First line: the transport's hop, one hand-over of a ``rows × dim`` message measured with
 bare ``torch.distributed`` (receive posted ahead, sender computing after its send; from
