@@ -135,12 +135,12 @@ def test_point_to_point_transfers_are_seen_by_the_link_from_when_they_are_posted
 
 def _from_last_post(kind: str) -> tuple[float, float, float, bool]:
     # 16 MB under a link that moves it in 0.1 s; rank 1 posts 0.2 s after rank 0. Returns
-    # (posted, completed) on the wall clock the ranks share, the modelled transfer's
-    # length, and whether the board's file is gone once KEPT later contexts were entered.
+    # (posted, completed) on perf_counter (CLOCK_MONOTONIC on Linux: the clock the ranks
+    # share, as the board's), the modelled transfer's length, and whether the board's
+    # file is gone once KEPT later contexts were entered.
     mesh = dtp.make_mesh(pp=2)
     rank = dist.get_rank()
     x = torch.ones(4_000_000)
-    to_wall = time.time() - time.perf_counter()
     with comm.simulated_link(bandwidth=16e6 / 0.1, axes=("pp",)), comm.comm_log() as log:
         board = comm.link._link_board()
         if rank == 1:
@@ -157,7 +157,7 @@ def _from_last_post(kind: str) -> tuple[float, float, float, bool]:
     for _ in range(comm.board.KEPT):
         with comm.simulated_link(bandwidth=1e9):
             pass
-    return rec.issued + to_wall, rec.completed + to_wall, 0.1, not board.path.exists()
+    return rec.issued, rec.completed, 0.1, not board.path.exists()
 
 
 @pytest.mark.parametrize("kind", ["all_reduce", "recv"])
@@ -189,20 +189,28 @@ def test_posting_board_matches_operations_across_ranks_and_says_unknown_when_an_
     boards = [Board(tmp_path, "run", 1, rank) for rank in (0, 1)]
     for b in boards:
         b._members["7"] = [0, 1]
-    first = boards[0].collective(group, 10.0)
+    first = boards[0].collective(group, "all_reduce", 10.0)
     assert first() is None  # rank 1 has not posted it
-    second = boards[1].collective(group, 12.5)
-    assert first() == pytest.approx(12.5, abs=1e-3) and second() == pytest.approx(12.5, abs=1e-3)  # each in its clock
-    assert boards[0].collective(group, 20.0)() is None  # the next one: rank 1 is not there yet
+    second = boards[1].collective(group, "all_reduce", 12.5)
+    assert first() == second() == 12.5
+    assert boards[0].collective(group, "all_reduce", 20.0)() is None  # the next one: rank 1 is not there yet
+    # Out of step (rank 1 posts another kind there): unknown, not the other operation.
+    assert boards[1].collective(group, "all_gather", 21.0)() is None
     monkeypatch.setattr(comm.board.dist, "get_rank", lambda g: boards.index(current))
     current = boards[1]
-    arrival = boards[1].recv(group, 0, 5, 30.0)
+    arrival = boards[1].recv(group, 0, 5, 4096, 30.0)
     assert arrival() is None  # the sender's entry is missing
     current = boards[0]
-    boards[0].send(group, 1, 4, 31.0)  # another tag: not this receive's message
+    boards[0].send(group, 1, 4, 4096, 31.0)  # another tag: not this receive's message
+    boards[0].send(group, 1, 5, 8, 32.0)  # another size: neither
     assert arrival() is None
-    boards[0].send(group, 1, 5, 33.0)
-    assert arrival() == pytest.approx(33.0, abs=1e-3)
+    boards[0].send(group, 1, 5, 4096, 33.0)
+    assert arrival() == 33.0
+    with open(boards[0].path, "r+b") as f:  # a foreign or cut file reads as unknown
+        f.truncate(16)
+    fresh = Board(tmp_path, "run", 1, 1)
+    fresh._members["7"] = [0, 1]
+    assert fresh.collective(group, "all_reduce", 40.0)() is None
 
 
 def _gloo_forms() -> list[tuple[str, bool, int]]:
@@ -265,6 +273,18 @@ def test_simulated_link_with_neighbours_moves_both_ways_round_the_ring_at_once()
         assert first is not None and other_way is not None and other_way < first + 1000
         assert _link_deadline("tp", 1000, route=1) == first + 1000
         assert _link_deadline("tp", 1000, incoming=True, route=-1) < first + 1000  # incoming: its own queue
+
+
+def test_a_posting_time_after_now_is_taken_as_now() -> None:
+    # A start the board gives later than now could only be a clock gone wrong: taken as
+    # now, so wait() never sleeps for it (1 B/s: a 1000 B transfer books 1000 s).
+    from dtp.comm.link import _link_deadline
+
+    with comm.simulated_link(bandwidth=1.0):
+        before = time.perf_counter()
+        end = _link_deadline("tp", 1000, start=before + 3600)
+        assert end is not None and before + 1000 <= end <= time.perf_counter() + 1000
+        assert _link_deadline("dp", 1000, start=before - 10) == pytest.approx(before + 990)
 
 
 def _both_ways(coalesce: bool) -> dict:

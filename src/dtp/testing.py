@@ -137,14 +137,13 @@ class _Pool:
         # group, every idle worker died of it printing a KeyboardInterrupt traceback. This
         # process stops them itself (kill(), at exit), and they leave on their own when
         # its end of the pipe goes (_worker_main).
-        self.procs = [
-            subprocess.Popen(_WORKER_COMMAND, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
-                             start_new_session=True)
-            for r in range(world_size)
-        ]
+        self.procs: list[subprocess.Popen] = []
         self.conns: list[Connection | None] = [None] * world_size
         deadline = time.monotonic() + start_timeout
         try:
+            for r in range(world_size):
+                self.procs.append(subprocess.Popen(_WORKER_COMMAND, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                                                   start_new_session=True))
             for _ in range(world_size):
                 while not _wait_readable(listener, 0.5):
                     if not self.alive():

@@ -58,7 +58,7 @@ def _run(kind: str, mesh: DeviceMesh, axis: str, x: torch.Tensor, nbytes: Callab
     link = None
     if _link_applies(axis):  # noted on the board before posting: a peer reads it once this has arrived
         board = _link_board()
-        link = (axis, record.bytes, route, board and board.collective(group, record.issued))
+        link = (axis, record.bytes, route, board and board.collective(group, kind, record.issued))
     try:
         work, finish = post(group, n)
     except RuntimeError as e:  # a peer already gone: gloo can fail at posting
@@ -376,8 +376,8 @@ def _send_recv_batch(pairs: Sequence[tuple[torch.Tensor, int]], mesh: DeviceMesh
         ops += [dist.P2POp(dist.isend, x, dist.get_global_rank(group, to), group),
                 dist.P2POp(dist.irecv, out, dist.get_global_rank(group, frm), group)]
         if board is not None:  # batch_isend_irecv posts with tag 0
-            board.send(group, to, 0, record.issued)
-        arrivals.append(board and board.recv(group, frm, 0, record.issued))
+            board.send(group, to, 0, _nbytes(x), record.issued)
+        arrivals.append(board and board.recv(group, frm, 0, _nbytes(x), record.issued))
     try:
         works = dist.batch_isend_irecv(ops)
     except RuntimeError as e:  # a peer already gone: gloo can fail at posting

@@ -46,6 +46,16 @@ _futureless: set[tuple[str, str]] = set()
 
 # A handle's link under simulated_link: axis, bytes sent, route, when every rank had posted.
 _Link = tuple[str, int, int, "Callable[[], float | None] | None"]
+_POINT_TO_POINT = frozenset({"send", "recv", "send_recv"})
+
+
+def _posted(since: Callable[[], float | None] | None) -> float | None:
+    """When every rank a transfer needs had posted it (the board), or None: unknown,
+    also when reading the board fails — the link then starts the transfer now."""
+    try:
+        return since() if since is not None else None
+    except Exception:
+        return None
 
 
 def drain() -> int:
@@ -156,7 +166,7 @@ class CommHandle:
         except RuntimeError as e:  # raised again by wait() on the posting thread
             self._error = e
         else:
-            end = _link_deadline(axis, received, incoming=True, route=route, start=since and since())
+            end = _link_deadline(axis, received, incoming=True, route=route, start=_posted(since))
             with _mark_lock:
                 self._deadline = max(self._deadline or 0.0, end or 0.0)
                 if self._record is not None:  # the data is in: complete when the modelled transfer is
@@ -189,12 +199,15 @@ class CommHandle:
             if self._done:
                 return
             self._done = True
-            # The modelled transfer starts once every rank has posted the collective (the
+            # A collective's modelled transfer starts once every rank has posted it (the
             # board; unknown: now, when the real one has finished): waiting for a late
-            # peer is never hidden, and the loopback transfer is not charged on top.
+            # peer is never hidden, and the loopback transfer is not charged on top. A
+            # point-to-point one with a future (NCCL's) starts, as gloo's, when posted.
             if self._link is not None:
                 axis, sent, route, since = self._link
-                self._deadline = _link_deadline(axis, sent, route=route, start=since and since())
+                p2p = self._record is not None and self._record.kind in _POINT_TO_POINT
+                start = self._record.issued if p2p else _posted(since)  # type: ignore[union-attr]
+                self._deadline = _link_deadline(axis, sent, route=route, start=start)
             if self._record is not None and self._record.completed is None:
                 self._record.completed = max(time.perf_counter(), self._deadline or 0.0)
                 if (mirror := _flight_mirror()) is not None:

@@ -44,7 +44,10 @@ def simulated_link(bandwidth: float, latency: float = 0.0, axes: Sequence[str] |
 
     Bytes are the per-rank bytes of the comm log (ring algorithms), so a ``bandwidth``
     of 1e8 models a 100 MB/s (0.8 Gbit/s) link per rank. Process-wide; every rank must
-    use the same settings.
+    use the same settings and enter the same contexts in the same order (nesting
+    included), not while another thread is posting: ranks match their transfers by the
+    order of contexts and postings (:mod:`dtp.comm.board`; where they do not match, a
+    transfer starts when the real one has finished).
 
     >>> with dtp.testing.simulate(2):
     ...     mesh = make_mesh(dp=2)
@@ -90,7 +93,10 @@ def _link_deadline(axis: str, nbytes: int, incoming: bool = False, *, route: int
             return None
         busy: dict[tuple[str, bool, int], float] = _link["busy"]  # type: ignore[assignment]
         key = (axis, incoming, route if _link["neighbours"] else 1)
-        start = max(time.perf_counter() if start is None else start, busy.get(key, 0.0))
+        now = time.perf_counter()
+        # Never later than now: it is asked once the transfer is real, so a start in the
+        # future could only be a clock gone wrong, and would make wait() sleep for it.
+        start = max(now if start is None else min(start, now), busy.get(key, 0.0))
         end = start + _link["latency"] + nbytes / _link["bandwidth"]  # type: ignore[operator]
         busy[key] = end
         return end

@@ -55,9 +55,9 @@ class Peer:
             board = _link_board()
             since = None
             if board is not None and kind == "send":
-                board.send(self.group, self.to, key, record.issued)
+                board.send(self.group, self.to, key, sent, record.issued)
             elif board is not None:
-                since = board.recv(self.group, self.to, key, record.issued)
+                since = board.recv(self.group, self.to, key, received, record.issued)
             link = (self.axis, record.bytes, 1, since)
         try:
             # The group's own send/recv: ``to`` is already the group rank (dist.isend would
