@@ -22,7 +22,8 @@ program, so the n-th collective on a group, and the n-th message from a rank to 
 with one tag, are the same operation on every rank: that is the key an entry is found
 by, with the collective's kind or the message's size in it, so ranks that got out of
 step (entered different :func:`simulated_link` contexts) read each other as unknown
-rather than as another operation. An entry a peer has not written (another machine, a
+where the operations differ in kind or size — where they do not, as the other one (an
+optimistic start: hence simulated_link's rule that every rank enters the same contexts). An entry a peer has not written (another machine, a
 file already gone, a slot overwritten) reads as unknown, and so does anything that goes
 wrong reading it; the model then falls back to starting the transfer when the real one
 has finished (the conservative choice).
