@@ -14,19 +14,23 @@ context, in a directory of the user's own under the temporary directory) and rea
 peers' files. Times are ``time.perf_counter()``, the records' clock, which on Linux is
 ``CLOCK_MONOTONIC``: one clock for every process of the machine, so no conversion (a
 per-process offset to the wall clock, sampled in two calls, was off by milliseconds on
-a loaded machine). Where ``perf_counter`` is another clock there is no board. A file outlives its context: a sender leaves its
-context without waiting for the receiver, which may read the sender's entry later (measured:
-a send waited, then its context left, before the peer had posted the receive). A process
-keeps its last :data:`KEPT` files and removes the rest, and all of them at exit. Ranks run one
-program, so the n-th collective on a group, and the n-th message from a rank to another
-with one tag, are the same operation on every rank: that is the key an entry is found
-by, with the collective's kind or the message's size in it, so ranks that got out of
-step (entered different :func:`simulated_link` contexts) read each other as unknown
-where the operations differ in kind or size — where they do not, as the other one (an
-optimistic start: hence simulated_link's rule that every rank enters the same contexts). An entry a peer has not written (another machine, a
-file already gone, a slot overwritten) reads as unknown, and so does anything that goes
-wrong reading it; the model then falls back to starting the transfer when the real one
-has finished (the conservative choice).
+a loaded machine). Where ``perf_counter`` is another clock there is no board.
+
+A file outlives its context: a sender leaves its context without waiting for the
+receiver, which may read the sender's entry later (measured: a send waited, then its
+context left, before the peer had posted the receive). A process keeps its last
+:data:`KEPT` files and removes the rest, and all of them at exit.
+
+Ranks run one program, so the n-th collective on a group, and the n-th message from a
+rank to another with one tag, are the same operation on every rank: that is the key an
+entry is found by, with the collective's kind or the message's size in it. Ranks that
+got out of step (entered different :func:`simulated_link` contexts) read each other as
+unknown where the operations differ in kind or size — where they do not, as the other
+one (an optimistic start: hence simulated_link's rule that every rank enters the same
+contexts). An entry a peer has not written (another machine, a file already gone, a
+slot overwritten) reads as unknown, and so does anything that goes wrong reading it;
+the model then falls back to starting the transfer when the real one has finished (the
+conservative choice).
 """
 
 from __future__ import annotations
@@ -74,7 +78,7 @@ class Board:
             self._map = mmap.mmap(fd, size)
         finally:
             os.close(fd)
-        self._peers: dict[int, mmap.mmap | None] = {}
+        self._peers: dict[int, mmap.mmap] = {}
         self._counts: collections.Counter[tuple] = collections.Counter()
         self._members: dict[str, list[int]] = {}
         self._lock = threading.Lock()  # posting threads (a pipeline's) share the counters
@@ -92,7 +96,8 @@ class Board:
         off = key % SLOTS * _SLOT.size
         # Key cleared, time written, key set: a reader that reads the key before and after
         # the time and finds this key both times has this time — on x86's ordered stores;
-        # elsewhere a torn read is possible (a modelled start off, never a hang: see _start).
+        # elsewhere a torn read is possible (a modelled start off, never a hang: a start
+        # after now is taken as now, dtp.comm.link._link_deadline).
         _KEY.pack_into(self._map, off, 0)
         struct.pack_into("<d", self._map, off + 8, posted)
         _KEY.pack_into(self._map, off, key)
@@ -156,7 +161,6 @@ class Board:
             sent = self._read(sender, key)
             return None if sent is None else max(sent, posted)
         return both_posted
-
 
 
 def open_board() -> Board | None:

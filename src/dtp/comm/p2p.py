@@ -52,8 +52,7 @@ class Peer:
         record = _record(kind, self.axis, sent, self.n, x, True, tag)
         link = None
         if self.linked:  # noted on the board before posting: the receiver reads it once the data is in
-            board = _link_board()
-            since = None
+            board, since = _link_board(), None
             if board is not None and kind == "send":
                 board.send(self.group, self.to, key, sent, record.issued)
             elif board is not None:
