@@ -34,6 +34,7 @@ three messages a microbatch and direction, zbv and dualpipev two, 1f1b one.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import statistics
@@ -64,8 +65,8 @@ def _f_time(params, rows: int, p: int, repeats: int) -> float:
 
 def _steps(params, rows: int, m: int, schedules: list[tuple[str, int]], bandwidth: float, warmup: int,
            repeats: int) -> list[dict]:
-    """Per schedule: this rank's step seconds without and with the link, and under the
-    link Σ waited and Σ modelled seconds of its pp receives, per repeat."""
+    """Per schedule: this rank's step seconds without and with the link, Σ waited of its
+    pp receives in each, and under the link their Σ modelled seconds, per repeat."""
     import torch.distributed as dist
 
     import dtp
@@ -83,12 +84,10 @@ def _steps(params, rows: int, m: int, schedules: list[tuple[str, int]], bandwidt
         for c in configs:
             for linked in (False, True):
                 dist.barrier()
+                link = dtp.comm.simulated_link(bandwidth, axes=("pp",)) if linked else contextlib.nullcontext()
                 with dtp.comm.comm_log() as log:
                     t0 = time.perf_counter()
-                    if linked:
-                        with dtp.comm.simulated_link(bandwidth, axes=("pp",)):
-                            c["state"], _ = dtp.train_step(model, c["state"], c["batch"], microbatches=m)
-                    else:
+                    with link:
                         c["state"], _ = dtp.train_step(model, c["state"], c["batch"], microbatches=m)
                     step = time.perf_counter() - t0
                 if k < warmup:
