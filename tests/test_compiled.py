@@ -147,3 +147,38 @@ def test_bad_compile_argument_is_a_clear_error_before_any_collective():
     with pytest.raises(ValueError, match=r"RunConfig: compile must be one of inductor, aot_eager, eager; got 'tvm'"):
         dtp.RunConfig(compile="tvm")
     assert cli.parse_args(["train", "--compile"]).compile == "inductor"
+
+
+def test_a_collective_traced_before_any_compiled_step_breaks_the_graph_and_runs_eagerly():
+    """A user's own ``torch.compile`` around a dtp collective, before any compiled step
+    made the disabled twins: dynamo breaks the graph at it and runs it eagerly, never
+    tracing into it (the comm log and the link would otherwise see a traced call)."""
+    seen = []
+    collective = dtp.compiled.eager(lambda x: seen.append(torch.compiler.is_compiling()) or x * 2)
+    compiled = torch.compile(lambda x: collective(x + 1) * 3, backend="eager")
+    assert compiled(torch.ones(2)).tolist() == [12.0, 12.0]
+    assert seen == [False]  # called once, at run time, outside any trace
+
+
+def test_an_eager_run_does_not_import_dynamo():
+    """``torch.compiler.disable`` imports ``torch._dynamo`` (≈1 s of CPU per process): an
+    eager train step, its collectives and ``CommHandle.wait`` included, must not pay it."""
+    code = """
+import sys, torch, dtp
+from dtp.models import llama
+cfg = llama.config("tiny", n_layers=1)
+mesh = dtp.make_mesh(dp=1)
+state = dtp.TrainState.create(llama.init(cfg, seed=0), dtp.optim.adamw(1e-3), mesh=mesh, layout=dtp.layouts.data(),
+                              axes=llama.param_axes(cfg), axis_sizes=llama.axis_sizes(cfg))
+tokens = torch.randint(0, cfg.vocab_size, (2, 9))
+batch = dtp.shard_batch({"tokens": tokens[:, :-1], "targets": tokens[:, 1:]}, state)
+state, metrics = dtp.train_step(llama.sequential(cfg), state, batch, clip_norm=1.0)
+dtp.comm.all_reduce(torch.ones(1), mesh, "dp", async_op=True).wait()
+print("torch._dynamo" in sys.modules)
+"""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"

@@ -19,9 +19,9 @@ dtp's collectives run between them, eagerly:
 What a region meets on its way:
 
 - **dtp's collectives** (:mod:`dtp.comm`: every collective and ``CommHandle.wait``) are
-  ``torch.compiler.disable``'d: each is a listed graph break, so a ring's send/recv or an
-  expert dispatch's all-to-all inside a region splits it in two, and the comm log, the
-  simulated link and the flight recorder see the same records as in eager.
+  ``torch.compiler.disable``'d (:func:`eager`): each is a listed graph break, so a ring's
+  send/recv or an expert dispatch's all-to-all inside a region splits it in two, and the
+  comm log, the simulated link and the flight recorder see the same records as in eager.
 - **ZeRO's lazy gathers** happen when ``loss_fn`` reads a parameter, outside any region
   (the region receives the gathered tensor), so they are neither traced nor breaks: a
   block region's parameters are read just before it starts (:func:`dtp.ops.remat`).
@@ -58,6 +58,7 @@ import contextlib
 import dataclasses
 import functools
 import re
+import sys
 import threading
 import types
 from collections import Counter
@@ -68,7 +69,7 @@ import torch
 from ._rules import COMPILE_BACKENDS as BACKENDS
 from ._torch import dynamo_counters
 
-__all__ = ["BACKENDS", "CompileOptions", "options_of", "compiling", "active", "region", "Watch", "report"]
+__all__ = ["BACKENDS", "CompileOptions", "options_of", "compiling", "active", "region", "Watch", "report", "eager"]
 
 _state = threading.local()
 _cache: dict[tuple[types.CodeType, "CompileOptions"], Callable[..., Any]] = {}
@@ -117,6 +118,50 @@ def active() -> CompileOptions | None:
     return getattr(_state, "options", None)
 
 
+def eager(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` as ``torch.compiler.disable(fn)`` wherever dynamo may trace it, else ``fn``.
+
+    ``torch.compiler.disable`` imports ``torch._dynamo``: 0.95 s of CPU per process
+    (measured, torch 2.13, a quiet 2-core machine: ``import torch`` 2.0 s, DTensor
+    1.0 s), which every rank and the launcher would pay at import for a decorator that only a
+    compiled step needs. So the disabled twin is made once dynamo is in the process:
+    :func:`compiling` makes every twin before a region is traced; a call traced before
+    that (a user's own ``torch.compile`` around ``dtp.comm``) breaks the graph, runs eagerly,
+    makes the twins and calls its own.
+
+    >>> double = eager(lambda x: 2 * x)
+    >>> double(torch.ones(1)).tolist()
+    [2.0]
+    """
+    twin: list[Callable[..., Any] | None] = [None]
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        disabled = twin[0]
+        if disabled is not None:
+            return disabled(*args, **kwargs)
+        if torch.compiler.is_compiling():
+            # Traced before the twins exist: a graph break (dynamo traces the raise and
+            # runs this call eagerly instead, where is_compiling() is False).
+            raise RuntimeError(f"{fn.__qualname__} runs eagerly")
+        if "torch._dynamo" in sys.modules:
+            _make_twins()
+            return twin[0](*args, **kwargs)  # type: ignore[misc]
+        return fn(*args, **kwargs)
+
+    _eager_fns.append((fn, twin))
+    return call
+
+
+_eager_fns: list[tuple[Callable[..., Any], list[Callable[..., Any] | None]]] = []
+
+
+def _make_twins() -> None:
+    for fn, twin in _eager_fns:
+        if twin[0] is None:
+            twin[0] = torch.compiler.disable(fn)
+
+
 class Watch:
     """The graphs compiled and graph breaks met since it was made (dynamo's counters
     are process-wide; this is their difference)."""
@@ -137,6 +182,8 @@ def compiling(options: bool | str | CompileOptions | None) -> Iterator[Watch]:
     """Compile the regions met inside (``None``/``False``: eager, as outside)."""
     previous = active()
     _state.options = options_of(options)
+    if _state.options is not None:
+        _make_twins()
     try:
         yield Watch()
     finally:
@@ -171,10 +218,14 @@ def _call(fn: Callable[..., Any], *args: Any) -> Any:
 
 
 def _graphs() -> int:
+    if "torch._dynamo" not in sys.modules:  # nothing has compiled (see eager())
+        return 0
     return int(dynamo_counters()["stats"].get("unique_graphs", 0))
 
 
 def _breaks() -> dict[str, int]:
+    if "torch._dynamo" not in sys.modules:
+        return {}
     return dict(dynamo_counters()["graph_break"])
 
 

@@ -23,6 +23,7 @@ from typing import Callable
 
 import torch
 
+from ..compiled import eager
 from .flight import _failure, _flight_mirror
 from .link import _link_deadline
 from .records import CommRecord
@@ -213,7 +214,7 @@ class CommHandle:
                 if (mirror := _flight_mirror()) is not None:
                     mirror.update(self._record)
 
-    @torch.compiler.disable  # a graph break inside a compiled region (dtp.compiled)
+    @eager  # a graph break inside a compiled region (dtp.compiled)
     def wait(self) -> torch.Tensor:
         if self._result is None:
             entered = time.perf_counter()
