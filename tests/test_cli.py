@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import cli_pool
 import dtp
 from dtp import cli, launch, plot
 from dtp.cli import report
@@ -305,17 +306,13 @@ def test_train_two_ranks_end_to_end(tmp_path) -> None:
     assert plot.png_size((out / "loss.png").read_bytes())[0] > 0
 
 
-def test_train_context_parallel_ring_end_to_end(tmp_path) -> None:
-    """2 context-parallel ranks (ring, zigzag) through torchrun, float64, 2 steps, checked
-    against 1 process (~25 s): the ring's K/V hops are recorded on the cp axis."""
+def test_train_context_parallel_ring_end_to_end(tmp_path, monkeypatch) -> None:
+    """2 context-parallel ranks (ring, zigzag; from the test pool: tests/cli_pool.py),
+    float64, 2 steps, checked against 1 process: the ring's K/V hops are recorded on the
+    cp axis."""
     out = tmp_path / "run"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
-    cmd = [sys.executable, "-m", "dtp.cli", "train", "--nproc", "2", "--cp", "2", "--cp-algo", "ring",
-           "--model", "tiny", "--steps", "2", "--batch", "2", "--seq", "16", "--dtype", "float64", "--check",
-           "--out", str(out)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    proc = cli_pool.train(monkeypatch, "--nproc", "2", "--cp", "2", "--cp-algo", "ring", "--model", "tiny", "--steps",
+                          "2", "--batch", "2", "--seq", "16", "--dtype", "float64", "--check", "--out", str(out))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "context(ring)" in proc.stdout and "step 2/2 loss" in proc.stdout and ": OK" in proc.stdout
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+import cli_pool
 from dtp.cli import parse_args
 
 
@@ -27,13 +28,19 @@ def _dtp_train(*flags: str) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
 
 
+def _pooled_train(monkeypatch: pytest.MonkeyPatch, *flags: str) -> cli_pool.Result:
+    """:func:`_dtp_train` with the ranks from the test pool (tests/cli_pool.py)."""
+    return cli_pool.train(monkeypatch, "--model", "tiny", "--steps", "6", "--batch", "4", "--seq", "16",
+                          "--dtype", "float64", "--log-every", "3", *flags)
+
+
 def _losses(run: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_resume_under_other_flags_continues_the_loss_curve_exactly(tmp_path) -> None:
+def test_resume_under_other_flags_continues_the_loss_curve_exactly(tmp_path, monkeypatch) -> None:
     whole = tmp_path / "whole"
-    proc = _dtp_train("--nproc", "2", "--dp", "2", "--zero", "1", "--save-every", "3", "--keep", "2",
+    proc = _pooled_train(monkeypatch, "--nproc", "2", "--dp", "2", "--zero", "1", "--save-every", "3", "--keep", "2",
                       "--async-save", "--out", str(whole))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert sorted(p.name for p in (whole / "checkpoints").iterdir()) == ["step_00000003", "step_00000006"]
@@ -46,7 +53,7 @@ def test_resume_under_other_flags_continues_the_loss_curve_exactly(tmp_path) -> 
     lines = (cut / "metrics.jsonl").read_text().splitlines()
     (cut / "metrics.jsonl").write_text("\n".join(lines[:4]) + "\n")
 
-    proc = _dtp_train("--nproc", "2", "--tp", "2", "--sp", "--resume", "--save-every", "3", "--check",
+    proc = _pooled_train(monkeypatch, "--nproc", "2", "--tp", "2", "--sp", "--resume", "--save-every", "3", "--check",
                       "--out", str(cut))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "resuming from step 3" in proc.stdout and ": OK" in proc.stdout  # the whole curve vs 1 process

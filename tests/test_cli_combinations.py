@@ -19,9 +19,7 @@ until a row uses it (or :data:`NOT_ROWS` says why no row can).
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import io
 import json
 import os
 import subprocess
@@ -32,7 +30,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from dtp import cli, launch, testing
+import cli_pool
+from dtp import cli, launch
 
 BASE = ["--model", "tiny", "--steps", "3", "--batch", "8", "--seq", "32", "--dtype", "float64", "--log-every", "1",
         "--timeout", "30"]
@@ -293,35 +292,13 @@ def _check_result(out: Path, name: str) -> None:
 # --------------------------------------------------------------------------- in the pool
 
 
-def _pool_rank(argv: list[str], error_dir: str) -> int:
-    """One rank of a launched run, in a pool worker (which has torchrun's variables): the
-    launcher checked the run already, so the rank goes straight to training."""
-    os.environ[launch.ERROR_DIR_ENV] = error_dir
-    try:
-        return cli.main(argv)
-    finally:
-        del os.environ[launch.ERROR_DIR_ENV]
-
-
-def _pool_launch(nproc: int, argv: list[str], *, max_restarts: int = 0, **_: object) -> int:
-    error_dir = Path(argv[argv.index("--out") + 1]) / "launch-errors"
-    error_dir.mkdir(parents=True, exist_ok=True)
-    # A rank that failed returns at once; its peers wait in a collective until --timeout
-    # (BASE) and then fail too, well inside the pool's own limit.
-    codes = testing.run(_pool_rank, list(argv), str(error_dir), world_size=nproc, timeout=120)
-    return max(codes)
-
-
 @pytest.mark.parametrize("name", SAMPLE)
 def test_sample_row_trains_and_matches_one_process(name, tmp_path, monkeypatch) -> None:
     _needs(name)
     out = tmp_path / "run"
-    monkeypatch.setattr(launch, "launch", _pool_launch)
-    stdout, stderr = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
-        code = cli.main(["train", *_flags(name), "--check", "--out", str(out)])
-    assert code == 0, f"{name}: exit {code}\n{stdout.getvalue()}\n{stderr.getvalue()}"
-    assert ": OK" in stdout.getvalue()
+    result = cli_pool.train(monkeypatch, *_flags(name), "--check", "--out", str(out))
+    assert result.returncode == 0, f"{name}: exit {result.returncode}\n{result.stdout}\n{result.stderr}"
+    assert ": OK" in result.stdout
     _check_result(out, name)
 
 

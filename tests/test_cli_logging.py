@@ -7,13 +7,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+import cli_pool
 from dtp import cli, launch
 from dtp.cli import loop, report
 
@@ -68,7 +66,7 @@ def test_header_and_progress_line(tmp_path, capsys) -> None:
     assert " eta " not in lines[4]  # the last step: nothing left
 
 
-def test_eval_loss_is_forward_only_and_layout_independent(tmp_path, capsys) -> None:
+def test_eval_loss_is_forward_only_and_layout_independent(tmp_path, monkeypatch) -> None:
     """--eval-every 2 over 3 steps evaluates at steps 2 and 3 (the last), on the corpus's
     held-out tenth; 2 ranks under ZeRO-3 (parameters gathered for it) give the 1-process
     run's held-out losses to fp64 precision, and evaluating does not change training."""
@@ -76,11 +74,7 @@ def test_eval_loss_is_forward_only_and_layout_independent(tmp_path, capsys) -> N
     flags = ["train", "--steps", "3", *SMALL]
     assert cli.main([*flags, "--eval-every", "2", "--out", str(one)]) == 0
     assert cli.main([*flags, "--out", str(plain)]) == 0
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                            "MASTER_PORT")}
-    proc = subprocess.run([sys.executable, "-m", "dtp.cli", *flags, "--eval-every", "2", "--dp", "2", "--zero", "3",
-                           "--out", str(two)], env={**env, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
-                          timeout=300)
+    proc = cli_pool.train(monkeypatch, *flags[1:], "--eval-every", "2", "--dp", "2", "--zero", "3", "--out", str(two))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     a, b = _records(one), _records(two)
     assert [r.get("eval_loss") is not None for r in a] == [False, True, True]

@@ -1,12 +1,12 @@
 """`dtp train --num-experts E --top-k K [--capacity-factor C]` and `--model tiny-moe`:
-the routing metrics reach metrics.jsonl and the step line."""
+the routing metrics reach metrics.jsonl and the step line (ranks from the test pool:
+tests/cli_pool.py)."""
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
+
+import cli_pool
 
 from dtp.cli import parse_args, train_argv
 from dtp.cli.flags import model_overrides
@@ -27,14 +27,10 @@ def test_bad_moe_values_exit_2(flags) -> None:
     assert e.value.code == 2
 
 
-def test_an_moe_run_reports_its_routing(tmp_path) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
+def test_an_moe_run_reports_its_routing(tmp_path, monkeypatch) -> None:
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "dtp.cli", "train", "--nproc", "2", "--ep", "2", "--model", "tiny-moe",
-           "--steps", "2", "--batch", "4", "--seq", "16", "--dtype", "float64", "--check", "--out", str(out)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    proc = cli_pool.train(monkeypatch, "--nproc", "2", "--ep", "2", "--model", "tiny-moe", "--steps", "2", "--batch", "4",
+                          "--seq", "16", "--dtype", "float64", "--check", "--out", str(out))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert " aux " in proc.stdout and " load " in proc.stdout and ": OK" in proc.stdout
     record = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
@@ -56,15 +52,11 @@ def test_pipe_expert_flags_are_checked_before_any_rank_starts(flags, words) -> N
         parse_args(["train", "--model", "tiny-moe", *flags])
 
 
-def test_pipe_experts_over_tp_with_multi_stream_trains_as_one_process(tmp_path) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
+def test_pipe_experts_over_tp_with_multi_stream_trains_as_one_process(tmp_path, monkeypatch) -> None:
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "dtp.cli", "train", "--nproc", "4", "--ep", "2", "--tp", "2", "--sp", "--expert-tp",
-           "--pipe-experts", "--multi-data", "2", "--multi-stream", "--model", "tiny-moe", "--steps", "2",
-           "--batch", "4", "--seq", "16", "--dtype", "float64", "--check", "--out", str(out)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    proc = cli_pool.train(monkeypatch, "--nproc", "4", "--ep", "2", "--tp", "2", "--sp", "--expert-tp", "--pipe-experts",
+                          "--multi-data", "2", "--multi-stream", "--model", "tiny-moe", "--steps", "2", "--batch", "4",
+                          "--seq", "16", "--dtype", "float64", "--check", "--out", str(out))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert ": OK" in proc.stdout
     record = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])

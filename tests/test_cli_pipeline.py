@@ -1,20 +1,11 @@
 """`dtp train --pp N --pp-schedule … --virtual-stages V --microbatches M [--print-schedule]`."""
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
+import cli_pool
 from dtp.cli import main, parse_args
-
-
-def _env() -> dict[str, str]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
-    return env
 
 
 def test_print_schedule_shows_each_ranks_actions(capsys) -> None:
@@ -52,12 +43,11 @@ def test_too_few_layers_is_one_line(capsys) -> None:
     assert "the model has 4 layers, fewer than pp=4 × virtual_stages=2 = 8 stages" in capsys.readouterr().err
 
 
-def test_pp2_tp2_sp_trains_and_matches_one_process(tmp_path) -> None:
+def test_pp2_tp2_sp_trains_and_matches_one_process(tmp_path, monkeypatch) -> None:
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "dtp.cli", "train", "--nproc", "4", "--pp", "2", "--tp", "2", "--sp",
-           "--pp-schedule", "zb-h1", "--microbatches", "2", "--model", "tiny", "--steps", "3", "--batch", "4",
-           "--seq", "16", "--dtype", "float64", "--check", "--out", str(out)]
-    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
+    proc = cli_pool.train(monkeypatch, "--nproc", "4", "--pp", "2", "--tp", "2", "--sp", "--pp-schedule", "zb-h1",
+                          "--microbatches", "2", "--model", "tiny", "--steps", "3", "--batch", "4", "--seq", "16",
+                          "--dtype", "float64", "--check", "--out", str(out))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert ": OK" in proc.stdout
     record = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
@@ -75,9 +65,9 @@ def test_dualpipev_checks_and_its_eval_loss_is_one_process(tmp_path, monkeypatch
     (ranks from the test pool): training equals one process, and the held-out losses of
     the forward-only schedule equal the one-process run's (fp64, 1e-10)."""
     from dtp import launch
-    from test_cli_combinations import _pool_launch
+    from cli_pool import pool_launch
 
-    monkeypatch.setattr(launch, "launch", _pool_launch)
+    monkeypatch.setattr(launch, "launch", pool_launch)
     flags = ["train", "--model", "tiny", "--steps", "3", "--batch", "8", "--seq", "16", "--dtype", "float64",
              "--eval-every", "2"]
     pp, one = tmp_path / "pp", tmp_path / "one"
@@ -96,9 +86,9 @@ def test_moe_eval_loss_under_pp2_ep2_is_one_process(tmp_path, monkeypatch) -> No
     the LM loss, as one process reports it (fp64, 1e-10). The forward-only schedule
     answered aux ``None``, and the loop read the loss with the aux terms added."""
     from dtp import launch
-    from test_cli_combinations import _pool_launch
+    from cli_pool import pool_launch
 
-    monkeypatch.setattr(launch, "launch", _pool_launch)
+    monkeypatch.setattr(launch, "launch", pool_launch)
     flags = ["train", "--model", "tiny-moe", "--steps", "2", "--batch", "8", "--seq", "16", "--dtype", "float64",
              "--eval-every", "2", "--microbatches", "2"]
     pp, one = tmp_path / "pp", tmp_path / "one"

@@ -3,13 +3,7 @@ plan reads and the run directory and checkpoints record; ``dtp train --config`` 
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -17,8 +11,6 @@ import dtp
 from dtp import cli, launch
 from dtp.cli.flags import read_config_file
 from dtp.config import RunConfig, to_toml
-
-SRC = str(Path(__file__).resolve().parents[1] / "src")
 
 
 @pytest.fixture(autouse=True)
@@ -95,16 +87,15 @@ def test_plan_reads_a_run_config() -> None:
         dtp.plan(rc, dp=4)
 
 
-def test_ranks_receive_the_config_and_the_run_records_it(tmp_path) -> None:
-    """Through the launcher: the ranks get the run as one TOML file (not re-spelled flags);
-    config.json and every checkpoint record its fields."""
+def test_ranks_receive_the_config_and_the_run_records_it(tmp_path, monkeypatch) -> None:
+    """Through the launcher (ranks from the test pool: tests/cli_pool.py): the ranks get the
+    run as one TOML file (not re-spelled flags); config.json and every checkpoint record its
+    fields."""
+    import cli_pool
+
     out = tmp_path / "run"
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", launch.ERROR_DIR_ENV)}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([SRC, env.get("PYTHONPATH", "")]))
-    cmd = [sys.executable, "-m", "dtp.cli", "train", "--nproc", "2", "--dp", "2", "--steps", "2", "--batch", "4",
-           "--seq", "16", "--save-every", "2", "--lr", "0.002", "--out", str(out)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    proc = cli_pool.train(monkeypatch, "--nproc", "2", "--dp", "2", "--steps", "2", "--batch", "4", "--seq", "16",
+                          "--save-every", "2", "--lr", "0.002", "--out", str(out))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     recorded = json.loads((out / "config.json").read_text())
     rc = RunConfig.from_dict(recorded, strict=False)

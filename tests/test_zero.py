@@ -470,21 +470,17 @@ def test_cli_zero_flags():
         cli.validate(cli.build_parser().parse_args(["train", "--dp", "2", "--zero", "2", "--no-reshard-after-forward"]))
 
 
-def test_cli_zero3_end_to_end(tmp_path):
-    """dp2 × tp2 + SP with ZeRO-3 and overlapped reduce-scatter, float64, checked against 1 process."""
+def test_cli_zero3_end_to_end(tmp_path, monkeypatch):
+    """dp2 × tp2 + SP with ZeRO-3 and overlapped reduce-scatter, float64, checked against 1
+    process (``dtp train`` with pooled ranks: tests/cli_pool.py)."""
     import json
-    import os
-    import subprocess
-    import sys
 
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                            "MASTER_PORT")}
-    env["OMP_NUM_THREADS"] = "1"
+    import cli_pool
+
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "dtp.cli", "train", "--nproc", "4", "--dp", "2", "--tp", "2", "--sp", "--zero", "3",
-           "--overlap-grad-reduce", "--bucket-mb", "0.05", "--steps", "3", "--batch", "4", "--seq", "16",
-           "--dtype", "float64", "--check", "--out", str(out)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    proc = cli_pool.train(monkeypatch, "--nproc", "4", "--dp", "2", "--tp", "2", "--sp", "--zero", "3",
+                          "--overlap-grad-reduce", "--bucket-mb", "0.05", "--steps", "3", "--batch", "4", "--seq", "16",
+                          "--dtype", "float64", "--check", "--out", str(out))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     check = json.loads((out / "check.json").read_text())
     assert check["ok"] and check["max_rel_diff"] <= 1e-9

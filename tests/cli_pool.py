@@ -1,0 +1,72 @@
+"""``dtp train`` with its ranks taken from :mod:`dtp.testing`'s pool instead of torchrun's
+new processes: the launcher's whole path (parsing, preflight, the plan's memory check, the
+run shipped as a TOML file, ``--check``'s reference) runs in the test process, and every
+rank runs the same ``cli.main`` as under torchrun, with torchrun's variables.
+
+Why: a ``dtp train --nproc 2`` process tree costs 8-10 s on 2 cores before its first step
+(a launcher and one fresh interpreter a rank, each importing torch), a pooled run of the
+same flags 1-3 s. What only real processes show (the launcher's agent, signals, exit
+codes, a crash at exit, restarts) stays in tests that start them: ``test_cli.py``,
+``test_cli_checkpoint.py``'s restart, and ``pytest -m slow tests/test_cli_combinations.py``,
+which runs every row of the combination table as a process tree.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import sys
+from pathlib import Path
+from typing import NamedTuple
+
+import pytest
+
+from dtp import cli, launch, testing
+
+
+class Result(NamedTuple):
+    """What a ``dtp train`` process would have left: its exit code and output (rank 0's
+    console lines and the launcher's, as one process tree prints them)."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def _rank(argv: list[str], error_dir: str) -> tuple[int, str, str]:
+    """One rank of a launched run, in a pool worker: the launcher checked the run already,
+    so the rank goes straight to training (as under torchrun)."""
+    os.environ[launch.ERROR_DIR_ENV] = error_dir
+    out, err = io.StringIO(), io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = cli.main(argv)
+        return code, out.getvalue(), err.getvalue()
+    finally:
+        del os.environ[launch.ERROR_DIR_ENV]
+
+
+def pool_launch(nproc: int, argv: list[str], *, max_restarts: int = 0, **_: object) -> int:
+    """:func:`dtp.launch.launch`'s stand-in: ``argv`` on ``nproc`` pooled ranks; rank 0's
+    output is printed here. Returns the largest exit code of the ranks."""
+    error_dir = Path(argv[argv.index("--out") + 1]) / "launch-errors"
+    error_dir.mkdir(parents=True, exist_ok=True)
+    # A rank that failed returns at once; its peers wait in a collective until --timeout
+    # and then fail too, well inside the pool's own limit.
+    results = testing.run(_rank, list(argv), str(error_dir), world_size=nproc, timeout=120)
+    code, out, err = results[0]
+    sys.stdout.write(out)
+    sys.stderr.write(err)
+    return max(code for code, _, _ in results)
+
+
+def train(monkeypatch: pytest.MonkeyPatch, *flags: str) -> Result:
+    """``dtp train <flags>`` with pooled ranks (``monkeypatch`` undoes the stand-in)."""
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", launch.ERROR_DIR_ENV):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setattr(launch, "launch", pool_launch)
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = cli.main(["train", *flags])
+    return Result(code, out.getvalue(), err.getvalue())
