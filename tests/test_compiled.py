@@ -160,6 +160,20 @@ def test_a_collective_traced_before_any_compiled_step_breaks_the_graph_and_runs_
     assert seen == [False]  # called once, at run time, outside any trace
 
 
+def _breaks_of_one_collective() -> int:
+    mesh = dtp.make_mesh(dp=1)
+    with dtp.compiled.compiling(CompileOptions(backend="eager")) as watch:
+        f = torch.compile(lambda x: dtp.comm.all_reduce(x * 2, mesh, "dp") + 1, backend="eager")
+        assert f(torch.ones(2)).tolist() == [3.0, 3.0]
+    return watch.metrics()["compile_breaks"]
+
+
+def test_a_collective_in_a_compiled_region_is_one_graph_break():
+    """Once compiling starts, dtp's modules call the disabled twins themselves: one break
+    per call site (a wrapper traced around its twin counted two)."""
+    assert run(_breaks_of_one_collective, world_size=1) == [1]
+
+
 def test_an_eager_run_does_not_import_dynamo():
     """``torch.compiler.disable`` imports ``torch._dynamo`` (≈1 s of CPU per process): an
     eager train step, its collectives and ``CommHandle.wait`` included, must not pay it."""
