@@ -155,6 +155,7 @@ def eager(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 _eager_fns: list[tuple[Callable[..., Any], list[Callable[..., Any] | None], Callable[..., Any]]] = []
+_twins_made = [0]  # how many of _eager_fns have their twin in place
 
 
 def _make_twins() -> None:
@@ -162,6 +163,9 @@ def _make_twins() -> None:
     and classes: a region tracing a call to the wrapper would meet the break inside the
     wrapper's frame and count it twice (measured: "2 × Skip calling all_reduce" for one
     call site in ``dtp train --compile --debug``); a call to the twin is one break."""
+    if _twins_made[0] == len(_eager_fns):  # every compiled step comes here: scan once
+        return
+    _twins_made[0] = len(_eager_fns)
     twins: dict[int, Callable[..., Any]] = {}
     for fn, twin, call in _eager_fns:
         if twin[0] is None:
