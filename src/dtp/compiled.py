@@ -124,7 +124,11 @@ def eager(fn: Callable[..., Any]) -> Callable[..., Any]:
     ``torch.compiler.disable`` imports ``torch._dynamo``: 0.95 s of CPU per process
     (measured, torch 2.13, a quiet 2-core machine: ``import torch`` 2.0 s, DTensor
     1.0 s), which every rank and the launcher would pay at import for a decorator that only a
-    compiled step needs. So the disabled twin is made once dynamo is in the process:
+    compiled step needs. (A run whose ops go through DTensor's dispatch, tp or cp, still
+    imports it: DTensor's sharding propagation makes a ``FakeTensorMode``, which imports
+    ``torch._dynamo.config``; so does ``torch.utils.checkpoint``, i.e. recompute. The
+    launcher, ``dtp plan`` / ``check``, one device and dp / ZeRO in local batch mode do
+    not.) So the disabled twin is made once dynamo is in the process:
     :func:`compiling` makes every twin before a region is traced and puts it where dtp's
     modules look the function up; a call traced before that (a user's own
     ``torch.compile`` around ``dtp.comm``) breaks the graph, runs eagerly, makes the
