@@ -22,16 +22,17 @@ def _env() -> dict[str, str]:
     return env
 
 
+_FLAGS = ("--model", "tiny", "--steps", "6", "--batch", "4", "--seq", "16", "--dtype", "float64", "--log-every", "3")
+
+
 def _dtp_train(*flags: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "dtp.cli", "train", "--model", "tiny", "--steps", "6", "--batch", "4", "--seq", "16",
-           "--dtype", "float64", "--log-every", "3", *flags]
+    cmd = [sys.executable, "-m", "dtp.cli", "train", *_FLAGS, *flags]
     return subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
 
 
 def _pooled_train(monkeypatch: pytest.MonkeyPatch, *flags: str) -> cli_pool.Result:
     """:func:`_dtp_train` with the ranks from the test pool (tests/cli_pool.py)."""
-    return cli_pool.train(monkeypatch, "--model", "tiny", "--steps", "6", "--batch", "4", "--seq", "16",
-                          "--dtype", "float64", "--log-every", "3", *flags)
+    return cli_pool.train(monkeypatch, *_FLAGS, *flags)
 
 
 def _losses(run: Path) -> list[float]:
@@ -40,8 +41,9 @@ def _losses(run: Path) -> list[float]:
 
 def test_resume_under_other_flags_continues_the_loss_curve_exactly(tmp_path, monkeypatch) -> None:
     whole = tmp_path / "whole"
-    proc = _pooled_train(monkeypatch, "--nproc", "2", "--dp", "2", "--zero", "1", "--save-every", "3", "--keep", "2",
-                      "--async-save", "--out", str(whole))
+    # Real ranks here: their async saves must be on disk before each rank's os._exit.
+    proc = _dtp_train("--nproc", "2", "--dp", "2", "--zero", "1", "--save-every", "3", "--keep", "2", "--async-save",
+                      "--out", str(whole))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert sorted(p.name for p in (whole / "checkpoints").iterdir()) == ["step_00000003", "step_00000006"]
 
@@ -53,8 +55,8 @@ def test_resume_under_other_flags_continues_the_loss_curve_exactly(tmp_path, mon
     lines = (cut / "metrics.jsonl").read_text().splitlines()
     (cut / "metrics.jsonl").write_text("\n".join(lines[:4]) + "\n")
 
-    proc = _pooled_train(monkeypatch, "--nproc", "2", "--tp", "2", "--sp", "--resume", "--save-every", "3", "--check",
-                      "--out", str(cut))
+    proc = _pooled_train(monkeypatch, "--nproc", "2", "--tp", "2", "--sp", "--resume", "--save-every", "3",
+                         "--check", "--out", str(cut))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "resuming from step 3" in proc.stdout and ": OK" in proc.stdout  # the whole curve vs 1 process
     got, want = _losses(cut), _losses(whole)

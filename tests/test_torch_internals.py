@@ -140,3 +140,11 @@ def test_run_backward_is_autograd_grad_without_its_checks():
     dy = torch.ops.aten.tanh_backward(g, y.detach())  # what reaches the mm node: tanh's own backward, same bits
     dw = _torch.run_backward([GradientEdge(mm, 0)], [dy], [get_gradient_edge(w)])
     assert torch.equal(dw[0], want[1])
+
+
+def test_disable_dynamo_lazily():
+    from torch._compile import _disable_dynamo
+
+    assert _params(_disable_dynamo)[:2] == ["fn", "recursive"]
+    wrapped = _torch.disable_dynamo_lazily(lambda x: x + 1)
+    assert wrapped(1) == 2

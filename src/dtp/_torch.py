@@ -41,7 +41,7 @@ __all__ = [
     "local_tensor", "local_tensors", "is_local_tensor", "flatten_mesh", "unflatten_mesh",
     "current_graph_task_id", "SavedTensor", "make_saved_tensor", "unpack_saved",
     "cpu_flash_attention", "cpu_flash_attention_backward", "cuda_efficient_attention", "global_offset", "local_shape",
-    "new_dtensor", "run_backward",
+    "new_dtensor", "run_backward", "disable_dynamo_lazily",
 ]
 
 
@@ -193,3 +193,14 @@ def dynamo_counters() -> Any:
     from torch._dynamo.utils import counters
 
     return counters
+
+
+def disable_dynamo_lazily(fn: Any) -> Any:
+    """``torch.compiler.disable(fn)`` that imports ``torch._dynamo`` at its first call, not
+    here; dynamo treats a call to it as a graph break and runs ``fn`` eagerly. What
+    :func:`dtp.compiled.eager` calls when it is traced before it made its disabled twin
+    (dynamo is loaded then). Public alternative: ``torch.compiler.disable``, which imports
+    ``torch._dynamo`` (~1 s of CPU) when it wraps."""
+    from torch._compile import _disable_dynamo
+
+    return _disable_dynamo(fn)

@@ -67,7 +67,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from ._rules import COMPILE_BACKENDS as BACKENDS
-from ._torch import dynamo_counters
+from ._torch import disable_dynamo_lazily, dynamo_counters
 
 __all__ = ["BACKENDS", "CompileOptions", "options_of", "compiling", "active", "region", "Watch", "report", "eager"]
 
@@ -119,7 +119,8 @@ def active() -> CompileOptions | None:
 
 
 def eager(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` as ``torch.compiler.disable(fn)`` wherever dynamo may trace it, else ``fn``.
+    """``fn`` as ``torch.compiler.disable(fn)`` wherever dynamo may trace it, else ``fn``:
+    a decorator for module-level functions and methods (each stays registered).
 
     ``torch.compiler.disable`` imports ``torch._dynamo``: 0.95 s of CPU per process
     (measured, torch 2.13, a quiet 2-core machine: ``import torch`` 2.0 s, DTensor
@@ -128,17 +129,18 @@ def eager(fn: Callable[..., Any]) -> Callable[..., Any]:
     imports it: DTensor's sharding propagation makes a ``FakeTensorMode``, which imports
     ``torch._dynamo.config``; so does ``torch.utils.checkpoint``, i.e. recompute. The
     launcher, ``dtp plan`` / ``check``, one device and dp / ZeRO in local batch mode do
-    not.) So the disabled twin is made once dynamo is in the process:
-    :func:`compiling` makes every twin before a region is traced and puts it where dtp's
-    modules look the function up; a call traced before that (a user's own
-    ``torch.compile`` around ``dtp.comm``) breaks the graph, runs eagerly, makes the
-    twins and calls its own.
+    not.) So the disabled twin is made once dynamo is in the process: :func:`compiling`
+    makes every twin before a region is traced and puts it where dtp's modules look the
+    function up. A call traced before that (a user's own ``torch.compile`` around
+    ``dtp.comm``, or another thread's compile: dynamo's flag is process-wide) goes
+    through torch's lazily disabled wrapper: a graph break, ``fn`` run eagerly.
 
     >>> double = eager(lambda x: 2 * x)
     >>> double(torch.ones(1)).tolist()
     [2.0]
     """
     twin: list[Callable[..., Any] | None] = [None]
+    lazily = disable_dynamo_lazily(fn)
 
     @functools.wraps(fn)
     def call(*args: Any, **kwargs: Any) -> Any:
@@ -146,20 +148,20 @@ def eager(fn: Callable[..., Any]) -> Callable[..., Any]:
         if disabled is not None:
             return disabled(*args, **kwargs)
         if torch.compiler.is_compiling():
-            # Traced before the twins exist: a graph break (dynamo traces the raise and
-            # runs this call eagerly instead, where is_compiling() is False).
-            raise RuntimeError(f"{fn.__qualname__} runs eagerly")
+            return lazily(*args, **kwargs)
         if "torch._dynamo" in sys.modules:
             _make_twins()
-            return twin[0](*args, **kwargs)  # type: ignore[misc]
+            return (twin[0] or fn)(*args, **kwargs)
         return fn(*args, **kwargs)
 
-    _eager_fns.append((fn, twin, call))
+    with _twins_lock:
+        _eager_fns.append((fn, twin, call))
     return call
 
 
 _eager_fns: list[tuple[Callable[..., Any], list[Callable[..., Any] | None], Callable[..., Any]]] = []
 _twins_made = [0]  # how many of _eager_fns have their twin in place
+_twins_lock = threading.Lock()  # lanes (dtp.ops.lanes) call collectives from threads
 
 
 def _make_twins() -> None:
@@ -167,23 +169,24 @@ def _make_twins() -> None:
     and classes: a region tracing a call to the wrapper would meet the break inside the
     wrapper's frame and count it twice (measured: "2 × Skip calling all_reduce" for one
     call site in ``dtp train --compile --debug``); a call to the twin is one break."""
-    if _twins_made[0] == len(_eager_fns):  # every compiled step comes here: scan once
-        return
-    _twins_made[0] = len(_eager_fns)
-    twins: dict[int, Callable[..., Any]] = {}
-    for fn, twin, call in _eager_fns:
-        if twin[0] is None:
-            twin[0] = torch.compiler.disable(fn)
-        twins[id(call)] = twin[0]
-    for name, module in list(sys.modules.items()):
-        if module is None or not (name == "dtp" or name.startswith("dtp.")):
-            continue
-        spaces = [module] + [v for v in vars(module).values()
-                             if isinstance(v, type) and v.__module__ == name]  # classes: CommHandle.wait
-        for space in spaces:
-            for attr, value in list(vars(space).items()):
-                if id(value) in twins:
-                    setattr(space, attr, twins[id(value)])
+    with _twins_lock:
+        if _twins_made[0] == len(_eager_fns):  # every compiled step comes here: scan once
+            return
+        twins: dict[int, Callable[..., Any]] = {}
+        for fn, twin, call in _eager_fns:
+            if twin[0] is None:
+                twin[0] = torch.compiler.disable(fn)
+            twins[id(call)] = twin[0]
+        for name, module in list(sys.modules.items()):
+            if module is None or not (name == "dtp" or name.startswith("dtp.")):
+                continue
+            spaces = [module] + [v for v in vars(module).values()
+                                 if isinstance(v, type) and v.__module__ == name]  # classes: CommHandle.wait
+            for space in spaces:
+                for attr, value in list(vars(space).items()):
+                    if id(value) in twins:
+                        setattr(space, attr, twins[id(value)])
+        _twins_made[0] = len(_eager_fns)  # last: a failure above is tried again next time
 
 
 class Watch:

@@ -35,6 +35,7 @@ import importlib
 import os
 import signal
 import sys
+import threading
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -153,7 +154,7 @@ def console() -> None:
     code = main()
     sys.stdout.flush()
     sys.stderr.flush()
-    if in_torchrun():
+    if in_torchrun() and sys.argv[1:2] == ["train"]:
         # A rank leaves without running Python's exit at all. Measured on torch 2.13 / gloo:
         # even after dtp.wait, comm.drain, a barrier and destroy_process_group, a dp=4 ZeRO-1
         # run with both overlap flags on a loaded machine (the test suite beside it) still
@@ -168,7 +169,12 @@ def console() -> None:
     # The launcher, a world of one, dtp plan / check / export: the exit handlers run (logging's
     # flush, a user's), the finalization does not. Measured (torch 2.13, quiet 2-core machine,
     # perf): after `dtp train --nproc 2` had finished, finalization took 0.7-0.9 s, mostly
-    # garbage-collection passes over torch's heap; the handlers take 0.01 s.
+    # garbage-collection passes over torch's heap; the handlers take 0.01 s. A profiler or
+    # tracer (python -m cProfile -m dtp.cli ...) reports at exit, and a non-daemon thread
+    # is joined there: then the ordinary exit.
+    others = [t for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon]
+    if sys.gettrace() is not None or sys.getprofile() is not None or others:
+        sys.exit(code)
     atexit._run_exitfuncs()  # CPython's runner of the atexit handlers (what sys.exit would run)
     sys.stdout.flush()
     sys.stderr.flush()
@@ -176,7 +182,7 @@ def console() -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``dtp`` console script; returns the exit code.
+    """``dtp <argv>`` called from Python (:func:`console` is the script); returns the exit code.
 
     Not run as a doctest: it launches 4 ranks (tests/test_cli.py runs the CLI).
 
