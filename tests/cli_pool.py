@@ -3,9 +3,9 @@ new processes: the launcher's whole path (parsing, preflight, the plan's memory 
 run shipped as a TOML file, ``--check``'s reference) runs in the test process, and every
 rank runs the same ``cli.main`` as under torchrun, with torchrun's variables.
 
-Why: a ``dtp train --nproc 2`` process tree costs 8-10 s on 2 cores before its first step
-(a launcher and one fresh interpreter a rank, each importing torch), a pooled run of the
-same flags 1-3 s. What only real processes show (the launcher's agent, signals, exit
+Why: a two-step ``dtp train --nproc 2`` process tree costs 8-11 s on 2 cores, nearly all
+of it start-up and exit (a launcher and one fresh interpreter a rank, each importing
+torch); a pooled run of the same flags 1-3 s. What only real processes show (the launcher's agent, signals, exit
 codes, a crash at exit, restarts) stays in tests that start them: ``test_cli.py``,
 ``test_cli_checkpoint.py``'s restart, and ``pytest -m slow tests/test_cli_combinations.py``,
 which runs every row of the combination table as a process tree.
