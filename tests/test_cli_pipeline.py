@@ -60,21 +60,16 @@ def _evals(out) -> list[float]:
     return [r["eval_loss"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
             if r.get("eval_loss") is not None]
 
-def test_dualpipev_checks_and_its_eval_loss_is_one_process(tmp_path, monkeypatch, capsys) -> None:
+def test_dualpipev_checks_and_its_eval_loss_is_one_process(tmp_path, monkeypatch) -> None:
     """``dtp train --pp 2 --pp-schedule dualpipev --microbatches 4 --eval-every 2 --check``
     (ranks from the test pool): training equals one process, and the held-out losses of
     the forward-only schedule equal the one-process run's (fp64, 1e-10)."""
-    from dtp import launch
-    from cli_pool import pool_launch
-
-    monkeypatch.setattr(launch, "launch", pool_launch)
-    flags = ["train", "--model", "tiny", "--steps", "3", "--batch", "8", "--seq", "16", "--dtype", "float64",
-             "--eval-every", "2"]
+    flags = ["--model", "tiny", "--steps", "3", "--batch", "8", "--seq", "16", "--dtype", "float64", "--eval-every", "2"]
     pp, one = tmp_path / "pp", tmp_path / "one"
-    assert main([*flags, "--pp", "2", "--pp-schedule", "dualpipev", "--microbatches", "4", "--check",
-                 "--out", str(pp)]) == 0
-    assert ": OK" in capsys.readouterr().out
-    assert main([*flags, "--out", str(one)]) == 0
+    run = cli_pool.train(monkeypatch, *flags, "--pp", "2", "--pp-schedule", "dualpipev", "--microbatches", "4",
+                         "--check", "--out", str(pp))
+    assert run.returncode == 0 and ": OK" in run.stdout, run.stdout + run.stderr
+    assert cli_pool.train(monkeypatch, *flags, "--out", str(one)).returncode == 0
 
     assert len(_evals(pp)) == 2
     assert _evals(pp) == pytest.approx(_evals(one), rel=1e-10, abs=0)
@@ -85,15 +80,11 @@ def test_moe_eval_loss_under_pp2_ep2_is_one_process(tmp_path, monkeypatch) -> No
     """``dtp train --model tiny-moe --pp 2 --ep 2 --eval-every 2``: the held-out loss is
     the LM loss, as one process reports it (fp64, 1e-10). The forward-only schedule
     answered aux ``None``, and the loop read the loss with the aux terms added."""
-    from dtp import launch
-    from cli_pool import pool_launch
-
-    monkeypatch.setattr(launch, "launch", pool_launch)
-    flags = ["train", "--model", "tiny-moe", "--steps", "2", "--batch", "8", "--seq", "16", "--dtype", "float64",
+    flags = ["--model", "tiny-moe", "--steps", "2", "--batch", "8", "--seq", "16", "--dtype", "float64",
              "--eval-every", "2", "--microbatches", "2"]
     pp, one = tmp_path / "pp", tmp_path / "one"
-    assert main([*flags, "--pp", "2", "--ep", "2", "--out", str(pp)]) == 0
-    assert main([*flags, "--out", str(one)]) == 0
+    assert cli_pool.train(monkeypatch, *flags, "--pp", "2", "--ep", "2", "--out", str(pp)).returncode == 0
+    assert cli_pool.train(monkeypatch, *flags, "--out", str(one)).returncode == 0
 
     assert len(_evals(pp)) == 1
     assert _evals(pp) == pytest.approx(_evals(one), rel=1e-10, abs=0)
