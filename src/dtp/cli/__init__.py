@@ -171,9 +171,11 @@ def console() -> None:
     # perf): after `dtp train --nproc 2` had finished, finalization took 0.7-0.9 s, mostly
     # garbage-collection passes over torch's heap; the handlers take 0.01 s. A profiler or
     # tracer (python -m cProfile -m dtp.cli ...) reports at exit, and a non-daemon thread
-    # is joined there: then the ordinary exit.
+    # is joined there: then the ordinary exit. So after a signal (130, 143): CI once printed
+    # torchrun's rendezvous finalizer failing ("cannot join current thread") when the
+    # launcher, stopped by SIGINT, ran the exit handlers itself and left at once.
     others = [t for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon]
-    if sys.gettrace() is not None or sys.getprofile() is not None or others:
+    if sys.gettrace() is not None or sys.getprofile() is not None or others or code in (130, 143):
         sys.exit(code)
     atexit._run_exitfuncs()  # CPython's runner of the atexit handlers (what sys.exit would run)
     sys.stdout.flush()
