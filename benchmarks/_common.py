@@ -8,15 +8,17 @@ import time
 from typing import Callable
 
 
-def llama_step_parser(doc: str | None, *, repeats: int, profile_help: str) -> argparse.ArgumentParser:
-    """Flags of a benchmark timing Llama training steps: configs, shapes, repeats, profiling."""
+def llama_step_parser(doc: str | None, *, repeats: int, profile_help: str | None = None) -> argparse.ArgumentParser:
+    """Flags of a benchmark timing Llama training steps: configs, shapes, repeats and, where
+    the benchmark has one (``profile_help`` given), ``--profile STEPS``."""
     ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--configs", nargs="+", default=["tiny", "small"], help="llama.config names")
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=repeats)
-    ap.add_argument("--profile", type=int, default=0, metavar="STEPS", help=profile_help)
+    if profile_help is not None:
+        ap.add_argument("--profile", type=int, default=0, metavar="STEPS", help=profile_help)
     return ap
 
 

@@ -65,7 +65,7 @@ def _bench(cfg, batch: dict[str, torch.Tensor], layout_name: str, backend: str, 
 
 
 def main() -> None:
-    ap = llama_step_parser(__doc__, repeats=9, profile_help="unused")
+    ap = llama_step_parser(__doc__, repeats=9)
     ap.add_argument("--backend", default="inductor", choices=("inductor", "aot_eager", "eager"))
     ap.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
     args = ap.parse_args()

@@ -116,15 +116,17 @@ LR = 0.1
 
 
 # ------------------------------------------------------------------ the model, both ways
-def step_parser(doc: str | None, *, steps: int) -> argparse.ArgumentParser:
-    """The flags the one-table pipeline probes (``pipeline_counts.py``, ``pipeline_cpu.py``)
-    share: this benchmark's model and step, one microbatch count, the schedules."""
+def step_parser(doc: str | None, *, steps: int | None) -> argparse.ArgumentParser:
+    """The flags the one-table pipeline probes (``pipeline_counts.py``, ``pipeline_cpu.py``,
+    ``pipeline_link.py``) share: this benchmark's model and step, one microbatch count, the
+    schedules, and ``--steps`` where the probe counts steps (``steps`` its default)."""
     ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--dim", type=int, default=512)
     ap.add_argument("--rows", type=int, default=256)
     ap.add_argument("--m", type=int, default=8)
-    ap.add_argument("--steps", type=int, default=steps)
+    if steps is not None:
+        ap.add_argument("--steps", type=int, default=steps)
     ap.add_argument("--schedules", nargs="+", default=["1f1b", "interleaved", "zb-h1", "zbv", "dualpipev"])
     return ap
 

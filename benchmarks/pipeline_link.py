@@ -102,7 +102,7 @@ def _steps(params, rows: int, m: int, schedules: list[tuple[str, int]], bandwidt
 
 
 def main() -> None:
-    ap = bench.step_parser(__doc__, steps=0)
+    ap = bench.step_parser(__doc__, steps=None)
     ap.add_argument("--hop-ratio", type=float, default=1.0, help="a message's modelled transfer / one F action")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=7)

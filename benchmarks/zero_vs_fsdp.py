@@ -261,7 +261,7 @@ def _sum_by_kind(recs) -> dict[str, list[int]]:
 
 
 def main() -> None:
-    ap = llama_step_parser(__doc__, repeats=7, profile_help="(unused)")
+    ap = llama_step_parser(__doc__, repeats=7)
     ap.add_argument("--bucket-mb", type=float, default=3.0)
     ap.add_argument("--mem-steps", type=int, default=3)
     args = ap.parse_args()

@@ -113,9 +113,10 @@ def test_a_kernel_interrupt_and_shutdown_leave_the_ranks_quiet():
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
 
 
-def test_ranks_leave_quietly_when_their_owner_is_killed():
+def test_ranks_leave_quietly_when_their_owner_is_killed(tmp_path):
     """Out of the owner's process group, the ranks do not get its SIGKILL (Jupyter's last
-    resort): they must notice the pipe close and exit, without a word."""
+    resort): they must notice the pipe close and exit, without a word, and remove the pool's
+    temporary directory, which the owner no longer can."""
     import os
     import signal
     import subprocess
@@ -123,7 +124,8 @@ def test_ranks_leave_quietly_when_their_owner_is_killed():
     from pathlib import Path
 
     src = str(Path(dtp.__file__).resolve().parents[1])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]),
+           "TMPDIR": str(tmp_path)}
     owner = subprocess.Popen(
         [sys.executable, "-c", "import os, time\nfrom dtp.testing import run\n"
                                "print(run(os.getpid, world_size=2), flush=True)\ntime.sleep(300)"],
@@ -141,6 +143,7 @@ def test_ranks_leave_quietly_when_their_owner_is_killed():
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
     assert len(pids) == 2 and err == "", (pids, err)
+    assert not list(tmp_path.glob("dtp-pool-*")), list(tmp_path.iterdir())
 
 
 def _stale():

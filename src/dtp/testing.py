@@ -338,6 +338,7 @@ def _worker_main() -> None:
         try:
             payload = conn.recv_bytes()
         except (EOFError, OSError):
+            _leave_after_owner()
             break  # the pool's owner has gone: leave quietly
         try:
             fn, args, kwargs = cloudpickle.loads(payload)
@@ -348,7 +349,17 @@ def _worker_main() -> None:
         try:
             conn.send_bytes(data)
         except OSError:
+            _leave_after_owner()
             break  # the owner went while fn ran
+
+
+def _leave_after_owner() -> None:
+    """A killed owner (SIGKILL: Jupyter's last resort) cannot remove the pool's temporary
+    directory; its ranks, which noticed, do. Every rank tries: the last to leave removes what
+    the others were still writing."""
+    tmp = os.environ.get("TMPDIR", "")
+    if os.path.basename(tmp).startswith("dtp-pool-"):
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 @contextlib.contextmanager
