@@ -79,6 +79,22 @@ def test_world_size_under_torchrun(monkeypatch) -> None:
         _train("--dp", "2")
 
 
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_rank_of_an_outside_torchrun_refuses_a_run_that_cannot_fit(rank, tmp_path, monkeypatch, capsys) -> None:
+    """Under a torchrun dtp did not start (a cluster's launch), no launcher ran the plan's
+    memory check: each rank runs it, before any collective, and refuses alike; rank 0
+    alone prints the plan's table."""
+    for k, v in (("RANK", str(rank)), ("LOCAL_RANK", str(rank)), ("WORLD_SIZE", "2"), ("LOCAL_WORLD_SIZE", "2")):
+        monkeypatch.setenv(k, v)
+    code = cli.main(["train", "--dp", "2", "--memory-gb", "0.0001", "--out", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    verdict = err.strip().splitlines()[-1]
+    prefix = "" if rank == 0 else f"[rank {rank}] "  # launch.report_error's, under a plain torchrun
+    assert code == 2 and verdict.startswith(f"{prefix}dtp train: error: DOES NOT FIT: peak "), err
+    assert ("parameters" in err) == (rank == 0), err  # the table's rows
+    assert not (tmp_path / "run").exists() or not any((tmp_path / "run").iterdir())
+
+
 @pytest.mark.parametrize("flags", [["--dtype", "float16"], ["--dp", "0"], ["--recompute", "some"],
                                    ["--zero", "4"], ["--steps", "x"], ["--cp-algo", "zigzag"],
                                    ["--timeout", "0"], ["--timeout", "inf"]])

@@ -85,6 +85,10 @@ def _cmd_train(args: argparse.Namespace) -> int:
             # checkpoints are what the restart resumes from).
             restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
             preflight(args, check_out=rank == 0 and not restarted)
+            # The plan's memory check too: each rank computes the same verdict from the same
+            # flags (no collective), rank 0 alone prints the table. The host's RAM is shared
+            # by this node's ranks (torchrun's LOCAL_WORLD_SIZE), not by the whole world.
+            _refuse_unfit(args, local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", "1")), show=rank == 0)
             if rank == 0 and args.overwrite and not restarted:
                 clear_run_files(Path(args.out))
         from .check import check_in_subprocess
@@ -96,11 +100,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
         return code
     # Everything that can be checked without torch, before starting ranks that would all fail.
     layout = preflight(args)
-    refusal = train_refusal(args)  # then the plan (imports torch): a run that cannot fit does not start
-    if refusal is not None:
-        table, _, verdict = refusal.rpartition("\n")
-        print(table, file=sys.stderr)
-        raise UsageError(verdict)
+    _refuse_unfit(args, local_ranks=args.nproc, show=True)  # then the plan (imports torch)
     if args.overwrite:
         clear_run_files(Path(args.out))
     if layout.pipeline is not None and args.print_schedule:
@@ -126,6 +126,17 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
         code = check_run(args.out)
     return code
+
+
+def _refuse_unfit(args: argparse.Namespace, *, local_ranks: int, show: bool) -> None:
+    """A run whose plan does not fit its memory does not start: :class:`UsageError` with the
+    plan's verdict (its table on stderr first when ``show``)."""
+    refusal = train_refusal(args, local_ranks=local_ranks, quiet=not show)
+    if refusal is not None:
+        table, _, verdict = refusal.rpartition("\n")
+        if show:
+            print(table, file=sys.stderr)
+        raise UsageError(verdict)
 
 
 def _launch(args: argparse.Namespace) -> int:

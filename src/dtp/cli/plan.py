@@ -95,12 +95,14 @@ def machine_memory_gb(nproc: int) -> float:
     return total / max(1, nproc) / 2**30
 
 
-def train_refusal(args: argparse.Namespace) -> str | None:
+def train_refusal(args: argparse.Namespace, *, local_ranks: int | None = None, quiet: bool = False) -> str | None:
     """What ``dtp train`` refuses with when the plan does not fit (``None``: go ahead).
 
-    A configuration the plan cannot predict is not refused: the plan is a guard against
-    runs that cannot fit, not a list of what may run (the flags and the layouts have
-    checked the run already). One line on stderr says the memory goes unchecked.
+    The budget is ``--memory-gb``, else :func:`machine_memory_gb` for ``local_ranks`` ranks
+    on this machine (default ``--nproc``). A configuration the plan cannot predict is not
+    refused: the plan is a guard against runs that cannot fit, not a list of what may run
+    (the flags and the layouts have checked the run already). One line on stderr says the
+    memory goes unchecked, unless ``quiet``.
     """
     from ..planning import check_fits
 
@@ -110,10 +112,11 @@ def train_refusal(args: argparse.Namespace) -> str | None:
         reason = " ".join(str(e).split()).removeprefix("dtp.plan: ")
         if not isinstance(e, ValueError):
             reason = f"{type(e).__name__}: {reason}"
-        print(f"dtp train: the plan does not model this configuration ({reason}); not checking memory",
-              file=sys.stderr)
+        if not quiet:
+            print(f"dtp train: the plan does not model this configuration ({reason}); not checking memory",
+                  file=sys.stderr)
         return None
     budget = getattr(args, "memory_gb", None)
     if budget is None:
-        budget = machine_memory_gb(args.nproc)
+        budget = machine_memory_gb(args.nproc if local_ranks is None else local_ranks)
     return check_fits(p, budget, override=getattr(args, "ignore_memory_check", False))
