@@ -179,10 +179,10 @@ MEMORY_CASES_2 = {
 
 @pytest.fixture(scope="module")
 def measured() -> dict[str, tuple[dict, int]]:
-    # Fresh ranks, so nothing an earlier test left in a worker is part of the measurement.
-    from dtp.testing import shutdown
-
-    shutdown()
+    # The shared pools, not fresh ones (which cost a restart of every pool, 8 ranks' too,
+    # 40-60 s of the suite): what an earlier test left in a worker is not measured, since
+    # the peak counts only allocations made inside the profile and the bytes only the
+    # records of this comm_log.
     out = {}
     for cases, world in ((CASES_2, 2), (CASES_4, 4)):
         results = run(_all, list(cases.values()), world_size=world)[0]
@@ -192,7 +192,7 @@ def measured() -> dict[str, tuple[dict, int]]:
 
 @pytest.fixture(scope="module")
 def measured_memory_only(measured) -> dict[str, tuple[dict, int]]:
-    # After `measured` (which starts the fresh pools), on the same 2-rank pool.
+    # After `measured`, on the same 2-rank pool.
     return dict(zip(MEMORY_CASES_2, run(_all, list(MEMORY_CASES_2.values()), world_size=2)[0]))
 
 
