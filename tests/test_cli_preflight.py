@@ -38,6 +38,8 @@ BAD_RUNS = {
     "heads vs tp": (["--tp", "3"], "--model tiny on the mesh dp=1 × tp=3: heads=4 is not divisible by tp=3 "),
     "kv heads vs head chunks": (["--cp", "2", "--cp-head-chunks", "3"], "head_chunks=3 must divide the 2 kv heads"),
     "seq vs cp": (["--cp", "2", "--seq", "30"], "--seq 30: zigzag load balancing"),
+    "seq vs sp": (["--tp", "2", "--sp", "--seq", "31"],
+                  "--seq 31: --sp over --tp splits the sequence 2 ways (tp=2); use a --seq that is a multiple of 2"),
     "batch vs dp": (["--batch", "6", "--dp", "4"], "divisible by --dp × --microbatches"),
     "experts vs ep": (["--model", "tiny-moe", "--num-experts", "3", "--ep", "2"],
                       "num_experts=3 is not divisible by ep=2"),

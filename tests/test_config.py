@@ -59,6 +59,11 @@ def test_toml_round_trip_and_flags_override_it(tmp_path, capsys) -> None:
     (tmp_path / "again.toml").write_text(printed)
     assert RunConfig.from_dict(read_config_file(str(tmp_path / "again.toml"))) == \
         cli.parse_args(["train", "--config", str(path)]).run_config
+    # A warm-up derived from --steps is printed as derived: the file reads with fewer steps.
+    assert "warmup" not in printed
+    assert cli.parse_args(["train", "--config", str(tmp_path / "again.toml"), "--steps", "3"]).run_config.warmup == 3
+    assert cli.main(["train", "--warmup", "2", "--print-config"]) == 0
+    assert "warmup = 2" in capsys.readouterr().out.splitlines()
 
 
 @pytest.mark.parametrize("text, match", [

@@ -446,15 +446,18 @@ def mesh_axes_of(*, pp: int, dp: int, ep: int, cp: int, tp: int) -> dict[str, in
     return axes
 
 
-def to_toml(config: RunConfig) -> str:
-    """``config`` as a TOML document ``dtp train --config`` reads back (``None`` fields left out).
+def to_toml(config: RunConfig, *, leave_out: tuple[str, ...] = ()) -> str:
+    """``config`` as a TOML document ``dtp train --config`` reads back (``None`` fields and
+    those named in ``leave_out`` left out).
 
     >>> print(to_toml(RunConfig(dp=2, sp=False)).splitlines()[3])
     dp = 2
+    >>> "warmup" in to_toml(RunConfig(steps=3), leave_out=("warmup",))
+    False
     """
     lines = []
     for key, value in config.to_dict().items():
-        if value is None:
+        if value is None or key in leave_out:
             continue
         lines.append(f"{key} = {json.dumps(value)}")  # JSON's scalars are TOML's: true, 1.5, "s"
     return "\n".join(lines) + "\n"

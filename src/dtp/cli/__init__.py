@@ -71,7 +71,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     if args.print_config:  # the run as given: no default --out invented for it
         from ..config import to_toml
 
-        print(to_toml(args.run_config), end="")
+        print(to_toml(args.run_config, leave_out=getattr(args, "derived", ())), end="")
         return 0
     if args.out is None:
         args.out = default_out()

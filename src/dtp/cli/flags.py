@@ -103,6 +103,9 @@ def validate(args: argparse.Namespace, *, world_size: int | None = None) -> argp
             config = RunConfig.from_dict({k: v for k, v in vars(args).items() if k in RUN_DEFAULTS})
     except ValueError as e:
         raise UsageError(str(e)) from None
+    # --print-config prints the run as given: a warm-up derived from --steps stays derived,
+    # so the file still reads with other --steps (a printed "warmup = 5" refused --steps 3).
+    args.derived = ("warmup",) if args.warmup is None else ()
     args.run_config, args.warmup = config, config.warmup
     if args.zero and args.dp == 1:
         print(f"{PROG} train: note: --zero {args.zero} has no effect with --dp 1 (ZeRO shards over dp)",
@@ -264,10 +267,23 @@ def preflight(args: argparse.Namespace, *, check_out: bool = True) -> Layout:
     if layout.context is not None:
         layouts.check_divisible(args.seq, layout.context_degree(mesh), layout.context.load_balance,
                                 what=f"--seq {args.seq}")
+    _check_sequence_split(args.seq, layout, mesh)
     _check_corpus(args, n_tokens)
     if check_out:
         check_out_dir(args)
     return layout
+
+
+def _check_sequence_split(seq: int, layout: Layout, mesh: MeshShape) -> None:
+    """The residual stream's sequence splits evenly over the axes that split it (cp, and tp
+    under --sp): caught here, not by the first rank to shard an activation (which names a
+    tensor and a spec, not the flag)."""
+    n = layout.degree("res_seq", mesh, activation=True)
+    if seq % n:
+        axes = layout.mesh_axes("res_seq", mesh, activation=True)
+        flags = " and ".join({"tp": "--sp over --tp", "cp": "--cp"}.get(a, a) for a in axes)
+        raise UsageError(f"--seq {seq}: {flags} split{'s' * (len(axes) == 1)} the sequence {n} ways "
+                         f"({format_mesh({a: mesh.sizes[a] for a in axes})}); use a --seq that is a multiple of {n}")
 
 
 def _model(args: argparse.Namespace, max_id: int) -> model_config.LlamaConfig:
