@@ -120,7 +120,7 @@ def test_bad_combinations_are_refused_on_every_rank(axes, layout, m, match):
 
 
 @pytest.mark.parametrize("fields, match", [
-    (dict(ep_overlap=True, microbatches=2), "ep_overlap configure expert parallel; they need ep > 1"),
+    (dict(ep_overlap=True, microbatches=2), "ep_overlap configures the expert-parallel layout: it needs ep > 1, got ep 1"),
     (dict(ep=2, ep_overlap=True), "at pp 1 it needs microbatches >= 2, got 1"),
     (dict(ep=2, pp=2, pp_schedule="zbv", ep_overlap=True, microbatches=4),
      "not for pp_schedule zbv"),

@@ -270,7 +270,11 @@ class RunConfig:
         on = [k for k in ("expert_tp", "pipe_experts", "multi_data", "multi_stream", "ep_overlap")
               if (getattr(self, k) > 1 if k == "multi_data" else getattr(self, k))]
         if on and self.ep == 1:
-            fail(f"{' '.join(n(k) for k in on)} configure expert parallel; they need {n('ep')} > 1")
+            # layouts.expert is the one that runs these (dtp.layouts.expert): it is there only
+            # with ep > 1. At ep 1 every tp rank holds the experts whole.
+            names = " and ".join(n(k) for k in on)
+            fail(f"{names} {'configure' if len(on) > 1 else 'configures'} the expert-parallel layout: "
+                 f"{'they need' if len(on) > 1 else 'it needs'} {n('ep')} > 1, got {n('ep')} 1")
         if not self.pipe_experts and (self.multi_data > 1 or self.multi_stream):
             fail(f"{n('multi_data') if self.multi_data > 1 else n('multi_stream')} splits the pipe-experts "
                  f"schedule; it needs {n('pipe_experts')}")
