@@ -82,7 +82,7 @@ def test_dtp_plan_prints_hybrid_and_errs_in_one_line(capsys):
     # A double ring needs a window: one readable line, exit 2.
     assert main(["plan", "--cp", "4", "--cp-algo", "double_ring"]) == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "double_ring needs window > 1" in err
+    assert len(err.splitlines()) == 1 and "it needs --cp-window > 1" in err
 
 
 def test_the_plan_reads_the_layout_the_cli_builds():

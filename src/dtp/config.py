@@ -213,6 +213,7 @@ class RunConfig:
         if self.ep > 1 and self.batch % (self.dp * self.ep * self.microbatches):
             fail(f"{n('batch')} {self.batch} must be divisible by {n('dp')} × {n('ep')} × {n('microbatches')} = "
                  f"{self.dp} × {self.ep} × {self.microbatches}: ep is a data axis too")
+        self._check_context(fail, n)
         self._check_experts(fail, n)
         self._check_pipeline(fail, n)
         if self.init_from is not None:
@@ -265,6 +266,25 @@ class RunConfig:
             fail(f"{n('precision')} must be one of {', '.join(PRECISIONS)}; got {self.precision!r}")
         if self.cp_algo is not None and self.cp_algo not in CP_ALGORITHMS:
             fail(f"{n('cp_algo')} must be one of {', '.join(CP_ALGORITHMS)}; got {self.cp_algo!r}")
+
+    def _check_context(self, fail: Callable[[str], None], n: Callable[[str], str]) -> None:
+        # layouts.context's own rules, said with the fields' names (a shell user reads
+        # --cp-window, not "window"); and an option the algorithm would ignore is refused.
+        if self.cp == 1:
+            return
+        algo = self.cp_algo or "ring"
+        if algo == "double_ring" and (self.cp_window or 1) == 1:
+            fail(f"{n('cp_algo')} double_ring splits the ring into inner rings of {n('cp_window')} ranks: it "
+                 f"needs {n('cp_window')} > 1 dividing {n('cp')} (a window of 1 is {n('cp_algo')} ring)")
+        if algo == "hybrid" and (self.ulysses_degree or 1) == 1:
+            fail(f"{n('cp_algo')} hybrid runs Ulysses in groups of {n('ulysses_degree')} ranks inside a ring: it "
+                 f"needs {n('ulysses_degree')} > 1 (a degree of 1 is {n('cp_algo')} ring)")
+        if self.cp_window is not None and algo not in ("double_ring", "hybrid"):
+            fail(f"{n('cp_window')} sizes the inner rings of {n('cp_algo')} double_ring or hybrid; "
+                 f"{n('cp_algo')} {algo} has none")
+        if self.ulysses_degree is not None and algo != "hybrid":
+            fail(f"{n('ulysses_degree')} sizes the Ulysses groups of {n('cp_algo')} hybrid; "
+                 f"{n('cp_algo')} {algo} has none")
 
     def _check_experts(self, fail: Callable[[str], None], n: Callable[[str], str]) -> None:
         on = [k for k in ("expert_tp", "pipe_experts", "multi_data", "multi_stream", "ep_overlap")
