@@ -69,6 +69,8 @@ BAD_RUNS = {
                              "--model small and --init-from both choose the model"),
     "init-from missing": (["--init-from", "/nonexistent/hf"], "--init-from /nonexistent/hf: No such file"),
     "init-from vocab vs data": (["--init-from", "HF_DIR"], "has 100 token ids; tokenize the data with its tokenizer"),
+    "init-from config without a key": (["--init-from", "HF_NO_VOCAB"],
+                                       "its config.json has no 'vocab_size', which a Llama config needs"),
     # packed documents in a token file with no EOS id (TOKENS: a .bin file of 200 ids the fixture makes)
     "document mask without an eos id": (["--document-mask", "--data", "TOKENS"],
                                         "--document-mask needs the id that ends a document: pass --eos-id"),
@@ -96,7 +98,9 @@ def bad_runs(tmp_path_factory) -> dict[str, list]:
     hf_dir = tmp_path_factory.mktemp("hf")
     (hf_dir / "config.json").write_text(json.dumps(_HF_CONFIG))
     (hf_dir / "tokens.bin").write_bytes(bytes(range(200)) * 4)  # 400 uint16 ids, no sidecar
-    places = {"HF_DIR": str(hf_dir), "TOKENS": str(hf_dir / "tokens.bin")}
+    no_vocab = tmp_path_factory.mktemp("hf_no_vocab")
+    (no_vocab / "config.json").write_text(json.dumps({k: v for k, v in _HF_CONFIG.items() if k != "vocab_size"}))
+    places = {"HF_DIR": str(hf_dir), "TOKENS": str(hf_dir / "tokens.bin"), "HF_NO_VOCAB": str(no_vocab)}
     argv = {name: [places.get(f, f) for f in flags] for name, (flags, _) in BAD_RUNS.items()}
     proc = subprocess.run([sys.executable, "-c", _PROBE, json.dumps(argv)], env=_env(), capture_output=True,
                           text=True, timeout=120, cwd=Path(SRC).parent)

@@ -65,6 +65,7 @@ def test_bin_is_uint16_unless_said(tmp_path):
     ("empty directory", r"holds \.bin or \.npy shards, found none"),
     ("tokenizer on ids", r"--tokenizer tokenizes text, but this is a token file"),
     ("eos outside vocab", r"eos_id 9 is outside the vocabulary \[0, 8\)"),
+    ("eos beyond the dtype", r"eos_id 70000 cannot occur in uint16 ids \(at most 65535\)"),
 ])
 def test_bad_token_data_is_a_clear_error(tmp_path, case, match):
     root = tmp_path / "d"
@@ -88,6 +89,9 @@ def test_bad_token_data_is_a_clear_error(tmp_path, case, match):
         kwargs["tokenizer"] = str(tmp_path / "tokenizer.json")
     elif case == "eos outside vocab":
         _shards(root, [[1, 2]], sidecar={"eos_id": 9, "vocab_size": 8})
+    elif case == "eos beyond the dtype":
+        _shards(root, [[1, 2]], dtype="uint16")
+        kwargs["eos_id"] = 70000
     with pytest.raises(ValueError, match=match):
         open_tokens(root, **kwargs)
 

@@ -268,7 +268,17 @@ def open_tokens(path: str | os.PathLike[str] | None, *, dtype: str | None = None
     vocab = meta.get("vocab_size")
     if eos_id is not None and vocab is not None and eos_id >= vocab:
         raise ValueError(f"{p}: eos_id {eos_id} is outside the vocabulary [0, {vocab})")
+    (kind,) = kinds
+    if eos_id is not None and eos_id > _largest_id(kind):
+        # It could never occur: every stream would be one document, silently.
+        raise ValueError(f"{p}: eos_id {eos_id} cannot occur in {kind} ids (at most {_largest_id(kind)})")
     return Tokens(parts, eos_id=eos_id, vocab_size=vocab, name=str(p))
+
+
+def _largest_id(kind: str) -> int:
+    import numpy as np
+
+    return int(np.iinfo(np.dtype(kind)).max)
 
 
 def token_stats(path: str | os.PathLike[str] | None, *, dtype: str | None = None, eos_id: int | None = None,

@@ -297,7 +297,10 @@ def _model(args: argparse.Namespace, max_id: int) -> model_config.LlamaConfig:
         cfg = model_config.config_for(args.model, init_from=args.init_from, **model_overrides(args))
     except OSError as e:
         raise UsageError(f"--init-from {args.init_from}: {e.strerror or e} ({e.filename})") from None
-    except (ValueError, KeyError) as e:
+    except KeyError as e:  # str(KeyError) is the bare key, quoted
+        raise UsageError(f"--init-from {args.init_from}: its config.json has no {e.args[0]!r}, which a Llama "
+                         f"config needs") from None
+    except ValueError as e:
         raise UsageError(f"--init-from {args.init_from}: {e}") from None
     real = cfg.vocab_size - cfg.vocab_pad
     if max_id >= real:
