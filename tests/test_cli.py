@@ -201,6 +201,22 @@ def test_summary_and_compare() -> None:
     assert cli.tolerance_for("bfloat16") == 5e-2 and cli.tolerance_for("float32") == 1e-4
 
 
+def test_check_fails_a_run_whose_gradient_norm_differs_though_its_losses_agree(tmp_path, capsys) -> None:
+    """A gradient wrong by a uniform factor (a missing 1/dp) barely moves AdamW's losses:
+    ``dtp check`` compares the gradient norms too, at the same bar."""
+    out = tmp_path / "run"
+    assert cli.main(["train", "--model", "tiny", "--steps", "2", "--batch", "2", "--seq", "16", "--dtype", "float64",
+                     "--check", "--out", str(out)]) == 0
+    assert "gradient norm max rel 0.00e+00" in capsys.readouterr().out
+    metrics = out / "metrics.jsonl"
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    metrics.write_text("".join(json.dumps({**r, "grad_norm": 2 * r["grad_norm"]}) + "\n" for r in records))
+    assert cli.check_run(out) == 1
+    check = json.loads((out / "check.json").read_text())
+    assert not check["ok"] and check["max_rel_diff"] == 0.0 and check["grad_norm"]["max_rel_diff"] == 1.0
+    assert "but the gradient norm differs: max rel 1.00e+00 at step 2" in capsys.readouterr().out
+
+
 # -- the PNG writer ----------------------------------------------------------------
 
 

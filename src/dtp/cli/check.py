@@ -1,4 +1,5 @@
-"""``--check`` and ``dtp check``: retrain a finished run on one process and compare losses.
+"""``--check`` and ``dtp check``: retrain a finished run on one process and compare losses
+and gradient norms.
 
 The reference is the same model (seed, data, dtype, optimizer, microbatches) trained on
 one process with the plain data-parallel layout. The bar is a relative per-step loss
@@ -6,6 +7,10 @@ difference of 1e-9 in float64, 1e-4 in float32 and 5e-2 in bfloat16, over *every
 in low precision the two trajectories drift apart a little more each step (different
 reduction orders round differently, and the optimizer feeds that back), so short runs
 are the meaningful check there; float64 stays tight for hundreds of steps.
+
+The gradient norm (before clipping) is held to the same bar: the loss alone can miss a
+gradient that is wrong by a uniform factor (a missing 1/dp, a reduction done twice),
+which AdamW's update all but cancels.
 """
 
 from __future__ import annotations
@@ -81,7 +86,7 @@ def check_run(run_dir: str | os.PathLike[str], *, rtol: float | None = None,
     Not run as a doctest: it needs a finished run directory (tests/test_cli.py makes one).
 
     >>> check_run("runs/20250101-120000")                        # doctest: +SKIP
-    check: 50 steps vs 1-process reference: max |Δloss| 3.1e-15, max rel 7.2e-16 at step 41 (rtol 1e-09, float64): OK
+    check: 50 steps vs 1-process reference: max |Δloss| 3.1e-15, max rel 7.2e-16 at step 41; gradient norm max rel 2.4e-15 (rtol 1e-09, float64): OK
     0
     """
     run_dir = Path(run_dir)
@@ -89,23 +94,33 @@ def check_run(run_dir: str | os.PathLike[str], *, rtol: float | None = None,
     if not cfg_path.exists():
         raise UsageError(f"{cfg_path} does not exist: not a dtp run directory")
     cfg = json.loads(cfg_path.read_text())
-    run = [float(r["loss"]) for r in _read_metrics(run_dir)]
+    records = _read_metrics(run_dir)
+    run = [float(r["loss"]) for r in records]
     rtol = tolerance_for(cfg["dtype"]) if rtol is None else rtol
     print(f"check: retraining {cfg['steps']} steps on 1 process (layout data, recompute none) ...",
           file=stream, flush=True)
     with single_process_world() as mesh:
         # The run's precision too: mixed and pure bf16 are different computations.
         layout = layouts.data() + (layouts.mixed_precision() if cfg.get("precision") == "mixed" else layouts.Layout())
-        ref = [r["loss"] for r in train_loop({**cfg, "compile": None}, mesh, layout, recompute=None)]  # eager
+        reference = train_loop({**cfg, "compile": None}, mesh, layout, recompute=None)  # eager
+    ref = [r["loss"] for r in reference]
     result = compare_losses(run, ref, rtol)
     result.update(dtype=cfg["dtype"], run_losses=run, reference_losses=ref)
+    if result["ok"] and all("grad_norm" in r for r in records):
+        norms = compare_losses([r["grad_norm"] for r in records], [r["grad_norm"] for r in reference], rtol)
+        result["grad_norm"] = {k: norms[k] for k in ("ok", "max_rel_diff", "worst_step", "max_abs_diff")}
+        if not norms["ok"]:
+            result.update(ok=False, reason=(
+                f"losses within rtol (max rel {result['max_rel_diff']:.2e}), but the gradient norm differs: "
+                f"max rel {norms['max_rel_diff']:.2e} at step {norms['worst_step']}"
+                + (f" ({norms['reason']})" if norms.get("reason") else "")))
     write_json(run_dir / "check.json", result)
     mesh_name = " ".join(f"{k}={v}" for k, v in cfg["mesh"].items())
     plot_losses(run_dir, {mesh_name: run, "1-process reference": ref}, cfg)
     verdict = "OK" if result["ok"] else "FAILED"
     detail = result.get("reason") or (
         f"max |Δloss| {result['max_abs_diff']:.2e}, max rel {result['max_rel_diff']:.2e} "
-        f"at step {result['worst_step']}")
+        f"at step {result['worst_step']}; gradient norm max rel {result['grad_norm']['max_rel_diff']:.2e}")
     print(f"check: {len(run)} steps vs 1-process reference: {detail} (rtol {rtol:g}, {cfg['dtype']}): {verdict}",
           file=stream, flush=True)
     return 0 if result["ok"] else 1
