@@ -1,6 +1,8 @@
 """`dtp train --save-every/--keep/--async-save/--resume` end to end: a run resumed under
 other parallel flags continues the uninterrupted run's loss curve exactly (fp64), and
-metrics.jsonl, summary.json and loss.png cover the whole run."""
+metrics.jsonl, summary.json and loss.png cover the whole run; a resume that cannot work
+(another dtype, model, data order; --check against steps trained under other flags) is
+refused before any rank starts, and one whose checkpoint fails to load changes nothing."""
 
 import json
 import os
@@ -12,7 +14,8 @@ from pathlib import Path
 import pytest
 
 import cli_pool
-from dtp.cli import parse_args
+from dtp import cli
+from dtp.cli import loop, parse_args
 
 
 def _env() -> dict[str, str]:
@@ -82,6 +85,89 @@ def test_resume_without_a_checkpoint_is_one_line(tmp_path) -> None:
 def test_checkpoint_flag_combinations(flags, match) -> None:
     with pytest.raises(ValueError, match=match):
         parse_args(["train", *flags])
+
+
+# A run of 4 one-rank steps with checkpoints at 2 and 4, trained in this process (no ranks
+# to start): what the resume tests below continue, each in a copy of it.
+_SMALL = ("--model", "tiny", "--batch", "2", "--seq", "16", "--save-every", "2", "--log-every", "4")
+
+
+@pytest.fixture(scope="module")
+def small_run(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("small") / "run"
+    assert cli.main(["train", *_SMALL, "--steps", "4", "--out", str(out)]) == 0
+    return out
+
+
+def _contents(run: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(run)): p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()}
+
+
+def test_a_resume_whose_checkpoint_fails_to_load_changes_nothing(small_run, tmp_path, capsys) -> None:
+    """The checkpoint is read inside the rank (here: a truncated data file): until it has
+    loaded, config.json, metrics.jsonl, summary.json and loss.png stay the earlier run's
+    (before, the failed run's config replaced config.json, metrics.jsonl was cut back to
+    the checkpoint's step and summary.json said "interrupted" of a run that trained nothing)."""
+    run = tmp_path / "run"
+    shutil.copytree(small_run, run)
+    shutil.rmtree(run / "checkpoints" / "step_00000004")
+    data = next((run / "checkpoints" / "step_00000002").glob("*.distcp"))
+    data.write_bytes(data.read_bytes()[:100])
+    before = _contents(run)
+    capsys.readouterr()
+    assert cli.main(["train", *_SMALL, "--steps", "6", "--resume", "--out", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "truncated or replaced" in err, err
+    assert _contents(run) == before
+
+
+def _refuses_before_the_ranks(monkeypatch) -> None:
+    def train_rank(*args, **kwargs):
+        raise AssertionError("a rank started")
+
+    monkeypatch.setattr(loop, "train_rank", train_rank)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--steps", "4", "--dtype", "float64"],
+     "was trained with --dtype float32; resume with --dtype float32 (a checkpoint is never cast)"),
+    (["--steps", "4", "--model", "small"], "was trained with --model tiny, this run asks for --model small "
+     "(embed is (256, 64) there, (256, 256) here); resume with --model tiny (a checkpoint is never reshaped)"),
+    (["--steps", "4", "--model", "tiny-moe"], "was trained with --model tiny, this run asks for --model tiny-moe"),
+    (["--steps", "4", "--seed", "1"], "was trained with --seed 0, this run asks for --seed 1: its data position "
+     "is one of that order of batches; resume with --seed 0"),
+    (["--steps", "8", "--check"], "--resume --check: the checkpoint in RUN: steps 1-4 trained with --steps 4 "
+     "--warmup 4, this run asks for --steps 8 --warmup 5: --check retrains all steps on one process with this run's "
+     "flags, so those would differ by design; resume with --steps 4 --warmup 4, or drop --check"),
+    (["--steps", "4", "--lr", "0.01", "--check"], "trained with --lr 0.003, this run asks for --lr 0.01"),
+], ids=["dtype", "model", "moe model", "seed", "steps with check", "lr with check"])
+def test_a_resume_that_cannot_work_is_refused_before_any_rank(small_run, tmp_path, monkeypatch, capsys,
+                                                              flags, message) -> None:
+    run = tmp_path / "run"
+    shutil.copytree(small_run, run)
+    before = _contents(run)
+    _refuses_before_the_ranks(monkeypatch)
+    capsys.readouterr()
+    assert cli.main(["train", *_SMALL, "--resume", "--out", str(run), *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"dtp train: error: --resume"), err
+    assert message.replace("RUN", str(run)) in err
+    assert _contents(run) == before
+
+
+def test_check_refuses_a_run_whose_steps_ran_under_other_steps(small_run, tmp_path, monkeypatch, capsys) -> None:
+    """--steps may change on resume (4 -> 6: steps 5-6 train); --check then cannot retrain
+    steps 1-4 and 5-6 with one set of flags, and says so before any rank starts."""
+    run = tmp_path / "run"
+    shutil.copytree(small_run, run)
+    assert cli.main(["train", *_SMALL, "--resume", "--steps", "6", "--out", str(run)]) == 0
+    assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4, 5, 6]
+    _refuses_before_the_ranks(monkeypatch)
+    capsys.readouterr()
+    assert cli.main(["train", *_SMALL, "--resume", "--steps", "6", "--check", "--out", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "steps 1-4 trained with --steps 4 --warmup 4, steps 5-6 with --steps 6 " \
+        "--warmup 5; --check's one-process reference trains all steps with one set of flags" in err, err
 
 
 def _rank_pids(out: Path) -> dict[int, int]:

@@ -5,6 +5,7 @@ run's summary and plot still written; help texts state each default once."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -74,6 +75,16 @@ BAD_RUNS = {
     # packed documents in a token file with no EOS id (TOKENS: a .bin file of 200 ids the fixture makes)
     "document mask without an eos id": (["--document-mask", "--data", "TOKENS"],
                                         "--document-mask needs the id that ends a document: pass --eos-id"),
+    # --resume against the checkpoint's manifest (RESUMED: a run directory whose step-2
+    # checkpoint is a manifest of --model tiny in float32, made by the fixture; no tensors)
+    "resume with another dtype": (["--resume", "--out", "RESUMED", "--dtype", "float64"],
+                                  "was trained with --dtype float32; resume with --dtype float32 (a checkpoint is "
+                                  "never cast)"),
+    "resume with another model": (["--resume", "--out", "RESUMED", "--model", "small"],
+                                  "was trained with --model tiny, this run asks for --model small"),
+    "resume --check with other steps": (["--resume", "--out", "RESUMED", "--steps", "8", "--check"],
+                                        "this run asks for --steps 8 --warmup 5: --check retrains all steps"),
+    "resume without a checkpoint": (["--resume", "--out", "HF_DIR"], "--resume: no checkpoint in "),
 }
 _HF_CONFIG = {"model_type": "llama", "vocab_size": 100, "hidden_size": 64, "intermediate_size": 128,
               "num_hidden_layers": 2, "num_attention_heads": 4}
@@ -92,6 +103,23 @@ print(json.dumps(results))
 """
 
 
+def _fake_checkpoint(path: Path) -> None:
+    """A manifest as ``dtp train --model tiny --steps 4 --save-every 2`` writes it at step 2
+    (what the preflight reads of a checkpoint), without its tensor files."""
+    from dtp.config import RunConfig
+    from dtp.models import config as model_config
+
+    cfg = model_config.config("tiny")
+    run = {**RunConfig(steps=4, save_every=2).to_dict(), "vocab_size": cfg.vocab_size, "warmup_from_step_one": True}
+    tensors = {f"param/{name}": {"shape": list(shape), "dtype": "float32"}
+               for name, shape in model_config.param_shapes(cfg).items()}
+    path.mkdir(parents=True)
+    (path / "manifest.json").write_text(json.dumps({
+        "format": 1, "step": 2, "tensors": tensors,
+        "extra": {"loader": {"step": 2}, "model": dataclasses.asdict(cfg), "run": run,
+                  "segments": [{"first": 1, "run": run, "model": dataclasses.asdict(cfg)}]}}))
+
+
 @pytest.fixture(scope="module")
 def bad_runs(tmp_path_factory) -> dict[str, list]:
     """Every case of :data:`BAD_RUNS` through ``dtp.cli.main`` in one fresh interpreter."""
@@ -100,7 +128,10 @@ def bad_runs(tmp_path_factory) -> dict[str, list]:
     (hf_dir / "tokens.bin").write_bytes(bytes(range(200)) * 4)  # 400 uint16 ids, no sidecar
     no_vocab = tmp_path_factory.mktemp("hf_no_vocab")
     (no_vocab / "config.json").write_text(json.dumps({k: v for k, v in _HF_CONFIG.items() if k != "vocab_size"}))
-    places = {"HF_DIR": str(hf_dir), "TOKENS": str(hf_dir / "tokens.bin"), "HF_NO_VOCAB": str(no_vocab)}
+    resumed = tmp_path_factory.mktemp("resumed")
+    _fake_checkpoint(resumed / "checkpoints" / "step_00000002")
+    places = {"HF_DIR": str(hf_dir), "TOKENS": str(hf_dir / "tokens.bin"), "HF_NO_VOCAB": str(no_vocab),
+              "RESUMED": str(resumed)}
     argv = {name: [places.get(f, f) for f in flags] for name, (flags, _) in BAD_RUNS.items()}
     proc = subprocess.run([sys.executable, "-c", _PROBE, json.dumps(argv)], env=_env(), capture_output=True,
                           text=True, timeout=120, cwd=Path(SRC).parent)

@@ -1,7 +1,8 @@
-"""What a checkpoint is on disk, read without trusting it: the manifest, every file's size
-and CRC32, DCP's ``.metadata`` unpickled by an unpickler that resolves only DCP's metadata
-classes, the ``step_*`` directories. :mod:`dtp.checkpoint` saves and loads states with it;
-``dtp export`` reads parameters one at a time with it."""
+"""What a checkpoint is on disk, read without trusting it: every file's size and CRC32,
+DCP's ``.metadata`` unpickled by an unpickler that resolves only DCP's metadata classes;
+the manifest and the ``step_*`` directories come from the torch-free
+:mod:`dtp._checkpoint_dirs` (names re-exported here). :mod:`dtp.checkpoint` saves and
+loads states with it; ``dtp export`` reads parameters one at a time with it."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ import io
 import json
 import os
 import pickle
-import re
 import zlib
 from pathlib import Path
 from typing import Any, Mapping
@@ -18,12 +18,10 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata
 
+from ._checkpoint_dirs import FORMAT, MANIFEST, STEP_DIR, checkpoints, latest, open_checkpoint, read_manifest
+
 __all__ = ["FORMAT", "MANIFEST", "STEP_DIR", "file_crc", "file_sums", "verify_files", "atomic_json", "checkpoints",
            "latest", "MetadataUnpickler", "SafeReader", "read_manifest", "open_checkpoint", "read_metadata"]
-
-FORMAT = 1  # manifest["format"]: bumped when the key scheme changes
-MANIFEST = "manifest.json"
-STEP_DIR = re.compile(r"^step_(\d{8})$")
 
 
 def file_crc(path: Path) -> int:
@@ -63,23 +61,6 @@ def atomic_json(path: Path, obj: Any) -> None:
     os.replace(tmp, path)
 
 
-def checkpoints(root: Path) -> list[Path]:
-    if not root.is_dir():
-        return []
-    found = [p for p in root.iterdir() if STEP_DIR.match(p.name) and (p / MANIFEST).is_file()]
-    return sorted(found, key=lambda p: p.name)
-
-
-def latest(root: str | os.PathLike[str]) -> Path | None:
-    """The newest complete checkpoint under ``root`` (``None`` if there is none).
-
-    >>> latest("/nonexistent") is None
-    True
-    """
-    found = checkpoints(Path(root))
-    return found[-1] if found else None
-
-
 class MetadataUnpickler(pickle.Unpickler):
     """DCP's ``.metadata`` is a pickle: resolve only the names a DCP metadata file is
     made of (listed from what torch 2.13 writes), so a crafted checkpoint cannot run
@@ -113,29 +94,6 @@ class SafeReader(FileSystemReader):
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
-
-
-def read_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """The manifest of the checkpoint at ``path`` (or of the newest one under it).
-    ``ValueError`` if there is none or it is not a dtp checkpoint manifest."""
-    return open_checkpoint(Path(path))[1]
-
-
-def open_checkpoint(path: Path) -> tuple[Path, dict[str, Any]]:
-    """Resolve, read and check what is on disk; raises ``ValueError`` naming the file."""
-    if not (path / MANIFEST).is_file():
-        found = latest(path)
-        if found is None:
-            raise ValueError(f"checkpoint: no checkpoint at {path} (no {MANIFEST} there, nor a step_* "
-                             f"directory holding one)")
-        path = found
-    try:
-        manifest = json.loads((path / MANIFEST).read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"checkpoint: {path / MANIFEST} is unreadable ({e})") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or "tensors" not in manifest:
-        raise ValueError(f"checkpoint: {path / MANIFEST} is not a dtp checkpoint manifest of format {FORMAT}")
-    return path, manifest
 
 
 def read_metadata(path: Path) -> Metadata:

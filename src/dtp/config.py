@@ -40,7 +40,8 @@ from .layouts.zero import misplaced_options
 from .layouts.expert import EP_OVERLAP_SCHEDULES, NO_PAIRS
 from ._rules import COMPILE_BACKENDS, SCORE_FUNCTIONS
 
-__all__ = ["RunConfig", "DTYPES", "RECOMPUTE", "MODEL_FIELDS", "flag_names", "to_toml", "mesh_axes_of", "type_error"]
+__all__ = ["RunConfig", "DTYPES", "RECOMPUTE", "MODEL_FIELDS", "flag_names", "flag_of", "to_toml", "mesh_axes_of",
+           "type_error"]
 
 DTYPES = ("float32", "float64", "bfloat16")
 RECOMPUTE = ("none", "full", "selective")
@@ -65,8 +66,12 @@ _NAMES: contextvars.ContextVar[Callable[[str], str]] = contextvars.ContextVar("d
 _WHO: contextvars.ContextVar[str] = contextvars.ContextVar("dtp_config_who", default="RunConfig: ")
 
 
-def _flag(name: str) -> str:
-    """The ``dtp train`` flag of a field (the one on/off flag that turns a default off is ``--no-…``)."""
+def flag_of(name: str) -> str:
+    """The ``dtp train`` flag of a field (the one on/off flag that turns a default off is ``--no-…``).
+
+    >>> flag_of("cp_window"), flag_of("reshard_after_forward")
+    ('--cp-window', '--no-reshard-after-forward')
+    """
     flag = "--" + name.replace("_", "-")
     return "--no-reshard-after-forward" if name == "reshard_after_forward" else flag
 
@@ -82,7 +87,7 @@ def flag_names() -> Iterator[None]:
     ...
     ValueError: --sp (sequence parallel) splits the sequence over the tp group: it needs --tp > 1, got --tp 1
     """
-    names, who = _NAMES.set(_flag), _WHO.set("")
+    names, who = _NAMES.set(flag_of), _WHO.set("")
     try:
         yield
     finally:
@@ -427,9 +432,9 @@ class RunConfig:
             value = getattr(self, f.name)
             if isinstance(value, bool):
                 if value != (f.name == "reshard_after_forward"):
-                    out.append(_flag(f.name))
+                    out.append(flag_of(f.name))
             elif value is not None:
-                out += [_flag(f.name), repr(value) if isinstance(value, float) else str(value)]
+                out += [flag_of(f.name), repr(value) if isinstance(value, float) else str(value)]
         return out
 
 

@@ -22,9 +22,10 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from .. import layouts
+from .._checkpoint_dirs import latest, read_manifest
 from .._mesh_shape import MeshShape
 from .._token_files import document_eos, held_out_start, open_tokens, token_stats
-from ..config import MODEL_FIELDS, RunConfig, flag_names, mesh_axes_of, type_error
+from ..config import MODEL_FIELDS, RunConfig, flag_names, flag_of, mesh_axes_of, type_error
 from ..launch import in_torchrun
 from ..layouts import Layout
 from ..models import config as model_config
@@ -32,7 +33,8 @@ from .parser import PROG, RUN_DEFAULTS, build_parser
 
 
 __all__ = ["UsageError", "build_parser", "parse_args", "validate", "preflight", "build_layout", "mesh_axes",
-           "train_argv", "vocab_size", "run_config"]
+           "train_argv", "vocab_size", "run_config", "resume_checkpoint", "check_resume",
+           "trained_segments"]
 
 class UsageError(ValueError):
     """Invalid flags: reported as one line, exit code 2."""
@@ -225,9 +227,10 @@ def preflight(args: argparse.Namespace, *, check_out: bool = True) -> Layout:
     """Check the whole run before any rank starts (and before torch is imported): the
     layout's presets, the model against the layout on the mesh's shape (heads, kv heads,
     vocabulary, experts divisible by their splits), the pipeline's layers and
-    microbatches, the sequence against context parallel, the corpus against a batch, and
-    the run directory (``check_out``: writable; not an earlier run's unless ``--resume``
-    or ``--overwrite``). Returns the layout.
+    microbatches, the sequence against context parallel, the corpus against a batch,
+    with ``--resume`` the checkpoint against the flags (:func:`check_resume`), and the
+    run directory (``check_out``: writable; not an earlier run's unless ``--resume`` or
+    ``--overwrite``). Returns the layout.
 
     Raises :class:`UsageError` (or the presets' ``ValueError``): one line, exit code 2.
     The pipeline's composition rules (:meth:`~dtp.layouts.pipeline.PipelineOptions.check_composition`)
@@ -269,6 +272,8 @@ def preflight(args: argparse.Namespace, *, check_out: bool = True) -> Layout:
                                 what=f"--seq {args.seq}")
     _check_sequence_split(args.seq, layout, mesh)
     _check_corpus(args, n_tokens)
+    if args.resume:  # read-only: every rank of an outside torchrun may check it alike
+        check_resume(args, resume_checkpoint(args.out), cfg)
     if check_out:
         check_out_dir(args)
     return layout
@@ -338,3 +343,146 @@ def check_out_dir(args: argparse.Namespace) -> None:
             pass
     except OSError as e:
         raise UsageError(f"--out {out}: cannot create or write it ({e.strerror or e})") from None
+
+
+# --------------------------------------------------------------------------- --resume
+
+
+# What a resumed run must keep because the data loader's position in the checkpoint is
+# one of that order of batches (dtp.data.TokenLoader.load_state_dict refuses the others).
+_DATA_ORDER = ("seed", "batch", "seq")
+# What --check's one-process reference would train the steps already trained with, other
+# than the checkpoint did: the lr schedule and the update (the model's MoE hyperparameters
+# are compared on the model). A layout, --microbatches, --recompute or --compile change
+# no loss beyond --check's tolerance and may change.
+_REFERENCE_FIELDS = ("steps", "lr", "warmup", "clip", "precision")
+
+
+def resume_checkpoint(out: str | os.PathLike[str]) -> Path:
+    """The checkpoint ``--resume`` continues from: the newest complete one under
+    ``out/checkpoints`` (:class:`UsageError` if there is none)."""
+    root = Path(out) / "checkpoints"
+    found = latest(root)
+    if found is None:
+        raise UsageError(f"--resume: no checkpoint in {root} (save some with --save-every N)")
+    return found
+
+
+def check_resume(args: Any, path: Path, cfg: model_config.LlamaConfig) -> None:
+    """The checkpoint at ``path`` against the flags that resume it (``args``; ``cfg`` the
+    model they describe), from its manifest alone (no torch, no tensor data):
+
+    - its parameters' dtype is ``--dtype`` (a checkpoint is never cast) and their shapes
+      are the model's (``--model``, ``--init-from``, the MoE flags, the vocabulary of
+      ``--data``); router biases are there if ``--router-bias-update`` needs them;
+    - ``--seed``, ``--batch``, ``--seq`` are the ones its data position belongs to;
+    - with ``--check``, the lr schedule, clipping, precision and MoE hyperparameters are
+      the ones the steps already trained ran with: the reference retrains every step
+      with this run's flags.
+
+    What may change is everything else: the layout (``--dp``, ``--tp``, ``--zero``, …,
+    any layout loads any other), ``--steps`` without ``--check``, ``--save-every``, ….
+    Raises :class:`UsageError`, one line naming the flag and the value to resume with.
+    """
+    try:
+        manifest = read_manifest(path)
+    except ValueError as e:
+        raise UsageError(f"--resume: {e}") from None
+    extra = manifest.get("extra") if isinstance(manifest.get("extra"), dict) else {}
+    saved_run = extra.get("run") if isinstance(extra.get("run"), dict) else {}  # {}: not saved by dtp train
+    tensors = manifest["tensors"]
+    params = {k.removeprefix("param/"): v for k, v in tensors.items() if k.startswith("param/")}
+    here = f"--resume: the checkpoint in {args.out}"
+    dtypes = sorted({str(v.get("dtype")) for v in params.values()})
+    if dtypes and args.dtype not in dtypes:
+        was = saved_run.get("dtype", dtypes[0])
+        raise UsageError(f"{here} was trained with --dtype {was}; resume with --dtype {was} "
+                         f"(a checkpoint is never cast)")
+    shapes = {name: tuple(v.get("shape", ())) for name, v in params.items()}
+    ours = model_config.param_shapes(cfg)
+    if shapes != ours:
+        name = next(n for n in sorted({*shapes, *ours}) if shapes.get(n) != ours.get(n))
+        detail = f"{name} is {shapes.get(name, 'absent')} there, {ours.get(name, 'absent')} here"
+        changed = [k for k in ("init_from", "model", *MODEL_FIELDS, "data", "tokenizer")
+                   if k in saved_run and saved_run[k] != getattr(args, k, None)]
+        if not changed:
+            raise UsageError(f"{here} holds another model ({detail}); resume with the flags it was trained with "
+                             f"(its config.json)")
+        now = {k: getattr(args, k, None) for k in changed}
+        raise UsageError(f"{here} was trained with {_spell(saved_run, changed)}, this run asks for "
+                         f"{_spell(now, changed)} ({detail}); resume with {_spell(saved_run, changed, remedy=True)} "
+                         f"(a checkpoint is never reshaped)")
+    if cfg.router_bias_update and not any(k.startswith("buffer/") for k in tensors):
+        raise UsageError(f"{here} holds no router biases (trained without --router-bias-update); resume "
+                         f"without --router-bias-update")
+    for k in _DATA_ORDER:
+        if k in saved_run and saved_run[k] != getattr(args, k):
+            raise UsageError(f"{here} was trained with {flag_of(k)} {saved_run[k]}, this run asks for {flag_of(k)} "
+                             f"{getattr(args, k)}: its data position is one of that order of batches; resume with "
+                             f"{flag_of(k)} {saved_run[k]}")
+    if getattr(args, "check", False):
+        _check_reference(args, manifest, cfg, here.replace("--resume", "--resume --check", 1))
+
+
+def trained_segments(extra: dict[str, Any]) -> list[dict[str, Any]]:
+    """Which flags trained a checkpoint's steps: ``[{"first": step, "run": …, "model": …}]``,
+    oldest first, one per ``dtp train`` that trained some of them (the run config and model
+    config of each). A checkpoint from before this record: its last run's, from step 1."""
+    segments = extra.get("segments")
+    if isinstance(segments, list) and all(isinstance(s, dict) for s in segments):
+        return segments
+    run, model = extra.get("run"), extra.get("model")
+    return [{"first": 1, "run": run, "model": model}] if isinstance(run, dict) and isinstance(model, dict) else []
+
+
+def _check_reference(args: Any, manifest: dict[str, Any], cfg: model_config.LlamaConfig, here: str) -> None:
+    """``--resume --check``: the reference (:func:`dtp.cli.check.check_run`) trains every
+    step from scratch with this run's flags, also the steps the checkpoint already holds;
+    those ran with the lr schedule, clipping, precision and MoE options of the runs that
+    trained them (:func:`trained_segments`), so any of them changed makes the check fail
+    although the run is right."""
+    extra = manifest.get("extra") or {}
+    done = int((extra.get("loader") or {}).get("step", manifest.get("step", 0)))
+    segments = trained_segments(extra)
+    config = run_config(args)
+    now = {**{k: getattr(config, k) for k in _REFERENCE_FIELDS}, **{k: getattr(cfg, k) for k in MODEL_FIELDS}}
+    spans, trained = [], []  # per segment: its steps, and its values of `now`'s keys
+    for i, segment in enumerate(segments):
+        run, model = segment.get("run") or {}, segment.get("model") or {}
+        last = segments[i + 1]["first"] - 1 if i + 1 < len(segments) else done
+        spans.append(f"step {last}" if segment["first"] == last else f"steps {segment['first']}-{last}")
+        if not run.get("warmup_from_step_one"):
+            raise UsageError(f"{here}: {spans[-1]} trained under dtp's earlier lr schedule (lr 0 at step 1), which "
+                             f"--check's reference no longer trains; drop --check")
+        trained.append({k: run[k] if k in _REFERENCE_FIELDS else model[k] for k in now
+                        if k in (run if k in _REFERENCE_FIELDS else model)})
+    for i in range(1, len(trained)):
+        names = [k for k in now if trained[i].get(k) != trained[0].get(k)]
+        if names:  # no one set of flags retrains both
+            raise UsageError(f"{here}: {spans[0]} trained with {_spell(trained[0], names)}, {spans[i]} with "
+                             f"{_spell(trained[i], names)}; --check's one-process reference trains all steps with "
+                             f"one set of flags, so it cannot check this run; drop --check")
+    names = [k for k in now if trained and k in trained[0] and trained[0][k] != now[k]]
+    if names:
+        steps = f"steps {segments[0]['first']}-{done}" if len(spans) > 1 else spans[0]
+        raise UsageError(f"{here}: {steps} trained with {_spell(trained[0], names)}, this run asks for "
+                         f"{_spell(now, names)}: --check retrains all steps on one process with this run's flags, "
+                         f"so those would differ by design; resume with {_spell(trained[0], names, remedy=True)}, "
+                         f"or drop --check")
+
+
+def _spell(values: dict[str, Any], names: Sequence[str], *, remedy: bool = False) -> str:
+    """``names`` as the flags that give ``values`` (``no --init-from`` for an unset one;
+    ``remedy``: ``without --init-from``).
+
+    >>> _spell({"model": "tiny", "init_from": None, "lr": 0.003}, ["init_from", "model", "lr"])
+    'no --init-from --model tiny --lr 0.003'
+    """
+    words = []
+    for name in names:
+        value = values.get(name)
+        if value is None or value is False:
+            words.append(f"{'without' if remedy else 'no'} {flag_of(name)}")
+        else:
+            words.append(flag_of(name) if value is True else f"{flag_of(name)} {value}")
+    return " ".join(words)

@@ -33,8 +33,8 @@ from ..models import hf, llama
 from ..redistribute import value_of
 from .process import Terminated, sigterm_ignored, sigterm_raises, run_world, single_process_world, why
 from .parser import EVAL_BATCHES, PROG
-from .flags import (UsageError, build_layout, format_mesh, mesh_axes, model_overrides,
-                    train_argv, vocab_size)
+from .flags import (UsageError, build_layout, check_resume, format_mesh, mesh_axes, model_overrides,
+                    resume_checkpoint, train_argv, trained_segments, vocab_size)
 from .report import (atomic_write_text, format_summary, plot_losses, Progress, write_json, format_bytes, read_metrics,
                      print_compile_report, report_exception, summarize)
 
@@ -121,9 +121,12 @@ class Checkpointing:
 
 def train_loop(args: Mapping[str, Any], mesh: DeviceMesh, layout: Layout, *, recompute: str | None,
            on_step: Callable[[int, dict[str, Any]], None] | None = None,
-           checkpoints: Checkpointing | None = None) -> list[dict[str, Any]]:
+           checkpoints: Checkpointing | None = None,
+           on_start: Callable[[int], None] | None = None) -> list[dict[str, Any]]:
     """The training loop every rank runs (and the 1-process reference); returns the
-    metrics of the steps it ran (after the resumed one, when resuming)."""
+    metrics of the steps it ran (after the resumed one, when resuming). ``on_start(first)``
+    runs once the state is built and a resumed checkpoint and data position have loaded,
+    before step ``first``: what a run writes before that is lost if the load fails."""
     torch.manual_seed(args["seed"])
     tokens, held_out = _splits(args)
     loader = TokenLoader(tokens, batch_size=args["batch"], seq_len=args["seq"], seed=args["seed"],
@@ -156,13 +159,19 @@ def train_loop(args: Mapping[str, Any], mesh: DeviceMesh, layout: Layout, *, rec
     # rate on this rank (a CPU has no datasheet peak dtp could look up): an estimate.
     flops_per_token = llama.flops_per_token(cfg, args["seq"])
     peak = _matmul_rate(dtype, mesh_device(mesh)) * mesh.size()
-    first = 1
+    first, earlier = 1, []
     if checkpoints is not None and checkpoints.resume_from is not None:
         # The same state and data position whatever the flags it was saved under:
         # checkpoint.load reshards, the loader refuses another seed/batch/seq/corpus.
         state, extra = checkpoint.load(checkpoints.resume_from, like=state)
         loader.load_state_dict((extra or {}).get("loader", {}))
         first = loader.state_dict()["step"] + 1  # iterations, skipped steps included (state.step counts updates)
+        earlier = trained_segments(extra or {})
+    # Which flags trained which steps: a resume may change --steps, --lr, … (not without
+    # --check, whose reference trains every step with the last ones: flags.check_resume).
+    segments = [*earlier, {"first": first, "run": dict(args), "model": dataclasses.asdict(cfg)}]
+    if on_start is not None:
+        on_start(first)
     records, saving = [], None
     # Dropless MoE changes its expert batches' shapes every step: dynamic from the start.
     compiling = args.get("compile") and CompileOptions(backend=args["compile"], dynamic=cfg.num_experts > 0 or None)
@@ -196,7 +205,8 @@ def train_loop(args: Mapping[str, Any], mesh: DeviceMesh, layout: Layout, *, rec
                 saving.wait()  # one save in flight at a time
             saving = checkpoint.save(state, checkpoints.root, keep=checkpoints.keep, async_save=checkpoints.async_save,
                                      extra={"loader": loader.state_dict(), "model": dataclasses.asdict(cfg),
-                                            "run": dict(args)})  # the run's RunConfig and what the ranks found
+                                            "run": dict(args),  # the run's RunConfig and what the ranks found
+                                            "segments": segments})
     if isinstance(saving, checkpoint.AsyncSave):
         saving.wait()
     wait(state)  # the last step's prefetched parameter gathers (overlap_param_gather)
@@ -301,14 +311,32 @@ def train_rank(args: argparse.Namespace, *, stream: TextIO | None = None) -> int
     layout = build_layout(args)
     progress = Progress(args.steps, args.log_every, stream) if rank == 0 else None
     checkpoints = _checkpointing(args, out)
+    if checkpoints.resume_from is not None:
+        # The launcher's preflight checked this already; a world of an outside torchrun
+        # (or restarted by it) may not have: every rank alike, before any collective.
+        check_resume(args, checkpoints.resume_from, _model(run_cfg, run_cfg["vocab_size"]))
     # Resuming: the steps up to the checkpoint stay in metrics.jsonl (the ones after it
     # are run again), so the file, the summary and the loss plot cover the whole run.
     earlier = _records_until(out, checkpoints.resume_from)
     records: list[dict[str, Any]] = list(earlier)
+    started = False  # the run directory is this run's: the state (and checkpoint) loaded
 
     with contextlib.ExitStack() as files:
         metrics = board = None
         if rank == 0:
+            _print_header(args, run_cfg, layout, world, out, stream)
+            if checkpoints.resume_from is not None:
+                print(f"{PROG} train: resuming from step {len(earlier)} ({checkpoints.resume_from})",
+                      file=stream, flush=True)
+
+        def on_start(first: int) -> None:
+            # Nothing in the run directory changes before this: a resume whose checkpoint
+            # does not load (another dtype, model, a corrupt file) leaves the earlier run's
+            # config, metrics, summary and plot as they were.
+            nonlocal metrics, board, started
+            started = True
+            if rank != 0:
+                return
             out.mkdir(parents=True, exist_ok=True)
             write_json(out / "config.json", {**run_cfg, "layout": layout.name,
                                               "command": shlex.join([PROG, *train_argv(args)])})
@@ -321,10 +349,6 @@ def train_rank(args: argparse.Namespace, *, stream: TextIO | None = None) -> int
             metrics = files.enter_context(_AppendOnFirstWrite(out / "metrics.jsonl"))
             if args.tensorboard:
                 board = files.enter_context(_TensorBoard(out / "tensorboard"))
-            _print_header(args, run_cfg, layout, world, out, stream)
-            if checkpoints.resume_from is not None:
-                print(f"{PROG} train: resuming from step {len(earlier)} ({checkpoints.resume_from})",
-                      file=stream, flush=True)
 
         def on_step(step: int, record: dict[str, Any]) -> None:
             records.append(record)
@@ -340,7 +364,8 @@ def train_rank(args: argparse.Namespace, *, stream: TextIO | None = None) -> int
         interrupted = None
         try:
             with sigterm_raises(), run_world(args) as mesh:
-                train_loop(run_cfg, mesh, layout, recompute=_recompute(args), on_step=on_step, checkpoints=checkpoints)
+                train_loop(run_cfg, mesh, layout, recompute=_recompute(args), on_step=on_step, checkpoints=checkpoints,
+                           on_start=on_start)
                 del mesh  # the last reference: destroy_process_group then really ends the group
         except BaseException as e:
             interrupted = why(e)
@@ -351,7 +376,7 @@ def train_rank(args: argparse.Namespace, *, stream: TextIO | None = None) -> int
                 report_exception(e, "train", args.out)
             raise
         finally:
-            if rank == 0 and records:
+            if rank == 0 and started and records:
                 with sigterm_ignored():  # a stop during the last writes would leave no plot
                     _finish(out, records, run_cfg, interrupted, stream)
     return 0
@@ -462,9 +487,7 @@ def _checkpointing(args: argparse.Namespace, out: Path) -> Checkpointing:
     on every rank (the directory is shared)."""
     root = out / "checkpoints"
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
-    resume_from = checkpoint.latest(root) if args.resume or restarted else None
-    if args.resume and resume_from is None:
-        raise UsageError(f"--resume: no checkpoint in {root} (save some with --save-every N)")
+    resume_from = resume_checkpoint(out) if args.resume else checkpoint.latest(root) if restarted else None
     return Checkpointing(root, args.save_every, args.keep, args.async_save, resume_from)
 
 

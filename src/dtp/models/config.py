@@ -17,9 +17,8 @@ from typing import Any
 
 from .._rules import SCORE_FUNCTIONS, check_groups
 
-__all__ = ["LlamaConfig", "RopeScaling", "CONFIGS", "config", "config_for", "block_shapes", "param_axes", "axis_sizes",
-           "param_count", "flops_per_token",
-           "is_moe", "n_sequential_layers"]
+__all__ = ["LlamaConfig", "RopeScaling", "CONFIGS", "config", "config_for", "block_shapes", "param_shapes",
+           "param_axes", "axis_sizes", "param_count", "flops_per_token", "is_moe", "n_sequential_layers"]
 
 
 @dataclass(frozen=True)
@@ -257,6 +256,23 @@ def block_shapes(cfg: LlamaConfig, i: int) -> dict[str, tuple[int, ...]]:
     if cfg.shared_experts:
         fs = cfg.shared_experts * f
         shapes.update(shared_gate=(cfg.dim, fs), shared_up=(cfg.dim, fs), shared_down=(fs, cfg.dim))
+    return shapes
+
+
+def param_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    """Every parameter's global shape by its dotted path (``layers.0.wq``): what ``init``
+    allocates and a checkpoint's manifest lists as ``param/<path>``, known without torch.
+
+    >>> shapes = param_shapes(config("tiny"))
+    >>> shapes["embed"], shapes["layers.1.w_down"], shapes["lm_head"]
+    ((256, 64), (128, 64), (64, 256))
+    """
+    shapes = {"embed": (cfg.vocab_size, cfg.dim)}
+    for i in range(cfg.n_layers):
+        shapes.update({f"layers.{i}.{name}": shape for name, shape in block_shapes(cfg, i).items()})
+    shapes["final_norm"] = (cfg.dim,)
+    if not cfg.tie_embeddings:
+        shapes["lm_head"] = (cfg.dim, cfg.vocab_size)
     return shapes
 
 
