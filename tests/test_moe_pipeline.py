@@ -132,10 +132,12 @@ def test_the_plan_counts_the_aux_carry_and_does_not_refuse():
     plan = dtp.plan("tiny-moe", batch=8, seq=16, pp=2, ep=2, microbatches=4)
     # The last stage (the plan's rank) sends each microbatch's hidden-state gradient (8 rows
     # / ep 2 / 4 microbatches = 1 row of 16 tokens × dim 64, fp32) and block 0's two aux
-    # losses' gradients back.
-    assert plan.bytes["pp"]["send"] == 4 * (1 * 16 * 64 * 4 + 2 * 4)
-    # the grad norm (fp32), and the head's aux to every stage: 4 × (3 + 2 blocks × 5) float64
-    assert plan.bytes["pp"]["all_reduce"] == 4 + 4 * 13 * 8
+    # losses' gradients back, microbatch 0's header first (24 int64 words; the tree's
+    # structure message beside it is not counted).
+    assert plan.bytes["pp"]["send"] == 4 * (1 * 16 * 64 * 4 + 2 * 4) + 24 * 8
+    # the grad norm (fp32), the loss (float64), and the head's aux to every stage:
+    # 4 × (3 + 2 blocks × 5) float64
+    assert plan.bytes["pp"]["all_reduce"] == 4 + 8 + 4 * 13 * 8
 
 
 def _evaluate(axes: dict, layout, cfg) -> list:

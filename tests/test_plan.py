@@ -230,6 +230,42 @@ def test_moe_bytes_over_dp_and_cp_equal_the_comm_log():
         assert _plan_of(MOE_BYTES_2[name]).bytes == got, name
 
 
+# Pipelines: each pipeline rank's bytes, not only the fullest rank's. The V schedules hold
+# stages 0 and 2p-1 on rank 0 (the embedding and the head, no block at pp2 on tiny) and
+# two middle stages on rank 1, so their ranks' tp bytes differ 4x; dtp train logs rank 0's.
+PIPELINE_4 = {name: (dict(pp=2, tp=2, sp=True, pp_schedule=name, microbatches=4), "tiny", 8, 32)
+              for name in ("1f1b", "zbv", "dualpipev")}
+
+
+def _pipeline_bytes(cases) -> list[tuple[int, dict]]:
+    """Per case, this rank's pipeline rank and the comm log of one step (a receive is
+    logged with 0 bytes sent: dropped, the plan counts what is sent)."""
+    out = []
+    for kw, model, batch, seq in cases:
+        cfg = llama.config(model)
+        s = Setup(model=model, cfg=cfg, batch=batch, seq=seq, **kw)
+        mesh = dtp.make_mesh(**s.axes)
+        tok = torch.randint(0, cfg.vocab_size, (batch, seq + 1), generator=torch.Generator().manual_seed(0))
+        state = dtp.TrainState.create(llama.init(cfg, seed=0), dtp.optim.adamw(1e-3), mesh=mesh,
+                                      layout=layout_for(s), axes=llama.param_axes(cfg))
+        batch_ = dtp.shard_batch({"tokens": tok[:, :-1].contiguous(), "targets": tok[:, 1:].contiguous()}, state)
+        with dtp.comm_log() as log:
+            state, _ = dtp.train_step(llama.sequential(cfg), state, batch_, clip_norm=1.0,
+                                      microbatches=s.microbatches)
+            dtp.wait(state)
+        logged = {axis: {k: b for k, b in kinds.items() if b} for axis, kinds in log.summary().items()}
+        out.append((mesh.get_local_rank("pp"), logged))
+    return out
+
+
+def test_every_pipeline_rank_sends_what_the_plan_predicts_v_schedules_included():
+    measured = run(_pipeline_bytes, list(PIPELINE_4.values()), world_size=4)
+    for k, name in enumerate(PIPELINE_4):
+        plan = _plan_of(PIPELINE_4[name])
+        for rank, (pp_rank, got) in enumerate(r[k] for r in measured):
+            assert plan.rank_bytes(pp_rank) == got, f"{name}: global rank {rank}, pipeline rank {pp_rank}"
+
+
 def _plan_of(case) -> dtp.planning.Plan:
     kw, model, batch, seq = case
     return dtp.plan(model, batch=batch, seq=seq, **kw)

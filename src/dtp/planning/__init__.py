@@ -74,6 +74,18 @@ class Plan:
         :meth:`dtp.CommLog.summary` of that rank's step)."""
         return summary(list(self.traffic[self.worst.stage]))
 
+    def rank_bytes(self, pipeline_rank: int = 0) -> dict[str, dict[str, int]]:
+        """``{axis: {collective: bytes}}`` one step sends from ``pipeline_rank`` (default 0:
+        global rank 0's, whose step metrics ``dtp train`` logs). Pipeline ranks differ by
+        the stages they hold: under zbv / dualpipev rank 0 holds the embedding and the
+        head and no block (:func:`dtp.schedules.global_stage`).
+
+        >>> p = plan("tiny", batch=8, seq=32, pp=2, tp=2, sp=True, pp_schedule="zbv", microbatches=4)
+        >>> p.rank_bytes(0)["tp"]["all_gather"], p.rank_bytes(1)["tp"]["all_gather"], p.worst.stage
+        (65536, 262144, 1)
+        """
+        return summary(list(self.traffic[pipeline_rank]))
+
     def fits(self, memory_gb: float) -> bool:
         """Whether the fullest rank's peak fits ``memory_gb`` GiB."""
         return self.peak <= memory_gb * GIB

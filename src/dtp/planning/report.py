@@ -1,15 +1,20 @@
 """The plan as a table, and the verdict against a memory budget.
 
 Plain text (no dependency): one block of memory terms for the fullest rank, one row per
-(mesh axis, collective) with bytes per step, the pipeline bubble, then the verdict.
+(mesh axis, collective) with bytes per step (under a pipeline one table per pipeline rank
+that sends differently, each named with the stages it holds), the pipeline bubble, then
+the verdict.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from .setup import rank_stages
+
 if TYPE_CHECKING:
     from . import Plan
+    from .traffic import Traffic
 
 __all__ = ["format_plan", "check_fits", "format_bytes"]
 
@@ -60,36 +65,62 @@ def format_plan(p: "Plan", memory_gb: float | None = None) -> str:
     ...
     fits: peak 3.67 MiB of 1.00 GiB (0.4 %)
     """
-    m = p.worst
+    m, s = p.worst, p.setup
     rows = [("parameters", m.params), ("optimizer state", m.optimizer), ("gradients", m.grads),
             (f"activations ({m.in_flight} microbatch{'es' if m.in_flight > 1 else ''} in flight)",
              m.activations), ("working set", m.working)]
     if m.held:  # ZeRO-3's next-forward gathers (overlap_param_gather), held between steps
         rows.insert(2, ("gathered for the next forward", m.held))
-    lines = [_describe(p), f"memory per rank (pipeline rank {m.stage})"]
+    if s.pp == 1:
+        lines = [_describe(p), "memory per rank (pipeline rank 0)"]
+    else:  # the fullest pipeline rank; which stages it holds depends on the schedule's map
+        lines = [_describe(p), f"memory per rank (the fullest: pipeline rank {m.stage} of {s.pp}, "
+                               f"{rank_stages(s, m.stage)})"]
     lines += [f"  {name:<36}{format_bytes(v):>12}" for name, v in rows]
     lines.append(f"  {'peak in backward':<36}{format_bytes(m.backward_peak):>12}")
     lines.append(f"  {'peak in update':<36}{format_bytes(m.update_peak):>12}   (new tree beside the old)")
     lines.append(f"  {'peak':<36}{format_bytes(m.peak):>12}")
-    lines.append("bytes sent per step (this rank)")
-    grouped: dict[tuple[str, str, str], list[int]] = {}
-    for r in p.traffic[m.stage]:  # one line per pattern (ZeRO lists a row per bucket)
-        g = grouped.setdefault((r.axis, r.kind, r.what), [0, 0])
-        g[0] += r.times
-        g[1] += r.total
-    # Wide enough for the cp sub-axes the comm log names (cp_outer, cp_inner, ...).
-    width = max([6] + [len(axis) + 2 for axis, _, _ in grouped])
-    lines.append(f"  {'axis':<{width}}{'collective':<16}{'bytes':>12}  what")
-    if not grouped:
-        lines.append("  (none: no mesh axis of more than one rank)")
-    for (axis, kind, what), (times, total) in sorted(grouped.items()):
-        lines.append(f"  {axis:<{width}}{kind:<16}{format_bytes(total):>12}  {what} ×{times}")
+    if s.pp > 1:
+        lines.append("  peak per pipeline rank: " + ", ".join(f"{x.stage}: {format_bytes(x.peak)}" for x in p.memory))
+    # Pipeline ranks send different bytes where they hold different stages (the head's
+    # cross-entropy, a V schedule's rank 0 with no block): one table per distinct rank,
+    # named, so that dtp train's metrics (global rank 0: pipeline rank 0) can be compared.
+    groups: dict[tuple, list[int]] = {}
+    for r, rows_r in enumerate(p.traffic):
+        groups.setdefault(tuple(sorted((x.axis, x.kind, x.what, x.times, x.each) for x in rows_r)), []).append(r)
+    for ranks in groups.values():
+        if s.pp == 1:
+            lines.append("bytes sent per step (this rank)")
+        elif len(ranks) == s.pp:
+            lines.append("bytes sent per step (every pipeline rank)")
+        else:
+            where = "; ".join(f"{r} ({rank_stages(s, r)})" for r in ranks)
+            logged = ": what dtp train's metrics log" if 0 in ranks else ""
+            lines.append(f"bytes sent per step, pipeline rank{'s' * (len(ranks) > 1)} {where}{logged}")
+        lines += _bytes_table(p.traffic[ranks[0]])
     if p.setup.pp > 1:
         lines.append(f"pipeline bubble {100 * p.bubble:.1f} % of rank time ({p.setup.pp_schedule}, "
                      f"p={p.setup.pp}, v={p.setup.virtual_stages}, m={p.setup.microbatches})")
     if memory_gb is not None:
         lines.append(verdict(p, memory_gb))
     return "\n".join(lines)
+
+
+def _bytes_table(traffic: "tuple[Traffic, ...]") -> list[str]:
+    """One line per (axis, collective, what) pattern (ZeRO lists a row per bucket)."""
+    grouped: dict[tuple[str, str, str], list[int]] = {}
+    for r in traffic:
+        g = grouped.setdefault((r.axis, r.kind, r.what), [0, 0])
+        g[0] += r.times
+        g[1] += r.total
+    # Wide enough for the cp sub-axes the comm log names (cp_outer, cp_inner, ...).
+    width = max([6] + [len(axis) + 2 for axis, _, _ in grouped])
+    lines = [f"  {'axis':<{width}}{'collective':<16}{'bytes':>12}  what"]
+    if not grouped:
+        lines.append("  (none: no mesh axis of more than one rank)")
+    for (axis, kind, what), (times, total) in sorted(grouped.items()):
+        lines.append(f"  {axis:<{width}}{kind:<16}{format_bytes(total):>12}  {what} ×{times}")
+    return lines
 
 
 def verdict(p: "Plan", memory_gb: float) -> str:

@@ -31,7 +31,7 @@ from ..layouts.pipeline import assign
 from ..models import llama
 from ..spec import P
 
-__all__ = ["Setup", "Leaf", "DTYPES", "layout_for", "leaves", "stage_leaves"]
+__all__ = ["Setup", "Leaf", "DTYPES", "layout_for", "leaves", "stage_leaves", "rank_stages"]
 
 DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in config_dtypes}  # RunConfig's names
 
@@ -242,6 +242,32 @@ def leaves(s: Setup, layout: Layout | None = None) -> list[Leaf]:
         # The router is kept in fp32 whatever the model's dtype (llama.init).
         out.append(Leaf(path, shape, tuple(local), spec, accum_dtype(dtype) if path.endswith("router") else dtype))
     return out
+
+
+def rank_stages(s: Setup, rank: int) -> str:
+    """The global stages pipeline ``rank`` holds and what is in them, in words: the
+    schedule's own stage-to-rank map (:func:`dtp.schedules.global_stage`), so a V schedule's
+    rank 0 reads as holding the first and the last stage.
+
+    >>> s = Setup(cfg=llama.config("tiny"), pp=2, tp=2, pp_schedule="zbv", microbatches=4, seq=32)
+    >>> rank_stages(s, 0), rank_stages(s, 1)
+    ('stages 0, 3 of 4: embedding, head', 'stages 1, 2 of 4: blocks 0-1')
+    >>> rank_stages(Setup(cfg=llama.config("tiny"), pp=2, microbatches=2, seq=32), 0)
+    'stage 0 of 2: embedding, block 0'
+    """
+    n_seq = n_sequential_layers(s.cfg)  # embed | blocks | head (llama.sequential)
+    ranges = assign(n_seq, s.pp, s.virtual_stages)
+    stages = [schedules.global_stage(c, rank, s.pp, schedules.placement(s.pp_schedule))
+              for c in range(s.virtual_stages)]
+    layers = sorted(layer for g in stages for layer in range(*ranges[g]))
+    blocks = [layer - 1 for layer in layers if 0 < layer < n_seq - 1]
+    parts = (["embedding"] if 0 in layers else []) + \
+        ([f"block {blocks[0]}" if len(blocks) == 1 else f"blocks {blocks[0]}-{blocks[-1]}"] if blocks else []) + \
+        (["head"] if n_seq - 1 in layers else [])
+    if blocks and blocks != list(range(blocks[0], blocks[-1] + 1)):  # interleaved: not one run of blocks
+        parts[int(0 in layers)] = "blocks " + ", ".join(map(str, blocks))
+    head = f"stage{'s' * (len(stages) > 1)} {', '.join(map(str, sorted(stages)))} of {s.pp * s.virtual_stages}"
+    return f"{head}: {', '.join(parts)}"
 
 
 def stage_leaves(s: Setup, all_leaves: list[Leaf]) -> list[list[Leaf]]:

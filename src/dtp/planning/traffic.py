@@ -36,6 +36,7 @@ cp                 per layer and microbatch, attention's collectives (:func:`att
                    K/V; full recompute repeats the forward's
 ep                 dispatch and combine all-to-all-v forward and backward, the counts exchange
 pp                 one activation send per microbatch per stage boundary, and one gradient back;
+                   microbatch 0's header on each channel; the loss to every pp rank (float64);
                    MoE: the aux losses and statistics in the carry, their losses' gradients
                    back, and the head's aux to every pp rank (float64)
 =================  ==========================================================================
@@ -55,6 +56,7 @@ from ..layouts import attended_kv_heads
 from ..layouts.pipeline import assign
 from ..models import llama
 from ..ops.context import default_chunks
+from ..strategies.pipeline_wire import HEADER
 from .setup import Leaf, Setup
 
 __all__ = ["Traffic", "traffic", "attention", "summary"]
@@ -240,6 +242,11 @@ def traffic(s: Setup, rank_leaves: list[Leaf], stage: int = 0) -> list[Traffic]:
 
         sends = sum(remote(g, g + 1) + remote(g, g - 1) for g in held)
         add("pp", "send", "activations", m * sends, act)
+        # Microbatch 0 of each channel this rank sends on carries its leaf-0 header first
+        # (int64 words: strategies.pipeline_wire; a tree carry's structure message beside
+        # it is not counted), and the step's loss reaches every pp rank as one float64.
+        add("pp", "send", "headers", sends, HEADER * 8)
+        add("pp", "all_reduce", "loss", 1, _ar(8, p))
         # MoE: the carry also holds each earlier MoE block's aux losses and statistics
         # (aux, z, dropped, E counts) forward, the two losses' gradients back; the head's
         # aux reaches every pp rank as float64 (headers and the tree's structure not counted).
