@@ -364,7 +364,7 @@ def test_check_fits_refuses_with_the_table():
 
 @pytest.mark.parametrize("kw, match", [
     (dict(batch=6, dp=4), "divisible by dp"),
-    (dict(cp=2, cp_algo="double_ring"), "needs window > 1"),
+    (dict(cp=2, cp_algo="double_ring"), "needs cp_window > 1"),
     (dict(pp=4, microbatches=2), "microbatches"),
     (dict(tp=3), "does not split"),
 ])
