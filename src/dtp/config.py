@@ -41,7 +41,7 @@ from .layouts.expert import EP_OVERLAP_SCHEDULES, NO_PAIRS
 from ._rules import COMPILE_BACKENDS, SCORE_FUNCTIONS
 
 __all__ = ["RunConfig", "DTYPES", "RECOMPUTE", "MODEL_FIELDS", "flag_names", "flag_of", "to_toml", "mesh_axes_of",
-           "type_error"]
+           "master_weights", "type_error"]
 
 DTYPES = ("float32", "float64", "bfloat16")
 RECOMPUTE = ("none", "full", "selective")
@@ -436,6 +436,16 @@ class RunConfig:
             elif value is not None:
                 out += [flag_of(f.name), repr(value) if isinstance(value, float) else str(value)]
         return out
+
+
+def master_weights(precision: str | None, zero: int, dtype: str) -> bool:
+    """Whether a run keeps fp32 master weights beside bf16 parameters: ``precision``
+    mixed, or left unset under ZeRO (its distributed optimizer's, Megatron's default).
+
+    >>> master_weights(None, 1, "bfloat16"), master_weights(None, 0, "bfloat16"), master_weights("mixed", 0, "bfloat16")
+    (True, False, True)
+    """
+    return dtype == "bfloat16" and (precision == "mixed" or (precision is None and zero > 0))
 
 
 def type_error(name: str, value: Any) -> str | None:

@@ -25,6 +25,7 @@ from typing import Any, Sequence, TextIO
 
 from .. import layouts
 from .._rules import RUN_RTOL
+from ..config import master_weights
 from .flags import UsageError
 from .loop import single_process_world, train_loop
 from .report import plot_losses, write_json, read_metrics
@@ -100,8 +101,11 @@ def check_run(run_dir: str | os.PathLike[str], *, rtol: float | None = None,
     print(f"check: retraining {cfg['steps']} steps on 1 process (layout data, recompute none) ...",
           file=stream, flush=True)
     with single_process_world() as mesh:
-        # The run's precision too: mixed and pure bf16 are different computations.
-        layout = layouts.data() + (layouts.mixed_precision() if cfg.get("precision") == "mixed" else layouts.Layout())
+        # The run's precision too: mixed and pure bf16 are different computations. As the run
+        # resolved it: an unset precision under ZeRO keeps fp32 master weights (the reference,
+        # without ZeRO, would otherwise update bf16 parameters in place).
+        mixed = master_weights(cfg.get("precision"), cfg.get("zero", 0), cfg["dtype"])
+        layout = layouts.data() + (layouts.mixed_precision() if mixed else layouts.Layout())
         reference = train_loop({**cfg, "compile": None}, mesh, layout, recompute=None)  # eager
     ref = [r["loss"] for r in reference]
     result = compare_losses(run, ref, rtol)

@@ -229,7 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = t.add_argument_group("output")
     g.add_argument("--out", default=RUN_DEFAULTS["out"], help="run directory (default: runs/<timestamp>)")
     g.add_argument("--check", action="store_true",
-                   help="compare every step's loss with a 1-process reference run; exit 1 on mismatch")
+                   help="compare every step's loss and gradient norm with a 1-process reference run; exit 1 on mismatch")
     g.add_argument("--log-every", type=_positive("--log-every"), default=RUN_DEFAULTS["log_every"], help="print a line every N steps")
     g.add_argument("--overwrite", action="store_true",
                    help="reuse a non-empty --out: delete the files an earlier run wrote there "
@@ -266,7 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_export(sub)
 
-    c = sub.add_parser("check", help="compare a finished run's losses with a 1-process reference",
+    c = sub.add_parser("check", help="compare a finished run's losses and gradient norms with a 1-process reference",
                        formatter_class=_HelpFormatter)
     c.add_argument("run_dir", help="the run directory (with config.json and metrics.jsonl)")
     c.add_argument("--rtol", type=_non_negative_float, default=None,
