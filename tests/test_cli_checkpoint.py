@@ -155,6 +155,22 @@ def test_a_resume_that_cannot_work_is_refused_before_any_rank(small_run, tmp_pat
     assert _contents(run) == before
 
 
+def test_a_resume_that_would_drop_the_router_biases_is_refused(tmp_path, monkeypatch, capsys) -> None:
+    """Router biases (aux-loss-free balancing) live in the checkpoint as buffers; a run
+    without --router-bias-update has no place for them and would load without them."""
+    run = tmp_path / "run"
+    moe = ("--model", "tiny-moe", "--batch", "2", "--seq", "16", "--save-every", "2", "--steps", "2")
+    assert cli.main(["train", *moe, "--router-bias-update", "0.001", "--out", str(run)]) == 0
+    before = _contents(run)
+    _refuses_before_the_ranks(monkeypatch)
+    capsys.readouterr()
+    assert cli.main(["train", *moe, "--resume", "--out", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "holds router biases (trained with --router-bias-update 0.001), which this run " \
+        "would drop; resume with --router-bias-update 0.001" in err, err
+    assert _contents(run) == before
+
+
 def test_check_refuses_a_run_whose_steps_ran_under_other_steps(small_run, tmp_path, monkeypatch, capsys) -> None:
     """--steps may change on resume (4 -> 6: steps 5-6 train); --check then cannot retrain
     steps 1-4 and 5-6 with one set of flags, and says so before any rank starts."""

@@ -412,9 +412,15 @@ def check_resume(args: Any, path: Path, cfg: model_config.LlamaConfig) -> None:
         raise UsageError(f"{here} was trained with {_spell(saved_run, changed)}, this run asks for "
                          f"{_spell(now, changed)} ({detail}); resume with {_spell(saved_run, changed, remedy=True)} "
                          f"(a checkpoint is never reshaped)")
-    if cfg.router_bias_update and not any(k.startswith("buffer/") for k in tensors):
+    has_biases = any(k.startswith("buffer/") for k in tensors)
+    if cfg.router_bias_update and not has_biases:
         raise UsageError(f"{here} holds no router biases (trained without --router-bias-update); resume "
                          f"without --router-bias-update")
+    if has_biases and not cfg.router_bias_update:
+        # A state without them loads without them: the routing they steer would change, silently.
+        rate = saved_run.get("router_bias_update") or "RATE"
+        raise UsageError(f"{here} holds router biases (trained with --router-bias-update {rate}), which this run "
+                         f"would drop; resume with --router-bias-update {rate}")
     for k in _DATA_ORDER:
         if k in saved_run and saved_run[k] != getattr(args, k):
             raise UsageError(f"{here} was trained with {flag_of(k)} {saved_run[k]}, this run asks for {flag_of(k)} "
