@@ -113,6 +113,7 @@ def test_bad_values_exit_2(flags, capsys) -> None:
     (["--cp-head-chunks", "2"], r"^--cp-head-chunks configures context parallel: it needs --cp > 1, got --cp 1$"),
     (["--cp-algo", "ring", "--cp-window", "2"], r"^--cp-algo and --cp-window configure context parallel: they need"),
     # Context parallel's rules said with the flags' names; an option the algorithm ignores is refused.
+    (["--pp-schedule", "zbv"], r"^--pp-schedule zbv is a pipeline option; pipeline options need --pp > 1$"),
     (["--cp", "2", "--cp-algo", "double_ring"], r"^--cp-algo double_ring .* it needs --cp-window > 1 dividing --cp"),
     (["--cp", "4", "--cp-algo", "hybrid"], r"^--cp-algo hybrid .* it needs --ulysses-degree > 1"),
     (["--cp", "2", "--cp-window", "2"], r"^--cp-window sizes the inner rings .*; --cp-algo ring has none$"),

@@ -325,6 +325,8 @@ class RunConfig:
         if self.pp == 1 and self.virtual_stages > 1:
             fail(f"{n('virtual_stages')} {self.virtual_stages} is a pipeline option; pipeline options need "
                  f"{n('pp')} > 1")
+        if self.pp == 1 and self.pp_schedule != RunConfig.pp_schedule:  # the default says nothing
+            fail(f"{n('pp_schedule')} {self.pp_schedule} is a pipeline option; pipeline options need {n('pp')} > 1")
         if self.pp > 1:
             if self.virtual_stages > 1 and self.pp_schedule not in ("interleaved", *schedules.V_SCHEDULES):
                 fail(f"{n('virtual_stages')} {self.virtual_stages} needs {n('pp_schedule')} interleaved")
