@@ -308,10 +308,12 @@ def _pipeline_peaks(cases) -> list[tuple[int, int]]:
     return out
 
 
-# The V schedules' rank 0 (embedding and head) measures 600,360 B or, in about half the
-# runs, 670,248 B, its peak then after the schedule's last action (the plan: 600,576): 65,536
-# B more is the head's two logits-sized fp32 tensors, as if the last head graph W ran on
-# were freed late (a reference cycle?). Not the plan's to model until explained: xfail.
+# The V schedules' rank 0 (embedding and head) peaks in the update: 600,360 B, or in some
+# runs 670,248 B (the plan: 600,576). The 69,888 B more are two 32 KiB tensors allocated
+# before step 1 and still alive: a step leaves reference cycles (gc finds frames of
+# train_step and the pipeline's _F among the garbage) that keep tensors until Python's
+# cyclic collector runs, so whether they are there depends on its timing. The runtime's to
+# fix, not the plan's to model: xfail while it stays.
 PIPELINE_PEAK_UNEXPLAINED = {("zbv", 0), ("dualpipev", 0)}
 
 
@@ -322,7 +324,8 @@ def _check_pipeline_peaks(names) -> None:
         plan = _plan_of(PIPELINE_PEAK_4[name])
         for pp_rank, peak in {r[k][0]: r[k][1] for r in measured}.items():
             m = plan.memory[pp_rank]
-            where = f"{name} pipeline rank {pp_rank}: predicted {m.peak} ({m.moment}), measured {peak}"
+            moment = m.moment if m.backward_peak >= m.update_peak else "update"
+            where = f"{name} pipeline rank {pp_rank}: predicted {m.peak} ({moment}), measured {peak}"
             assert m.peak <= peak * MEMORY_OVER, where
             if (name, pp_rank) in PIPELINE_PEAK_UNEXPLAINED and m.peak < peak * (1 - MEMORY_UNDER):
                 unexplained.append(where)
