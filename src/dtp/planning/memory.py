@@ -22,6 +22,11 @@ its cases it is 0-4 % over, bf16 included):
   recompute a block rebuilt, at its MLP and at its first norm; with dp > 1 the gradient
   reduction after backward. Gradients exist from the head's matmul backward on, with
   several microbatches from the first on.
+  Under a pipeline the saved activations are those alive over the rank's own action list
+  (:func:`held_over_schedule`): each chunk saves its own (the head's logits on the chunk
+  holding the head), zero bubble's ``I`` keeps its whole graph and the gradients at the
+  weights' nodes until ``W`` (:func:`_boundary_grads`), and a backward after a chunk's
+  first makes its weight gradients as new tensors beside the sums (``later backward``).
   ZeRO-3's gathered buckets count where they live: at the loss those not freed after
   forward, in backward the one in use and the one prefetched.
 * **update** — the rest plus the new tree the functional update builds beside the old
@@ -56,8 +61,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .. import schedules
+from ..schedules.actions import flat
 from .._rules import accum_dtype
+from ..layouts.pipeline import assign
 from ..models import llama
+from ..models.config import n_sequential_layers
 from .setup import Leaf, Setup
 from .traffic import zero_buckets
 
@@ -202,6 +210,57 @@ def _in_flight(s: Setup, stage: int) -> int:
     return schedules.simulate(sched, p=s.pp, v=s.virtual_stages, m=s.microbatches).peak_in_flight[stage]
 
 
+def chunk_layers(s: Setup, stage: int) -> list[range]:
+    """The layers of :func:`dtp.models.llama.sequential` (embedding, blocks, head) each
+    chunk of pipeline rank ``stage`` runs, chunk order: the schedule's own stage map.
+
+    >>> s = Setup(cfg=llama.config("tiny"), pp=2, pp_schedule="zbv", microbatches=2, seq=32)
+    >>> chunk_layers(s, 0), chunk_layers(s, 1)
+    ([range(0, 1), range(3, 4)], [range(1, 2), range(2, 3)])
+    """
+    n_seq = n_sequential_layers(s.cfg)
+    if s.pp == 1:
+        return [range(n_seq)]
+    ranges = assign(n_seq, s.pp, s.virtual_stages)
+    where = schedules.placement(s.pp_schedule)
+    return [range(*ranges[schedules.global_stage(c, stage, s.pp, where)]) for c in range(s.virtual_stages)]
+
+
+def held_over_schedule(s: Setup, stage: int, saved: list[int], for_w: list[int]) -> dict[tuple[str, int], int]:
+    """Walk pipeline rank ``stage``'s own action list (:func:`dtp.schedules.make`) and
+    return, per ``(kind, chunk)``, the most activation bytes alive during such an action
+    (``kind + "+"``: a backward action after the chunk's first ``B`` or ``W``):
+    an ``F`` of chunk ``c`` adds ``saved[c]`` (counted from its start), a ``B`` frees it
+    after it ran; an ``I`` keeps the graph (``W`` differentiates it) and adds ``for_w[c]``,
+    the gradients it kept at the weights' nodes, all freed after ``W``. Without a pipeline
+    the step runs each microbatch's ``F`` then ``B``.
+
+    >>> s = Setup(cfg=llama.config("tiny"), pp=2, pp_schedule="zb-h1", microbatches=4, seq=32)
+    >>> held_over_schedule(s, 1, [10], [1])       # F0 I0 F1 I1 W0: I0's graph lives until W0
+    {('F', 0): 21, ('I', 0): 21, ('W', 0): 22, ('I+', 0): 21, ('W+', 0): 22}
+    """
+    actions = ([a for item in schedules.make(s.pp_schedule, p=s.pp, v=s.virtual_stages, m=s.microbatches)[stage]
+                for a in flat(item)] if s.pp > 1
+               else [schedules.Action(k, 0, 0) for k in "FB"])
+    live, out, done = 0, {}, set()
+    for a in actions:
+        c = a.chunk
+        if a.kind == "F":
+            live += saved[c]
+        # A backward after the chunk's first: its weight gradients meet existing sums.
+        key = (a.kind + "+" * (a.kind != "F" and c in done), c)
+        out[key] = max(out.get(key, 0), live)
+        if a.kind in "BW":
+            done.add(c)
+        if a.kind == "B":
+            live -= saved[c]
+        elif a.kind == "I":
+            live += for_w[c]
+        elif a.kind == "W":
+            live -= saved[c] + for_w[c]
+    return out
+
+
 def phases(s: Setup, rank_leaves: list[Leaf], stage: int = 0) -> dict[str, tuple[int, int, int]]:
     """The moments of forward and backward the peak may be at, each as ``(gradients held,
     activations saved, working set)`` bytes on top of the rest (module docstring).
@@ -236,56 +295,111 @@ def phases(s: Setup, rank_leaves: list[Leaf], stage: int = 0) -> dict[str, tuple
     else:
         grads = _grad_bytes(s, w)
         reduction = grads if s.dp > 1 else 0  # DDP's all-reduce works on a copy of each gradient
-    # Which blocks, head and embedding this rank runs, per microbatch.
-    blocks = sorted({int(l.path.split(".")[1]) for l in rank_leaves if l.path.startswith("layers.")})
-    has_head = any(l.path == "final_norm" for l in rank_leaves)
-    has_embed = any(l.path == "embed" for l in rank_leaves) and (stage == 0 or s.pp == 1)
-    head = _head(s) if has_head else _Head(0, 0, 0, 0, 0)
-    embed = s.tokens * (8 + e) if has_embed else 0  # the clamped ids and the vocab-range mask
-    per_block = [block_activations(s, llama.is_moe(cfg, i)) for i in blocks]
-    in_flight = _in_flight(s, stage)
-    chunks = s.virtual_stages if s.pp > 1 else 1  # a pair holds one chunk: 1/v of the blocks
+    # Which blocks, head and embedding each chunk of this rank runs, per microbatch.
+    n_seq = n_sequential_layers(cfg)
+    layers = chunk_layers(s, stage)
+    head_chunk = next((c for c, r in enumerate(layers) if n_seq - 1 in r), None)
+    head = _head(s) if head_chunk is not None else _Head(0, 0, 0, 0, 0)
     full = s.recompute == "full"
-    kept = len(blocks) * s.residual_tokens * cfg.dim * e if full else sum(per_block)  # full: each block's input
-    older = (in_flight - 1) * -(-(kept + embed) // chunks)
+    tr = s.residual_tokens
 
-    def saved(a: int) -> int:
-        return older + -(-a // chunks)
+    def block(i: int) -> int:  # full recompute keeps each block's input only
+        return tr * cfg.dim * e if full else block_activations(s, llama.is_moe(cfg, i))
+
+    per_block = [block_activations(s, llama.is_moe(cfg, i - 1)) for r in layers for i in r if 0 < i < n_seq - 1]
+    # What a chunk's forward saves for its backward (the embedding: the clamped ids and
+    # the vocab-range mask; the head: _Head.saved), per microbatch: each chunk its own,
+    # so the head's logits count on the chunk that holds them, not spread over the rank.
+    saved = [sum(block(i - 1) for i in r if 0 < i < n_seq - 1) + (s.tokens * (8 + e) if 0 in r else 0)
+             + (head.saved if c == head_chunk else 0) for c, r in enumerate(layers)]
+    # Zero bubble's I keeps its graph for W (every saved tensor stays) and the gradients
+    # that reached the nodes leading to a weight (:mod:`dtp.strategies.pipeline_split`).
+    for_w = [sum(_boundary_grads(s, i, n_seq) for i in r) for r in layers]
+    split = {a.chunk for item in (schedules.make(s.pp_schedule, p=s.pp, v=s.virtual_stages, m=s.microbatches)[stage]
+                                  if s.pp > 1 else ()) for a in flat(item) if a.kind == "I"}
+    held = held_over_schedule(s, stage, saved, for_w)
+    # Weight gradients of a later microbatch's backward are new tensors beside the sums
+    # until that backward ends (without ZeRO; measured, interleaved rank 1's peak).
+    chunk_w = [sum(l.nbytes for l in rank_leaves if _layer_of(l.path, n_seq) in r) for r in layers]
+
+    def most(kinds: str, chunks: object = None) -> int:
+        return max((v for (k, c), v in held.items() if k in kinds.split() and (chunks is None or c in chunks)),
+                   default=0)
 
     # Gradients before the first one of this step exists (one microbatch), or accumulated
     # over the earlier microbatches (or the pipeline's earlier backwards).
     early = grads if s.microbatches > 1 else 0
     out = {}
-    if has_head:
-        everything = saved(kept + embed + head.saved)
-        out["loss forward"] = (early, everything, head.forward + gathered_fwd + data)
-        out["loss backward"] = (early, everything, head.backward + gathered_bwd + data)
+    if head_chunk is not None:
+        at_loss = most("B I B+ I+", (head_chunk,))
+        out["loss forward"] = (early, most("F", (head_chunk,)), head.forward + gathered_fwd + data)
+        out["loss backward"] = (early, at_loss, head.backward + gathered_bwd + data)
         # ZeRO keeps gradients as they come until their bucket's last is in, so below the
         # loss (one microbatch) only the head's exist, in the accumulation dtype.
         head_paths = ("final_norm", "embed" if cfg.tie_embeddings else "lm_head")
         head_grads = sum(l.numel * acc for l in rank_leaves if l.path in head_paths)
         below = early or head_grads if zero else grads
-        out["below the loss"] = (below, everything - head.loss_saved, head.below + gathered_bwd + data)
-    else:  # a pipeline rank without the head: its backward starts at its last block
-        out["backward"] = (grads, saved(kept + embed), 3 * s.residual_tokens * cfg.dim * e + gathered_bwd + data)
+        # An I frees nothing as it goes (W needs its graph): the loss's tensors stay.
+        below_saved = at_loss + for_w[head_chunk] if head_chunk in split else at_loss - head.loss_saved
+        out["below the loss"] = (below, below_saved, head.below + gathered_bwd + data)
+    others = [c for c in range(len(layers)) if c != head_chunk]
+    if others:  # a chunk without the head: its backward starts at its last block
+        work = 3 * tr * cfg.dim * e + gathered_bwd + data
+        out["backward"] = (grads, max(most("B I I+", others), most("W")), work)
+        later = [(most("B+ W+", (c,)), chunk_w[c]) for c in others if not zero and s.microbatches > 1]
+        if later:
+            live, fresh = max(later, key=sum)
+            out["later backward"] = (grads + fresh, live, work)
     if full and per_block:
         # One block rebuilt in backward (its input counted twice: kept, and in the rebuilt
         # block, for the gradient arriving at it) at its MLP: gate and up gradients.
-        tr = s.residual_tokens
         block_work = 2 * s.tokens * cfg.ffn_dim // s.tp * e + gathered_bwd + data
         # Without ZeRO a later microbatch's gradients are new tensors until backward ends,
         # added to the sums after: near the first block, a second set (measured, tp2 m=2).
         fresh = w if not zero and s.microbatches > 1 else 0
-        out["block rebuilt"] = (grads + fresh, saved(kept + embed + max(per_block)), block_work)
+        # Blocks are rebuilt below the head, whose backward has freed what it saved.
+        rebuilding = max(most("B I W B+ I+ W+", (c,)) - (head.saved if c == head_chunk else 0)
+                         for c in range(len(layers)))
+        out["block rebuilt"] = (grads + fresh, rebuilding + max(per_block), block_work)
         # Then its first norm's backward, which runs in fp32: five residual-sized fp32
         # temporaries at once while the MLP's tensors and part of attention's are freed
         # (measured, bf16 tp2 m=2 seq256: 3.35 MB, 2 % over the MLP moment). Counted as
         # attention's whole and four temporaries: 3.41 MB.
         norm_work = 4 * tr * cfg.dim * acc + tr * cfg.dim * e + gathered_bwd + data
-        out["rebuilt block's norm"] = (grads + fresh, saved(kept + embed + _attention_saved(s)), norm_work)
+        out["rebuilt block's norm"] = (grads + fresh, rebuilding + _attention_saved(s), norm_work)
     if reduction:
         out["gradient reduction"] = (grads, 0, reduction + data)
     return out
+
+
+def _layer_of(path: str, n_seq: int) -> int:
+    """The layer of :func:`dtp.models.llama.sequential` a parameter path belongs to (a
+    tied embedding counts as the embedding's)."""
+    if path.startswith("layers."):
+        return int(path.split(".")[1]) + 1
+    return 0 if path == "embed" else n_seq - 1
+
+
+def _boundary_grads(s: Setup, layer: int, n_seq: int) -> int:
+    """Bytes of the gradients zero bubble's ``I`` keeps for ``W`` in sequential ``layer``:
+    the output gradient of each op that reads a weight (:mod:`dtp.strategies.pipeline_split`'s
+    boundary nodes). A block: q, k, v, the attention output's projection, gate, up, down,
+    and the two norms' scaling; the head: the logits and the final norm's scaling; the
+    embedding (no input gradient: ``I`` does nothing, ``W`` the whole backward) the
+    gradient it received, counted as one residual.
+
+    >>> s = Setup(cfg=llama.config("tiny"), pp=2, tp=2, sp=True, pp_schedule="zbv", microbatches=4, seq=32)
+    >>> [_boundary_grads(s, i, 4) for i in range(4)]
+    [8192, 98304, 98304, 40960]
+    """
+    cfg, e = s.cfg, s.torch_dtype.itemsize
+    t, tr = s.tokens, s.residual_tokens
+    if layer == 0:
+        return tr * cfg.dim * e
+    if layer == n_seq - 1:
+        return t * cfg.vocab_size // s.tp * e + tr * cfg.dim * e
+    qkv = t * (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim // s.tp
+    return (qkv + 2 * t * cfg.dim + 2 * t * cfg.ffn_dim // s.tp + 2 * tr * cfg.dim) * e
 
 
 def _grad_bytes(s: Setup, w: int) -> int:
