@@ -141,6 +141,9 @@ def _from_last_post(kind: str) -> tuple[float, float, float, bool]:
     mesh = dtp.make_mesh(pp=2)
     rank = dist.get_rank()
     x = torch.ones(4_000_000)
+    # Start together: the pool hands the call to its ranks one after the other, and under
+    # load (CI beside other work) rank 0 began 53 ms after rank 1, so "0.2 s late" was 0.147.
+    dist.barrier()
     with comm.simulated_link(bandwidth=16e6 / 0.1, axes=("pp",)), comm.comm_log() as log:
         board = comm.link._link_board()
         if rank == 1:
