@@ -228,6 +228,12 @@ def test_check_fails_a_run_whose_gradient_norm_differs_though_its_losses_agree(t
     check = json.loads((out / "check.json").read_text())
     assert not check["ok"] and check["max_rel_diff"] == 0.0 and check["grad_norm"]["max_rel_diff"] == 1.0
     assert "but the gradient norm differs: max rel 1.00e+00 at step 2" in capsys.readouterr().out
+    # Losses that differ are reported as such (both comparisons in check.json).
+    metrics.write_text("".join(json.dumps({**r, "loss": r["loss"] + 1}) + "\n" for r in records))
+    assert cli.check_run(out) == 1
+    check = json.loads((out / "check.json").read_text())
+    assert not check["ok"] and check["max_rel_diff"] > 0.1 and check["grad_norm"]["max_rel_diff"] == 0.0
+    assert "; gradient norm max rel 0.00e+00 (rtol 1e-09, float64): FAILED" in capsys.readouterr().out
 
 
 # -- the PNG writer ----------------------------------------------------------------

@@ -110,10 +110,10 @@ def check_run(run_dir: str | os.PathLike[str], *, rtol: float | None = None,
     ref = [r["loss"] for r in reference]
     result = compare_losses(run, ref, rtol)
     result.update(dtype=cfg["dtype"], run_losses=run, reference_losses=ref)
-    if result["ok"] and all("grad_norm" in r for r in records):
+    if all("grad_norm" in r for r in records):  # a run directory from before has none
         norms = compare_losses([r["grad_norm"] for r in records], [r["grad_norm"] for r in reference], rtol)
         result["grad_norm"] = {k: norms[k] for k in ("ok", "max_rel_diff", "worst_step", "max_abs_diff")}
-        if not norms["ok"]:
+        if result["ok"] and not norms["ok"]:
             result.update(ok=False, reason=(
                 f"losses within rtol (max rel {result['max_rel_diff']:.2e}), but the gradient norm differs: "
                 f"max rel {norms['max_rel_diff']:.2e} at step {norms['worst_step']}"
@@ -124,7 +124,8 @@ def check_run(run_dir: str | os.PathLike[str], *, rtol: float | None = None,
     verdict = "OK" if result["ok"] else "FAILED"
     detail = result.get("reason") or (
         f"max |Δloss| {result['max_abs_diff']:.2e}, max rel {result['max_rel_diff']:.2e} "
-        f"at step {result['worst_step']}; gradient norm max rel {result['grad_norm']['max_rel_diff']:.2e}")
+        f"at step {result['worst_step']}"
+        + (f"; gradient norm max rel {result['grad_norm']['max_rel_diff']:.2e}" if "grad_norm" in result else ""))
     print(f"check: {len(run)} steps vs 1-process reference: {detail} (rtol {rtol:g}, {cfg['dtype']}): {verdict}",
           file=stream, flush=True)
     return 0 if result["ok"] else 1
