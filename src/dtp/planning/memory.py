@@ -63,10 +63,9 @@ from dataclasses import dataclass
 from .. import schedules
 from ..schedules.actions import flat
 from .._rules import accum_dtype
-from ..layouts.pipeline import assign
 from ..models import llama
 from ..models.config import n_sequential_layers
-from .setup import Leaf, Setup
+from .setup import Leaf, Setup, rank_chunks
 from .traffic import zero_buckets
 
 __all__ = ["Memory", "memory", "block_activations", "phases", "held_gathers"]
@@ -210,38 +209,28 @@ def _in_flight(s: Setup, stage: int) -> int:
     return schedules.simulate(sched, p=s.pp, v=s.virtual_stages, m=s.microbatches).peak_in_flight[stage]
 
 
-def chunk_layers(s: Setup, stage: int) -> list[range]:
-    """The layers of :func:`dtp.models.llama.sequential` (embedding, blocks, head) each
-    chunk of pipeline rank ``stage`` runs, chunk order: the schedule's own stage map.
-
-    >>> s = Setup(cfg=llama.config("tiny"), pp=2, pp_schedule="zbv", microbatches=2, seq=32)
-    >>> chunk_layers(s, 0), chunk_layers(s, 1)
-    ([range(0, 1), range(3, 4)], [range(1, 2), range(2, 3)])
-    """
-    n_seq = n_sequential_layers(s.cfg)
+def rank_actions(s: Setup, stage: int) -> list[schedules.Action]:
+    """Pipeline rank ``stage``'s own actions in order (:func:`dtp.schedules.make`, pairs
+    flattened); without a pipeline each microbatch's ``F`` then ``B``."""
     if s.pp == 1:
-        return [range(n_seq)]
-    ranges = assign(n_seq, s.pp, s.virtual_stages)
-    where = schedules.placement(s.pp_schedule)
-    return [range(*ranges[schedules.global_stage(c, stage, s.pp, where)]) for c in range(s.virtual_stages)]
+        return [schedules.Action(k, 0, 0) for k in "FB"]
+    sched = schedules.make(s.pp_schedule, p=s.pp, v=s.virtual_stages, m=s.microbatches)
+    return [a for item in sched[stage] for a in flat(item)]
 
 
-def held_over_schedule(s: Setup, stage: int, saved: list[int], for_w: list[int]) -> dict[tuple[str, int], int]:
-    """Walk pipeline rank ``stage``'s own action list (:func:`dtp.schedules.make`) and
-    return, per ``(kind, chunk)``, the most activation bytes alive during such an action
+def held_over_schedule(actions: list[schedules.Action], saved: list[int],
+                       for_w: list[int]) -> dict[tuple[str, int], int]:
+    """Walk a pipeline rank's own action list (:func:`rank_actions`) and return, per
+    ``(kind, chunk)``, the most activation bytes alive during such an action
     (``kind + "+"``: a backward action after the chunk's first ``B`` or ``W``):
     an ``F`` of chunk ``c`` adds ``saved[c]`` (counted from its start), a ``B`` frees it
     after it ran; an ``I`` keeps the graph (``W`` differentiates it) and adds ``for_w[c]``,
-    the gradients it kept at the weights' nodes, all freed after ``W``. Without a pipeline
-    the step runs each microbatch's ``F`` then ``B``.
+    the gradients it kept at the weights' nodes, all freed after ``W``.
 
     >>> s = Setup(cfg=llama.config("tiny"), pp=2, pp_schedule="zb-h1", microbatches=4, seq=32)
-    >>> held_over_schedule(s, 1, [10], [1])       # F0 I0 F1 I1 W0: I0's graph lives until W0
+    >>> held_over_schedule(rank_actions(s, 1), [10], [1])  # F0 I0 F1 I1 W0: I0's graph lives until W0
     {('F', 0): 21, ('I', 0): 21, ('W', 0): 22, ('I+', 0): 21, ('W+', 0): 22}
     """
-    actions = ([a for item in schedules.make(s.pp_schedule, p=s.pp, v=s.virtual_stages, m=s.microbatches)[stage]
-                for a in flat(item)] if s.pp > 1
-               else [schedules.Action(k, 0, 0) for k in "FB"])
     live, out, done = 0, {}, set()
     for a in actions:
         c = a.chunk
@@ -297,7 +286,7 @@ def phases(s: Setup, rank_leaves: list[Leaf], stage: int = 0) -> dict[str, tuple
         reduction = grads if s.dp > 1 else 0  # DDP's all-reduce works on a copy of each gradient
     # Which blocks, head and embedding each chunk of this rank runs, per microbatch.
     n_seq = n_sequential_layers(cfg)
-    layers = chunk_layers(s, stage)
+    layers = [r for _, r in rank_chunks(s, stage)]
     head_chunk = next((c for c, r in enumerate(layers) if n_seq - 1 in r), None)
     head = _head(s) if head_chunk is not None else _Head(0, 0, 0, 0, 0)
     full = s.recompute == "full"
@@ -315,9 +304,9 @@ def phases(s: Setup, rank_leaves: list[Leaf], stage: int = 0) -> dict[str, tuple
     # Zero bubble's I keeps its graph for W (every saved tensor stays) and the gradients
     # that reached the nodes leading to a weight (:mod:`dtp.strategies.pipeline_split`).
     for_w = [sum(_boundary_grads(s, i, n_seq) for i in r) for r in layers]
-    split = {a.chunk for item in (schedules.make(s.pp_schedule, p=s.pp, v=s.virtual_stages, m=s.microbatches)[stage]
-                                  if s.pp > 1 else ()) for a in flat(item) if a.kind == "I"}
-    held = held_over_schedule(s, stage, saved, for_w)
+    actions = rank_actions(s, stage)
+    split = {a.chunk for a in actions if a.kind == "I"}
+    held = held_over_schedule(actions, saved, for_w)
     # Weight gradients of a later microbatch's backward are new tensors beside the sums
     # until that backward ends (without ZeRO; measured, interleaved rank 1's peak).
     chunk_w = [sum(l.nbytes for l in rank_leaves if _layer_of(l.path, n_seq) in r) for r in layers]

@@ -31,7 +31,7 @@ from ..layouts.pipeline import assign
 from ..models import llama
 from ..spec import P
 
-__all__ = ["Setup", "Leaf", "DTYPES", "layout_for", "leaves", "stage_leaves", "rank_stages"]
+__all__ = ["Setup", "Leaf", "DTYPES", "layout_for", "leaves", "stage_leaves", "rank_chunks", "rank_stages"]
 
 DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in config_dtypes}  # RunConfig's names
 
@@ -244,6 +244,22 @@ def leaves(s: Setup, layout: Layout | None = None) -> list[Leaf]:
     return out
 
 
+def rank_chunks(s: Setup, rank: int) -> list[tuple[int, range]]:
+    """Per chunk of pipeline ``rank`` (chunk order): its global stage and the layers of
+    :func:`dtp.models.llama.sequential` (embedding, blocks, head) it runs, by the
+    schedule's own stage map (:func:`dtp.schedules.global_stage`). One chunk of every
+    layer without a pipeline.
+
+    >>> s = Setup(cfg=llama.config("tiny"), pp=2, pp_schedule="zbv", microbatches=2, seq=32)
+    >>> rank_chunks(s, 0), rank_chunks(s, 1)
+    ([(0, range(0, 1)), (3, range(3, 4))], [(1, range(1, 2)), (2, range(2, 3))])
+    """
+    ranges = assign(n_sequential_layers(s.cfg), s.pp, s.virtual_stages)
+    where = schedules.placement(s.pp_schedule)
+    stages = [schedules.global_stage(c, rank, s.pp, where) for c in range(s.virtual_stages)]
+    return [(g, range(*ranges[g])) for g in stages]
+
+
 def rank_stages(s: Setup, rank: int) -> str:
     """The global stages pipeline ``rank`` holds and what is in them, in words: the
     schedule's own stage-to-rank map (:func:`dtp.schedules.global_stage`), so a V schedule's
@@ -256,10 +272,9 @@ def rank_stages(s: Setup, rank: int) -> str:
     'stage 0 of 2: embedding, block 0'
     """
     n_seq = n_sequential_layers(s.cfg)  # embed | blocks | head (llama.sequential)
-    ranges = assign(n_seq, s.pp, s.virtual_stages)
-    stages = [schedules.global_stage(c, rank, s.pp, schedules.placement(s.pp_schedule))
-              for c in range(s.virtual_stages)]
-    layers = sorted(layer for g in stages for layer in range(*ranges[g]))
+    chunks = rank_chunks(s, rank)
+    stages = [g for g, _ in chunks]
+    layers = sorted(layer for _, r in chunks for layer in r)
     blocks = [layer - 1 for layer in layers if 0 < layer < n_seq - 1]
     parts = (["embedding"] if 0 in layers else []) + \
         ([f"block {blocks[0]}" if len(blocks) == 1 else f"blocks {blocks[0]}-{blocks[-1]}"] if blocks else []) + \
