@@ -33,7 +33,7 @@ from ..models import hf, llama
 from ..redistribute import value_of
 from .process import Terminated, sigterm_ignored, sigterm_raises, run_world, single_process_world, why
 from .parser import EVAL_BATCHES, PROG
-from .flags import (UsageError, build_layout, check_resume, format_mesh, mesh_axes, model_overrides,
+from .flags import (UsageError, build_layout, format_mesh, mesh_axes, model_overrides,
                     resume_checkpoint, train_argv, trained_segments, vocab_size)
 from .report import (atomic_write_text, format_summary, plot_losses, Progress, write_json, format_bytes, read_metrics,
                      print_compile_report, report_exception, summarize)
@@ -311,10 +311,6 @@ def train_rank(args: argparse.Namespace, *, stream: TextIO | None = None) -> int
     layout = build_layout(args)
     progress = Progress(args.steps, args.log_every, stream) if rank == 0 else None
     checkpoints = _checkpointing(args, out)
-    if checkpoints.resume_from is not None:
-        # The launcher's preflight checked this already; a world of an outside torchrun
-        # (or restarted by it) may not have: every rank alike, before any collective.
-        check_resume(args, checkpoints.resume_from, _model(run_cfg, run_cfg["vocab_size"]))
     # Resuming: the steps up to the checkpoint stay in metrics.jsonl (the ones after it
     # are run again), so the file, the summary and the loss plot cover the whole run.
     earlier = _records_until(out, checkpoints.resume_from)
