@@ -24,7 +24,7 @@ from .. import schedules
 from .._mesh_shape import MeshShape
 from ..config import DTYPES as config_dtypes
 from ..config import RECOMPUTE, RunConfig, mesh_axes_of
-from ..models.config import n_sequential_layers
+from ..models.config import n_sequential_layers, param_shapes
 from .._rules import accum_dtype
 from ..layouts import ContextOptions, Layout, check_divisible
 from ..layouts.pipeline import assign
@@ -223,14 +223,10 @@ def leaves(s: Setup, layout: Layout | None = None) -> list[Leaf]:
     mesh, sizes = MeshShape(s.axes), s.axes
     cfg, dtype = s.cfg, s.torch_dtype
     axes = llama.param_axes(cfg)
-    shapes: list[tuple[str, tuple[int, ...], tuple[str, ...]]] = [("embed", (cfg.vocab_size, cfg.dim), axes["embed"])]
-    for i in range(cfg.n_layers):
-        shapes += [(f"layers.{i}.{k}", v, axes["layers"][i][k]) for k, v in llama.block_shapes(cfg, i).items()]
-    shapes.append(("final_norm", (cfg.dim,), axes["final_norm"]))
-    if not cfg.tie_embeddings:
-        shapes.append(("lm_head", (cfg.dim, cfg.vocab_size), axes["lm_head"]))
     out = []
-    for path, shape, logical in shapes:
+    for path, shape in param_shapes(cfg).items():  # init's order: embed, blocks, final_norm, lm_head
+        parts = path.split(".")
+        logical = axes["layers"][int(parts[1])][parts[2]] if parts[0] == "layers" else axes[path]
         spec = layout.param_spec(logical, mesh, name=path)
         local = []
         for d, n in enumerate(shape):
