@@ -37,7 +37,7 @@ CASES = {
 @pytest.fixture(scope="module")
 def measured() -> dict[str, dict]:
     """Every case's comm-log summary on rank 0 (the cp ranks are alike)."""
-    results = run(_all, list(CASES.values()), world_size=4)[0]
+    results = run(_all, list(CASES.values()), False, world_size=4)[0]
     return {name: summary for name, (summary, _peak) in zip(CASES, results)}
 
 
