@@ -19,7 +19,6 @@ import pytest
 import torch
 
 import cli_pool
-import dtp
 from dtp import cli, launch, plot
 from dtp.cli import report
 
@@ -339,29 +338,6 @@ def test_launcher_accounts_for_ranks_that_reported_nothing(tmp_path) -> None:
 # -- end to end --------------------------------------------------------------------
 
 
-def test_train_two_ranks_end_to_end(tmp_path) -> None:
-    """2 data-parallel ranks through torchrun, float64, checked against 1 process (~25 s)."""
-    out = tmp_path / "run"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
-    cmd = [sys.executable, "-m", "dtp.cli", "train", "--nproc", "2", "--dp", "2", "--model", "tiny",
-           "--steps", "3", "--batch", "4", "--seq", "16", "--dtype", "float64", "--check", "--out", str(out)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "step 3/3 loss" in proc.stdout and ": OK" in proc.stdout
-
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == [1, 2, 3]
-    assert all(r["tokens"] == 4 * 16 and r["comm_bytes"]["dp"]["all_reduce"] > 0 for r in records)
-    summary = json.loads((out / "summary.json").read_text())
-    assert summary["steps"] == 3 and summary["comm_bytes_per_axis"]["dp"] > 0
-    check = json.loads((out / "check.json").read_text())
-    assert check["ok"] and check["max_rel_diff"] <= 1e-9 and len(check["reference_losses"]) == 3
-    assert json.loads((out / "config.json").read_text())["world_size"] == 2
-    assert plot.png_size((out / "loss.png").read_bytes())[0] > 0
-
-
 def test_train_context_parallel_ring_end_to_end(tmp_path, monkeypatch) -> None:
     """2 context-parallel ranks (ring, zigzag; from the test pool: tests/cli_pool.py),
     float64, 2 steps, checked against 1 process: the ring's K/V hops are recorded on the
@@ -412,8 +388,9 @@ _OVERLAP = ["--overlap-grad-reduce", "--overlap-param-gather"]
 # Before dtp.wait / comm.drain + a barrier at teardown (measured on torch 2.13, 2 cores):
 # dp 4 ZeRO 1 + overlap_param_gather aborted after "done:" 3 runs of 3, dp 2 × tp 2 3 of 3,
 # dp 2 ZeRO 2 2 of 3 ("terminate called without an active exception", exit 1).
-# The default run keeps one of them, the one that involves tp as well; all of them, three
-# times each, are the slow test's.
+# The default run keeps one of them, the one that involves tp as well
+# (test_train_end_to_end_checks_and_exits_cleanly); all of them, three times each, are the
+# slow test's.
 _SHUTDOWN_FAST = [
     ["--nproc", "4", "--dp", "2", "--tp", "2", "--zero", "1", *_OVERLAP],
 ]
@@ -437,12 +414,24 @@ def _train_exits_cleanly(tmp_path: Path, flags: list[str], run: int) -> None:
         assert bad not in output, f"{' '.join(flags)} (run {run}): {bad!r} printed\n{output}"
 
 
-def test_train_with_overlap_exits_cleanly(tmp_path) -> None:
-    """Both overlap options at dp 2 × tp 2 end with exit 0 and nothing on stderr: the last
-    step's prefetched gathers are waited for (dtp.wait) and every rank has finished before
-    any destroys its process group (~13 s: one 2-step run of 4 ranks)."""
-    for i, flags in enumerate(_SHUTDOWN_FAST):
-        _train_exits_cleanly(tmp_path, flags, i)
+def test_train_end_to_end_checks_and_exits_cleanly(tmp_path) -> None:
+    """4 ranks through torchrun (dp 2 × tp 2, ZeRO-1 with both overlaps), float64,
+    checked against 1 process: the files a run leaves, and a clean end — exit 0 and nothing
+    on stderr (the last step's prefetched gathers are waited for, dtp.wait, and every rank
+    has finished before any destroys its process group; see _OVERLAP). One process tree
+    for both (~15 s on 2 cores); the slow run repeats the exit over every stage and mesh."""
+    out = tmp_path / "run"
+    _train_exits_cleanly(tmp_path, [*_SHUTDOWN_FAST[0], "--steps", "3", "--dtype", "float64", "--check",
+                                    "--out", str(out)], 0)
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert all(r["tokens"] == 4 * 16 and sum(r["comm_bytes"]["dp"].values()) > 0 for r in records)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 3 and summary["comm_bytes_per_axis"]["dp"] > 0
+    check = json.loads((out / "check.json").read_text())
+    assert check["ok"] and check["max_rel_diff"] <= 1e-9 and len(check["reference_losses"]) == 3
+    assert json.loads((out / "config.json").read_text())["world_size"] == 4
+    assert plot.png_size((out / "loss.png").read_bytes())[0] > 0
 
 
 @pytest.mark.slow
@@ -509,7 +498,10 @@ def _finish(proc: subprocess.Popen, within: float) -> tuple[float, str]:
     return time.monotonic() - t0, err
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+# Both signals take one path in the launcher; the default run keeps Ctrl-C's (it caught
+# the fast-exit race of a74c8c7), SIGTERM's is the slow run's (~10 s of process tree each).
+@pytest.mark.parametrize("sig", [pytest.param(signal.SIGTERM, id="SIGTERM", marks=pytest.mark.slow),
+                                 pytest.param(signal.SIGINT, id="SIGINT")])
 def test_stopping_the_launcher_leaves_no_rank_behind(tmp_path, sig) -> None:
     """SIGTERM or Ctrl-C (SIGINT) to ``dtp train``: torchrun's agent passes it to the ranks;
     the launcher exits with 128 + the signal within seconds and no process of the run is

@@ -99,7 +99,8 @@ def _world(mesh_axes):
     return int(np.prod(list(mesh_axes.values())))
 
 
-@pytest.mark.parametrize("name", CASES)
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.slow] if _world(CASES[n][0]) == 8 else [])
+                                  for n in CASES])  # a world of 8: the slow run's
 def test_packed_documents_match_each_document_alone(name):
     mesh_axes, layout = CASES[name]
     counts = run(_parity, mesh_axes, layout, world_size=_world(mesh_axes))

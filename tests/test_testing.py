@@ -113,6 +113,7 @@ def test_a_kernel_interrupt_and_shutdown_leave_the_ranks_quiet():
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
 
 
+@pytest.mark.slow  # a pool of its own, started and killed (~12 s)
 def test_ranks_leave_quietly_when_their_owner_is_killed(tmp_path):
     """Out of the owner's process group, the ranks do not get its SIGKILL (Jupyter's last
     resort): they must notice the pipe close and exit, without a word, and remove the pool's

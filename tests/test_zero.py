@@ -137,6 +137,7 @@ WORLD8_CASES = [(dict(stage=stage, bucket_mb=BUCKET, overlap_grad_reduce=True, o
                 for stage in (1, 2, 3)]
 
 
+@pytest.mark.slow  # a world of 8 (~20 s on 2 cores); dp4 and dp2 × tp2 + SP are the default run's
 def test_zero_stages_match_single_device_on_dp4_tp2_sp():
     _check(run(_runs, {"dp": 4, "tp": 2}, WORLD8_CASES, world_size=8)[0], WORLD8_CASES)
 
