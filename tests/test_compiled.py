@@ -86,10 +86,12 @@ def _compare(name: str, backend: str) -> list[dict]:
 
 # The default run: the world-2 cases, which share their pooled ranks' warm-up and the
 # regions they have in common (the first compile in a process ~10 s, then ~1-6 s each:
-# ~30 s in all on 2 cores). Slow: the one-device run (its own pooled process; pp2's stages
-# already run the block regions on plain tensors) and dropless MoE (~30 graphs, ~30
-# breaks: ~90 s).
-SLOW = {"one", "ep2 moe"}
+# ~30 s in all on 2 cores); data parallel and ZeRO-3 are in "dp2 zero3 recompute",
+# microbatches in "pp2 zb-h1". Slow: plain "dp2" and "dp2 zero3" (~13 s; a dp2 compile
+# is also test_compiled_value_and_grad_equals_eager's),
+# the one-device run (its own pooled process; pp2's stages already run the block regions
+# on plain tensors) and dropless MoE (~30 graphs, ~30 breaks: ~90 s).
+SLOW = {"one", "dp2", "dp2 zero3", "ep2 moe"}
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in CASES])
