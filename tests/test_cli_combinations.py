@@ -113,6 +113,9 @@ ROWS: dict[str, list[str]] = {
     "moe dp2 ep2 zero1": [*MOE, "--dp", "2", "--ep", "2", "--zero", "1"],
     "moe ep4 top-1": [*MOE, "--ep", "4", "--top-k", "1"],
     "moe ep2 pipe-experts multi-data 2": [*MOE, "--ep", "2", "--pipe-experts", "--multi-data", "2"],
+    # experts split over tp at ep 1 (Megatron's default without ep): nothing dispatched
+    "moe tp2 sp expert-tp": [*MOE, "--tp", "2", "--sp", "--expert-tp"],
+    "moe dp2 tp2 expert-tp m2": [*MOE, "--dp", "2", "--tp", "2", "--expert-tp", "--microbatches", "2"],
     "moe ep2 tp2 sp pipe-experts multi-stream expert-tp": [*MOE, "--ep", "2", "--tp", "2", "--sp", "--pipe-experts",
                                                            "--multi-stream", "--expert-tp"],
     # async tp: the attention entries keep their matmul rings, an MoE block's entry is filled by

@@ -41,8 +41,8 @@ def test_an_moe_run_reports_its_routing(tmp_path, monkeypatch) -> None:
 
 @pytest.mark.parametrize("flags, words", [
     (["--pipe-experts"], "--pipe-experts configures the expert-parallel layout: it needs --ep > 1, got --ep 1"),
-    (["--expert-tp", "--pipe-experts", "--tp", "2"],
-     "--expert-tp and --pipe-experts configure the expert-parallel layout: they need --ep > 1"),
+    (["--pipe-experts", "--multi-data", "2", "--tp", "2", "--expert-tp"],
+     "--pipe-experts and --multi-data configure the expert-parallel layout: they need --ep > 1"),
     (["--ep", "2", "--multi-data", "2"], "it needs --pipe-experts"),
     (["--ep", "2", "--pipe-experts", "--multi-stream"], "it needs --tp > 1 --sp"),
     (["--ep", "2", "--expert-tp"], "it needs --tp > 1"),

@@ -271,3 +271,55 @@ def test_expert_preset_options_are_checked_and_compose() -> None:
     assert layout.expert == dtp.layouts.ExpertOptions(axis="ep")
     assert layout.params["expert"] == ("ep",) and layout.activations["batch"] == ("dp", "ep")
     assert (layout + dtp.layouts.zero(1)).expert == layout.expert  # kept through composition
+
+
+# Expert tensor parallel at ep 1 (``layouts.expert(tp_axis="tp")`` on an ep axis of size 1:
+# ``dtp train --tp 2 --expert-tp``, Megatron's default for tp without ep): every expert's
+# width split over tp, nothing dispatched, the MoE output a pending sum over tp reduced at
+# the block's exit like a dense MLP's. Before, the group of one ep rank was taken for "no
+# experts split" and each tp rank's share of the output for the whole: a silent 1e-4 off.
+ETP_CASES = {"ep1 x tp2 + sp": (dict(dp=1, ep=1, tp=2), True), "ep1 x tp2": (dict(dp=1, ep=1, tp=2), False),
+             "dp2 x ep1 x tp2 + sp": (dict(dp=2, ep=1, tp=2), True)}
+
+
+def _etp_rank(names: list[str]) -> dict:
+    from dtp import RunConfig
+
+    out = {}
+    for name in names:
+        axes, sp = ETP_CASES[name]
+        config = RunConfig(model="tiny-moe", batch=B, seq=S, dp=axes["dp"], tp=2, sp=sp, expert_tp=True,
+                           dtype="float64")
+        assert config.mesh_axes() == axes  # the CLI's mesh keeps ep at 1 for it
+        cfg = llama.config("tiny-moe")
+        loss_fn = functools.partial(llama.loss, cfg=cfg)
+        state = dtp.TrainState.create(llama.init(cfg, seed=0, dtype=torch.float64), dtp.optim.sgd(LR),
+                                      mesh=dtp.make_mesh(**axes), layout=config.layout(), axes=llama.param_axes(cfg),
+                                      axis_sizes=llama.axis_sizes(cfg))
+        specs = {k: str(dtp.spec_of(v)) for k, v in state.params["layers"][0].items()}
+        losses = []
+        for step in range(STEPS):
+            with dtp.comm_log() as log:
+                state, metrics = dtp.train_step(loss_fn, state, dtp.shard_batch(_batch(), state),
+                                                recompute="full" if step == 1 else None)
+            losses.append(metrics["loss"])
+        params = optree.tree_map(lambda p: p.full_tensor().detach(), dtp.gather_params(state))
+        out[name] = {"losses": losses, "params": params, "specs": specs, "last": log.summary(),
+                     "plan": dtp.plan(config).bytes}
+    return out
+
+
+def test_expert_tensor_parallel_at_ep1_equals_one_device_fp64_and_the_plan() -> None:
+    _, losses, params, _ = _reference("top2")
+    by_world = {2: [n for n in ETP_CASES if "dp2" not in n], 4: [n for n in ETP_CASES if "dp2" in n]}
+    for world, names in by_world.items():
+        for r, res in enumerate(run(_etp_rank, names, world_size=world)):
+            for name in names:
+                got = res[name]
+                assert got["specs"]["w_gate"] == str(dtp.P("ep", None, "tp")), (name, got["specs"])
+                assert got["specs"]["w_down"] == str(dtp.P("ep", "tp")), (name, got["specs"])
+                for step, (a, e) in enumerate(zip(got["losses"], losses)):
+                    assert abs(a - e) <= 1e-10 * abs(e), f"{name}: rank {r} step {step}: {a} vs {e}"
+                assert_tree_close(got["params"], params, name=f"{name} rank {r}", rtol=1e-10, atol=1e-12)
+                # Nothing dispatched, every byte predicted (the third step: no recompute).
+                assert "ep" not in got["last"] and got["plan"] == got["last"], (name, got["plan"], got["last"])

@@ -292,11 +292,12 @@ class RunConfig:
                  f"{n('cp_algo')} {algo} has none")
 
     def _check_experts(self, fail: Callable[[str], None], n: Callable[[str], str]) -> None:
-        on = [k for k in ("expert_tp", "pipe_experts", "multi_data", "multi_stream", "ep_overlap")
+        on = [k for k in ("pipe_experts", "multi_data", "multi_stream", "ep_overlap")
               if (getattr(self, k) > 1 if k == "multi_data" else getattr(self, k))]
         if on and self.ep == 1:
-            # layouts.expert is the one that runs these (dtp.layouts.expert): it is there only
-            # with ep > 1. At ep 1 every tp rank holds the experts whole.
+            # These schedule the ep all-to-alls (dtp.ops.moe_pipe, strategies.ep_overlap): at
+            # ep 1 there are none. (--expert-tp is not among them: it splits the experts over
+            # tp whatever the ep degree.)
             names = " and ".join(n(k) for k in on)
             fail(f"{names} {'configure' if len(on) > 1 else 'configures'} the expert-parallel layout: "
                  f"{'they need' if len(on) > 1 else 'it needs'} {n('ep')} > 1, got {n('ep')} 1")
@@ -345,7 +346,7 @@ class RunConfig:
         >>> RunConfig(dp=2, tp=4).mesh_axes()
         {'dp': 2, 'tp': 4}
         """
-        return mesh_axes_of(pp=self.pp, dp=self.dp, ep=self.ep, cp=self.cp, tp=self.tp)
+        return mesh_axes_of(pp=self.pp, dp=self.dp, ep=self.ep, cp=self.cp, tp=self.tp, keep_ep=self.expert_tp)
 
     @property
     def world_size(self) -> int:
@@ -359,8 +360,8 @@ class RunConfig:
 
     def layout(self) -> Layout:
         """``data() + megatron(sequence_parallel=sp)`` (+ ``context(...)`` with cp > 1, + ``zero``,
-        + ``mixed_precision`` with precision mixed, + ``expert`` with ep > 1, + ``pipeline`` with
-        pp > 1): the options mapped to the presets,
+        + ``mixed_precision`` with precision mixed, + ``expert`` with ep > 1 or expert_tp, +
+        ``pipeline`` with pp > 1): the options mapped to the presets,
         which check their own. Megatron's rules name ``tp``; on a mesh without it they are
         dropped, so the same layout serves tp = 1.
 
@@ -377,7 +378,7 @@ class RunConfig:
             layout = layout + self._zero_layout()
         if self.precision == "mixed":
             layout = layout + layouts.mixed_precision()
-        if self.ep > 1:
+        if self.ep > 1 or self.expert_tp:  # expert_tp at ep 1: experts split over tp, none dispatched
             layout = layout + layouts.expert(pipe_experts=self.pipe_experts, multi_data=self.multi_data,
                                              multi_stream=self.multi_stream, tp_axis="tp" if self.expert_tp else None,
                                              ep_overlap=self.ep_overlap)
@@ -475,15 +476,18 @@ def type_error(name: str, value: Any) -> str | None:
 _FIELDS = {f.name: f for f in fields(RunConfig)}
 
 
-def mesh_axes_of(*, pp: int, dp: int, ep: int, cp: int, tp: int) -> dict[str, int]:
-    """The mesh of these degrees: the non-trivial axes in order pp, dp, ep, cp, tp, dp always.
+def mesh_axes_of(*, pp: int, dp: int, ep: int, cp: int, tp: int, keep_ep: bool = False) -> dict[str, int]:
+    """The mesh of these degrees: the non-trivial axes in order pp, dp, ep, cp, tp, dp always;
+    ``keep_ep``: ep even at 1 (``--expert-tp`` at ``--ep 1``: ``layouts.expert`` names it).
 
     >>> mesh_axes_of(pp=2, dp=1, ep=1, cp=1, tp=2)
     {'pp': 2, 'dp': 1, 'tp': 2}
+    >>> mesh_axes_of(pp=1, dp=2, ep=1, cp=1, tp=2, keep_ep=True)
+    {'dp': 2, 'ep': 1, 'tp': 2}
     """
     axes = {"pp": pp} if pp > 1 else {}
     axes["dp"] = dp
-    axes.update({name: n for name, n in (("ep", ep), ("cp", cp), ("tp", tp)) if n > 1})
+    axes.update({name: n for name, n in (("ep", ep), ("cp", cp), ("tp", tp)) if n > 1 or (name == "ep" and keep_ep)})
     return axes
 
 

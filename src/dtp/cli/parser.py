@@ -212,8 +212,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ep", type=_positive("--ep"), default=RUN_DEFAULTS["ep"],
                    help="expert-parallel degree: experts split over an ep mesh axis (after dp; also a data axis)")
     g.add_argument("--expert-tp", action="store_true",
-                   help="split each expert's hidden width over tp (Megatron's expert tensor parallel; needs --ep > 1 "
-                        "and --tp > 1; at --ep 1 every tp rank holds the experts whole)")
+                   help="split each expert's hidden width over tp (Megatron's expert tensor parallel; needs --tp > 1, "
+                        "any --ep; without it every tp rank holds its experts whole and computes them on the same tokens)")
     g.add_argument("--pipe-experts", action="store_true",
                    help="MindSpeed pipe-experts: move and compute the dispatched tokens per local expert, each "
                         "chunk's all-to-all in flight while another computes")

@@ -30,7 +30,9 @@ column/row-parallel share of the expert, and reduce-scatters the partial sums ba
 block's output is then a pending sum over tp, reduced (scattered under SP) at the
 block's exit like the dense MLP's. No redundant compute and 1/tp of the expert weights
 per rank, for an all-gather and a reduce-scatter per chunk — the tp traffic that
-``multi_stream`` keeps apart from the ep all-to-alls.
+``multi_stream`` keeps apart from the ep all-to-alls. On an ep axis of size 1 nothing is
+dispatched: each tp rank runs its share of every expert on the tokens it has, a dense
+MLP's column/row split (``dtp train --tp N --expert-tp`` at ``--ep 1``).
 """
 
 from __future__ import annotations
@@ -128,12 +130,14 @@ class ExpertOptions:
     def check(self, sizes: Mapping[str, int], mesh: DeviceMesh, *, sequence_parallel: bool = False,
               what: str = "model") -> None:
         """``ValueError`` (every rank alike, before any collective) when the model's
-        ``expert`` count does not divide by the ``axis`` size on ``mesh``, pipe-experts is
-        asked of a model without experts, or multi_stream without sequence parallel."""
+        ``expert`` count does not divide by the ``axis`` size on ``mesh``, pipe-experts or a
+        tp split of the experts is asked of a model without experts, or multi_stream without
+        sequence parallel."""
         ep, experts = self.degree(mesh), sizes.get("expert")
-        if self.pipe_experts and not experts:
-            raise ValueError(f"{what}: layouts.expert(pipe_experts=True) needs a mixture-of-experts model "
-                             f"(num_experts > 0); this one has no experts")
+        for option, on in (("pipe_experts=True", self.pipe_experts), (f"tp_axis={self.tp_axis!r}", self.tp_axis)):
+            if on and not experts:
+                raise ValueError(f"{what}: layouts.expert({option}) needs a mixture-of-experts model "
+                                 f"(num_experts > 0); this one has no experts")
         if self.multi_stream and not sequence_parallel:
             raise ValueError(f"{what}: layouts.expert(multi_stream=True) orders the ep all-to-alls against the "
                              f"tp all-gathers / reduce-scatters of sequence parallel; it needs "

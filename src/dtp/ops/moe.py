@@ -107,7 +107,7 @@ def _local_moe(x: torch.Tensor, router: torch.Tensor, w_gate: torch.Tensor, w_up
     slots = torch.nonzero(flat_kept).squeeze(-1)  # (token, choice) pairs that survived
     order = slots[torch.argsort(flat_ids[slots], stable=True)]  # grouped by expert
     token = order // top_k
-    if ep is None:
+    if ep is None or ep.view is None:  # every expert here (whole, or its tp share of the width)
         out = experts(xt[token], torch.bincount(flat_ids[order], minlength=e), w_gate, w_up, w_down)
     elif ep.options.pipe_experts or ep.tp_axis is not None:
         o = ep.options
@@ -131,7 +131,7 @@ def _local_moe(x: torch.Tensor, router: torch.Tensor, w_gate: torch.Tensor, w_up
 class _ExpertGroup(NamedTuple):
     mesh: DeviceMesh  # the whole mesh
     axes: tuple[str, ...]  # the expert axes
-    view: DeviceMesh  # their 1-D view, to dispatch over
+    view: DeviceMesh | None  # their 1-D view, to dispatch over; None: one ep rank, nothing to dispatch
     options: ExpertOptions
     tp_axis: str | None  # splits each expert's width (size > 1), or None
 
@@ -139,7 +139,11 @@ class _ExpertGroup(NamedTuple):
 def _expert_group(params: Mapping[str, torch.Tensor], x: DTensor,
                   token_axes: tuple[str, ...]) -> _ExpertGroup | None:
     """Where to dispatch when the active layout splits experts (over one axis, or several
-    folded into their flattened view), or ``None`` when it does not.
+    folded into their flattened view), or ``None`` when it does not. With experts split
+    over tp (``layouts.expert(tp_axis=...)``) and one ep rank (an ep axis of size 1, or
+    none in the mesh): a group with no view — nothing to dispatch, every expert's tp share
+    of the width computed here, the output a pending sum over tp as a dense MLP's
+    (Megatron's expert tensor parallel at ep 1).
 
     Raises ``ValueError`` (every rank alike: it reads only layouts and specs) when the
     tokens are not split over every expert axis (each ep rank would send the same tokens,
@@ -152,7 +156,10 @@ def _expert_group(params: Mapping[str, torch.Tensor], x: DTensor,
     mesh = x.device_mesh
     names = axis_names(mesh)
     axes = layout.mesh_axes("expert", mesh, activation=False)
-    if math.prod(mesh.size(names.index(a)) for a in axes) == 1:
+    opts = layout.expert or ExpertOptions(axis=axes)
+    tp = opts.tp_axis if opts.tp_axis in names and mesh.size(names.index(opts.tp_axis)) > 1 else None
+    split = math.prod(mesh.size(names.index(a)) for a in axes) > 1
+    if not split and tp is None:
         return None
     missing = [a for a in axes if a not in token_axes and mesh.size(names.index(a)) > 1]
     if missing:
@@ -165,9 +172,8 @@ def _expert_group(params: Mapping[str, torch.Tensor], x: DTensor,
             got = spec_of(w) if isinstance(w, DTensor) else "a plain tensor"
             raise ValueError(f"moe_ffn: the layout puts experts on {axes} but {name} is {got}; lay the "
                              f"parameters out with the same layout (TrainState.create)")
-    opts = layout.expert or ExpertOptions(axis=axes)
-    opts.check_tokens(math.prod(x.to_local().shape[:-1]), f"moe_ffn: x of shape {tuple(x.shape)}")
-    tp = opts.tp_axis if opts.tp_axis in names and mesh.size(names.index(opts.tp_axis)) > 1 else None
+    if split:
+        opts.check_tokens(math.prod(x.to_local().shape[:-1]), f"moe_ffn: x of shape {tuple(x.shape)}")
     if tp is not None:
         if tp in token_axes:
             raise ValueError(f"moe_ffn: layouts.expert(tp_axis={tp!r}) needs every {tp} rank to route the same "
@@ -178,7 +184,7 @@ def _expert_group(params: Mapping[str, torch.Tensor], x: DTensor,
                 raise ValueError(f"moe_ffn: layouts.expert(tp_axis={tp!r}) splits each expert's width, but "
                                  f"{name} is {spec_of(params[name])}; lay the parameters out with the same layout")
     # ep folded out of several axes: its view's coordinates are row-major, as Shard(0) nests
-    return _ExpertGroup(mesh, axes, flatten_axes(mesh, axes), opts, tp)
+    return _ExpertGroup(mesh, axes, flatten_axes(mesh, axes) if split else None, opts, tp)
 
 
 def moe_ffn(params: Mapping[str, torch.Tensor], x: torch.Tensor, *, top_k: int, pre_softmax: bool = False,
