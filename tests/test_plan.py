@@ -335,18 +335,13 @@ def _pipeline_peaks(cases) -> list[tuple[int, int]]:
     return out
 
 
-# The V schedules' rank 0 (embedding and head) peaks in the update: 600,360 B, or in some
-# runs 670,248 B (the plan: 600,576). The 69,888 B more are two 32 KiB tensors allocated
-# before step 1 and still alive: a step leaves reference cycles (gc finds frames of
-# train_step and the pipeline's _F among the garbage) that keep tensors until Python's
-# cyclic collector runs, so whether they are there depends on its timing. The runtime's to
-# fix, not the plan's to model: xfail while it stays.
-PIPELINE_PEAK_UNEXPLAINED = {("zbv", 0), ("dualpipev", 0)}
-
-
+# The V schedules' rank 0 (embedding and head) peaks in the update: 600,360 B (the plan:
+# 600,576). It measured 670,248 B in most runs, xfailed, until a step stopped leaving
+# reference cycles: optim.map_param_trees' recursive closure kept the step's pipeline Run
+# (two 32 KiB tensors among what it held) until Python's cyclic collector ran
+# (test_step_overhead checks a step leaves none).
 def _check_pipeline_peaks(names) -> None:
     measured = run(_pipeline_peaks, [PIPELINE_PEAK_4[n] for n in names], world_size=4)
-    unexplained = []
     for k, name in enumerate(names):
         plan = _plan_of(PIPELINE_PEAK_4[name])
         for pp_rank, peak in {r[k][0]: r[k][1] for r in measured}.items():
@@ -354,12 +349,7 @@ def _check_pipeline_peaks(names) -> None:
             moment = m.moment if m.backward_peak >= m.update_peak else "update"
             where = f"{name} pipeline rank {pp_rank}: predicted {m.peak} ({moment}), measured {peak}"
             assert m.peak <= peak * MEMORY_OVER, where
-            if (name, pp_rank) in PIPELINE_PEAK_UNEXPLAINED and m.peak < peak * (1 - MEMORY_UNDER):
-                unexplained.append(where)
-                continue
             assert m.peak >= peak * (1 - MEMORY_UNDER), where
-    if unexplained:
-        pytest.xfail("; ".join(unexplained))
 
 
 def test_predicted_pipeline_peak_bounds_the_measured_interleaved_and_zero_bubble():

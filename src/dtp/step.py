@@ -19,7 +19,9 @@ body is the same without the ``with``:
 from __future__ import annotations
 
 import dataclasses
+import gc
 import math
+import sys
 import time
 import warnings
 from typing import Any, Callable, Mapping, Union
@@ -337,6 +339,7 @@ def train_step(loss_fn: Callable[[PyTree, Mapping[str, torch.Tensor]], Any], sta
     (1, True, tensor([0.9500, 0.9500], requires_grad=True), 1)
     """
     t0, error, options = time.perf_counter(), None, None
+    dynamo_before = _DYNAMO in sys.modules
     try:
         _check_inputs(batch, state, microbatches, recompute, clip_norm)
         options = options_of(compile)
@@ -368,8 +371,27 @@ def train_step(loss_fn: Callable[[PyTree, Mapping[str, torch.Tensor]], Any], sta
                       f"(parameters, optimizer state and step unchanged)", RuntimeWarning, stacklevel=2)
     new = dataclasses.replace(state, step=state.step + (bad is None), params=params, opt_state=opt_state, zero=zero,
                               buffers=buffers)
+    if not dynamo_before and _DYNAMO in sys.modules:
+        _drop_import_frames()
     return new, {**_metrics(state, batch, loss, aux, norm, t0, log, skipped=bad is not None, counted=counted),
                  **(watch.metrics() if options else {})}
+
+
+_DYNAMO = "torch._dynamo"
+
+
+def _drop_import_frames() -> None:
+    """Free the frames the process's one import of ``torch._dynamo`` left in a cycle, when
+    this step made it (DTensor's first sharding propagation makes a ``FakeTensorMode``,
+    which imports it; so do recompute and ``compile``): ``torch.fx.wrap``, called at the
+    top of ``torch._dynamo.utils``, keeps its own frame in a local, and that frame's
+    ``f_back`` chain runs down through the step's finished frames — the forward's
+    activations, the batch, the microbatches — which stayed until Python's cyclic
+    collector next ran a full pass (measured, torch 2.13, tiny tp2 + sp: 115 tensors,
+    2.4 MB; dp2 m=2: 194, 3.9 MB). torch's cycle, not one dtp can break where it is
+    made, so it is collected here: once per process, on a step that already paid the
+    import (about 1 s), never on the steps after."""
+    gc.collect()
 
 
 def _first_rank(mesh: DeviceMesh) -> bool:
