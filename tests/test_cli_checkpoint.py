@@ -67,6 +67,26 @@ def test_resume_under_other_flags_continues_the_loss_curve_exactly(tmp_path, mon
         == [1, 2, 3, 4, 5, 6]
     assert got == pytest.approx(want, rel=1e-10, abs=0)
     assert json.loads((cut / "summary.json").read_text())["steps"] == 6
+    # Which flags trained which steps, as dtp check reads them (the lr and the rest kept).
+    segments = json.loads((cut / "config.json").read_text())["segments"]
+    assert [s["first"] for s in segments] == [1, 4] and segments[0]["run"] == segments[1]["run"]
+
+
+def test_check_of_a_run_resumed_under_another_lr_is_one_line(tmp_path, capsys) -> None:
+    """A resume may change --lr (without --check); dtp check of the finished run then
+    refuses, naming both, instead of a numeric FAILED against a reference that trains
+    every step with the last lr."""
+    from dtp.cli import main
+
+    run = {"first": 1, "run": {"lr": 0.003, "steps": 4, "warmup_from_step_one": True}, "model": {}}
+    later = {**run, "first": 5, "run": {**run["run"], "lr": 0.001, "steps": 8}}
+    (tmp_path / "config.json").write_text(json.dumps({"dtype": "float64", "steps": 8, "segments": [run, later]}))
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": i, "loss": 5.0}) + "\n" for i in range(1, 9)))
+    assert main(["check", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"dtp check: error: {tmp_path}: steps 1-4 trained with --steps 4 --lr 0.003, steps 5-8 with "
+                   f"--steps 8 --lr 0.001; --check's one-process reference trains all steps with one set of flags, "
+                   f"so it cannot check this run"], err
 
 
 def test_resume_without_a_checkpoint_is_one_line(tmp_path) -> None:

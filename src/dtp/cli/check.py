@@ -26,7 +26,7 @@ from typing import Any, Sequence, TextIO
 from .. import layouts
 from .._rules import RUN_RTOL
 from ..config import master_weights
-from .flags import UsageError
+from .flags import UsageError, segments_mixed
 from .loop import single_process_world, train_loop
 from .report import plot_losses, write_json, read_metrics
 
@@ -96,6 +96,9 @@ def check_run(run_dir: str | os.PathLike[str], *, rtol: float | None = None,
         raise UsageError(f"{cfg_path} does not exist: not a dtp run directory")
     cfg = json.loads(cfg_path.read_text())
     records = _read_metrics(run_dir)
+    mixed = segments_mixed(cfg.get("segments") or [], len(records))  # a resume that changed the lr, …
+    if mixed:
+        raise UsageError(f"{run_dir}: {mixed}")
     run = [float(r["loss"]) for r in records]
     rtol = tolerance_for(cfg["dtype"]) if rtol is None else rtol
     print(f"check: retraining {cfg['steps']} steps on 1 process (layout data, recompute none) ...",

@@ -34,7 +34,7 @@ from .parser import PROG, RUN_DEFAULTS, build_parser
 
 __all__ = ["UsageError", "build_parser", "parse_args", "validate", "preflight", "build_layout", "mesh_axes",
            "train_argv", "vocab_size", "run_config", "resume_checkpoint", "check_resume",
-           "trained_segments"]
+           "trained_segments", "segment_record", "segments_mixed"]
 
 class UsageError(ValueError):
     """Invalid flags: reported as one line, exit code 2."""
@@ -452,22 +452,10 @@ def _check_reference(args: Any, manifest: dict[str, Any], cfg: model_config.Llam
     segments = trained_segments(extra)
     config = run_config(args)
     now = {**{k: getattr(config, k) for k in _REFERENCE_FIELDS}, **{k: getattr(cfg, k) for k in MODEL_FIELDS}}
-    spans, trained = [], []  # per segment: its steps, and its values of `now`'s keys
-    for i, segment in enumerate(segments):
-        run, model = segment.get("run") or {}, segment.get("model") or {}
-        last = segments[i + 1]["first"] - 1 if i + 1 < len(segments) else done
-        spans.append(f"step {last}" if segment["first"] == last else f"steps {segment['first']}-{last}")
-        if not run.get("warmup_from_step_one"):
-            raise UsageError(f"{here}: {spans[-1]} trained under dtp's earlier lr schedule (lr 0 at step 1), which "
-                             f"--check's reference no longer trains; drop --check")
-        trained.append({k: run[k] if k in _REFERENCE_FIELDS else model[k] for k in now
-                        if k in (run if k in _REFERENCE_FIELDS else model)})
-    for i in range(1, len(trained)):
-        names = [k for k in now if trained[i].get(k) != trained[0].get(k)]
-        if names:  # no one set of flags retrains both
-            raise UsageError(f"{here}: {spans[0]} trained with {_spell(trained[0], names)}, {spans[i]} with "
-                             f"{_spell(trained[i], names)}; --check's one-process reference trains all steps with "
-                             f"one set of flags, so it cannot check this run; drop --check")
+    spans, trained = _trained_with(segments, done)
+    mixed = segments_mixed(segments, done)
+    if mixed:
+        raise UsageError(f"{here}: {mixed}; drop --check")
     names = [k for k in now if trained and k in trained[0] and trained[0][k] != now[k]]
     if names:
         steps = f"steps {segments[0]['first']}-{done}" if len(spans) > 1 else spans[0]
@@ -475,6 +463,61 @@ def _check_reference(args: Any, manifest: dict[str, Any], cfg: model_config.Llam
                          f"{_spell(now, names)}: --check retrains all steps on one process with this run's flags, "
                          f"so those would differ by design; resume with {_spell(trained[0], names, remedy=True)}, "
                          f"or drop --check")
+
+
+def _trained_with(segments: list[dict[str, Any]], done: int) -> tuple[list[str], list[dict[str, Any]]]:
+    """Per segment (:func:`trained_segments`, ``done`` steps in all): its steps as words
+    ("steps 1-4") and its values of what ``--check``'s reference retrains with (the lr
+    schedule, clipping, precision, the MoE options)."""
+    spans, trained = [], []
+    for i, segment in enumerate(segments):
+        run, model = segment.get("run") or {}, segment.get("model") or {}
+        last = segments[i + 1]["first"] - 1 if i + 1 < len(segments) else done
+        spans.append(f"step {last}" if segment["first"] == last else f"steps {segment['first']}-{last}")
+        trained.append({**{k: run[k] for k in _REFERENCE_FIELDS if k in run},
+                        **{k: model[k] for k in MODEL_FIELDS if k in model},
+                        "warmup_from_step_one": bool(run.get("warmup_from_step_one"))})
+    return spans, trained
+
+
+def segment_record(segment: dict[str, Any]) -> dict[str, Any]:
+    """A segment (:func:`trained_segments`) cut to what :func:`segments_mixed` reads: its
+    first step, the lr schedule, clipping and precision it ran under, its MoE options
+    (what a run's config.json keeps of each).
+
+    >>> segment_record({"first": 5, "run": {"lr": 0.1, "dp": 2}, "model": {"top_k": 2, "dim": 64}})
+    {'first': 5, 'run': {'lr': 0.1}, 'model': {'top_k': 2}}
+    """
+    run, model = segment.get("run") or {}, segment.get("model") or {}
+    return {"first": segment["first"],
+            "run": {k: run[k] for k in (*_REFERENCE_FIELDS, "warmup_from_step_one") if k in run},
+            "model": {k: model[k] for k in MODEL_FIELDS if k in model}}
+
+
+def segments_mixed(segments: list[dict[str, Any]], done: int) -> str | None:
+    """Why one process cannot retrain these segments' ``done`` steps with one set of flags
+    (``--check``'s reference, :func:`dtp.cli.check.check_run`): a segment under dtp's
+    earlier lr schedule, or two that ran under another lr schedule, clipping, precision or
+    MoE options (a ``--resume`` that changed them). ``None`` when one set trained all.
+
+    >>> seg = lambda first, lr: {"first": first, "run": {"lr": lr, "warmup_from_step_one": True}, "model": {}}
+    >>> segments_mixed([seg(1, 0.001), seg(5, 0.002)], 8)
+    "steps 1-4 trained with --lr 0.001, steps 5-8 with --lr 0.002; --check's one-process reference trains all steps with one set of flags, so it cannot check this run"
+    >>> segments_mixed([seg(1, 0.001), seg(5, 0.001)], 8) is None
+    True
+    """
+    spans, trained = _trained_with(segments, done)
+    for span, values in zip(spans, trained):
+        if not values["warmup_from_step_one"]:
+            return (f"{span} trained under dtp's earlier lr schedule (lr 0 at step 1), which --check's reference no "
+                    f"longer trains")
+    for i in range(1, len(trained)):
+        names = [k for k in trained[0] if trained[i].get(k) != trained[0].get(k)]
+        if names:  # no one set of flags retrains both
+            return (f"{spans[0]} trained with {_spell(trained[0], names)}, {spans[i]} with "
+                    f"{_spell(trained[i], names)}; --check's one-process reference trains all steps with one set of "
+                    f"flags, so it cannot check this run")
+    return None
 
 
 def _spell(values: dict[str, Any], names: Sequence[str], *, remedy: bool = False) -> str:

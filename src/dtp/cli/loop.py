@@ -33,7 +33,7 @@ from ..models import hf, llama
 from ..redistribute import value_of
 from .process import Terminated, sigterm_ignored, sigterm_raises, run_world, single_process_world, why
 from .parser import EVAL_BATCHES, PROG
-from .flags import (UsageError, build_layout, format_mesh, mesh_axes, model_overrides,
+from .flags import (UsageError, build_layout, segment_record, format_mesh, mesh_axes, model_overrides,
                     resume_checkpoint, train_argv, trained_segments, vocab_size)
 from .report import (atomic_write_text, format_summary, plot_losses, Progress, write_json, format_bytes, read_metrics,
                      print_compile_report, report_exception, summarize)
@@ -122,11 +122,13 @@ class Checkpointing:
 def train_loop(args: Mapping[str, Any], mesh: DeviceMesh, layout: Layout, *, recompute: str | None,
            on_step: Callable[[int, dict[str, Any]], None] | None = None,
            checkpoints: Checkpointing | None = None,
-           on_start: Callable[[int], None] | None = None) -> list[dict[str, Any]]:
+           on_start: Callable[[int, list[dict[str, Any]]], None] | None = None) -> list[dict[str, Any]]:
     """The training loop every rank runs (and the 1-process reference); returns the
-    metrics of the steps it ran (after the resumed one, when resuming). ``on_start(first)``
-    runs once the state is built and a resumed checkpoint and data position have loaded,
-    before step ``first``: what a run writes before that is lost if the load fails."""
+    metrics of the steps it ran (after the resumed one, when resuming). ``on_start(first,
+    segments)`` runs once the state is built and a resumed checkpoint and data position
+    have loaded, before step ``first``: what a run writes before that is lost if the load
+    fails. ``segments``: which flags trained which steps (:func:`flags.trained_segments`),
+    this run's last."""
     torch.manual_seed(args["seed"])
     tokens, held_out = _splits(args)
     loader = TokenLoader(tokens, batch_size=args["batch"], seq_len=args["seq"], seed=args["seed"],
@@ -171,7 +173,7 @@ def train_loop(args: Mapping[str, Any], mesh: DeviceMesh, layout: Layout, *, rec
     # --check, whose reference trains every step with the last ones: flags.check_resume).
     segments = [*earlier, {"first": first, "run": dict(args), "model": dataclasses.asdict(cfg)}]
     if on_start is not None:
-        on_start(first)
+        on_start(first, segments)
     records, saving = [], None
     # Dropless MoE changes its expert batches' shapes every step: dynamic from the start.
     compiling = args.get("compile") and CompileOptions(backend=args["compile"], dynamic=cfg.num_experts > 0 or None)
@@ -325,7 +327,7 @@ def train_rank(args: argparse.Namespace, *, stream: TextIO | None = None) -> int
                 print(f"{PROG} train: resuming from step {len(earlier)} ({checkpoints.resume_from})",
                       file=stream, flush=True)
 
-        def on_start(first: int) -> None:
+        def on_start(first: int, segments: list[dict[str, Any]]) -> None:
             # Nothing in the run directory changes before this: a resume whose checkpoint
             # does not load (another dtype, model, a corrupt file) leaves the earlier run's
             # config, metrics, summary and plot as they were.
@@ -334,8 +336,11 @@ def train_rank(args: argparse.Namespace, *, stream: TextIO | None = None) -> int
             if rank != 0:
                 return
             out.mkdir(parents=True, exist_ok=True)
+            # With the flags each earlier segment of a resumed run trained under: dtp check
+            # refuses a run no one set of flags retrains (flags.segments_mixed).
             write_json(out / "config.json", {**run_cfg, "layout": layout.name,
-                                              "command": shlex.join([PROG, *train_argv(args)])})
+                                              "command": shlex.join([PROG, *train_argv(args)]),
+                                              "segments": [segment_record(s) for s in segments]})
             # The kept steps once (whole, atomically), then one line appended per step. A
             # fresh run's file appears with its first step (readers take it as "training").
             if earlier:
