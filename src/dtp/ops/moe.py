@@ -156,11 +156,13 @@ def _expert_group(params: Mapping[str, torch.Tensor], x: DTensor,
     mesh = x.device_mesh
     names = axis_names(mesh)
     axes = layout.mesh_axes("expert", mesh, activation=False)
-    opts = layout.expert or ExpertOptions(axis=axes)
-    tp = opts.tp_axis if opts.tp_axis in names and mesh.size(names.index(opts.tp_axis)) > 1 else None
+    opts = layout.expert
+    tp = opts.tp_axis if opts is not None and opts.tp_axis in names and mesh.size(names.index(opts.tp_axis)) > 1 \
+        else None
     split = math.prod(mesh.size(names.index(a)) for a in axes) > 1
     if not split and tp is None:
         return None
+    opts = opts or ExpertOptions(axis=axes)  # split: the expert rules name axes, without layouts.expert's options
     missing = [a for a in axes if a not in token_axes and mesh.size(names.index(a)) > 1]
     if missing:
         raise ValueError(f"moe_ffn: the layout puts experts on {axes} but the tokens are not split over "
