@@ -469,11 +469,12 @@ def _processes_of(out: Path, launcher: int) -> dict[int, int]:
     return found
 
 
-def _start_training(tmp_path: Path, *flags: str) -> tuple[subprocess.Popen, Path, dict[int, int]]:
-    """``dtp train`` on 2 ranks for (practically) ever; returns once a step is written."""
+def _start_training(tmp_path: Path, *flags: str, nproc: int = 2) -> tuple[subprocess.Popen, Path, dict[int, int]]:
+    """``dtp train`` on ``nproc`` ranks (dp 2 unless ``flags`` say otherwise) for
+    (practically) ever; returns once a step is written."""
     out = tmp_path / "run"
     env = {k: v for k, v in os.environ.items() if k not in _RANK_ENV}
-    cmd = [sys.executable, "-m", "dtp.cli", "train", "--nproc", "2", "--dp", "2", "--model", "tiny",
+    cmd = [sys.executable, "-m", "dtp.cli", "train", "--nproc", str(nproc), "--dp", "2", "--model", "tiny",
            "--steps", "100000", "--batch", "4", "--seq", "16", "--out", str(out), *flags]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 180
@@ -483,7 +484,7 @@ def _start_training(tmp_path: Path, *flags: str) -> tuple[subprocess.Popen, Path
             pytest.fail("training never started:\n" + "".join(proc.communicate()))
         time.sleep(0.05)
     ranks = _processes_of(out, proc.pid)
-    assert sorted(ranks) == [0, 1], ranks
+    assert sorted(ranks) == list(range(nproc)), ranks
     return proc, out, ranks
 
 
@@ -543,11 +544,17 @@ def test_dead_peer_ends_the_run_at_once_with_each_ranks_last_collectives(tmp_pat
     assert "Traceback" not in err
 
 
-def test_stalled_peer_times_out_after_timeout_flag(tmp_path) -> None:
-    """A rank frozen mid-run (SIGSTOP stands in for a stall): the other fails after
+# dp 2 on 2 ranks runs on the world's own group (init_process_group's timeout); dp 2 × tp 2's
+# tp groups are ones the DeviceMesh made (a dim that spans the world reuses its group),
+# which waited torch's 30 min before dtp.mesh.bounded (measured: a 3 s timeout, a tp peer
+# asleep 25 s, the wait 25 s). The default run keeps the latter (~15 s).
+@pytest.mark.parametrize("mesh", [pytest.param(["--nproc", "2"], id="dp2", marks=pytest.mark.slow),
+                                  pytest.param(["--nproc", "4", "--tp", "2"], id="dp2 tp2")])
+def test_stalled_peer_times_out_after_timeout_flag(tmp_path, mesh) -> None:
+    """A rank frozen mid-run (SIGSTOP stands in for a stall): rank 0 fails after
     --timeout 3 s, not torch's 30 min, with its last collectives; once the frozen rank
-    runs again, the launcher's SIGTERM ends it (~12 s)."""
-    proc, out, ranks = _start_training(tmp_path, "--timeout", "3")
+    runs again, the launcher's SIGTERM ends it."""
+    proc, out, ranks = _start_training(tmp_path, *mesh, "--timeout", "3", nproc=int(mesh[1]))
     os.kill(ranks[1], signal.SIGSTOP)
     t0 = time.monotonic()
     try:
@@ -561,7 +568,7 @@ def test_stalled_peer_times_out_after_timeout_flag(tmp_path) -> None:
     assert 2.5 < waited < 8, f"{waited:.1f} s\n{err}"
     assert proc.returncode == 1, err
     assert _processes_of(out, proc.pid) == {}
-    assert re.search(r"^dtp train: rank 0: \w+ over 'dp' \(#\d+ '[^']*'\) failed 3\.\d\d s after it was posted: "
+    assert re.search(r"^dtp train: rank 0: \w+ over '(dp|tp)' \(#\d+ '[^']*'\) failed 3\.\d\d s after it was posted: "
                      r"(Timed out waiting 3000ms for \w+ operation to complete|Application timeout caused pair closure) "
                      r"\(a peer did not join it in time", err, re.M), err
 

@@ -38,7 +38,8 @@ except ImportError:  # pragma: no cover - older or newer torch without it
 
 __all__ = [
     "StridedShard", "LocalTensor", "LocalTensorMode", "maybe_run_for_local_tensor", "fake_store",
-    "local_tensor", "local_tensors", "is_local_tensor", "flatten_mesh", "unflatten_mesh",
+    "local_tensor", "local_tensors", "is_local_tensor", "flatten_mesh", "unflatten_mesh", "group_timeout",
+    "set_group_timeout",
     "current_graph_task_id", "SavedTensor", "make_saved_tensor", "unpack_saved",
     "cpu_flash_attention", "cpu_flash_attention_backward", "cuda_efficient_attention", "global_offset", "local_shape",
     "new_dtensor", "run_backward", "disable_dynamo_lazily",
@@ -117,6 +118,25 @@ def unflatten_mesh(mesh: DeviceMesh, axis: str, sizes: tuple[int, ...], names: t
     """A view of ``mesh`` with ``axis`` split row-major into named sub-axes (the ring
     windows of double ring / hybrid attention). Public alternative: none."""
     return mesh._unflatten(axis, sizes, names)
+
+
+def group_timeout(group: Any) -> Any:
+    """How long the collectives of ``group`` (a ProcessGroup) wait for their peers: its
+    first backend's option (a ``timedelta``), ``None`` if it has none. Public
+    alternative: none."""
+    try:
+        device = next(iter(group._device_types))
+        return group._get_backend(device).options._timeout
+    except (AttributeError, RuntimeError, StopIteration):
+        return None
+
+
+def set_group_timeout(group: Any, timeout: Any) -> None:
+    """Make the collectives of ``group`` wait ``timeout`` (a ``timedelta``). Public
+    alternative: ``new_group(timeout=...)`` for a group made by hand; none for the groups
+    ``init_device_mesh`` and a mesh's ``_flatten`` / ``_unflatten`` make (they take
+    torch's default: 30 min on gloo)."""
+    torch.distributed.distributed_c10d._set_pg_timeout(timeout, group)
 
 
 def current_graph_task_id() -> int:

@@ -21,7 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from ._rules import is_positive_int
 from ._mesh_shape import axis_names  # torch-free: the layouts check against a MeshShape too
-from ._torch import flatten_mesh
+from ._torch import flatten_mesh, group_timeout, set_group_timeout
 
 __all__ = ["make_mesh", "detect_device", "mesh_device", "axis_names", "axis_sizes", "axis_size", "coordinates", "all_coordinates", "axis_coordinate",
            "block_index", "flatten_axes", "clear_mesh_cache"]
@@ -189,7 +189,26 @@ def make_mesh(*, device: str | None = None, timeout: float | datetime.timedelta 
         if device_type == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", dist.get_rank() % torch.cuda.device_count())))
         mesh = init_device_mesh(device_type, tuple(axes.values()), mesh_dim_names=tuple(axes))
-        _MESH_CACHE[key] = mesh
+        _MESH_CACHE[key] = bounded(mesh)
+    return mesh
+
+
+def bounded(mesh: DeviceMesh) -> DeviceMesh:
+    """``mesh``, each of whose process groups waits for its peers as long as the default
+    group does (``make_mesh(timeout=...)``, ``dtp train --timeout``). The groups a
+    DeviceMesh makes for its dims, views and twins otherwise take torch's default — 30
+    min on gloo — whatever the world's: measured on torch 2.13, ``make_mesh(dp=2, tp=2,
+    timeout=3)`` with a stalled tp peer waited 25 s (as long as the peer slept) over tp,
+    and ``dtp train --tp 2 --timeout 3`` builds dp=1 × tp=2, whose tp group is such a group.
+
+    >>> bounded(make_mesh(dp=1)).mesh_dim_names
+    ('dp',)
+    """
+    world = group_timeout(dist.group.WORLD) if dist.is_initialized() else None
+    if world is not None:
+        for group in mesh.get_all_groups():
+            if group_timeout(group) != world:
+                set_group_timeout(group, world)
     return mesh
 
 
@@ -248,7 +267,8 @@ def twin(mesh: DeviceMesh) -> DeviceMesh:
             if me in row:
                 mine = group
         groups.append(mine)
-    _TWINS[mesh] = DeviceMesh.from_group(groups, mesh.device_type, mesh=grid, mesh_dim_names=mesh.mesh_dim_names)
+    _TWINS[mesh] = bounded(DeviceMesh.from_group(groups, mesh.device_type, mesh=grid,
+                                                 mesh_dim_names=mesh.mesh_dim_names))
     return _TWINS[mesh]
 
 
@@ -366,4 +386,4 @@ def flatten_axes(mesh: DeviceMesh, axes: tuple[str, ...], name: str | None = Non
     name = name or "_".join(axes)
     if len(axes) == 1:
         return mesh[axes[0]]
-    return flatten_mesh(mesh[axes], name)
+    return bounded(flatten_mesh(mesh[axes], name))

@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor
 from ...layouts import attended_kv_heads, check_load_balance
 from ...redistribute import to_local
 from ..._torch import unflatten_mesh
-from ...mesh import axis_sizes
+from ...mesh import axis_sizes, bounded
 from ...spec import P, spec_of
 
 __all__ = ["trace_compute", "default_chunks", "CHUNK_TARGET", "MIN_CHUNK_BYTES"]
@@ -170,7 +170,7 @@ def _unflatten(mesh: DeviceMesh, axis: str, sizes: tuple[int, ...], suffixes: tu
     key = (id(mesh), axis, sizes, tuple(names))
     hit = _VIEWS.get(key)
     if hit is None:
-        hit = _VIEWS[key] = (mesh, unflatten_mesh(mesh, axis, sizes, tuple(names)))
+        hit = _VIEWS[key] = (mesh, bounded(unflatten_mesh(mesh, axis, sizes, tuple(names))))
     return hit[1], tuple(names)
 
 
