@@ -148,3 +148,16 @@ def test_disable_dynamo_lazily():
     assert _params(_disable_dynamo)[:2] == ["fn", "recursive"]
     wrapped = _torch.disable_dynamo_lazily(lambda x: x + 1)
     assert wrapped(1) == 2
+
+
+def test_group_timeout_is_read_and_set_through_the_backend_options():
+    """dtp.mesh.bounded gives a DeviceMesh's groups the world's timeout this way."""
+    import datetime
+
+    import torch.distributed as dist
+
+    dtp.make_mesh(dp=1)  # a world of one in this process
+    assert isinstance(_torch.group_timeout(dist.group.WORLD), datetime.timedelta)
+    group = dist.new_group([0])
+    _torch.set_group_timeout(group, datetime.timedelta(seconds=7))
+    assert _torch.group_timeout(group) == datetime.timedelta(seconds=7)
