@@ -150,14 +150,23 @@ def test_disable_dynamo_lazily():
     assert wrapped(1) == 2
 
 
-def test_group_timeout_is_read_and_set_through_the_backend_options():
-    """dtp.mesh.bounded gives a DeviceMesh's groups the world's timeout this way."""
+def _timeouts() -> tuple:
     import datetime
 
     import torch.distributed as dist
 
-    dtp.make_mesh(dp=1)  # a world of one in this process
-    assert isinstance(_torch.group_timeout(dist.group.WORLD), datetime.timedelta)
-    group = dist.new_group([0])
+    group = dist.new_group([0, 1])
+    before = _torch.group_timeout(group)
     _torch.set_group_timeout(group, datetime.timedelta(seconds=7))
-    assert _torch.group_timeout(group) == datetime.timedelta(seconds=7)
+    return _torch.group_timeout(dist.group.WORLD), before, _torch.group_timeout(group)
+
+
+def test_group_timeout_is_read_and_set_through_the_backend_options():
+    """dtp.mesh.bounded gives a DeviceMesh's groups the world's timeout this way."""
+    import datetime
+
+    from dtp.testing import run
+
+    world, before, after = run(_timeouts, world_size=2)[0]
+    assert isinstance(world, datetime.timedelta) and isinstance(before, datetime.timedelta)
+    assert after == datetime.timedelta(seconds=7)
