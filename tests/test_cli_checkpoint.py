@@ -170,7 +170,7 @@ def test_a_resume_that_cannot_work_is_refused_before_any_rank(small_run, tmp_pat
     capsys.readouterr()
     assert cli.main(["train", *_SMALL, "--resume", "--out", str(run), *flags]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith(f"dtp train: error: --resume"), err
+    assert err.count("\n") == 1 and err.startswith("dtp train: error: --resume"), err
     assert message.replace("RUN", str(run)) in err
     assert _contents(run) == before
 
