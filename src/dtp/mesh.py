@@ -198,8 +198,8 @@ def bounded(mesh: DeviceMesh) -> DeviceMesh:
     group does (``make_mesh(timeout=...)``, ``dtp train --timeout``). The groups a
     DeviceMesh makes for its dims, views and twins otherwise take torch's default — 30
     min on gloo — whatever the world's: measured on torch 2.13, ``make_mesh(dp=2, tp=2,
-    timeout=3)`` with a stalled tp peer waited 25 s (as long as the peer slept) over tp,
-    and ``dtp train --tp 2 --timeout 3`` builds dp=1 × tp=2, whose tp group is such a group.
+    timeout=3)`` with a stalled tp peer waited 25 s (as long as the peer slept) over tp.
+    (A dim that spans the whole world reuses the world's group, so dp 2 alone never showed it.)
 
     >>> bounded(make_mesh(dp=1)).mesh_dim_names
     ('dp',)
