@@ -17,6 +17,7 @@ from dtp.models import llama
 from dtp.ops.collective_matmul import split_backward
 from dtp.ops.tp_rings import one_way
 from dtp.testing import assert_tree_close, reference_value_and_grad, run
+from measured_step import second_step_comm
 
 CFG = llama.config("tiny", n_heads=8, n_kv_heads=4)
 # dense attention + MoE FFN in every block; the shared expert is a dense MLP beside it
@@ -191,27 +192,9 @@ def test_async_tp_moe_expert_tp_fp32_equals_non_async():
     assert_tree_close(params, base_params, name="moe expert-tp fp32 async vs non-async", rtol=1e-5, atol=1e-6)
 
 
-def _measured_bytes(kw, model="tiny", **overrides):
-    """The comm log of a second step (dtp train's sequential model), as test_plan's."""
-    from dtp.planning import Setup, layout_for
-
-    cfg = llama.config(model, **overrides)
-    s = Setup(model=model, cfg=cfg, batch=8, seq=16, **kw)
-    tok = torch.randint(0, cfg.vocab_size, (8, 17), generator=torch.Generator().manual_seed(0))
-    data = {"tokens": tok[:, :-1].contiguous(), "targets": tok[:, 1:].contiguous()}
-    state = dtp.TrainState.create(llama.init(cfg, seed=0), dtp.optim.adamw(1e-3), mesh=dtp.make_mesh(**s.axes),
-                                  layout=layout_for(s), axes=llama.param_axes(cfg), axis_sizes=llama.axis_sizes(cfg))
-    for _ in range(2):
-        with dtp.comm_log() as log:
-            state, _ = dtp.train_step(llama.sequential(cfg), state, dtp.shard_batch(data, state), clip_norm=1.0,
-                                      microbatches=s.microbatches, recompute=None if s.recompute == "none"
-                                      else s.recompute)
-    return log.summary()
-
-
 def test_plan_predicts_the_async_tp_records():
     kw = dict(tp=2, sp=True, async_tp=True, microbatches=2, recompute="full")
-    assert dtp.plan("tiny", batch=8, seq=16, **kw).bytes == run(_measured_bytes, kw, world_size=2)[0]
+    assert dtp.plan("tiny", batch=8, seq=16, **kw).bytes == run(second_step_comm, kw, world_size=2)[0]
 
 
 # MoE blocks under tp (experts whole on every tp rank): the entry filled by the plain ring,
@@ -223,7 +206,7 @@ PLAN_MOE = {"tp2 sp async-tp m2 recompute full": dict(tp=2, sp=True, async_tp=Tr
 
 
 def _moe_bytes(cases):
-    return [_measured_bytes(kw, "tiny-moe", shared_experts=shared) for shared, kw in cases]
+    return [second_step_comm(kw, "tiny-moe", shared_experts=shared) for shared, kw in cases]
 
 
 def test_plan_predicts_the_moe_async_tp_records():

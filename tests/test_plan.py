@@ -21,6 +21,7 @@ import dtp
 from dtp.models import llama
 from dtp.planning import Setup, check_fits, layout_for
 from dtp.testing import run
+from measured_step import second_step_comm
 
 # dtp train refuses runs by the plan's peak, so it is checked one-sided: under the
 # measured peak by at most MEMORY_UNDER (what the model leaves out, a few hundred bytes on
@@ -98,53 +99,19 @@ def _allocator_peak(prof, window: str) -> int:
 
 
 def _peak_and_bytes(kw: dict, model: str, batch: int, seq: int, memory: bool = True) -> tuple[dict, int | None]:
-    """One rank: a state, a warm-up step (ZeRO plans its buckets there), then a second
-    step whose comm log and allocator peak (state included) are returned. ``memory=False``:
-    the comm log only, peak ``None`` — the profiler's memory events made the step about 4×
-    slower (measured, 26 two-rank cases: 63 s against 14 s), and the bytes do not need them."""
+    """One rank: the comm log of a second step (:func:`measured_step.second_step_comm`) and
+    the allocator's peak in it (state included). ``memory=False``: the comm log only, peak
+    ``None`` — the profiler's memory events made the step about 4× slower (measured, 26
+    two-rank cases: 63 s against 14 s), and the bytes do not need them."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
     if not memory:
-        return _comm_summary(kw, model, batch, seq), None
+        return second_step_comm(kw, model, batch, seq), None
     gc.collect()
-    cfg = llama.config(model)
-    s = Setup(model=model, cfg=cfg, batch=batch, seq=seq, **kw)
-    mesh = dtp.make_mesh(**s.axes)
-    tok = torch.randint(0, cfg.vocab_size, (batch, seq + 1), generator=torch.Generator().manual_seed(0))
-    data = {"tokens": tok[:, :-1].contiguous(), "targets": tok[:, 1:].contiguous()}
-    recompute = None if s.recompute == "none" else s.recompute
     with _collective_buffers_freed_here(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        state = dtp.TrainState.create(llama.init(cfg, seed=0, dtype=s.torch_dtype),
-                                      dtp.optim.adamw(1e-3, weight_decay=0.1), mesh=mesh, layout=layout_for(s),
-                                      axes=llama.param_axes(cfg), axis_sizes=llama.axis_sizes(cfg))
-        loss_fn = llama.sequential(cfg)  # what dtp train runs
-        for step in range(2):
-            with record_function(f"plan step {step}"), dtp.comm_log() as log:
-                state, out = dtp.train_step(loss_fn, state, dtp.shard_batch(data, state), clip_norm=1.0,
-                                            microbatches=s.microbatches, recompute=recompute)
-                dtp.wait(state)
-        del state, out  # inside the profile: what is never seen freed after this was freed unseen
-        gc.collect()
-    return log.summary(), _allocator_peak(prof, "plan step 1")
-
-
-def _comm_summary(kw: dict, model: str, batch: int, seq: int) -> dict:
-    """The comm log of the second of two steps (as :func:`_peak_and_bytes`, unprofiled)."""
-    cfg = llama.config(model)
-    s = Setup(model=model, cfg=cfg, batch=batch, seq=seq, **kw)
-    mesh = dtp.make_mesh(**s.axes)
-    tok = torch.randint(0, cfg.vocab_size, (batch, seq + 1), generator=torch.Generator().manual_seed(0))
-    data = {"tokens": tok[:, :-1].contiguous(), "targets": tok[:, 1:].contiguous()}
-    state = dtp.TrainState.create(llama.init(cfg, seed=0, dtype=s.torch_dtype),
-                                  dtp.optim.adamw(1e-3, weight_decay=0.1), mesh=mesh, layout=layout_for(s),
-                                  axes=llama.param_axes(cfg), axis_sizes=llama.axis_sizes(cfg))
-    for _ in range(2):
-        with dtp.comm_log() as log:
-            state, _out = dtp.train_step(llama.sequential(cfg), state, dtp.shard_batch(data, state), clip_norm=1.0,
-                                         microbatches=s.microbatches,
-                                         recompute=None if s.recompute == "none" else s.recompute)
-            dtp.wait(state)
-    return log.summary()
+        summary = second_step_comm(kw, model, batch, seq, step_context=lambda step: record_function(f"plan step {step}"))
+        gc.collect()  # inside the profile: what is never seen freed after this was freed unseen
+    return summary, _allocator_peak(prof, "plan step 1")
 
 
 def _all(cases, memory: bool = True):
@@ -249,7 +216,7 @@ MOE_BYTES_2 = {"moe dp2 m=2 full recompute": (dict(dp=2, microbatches=2, recompu
 
 
 def _bytes_only(cases):
-    return [_comm_summary(*c) for c in cases]
+    return [second_step_comm(*c) for c in cases]
 
 
 def test_moe_bytes_over_dp_and_cp_equal_the_comm_log():

@@ -453,7 +453,7 @@ def _check_reference(args: Any, manifest: dict[str, Any], cfg: model_config.Llam
     config = run_config(args)
     now = {**{k: getattr(config, k) for k in _REFERENCE_FIELDS}, **{k: getattr(cfg, k) for k in MODEL_FIELDS}}
     spans, trained = _trained_with(segments, done)
-    mixed = segments_mixed(segments, done)
+    mixed = _mixed(spans, trained)
     if mixed:
         raise UsageError(f"{here}: {mixed}; drop --check")
     names = [k for k in now if trained and k in trained[0] and trained[0][k] != now[k]]
@@ -506,7 +506,11 @@ def segments_mixed(segments: list[dict[str, Any]], done: int) -> str | None:
     >>> segments_mixed([seg(1, 0.001), seg(5, 0.001)], 8) is None
     True
     """
-    spans, trained = _trained_with(segments, done)
+    return _mixed(*_trained_with(segments, done))
+
+
+def _mixed(spans: list[str], trained: list[dict[str, Any]]) -> str | None:
+    """:func:`segments_mixed` on the segments' spans and values (:func:`_trained_with`)."""
     for span, values in zip(spans, trained):
         if not values["warmup_from_step_one"]:
             return (f"{span} trained under dtp's earlier lr schedule (lr 0 at step 1), which --check's reference no "
