@@ -212,6 +212,7 @@ def test_matches_sdpa(results4, name):
     _ok(results4, name)
 
 
+@pytest.mark.slow  # a world of 8 (~35 s on 2 cores, the pool's start included); cp4 is the default run's
 @pytest.mark.parametrize("name", list(CASES8))
 def test_matches_sdpa_cp8(results8, name):
     per_rank = _ok(results8, name)

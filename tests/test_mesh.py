@@ -66,6 +66,7 @@ def _submeshes():
             mesh_mod.axis_coordinate(mesh, "tp"))
 
 
+@pytest.mark.slow  # a world of 8
 def test_submesh_and_flattened_ep_view():
     res = run(_submeshes, world_size=8)
     assert all(r[:5] == (2, ("dp_cp",), 4, 4.0, ["dp_cp"]) for r in res)

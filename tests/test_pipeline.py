@@ -252,8 +252,8 @@ def test_a_pending_sum_is_reduced_before_its_header_is_written():
     assert run(_pending_sum_on_the_wire, world_size=1)[0] == (Replicate(),)
 
 
-@pytest.mark.parametrize("schedule,recompute", [pytest.param("zb-h1", "full", marks=pytest.mark.slow),
-                                                ("interleaved", "selective")])
+@pytest.mark.slow  # a world of 8 (~9 s each on 2 cores); pp2 × tp2 + sp and pp2 × dp2 are the default run's
+@pytest.mark.parametrize("schedule,recompute", [("zb-h1", "full"), ("interleaved", "selective")])
 def test_a_world_of_8_pp2_dp2_tp2_sp_with_recompute_equals_one_device(schedule, recompute):
     cfg = _cfg()
     layout = layouts.data() + layouts.megatron(True) + layouts.pipeline(

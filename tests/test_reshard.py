@@ -47,6 +47,7 @@ def _placement_kinds(axes: dict[str, int], specs: list[P]) -> dict[P, tuple[str,
                          for p in to_placements(s, mesh)) for s in specs}
 
 
+@pytest.mark.slow  # a world of 8 (~22 s on 2 cores); every pair on 2 × 2 is the default run's
 def test_pairs_on_2x2x2():
     """A default-run slice of the 92² = 8,464 pairs on the 2×2×2 mesh (all of them: the
     slow test below), values and gradients on real gloo ranks.

@@ -3,6 +3,7 @@ layouts; its lr and aux metrics against that run; Megatron-SP collectives in the
 log; clear errors for bad splits."""
 
 import functools
+import math
 import re
 
 import optree
@@ -67,7 +68,7 @@ VARIANTS = [(1, None), (2, None), (2, "full")]
     ({"tp": 2}, True),
     ({"dp": 2, "tp": 2}, True),
     ({"tp": 4}, True),
-    pytest.param({"dp": 2, "tp": 4}, True, marks=pytest.mark.slow),  # a world of 8: dp2 cp2 tp2 below stays
+    pytest.param({"dp": 2, "tp": 4}, True, marks=pytest.mark.slow),  # a world of 8
 ], ids=["dp2", "tp2", "tp2+sp", "dp2xtp2+sp", "tp4+sp", "dp2xtp4+sp"])
 def test_loss_and_grads_match_single_device_fp64(mesh_axes, sp):
     ws = 1
@@ -105,10 +106,13 @@ def test_tied_embeddings_match_single_device_fp64(mesh_axes, sp):
     assert all(run(_parity, mesh_axes, sp, torch.float64, VARIANTS, cfg=TIED, world_size=ws))
 
 
-def test_dp2_cp2_tp2_sp_matches_single_device():
+@pytest.mark.parametrize("mesh_axes", [{"cp": 2, "tp": 2},
+                                       pytest.param({"dp": 2, "cp": 2, "tp": 2}, marks=pytest.mark.slow)],
+                         ids=["cp2xtp2", "dp2xcp2xtp2"])  # a world of 8: ~40 s on 2 cores
+def test_context_and_tensor_parallel_sp_match_single_device(mesh_axes):
     variants = [(1, None), (2, "full")]
-    assert all(run(_parity, {"dp": 2, "cp": 2, "tp": 2}, True, torch.float64, variants, dict(algo="ring"),
-                   world_size=8))
+    assert all(run(_parity, mesh_axes, True, torch.float64, variants, dict(algo="ring"),
+                   world_size=math.prod(mesh_axes.values())))
 
 
 def test_selective_recompute_and_fp32():
