@@ -341,7 +341,7 @@ def _both_ways(coalesce: bool) -> dict:
 
 @pytest.mark.parametrize("coalesce", [False, True], ids=["gloo", "coalesced"])
 def test_send_recv_batch_posts_both_directions_as_one_batch(coalesce: bool) -> None:
-    for rank in run(_both_ways, coalesce, world_size=3):
+    for rank in run(_both_ways, coalesce, world_size=4):  # a ring whose two neighbours differ
         assert rank["got"] == rank["want"], rank
         assert rank["batches"] == [4], rank  # both directions' send and receive, one call
         assert rank["waited"] == ([2] if coalesce else []), rank  # each handle waited the one work
