@@ -42,6 +42,7 @@ BAD_RUNS = {
     "seq vs sp": (["--tp", "2", "--sp", "--seq", "31"],
                   "--seq 31: --sp over --tp splits the sequence 2 ways (tp=2); use a --seq that is a multiple of 2"),
     "batch vs dp": (["--batch", "6", "--dp", "4"], "divisible by --dp × --microbatches"),
+    "seq vs the model": (["--seq", "1024"], "--seq 1024: longer than the 512 tokens --model tiny takes"),
     "experts vs ep": (["--model", "tiny-moe", "--num-experts", "3", "--ep", "2"],
                       "num_experts=3 is not divisible by ep=2"),
     "layers vs stages": (["--pp", "8", "--microbatches", "8"], "--pp 8 --virtual-stages 1"),

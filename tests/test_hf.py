@@ -179,10 +179,16 @@ def test_unsupported_configs_are_refused(root: Path, change: dict, match: str) -
         hf.config_from_hf(hf_cfg)
 
 
-def test_to_hf_refuses_what_mixtral_cannot_express(tmp_path: Path) -> None:
-    cfg = llama.config("tiny-moe", shared_experts=1)
-    with pytest.raises(ValueError, match="shared_experts"):
+@pytest.mark.parametrize("change", [dict(shared_experts=1), dict(routed_scaling_factor=2.5),
+                                    dict(router_score="sigmoid", router_bias_update=1e-2),
+                                    dict(n_groups=2, topk_group=1)], ids=lambda c: next(iter(c)))
+def test_to_hf_refuses_what_mixtral_cannot_express(tmp_path: Path, change: dict) -> None:
+    # Each routes tokens otherwise than Mixtral's router: an export would load as another
+    # model (before, the DeepSeek-style options were written as a plain Mixtral).
+    cfg = llama.config("tiny-moe", **change)
+    with pytest.raises(ValueError, match=f"this model sets .*{next(iter(change))}"):
         hf.to_hf(cfg, llama.init(cfg), tmp_path)
+    assert hf.hf_config(llama.config("tiny-moe", routed_scaling_factor=1.0))["model_type"] == "mixtral"
 
 
 def test_dtp_train_init_from_then_export_loads_in_transformers(root: Path, tmp_path: Path, monkeypatch) -> None:
@@ -204,6 +210,20 @@ def test_dtp_train_init_from_then_export_loads_in_transformers(root: Path, tmp_p
     assert cfg == hf.from_hf(src)[0] and not torch.equal(params["embed"], hf.from_hf(src, torch.float64)[1]["embed"])
     with torch.no_grad():
         torch.testing.assert_close(_load(out)(TOKENS).logits, llama.apply(params, TOKENS, cfg), atol=ATOL, rtol=0)
+
+
+def test_a_sequence_past_a_mistrals_window_is_refused(root: Path, tmp_path: Path, capsys) -> None:
+    """dtp's attention has no sliding window: within it a Mistral is plain causal, past it
+    the run would train another model, so ``--seq`` past the window is a usage error."""
+    from dtp import cli
+
+    data = tmp_path / "tokens.npy"
+    np = pytest.importorskip("numpy")
+    np.save(data, torch.randint(0, V, (4096,), generator=torch.Generator().manual_seed(1)).numpy())
+    flags = ["train", "--init-from", str(_saved("mistral", root)), "--data", str(data), "--steps", "1", "--batch", "2",
+             "--out", str(tmp_path / "run")]
+    assert cli.main([*flags, "--seq", "128"]) == 2
+    assert "--seq 128: longer than the 64 tokens --init-from" in capsys.readouterr().err
 
 
 def _sharded_load(path: str, zero: int) -> dict:
@@ -257,6 +277,9 @@ def test_export_streams_parameters_and_writes_what_to_hf_writes(tmp_path: Path) 
                                       axes=llama.param_axes(cfg))
         dtp.checkpoint.save(state, tmp_path / "run" / "checkpoints",
                             extra={"model": dc.asdict(cfg), "run": {"dtype": "float64"}})
+    (tmp_path / "a file").write_text("kept")  # a usage error, the file untouched
+    assert cli.main(["export", "--hf", str(tmp_path / "a file"), "--run", str(tmp_path / "run")]) == 2
+    assert (tmp_path / "a file").read_text() == "kept"
     assert cli.main(["export", "--hf", str(tmp_path / "out"), "--run", str(tmp_path / "run")]) == 0
     hf.to_hf(cfg, params, tmp_path / "whole")
     for name in ("config.json", "model.safetensors"):

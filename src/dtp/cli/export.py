@@ -53,6 +53,9 @@ def cmd_export(args: argparse.Namespace) -> int:
     from ..models import hf, llama
 
     run = Path(args.run)
+    if Path(args.hf).exists() and not Path(args.hf).is_dir():
+        raise UsageError(f"--hf {args.hf}: a file is there; the export is a directory (config.json and "
+                         f".safetensors shards)")
     root = run / "checkpoints" if (run / "checkpoints").is_dir() else run
     try:
         reader = checkpoint.ParamReader(root)

@@ -251,6 +251,12 @@ def preflight(args: argparse.Namespace, *, check_out: bool = True) -> Layout:
     mesh = MeshShape(mesh_axes(args))
     model = f"--init-from {args.init_from}" if args.init_from else f"--model {args.model}"
     what = f"{model} on the mesh {format_mesh(mesh.sizes)}"
+    if args.seq > cfg.max_seq_len:
+        # Nothing past it was trained, and under a Mistral's window (config_from_hf caps
+        # max_seq_len there) dtp's attention, which has no window, would attend otherwise.
+        raise UsageError(f"--seq {args.seq}: longer than the {cfg.max_seq_len} tokens {model} takes (its "
+                         f"max_seq_len: a Hugging Face model's max_position_embeddings, or a Mistral's "
+                         f"sliding_window, which dtp's attention does not have)")
     split = args.dp * args.ep * args.cp
     if args.check and cfg.num_experts and cfg.capacity_factor is not None and split > 1:
         # dtp.ops.moe: capacity is computed from the tokens a rank routes (Megatron's rule),

@@ -107,13 +107,19 @@ def check_mixtral(cfg: LlamaConfig) -> None:
     """
     if not cfg.num_experts:
         return
-    odd = {name: value for name, value in [("moe_every", cfg.moe_every), ("shared_experts", cfg.shared_experts),
-                                          ("pre_softmax", cfg.pre_softmax), ("capacity_factor", cfg.capacity_factor),
-                                          ("moe_ffn_dim", cfg.moe_ffn_dim)]
-           if value not in (None, 0, False) and not (name == "moe_every" and value == 1)}
+    # What Mixtral's router is (softmax scores, top-k, renormalised, nothing added): any of
+    # these set routes tokens otherwise, so an export would load as another model.
+    odd = {name: value for name, value, mixtral in [
+        ("moe_every", cfg.moe_every, 1), ("shared_experts", cfg.shared_experts, 0),
+        ("pre_softmax", cfg.pre_softmax, False), ("capacity_factor", cfg.capacity_factor, None),
+        ("moe_ffn_dim", cfg.moe_ffn_dim, None), ("router_score", cfg.router_score, "softmax"),
+        ("n_groups", cfg.n_groups, None), ("topk_group", cfg.topk_group, None),
+        ("routed_scaling_factor", cfg.routed_scaling_factor, None), ("router_bias_update", cfg.router_bias_update, 0.0)]
+        if value != mixtral and not (name == "routed_scaling_factor" and value == 1.0)}
     if odd:
-        raise ValueError(f"to_hf: Mixtral has MoE in every block, no shared experts, top-k-then-softmax routing, "
-                         f"no capacity and one FFN width; this model sets {odd}")
+        raise ValueError(f"to_hf: Mixtral has MoE in every block, no shared experts, top-k-then-softmax routing "
+                         f"(softmax scores, no groups, no scaling, no bias), no capacity and one FFN width; this model "
+                         f"sets {odd}")
 
 
 def hf_config(cfg: LlamaConfig, dtype: str = "float32") -> dict[str, Any]:
