@@ -160,7 +160,11 @@ def _refuses_before_the_ranks(monkeypatch) -> None:
      "--warmup 4, this run asks for --steps 8 --warmup 5: --check retrains all steps on one process with this run's "
      "flags, so those would differ by design; resume with --steps 4 --warmup 4, or drop --check"),
     (["--steps", "4", "--lr", "0.01", "--check"], "trained with --lr 0.003, this run asks for --lr 0.01"),
-], ids=["dtype", "model", "moe model", "seed", "steps with check", "lr with check"])
+    # the mask changes every loss: the reference would retrain steps 1-4 with it
+    (["--steps", "4", "--document-mask", "--eos-id", "1", "--check"],
+     "trained with no --document-mask, this run asks for --document-mask: --check retrains all steps on one process "
+     "with this run's flags, so those would differ by design; resume without --document-mask, or drop --check"),
+], ids=["dtype", "model", "moe model", "seed", "steps with check", "lr with check", "document mask with check"])
 def test_a_resume_that_cannot_work_is_refused_before_any_rank(small_run, tmp_path, monkeypatch, capsys,
                                                               flags, message) -> None:
     run = tmp_path / "run"
@@ -189,6 +193,43 @@ def test_a_resume_that_would_drop_the_router_biases_is_refused(tmp_path, monkeyp
     assert err.count("\n") == 1 and "holds router biases (trained with --router-bias-update 0.001), which this run " \
         "would drop; resume with --router-bias-update 0.001" in err, err
     assert _contents(run) == before
+
+
+def test_a_moe_resume_with_other_microbatches_refuses_check(tmp_path, monkeypatch, capsys) -> None:
+    """A model with experts takes its load-balancing loss per microbatch, so --check's
+    reference cannot retrain steps trained at --microbatches 2 at 4 (measured: 9.5e-6 off in
+    fp64, FAILED). A dense model's microbatches may change (the loss is the same sum)."""
+    run = tmp_path / "run"
+    moe = ("--model", "tiny-moe", "--batch", "4", "--seq", "16", "--save-every", "2", "--steps", "2")
+    assert cli.main(["train", *moe, "--microbatches", "2", "--out", str(run)]) == 0
+    _refuses_before_the_ranks(monkeypatch)
+    capsys.readouterr()
+    assert cli.main(["train", *moe, "--microbatches", "4", "--resume", "--check", "--out", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "trained with --microbatches 2, this run asks for --microbatches 4" in err, err
+
+
+@pytest.mark.parametrize("saved, zero, refused", [
+    (dict(zero=1, precision=None), 0, "kept fp32 master weights (--precision mixed, the default under --zero); this "
+     "run's default without --zero would drop them: resume with --precision mixed to go on as it did"),
+    (dict(zero=0, precision=None), 1, "trained pure bf16 (--precision pure, the default without --zero); this run's "
+     "default under --zero would start fp32 master weights from the bf16 parameters: resume with --precision pure"),
+    (dict(zero=1, precision=None), 2, None), (dict(zero=1, precision="mixed"), 1, None)],
+    ids=["zero1 -> none", "none -> zero1", "zero1 -> zero2", "mixed named at save"])
+def test_a_bf16_resume_keeps_the_precision_the_default_gave(saved, zero, refused) -> None:
+    """The default --precision follows --zero (mixed under ZeRO): resumed under another
+    --zero it would drop the fp32 master weights (or start them from bf16) silently."""
+    import argparse
+
+    from dtp.cli.flags import UsageError, _check_precision
+
+    args = argparse.Namespace(precision=None, dtype="bfloat16", zero=zero)
+    if refused is None:
+        _check_precision(args, {"dtype": "bfloat16", **saved}, "--resume: RUN")
+        return
+    with pytest.raises(UsageError) as e:
+        _check_precision(args, {"dtype": "bfloat16", **saved}, "--resume: RUN")
+    assert refused in str(e.value), e.value
 
 
 def test_check_refuses_a_run_whose_steps_ran_under_other_steps(small_run, tmp_path, monkeypatch, capsys) -> None:

@@ -13,6 +13,7 @@ to that); keep it so.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import math
 import os
@@ -25,7 +26,7 @@ from .. import layouts
 from .._checkpoint_dirs import latest, read_manifest
 from .._mesh_shape import MeshShape
 from .._token_files import document_eos, held_out_start, open_tokens, token_stats
-from ..config import MODEL_FIELDS, RunConfig, flag_names, flag_of, mesh_axes_of, type_error
+from ..config import MODEL_FIELDS, RunConfig, flag_names, flag_of, master_weights, mesh_axes_of, type_error
 from ..launch import in_torchrun
 from ..layouts import Layout
 from ..models import config as model_config
@@ -358,10 +359,13 @@ def check_out_dir(args: argparse.Namespace) -> None:
 # one of that order of batches (dtp.data.TokenLoader.load_state_dict refuses the others).
 _DATA_ORDER = ("seed", "batch", "seq")
 # What --check's one-process reference would train the steps already trained with, other
-# than the checkpoint did: the lr schedule and the update (the model's MoE hyperparameters
-# are compared on the model). A layout, --microbatches, --recompute or --compile change
-# no loss beyond --check's tolerance and may change.
-_REFERENCE_FIELDS = ("steps", "lr", "warmup", "clip", "precision")
+# than the checkpoint did: the lr schedule, the update, the document mask (the model's
+# MoE hyperparameters are compared on the model; precision as resolved, see
+# _reference_values). A layout, --recompute or --compile change no loss beyond --check's
+# tolerance and may change; so does --microbatches, but for a model with experts, whose
+# load-balancing loss is taken per microbatch (measured: tiny-moe m2 vs m4 on one process,
+# 1.7e-5 apart at step 1 in fp64).
+_REFERENCE_FIELDS = ("steps", "lr", "warmup", "clip", "precision", "document_mask")
 
 
 def resume_checkpoint(out: str | os.PathLike[str]) -> Path:
@@ -416,7 +420,7 @@ def check_resume(args: Any, path: Path, cfg: model_config.LlamaConfig) -> None:
                              f"(its config.json)")
         now = {k: getattr(args, k, None) for k in changed}
         raise UsageError(f"{here} was trained with {_spell(saved_run, changed)}, this run asks for "
-                         f"{_spell(now, changed)} ({detail}); resume with {_spell(saved_run, changed, remedy=True)} "
+                         f"{_spell(now, changed)} ({detail}); resume {_spell(saved_run, changed, remedy=True)} "
                          f"(a checkpoint is never reshaped)")
     has_biases = any(k.startswith("buffer/") for k in tensors)
     if cfg.router_bias_update and not has_biases:
@@ -427,6 +431,7 @@ def check_resume(args: Any, path: Path, cfg: model_config.LlamaConfig) -> None:
         rate = saved_run.get("router_bias_update") or "RATE"
         raise UsageError(f"{here} holds router biases (trained with --router-bias-update {rate}), which this run "
                          f"would drop; resume with --router-bias-update {rate}")
+    _check_precision(args, saved_run, here)
     for k in _DATA_ORDER:
         if k in saved_run and saved_run[k] != getattr(args, k):
             raise UsageError(f"{here} was trained with {flag_of(k)} {saved_run[k]}, this run asks for {flag_of(k)} "
@@ -457,7 +462,7 @@ def _check_reference(args: Any, manifest: dict[str, Any], cfg: model_config.Llam
     done = int((extra.get("loader") or {}).get("step", manifest.get("step", 0)))
     segments = trained_segments(extra)
     config = run_config(args)
-    now = {**{k: getattr(config, k) for k in _REFERENCE_FIELDS}, **{k: getattr(cfg, k) for k in MODEL_FIELDS}}
+    now = _reference_values(dataclasses.asdict(config), {k: getattr(cfg, k) for k in MODEL_FIELDS})
     spans, trained = _trained_with(segments, done)
     mixed = _mixed(spans, trained)
     if mixed:
@@ -467,8 +472,24 @@ def _check_reference(args: Any, manifest: dict[str, Any], cfg: model_config.Llam
         steps = f"steps {segments[0]['first']}-{done}" if len(spans) > 1 else spans[0]
         raise UsageError(f"{here}: {steps} trained with {_spell(trained[0], names)}, this run asks for "
                          f"{_spell(now, names)}: --check retrains all steps on one process with this run's flags, "
-                         f"so those would differ by design; resume with {_spell(trained[0], names, remedy=True)}, "
+                         f"so those would differ by design; resume {_spell(trained[0], names, remedy=True)}, "
                          f"or drop --check")
+
+
+def _check_precision(args: Any, saved_run: dict[str, Any], here: str) -> None:
+    """A bf16 run resumed under the default ``--precision`` must resolve it as the
+    checkpoint's run did: the default follows ``--zero`` (mixed under ZeRO, else pure), so
+    a resume that drops or adds ``--zero`` would drop the fp32 master weights, or start
+    new ones from the bf16 parameters, with nothing said."""
+    if args.precision is not None or args.dtype != "bfloat16" or "zero" not in saved_run:
+        return
+    was = master_weights(saved_run.get("precision"), int(saved_run.get("zero") or 0), saved_run.get("dtype", ""))
+    if was != master_weights(None, args.zero, args.dtype):
+        kept = "kept fp32 master weights (--precision mixed" if was else "trained pure bf16 (--precision pure"
+        now = "would drop them" if was else "would start fp32 master weights from the bf16 parameters"
+        raise UsageError(f"{here} {kept}, the default {'under' if was else 'without'} --zero); this run's default "
+                         f"{'without' if was else 'under'} --zero {now}: resume with --precision "
+                         f"{'mixed' if was else 'pure'} to go on as it did, or name the other to change it")
 
 
 def _trained_with(segments: list[dict[str, Any]], done: int) -> tuple[list[str], list[dict[str, Any]]]:
@@ -480,23 +501,42 @@ def _trained_with(segments: list[dict[str, Any]], done: int) -> tuple[list[str],
         run, model = segment.get("run") or {}, segment.get("model") or {}
         last = segments[i + 1]["first"] - 1 if i + 1 < len(segments) else done
         spans.append(f"step {last}" if segment["first"] == last else f"steps {segment['first']}-{last}")
-        trained.append({**{k: run[k] for k in _REFERENCE_FIELDS if k in run},
-                        **{k: model[k] for k in MODEL_FIELDS if k in model},
-                        "warmup_from_step_one": bool(run.get("warmup_from_step_one"))})
+        trained.append({**_reference_values(run, model), "warmup_from_step_one": bool(run.get("warmup_from_step_one"))})
     return spans, trained
+
+
+def _reference_values(run: dict[str, Any], model: dict[str, Any]) -> dict[str, Any]:
+    """What ``--check``'s reference retrains a step with, of a run config and a model
+    config (as dicts; an older record may lack some): :data:`_REFERENCE_FIELDS`, the MoE
+    fields, ``--microbatches`` for a model with experts, and the precision as resolved
+    (``None`` is mixed under ZeRO in bf16, else pure: the default follows ``--zero``).
+
+    >>> _reference_values({"lr": 0.1, "precision": None, "zero": 1, "dtype": "bfloat16", "microbatches": 2}, {})
+    {'lr': 0.1, 'precision': 'mixed'}
+    """
+    values = {k: run[k] for k in _REFERENCE_FIELDS if k in run}
+    values.update({k: model[k] for k in MODEL_FIELDS if k in model})
+    if "dtype" in run:
+        values["precision"] = ("mixed" if master_weights(run.get("precision"), int(run.get("zero") or 0), run["dtype"])
+                               else "pure")
+    if model.get("num_experts") and "microbatches" in run:
+        values["microbatches"] = run["microbatches"]
+    return values
 
 
 def segment_record(segment: dict[str, Any]) -> dict[str, Any]:
     """A segment (:func:`trained_segments`) cut to what :func:`segments_mixed` reads: its
-    first step, the lr schedule, clipping and precision it ran under, its MoE options
-    (what a run's config.json keeps of each).
+    first step, the lr schedule, clipping and precision (resolved) it ran under, its MoE
+    options (what a run's config.json keeps of each; :func:`_reference_values`).
 
     >>> segment_record({"first": 5, "run": {"lr": 0.1, "dp": 2}, "model": {"top_k": 2, "dim": 64}})
     {'first': 5, 'run': {'lr': 0.1}, 'model': {'top_k': 2}}
     """
     run, model = segment.get("run") or {}, segment.get("model") or {}
+    values = _reference_values(run, model)
     return {"first": segment["first"],
-            "run": {k: run[k] for k in (*_REFERENCE_FIELDS, "warmup_from_step_one") if k in run},
+            "run": {**{k: v for k, v in values.items() if k not in MODEL_FIELDS},
+                    **({"warmup_from_step_one": run["warmup_from_step_one"]} if "warmup_from_step_one" in run else {})},
             "model": {k: model[k] for k in MODEL_FIELDS if k in model}}
 
 
@@ -531,17 +571,22 @@ def _mixed(spans: list[str], trained: list[dict[str, Any]]) -> str | None:
 
 
 def _spell(values: dict[str, Any], names: Sequence[str], *, remedy: bool = False) -> str:
-    """``names`` as the flags that give ``values`` (``no --init-from`` for an unset one;
-    ``remedy``: ``without --init-from``).
+    """``names`` as the flags that give ``values`` (``no --init-from`` for an unset one);
+    ``remedy``: what to resume with (``with --model tiny, without --init-from``).
 
     >>> _spell({"model": "tiny", "init_from": None, "lr": 0.003}, ["init_from", "model", "lr"])
     'no --init-from --model tiny --lr 0.003'
+    >>> _spell({"model": "tiny", "init_from": None, "lr": 0.003}, ["init_from", "model", "lr"], remedy=True)
+    'with --model tiny --lr 0.003, without --init-from'
     """
-    words = []
+    words, unset = [], []
     for name in names:
         value = values.get(name)
         if value is None or value is False:
-            words.append(f"{'without' if remedy else 'no'} {flag_of(name)}")
+            (unset if remedy else words).append(f"{'' if remedy else 'no '}{flag_of(name)}")
         else:
             words.append(flag_of(name) if value is True else f"{flag_of(name)} {value}")
-    return " ".join(words)
+    if not remedy:
+        return " ".join(words)
+    return ", ".join(part for part in (words and "with " + " ".join(words), unset and "without " + " ".join(unset))
+                     if part)
