@@ -205,7 +205,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args: argparse.Namespace | None = None
     try:
-        args = parse_args(argv)
+        try:
+            args = parse_args(argv)
+        except SystemExit as e:  # argparse's --help (0) or usage error (2), already printed
+            return e.code if isinstance(e.code, int) else 2
         if args.command == "train":
             return _cmd_train(args)
         if args.command == "plan":

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import math
 import dataclasses
-from typing import Any, Callable
+from typing import Any, Callable, NoReturn
 
 from .. import layouts, schedules
 from .._rules import COMPILE_BACKENDS, RUN_RTOL, SCORE_FUNCTIONS
@@ -85,6 +85,14 @@ class _HelpFormatter(argparse.HelpFormatter):
         return text + " (default: %(default)s)"
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser with its errors as one line (argparse prints the usage block, 20
+    lines for ``dtp train``, before the one that says what is wrong)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``dtp`` command (subcommands ``train``, ``plan``, ``check`` and ``export``).
 
@@ -92,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     >>> args.dp, args.tp, args.sp, args.dtype
     (2, 2, True, 'float32')
     """
-    parser = argparse.ArgumentParser(prog=PROG, description=DESCRIPTION)
+    parser = _Parser(prog=PROG, description=DESCRIPTION)
     # More subcommands (dtp plan, ...) add themselves with sub.add_parser(...): the
     # metavar lists whatever is there.
     sub = parser.add_subparsers(dest="command")

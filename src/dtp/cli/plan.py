@@ -27,8 +27,10 @@ SHARED_GROUPS = ("parallelism", "model and training", "mixture of experts")
 
 def add_train_flags(train: argparse.ArgumentParser) -> None:
     """``dtp train``'s memory check: a budget and the override."""
+    from .parser import _positive_float  # parser imports this module
+
     g = train.add_argument_group("memory check (dtp plan runs first)")
-    g.add_argument("--memory-gb", type=float, default=None, metavar="GIB",
+    g.add_argument("--memory-gb", type=_positive_float("--memory-gb"), default=None, metavar="GIB",
                    help="memory per rank the run may use (default: this machine's: the accelerator's, or the "
                         "host's RAM shared by the local ranks)")
     g.add_argument("--ignore-memory-check", action="store_true",
@@ -46,8 +48,10 @@ def add_parser(sub: argparse._SubParsersAction, train: argparse.ArgumentParser) 
             mine = p.add_argument_group(group.title, group.description)
             for action in group._group_actions:
                 mine._add_action(action)
+    from .parser import _positive_float  # parser imports this module
+
     g = p.add_argument_group("verdict")
-    g.add_argument("--memory-gb", type=float, default=None, metavar="GIB",
+    g.add_argument("--memory-gb", type=_positive_float("--memory-gb"), default=None, metavar="GIB",
                    help="memory per rank to check the peak against (no verdict without it)")
     return p
 
