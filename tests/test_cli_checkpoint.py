@@ -232,6 +232,19 @@ def test_a_bf16_resume_keeps_the_precision_the_default_gave(saved, zero, refused
     assert refused in str(e.value), e.value
 
 
+def test_check_of_a_run_stopped_early_retrains_the_steps_it_trained(small_run, tmp_path, capsys) -> None:
+    """A run stopped after step 3 of 4 (Ctrl-C, a stall): dtp check retrains those 3 under
+    the 4-step lr schedule and passes (before: it retrained all 4, then failed on the count)."""
+    run = tmp_path / "run"
+    shutil.copytree(small_run, run)
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    (run / "metrics.jsonl").write_text("\n".join(lines[:3]) + "\n")
+    capsys.readouterr()
+    assert cli.main(["check", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "retraining 3 steps of 4 (the run stopped after step 3)" in out and "check: 3 steps" in out, out
+
+
 def test_check_refuses_a_run_whose_steps_ran_under_other_steps(small_run, tmp_path, monkeypatch, capsys) -> None:
     """--steps may change on resume (4 -> 6: steps 5-6 train); --check then cannot retrain
     steps 1-4 and 5-6 with one set of flags, and says so before any rank starts."""

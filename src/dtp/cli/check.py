@@ -100,8 +100,15 @@ def check_run(run_dir: str | os.PathLike[str], *, rtol: float | None = None,
     if mixed:
         raise UsageError(f"{run_dir}: {mixed}")
     run = [float(r["loss"]) for r in records]
+    if not run:
+        raise UsageError(f"{run_dir}: no step in metrics.jsonl: nothing to check")
     rtol = tolerance_for(cfg["dtype"]) if rtol is None else rtol
-    print(f"check: retraining {cfg['steps']} steps on 1 process (layout data, recompute none) ...",
+    # A run stopped early (Ctrl-C, a stall) is checked on the steps it trained, under its
+    # whole run's lr schedule: retraining all of --steps would take as long as the run
+    # would have, then fail on the count.
+    last = min(len(run), int(cfg["steps"]))
+    of = f" of {cfg['steps']} (the run stopped after step {last})" if last < int(cfg["steps"]) else ""
+    print(f"check: retraining {last} steps{of} on 1 process (layout data, recompute none) ...",
           file=stream, flush=True)
     with single_process_world() as mesh:
         # The run's precision too: mixed and pure bf16 are different computations. As the run
@@ -109,7 +116,7 @@ def check_run(run_dir: str | os.PathLike[str], *, rtol: float | None = None,
         # without ZeRO, would otherwise update bf16 parameters in place).
         mixed = master_weights(cfg.get("precision"), cfg.get("zero", 0), cfg["dtype"])
         layout = layouts.data() + (layouts.mixed_precision() if mixed else layouts.Layout())
-        reference = train_loop({**cfg, "compile": None}, mesh, layout, recompute=None)  # eager
+        reference = train_loop({**cfg, "compile": None}, mesh, layout, recompute=None, last=last)  # eager
     ref = [r["loss"] for r in reference]
     result = compare_losses(run, ref, rtol)
     result.update(dtype=cfg["dtype"], run_losses=run, reference_losses=ref)

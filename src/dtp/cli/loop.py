@@ -122,9 +122,11 @@ class Checkpointing:
 def train_loop(args: Mapping[str, Any], mesh: DeviceMesh, layout: Layout, *, recompute: str | None,
            on_step: Callable[[int, dict[str, Any]], None] | None = None,
            checkpoints: Checkpointing | None = None,
-           on_start: Callable[[int, list[dict[str, Any]]], None] | None = None) -> list[dict[str, Any]]:
+           on_start: Callable[[int, list[dict[str, Any]]], None] | None = None,
+           last: int | None = None) -> list[dict[str, Any]]:
     """The training loop every rank runs (and the 1-process reference); returns the
-    metrics of the steps it ran (after the resumed one, when resuming). ``on_start(first,
+    metrics of the steps it ran (after the resumed one, when resuming), up to step
+    ``last`` (default ``args["steps"]``; the lr schedule is the whole run's). ``on_start(first,
     segments)`` runs once the state is built and a resumed checkpoint and data position
     have loaded, before step ``first``: what a run writes before that is lost if the load
     fails. ``segments``: which flags trained which steps (:func:`flags.trained_segments`),
@@ -177,7 +179,7 @@ def train_loop(args: Mapping[str, Any], mesh: DeviceMesh, layout: Layout, *, rec
     records, saving = [], None
     # Dropless MoE changes its expert batches' shapes every step: dynamic from the start.
     compiling = args.get("compile") and CompileOptions(backend=args["compile"], dynamic=cfg.num_experts > 0 or None)
-    for step in range(first, args["steps"] + 1):
+    for step in range(first, min(args["steps"], last or args["steps"]) + 1):
         batch = shard_batch(loader.next_batch(), state)
         state, m = train_step(loss_fn, state, batch, microbatches=args["microbatches"],
                               recompute=recompute, clip_norm=clip, compile=compiling)
