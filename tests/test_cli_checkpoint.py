@@ -164,18 +164,28 @@ def _refuses_before_the_ranks(monkeypatch) -> None:
     (["--steps", "4", "--document-mask", "--eos-id", "1", "--check"],
      "trained with no --document-mask, this run asks for --document-mask: --check retrains all steps on one process "
      "with this run's flags, so those would differ by design; resume without --document-mask, or drop --check"),
-], ids=["dtype", "model", "moe model", "seed", "steps with check", "lr with check", "document mask with check"])
+    # the training split: a resume's loader refused it on the ranks ("TokenLoader state does not match")
+    (["--steps", "4", "--eval-every", "2"], "was trained with no --eval-every, so the whole corpus trained: its data "
+     "position is one of that split's batches; resume without --eval-every"),
+    (["--steps", "4", "--data", "TOKENS"], "tokens, this run's --data TOKENS has 4000: resume with "
+     "the --data it was trained on (the bundled corpus)"),
+], ids=["dtype", "model", "moe model", "seed", "steps with check", "lr with check", "document mask with check",
+        "eval split", "other data"])
 def test_a_resume_that_cannot_work_is_refused_before_any_rank(small_run, tmp_path, monkeypatch, capsys,
                                                               flags, message) -> None:
     run = tmp_path / "run"
     shutil.copytree(small_run, run)
+    tokens = tmp_path / "tokens.npy"
+    np = pytest.importorskip("numpy")
+    np.save(tokens, np.arange(4000, dtype=np.int64) % 256)
     before = _contents(run)
     _refuses_before_the_ranks(monkeypatch)
     capsys.readouterr()
-    assert cli.main(["train", *_SMALL, "--resume", "--out", str(run), *flags]) == 2
+    assert cli.main(["train", *_SMALL, "--resume", "--out", str(run), *[str(tokens) if f == "TOKENS" else f
+                                                                        for f in flags]]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("dtp train: error: --resume"), err
-    assert message.replace("RUN", str(run)) in err
+    assert message.replace("RUN", str(run)).replace("TOKENS", str(tokens)) in err
     assert _contents(run) == before
 
 

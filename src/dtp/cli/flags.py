@@ -280,7 +280,7 @@ def preflight(args: argparse.Namespace, *, check_out: bool = True) -> Layout:
     _check_sequence_split(args.seq, layout, mesh)
     _check_corpus(args, n_tokens)
     if args.resume:  # read-only: every rank of an outside torchrun may check it alike
-        check_resume(args, resume_checkpoint(args.out), cfg)
+        check_resume(args, resume_checkpoint(args.out), cfg, n_tokens=n_tokens)
     if check_out:
         check_out_dir(args)
     return layout
@@ -378,14 +378,16 @@ def resume_checkpoint(out: str | os.PathLike[str]) -> Path:
     return found
 
 
-def check_resume(args: Any, path: Path, cfg: model_config.LlamaConfig) -> None:
+def check_resume(args: Any, path: Path, cfg: model_config.LlamaConfig, *, n_tokens: int | None = None) -> None:
     """The checkpoint at ``path`` against the flags that resume it (``args``; ``cfg`` the
     model they describe), from its manifest alone (no torch, no tensor data):
 
     - its parameters' dtype is ``--dtype`` (a checkpoint is never cast) and their shapes
       are the model's (``--model``, ``--init-from``, the MoE flags, the vocabulary of
       ``--data``); router biases are there if ``--router-bias-update`` needs them;
-    - ``--seed``, ``--batch``, ``--seq`` are the ones its data position belongs to;
+    - ``--seed``, ``--batch``, ``--seq`` are the ones its data position belongs to, and
+      the training split has the checkpoint's tokens (``n_tokens``, the corpus's: the
+      same ``--data``, held out alike by ``--eval-every``);
     - with ``--check``, the lr schedule, clipping, precision and MoE hyperparameters are
       the ones the steps already trained ran with: the reference retrains every step
       with this run's flags.
@@ -432,6 +434,7 @@ def check_resume(args: Any, path: Path, cfg: model_config.LlamaConfig) -> None:
         raise UsageError(f"{here} holds router biases (trained with --router-bias-update {rate}), which this run "
                          f"would drop; resume with --router-bias-update {rate}")
     _check_precision(args, saved_run, here)
+    _check_split(args, saved_run, (extra.get("loader") or {}).get("num_tokens"), n_tokens, here)
     for k in _DATA_ORDER:
         if k in saved_run and saved_run[k] != getattr(args, k):
             raise UsageError(f"{here} was trained with {flag_of(k)} {saved_run[k]}, this run asks for {flag_of(k)} "
@@ -474,6 +477,25 @@ def _check_reference(args: Any, manifest: dict[str, Any], cfg: model_config.Llam
                          f"{_spell(now, names)}: --check retrains all steps on one process with this run's flags, "
                          f"so those would differ by design; resume {_spell(trained[0], names, remedy=True)}, "
                          f"or drop --check")
+
+
+def _check_split(args: Any, saved_run: dict[str, Any], saved: int | None, n_tokens: int | None, here: str) -> None:
+    """The training split this run reads has the checkpoint's token count (its loader
+    refuses another, but only once the ranks have started, in its own words)."""
+    if saved is None or n_tokens is None:
+        return
+    mine = held_out_start(n_tokens) if args.eval_every else n_tokens
+    if int(saved) == mine:
+        return
+    held_then = saved == held_out_start(n_tokens) if not args.eval_every else saved == n_tokens
+    if held_then:  # the same corpus, split otherwise
+        flag = ("--eval-every, which held out the corpus's last tenth" if not args.eval_every else
+                "no --eval-every, so the whole corpus trained")
+        raise UsageError(f"{here} was trained with {flag}: its data position is one of that split's batches; "
+                         f"resume {'with --eval-every N' if not args.eval_every else 'without --eval-every'}")
+    raise UsageError(f"{here} trained on {saved} tokens, this run's --data {args.data or '(the bundled corpus)'} has "
+                     f"{mine}{' in its training split' if args.eval_every else ''}: resume with the --data it "
+                     f"was trained on ({saved_run.get('data') or 'the bundled corpus'})")
 
 
 def _check_precision(args: Any, saved_run: dict[str, Any], here: str) -> None:
