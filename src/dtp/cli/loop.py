@@ -29,6 +29,7 @@ from .._token_files import held_out_start
 from ..buffers import lay_out as lay_out_buffers
 from ..data import TokenLoader, Tokens, document_eos, open_tokens
 from ..mesh import mesh_device
+from ..planning.report import format_count
 from ..models import hf, llama
 from ..redistribute import value_of
 from .process import Terminated, sigterm_ignored, sigterm_raises, run_world, single_process_world, why
@@ -403,7 +404,7 @@ def _print_header(args: argparse.Namespace, run_cfg: Mapping[str, Any], layout: 
     cfg = _model(vars(args), run_cfg["vocab_size"])
     params = llama.param_count(cfg)
     model = args.init_from if args.init_from else args.model
-    print(f"{PROG} train: {model} ({_count(params)} parameters) on mesh {format_mesh(run_cfg['mesh'])} "
+    print(f"{PROG} train: {model} ({format_count(params)} parameters) on mesh {format_mesh(run_cfg['mesh'])} "
           f"({world} rank{'s' * (world > 1)}), layout {layout.name}, {args.dtype}, writing {out}",
           file=stream, flush=True)
     memory = _plan_memory(args)
@@ -424,14 +425,6 @@ def _plan_memory(args: argparse.Namespace) -> str | None:
     return (f"plan: peak {format_bytes(p.peak)} per rank (parameters {format_bytes(worst.params)}, optimizer "
             f"{format_bytes(worst.optimizer)}, activations {format_bytes(worst.activations)}); dtp plan for the "
             f"table")
-
-
-def _count(n: int) -> str:
-    """A parameter count: ``98.9k``, ``1.2M``, ``6.7B``."""
-    for unit, scale in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.1f}{unit}"
-    return str(n)
 
 
 class _AppendOnFirstWrite:

@@ -16,9 +16,21 @@ if TYPE_CHECKING:
     from . import Plan
     from .traffic import Traffic
 
-__all__ = ["format_plan", "check_fits", "format_bytes"]
+__all__ = ["format_plan", "check_fits", "format_bytes", "format_count"]
 
 GIB = 2**30
+
+
+def format_count(n: int) -> str:
+    """A parameter count, as ``dtp train`` and ``dtp plan`` print it.
+
+    >>> format_count(106_816), format_count(1_234_567), format_count(70_553_706_496)
+    ('106.8k', '1.2M', '70.6B')
+    """
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f}{unit}"
+    return str(n)
 
 
 def format_bytes(n: float) -> str:
@@ -51,7 +63,7 @@ def _describe(p: "Plan") -> str:
         parts.append(f"zero={s.zero}")
     parts += [f"microbatches={s.microbatches}", f"recompute={s.recompute}", s.dtype]
     ranks = f"{s.world} rank{'s' * (s.world > 1)}"
-    return f"{s.model} ({p.params / 1e9:.2f}B params), batch {s.batch} × seq {s.seq} on {ranks}: " + ", ".join(parts)
+    return f"{s.model} ({format_count(p.params)} params), batch {s.batch} × seq {s.seq} on {ranks}: " + ", ".join(parts)
 
 
 def format_plan(p: "Plan", memory_gb: float | None = None) -> str:
@@ -59,7 +71,7 @@ def format_plan(p: "Plan", memory_gb: float | None = None) -> str:
 
     >>> from dtp.planning import plan
     >>> print(format_plan(plan("tiny", batch=8, seq=16, dp=2), memory_gb=1))  # doctest: +ELLIPSIS
-    tiny (0.00B params), batch 8 × seq 16 on 2 ranks: dp=2, microbatches=1, recompute=none, float32
+    tiny (106.8k params), batch 8 × seq 16 on 2 ranks: dp=2, microbatches=1, recompute=none, float32
     memory per rank (pipeline rank 0)
       parameters                            417.25 KiB
     ...
