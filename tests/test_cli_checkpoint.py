@@ -164,13 +164,14 @@ def _refuses_before_the_ranks(monkeypatch) -> None:
     (["--steps", "4", "--document-mask", "--eos-id", "1", "--check"],
      "trained with no --document-mask, this run asks for --document-mask: --check retrains all steps on one process "
      "with this run's flags, so those would differ by design; resume without --document-mask, or drop --check"),
+    (["--steps", "4"], "is at step 4, and --steps 4 leaves nothing to train: resume with --steps above 4"),
     # the training split: a resume's loader refused it on the ranks ("TokenLoader state does not match")
     (["--steps", "4", "--eval-every", "2"], "was trained with no --eval-every, so the whole corpus trained: its data "
      "position is one of that split's batches; resume without --eval-every"),
     (["--steps", "4", "--data", "TOKENS"], "tokens, this run's --data TOKENS has 4000: resume with "
      "the --data it was trained on (the bundled corpus)"),
 ], ids=["dtype", "model", "moe model", "seed", "steps with check", "lr with check", "document mask with check",
-        "eval split", "other data"])
+        "eval split", "other data", "nothing to train"])
 def test_a_resume_that_cannot_work_is_refused_before_any_rank(small_run, tmp_path, monkeypatch, capsys,
                                                               flags, message) -> None:
     run = tmp_path / "run"

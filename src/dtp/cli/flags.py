@@ -442,6 +442,11 @@ def check_resume(args: Any, path: Path, cfg: model_config.LlamaConfig, *, n_toke
                              f"{flag_of(k)} {saved_run[k]}")
     if getattr(args, "check", False):
         _check_reference(args, manifest, cfg, here.replace("--resume", "--resume --check", 1))
+    # last: each refusal above names what to change, this one only that it already ran
+    step = int(manifest.get("step", 0))
+    if step >= args.steps:
+        raise UsageError(f"{here} is at step {step}, and --steps {args.steps} leaves nothing to train: resume with "
+                         f"--steps above {step} (dtp check RUN checks a finished run)")
 
 
 def trained_segments(extra: dict[str, Any]) -> list[dict[str, Any]]:
