@@ -442,9 +442,11 @@ def check_resume(args: Any, path: Path, cfg: model_config.LlamaConfig, *, n_toke
                              f"{flag_of(k)} {saved_run[k]}")
     if getattr(args, "check", False):
         _check_reference(args, manifest, cfg, here.replace("--resume", "--resume --check", 1))
-    # last: each refusal above names what to change, this one only that it already ran
+    # Last: each refusal above names what to change, this one only that it already ran. Not
+    # after torchrun restarted the ranks: a rank that died once the last checkpoint was
+    # written restarts onto it, and the run is then done, not wrong.
     step = int(manifest.get("step", 0))
-    if step >= args.steps:
+    if step >= args.steps and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0:
         raise UsageError(f"{here} is at step {step}, and --steps {args.steps} leaves nothing to train: resume with "
                          f"--steps above {step} (dtp check RUN checks a finished run)")
 
