@@ -250,12 +250,12 @@ class RunConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 fail(f"{n(name)} must be >= 1, got {value}")
-        for name in ("bucket_mb", "lr", "clip", "max_skipped", "num_experts", "eval_every", "save_every",
+        for name in ("lr", "clip", "max_skipped", "num_experts", "eval_every", "save_every",
                      "max_restarts", "router_bias_update", "aux_loss_coeff", "eos_id"):
             value = getattr(self, name)
             if value is not None and value < 0:
                 fail(f"{n(name)} must be >= 0, got {value}")
-        for name in ("capacity_factor", "timeout", "routed_scaling_factor"):
+        for name in ("bucket_mb", "capacity_factor", "timeout", "routed_scaling_factor"):
             value = getattr(self, name)
             if value is not None and not value > 0:
                 fail(f"{n(name)} must be > 0, got {value}")

@@ -151,7 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(2Ψ traffic instead of 3Ψ; parameters whole during a step)")
     g.add_argument("--zero-prefetch", type=_positive("--zero-prefetch"), default=RUN_DEFAULTS["zero_prefetch"], metavar="N",
                    help="with --zero 3: buckets gathered ahead of the one in use")
-    g.add_argument("--bucket-mb", type=_non_negative_float, default=RUN_DEFAULTS["bucket_mb"],
+    g.add_argument("--bucket-mb", type=_positive_float("--bucket-mb"), default=RUN_DEFAULTS["bucket_mb"],
                    help="with --zero: gradient/parameter bucket size in MiB")
 
     g = t.add_argument_group("model and training")
