@@ -38,7 +38,9 @@ BAD_RUNS = {
     "mesh vs nproc": (["--dp", "3", "--nproc", "4"], "--nproc 4 does not match the mesh dp=3: it needs 3 ranks"),
     "heads vs tp": (["--tp", "3"], "--model tiny on the mesh dp=1 × tp=3: heads=4 is not divisible by tp=3 "),
     "kv heads vs head chunks": (["--cp", "2", "--cp-head-chunks", "3"], "head_chunks=3 must divide the 2 kv heads"),
-    "seq vs cp": (["--cp", "2", "--seq", "30"], "--seq 30: zigzag load balancing"),
+    "seq vs cp": (["--cp", "2", "--seq", "30"], "--seq 30: --cp 2 cuts the sequence into 4 equal chunks (2 per "
+                                               "rank: zigzag load balancing of causal attention); use a --seq that "
+                                               "is a multiple of 4"),
     "seq vs sp": (["--tp", "2", "--sp", "--seq", "31"],
                   "--seq 31: --sp over --tp splits the sequence 2 ways (tp=2); use a --seq that is a multiple of 2"),
     "batch vs dp": (["--batch", "6", "--dp", "4"], "divisible by --dp × --microbatches"),
@@ -90,6 +92,9 @@ BAD_RUNS = {
                                         "this run asks for --steps 8 --warmup 5: --check retrains all steps"),
     "resume without a checkpoint": (["--resume", "--out", "HF_DIR"], "--resume: no checkpoint in "),
 }
+# The cases that are the run's shape alone: ``dtp plan`` refuses them with train's line.
+PLAN_CASES = ("heads vs tp", "kv heads vs head chunks", "seq vs cp", "seq vs sp", "seq vs the model", "experts vs ep",
+              "layers vs stages", "sp without tp", "pp with zero 3", "pp with overlapped grad reduce")
 _HF_CONFIG = {"model_type": "llama", "vocab_size": 100, "hidden_size": 64, "intermediate_size": 128,
               "num_hidden_layers": 2, "num_attention_heads": 4}
 
@@ -102,6 +107,11 @@ for name, argv in json.loads(sys.argv[1]).items():
     with contextlib.redirect_stderr(err):
         code = main(["train", *argv])
     results[name] = [code, err.getvalue()]
+    if name in json.loads(sys.argv[2]):
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            code = main(["plan", *argv])
+        results["plan: " + name] = [code, err.getvalue()]
 results["torch imported"] = sorted(m for m in sys.modules if m == "torch" or m.startswith("torch."))
 print(json.dumps(results))
 """
@@ -137,7 +147,7 @@ def bad_runs(tmp_path_factory) -> dict[str, list]:
     places = {"HF_DIR": str(hf_dir), "TOKENS": str(hf_dir / "tokens.bin"), "HF_NO_VOCAB": str(no_vocab),
               "RESUMED": str(resumed)}
     argv = {name: [places.get(f, f) for f in flags] for name, (flags, _) in BAD_RUNS.items()}
-    proc = subprocess.run([sys.executable, "-c", _PROBE, json.dumps(argv)], env=_env(), capture_output=True,
+    proc = subprocess.run([sys.executable, "-c", _PROBE, json.dumps(argv), json.dumps(PLAN_CASES)], env=_env(), capture_output=True,
                           text=True, timeout=120, cwd=Path(SRC).parent)
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout)
@@ -149,6 +159,15 @@ def test_a_bad_run_is_one_line_and_exit_2(bad_runs, case) -> None:
     assert code == 2, (case, err)
     assert err.count("\n") == 1 and err.startswith("dtp train: error: "), (case, err)
     assert BAD_RUNS[case][1] in err, (case, err)
+
+
+@pytest.mark.parametrize("case", PLAN_CASES)
+def test_dtp_plan_refuses_a_shape_with_trains_line(bad_runs, case) -> None:
+    """``dtp plan`` and ``dtp train`` check a run's shape with one function
+    (:func:`dtp.cli.flags.check_shape`): the same line, exit 2, before the plan is made."""
+    code, err = bad_runs["plan: " + case]
+    assert code == 2, (case, err)
+    assert err == bad_runs[case][1].replace("dtp train: error: ", "dtp plan: error: ", 1), (case, err)
 
 
 def test_a_bad_run_never_imports_torch(bad_runs) -> None:

@@ -22,7 +22,6 @@ import tempfile
 from pathlib import Path
 from typing import Any, Sequence
 
-from .. import layouts
 from .._checkpoint_dirs import latest, read_manifest
 from .._mesh_shape import MeshShape
 from .._token_files import document_eos, held_out_start, open_tokens, token_stats
@@ -34,7 +33,7 @@ from .parser import PROG, RUN_DEFAULTS, build_parser
 
 
 __all__ = ["UsageError", "build_parser", "parse_args", "validate", "preflight", "build_layout", "mesh_axes",
-           "train_argv", "vocab_size", "run_config", "resume_checkpoint", "check_resume",
+           "train_argv", "vocab_size", "check_shape", "check_plan", "run_config", "resume_checkpoint", "check_resume",
            "trained_segments", "segment_record", "segments_mixed"]
 
 class UsageError(ValueError):
@@ -249,6 +248,27 @@ def preflight(args: argparse.Namespace, *, check_out: bool = True) -> Layout:
         except ValueError as e:
             raise UsageError(str(e)) from None
     cfg = _model(args, max_id)
+    check_shape(args, layout, cfg)
+    _check_corpus(args, n_tokens)
+    if args.resume:  # read-only: every rank of an outside torchrun may check it alike
+        check_resume(args, resume_checkpoint(args.out), cfg, n_tokens=n_tokens)
+    if check_out:
+        check_out_dir(args)
+    return layout
+
+
+def check_shape(args: argparse.Namespace, layout: Layout, cfg: model_config.LlamaConfig) -> None:
+    """The run's shape, which needs no data and no files: the model against the layout on
+    the mesh's shape (heads, kv heads, vocabulary, experts divisible by their splits), the
+    pipeline's layers and microbatches, the sequence against the model's length and the
+    context and sequence splits. :func:`preflight` runs it for ``dtp train``, ``dtp plan``
+    for its own flags: both refuse a shape with the same line.
+
+    >>> check_plan(parse_args(["plan", "--tp", "3"]))
+    Traceback (most recent call last):
+    ...
+    ValueError: --model tiny on the mesh dp=1 × tp=3: heads=4 is not divisible by tp=3 (layout data + megatron(sequence_parallel=False)); choose heads a multiple of 3, or a smaller tp
+    """
     mesh = MeshShape(mesh_axes(args))
     model = f"--init-from {args.init_from}" if args.init_from else f"--model {args.model}"
     what = f"{model} on the mesh {format_mesh(mesh.sizes)}"
@@ -258,8 +278,8 @@ def preflight(args: argparse.Namespace, *, check_out: bool = True) -> Layout:
         raise UsageError(f"--seq {args.seq}: longer than the {cfg.max_seq_len} tokens {model} takes (its "
                          f"max_seq_len: a Hugging Face model's max_position_embeddings, or a Mistral's "
                          f"sliding_window, which dtp's attention does not have)")
-    split = args.dp * args.ep * args.cp
-    if args.check and cfg.num_experts and cfg.capacity_factor is not None and split > 1:
+    split = args.dp * args.ep * args.cp  # dtp plan has no --check
+    if getattr(args, "check", False) and cfg.num_experts and cfg.capacity_factor is not None and split > 1:
         # dtp.ops.moe: capacity is computed from the tokens a rank routes (Megatron's rule),
         # so a batch split over dp × ep × cp drops other tokens than one process does.
         raise UsageError(f"--check compares with one process, but with --capacity-factor each rank drops by its "
@@ -275,15 +295,19 @@ def preflight(args: argparse.Namespace, *, check_out: bool = True) -> Layout:
         layout.pipeline.check_composition(layout, mesh, shared=("embed",) if cfg.tie_embeddings else (),
                                           what=f"--pp {args.pp}")
     if layout.context is not None:
-        layouts.check_divisible(args.seq, layout.context_degree(mesh), layout.context.load_balance,
-                                what=f"--seq {args.seq}")
+        # layouts.check_divisible's rule, in the flags' words (the CLI always balances by zigzag).
+        cp = layout.context_degree(mesh)
+        chunks = 2 * cp if layout.context.load_balance == "zigzag" else cp
+        if args.seq % chunks:
+            raise UsageError(f"--seq {args.seq}: --cp {cp} cuts the sequence into {chunks} equal chunks "
+                             f"(2 per rank: zigzag load balancing of causal attention); use a --seq that is "
+                             f"a multiple of {chunks}")
     _check_sequence_split(args.seq, layout, mesh)
-    _check_corpus(args, n_tokens)
-    if args.resume:  # read-only: every rank of an outside torchrun may check it alike
-        check_resume(args, resume_checkpoint(args.out), cfg, n_tokens=n_tokens)
-    if check_out:
-        check_out_dir(args)
-    return layout
+
+
+def check_plan(args: argparse.Namespace) -> None:
+    """``dtp plan``'s flags: :func:`check_shape` with the preset's vocabulary (a plan reads no data)."""
+    check_shape(args, build_layout(args), _model(args, -1))
 
 
 def _check_sequence_split(seq: int, layout: Layout, mesh: MeshShape) -> None:

@@ -78,7 +78,11 @@ def _named(p: "Plan", name: str) -> "Plan":
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    """``dtp plan``: print the table; exit 1 when a given ``--memory-gb`` is exceeded."""
+    """``dtp plan``: print the table; exit 1 when a given ``--memory-gb`` is exceeded. A shape
+    ``dtp train`` refuses is refused here with the same line (:func:`~dtp.cli.flags.check_plan`)."""
+    from .flags import check_plan
+
+    check_plan(args)  # before planning imports torch: a refusal takes a fraction of a second
     from ..planning import format_plan
 
     p = plan_from_args(args)
