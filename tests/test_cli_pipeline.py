@@ -40,7 +40,8 @@ def test_print_schedule_shows_the_v_and_its_pairs(capsys) -> None:
 def test_too_few_layers_is_one_line(capsys) -> None:
     assert main(["train", "--pp", "4", "--pp-schedule", "interleaved", "--virtual-stages", "2",
                  "--microbatches", "4", "--print-schedule"]) == 2
-    assert "the model has 4 layers, fewer than pp=4 × virtual_stages=2 = 8 stages" in capsys.readouterr().err
+    assert ("--pp 4 --virtual-stages 2: 8 pipeline stages, but --model tiny cuts into 4 layers (the embedding, its 2 "
+            "blocks, the head) and every stage needs one; use fewer stages") in capsys.readouterr().err
 
 
 def test_pp2_tp2_sp_trains_and_matches_one_process(tmp_path, monkeypatch) -> None:

@@ -50,7 +50,8 @@ BAD_RUNS = {
     "bucket size": (["--zero", "1", "--dp", "2", "--nproc", "2", "--bucket-mb", "0"], "--bucket-mb must be a finite number > 0"),
     "experts vs ep": (["--model", "tiny-moe", "--num-experts", "3", "--ep", "2"],
                       "num_experts=3 is not divisible by ep=2"),
-    "layers vs stages": (["--pp", "8", "--microbatches", "8"], "--pp 8 --virtual-stages 1"),
+    "layers vs stages": (["--pp", "8", "--microbatches", "8"], "--pp 8 --virtual-stages 1: 8 pipeline stages, but "
+                                                               "--model tiny cuts into 4 layers"),
     "corpus vs batch": (["--batch", "6000"], "the corpus has 383157 tokens, 5986 windows of 64 + 1 tokens, fewer"),
     "held-out split vs batch": (["--batch", "600", "--eval-every", "5"], "the held-out split (its last tenth"),
     "sp without tp": (["--sp"], "--sp (sequence parallel) splits the sequence over the tp group: it needs --tp > 1"),
@@ -64,11 +65,12 @@ BAD_RUNS = {
                           "--tokenizer /nonexistent/tokenizer.json: not a tokenizer.json"),
     # The pipeline's composition rules (layouts.pipeline's check_composition), before any rank:
     "pp with zero 3": (["--pp", "2", "--dp", "2", "--zero", "3", "--microbatches", "2"],
-                       "--pp 2: layouts.zero(3) with layouts.pipeline is not supported"),
+                       "--pp 2: --zero 3 with a pipeline is not supported: stage 3 frees"),
     "pp with overlapped grad reduce": (["--pp", "2", "--dp", "2", "--zero", "1", "--overlap-grad-reduce",
-                                        "--microbatches", "2"], "layouts.zero(overlap_grad_reduce=True) with"),
+                                        "--microbatches", "2"], "--overlap-grad-reduce with a pipeline is not supported"),
     "pp with zero and tied embeddings": (["--pp", "2", "--dp", "2", "--zero", "1", "--model", "1b", "--microbatches",
-                                          "2", "--ignore-memory-check"], "and tied embeddings is not supported"),
+                                          "2", "--ignore-memory-check"],
+                                         "--zero with a pipeline and tied embeddings is not supported"),
     "check with capacity on a split batch": (["--model", "tiny-moe", "--ep", "2", "--capacity-factor", "1.5",
                                               "--check"], "each rank drops by its own tokens"),
     # --init-from (HF_DIR: a config.json of 100 token ids, made by the fixture; no weights are read)

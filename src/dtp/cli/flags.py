@@ -288,12 +288,17 @@ def check_shape(args: argparse.Namespace, layout: Layout, cfg: model_config.Llam
     layout.check_mesh(mesh, what=f"the mesh {format_mesh(mesh.sizes)}")
     layout.check_sizes(model_config.axis_sizes(cfg), mesh, what=what)
     if layout.pipeline is not None:
+        stages, layers = args.pp * args.virtual_stages, model_config.n_sequential_layers(cfg)
+        if layers < stages and layout.pipeline.layer_split is None:  # pipeline.assign's rule, in the flags' words
+            raise UsageError(f"--pp {args.pp} --virtual-stages {args.virtual_stages}: {stages} pipeline stages, but "
+                             f"{model} cuts into {layers} layers (the embedding, its {cfg.n_layers} blocks, the "
+                             f"head) and every stage needs one; use fewer stages")
         layout.pipeline.check(n_layers=model_config.n_sequential_layers(cfg), mesh=mesh,
                               microbatches=args.microbatches,
                               what=f"--pp {args.pp} --virtual-stages {args.virtual_stages}")
         # The model's facts as llama.sequential(cfg) has them: the head reads the embedding when tied.
         layout.pipeline.check_composition(layout, mesh, shared=("embed",) if cfg.tie_embeddings else (),
-                                          what=f"--pp {args.pp}")
+                                          what=f"--pp {args.pp}", names=_PIPELINE_NAMES)
     if layout.context is not None:
         # layouts.check_divisible's rule, in the flags' words (the CLI always balances by zigzag).
         cp = layout.context_degree(mesh)
@@ -303,6 +308,12 @@ def check_shape(args: argparse.Namespace, layout: Layout, cfg: model_config.Llam
                              f"(2 per rank: zigzag load balancing of causal attention); use a --seq that is "
                              f"a multiple of {chunks}")
     _check_sequence_split(args.seq, layout, mesh)
+
+
+# The flags layouts.pipeline's composition rules name (its API_NAMES: layouts.zero(3), ...).
+_PIPELINE_NAMES = {"zero3": "--zero 3", "zero12": "--zero 1 or 2", "zero": "--zero",
+                   "overlap_grad_reduce": "--overlap-grad-reduce", "drop_overlap_grad_reduce": "--overlap-grad-reduce",
+                   "pipeline": "a pipeline"}
 
 
 def check_plan(args: argparse.Namespace) -> None:

@@ -17,7 +17,7 @@ on the stages that also hold the embedding or the head). The microbatch count is
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from typing import TYPE_CHECKING
 
@@ -87,12 +87,14 @@ class PipelineOptions:
         assign(n_layers, p, v, self.layer_split, what=what)
 
     def check_composition(self, layout: Layout, mesh: DeviceMesh, *, shared: Sequence[str] = (),
-                          what: str = "train_step") -> None:
+                          what: str = "train_step", names: Mapping[str, str] | None = None) -> None:
         """``ValueError`` for what this pipeline does not compose with on ``mesh``: the one
         place these rules live (``train_step`` asks with the model it runs, ``dtp train``'s
         preflight with the model's config, before any rank starts).
 
         - `shared`: parameters the first and the last stage both read (tied embeddings).
+        - `names`: what the messages call the options (:data:`API_NAMES`' keys; ``dtp train``
+          passes its flags).
 
         >>> from dtp import layouts
         >>> from dtp._mesh_shape import MeshShape
@@ -110,18 +112,25 @@ class PipelineOptions:
         # ZeRO counts each bucket's gradients per microbatch's backward to know when to post
         # its reduce-scatter or free it; a schedule interleaves microbatches' forwards and
         # backwards, so only the variants that wait for the whole backward compose.
+        n = {**API_NAMES, **(names or {})}
         if z.stage == 3:
-            raise ValueError(f"{what}: layouts.zero(3) with layouts.pipeline is not supported: stage 3 frees and "
+            raise ValueError(f"{what}: {n['zero3']} with {n['pipeline']} is not supported: stage 3 frees and "
                              "re-gathers buckets by counting reads per microbatch, which a schedule interleaves; "
-                             "use stage 1 or 2 (optimizer state and gradients sharded over dp)")
+                             f"use {n['zero12']} (optimizer state and gradients sharded over dp)")
         if z.overlap_grad_reduce:
-            raise ValueError(f"{what}: layouts.zero(overlap_grad_reduce=True) with layouts.pipeline is not "
+            raise ValueError(f"{what}: {n['overlap_grad_reduce']} with {n['pipeline']} is not "
                              "supported: a bucket's last gradient is known only when the schedule's last backward "
-                             "ran; drop overlap_grad_reduce (the reduce-scatters follow the schedule)")
+                             f"ran; drop {n['drop_overlap_grad_reduce']} (the reduce-scatters follow the schedule)")
         if shared:
-            raise ValueError(f"{what}: layouts.zero with layouts.pipeline and tied embeddings is not supported "
+            raise ValueError(f"{what}: {n['zero']} with {n['pipeline']} and tied embeddings is not supported "
                              f"(the first and last layer both read {sorted(shared)}); untie them or drop "
-                             "layouts.zero")
+                             f"{n['zero']}")
+
+
+#: How :meth:`PipelineOptions.check_composition` names the options it refuses together.
+API_NAMES = {"zero3": "layouts.zero(3)", "zero12": "stage 1 or 2", "zero": "layouts.zero",
+             "overlap_grad_reduce": "layouts.zero(overlap_grad_reduce=True)",
+             "drop_overlap_grad_reduce": "overlap_grad_reduce", "pipeline": "layouts.pipeline"}
 
 
 def assign(n_layers: int, p: int, v: int, split: Sequence[int] | None = None, *, what: str = "pipeline"
