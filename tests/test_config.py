@@ -70,6 +70,7 @@ def test_toml_round_trip_and_flags_override_it(tmp_path, capsys) -> None:
     ("dpp = 2\n", r"--config .*run.toml: unknown key 'dpp'"),
     ("dp = \n", r"--config .*run.toml: not valid TOML"),
     ('dp = "two"\n', r"--config .*run.toml: dp must be an integer, got 'two'"),
+    ("[parallel]\ndp = 2\n[more]\ndp = 4\n", r"--config .*run.toml: dp is given twice \(2 and 4\); keep one"),
 ])
 def test_a_bad_config_file_is_one_line(tmp_path, capsys, text, match) -> None:
     import re

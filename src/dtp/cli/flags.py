@@ -178,6 +178,8 @@ def read_config_file(path: str) -> dict[str, Any]:
             wrong = type_error(k, v)
             if wrong:  # here, not in argparse: it would parse a string default with the flag's type
                 raise UsageError(f"--config {path}: {k} {wrong}")
+            if k in values:  # [a] dp = 2 and [b] dp = 4: TOML allows it, and one would win silently
+                raise UsageError(f"--config {path}: {k} is given twice ({values[k]!r} and {v!r}); keep one")
             values[k] = v
     return values
 
