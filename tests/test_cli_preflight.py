@@ -83,6 +83,8 @@ BAD_RUNS = {
     # packed documents in a token file with no EOS id (TOKENS: a .bin file of 200 ids the fixture makes)
     "document mask without an eos id": (["--document-mask", "--data", "TOKENS"],
                                         "--document-mask needs the id that ends a document: pass --eos-id"),
+    "document mask with an eos id the data lacks": (["--document-mask", "--data", "TOKENS", "--eos-id", "65535"],
+                                                    "--document-mask: --eos-id 65535 never occurs in the 400 tokens"),
     # --resume against the checkpoint's manifest (RESUMED: a run directory whose step-2
     # checkpoint is a manifest of --model tiny in float32, made by the fixture; no tensors)
     "resume with another dtype": (["--resume", "--out", "RESUMED", "--dtype", "float64"],

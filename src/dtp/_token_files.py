@@ -32,7 +32,7 @@ import json
 import os
 from importlib import resources
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 __all__ = ["Tokens", "open_tokens", "document_eos", "token_stats", "held_out_start", "HELD_OUT_FRACTION", "DTYPES", "SIDECAR",
            "SAMPLE_TOKENS"]
@@ -102,18 +102,32 @@ class Tokens:
         """``(min, max)`` of a bounded sample: every id when there are at most
         :data:`SAMPLE_TOKENS`, else :data:`SAMPLE_CHUNKS` evenly spaced runs of
         ``SAMPLE_TOKENS / SAMPLE_CHUNKS`` ids (first and last included)."""
+        lo, hi = None, None
+        for ids in self._sample():
+            lo = int(ids.min()) if lo is None else min(lo, int(ids.min()))
+            hi = int(ids.max()) if hi is None else max(hi, int(ids.max()))
+        return lo, hi
+
+    def sample_holds(self, token_id: int) -> bool:
+        """Whether ``token_id`` occurs in :meth:`sample_range`'s sample (the whole corpus
+        when it has at most :data:`SAMPLE_TOKENS` ids).
+
+        >>> import numpy as np
+        >>> t = Tokens([np.array([5, 1, 2, 5], dtype=np.uint16)])
+        >>> t.sample_holds(5), t.sample_holds(3)
+        (True, False)
+        """
+        return any(bool((ids == token_id).any()) for ids in self._sample())
+
+    def _sample(self) -> Iterator[Any]:
         n = len(self)
         if n <= SAMPLE_TOKENS:
             runs = [(0, n)]
         else:
             size = SAMPLE_TOKENS // SAMPLE_CHUNKS
             runs = [(s, s + size) for s in ((n - size) * i // (SAMPLE_CHUNKS - 1) for i in range(SAMPLE_CHUNKS))]
-        lo, hi = None, None
         for a, b in runs:
-            ids = self.read(a, b)
-            lo = int(ids.min()) if lo is None else min(lo, int(ids.min()))
-            hi = int(ids.max()) if hi is None else max(hi, int(ids.max()))
-        return lo, hi
+            yield self.read(a, b)
 
 
 def _sidecar(path: Path) -> dict[str, Any]:

@@ -24,7 +24,7 @@ from typing import Any, Sequence
 
 from .._checkpoint_dirs import latest, read_manifest
 from .._mesh_shape import MeshShape
-from .._token_files import document_eos, held_out_start, open_tokens, token_stats
+from .._token_files import SAMPLE_TOKENS, document_eos, held_out_start, open_tokens, token_stats
 from ..config import MODEL_FIELDS, RunConfig, flag_names, flag_of, master_weights, mesh_axes_of, type_error
 from ..launch import in_torchrun
 from ..layouts import Layout
@@ -245,10 +245,7 @@ def preflight(args: argparse.Namespace, *, check_out: bool = True) -> Layout:
     except (OSError, ValueError) as e:
         raise UsageError(f"--data: {e}" if not str(e).startswith("--") else str(e)) from None
     if args.document_mask:
-        try:
-            document_eos(open_tokens(args.data, dtype=args.data_dtype, eos_id=args.eos_id, tokenizer=args.tokenizer))
-        except ValueError as e:
-            raise UsageError(str(e)) from None
+        _check_document_ends(args)
     cfg = _model(args, max_id)
     check_shape(args, layout, cfg)
     _check_corpus(args, n_tokens)
@@ -356,6 +353,26 @@ def _model(args: argparse.Namespace, max_id: int) -> model_config.LlamaConfig:
         raise UsageError(f"--data holds token id {max_id}, but the model of --init-from {args.init_from} has "
                          f"{real} token ids; tokenize the data with its tokenizer")
     return cfg
+
+
+def _check_document_ends(args: argparse.Namespace) -> None:
+    """``--document-mask`` has an id that ends a document, and the data holds it: an id that
+    never occurs masks nothing (every window one document), which is the run without the
+    mask under another name. Refused when the whole corpus was read; a note when only a
+    sample was (:meth:`~dtp._token_files.Tokens.sample_holds`)."""
+    tokens = open_tokens(args.data, dtype=args.data_dtype, eos_id=args.eos_id, tokenizer=args.tokenizer)
+    try:
+        eos = document_eos(tokens)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if tokens.sample_holds(eos):
+        return
+    source = f"--eos-id {eos}" if args.eos_id is not None else f"the id that ends a document ({eos})"
+    if len(tokens) <= SAMPLE_TOKENS:
+        raise UsageError(f"--document-mask: {source} never occurs in the {len(tokens)} tokens of --data, so every "
+                         f"window would be one document, as without the mask; check the id")
+    print(f"{PROG} train: note: --document-mask: {source} does not occur in a sample of {SAMPLE_TOKENS} of the "
+          f"{len(tokens)} tokens of --data; check the id", file=sys.stderr)
 
 
 def _check_corpus(args: argparse.Namespace, n_tokens: int) -> None:
