@@ -18,6 +18,7 @@ import math
 import os
 import time
 import shlex
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Mapping, TextIO
 
@@ -182,8 +183,12 @@ def train_loop(args: Mapping[str, Any], mesh: DeviceMesh, layout: Layout, *, rec
     compiling = args.get("compile") and CompileOptions(backend=args["compile"], dynamic=cfg.num_experts > 0 or None)
     for step in range(first, min(args["steps"], last or args["steps"]) + 1):
         batch = shard_batch(loader.next_batch(), state)
-        state, m = train_step(loss_fn, state, batch, microbatches=args["microbatches"],
-                              recompute=recompute, clip_norm=clip, compile=compiling)
+        with warnings.catch_warnings():
+            # The step's line says SKIPPED, in the run's numbering; train_step's warning would
+            # add two lines (the source line under it) counting state.step, the updates made.
+            warnings.filterwarnings("ignore", "dtp.train_step: non-finite", RuntimeWarning)
+            state, m = train_step(loss_fn, state, batch, microbatches=args["microbatches"],
+                                  recompute=recompute, clip_norm=clip, compile=compiling)
         step_time = float(m["step_time"])
         skips.add(bool(m["skipped"]))
         tokens_per_s = int(m["tokens"]) / step_time if step_time > 0 else None
