@@ -46,8 +46,8 @@ BAD_RUNS = {
     "batch vs dp": (["--batch", "6", "--dp", "4"], "divisible by --dp × --microbatches"),
     "seq vs the model": (["--seq", "1024"], "--seq 1024: longer than the 512 tokens --model tiny takes"),
     # argparse's own errors: one line too (no usage block before it)
-    "memory budget": (["--memory-gb", "0"], "--memory-gb must be a finite number > 0, got '0' (see dtp train --help)"),
-    "bucket size": (["--zero", "1", "--dp", "2", "--nproc", "2", "--bucket-mb", "0"], "--bucket-mb must be a finite number > 0"),
+    "memory budget": (["--memory-gb", "0"], "argument --memory-gb: expected a finite number > 0, got '0' (see dtp train --help)"),
+    "bucket size": (["--zero", "1", "--dp", "2", "--nproc", "2", "--bucket-mb", "0"], "argument --bucket-mb: expected a finite number > 0"),
     "experts vs ep": (["--model", "tiny-moe", "--num-experts", "3", "--ep", "2"],
                       "num_experts=3 is not divisible by ep=2"),
     "layers vs stages": (["--pp", "8", "--microbatches", "8"], "--pp 8 --virtual-stages 1: 8 pipeline stages, but "

@@ -19,7 +19,7 @@ from ..config import DEFAULT_WARMUP, DTYPES, RECOMPUTE, RunConfig
 from ..layouts import CP_ALGORITHMS, ZERO_STAGES
 from . import plan as plan_cli
 
-__all__ = ["build_parser", "PROG", "EVAL_BATCHES", "RUN_FILES", "RUN_DEFAULTS"]
+__all__ = ["build_parser", "positive_float", "PROG", "EVAL_BATCHES", "RUN_FILES", "RUN_DEFAULTS"]
 
 PROG = "dtp"
 # The parser's description: the first line of the package docstring (dtp.cli).
@@ -40,34 +40,27 @@ RUN_FILES = ("config.json", "metrics.jsonl", "summary.json", "loss.png", "check.
 RUN_DEFAULTS = {f.name: f.default for f in dataclasses.fields(RunConfig)}
 
 
-def _number(kind: type, minimum: int, *, strict: bool = False, name: str | None = None) -> Callable[[str], Any]:
-    """An argparse type: ``kind`` (int or float, finite) >= ``minimum`` (> with ``strict``);
-    the message names the flag when ``name`` is given."""
-    lead = f"{name} must be" if name else "expected"
+def _number(kind: type, minimum: int, *, strict: bool = False) -> Callable[[str], Any]:
+    """An argparse type: ``kind`` (int or float, finite) >= ``minimum`` (> with ``strict``).
+    argparse names the flag before the message ("argument --dp: expected ...")."""
     noun = "an integer" if kind is int else "a number"
 
     def parse(text: str) -> Any:
         try:
             value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{lead} {noun}, got {text!r}") from None
+            raise argparse.ArgumentTypeError(f"expected {noun}, got {text!r}") from None
         if not (math.isfinite(value) and (value > minimum if strict else value >= minimum)):
-            desc = "a finite number " if kind is float else ("" if name else "an integer ")
+            desc = "a finite number" if kind is float else "an integer"
             shown = repr(text) if kind is float else value
-            raise argparse.ArgumentTypeError(f"{lead} {desc}{'>' if strict else '>='} {minimum}, got {shown}")
+            raise argparse.ArgumentTypeError(f"expected {desc} {'>' if strict else '>='} {minimum}, got {shown}")
         return value
 
     return parse
 
 
-def _positive(name: str) -> Callable[[str], int]:
-    return _number(int, 1, name=name)
-
-
-def _positive_float(name: str) -> Callable[[str], float]:
-    return _number(float, 0, strict=True, name=name)
-
-
+_positive = _number(int, 1)
+positive_float = _number(float, 0, strict=True)
 _non_negative_float = _number(float, 0)
 _non_negative_int = _number(int, 0)
 
@@ -114,29 +107,29 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--print-config", action="store_true",
                    help="print the resolved run as TOML (what --config reads) and exit")
     g = t.add_argument_group("parallelism (mesh order dp, cp, tp: outer to inner)")
-    g.add_argument("--nproc", type=_positive("--nproc"), default=None,
+    g.add_argument("--nproc", type=_positive, default=None,
                    help="local ranks to start; default (and the only valid value): the mesh size, pp*dp*ep*cp*tp")
-    g.add_argument("--dp", type=_positive("--dp"), default=RUN_DEFAULTS["dp"], help="data-parallel degree")
-    g.add_argument("--cp", type=_positive("--cp"), default=RUN_DEFAULTS["cp"], help="context-parallel degree")
-    g.add_argument("--tp", type=_positive("--tp"), default=RUN_DEFAULTS["tp"], help="tensor-parallel degree")
+    g.add_argument("--dp", type=_positive, default=RUN_DEFAULTS["dp"], help="data-parallel degree")
+    g.add_argument("--cp", type=_positive, default=RUN_DEFAULTS["cp"], help="context-parallel degree")
+    g.add_argument("--tp", type=_positive, default=RUN_DEFAULTS["tp"], help="tensor-parallel degree")
     g.add_argument("--sp", action="store_true", help="Megatron sequence parallel (needs --tp > 1)")
     g.add_argument("--async-tp", action="store_true",
                    help="with --sp: the block's all-gathers / reduce-scatters as rings of send/recv hops under the "
                         "matmuls (collective matmul)")
     g.add_argument("--cp-algo", choices=CP_ALGORITHMS, default=RUN_DEFAULTS["cp_algo"], help="context-parallel algorithm (with --cp > 1)")
-    g.add_argument("--cp-window", type=_positive("--cp-window"), default=RUN_DEFAULTS["cp_window"],
+    g.add_argument("--cp-window", type=_positive, default=RUN_DEFAULTS["cp_window"],
                    help="double-ring window: cp ranks per inner ring (MindSpeed --cp-window-size; with --cp > 1)")
-    g.add_argument("--ulysses-degree", type=_positive("--ulysses-degree"), default=RUN_DEFAULTS["ulysses_degree"],
+    g.add_argument("--ulysses-degree", type=_positive, default=RUN_DEFAULTS["ulysses_degree"],
                    help="Ulysses part of hybrid context parallel (with --cp > 1)")
-    g.add_argument("--cp-head-chunks", type=_positive("--cp-head-chunks"), default=RUN_DEFAULTS["cp_head_chunks"],
+    g.add_argument("--cp-head-chunks", type=_positive, default=RUN_DEFAULTS["cp_head_chunks"],
                    help="context-parallel attention in this many head chunks (default: the fewest with chunks × cp >= 16 "
                         "keeping each chunk's K+V >= 1 MiB; "
                         "1: Megatron's schedule, fewer and larger transfers, more memory; with --cp > 1)")
-    g.add_argument("--pp", type=_positive("--pp"), default=RUN_DEFAULTS["pp"], help="pipeline-parallel degree (outermost mesh axis)")
+    g.add_argument("--pp", type=_positive, default=RUN_DEFAULTS["pp"], help="pipeline-parallel degree (outermost mesh axis)")
     g.add_argument("--pp-schedule", choices=schedules.SCHEDULES, default=RUN_DEFAULTS["pp_schedule"],
                    help="pipeline schedule (with --pp > 1; interleaved needs --virtual-stages >= 2; zbv and "
                         "dualpipev hold two chunks per rank in a V: rank r stages r and 2pp-1-r)")
-    g.add_argument("--virtual-stages", type=_positive("--virtual-stages"), default=RUN_DEFAULTS["virtual_stages"], metavar="V",
+    g.add_argument("--virtual-stages", type=_positive, default=RUN_DEFAULTS["virtual_stages"], metavar="V",
                    help="model chunks per pipeline rank (interleaved schedule; zbv and dualpipev: 2)")
     g.add_argument("--print-schedule", action="store_true",
                    help="print each pipeline rank's action list (F/B/I/W, chunk.microbatch) and exit")
@@ -149,9 +142,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-reshard-after-forward", dest="reshard_after_forward", action="store_false",
                    help="with --zero 3: keep gathered buckets from forward until backward is done with them "
                         "(2Ψ traffic instead of 3Ψ; parameters whole during a step)")
-    g.add_argument("--zero-prefetch", type=_positive("--zero-prefetch"), default=RUN_DEFAULTS["zero_prefetch"], metavar="N",
+    g.add_argument("--zero-prefetch", type=_positive, default=RUN_DEFAULTS["zero_prefetch"], metavar="N",
                    help="with --zero 3: buckets gathered ahead of the one in use")
-    g.add_argument("--bucket-mb", type=_positive_float("--bucket-mb"), default=RUN_DEFAULTS["bucket_mb"],
+    g.add_argument("--bucket-mb", type=positive_float, default=RUN_DEFAULTS["bucket_mb"],
                    help="with --zero: gradient/parameter bucket size in MiB")
 
     g = t.add_argument_group("model and training")
@@ -160,9 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fine-tune a Hugging Face Llama / Mistral / Mixtral: the model from HF_DIR's config.json "
                         "(instead of --model), its weights from HF_DIR's *.safetensors; the vocabulary padded "
                         "to a multiple of 128 so tp splits it (pip install 'dtp[hf]')")
-    g.add_argument("--steps", type=_positive("--steps"), default=RUN_DEFAULTS["steps"], help="optimizer steps")
-    g.add_argument("--batch", type=_positive("--batch"), default=RUN_DEFAULTS["batch"], help="global batch size (sequences)")
-    g.add_argument("--seq", type=_positive("--seq"), default=RUN_DEFAULTS["seq"], help="sequence length (tokens)")
+    g.add_argument("--steps", type=_positive, default=RUN_DEFAULTS["steps"], help="optimizer steps")
+    g.add_argument("--batch", type=_positive, default=RUN_DEFAULTS["batch"], help="global batch size (sequences)")
+    g.add_argument("--seq", type=_positive, default=RUN_DEFAULTS["seq"], help="sequence length (tokens)")
     g.add_argument("--dtype", choices=DTYPES, default=RUN_DEFAULTS["dtype"], help="parameter and compute dtype")
     g.add_argument("--precision", choices=layouts.PRECISIONS, default=RUN_DEFAULTS["precision"],
                    help="with --dtype bfloat16: mixed keeps fp32 master weights, Adam moments and gradient "
@@ -170,7 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--lr", type=_non_negative_float, default=RUN_DEFAULTS["lr"], help="peak learning rate (AdamW, cosine)")
     g.add_argument("--warmup", type=int, default=RUN_DEFAULTS["warmup"],
                    help=f"linear warm-up steps (default: min({DEFAULT_WARMUP}, --steps))")
-    g.add_argument("--microbatches", type=_positive("--microbatches"), default=RUN_DEFAULTS["microbatches"],
+    g.add_argument("--microbatches", type=_positive, default=RUN_DEFAULTS["microbatches"],
                    help="gradient-accumulation microbatches per step")
     g.add_argument("--recompute", choices=RECOMPUTE, default=RUN_DEFAULTS["recompute"], help="activation recomputation")
     g.add_argument("--compile", nargs="?", const="inductor", choices=COMPILE_BACKENDS, default=RUN_DEFAULTS["compile"],
@@ -196,28 +189,28 @@ def build_parser() -> argparse.ArgumentParser:
                    help="abort after N steps in a row skipped for a non-finite loss or gradient norm (0: never)")
 
     g = t.add_argument_group("mixture of experts (or --model tiny-moe)")
-    g.add_argument("--num-experts", type=_number(int, 0, name="--num-experts"), default=RUN_DEFAULTS["num_experts"], metavar="E",
+    g.add_argument("--num-experts", type=_non_negative_int, default=RUN_DEFAULTS["num_experts"], metavar="E",
                    help="experts per MoE block (0: dense; default: the preset's)")
-    g.add_argument("--top-k", type=_positive("--top-k"), default=RUN_DEFAULTS["top_k"], metavar="K",
+    g.add_argument("--top-k", type=_positive, default=RUN_DEFAULTS["top_k"], metavar="K",
                    help="experts each token is routed to (default: the preset's)")
-    g.add_argument("--capacity-factor", type=_positive_float("--capacity-factor"), default=RUN_DEFAULTS["capacity_factor"], metavar="C",
+    g.add_argument("--capacity-factor", type=positive_float, default=RUN_DEFAULTS["capacity_factor"], metavar="C",
                    help="each expert keeps its ceil(T·k/E · C) highest-probability tokens (default: dropless)")
     g.add_argument("--aux-loss-coeff", type=_non_negative_float, default=RUN_DEFAULTS["aux_loss_coeff"], metavar="C",
                    help="weight of the switch load-balancing loss (default: the preset's, 1e-2; 0: none)")
     g.add_argument("--router-score", choices=SCORE_FUNCTIONS, default=RUN_DEFAULTS["router_score"],
                    help="router scores: softmax (Megatron) or sigmoid with the k chosen normalised (DeepSeek-V3); "
                         "default: the preset's")
-    g.add_argument("--n-groups", type=_positive("--n-groups"), default=RUN_DEFAULTS["n_groups"], metavar="G",
+    g.add_argument("--n-groups", type=_positive, default=RUN_DEFAULTS["n_groups"], metavar="G",
                    help="group-limited routing: the experts form G groups (with --topk-group)")
-    g.add_argument("--topk-group", type=_positive("--topk-group"), default=RUN_DEFAULTS["topk_group"], metavar="K",
+    g.add_argument("--topk-group", type=_positive, default=RUN_DEFAULTS["topk_group"], metavar="K",
                    help="group-limited routing: each token picks its K best groups, then its top-k in them")
-    g.add_argument("--routed-scaling-factor", type=_positive_float("--routed-scaling-factor"),
+    g.add_argument("--routed-scaling-factor", type=positive_float,
                    default=RUN_DEFAULTS["routed_scaling_factor"], metavar="S",
                    help="multiply the k combine weights by S (DeepSeek-V3: 2.5)")
     g.add_argument("--router-bias-update", type=_non_negative_float, default=RUN_DEFAULTS["router_bias_update"],
                    metavar="RATE", help="aux-loss-free balancing: after each step each expert's selection bias "
                                         "moves by RATE·sign(mean load − load) (DeepSeek-V3: 1e-3; 0: off)")
-    g.add_argument("--ep", type=_positive("--ep"), default=RUN_DEFAULTS["ep"],
+    g.add_argument("--ep", type=_positive, default=RUN_DEFAULTS["ep"],
                    help="expert-parallel degree: experts split over an ep mesh axis (after dp; also a data axis)")
     g.add_argument("--expert-tp", action="store_true",
                    help="split each expert's hidden width over tp (Megatron's expert tensor parallel; needs --tp > 1, "
@@ -225,7 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--pipe-experts", action="store_true",
                    help="MindSpeed pipe-experts: move and compute the dispatched tokens per local expert, each "
                         "chunk's all-to-all in flight while another computes")
-    g.add_argument("--multi-data", type=_positive("--multi-data"), default=RUN_DEFAULTS["multi_data"], metavar="N",
+    g.add_argument("--multi-data", type=_positive, default=RUN_DEFAULTS["multi_data"], metavar="N",
                    help="with --pipe-experts: split each local expert's tokens into N chunks (for 1 local expert)")
     g.add_argument("--multi-stream", action="store_true",
                    help="with --pipe-experts and --sp: one communication stream for the ep all-to-alls and the tp "
@@ -238,7 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--out", default=RUN_DEFAULTS["out"], help="run directory (default: runs/<timestamp>)")
     g.add_argument("--check", action="store_true",
                    help="compare every step's loss and gradient norm with a 1-process reference run; exit 1 on mismatch")
-    g.add_argument("--log-every", type=_positive("--log-every"), default=RUN_DEFAULTS["log_every"], help="print a line every N steps")
+    g.add_argument("--log-every", type=_positive, default=RUN_DEFAULTS["log_every"], help="print a line every N steps")
     g.add_argument("--overwrite", action="store_true",
                    help="reuse a non-empty --out: delete the files an earlier run wrote there "
                         f"({', '.join(RUN_FILES)}) first")
@@ -254,14 +247,14 @@ def build_parser() -> argparse.ArgumentParser:
     g = t.add_argument_group("checkpoints (in <out>/checkpoints; any parallel flags can resume any others)")
     g.add_argument("--save-every", type=int, default=RUN_DEFAULTS["save_every"], metavar="N",
                    help="save a checkpoint every N steps and after the last (0: never)")
-    g.add_argument("--keep", type=_positive("--keep"), default=RUN_DEFAULTS["keep"], metavar="K", help="keep the newest K checkpoints")
+    g.add_argument("--keep", type=_positive, default=RUN_DEFAULTS["keep"], metavar="K", help="keep the newest K checkpoints")
     g.add_argument("--async-save", action="store_true",
                    help="write checkpoints while training goes on (each waits for the one before)")
     g.add_argument("--resume", action="store_true",
                    help="continue from the newest checkpoint in --out (metrics.jsonl and loss.png continue)")
 
     g = t.add_argument_group("failures")
-    g.add_argument("--timeout", type=_positive_float("--timeout"), default=RUN_DEFAULTS["timeout"], metavar="SECONDS",
+    g.add_argument("--timeout", type=positive_float, default=RUN_DEFAULTS["timeout"], metavar="SECONDS",
                    help="a collective that waits this long for a peer fails, and every rank exits with its "
                         "last collectives (a dead peer is noticed at once)")
     g.add_argument("--max-restarts", type=_non_negative_int, default=RUN_DEFAULTS["max_restarts"], metavar="R",

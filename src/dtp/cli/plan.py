@@ -27,12 +27,9 @@ SHARED_GROUPS = ("parallelism", "model and training", "mixture of experts")
 
 def add_train_flags(train: argparse.ArgumentParser) -> None:
     """``dtp train``'s memory check: a budget and the override."""
-    from .parser import _positive_float  # parser imports this module
-
     g = train.add_argument_group("memory check (dtp plan runs first)")
-    g.add_argument("--memory-gb", type=_positive_float("--memory-gb"), default=None, metavar="GIB",
-                   help="memory per rank the run may use (default: this machine's: the accelerator's, or the "
-                        "host's RAM shared by the local ranks)")
+    _memory_flag(g, "memory per rank the run may use (default: this machine's: the accelerator's, or the host's RAM "
+                    "shared by the local ranks)")
     g.add_argument("--ignore-memory-check", action="store_true",
                    help="train even when the plan's predicted peak exceeds --memory-gb")
 
@@ -48,12 +45,15 @@ def add_parser(sub: argparse._SubParsersAction, train: argparse.ArgumentParser) 
             mine = p.add_argument_group(group.title, group.description)
             for action in group._group_actions:
                 mine._add_action(action)
-    from .parser import _positive_float  # parser imports this module
-
-    g = p.add_argument_group("verdict")
-    g.add_argument("--memory-gb", type=_positive_float("--memory-gb"), default=None, metavar="GIB",
-                   help="memory per rank to check the peak against (no verdict without it)")
+    _memory_flag(p.add_argument_group("verdict"), "memory per rank to check the peak against (no verdict without it)")
     return p
+
+
+def _memory_flag(group: argparse._ArgumentGroup, help: str) -> None:
+    """``--memory-gb``, the budget both commands check the plan's peak against."""
+    from .parser import positive_float  # parser imports this module
+
+    group.add_argument("--memory-gb", type=positive_float, default=None, metavar="GIB", help=help)
 
 
 def plan_from_args(args: argparse.Namespace) -> "Plan":
