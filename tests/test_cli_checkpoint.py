@@ -161,7 +161,7 @@ def _refuses_before_the_ranks(monkeypatch) -> None:
      "flags, so those would differ by design; resume with --steps 4 --warmup 4, or drop --check"),
     (["--steps", "4", "--lr", "0.01", "--check"], "trained with --lr 0.003, this run asks for --lr 0.01"),
     # the mask changes every loss: the reference would retrain steps 1-4 with it
-    (["--steps", "4", "--document-mask", "--eos-id", "1", "--check"],
+    (["--steps", "4", "--document-mask", "--check"],
      "trained with no --document-mask, this run asks for --document-mask: --check retrains all steps on one process "
      "with this run's flags, so those would differ by design; resume without --document-mask, or drop --check"),
     (["--steps", "4"], "is at step 4, and --steps 4 leaves nothing to train: resume with --steps above 4"),
