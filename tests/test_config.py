@@ -84,6 +84,22 @@ def test_a_bad_config_file_is_one_line(tmp_path, capsys, text, match) -> None:
     assert "No such file" in capsys.readouterr().err
 
 
+def test_dtp_plan_reads_a_config_file_as_train_does(tmp_path, capsys) -> None:
+    """``dtp plan --config run.toml`` plans the run ``dtp train --config run.toml`` trains,
+    its fields beyond plan's flags included; flags beside it override it."""
+    path = tmp_path / "run.toml"
+    path.write_text('model = "small"\n[parallel]\ndp = 2\ntp = 2\nsp = true\n[training]\nbatch = 8\nseq = 256\n'
+                    'steps = 100\ndata_dtype = "uint16"\n')
+    plans = []
+    for argv in (["--config", str(path)], ["--model", "small", "--dp", "2", "--tp", "2", "--sp", "--batch", "8",
+                                          "--seq", "256"]):
+        assert cli.main(["plan", *argv]) == 0
+        plans.append(capsys.readouterr().out)
+    assert plans[0] == plans[1] and plans[0].startswith("small (3.3M params), batch 8 × seq 256 on 4 ranks")
+    assert cli.main(["plan", "--config", str(path), "--tp", "1"]) == 2  # --sp still from the file
+    assert "--sp (sequence parallel) splits the sequence over the tp group" in capsys.readouterr().err
+
+
 def test_plan_reads_a_run_config() -> None:
     rc = RunConfig(dp=2, tp=2, sp=True, cp=2, cp_algo="ulysses", batch=8, seq=32)
     p = dtp.plan(rc)

@@ -117,17 +117,18 @@ def validate(args: argparse.Namespace, *, world_size: int | None = None) -> argp
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Parse and validate ``dtp`` arguments (argparse errors exit with code 2). ``train
-    --config run.toml`` reads a run first; the flags given beside it override its fields.
+    --config run.toml`` (and ``plan --config``) reads a run first; the flags given beside it
+    override its fields.
 
     >>> parse_args(["train", "--nproc", "2", "--dp", "2"]).warmup
     5
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
-    if argv[:1] == ["train"]:
+    if argv[:1] in (["train"], ["plan"]):
         path = _config_path(argv)
-        if path is not None:
-            _train_parser(parser).set_defaults(**read_config_file(path))
+        if path is not None:  # a plan takes the whole run too: its fields beyond plan's flags included
+            _subparser(parser, argv[0]).set_defaults(**read_config_file(path))
     args = parser.parse_args(argv)
     if args.command == "train":
         validate(args, world_size=int(os.environ["WORLD_SIZE"]) if in_torchrun() else None)
@@ -144,9 +145,9 @@ def _config_path(argv: Sequence[str]) -> str | None:
     return None
 
 
-def _train_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+def _subparser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))  # no public accessor
-    return sub.choices["train"]
+    return sub.choices[command]
 
 
 def read_config_file(path: str) -> dict[str, Any]:

@@ -40,6 +40,8 @@ def add_parser(sub: argparse._SubParsersAction, train: argparse.ArgumentParser) 
     p = sub.add_parser("plan", help="predict per-rank memory, bytes per mesh axis and the pipeline bubble "
                                     "of a train configuration, allocating nothing",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    config = next(a for a in train._actions if a.dest == "config_file")  # a run's TOML (parse_args reads it)
+    p.add_argument_group("run configuration")._add_action(config)
     for group in train._action_groups:  # argparse has no public way to share a group
         if group.title and group.title.split(" (")[0] in SHARED_GROUPS:
             mine = p.add_argument_group(group.title, group.description)
