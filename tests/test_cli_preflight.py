@@ -56,7 +56,10 @@ BAD_RUNS = {
     "held-out split vs batch": (["--batch", "600", "--eval-every", "5"], "the held-out split (its last tenth"),
     "sp without tp": (["--sp"], "--sp (sequence parallel) splits the sequence over the tp group: it needs --tp > 1"),
     "out not writable": (["--out", "/proc/nonexistent/run"], "--out /proc/nonexistent/run: cannot create or write it"),
-    "data missing": (["--data", "/nonexistent/tokens.bin"], "--data: "),
+    "data missing": (["--data", "/nonexistent/tokens.bin"], "--data /nonexistent/tokens.bin: No such file or directory"),
+    # TOKENS's uint16 ids read as uint32: ids in the billions, an embedding of terabytes
+    "data read with a wider dtype": (["--data", "TOKENS", "--data-dtype", "uint32"],
+                                     "past the 1048576 ids any tokenizer has: is --data-dtype uint32 the dtype"),
     "data dtype of text": (["--data-dtype", "uint32"],
                            "--data: the bundled corpus: --data-dtype is for .bin token files, not text"),
     "data dtype and tokenizer": (["--data-dtype", "uint32", "--tokenizer", "t.json"],
@@ -96,9 +99,11 @@ BAD_RUNS = {
                                         "this run asks for --steps 8 --warmup 5: --check retrains all steps"),
     "resume without a checkpoint": (["--resume", "--out", "HF_DIR"], "--resume: no checkpoint in "),
 }
-# The cases that are the run's shape alone: ``dtp plan`` refuses them with train's line.
-PLAN_CASES = ("heads vs tp", "kv heads vs head chunks", "seq vs cp", "seq vs sp", "seq vs the model", "experts vs ep",
-              "layers vs stages", "sp without tp", "pp with zero 3", "pp with overlapped grad reduce")
+# The cases that are the run's shape and data alone: ``dtp plan`` refuses them with train's line.
+PLAN_CASES = ("mesh vs nproc", "data missing", "data read with a wider dtype",
+              "document mask with an eos id the data lacks", "heads vs tp", "kv heads vs head chunks", "seq vs cp",
+              "seq vs sp", "seq vs the model", "experts vs ep", "layers vs stages", "sp without tp", "pp with zero 3",
+              "pp with overlapped grad reduce")
 _HF_CONFIG = {"model_type": "llama", "vocab_size": 100, "hidden_size": 64, "intermediate_size": 128,
               "num_hidden_layers": 2, "num_attention_heads": 4}
 
@@ -172,6 +177,21 @@ def test_dtp_plan_refuses_a_shape_with_trains_line(bad_runs, case) -> None:
     code, err = bad_runs["plan: " + case]
     assert code == 2, (case, err)
     assert err == bad_runs[case][1].replace("dtp train: error: ", "dtp plan: error: ", 1), (case, err)
+
+
+def test_the_plan_and_the_memory_check_see_the_vocabulary_the_data_grows(tmp_path, capsys) -> None:
+    """Ids up to 59997 grow tiny's 256-token vocabulary to 60032 (7.8M parameters, not 107k):
+    ``dtp plan`` predicts that model, and ``dtp train``'s memory check refuses by it."""
+    import numpy as np
+
+    data = tmp_path / "big.bin"
+    (np.arange(10000) * 7 % 60000).astype(np.uint16).tofile(data)
+    flags = ["--data", str(data), "--data-dtype", "uint16"]
+    assert cli.main(["plan", *flags]) == 0
+    assert capsys.readouterr().out.startswith("tiny (7.8M params)")
+    assert cli.main(["train", *flags, "--memory-gb", "0.05", "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert "dtp train: error: DOES NOT FIT: peak 445.48 MiB" in err, err
 
 
 def test_a_bad_run_never_imports_torch(bad_runs) -> None:

@@ -89,7 +89,7 @@ def test_dtp_plan_reads_a_config_file_as_train_does(tmp_path, capsys) -> None:
     its fields beyond plan's flags included; flags beside it override it."""
     path = tmp_path / "run.toml"
     path.write_text('model = "small"\n[parallel]\ndp = 2\ntp = 2\nsp = true\n[training]\nbatch = 8\nseq = 256\n'
-                    'steps = 100\ndata_dtype = "uint16"\n')
+                    'steps = 100\n[checkpoints]\nsave_every = 10\n')
     plans = []
     for argv in (["--config", str(path)], ["--model", "small", "--dp", "2", "--tp", "2", "--sp", "--batch", "8",
                                           "--seq", "256"]):

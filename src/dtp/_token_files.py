@@ -27,6 +27,7 @@ reads one whole. :meth:`Tokens.read` is the one place ids are read;
 from __future__ import annotations
 
 import bisect
+import errno
 import functools
 import json
 import os
@@ -253,7 +254,7 @@ def open_tokens(path: str | os.PathLike[str] | None, *, dtype: str | None = None
         raise ValueError(f"--data-dtype must be one of {list(DTYPES)}, got {dtype!r}")
     p = None if path is None else Path(path)
     if p is not None and not p.exists():
-        raise FileNotFoundError(f"[Errno 2] No such file or directory: '{p}'")
+        raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), str(p))
     token_file = p is not None and (p.is_dir() or p.suffix.lower() in _SUFFIXES)
     if token_file and tokenizer is not None:
         raise ValueError(f"{p}: --tokenizer tokenizes text, but this is a token file (already ids)")

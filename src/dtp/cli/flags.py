@@ -33,7 +33,7 @@ from .parser import PROG, RUN_DEFAULTS, build_parser
 
 
 __all__ = ["UsageError", "build_parser", "parse_args", "validate", "preflight", "build_layout", "mesh_axes",
-           "train_argv", "vocab_size", "check_shape", "check_plan", "run_config", "resume_checkpoint", "check_resume",
+           "train_argv", "vocab_size", "check_shape", "check_plan", "check_nproc", "run_config", "resume_checkpoint", "check_resume",
            "trained_segments", "segment_record", "segments_mixed"]
 
 class UsageError(ValueError):
@@ -95,11 +95,9 @@ def validate(args: argparse.Namespace, *, world_size: int | None = None) -> argp
     n, shape = math.prod(axes.values()), format_mesh(axes)
     if world_size is not None and world_size != n:
         raise UsageError(f"the mesh {shape} needs {n} rank{'s' * (n > 1)}, but torchrun started WORLD_SIZE={world_size}")
+    check_nproc(args, axes)
     if args.nproc is None:
         args.nproc = n if world_size is None else world_size
-    elif args.nproc != n:
-        raise UsageError(f"--nproc {args.nproc} does not match the mesh {shape}: it needs {n} "
-                         f"rank{'s' * (n > 1)}; use --nproc {n} or leave --nproc out")
     try:
         with flag_names():
             config = RunConfig.from_dict({k: v for k, v in vars(args).items() if k in RUN_DEFAULTS})
@@ -113,6 +111,14 @@ def validate(args: argparse.Namespace, *, world_size: int | None = None) -> argp
         print(f"{PROG} train: note: --zero {args.zero} has no effect with --dp 1 (ZeRO shards over dp)",
               file=sys.stderr)
     return args
+
+
+def check_nproc(args: argparse.Namespace, axes: dict[str, int]) -> None:
+    """``--nproc``, when given, is the mesh's size (the only valid value)."""
+    n = math.prod(axes.values())
+    if args.nproc is not None and args.nproc != n:
+        raise UsageError(f"--nproc {args.nproc} does not match the mesh {format_mesh(axes)}: it needs {n} "
+                         f"rank{'s' * (n > 1)}; use --nproc {n} or leave --nproc out")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -215,6 +221,11 @@ def build_layout(args: argparse.Namespace) -> Layout:
     return run_config(args).layout()
 
 
+#: Token ids at or past this are refused as a misread file (the largest vocabularies in use,
+#: Gemma's 256k, are a quarter of it).
+MAX_VOCAB = 1 << 20
+
+
 def vocab_size(model: str, max_id: int) -> int:
     """The preset's vocabulary, grown (to a multiple of 128, like nanoGPT's 50304) when the
     data holds larger ids. Independent of tp, so runs under different layouts share a model.
@@ -239,17 +250,7 @@ def preflight(args: argparse.Namespace, *, check_out: bool = True) -> Layout:
     The pipeline's composition rules (:meth:`~dtp.layouts.pipeline.PipelineOptions.check_composition`)
     are the ones ``train_step`` checks again on every rank, before any collective.
     """
-    layout = build_layout(args)
-    try:
-        n_tokens, max_id = token_stats(args.data, dtype=args.data_dtype, eos_id=args.eos_id,
-                                       tokenizer=args.tokenizer)
-    except (OSError, ValueError) as e:
-        raise UsageError(f"--data: {e}" if not str(e).startswith("--") else str(e)) from None
-    if args.document_mask:
-        _check_document_ends(args)
-    cfg = _model(args, max_id)
-    check_shape(args, layout, cfg)
-    _check_corpus(args, n_tokens)
+    layout, cfg, n_tokens = _check_run(args)
     if args.resume:  # read-only: every rank of an outside torchrun may check it alike
         check_resume(args, resume_checkpoint(args.out), cfg, n_tokens=n_tokens)
     if check_out:
@@ -257,17 +258,46 @@ def preflight(args: argparse.Namespace, *, check_out: bool = True) -> Layout:
     return layout
 
 
-def check_shape(args: argparse.Namespace, layout: Layout, cfg: model_config.LlamaConfig) -> None:
-    """The run's shape, which needs no data and no files: the model against the layout on
-    the mesh's shape (heads, kv heads, vocabulary, experts divisible by their splits), the
-    pipeline's layers and microbatches, the sequence against the model's length and the
-    context and sequence splits. :func:`preflight` runs it for ``dtp train``, ``dtp plan``
-    for its own flags: both refuse a shape with the same line.
+def check_plan(args: argparse.Namespace) -> None:
+    """What ``dtp plan`` checks of its flags: :func:`preflight` less the run directory and a
+    resume (``dtp plan`` has neither), so it refuses what ``dtp train`` refuses, with the
+    same line, and plans the model the data makes (``args.model_config``).
 
     >>> check_plan(parse_args(["plan", "--tp", "3"]))
     Traceback (most recent call last):
     ...
     ValueError: --model tiny on the mesh dp=1 × tp=3: heads=4 is not divisible by tp=3 (layout data + megatron(sequence_parallel=False)); choose heads a multiple of 3, or a smaller tp
+    """
+    check_nproc(args, mesh_axes_of(pp=args.pp, dp=args.dp, ep=args.ep, cp=args.cp, tp=args.tp))  # as validate
+    _check_run(args)
+
+
+def _check_run(args: argparse.Namespace) -> tuple[Layout, model_config.LlamaConfig, int]:
+    """The layout, the data, the model the data makes and its shape (:func:`check_shape`),
+    the corpus against a batch: the layout, the model (also ``args.model_config``, what the
+    plan predicts: a vocabulary grown to the data's ids is the run's) and the token count."""
+    layout = build_layout(args)
+    try:
+        n_tokens, max_id = token_stats(args.data, dtype=args.data_dtype, eos_id=args.eos_id,
+                                       tokenizer=args.tokenizer)
+    except OSError as e:
+        raise UsageError(f"--data {args.data}: {e.strerror or e}") from None
+    except ValueError as e:
+        raise UsageError(f"--data: {e}" if not str(e).startswith("--") else str(e)) from None
+    if args.document_mask:
+        _check_document_ends(args)
+    cfg = args.model_config = _model(args, max_id)
+    check_shape(args, layout, cfg)
+    _check_corpus(args, n_tokens)
+    return layout, cfg, n_tokens
+
+
+def check_shape(args: argparse.Namespace, layout: Layout, cfg: model_config.LlamaConfig) -> None:
+    """The run's shape, which needs no data and no files: the model against the layout on
+    the mesh's shape (heads, kv heads, vocabulary, experts divisible by their splits), the
+    pipeline's layers and microbatches, the sequence against the model's length and the
+    context and sequence splits. :func:`preflight` runs it for ``dtp train``, ``dtp plan``
+    for its own flags (:func:`check_plan`): both refuse a shape with the same line.
     """
     mesh = MeshShape(mesh_axes(args))
     model = f"--init-from {args.init_from}" if args.init_from else f"--model {args.model}"
@@ -316,11 +346,6 @@ _PIPELINE_NAMES = {"zero3": "--zero 3", "zero12": "--zero 1 or 2", "zero": "--ze
                    "pipeline": "a pipeline"}
 
 
-def check_plan(args: argparse.Namespace) -> None:
-    """``dtp plan``'s flags: :func:`check_shape` with the preset's vocabulary (a plan reads no data)."""
-    check_shape(args, build_layout(args), _model(args, -1))
-
-
 def _check_sequence_split(seq: int, layout: Layout, mesh: MeshShape) -> None:
     """The residual stream's sequence splits evenly over the axes that split it (cp, and tp
     under --sp): caught here, not by the first rank to shard an activation (which names a
@@ -336,6 +361,12 @@ def _check_sequence_split(seq: int, layout: Layout, mesh: MeshShape) -> None:
 def _model(args: argparse.Namespace, max_id: int) -> model_config.LlamaConfig:
     """The run's model: the preset, its vocabulary grown to the data's ids (:func:`vocab_size`),
     or ``--init-from``'s, which must hold the data's ids."""
+    if max_id >= MAX_VOCAB:
+        # No tokenizer has that many ids: a token file read with a wider dtype than it was
+        # written in (pairs of uint16 ids as one uint32) gives ids in the billions, and the
+        # embedding a vocabulary of them needs.
+        raise UsageError(f"--data holds token id {max_id}, past the {MAX_VOCAB} ids any tokenizer has: is "
+                         f"--data-dtype {args.data_dtype or 'the default'} the dtype the file was written in?")
     if args.init_from is None:
         return model_config.config(args.model, vocab_size=vocab_size(args.model, max_id), **model_overrides(args))
     if importlib.util.find_spec("safetensors") is None:
@@ -379,7 +410,7 @@ def _check_document_ends(args: argparse.Namespace) -> None:
 def _check_corpus(args: argparse.Namespace, n_tokens: int) -> None:
     """Enough windows of ``--seq + 1`` tokens for one ``--batch`` (in each split, with ``--eval-every``)."""
     parts = {"the corpus": n_tokens}
-    if args.eval_every:
+    if getattr(args, "eval_every", 0):  # dtp plan has no --eval-every: it plans a training step
         cut = held_out_start(n_tokens)
         parts = {"the training split (the corpus's first nine tenths)": cut,
                  "the held-out split (its last tenth, --eval-every)": n_tokens - cut}

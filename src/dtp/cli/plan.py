@@ -67,16 +67,16 @@ def plan_from_args(args: argparse.Namespace) -> "Plan":
     ...     "--cp-window", "2", "--seq", "128"])).setup.context.window
     2
     """
-    from ..planning import plan
-    from .flags import run_config
-
-    return _named(plan(run_config(args)), getattr(args, "init_from", None) or args.model)
-
-
-def _named(p: "Plan", name: str) -> "Plan":
     import dataclasses
 
-    return dataclasses.replace(p, setup=dataclasses.replace(p.setup, model=name))
+    from ..planning import Setup, plan
+    from .flags import run_config
+
+    cfg, batch, seq, layout, parallel = Setup.arguments_of(run_config(args))
+    # The model the checks built (flags.check_plan / preflight): its vocabulary grown to the
+    # data's ids is the run's, and may be most of its parameters.
+    p = plan(getattr(args, "model_config", None) or cfg, batch=batch, seq=seq, layout=layout, **parallel)
+    return dataclasses.replace(p, setup=dataclasses.replace(p.setup, model=args.init_from or args.model))
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
