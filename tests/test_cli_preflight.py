@@ -50,6 +50,8 @@ BAD_RUNS = {
     "bucket size": (["--zero", "1", "--dp", "2", "--nproc", "2", "--bucket-mb", "0"], "argument --bucket-mb: expected a finite number > 0"),
     "experts vs ep": (["--model", "tiny-moe", "--num-experts", "3", "--ep", "2"],
                       "num_experts=3 is not divisible by ep=2"),
+    "expert flags on a dense model": (["--ep", "2", "--top-k", "2"], "--ep 2 --top-k: --model tiny has no experts (a "
+                                      "dense model); add --num-experts E, or train --model tiny-moe, or use --dp"),
     "layers vs stages": (["--pp", "8", "--microbatches", "8"], "--pp 8 --virtual-stages 1: 8 pipeline stages, but "
                                                                "--model tiny cuts into 4 layers"),
     "corpus vs batch": (["--batch", "6000"], "the corpus has 383157 tokens, 5986 windows of 64 + 1 tokens, fewer"),
@@ -102,7 +104,7 @@ BAD_RUNS = {
 # The cases that are the run's shape and data alone: ``dtp plan`` refuses them with train's line.
 PLAN_CASES = ("mesh vs nproc", "data missing", "data read with a wider dtype",
               "document mask with an eos id the data lacks", "heads vs tp", "kv heads vs head chunks", "seq vs cp",
-              "seq vs sp", "seq vs the model", "experts vs ep", "layers vs stages", "sp without tp", "pp with zero 3",
+              "seq vs sp", "seq vs the model", "experts vs ep", "expert flags on a dense model", "layers vs stages", "sp without tp", "pp with zero 3",
               "pp with overlapped grad reduce")
 _HF_CONFIG = {"model_type": "llama", "vocab_size": 100, "hidden_size": 64, "intermediate_size": 128,
               "num_hidden_layers": 2, "num_attention_heads": 4}

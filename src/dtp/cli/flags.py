@@ -315,6 +315,7 @@ def check_shape(args: argparse.Namespace, layout: Layout, cfg: model_config.Llam
         raise UsageError(f"--check compares with one process, but with --capacity-factor each rank drops by its "
                          f"own tokens (Megatron's rule), so a batch split {split} ways (--dp × --ep × --cp) "
                          f"differs from one process by design; drop --check, or train dropless")
+    _check_dense(args, cfg, model)
     layout.check_mesh(mesh, what=f"the mesh {format_mesh(mesh.sizes)}")
     layout.check_sizes(model_config.axis_sizes(cfg), mesh, what=what)
     if layout.pipeline is not None:
@@ -344,6 +345,20 @@ def check_shape(args: argparse.Namespace, layout: Layout, cfg: model_config.Llam
 _PIPELINE_NAMES = {"zero3": "--zero 3", "zero12": "--zero 1 or 2", "zero": "--zero",
                    "overlap_grad_reduce": "--overlap-grad-reduce", "drop_overlap_grad_reduce": "--overlap-grad-reduce",
                    "pipeline": "a pipeline"}
+
+
+def _check_dense(args: argparse.Namespace, cfg: model_config.LlamaConfig, model: str) -> None:
+    """Expert flags on a model without experts: refused, not ignored (``--top-k 2`` trained the
+    dense model as given; ``--ep 2`` was data parallel under another name)."""
+    if cfg.num_experts:
+        return
+    given = [f"--ep {args.ep}"] if args.ep > 1 else []
+    given += [flag_of(k) for k in MODEL_FIELDS if k != "num_experts" and getattr(args, k, None) is not None]
+    given += [flag_of(k) for k in ("expert_tp", "pipe_experts", "multi_stream", "ep_overlap") if getattr(args, k, False)]
+    given += ["--multi-data"] if getattr(args, "multi_data", 1) > 1 else []
+    if given:
+        raise UsageError(f"{' '.join(given)}: {model} has no experts (a dense model); add --num-experts E, or train "
+                         f"--model tiny-moe" + (", or use --dp for data parallel" if args.ep > 1 else ""))
 
 
 def _check_sequence_split(seq: int, layout: Layout, mesh: MeshShape) -> None:
