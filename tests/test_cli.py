@@ -598,3 +598,15 @@ def test_stalled_peer_in_a_users_loop(tmp_path) -> None:
            "#3 all_reduce dp 'step 2' 32 B done, #4 all_reduce dp 'step 3' 32 B failed" in err, err
     assert "dtp: rank 1 was stopped by the launcher; last collectives: #1 all_reduce dp 'step 0' 32 B done, " \
            "#2 all_reduce dp 'step 1' 32 B done, #3 all_reduce dp 'step 2' 32 B done" in err, err
+
+
+def test_the_launcher_keeps_its_signal_handlers_after_the_ranks() -> None:
+    """torchrun's agent installs handlers that raise ``SignalException`` and leaves them: a
+    Ctrl-C during ``--check``'s reference (after the ranks) read "rank 0 failed:
+    SignalException", exit 1. ``launch`` puts the launcher's own back."""
+    from dtp.launch import launch
+
+    names = ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT")
+    before = {n: signal.getsignal(getattr(signal, n)) for n in names}
+    assert launch(1, [], module="this") == 0  # a rank that prints the Zen of Python and exits
+    assert {n: signal.getsignal(getattr(signal, n)) for n in names} == before

@@ -36,6 +36,7 @@ import signal
 import struct
 import sys
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
@@ -183,6 +184,27 @@ def _env(**values: str) -> Iterator[None]:
                 os.environ[k] = v
 
 
+#: The signals torch's elastic agent handles (its TORCHELASTIC_SIGNALS_TO_HANDLE default).
+_AGENT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+
+
+@contextlib.contextmanager
+def _signal_handlers_kept() -> Iterator[None]:
+    """The launcher's signal handlers as they were before torchrun's agent ran. Measured on
+    torch 2.13: ``PContext.start`` installs its own (raising ``SignalException``) and leaves
+    them; Ctrl-C during ``--check``'s reference, after the ranks were done, then read
+    "rank 0 failed: SignalException: Process N got signal: 2", exit code 1, not 130."""
+    if threading.current_thread() is not threading.main_thread():  # as the agent: only there
+        yield
+        return
+    kept = {name: signal.getsignal(getattr(signal, name)) for name in _AGENT_SIGNALS if hasattr(signal, name)}
+    try:
+        yield
+    finally:
+        for name, handler in kept.items():
+            signal.signal(getattr(signal, name), handler)
+
+
 def launch(nproc: int, argv: Sequence[str], *, module: str = "dtp.cli", max_restarts: int = 0) -> int:
     """Run ``python -m <module> <argv>`` on ``nproc`` local ranks through torchrun's machinery.
 
@@ -217,7 +239,7 @@ def launch(nproc: int, argv: Sequence[str], *, module: str = "dtp.cli", max_rest
         *argv,
     ]
     threads = os.environ.get("OMP_NUM_THREADS") or str(default_omp_threads(nproc))
-    with tempfile.TemporaryDirectory(prefix="dtp-launch-") as errors, \
+    with tempfile.TemporaryDirectory(prefix="dtp-launch-") as errors, _signal_handlers_kept(), \
             _env(OMP_NUM_THREADS=threads, **{ERROR_DIR_ENV: errors, FLIGHT_DIR_ENV: errors}), _quiet_elastic():
         try:
             run(parse_args(torchrun_args))
