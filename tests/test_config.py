@@ -64,6 +64,10 @@ def test_toml_round_trip_and_flags_override_it(tmp_path, capsys) -> None:
     assert cli.parse_args(["train", "--config", str(tmp_path / "again.toml"), "--steps", "3"]).run_config.warmup == 3
     assert cli.main(["train", "--warmup", "2", "--print-config"]) == 0
     assert "warmup = 2" in capsys.readouterr().out.splitlines()
+    # Only a run that passes the checks is printed (the file would be refused when read).
+    assert cli.main(["train", "--tp", "3", "--print-config"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and "heads=4 is not divisible by tp=3" in captured.err
 
 
 @pytest.mark.parametrize("text, match", [
@@ -98,6 +102,8 @@ def test_dtp_plan_reads_a_config_file_as_train_does(tmp_path, capsys) -> None:
     assert plans[0] == plans[1] and plans[0].startswith("small (3.3M params), batch 8 × seq 256 on 4 ranks")
     assert cli.main(["plan", "--config", str(path), "--tp", "1"]) == 2  # --sp still from the file
     assert "--sp (sequence parallel) splits the sequence over the tp group" in capsys.readouterr().err
+    assert cli.main(["plan", "--out", "x"]) == 2  # a train flag plan has not: said by plan's parser
+    assert capsys.readouterr().err == "dtp plan: error: unrecognized arguments: --out x (see dtp plan --help)\n"
 
 
 def test_plan_reads_a_run_config() -> None:

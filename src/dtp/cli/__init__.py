@@ -70,6 +70,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
     here; then ``--check``."""
     if args.print_config:  # the run as given: no default --out invented for it
         from ..config import to_toml
+        from .flags import check_config
+
+        check_config(args)  # a file --config would refuse is not printed
 
         print(to_toml(args.run_config, leave_out=getattr(args, "derived", ())), end="")
         return 0

@@ -33,7 +33,7 @@ from .parser import PROG, RUN_DEFAULTS, build_parser
 
 
 __all__ = ["UsageError", "build_parser", "parse_args", "validate", "preflight", "build_layout", "mesh_axes",
-           "train_argv", "vocab_size", "check_shape", "check_plan", "check_nproc", "run_config", "resume_checkpoint", "check_resume",
+           "train_argv", "vocab_size", "check_shape", "check_config", "check_nproc", "run_config", "resume_checkpoint", "check_resume",
            "trained_segments", "segment_record", "segments_mixed"]
 
 class UsageError(ValueError):
@@ -135,7 +135,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         path = _config_path(argv)
         if path is not None:  # a plan takes the whole run too: its fields beyond plan's flags included
             _subparser(parser, argv[0]).set_defaults(**read_config_file(path))
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # said by the subcommand's parser: "dtp plan: error: ... (see dtp plan --help)", not "dtp: ..."
+        command = args.command and _subparser(parser, args.command)
+        (command or parser).error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command == "train":
         validate(args, world_size=int(os.environ["WORLD_SIZE"]) if in_torchrun() else None)
     return args
@@ -258,12 +261,13 @@ def preflight(args: argparse.Namespace, *, check_out: bool = True) -> Layout:
     return layout
 
 
-def check_plan(args: argparse.Namespace) -> None:
-    """What ``dtp plan`` checks of its flags: :func:`preflight` less the run directory and a
-    resume (``dtp plan`` has neither), so it refuses what ``dtp train`` refuses, with the
-    same line, and plans the model the data makes (``args.model_config``).
+def check_config(args: argparse.Namespace) -> None:
+    """The run as configured: :func:`preflight` less the run directory and a resume. ``dtp
+    plan`` (which has neither) refuses what ``dtp train`` refuses, with the same line, and
+    plans the model the data makes (``args.model_config``); ``--print-config`` prints only a
+    run that passes.
 
-    >>> check_plan(parse_args(["plan", "--tp", "3"]))
+    >>> check_config(parse_args(["plan", "--tp", "3"]))
     Traceback (most recent call last):
     ...
     ValueError: --model tiny on the mesh dp=1 × tp=3: heads=4 is not divisible by tp=3 (layout data + megatron(sequence_parallel=False)); choose heads a multiple of 3, or a smaller tp
@@ -297,7 +301,7 @@ def check_shape(args: argparse.Namespace, layout: Layout, cfg: model_config.Llam
     the mesh's shape (heads, kv heads, vocabulary, experts divisible by their splits), the
     pipeline's layers and microbatches, the sequence against the model's length and the
     context and sequence splits. :func:`preflight` runs it for ``dtp train``, ``dtp plan``
-    for its own flags (:func:`check_plan`): both refuse a shape with the same line.
+    for its own flags (:func:`check_config`): both refuse a shape with the same line.
     """
     mesh = MeshShape(mesh_axes(args))
     model = f"--init-from {args.init_from}" if args.init_from else f"--model {args.model}"

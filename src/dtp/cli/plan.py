@@ -73,7 +73,7 @@ def plan_from_args(args: argparse.Namespace) -> "Plan":
     from .flags import run_config
 
     cfg, batch, seq, layout, parallel = Setup.arguments_of(run_config(args))
-    # The model the checks built (flags.check_plan / preflight): its vocabulary grown to the
+    # The model the checks built (flags.check_config / preflight): its vocabulary grown to the
     # data's ids is the run's, and may be most of its parameters.
     p = plan(getattr(args, "model_config", None) or cfg, batch=batch, seq=seq, layout=layout, **parallel)
     return dataclasses.replace(p, setup=dataclasses.replace(p.setup, model=args.init_from or args.model))
@@ -81,10 +81,10 @@ def plan_from_args(args: argparse.Namespace) -> "Plan":
 
 def cmd_plan(args: argparse.Namespace) -> int:
     """``dtp plan``: print the table; exit 1 when a given ``--memory-gb`` is exceeded. A shape
-    ``dtp train`` refuses is refused here with the same line (:func:`~dtp.cli.flags.check_plan`)."""
-    from .flags import check_plan
+    ``dtp train`` refuses is refused here with the same line (:func:`~dtp.cli.flags.check_config`)."""
+    from .flags import check_config
 
-    check_plan(args)  # before planning imports torch: a refusal takes a fraction of a second
+    check_config(args)  # before planning imports torch: a refusal takes a fraction of a second
     from ..planning import format_plan
 
     p = plan_from_args(args)

@@ -119,15 +119,18 @@ def plan(model: str | llama.LlamaConfig | RunConfig = "tiny", *, batch: int = 8,
     ...          zero=1, recompute="full", dtype="bfloat16")
     >>> round(p.bubble, 3), p.params // 10**9
     (0.158, 70)
-    >>> plan(RunConfig(model="tiny", batch=8, seq=16, dp=2)).bytes
-    {'dp': {'all_reduce': 427276}}
+    >>> p = plan(RunConfig(model="tiny", batch=8, seq=16, dp=2))
+    >>> p.setup.model, p.bytes
+    ('tiny', {'dp': {'all_reduce': 427276}})
     """
     if isinstance(model, RunConfig):
         if parallel or layout is not None:
             raise TypeError(f"dtp.plan: a RunConfig is the whole run; got keywords {sorted(parallel)} beside it")
+        name = model.init_from or model.model  # the preset, or the Hugging Face directory
         model, batch, seq, layout, parallel = Setup.arguments_of(model)
+    else:
+        name = model if isinstance(model, str) else "custom"
     cfg = llama.config(model) if isinstance(model, str) else model
-    name = model if isinstance(model, str) else "custom"
     s = Setup(model=name, cfg=cfg, batch=batch, seq=seq, layout=layout, **parallel)
     per_stage = stage_leaves(s, leaves(s))
     mems = tuple(memory(s, lv, stage) for stage, lv in enumerate(per_stage))
