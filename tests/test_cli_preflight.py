@@ -261,7 +261,16 @@ def test_help_states_each_default_once(capsys) -> None:
     for shown in ("(default: True)", "(default: False)", "(default: None)", "(default 1)"):
         assert shown not in text
     assert "--dp DP data-parallel degree (default: 1)" in text
-    assert "--no-reshard-after-forward with --zero 3: keep gathered buckets" in text
+    assert "--reshard-after-forward, --no-reshard-after-forward with --zero 3 (on unless --no-…)" in text
+    assert "--sp, --no-sp Megatron sequence parallel" in text  # every switch of the run turns off too
+
+
+def test_a_switch_turns_off_what_the_config_file_turned_on(tmp_path) -> None:
+    path = tmp_path / "run.toml"
+    path.write_text("tp = 2\nsp = true\ndp = 2\nzero = 3\nreshard_after_forward = false\n")
+    on = cli.parse_args(["train", "--config", str(path)]).run_config
+    off = cli.parse_args(["train", "--config", str(path), "--no-sp", "--reshard-after-forward"]).run_config
+    assert (on.sp, on.reshard_after_forward) == (True, False) and (off.sp, off.reshard_after_forward) == (False, True)
 
 
 # -- failures at run time ------------------------------------------------------------

@@ -75,6 +75,7 @@ def test_toml_round_trip_and_flags_override_it(tmp_path, capsys) -> None:
     ("dp = \n", r"--config .*run.toml: not valid TOML"),
     ('dp = "two"\n', r"--config .*run.toml: dp must be an integer, got 'two'"),
     ("[parallel]\ndp = 2\n[more]\ndp = 4\n", r"--config .*run.toml: dp is given twice \(2 and 4\); keep one"),
+    ("[a.b]\ndp = 2\n", r"--config .*run.toml: \[a.b\] is a table in a table; the fields sit at the top level"),
 ])
 def test_a_bad_config_file_is_one_line(tmp_path, capsys, text, match) -> None:
     import re
@@ -86,6 +87,14 @@ def test_a_bad_config_file_is_one_line(tmp_path, capsys, text, match) -> None:
     assert err.count("\n") == 1 and re.search(match, err), err
     assert cli.main(["train", "--config", str(tmp_path / "missing.toml")]) == 2
     assert "No such file" in capsys.readouterr().err
+
+
+def test_compile_true_in_a_config_file_is_the_bare_flag(tmp_path) -> None:
+    path = tmp_path / "run.toml"
+    for text, backend in (("compile = true\n", "inductor"), ("compile = false\n", None),
+                          ('compile = "aot_eager"\n', "aot_eager")):
+        path.write_text(text)
+        assert cli.parse_args(["train", "--config", str(path)]).run_config.compile == backend
 
 
 def test_dtp_plan_reads_a_config_file_as_train_does(tmp_path, capsys) -> None:

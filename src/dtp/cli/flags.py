@@ -25,6 +25,7 @@ from typing import Any, Sequence
 from .._checkpoint_dirs import latest, read_manifest
 from .._mesh_shape import MeshShape
 from .._token_files import SAMPLE_TOKENS, document_eos, held_out_start, open_tokens, token_stats
+from .._rules import COMPILE_BACKENDS
 from ..config import MODEL_FIELDS, RunConfig, flag_names, flag_of, master_weights, mesh_axes_of, type_error
 from ..launch import in_torchrun
 from ..layouts import Layout
@@ -182,6 +183,11 @@ def read_config_file(path: str) -> dict[str, Any]:
     values: dict[str, Any] = {}
     for key, value in document.items():
         for k, v in (value.items() if isinstance(value, dict) else [(key, value)]):
+            if isinstance(v, dict):
+                raise UsageError(f"--config {path}: [{key}.{k}] is a table in a table; the fields sit at the top "
+                                 f"level or in tables one level deep ([{key}])")
+            if k == "compile" and isinstance(v, bool):  # `compile = true` reads as the bare --compile
+                v = COMPILE_BACKENDS[0] if v else None
             if k not in RUN_DEFAULTS:
                 raise UsageError(f"--config {path}: unknown key {k!r}; the keys are dtp.RunConfig's fields, "
                                  f"the train flags' names with '_' ({', '.join(list(RUN_DEFAULTS)[:6])}, ...)")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import math
 import dataclasses
-from typing import Any, Callable, NoReturn
+from typing import Any, Callable, NoReturn, Sequence
 
 from .. import layouts, schedules
 from .._rules import COMPILE_BACKENDS, RUN_RTOL, SCORE_FUNCTIONS
@@ -65,6 +65,23 @@ _non_negative_float = _number(float, 0)
 _non_negative_int = _number(int, 0)
 
 
+class _Switch(argparse.Action):
+    """An on/off flag of the run: ``--sp`` and ``--no-sp``, so that a flag turns off what a
+    ``--config`` file turned on (argparse's ``BooleanOptionalAction`` would print each
+    switch's default, which :class:`_HelpFormatter` leaves out)."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, default: bool = False, help: str | None = None):
+        names = [*option_strings, *("--no-" + o[2:] for o in option_strings if o.startswith("--"))]
+        super().__init__(names, dest, nargs=0, default=default, help=help)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        setattr(namespace, self.dest, not (option_string or "").startswith("--no-"))
+
+    def format_usage(self) -> str:
+        return " | ".join(self.option_strings)
+
+
 class _HelpFormatter(argparse.HelpFormatter):
     """Adds ``(default: X)`` to a flag's help where it tells something: not for on/off
     switches (their default is that they are off, or for ``--no-…`` on), not for ``None``,
@@ -112,8 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dp", type=_positive, default=RUN_DEFAULTS["dp"], help="data-parallel degree")
     g.add_argument("--cp", type=_positive, default=RUN_DEFAULTS["cp"], help="context-parallel degree")
     g.add_argument("--tp", type=_positive, default=RUN_DEFAULTS["tp"], help="tensor-parallel degree")
-    g.add_argument("--sp", action="store_true", help="Megatron sequence parallel (needs --tp > 1)")
-    g.add_argument("--async-tp", action="store_true",
+    g.add_argument("--sp", action=_Switch, help="Megatron sequence parallel (needs --tp > 1)")
+    g.add_argument("--async-tp", action=_Switch,
                    help="with --sp: the block's all-gathers / reduce-scatters as rings of send/recv hops under the "
                         "matmuls (collective matmul)")
     g.add_argument("--cp-algo", choices=CP_ALGORITHMS, default=RUN_DEFAULTS["cp_algo"], help="context-parallel algorithm (with --cp > 1)")
@@ -135,13 +152,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="print each pipeline rank's action list (F/B/I/W, chunk.microbatch) and exit")
     g.add_argument("--zero", type=int, choices=ZERO_STAGES, default=RUN_DEFAULTS["zero"],
                    help="ZeRO stage over dp: 1 optimizer state, 2 + gradients, 3 + parameters (0: plain DP)")
-    g.add_argument("--overlap-grad-reduce", action="store_true",
+    g.add_argument("--overlap-grad-reduce", action=_Switch,
                    help="with --zero: reduce-scatter each gradient bucket during backward")
-    g.add_argument("--overlap-param-gather", action="store_true",
+    g.add_argument("--overlap-param-gather", action=_Switch,
                    help="with --zero 1/2: leave the parameter all-gathers in flight until the next forward")
-    g.add_argument("--no-reshard-after-forward", dest="reshard_after_forward", action="store_false",
-                   help="with --zero 3: keep gathered buckets from forward until backward is done with them "
-                        "(2Ψ traffic instead of 3Ψ; parameters whole during a step)")
+    g.add_argument("--reshard-after-forward", action=_Switch, default=RUN_DEFAULTS["reshard_after_forward"],
+                   help="with --zero 3 (on unless --no-…): free gathered buckets after forward and gather them again "
+                        "in backward; --no-reshard-after-forward keeps them until backward is done with them (2Ψ "
+                        "traffic instead of 3Ψ; parameters whole during a step)")
     g.add_argument("--zero-prefetch", type=_positive, default=RUN_DEFAULTS["zero_prefetch"], metavar="N",
                    help="with --zero 3: buckets gathered ahead of the one in use")
     g.add_argument("--bucket-mb", type=positive_float, default=RUN_DEFAULTS["bucket_mb"],
@@ -166,7 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--microbatches", type=_positive, default=RUN_DEFAULTS["microbatches"],
                    help="gradient-accumulation microbatches per step")
     g.add_argument("--recompute", choices=RECOMPUTE, default=RUN_DEFAULTS["recompute"], help="activation recomputation")
-    g.add_argument("--compile", nargs="?", const="inductor", choices=COMPILE_BACKENDS, default=RUN_DEFAULTS["compile"],
+    g.add_argument("--compile", nargs="?", const=COMPILE_BACKENDS[0], choices=COMPILE_BACKENDS, default=RUN_DEFAULTS["compile"],
                    metavar="BACKEND", help="compile the local computation (each block, or each local_map body; "
                    "dtp's collectives run between): torch.compile's inductor, or aot_eager / eager (with --debug: "
                    "prints the graph breaks and recompiles)")
@@ -179,7 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the ids of --data's .bin files (default: the sidecar's dtype, else uint16)")
     g.add_argument("--eos-id", type=_non_negative_int, default=RUN_DEFAULTS["eos_id"], metavar="ID",
                    help="the id that ends a document in --data (default: the sidecar's eos_id)")
-    g.add_argument("--document-mask", action="store_true",
+    g.add_argument("--document-mask", action=_Switch,
                    help="pack documents (ended by --eos-id; lines of byte text): attention within each document, "
                         "positions restarting in each, the target at each document end masked")
     g.add_argument("--tokenizer", default=RUN_DEFAULTS["tokenizer"], metavar="TOKENIZER_JSON",
@@ -212,18 +230,18 @@ def build_parser() -> argparse.ArgumentParser:
                                         "moves by RATE·sign(mean load − load) (DeepSeek-V3: 1e-3; 0: off)")
     g.add_argument("--ep", type=_positive, default=RUN_DEFAULTS["ep"],
                    help="expert-parallel degree: experts split over an ep mesh axis (after dp; also a data axis)")
-    g.add_argument("--expert-tp", action="store_true",
+    g.add_argument("--expert-tp", action=_Switch,
                    help="split each expert's hidden width over tp (Megatron's expert tensor parallel; needs --tp > 1, "
                         "any --ep; without it every tp rank holds its experts whole and computes them on the same tokens)")
-    g.add_argument("--pipe-experts", action="store_true",
+    g.add_argument("--pipe-experts", action=_Switch,
                    help="MindSpeed pipe-experts: move and compute the dispatched tokens per local expert, each "
                         "chunk's all-to-all in flight while another computes")
     g.add_argument("--multi-data", type=_positive, default=RUN_DEFAULTS["multi_data"], metavar="N",
                    help="with --pipe-experts: split each local expert's tokens into N chunks (for 1 local expert)")
-    g.add_argument("--multi-stream", action="store_true",
+    g.add_argument("--multi-stream", action=_Switch,
                    help="with --pipe-experts and --sp: one communication stream for the ep all-to-alls and the tp "
                         "all-gathers / reduce-scatters, so they never run at the same time")
-    g.add_argument("--ep-overlap", action="store_true",
+    g.add_argument("--ep-overlap", action=_Switch,
                    help="hide one microbatch's expert all-to-alls under another microbatch's compute (needs --ep; "
                         "at pp 1 --microbatches >= 2; under --pp 1f1b, interleaved or dualpipev)")
 
@@ -238,9 +256,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--eval-every", type=_non_negative_int, default=RUN_DEFAULTS["eval_every"], metavar="N",
                    help=f"every N steps (and after the last) the loss on a held-out tenth of the corpus, forward "
                         f"only, mean of {EVAL_BATCHES} batches (0: never; the held-out tenth then trains too)")
-    g.add_argument("--tensorboard", action="store_true",
+    g.add_argument("--tensorboard", action=_Switch,
                    help="also write TensorBoard events to <out>/tensorboard (needs the tensorboard package)")
-    g.add_argument("--debug", action="store_true",
+    g.add_argument("--debug", action=_Switch,
                    help="full Python tracebacks on the console (otherwise one line per failing rank; "
                         "the tracebacks are in <out>/logs)")
 
@@ -248,9 +266,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--save-every", type=int, default=RUN_DEFAULTS["save_every"], metavar="N",
                    help="save a checkpoint every N steps and after the last (0: never)")
     g.add_argument("--keep", type=_positive, default=RUN_DEFAULTS["keep"], metavar="K", help="keep the newest K checkpoints")
-    g.add_argument("--async-save", action="store_true",
+    g.add_argument("--async-save", action=_Switch,
                    help="write checkpoints while training goes on (each waits for the one before)")
-    g.add_argument("--resume", action="store_true",
+    g.add_argument("--resume", action=_Switch,
                    help="continue from the newest checkpoint in --out (metrics.jsonl and loss.png continue)")
 
     g = t.add_argument_group("failures")
