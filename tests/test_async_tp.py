@@ -128,10 +128,11 @@ def test_async_tp_composes_fp64(name):
     _check_fp64(run(_pair, mesh_axes, torch.float64, world_size=math.prod(mesh_axes.values()), **kw)[0], name)
 
 
-def _hops(one_way_rings):
-    """send_recv records and tp bytes of one async step at tp4, non-async SP's tp bytes."""
+def _hops(one_way_rings, baseline=True):
+    """send_recv records and tp bytes of one async step at tp4, and (``baseline``) non-async
+    SP's."""
     out = []
-    for async_tp in (True, False):
+    for async_tp in (True, False) if baseline else (True,):
         mesh = dtp.make_mesh(tp=4)
         state = dtp.TrainState.create(llama.init(CFG, seed=0), dtp.optim.adamw(1e-3), mesh=mesh,
                                       layout=_layout({"tp": 4}, async_tp), axes=llama.param_axes(CFG),
@@ -146,7 +147,9 @@ def test_async_tp_tp4_rings_are_bidirectional_with_the_same_bytes():
     # tp4, seq 16: shards of 4 rows; every ring two hops a step over 2 steps (4 hops)
     # where one-way takes 3, the bytes per rank those of non-async SP either way.
     (bidi, bidi_bytes), (_, sp_bytes) = run(_hops, False, world_size=4)[0]
-    (one, one_bytes), _ = run(_hops, True, world_size=4)[0]
+    # Non-async SP's step once, not again beside the one-way rings (measured on torch 2.13,
+    # 2 cores, alone with the 4-rank pool's start: 14.6 s -> 12.4 s).
+    ((one, one_bytes),) = run(_hops, True, False, world_size=4)[0]
     assert one > 0 and bidi * 3 == one * 4, (bidi, one)
     assert bidi_bytes == one_bytes == sp_bytes
 
