@@ -50,6 +50,7 @@ BAD_RUNS = {
     "bucket size": (["--zero", "1", "--dp", "2", "--nproc", "2", "--bucket-mb", "0"], "argument --bucket-mb: expected a finite number > 0"),
     "experts vs ep": (["--model", "tiny-moe", "--num-experts", "3", "--ep", "2"],
                       "num_experts=3 is not divisible by ep=2"),
+    "top-k past the experts": (["--model", "tiny-moe", "--top-k", "5"], "--top-k must be in [1, --num-experts 4], got 5"),
     "expert flags on a dense model": (["--ep", "2", "--top-k", "2"], "--ep 2 --top-k: --model tiny has no experts (a "
                                       "dense model); add --num-experts E, or train --model tiny-moe, or use --dp"),
     "layers vs stages": (["--pp", "8", "--microbatches", "8"], "--pp 8 --virtual-stages 1: 8 pipeline stages, but "

@@ -17,6 +17,7 @@ import dataclasses
 import importlib.util
 import math
 import os
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -393,7 +394,10 @@ def _model(args: argparse.Namespace, max_id: int) -> model_config.LlamaConfig:
         raise UsageError(f"--data holds token id {max_id}, past the {MAX_VOCAB} ids any tokenizer has: is "
                          f"--data-dtype {args.data_dtype or 'the default'} the dtype the file was written in?")
     if args.init_from is None:
-        return model_config.config(args.model, vocab_size=vocab_size(args.model, max_id), **model_overrides(args))
+        try:
+            return model_config.config(args.model, vocab_size=vocab_size(args.model, max_id), **model_overrides(args))
+        except ValueError as e:  # LlamaConfig's checks of the MoE fields, in the flags' words
+            raise UsageError(_flag_words(str(e).removeprefix("LlamaConfig: "), MODEL_FIELDS)) from None
     if importlib.util.find_spec("safetensors") is None:
         raise UsageError("--init-from reads Hugging Face weights with safetensors: pip install 'dtp[hf]'")
     try:
@@ -430,6 +434,18 @@ def _check_document_ends(args: argparse.Namespace) -> None:
                          f"window would be one document, as without the mask; check the id")
     print(f"{PROG} train: note: --document-mask: {source} does not occur in a sample of {SAMPLE_TOKENS} of the "
           f"{len(tokens)} tokens of --data; check the id", file=sys.stderr)
+
+
+def _flag_words(message: str, fields: Sequence[str]) -> str:
+    """``message`` with each of ``fields`` named as its flag.
+
+    >>> _flag_words("top_k must be in [1, num_experts=4], got 5", ["top_k", "num_experts"])
+    '--top-k must be in [1, --num-experts 4], got 5'
+    """
+    for name in sorted(fields, key=len, reverse=True):  # topk_group before top_k's own words
+        message = re.sub(rf"(?<![\w-]){name}=", flag_of(name) + " ", message)
+        message = re.sub(rf"(?<![\w-]){name}\b", flag_of(name), message)
+    return message
 
 
 def _check_corpus(args: argparse.Namespace, n_tokens: int) -> None:
