@@ -155,7 +155,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--overlap-grad-reduce", action=_Switch,
                    help="with --zero: reduce-scatter each gradient bucket during backward")
     g.add_argument("--overlap-param-gather", action=_Switch,
-                   help="with --zero 1/2: leave the parameter all-gathers in flight until the next forward")
+                   help="with --zero: leave the update's parameter all-gathers in flight until the next forward "
+                        "(--zero 3: those of its first --zero-prefetch + 1 buckets)")
     g.add_argument("--reshard-after-forward", action=_Switch, default=RUN_DEFAULTS["reshard_after_forward"],
                    help="with --zero 3 (on unless --no-…): free gathered buckets after forward and gather them again "
                         "in backward; --no-reshard-after-forward keeps them until backward is done with them (2Ψ "
