@@ -565,3 +565,13 @@ def test_guard_exchanges_once_per_state_and_signature_outside_the_step_log():
     assert all("guard" not in tag for _, _, tag in records[0])
     assert nbytes == [3 * dtp.guard.WIDTH * 8]  # one all-gather of WIDTH int64 over 4 ranks
     assert len(warned) == 1 and "DTP_CHECKS=0" in warned[0] and "guard is off" in warned[0]
+
+
+def test_llama_loss_names_the_keys_a_batch_lacks():
+    """A batch without ``targets`` (a user's loop building its own batches): the keys the
+    model reads and the ones given, not a bare ``KeyError: 'targets'`` from inside it."""
+    from dtp.models import llama
+
+    cfg = llama.config("tiny")
+    with pytest.raises(KeyError, match=r"llama.loss: the batch needs 'tokens' and 'targets' .* got \['tokens'\]"):
+        llama.loss(llama.init(cfg), {"tokens": torch.zeros(2, 8, dtype=torch.long)}, cfg)

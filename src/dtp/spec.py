@@ -109,9 +109,9 @@ def check_spec(spec: P, mesh: DeviceMesh, shape: Sequence[int] | None = None, na
     for d, axes in enumerate(spec.dims):
         n = math.prod(sizes[a] for a in axes)
         if shape[d] % n:
-            split = " × ".join(f"{a}={sizes[a]}" for a in axes)
+            split = " × ".join(f"{a}={sizes[a]}" for a in axes) + (f" = {n}" if len(axes) > 1 else "")
             raise ValueError(
-                f"{name}: dim {d} of size {shape[d]} is not divisible by {split} = {n} "
+                f"{name}: dim {d} of size {shape[d]} is not divisible by {split} "
                 f"(spec {spec}); uneven shards are not supported — pad dim {d} to a multiple of {n} "
                 f"or shard it over fewer devices"
             )

@@ -229,6 +229,9 @@ def loss(params: dict[str, Any], batch: dict[str, torch.Tensor], cfg: LlamaConfi
     ``lm_loss``, ``aux_loss``, ``z_loss`` (detached scalars), ``tokens_per_expert``
     (int64, one row per MoE block) and ``dropped_fraction`` (one per MoE block).
     """
+    if "tokens" not in batch or "targets" not in batch:  # else a bare KeyError from inside the model
+        raise KeyError(f"llama.loss: the batch needs 'tokens' and 'targets' (the next tokens), both (batch, seq); "
+                       f"got {sorted(batch)}")
     logits, auxes = _forward(params, batch["tokens"], cfg, _docs(batch))
     return _with_aux(cross_entropy(logits, batch["targets"]), auxes)
 
