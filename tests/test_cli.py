@@ -364,7 +364,7 @@ def test_train_checks_model_sizes_before_any_collective(tmp_path) -> None:
            "--cp-head-chunks", "3", "--model", "tiny", "--steps", "1", "--out", str(tmp_path / "run")]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
-    assert "head_chunks=3 must divide the 2 kv heads each rank attends with" in proc.stdout + proc.stderr
+    assert "--cp-head-chunks 3 must divide the 2 kv heads each rank attends with" in proc.stdout + proc.stderr
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 

@@ -21,7 +21,7 @@ import re
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from .._checkpoint_dirs import latest, read_manifest
 from .._mesh_shape import MeshShape
@@ -277,7 +277,7 @@ def check_config(args: argparse.Namespace) -> None:
     >>> check_config(parse_args(["plan", "--tp", "3"]))
     Traceback (most recent call last):
     ...
-    ValueError: --model tiny on the mesh dp=1 × tp=3: heads=4 is not divisible by tp=3 (layout data + megatron(sequence_parallel=False)); choose heads a multiple of 3, or a smaller tp
+    dtp.cli.flags.UsageError: --model tiny on the mesh dp=1 × tp=3: heads=4 is not divisible by tp=3 (layout data + megatron(sequence_parallel=False)); choose heads a multiple of 3, or a smaller tp
     """
     check_nproc(args, mesh_axes_of(pp=args.pp, dp=args.dp, ep=args.ep, cp=args.cp, tp=args.tp))  # as validate
     _check_run(args)
@@ -328,7 +328,10 @@ def check_shape(args: argparse.Namespace, layout: Layout, cfg: model_config.Llam
                          f"differs from one process by design; drop --check, or train dropless")
     _check_dense(args, cfg, model)
     layout.check_mesh(mesh, what=f"the mesh {format_mesh(mesh.sizes)}")
-    layout.check_sizes(model_config.axis_sizes(cfg), mesh, what=what)
+    try:
+        layout.check_sizes(model_config.axis_sizes(cfg), mesh, what=what)
+    except ValueError as e:  # the context options' checks name their fields: here, the flags
+        raise UsageError(_flag_words(str(e), _CONTEXT_FLAGS) if layout.context is not None else str(e)) from None
     if layout.pipeline is not None:
         stages, layers = args.pp * args.virtual_stages, model_config.n_sequential_layers(cfg)
         if layers < stages and layout.pipeline.layer_split is None:  # pipeline.assign's rule, in the flags' words
@@ -397,7 +400,7 @@ def _model(args: argparse.Namespace, max_id: int) -> model_config.LlamaConfig:
         try:
             return model_config.config(args.model, vocab_size=vocab_size(args.model, max_id), **model_overrides(args))
         except ValueError as e:  # LlamaConfig's checks of the MoE fields, in the flags' words
-            raise UsageError(_flag_words(str(e).removeprefix("LlamaConfig: "), MODEL_FIELDS)) from None
+            raise UsageError(_flag_words(str(e).removeprefix("LlamaConfig: "), {f: flag_of(f) for f in MODEL_FIELDS})) from None
     if importlib.util.find_spec("safetensors") is None:
         raise UsageError("--init-from reads Hugging Face weights with safetensors: pip install 'dtp[hf]'")
     try:
@@ -436,16 +439,21 @@ def _check_document_ends(args: argparse.Namespace) -> None:
           f"{len(tokens)} tokens of --data; check the id", file=sys.stderr)
 
 
-def _flag_words(message: str, fields: Sequence[str]) -> str:
-    """``message`` with each of ``fields`` named as its flag.
+def _flag_words(message: str, flags: Mapping[str, str]) -> str:
+    """``message`` with each API name of ``flags`` (name → flag) named as its flag.
 
-    >>> _flag_words("top_k must be in [1, num_experts=4], got 5", ["top_k", "num_experts"])
+    >>> _flag_words("top_k must be in [1, num_experts=4], got 5", {"top_k": "--top-k", "num_experts": "--num-experts"})
     '--top-k must be in [1, --num-experts 4], got 5'
     """
-    for name in sorted(fields, key=len, reverse=True):  # topk_group before top_k's own words
-        message = re.sub(rf"(?<![\w-]){name}=", flag_of(name) + " ", message)
-        message = re.sub(rf"(?<![\w-]){name}\b", flag_of(name), message)
+    for name in sorted(flags, key=len, reverse=True):  # topk_group before top_k's own words
+        message = re.sub(rf"(?<![\w-]){name}=", flags[name] + " ", message)
+        message = re.sub(rf"(?<![\w-]){name}\b", flags[name], message)
     return message
+
+
+#: The names layouts.context's checks use, as dtp train's flags.
+_CONTEXT_FLAGS = {"algo": "--cp-algo", "window": "--cp-window", "ulysses_degree": "--ulysses-degree",
+                  "head_chunks": "--cp-head-chunks"}
 
 
 def _check_corpus(args: argparse.Namespace, n_tokens: int) -> None:
