@@ -232,7 +232,7 @@ def test_a_bf16_resume_keeps_the_precision_the_default_gave(saved, zero, refused
     --zero it would drop the fp32 master weights (or start them from bf16) silently."""
     import argparse
 
-    from dtp.cli.flags import UsageError, _check_precision
+    from dtp.cli.resume import UsageError, _check_precision
 
     args = argparse.Namespace(precision=None, dtype="bfloat16", zero=zero)
     if refused is None:

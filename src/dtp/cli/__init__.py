@@ -10,6 +10,7 @@
 
 The package reads in the order a run goes: :mod:`~dtp.cli.flags` (parser, flag checks,
 the run configuration), :mod:`~dtp.cli.loop` (layout, mesh, the per-rank training loop),
+:mod:`~dtp.cli.resume` (``--resume`` against its checkpoint, which flags trained which steps),
 :mod:`~dtp.cli.report` (console lines, run-directory files, summary, plot),
 :mod:`~dtp.cli.check` (the 1-process reference) and :mod:`~dtp.cli.export` (``dtp export``). What one module uses of another is in
 that module's ``__all__``; names with ``_`` stay inside their module.

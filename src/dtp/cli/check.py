@@ -26,7 +26,8 @@ from typing import Any, Sequence, TextIO
 from .. import layouts
 from .._rules import RUN_RTOL
 from ..config import master_weights
-from .flags import UsageError, segments_mixed
+from .flags import UsageError
+from .resume import segments_mixed
 from .loop import single_process_world, train_loop
 from .report import plot_losses, write_json, read_metrics
 

@@ -35,8 +35,8 @@ from ..models import hf, llama
 from ..redistribute import value_of
 from .process import Terminated, sigterm_ignored, sigterm_raises, run_world, single_process_world, why
 from .parser import EVAL_BATCHES, PROG
-from .flags import (UsageError, build_layout, segment_record, format_mesh, mesh_axes, model_overrides,
-                    resume_checkpoint, train_argv, trained_segments, vocab_size)
+from .flags import UsageError, build_layout, format_mesh, mesh_axes, model_overrides, train_argv, vocab_size
+from .resume import resume_checkpoint, segment_record, trained_segments
 from .report import (atomic_write_text, format_summary, plot_losses, Progress, write_json, format_bytes, read_metrics,
                      print_compile_report, report_exception, summarize)
 
@@ -131,7 +131,7 @@ def train_loop(args: Mapping[str, Any], mesh: DeviceMesh, layout: Layout, *, rec
     ``last`` (default ``args["steps"]``; the lr schedule is the whole run's). ``on_start(first,
     segments)`` runs once the state is built and a resumed checkpoint and data position
     have loaded, before step ``first``: what a run writes before that is lost if the load
-    fails. ``segments``: which flags trained which steps (:func:`flags.trained_segments`),
+    fails. ``segments``: which flags trained which steps (:func:`resume.trained_segments`),
     this run's last."""
     torch.manual_seed(args["seed"])
     tokens, held_out = _splits(args)
@@ -174,7 +174,7 @@ def train_loop(args: Mapping[str, Any], mesh: DeviceMesh, layout: Layout, *, rec
         first = loader.state_dict()["step"] + 1  # iterations, skipped steps included (state.step counts updates)
         earlier = trained_segments(extra or {})
     # Which flags trained which steps: a resume may change --steps, --lr, … (not without
-    # --check, whose reference trains every step with the last ones: flags.check_resume).
+    # --check, whose reference trains every step with the last ones: resume.check_resume).
     segments = [*earlier, {"first": first, "run": dict(args), "model": dataclasses.asdict(cfg)}]
     if on_start is not None:
         on_start(first, segments)
@@ -345,7 +345,7 @@ def train_rank(args: argparse.Namespace, *, stream: TextIO | None = None) -> int
                 return
             out.mkdir(parents=True, exist_ok=True)
             # With the flags each earlier segment of a resumed run trained under: dtp check
-            # refuses a run no one set of flags retrains (flags.segments_mixed).
+            # refuses a run no one set of flags retrains (resume.segments_mixed).
             write_json(out / "config.json", {**run_cfg, "layout": layout.name,
                                               "command": shlex.join([PROG, *train_argv(args)]),
                                               "segments": [segment_record(s) for s in segments]})

@@ -19,7 +19,11 @@ from ..config import DEFAULT_WARMUP, DTYPES, RECOMPUTE, RunConfig
 from ..layouts import CP_ALGORITHMS, ZERO_STAGES
 from . import plan as plan_cli
 
-__all__ = ["build_parser", "positive_float", "PROG", "EVAL_BATCHES", "RUN_FILES", "RUN_DEFAULTS"]
+__all__ = ["build_parser", "UsageError", "positive_float", "PROG", "EVAL_BATCHES", "RUN_FILES", "RUN_DEFAULTS"]
+
+class UsageError(ValueError):
+    """Invalid flags: reported as one line, exit code 2."""
+
 
 PROG = "dtp"
 # The parser's description: the first line of the package docstring (dtp.cli).

@@ -1,0 +1,290 @@
+"""``dtp train --resume`` against its checkpoint, and the segments of a run: which flags
+trained which steps (``config.json`` and every checkpoint record them), so that ``--check``
+and ``dtp check`` retrain a resumed run as it was trained, or refuse in one line.
+
+Runs before any rank starts and imports nothing that imports torch (as :mod:`.flags`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Any, Sequence
+
+from .._checkpoint_dirs import latest, read_manifest
+from .._token_files import held_out_start
+from ..config import MODEL_FIELDS, flag_of, master_weights
+from ..models import config as model_config
+from .parser import UsageError
+
+__all__ = ["resume_checkpoint", "check_resume", "trained_segments", "segment_record", "segments_mixed"]
+
+
+# --------------------------------------------------------------------------- --resume
+
+
+# What a resumed run must keep because the data loader's position in the checkpoint is
+# one of that order of batches (dtp.data.TokenLoader.load_state_dict refuses the others).
+_DATA_ORDER = ("seed", "batch", "seq")
+# What --check's one-process reference would train the steps already trained with, other
+# than the checkpoint did: the lr schedule, the update, the document mask (the model's
+# MoE hyperparameters are compared on the model; precision as resolved, see
+# _reference_values). A layout, --recompute or --compile change no loss beyond --check's
+# tolerance and may change; so does --microbatches, but for a model with experts, whose
+# load-balancing loss is taken per microbatch (measured: tiny-moe m2 vs m4 on one process,
+# 1.7e-5 apart at step 1 in fp64).
+_REFERENCE_FIELDS = ("steps", "lr", "warmup", "clip", "precision", "document_mask")
+
+
+def resume_checkpoint(out: str | os.PathLike[str]) -> Path:
+    """The checkpoint ``--resume`` continues from: the newest complete one under
+    ``out/checkpoints`` (:class:`UsageError` if there is none)."""
+    root = Path(out) / "checkpoints"
+    found = latest(root)
+    if found is None:
+        raise UsageError(f"--resume: no checkpoint in {root} (save some with --save-every N)")
+    return found
+
+
+def check_resume(args: Any, path: Path, cfg: model_config.LlamaConfig, *, n_tokens: int | None = None) -> None:
+    """The checkpoint at ``path`` against the flags that resume it (``args``; ``cfg`` the
+    model they describe), from its manifest alone (no torch, no tensor data):
+
+    - its parameters' dtype is ``--dtype`` (a checkpoint is never cast) and their shapes
+      are the model's (``--model``, ``--init-from``, the MoE flags, the vocabulary of
+      ``--data``); router biases are there if ``--router-bias-update`` needs them;
+    - ``--seed``, ``--batch``, ``--seq`` are the ones its data position belongs to, and
+      the training split has the checkpoint's tokens (``n_tokens``, the corpus's: the
+      same ``--data``, held out alike by ``--eval-every``);
+    - with ``--check``, the lr schedule, clipping, precision and MoE hyperparameters are
+      the ones the steps already trained ran with: the reference retrains every step
+      with this run's flags.
+
+    What may change is everything else: the layout (``--dp``, ``--tp``, ``--zero``, …,
+    any layout loads any other), ``--steps`` without ``--check``, ``--save-every``, ….
+    Raises :class:`UsageError`, one line naming the flag and the value to resume with.
+    """
+    try:
+        manifest = read_manifest(path)
+    except ValueError as e:
+        raise UsageError(f"--resume: {e}") from None
+    extra = manifest.get("extra") if isinstance(manifest.get("extra"), dict) else {}
+    saved_run = extra.get("run") if isinstance(extra.get("run"), dict) else {}  # {}: not saved by dtp train
+    tensors = manifest["tensors"]
+    params = {k.removeprefix("param/"): v for k, v in tensors.items() if k.startswith("param/")}
+    here = f"--resume: the checkpoint in {args.out}"
+    dtypes = sorted({str(v.get("dtype")) for v in params.values()})
+    if dtypes and args.dtype not in dtypes:
+        was = saved_run.get("dtype", dtypes[0])
+        raise UsageError(f"{here} was trained with --dtype {was}; resume with --dtype {was} "
+                         f"(a checkpoint is never cast)")
+    shapes = {name: tuple(v.get("shape", ())) for name, v in params.items()}
+    ours = model_config.param_shapes(cfg)
+    if shapes != ours:
+        name = next(n for n in sorted({*shapes, *ours}) if shapes.get(n) != ours.get(n))
+        detail = f"{name} is {shapes.get(name, 'absent')} there, {ours.get(name, 'absent')} here"
+        changed = [k for k in ("init_from", "model", *MODEL_FIELDS, "data", "tokenizer")
+                   if k in saved_run and saved_run[k] != getattr(args, k, None)]
+        if not changed:
+            raise UsageError(f"{here} holds another model ({detail}); resume with the flags it was trained with "
+                             f"(its config.json)")
+        now = {k: getattr(args, k, None) for k in changed}
+        raise UsageError(f"{here} was trained with {_spell(saved_run, changed)}, this run asks for "
+                         f"{_spell(now, changed)} ({detail}); resume {_spell(saved_run, changed, remedy=True)} "
+                         f"(a checkpoint is never reshaped)")
+    has_biases = any(k.startswith("buffer/") for k in tensors)
+    if cfg.router_bias_update and not has_biases:
+        raise UsageError(f"{here} holds no router biases (trained without --router-bias-update); resume "
+                         f"without --router-bias-update")
+    if has_biases and not cfg.router_bias_update:
+        # A state without them loads without them: the routing they steer would change, silently.
+        rate = saved_run.get("router_bias_update") or "RATE"
+        raise UsageError(f"{here} holds router biases (trained with --router-bias-update {rate}), which this run "
+                         f"would drop; resume with --router-bias-update {rate}")
+    _check_precision(args, saved_run, here)
+    _check_split(args, saved_run, (extra.get("loader") or {}).get("num_tokens"), n_tokens, here)
+    for k in _DATA_ORDER:
+        if k in saved_run and saved_run[k] != getattr(args, k):
+            raise UsageError(f"{here} was trained with {flag_of(k)} {saved_run[k]}, this run asks for {flag_of(k)} "
+                             f"{getattr(args, k)}: its data position is one of that order of batches; resume with "
+                             f"{flag_of(k)} {saved_run[k]}")
+    if getattr(args, "check", False):
+        _check_reference(args, manifest, cfg, here.replace("--resume", "--resume --check", 1))
+    # Last: each refusal above names what to change, this one only that it already ran. Not
+    # after torchrun restarted the ranks: a rank that died once the last checkpoint was
+    # written restarts onto it, and the run is then done, not wrong.
+    step = int(manifest.get("step", 0))
+    if step >= args.steps and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0:
+        raise UsageError(f"{here} is at step {step}, and --steps {args.steps} leaves nothing to train: resume with "
+                         f"--steps above {step} (dtp check RUN checks a finished run)")
+
+
+def trained_segments(extra: dict[str, Any]) -> list[dict[str, Any]]:
+    """Which flags trained a checkpoint's steps: ``[{"first": step, "run": …, "model": …}]``,
+    oldest first, one per ``dtp train`` that trained some of them (the run config and model
+    config of each). A checkpoint from before this record: its last run's, from step 1."""
+    segments = extra.get("segments")
+    if isinstance(segments, list) and all(isinstance(s, dict) for s in segments):
+        return segments
+    run, model = extra.get("run"), extra.get("model")
+    return [{"first": 1, "run": run, "model": model}] if isinstance(run, dict) and isinstance(model, dict) else []
+
+
+def _check_reference(args: Any, manifest: dict[str, Any], cfg: model_config.LlamaConfig, here: str) -> None:
+    """``--resume --check``: the reference (:func:`dtp.cli.check.check_run`) trains every
+    step from scratch with this run's flags, also the steps the checkpoint already holds;
+    those ran with the lr schedule, clipping, precision and MoE options of the runs that
+    trained them (:func:`trained_segments`), so any of them changed makes the check fail
+    although the run is right."""
+    extra = manifest.get("extra") or {}
+    done = int((extra.get("loader") or {}).get("step", manifest.get("step", 0)))
+    segments = trained_segments(extra)
+    config = args.run_config  # validate built it (dtp.cli.flags), as every resume's preflight runs after
+    now = _reference_values(dataclasses.asdict(config), {k: getattr(cfg, k) for k in MODEL_FIELDS})
+    spans, trained = _trained_with(segments, done)
+    mixed = _mixed(spans, trained)
+    if mixed:
+        raise UsageError(f"{here}: {mixed}; drop --check")
+    names = [k for k in now if trained and k in trained[0] and trained[0][k] != now[k]]
+    if names:
+        steps = f"steps {segments[0]['first']}-{done}" if len(spans) > 1 else spans[0]
+        raise UsageError(f"{here}: {steps} trained with {_spell(trained[0], names)}, this run asks for "
+                         f"{_spell(now, names)}: --check retrains all steps on one process with this run's flags, "
+                         f"so those would differ by design; resume {_spell(trained[0], names, remedy=True)}, "
+                         f"or drop --check")
+
+
+def _check_split(args: Any, saved_run: dict[str, Any], saved: int | None, n_tokens: int | None, here: str) -> None:
+    """The training split this run reads has the checkpoint's token count (its loader
+    refuses another, but only once the ranks have started, in its own words)."""
+    if saved is None or n_tokens is None:
+        return
+    mine = held_out_start(n_tokens) if args.eval_every else n_tokens
+    if int(saved) == mine:
+        return
+    held_then = saved == held_out_start(n_tokens) if not args.eval_every else saved == n_tokens
+    if held_then:  # the same corpus, split otherwise
+        flag = ("--eval-every, which held out the corpus's last tenth" if not args.eval_every else
+                "no --eval-every, so the whole corpus trained")
+        raise UsageError(f"{here} was trained with {flag}: its data position is one of that split's batches; "
+                         f"resume {'with --eval-every N' if not args.eval_every else 'without --eval-every'}")
+    raise UsageError(f"{here} trained on {saved} tokens, this run's --data {args.data or '(the bundled corpus)'} has "
+                     f"{mine}{' in its training split' if args.eval_every else ''}: resume with the --data it "
+                     f"was trained on ({saved_run.get('data') or 'the bundled corpus'})")
+
+
+def _check_precision(args: Any, saved_run: dict[str, Any], here: str) -> None:
+    """A bf16 run resumed under the default ``--precision`` must resolve it as the
+    checkpoint's run did: the default follows ``--zero`` (mixed under ZeRO, else pure), so
+    a resume that drops or adds ``--zero`` would drop the fp32 master weights, or start
+    new ones from the bf16 parameters, with nothing said."""
+    if args.precision is not None or args.dtype != "bfloat16" or "zero" not in saved_run:
+        return
+    was = master_weights(saved_run.get("precision"), int(saved_run.get("zero") or 0), saved_run.get("dtype", ""))
+    if was != master_weights(None, args.zero, args.dtype):
+        kept = "kept fp32 master weights (--precision mixed" if was else "trained pure bf16 (--precision pure"
+        now = "would drop them" if was else "would start fp32 master weights from the bf16 parameters"
+        raise UsageError(f"{here} {kept}, the default {'under' if was else 'without'} --zero); this run's default "
+                         f"{'without' if was else 'under'} --zero {now}: resume with --precision "
+                         f"{'mixed' if was else 'pure'} to go on as it did, or name the other to change it")
+
+
+def _trained_with(segments: list[dict[str, Any]], done: int) -> tuple[list[str], list[dict[str, Any]]]:
+    """Per segment (:func:`trained_segments`, ``done`` steps in all): its steps as words
+    ("steps 1-4") and its values of what ``--check``'s reference retrains with (the lr
+    schedule, clipping, precision, the MoE options)."""
+    spans, trained = [], []
+    for i, segment in enumerate(segments):
+        run, model = segment.get("run") or {}, segment.get("model") or {}
+        last = segments[i + 1]["first"] - 1 if i + 1 < len(segments) else done
+        spans.append(f"step {last}" if segment["first"] == last else f"steps {segment['first']}-{last}")
+        trained.append({**_reference_values(run, model), "warmup_from_step_one": bool(run.get("warmup_from_step_one"))})
+    return spans, trained
+
+
+def _reference_values(run: dict[str, Any], model: dict[str, Any]) -> dict[str, Any]:
+    """What ``--check``'s reference retrains a step with, of a run config and a model
+    config (as dicts; an older record may lack some): :data:`_REFERENCE_FIELDS`, the MoE
+    fields, ``--microbatches`` for a model with experts, and the precision as resolved
+    (``None`` is mixed under ZeRO in bf16, else pure: the default follows ``--zero``).
+
+    >>> _reference_values({"lr": 0.1, "precision": None, "zero": 1, "dtype": "bfloat16", "microbatches": 2}, {})
+    {'lr': 0.1, 'precision': 'mixed'}
+    """
+    values = {k: run[k] for k in _REFERENCE_FIELDS if k in run}
+    values.update({k: model[k] for k in MODEL_FIELDS if k in model})
+    if "dtype" in run:
+        values["precision"] = ("mixed" if master_weights(run.get("precision"), int(run.get("zero") or 0), run["dtype"])
+                               else "pure")
+    if model.get("num_experts") and "microbatches" in run:
+        values["microbatches"] = run["microbatches"]
+    return values
+
+
+def segment_record(segment: dict[str, Any]) -> dict[str, Any]:
+    """A segment (:func:`trained_segments`) cut to what :func:`segments_mixed` reads: its
+    first step, the lr schedule, clipping and precision (resolved) it ran under, its MoE
+    options (what a run's config.json keeps of each; :func:`_reference_values`).
+
+    >>> segment_record({"first": 5, "run": {"lr": 0.1, "dp": 2}, "model": {"top_k": 2, "dim": 64}})
+    {'first': 5, 'run': {'lr': 0.1}, 'model': {'top_k': 2}}
+    """
+    run, model = segment.get("run") or {}, segment.get("model") or {}
+    values = _reference_values(run, model)
+    return {"first": segment["first"],
+            "run": {**{k: v for k, v in values.items() if k not in MODEL_FIELDS},
+                    **({"warmup_from_step_one": run["warmup_from_step_one"]} if "warmup_from_step_one" in run else {})},
+            "model": {k: model[k] for k in MODEL_FIELDS if k in model}}
+
+
+def segments_mixed(segments: list[dict[str, Any]], done: int) -> str | None:
+    """Why one process cannot retrain these segments' ``done`` steps with one set of flags
+    (``--check``'s reference, :func:`dtp.cli.check.check_run`): a segment under dtp's
+    earlier lr schedule, or two that ran under another lr schedule, clipping, precision or
+    MoE options (a ``--resume`` that changed them). ``None`` when one set trained all.
+
+    >>> seg = lambda first, lr: {"first": first, "run": {"lr": lr, "warmup_from_step_one": True}, "model": {}}
+    >>> segments_mixed([seg(1, 0.001), seg(5, 0.002)], 8)
+    "steps 1-4 trained with --lr 0.001, steps 5-8 with --lr 0.002; --check's one-process reference trains all steps with one set of flags, so it cannot check this run"
+    >>> segments_mixed([seg(1, 0.001), seg(5, 0.001)], 8) is None
+    True
+    """
+    return _mixed(*_trained_with(segments, done))
+
+
+def _mixed(spans: list[str], trained: list[dict[str, Any]]) -> str | None:
+    """:func:`segments_mixed` on the segments' spans and values (:func:`_trained_with`)."""
+    for span, values in zip(spans, trained):
+        if not values["warmup_from_step_one"]:
+            return (f"{span} trained under dtp's earlier lr schedule (lr 0 at step 1), which --check's reference no "
+                    f"longer trains")
+    for i in range(1, len(trained)):
+        names = [k for k in trained[0] if trained[i].get(k) != trained[0].get(k)]
+        if names:  # no one set of flags retrains both
+            return (f"{spans[0]} trained with {_spell(trained[0], names)}, {spans[i]} with "
+                    f"{_spell(trained[i], names)}; --check's one-process reference trains all steps with one set of "
+                    f"flags, so it cannot check this run")
+    return None
+
+
+def _spell(values: dict[str, Any], names: Sequence[str], *, remedy: bool = False) -> str:
+    """``names`` as the flags that give ``values`` (``no --init-from`` for an unset one);
+    ``remedy``: what to resume with (``with --model tiny, without --init-from``).
+
+    >>> _spell({"model": "tiny", "init_from": None, "lr": 0.003}, ["init_from", "model", "lr"])
+    'no --init-from --model tiny --lr 0.003'
+    >>> _spell({"model": "tiny", "init_from": None, "lr": 0.003}, ["init_from", "model", "lr"], remedy=True)
+    'with --model tiny --lr 0.003, without --init-from'
+    """
+    words, unset = [], []
+    for name in names:
+        value = values.get(name)
+        if value is None or value is False:
+            (unset if remedy else words).append(f"{'' if remedy else 'no '}{flag_of(name)}")
+        else:
+            words.append(flag_of(name) if value is True else f"{flag_of(name)} {value}")
+    if not remedy:
+        return " ".join(words)
+    return ", ".join(part for part in (words and "with " + " ".join(words), unset and "without " + " ".join(unset))
+                     if part)
