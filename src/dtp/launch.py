@@ -202,7 +202,8 @@ def _signal_handlers_kept() -> Iterator[None]:
         yield
     finally:
         for name, handler in kept.items():
-            signal.signal(getattr(signal, name), handler)
+            if handler is not None:  # None: a handler set outside Python, which cannot be put back from here
+                signal.signal(getattr(signal, name), handler)
 
 
 def launch(nproc: int, argv: Sequence[str], *, module: str = "dtp.cli", max_restarts: int = 0) -> int:
