@@ -27,7 +27,7 @@ from .._token_files import SAMPLE_TOKENS, document_eos, held_out_start, open_tok
 from .._rules import COMPILE_BACKENDS
 from ..config import MODEL_FIELDS, RunConfig, flag_names, flag_of, mesh_axes_of, type_error
 from ..launch import in_torchrun
-from ..layouts import Layout
+from ..layouts import Layout, check_divisible
 from ..models import config as model_config
 from .parser import PROG, RUN_DEFAULTS, UsageError, build_parser
 from .resume import check_resume, resume_checkpoint
@@ -333,20 +333,22 @@ def check_shape(args: argparse.Namespace, layout: Layout, cfg: model_config.Llam
             raise UsageError(f"--pp {args.pp} --virtual-stages {args.virtual_stages}: {stages} pipeline stages, but "
                              f"{model} cuts into {layers} layers (the embedding, its {cfg.n_layers} blocks, the "
                              f"head) and every stage needs one; use fewer stages")
-        layout.pipeline.check(n_layers=model_config.n_sequential_layers(cfg), mesh=mesh,
+        layout.pipeline.check(n_layers=layers, mesh=mesh,
                               microbatches=args.microbatches,
                               what=f"--pp {args.pp} --virtual-stages {args.virtual_stages}")
         # The model's facts as llama.sequential(cfg) has them: the head reads the embedding when tied.
         layout.pipeline.check_composition(layout, mesh, shared=("embed",) if cfg.tie_embeddings else (),
                                           what=f"--pp {args.pp}", names=_PIPELINE_NAMES)
     if layout.context is not None:
-        # layouts.check_divisible's rule, in the flags' words (the CLI always balances by zigzag).
+        # layouts.check_divisible's rule, refused in the flags' words (the CLI always balances by zigzag).
         cp = layout.context_degree(mesh)
-        chunks = 2 * cp if layout.context.load_balance == "zigzag" else cp
-        if args.seq % chunks:
+        try:
+            check_divisible(args.seq, cp, layout.context.load_balance)
+        except ValueError:
+            chunks = 2 * cp if layout.context.load_balance == "zigzag" else cp
             raise UsageError(f"--seq {args.seq}: --cp {cp} cuts the sequence into {chunks} equal chunks "
                              f"(2 per rank: zigzag load balancing of causal attention); use a --seq that is "
-                             f"a multiple of {chunks}")
+                             f"a multiple of {chunks}") from None
     _check_sequence_split(args.seq, layout, mesh)
 
 
