@@ -434,6 +434,26 @@ def test_train_end_to_end_checks_and_exits_cleanly(tmp_path) -> None:
     assert plot.png_size((out / "loss.png").read_bytes())[0] > 0
 
 
+def test_a_reader_that_goes_does_not_stop_the_run(tmp_path) -> None:
+    """``dtp train --nproc 2 … | head -1``: rank 0's stdout loses its reader after the first
+    line. Before: rank 0 died of BrokenPipeError at its next line, the launcher stopped rank 1
+    mid-collective, rc 1. Now the run trains to its end (rc 0, every step in metrics.jsonl)
+    and says once, on stderr, where its steps went."""
+    out = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k not in _RANK_ENV}
+    cmd = [sys.executable, "-m", "dtp.cli", "train", "--nproc", "2", "--dp", "2", "--model", "tiny", "--steps", "3",
+           "--batch", "4", "--seq", "16", "--out", str(out)]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().startswith("dtp train: tiny")  # the header, long before the summary
+    proc.stdout.close()  # as head -1 exits
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    assert err.count("standard output was closed; training goes on") == 1, err
+    assert "Traceback" not in err and "failed" not in err, err
+    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
+    assert json.loads((out / "summary.json").read_text())["steps"] == 3
+
+
 @pytest.mark.slow
 def test_train_with_overlap_exits_cleanly_repeated(tmp_path) -> None:
     """Every ZeRO stage with every overlap option at dp 2, dp 4 and dp 2 × tp 2, three

@@ -166,6 +166,9 @@ def _debug(args: argparse.Namespace | None) -> bool:
 def console() -> None:
     """The ``dtp`` console script and ``python -m dtp.cli``: :func:`main`, then end the
     process without the interpreter's finalization (not a doctest: it ends the process)."""
+    from .process import survive_closed_output
+
+    survive_closed_output()  # a reader that goes (`dtp train ... | head`) does not stop the run
     code = main()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -33,7 +33,8 @@ from ..mesh import mesh_device
 from ..planning.report import format_count
 from ..models import hf, llama
 from ..redistribute import value_of
-from .process import Terminated, sigterm_ignored, sigterm_raises, run_world, single_process_world, why
+from .process import (Terminated, note_when_output_closes, sigterm_ignored, sigterm_raises, run_world,
+                      single_process_world, why)
 from .parser import EVAL_BATCHES, PROG
 from .flags import UsageError, build_layout, format_mesh, mesh_axes, model_overrides, train_argv, vocab_size
 from .resume import resume_checkpoint, segment_record, trained_segments
@@ -320,6 +321,9 @@ def train_rank(args: argparse.Namespace, *, stream: TextIO | None = None) -> int
     run_cfg = _run_config(args, world)
     layout = build_layout(args)
     progress = Progress(args.steps, args.log_every, stream) if rank == 0 else None
+    if rank == 0:
+        note_when_output_closes(f"{PROG} train: standard output was closed; training goes on, "
+                                f"each step in {out / 'metrics.jsonl'}")
     checkpoints = _checkpointing(args, out)
     # Resuming: the steps up to the checkpoint stay in metrics.jsonl (the ones after it
     # are run again), so the file, the summary and the loss plot cover the whole run.
