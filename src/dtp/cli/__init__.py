@@ -45,7 +45,7 @@ from .flags import (UsageError, build_layout, build_parser, mesh_axes, parse_arg
                     validate)
 from .plan import cmd_plan, train_refusal
 from .report import (default_out, clear_run_files, format_bytes, format_step, progress_bar, report_exception,
-                     summarize)
+                     summarize, survive_closed_output)
 
 __all__ = [
     "main", "console", "build_parser", "parse_args", "validate", "mesh_axes", "train_argv",
@@ -166,8 +166,6 @@ def _debug(args: argparse.Namespace | None) -> bool:
 def console() -> None:
     """The ``dtp`` console script and ``python -m dtp.cli``: :func:`main`, then end the
     process without the interpreter's finalization (not a doctest: it ends the process)."""
-    from .process import survive_closed_output
-
     survive_closed_output()  # a reader that goes (`dtp train ... | head`) does not stop the run
     code = main()
     sys.stdout.flush()

@@ -33,12 +33,12 @@ from ..mesh import mesh_device
 from ..planning.report import format_count
 from ..models import hf, llama
 from ..redistribute import value_of
-from .process import (Terminated, note_when_output_closes, sigterm_ignored, sigterm_raises, run_world,
-                      single_process_world, why)
+from .process import Terminated, sigterm_ignored, sigterm_raises, run_world, single_process_world, why
 from .parser import EVAL_BATCHES, PROG
 from .flags import UsageError, build_layout, format_mesh, mesh_axes, model_overrides, train_argv, vocab_size
 from .resume import resume_checkpoint, segment_record, trained_segments
 from .report import (atomic_write_text, format_summary, plot_losses, Progress, write_json, format_bytes, read_metrics,
+                     note_when_output_closes,
                      print_compile_report, report_exception, summarize)
 
 __all__ = ["build_layout", "SkipCounter", "TrainingAborted", "Terminated", "train_loop", "train_rank",

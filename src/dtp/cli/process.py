@@ -5,12 +5,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import io
-import os
 import signal
-import sys
 import threading
-from typing import Any, Iterator, TextIO
+from typing import Any, Iterator
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
@@ -20,8 +17,7 @@ from ..launch import in_torchrun
 from ..mesh import clear_mesh_cache
 from .flags import mesh_axes
 
-__all__ = ["Terminated", "single_process_world", "run_world", "sigterm_raises", "sigterm_ignored", "why",
-           "ReaderGone", "survive_closed_output", "note_when_output_closes"]
+__all__ = ["Terminated", "single_process_world", "run_world", "sigterm_raises", "sigterm_ignored", "why"]
 
 
 @contextlib.contextmanager
@@ -119,81 +115,3 @@ def why(e: BaseException) -> str:
     if isinstance(e, KeyboardInterrupt):
         return "Ctrl-C"
     return f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
-
-
-class ReaderGone(io.TextIOBase):
-    """A console stream that outlives its reader: ``dtp train … | head -3``.
-
-    Measured on torch 2.13 before this: ``head`` exits after three lines, rank 0's next
-    progress line raised ``BrokenPipeError``, the launcher reported "rank 0 failed" and
-    stopped the others mid-step (rc 1): a run lost because a pager closed. Now the first
-    write that meets a closed pipe points the file descriptor at ``os.devnull`` (so the
-    interpreter's own flush at exit, and every later write, go nowhere without an error),
-    ``note`` goes once to stderr if it is still open, and the process carries on: the run's
-    files (``metrics.jsonl``, ``summary.json``) hold everything the console would have said.
-
-    >>> import os, sys
-    >>> r, w = os.pipe(); os.close(r)                  # a pipe whose reader has gone
-    >>> out = ReaderGone(open(w, "w"))
-    >>> print("step 1", file=out, flush=True)          # no BrokenPipeError
-    >>> out.gone
-    True
-    """
-
-    def __init__(self, stream: TextIO, note: str | None = None, *, err: TextIO | None = None) -> None:
-        self.stream, self.note, self.err = stream, note, err
-        self.gone = False
-
-    def write(self, text: str) -> int:
-        try:
-            return self.stream.write(text)
-        except BrokenPipeError:
-            self._reader_gone()
-            return len(text)
-
-    def flush(self) -> None:
-        try:
-            self.stream.flush()
-        except BrokenPipeError:
-            self._reader_gone()
-
-    def _reader_gone(self) -> None:
-        if self.gone:
-            return
-        self.gone = True
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        try:
-            os.dup2(devnull, self.stream.fileno())
-        finally:
-            os.close(devnull)
-        if self.note and self.err is not None:
-            print(self.note, file=self.err, flush=True)
-
-    def isatty(self) -> bool:
-        return not self.gone and self.stream.isatty()
-
-    def fileno(self) -> int:
-        return self.stream.fileno()
-
-    def writable(self) -> bool:
-        return True
-
-    @property
-    def encoding(self) -> str:  # type: ignore[override]
-        return self.stream.encoding
-
-
-def survive_closed_output() -> None:
-    """Make ``sys.stdout`` and ``sys.stderr`` :class:`ReaderGone` streams: the console
-    script's, not those of a Python caller of :func:`dtp.cli.main`. Quiet when the reader
-    goes (``dtp plan | head`` ends as ``cat`` would) until :func:`note_when_output_closes`."""
-    err = ReaderGone(sys.stderr)
-    sys.stderr = err  # type: ignore[assignment]
-    sys.stdout = ReaderGone(sys.stdout, err=err)  # type: ignore[assignment]
-
-
-def note_when_output_closes(note: str) -> None:
-    """What the process that trains says on stderr if stdout's reader goes (nothing when
-    stdout is not a :class:`ReaderGone`: a Python caller's own stream)."""
-    if isinstance(sys.stdout, ReaderGone):
-        sys.stdout.note = note

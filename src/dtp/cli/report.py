@@ -27,6 +27,7 @@ skips a last line that is not complete yet.
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import math
 import os
@@ -43,7 +44,8 @@ from .flags import PROG
 
 __all__ = ["print_compile_report", "format_bytes", "format_step", "format_duration", "progress_bar", "summarize", "describe_exception",
            "clear_run_files", "read_metrics", "report_exception", "Progress", "plot_losses", "write_json",
-           "atomic_write_text", "format_summary", "default_out"]
+           "atomic_write_text", "format_summary", "default_out", "ReaderGone", "survive_closed_output",
+           "note_when_output_closes"]
 
 
 # --------------------------------------------------------------------------- console
@@ -143,6 +145,84 @@ class Progress:
         elif keep:
             self.stream.write(line + "\n")
         self.stream.flush()
+
+
+class ReaderGone(io.TextIOBase):
+    """A console stream that outlives its reader: ``dtp train … | head -3``.
+
+    Measured on torch 2.13 before this: ``head`` exits after three lines, rank 0's next
+    progress line raised ``BrokenPipeError``, the launcher reported "rank 0 failed" and
+    stopped the others mid-step (rc 1): a run lost because a pager closed. Now the first
+    write that meets a closed pipe points the file descriptor at ``os.devnull`` (so the
+    interpreter's own flush at exit, and every later write, go nowhere without an error),
+    ``note`` goes once to stderr if it is still open, and the process carries on: the run's
+    files (``metrics.jsonl``, ``summary.json``) hold everything the console would have said.
+
+    >>> import os, sys
+    >>> r, w = os.pipe(); os.close(r)                  # a pipe whose reader has gone
+    >>> out = ReaderGone(open(w, "w"))
+    >>> print("step 1", file=out, flush=True)          # no BrokenPipeError
+    >>> out.gone
+    True
+    """
+
+    def __init__(self, stream: TextIO, note: str | None = None, *, err: TextIO | None = None) -> None:
+        self.stream, self.note, self.err = stream, note, err
+        self.gone = False
+
+    def write(self, text: str) -> int:
+        try:
+            return self.stream.write(text)
+        except BrokenPipeError:
+            self._reader_gone()
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self.stream.flush()
+        except BrokenPipeError:
+            self._reader_gone()
+
+    def _reader_gone(self) -> None:
+        if self.gone:
+            return
+        self.gone = True
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(devnull, self.stream.fileno())
+        finally:
+            os.close(devnull)
+        if self.note and self.err is not None:
+            print(self.note, file=self.err, flush=True)
+
+    def isatty(self) -> bool:
+        return not self.gone and self.stream.isatty()
+
+    def fileno(self) -> int:
+        return self.stream.fileno()
+
+    def writable(self) -> bool:
+        return True
+
+    @property
+    def encoding(self) -> str:  # type: ignore[override]
+        return self.stream.encoding
+
+
+def survive_closed_output() -> None:
+    """Make ``sys.stdout`` and ``sys.stderr`` :class:`ReaderGone` streams: the console
+    script's, not those of a Python caller of :func:`dtp.cli.main`. Quiet when the reader
+    goes (``dtp plan | head`` ends as ``cat`` would) until :func:`note_when_output_closes`."""
+    err = ReaderGone(sys.stderr)
+    sys.stderr = err  # type: ignore[assignment]
+    sys.stdout = ReaderGone(sys.stdout, err=err)  # type: ignore[assignment]
+
+
+def note_when_output_closes(note: str) -> None:
+    """What the process that trains says on stderr if stdout's reader goes (nothing when
+    stdout is not a :class:`ReaderGone`: a Python caller's own stream)."""
+    if isinstance(sys.stdout, ReaderGone):
+        sys.stdout.note = note
 
 
 # --------------------------------------------------------------------------- files
