@@ -51,17 +51,18 @@ LR = 0.1
 # --------------------------------------------------------------------------- torch's Llama
 
 
-_TABLES: dict[tuple[int, int, float], tuple[torch.Tensor, torch.Tensor]] = {}
+_TABLES: dict[tuple[int, int, float, str], tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-def _rope_tables(seq: int, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin over (seq, 1, head_dim), made once per shape, as Hugging Face's
+def _rope_tables(seq: int, head_dim: int, theta: float,
+                 device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin over (seq, 1, head_dim), made once per shape and device, as Hugging Face's
     ``LlamaRotaryEmbedding`` (once per forward for every layer) and torchtitan's
     ``freqs_cis`` buffer do — not per call. (A dict, not ``functools.lru_cache``: the rank
     pool ships this script's functions by value, and an lru_cache wrapper goes by name.)"""
-    key = (seq, head_dim, theta)
+    key = (seq, head_dim, theta, str(device))
     if key not in _TABLES:
-        _TABLES[key] = _make_tables(seq, head_dim, theta)
+        _TABLES[key] = tuple(t.to(device) for t in _make_tables(seq, head_dim, theta))
     return _TABLES[key]
 
 
@@ -76,7 +77,7 @@ def _make_tables(seq: int, head_dim: int, theta: float) -> tuple[torch.Tensor, t
 def _rope(x: torch.Tensor, theta: float) -> torch.Tensor:
     """Rotary embedding of (batch, seq, heads, head_dim), halves rotated (as dtp.ops.rotary),
     in Hugging Face's form ``x·cos + rotate_half(x)·sin``: the same bits as the halves' form."""
-    cos, sin = _rope_tables(x.shape[1], x.shape[-1], theta)
+    cos, sin = _rope_tables(x.shape[1], x.shape[-1], theta, x.device)
     half = x.shape[-1] // 2
     xf = x.float()
     rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
@@ -141,11 +142,12 @@ class Block(nn.Module):
 class TorchLlama(nn.Module):
     def __init__(self, cfg):
         super().__init__()
-        assert not cfg.tie_embeddings
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:  # Llama 3.2 1B's head is its embedding (one parameter, as llama.init)
+            self.output.weight = self.tok_embeddings.weight
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.tok_embeddings(tokens)
@@ -165,7 +167,8 @@ class TorchLlama(nn.Module):
             for k, path in names.items():
                 layer.get_submodule(path).weight.copy_(p[k].t())
         self.norm.weight.copy_(params["final_norm"])
-        self.output.weight.copy_(params["lm_head"].t())
+        if "lm_head" in params:  # else tied: the embedding copied above
+            self.output.weight.copy_(params["lm_head"].t())
         return self
 
 
