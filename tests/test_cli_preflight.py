@@ -51,6 +51,9 @@ BAD_RUNS = {
     "experts vs ep": (["--model", "tiny-moe", "--num-experts", "3", "--ep", "2"],
                       "num_experts=3 is not divisible by ep=2"),
     "top-k past the experts": (["--model", "tiny-moe", "--top-k", "5"], "--top-k must be in [1, --num-experts 4], got 5"),
+    "group-limited routing half given": (["--model", "tiny-moe", "--n-groups", "2"],
+                                         "--n-groups and --topk-group go together (group-limited routing), got "
+                                         "--n-groups 2 and --topk-group not given"),
     "expert flags on a dense model": (["--ep", "2", "--top-k", "2"], "--ep 2 --top-k: --model tiny has no experts (a "
                                       "dense model); add --num-experts E, or train --model tiny-moe, or use --dp"),
     "layers vs stages": (["--pp", "8", "--microbatches", "8"], "--pp 8 --virtual-stages 1: 8 pipeline stages, but "

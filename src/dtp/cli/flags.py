@@ -437,12 +437,16 @@ def _check_document_ends(args: argparse.Namespace) -> None:
 
 
 def _flag_words(message: str, flags: Mapping[str, str]) -> str:
-    """``message`` with each API name of ``flags`` (name → flag) named as its flag.
+    """``message`` with each API name of ``flags`` (name → flag) named as its flag; an
+    option the API shows as ``None`` is a flag not given.
 
     >>> _flag_words("top_k must be in [1, num_experts=4], got 5", {"top_k": "--top-k", "num_experts": "--num-experts"})
     '--top-k must be in [1, --num-experts 4], got 5'
+    >>> _flag_words("got n_groups=2 and topk_group=None", {"n_groups": "--n-groups", "topk_group": "--topk-group"})
+    'got --n-groups 2 and --topk-group not given'
     """
     for name in sorted(flags, key=len, reverse=True):  # topk_group before top_k's own words
+        message = re.sub(rf"(?<![\w-]){name}=None\b", flags[name] + " not given", message)
         message = re.sub(rf"(?<![\w-]){name}=", flags[name] + " ", message)
         message = re.sub(rf"(?<![\w-]){name}\b", flags[name], message)
     return message
