@@ -329,3 +329,33 @@ def test_debug_shows_the_traceback(tmp_path, monkeypatch) -> None:
     _failing_train_step(monkeypatch, RuntimeError("boom"), at_call=1)
     with pytest.raises(RuntimeError, match="boom"):
         cli.main(["train", "--steps", "2", "--batch", "2", "--seq", "16", "--debug", "--out", str(tmp_path / "r")])
+
+
+@pytest.mark.parametrize("command", ["train", "plan"])
+def test_document_mask_reads_the_sample_once_and_its_note_names_the_command(tmp_path, monkeypatch, capsys,
+                                                                             command) -> None:
+    """``--document-mask`` on a corpus larger than the sample whose end id the sample
+    misses: the preflight reads the sample once (the largest id and the document ends
+    together, nothing opened twice) and its note names the command that checks the run."""
+    import numpy as np
+
+    from dtp import _token_files
+    from dtp.cli import flags
+
+    monkeypatch.setattr(_token_files, "SAMPLE_TOKENS", 64)
+    monkeypatch.setattr(flags, "SAMPLE_TOKENS", 64)
+    data = tmp_path / "tokens.bin"
+    ids = np.arange(10_000, dtype=np.uint16) % 200
+    ids[5000] = 250  # the end of a document: once, between the sample's runs
+    ids.tofile(data)
+    opened, read = [], []
+    real_open, real_read = _token_files.open_tokens, _token_files.Tokens.read
+    counted_open = lambda *a, **k: opened.append(a) or real_open(*a, **k)  # noqa: E731
+    monkeypatch.setattr(_token_files, "open_tokens", counted_open)
+    monkeypatch.setattr(flags, "open_tokens", counted_open, raising=False)  # flags opened it by its own name
+    monkeypatch.setattr(_token_files.Tokens, "read", lambda self, a, b: read.append(b - a) or real_read(self, a, b))
+    argv = [command, "--document-mask", "--eos-id", "250", "--data", str(data), "--batch", "4", "--seq", "16"]
+    flags.check_config(flags.parse_args(argv))
+    assert len(opened) == 1 and sum(read) == 64, (opened, read)
+    assert capsys.readouterr().err == (f"dtp {command}: note: --document-mask: --eos-id 250 does not occur in a sample "
+                                       f"of 64 of the 10000 tokens of --data; check the id\n")

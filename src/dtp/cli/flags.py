@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from .._mesh_shape import MeshShape
-from .._token_files import SAMPLE_TOKENS, document_eos, held_out_start, open_tokens, token_stats
+from .._token_files import SAMPLE_TOKENS, TokenStats, held_out_start, token_stats
 from .._rules import COMPILE_BACKENDS
 from ..config import MODEL_FIELDS, RunConfig, flag_names, flag_of, mesh_axes_of, type_error
 from ..launch import in_torchrun
@@ -283,19 +283,19 @@ def _check_run(args: argparse.Namespace) -> tuple[Layout, model_config.LlamaConf
     the corpus against a batch: the layout, the model (also ``args.model_config``, what the
     plan predicts: a vocabulary grown to the data's ids is the run's) and the token count."""
     layout = build_layout(args)
-    try:
-        n_tokens, max_id = token_stats(args.data, dtype=args.data_dtype, eos_id=args.eos_id,
-                                       tokenizer=args.tokenizer)
+    try:  # one read of the data's sample: its largest id and, with --document-mask, its document ends
+        stats = token_stats(args.data, dtype=args.data_dtype, eos_id=args.eos_id, tokenizer=args.tokenizer,
+                            documents=args.document_mask)
     except OSError as e:
         raise UsageError(f"--data {args.data}: {e.strerror or e}") from None
     except ValueError as e:
         raise UsageError(f"--data: {e}" if not str(e).startswith("--") else str(e)) from None
     if args.document_mask:
-        _check_document_ends(args)
-    cfg = args.model_config = _model(args, max_id)
+        _check_document_ends(args, stats)
+    cfg = args.model_config = _model(args, stats.largest)
     check_shape(args, layout, cfg)
-    _check_corpus(args, n_tokens)
-    return layout, cfg, n_tokens
+    _check_corpus(args, stats.count)
+    return layout, cfg, stats.count
 
 
 def check_shape(args: argparse.Namespace, layout: Layout, cfg: model_config.LlamaConfig) -> None:
@@ -416,24 +416,20 @@ def _model(args: argparse.Namespace, max_id: int) -> model_config.LlamaConfig:
     return cfg
 
 
-def _check_document_ends(args: argparse.Namespace) -> None:
-    """``--document-mask`` has an id that ends a document, and the data holds it: an id that
-    never occurs masks nothing (every window one document), which is the run without the
-    mask under another name. Refused when the whole corpus was read; a note when only a
-    sample was (:meth:`~dtp._token_files.Tokens.sample_holds`)."""
-    tokens = open_tokens(args.data, dtype=args.data_dtype, eos_id=args.eos_id, tokenizer=args.tokenizer)
-    try:
-        eos = document_eos(tokens)
-    except ValueError as e:
-        raise UsageError(str(e)) from None
-    if tokens.sample_holds(eos):
+def _check_document_ends(args: argparse.Namespace, stats: TokenStats) -> None:
+    """``--document-mask``'s id that ends a document occurs in the data (``stats``: what
+    :func:`~dtp._token_files.token_stats` read with ``documents=True``): an id that never
+    occurs masks nothing (every window one document), which is the run without the mask
+    under another name. Refused when the whole corpus was read; a note when only a sample was."""
+    if stats.end_seen:
         return
-    source = f"--eos-id {eos}" if args.eos_id is not None else f"the id that ends a document ({eos})"
-    if len(tokens) <= SAMPLE_TOKENS:
-        raise UsageError(f"--document-mask: {source} never occurs in the {len(tokens)} tokens of --data, so every "
+    source = f"--eos-id {stats.end}" if args.eos_id is not None else f"the id that ends a document ({stats.end})"
+    if stats.count <= SAMPLE_TOKENS:
+        raise UsageError(f"--document-mask: {source} never occurs in the {stats.count} tokens of --data, so every "
                          f"window would be one document, as without the mask; check the id")
-    print(f"{PROG} train: note: --document-mask: {source} does not occur in a sample of {SAMPLE_TOKENS} of the "
-          f"{len(tokens)} tokens of --data; check the id", file=sys.stderr)
+    # dtp plan checks the run too: the note names the command that runs
+    print(f"{PROG} {getattr(args, 'command', None) or 'train'}: note: --document-mask: {source} does not occur in a "
+          f"sample of {SAMPLE_TOKENS} of the {stats.count} tokens of --data; check the id", file=sys.stderr)
 
 
 def _flag_words(message: str, flags: Mapping[str, str]) -> str:
