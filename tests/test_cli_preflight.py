@@ -36,7 +36,8 @@ def _no_torchrun_env(monkeypatch):
 # Each case: the flags, and what its one line says. None of them may import torch.
 BAD_RUNS = {
     "mesh vs nproc": (["--dp", "3", "--nproc", "4"], "--nproc 4 does not match the mesh dp=3: it needs 3 ranks"),
-    "heads vs tp": (["--tp", "3"], "--model tiny on the mesh dp=1 × tp=3: heads=4 is not divisible by tp=3 "),
+    "heads vs tp": (["--tp", "3"], "--model tiny on the mesh dp=1 × tp=3: heads=4 is not divisible by tp=3 (--tp "
+                                   "splits the heads); choose heads a multiple of 3, or a smaller --tp\n"),
     "kv heads vs head chunks": (["--cp", "2", "--cp-head-chunks", "3"], "--cp-head-chunks 3 must divide the 2 kv heads"),
     "seq vs cp": (["--cp", "2", "--seq", "30"], "--seq 30: --cp 2 cuts the sequence into 4 equal chunks (2 per "
                                                "rank: zigzag load balancing of causal attention); use a --seq that "
@@ -49,7 +50,8 @@ BAD_RUNS = {
     "memory budget": (["--memory-gb", "0"], "argument --memory-gb: expected a finite number > 0, got '0' (see dtp train --help)"),
     "bucket size": (["--zero", "1", "--dp", "2", "--nproc", "2", "--bucket-mb", "0"], "argument --bucket-mb: expected a finite number > 0"),
     "experts vs ep": (["--model", "tiny-moe", "--num-experts", "3", "--ep", "2"],
-                      "num_experts=3 is not divisible by ep=2"),
+                      "--num-experts 3 is not divisible by ep=2 (--ep splits the experts); choose --num-experts a "
+                      "multiple of 2, or a smaller --ep\n"),
     "top-k past the experts": (["--model", "tiny-moe", "--top-k", "5"], "--top-k must be in [1, --num-experts 4], got 5"),
     "group-limited routing half given": (["--model", "tiny-moe", "--n-groups", "2"],
                                          "--n-groups and --topk-group go together (group-limited routing), got "

@@ -272,7 +272,7 @@ def check_config(args: argparse.Namespace) -> None:
     >>> check_config(parse_args(["plan", "--tp", "3"]))
     Traceback (most recent call last):
     ...
-    dtp.cli.parser.UsageError: --model tiny on the mesh dp=1 × tp=3: heads=4 is not divisible by tp=3 (layout data + megatron(sequence_parallel=False)); choose heads a multiple of 3, or a smaller tp
+    dtp.cli.parser.UsageError: --model tiny on the mesh dp=1 × tp=3: heads=4 is not divisible by tp=3 (--tp splits the heads); choose heads a multiple of 3, or a smaller --tp
     """
     check_nproc(args, mesh_axes_of(pp=args.pp, dp=args.dp, ep=args.ep, cp=args.cp, tp=args.tp))  # as validate
     _check_run(args)
@@ -323,10 +323,11 @@ def check_shape(args: argparse.Namespace, layout: Layout, cfg: model_config.Llam
                          f"differs from one process by design; drop --check, or train dropless")
     _check_dense(args, cfg, model)
     layout.check_mesh(mesh, what=f"the mesh {format_mesh(mesh.sizes)}")
-    try:
-        layout.check_sizes(model_config.axis_sizes(cfg), mesh, what=what)
-    except ValueError as e:  # the context options' checks name their fields: here, the flags
-        raise UsageError(_flag_words(str(e), _CONTEXT_FLAGS) if layout.context is not None else str(e)) from None
+    try:  # the mesh axes as the flags that size them, not the layout's name (which only its API knows)
+        layout.check_sizes(model_config.axis_sizes(cfg), mesh, what=what, names=_AXIS_FLAGS)
+    except ValueError as e:  # the options' checks name their fields: here, the flags
+        raise UsageError(_flag_words(str(e), {**(_CONTEXT_FLAGS if layout.context is not None else {}),
+                                              "num_experts": flag_of("num_experts")})) from None
     if layout.pipeline is not None:
         stages, layers = args.pp * args.virtual_stages, model_config.n_sequential_layers(cfg)
         if layers < stages and layout.pipeline.layer_split is None:  # pipeline.assign's rule, in the flags' words
@@ -447,6 +448,9 @@ def _flag_words(message: str, flags: Mapping[str, str]) -> str:
         message = re.sub(rf"(?<![\w-]){name}\b", flags[name], message)
     return message
 
+
+#: The mesh axes, as the flags that size them (Layout.check_sizes' names).
+_AXIS_FLAGS = {axis: f"--{axis}" for axis in ("pp", "dp", "ep", "cp", "tp")}
 
 #: The names layouts.context's checks use, as dtp train's flags.
 _CONTEXT_FLAGS = {"algo": "--cp-algo", "window": "--cp-window", "ulysses_degree": "--ulysses-degree",
