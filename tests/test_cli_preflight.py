@@ -62,6 +62,10 @@ BAD_RUNS = {
                                                                "--model tiny cuts into 4 layers"),
     "corpus vs batch": (["--batch", "6000"], "the corpus has 383157 tokens, 5986 windows of 64 + 1 tokens, fewer"),
     "held-out split vs batch": (["--batch", "600", "--eval-every", "5"], "the held-out split (its last tenth"),
+    "lr past float32 in AdamW's step": (["--lr", "6.47e37", "--warmup", "2"],
+                                        "--lr 6.47e+37: AdamW's step size at step 2 (the lr over its bias correction "
+                                        "1 - 0.9^2) is 3.41e+38, past float32's largest number (3.4e+38), which torch "
+                                        "refuses in a --dtype float32 run; use --lr <= 6.46e+37, or --dtype float64\n"),
     "sp without tp": (["--sp"], "--sp (sequence parallel) splits the sequence over the tp group: it needs --tp > 1"),
     "out not writable": (["--out", "/proc/nonexistent/run"], "--out /proc/nonexistent/run: cannot create or write it"),
     "data missing": (["--data", "/nonexistent/tokens.bin"], "--data /nonexistent/tokens.bin: No such file or directory"),
@@ -108,7 +112,7 @@ BAD_RUNS = {
     "resume without a checkpoint": (["--resume", "--out", "HF_DIR"], "--resume: no checkpoint in "),
 }
 # The cases that are the run's shape and data alone: ``dtp plan`` refuses them with train's line.
-PLAN_CASES = ("mesh vs nproc", "data missing", "data read with a wider dtype",
+PLAN_CASES = ("mesh vs nproc", "lr past float32 in AdamW's step", "data missing", "data read with a wider dtype",
               "document mask with an eos id the data lacks", "heads vs tp", "kv heads vs head chunks", "seq vs cp",
               "seq vs sp", "seq vs the model", "experts vs ep", "expert flags on a dense model", "layers vs stages", "sp without tp", "pp with zero 3",
               "pp with overlapped grad reduce")
@@ -361,3 +365,36 @@ def test_document_mask_reads_the_sample_once_and_its_note_names_the_command(tmp_
     assert len(opened) == 1 and sum(read) == 64, (opened, read)
     assert capsys.readouterr().err == (f"dtp {command}: note: --document-mask: --eos-id 250 does not occur in a sample "
                                        f"of 64 of the 10000 tokens of --data; check the id\n")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float64"])
+def test_the_lr_refused_is_the_lr_torch_refuses(dtype) -> None:
+    """The preflight refuses an ``--lr`` exactly when the rank's AdamW (``dtp.cli.loop``'s
+    schedule and options) would fail on a step: its step size past float32's largest number
+    (torch's "cannot be converted to type float without overflow"); one just below trains on."""
+    import torch
+
+    from dtp import optim
+    from dtp._rules import TRAIN_ADAMW
+    from dtp.cli import flags
+
+    for warmup in (0, 1, 2, 5):
+        most = flags.FLOAT32_MAX * (1 - TRAIN_ADAMW["b1"] ** max(warmup, 1))
+        for lr in (most * (1 - 1e-6), most * (1 + 1e-6), 10 * most):
+            args = flags.parse_args(["train", "--lr", repr(lr), "--warmup", str(warmup), "--steps", "8",
+                                     "--dtype", dtype])
+            try:
+                flags._check_lr(flags.run_config(args))
+                refused = False
+            except flags.UsageError:
+                refused = True
+            opt = optim.adamw(loop._lr_schedule(lr, warmup, 8), **TRAIN_ADAMW)
+            params = {"w": torch.ones(2, dtype=getattr(torch, dtype))}
+            state, failed = opt.init(params), False
+            try:
+                for _ in range(8):
+                    params, state = opt.apply({"w": torch.full_like(params["w"], 1e-3)}, state, params)
+            except RuntimeError as e:
+                assert "without overflow" in str(e)
+                failed = True
+            assert refused == failed, (dtype, warmup, lr, refused, failed)

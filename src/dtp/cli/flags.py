@@ -24,7 +24,7 @@ from typing import Any, Mapping, Sequence
 
 from .._mesh_shape import MeshShape
 from .._token_files import SAMPLE_TOKENS, TokenStats, held_out_start, token_stats
-from .._rules import COMPILE_BACKENDS
+from .._rules import COMPILE_BACKENDS, FLOAT32_MAX, TRAIN_ADAMW
 from ..config import MODEL_FIELDS, RunConfig, flag_names, flag_of, mesh_axes_of, type_error
 from ..launch import in_torchrun
 from ..layouts import Layout, check_divisible
@@ -283,6 +283,7 @@ def _check_run(args: argparse.Namespace) -> tuple[Layout, model_config.LlamaConf
     the corpus against a batch: the layout, the model (also ``args.model_config``, what the
     plan predicts: a vocabulary grown to the data's ids is the run's) and the token count."""
     layout = build_layout(args)
+    _check_lr(run_config(args))
     try:  # one read of the data's sample: its largest id and, with --document-mask, its document ends
         stats = token_stats(args.data, dtype=args.data_dtype, eos_id=args.eos_id, tokenizer=args.tokenizer,
                             documents=args.document_mask)
@@ -455,6 +456,29 @@ _AXIS_FLAGS = {axis: f"--{axis}" for axis in ("pp", "dp", "ep", "cp", "tp")}
 #: The names layouts.context's checks use, as dtp train's flags.
 _CONTEXT_FLAGS = {"algo": "--cp-algo", "window": "--cp-window", "ulysses_degree": "--ulysses-degree",
                   "head_chunks": "--cp-head-chunks"}
+
+
+def _check_lr(config: RunConfig) -> None:
+    """AdamW's step size, ``lr_t / (1 - b1^t)`` (its bias correction, 10× at step 1), goes to
+    torch as a scalar of the kernels' compute dtype, float32 unless ``--dtype float64``
+    (bfloat16 computes in float32), and torch refuses one past float32's largest number
+    ("value cannot be converted to type float without overflow", on every rank, at the
+    step). The largest is at the end of the warm-up (``lr_t / lr`` grows faster than the
+    correction shrinks; :func:`dtp.cli.loop._lr_schedule` reaches the peak at step
+    ``warmup``, or 1). Only that is refused: a large lr that fits diverges into skipped
+    steps, which ``--max-skipped`` handles."""
+    if config.dtype == "float64":  # a float64 scalar: lr is a finite float, and an infinite step is only divergence
+        return
+    t = max(config.warmup, 1)
+    correction = 1 - TRAIN_ADAMW["b1"] ** t
+    step = config.lr / correction
+    if step > FLOAT32_MAX:
+        most = FLOAT32_MAX * correction
+        shown = math.floor(most / 10 ** (math.floor(math.log10(most)) - 2)) * 10 ** (math.floor(math.log10(most)) - 2)
+        raise UsageError(f"--lr {config.lr:g}: AdamW's step size at step {t} (the lr over its bias correction "
+                         f"1 - {TRAIN_ADAMW['b1']}^{t}) is {step:.3g}, past float32's largest number "
+                         f"({FLOAT32_MAX:.3g}), which torch refuses in a --dtype {config.dtype} run; use --lr <= "
+                         f"{shown:.3g}, or --dtype float64")
 
 
 def _check_corpus(args: argparse.Namespace, n_tokens: int) -> None:

@@ -26,6 +26,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from .. import CompileOptions, Layout, TrainState, checkpoint, optim, shard_batch, strategies, train_step, wait
+from .._rules import TRAIN_ADAMW
 from .._token_files import held_out_start
 from ..buffers import lay_out as lay_out_buffers
 from ..data import TokenLoader, Tokens, document_eos, open_tokens
@@ -144,7 +145,7 @@ def train_loop(args: Mapping[str, Any], mesh: DeviceMesh, layout: Layout, *, rec
         schedule = _lr_schedule(args["lr"], args["warmup"], args["steps"])
     else:  # a run directory from before: the schedule it ran (lr 0 at step 1), so dtp check agrees
         schedule = optim.warmup_cosine(args["lr"], args["warmup"], args["steps"])
-    opt = optim.adamw(schedule, weight_decay=0.1)
+    opt = optim.adamw(schedule, **TRAIN_ADAMW)
     # axis_sizes: the layout's rules (heads per tp × Ulysses degree, kv heads per head
     # chunk, vocab per tp …) are checked here, on every rank, before any collective.
     if args.get("init_from"):  # each rank reads only its blocks of the weight files
