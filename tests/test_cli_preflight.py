@@ -398,3 +398,32 @@ def test_the_lr_refused_is_the_lr_torch_refuses(dtype) -> None:
                 assert "without overflow" in str(e)
                 failed = True
             assert refused == failed, (dtype, warmup, lr, refused, failed)
+
+
+def test_an_id_past_the_sampled_vocabulary_names_the_sidecar_and_the_sidecar_fixes_it(tmp_path, monkeypatch,
+                                                                                        capsys) -> None:
+    """A token file whose sample (64 ids here) misses its large ids: the preflight sizes
+    the vocabulary by the sample, and the first batch that holds a larger id is refused in
+    one line that names the sidecar to write (on one rank this was the embedding's
+    IndexError, a crash), and with that sidecar the run trains."""
+    import numpy as np
+
+    from dtp import _token_files
+
+    monkeypatch.setattr(_token_files, "SAMPLE_TOKENS", 64)
+    monkeypatch.setattr(loop, "SAMPLE_TOKENS", 64)
+    n = 10_000
+    ids = np.full(n, 1000, dtype=np.uint16)
+    for i in range(_token_files.SAMPLE_CHUNKS):  # the sample: one id per run, all small
+        ids[(n - 1) * i // (_token_files.SAMPLE_CHUNKS - 1)] = i
+    data = tmp_path / "tokens.bin"
+    ids.tofile(data)
+    argv = ["train", "--data", str(data), "--steps", "2", "--batch", "2", "--seq", "16"]
+    assert cli.main([*argv, "--out", str(tmp_path / "a")]) == 2
+    assert capsys.readouterr().err == (
+        f"dtp train: error: --data {data}: step 1's batch holds token id 1000, past the 256 ids of the model, whose "
+        f"vocabulary was sized by the largest id in the preflight's sample of the data (64 ids); state the "
+        f'vocabulary in the sidecar {data}.json: {{"vocab_size": N}}, N above the largest id\n')
+    (tmp_path / "tokens.bin.json").write_text('{"vocab_size": 1001}')
+    loop._open_data.cache_clear()  # a run opens its data once per process; this one is a second run
+    assert cli.main([*argv, "--out", str(tmp_path / "b")]) == 0, capsys.readouterr().err

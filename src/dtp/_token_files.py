@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any, Iterator, NamedTuple, Sequence
 
 __all__ = ["Tokens", "open_tokens", "document_eos", "token_stats", "TokenStats", "held_out_start", "HELD_OUT_FRACTION",
-           "DTYPES", "SIDECAR", "SAMPLE_TOKENS"]
+           "DTYPES", "SIDECAR", "SAMPLE_TOKENS", "sidecar_path"]
 
 # The held-out split (``dtp train --eval-every``): the corpus's last tenth. The end of the
 # file, not a random sample: windows that straddle the cut would leak training text.
@@ -134,9 +134,19 @@ class Tokens:
             yield self.read(a, b)
 
 
+def sidecar_path(path: str | os.PathLike[str]) -> Path:
+    """Where the sidecar of a token file or shard directory is (or would be).
+
+    >>> sidecar_path("data/train.bin").as_posix()
+    'data/train.bin.json'
+    """
+    path = Path(path)
+    return path / SIDECAR if path.is_dir() else path.with_name(path.name + ".json")
+
+
 def _sidecar(path: Path) -> dict[str, Any]:
     """The sidecar's settings, checked (``{}`` when there is none)."""
-    side = path / SIDECAR if path.is_dir() else path.with_name(path.name + ".json")
+    side = sidecar_path(path)
     if not side.is_file():
         return {}
     try:
