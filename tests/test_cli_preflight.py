@@ -36,7 +36,8 @@ def _no_torchrun_env(monkeypatch):
 # Each case: the flags, and what its one line says. None of them may import torch.
 BAD_RUNS = {
     "mesh vs nproc": (["--dp", "3", "--nproc", "4"], "--nproc 4 does not match the mesh dp=3: it needs 3 ranks"),
-    "heads vs tp": (["--tp", "3"], "--model tiny on the mesh dp=1 × tp=3: heads=4 is not divisible by tp=3 "),
+    "heads vs tp": (["--tp", "3"], "--model tiny on the mesh dp=1 × tp=3: heads=4 is not divisible by tp=3 (--tp "
+                                   "splits the heads); choose heads a multiple of 3, or a smaller --tp\n"),
     "kv heads vs head chunks": (["--cp", "2", "--cp-head-chunks", "3"], "--cp-head-chunks 3 must divide the 2 kv heads"),
     "seq vs cp": (["--cp", "2", "--seq", "30"], "--seq 30: --cp 2 cuts the sequence into 4 equal chunks (2 per "
                                                "rank: zigzag load balancing of causal attention); use a --seq that "
@@ -49,14 +50,22 @@ BAD_RUNS = {
     "memory budget": (["--memory-gb", "0"], "argument --memory-gb: expected a finite number > 0, got '0' (see dtp train --help)"),
     "bucket size": (["--zero", "1", "--dp", "2", "--nproc", "2", "--bucket-mb", "0"], "argument --bucket-mb: expected a finite number > 0"),
     "experts vs ep": (["--model", "tiny-moe", "--num-experts", "3", "--ep", "2"],
-                      "num_experts=3 is not divisible by ep=2"),
+                      "--num-experts 3 is not divisible by ep=2 (--ep splits the experts); choose --num-experts a "
+                      "multiple of 2, or a smaller --ep\n"),
     "top-k past the experts": (["--model", "tiny-moe", "--top-k", "5"], "--top-k must be in [1, --num-experts 4], got 5"),
+    "group-limited routing half given": (["--model", "tiny-moe", "--n-groups", "2"],
+                                         "--n-groups and --topk-group go together (group-limited routing), got "
+                                         "--n-groups 2 and --topk-group not given"),
     "expert flags on a dense model": (["--ep", "2", "--top-k", "2"], "--ep 2 --top-k: --model tiny has no experts (a "
                                       "dense model); add --num-experts E, or train --model tiny-moe, or use --dp"),
     "layers vs stages": (["--pp", "8", "--microbatches", "8"], "--pp 8 --virtual-stages 1: 8 pipeline stages, but "
                                                                "--model tiny cuts into 4 layers"),
     "corpus vs batch": (["--batch", "6000"], "the corpus has 383157 tokens, 5986 windows of 64 + 1 tokens, fewer"),
     "held-out split vs batch": (["--batch", "600", "--eval-every", "5"], "the held-out split (its last tenth"),
+    "lr past float32 in AdamW's step": (["--lr", "6.47e37", "--warmup", "2"],
+                                        "--lr 6.47e+37: AdamW's step size at step 2 (the lr over its bias correction "
+                                        "1 - 0.9^2) is 3.41e+38, past float32's largest number (3.4e+38), which torch "
+                                        "refuses in a --dtype float32 run; use --lr <= 6.46e+37, or --dtype float64\n"),
     "sp without tp": (["--sp"], "--sp (sequence parallel) splits the sequence over the tp group: it needs --tp > 1"),
     "out not writable": (["--out", "/proc/nonexistent/run"], "--out /proc/nonexistent/run: cannot create or write it"),
     "data missing": (["--data", "/nonexistent/tokens.bin"], "--data /nonexistent/tokens.bin: No such file or directory"),
@@ -103,7 +112,7 @@ BAD_RUNS = {
     "resume without a checkpoint": (["--resume", "--out", "HF_DIR"], "--resume: no checkpoint in "),
 }
 # The cases that are the run's shape and data alone: ``dtp plan`` refuses them with train's line.
-PLAN_CASES = ("mesh vs nproc", "data missing", "data read with a wider dtype",
+PLAN_CASES = ("mesh vs nproc", "lr past float32 in AdamW's step", "data missing", "data read with a wider dtype",
               "document mask with an eos id the data lacks", "heads vs tp", "kv heads vs head chunks", "seq vs cp",
               "seq vs sp", "seq vs the model", "experts vs ep", "expert flags on a dense model", "layers vs stages", "sp without tp", "pp with zero 3",
               "pp with overlapped grad reduce")
@@ -326,3 +335,95 @@ def test_debug_shows_the_traceback(tmp_path, monkeypatch) -> None:
     _failing_train_step(monkeypatch, RuntimeError("boom"), at_call=1)
     with pytest.raises(RuntimeError, match="boom"):
         cli.main(["train", "--steps", "2", "--batch", "2", "--seq", "16", "--debug", "--out", str(tmp_path / "r")])
+
+
+@pytest.mark.parametrize("command", ["train", "plan"])
+def test_document_mask_reads_the_sample_once_and_its_note_names_the_command(tmp_path, monkeypatch, capsys,
+                                                                             command) -> None:
+    """``--document-mask`` on a corpus larger than the sample whose end id the sample
+    misses: the preflight reads the sample once (the largest id and the document ends
+    together, nothing opened twice) and its note names the command that checks the run."""
+    import numpy as np
+
+    from dtp import _token_files
+    from dtp.cli import flags
+
+    monkeypatch.setattr(_token_files, "SAMPLE_TOKENS", 64)
+    monkeypatch.setattr(flags, "SAMPLE_TOKENS", 64)
+    data = tmp_path / "tokens.bin"
+    ids = np.arange(10_000, dtype=np.uint16) % 200
+    ids[5000] = 250  # the end of a document: once, between the sample's runs
+    ids.tofile(data)
+    opened, read = [], []
+    real_open, real_read = _token_files.open_tokens, _token_files.Tokens.read
+    counted_open = lambda *a, **k: opened.append(a) or real_open(*a, **k)  # noqa: E731
+    monkeypatch.setattr(_token_files, "open_tokens", counted_open)
+    monkeypatch.setattr(flags, "open_tokens", counted_open, raising=False)  # flags opened it by its own name
+    monkeypatch.setattr(_token_files.Tokens, "read", lambda self, a, b: read.append(b - a) or real_read(self, a, b))
+    argv = [command, "--document-mask", "--eos-id", "250", "--data", str(data), "--batch", "4", "--seq", "16"]
+    flags.check_config(flags.parse_args(argv))
+    assert len(opened) == 1 and sum(read) == 64, (opened, read)
+    assert capsys.readouterr().err == (f"dtp {command}: note: --document-mask: --eos-id 250 does not occur in a sample "
+                                       f"of 64 of the 10000 tokens of --data; check the id\n")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float64"])
+def test_the_lr_refused_is_the_lr_torch_refuses(dtype) -> None:
+    """The preflight refuses an ``--lr`` exactly when the rank's AdamW (``dtp.cli.loop``'s
+    schedule and options) would fail on a step: its step size past float32's largest number
+    (torch's "cannot be converted to type float without overflow"); one just below trains on."""
+    import torch
+
+    from dtp import optim
+    from dtp._rules import TRAIN_ADAMW
+    from dtp.cli import flags
+
+    for warmup in (0, 1, 2, 5):
+        most = flags.FLOAT32_MAX * (1 - TRAIN_ADAMW["b1"] ** max(warmup, 1))
+        for lr in (most * (1 - 1e-6), most * (1 + 1e-6), 10 * most):
+            args = flags.parse_args(["train", "--lr", repr(lr), "--warmup", str(warmup), "--steps", "8",
+                                     "--dtype", dtype])
+            try:
+                flags._check_lr(flags.run_config(args))
+                refused = False
+            except flags.UsageError:
+                refused = True
+            opt = optim.adamw(loop._lr_schedule(lr, warmup, 8), **TRAIN_ADAMW)
+            params = {"w": torch.ones(2, dtype=getattr(torch, dtype))}
+            state, failed = opt.init(params), False
+            try:
+                for _ in range(8):
+                    params, state = opt.apply({"w": torch.full_like(params["w"], 1e-3)}, state, params)
+            except RuntimeError as e:
+                assert "without overflow" in str(e)
+                failed = True
+            assert refused == failed, (dtype, warmup, lr, refused, failed)
+
+
+def test_an_id_past_the_sampled_vocabulary_names_the_sidecar_and_the_sidecar_fixes_it(tmp_path, monkeypatch,
+                                                                                        capsys) -> None:
+    """A token file whose sample (64 ids here) misses its large ids: the preflight sizes
+    the vocabulary by the sample, and the first batch that holds a larger id is refused in
+    one line that names the sidecar to write (on one rank this was the embedding's
+    IndexError, a crash), and with that sidecar the run trains."""
+    import numpy as np
+
+    from dtp import _token_files
+
+    monkeypatch.setattr(_token_files, "SAMPLE_TOKENS", 64)
+    monkeypatch.setattr(loop, "SAMPLE_TOKENS", 64)
+    n = 10_000
+    ids = np.full(n, 1000, dtype=np.uint16)
+    for i in range(_token_files.SAMPLE_CHUNKS):  # the sample: one id per run, all small
+        ids[(n - 1) * i // (_token_files.SAMPLE_CHUNKS - 1)] = i
+    data = tmp_path / "tokens.bin"
+    ids.tofile(data)
+    argv = ["train", "--data", str(data), "--steps", "2", "--batch", "2", "--seq", "16"]
+    assert cli.main([*argv, "--out", str(tmp_path / "a")]) == 2
+    assert capsys.readouterr().err == (
+        f"dtp train: error: --data {data}: step 1's batch holds token id 1000, past the 256 ids of the model, whose "
+        f"vocabulary was sized by the largest id in the preflight's sample of the data (64 ids); state the "
+        f'vocabulary in the sidecar {data}.json: {{"vocab_size": N}}, N above the largest id\n')
+    (tmp_path / "tokens.bin.json").write_text('{"vocab_size": 1001}')
+    loop._open_data.cache_clear()  # a run opens its data once per process; this one is a second run
+    assert cli.main([*argv, "--out", str(tmp_path / "b")]) == 0, capsys.readouterr().err

@@ -399,7 +399,7 @@ def test_zigzag_balances_causal_work(results4):
 def test_ulysses_slots_turn_cp_zigzag_into_ring_zigzag(cp, u):
     """Placing the u gathered pieces by :func:`_slots` gives the ring group's zigzag order
     over R = cp/u (for R = 1, plain Ulysses: the original order)."""
-    from dtp.ops.context import _slots
+    from dtp.ops.context.ulysses import _slots
 
     S = 4 * cp
     L, R = S // cp, cp // u

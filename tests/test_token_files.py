@@ -41,7 +41,7 @@ def test_uint32_shard_directory_is_one_stream(tmp_path, suffix):
     whole = np.concatenate(arrays)
     assert len(tokens) == whole.size and tokens.eos_id == 3
     assert np.array_equal(tokens.read(990, 1010), whole[990:1010])  # across three shards
-    assert token_stats(root) == (whole.size, int(whole.max()))  # small: the sample is every id
+    assert token_stats(root) == (whole.size, int(whole.max()), None, None)  # small: the sample is every id
     mapped = TokenLoader(tokens, batch_size=4, seq_len=16, seed=5)
     in_memory = TokenLoader(torch.from_numpy(whole), batch_size=4, seq_len=16, seed=5)
     for a, b in zip(_batches(mapped, 6), _batches(in_memory, 6)):
@@ -54,7 +54,7 @@ def test_bin_is_uint16_unless_said(tmp_path):
     assert len(open_tokens(f)) == 20  # read as uint16: twice as many ids
     assert open_tokens(f, dtype="uint32").read(0, 10).tolist() == list(range(10))
     (tmp_path / "t.bin.json").write_text('{"dtype": "uint32", "vocab_size": 64}')
-    assert len(open_tokens(f)) == 10 and token_stats(f) == (10, 63)  # the stated vocabulary, nothing read
+    assert len(open_tokens(f)) == 10 and token_stats(f) == (10, 63, None, None)  # the stated vocabulary, nothing read
 
 
 @pytest.mark.parametrize("case, match", [
@@ -111,7 +111,7 @@ def test_large_file_is_never_read_whole(tmp_path, monkeypatch):
 
     monkeypatch.setattr(np, "fromfile", refuse)
     monkeypatch.setattr(Path, "read_bytes", refuse)
-    count, largest = token_stats(f)
+    count, largest, _, _ = token_stats(f)
     assert count == n and largest == 65535  # the sample starts at every 64th of the file: it sees the wrap
     assert sum(read) == SAMPLE_TOKENS
     read.clear()
@@ -161,7 +161,7 @@ def test_tokenizer_tokenizes_text(tmp_path):
     expected = Tokenizer.from_file(str(tokenizer)).encode(TEXT, add_special_tokens=False).ids
     assert tokens.read(0, len(tokens)).tolist() == expected and len(expected) == 51
     vocab = Tokenizer.from_file(str(tokenizer)).get_vocab_size()
-    assert token_stats(text, tokenizer=tokenizer) == (51, vocab - 1)  # the tokenizer's vocabulary
+    assert token_stats(text, tokenizer=tokenizer) == (51, vocab - 1, None, None)  # the tokenizer's vocabulary
     with pytest.raises(ValueError, match="not a tokenizer.json"):
         open_tokens(text, tokenizer=text)
 

@@ -15,13 +15,20 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = ["accum_dtype", "is_positive_int", "STEP_TOLERANCE", "RUN_RTOL", "SCORE_FUNCTIONS", "COMPILE_BACKENDS", "check_groups",
-           "IGNORE_INDEX"]
+           "IGNORE_INDEX", "TRAIN_ADAMW", "FLOAT32_MAX"]
 
 #: torch.compile's backends a compiled step (dtp.compiled, ``dtp train --compile``) runs with.
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
 
 #: The MoE router's score functions (dtp.ops.moe_router): Megatron's softmax, DeepSeek-V3's sigmoid.
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
+
+#: ``dtp train``'s optimizer: :func:`dtp.optim.adamw`'s options (the rank builds it, the
+#: preflight checks its step size; b1 sets the bias correction, up to 1 / (1 - b1) = 10×).
+TRAIN_ADAMW = {"b1": 0.9, "b2": 0.999, "weight_decay": 0.1}
+
+#: float32's largest finite number (torch.finfo(torch.float32).max), for checks made without torch.
+FLOAT32_MAX = (2 - 2.0**-23) * 2.0**127
 
 # A target that is no target (Hugging Face's and torch's ``ignore_index``): the loss skips it
 # and it is not counted in the mean; the guard accepts it in ``targets`` (only there).

@@ -19,7 +19,7 @@ Token files are memory-mapped (read-only, advised for random access) and nothing
 reads one whole. :meth:`Tokens.read` is the one place ids are read;
 :func:`token_stats` reads a bounded sample (:data:`SAMPLE_TOKENS`, see :meth:`Tokens.sample_range`).
 
->>> count, largest = token_stats(None)      # the bundled corpus: bytes
+>>> count, largest, _, _ = token_stats(None)      # the bundled corpus: bytes
 >>> count > 300_000, largest < 256
 (True, True)
 """
@@ -33,10 +33,10 @@ import json
 import os
 from importlib import resources
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, NamedTuple, Sequence
 
-__all__ = ["Tokens", "open_tokens", "document_eos", "token_stats", "held_out_start", "HELD_OUT_FRACTION", "DTYPES", "SIDECAR",
-           "SAMPLE_TOKENS"]
+__all__ = ["Tokens", "open_tokens", "document_eos", "token_stats", "TokenStats", "held_out_start", "HELD_OUT_FRACTION",
+           "DTYPES", "SIDECAR", "SAMPLE_TOKENS", "sidecar_path"]
 
 # The held-out split (``dtp train --eval-every``): the corpus's last tenth. The end of the
 # file, not a random sample: windows that straddle the cut would leak training text.
@@ -103,22 +103,25 @@ class Tokens:
         """``(min, max)`` of a bounded sample: every id when there are at most
         :data:`SAMPLE_TOKENS`, else :data:`SAMPLE_CHUNKS` evenly spaced runs of
         ``SAMPLE_TOKENS / SAMPLE_CHUNKS`` ids (first and last included)."""
-        lo, hi = None, None
-        for ids in self._sample():
-            lo = int(ids.min()) if lo is None else min(lo, int(ids.min()))
-            hi = int(ids.max()) if hi is None else max(hi, int(ids.max()))
+        lo, hi, _ = self.sample_stats()
         return lo, hi
 
-    def sample_holds(self, token_id: int) -> bool:
-        """Whether ``token_id`` occurs in :meth:`sample_range`'s sample (the whole corpus
-        when it has at most :data:`SAMPLE_TOKENS` ids).
+    def sample_stats(self, token_id: int | None = None) -> tuple[int, int, bool]:
+        """``(min, max, holds)`` of :meth:`sample_range`'s sample, read once: ``holds``,
+        whether ``token_id`` occurs in it (the whole corpus when it has at most
+        :data:`SAMPLE_TOKENS` ids; ``False`` for ``None``).
 
         >>> import numpy as np
         >>> t = Tokens([np.array([5, 1, 2, 5], dtype=np.uint16)])
-        >>> t.sample_holds(5), t.sample_holds(3)
-        (True, False)
+        >>> t.sample_stats(5), t.sample_stats(3)[2]
+        ((1, 5, True), False)
         """
-        return any(bool((ids == token_id).any()) for ids in self._sample())
+        lo, hi, holds = None, None, False
+        for ids in self._sample():
+            lo = int(ids.min()) if lo is None else min(lo, int(ids.min()))
+            hi = int(ids.max()) if hi is None else max(hi, int(ids.max()))
+            holds = holds or (token_id is not None and bool((ids == token_id).any()))
+        return lo, hi, holds
 
     def _sample(self) -> Iterator[Any]:
         n = len(self)
@@ -131,9 +134,19 @@ class Tokens:
             yield self.read(a, b)
 
 
+def sidecar_path(path: str | os.PathLike[str]) -> Path:
+    """Where the sidecar of a token file or shard directory is (or would be).
+
+    >>> sidecar_path("data/train.bin").as_posix()
+    'data/train.bin.json'
+    """
+    path = Path(path)
+    return path / SIDECAR if path.is_dir() else path.with_name(path.name + ".json")
+
+
 def _sidecar(path: Path) -> dict[str, Any]:
     """The sidecar's settings, checked (``{}`` when there is none)."""
-    side = path / SIDECAR if path.is_dir() else path.with_name(path.name + ".json")
+    side = sidecar_path(path)
     if not side.is_file():
         return {}
     try:
@@ -296,23 +309,40 @@ def _largest_id(kind: str) -> int:
     return int(np.iinfo(np.dtype(kind)).max)
 
 
+class TokenStats(NamedTuple):
+    """What :func:`token_stats` reads of ``--data``."""
+
+    count: int  # tokens
+    largest: int  # the largest id: the stated vocabulary's last, else the sample's largest
+    end: int | None = None  # with documents=True: the id that ends a document (document_eos)
+    end_seen: bool | None = None  # ... and whether the sample holds it (the whole corpus when small)
+
+
 def token_stats(path: str | os.PathLike[str] | None, *, dtype: str | None = None, eos_id: int | None = None,
-                tokenizer: str | os.PathLike[str] | None = None) -> tuple[int, int]:
-    """``(number of tokens, largest id)`` of ``--data``, reading only a bounded sample.
+                tokenizer: str | os.PathLike[str] | None = None, documents: bool = False) -> TokenStats:
+    """The number of tokens of ``--data`` and its largest id, reading only a bounded sample,
+    once; with ``documents`` (``--document-mask``) also the id that ends a document and
+    whether that sample holds it.
 
     The count comes from the file sizes (or ``.npy`` headers). The largest id is
     ``vocab_size - 1`` when the sidecar or tokenizer states the vocabulary, else the
-    largest in :meth:`Tokens.sample_range` (an id above it that the sample missed is caught
-    by the batch check, ``dtp.shard_batch``, when a batch holds it). A negative id in the
-    sample is a ``ValueError``.
+    largest in :meth:`Tokens.sample_range` (an id above it that the sample missed is
+    refused when a batch holds it). A negative id in the sample is a ``ValueError``, and
+    so is ``documents`` without an id that ends one (:func:`document_eos`).
+
+    >>> token_stats(None, documents=True)[2:]       # the bundled corpus: lines of bytes
+    (10, True)
     """
     tokens = open_tokens(path, dtype=dtype, eos_id=eos_id, tokenizer=tokenizer)
+    end = document_eos(tokens) if documents else None
+    if tokens.vocab_size is not None and end is None:  # nothing to read
+        return TokenStats(len(tokens), tokens.vocab_size - 1)
+    lo, hi, seen = tokens.sample_stats(end)
     if tokens.vocab_size is not None:
-        return len(tokens), tokens.vocab_size - 1
-    lo, hi = tokens.sample_range()
+        return TokenStats(len(tokens), tokens.vocab_size - 1, end, seen)
     if lo < 0:
         raise ValueError(f"{tokens.name}: token ids must be non-negative, got {lo}")
-    return len(tokens), hi
+    return TokenStats(len(tokens), hi, end, seen if documents else None)
 
 
 def held_out_start(n_tokens: int) -> int:

@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from .._mesh_shape import MeshShape
-from .._token_files import SAMPLE_TOKENS, document_eos, held_out_start, open_tokens, token_stats
-from .._rules import COMPILE_BACKENDS
+from .._token_files import SAMPLE_TOKENS, TokenStats, held_out_start, token_stats
+from .._rules import COMPILE_BACKENDS, FLOAT32_MAX, TRAIN_ADAMW
 from ..config import MODEL_FIELDS, RunConfig, flag_names, flag_of, mesh_axes_of, type_error
 from ..launch import in_torchrun
 from ..layouts import Layout, check_divisible
@@ -272,7 +272,7 @@ def check_config(args: argparse.Namespace) -> None:
     >>> check_config(parse_args(["plan", "--tp", "3"]))
     Traceback (most recent call last):
     ...
-    dtp.cli.parser.UsageError: --model tiny on the mesh dp=1 × tp=3: heads=4 is not divisible by tp=3 (layout data + megatron(sequence_parallel=False)); choose heads a multiple of 3, or a smaller tp
+    dtp.cli.parser.UsageError: --model tiny on the mesh dp=1 × tp=3: heads=4 is not divisible by tp=3 (--tp splits the heads); choose heads a multiple of 3, or a smaller --tp
     """
     check_nproc(args, mesh_axes_of(pp=args.pp, dp=args.dp, ep=args.ep, cp=args.cp, tp=args.tp))  # as validate
     _check_run(args)
@@ -283,19 +283,20 @@ def _check_run(args: argparse.Namespace) -> tuple[Layout, model_config.LlamaConf
     the corpus against a batch: the layout, the model (also ``args.model_config``, what the
     plan predicts: a vocabulary grown to the data's ids is the run's) and the token count."""
     layout = build_layout(args)
-    try:
-        n_tokens, max_id = token_stats(args.data, dtype=args.data_dtype, eos_id=args.eos_id,
-                                       tokenizer=args.tokenizer)
+    _check_lr(run_config(args))
+    try:  # one read of the data's sample: its largest id and, with --document-mask, its document ends
+        stats = token_stats(args.data, dtype=args.data_dtype, eos_id=args.eos_id, tokenizer=args.tokenizer,
+                            documents=args.document_mask)
     except OSError as e:
         raise UsageError(f"--data {args.data}: {e.strerror or e}") from None
     except ValueError as e:
         raise UsageError(f"--data: {e}" if not str(e).startswith("--") else str(e)) from None
     if args.document_mask:
-        _check_document_ends(args)
-    cfg = args.model_config = _model(args, max_id)
+        _check_document_ends(args, stats)
+    cfg = args.model_config = _model(args, stats.largest)
     check_shape(args, layout, cfg)
-    _check_corpus(args, n_tokens)
-    return layout, cfg, n_tokens
+    _check_corpus(args, stats.count)
+    return layout, cfg, stats.count
 
 
 def check_shape(args: argparse.Namespace, layout: Layout, cfg: model_config.LlamaConfig) -> None:
@@ -323,10 +324,11 @@ def check_shape(args: argparse.Namespace, layout: Layout, cfg: model_config.Llam
                          f"differs from one process by design; drop --check, or train dropless")
     _check_dense(args, cfg, model)
     layout.check_mesh(mesh, what=f"the mesh {format_mesh(mesh.sizes)}")
-    try:
-        layout.check_sizes(model_config.axis_sizes(cfg), mesh, what=what)
-    except ValueError as e:  # the context options' checks name their fields: here, the flags
-        raise UsageError(_flag_words(str(e), _CONTEXT_FLAGS) if layout.context is not None else str(e)) from None
+    try:  # the mesh axes as the flags that size them, not the layout's name (which only its API knows)
+        layout.check_sizes(model_config.axis_sizes(cfg), mesh, what=what, names=_AXIS_FLAGS)
+    except ValueError as e:  # the options' checks name their fields: here, the flags
+        raise UsageError(_flag_words(str(e), {**(_CONTEXT_FLAGS if layout.context is not None else {}),
+                                              "num_experts": flag_of("num_experts")})) from None
     if layout.pipeline is not None:
         stages, layers = args.pp * args.virtual_stages, model_config.n_sequential_layers(cfg)
         if layers < stages and layout.pipeline.layer_split is None:  # pipeline.assign's rule, in the flags' words
@@ -416,41 +418,67 @@ def _model(args: argparse.Namespace, max_id: int) -> model_config.LlamaConfig:
     return cfg
 
 
-def _check_document_ends(args: argparse.Namespace) -> None:
-    """``--document-mask`` has an id that ends a document, and the data holds it: an id that
-    never occurs masks nothing (every window one document), which is the run without the
-    mask under another name. Refused when the whole corpus was read; a note when only a
-    sample was (:meth:`~dtp._token_files.Tokens.sample_holds`)."""
-    tokens = open_tokens(args.data, dtype=args.data_dtype, eos_id=args.eos_id, tokenizer=args.tokenizer)
-    try:
-        eos = document_eos(tokens)
-    except ValueError as e:
-        raise UsageError(str(e)) from None
-    if tokens.sample_holds(eos):
+def _check_document_ends(args: argparse.Namespace, stats: TokenStats) -> None:
+    """``--document-mask``'s id that ends a document occurs in the data (``stats``: what
+    :func:`~dtp._token_files.token_stats` read with ``documents=True``): an id that never
+    occurs masks nothing (every window one document), which is the run without the mask
+    under another name. Refused when the whole corpus was read; a note when only a sample was."""
+    if stats.end_seen:
         return
-    source = f"--eos-id {eos}" if args.eos_id is not None else f"the id that ends a document ({eos})"
-    if len(tokens) <= SAMPLE_TOKENS:
-        raise UsageError(f"--document-mask: {source} never occurs in the {len(tokens)} tokens of --data, so every "
+    source = f"--eos-id {stats.end}" if args.eos_id is not None else f"the id that ends a document ({stats.end})"
+    if stats.count <= SAMPLE_TOKENS:
+        raise UsageError(f"--document-mask: {source} never occurs in the {stats.count} tokens of --data, so every "
                          f"window would be one document, as without the mask; check the id")
-    print(f"{PROG} train: note: --document-mask: {source} does not occur in a sample of {SAMPLE_TOKENS} of the "
-          f"{len(tokens)} tokens of --data; check the id", file=sys.stderr)
+    # dtp plan checks the run too: the note names the command that runs
+    print(f"{PROG} {getattr(args, 'command', None) or 'train'}: note: --document-mask: {source} does not occur in a "
+          f"sample of {SAMPLE_TOKENS} of the {stats.count} tokens of --data; check the id", file=sys.stderr)
 
 
 def _flag_words(message: str, flags: Mapping[str, str]) -> str:
-    """``message`` with each API name of ``flags`` (name → flag) named as its flag.
+    """``message`` with each API name of ``flags`` (name → flag) named as its flag; an
+    option the API shows as ``None`` is a flag not given.
 
     >>> _flag_words("top_k must be in [1, num_experts=4], got 5", {"top_k": "--top-k", "num_experts": "--num-experts"})
     '--top-k must be in [1, --num-experts 4], got 5'
+    >>> _flag_words("got n_groups=2 and topk_group=None", {"n_groups": "--n-groups", "topk_group": "--topk-group"})
+    'got --n-groups 2 and --topk-group not given'
     """
     for name in sorted(flags, key=len, reverse=True):  # topk_group before top_k's own words
+        message = re.sub(rf"(?<![\w-]){name}=None\b", flags[name] + " not given", message)
         message = re.sub(rf"(?<![\w-]){name}=", flags[name] + " ", message)
         message = re.sub(rf"(?<![\w-]){name}\b", flags[name], message)
     return message
 
 
+#: The mesh axes, as the flags that size them (Layout.check_sizes' names).
+_AXIS_FLAGS = {axis: f"--{axis}" for axis in ("pp", "dp", "ep", "cp", "tp")}
+
 #: The names layouts.context's checks use, as dtp train's flags.
 _CONTEXT_FLAGS = {"algo": "--cp-algo", "window": "--cp-window", "ulysses_degree": "--ulysses-degree",
                   "head_chunks": "--cp-head-chunks"}
+
+
+def _check_lr(config: RunConfig) -> None:
+    """AdamW's step size, ``lr_t / (1 - b1^t)`` (its bias correction, 10× at step 1), goes to
+    torch as a scalar of the kernels' compute dtype, float32 unless ``--dtype float64``
+    (bfloat16 computes in float32), and torch refuses one past float32's largest number
+    ("value cannot be converted to type float without overflow", on every rank, at the
+    step). The largest is at the end of the warm-up (``lr_t / lr`` grows faster than the
+    correction shrinks; :func:`dtp.cli.loop._lr_schedule` reaches the peak at step
+    ``warmup``, or 1). Only that is refused: a large lr that fits diverges into skipped
+    steps, which ``--max-skipped`` handles."""
+    if config.dtype == "float64":  # a float64 scalar: lr is a finite float, and an infinite step is only divergence
+        return
+    t = max(config.warmup, 1)
+    correction = 1 - TRAIN_ADAMW["b1"] ** t
+    step = config.lr / correction
+    if step > FLOAT32_MAX:
+        most = FLOAT32_MAX * correction
+        shown = math.floor(most / 10 ** (math.floor(math.log10(most)) - 2)) * 10 ** (math.floor(math.log10(most)) - 2)
+        raise UsageError(f"--lr {config.lr:g}: AdamW's step size at step {t} (the lr over its bias correction "
+                         f"1 - {TRAIN_ADAMW['b1']}^{t}) is {step:.3g}, past float32's largest number "
+                         f"({FLOAT32_MAX:.3g}), which torch refuses in a --dtype {config.dtype} run; use --lr <= "
+                         f"{shown:.3g}, or --dtype float64")
 
 
 def _check_corpus(args: argparse.Namespace, n_tokens: int) -> None:

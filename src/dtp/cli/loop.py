@@ -26,8 +26,10 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from .. import CompileOptions, Layout, TrainState, checkpoint, optim, shard_batch, strategies, train_step, wait
-from .._token_files import held_out_start
+from .._rules import TRAIN_ADAMW
+from .._token_files import SAMPLE_TOKENS, held_out_start, sidecar_path
 from ..buffers import lay_out as lay_out_buffers
+from ..guard import ID_KEYS, id_range
 from ..data import TokenLoader, Tokens, document_eos, open_tokens
 from ..mesh import mesh_device
 from ..planning.report import format_count
@@ -144,7 +146,7 @@ def train_loop(args: Mapping[str, Any], mesh: DeviceMesh, layout: Layout, *, rec
         schedule = _lr_schedule(args["lr"], args["warmup"], args["steps"])
     else:  # a run directory from before: the schedule it ran (lr 0 at step 1), so dtp check agrees
         schedule = optim.warmup_cosine(args["lr"], args["warmup"], args["steps"])
-    opt = optim.adamw(schedule, weight_decay=0.1)
+    opt = optim.adamw(schedule, **TRAIN_ADAMW)
     # axis_sizes: the layout's rules (heads per tp × Ulysses degree, kv heads per head
     # chunk, vocab per tp …) are checked here, on every rank, before any collective.
     if args.get("init_from"):  # each rank reads only its blocks of the weight files
@@ -161,7 +163,8 @@ def train_loop(args: Mapping[str, Any], mesh: DeviceMesh, layout: Layout, *, rec
     clip = args["clip"] if args["clip"] > 0 else None
     skips = SkipCounter(args.get("max_skipped", 0))  # run directories from before the flag: never abort
     eval_every = args.get("eval_every", 0)
-    eval_batches = _eval_batches(held_out, args) if held_out is not None else []
+    eval_batches = [_check_ids(b, cfg, args, held_out, "a held-out batch (--eval-every)")
+                    for b in (_eval_batches(held_out, args) if held_out is not None else [])]
     # MFU: the model's training FLOPs per token (PaLM's count) against a matmul's measured
     # rate on this rank (a CPU has no datasheet peak dtp could look up): an estimate.
     flops_per_token = llama.flops_per_token(cfg, args["seq"])
@@ -183,7 +186,7 @@ def train_loop(args: Mapping[str, Any], mesh: DeviceMesh, layout: Layout, *, rec
     # Dropless MoE changes its expert batches' shapes every step: dynamic from the start.
     compiling = args.get("compile") and CompileOptions(backend=args["compile"], dynamic=cfg.num_experts > 0 or None)
     for step in range(first, min(args["steps"], last or args["steps"]) + 1):
-        batch = shard_batch(loader.next_batch(), state)
+        batch = shard_batch(_check_ids(loader.next_batch(), cfg, args, tokens, f"step {step}'s batch"), state)
         with warnings.catch_warnings():
             # The step's line says SKIPPED, in the run's numbering; train_step's warning would
             # add two lines (the source line under it) counting state.step, the updates made.
@@ -222,6 +225,35 @@ def train_loop(args: Mapping[str, Any], mesh: DeviceMesh, layout: Layout, *, rec
         saving.wait()
     wait(state)  # the last step's prefetched parameter gathers (overlap_param_gather)
     return records
+
+
+def _check_ids(batch: dict[str, torch.Tensor], cfg: llama.LlamaConfig, args: Mapping[str, Any], tokens: Tokens,
+               where: str) -> dict[str, torch.Tensor]:
+    """``batch``, its ids checked against the model's vocabulary, or a :class:`UsageError`
+    that says what to do about it in the flags' words. The preflight sized the vocabulary
+    by a sample of ``--data`` when nothing states it, and an id past it that the sample
+    missed is met here, in the first batch that holds it: the same line on every rank (each
+    reads the same global batch), before ``shard_batch``, whose check names the model's
+    ``vocab_size`` and which one device does not make (the embedding's IndexError; on a
+    GPU, a device-side assert)."""
+    found = [r for k in ID_KEYS if k in batch and (r := id_range(k, batch[k])) is not None]
+    lo, hi = min(r[0] for r in found), max(r[1] for r in found)
+    vocab = cfg.vocab_size - cfg.vocab_pad  # --init-from's padding rows are no ids
+    if 0 <= lo and hi < vocab:
+        return batch
+    data = f"--data {tokens.name}: {where} holds token id"
+    if lo < 0:
+        raise UsageError(f"{data} {lo}, and token ids are >= 0; fix the data")
+    if args.get("init_from"):  # the preflight's rule, for an id its sample missed
+        raise UsageError(f"{data} {hi}, but the model of --init-from {args['init_from']} has {vocab} token ids; "
+                         f"tokenize the data with its tokenizer")
+    side = sidecar_path(tokens.name)
+    if tokens.vocab_size is not None:  # the sidecar stated it (a tokenizer's ids are all below its own)
+        raise UsageError(f"{data} {hi}, past the {vocab} ids of the model (its sidecar {side} says vocab_size "
+                         f"{tokens.vocab_size}); fix the data or the sidecar's vocab_size")
+    raise UsageError(f"{data} {hi}, past the {vocab} ids of the model, whose vocabulary was sized by the largest id "
+                     f"in the preflight's sample of the data ({SAMPLE_TOKENS} ids); state the vocabulary in the "
+                     f"sidecar {side}: {{\"vocab_size\": N}}, N above the largest id")
 
 
 def _eval_batches(held_out: Tokens, args: Mapping[str, Any]) -> list[dict[str, torch.Tensor]]:

@@ -208,13 +208,16 @@ class Layout:
         """
         return x if self.context is None else self.context.from_cp_order(x, dim, mesh)
 
-    def check_sizes(self, sizes: Mapping[str, int], mesh: DeviceMesh, what: str = "model") -> None:
+    def check_sizes(self, sizes: Mapping[str, int], mesh: DeviceMesh, what: str = "model", *,
+                    names: Mapping[str, str] | None = None) -> None:
         """``ValueError`` unless the model's sizes fit this layout on ``mesh``, raised
         identically on every rank, before any collective.
 
         Each option object present checks its own rules (:meth:`ContextOptions.check`,
         :meth:`ZeroOptions.check`); then every logical axis size must divide by its split,
-        e.g. ``heads=6`` on ``tp=4`` fails. ``what`` starts the messages.
+        e.g. ``heads=6`` on ``tp=4`` fails. ``what`` starts the messages; ``names``, what
+        they call the mesh axes that split a size (``dtp train``: the flags that size them,
+        ``{"tp": "--tp"}``), and then they say which of those split it, not which layout.
         """
         if self.context is not None:
             self.context.check(sizes, mesh, tp=self.degree("heads", mesh), what=what)
@@ -222,24 +225,27 @@ class Layout:
             self.zero.check(sizes, mesh, what=what)
         if self.expert is not None:
             sp = self.megatron is not None and self.megatron.sequence_parallel
-            self.expert.check(sizes, mesh, sequence_parallel=sp, what=what)
-        self._check_rules(sizes, mesh, what)
+            self.expert.check(sizes, mesh, sequence_parallel=sp, what=what, names=names)
+        self._check_rules(sizes, mesh, what, names)
 
-    def _check_rules(self, sizes: Mapping[str, int], mesh: DeviceMesh, what: str) -> None:
+    def _check_rules(self, sizes: Mapping[str, int], mesh: DeviceMesh, what: str,
+                     names: Mapping[str, str] | None) -> None:
         # The rules are the layout's own (every preset adds to them), so this check is too.
         for logical, size in sizes.items():
             for activation in (False, True):
                 n = self.degree(logical, mesh, activation=activation)
                 if size % n:
-                    names = axis_names(mesh)
                     axes = self.mesh_axes(logical, mesh, activation=activation)
-                    split = " × ".join(f"{a}={mesh.size(names.index(a))}" for a in axes)
+                    split = " × ".join(f"{a}={mesh.size(axis_names(mesh).index(a))}" for a in axes)
                     split += f" = {n}" if len(axes) > 1 else ""  # "tp=3", not "tp=3 = 3"
-                    raise ValueError(
-                        f"{what}: {logical}={size} is not divisible by {split} "
-                        f"(layout {self.name or 'custom'}); choose {logical} a multiple of {n}, "
-                        f"or a smaller {'/'.join(self.mesh_axes(logical, mesh, activation=activation))}"
-                    )
+                    if names is None:
+                        why, smaller = f"layout {self.name or 'custom'}", "/".join(axes)
+                    else:  # a CLI's words: which of its options split the size
+                        said = [names.get(a, a) for a in axes]
+                        why = f"{' and '.join(said)} split{'s' * (len(said) == 1)} the {logical}"
+                        smaller = " or ".join(said)
+                    raise ValueError(f"{what}: {logical}={size} is not divisible by {split} ({why}); choose "
+                                     f"{logical} a multiple of {n}, or a smaller {smaller}")
 
 
 _active = threading.local()

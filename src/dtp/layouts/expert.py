@@ -128,11 +128,12 @@ class ExpertOptions:
         return math.prod(mesh.size(names.index(a)) for a in self.axes if a in names)
 
     def check(self, sizes: Mapping[str, int], mesh: DeviceMesh, *, sequence_parallel: bool = False,
-              what: str = "model") -> None:
+              what: str = "model", names: Mapping[str, str] | None = None) -> None:
         """``ValueError`` (every rank alike, before any collective) when the model's
         ``expert`` count does not divide by the ``axis`` size on ``mesh``, pipe-experts or a
         tp split of the experts is asked of a model without experts, or multi_stream without
-        sequence parallel."""
+        sequence parallel. ``names``: what the count's message calls the mesh axes
+        (:meth:`~dtp.layouts.Layout.check_sizes`)."""
         ep, experts = self.degree(mesh), sizes.get("expert")
         for option, on in (("pipe_experts=True", self.pipe_experts), (f"tp_axis={self.tp_axis!r}", self.tp_axis)):
             if on and not experts:
@@ -143,9 +144,11 @@ class ExpertOptions:
                              f"tp all-gathers / reduce-scatters of sequence parallel; it needs "
                              f"layouts.megatron(sequence_parallel=True)")
         if experts is not None and experts % ep:
-            raise ValueError(f"{what}: num_experts={experts} is not divisible by {self.label}={ep} "
-                             f"(layouts.expert puts experts Shard(0) on {self.axis!r}); choose num_experts a "
-                             f"multiple of {ep}, or a smaller {self.label}")
+            said = None if names is None else [names.get(a, a) for a in self.axes]
+            why = (f"layouts.expert puts experts Shard(0) on {self.axis!r}" if said is None else
+                   f"{' and '.join(said)} split{'s' * (len(said) == 1)} the experts")
+            raise ValueError(f"{what}: num_experts={experts} is not divisible by {self.label}={ep} ({why}); choose "
+                             f"num_experts a multiple of {ep}, or a smaller {self.label if said is None else ' or '.join(said)}")
 
 
 def expert(axis: str | Sequence[str] = ExpertOptions.axis, *, pipe_experts: bool = ExpertOptions.pipe_experts,

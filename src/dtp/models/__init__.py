@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__all__ = ["llama", "hf", "sequential", "Layer", "Sequential"]
+__all__ = ["config", "llama", "hf", "sequential", "Layer", "Sequential"]
 
 _SOURCES = {"llama": ".llama", "hf": ".hf", "sequential": ".sequential", "config": ".config",
             "Layer": ".sequential", "Sequential": ".sequential"}

@@ -31,9 +31,9 @@ from .. import schedules
 from ..config import RunConfig
 from ..layouts import Layout
 from ..models import llama
-from .memory import Memory, block_activations, memory
+from .memory import Memory, memory
 from .report import check_fits, format_plan
-from .setup import Leaf, Setup, layout_for, leaves, stage_leaves
+from .setup import Setup, layout_for, leaves, stage_leaves
 from .traffic import Traffic, summary, traffic
 
 __all__ = ["Plan", "Setup", "plan", "check_fits", "format_plan", "Memory", "Traffic", "layout_for"]

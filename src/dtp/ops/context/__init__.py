@@ -42,12 +42,12 @@ its document mask, and :func:`block_counts` counts the tiles computed and skippe
 so tests can prove the transfers overlap the compute.
 """
 
-from ._common import CHUNK_TARGET, MIN_CHUNK_BYTES, default_chunks, trace_compute  # noqa: F401 (constants)
+from ._common import CHUNK_TARGET, MIN_CHUNK_BYTES, default_chunks, trace_compute
 from ._docs import block_counts
 from .dispatch import ALGORITHMS, context_attention
 from .hybrid import hybrid_attention
 from .ring import double_ring_attention, ring_attention
-from .ulysses import _slots, ulysses_attention  # noqa: F401 (_slots: the tests check the piece placement)
+from .ulysses import ulysses_attention
 
 __all__ = [
     "ulysses_attention",
@@ -56,6 +56,8 @@ __all__ = [
     "hybrid_attention",
     "context_attention",
     "default_chunks",
+    "CHUNK_TARGET",
+    "MIN_CHUNK_BYTES",
     "ALGORITHMS",
     "trace_compute",
     "block_counts",
