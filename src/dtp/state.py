@@ -188,8 +188,9 @@ def wait(state: TrainState) -> None:
     on every rank before ``torch.distributed.destroy_process_group()`` or the end of the
     process. Without it, on gloo, a gather that completes during interpreter shutdown
     aborts the process (``terminate called without an active exception``; measured on
-    torch 2.13: 3 runs of 3 at dp=4). Waiting twice, or on a state with nothing in
-    flight, is a no-op.
+    torch 2.13: 3 runs of 3 at dp=4); a process that ends normally has them waited for by
+    :mod:`dtp.comm`'s exit handler, the fallback for a loop that forgot this call. Waiting
+    twice, or on a state with nothing in flight, is a no-op.
 
     >>> mesh = dtp.make_mesh(dp=1)                  # one process: a mesh of one device
     >>> state = dtp.TrainState.create({"w": torch.ones(2)}, dtp.optim.sgd(0.1), mesh=mesh,
