@@ -3,6 +3,12 @@ its tensors, and ``dtp.gather_params`` is the one call that waits for or gathers
 parameters; every strategy runs through the same ``train_step``."""
 
 import functools
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
 
 import optree
 import torch
@@ -99,3 +105,56 @@ def test_aux_of_every_microbatch_is_returned():
     two, loss2, one, loss1 = run(_aux_per_microbatch, world_size=1)[0]  # a rank of its own: no group left here
     assert two == ({"rows": 2}, {"rows": 2}) and loss2 == loss1 == 7.0
     assert one == {"rows": 4}
+
+
+@pytest.mark.parametrize("end", ["exit", "destroy"])
+def test_a_loop_that_forgets_wait_still_exits_cleanly(end):
+    """A user's loop under ZeRO-1 + overlap_param_gather that ends without dtp.wait: the
+    last step's all-gathers are in flight when the script ends. Before dtp.comm waited for
+    them at exit, 5 runs of 6 (both ends) trained and then aborted there ("terminate called
+    without an active exception", exit 1; torch 2.13, gloo, 2 ranks, 2 cores)."""
+    script = Path(__file__).parent / "scripts" / "loop_without_wait.py"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(script), *(["destroy"] if end == "destroy" else [])]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output
+    assert output.count("trained: loss") == 2, output
+    assert "terminate called" not in output, output
+
+
+def _unnamed_dims():
+    """A dim whose logical axis is None is replicated (JAX / Flax's logical partitioning)."""
+    g = torch.Generator().manual_seed(0)
+    params = {"w1": torch.randn(4, 8, generator=g, dtype=torch.float64),
+              "w2": torch.randn(8, 4, generator=g, dtype=torch.float64)}
+    batch = {"x": torch.randn(4, 4, generator=g, dtype=torch.float64)}
+
+    def loss_fn(p, b):
+        return (torch.tanh(b["x"] @ p["w1"]) @ p["w2"]).pow(2).mean()
+
+    layout = dtp.layouts.data() + dtp.layouts.megatron()
+    state = dtp.TrainState.create(params, dtp.optim.sgd(0.1), mesh=dtp.make_mesh(tp=2), layout=layout,
+                                  axes={"w1": (None, "mlp"), "w2": ("mlp", None)})
+    specs = {k: str(dtp.spec_of(v)) for k, v in state.params.items()}
+    state, _ = dtp.train_step(loss_fn, state, dtp.shard_batch(batch, state))
+    ref = {k: v.clone().requires_grad_(True) for k, v in params.items()}
+    loss_fn(ref, batch).backward()
+    errors = {k: (_full(state.params[k]) - (ref[k] - 0.1 * ref[k].grad)).abs().max().item() for k in ref}
+    try:
+        dtp.TrainState.create(params, dtp.optim.sgd(0.1), mesh=dtp.make_mesh(tp=2), layout=layout,
+                              axes={"w1": ("mlp",), "w2": ("mlp", None)})
+        refused = ""
+    except ValueError as e:
+        refused = str(e)
+    return specs, errors, refused
+
+
+def test_a_logical_axis_of_none_is_a_replicated_dim():
+    # Before: TrainState.create refused ("embed", None) with "logical axes ('embed', None) do
+    # not match its shape (4, 2)" although the lengths match; only str names were accepted.
+    for specs, errors, refused in run(_unnamed_dims, world_size=2):
+        assert specs == {"w1": "P(None, 'tp')", "w2": "P('tp')"}, specs
+        assert max(errors.values()) < 1e-12, errors
+        assert "param w1: logical axes ('mlp',) do not match its shape (4, 8); give a tuple of 2" in refused, refused

@@ -26,7 +26,9 @@ PyTree = Any
 
 
 def _is_axes(x: object) -> bool:
-    return isinstance(x, tuple) and all(isinstance(a, str) for a in x)
+    # None names no logical axis: that dim is replicated (JAX / Flax's logical partitioning;
+    # Layout.param_spec maps it to no mesh axis).
+    return isinstance(x, tuple) and all(a is None or isinstance(a, str) for a in x)
 
 
 @dataclass(frozen=True, repr=False, eq=False)
@@ -70,6 +72,9 @@ class TrainState:
                axes: PyTree, axis_sizes: Mapping[str, int] | None = None, buffers: PyTree = None,
                buffer_update: Callable[[PyTree, Any], PyTree] | None = None) -> "TrainState":
         """Lay global ``params`` (identical on every rank) out as ``layout`` says.
+
+        ``axes`` mirrors ``params``: per parameter a tuple of logical axis names, one per
+        dim (``None`` for a dim no axis splits, as in Flax).
 
         ``axis_sizes`` (e.g. ``llama.axis_sizes(cfg)``: heads, kv_heads, vocab …) are
         checked against the layout first, so a bad split is a clear ``ValueError`` on
@@ -136,7 +141,8 @@ def _lay_out(paths: list[str], leaves: list[torch.Tensor], axes_leaves: list[Any
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"TrainState.create: param {path} must be a tensor, got {type(x).__name__}")
         if not _is_axes(ax) or len(ax) != x.dim():
-            raise ValueError(f"param {path}: logical axes {ax!r} do not match its shape {tuple(x.shape)}")
+            raise ValueError(f"param {path}: logical axes {ax!r} do not match its shape {tuple(x.shape)}; give a "
+                             f"tuple of {x.dim()} logical axis names (str, or None for a dim no axis splits)")
         if _single_device(mesh):
             # One device: nothing to distribute, so no DTensor dispatch either. Every
             # dtp function takes plain tensors; the model runs as eager PyTorch, on the
@@ -188,8 +194,9 @@ def wait(state: TrainState) -> None:
     on every rank before ``torch.distributed.destroy_process_group()`` or the end of the
     process. Without it, on gloo, a gather that completes during interpreter shutdown
     aborts the process (``terminate called without an active exception``; measured on
-    torch 2.13: 3 runs of 3 at dp=4). Waiting twice, or on a state with nothing in
-    flight, is a no-op.
+    torch 2.13: 3 runs of 3 at dp=4); a process that ends normally has them waited for by
+    :mod:`dtp.comm`'s exit handler, the fallback for a loop that forgot this call. Waiting
+    twice, or on a state with nothing in flight, is a no-op.
 
     >>> mesh = dtp.make_mesh(dp=1)                  # one process: a mesh of one device
     >>> state = dtp.TrainState.create({"w": torch.ones(2)}, dtp.optim.sgd(0.1), mesh=mesh,
