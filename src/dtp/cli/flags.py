@@ -474,7 +474,8 @@ def _check_lr(config: RunConfig) -> None:
     step = config.lr / correction
     if step > FLOAT32_MAX:
         most = FLOAT32_MAX * correction
-        shown = math.floor(most / 10 ** (math.floor(math.log10(most)) - 2)) * 10 ** (math.floor(math.log10(most)) - 2)
+        unit = 10 ** (math.floor(math.log10(most)) - 2)  # three significant digits, rounded down: an lr that runs
+        shown = math.floor(most / unit) * unit
         raise UsageError(f"--lr {config.lr:g}: AdamW's step size at step {t} (the lr over its bias correction "
                          f"1 - {TRAIN_ADAMW['b1']}^{t}) is {step:.3g}, past float32's largest number "
                          f"({FLOAT32_MAX:.3g}), which torch refuses in a --dtype {config.dtype} run; use --lr <= "

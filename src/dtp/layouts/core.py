@@ -31,7 +31,7 @@ if TYPE_CHECKING:  # and the option modules import Layout to build their presets
     from .precision import PrecisionOptions
     from .zero import ZeroOptions
 
-__all__ = ["Layout", "Axes", "MODEL_AXES", "use_layout", "current", "constrain"]
+__all__ = ["Layout", "Axes", "MODEL_AXES", "use_layout", "current", "constrain", "split_in_words"]
 
 Axes = tuple[str, ...]
 _T = TypeVar("_T")
@@ -57,6 +57,18 @@ def _merge(a: Mapping[str, Axes], b: Mapping[str, Axes]) -> dict[str, Axes]:
 def _right(a: _T | None, b: _T | None) -> _T | None:
     """The right-hand operand's options win when both sides set them (a dict merge's rule)."""
     return a if b is None else b
+
+
+def split_in_words(names: Mapping[str, str], axes: Sequence[str], what: str) -> tuple[str, str]:
+    """``(why, smaller)`` of a size that does not divide, in a caller's words for the mesh
+    axes (``names``, e.g. ``dtp train``'s flags): which of them split ``what``, and what to
+    make smaller (:meth:`Layout.check_sizes`, :meth:`~dtp.layouts.ExpertOptions.check`).
+
+    >>> split_in_words({"dp": "--dp", "ep": "--ep"}, ("ep",), "experts")
+    ('--ep splits the experts', '--ep')
+    """
+    said = [names.get(a, a) for a in axes]
+    return f"{' and '.join(said)} split{'s' * (len(said) == 1)} the {what}", " or ".join(said)
 
 
 @dataclass(frozen=True)
@@ -238,12 +250,8 @@ class Layout:
                     axes = self.mesh_axes(logical, mesh, activation=activation)
                     split = " × ".join(f"{a}={mesh.size(axis_names(mesh).index(a))}" for a in axes)
                     split += f" = {n}" if len(axes) > 1 else ""  # "tp=3", not "tp=3 = 3"
-                    if names is None:
-                        why, smaller = f"layout {self.name or 'custom'}", "/".join(axes)
-                    else:  # a CLI's words: which of its options split the size
-                        said = [names.get(a, a) for a in axes]
-                        why = f"{' and '.join(said)} split{'s' * (len(said) == 1)} the {logical}"
-                        smaller = " or ".join(said)
+                    why, smaller = (f"layout {self.name or 'custom'}", "/".join(axes)) if names is None \
+                        else split_in_words(names, axes, logical)
                     raise ValueError(f"{what}: {logical}={size} is not divisible by {split} ({why}); choose "
                                      f"{logical} a multiple of {n}, or a smaller {smaller}")
 

@@ -47,7 +47,7 @@ if TYPE_CHECKING:  # torch-free at import: the CLI checks layouts before torch l
     from torch.distributed.device_mesh import DeviceMesh
 
 from .._mesh_shape import axis_names
-from .core import Layout
+from .core import Layout, split_in_words
 
 __all__ = ["ExpertOptions", "expert", "EP_OVERLAP_SCHEDULES", "NO_PAIRS"]
 
@@ -144,11 +144,10 @@ class ExpertOptions:
                              f"tp all-gathers / reduce-scatters of sequence parallel; it needs "
                              f"layouts.megatron(sequence_parallel=True)")
         if experts is not None and experts % ep:
-            said = None if names is None else [names.get(a, a) for a in self.axes]
-            why = (f"layouts.expert puts experts Shard(0) on {self.axis!r}" if said is None else
-                   f"{' and '.join(said)} split{'s' * (len(said) == 1)} the experts")
+            why, smaller = (f"layouts.expert puts experts Shard(0) on {self.axis!r}", self.label) if names is None \
+                else split_in_words(names, self.axes, "experts")
             raise ValueError(f"{what}: num_experts={experts} is not divisible by {self.label}={ep} ({why}); choose "
-                             f"num_experts a multiple of {ep}, or a smaller {self.label if said is None else ' or '.join(said)}")
+                             f"num_experts a multiple of {ep}, or a smaller {smaller}")
 
 
 def expert(axis: str | Sequence[str] = ExpertOptions.axis, *, pipe_experts: bool = ExpertOptions.pipe_experts,
