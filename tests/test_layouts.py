@@ -1,7 +1,8 @@
-"""Layouts' typed options: frozen, keyword-only, checked when built, composed right-wins,
+"""Layouts' typed options: frozen, keyword-only, checked when built, each family given once,
 and the one place the names users pick from are written."""
 
 import dataclasses
+import re
 import typing
 import warnings
 
@@ -63,13 +64,21 @@ def test_presets_hold_their_options_and_defaults_come_from_the_dataclass() -> No
     assert layouts.zero(0) == layouts.data()  # stage 0 is plain data parallel: no ZeRO options
 
 
-def test_composition_takes_the_right_hand_options() -> None:
+def test_composition_gives_each_family_once() -> None:
     ring, ulysses = layouts.context("ring"), layouts.context("ulysses")
     z1, z3 = layouts.zero(1), layouts.zero(3, prefetch=2)
-    both = layouts.data() + ring + z1 + layouts.megatron(sequence_parallel=True) + ulysses + z3
-    assert both.context is ulysses.context and both.zero is z3.zero and both.megatron.sequence_parallel
+    both = layouts.data() + ring + z1 + layouts.megatron(sequence_parallel=True)
+    assert both.context is ring.context and both.zero is z1.zero and both.megatron.sequence_parallel
     kept = ring + z1 + layouts.data()  # the right side sets nothing: the left's options stay
     assert kept.context is ring.context and kept.zero is z1.zero and kept.megatron is None
+    assert (both + layouts.zero(1)).zero == z1.zero  # the same options twice: one family
+    # Different options of one family: their rules would merge while one side's options
+    # won, so the layout would describe another run than the one its rules make.
+    for other, said in [(ulysses, "context is given on both sides (algo='ring' vs 'ulysses')"),
+                        (z3, "zero is given on both sides (stage=1 vs 3, prefetch=1 vs 2)"),
+                        (layouts.megatron(), "megatron is given on both sides (sequence_parallel=True vs False)")]:
+        with pytest.raises(ValueError, match=re.escape(said)):
+            both + other
 
 
 def test_layout_has_no_string_keyed_options() -> None:

@@ -26,7 +26,9 @@ Composition rules:
   be replicated). Declare a new one with ``+ Layout({"experts": ()})`` (replicated);
 * within one tensor a mesh axis splits at most one dim: the first logical axis that
   claims it wins (later claims are dropped), as in MaxText;
-* options: where both sides set the same preset's options, the right-hand side's win.
+* options: each preset family (megatron, context, zero, pipeline, expert, precision) is
+  given once; the same family on both sides with different options is a ``ValueError``
+  (their rules would merge, so neither side's options would describe the run).
 
 Logical axes of the reference model:
 

@@ -12,7 +12,7 @@ import logging
 import warnings
 import math
 import threading
-from dataclasses import KW_ONLY, dataclass, field
+from dataclasses import KW_ONLY, dataclass, field, fields
 from typing import TYPE_CHECKING, Iterator, Mapping, Sequence, TypeVar
 
 from .._mesh_shape import axis_names
@@ -44,6 +44,8 @@ _log = logging.getLogger("dtp")
 # The mesh axes dtp's presets name (data, megatron, context and its sub-rings, expert,
 # pipeline): a rule naming another axis the mesh lacks is worth a warning.
 PRESET_MESH_AXES = frozenset({"dp", "tp", "cp", "ep", "pp"})
+# The typed option fields, one per preset family: each is set by at most one side of ``+``.
+_FAMILIES = ("megatron", "context", "zero", "pipeline", "expert", "precision")
 _said_dropped: set[tuple[str, tuple[str, ...], tuple[str, ...]]] = set()
 
 
@@ -54,9 +56,28 @@ def _merge(a: Mapping[str, Axes], b: Mapping[str, Axes]) -> dict[str, Axes]:
     return out
 
 
-def _right(a: _T | None, b: _T | None) -> _T | None:
-    """The right-hand operand's options win when both sides set them (a dict merge's rule)."""
-    return a if b is None else b
+def _once(family: str, a: _T | None, b: _T | None, names: tuple[str, str]) -> _T | None:
+    """A family's options, set on one side of ``+`` (or the same on both).
+
+    Two different settings of one family are refused: the rules of both sides merge, so
+    letting one side's options win would describe another run than the one the rules make
+    (``megatron(sequence_parallel=True) + megatron()`` still splits the sequence over tp).
+
+    >>> from dtp.layouts import zero
+    >>> (zero(1) + zero(1)).zero.stage
+    1
+    >>> zero(1) + zero(3)
+    Traceback (most recent call last):
+    ValueError: layout zero(1) + zero(3): zero is given on both sides (stage=1 vs 3); give it once, with the options you mean
+    """
+    if a is None:
+        return b
+    if b is None or a == b:
+        return a
+    differ = ", ".join(f"{f.name}={getattr(a, f.name)!r} vs {getattr(b, f.name)!r}" for f in fields(a)  # type: ignore[arg-type]
+                       if getattr(a, f.name) != getattr(b, f.name))
+    raise ValueError(f"layout {names[0] or 'custom'} + {names[1] or 'custom'}: {family} is given on both sides "
+                     f"({differ}); give it once, with the options you mean")
 
 
 def split_in_words(names: Mapping[str, str], axes: Sequence[str], what: str) -> tuple[str, str]:
@@ -95,11 +116,10 @@ class Layout:
     def __add__(self, other: Layout) -> Layout:
         if not isinstance(other, Layout):
             return NotImplemented
+        names = (self.name, other.name)
         return Layout(_merge(self.params, other.params), _merge(self.activations, other.activations),
-                      megatron=_right(self.megatron, other.megatron), context=_right(self.context, other.context),
-                      zero=_right(self.zero, other.zero), pipeline=_right(self.pipeline, other.pipeline),
-                      expert=_right(self.expert, other.expert), precision=_right(self.precision, other.precision),
-                      name=" + ".join(n for n in (self.name, other.name) if n))
+                      **{f: _once(f, getattr(self, f), getattr(other, f), names) for f in _FAMILIES},
+                      name=" + ".join(n for n in names if n))
 
     def _spec(self, rules: Mapping[str, Axes], logical: Sequence[str | None], mesh: DeviceMesh, name: str) -> P:
         from ..spec import P  # here: see the imports (once torch is loaded, a dict lookup)
