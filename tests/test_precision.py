@@ -281,3 +281,30 @@ def test_a_one_device_run_computes_on_the_mesh_device():
     script = Path(__file__).parent / "scripts" / "fake_npu_train.py"
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
     assert "fake npu train ok" in out.stdout, out.stdout[-2000:] + out.stderr[-4000:]
+
+
+# --------------------------------------------------------------------------- float16
+
+
+def _float16_adamw() -> tuple[str, bool, set[torch.dtype]]:
+    mesh = dtp.make_mesh(dp=1)
+    cfg = llama.config("tiny", n_layers=1)
+    init, axes = llama.init(cfg, seed=0, dtype=torch.float16), llama.param_axes(cfg)
+    with pytest.raises(ValueError) as pure:  # moments in fp16: eps=1e-8 rounds to 0, 0/0 at step 1
+        dtp.TrainState.create(init, dtp.optim.adamw(LR), mesh=mesh, layout=layouts.data(), axes=axes)
+    state = dtp.TrainState.create(init, dtp.optim.adamw(LR), mesh=mesh,
+                                  layout=layouts.data() + layouts.mixed_precision(), axes=axes)
+    tok = torch.randint(0, cfg.vocab_size, (4, 17), generator=torch.Generator().manual_seed(3))
+    batch = {"tokens": tok[:, :-1].contiguous(), "targets": tok[:, 1:].contiguous()}
+    for _ in range(2):
+        state, metrics = dtp.train_step(llama.sequential(cfg), state, batch)
+    finite = all(bool(torch.isfinite(p).all()) for p in optree.tree_leaves(state.params))
+    return str(pure.value), finite and math.isfinite(float(metrics["loss"])), \
+        {x.dtype for x in optree.tree_leaves(state.opt_state) if x is not None and x.dim() > 0}
+
+
+def test_float16_adamw_needs_master_weights():
+    said, finite, moments = run(_float16_adamw, world_size=1)[0]
+    assert said.startswith("adamw: eps=1e-08 rounds to 0 in float16") and "layouts.mixed_precision()" in said
+    assert "eps >= 5.96e-08" in said  # float16's smallest subnormal: any eps from there holds
+    assert finite and moments == {torch.float32}  # fp32 master weights and moments: no NaN

@@ -263,6 +263,7 @@ def adamw(lr: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, eps: float =
         raise ValueError(f"adamw: eps and weight_decay must be >= 0, got {eps}, {weight_decay}")
 
     def init(params: PyTree) -> AdamWState:
+        _check_eps_holds(eps, params)
         return AdamWState(torch.zeros((), dtype=torch.int64), zeros_like_tree(params), zeros_like_tree(params))
 
     def run(grads: PyTree, state: AdamWState, params: PyTree | None, apply: bool) -> tuple[PyTree, AdamWState]:
@@ -311,6 +312,19 @@ def adamw(lr: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, eps: float =
         return run(grads, state, params, apply=True)
 
     return GradientTransformation(init, update, schedule, elementwise=True, apply=apply)
+
+
+def _check_eps_holds(eps: float, params: PyTree) -> None:
+    """Refuse moments in a dtype where ``eps`` rounds to 0: wherever a gradient is 0 the
+    first step then computes 0 / 0, and the parameter turns NaN (float16 and the default
+    1e-8, whose smallest step is 6e-8; ``torch.optim.AdamW`` does the same, silently)."""
+    for dtype in {p.dtype for p in optree.tree_leaves(params)}:
+        if eps > 0 and dtype.is_floating_point and float(torch.tensor(eps, dtype=dtype)) == 0.0:
+            tiny = torch.finfo(dtype).smallest_normal * torch.finfo(dtype).eps  # the smallest subnormal
+            raise ValueError(
+                f"adamw: eps={eps:g} rounds to 0 in {str(dtype).removeprefix('torch.')}, the dtype of the parameters and "
+                f"so of the moments: the first step would turn every parameter with a zero gradient into NaN. Keep fp32 "
+                f"master weights and moments (+ layouts.mixed_precision()), use bfloat16, or give eps >= {tiny:.3g}")
 
 
 def clip(max_norm: float) -> GradientTransformation:
