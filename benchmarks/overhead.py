@@ -113,14 +113,17 @@ def main() -> None:
         for _ in range(max(0, args.warmup - 2)):
             for fn in steps.values():
                 fn()
-        times = {k: [] for k in steps}
+        times: dict[str, list[float]] = {k: [] for k in steps}
+        cpus: dict[str, list[float]] = {k: [] for k in steps}
         order = list(steps)
         for i in range(args.repeats):
             for k in (order if i % 2 == 0 else order[::-1]):
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.thread_time()
                 steps[k]()
                 times[k].append(time.perf_counter() - t0)
+                cpus[k].append(time.thread_time() - c0)
         t = {k: statistics.median(v) for k, v in times.items()}
+        t.update({f"cpu_{k}": statistics.median(v) for k, v in cpus.items()})
         print(f"[{name}] losses step 0, 1: dtp {losses[0]:.7f}, {losses[2]:.7f}  "
               f"eager {losses[1]:.7f}, {losses[3]:.7f}")
         rows.append((name, cfg, t))
@@ -128,12 +131,15 @@ def main() -> None:
     print(f"world size 1 (make_mesh(dp=1), gloo), torch.set_num_threads(1) for both, fp32, batch {args.batch}, "
           f"seq {args.seq}; median of {args.repeats} interleaved steps (fwd+bwd+SGD) after {args.warmup} warm-up")
     print("step = train_step vs loss+grad+SGD+float(loss); fwd+bwd = dtp.step.value_and_grad vs loss+autograd.grad")
+    print("cpu = the main thread's CPU per step (time.thread_time; one intra-op thread, so all of the step's "
+          "work): what the machine's load moves least")
     print(f"{'config':<8}{'params':>9}{'dtp ms':>9}{'eager ms':>10}{'dtp/eager':>11}{'overhead ms':>13}"
-          f"{'fwd+bwd dtp':>13}{'eager':>8}{'ratio':>7}")
+          f"{'fwd+bwd dtp':>13}{'eager':>8}{'ratio':>7}{'cpu step':>10}{'cpu fwd+bwd':>13}")
     for name, cfg, t in rows:
         print(f"{name:<8}{llama.param_count(cfg):>9}{1e3 * t['dtp']:>9.1f}{1e3 * t['eager']:>10.1f}"
               f"{t['dtp'] / t['eager']:>11.2f}{1e3 * (t['dtp'] - t['eager']):>13.1f}"
-              f"{1e3 * t['dtp_grad']:>13.1f}{1e3 * t['eager_grad']:>8.1f}{t['dtp_grad'] / t['eager_grad']:>7.2f}")
+              f"{1e3 * t['dtp_grad']:>13.1f}{1e3 * t['eager_grad']:>8.1f}{t['dtp_grad'] / t['eager_grad']:>7.2f}"
+              f"{t['cpu_dtp'] / t['cpu_eager']:>10.2f}{t['cpu_dtp_grad'] / t['cpu_eager_grad']:>13.2f}")
 
 
 if __name__ == "__main__":
