@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -72,6 +73,11 @@ BAD_RUNS = {
     # TOKENS's uint16 ids read as uint32: ids in the billions, an embedding of terabytes
     "data read with a wider dtype": (["--data", "TOKENS", "--data-dtype", "uint32"],
                                      "past the 1048576 ids any tokenizer has: is --data-dtype uint32 the dtype"),
+    # SIDECAR_TOKENS: ids 0-349 under a sidecar of vocab_size 300 (the model pads to 384, so they fitted)
+    "data past its sidecar's vocab_size": (["--data", "SIDECAR_TOKENS"],
+                                           "SIDECAR_TOKENS holds token id 349, but its sidecar SIDECAR_TOKENS.json says "
+                                           "vocab_size 300 (ids 0 to 299); fix the data (another tokenizer's ids?) or "
+                                           "the sidecar's vocab_size\n"),
     "data dtype of text": (["--data-dtype", "uint32"],
                            "--data: the bundled corpus: --data-dtype is for .bin token files, not text"),
     "data dtype and tokenizer": (["--data-dtype", "uint32", "--tokenizer", "t.json"],
@@ -113,6 +119,7 @@ BAD_RUNS = {
 }
 # The cases that are the run's shape and data alone: ``dtp plan`` refuses them with train's line.
 PLAN_CASES = ("mesh vs nproc", "lr past float32 in AdamW's step", "data missing", "data read with a wider dtype",
+              "data past its sidecar's vocab_size",
               "document mask with an eos id the data lacks", "heads vs tp", "kv heads vs head chunks", "seq vs cp",
               "seq vs sp", "seq vs the model", "experts vs ep", "expert flags on a dense model", "layers vs stages", "sp without tp", "pp with zero 3",
               "pp with overlapped grad reduce")
@@ -158,15 +165,20 @@ def _fake_checkpoint(path: Path) -> None:
 @pytest.fixture(scope="module")
 def bad_runs(tmp_path_factory) -> dict[str, list]:
     """Every case of :data:`BAD_RUNS` through ``dtp.cli.main`` in one fresh interpreter."""
+    import numpy as np
+
     hf_dir = tmp_path_factory.mktemp("hf")
     (hf_dir / "config.json").write_text(json.dumps(_HF_CONFIG))
     (hf_dir / "tokens.bin").write_bytes(bytes(range(200)) * 4)  # 400 uint16 ids, no sidecar
     no_vocab = tmp_path_factory.mktemp("hf_no_vocab")
     (no_vocab / "config.json").write_text(json.dumps({k: v for k, v in _HF_CONFIG.items() if k != "vocab_size"}))
+    sidecar = tmp_path_factory.mktemp("sidecar") / "tokens.bin"
+    (np.arange(700) % 350).astype(np.uint16).tofile(sidecar)
+    sidecar.with_name("tokens.bin.json").write_text('{"vocab_size": 300}')
     resumed = tmp_path_factory.mktemp("resumed")
     _fake_checkpoint(resumed / "checkpoints" / "step_00000002")
     places = {"HF_DIR": str(hf_dir), "TOKENS": str(hf_dir / "tokens.bin"), "HF_NO_VOCAB": str(no_vocab),
-              "RESUMED": str(resumed)}
+              "RESUMED": str(resumed), "SIDECAR_TOKENS": str(sidecar)}
     argv = {name: [places.get(f, f) for f in flags] for name, (flags, _) in BAD_RUNS.items()}
     proc = subprocess.run([sys.executable, "-c", _PROBE, json.dumps(argv), json.dumps(PLAN_CASES)], env=_env(), capture_output=True,
                           text=True, timeout=120, cwd=Path(SRC).parent)
@@ -179,7 +191,12 @@ def test_a_bad_run_is_one_line_and_exit_2(bad_runs, case) -> None:
     code, err = bad_runs[case]
     assert code == 2, (case, err)
     assert err.count("\n") == 1 and err.startswith("dtp train: error: "), (case, err)
-    assert BAD_RUNS[case][1] in err, (case, err)
+    assert BAD_RUNS[case][1] in _placed(err), (case, err)
+
+
+def _placed(err: str) -> str:
+    """``err`` with the fixture's file of SIDECAR_TOKENS named by its placeholder."""
+    return re.sub(r"\S+/sidecar\d*/tokens\.bin", "SIDECAR_TOKENS", err)
 
 
 @pytest.mark.parametrize("case", PLAN_CASES)
@@ -425,5 +442,33 @@ def test_an_id_past_the_sampled_vocabulary_names_the_sidecar_and_the_sidecar_fix
         f"vocabulary was sized by the largest id in the preflight's sample of the data (64 ids); state the "
         f'vocabulary in the sidecar {data}.json: {{"vocab_size": N}}, N above the largest id\n')
     (tmp_path / "tokens.bin.json").write_text('{"vocab_size": 1001}')
+    loop._open_data.cache_clear()  # a run opens its data once per process; this one is a second run
+    assert cli.main([*argv, "--out", str(tmp_path / "b")]) == 0, capsys.readouterr().err
+
+
+def test_an_id_past_the_sidecars_vocab_size_is_refused_in_the_batch_that_holds_it(tmp_path, monkeypatch,
+                                                                                  capsys) -> None:
+    """The sidecar says vocab_size 300 and the model pads it to 384: an id in [300, 384)
+    the preflight's sample (64 ids here) missed is refused by the first batch that holds it,
+    in one line that names the file, the id and the sidecar (it trained silently, a data
+    bug such as another tokenizer's ids); with ids below 300 the run trains."""
+    import numpy as np
+
+    from dtp import _token_files
+
+    monkeypatch.setattr(_token_files, "SAMPLE_TOKENS", 64)
+    n = 10_000
+    ids = np.full(n, 350, dtype=np.uint16)
+    for i in range(_token_files.SAMPLE_CHUNKS):  # the sample: one id per run, all below 300
+        ids[(n - 1) * i // (_token_files.SAMPLE_CHUNKS - 1)] = i
+    data = tmp_path / "tokens.bin"
+    ids.tofile(data)
+    (tmp_path / "tokens.bin.json").write_text('{"vocab_size": 300}')
+    argv = ["train", "--data", str(data), "--steps", "2", "--batch", "2", "--seq", "16"]
+    assert cli.main([*argv, "--out", str(tmp_path / "a")]) == 2
+    assert capsys.readouterr().err == (
+        f"dtp train: error: --data {data}: step 1's batch holds token id 350, but its sidecar {data}.json says "
+        f"vocab_size 300 (ids 0 to 299); fix the data (another tokenizer's ids?) or the sidecar's vocab_size\n")
+    (ids % 300).astype(np.uint16).tofile(data)
     loop._open_data.cache_clear()  # a run opens its data once per process; this one is a second run
     assert cli.main([*argv, "--out", str(tmp_path / "b")]) == 0, capsys.readouterr().err
