@@ -53,6 +53,17 @@ BAD_RUNS = {
     "experts vs ep": (["--model", "tiny-moe", "--num-experts", "3", "--ep", "2"],
                       "--num-experts 3 is not divisible by ep=2 (--ep splits the experts); choose --num-experts a "
                       "multiple of 2, or a smaller --ep\n"),
+    # moe_ffn's check (ExpertOptions.check_tokens) failed on the ranks in the first step; under a pipeline its peers hung up
+    "multi-data past a microbatch's tokens": (["--model", "tiny-moe", "--ep", "2", "--pipe-experts", "--multi-data", "17",
+                                               "--microbatches", "2", "--batch", "4", "--seq", "16"],
+                                              "--multi-data 17: --pipe-experts cuts each local expert's rows into 17 "
+                                              "pieces, more than the 16 tokens a rank routes in a microbatch (--batch 4 "
+                                              "/ --ep 2 / --microbatches 2 = 1 row × --seq 16); use --multi-data <= 16, "
+                                              "or a larger --batch or --seq\n"),
+    "multi-data past a cp shard's tokens": (["--model", "tiny-moe", "--ep", "2", "--cp", "2", "--pipe-experts",
+                                             "--multi-data", "17", "--batch", "4", "--seq", "16"],
+                                            "(--batch 4 / --ep 2 = 2 rows × (--seq 16 / --cp 2 = 8)); use "
+                                            "--multi-data <= 16"),
     "top-k past the experts": (["--model", "tiny-moe", "--top-k", "5"], "--top-k must be in [1, --num-experts 4], got 5"),
     "group-limited routing half given": (["--model", "tiny-moe", "--n-groups", "2"],
                                          "--n-groups and --topk-group go together (group-limited routing), got "
@@ -122,6 +133,7 @@ PLAN_CASES = ("mesh vs nproc", "lr past float32 in AdamW's step", "data missing"
               "data past its sidecar's vocab_size",
               "document mask with an eos id the data lacks", "heads vs tp", "kv heads vs head chunks", "seq vs cp",
               "seq vs sp", "seq vs the model", "experts vs ep", "expert flags on a dense model", "layers vs stages", "sp without tp", "pp with zero 3",
+              "multi-data past a microbatch's tokens", "multi-data past a cp shard's tokens",
               "pp with overlapped grad reduce")
 _HF_CONFIG = {"model_type": "llama", "vocab_size": 100, "hidden_size": 64, "intermediate_size": 128,
               "num_hidden_layers": 2, "num_attention_heads": 4}

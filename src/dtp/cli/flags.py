@@ -303,7 +303,8 @@ def check_shape(args: argparse.Namespace, layout: Layout, cfg: model_config.Llam
     """The run's shape, which needs no data and no files: the model against the layout on
     the mesh's shape (heads, kv heads, vocabulary, experts divisible by their splits), the
     pipeline's layers and microbatches, the sequence against the model's length and the
-    context and sequence splits. :func:`preflight` runs it for ``dtp train``, ``dtp plan``
+    context and sequence splits, ``--multi-data`` against the tokens of a rank's
+    microbatch. :func:`preflight` runs it for ``dtp train``, ``dtp plan``
     for its own flags (:func:`check_config`): both refuse a shape with the same line.
     """
     mesh = MeshShape(mesh_axes(args))
@@ -352,6 +353,7 @@ def check_shape(args: argparse.Namespace, layout: Layout, cfg: model_config.Llam
                              f"(2 per rank: zigzag load balancing of causal attention); use a --seq that is "
                              f"a multiple of {chunks}") from None
     _check_sequence_split(args.seq, layout, mesh)
+    _check_expert_tokens(args, layout, mesh)
 
 
 # The flags layouts.pipeline's composition rules name (its API_NAMES: layouts.zero(3), ...).
@@ -384,6 +386,30 @@ def _check_sequence_split(seq: int, layout: Layout, mesh: MeshShape) -> None:
         flags = " and ".join({"tp": "--sp over --tp", "cp": "--cp"}.get(a, a) for a in axes)
         raise UsageError(f"--seq {seq}: {flags} split{'s' * (len(axes) == 1)} the sequence {n} ways "
                          f"({format_mesh({a: mesh.sizes[a] for a in axes})}); use a --seq that is a multiple of {n}")
+
+
+def _check_expert_tokens(args: argparse.Namespace, layout: Layout, mesh: MeshShape) -> None:
+    """``--multi-data`` against the tokens each rank routes in one microbatch: the MoE input's
+    (batch, seq) block, the batch split over its data axes and ``--microbatches``, the sequence
+    over cp (:meth:`~dtp.layouts.ExpertOptions.check_tokens`, which ``moe_ffn`` runs in the
+    first step: there it failed on the ranks, in the API's words, a pipeline's peers hanging up)."""
+    if layout.expert is None:
+        return
+    cp = layout.degree("seq", mesh)
+    rows, seq = args.batch // layout.degree("batch", mesh) // args.microbatches, args.seq // cp
+    try:
+        layout.expert.check_tokens(rows * seq, what="")
+    except ValueError:
+        over = [f"{_AXIS_FLAGS.get(a, a)} {mesh.sizes[a]}" for a in layout.mesh_axes("batch", mesh)
+                if mesh.sizes[a] > 1]
+        split = over[0] if len(over) == 1 else f"({' × '.join(over)})"
+        how = f"--batch {args.batch}" + (f" / {split}" if over else "")
+        how += f" / --microbatches {args.microbatches}" if args.microbatches > 1 else ""
+        of = f"--seq {args.seq}" if cp == 1 else f"(--seq {args.seq} / --cp {cp} = {seq})"
+        raise UsageError(f"--multi-data {args.multi_data}: --pipe-experts cuts each local expert's rows into "
+                         f"{args.multi_data} pieces, more than the {rows * seq} tokens a rank routes in a "
+                         f"microbatch ({how} = {rows} row{'s' * (rows != 1)} × {of}); use --multi-data "
+                         f"<= {rows * seq}, or a larger --batch or --seq") from None
 
 
 def _model(args: argparse.Namespace, max_id: int) -> model_config.LlamaConfig:
