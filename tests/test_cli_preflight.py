@@ -484,3 +484,28 @@ def test_an_id_past_the_sidecars_vocab_size_is_refused_in_the_batch_that_holds_i
     (ids % 300).astype(np.uint16).tofile(data)
     loop._open_data.cache_clear()  # a run opens its data once per process; this one is a second run
     assert cli.main([*argv, "--out", str(tmp_path / "b")]) == 0, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("where, env, said", [
+    ("one process, or the launcher", {}, True),
+    ("rank 0 of an outside torchrun", {"RANK": "0", "LOCAL_RANK": "0"}, True),
+    ("rank 1 of an outside torchrun", {"RANK": "1", "LOCAL_RANK": "1"}, False),
+    ("rank 0 the launcher started", {"RANK": "0", "LOCAL_RANK": "0", launch.ERROR_DIR_ENV: "/tmp"}, False),
+])
+def test_a_note_is_said_once_per_run(monkeypatch, capsys, where, env, said) -> None:
+    """A note (--zero without dp, --document-mask's end id missing from the sample) comes
+    from the process that speaks for the run: under an outside torchrun every rank parses
+    and checks the run, and each printed it; the launcher's ranks parse it again too."""
+    from dtp._token_files import TokenStats
+    from dtp.cli import flags
+
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    if env:
+        monkeypatch.setenv("WORLD_SIZE", "2")
+    args = flags.parse_args(["train", "--zero", "1", "--tp", "2", "--document-mask", "--eos-id", "0"])
+    flags._check_document_ends(args, TokenStats(count=2_000_000, largest=255, end=0, end_seen=False))
+    notes = ["dtp train: note: --zero 1 has no effect with --dp 1 (ZeRO shards over dp)\n",
+             "dtp train: note: --document-mask: --eos-id 0 does not occur in a sample of 1048576 of the 2000000 "
+             "tokens of --data; check the id\n"]
+    assert capsys.readouterr().err == ("".join(notes) if said else ""), where

@@ -26,7 +26,7 @@ from .._mesh_shape import MeshShape
 from .._token_files import SAMPLE_TOKENS, TokenStats, held_out_start, token_stats
 from .._rules import COMPILE_BACKENDS, FLOAT32_MAX, TRAIN_ADAMW
 from ..config import MODEL_FIELDS, RunConfig, flag_names, flag_of, mesh_axes_of, type_error
-from ..launch import in_torchrun
+from ..launch import in_torchrun, launched
 from ..layouts import Layout, check_divisible
 from ..models import config as model_config
 from .parser import PROG, RUN_DEFAULTS, UsageError, build_parser
@@ -105,9 +105,17 @@ def validate(args: argparse.Namespace, *, world_size: int | None = None) -> argp
     args.derived = ("warmup",) if args.warmup is None else ()
     args.run_config, args.warmup = config, config.warmup
     if args.zero and args.dp == 1:
-        print(f"{PROG} train: note: --zero {args.zero} has no effect with --dp 1 (ZeRO shards over dp)",
-              file=sys.stderr)
+        _note(args, f"--zero {args.zero} has no effect with --dp 1 (ZeRO shards over dp)")
     return args
+
+
+def _note(args: argparse.Namespace, text: str) -> None:
+    """``dtp <command>: note: text`` on stderr, once per run: not from a rank the launcher
+    started (the launcher said it; its ranks parse the run again), and under an outside
+    torchrun from rank 0 alone (every rank parses and checks the run alike)."""
+    if in_torchrun() and (launched() or os.environ.get("RANK") != "0"):
+        return
+    print(f"{PROG} {getattr(args, 'command', None) or 'train'}: note: {text}", file=sys.stderr)
 
 
 def check_nproc(args: argparse.Namespace, axes: dict[str, int]) -> None:
@@ -456,8 +464,8 @@ def _check_document_ends(args: argparse.Namespace, stats: TokenStats) -> None:
         raise UsageError(f"--document-mask: {source} never occurs in the {stats.count} tokens of --data, so every "
                          f"window would be one document, as without the mask; check the id")
     # dtp plan checks the run too: the note names the command that runs
-    print(f"{PROG} {getattr(args, 'command', None) or 'train'}: note: --document-mask: {source} does not occur in a "
-          f"sample of {SAMPLE_TOKENS} of the {stats.count} tokens of --data; check the id", file=sys.stderr)
+    _note(args, f"--document-mask: {source} does not occur in a sample of {SAMPLE_TOKENS} of the {stats.count} "
+               f"tokens of --data; check the id")
 
 
 def _flag_words(message: str, flags: Mapping[str, str]) -> str:
