@@ -54,7 +54,7 @@ def test_bin_is_uint16_unless_said(tmp_path):
     assert len(open_tokens(f)) == 20  # read as uint16: twice as many ids
     assert open_tokens(f, dtype="uint32").read(0, 10).tolist() == list(range(10))
     (tmp_path / "t.bin.json").write_text('{"dtype": "uint32", "vocab_size": 64}')
-    assert len(open_tokens(f)) == 10 and token_stats(f) == (10, 63, None, None)  # the stated vocabulary, nothing read
+    assert len(open_tokens(f)) == 10 and token_stats(f) == (10, 63, None, None)  # the stated vocabulary (its sample below it)
 
 
 @pytest.mark.parametrize("case, match", [
@@ -174,3 +174,17 @@ def test_token_stats_sample_is_bounded(monkeypatch):
     monkeypatch.setattr(Tokens, "read", lambda self, a, b: spans.append((a, b)) or real(self, a, b))
     assert t.sample_range() == (0, 9999)  # first and last runs included
     assert len(spans) == _token_files.SAMPLE_CHUNKS and sum(b - a for a, b in spans) == 64
+
+
+def test_token_stats_refuses_an_id_past_the_sidecars_vocab_size(tmp_path):
+    """The sidecar states the vocabulary and the model pads it (to a multiple of 128): the
+    sample is read all the same, and an id at or past the stated size is refused (one the
+    padded model would hold, silently: ids of another tokenizer)."""
+    f = tmp_path / "t.bin"
+    np.arange(350, dtype="<u2").tofile(f)
+    (tmp_path / "t.bin.json").write_text('{"vocab_size": 300}')
+    with pytest.raises(ValueError, match=r"t\.bin holds token id 349, but its sidecar .*t\.bin\.json says vocab_size "
+                                         r"300 \(ids 0 to 299\); fix the data .* or the sidecar's vocab_size$"):
+        token_stats(f)
+    (tmp_path / "t.bin.json").write_text('{"vocab_size": 350}')
+    assert token_stats(f) == (350, 349, None, None)

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any, Iterator, NamedTuple, Sequence
 
 __all__ = ["Tokens", "open_tokens", "document_eos", "token_stats", "TokenStats", "held_out_start", "HELD_OUT_FRACTION",
-           "DTYPES", "SIDECAR", "SAMPLE_TOKENS", "sidecar_path"]
+           "DTYPES", "SIDECAR", "SAMPLE_TOKENS", "sidecar_path", "past_vocab"]
 
 # The held-out split (``dtp train --eval-every``): the corpus's last tenth. The end of the
 # file, not a random sample: windows that straddle the cut would leak training text.
@@ -328,21 +328,37 @@ def token_stats(path: str | os.PathLike[str] | None, *, dtype: str | None = None
     ``vocab_size - 1`` when the sidecar or tokenizer states the vocabulary, else the
     largest in :meth:`Tokens.sample_range` (an id above it that the sample missed is
     refused when a batch holds it). A negative id in the sample is a ``ValueError``, and
-    so is ``documents`` without an id that ends one (:func:`document_eos`).
+    so is one at or past the sidecar's ``vocab_size`` (:func:`past_vocab`), and
+    ``documents`` without an id that ends one (:func:`document_eos`).
 
     >>> token_stats(None, documents=True)[2:]       # the bundled corpus: lines of bytes
     (10, True)
     """
     tokens = open_tokens(path, dtype=dtype, eos_id=eos_id, tokenizer=tokenizer)
     end = document_eos(tokens) if documents else None
-    if tokens.vocab_size is not None and end is None:  # nothing to read
+    if tokenizer is not None and end is None:  # nothing to read: a tokenizer's ids are all below its vocabulary
         return TokenStats(len(tokens), tokens.vocab_size - 1)
     lo, hi, seen = tokens.sample_stats(end)
-    if tokens.vocab_size is not None:
-        return TokenStats(len(tokens), tokens.vocab_size - 1, end, seen)
     if lo < 0:
         raise ValueError(f"{tokens.name}: token ids must be non-negative, got {lo}")
-    return TokenStats(len(tokens), hi, end, seen if documents else None)
+    if tokens.vocab_size is None:
+        return TokenStats(len(tokens), hi, end, seen if documents else None)
+    if hi >= tokens.vocab_size:  # a sidecar's word (a tokenizer's is never wrong): the model is padded past it
+        raise ValueError(f"{tokens.name} holds {past_vocab(tokens, hi)}")
+    return TokenStats(len(tokens), tokens.vocab_size - 1, end, seen if documents else None)
+
+
+def past_vocab(tokens: Tokens, token_id: int) -> str:
+    """The end of the message that refuses ``token_id`` at or past the ``vocab_size`` that
+    ``tokens``' sidecar states, with what to do: the model's vocabulary is padded (to a
+    multiple of 128), so such an id would train a row no tokenizer of the data makes.
+
+    >>> import numpy as np
+    >>> past_vocab(Tokens([np.zeros(1, np.uint16)], vocab_size=300, name="t.bin"), 350)
+    "token id 350, but its sidecar t.bin.json says vocab_size 300 (ids 0 to 299); fix the data (another tokenizer's ids?) or the sidecar's vocab_size"
+    """
+    return (f"token id {token_id}, but its sidecar {sidecar_path(tokens.name)} says vocab_size {tokens.vocab_size} "
+            f"(ids 0 to {tokens.vocab_size - 1}); fix the data (another tokenizer's ids?) or the sidecar's vocab_size")
 
 
 def held_out_start(n_tokens: int) -> int:

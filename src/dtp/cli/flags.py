@@ -26,7 +26,7 @@ from .._mesh_shape import MeshShape
 from .._token_files import SAMPLE_TOKENS, TokenStats, held_out_start, token_stats
 from .._rules import COMPILE_BACKENDS, FLOAT32_MAX, TRAIN_ADAMW
 from ..config import MODEL_FIELDS, RunConfig, flag_names, flag_of, mesh_axes_of, type_error
-from ..launch import in_torchrun
+from ..launch import in_torchrun, launched
 from ..layouts import Layout, check_divisible
 from ..models import config as model_config
 from .parser import PROG, RUN_DEFAULTS, UsageError, build_parser
@@ -105,9 +105,17 @@ def validate(args: argparse.Namespace, *, world_size: int | None = None) -> argp
     args.derived = ("warmup",) if args.warmup is None else ()
     args.run_config, args.warmup = config, config.warmup
     if args.zero and args.dp == 1:
-        print(f"{PROG} train: note: --zero {args.zero} has no effect with --dp 1 (ZeRO shards over dp)",
-              file=sys.stderr)
+        _note(args, f"--zero {args.zero} has no effect with --dp 1 (ZeRO shards over dp)")
     return args
+
+
+def _note(args: argparse.Namespace, text: str) -> None:
+    """``dtp <command>: note: text`` on stderr, once per run: not from a rank the launcher
+    started (the launcher said it; its ranks parse the run again), and under an outside
+    torchrun from rank 0 alone (every rank parses and checks the run alike)."""
+    if in_torchrun() and (launched() or os.environ.get("RANK") != "0"):
+        return
+    print(f"{PROG} {getattr(args, 'command', None) or 'train'}: note: {text}", file=sys.stderr)
 
 
 def check_nproc(args: argparse.Namespace, axes: dict[str, int]) -> None:
@@ -303,7 +311,8 @@ def check_shape(args: argparse.Namespace, layout: Layout, cfg: model_config.Llam
     """The run's shape, which needs no data and no files: the model against the layout on
     the mesh's shape (heads, kv heads, vocabulary, experts divisible by their splits), the
     pipeline's layers and microbatches, the sequence against the model's length and the
-    context and sequence splits. :func:`preflight` runs it for ``dtp train``, ``dtp plan``
+    context and sequence splits, ``--multi-data`` against the tokens of a rank's
+    microbatch. :func:`preflight` runs it for ``dtp train``, ``dtp plan``
     for its own flags (:func:`check_config`): both refuse a shape with the same line.
     """
     mesh = MeshShape(mesh_axes(args))
@@ -352,6 +361,7 @@ def check_shape(args: argparse.Namespace, layout: Layout, cfg: model_config.Llam
                              f"(2 per rank: zigzag load balancing of causal attention); use a --seq that is "
                              f"a multiple of {chunks}") from None
     _check_sequence_split(args.seq, layout, mesh)
+    _check_expert_tokens(args, layout, mesh)
 
 
 # The flags layouts.pipeline's composition rules name (its API_NAMES: layouts.zero(3), ...).
@@ -384,6 +394,30 @@ def _check_sequence_split(seq: int, layout: Layout, mesh: MeshShape) -> None:
         flags = " and ".join({"tp": "--sp over --tp", "cp": "--cp"}.get(a, a) for a in axes)
         raise UsageError(f"--seq {seq}: {flags} split{'s' * (len(axes) == 1)} the sequence {n} ways "
                          f"({format_mesh({a: mesh.sizes[a] for a in axes})}); use a --seq that is a multiple of {n}")
+
+
+def _check_expert_tokens(args: argparse.Namespace, layout: Layout, mesh: MeshShape) -> None:
+    """``--multi-data`` against the tokens each rank routes in one microbatch: the MoE input's
+    (batch, seq) block, the batch split over its data axes and ``--microbatches``, the sequence
+    over cp (:meth:`~dtp.layouts.ExpertOptions.check_tokens`, which ``moe_ffn`` runs in the
+    first step: there it failed on the ranks, in the API's words, a pipeline's peers hanging up)."""
+    if layout.expert is None:
+        return
+    cp = layout.degree("seq", mesh)
+    rows, seq = args.batch // layout.degree("batch", mesh) // args.microbatches, args.seq // cp
+    try:
+        layout.expert.check_tokens(rows * seq, what="")
+    except ValueError:
+        over = [f"{_AXIS_FLAGS.get(a, a)} {mesh.sizes[a]}" for a in layout.mesh_axes("batch", mesh)
+                if mesh.sizes[a] > 1]
+        split = over[0] if len(over) == 1 else f"({' × '.join(over)})"
+        how = f"--batch {args.batch}" + (f" / {split}" if over else "")
+        how += f" / --microbatches {args.microbatches}" if args.microbatches > 1 else ""
+        of = f"--seq {args.seq}" if cp == 1 else f"(--seq {args.seq} / --cp {cp} = {seq})"
+        raise UsageError(f"--multi-data {args.multi_data}: --pipe-experts cuts each local expert's rows into "
+                         f"{args.multi_data} pieces, more than the {rows * seq} tokens a rank routes in a "
+                         f"microbatch ({how} = {rows} row{'s' * (rows != 1)} × {of}); use --multi-data "
+                         f"<= {rows * seq}, or a larger --batch or --seq") from None
 
 
 def _model(args: argparse.Namespace, max_id: int) -> model_config.LlamaConfig:
@@ -430,8 +464,8 @@ def _check_document_ends(args: argparse.Namespace, stats: TokenStats) -> None:
         raise UsageError(f"--document-mask: {source} never occurs in the {stats.count} tokens of --data, so every "
                          f"window would be one document, as without the mask; check the id")
     # dtp plan checks the run too: the note names the command that runs
-    print(f"{PROG} {getattr(args, 'command', None) or 'train'}: note: --document-mask: {source} does not occur in a "
-          f"sample of {SAMPLE_TOKENS} of the {stats.count} tokens of --data; check the id", file=sys.stderr)
+    _note(args, f"--document-mask: {source} does not occur in a sample of {SAMPLE_TOKENS} of the {stats.count} "
+               f"tokens of --data; check the id")
 
 
 def _flag_words(message: str, flags: Mapping[str, str]) -> str:

@@ -27,7 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .. import CompileOptions, Layout, TrainState, checkpoint, optim, shard_batch, strategies, train_step, wait
 from .._rules import TRAIN_ADAMW
-from .._token_files import SAMPLE_TOKENS, held_out_start, sidecar_path
+from .._token_files import SAMPLE_TOKENS, held_out_start, past_vocab, sidecar_path
 from ..buffers import lay_out as lay_out_buffers
 from ..guard import ID_KEYS, id_range
 from ..data import TokenLoader, Tokens, document_eos, open_tokens
@@ -235,22 +235,28 @@ def _check_ids(batch: dict[str, torch.Tensor], cfg: llama.LlamaConfig, args: Map
     missed is met here, in the first batch that holds it: the same line on every rank (each
     reads the same global batch), before ``shard_batch``, whose check names the model's
     ``vocab_size`` and which one device does not make (the embedding's IndexError; on a
-    GPU, a device-side assert)."""
+    GPU, a device-side assert). An id at or past the ``vocab_size`` a sidecar states is
+    refused too, although the padded vocabulary holds it (the preflight's sample met none)."""
     found = [r for k in ID_KEYS if k in batch and (r := id_range(k, batch[k])) is not None]
     lo, hi = min(r[0] for r in found), max(r[1] for r in found)
     vocab = cfg.vocab_size - cfg.vocab_pad  # --init-from's padding rows are no ids
-    if 0 <= lo and hi < vocab:
+    # The sidecar's vocab_size (a tokenizer's ids are all below its own): the model's is
+    # padded past it, so an id in between would train, silently, a row no token has.
+    stated = tokens.vocab_size
+    if 0 <= lo and hi < min(vocab, stated or vocab):
         return batch
     data = f"--data {tokens.name}: {where} holds token id"
     if lo < 0:
         raise UsageError(f"{data} {lo}, and token ids are >= 0; fix the data")
-    if args.get("init_from"):  # the preflight's rule, for an id its sample missed
+    if hi >= vocab and args.get("init_from"):  # the preflight's rule, for an id its sample missed
         raise UsageError(f"{data} {hi}, but the model of --init-from {args['init_from']} has {vocab} token ids; "
                          f"tokenize the data with its tokenizer")
     side = sidecar_path(tokens.name)
-    if tokens.vocab_size is not None:  # the sidecar stated it (a tokenizer's ids are all below its own)
+    if hi >= vocab and stated is not None:
         raise UsageError(f"{data} {hi}, past the {vocab} ids of the model (its sidecar {side} says vocab_size "
-                         f"{tokens.vocab_size}); fix the data or the sidecar's vocab_size")
+                         f"{stated}); fix the data or the sidecar's vocab_size")
+    if stated is not None:  # inside the padded vocabulary, past the sidecar's
+        raise UsageError(f"--data {tokens.name}: {where} holds {past_vocab(tokens, hi)}")
     raise UsageError(f"{data} {hi}, past the {vocab} ids of the model, whose vocabulary was sized by the largest id "
                      f"in the preflight's sample of the data ({SAMPLE_TOKENS} ids); state the vocabulary in the "
                      f"sidecar {side}: {{\"vocab_size\": N}}, N above the largest id")
