@@ -373,3 +373,23 @@ def test_fused_step_keeps_inputs_and_requires_grad():
         updates, ref_state = opt.update(grads, state, params)
         torch.testing.assert_close(new, optim.apply_updates(params, updates))
         assert optree.tree_structure(new_state) == optree.tree_structure(ref_state)
+
+
+def test_adamw_refuses_moments_whose_first_step_cannot_be_right():
+    """torch.optim.AdamW takes these steps: float16 moments turn small gradients into NaN /
+    inf (or, with a larger eps, m / eps: far past lr); an eps that rounds to 0 gives 0 / 0."""
+    half = {"w": torch.tensor([1.0, 2.0, 3.0], dtype=torch.float16)}
+    g = {"w": torch.tensor([0.0, 1e-4, 1e-3], dtype=torch.float16)}
+    for eps in (1e-8, 1e-6):  # what the refusal saves: NaN / inf, then an update 10^3 x lr
+        ref = torch.nn.Parameter(half["w"].clone())
+        ref.grad = g["w"].clone()
+        torch.optim.AdamW([ref], lr=1e-3, eps=eps, weight_decay=0.0, foreach=False).step()
+        moved = (ref.detach().float() - half["w"].float()).abs()
+        assert not torch.isfinite(moved).all() or moved.max() > 100 * 1e-3, (eps, moved)  # Adam moves ~lr
+        with pytest.raises(ValueError, match=r"adamw: float16 parameters make float16 moments.*mixed_precision"):
+            optim.adamw(1e-3, eps=eps).init(half)
+    with pytest.raises(ValueError, match=r"eps=1e-46 rounds to 0 in float32.*give eps >= 1.4e-45"):
+        optim.adamw(1e-3, eps=1e-46).init({"w": torch.ones(2)})
+    with pytest.raises(ValueError, match=r"eps must be > 0"):
+        optim.adamw(1e-3, eps=0.0)
+    optim.adamw(1e-3).init({"w": torch.ones(2, dtype=torch.bfloat16)})  # float32's range: the default holds

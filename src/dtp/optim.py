@@ -247,7 +247,9 @@ def adamw(lr: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, eps: float =
 
     At step ``t`` (1-based): ``m = lerp(m, g, 1-b1)``, ``v = b2·v + (1-b2)·g²``,
     ``p ← p·(1 - lr·wd) - lr/(1-b1^t) · m / (√v / √(1-b2^t) + eps)``; the update returned
-    is the difference to ``p``. State ``mu``/``nu`` has the params' dtype and placements.
+    is the difference to ``p``. State ``mu``/``nu`` has the params' dtype and placements,
+    so float16 parameters are refused at ``init`` (their moments underflow: keep fp32 ones
+    with ``layouts.mixed_precision()``), and so is an eps that rounds to 0 in that dtype.
 
     >>> opt = adamw(1e-3, weight_decay=0.01)
     >>> p = {"w": torch.ones(2)}
@@ -259,11 +261,11 @@ def adamw(lr: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, eps: float =
     schedule = _as_schedule(lr, "adamw")
     if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
         raise ValueError(f"adamw: betas must lie in [0, 1), got b1={b1}, b2={b2}")
-    if eps < 0 or weight_decay < 0:
-        raise ValueError(f"adamw: eps and weight_decay must be >= 0, got {eps}, {weight_decay}")
+    if eps <= 0 or weight_decay < 0:  # eps = 0: 0 / 0 wherever a gradient is 0 (an unused embedding row)
+        raise ValueError(f"adamw: eps must be > 0 and weight_decay >= 0, got {eps}, {weight_decay}")
 
     def init(params: PyTree) -> AdamWState:
-        _check_eps_holds(eps, params)
+        _check_moments_hold(eps, b2, params)
         return AdamWState(torch.zeros((), dtype=torch.int64), zeros_like_tree(params), zeros_like_tree(params))
 
     def run(grads: PyTree, state: AdamWState, params: PyTree | None, apply: bool) -> tuple[PyTree, AdamWState]:
@@ -314,17 +316,33 @@ def adamw(lr: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, eps: float =
     return GradientTransformation(init, update, schedule, elementwise=True, apply=apply)
 
 
-def _check_eps_holds(eps: float, params: PyTree) -> None:
-    """Refuse moments in a dtype where ``eps`` rounds to 0: wherever a gradient is 0 the
-    first step then computes 0 / 0, and the parameter turns NaN (float16 and the default
-    1e-8, whose smallest step is 6e-8; ``torch.optim.AdamW`` does the same, silently)."""
-    for dtype in {p.dtype for p in optree.tree_leaves(params)}:
-        if eps > 0 and dtype.is_floating_point and float(torch.tensor(eps, dtype=dtype)) == 0.0:
-            tiny = torch.finfo(dtype).smallest_normal * torch.finfo(dtype).eps  # the smallest subnormal
+def _check_moments_hold(eps: float, b2: float, params: PyTree) -> None:
+    """Refuse Adam moments in a dtype where the first step cannot be right (they take the
+    parameters' dtype; ``torch.optim.AdamW`` takes these steps, silently):
+
+    * float16: ``(1 - b2)·g²`` underflows to 0 for every ``|g|`` below ~5e-3 (b2 = 0.999) and the default
+      eps 1e-8 rounds to 0, so small gradients divide by 0 (NaN, inf); a larger eps keeps
+      the division finite but makes the update ``m / eps``, orders of magnitude past lr.
+    * any dtype where ``eps`` rounds to 0 (e.g. float32 and 1e-46): 0 / 0 where g = 0.
+
+    >>> _check_moments_hold(1e-8, 0.999, {"w": torch.ones(2, dtype=torch.bfloat16)})  # bf16: float32's range
+    >>> _check_moments_hold(1e-8, 0.999, {"w": torch.ones(2, dtype=torch.float16)})
+    Traceback (most recent call last):
+    ValueError: adamw: float16 parameters make float16 moments, where (1 - b2)·g² underflows to 0 for |g| below 0.005 and eps=1e-08 rounds to 0: the first step's update is NaN or inf, or far past lr. Keep fp32 master weights and moments (+ layouts.mixed_precision()), or use bfloat16
+    """
+    for dtype in sorted({p.dtype for p in optree.tree_leaves(params)}, key=str):  # the same word on every rank
+        if dtype == torch.float16:
+            zero = f" and eps={eps:g} rounds to 0" if float(torch.tensor(eps, dtype=dtype)) == 0 else ""
+            # below half the smallest subnormal, (1 - b2)·g² rounds to 0
+            small = (torch.finfo(dtype).smallest_normal * torch.finfo(dtype).eps / 2 / (1 - b2)) ** 0.5
             raise ValueError(
-                f"adamw: eps={eps:g} rounds to 0 in {str(dtype).removeprefix('torch.')}, the dtype of the parameters and "
-                f"so of the moments: the first step would turn every parameter with a zero gradient into NaN. Keep fp32 "
-                f"master weights and moments (+ layouts.mixed_precision()), use bfloat16, or give eps >= {tiny:.3g}")
+                f"adamw: float16 parameters make float16 moments, where (1 - b2)·g² underflows to 0 for |g| below "
+                f"{small:.1g}{zero}: the first step's update is NaN or inf, or far past lr. Keep fp32 master weights and "
+                f"moments (+ layouts.mixed_precision()), or use bfloat16")
+        if dtype.is_floating_point and float(torch.tensor(eps, dtype=dtype)) == 0.0:
+            tiny = torch.finfo(dtype).smallest_normal * torch.finfo(dtype).eps  # the smallest subnormal
+            raise ValueError(f"adamw: eps={eps:g} rounds to 0 in {str(dtype).removeprefix('torch.')}, the moments' "
+                             f"dtype: where a gradient is 0 the first step computes 0 / 0 (NaN); give eps >= {tiny:.3g}")
 
 
 def clip(max_norm: float) -> GradientTransformation:
