@@ -59,7 +59,15 @@ BAD_RUNS = {
                                               "--multi-data 17: --pipe-experts cuts each local expert's rows into 17 "
                                               "pieces, more than the 16 tokens a rank routes in a microbatch (--batch 4 "
                                               "/ --ep 2 / --microbatches 2 = 1 row × --seq 16); use --multi-data <= 16, "
-                                              "or a larger --batch or --seq\n"),
+                                              "or a larger --batch or --seq, or fewer --microbatches\n"),
+    "multi-data past a pipeline microbatch's tokens": (
+        ["--model", "tiny-moe", "--pp", "2", "--ep", "2", "--pipe-experts", "--multi-data", "17", "--microbatches", "2",
+         "--batch", "4", "--seq", "16"], "(--batch 4 / --ep 2 / --microbatches 2 = 1 row × --seq 16); use "
+                                         "--multi-data <= 16, or a larger --batch or --seq, or fewer --microbatches\n"),
+    "multi-data past a dp x ep shard's tokens": (
+        ["--model", "tiny-moe", "--dp", "2", "--ep", "2", "--pipe-experts", "--multi-data", "33", "--batch", "8",
+         "--seq", "16"], "(--batch 8 / (--dp 2 × --ep 2) = 2 rows × --seq 16); use --multi-data <= 32, "
+                         "or a larger --batch or --seq\n"),
     "multi-data past a cp shard's tokens": (["--model", "tiny-moe", "--ep", "2", "--cp", "2", "--pipe-experts",
                                              "--multi-data", "17", "--batch", "4", "--seq", "16"],
                                             "(--batch 4 / --ep 2 = 2 rows × (--seq 16 / --cp 2 = 8)); use "
@@ -134,6 +142,7 @@ PLAN_CASES = ("mesh vs nproc", "lr past float32 in AdamW's step", "data missing"
               "document mask with an eos id the data lacks", "heads vs tp", "kv heads vs head chunks", "seq vs cp",
               "seq vs sp", "seq vs the model", "experts vs ep", "expert flags on a dense model", "layers vs stages", "sp without tp", "pp with zero 3",
               "multi-data past a microbatch's tokens", "multi-data past a cp shard's tokens",
+              "multi-data past a pipeline microbatch's tokens", "multi-data past a dp x ep shard's tokens",
               "pp with overlapped grad reduce")
 _HF_CONFIG = {"model_type": "llama", "vocab_size": 100, "hidden_size": 64, "intermediate_size": 128,
               "num_hidden_layers": 2, "num_attention_heads": 4}

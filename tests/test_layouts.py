@@ -85,6 +85,9 @@ def test_layout_has_no_string_keyed_options() -> None:
     assert not hasattr(dtp.Layout(), "options")
     assert {f.name for f in dataclasses.fields(dtp.Layout)} == {
         "params", "activations", "megatron", "context", "zero", "pipeline", "expert", "precision", "name"}
+    # every option field is a family that + gives once (one not listed would be dropped by +)
+    assert set(dtp.layouts.core._FAMILIES) == {f.name for f in dataclasses.fields(dtp.Layout)} - {
+        "params", "activations", "name"}
 
 
 def test_zero_active_needs_a_stage_and_a_split_axis() -> None:

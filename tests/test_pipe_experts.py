@@ -47,7 +47,7 @@ def _batch(seed=1):
     return {"tokens": tok[:, :-1].contiguous(), "targets": tok[:, 1:].contiguous()}
 
 
-def _train(cfg, axes, layout, steps=STEPS):
+def _train(cfg, axes, layout, steps=STEPS, microbatches=1):
     loss_fn = functools.partial(llama.loss, cfg=cfg)
     state = dtp.TrainState.create(llama.init(cfg, seed=0, dtype=torch.float64), dtp.optim.sgd(LR),
                                   mesh=dtp.make_mesh(**axes), layout=layout, axes=llama.param_axes(cfg),
@@ -55,7 +55,8 @@ def _train(cfg, axes, layout, steps=STEPS):
     placed, losses = dtp.shard_batch(_batch(), state), []
     with dtp.comm_log() as log:
         for step in range(steps):  # the middle step recomputes every block
-            state, metrics = dtp.train_step(loss_fn, state, placed, recompute="full" if step == 1 else None)
+            state, metrics = dtp.train_step(loss_fn, state, placed, recompute="full" if step == 1 else None,
+                                            microbatches=microbatches)
             losses.append(metrics["loss"])
     params = optree.tree_map(lambda p: p.full_tensor().detach(), dtp.gather_params(state))
     return losses, params, [(r.kind, r.axis, r.tag, r.bytes, r.issued, r.completed) for r in log.records]
@@ -171,11 +172,15 @@ def _bad_rank() -> dict:
             pipe_experts=True, multi_stream=True)),
         "multi_data above the tokens": (moe, dict(ep=2), dtp.layouts.data() + dtp.layouts.expert(
             pipe_experts=True, multi_data=B * S)),
+        # a rank's B/2 rows pass shard_batch (32 tokens), a microbatch's 16 do not: moe_ffn
+        # failed on the ranks, where a pipeline's peers would have waited for it
+        "multi_data above a microbatch's tokens": (moe, dict(ep=2), dtp.layouts.data() + dtp.layouts.expert(
+            pipe_experts=True, multi_data=B * S // 4 + 1), 2),
     }
-    for key, (cfg, axes, layout) in cases.items():
+    for key, (cfg, axes, layout, *microbatches) in cases.items():
         with dtp.comm_log() as log:
             try:
-                _train(cfg, axes, layout, steps=1)
+                _train(cfg, axes, layout, steps=1, microbatches=microbatches[0] if microbatches else 1)
                 out[key] = ("no error", None)
             except ValueError as e:
                 out[key] = (str(e), len(log.records))
@@ -186,7 +191,10 @@ def test_bad_options_fail_alike_on_every_rank_before_any_collective() -> None:
     results = run(_bad_rank, world_size=2)
     expected = {"pipe_experts on a dense model": "needs a mixture-of-experts model",
                 "multi_stream without sp": "needs layouts.megatron(sequence_parallel=True)",
-                "multi_data above the tokens": "fewer than layouts.expert(multi_data=64) pieces"}
+                "multi_data above the tokens": "fewer than layouts.expert(multi_data=64) pieces",
+                "multi_data above a microbatch's tokens": "train_step: batch['tokens'] of shape (4, 16) in 2 "
+                                                          "microbatches gives each rank 16 tokens, fewer than "
+                                                          "layouts.expert(multi_data=17) pieces"}
     for key, words in expected.items():
         messages = {res[key][0] for res in results}
         assert len(messages) == 1, (key, messages)

@@ -343,15 +343,16 @@ def token_stats(path: str | os.PathLike[str] | None, *, dtype: str | None = None
         raise ValueError(f"{tokens.name}: token ids must be non-negative, got {lo}")
     if tokens.vocab_size is None:
         return TokenStats(len(tokens), hi, end, seen if documents else None)
-    if hi >= tokens.vocab_size:  # a sidecar's word (a tokenizer's is never wrong): the model is padded past it
+    if hi >= tokens.vocab_size:  # a sidecar's word (a tokenizer's is never wrong): the model may be larger
         raise ValueError(f"{tokens.name} holds {past_vocab(tokens, hi)}")
     return TokenStats(len(tokens), tokens.vocab_size - 1, end, seen if documents else None)
 
 
 def past_vocab(tokens: Tokens, token_id: int) -> str:
     """The end of the message that refuses ``token_id`` at or past the ``vocab_size`` that
-    ``tokens``' sidecar states, with what to do: the model's vocabulary is padded (to a
-    multiple of 128), so such an id would train a row no tokenizer of the data makes.
+    ``tokens``' sidecar states, with what to do: the model's vocabulary may be larger (the
+    preset's, or the stated size rounded up to a multiple of 128), so such an id would
+    train, silently, a row no tokenizer of the data makes.
 
     >>> import numpy as np
     >>> past_vocab(Tokens([np.zeros(1, np.uint16)], vocab_size=300, name="t.bin"), 350)

@@ -101,12 +101,14 @@ def _check_seq(what: str, key: str, v: torch.Tensor, state: TrainState) -> None:
                         what=f"{what}: batch[{key!r}] of shape {tuple(v.shape)}")
 
 
-def _check_pipe_experts(what: str, key: str, v: DTensor, state: TrainState) -> None:
-    """pipe-experts needs a rank to hold at least ``multi_data`` tokens: said here, where
-    every rank sees the batch alike (:meth:`~dtp.layouts.ExpertOptions.check_tokens`)."""
+def _check_pipe_experts(what: str, key: str, v: DTensor, state: TrainState, microbatches: int = 1) -> None:
+    """pipe-experts needs a rank to hold at least ``multi_data`` tokens in each microbatch:
+    said here, where every rank sees the batch alike, not in ``moe_ffn`` on the ranks, where
+    a pipeline's peers would wait for it (:meth:`~dtp.layouts.ExpertOptions.check_tokens`)."""
     if state.layout.expert is not None and v.dim() >= 2:
-        state.layout.expert.check_tokens(math.prod(v.to_local().shape[:2]),
-                                         f"{what}: batch[{key!r}] of shape {tuple(v.shape)}")
+        rows, seq = v.to_local().shape[:2]
+        state.layout.expert.check_tokens(rows // microbatches * seq, f"{what}: batch[{key!r}] of shape {tuple(v.shape)}"
+                                         + (f" in {microbatches} microbatches" if microbatches > 1 else ""))
 
 
 def compute_mesh(state: TrainState) -> DeviceMesh | None:
@@ -196,6 +198,8 @@ def _check_inputs(batch: Mapping[str, torch.Tensor], state: TrainState, microbat
                 f"{dp} × microbatches {microbatches} = {dp * microbatches}"
             )
         _check_seq("train_step", k, v, state)
+        if microbatches > 1 and isinstance(v, DTensor):  # a microbatch's share of each rank's tokens
+            _check_pipe_experts("train_step", k, v, state, microbatches)
 
 
 def _forward_backward(loss_fn: Callable, run: strategies.StepRun | strategies.Scheduled,

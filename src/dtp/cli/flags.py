@@ -417,7 +417,8 @@ def _check_expert_tokens(args: argparse.Namespace, layout: Layout, mesh: MeshSha
         raise UsageError(f"--multi-data {args.multi_data}: --pipe-experts cuts each local expert's rows into "
                          f"{args.multi_data} pieces, more than the {rows * seq} tokens a rank routes in a "
                          f"microbatch ({how} = {rows} row{'s' * (rows != 1)} × {of}); use --multi-data "
-                         f"<= {rows * seq}, or a larger --batch or --seq") from None
+                         f"<= {rows * seq}, or a larger --batch or --seq"
+                         + (", or fewer --microbatches" if args.microbatches > 1 else "")) from None
 
 
 def _model(args: argparse.Namespace, max_id: int) -> model_config.LlamaConfig:

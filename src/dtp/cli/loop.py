@@ -236,12 +236,13 @@ def _check_ids(batch: dict[str, torch.Tensor], cfg: llama.LlamaConfig, args: Map
     reads the same global batch), before ``shard_batch``, whose check names the model's
     ``vocab_size`` and which one device does not make (the embedding's IndexError; on a
     GPU, a device-side assert). An id at or past the ``vocab_size`` a sidecar states is
-    refused too, although the padded vocabulary holds it (the preflight's sample met none)."""
+    refused too, although the model's vocabulary may hold it (the preflight's sample met none)."""
     found = [r for k in ID_KEYS if k in batch and (r := id_range(k, batch[k])) is not None]
     lo, hi = min(r[0] for r in found), max(r[1] for r in found)
     vocab = cfg.vocab_size - cfg.vocab_pad  # --init-from's padding rows are no ids
-    # The sidecar's vocab_size (a tokenizer's ids are all below its own): the model's is
-    # padded past it, so an id in between would train, silently, a row no token has.
+    # The sidecar's vocab_size (a tokenizer's ids are all below its own): the model's may
+    # be larger (the preset's, or rounded up to 128), so an id in between would train,
+    # silently, a row no token has.
     stated = tokens.vocab_size
     if 0 <= lo and hi < min(vocab, stated or vocab):
         return batch
@@ -251,12 +252,9 @@ def _check_ids(batch: dict[str, torch.Tensor], cfg: llama.LlamaConfig, args: Map
     if hi >= vocab and args.get("init_from"):  # the preflight's rule, for an id its sample missed
         raise UsageError(f"{data} {hi}, but the model of --init-from {args['init_from']} has {vocab} token ids; "
                          f"tokenize the data with its tokenizer")
-    side = sidecar_path(tokens.name)
-    if hi >= vocab and stated is not None:
-        raise UsageError(f"{data} {hi}, past the {vocab} ids of the model (its sidecar {side} says vocab_size "
-                         f"{stated}); fix the data or the sidecar's vocab_size")
-    if stated is not None:  # inside the padded vocabulary, past the sidecar's
+    if stated is not None:  # the model's vocabulary is at least the sidecar's: past it either way
         raise UsageError(f"--data {tokens.name}: {where} holds {past_vocab(tokens, hi)}")
+    side = sidecar_path(tokens.name)
     raise UsageError(f"{data} {hi}, past the {vocab} ids of the model, whose vocabulary was sized by the largest id "
                      f"in the preflight's sample of the data ({SAMPLE_TOKENS} ids); state the vocabulary in the "
                      f"sidecar {side}: {{\"vocab_size\": N}}, N above the largest id")
