@@ -331,18 +331,21 @@ def _check_moments_hold(eps: float, b2: float, params: PyTree) -> None:
     ValueError: adamw: float16 parameters make float16 moments, where (1 - b2)·g² underflows to 0 for |g| below 0.005 and eps=1e-08 rounds to 0: the first step's update is NaN or inf, or far past lr. Keep fp32 master weights and moments (+ layouts.mixed_precision()), or use bfloat16
     """
     for dtype in sorted({p.dtype for p in optree.tree_leaves(params)}, key=str):  # the same word on every rank
+        if not dtype.is_floating_point:
+            continue
+        subnormal = torch.finfo(dtype).smallest_normal * torch.finfo(dtype).eps  # the smallest one
+        lost = float(torch.tensor(eps, dtype=dtype)) == 0.0
         if dtype == torch.float16:
-            zero = f" and eps={eps:g} rounds to 0" if float(torch.tensor(eps, dtype=dtype)) == 0 else ""
-            # below half the smallest subnormal, (1 - b2)·g² rounds to 0
-            small = (torch.finfo(dtype).smallest_normal * torch.finfo(dtype).eps / 2 / (1 - b2)) ** 0.5
+            small = (subnormal / 2 / (1 - b2)) ** 0.5  # below it (1 - b2)·g² is under half a subnormal: 0
             raise ValueError(
                 f"adamw: float16 parameters make float16 moments, where (1 - b2)·g² underflows to 0 for |g| below "
-                f"{small:.1g}{zero}: the first step's update is NaN or inf, or far past lr. Keep fp32 master weights and "
-                f"moments (+ layouts.mixed_precision()), or use bfloat16")
-        if dtype.is_floating_point and float(torch.tensor(eps, dtype=dtype)) == 0.0:
-            tiny = torch.finfo(dtype).smallest_normal * torch.finfo(dtype).eps  # the smallest subnormal
+                f"{small:.1g}{f' and eps={eps:g} rounds to 0' if lost else ''}: the first step's update is NaN or "
+                f"inf, or far past lr. Keep fp32 master weights and moments (+ layouts.mixed_precision()), or use "
+                f"bfloat16")
+        if lost:
             raise ValueError(f"adamw: eps={eps:g} rounds to 0 in {str(dtype).removeprefix('torch.')}, the moments' "
-                             f"dtype: where a gradient is 0 the first step computes 0 / 0 (NaN); give eps >= {tiny:.3g}")
+                             f"dtype: where a gradient is 0 the first step computes 0 / 0 (NaN); give eps >= "
+                             f"{subnormal:.3g}")
 
 
 def clip(max_norm: float) -> GradientTransformation:
