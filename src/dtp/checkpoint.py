@@ -180,6 +180,15 @@ def save(state: TrainState, root: str | os.PathLike[str], *, extra: Mapping[str,
     tensors to staging memory and returns an :class:`AsyncSave` at once; the files are
     written while training goes on, and ``wait()`` (on every rank) completes it.
     Returns the checkpoint's path.
+
+    >>> from dtp import checkpoint, layouts
+    >>> state = dtp.TrainState.create({"w": torch.ones(2)}, dtp.optim.sgd(0.1), mesh=make_mesh(dp=1),
+    ...                               layout=layouts.data(), axes={"w": (None,)})
+    >>> checkpoint.save(state, "ckpt", extra={"batches_read": 3}).name
+    'step_00000000'
+    >>> state, extra = checkpoint.load("ckpt", like=state)  # the newest under ckpt/, into like's layout
+    >>> state.step, extra, checkpoint.read_manifest("ckpt")["mesh"]
+    (0, {'batches_read': 3}, {'dp': 1})
     """
     root = Path(root)
     if extra is not None:

@@ -85,6 +85,13 @@ class TrainState:
         ``buffers`` (whole tensors, e.g. ``llama.init_buffers(cfg)``) are replicated on
         the mesh; ``buffer_update`` (e.g. ``llama.buffer_update(cfg)``) renews them after
         each step from the step's aux (:mod:`dtp.buffers`).
+
+        >>> from dtp import layouts
+        >>> with simulate(2):
+        ...     state = dtp.TrainState.create({"w": torch.arange(4.0)}, dtp.optim.sgd(0.1),
+        ...                                   mesh=make_mesh(tp=2), layout=layouts.megatron(), axes={"w": ("mlp",)})
+        ...     state.step, state.param_specs()["w"], rank_values(state.params["w"].to_local())
+        (0, P('tp'), [tensor([0., 1.]), tensor([2., 3.])])
         """
         leaves, treedef = optree.tree_flatten(params)
         paths = [".".join(map(str, p)) for p in optree.tree_paths(params)]

@@ -389,13 +389,24 @@ def simulate(world_size: int) -> Iterator[None]:
 
 
 def rank_values(t: torch.Tensor) -> list[torch.Tensor]:
-    """Per-rank tensors of a ``LocalTensor`` (a plain tensor is every rank's value)."""
+    """Per-rank tensors of a ``LocalTensor`` (a plain tensor is every rank's value).
+
+    >>> with simulate(2):
+    ...     rank_values(dtp.shard(torch.arange(4.0), make_mesh(dp=2), P("dp")).to_local())
+    [tensor([0., 1.]), tensor([2., 3.])]
+    >>> rank_values(torch.ones(1))
+    [tensor([1.])]
+    """
     locals_ = local_tensors(t)
     return [locals_[r] for r in sorted(locals_)] if locals_ is not None else [t]
 
 
 def tolerance(dtype: torch.dtype) -> tuple[float, float]:
-    """(rtol, atol) of the correctness bar: fp64 ~1e-10, fp32 ~1e-5, bf16/fp16 looser."""
+    """(rtol, atol) of the correctness bar: fp64 ~1e-10, fp32 ~1e-5, bf16/fp16 looser.
+
+    >>> tolerance(torch.float64)
+    (1e-10, 1e-12)
+    """
     return STEP_TOLERANCE.get(dtype, (0.0, 0.0))
 
 
@@ -404,6 +415,17 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, *, name: str = "t
     """Compare a (D)Tensor with a single-device reference at the dtype's tolerance.
 
     DTensors are gathered with ``full_tensor()`` first (a collective: call on all ranks).
+    ``rtol`` / ``atol``: the bound, default :func:`tolerance` of ``expected``'s dtype.
+
+    Raises: ``AssertionError`` starting with ``name``.
+
+    >>> with simulate(2):
+    ...     x = dtp.shard(torch.arange(4.0, dtype=torch.float64), make_mesh(dp=2), P("dp"))
+    ...     assert_close(x, torch.arange(4.0, dtype=torch.float64), name="x")  # passes
+    ...     assert_close(x * (1 + 1e-9), torch.arange(4.0, dtype=torch.float64), name="x")
+    Traceback (most recent call last):
+    AssertionError: x: Tensor-likes are not close!
+    ...
     """
     from torch.distributed.tensor import DTensor
 

@@ -110,6 +110,12 @@ def all_gather(x: torch.Tensor, mesh: DeviceMesh, axis: str, *, dim: int = 0, ou
     ``out`` (``dim=0`` only): a contiguous buffer of the gathered shape to gather into,
     so a caller can hand out views of it while the gather is still in flight. On gloo
     over 2 ranks it runs as an all-to-all with the same bytes (:func:`_gloo_all_gather`).
+
+    >>> with simulate(2):
+    ...     mesh = make_mesh(dp=2)
+    ...     x = dtp.shard(torch.arange(4.0), mesh, P("dp")).to_local()  # rank 0 [0, 1], rank 1 [2, 3]
+    ...     rank_values(all_gather(x, mesh, "dp"))
+    [tensor([0., 1., 2., 3.]), tensor([0., 1., 2., 3.])]
     """
     x = x.contiguous()
     if out is not None and (dim != 0 or not out.is_contiguous()):
@@ -143,6 +149,12 @@ def reduce_scatter(x: torch.Tensor, mesh: DeviceMesh, axis: str, *, dim: int = 0
     """Sum ``x`` over the axis and keep this rank's ``dim``-chunk (by coordinate).
 
     On gloo it runs as an all-to-all with the same bytes (:func:`_gloo_reduce_scatter`).
+
+    >>> with simulate(2):
+    ...     mesh = make_mesh(dp=2)
+    ...     x = dtp.shard(torch.arange(4.0), mesh, P("dp")).to_local()  # rank 0 [0, 1], rank 1 [2, 3]
+    ...     rank_values(reduce_scatter(x, mesh, "dp"))                  # the sum [2, 4], cut in two
+    [tensor([2.]), tensor([4.])]
     """
 
     def post(group: dist.ProcessGroup, n: int):
@@ -228,7 +240,15 @@ def _gloo_all_gather(x: torch.Tensor, out: torch.Tensor, group: dist.ProcessGrou
 @_eager
 def all_reduce(x: torch.Tensor, mesh: DeviceMesh, axis: str, *, op: str = "sum", async_op: bool = False,
                tag: str = "") -> torch.Tensor | CommHandle:
-    """Reduce ``x`` over the axis with ``op`` ("sum" or "max") into a new tensor."""
+    """Reduce ``x`` over the axis with ``op`` ("sum" or "max") into a new tensor.
+
+    >>> with simulate(2):
+    ...     mesh = make_mesh(dp=2)
+    ...     x = dtp.shard(torch.arange(4.0), mesh, P("dp")).to_local()  # rank 0 [0, 1], rank 1 [2, 3]
+    ...     handle = all_reduce(x, mesh, "dp", op="max", async_op=True)  # posted; wait() when needed
+    ...     rank_values(all_reduce(x, mesh, "dp")), rank_values(handle.wait())
+    ([tensor([2., 4.]), tensor([2., 4.])], [tensor([2., 3.]), tensor([2., 3.])])
+    """
     reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
     out = _on_mesh(x.detach(), mesh, axis).clone(memory_format=torch.contiguous_format)
 
@@ -242,7 +262,14 @@ def all_reduce(x: torch.Tensor, mesh: DeviceMesh, axis: str, *, op: str = "sum",
 def all_to_all(x: torch.Tensor, mesh: DeviceMesh, axis: str, *, split_dim: int, concat_dim: int,
                async_op: bool = False, tag: str = "") -> torch.Tensor | CommHandle:
     """Split ``x`` into n chunks along ``split_dim`` (chunk k goes to coordinate k) and
-    concatenate what arrives along ``concat_dim`` — Shard(concat_dim) → Shard(split_dim)."""
+    concatenate what arrives along ``concat_dim`` — Shard(concat_dim) → Shard(split_dim).
+
+    >>> with simulate(2):
+    ...     mesh = make_mesh(cp=2)
+    ...     x = dtp.shard(torch.arange(8.0).view(2, 4), mesh, P(None, "cp")).to_local()  # columns split
+    ...     rank_values(all_to_all(x, mesh, "cp", split_dim=0, concat_dim=1))           # rows split
+    [tensor([[0., 1., 2., 3.]]), tensor([[4., 5., 6., 7.]])]
+    """
 
     def post(group: dist.ProcessGroup, n: int):
         if x.shape[split_dim] % n:
@@ -329,7 +356,12 @@ def exchange_counts(counts: torch.Tensor, mesh: DeviceMesh, axis: str, *, async_
 def send_recv(x: torch.Tensor, mesh: DeviceMesh, axis: str, *, shift: int = 1, async_op: bool = False,
               tag: str = "") -> torch.Tensor | CommHandle:
     """Ring step: send ``x`` to coordinate ``c + shift`` and receive from ``c - shift``
-    (one pair of :func:`send_recv_batch`)."""
+    (one pair of :func:`send_recv_batch`).
+
+    >>> mesh = make_mesh(tp=1)  # a ring of one: this rank hears itself (tests/test_comm.py runs 3 ranks)
+    >>> send_recv(torch.ones(2), mesh, "tp").tolist()
+    [1.0, 1.0]
+    """
     handle, = _send_recv_batch([(x, shift)], mesh, axis, tag, async_op)
     return handle if async_op else handle.wait()
 

@@ -223,19 +223,20 @@ class Layout:
         ``load_balance=None`` (contiguous shards). ``ValueError`` if the sequence length
         does not divide by 2·cp (zigzag) or cp.
 
-        >>> mesh = make_mesh(dp=1, cp=2)                                   # doctest: +SKIP
-        >>> context("ring").to_cp_order(torch.arange(8), 0, mesh).tolist()  # doctest: +SKIP
-        [0, 1, 6, 7, 2, 3, 4, 5]
-        >>> data().to_cp_order(torch.arange(8), 0, mesh).tolist()           # doctest: +SKIP
-        [0, 1, 2, 3, 4, 5, 6, 7]
+        >>> with simulate(2):
+        ...     mesh = make_mesh(dp=1, cp=2)
+        ...     dtp.layouts.context("ring").to_cp_order(torch.arange(8), 0, mesh).tolist(), dtp.layouts.data().to_cp_order(torch.arange(8), 0, mesh).tolist()
+        ([0, 1, 6, 7, 2, 3, 4, 5], [0, 1, 2, 3, 4, 5, 6, 7])
         """
         return x if self.context is None else self.context.to_cp_order(x, dim, mesh)
 
     def from_cp_order(self, x: torch.Tensor, dim: int, mesh: DeviceMesh) -> torch.Tensor:
         """Inverse of :meth:`to_cp_order`: a gathered cp-ordered sequence back to natural order.
 
-        >>> y = layout.to_cp_order(x, 1, mesh)                              # doctest: +SKIP
-        >>> torch.equal(layout.from_cp_order(y, 1, mesh), x)               # doctest: +SKIP
+        >>> x, layout = torch.arange(16).view(2, 8), dtp.layouts.context("ring")
+        >>> with simulate(2):
+        ...     mesh = make_mesh(cp=2)
+        ...     torch.equal(layout.from_cp_order(layout.to_cp_order(x, 1, mesh), 1, mesh), x)
         True
         """
         return x if self.context is None else self.context.from_cp_order(x, dim, mesh)
@@ -280,7 +281,15 @@ _active = threading.local()
 
 
 def current() -> tuple[Layout, DeviceMesh] | None:
-    """The ``(layout, mesh)`` made active by :func:`use_layout`, or ``None``."""
+    """The ``(layout, mesh)`` made active by :func:`use_layout`, or ``None``.
+
+    >>> mesh = make_mesh(dp=1)
+    >>> with use_layout(dtp.layouts.data(), mesh) as layout:
+    ...     current() == (layout, mesh)
+    True
+    >>> current() is None
+    True
+    """
     stack = getattr(_active, "stack", [])
     return stack[-1] if stack else None
 
@@ -289,8 +298,12 @@ def current() -> tuple[Layout, DeviceMesh] | None:
 def use_layout(layout: Layout, mesh: DeviceMesh) -> Iterator[Layout]:
     """Make ``layout`` on ``mesh`` active (like Flax's ``logical_axis_rules``).
 
-    >>> with use_layout(data(), make_mesh(dp=1)):               # doctest: +SKIP
-    ...     h = constrain(h, ("batch", "seq", "embed"))
+    >>> with simulate(2):
+    ...     mesh = make_mesh(dp=2)
+    ...     with use_layout(dtp.layouts.data(), mesh):
+    ...         h = constrain(dtp.shard(torch.zeros(4, 8, 16), mesh, P()), ("batch", "seq", "embed"))
+    ...     dtp.spec_of(h)                                      # the batch split over dp, as data() says
+    P('dp')
     """
     if not hasattr(_active, "stack"):
         _active.stack = []

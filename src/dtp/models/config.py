@@ -221,7 +221,12 @@ def _layer_axes(cfg: LlamaConfig, i: int) -> dict[str, tuple[str, ...]]:
 
 
 def param_axes(cfg: LlamaConfig) -> dict[str, Any]:
-    """Logical axis names of every parameter (same structure as :func:`init`)."""
+    """Logical axis names of every parameter (same structure as :func:`init`).
+
+    >>> axes = param_axes(config("tiny"))
+    >>> axes["embed"], axes["layers"][0]["wq"], axes["layers"][0]["w_down"]
+    (('vocab', 'embed'), ('embed', 'heads'), ('mlp', 'embed'))
+    """
     axes: dict[str, Any] = {"embed": ("vocab", "embed"), "layers": [_layer_axes(cfg, i) for i in range(cfg.n_layers)],
                             "final_norm": ("embed",)}
     if not cfg.tie_embeddings:
@@ -230,7 +235,11 @@ def param_axes(cfg: LlamaConfig) -> dict[str, Any]:
 
 
 def axis_sizes(cfg: LlamaConfig) -> dict[str, int]:
-    """Sizes of the splittable logical axes, in whole units (a head is never cut)."""
+    """Sizes of the splittable logical axes, in whole units (a head is never cut).
+
+    >>> axis_sizes(config("tiny"))
+    {'heads': 4, 'kv_heads': 2, 'mlp': 128, 'vocab': 256}
+    """
     sizes = {"heads": cfg.n_heads, "kv_heads": cfg.n_kv_heads, "mlp": cfg.ffn_dim, "vocab": cfg.vocab_size}
     if cfg.num_experts:
         sizes.update(expert=cfg.num_experts, expert_mlp=cfg.expert_dim)
@@ -288,13 +297,21 @@ def _count(cfg: LlamaConfig, active: bool) -> int:
 
 
 def param_count(cfg: LlamaConfig) -> int:
-    """Number of parameters (every expert's)."""
+    """Number of parameters (every expert's).
+
+    >>> param_count(config("tiny")), param_count(config("small"))
+    (106816, 3279104)
+    """
     return _count(cfg, active=False)
 
 
 def flops_per_token(cfg: LlamaConfig, seq_len: int) -> float:
     """Training FLOPs per token: 6 × matmul parameters + causal attention (PaLM's count);
-    an MoE block's experts count top_k of num_experts (the router counts whole)."""
+    an MoE block's experts count top_k of num_experts (the router counts whole).
+
+    >>> flops_per_token(config("tiny"), seq_len=128)  # 6 × 90,112 matmul parameters + 6·L·d·s
+    638976
+    """
     matmul = _count(cfg, active=True) - cfg.vocab_size * cfg.dim * (0 if cfg.tie_embeddings else 1) - (2 * cfg.n_layers + 1) * cfg.dim
     attn = 6 * cfg.n_layers * cfg.dim * seq_len  # 12·L·d·s / 2 for the causal half
     return 6 * matmul + attn

@@ -55,6 +55,10 @@ def init(cfg: LlamaConfig, seed: int = 0, dtype: torch.dtype = torch.float32,
 
     Normal(0, 0.02) weights, output projections scaled by 1/√(2·n_layers) (GPT-2 /
     Megatron), norms at one. An MoE router is kept in fp32 (fp64 stays fp64).
+
+    >>> params = init(config("tiny"), seed=0)
+    >>> params["embed"].shape, sorted(params["layers"][0])[:4], torch.equal(params["embed"], init(config("tiny"))["embed"])
+    (torch.Size([256, 64]), ['attn_norm', 'mlp_norm', 'w_down', 'w_gate'], True)
     """
     gen = torch.Generator(device="cpu").manual_seed(seed)
     std, out_std = 0.02, 0.02 / math.sqrt(2 * cfg.n_layers)
@@ -215,7 +219,12 @@ def _forward(params: dict[str, Any], tokens: torch.Tensor, cfg: LlamaConfig,
 
 
 def apply(params: dict[str, Any], tokens: torch.Tensor, cfg: LlamaConfig) -> torch.Tensor:
-    """Logits (batch, seq, vocab) for ``tokens`` (batch, seq) (MoE aux losses dropped)."""
+    """Logits (batch, seq, vocab) for ``tokens`` (batch, seq) (MoE aux losses dropped).
+
+    >>> cfg = config("tiny", n_layers=1)
+    >>> apply(init(cfg), torch.zeros(2, 16, dtype=torch.long), cfg).shape
+    torch.Size([2, 16, 256])
+    """
     return _forward(params, tokens, cfg)[0]
 
 
@@ -228,6 +237,12 @@ def loss(params: dict[str, Any], batch: dict[str, torch.Tensor], cfg: LlamaConfi
     With MoE blocks: ``(cross-entropy + Σ aux_loss + Σ z_loss, aux)``; ``aux`` holds
     ``lm_loss``, ``aux_loss``, ``z_loss`` (detached scalars), ``tokens_per_expert``
     (int64, one row per MoE block) and ``dropped_fraction`` (one per MoE block).
+
+    >>> cfg = config("tiny-moe", n_layers=1)
+    >>> tokens = torch.randint(0, cfg.vocab_size, (2, 17))
+    >>> total, aux = loss(init(cfg), {"tokens": tokens[:, :-1], "targets": tokens[:, 1:]}, cfg)
+    >>> abs(float(aux["lm_loss"]) - math.log(cfg.vocab_size)) < 0.1, aux["tokens_per_expert"].shape
+    (True, torch.Size([1, 4]))
     """
     if "tokens" not in batch or "targets" not in batch:  # else a bare KeyError from inside the model
         raise KeyError(f"llama.loss: the batch needs 'tokens' and 'targets' (the next tokens), both (batch, seq); "

@@ -318,10 +318,15 @@ def ring_attention(q: DTensor, k: DTensor, v: DTensor, *, axis: str = "cp", caus
     like the tokens (:mod:`dtp.ops.documents`): a query sees the keys of its own
     document only; tiles no document spans are skipped (:func:`block_counts`).
 
-    Not run as a doctest: the ring sends point to point, which needs real ranks
-    (``dtp.testing.run``), not ``simulate``; tests/test_context.py runs it.
+    A ring of more than one rank sends point to point, which needs real ranks
+    (``dtp.testing.run``), not ``simulate``: tests/test_context.py runs rings of 2 to 8;
+    the example is a ring of one.
 
-    >>> out = ring_attention(q, k, v, axis="cp", load_balance="zigzag")  # doctest: +SKIP
+    >>> mesh = make_mesh(cp=1)
+    >>> q = k = v = dtp.shard(torch.randn(1, 4, 16, 8), mesh, P(None, None, "cp"))  # (batch, heads, seq, dim)
+    >>> out = ring_attention(q, k, v, axis="cp", load_balance="zigzag")
+    >>> out.shape, dtp.spec_of(out)
+    (torch.Size([1, 4, 16, 8]), P(None, None, 'cp'))
     """
     fn = "ring_attention"
     axis = _check_axis_name(fn, axis)
