@@ -137,7 +137,14 @@ def _scalar(out: dict[str, Any], name: str, x: Any) -> Any:
 class AsyncSave:
     """A save still being written (``save(..., async_save=True)``). ``wait()`` on every
     rank finishes it: waits for this rank's files, then rank 0 renames the checkpoint
-    into place once every rank's are written."""
+    into place once every rank's are written.
+
+    >>> state = dtp.TrainState.create({"w": torch.ones(2)}, dtp.optim.sgd(0.1), mesh=make_mesh(dp=1),
+    ...                               layout=dtp.layouts.data(), axes={"w": (None,)})
+    >>> pending = save(state, "ckpt", async_save=True)  # returns once the tensors are copied
+    >>> pending.wait().name                              # the files written, the directory renamed
+    'step_00000000'
+    """
 
     path: Path
     _future: Any

@@ -65,6 +65,16 @@ def shard_batch(batch: Mapping[str, torch.Tensor], state: TrainState) -> dict[st
     call, and the first call with each batch shape has the ranks agree (:mod:`dtp.guard`)
     on the batch and on each rank's check result, so a failure is the same error on
     every rank. One device: the batch moves to the mesh's device, plain.
+
+    >>> from dtp import layouts
+    >>> cfg = llama.config("tiny", n_layers=1)
+    >>> tokens = torch.zeros(4, 16, dtype=torch.long)
+    >>> with simulate(2):
+    ...     state = dtp.TrainState.create(llama.init(cfg), dtp.optim.sgd(0.1), mesh=make_mesh(dp=2),
+    ...                                   layout=layouts.data(), axes=llama.param_axes(cfg))
+    ...     batch = shard_batch({"tokens": tokens, "targets": tokens}, state)
+    ...     dtp.spec_of(batch["tokens"]), batch["tokens"].to_local().shape  # 2 rows a rank
+    (P('dp'), torch.Size([2, 16]))
     """
     mesh = compute_mesh(state)
     if _single_device(mesh):

@@ -72,6 +72,16 @@ def remat(fn: Callable[..., Any], *args: Any, level: str = "full") -> Any:
     A block (``level="full"``) on plain tensors is a compiled region under
     ``train_step(compile=...)`` (:mod:`dtp.compiled`): nothing in it communicates. On
     DTensors the regions are the :func:`dtp.local_map` bodies inside it instead.
+
+    >>> runs = []
+    >>> def block(w, x):
+    ...     runs.append(1)
+    ...     return torch.tanh(x @ w)
+    >>> w = torch.randn(4, 4, requires_grad=True)
+    >>> with recompute("full"):                      # train_step(..., recompute="full") sets this
+    ...     remat(block, w, torch.randn(2, 4)).sum().backward()
+    >>> len(runs)                                     # forward, and again in backward
+    2
     """
     if level == "full" and active() is not None and not any(isinstance(a, DTensor) for a in optree.tree_leaves(args[:2])):
         # A strategy's lazy parameter view (ZeRO's: a read waits for the bucket's gather and
