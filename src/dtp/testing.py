@@ -301,9 +301,7 @@ def run(fn: Callable[..., Any], *args: Any, world_size: int = 2, timeout: float 
 
 
 def _barrier() -> bool:
-    import torch.distributed as dist
-
-    dist.barrier()
+    comm.barrier(tag="pool health")
     return True
 
 

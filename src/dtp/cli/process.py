@@ -65,7 +65,7 @@ def _quiesce() -> None:
     the peers may never reach the barrier (the launcher stops them instead).
     """
     comm.drain()
-    dist.barrier()
+    comm.barrier(tag="exit")  # recorded: a hang at exit shows in the flight records which ranks got here
 
 
 class Terminated(KeyboardInterrupt):
