@@ -26,8 +26,8 @@ class UsageError(ValueError):
 
 
 PROG = "dtp"
-# The parser's description: the first line of the package docstring (dtp.cli).
-DESCRIPTION = "The ``dtp`` command: train the reference Llama under any parallel layout, from a shell."
+# The parser's description: the first line of the package docstring (dtp.cli), as plain text.
+DESCRIPTION = "The dtp command: train the reference Llama under any parallel layout, from a shell."
 
 # --eval-every: the held-out split is the corpus's last tenth (dtp.data.split_held_out), and
 # each evaluation averages the loss of its first EVAL_BATCHES batches: the same tokens every
