@@ -220,16 +220,22 @@ def test_a_moe_resume_with_other_microbatches_refuses_check(tmp_path, monkeypatc
     assert err.count("\n") == 1 and "trained with --microbatches 2, this run asks for --microbatches 4" in err, err
 
 
+_PURE_REFUSED = ("trained pure bf16 (--precision pure, an older dtp's default without --zero); this run's default, "
+                 "--precision mixed, would start fp32 master weights from the bf16 parameters: resume with "
+                 "--precision pure to go on as it did, or --precision mixed to change it")
+
+
 @pytest.mark.parametrize("saved, zero, refused", [
-    (dict(zero=1, precision=None), 0, "kept fp32 master weights (--precision mixed, the default under --zero); this "
-     "run's default without --zero would drop them: resume with --precision mixed to go on as it did"),
-    (dict(zero=0, precision=None), 1, "trained pure bf16 (--precision pure, the default without --zero); this run's "
-     "default under --zero would start fp32 master weights from the bf16 parameters: resume with --precision pure"),
-    (dict(zero=1, precision=None), 2, None), (dict(zero=1, precision="mixed"), 1, None)],
-    ids=["zero1 -> none", "none -> zero1", "zero1 -> zero2", "mixed named at save"])
-def test_a_bf16_resume_keeps_the_precision_the_default_gave(saved, zero, refused) -> None:
-    """The default --precision follows --zero (mixed under ZeRO): resumed under another
-    --zero it would drop the fp32 master weights (or start them from bf16) silently."""
+    (dict(zero=1, precision=None), 0, None),  # an older record: ZeRO's master weights, mixed now as then
+    (dict(zero=0, precision=None), 0, _PURE_REFUSED), (dict(zero=0, precision=None), 1, _PURE_REFUSED),
+    (dict(zero=0, precision="pure"), 0, _PURE_REFUSED),
+    (dict(zero=1, precision=None), 2, None), (dict(zero=0, precision="mixed"), 1, None)],
+    ids=["old zero1 -> none", "old none -> none", "old none -> zero1", "pure -> default", "old zero1 -> zero2",
+         "mixed -> zero1"])
+def test_a_bf16_resume_keeps_the_precision_it_trained_with(saved, zero, refused) -> None:
+    """The default --precision is mixed; a checkpoint that trained pure bf16 (named, or an
+    older dtp's default without --zero, whose records say None) resumed under it would
+    start fp32 master weights from the bf16 parameters silently: refused, naming both."""
     import argparse
 
     from dtp.cli.resume import UsageError, _check_precision

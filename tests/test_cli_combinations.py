@@ -166,8 +166,9 @@ ROWS: dict[str, list[str]] = {
     # ---- the dtypes, where the dtype is the point (their own tolerances)
     "fp32 dp2 tp2 sp": ["--dp", "2", "--tp", "2", "--sp", "--dtype", "float32"],
     "bf16 dp2 zero1": ["--dp", "2", "--zero", "1", "--dtype", "bfloat16"],
-    "bf16 mixed dp2 tp2 sp m2": ["--dp", "2", "--tp", "2", "--sp", "--dtype", "bfloat16", "--precision", "mixed",
-                                 "--microbatches", "2"],
+    # bf16 alone is mixed precision (fp32 master weights, as Megatron's --bf16); pure named
+    "bf16 mixed dp2 tp2 sp m2": ["--dp", "2", "--tp", "2", "--sp", "--dtype", "bfloat16", "--microbatches", "2"],
+    "bf16 pure tp2 m2": ["--tp", "2", "--dtype", "bfloat16", "--precision", "pure", "--microbatches", "2"],
     # ---- fine-tuning a Hugging Face model (made by _hf_dir): 300 token ids padded to 384 over tp
     "init-from HF dir dp2 tp2 sp": ["--init-from", "HF_DIR", "--dp", "2", "--tp", "2", "--sp"],
     # each rank reads only its flat ZeRO pieces / its stages' blocks (TrainState.from_hf)

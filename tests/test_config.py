@@ -64,6 +64,12 @@ def test_toml_round_trip_and_flags_override_it(tmp_path, capsys) -> None:
     assert cli.parse_args(["train", "--config", str(tmp_path / "again.toml"), "--steps", "3"]).run_config.warmup == 3
     assert cli.main(["train", "--warmup", "2", "--print-config"]) == 0
     assert "warmup = 2" in capsys.readouterr().out.splitlines()
+    # So is the precision derived from --dtype (mixed for bf16): the file reads with --dtype float32.
+    assert cli.main(["train", "--dtype", "bfloat16", "--print-config"]) == 0
+    (tmp_path / "bf16.toml").write_text(capsys.readouterr().out)
+    assert cli.parse_args(["train", "--config", str(tmp_path / "bf16.toml")]).run_config.precision == "mixed"
+    as_fp32 = cli.parse_args(["train", "--config", str(tmp_path / "bf16.toml"), "--dtype", "float32"])
+    assert as_fp32.run_config.precision is None
     # Only a run that passes the checks is printed (the file would be refused when read).
     assert cli.main(["train", "--tp", "3", "--print-config"]) == 2
     captured = capsys.readouterr()
@@ -143,7 +149,11 @@ def test_ranks_receive_the_config_and_the_run_records_it(tmp_path, monkeypatch) 
 
 def test_precision_is_a_field_its_rules_are_said_before_any_rank_starts() -> None:
     rc = RunConfig(dtype="bfloat16", precision="mixed", dp=2)
-    assert rc.layout().precision is not None and RunConfig(dtype="bfloat16").layout().precision is None
+    assert rc.layout().precision is not None
+    assert RunConfig(dtype="bfloat16", precision="pure").layout().precision is None
+    # bf16 alone is mixed, as Megatron's --bf16: pure bf16 loses every update below half an ulp
+    assert RunConfig(dtype="bfloat16").precision == "mixed" and RunConfig(dtype="bfloat16").layout().precision
+    assert RunConfig(dtype="bfloat16", zero=1, dp=2).precision == "mixed" and RunConfig().precision is None
     assert cli.parse_args(rc.argv()).run_config == rc
     with pytest.raises(ValueError, match=r"^--precision mixed keeps fp32 master weights beside bf16 parameters: "
                                          r"it needs --dtype bfloat16, got --dtype float32"):

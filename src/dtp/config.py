@@ -127,7 +127,7 @@ class RunConfig:
     batch: int = 8
     seq: int = 64
     dtype: str = "float32"
-    precision: str | None = None  # "pure" | "mixed" (fp32 master weights); None: mixed under zero, else pure
+    precision: str | None = None  # "pure" | "mixed" (fp32 master weights); None: mixed for bfloat16
     lr: float = 3e-3
     warmup: int | None = None  # None: min(DEFAULT_WARMUP, steps)
     microbatches: int = 1
@@ -200,6 +200,10 @@ class RunConfig:
             self._zero_layout()
         except ValueError as e:
             fail(str(e))
+        if self.precision is None and self.dtype == "bfloat16":
+            # Megatron's --bf16, torchtitan's and autocast's default: pure bf16 loses every
+            # update below half an ulp of its weight (lr 3e-3 never moves a norm weight at 1).
+            object.__setattr__(self, "precision", "mixed")
         if self.precision == "mixed" and self.dtype != "bfloat16":
             fail(f"{n('precision')} mixed keeps fp32 master weights beside bf16 parameters: it needs {n('dtype')} "
                  f"bfloat16, got {n('dtype')} {self.dtype} (already its own master weights)")
@@ -442,8 +446,10 @@ class RunConfig:
 
 
 def master_weights(precision: str | None, zero: int, dtype: str) -> bool:
-    """Whether a run keeps fp32 master weights beside bf16 parameters: ``precision``
-    mixed, or left unset under ZeRO (its distributed optimizer's, Megatron's default).
+    """Whether a run's record says it kept fp32 master weights beside bf16 parameters:
+    ``precision`` mixed, or unset under ZeRO. Runs record the resolved value now
+    (:class:`RunConfig`: unset is mixed for bfloat16); an unset one is an older record's,
+    whose default was mixed under ZeRO only.
 
     >>> master_weights(None, 1, "bfloat16"), master_weights(None, 0, "bfloat16"), master_weights("mixed", 0, "bfloat16")
     (True, False, True)

@@ -101,8 +101,9 @@ def validate(args: argparse.Namespace, *, world_size: int | None = None) -> argp
     except ValueError as e:
         raise UsageError(str(e)) from None
     # --print-config prints the run as given: a warm-up derived from --steps stays derived,
-    # so the file still reads with other --steps (a printed "warmup = 5" refused --steps 3).
-    args.derived = ("warmup",) if args.warmup is None else ()
+    # so the file still reads with other --steps (a printed "warmup = 5" refused --steps 3);
+    # the precision derived from --dtype likewise (a printed "mixed" refused --dtype float32).
+    args.derived = tuple(k for k in ("warmup", "precision") if getattr(args, k) is None)
     args.run_config, args.warmup = config, config.warmup
     if args.zero and args.dp == 1:
         _note(args, f"--zero {args.zero} has no effect with --dp 1 (ZeRO shards over dp)")

@@ -182,7 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dtype", choices=DTYPES, default=RUN_DEFAULTS["dtype"], help="parameter and compute dtype")
     g.add_argument("--precision", choices=layouts.PRECISIONS, default=RUN_DEFAULTS["precision"],
                    help="with --dtype bfloat16: mixed keeps fp32 master weights, Adam moments and gradient "
-                        "accumulation (Megatron's), pure updates in bf16 (default: mixed under --zero, else pure)")
+                        "accumulation (Megatron's), pure updates in bf16 (not with --zero) (default: mixed)")
     g.add_argument("--lr", type=_non_negative_float, default=RUN_DEFAULTS["lr"], help="peak learning rate (AdamW, cosine)")
     g.add_argument("--warmup", type=int, default=RUN_DEFAULTS["warmup"],
                    help=f"linear warm-up steps (default: min({DEFAULT_WARMUP}, --steps))")

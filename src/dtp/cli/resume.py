@@ -175,19 +175,16 @@ def _check_split(args: Any, saved_run: dict[str, Any], saved: int | None, n_toke
 
 
 def _check_precision(args: Any, saved_run: dict[str, Any], here: str) -> None:
-    """A bf16 run resumed under the default ``--precision`` must resolve it as the
-    checkpoint's run did: the default follows ``--zero`` (mixed under ZeRO, else pure), so
-    a resume that drops or adds ``--zero`` would drop the fp32 master weights, or start
-    new ones from the bf16 parameters, with nothing said."""
+    """A bf16 run resumed under the default ``--precision`` (mixed) from a checkpoint that
+    trained pure bf16 — an older dtp's default without ``--zero`` — would start fp32 master
+    weights from the bf16 parameters with nothing said: refused, naming both choices."""
     if args.precision is not None or args.dtype != "bfloat16" or "zero" not in saved_run:
         return
-    was = master_weights(saved_run.get("precision"), int(saved_run.get("zero") or 0), saved_run.get("dtype", ""))
-    if was != master_weights(None, args.zero, args.dtype):
-        kept = "kept fp32 master weights (--precision mixed" if was else "trained pure bf16 (--precision pure"
-        now = "would drop them" if was else "would start fp32 master weights from the bf16 parameters"
-        raise UsageError(f"{here} {kept}, the default {'under' if was else 'without'} --zero); this run's default "
-                         f"{'without' if was else 'under'} --zero {now}: resume with --precision "
-                         f"{'mixed' if was else 'pure'} to go on as it did, or name the other to change it")
+    if not master_weights(saved_run.get("precision"), int(saved_run.get("zero") or 0), saved_run.get("dtype", "")):
+        raise UsageError(f"{here} trained pure bf16 (--precision pure, an older dtp's default without --zero); this "
+                         f"run's default, --precision mixed, would start fp32 master weights from the bf16 "
+                         f"parameters: resume with --precision pure to go on as it did, or --precision mixed to "
+                         f"change it")
 
 
 def _trained_with(segments: list[dict[str, Any]], done: int) -> tuple[list[str], list[dict[str, Any]]]:
@@ -207,7 +204,7 @@ def _reference_values(run: dict[str, Any], model: dict[str, Any]) -> dict[str, A
     """What ``--check``'s reference retrains a step with, of a run config and a model
     config (as dicts; an older record may lack some): :data:`_REFERENCE_FIELDS`, the MoE
     fields, ``--microbatches`` for a model with experts, and the precision as resolved
-    (``None`` is mixed under ZeRO in bf16, else pure: the default follows ``--zero``).
+    (``None``, in an older record, is mixed under ZeRO in bf16, else pure).
 
     >>> _reference_values({"lr": 0.1, "precision": None, "zero": 1, "dtype": "bfloat16", "microbatches": 2}, {})
     {'lr': 0.1, 'precision': 'mixed'}

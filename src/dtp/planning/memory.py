@@ -396,7 +396,7 @@ def _grad_bytes(s: Setup, w: int) -> int:
     ``layouts.mixed_precision`` of bf16 parameters their fp32 accumulators (as big as the
     master weights and each moment).
 
-    >>> _grad_bytes(Setup(dtype="bfloat16", precision="mixed"), 100), _grad_bytes(Setup(dtype="bfloat16"), 100)
+    >>> _grad_bytes(Setup(dtype="bfloat16"), 100), _grad_bytes(Setup(dtype="bfloat16", precision="pure"), 100)
     (200, 100)
     """
     e, acc = s.torch_dtype.itemsize, accum_dtype(s.torch_dtype).itemsize

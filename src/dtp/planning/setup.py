@@ -66,7 +66,7 @@ class Setup:
     microbatches: int = 1
     recompute: Literal["none", "full", "selective"] = "none"
     dtype: str = "float32"
-    precision: str | None = None  # RunConfig's: "mixed" adds fp32 master weights and gradients beside bf16
+    precision: str | None = None  # RunConfig's (None: mixed for bfloat16): fp32 master weights beside bf16
     # The layout planned (dtp.cli.flags.build_layout's); None: layout_for(self). Filled in
     # by __post_init__, so after construction it is always a Layout.
     layout: Layout | None = field(default=None, repr=False)
