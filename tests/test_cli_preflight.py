@@ -229,6 +229,23 @@ def test_dtp_plan_refuses_a_shape_with_trains_line(bad_runs, case) -> None:
     assert err == bad_runs[case][1].replace("dtp train: error: ", "dtp plan: error: ", 1), (case, err)
 
 
+def test_the_readme_plan_of_a_70b_run_needs_no_corpus_of_its_batch(capsys) -> None:
+    """README's ``dtp plan`` of Llama 3 70B at --batch 256 --seq 8192: the bundled corpus holds
+    46 such windows, which ``dtp train`` refuses, but a plan predicts a step, not the data (it
+    was refused with the corpus's line)."""
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    lines = iter(readme[readme.index("$ dtp plan --model llama3-70b"):].splitlines())
+    command = [next(lines)]
+    while command[-1].endswith("\\"):  # the command's continuation lines
+        command.append(next(lines))
+    argv = " ".join(line.rstrip("\\") for line in command).split()[3:]  # after "$ dtp plan"
+    assert "--batch" in argv and "--memory-gb" in argv, argv
+    assert cli.main(["plan", *argv]) == 0, capsys.readouterr().err
+    assert capsys.readouterr().out.splitlines()[-1].startswith("fits: peak 25.39 GiB of 80.00 GiB")
+    assert cli.main(["train", *argv, "--nproc", "256"]) == 2  # train still needs the windows
+    assert "46 windows of 8192 + 1 tokens, fewer than a batch" in capsys.readouterr().err
+
+
 def test_the_plan_and_the_memory_check_see_the_vocabulary_the_data_grows(tmp_path, capsys) -> None:
     """Ids up to 59997 grow tiny's 256-token vocabulary to 60032 (7.8M parameters, not 107k):
     ``dtp plan`` predicts that model, and ``dtp train``'s memory check refuses by it."""
