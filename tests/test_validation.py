@@ -408,6 +408,13 @@ CASES = {
         lambda r: _seq(r, 6, place=True), "ValueError",
         r"^train_step: batch\['tokens'\] of shape \(8, 6\): zigzag .* got seq_len=6, cp=2 \(seq_len % 4 = 2\); "
         r"valid: seq_len a multiple of 4"),
+    # Its spec is shard_batch's, but the sequence is in natural order, not zigzag's: it trained
+    # silently on a permuted sequence (loss 5.5766 where one device's is 5.5750).
+    "a batch the user placed under a zigzag ring (train_step)": (
+        lambda r: _seq(r, 16, place=True), "ValueError",
+        r"^train_step: batch\['tokens'\] was not placed by dtp.shard_batch: under layouts.context\("
+        r"load_balance='zigzag'\) on cp=2 the sequence must be in the layout's order \(rank r holds chunks r and "
+        r"3-r\), which no placement shows; place the global batch with dtp.shard_batch\(batch, state\)$"),
     # ---- meshes and specs
     "mesh sizes not matching the world": (
         lambda r: (lambda: dtp.make_mesh(dp=3)), "ValueError",
