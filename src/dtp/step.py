@@ -38,7 +38,7 @@ from .comm import comm_log, span
 from .compiled import CompileOptions, compiling, options_of
 from .layouts import check_divisible, use_layout
 from .mesh import mesh_device
-from .optim import GradientTransformation, clip_by_global_norm, state_join, state_part
+from .optim import GradientTransformation, clip_by_global_norm, measured_by, state_join, state_part
 from .optim import step as optimizer_step
 from .ops.documents import document_order, reorder
 from .ops.parallel import DeviceDivisor, mean_over, target_count
@@ -502,7 +502,8 @@ def _update(run: strategies.StepRun, optimizer: GradientTransformation, opt_stat
     values = _read(loss, norm, count)
     if bad := _non_finite(*values[:2]):  # as Megatron: the optimizer does not run at all
         return targets, opt_state, values, bad
-    new, opt_state = optimizer_step(optimizer, tree, opt_state, params)
+    with measured_by(run.norm):  # an optimizer's own clip() measures every stage, as one device
+        new, opt_state = optimizer_step(optimizer, tree, opt_state, params)
     return (new if run.grouped else [new]), opt_state, values, None
 
 
