@@ -307,7 +307,8 @@ def value_and_grad(loss_fn: Callable[[PyTree, Mapping[str, torch.Tensor]], Any],
     (2.0, tensor([1., 1.]))
     """
     options = options_of(compile)  # a bad argument fails here, before any collective
-    run = strategies.begin(state.params, state.zero, microbatches, gradients_only=True)
+    run = strategies.begin(state.params, state.zero, microbatches, layout=state.layout, mesh=state.mesh,
+                           gradients_only=True)  # a pipeline or ZeRO refuses
     _check_inputs(batch, state, microbatches, recompute)
     with use_layout(state.layout, state.mesh), recompute_policy(recompute), compiling(options):
         loss, aux, _ = _forward_backward(reading(loss_fn, state.buffers), run, batch, microbatches)
