@@ -182,3 +182,45 @@ def _async_equals_sync(root: str) -> bool:
 
 def test_an_async_save_holds_the_state_it_was_given_while_training_goes_on(tmp_path):
     assert run(_async_equals_sync, str(tmp_path), world_size=4) == [True] * 4
+
+
+# --------------------------------------------------------------------------- into a state that has trained
+
+
+def _back_to_the_checkpoint(axes: dict[str, int], layout: dtp.Layout, root: str) -> tuple[list[float], list[float]]:
+    """Save at step K, train on, then load the checkpoint into the live (stepped) state and
+    train the same N steps again: a notebook going back. Under a pipeline a stepped state
+    holds its stages' parameters only (the others None), and load refused it as "another
+    model"."""
+    cfg = llama.config("tiny", n_layers=2, n_kv_heads=4)
+    opt = dtp.optim.adamw(dtp.optim.warmup_cosine(1e-2, 1, 10), weight_decay=0.1)
+    state = dtp.TrainState.create(llama.init(cfg, seed=0, dtype=torch.float64), opt, mesh=dtp.make_mesh(**axes),
+                                  layout=layout, axes=llama.param_axes(cfg))
+    model = llama.sequential(cfg)
+
+    def steps(state, first, n):
+        losses = []
+        for step in range(first, first + n):
+            state, m = dtp.train_step(model, state, dtp.shard_batch(_batch(step), state), microbatches=2)
+            losses.append(m["loss"])
+        return state, losses
+
+    state, _ = steps(state, 0, K)
+    dtp.checkpoint.save(state, root)
+    state, straight = steps(state, K, N)
+    state, _ = dtp.checkpoint.load(root, like=state)
+    state, again = steps(state, K, N)
+    dtp.wait(state)
+    return straight, again
+
+
+@pytest.mark.parametrize("axes, layout", [
+    ({"pp": 2}, layouts.pipeline("1f1b")),
+    ({"pp": 2, "dp": 2}, layouts.data() + layouts.zero(stage=1, bucket_mb=1e-3) + layouts.pipeline("1f1b")),
+], ids=["pp2", "pp2_dp2_zero1"])
+def test_a_checkpoint_loads_into_a_pipeline_state_that_has_trained(axes, layout, tmp_path):
+    world = 1
+    for n in axes.values():
+        world *= n
+    for straight, again in run(_back_to_the_checkpoint, axes, layout, str(tmp_path / "c"), world_size=world):
+        torch.testing.assert_close(torch.tensor(again), torch.tensor(straight), rtol=RTOL, atol=0)

@@ -150,6 +150,15 @@ def test_disable_dynamo_lazily():
     assert wrapped(1) == 2
 
 
+def test_no_donated_buffers():
+    import torch._functorch.config as functorch_config
+
+    before = functorch_config.donated_buffer
+    with _torch.no_donated_buffers():
+        assert functorch_config.donated_buffer is False
+    assert functorch_config.donated_buffer == before
+
+
 def _timeouts() -> tuple:
     import datetime
 

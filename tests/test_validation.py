@@ -248,13 +248,14 @@ def _checkpoint(rank, spoil=None, where="", saved=None, **like):
 
 CKPT = r"checkpoint \S+/step_00000001"  # the checkpoint a row's message names
 
-def _pipeline_step(rank, layout, microbatches, b=8, model=None, axes=None):
-    """A dp=2 × pp=2 state (or ``axes``) under ``layout``; the call is the step."""
+def _pipeline_step(rank, layout, microbatches, b=8, model=None, axes=None, call=None):
+    """A dp=2 × pp=2 state (or ``axes``) under ``layout``; the call is the step (or ``call``:
+    ``dtp.step.value_and_grad``)."""
     mesh = dtp.make_mesh(**(axes or {"pp": 2, "dp": 2}))
     state = _state(mesh, layout)
     batch = dtp.shard_batch(_batch(b=b), state)
     model = llama.sequential(CFG) if model is None else model
-    return lambda: dtp.train_step(model, state, batch, microbatches=microbatches)
+    return lambda: (call or dtp.train_step)(model, state, batch, microbatches=microbatches)
 
 
 # Added with their features (they do not exist yet): pipe-experts options without MoE;
@@ -408,6 +409,19 @@ CASES = {
         lambda r: _seq(r, 6, place=True), "ValueError",
         r"^train_step: batch\['tokens'\] of shape \(8, 6\): zigzag .* got seq_len=6, cp=2 \(seq_len % 4 = 2\); "
         r"valid: seq_len a multiple of 4"),
+    # Its spec is shard_batch's, but the sequence is in natural order, not zigzag's: it trained
+    # silently on a permuted sequence (loss 5.5766 where one device's is 5.5750).
+    "a batch the user placed under a zigzag ring (train_step)": (
+        lambda r: _seq(r, 16, place=True), "ValueError",
+        r"^train_step: batch\['tokens'\] was not placed by dtp.shard_batch: under layouts.context\("
+        r"load_balance='zigzag'\) on cp=2 the sequence must be in the layout's order \(rank r holds chunks r and "
+        r"3-r\), which no placement shows; place the global batch with dtp.shard_batch\(batch, state\)$"),
+    # It failed on every rank inside the step: "spec_of expects a DTensor, got Tensor".
+    "value_and_grad under a pipeline": (
+        lambda r: _pipeline_step(r, dtp.layouts.data() + dtp.layouts.pipeline("1f1b"), 2,
+                                 call=dtp.step.value_and_grad), "ValueError",
+        r"^value_and_grad: under layouts.pipeline a rank holds the gradients of its stages only, not laid out like "
+        r"the parameters; call train_step \(or drop layouts.pipeline\)$"),
     # ---- meshes and specs
     "mesh sizes not matching the world": (
         lambda r: (lambda: dtp.make_mesh(dp=3)), "ValueError",

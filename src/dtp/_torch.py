@@ -42,7 +42,7 @@ __all__ = [
     "set_group_timeout",
     "current_graph_task_id", "SavedTensor", "make_saved_tensor", "unpack_saved",
     "cpu_flash_attention", "cpu_flash_attention_backward", "cuda_efficient_attention", "global_offset", "local_shape",
-    "new_dtensor", "run_backward", "disable_dynamo_lazily",
+    "new_dtensor", "run_backward", "disable_dynamo_lazily", "no_donated_buffers",
 ]
 
 
@@ -213,6 +213,16 @@ def dynamo_counters() -> Any:
     from torch._dynamo.utils import counters
 
     return counters
+
+
+def no_donated_buffers() -> Any:
+    """A context in which AOT autograd compiles graphs whose backward donates no saved
+    tensor, and runs a backward twice without refusing (``retain_graph=True``): zero
+    bubble's ``I`` then ``W`` over one compiled region (:func:`dtp.compiled.retaining_graph`).
+    Public alternative: none (``torch._functorch.config.donated_buffer``)."""
+    import torch._functorch.config as functorch_config
+
+    return functorch_config.patch(donated_buffer=False)
 
 
 def disable_dynamo_lazily(fn: Any) -> Any:

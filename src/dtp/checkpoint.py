@@ -343,8 +343,8 @@ def load(path: str | os.PathLike[str], like: TrainState, *, restore_rng: bool = 
         rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
         verify_files(found, manifest, rank, world)
         metadata = read_metadata(found)
-        targets, build = _targets(like, manifest)
-        _check(found, manifest["tensors"], targets, metadata)
+        targets, build, model = _targets(like, manifest)
+        _check(found, manifest["tensors"], targets, metadata, model)
     except ValueError as e:
         error = e
     guard.check_together("checkpoint.load", like.mesh, {"checkpoint": str(found)}, error)
@@ -407,10 +407,13 @@ class ParamReader:
         return target[f"param/{name}"]
 
 
-def _targets(like: TrainState, manifest: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], Any]:
-    """Fresh tensors laid out as ``like`` says for every saved name it has, and the
-    function that makes the new state of them once DCP has filled them."""
+def _targets(like: TrainState, manifest: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], Any, set[str]]:
+    """Fresh tensors laid out as ``like`` says for every saved name it has, the function
+    that makes the new state of them once DCP has filled them, and the names of the whole
+    model's parameters (a pipeline rank's stepped state holds its stages' only: the
+    others are ``None``, and stay so)."""
     params = _whole_params(like)
+    model = {f"param/{'.'.join(map(str, p))}" for p in optree.tree_paths(params, none_is_leaf=True)}
     z = like.zero
     saved = manifest["tensors"]
     targets: dict[str, torch.Tensor] = {}
@@ -455,7 +458,7 @@ def _targets(like: TrainState, manifest: Mapping[str, Any]) -> tuple[dict[str, t
         fresh = zero_mod.ZeroState(z.options, z.leaves, z.skeleton, loaded_master=master)
         return dataclasses.replace(like, step=step, params=loaded, opt_state=opt_state, zero=fresh, buffers=buffers)
 
-    return targets, build
+    return targets, build, model
 
 
 def _first_line(e: BaseException) -> str:
@@ -463,19 +466,22 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[0] if text else ''}"
 
 
-def _check(path: Path, saved: Mapping[str, Any], targets: Mapping[str, torch.Tensor], metadata: Metadata) -> None:
-    """Every target tensor is in the checkpoint with the same global shape and a dtype
-    it may take (DCP itself would cast silently); checked on every rank alike, before
-    any tensor data is read."""
+def _check(path: Path, saved: Mapping[str, Any], targets: Mapping[str, torch.Tensor], metadata: Metadata,
+           model: set[str]) -> None:
+    """The checkpoint has ``model``'s parameters (all of them, held here or not), and every
+    target tensor with the same global shape and a dtype it may take (DCP itself would
+    cast silently); checked on every rank alike, before any tensor data is read."""
     saved_params = {k for k in saved if k.startswith("param/")}
-    our_params = {k for k in targets if k.startswith("param/")}
+    our_params = model
     if saved_params != our_params:  # another model: said before its optimizer state differs too
         sides = [f"{len(names)} only in {where} (e.g. {', '.join(sorted(names)[:3])})"
                  for names, where in ((saved_params - our_params, "the checkpoint"),
                                       (our_params - saved_params, "this state")) if names]
         raise ValueError(f"checkpoint {path}: its parameters are not this state's: {'; '.join(sides)}; it was saved "
                          f"from another model (another n_layers?): load it into a state of that model")
-    theirs = {k for k in saved if k.startswith("opt/")}
+    held = {k.removeprefix("param/") for k in targets if k.startswith("param/")}
+    # opt/<field> (a scalar: the count) or opt/<field>/<path>: only the held parameters' count
+    theirs = {k for k in saved if k.startswith("opt/") and (k.count("/") == 1 or k.split("/", 2)[2] in held)}
     ours = {k for k in targets if k.startswith("opt/")}
     if ours and theirs != ours:
         odd = sorted(theirs ^ ours)[:3]

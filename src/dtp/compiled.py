@@ -31,7 +31,8 @@ What a region meets on its way:
   weight gradients later, :mod:`dtp.strategies.pipeline_split`) composes without a break:
   a block's compiled backward is one autograd node on the input's path that also leads to
   the weights, so the weight pass restarts at it and runs it again (correct; the weight
-  pass redoes that block's input-gradient part).
+  pass redoes that block's input-gradient part). Such regions donate no saved tensor to
+  their backward (:func:`retaining_graph`), so it may run twice.
 
 Recompiles are bounded: each region keeps its own cache (one code object per region), so
 the regions do not share the recompile limit; with the default ``dynamic=None`` a region
@@ -67,12 +68,19 @@ from typing import Any, Callable, Iterator
 import torch
 
 from ._rules import COMPILE_BACKENDS as BACKENDS
-from ._torch import disable_dynamo_lazily, dynamo_counters
+from ._torch import disable_dynamo_lazily, dynamo_counters, no_donated_buffers
 
-__all__ = ["BACKENDS", "CompileOptions", "options_of", "compiling", "active", "region", "Watch", "report", "eager"]
+__all__ = ["BACKENDS", "CompileOptions", "options_of", "compiling", "active", "region", "retaining_graph", "Watch",
+           "report", "eager"]
 
 _state = threading.local()
-_cache: dict[tuple[types.CodeType, "CompileOptions"], Callable[..., Any]] = {}
+# (code, options, retaining): a region compiled under retaining_graph() is another graph
+# (no donated buffers) from the same code compiled outside it.
+_cache: dict[tuple[types.CodeType, "CompileOptions", bool], Callable[..., Any]] = {}
+# How many retaining_graph() contexts are open: a global, not a thread-local, because
+# ep_overlap's lanes run forwards on their own threads under the pipeline's context (as
+# collective_matmul's split_backward depth).
+_retaining = [0]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -217,6 +225,27 @@ def compiling(options: bool | str | CompileOptions | None) -> Iterator[Watch]:
         _state.options = previous
 
 
+@contextlib.contextmanager
+def retaining_graph() -> Iterator[None]:
+    """Regions compiled inside may have their backward run twice (zero bubble's ``I`` keeps
+    the graph for ``W``: :mod:`dtp.strategies.pipeline_split`). AOT autograd otherwise
+    lets a compiled backward reuse ("donate") its saved tensors, and then refuses a second
+    run with a ``RuntimeError`` — on the ranks that compiled such a graph (with dynamic
+    shapes, after a change of batch or microbatches), while their pipeline peers wait.
+    Inside, regions are compiled donating nothing (their own cache entries) and the
+    backward's check is off (:func:`dtp._torch.no_donated_buffers`, while compiling).
+
+    >>> with retaining_graph():
+    ...     pass
+    """
+    _retaining[0] += 1
+    try:
+        with no_donated_buffers() if active() is not None else contextlib.nullcontext():
+            yield
+    finally:
+        _retaining[0] -= 1
+
+
 def region(fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn`` as a compiled region when :func:`compiling` is on (else ``fn``).
 
@@ -229,7 +258,7 @@ def region(fn: Callable[..., Any]) -> Callable[..., Any]:
     options = active()
     if options is None or not isinstance(fn, types.FunctionType):
         return fn
-    key = (fn.__code__, options)
+    key = (fn.__code__, options, _retaining[0] > 0)
     compiled = _cache.get(key)
     if compiled is None:
         # Its own code object (named after fn, so a break or recompile names the region):

@@ -8,9 +8,8 @@ An optimizer is a :class:`GradientTransformation`: a pair of pure functions
 and training applies ``params = apply_updates(params, updates)`` — or, in one pass,
 ``params, state = step(opt, grads, state, params)``, which ``train_step`` uses: sgd and
 adamw then write the new parameter with their last op, as torch.optim does (bit for bit
-its single-tensor step), instead of an update tensor that a second pass adds. Nothing is mutated:
-every function returns new tensors, so a training step is a pure function of
-``(params, opt_state, batch)``.
+its single-tensor step), instead of an update tensor that a second pass adds. Nothing is
+mutated: each function returns new tensors (a step is a pure function of its inputs).
 
 Trees are anything :mod:`optree` flattens (dicts, lists, tuples, NamedTuples …) with
 ``torch.Tensor`` or ``DTensor`` leaves. Each DTensor leaf is updated shard by shard on
@@ -33,38 +32,23 @@ not meant to be differentiated through.
 
 from __future__ import annotations
 
-from ._rules import accum_dtype
+import contextlib
+import contextvars
 import math
-from typing import Any, Callable, NamedTuple, Union
+from typing import Any, Callable, Iterator, NamedTuple, Union
 
 import optree
 import torch
 from torch.distributed.tensor import DTensor
 
+from ._rules import accum_dtype
 from .leafwise import local_of, map_local, paths, zeros_like_tree
 from .redistribute import from_local, reshard
 from .spec import P, spec_of
 
-__all__ = [
-    "state_part",
-    "state_join",
-    "GradientTransformation",
-    "Schedule",
-    "ScalarOrSchedule",
-    "SGDState",
-    "AdamWState",
-    "sgd",
-    "adamw",
-    "clip",
-    "chain",
-    "constant",
-    "warmup_cosine",
-    "apply_updates",
-    "step",
-    "global_norm",
-    "clip_by_global_norm",
-    "map_param_trees",
-]
+__all__ = ["state_part", "state_join", "GradientTransformation", "Schedule", "ScalarOrSchedule", "SGDState",
+           "AdamWState", "sgd", "adamw", "clip", "chain", "constant", "warmup_cosine", "apply_updates", "step",
+           "global_norm", "clip_by_global_norm", "map_param_trees", "measured_by"]
 
 PyTree = Any
 Schedule = Callable[[int], float]
@@ -103,14 +87,12 @@ class GradientTransformation(NamedTuple):
 
 class SGDState(NamedTuple):
     """State of :func:`sgd`: the update count and the momentum buffers (``None`` without momentum)."""
-
     count: torch.Tensor
     momentum: PyTree
 
 
 class AdamWState(NamedTuple):
     """State of :func:`adamw`: the update count, first moments ``mu`` and second moments ``nu``."""
-
     count: torch.Tensor
     mu: PyTree
     nu: PyTree
@@ -365,6 +347,22 @@ def clip(max_norm: float) -> GradientTransformation:
     return GradientTransformation(init, update)
 
 
+# The norm clip_by_global_norm takes inside measured_by: train_step's strategy's (a pipeline
+# rank holds its stages' gradients only; that norm sums every stage's over pp).
+_measure: contextvars.ContextVar[Any] = contextvars.ContextVar("measure", default=None)
+
+
+@contextlib.contextmanager
+def measured_by(norm: Callable[[PyTree], torch.Tensor]) -> Iterator[None]:
+    """Inside, :func:`clip` (:func:`clip_by_global_norm` without ``norm``) measures the
+    gradients with ``norm`` instead of :func:`global_norm` (called on every rank)."""
+    token = _measure.set(norm)
+    try:
+        yield
+    finally:
+        _measure.reset(token)
+
+
 def chain(*transforms: GradientTransformation) -> GradientTransformation:
     """Run transformations in order, each on the previous one's updates (optax.chain).
 
@@ -515,13 +513,15 @@ def clip_by_global_norm(grads: PyTree, max_norm: float, *, norm: torch.Tensor | 
     """Scale all grads by ``min(1, max_norm / (norm + 1e-6))`` as
     ``torch.nn.utils.clip_grad_norm_`` does; returns ``(clipped, norm)`` with the norm
     before clipping. Same placements out; only :func:`global_norm` communicates. ``norm``:
-    the norm already computed (over more than ``grads``: a pipeline's other stages).
+    the norm already computed (over more than ``grads``: a pipeline's other stages);
+    without it, :func:`global_norm` or, inside :func:`measured_by`, its function.
 
     >>> clipped, norm = clip_by_global_norm({"w": torch.tensor([3.0, 4.0])}, 1.0)
     >>> norm, clipped["w"]
     (tensor(5.), tensor([0.6000, 0.8000]))
     """
-    norm = global_norm(grads) if norm is None else norm
+    if norm is None:
+        norm = global_norm(grads) if (measure := _measure.get()) is None else measure(grads)
     scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     # Scaling unconditionally (by exactly 1.0 when under the limit) keeps the same
     # numbers as torch, which also multiplies always; a 0-d scale keeps each leaf's dtype.

@@ -268,6 +268,9 @@ def begin(params: PyTree, state: Any, microbatches: int, *, loss_fn: Any = None,
     The replicated and ZeRO runs compute on plain local tensors when :func:`.local.decide`
     allows; call ``loss_fn`` through
     :func:`computing`."""
+    if gradients_only and layout is not None and mesh is not None and _pipeline_options(layout, mesh) is not None:
+        raise ValueError("value_and_grad: under layouts.pipeline a rank holds the gradients of its stages only, not "
+                         "laid out like the parameters; call train_step (or drop layouts.pipeline)")
     if gradients_only and isinstance(state, zero.ZeroState):
         raise ValueError("value_and_grad: a ZeRO state's gradients are reduce-scattered into bucket slices "
                          "inside dtp.train_step; call train_step (or drop layouts.zero)")

@@ -70,6 +70,7 @@ from ..layouts import Layout, use_layout
 from ..layouts.pipeline import assign
 from ..mesh import axis_names, axis_sizes, coordinates, mesh_device, sub_mesh
 from ..buffers import with_buffers
+from ..compiled import retaining_graph
 from ..models.sequential import Sequential
 from ..ops import collective_matmul
 from ..optim import global_norm, map_param_trees
@@ -243,7 +244,8 @@ class Run:
         actions = self.plan[self.rank]
         self.mbs = microbatches
         with use_layout(self.ctx.layout, self.smesh) if self.smesh is not None else contextlib.nullcontext(), \
-                collective_matmul.split_backward() if self.split else contextlib.nullcontext():  # recomputes too
+                collective_matmul.split_backward() if self.split else contextlib.nullcontext(), \
+                retaining_graph() if self.split else contextlib.nullcontext():  # recomputes too
             for item, step in zip(actions, self.steps):
                 for recv in step.posts:  # a few items ahead (pipeline_plan)
                     self._post(*recv)
