@@ -80,7 +80,9 @@ def _compare(name: str, backend: str) -> list[dict]:
         # Recompiles are bounded: whatever the first step compiled (nothing when an earlier
         # test in the same pooled rank compiled these regions already), later steps reuse.
         assert all(graphs == 0 for graphs, _ in c["counts"][1:]), c
-        assert not c["report"].startswith("compiled graphs: 0"), c
+    # Some rank compiled (pp2's head stage holds no block, so nothing there: checked per rank,
+    # this passed only after an earlier test had compiled in the same pooled rank).
+    assert any(not c["report"].startswith("compiled graphs: 0") for c in compiled), compiled
     return compiled
 
 
