@@ -253,7 +253,8 @@ def region(fn: Callable[..., Any]) -> Callable[..., Any]:
     region is not ``torch.compile(fn)`` (≈170 µs to build each time) but one compiled
     trampoline per code object, cached: dynamo inlines ``fn`` and guards on its code
     and its closure, so a new closure of the same code reuses the graph. A builtin
-    (``torch.matmul``) is returned as is: one kernel gains nothing from compiling.
+    (``torch.matmul``) is returned as is: one kernel gains nothing from compiling; so is a
+    ``functools.partial``, how an op marks a body that communicates (async tp's rings).
     """
     options = active()
     if options is None or not isinstance(fn, types.FunctionType):

@@ -88,6 +88,7 @@ for any other plan, both fall back to the collectives of :mod:`dtp.redistribute`
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -370,7 +371,7 @@ def ring_constrain(x: DTensor, dst: P, *, tag: str) -> DTensor | None:
         n = axis_sizes(x.device_mesh)[axis]
         if x.shape[dim] % n:
             return reshard(materialized(x), dst, tag=tag)
-        fn = lambda xl, wl: _matmul_scatter(xl, wl, x.device_mesh, axis, dim, tag)  # noqa: E731
+        fn = functools.partial(_matmul_scatter, mesh=x.device_mesh, axis=axis, dim=dim, tag=tag)  # eager: _RING_BODY
         return local_map(fn, (None, None), dst, check_shapes=False)(xin, w)
     dim = _single(x, dst, "all_gather", axis)
     if dim is None:
@@ -475,9 +476,17 @@ def ring_linear(x: DTensor, w: DTensor, spec: P) -> DTensor | None:
     if not column:
         filled(x)
         return None
+    first = functools.partial(_ring_matmul, buffer=buffer, state=state)  # eager: _RING_BODY
     if state.split:  # the entry's own reduce-scatter serves every consumer (split_backward)
-        fn = lambda xl, wl: _RingMatmul.apply(xl, wl, buffer, state)  # noqa: E731
-        return local_map(fn, (None, None), spec, check_shapes=False)(x, w)
+        return local_map(first, (None, None), spec, check_shapes=False)(x, w)
     xs, state.x, state.consumers = state.x, None, 1
-    first = lambda xl, wl: _RingMatmul.apply(xl, wl, buffer, state)  # noqa: E731
     return local_map(first, (None, None), spec, check_shapes=False)(xs, w)
+
+
+# _RING_BODY: a ring's local body is its hops and the matmuls between them, given to
+# local_map as a functools.partial, not a function, so that train_step(compile=...) runs it
+# as it is instead of tracing a region around its collectives (every hop a graph break; and
+# under zb-h1's split backward dynamo failed outright on the entry buffer the ring fills in
+# place: "Output 0 of _ToLocal is a view ... modified inplace", pp2 x tp2).
+def _ring_matmul(xl: torch.Tensor, wl: torch.Tensor, *, buffer: torch.Tensor, state: _RingState) -> torch.Tensor:
+    return _RingMatmul.apply(xl, wl, buffer, state)
