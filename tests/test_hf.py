@@ -179,6 +179,73 @@ def test_unsupported_configs_are_refused(root: Path, change: dict, match: str) -
         hf.config_from_hf(hf_cfg)
 
 
+def _damaged(root: Path, tmp_path: Path, damage: str) -> Path:
+    """A copy of the "gqa" model whose weights are cut short (``truncated``: the header
+    whole, tensor data missing; ``header``: cut inside the header) or lack a tensor."""
+    import shutil
+
+    path = tmp_path / damage
+    shutil.copytree(_saved("gqa", root), path)
+    weights = path / "model.safetensors"
+    if damage == "missing":
+        tensors = safetensors.torch.load_file(weights)
+        del tensors["model.layers.1.mlp.up_proj.weight"]
+        safetensors.torch.save_file(tensors, weights, metadata={"format": "pt"})
+    else:
+        data = weights.read_bytes()
+        weights.write_bytes(data[:len(data) // 2] if damage == "truncated" else data[:40])
+    return path
+
+
+_DAMAGE = {"truncated": "model.safetensors cannot be read as a .safetensors file",
+           "header": "model.safetensors is not a whole .safetensors file",
+           "missing": "has no tensor 'model.layers.1.mlp.up_proj.weight'"}
+
+
+@pytest.mark.parametrize("damage", sorted(_DAMAGE))
+def test_damaged_weights_are_a_value_error_naming_the_file(root: Path, tmp_path: Path, damage: str) -> None:
+    # Before, a truncated file raised safetensors' SafetensorError (no ValueError): a
+    # `dtp train --init-from` rank crashed (exit 1) instead of one line, exit 2.
+    import safetensors.torch  # noqa: F401 -- _damaged's load_file / save_file
+
+    with pytest.raises(ValueError, match=_DAMAGE[damage]):
+        hf.from_hf(_damaged(root, tmp_path, damage), torch.float64)
+
+
+def _from_hf_error(path: str) -> str:
+    import dtp
+
+    mesh = dtp.make_mesh(dp=2, tp=2)
+    layout = dtp.layouts.data() + dtp.layouts.megatron()
+    try:
+        dtp.TrainState.from_hf(path, dtp.optim.adamw(1e-3), mesh=mesh, layout=layout, dtype=torch.float64)
+    except ValueError as e:
+        return str(e)
+    return "loaded"
+
+
+def test_damaged_weights_fail_alike_on_every_rank_and_dtp_train_says_one_line(root: Path, tmp_path: Path,
+                                                                            monkeypatch, capsys) -> None:
+    from dtp import cli
+
+    path = _damaged(root, tmp_path, "truncated")
+    errors = run(_from_hf_error, str(path), world_size=4)
+    assert len(set(errors)) == 1 and _DAMAGE["truncated"] in errors[0], errors
+    missing = _damaged(root, tmp_path, "missing")
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(k, raising=False)
+    data = tmp_path / "tokens.npy"
+    np = pytest.importorskip("numpy")
+    np.save(data, torch.randint(0, V, (4096,), generator=torch.Generator().manual_seed(1)).numpy())
+    for damaged in (path, missing):
+        flags = ["train", "--init-from", str(damaged), "--data", str(data), "--steps", "1", "--batch", "2", "--seq",
+                 "16", "--out", str(tmp_path / f"run-{damaged.name}")]
+        assert cli.main(flags) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        # one line, the loader's own words (before: TrainState.from_hf: "from_hf: ...", a KeyError's quotes)
+        assert len(err) == 1 and err[0].startswith("dtp train: error: from_hf: "), err
+
+
 @pytest.mark.parametrize("change", [dict(shared_experts=1), dict(routed_scaling_factor=2.5),
                                     dict(router_score="sigmoid", router_bias_update=1e-2),
                                     dict(n_groups=2, topk_group=1)], ids=lambda c: next(iter(c)))

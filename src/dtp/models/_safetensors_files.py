@@ -59,7 +59,13 @@ def weight_files(path: str | os.PathLike[str]) -> dict[str, Path]:
 def _header(file: Path) -> dict[str, Any]:
     with open(file, "rb") as f:
         n = int.from_bytes(f.read(8), "little")
-        return json.loads(f.read(n))
+        try:
+            header = json.loads(f.read(n))
+        except ValueError:  # JSONDecodeError or undecodable bytes: a cut or foreign file
+            header = None
+    if not isinstance(header, dict):
+        raise ValueError(f"from_hf: {file} is not a whole .safetensors file (its header is unreadable)")
+    return header
 
 
 _READ = [0]  # tensor bytes this process asked the files for (bytes_read)
@@ -81,21 +87,29 @@ def open_weights(path: str | os.PathLike[str]) -> Iterator[Callable[..., torch.T
     ``name``, which must have ``shape``, read with ``get_slice`` (each file opened once,
     memory-mapped: only the block's bytes are read).
 
-    Raises: ``KeyError`` naming the directory for a tensor it does not hold;
-    ``ValueError`` for a tensor of another shape.
+    Raises: ``ValueError`` naming the directory for a tensor it does not hold, naming
+    the file for one that safetensors cannot read (truncated, corrupt, missing), and for
+    a tensor of another shape.
     """
-    safe_open = _safetensors().safe_open
+    safetensors = _safetensors()
+    safe_open = safetensors.safe_open
     where = weight_files(path)
     with ExitStack() as stack:
         handles: dict[Path, Any] = {}
 
         def get(name: str, shape: tuple[int, ...], box: tuple[tuple[int, int], ...]) -> torch.Tensor:
             if name not in where:
-                raise KeyError(f"from_hf: {path} has no tensor {name!r}")
+                raise ValueError(f"from_hf: {path} has no tensor {name!r}")
             file = where[name]
-            if file not in handles:
-                handles[file] = stack.enter_context(safe_open(str(file), framework="pt"))
-            piece = handles[file].get_slice(name)
+            try:
+                if file not in handles:
+                    handles[file] = stack.enter_context(safe_open(str(file), framework="pt"))
+                piece = handles[file].get_slice(name)
+            except (safetensors.SafetensorError, OSError) as e:
+                # safetensors' own error is no ValueError: TrainState.from_hf would not agree
+                # on it across ranks, and a rank would crash instead of naming the file.
+                raise ValueError(f"from_hf: {file} cannot be read as a .safetensors file (truncated or "
+                                 f"corrupt?): {e}") from None
             found = tuple(piece.get_shape())
             if found != tuple(shape):
                 raise ValueError(f"from_hf: {name} has shape {found}, config.json implies {tuple(shape)}")
