@@ -326,15 +326,11 @@ def test_sharded_load_reads_only_each_ranks_blocks(root: Path) -> None:
         assert r["read"] == r["local"] and r["read"] < 0.6 * total, (r["read"], total)
 
 
-def test_export_streams_parameters_and_writes_what_to_hf_writes(tmp_path: Path) -> None:
-    """``dtp export --hf`` reads the checkpoint one parameter at a time (never the
-    optimizer state: ``ParamReader``) and writes the files ``to_hf`` writes from the whole
-    tree, byte for byte — Mixtral's per-expert keys from the stacked experts included."""
+def _checkpointed_run(run: Path) -> tuple[llama.LlamaConfig, dict]:
+    """A run directory holding one checkpoint of a tiny MoE model (as dtp train saves it)."""
     import dataclasses as dc
 
     import dtp
-    from dtp import cli
-
     from dtp.cli.loop import single_process_world
 
     cfg = llama.config("tiny-moe", n_layers=2, vocab_size=V)
@@ -342,8 +338,41 @@ def test_export_streams_parameters_and_writes_what_to_hf_writes(tmp_path: Path) 
     with single_process_world() as mesh:  # leaves no process group behind
         state = dtp.TrainState.create(params, dtp.optim.adamw(1e-3), mesh=mesh, layout=dtp.layouts.data(),
                                       axes=llama.param_axes(cfg))
-        dtp.checkpoint.save(state, tmp_path / "run" / "checkpoints",
-                            extra={"model": dc.asdict(cfg), "run": {"dtype": "float64"}})
+        dtp.checkpoint.save(state, run / "checkpoints", extra={"model": dc.asdict(cfg), "run": {"dtype": "float64"}})
+    return cfg, params
+
+
+def test_export_refuses_to_write_over_a_run_and_bad_shard_sizes(tmp_path: Path, capsys) -> None:
+    """Before, ``--hf`` naming the run itself (or any dtp run directory) wrote the model's
+    config.json over the run's record (its segments: --resume and dtp check read them),
+    and ``--max-shard-gb 0`` wrote a file per tensor (nan: "cannot convert float NaN to integer")."""
+    from dtp import cli
+
+    run = tmp_path / "run"
+    _checkpointed_run(run)
+    (run / "config.json").write_text('{"segments": []}')
+    (run / "metrics.jsonl").write_text("")
+    step = next((run / "checkpoints").iterdir())
+    for target in (run, step, run / "checkpoints"):
+        assert cli.main(["export", "--hf", str(target), "--run", str(run)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"--hf {target}: " in err[0] and "dtp train" in err[0], err
+    assert (run / "config.json").read_text() == '{"segments": []}' and not list(run.glob("*.safetensors"))
+    for size in ("0", "-1", "nan"):
+        assert cli.main(["export", "--hf", str(tmp_path / "out"), "--run", str(run), "--max-shard-gb", size]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err == [f"dtp export: error: argument --max-shard-gb: expected a finite number > 0, got {size!r} "
+                       f"(see dtp export --help)"], err
+    assert not (tmp_path / "out").exists()
+
+
+def test_export_streams_parameters_and_writes_what_to_hf_writes(tmp_path: Path) -> None:
+    """``dtp export --hf`` reads the checkpoint one parameter at a time (never the
+    optimizer state: ``ParamReader``) and writes the files ``to_hf`` writes from the whole
+    tree, byte for byte — Mixtral's per-expert keys from the stacked experts included."""
+    from dtp import cli
+
+    cfg, params = _checkpointed_run(tmp_path / "run")
     (tmp_path / "a file").write_text("kept")  # a usage error, the file untouched
     assert cli.main(["export", "--hf", str(tmp_path / "a file"), "--run", str(tmp_path / "run")]) == 2
     assert (tmp_path / "a file").read_text() == "kept"

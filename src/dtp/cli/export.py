@@ -22,6 +22,7 @@ from pathlib import Path
 
 from ..config import DTYPES
 from .flags import UsageError
+from .parser import RUN_FILES, positive_float
 
 __all__ = ["add_parser", "cmd_export"]
 
@@ -40,7 +41,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="a dtp train run directory (its newest checkpoint; train with --save-every N) "
                         "or one checkpoint directory (step_*)")
     e.add_argument("--dtype", choices=DTYPES, default=None, help="the dtype written (default: the run's)")
-    e.add_argument("--max-shard-gb", type=float, default=5.0, metavar="GB",
+    e.add_argument("--max-shard-gb", type=positive_float, default=5.0, metavar="GB",
                    help="the most GiB per .safetensors file (default: transformers' 5)")
     return e
 
@@ -56,6 +57,11 @@ def cmd_export(args: argparse.Namespace) -> int:
     if Path(args.hf).exists() and not Path(args.hf).is_dir():
         raise UsageError(f"--hf {args.hf}: a file is there; the export is a directory (config.json and "
                          f".safetensors shards)")
+    held = _run_files(Path(args.hf))
+    if held:
+        raise UsageError(f"--hf {args.hf}: holds {held}, which dtp train wrote (a run or its checkpoints); the "
+                         f"export's config.json and .safetensors would be written among them: name another "
+                         f"directory")
     root = run / "checkpoints" if (run / "checkpoints").is_dir() else run
     try:
         reader = checkpoint.ParamReader(root)
@@ -84,3 +90,21 @@ def cmd_export(args: argparse.Namespace) -> int:
     print(f"dtp export: step {reader.manifest['step']} of {run} -> {args.hf} "
           f"({len(files)} file{'s' * (len(files) > 1)})", file=sys.stdout)
     return 0
+
+
+def _run_files(path: Path) -> str | None:
+    """The first thing in ``path`` that makes it a dtp run directory, a checkpoint or a
+    checkpoints folder (None: none): an export there would replace a run's config.json,
+    which records which flags trained which steps (--resume and dtp check read it).
+    An earlier export's files are not among them: exporting again over one is fine.
+
+    >>> import tempfile
+    >>> _run_files(Path(tempfile.mkdtemp())) is None
+    True
+    """
+    if not path.is_dir():
+        return None
+    for name in (*(f for f in RUN_FILES if f != "config.json"), "manifest.json"):
+        if (path / name).exists():
+            return name
+    return next((p.name for p in sorted(path.glob("step_*")) if p.is_dir()), None)
