@@ -120,6 +120,12 @@ BAD_RUNS = {
     "init-from vocab vs data": (["--init-from", "HF_DIR"], "has 100 token ids; tokenize the data with its tokenizer"),
     "init-from config without a key": (["--init-from", "HF_NO_VOCAB"],
                                        "its config.json has no 'vocab_size', which a Llama config needs"),
+    # the weights, read by the ranks, are checked first too (before: every rank failed after
+    # starting; dtp plan still plans from config.json alone)
+    "init-from without weights": (["--init-from", "HF_DIR", "--data", "HF_IDS", "--batch", "2", "--seq", "16"],
+                                  "no *.safetensors file in"),
+    "init-from a file": (["--init-from", "HF_CONFIG_FILE", "--data", "HF_IDS", "--batch", "2", "--seq", "16"],
+                         "is not a directory (a Hugging Face model directory holds config.json and *.safetensors)"),
     # packed documents in a token file with no EOS id (TOKENS: a .bin file of 200 ids the fixture makes)
     "document mask without an eos id": (["--document-mask", "--data", "TOKENS"],
                                         "--document-mask needs the id that ends a document: pass --eos-id"),
@@ -198,7 +204,9 @@ def bad_runs(tmp_path_factory) -> dict[str, list]:
     sidecar.with_name("tokens.bin.json").write_text('{"vocab_size": 300}')
     resumed = tmp_path_factory.mktemp("resumed")
     _fake_checkpoint(resumed / "checkpoints" / "step_00000002")
+    np.save(hf_dir / "ids.npy", np.arange(400) % 100)  # ids the config's 100 hold
     places = {"HF_DIR": str(hf_dir), "TOKENS": str(hf_dir / "tokens.bin"), "HF_NO_VOCAB": str(no_vocab),
+              "HF_IDS": str(hf_dir / "ids.npy"), "HF_CONFIG_FILE": str(hf_dir / "config.json"),
               "RESUMED": str(resumed), "SIDECAR_TOKENS": str(sidecar)}
     argv = {name: [places.get(f, f) for f in flags] for name, (flags, _) in BAD_RUNS.items()}
     proc = subprocess.run([sys.executable, "-c", _PROBE, json.dumps(argv), json.dumps(PLAN_CASES)], env=_env(), capture_output=True,

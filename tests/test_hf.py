@@ -188,16 +188,18 @@ def _damaged(root: Path, tmp_path: Path, damage: str) -> Path:
     shutil.copytree(_saved("gqa", root), path)
     weights = path / "model.safetensors"
     if damage == "missing":
-        tensors = safetensors.torch.load_file(weights)
+        from safetensors.torch import load_file, save_file
+
+        tensors = load_file(weights)
         del tensors["model.layers.1.mlp.up_proj.weight"]
-        safetensors.torch.save_file(tensors, weights, metadata={"format": "pt"})
+        save_file(tensors, weights, metadata={"format": "pt"})
     else:
         data = weights.read_bytes()
         weights.write_bytes(data[:len(data) // 2] if damage == "truncated" else data[:40])
     return path
 
 
-_DAMAGE = {"truncated": "model.safetensors cannot be read as a .safetensors file",
+_DAMAGE = {"truncated": "model.safetensors is cut short: its header describes",
            "header": "model.safetensors is not a whole .safetensors file",
            "missing": "has no tensor 'model.layers.1.mlp.up_proj.weight'"}
 
@@ -206,8 +208,6 @@ _DAMAGE = {"truncated": "model.safetensors cannot be read as a .safetensors file
 def test_damaged_weights_are_a_value_error_naming_the_file(root: Path, tmp_path: Path, damage: str) -> None:
     # Before, a truncated file raised safetensors' SafetensorError (no ValueError): a
     # `dtp train --init-from` rank crashed (exit 1) instead of one line, exit 2.
-    import safetensors.torch  # noqa: F401 -- _damaged's load_file / save_file
-
     with pytest.raises(ValueError, match=_DAMAGE[damage]):
         hf.from_hf(_damaged(root, tmp_path, damage), torch.float64)
 
@@ -237,13 +237,16 @@ def test_damaged_weights_fail_alike_on_every_rank_and_dtp_train_says_one_line(ro
     data = tmp_path / "tokens.npy"
     np = pytest.importorskip("numpy")
     np.save(data, torch.randint(0, V, (4096,), generator=torch.Generator().manual_seed(1)).numpy())
-    for damaged in (path, missing):
+    # The cut file before any rank starts (its header against its size); the missing tensor
+    # by the rank's loader, in its own words (before: TrainState.from_hf: "from_hf: ...", a
+    # KeyError's quotes).
+    for damaged, says in ((path, f"--init-from {path}: {path}/model.safetensors is cut short"),
+                          (missing, f"from_hf: {missing} has no tensor 'model.layers.1.mlp.up_proj.weight'")):
         flags = ["train", "--init-from", str(damaged), "--data", str(data), "--steps", "1", "--batch", "2", "--seq",
                  "16", "--out", str(tmp_path / f"run-{damaged.name}")]
         assert cli.main(flags) == 2
         err = capsys.readouterr().err.strip().splitlines()
-        # one line, the loader's own words (before: TrainState.from_hf: "from_hf: ...", a KeyError's quotes)
-        assert len(err) == 1 and err[0].startswith("dtp train: error: from_hf: "), err
+        assert len(err) == 1 and err[0].startswith(f"dtp train: error: {says}"), err
 
 
 @pytest.mark.parametrize("change", [dict(shared_experts=1), dict(routed_scaling_factor=2.5),
