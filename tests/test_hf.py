@@ -369,6 +369,25 @@ def test_export_refuses_to_write_over_a_run_and_bad_shard_sizes(tmp_path: Path, 
     assert not (tmp_path / "out").exists()
 
 
+def test_export_of_a_damaged_checkpoint_names_the_file_and_writes_nothing(tmp_path: Path, capsys) -> None:
+    """Before, every checkpoint error ended in "a run saves checkpoints with --save-every N",
+    a hint for a run without checkpoints, misleading beside a corrupt one."""
+    from dtp import cli
+
+    run = tmp_path / "run"
+    _checkpointed_run(run)
+    data = next((run / "checkpoints").glob("*/*.distcp"))
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    assert cli.main(["export", "--hf", str(tmp_path / "out"), "--run", str(run)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"file {data.name} is corrupt (CRC32" in err[0] and "--save-every" not in err[0], err
+    assert not (tmp_path / "out").exists()
+    assert cli.main(["export", "--hf", str(tmp_path / "out"), "--run", str(tmp_path)]) == 2  # no checkpoint: the hint
+    assert capsys.readouterr().err.strip().endswith("a run saves checkpoints with --save-every N")
+
+
 def test_export_streams_parameters_and_writes_what_to_hf_writes(tmp_path: Path) -> None:
     """``dtp export --hf`` reads the checkpoint one parameter at a time (never the
     optimizer state: ``ParamReader``) and writes the files ``to_hf`` writes from the whole

@@ -20,6 +20,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from .._checkpoint_dirs import MANIFEST, latest
 from ..config import DTYPES
 from .flags import UsageError
 from .parser import RUN_FILES, positive_float
@@ -66,7 +67,10 @@ def cmd_export(args: argparse.Namespace) -> int:
     try:
         reader = checkpoint.ParamReader(root)
     except ValueError as e:
-        raise UsageError(f"--run {run}: {e}; a run saves checkpoints with --save-every N") from None
+        # the hint only where there is no checkpoint, not beside a corrupt one
+        hint = "; a run saves checkpoints with --save-every N" if latest(root) is None and not \
+            (root / MANIFEST).is_file() else ""
+        raise UsageError(f"--run {run}: {e}{hint}") from None
     extra = reader.manifest.get("extra") or {}
     if "model" not in extra or "run" not in extra:
         raise UsageError(f"--run {run}: the checkpoint does not record its model (not saved by dtp train)")
