@@ -361,6 +361,10 @@ def test_export_refuses_to_write_over_a_run_and_bad_shard_sizes(tmp_path: Path, 
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and f"--hf {target}: " in err[0] and "dtp train" in err[0], err
     assert (run / "config.json").read_text() == '{"segments": []}' and not list(run.glob("*.safetensors"))
+    (tmp_path / "a file").write_text("kept")  # under a file: was NotADirectoryError, "rank 0 failed", exit 1
+    assert cli.main(["export", "--hf", str(tmp_path / "a file" / "out"), "--run", str(run)]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"dtp export: error: --hf {tmp_path / 'a file' / 'out'}: cannot create it (Not a directory)"]
     for size in ("0", "-1", "nan"):
         assert cli.main(["export", "--hf", str(tmp_path / "out"), "--run", str(run), "--max-shard-gb", size]) == 2
         err = capsys.readouterr().err.strip().splitlines()

@@ -74,6 +74,10 @@ def cmd_export(args: argparse.Namespace) -> int:
     extra = reader.manifest.get("extra") or {}
     if "model" not in extra or "run" not in extra:
         raise UsageError(f"--run {run}: the checkpoint does not record its model (not saved by dtp train)")
+    try:  # once the checkpoint has opened: a refused export leaves no directory behind
+        Path(args.hf).mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"--hf {args.hf}: cannot create it ({e.strerror or e})") from None
     cfg = llama.LlamaConfig(**extra["model"])
     saved = getattr(torch, extra["run"]["dtype"])
     last: dict[str, torch.Tensor] = {}  # the stacked experts being written (one tensor)
