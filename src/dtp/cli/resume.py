@@ -88,10 +88,12 @@ def check_resume(args: Any, path: Path, cfg: model_config.LlamaConfig, *, n_toke
     else:
         # Same shapes, another model: what the parameters compute with (rope, norm eps, the
         # vocabulary's padding, ...) differs, e.g. --model for --init-from of an HF model of
-        # the preset's shape. The MoE hyperparameters may change (their flags, like --lr).
+        # the preset's shape. The MoE hyperparameters may change (their flags, like --lr), and
+        # so may max_seq_len: a limit on --seq, not what the parameters compute.
         saved_model = extra.get("model") if isinstance(extra.get("model"), dict) else {}
         mine = dataclasses.asdict(cfg)
-        differ = [k for k in sorted(saved_model) if k in mine and k not in MODEL_FIELDS and saved_model[k] != mine[k]]
+        differ = [k for k in sorted(saved_model) if k in mine and k not in (*MODEL_FIELDS, "max_seq_len")
+                  and saved_model[k] != mine[k]]
         if differ:
             detail = f"{differ[0]} is {saved_model[differ[0]]} there, {mine[differ[0]]} here"
             why = "its parameters would go on training in another model"
