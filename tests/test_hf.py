@@ -263,12 +263,21 @@ def test_to_hf_refuses_what_mixtral_cannot_express(tmp_path: Path, change: dict)
 
 def test_dtp_train_init_from_then_export_loads_in_transformers(root: Path, tmp_path: Path, monkeypatch) -> None:
     """Fine-tune a transformers-made model for a step on one process, save, ``dtp export
-    --hf``: transformers loads the export, and its logits are the trained parameters'."""
+    --hf``: transformers loads the export, and its logits are the trained parameters'; the
+    source's special-token ids and generation config come along (before, the export's
+    config.json had none, so transformers' defaults, bos 1 / eos 2, stopped generation at
+    another id than a Llama 3's)."""
+    import shutil
+
     from dtp import cli
 
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(k, raising=False)
-    src, run, out = _saved("gqa", root), tmp_path / "run", tmp_path / "gqa-ft"
+    src, run, out = tmp_path / "gqa", tmp_path / "run", tmp_path / "gqa-ft"
+    shutil.copytree(_saved("gqa", root), src)
+    ids = {"bos_token_id": 4, "eos_token_id": [5, 6], "pad_token_id": 0}
+    (src / "config.json").write_text(json.dumps({**json.loads((src / "config.json").read_text()), **ids}))
+    (src / "generation_config.json").write_text(json.dumps({**ids, "max_new_tokens": 7}))
     flags = ["--init-from", str(src), "--steps", "1", "--batch", "4", "--seq", "16", "--dtype", "float64",
              "--save-every", "1", "--out", str(run)]
     data = tmp_path / "tokens.npy"
@@ -278,8 +287,12 @@ def test_dtp_train_init_from_then_export_loads_in_transformers(root: Path, tmp_p
     assert cli.main(["export", "--hf", str(out), "--run", str(run)]) == 0
     cfg, params = hf.from_hf(out, dtype=torch.float64)
     assert cfg == hf.from_hf(src)[0] and not torch.equal(params["embed"], hf.from_hf(src, torch.float64)[1]["embed"])
+    loaded = _load(out)
     with torch.no_grad():
-        torch.testing.assert_close(_load(out)(TOKENS).logits, llama.apply(params, TOKENS, cfg), atol=ATOL, rtol=0)
+        torch.testing.assert_close(loaded(TOKENS).logits, llama.apply(params, TOKENS, cfg), atol=ATOL, rtol=0)
+    written = json.loads((out / "config.json").read_text())
+    assert {k: written.get(k) for k in ids} == ids
+    assert loaded.generation_config.eos_token_id == [5, 6] and loaded.generation_config.max_new_tokens == 7
 
 
 def test_a_sequence_past_a_mistrals_window_is_refused(root: Path, tmp_path: Path, capsys) -> None:

@@ -95,6 +95,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     files = hf.to_hf(cfg, read, args.hf, dtype=getattr(torch, args.dtype) if args.dtype else saved,
                      max_shard_bytes=int(args.max_shard_gb * 2**30))
+    _carry_generation(extra["run"].get("init_from"), Path(args.hf))
     print(f"dtp export: step {reader.manifest['step']} of {run} -> {args.hf} "
           f"({len(files)} file{'s' * (len(files) > 1)})", file=sys.stdout)
     return 0
@@ -116,3 +117,29 @@ def _run_files(path: Path) -> str | None:
         if (path / name).exists():
             return name
     return next((p.name for p in sorted(path.glob("step_*")) if p.is_dir()), None)
+
+
+# What a Hugging Face directory says about generation that dtp's model does not hold: the
+# special-token ids (config.json) and generation_config.json.
+_TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+_GENERATION = "generation_config.json"
+
+
+def _carry_generation(source: str | None, out: Path) -> None:
+    """An ``--init-from`` run's export keeps its source's special-token ids and generation
+    config, when the source directory is still there: without them transformers falls back
+    to its defaults (bos 1, eos 2), and ``generate`` of a fine-tuned Llama 3 would not stop
+    at its end of text. A run of a preset has none to keep."""
+    if not source or not (Path(source) / "config.json").is_file():
+        return
+    import json
+    import shutil
+
+    try:
+        ids = {k: v for k, v in json.loads((Path(source) / "config.json").read_text()).items() if k in _TOKEN_IDS}
+    except (ValueError, AttributeError):  # not a JSON object any more: nothing to carry
+        return
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, **ids}, indent=2) + "\n")
+    if (Path(source) / _GENERATION).is_file():
+        shutil.copyfile(Path(source) / _GENERATION, out / _GENERATION)
