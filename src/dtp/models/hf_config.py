@@ -1,8 +1,9 @@
 """Hugging Face ``config.json`` <-> :class:`LlamaConfig`, torch-free (``dtp train
 --init-from`` checks a run against the model before importing torch); the weights are
-:mod:`dtp.models.hf`'s.
+:mod:`dtp.models.hf`'s, but which files hold them and whether those are whole (their
+headers against their sizes) is here, for the same preflight.
 
-:mod:`dtp.models.hf` re-exports every name here; import them from there.
+:mod:`dtp.models.hf` re-exports the config names; import them from there.
 """
 
 from __future__ import annotations
