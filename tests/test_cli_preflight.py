@@ -120,6 +120,12 @@ BAD_RUNS = {
     "init-from vocab vs data": (["--init-from", "HF_DIR"], "has 100 token ids; tokenize the data with its tokenizer"),
     "init-from config without a key": (["--init-from", "HF_NO_VOCAB"],
                                        "its config.json has no 'vocab_size', which a Llama config needs"),
+    # the weights, read by the ranks, are checked first too (before: every rank failed after
+    # starting; dtp plan still plans from config.json alone)
+    "init-from without weights": (["--init-from", "HF_DIR", "--data", "HF_IDS", "--batch", "2", "--seq", "16"],
+                                  "no *.safetensors file in"),
+    "init-from a file": (["--init-from", "HF_CONFIG_FILE", "--data", "HF_IDS", "--batch", "2", "--seq", "16"],
+                         "is not a directory (a Hugging Face model directory holds config.json and *.safetensors)"),
     # packed documents in a token file with no EOS id (TOKENS: a .bin file of 200 ids the fixture makes)
     "document mask without an eos id": (["--document-mask", "--data", "TOKENS"],
                                         "--document-mask needs the id that ends a document: pass --eos-id"),
@@ -135,6 +141,11 @@ BAD_RUNS = {
     "resume --check with other steps": (["--resume", "--out", "RESUMED", "--steps", "8", "--check"],
                                         "this run asks for --steps 8 --warmup 5: --check retrains all steps"),
     "resume without a checkpoint": (["--resume", "--out", "HF_DIR"], "--resume: no checkpoint in "),
+    # HF_TINY: tiny's shapes, another norm_eps (before: resumed, the checkpoint's parameters
+    # then trained in another model with nothing said)
+    "resume with another model of the same shapes": (["--resume", "--out", "RESUMED", "--init-from", "HF_TINY"],
+                                                     "(norm_eps is 1e-05 there, 1e-06 here); resume without "
+                                                     "--init-from"),
 }
 # The cases that are the run's shape and data alone: ``dtp plan`` refuses them with train's line.
 PLAN_CASES = ("mesh vs nproc", "lr past float32 in AdamW's step", "data missing", "data read with a wider dtype",
@@ -198,7 +209,13 @@ def bad_runs(tmp_path_factory) -> dict[str, list]:
     sidecar.with_name("tokens.bin.json").write_text('{"vocab_size": 300}')
     resumed = tmp_path_factory.mktemp("resumed")
     _fake_checkpoint(resumed / "checkpoints" / "step_00000002")
+    np.save(hf_dir / "ids.npy", np.arange(400) % 100)  # ids the config's 100 hold
+    hf_tiny = tmp_path_factory.mktemp("hf_tiny")
+    (hf_tiny / "config.json").write_text(json.dumps({**_HF_CONFIG, "vocab_size": 256, "max_position_embeddings": 512,
+                                                     "num_key_value_heads": 2, "rms_norm_eps": 1e-6}))
+    (hf_tiny / "model.safetensors").write_bytes((8).to_bytes(8, "little") + b"{}      ")  # a header, no tensor
     places = {"HF_DIR": str(hf_dir), "TOKENS": str(hf_dir / "tokens.bin"), "HF_NO_VOCAB": str(no_vocab),
+              "HF_IDS": str(hf_dir / "ids.npy"), "HF_TINY": str(hf_tiny), "HF_CONFIG_FILE": str(hf_dir / "config.json"),
               "RESUMED": str(resumed), "SIDECAR_TOKENS": str(sidecar)}
     argv = {name: [places.get(f, f) for f in flags] for name, (flags, _) in BAD_RUNS.items()}
     proc = subprocess.run([sys.executable, "-c", _PROBE, json.dumps(argv), json.dumps(PLAN_CASES)], env=_env(), capture_output=True,

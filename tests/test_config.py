@@ -162,3 +162,12 @@ def test_precision_is_a_field_its_rules_are_said_before_any_rank_starts() -> Non
         RunConfig(dtype="bfloat16", precision="pure", zero=1, dp=2)
     with pytest.raises(ValueError, match=r"precision must be one of pure, mixed; got 'fp8'"):
         RunConfig(precision="fp8")
+
+
+def test_a_seed_torch_cannot_take_is_refused_before_any_rank_starts() -> None:
+    # Before, --seed 2**64 passed every check and each rank failed in torch.manual_seed with
+    # "Overflow when unpacking long long", a line that names no flag.
+    for seed in (2**63, -(2**63) - 1, 10**30):
+        with pytest.raises(ValueError, match=rf"^--seed must lie in \[-2\*\*63, 2\*\*63\), got {seed}"):
+            cli.parse_args(["train", "--seed", str(seed)])
+    assert RunConfig(seed=2**63 - 1).seed == 2**63 - 1 and RunConfig(seed=-1).seed == -1  # torch takes both

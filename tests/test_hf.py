@@ -179,6 +179,76 @@ def test_unsupported_configs_are_refused(root: Path, change: dict, match: str) -
         hf.config_from_hf(hf_cfg)
 
 
+def _damaged(root: Path, tmp_path: Path, damage: str) -> Path:
+    """A copy of the "gqa" model whose weights are cut short (``truncated``: the header
+    whole, tensor data missing; ``header``: cut inside the header) or lack a tensor."""
+    import shutil
+
+    path = tmp_path / damage
+    shutil.copytree(_saved("gqa", root), path)
+    weights = path / "model.safetensors"
+    if damage == "missing":
+        from safetensors.torch import load_file, save_file
+
+        tensors = load_file(weights)
+        del tensors["model.layers.1.mlp.up_proj.weight"]
+        save_file(tensors, weights, metadata={"format": "pt"})
+    else:
+        data = weights.read_bytes()
+        weights.write_bytes(data[:len(data) // 2] if damage == "truncated" else data[:40])
+    return path
+
+
+_DAMAGE = {"truncated": "model.safetensors is cut short: its header describes",
+           "header": "model.safetensors is not a whole .safetensors file",
+           "missing": "has no tensor 'model.layers.1.mlp.up_proj.weight'"}
+
+
+@pytest.mark.parametrize("damage", sorted(_DAMAGE))
+def test_damaged_weights_are_a_value_error_naming_the_file(root: Path, tmp_path: Path, damage: str) -> None:
+    # Before, a truncated file raised safetensors' SafetensorError (no ValueError): a
+    # `dtp train --init-from` rank crashed (exit 1) instead of one line, exit 2.
+    with pytest.raises(ValueError, match=_DAMAGE[damage]):
+        hf.from_hf(_damaged(root, tmp_path, damage), torch.float64)
+
+
+def _from_hf_error(path: str) -> str:
+    import dtp
+
+    mesh = dtp.make_mesh(dp=2, tp=2)
+    layout = dtp.layouts.data() + dtp.layouts.megatron()
+    try:
+        dtp.TrainState.from_hf(path, dtp.optim.adamw(1e-3), mesh=mesh, layout=layout, dtype=torch.float64)
+    except ValueError as e:
+        return str(e)
+    return "loaded"
+
+
+def test_damaged_weights_fail_alike_on_every_rank_and_dtp_train_says_one_line(root: Path, tmp_path: Path,
+                                                                            monkeypatch, capsys) -> None:
+    from dtp import cli
+
+    path = _damaged(root, tmp_path, "truncated")
+    errors = run(_from_hf_error, str(path), world_size=4)
+    assert len(set(errors)) == 1 and _DAMAGE["truncated"] in errors[0], errors
+    missing = _damaged(root, tmp_path, "missing")
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(k, raising=False)
+    data = tmp_path / "tokens.npy"
+    np = pytest.importorskip("numpy")
+    np.save(data, torch.randint(0, V, (4096,), generator=torch.Generator().manual_seed(1)).numpy())
+    # The cut file before any rank starts (its header against its size); the missing tensor
+    # by the rank's loader, in its own words (before: TrainState.from_hf: "from_hf: ...", a
+    # KeyError's quotes).
+    for damaged, says in ((path, f"--init-from {path}: {path}/model.safetensors is cut short"),
+                          (missing, f"from_hf: {missing} has no tensor 'model.layers.1.mlp.up_proj.weight'")):
+        flags = ["train", "--init-from", str(damaged), "--data", str(data), "--steps", "1", "--batch", "2", "--seq",
+                 "16", "--out", str(tmp_path / f"run-{damaged.name}")]
+        assert cli.main(flags) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"dtp train: error: {says}"), err
+
+
 @pytest.mark.parametrize("change", [dict(shared_experts=1), dict(routed_scaling_factor=2.5),
                                     dict(router_score="sigmoid", router_bias_update=1e-2),
                                     dict(n_groups=2, topk_group=1)], ids=lambda c: next(iter(c)))
@@ -193,12 +263,21 @@ def test_to_hf_refuses_what_mixtral_cannot_express(tmp_path: Path, change: dict)
 
 def test_dtp_train_init_from_then_export_loads_in_transformers(root: Path, tmp_path: Path, monkeypatch) -> None:
     """Fine-tune a transformers-made model for a step on one process, save, ``dtp export
-    --hf``: transformers loads the export, and its logits are the trained parameters'."""
+    --hf``: transformers loads the export, and its logits are the trained parameters'; the
+    source's special-token ids and generation config come along (before, the export's
+    config.json had none, so transformers' defaults, bos 1 / eos 2, stopped generation at
+    another id than a Llama 3's)."""
+    import shutil
+
     from dtp import cli
 
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(k, raising=False)
-    src, run, out = _saved("gqa", root), tmp_path / "run", tmp_path / "gqa-ft"
+    src, run, out = tmp_path / "gqa", tmp_path / "run", tmp_path / "gqa-ft"
+    shutil.copytree(_saved("gqa", root), src)
+    ids = {"bos_token_id": 4, "eos_token_id": [5, 6], "pad_token_id": 0}
+    (src / "config.json").write_text(json.dumps({**json.loads((src / "config.json").read_text()), **ids}))
+    (src / "generation_config.json").write_text(json.dumps({**ids, "max_new_tokens": 7}))
     flags = ["--init-from", str(src), "--steps", "1", "--batch", "4", "--seq", "16", "--dtype", "float64",
              "--save-every", "1", "--out", str(run)]
     data = tmp_path / "tokens.npy"
@@ -208,8 +287,12 @@ def test_dtp_train_init_from_then_export_loads_in_transformers(root: Path, tmp_p
     assert cli.main(["export", "--hf", str(out), "--run", str(run)]) == 0
     cfg, params = hf.from_hf(out, dtype=torch.float64)
     assert cfg == hf.from_hf(src)[0] and not torch.equal(params["embed"], hf.from_hf(src, torch.float64)[1]["embed"])
+    loaded = _load(out)
     with torch.no_grad():
-        torch.testing.assert_close(_load(out)(TOKENS).logits, llama.apply(params, TOKENS, cfg), atol=ATOL, rtol=0)
+        torch.testing.assert_close(loaded(TOKENS).logits, llama.apply(params, TOKENS, cfg), atol=ATOL, rtol=0)
+    written = json.loads((out / "config.json").read_text())
+    assert {k: written.get(k) for k in ids} == ids
+    assert loaded.generation_config.eos_token_id == [5, 6] and loaded.generation_config.max_new_tokens == 7
 
 
 def test_a_sequence_past_a_mistrals_window_is_refused(root: Path, tmp_path: Path, capsys) -> None:
@@ -259,15 +342,11 @@ def test_sharded_load_reads_only_each_ranks_blocks(root: Path) -> None:
         assert r["read"] == r["local"] and r["read"] < 0.6 * total, (r["read"], total)
 
 
-def test_export_streams_parameters_and_writes_what_to_hf_writes(tmp_path: Path) -> None:
-    """``dtp export --hf`` reads the checkpoint one parameter at a time (never the
-    optimizer state: ``ParamReader``) and writes the files ``to_hf`` writes from the whole
-    tree, byte for byte — Mixtral's per-expert keys from the stacked experts included."""
+def _checkpointed_run(run: Path) -> tuple[llama.LlamaConfig, dict]:
+    """A run directory holding one checkpoint of a tiny MoE model (as dtp train saves it)."""
     import dataclasses as dc
 
     import dtp
-    from dtp import cli
-
     from dtp.cli.loop import single_process_world
 
     cfg = llama.config("tiny-moe", n_layers=2, vocab_size=V)
@@ -275,8 +354,64 @@ def test_export_streams_parameters_and_writes_what_to_hf_writes(tmp_path: Path) 
     with single_process_world() as mesh:  # leaves no process group behind
         state = dtp.TrainState.create(params, dtp.optim.adamw(1e-3), mesh=mesh, layout=dtp.layouts.data(),
                                       axes=llama.param_axes(cfg))
-        dtp.checkpoint.save(state, tmp_path / "run" / "checkpoints",
-                            extra={"model": dc.asdict(cfg), "run": {"dtype": "float64"}})
+        dtp.checkpoint.save(state, run / "checkpoints", extra={"model": dc.asdict(cfg), "run": {"dtype": "float64"}})
+    return cfg, params
+
+
+def test_export_refuses_to_write_over_a_run_and_bad_shard_sizes(tmp_path: Path, capsys) -> None:
+    """Before, ``--hf`` naming the run itself (or any dtp run directory) wrote the model's
+    config.json over the run's record (its segments: --resume and dtp check read them),
+    and ``--max-shard-gb 0`` wrote a file per tensor (nan: "cannot convert float NaN to integer")."""
+    from dtp import cli
+
+    run = tmp_path / "run"
+    _checkpointed_run(run)
+    (run / "config.json").write_text('{"segments": []}')
+    (run / "metrics.jsonl").write_text("")
+    step = next((run / "checkpoints").iterdir())
+    for target in (run, step, run / "checkpoints"):
+        assert cli.main(["export", "--hf", str(target), "--run", str(run)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"--hf {target}: " in err[0] and "dtp train" in err[0], err
+    assert (run / "config.json").read_text() == '{"segments": []}' and not list(run.glob("*.safetensors"))
+    (tmp_path / "a file").write_text("kept")  # under a file: was NotADirectoryError, "rank 0 failed", exit 1
+    assert cli.main(["export", "--hf", str(tmp_path / "a file" / "out"), "--run", str(run)]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"dtp export: error: --hf {tmp_path / 'a file' / 'out'}: cannot create it (Not a directory)"]
+    for size in ("0", "-1", "nan"):
+        assert cli.main(["export", "--hf", str(tmp_path / "out"), "--run", str(run), "--max-shard-gb", size]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err == [f"dtp export: error: argument --max-shard-gb: expected a finite number > 0, got {size!r} "
+                       f"(see dtp export --help)"], err
+    assert not (tmp_path / "out").exists()
+
+
+def test_export_of_a_damaged_checkpoint_names_the_file_and_writes_nothing(tmp_path: Path, capsys) -> None:
+    """Before, every checkpoint error ended in "a run saves checkpoints with --save-every N",
+    a hint for a run without checkpoints, misleading beside a corrupt one."""
+    from dtp import cli
+
+    run = tmp_path / "run"
+    _checkpointed_run(run)
+    data = next((run / "checkpoints").glob("*/*.distcp"))
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    assert cli.main(["export", "--hf", str(tmp_path / "out"), "--run", str(run)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"file {data.name} is corrupt (CRC32" in err[0] and "--save-every" not in err[0], err
+    assert not (tmp_path / "out").exists()
+    assert cli.main(["export", "--hf", str(tmp_path / "out"), "--run", str(tmp_path)]) == 2  # no checkpoint: the hint
+    assert capsys.readouterr().err.strip().endswith("a run saves checkpoints with --save-every N")
+
+
+def test_export_streams_parameters_and_writes_what_to_hf_writes(tmp_path: Path) -> None:
+    """``dtp export --hf`` reads the checkpoint one parameter at a time (never the
+    optimizer state: ``ParamReader``) and writes the files ``to_hf`` writes from the whole
+    tree, byte for byte — Mixtral's per-expert keys from the stacked experts included."""
+    from dtp import cli
+
+    cfg, params = _checkpointed_run(tmp_path / "run")
     (tmp_path / "a file").write_text("kept")  # a usage error, the file untouched
     assert cli.main(["export", "--hf", str(tmp_path / "a file"), "--run", str(tmp_path / "run")]) == 2
     assert (tmp_path / "a file").read_text() == "kept"

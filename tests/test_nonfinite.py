@@ -299,3 +299,14 @@ def test_report_marks_skipped_steps_and_summary_counts_them():
     summary = dtp.cli.summarize([{**step, "loss": 5.0, "skipped": False}, step, {**step, "loss": 4.5,
                                                                                   "skipped": False}])
     assert summary["skipped_steps"] == 1 and summary["min_loss"] == 4.5  # the NaN of the skipped step left out
+
+
+def test_an_aborted_run_finishes_the_checkpoint_it_was_writing(tmp_path, capsys):
+    """--async-save: the step-1 checkpoint is still being written when step 2 is skipped and
+    --max-skipped 1 aborts the run; every rank aborts at the same step, so the save is
+    finished first. Before, it stayed step_00000001.partial and --resume found nothing."""
+    out = tmp_path / "run"
+    code = dtp.cli.main(["train", "--steps", "6", "--batch", "2", "--seq", "16", "--lr", "1e20", "--warmup", "0",
+                         "--clip", "0", "--max-skipped", "1", "--save-every", "1", "--async-save", "--out", str(out)])
+    assert code == 1 and "training aborted at step 2" in capsys.readouterr().err
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["step_00000001"]

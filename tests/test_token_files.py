@@ -57,6 +57,17 @@ def test_bin_is_uint16_unless_said(tmp_path):
     assert len(open_tokens(f)) == 10 and token_stats(f) == (10, 63, None, None)  # the stated vocabulary (its sample below it)
 
 
+def test_one_shard_of_a_directory_keeps_the_directorys_sidecar(tmp_path):
+    # Before, --data d/shard_000.bin of a uint32 directory (its tokens.json) was read as
+    # uint16 ids, every other one 0, and trained with nothing said.
+    root = _shards(tmp_path / "d", [np.arange(3, 103)], sidecar={"dtype": "uint32", "eos_id": 7})
+    one = open_tokens(root / "shard_000.bin")
+    assert len(one) == 100 and one.eos_id == 7 and one.read(0, 4).tolist() == [3, 4, 5, 6]
+    (root / "shard_000.bin.json").write_text('{"dtype": "uint16"}')  # its own sidecar comes first
+    assert len(open_tokens(root / "shard_000.bin")) == 200
+    assert _token_files.sidecar_path(tmp_path / "t.bin") == tmp_path / "t.bin.json"  # neither: where to write one
+
+
 @pytest.mark.parametrize("case, match", [
     ("flag disagrees", r"--data-dtype uint16 but its sidecar says dtype 'uint32'"),
     ("unknown key", r"a JSON object of \['dtype', 'eos_id', 'vocab_size'\], got \['bos'\]"),

@@ -135,13 +135,19 @@ class Tokens:
 
 
 def sidecar_path(path: str | os.PathLike[str]) -> Path:
-    """Where the sidecar of a token file or shard directory is (or would be).
+    """Where the sidecar of a token file or shard directory is (or would be): a file's
+    own (``train.bin.json``), else, when its directory has one, the directory's — a shard
+    read alone is what its directory's ``tokens.json`` describes (read as the default
+    uint16, a uint32 shard would train on every other id 0, with nothing said).
 
     >>> sidecar_path("data/train.bin").as_posix()
     'data/train.bin.json'
     """
     path = Path(path)
-    return path / SIDECAR if path.is_dir() else path.with_name(path.name + ".json")
+    if path.is_dir():
+        return path / SIDECAR
+    own, shared = path.with_name(path.name + ".json"), path.parent / SIDECAR
+    return shared if shared.is_file() and not own.is_file() else own
 
 
 def _sidecar(path: Path) -> dict[str, Any]:

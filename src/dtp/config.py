@@ -259,6 +259,10 @@ class RunConfig:
             value = getattr(self, name)
             if value is not None and value < 0:
                 fail(f"{n(name)} must be >= 0, got {value}")
+        # torch's generators take seeds in [-2**63, 2**64); the data loader seeds epoch e with
+        # seed + e, so a seed below 2**63 leaves room for any number of epochs.
+        if not -(2**63) <= self.seed < 2**63:
+            fail(f"{n('seed')} must lie in [-2**63, 2**63), got {self.seed}")
         for name in ("bucket_mb", "capacity_factor", "timeout", "routed_scaling_factor"):
             value = getattr(self, name)
             if value is not None and not value > 0:

@@ -20,8 +20,10 @@ import argparse
 import sys
 from pathlib import Path
 
+from .._checkpoint_dirs import MANIFEST, latest
 from ..config import DTYPES
 from .flags import UsageError
+from .parser import RUN_FILES, positive_float
 
 __all__ = ["add_parser", "cmd_export"]
 
@@ -40,7 +42,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="a dtp train run directory (its newest checkpoint; train with --save-every N) "
                         "or one checkpoint directory (step_*)")
     e.add_argument("--dtype", choices=DTYPES, default=None, help="the dtype written (default: the run's)")
-    e.add_argument("--max-shard-gb", type=float, default=5.0, metavar="GB",
+    e.add_argument("--max-shard-gb", type=positive_float, default=5.0, metavar="GB",
                    help="the most GiB per .safetensors file (default: transformers' 5)")
     return e
 
@@ -56,14 +58,26 @@ def cmd_export(args: argparse.Namespace) -> int:
     if Path(args.hf).exists() and not Path(args.hf).is_dir():
         raise UsageError(f"--hf {args.hf}: a file is there; the export is a directory (config.json and "
                          f".safetensors shards)")
+    held = _run_files(Path(args.hf))
+    if held:
+        raise UsageError(f"--hf {args.hf}: holds {held}, which dtp train wrote (a run or its checkpoints); the "
+                         f"export's config.json and .safetensors would be written among them: name another "
+                         f"directory")
     root = run / "checkpoints" if (run / "checkpoints").is_dir() else run
     try:
         reader = checkpoint.ParamReader(root)
     except ValueError as e:
-        raise UsageError(f"--run {run}: {e}; a run saves checkpoints with --save-every N") from None
+        # the hint only where there is no checkpoint, not beside a corrupt one
+        hint = "; a run saves checkpoints with --save-every N" if latest(root) is None and not \
+            (root / MANIFEST).is_file() else ""
+        raise UsageError(f"--run {run}: {e}{hint}") from None
     extra = reader.manifest.get("extra") or {}
     if "model" not in extra or "run" not in extra:
         raise UsageError(f"--run {run}: the checkpoint does not record its model (not saved by dtp train)")
+    try:  # once the checkpoint has opened: a refused export leaves no directory behind
+        Path(args.hf).mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"--hf {args.hf}: cannot create it ({e.strerror or e})") from None
     cfg = llama.LlamaConfig(**extra["model"])
     saved = getattr(torch, extra["run"]["dtype"])
     last: dict[str, torch.Tensor] = {}  # the stacked experts being written (one tensor)
@@ -81,6 +95,51 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     files = hf.to_hf(cfg, read, args.hf, dtype=getattr(torch, args.dtype) if args.dtype else saved,
                      max_shard_bytes=int(args.max_shard_gb * 2**30))
+    _carry_generation(extra["run"].get("init_from"), Path(args.hf))
     print(f"dtp export: step {reader.manifest['step']} of {run} -> {args.hf} "
           f"({len(files)} file{'s' * (len(files) > 1)})", file=sys.stdout)
     return 0
+
+
+def _run_files(path: Path) -> str | None:
+    """The first thing in ``path`` that makes it a dtp run directory, a checkpoint or a
+    checkpoints folder (None: none): an export there would replace a run's config.json,
+    which records which flags trained which steps (--resume and dtp check read it).
+    An earlier export's files are not among them: exporting again over one is fine.
+
+    >>> import tempfile
+    >>> _run_files(Path(tempfile.mkdtemp())) is None
+    True
+    """
+    if not path.is_dir():
+        return None
+    for name in (*(f for f in RUN_FILES if f != "config.json"), "manifest.json"):
+        if (path / name).exists():
+            return name
+    return next((p.name for p in sorted(path.glob("step_*")) if p.is_dir()), None)
+
+
+# What a Hugging Face directory says about generation that dtp's model does not hold: the
+# special-token ids (config.json) and generation_config.json.
+_TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+_GENERATION = "generation_config.json"
+
+
+def _carry_generation(source: str | None, out: Path) -> None:
+    """An ``--init-from`` run's export keeps its source's special-token ids and generation
+    config, when the source directory is still there: without them transformers falls back
+    to its defaults (bos 1, eos 2), and ``generate`` of a fine-tuned Llama 3 would not stop
+    at its end of text. A run of a preset has none to keep."""
+    if not source or not (Path(source) / "config.json").is_file():
+        return
+    import json
+    import shutil
+
+    try:
+        ids = {k: v for k, v in json.loads((Path(source) / "config.json").read_text()).items() if k in _TOKEN_IDS}
+    except (ValueError, AttributeError):  # not a JSON object any more: nothing to carry
+        return
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, **ids}, indent=2) + "\n")
+    if (Path(source) / _GENERATION).is_file():
+        shutil.copyfile(Path(source) / _GENERATION, out / _GENERATION)

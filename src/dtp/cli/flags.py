@@ -29,6 +29,7 @@ from ..config import MODEL_FIELDS, RunConfig, flag_names, flag_of, mesh_axes_of,
 from ..launch import in_torchrun, launched
 from ..layouts import Layout, check_divisible
 from ..models import config as model_config
+from ..models.hf_config import check_weight_files
 from .parser import PROG, RUN_DEFAULTS, UsageError, build_parser
 from .resume import check_resume, resume_checkpoint
 
@@ -256,6 +257,7 @@ def preflight(args: argparse.Namespace, *, check_out: bool = True) -> Layout:
     layout's presets, the model against the layout on the mesh's shape (heads, kv heads,
     vocabulary, experts divisible by their splits), the pipeline's layers and
     microbatches, the sequence against context parallel, the corpus against a batch,
+    ``--init-from``'s weight files (there and whole: their headers against their sizes),
     with ``--resume`` the checkpoint against the flags (:func:`check_resume`), and the
     run directory (``check_out``: writable; not an earlier run's unless ``--resume`` or
     ``--overwrite``). Returns the layout.
@@ -265,6 +267,11 @@ def preflight(args: argparse.Namespace, *, check_out: bool = True) -> Layout:
     are the ones ``train_step`` checks again on every rank, before any collective.
     """
     layout, cfg, n_tokens = _check_run(args)
+    if args.init_from is not None:  # its weights too (dtp plan reads only its config.json)
+        try:
+            check_weight_files(args.init_from)
+        except (OSError, ValueError) as e:
+            raise UsageError(f"--init-from {args.init_from}: {str(e).removeprefix('from_hf: ')}") from None
     if args.resume:  # read-only: every rank of an outside torchrun may check it alike
         check_resume(args, resume_checkpoint(args.out), cfg, n_tokens=n_tokens)
     if check_out:

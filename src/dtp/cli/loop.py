@@ -213,7 +213,15 @@ def train_loop(args: Mapping[str, Any], mesh: DeviceMesh, layout: Layout, *, rec
         records.append(record)
         if on_step is not None:
             on_step(step, record)
-        skips.check(step)  # after the record is written: metrics.jsonl shows the steps that led here
+        try:
+            skips.check(step)  # after the record is written: metrics.jsonl shows the steps that led here
+        except TrainingAborted:
+            # Every rank aborts at this step (the skip is decided on the reduced gradient
+            # norm), so all can finish the save in flight: else the newest checkpoint stays
+            # .partial and --resume finds none.
+            if isinstance(saving, checkpoint.AsyncSave):
+                saving.wait()
+            raise
         if checkpoints is not None and checkpoints.every and (step % checkpoints.every == 0 or step == args["steps"]):
             if isinstance(saving, checkpoint.AsyncSave):
                 saving.wait()  # one save in flight at a time

@@ -81,9 +81,23 @@ def check_resume(args: Any, path: Path, cfg: model_config.LlamaConfig, *, n_toke
                          f"(a checkpoint is never cast)")
     shapes = {name: tuple(v.get("shape", ())) for name, v in params.items()}
     ours = model_config.param_shapes(cfg)
+    detail, why = None, "a checkpoint is never reshaped"
     if shapes != ours:
         name = next(n for n in sorted({*shapes, *ours}) if shapes.get(n) != ours.get(n))
         detail = f"{name} is {shapes.get(name, 'absent')} there, {ours.get(name, 'absent')} here"
+    else:
+        # Same shapes, another model: what the parameters compute with (rope, norm eps, the
+        # vocabulary's padding, ...) differs, e.g. --model for --init-from of an HF model of
+        # the preset's shape. The MoE hyperparameters may change (their flags, like --lr), and
+        # so may max_seq_len: a limit on --seq, not what the parameters compute.
+        saved_model = extra.get("model") if isinstance(extra.get("model"), dict) else {}
+        mine = dataclasses.asdict(cfg)
+        differ = [k for k in sorted(saved_model) if k in mine and k not in (*MODEL_FIELDS, "max_seq_len")
+                  and saved_model[k] != mine[k]]
+        if differ:
+            detail = f"{differ[0]} is {saved_model[differ[0]]} there, {mine[differ[0]]} here"
+            why = "its parameters would go on training in another model"
+    if detail is not None:
         changed = [k for k in ("init_from", "model", *MODEL_FIELDS, "data", "tokenizer")
                    if k in saved_run and saved_run[k] != getattr(args, k, None)]
         if not changed:
@@ -92,7 +106,7 @@ def check_resume(args: Any, path: Path, cfg: model_config.LlamaConfig, *, n_toke
         now = {k: getattr(args, k, None) for k in changed}
         raise UsageError(f"{here} was trained with {_spell(saved_run, changed)}, this run asks for "
                          f"{_spell(now, changed)} ({detail}); resume {_spell(saved_run, changed, remedy=True)} "
-                         f"(a checkpoint is never reshaped)")
+                         f"({why})")
     has_biases = any(k.startswith("buffer/") for k in tensors)
     if cfg.router_bias_update and not has_biases:
         raise UsageError(f"{here} holds no router biases (trained without --router-bias-update); resume "

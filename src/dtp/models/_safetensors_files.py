@@ -19,10 +19,10 @@ from typing import Any
 
 import torch
 
+from .hf_config import INDEX, SINGLE, weight_files  # torch-free: dtp train's preflight reads them too
+
 __all__ = ["Entry", "weight_files", "open_weights", "bytes_read", "write_sharded", "INDEX", "SINGLE"]
 
-INDEX = "model.safetensors.index.json"
-SINGLE = "model.safetensors"
 _DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
            torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
            torch.bool: "BOOL"}
@@ -34,32 +34,6 @@ def _safetensors() -> Any:
     except ImportError as e:  # an optional extra
         raise ImportError("reading Hugging Face weights needs safetensors: pip install 'dtp[hf]'") from e
     return safetensors
-
-
-def weight_files(path: str | os.PathLike[str]) -> dict[str, Path]:
-    """Each tensor name in a Hugging Face directory -> the ``.safetensors`` file holding it:
-    from ``model.safetensors.index.json`` when there is one, else from the files' headers.
-
-    Raises: ``ValueError`` when the directory has no ``.safetensors`` file.
-    """
-    root = Path(path)
-    if (root / INDEX).is_file():
-        weight_map = json.loads((root / INDEX).read_text())["weight_map"]
-        return {name: root / file for name, file in weight_map.items()}
-    files = sorted(root.glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"from_hf: no *.safetensors file in {root} (PyTorch .bin checkpoints are not read; "
-                         f"save them with safe_serialization=True)")
-    names: dict[str, Path] = {}
-    for file in files:
-        names.update((name, file) for name in _header(file) if name != "__metadata__")
-    return names
-
-
-def _header(file: Path) -> dict[str, Any]:
-    with open(file, "rb") as f:
-        n = int.from_bytes(f.read(8), "little")
-        return json.loads(f.read(n))
 
 
 _READ = [0]  # tensor bytes this process asked the files for (bytes_read)
@@ -81,21 +55,29 @@ def open_weights(path: str | os.PathLike[str]) -> Iterator[Callable[..., torch.T
     ``name``, which must have ``shape``, read with ``get_slice`` (each file opened once,
     memory-mapped: only the block's bytes are read).
 
-    Raises: ``KeyError`` naming the directory for a tensor it does not hold;
-    ``ValueError`` for a tensor of another shape.
+    Raises: ``ValueError`` naming the directory for a tensor it does not hold, naming
+    the file for one that safetensors cannot read (truncated, corrupt, missing), and for
+    a tensor of another shape.
     """
-    safe_open = _safetensors().safe_open
+    safetensors = _safetensors()
+    safe_open = safetensors.safe_open
     where = weight_files(path)
     with ExitStack() as stack:
         handles: dict[Path, Any] = {}
 
         def get(name: str, shape: tuple[int, ...], box: tuple[tuple[int, int], ...]) -> torch.Tensor:
             if name not in where:
-                raise KeyError(f"from_hf: {path} has no tensor {name!r}")
+                raise ValueError(f"from_hf: {path} has no tensor {name!r}")
             file = where[name]
-            if file not in handles:
-                handles[file] = stack.enter_context(safe_open(str(file), framework="pt"))
-            piece = handles[file].get_slice(name)
+            try:
+                if file not in handles:
+                    handles[file] = stack.enter_context(safe_open(str(file), framework="pt"))
+                piece = handles[file].get_slice(name)
+            except (safetensors.SafetensorError, OSError) as e:
+                # safetensors' own error is no ValueError: TrainState.from_hf would not agree
+                # on it across ranks, and a rank would crash instead of naming the file.
+                raise ValueError(f"from_hf: {file} cannot be read as a .safetensors file (truncated or "
+                                 f"corrupt?): {e}") from None
             found = tuple(piece.get_shape())
             if found != tuple(shape):
                 raise ValueError(f"from_hf: {name} has shape {found}, config.json implies {tuple(shape)}")

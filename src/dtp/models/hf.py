@@ -75,8 +75,8 @@ def from_hf(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32,
     - `dtype`: the parameters' dtype, default fp32.
     - `vocab_multiple`: pad the vocabulary to a multiple of it (module docstring), default 1.
 
-    Raises: ``ValueError`` for an unsupported config or a tensor of the wrong shape;
-    ``KeyError`` for a missing tensor; ``ImportError`` without ``safetensors``.
+    Raises: ``ValueError`` for an unsupported config, a missing tensor, one of the wrong
+    shape or a weight file that cannot be read; ``ImportError`` without ``safetensors``.
 
     >>> import tempfile
     >>> from dtp.models import llama

@@ -1,8 +1,9 @@
 """Hugging Face ``config.json`` <-> :class:`LlamaConfig`, torch-free (``dtp train
 --init-from`` checks a run against the model before importing torch); the weights are
-:mod:`dtp.models.hf`'s.
+:mod:`dtp.models.hf`'s, but which files hold them and whether those are whole (their
+headers against their sizes) is here, for the same preflight.
 
-:mod:`dtp.models.hf` re-exports every name here; import them from there.
+:mod:`dtp.models.hf` re-exports the config names; import them from there.
 """
 
 from __future__ import annotations
@@ -14,7 +15,11 @@ from typing import Any
 
 from .config import LlamaConfig, RopeScaling
 
-__all__ = ["config_from_hf", "hf_config", "padded_vocab", "check_mixtral", "INIT_VOCAB_MULTIPLE"]
+__all__ = ["config_from_hf", "hf_config", "padded_vocab", "check_mixtral", "weight_files", "check_weight_files",
+           "INIT_VOCAB_MULTIPLE", "INDEX", "SINGLE"]
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
 
 _MODEL_TYPES = ("llama", "mistral", "mixtral")
 _DTYPES = ("float64", "float32", "float16", "bfloat16")
@@ -97,6 +102,62 @@ def config_from_hf(hf: dict[str, Any] | str | os.PathLike[str], vocab_multiple: 
         fields.update(num_experts=int(hf["num_local_experts"]), top_k=int(hf["num_experts_per_tok"]),
                       aux_loss_coeff=float(hf.get("router_aux_loss_coef", 0.01)))
     return LlamaConfig(**fields)
+
+
+def weight_files(path: str | os.PathLike[str]) -> dict[str, Path]:
+    """Each tensor name in a Hugging Face directory -> the ``.safetensors`` file holding it:
+    from ``model.safetensors.index.json`` when there is one, else from the files' headers.
+
+    Raises: ``ValueError`` when ``path`` is no directory or holds no ``.safetensors`` file.
+    """
+    root = Path(path)
+    if not root.is_dir():
+        raise ValueError(f"from_hf: {root} is not a directory (a Hugging Face model directory holds config.json "
+                         f"and *.safetensors)")
+    if (root / INDEX).is_file():
+        weight_map = json.loads((root / INDEX).read_text())["weight_map"]
+        return {name: root / file for name, file in weight_map.items()}
+    files = sorted(root.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"from_hf: no *.safetensors file in {root} (PyTorch .bin checkpoints are not read; "
+                         f"save them with safe_serialization=True)")
+    names: dict[str, Path] = {}
+    for file in files:
+        names.update((name, file) for name in _header(file) if name != "__metadata__")
+    return names
+
+
+def _header(file: Path) -> dict[str, Any]:
+    """The JSON header of a ``.safetensors`` file (8-byte length, then the JSON), checked
+    against the file's size: ``ValueError`` naming a file cut short or not safetensors."""
+    size = file.stat().st_size
+    with open(file, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        try:
+            header = json.loads(f.read(n)) if 8 + n <= size else None
+        except ValueError:  # JSONDecodeError or undecodable bytes: a cut or foreign file
+            header = None
+    if not isinstance(header, dict):
+        raise ValueError(f"from_hf: {file} is not a whole .safetensors file (its header is unreadable)")
+    ends = [v["data_offsets"][1] for k, v in header.items()
+            if k != "__metadata__" and isinstance(v, dict) and len(v.get("data_offsets") or ()) == 2]
+    if 8 + n + max(ends, default=0) > size:
+        raise ValueError(f"from_hf: {file} is cut short: its header describes {8 + n + max(ends)} bytes, the file "
+                         f"has {size} (an interrupted download or copy?)")
+    return header
+
+
+def check_weight_files(path: str | os.PathLike[str]) -> None:
+    """The weight files of the Hugging Face directory ``path`` are there and whole (each
+    header read and its tensors within the file's size; no tensor data read), torch-free:
+    ``dtp train --init-from`` checks them before any rank starts.
+
+    Raises: ``ValueError`` naming the directory or the file (:func:`weight_files`).
+    """
+    for file in sorted(set(weight_files(path).values())):
+        if not file.is_file():
+            raise ValueError(f"from_hf: {file} is missing (named by {Path(path) / INDEX})")
+        _header(file)
 
 
 def check_mixtral(cfg: LlamaConfig) -> None:
