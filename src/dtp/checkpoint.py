@@ -238,8 +238,15 @@ def save(state: TrainState, root: str | os.PathLike[str], *, extra: Mapping[str,
                                    for name, md in sorted(read_metadata(partial).state_dict_metadata.items())
                                    if isinstance(md, TensorStorageMetadata)}
             atomic_json(partial / MANIFEST, manifest)
-            shutil.rmtree(final, ignore_errors=True)
+            # A checkpoint of the same step (saved before a skipped step: names count
+            # updates) is renamed aside, not deleted first: deleting a large one takes
+            # seconds, during which a crash left neither; between two renames it is whole.
+            aside = final.with_name(final.name + ".replaced")
+            shutil.rmtree(aside, ignore_errors=True)
+            if final.exists():
+                os.replace(final, aside)
             os.replace(partial, final)
+            shutil.rmtree(aside, ignore_errors=True)
             if keep is not None:
                 for old in checkpoints(root)[:-keep]:
                     shutil.rmtree(old, ignore_errors=True)
