@@ -4,6 +4,7 @@ metrics.jsonl, summary.json and loss.png cover the whole run; a resume that cann
 (another dtype, model, data order; --check against steps trained under other flags) is
 refused before any rank starts, and one whose checkpoint fails to load changes nothing."""
 
+import argparse
 import json
 import os
 import shutil
@@ -220,6 +221,24 @@ def test_a_moe_resume_with_other_microbatches_refuses_check(tmp_path, monkeypatc
     assert err.count("\n") == 1 and "trained with --microbatches 2, this run asks for --microbatches 4" in err, err
 
 
+def test_a_damaged_newest_checkpoint_names_the_older_one_to_resume_from(tmp_path) -> None:
+    """--resume takes the newest checkpoint; one whose manifest is damaged is refused, and the
+    line says which older one is complete (before: only that the newest was unreadable)."""
+    from dtp.cli.resume import UsageError, check_resume, resume_checkpoint
+    from dtp.models import config as model_config
+
+    root = tmp_path / "checkpoints"
+    for step, text in ((2, json.dumps({"format": 1, "tensors": {}, "extra": {}})), (4, "{cut sh")):
+        (root / f"step_{step:08d}").mkdir(parents=True)
+        (root / f"step_{step:08d}" / "manifest.json").write_text(text)
+    args = argparse.Namespace(out=str(tmp_path))
+    with pytest.raises(UsageError) as e:
+        check_resume(args, resume_checkpoint(tmp_path), model_config.config("tiny"))
+    assert str(e.value).startswith(f"--resume: checkpoint: {root / 'step_00000004' / 'manifest.json'} is unreadable")
+    assert str(e.value).endswith(f"; step_00000002 before it is complete: move step_00000004 out of {root} to resume "
+                                 "from step_00000002"), e.value
+
+
 _PURE_REFUSED = ("trained pure bf16 (--precision pure, an older dtp's default without --zero); this run's default, "
                  "--precision mixed, would start fp32 master weights from the bf16 parameters: resume with "
                  "--precision pure to go on as it did, or --precision mixed to change it")
@@ -236,7 +255,6 @@ def test_a_bf16_resume_keeps_the_precision_it_trained_with(saved, zero, refused)
     """The default --precision is mixed; a checkpoint that trained pure bf16 (named, or an
     older dtp's default without --zero, whose records say None) resumed under it would
     start fp32 master weights from the bf16 parameters silently: refused, naming both."""
-    import argparse
 
     from dtp.cli.resume import UsageError, _check_precision
 

@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import Any, Sequence
 
-from .._checkpoint_dirs import latest, read_manifest
+from .._checkpoint_dirs import checkpoints, latest, read_manifest
 from .._token_files import held_out_start
 from ..config import MODEL_FIELDS, flag_of, master_weights
 from ..models import config as model_config
@@ -68,7 +68,10 @@ def check_resume(args: Any, path: Path, cfg: model_config.LlamaConfig, *, n_toke
     try:
         manifest = read_manifest(path)
     except ValueError as e:
-        raise UsageError(f"--resume: {e}") from None
+        older = [p for p in checkpoints(path.parent) if p.name < path.name]
+        hint = (f"; {older[-1].name} before it is complete: move {path.name} out of {path.parent} to resume "
+                f"from {older[-1].name}") if older else ""
+        raise UsageError(f"--resume: {e}{hint}") from None
     extra = manifest.get("extra") if isinstance(manifest.get("extra"), dict) else {}
     saved_run = extra.get("run") if isinstance(extra.get("run"), dict) else {}  # {}: not saved by dtp train
     tensors = manifest["tensors"]
