@@ -278,6 +278,7 @@ def test_dtp_train_init_from_then_export_loads_in_transformers(root: Path, tmp_p
     ids = {"bos_token_id": 4, "eos_token_id": [5, 6], "pad_token_id": 0}
     (src / "config.json").write_text(json.dumps({**json.loads((src / "config.json").read_text()), **ids}))
     (src / "generation_config.json").write_text(json.dumps({**ids, "max_new_tokens": 7}))
+    (src / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 16}))  # AutoTokenizer's files
     flags = ["--init-from", str(src), "--steps", "1", "--batch", "4", "--seq", "16", "--dtype", "float64",
              "--save-every", "1", "--out", str(run)]
     data = tmp_path / "tokens.npy"
@@ -293,6 +294,7 @@ def test_dtp_train_init_from_then_export_loads_in_transformers(root: Path, tmp_p
     written = json.loads((out / "config.json").read_text())
     assert {k: written.get(k) for k in ids} == ids
     assert loaded.generation_config.eos_token_id == [5, 6] and loaded.generation_config.max_new_tokens == 7
+    assert json.loads((out / "tokenizer_config.json").read_text()) == {"model_max_length": 16}  # carried too
 
 
 def test_a_sequence_past_a_mistrals_window_is_refused(root: Path, tmp_path: Path, capsys) -> None:

@@ -96,6 +96,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     files = hf.to_hf(cfg, read, args.hf, dtype=getattr(torch, args.dtype) if args.dtype else saved,
                      max_shard_bytes=int(args.max_shard_gb * 2**30))
     _carry_generation(extra["run"].get("init_from"), Path(args.hf))
+    _carry_tokenizer(extra["run"].get("tokenizer"), extra["run"].get("init_from"), Path(args.hf))
     print(f"dtp export: step {reader.manifest['step']} of {run} -> {args.hf} "
           f"({len(files)} file{'s' * (len(files) > 1)})", file=sys.stdout)
     return 0
@@ -123,6 +124,38 @@ def _run_files(path: Path) -> str | None:
 # special-token ids (config.json) and generation_config.json.
 _TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 _GENERATION = "generation_config.json"
+
+
+# What AutoTokenizer.from_pretrained reads from a model directory.
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
+
+
+def _carry_tokenizer(tokenizer: str | None, source: str | None, out: Path) -> None:
+    """The tokenizer the run's ids came from, beside the weights, so that the export loads
+    with ``AutoTokenizer`` as with ``AutoModelForCausalLM``: the run's ``--tokenizer`` file
+    (as tokenizer.json: those were its ids), else an ``--init-from`` source's tokenizer
+    files, when still there. A preset on token files has none to carry.
+
+    >>> import tempfile
+    >>> src, out = Path(tempfile.mkdtemp()), Path(tempfile.mkdtemp())
+    >>> _ = (src / "tokenizer.json").write_text("{}"), (src / "tokenizer_config.json").write_text("{}")
+    >>> _carry_tokenizer(None, str(src), out)
+    >>> sorted(p.name for p in out.iterdir())
+    ['tokenizer.json', 'tokenizer_config.json']
+    >>> _ = (src / "bpe.json").write_text('{"model": {}}')
+    >>> _carry_tokenizer(str(src / "bpe.json"), str(src), out)   # the run's --tokenizer wins
+    >>> (out / "tokenizer.json").read_text()
+    '{"model": {}}'
+    """
+    import shutil
+
+    if tokenizer and Path(tokenizer).is_file():
+        shutil.copyfile(tokenizer, out / "tokenizer.json")
+        return
+    if source and Path(source).is_dir():
+        for name in _TOKENIZER_FILES:
+            if (Path(source) / name).is_file():
+                shutil.copyfile(Path(source) / name, out / name)
 
 
 def _carry_generation(source: str | None, out: Path) -> None:
