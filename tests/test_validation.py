@@ -141,14 +141,17 @@ def _context(algo, **options):
     return dtp.layouts.data() + dtp.layouts.context(algo, **options)
 
 
-def _seq(rank, s, place=False):
+def _seq(rank, s, place=False, evaluate=False):
     """A zigzag ring on dp=2 × cp=2 and a batch of sequence length ``s``: placed by
-    shard_batch (the call) or by the user with dtp.shard (the call is train_step)."""
+    shard_batch (the call) or by the user with dtp.shard (the call is train_step, or
+    ``evaluate``: dtp.strategies.evaluate)."""
     mesh = dtp.make_mesh(dp=2, cp=2)
     state = _state(mesh, _context("ring"))
     if not place:
         return lambda: dtp.shard_batch(_batch(s=s), state)
     batch = {k: dtp.shard(v, mesh, P("dp", "cp")) for k, v in _batch(s=s).items()}
+    if evaluate:
+        return lambda: dtp.strategies.evaluate(LOSS, state.params, state.zero, state.layout, state.mesh, [batch])
     return lambda: dtp.train_step(LOSS, state, batch)
 
 
@@ -416,6 +419,9 @@ CASES = {
         r"^train_step: batch\['tokens'\] was not placed by dtp.shard_batch: under layouts.context\("
         r"load_balance='zigzag'\) on cp=2 the sequence must be in the layout's order \(rank r holds chunks r and "
         r"3-r\), which no placement shows; place the global batch with dtp.shard_batch\(batch, state\)$"),
+    "a batch the user placed under a zigzag ring (evaluate)": (
+        lambda r: _seq(r, 16, place=True, evaluate=True), "ValueError",
+        r"^evaluate: batch\['tokens'\] was not placed by dtp.shard_batch: under layouts.context\("),
     # It failed on every rank inside the step: "spec_of expects a DTensor, got Tensor".
     "value_and_grad under a pipeline": (
         lambda r: _pipeline_step(r, dtp.layouts.data() + dtp.layouts.pipeline("1f1b"), 2,

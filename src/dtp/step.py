@@ -40,7 +40,7 @@ from .layouts import check_divisible, use_layout
 from .mesh import mesh_device
 from .optim import GradientTransformation, clip_by_global_norm, measured_by, state_join, state_part
 from .optim import step as optimizer_step
-from .ops.documents import document_order, reorder
+from .ops.documents import PLACED, check_placed, document_order, reorder
 from .ops.parallel import DeviceDivisor, mean_over, target_count
 from .ops.recompute import POLICIES, recompute as recompute_policy
 from .redistribute import local_map, scalar_of
@@ -55,11 +55,6 @@ PyTree = Any
 # reads its own).
 Loss = Union[torch.Tensor, float]
 _BATCH_AXES = ("batch", "seq")
-# Set on the entries shard_batch placed. Under zigzag context parallel the sequence order
-# is in the values, not the placement: a (batch, seq) entry placed by hand
-# (dtp.shard(tokens, mesh, P(None, "cp"))) has shard_batch's spec, yet trained silently
-# on a permuted sequence (RoPE and the causal mask read the layout's order).
-_PLACED = "_dtp_shard_batch"
 
 
 def shard_batch(batch: Mapping[str, torch.Tensor], state: TrainState) -> dict[str, DTensor]:
@@ -100,7 +95,7 @@ def shard_batch(batch: Mapping[str, torch.Tensor], state: TrainState) -> dict[st
                 # side). Every entry moves alike, so the mean loss is unchanged.
                 v = state.layout.to_cp_order(v, 1, mesh) if order is None else reorder(v, order)
             out[k] = shard(v, mesh, spec, name=f"shard_batch: batch[{k!r}]")
-            setattr(out[k], _PLACED, True)
+            setattr(out[k], PLACED, True)  # its sequence in the layout's order (check_placed)
             _check_pipe_experts("shard_batch", k, out[k], state)
     except (ValueError, TypeError) as e:
         error = e
@@ -115,23 +110,6 @@ def _check_seq(what: str, key: str, v: torch.Tensor, state: TrainState) -> None:
     if cp > 1 and v.dim() > 1 and state.layout.context is not None:
         check_divisible(v.shape[1], cp, state.layout.context.load_balance,
                         what=f"{what}: batch[{key!r}] of shape {tuple(v.shape)}")
-
-
-def _check_cp_order(key: str, v: torch.Tensor, state: TrainState, batch: Mapping[str, torch.Tensor]) -> None:
-    """Under zigzag context parallel a (batch, seq) DTensor must come from shard_batch,
-    the one place that puts the sequence in the layout's order (packed documents carry
-    their order as data, ``positions``, and train in any)."""
-    opts = state.layout.context
-    if (not isinstance(v, DTensor) or v.dim() < 2 or opts is None or opts.load_balance is None
-            or "positions" in batch or getattr(v, _PLACED, False)):
-        return
-    cp = state.layout.context_degree(state.mesh)
-    if cp > 1:
-        raise ValueError(
-            f"train_step: batch[{key!r}] was not placed by dtp.shard_batch: under layouts.context("
-            f"load_balance={opts.load_balance!r}) on cp={cp} the sequence must be in the layout's order (rank r "
-            f"holds chunks r and {2 * cp - 1}-r), which no placement shows; place the global batch with "
-            f"dtp.shard_batch(batch, state)")
 
 
 def _check_pipe_experts(what: str, key: str, v: DTensor, state: TrainState, microbatches: int = 1) -> None:
@@ -231,9 +209,9 @@ def _check_inputs(batch: Mapping[str, torch.Tensor], state: TrainState, microbat
                 f"{dp} × microbatches {microbatches} = {dp * microbatches}"
             )
         _check_seq("train_step", k, v, state)
-        _check_cp_order(k, v, state, batch)
         if microbatches > 1 and isinstance(v, DTensor):  # a microbatch's share of each rank's tokens
             _check_pipe_experts("train_step", k, v, state, microbatches)
+    check_placed("train_step", batch, state.layout, state.mesh)
 
 
 def _forward_backward(loss_fn: Callable, run: strategies.StepRun | strategies.Scheduled,

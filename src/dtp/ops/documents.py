@@ -17,11 +17,50 @@ fixed zigzag, which balances one causal sequence but not packed documents.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
 import torch
+from torch.distributed.tensor import DTensor
 
 from .._rules import IGNORE_INDEX
 
-__all__ = ["pack_documents", "document_keep", "balanced_order", "attended_pairs", "DOC_KEYS"]
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from ..layouts import Layout
+
+__all__ = ["pack_documents", "document_keep", "balanced_order", "attended_pairs", "DOC_KEYS", "PLACED",
+           "check_placed"]
+
+# Set by dtp.shard_batch on the entries it placed. Under zigzag context parallel the
+# sequence order is in the values, not the placement: a (batch, seq) entry placed by hand
+# (dtp.shard(tokens, mesh, P(None, "cp"))) has shard_batch's spec, yet trained silently on
+# a permuted sequence (RoPE and the causal mask read the layout's order).
+PLACED = "_dtp_shard_batch"
+
+
+def check_placed(what: str, batch: Mapping[str, object], layout: "Layout", mesh: "DeviceMesh") -> None:
+    """``ValueError`` when, under zigzag context parallel, a (batch, seq) DTensor of
+    ``batch`` did not come from ``shard_batch``, the one place that puts the sequence in
+    the layout's order (packed documents carry theirs as data, ``positions``, and run in
+    any). The same on every rank: each placed its batch alike.
+
+    >>> check_placed("train_step", {"tokens": torch.zeros(2, 8)}, None, None)  # no DTensor: nothing to check
+    """
+    opts = getattr(layout, "context", None)
+    if opts is None or opts.load_balance is None or "positions" in batch:
+        return
+    for key, v in batch.items():
+        if not isinstance(v, DTensor) or v.dim() < 2 or getattr(v, PLACED, False):
+            continue
+        cp = layout.context_degree(mesh)
+        if cp > 1:
+            raise ValueError(
+                f"{what}: batch[{key!r}] was not placed by dtp.shard_batch: under layouts.context("
+                f"load_balance={opts.load_balance!r}) on cp={cp} the sequence must be in the layout's order (rank "
+                f"r holds chunks r and {2 * cp - 1}-r), which no placement shows; place the global batch with "
+                f"dtp.shard_batch(batch, state)")
 
 #: The batch entries that describe packed documents (``documents``, ``positions``).
 DOC_KEYS = ("documents", "positions")

@@ -53,6 +53,7 @@ from ..buffers import with_buffers
 from ..layouts import Layout, use_layout
 from ..layouts.pipeline import assign
 from ..layouts.expert import NO_PAIRS
+from ..ops.documents import check_placed
 from ..redistribute import value_of
 from ..spec import spec_of
 from ..models.sequential import Sequential
@@ -222,8 +223,12 @@ def evaluate(loss_fn: Any, params: PyTree, state: Any, layout: Layout, mesh: Dev
     over the parameters there and over each stage's, as in a training step.
 
     Raises: ``TypeError`` / ``ValueError`` (before any collective) for a pipeline's
-    ``loss_fn`` that is no Sequential or whose layers do not fill its stages.
+    ``loss_fn`` that is no Sequential or whose layers do not fill its stages, and for a
+    batch not placed by ``shard_batch`` under zigzag context parallel
+    (:func:`dtp.ops.documents.check_placed`).
     """
+    for batch in batches:  # a hand-placed batch under zigzag cp would evaluate a permuted sequence
+        check_placed("evaluate", batch, layout, mesh)
     opts = _pipeline_options(layout, mesh)
     if opts is None:
         whole = with_buffers(gather(params, state, layout, mesh), buffers)
