@@ -198,10 +198,10 @@ def _check_precision(args: Any, saved_run: dict[str, Any], here: str) -> None:
     if args.precision is not None or args.dtype != "bfloat16" or "zero" not in saved_run:
         return
     if not master_weights(saved_run.get("precision"), int(saved_run.get("zero") or 0), saved_run.get("dtype", "")):
-        raise UsageError(f"{here} trained pure bf16 (--precision pure, an older dtp's default without --zero); this "
-                         f"run's default, --precision mixed, would start fp32 master weights from the bf16 "
-                         f"parameters: resume with --precision pure to go on as it did, or --precision mixed to "
-                         f"change it")
+        how = "" if saved_run.get("precision") == "pure" else ", an older dtp's default without --zero"
+        raise UsageError(f"{here} trained pure bf16 (--precision pure{how}); this run's default, --precision mixed, "
+                         f"would start fp32 master weights from the bf16 parameters: resume with --precision pure to "
+                         f"go on as it did, or --precision mixed to change it")
 
 
 def _trained_with(segments: list[dict[str, Any]], done: int) -> tuple[list[str], list[dict[str, Any]]]:
