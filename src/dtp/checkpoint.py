@@ -238,9 +238,9 @@ def save(state: TrainState, root: str | os.PathLike[str], *, extra: Mapping[str,
                                    for name, md in sorted(read_metadata(partial).state_dict_metadata.items())
                                    if isinstance(md, TensorStorageMetadata)}
             atomic_json(partial / MANIFEST, manifest)
-            # A checkpoint of the same step (saved before a skipped step: names count
-            # updates) is renamed aside, not deleted first: deleting a large one takes
-            # seconds, during which a crash left neither; between two renames it is whole.
+            # A checkpoint of this step already there (a save after a skipped step reuses
+            # the name: names count updates) is renamed aside, not deleted first: deleting
+            # a large one takes seconds, during which a crash left neither.
             aside = final.with_name(final.name + ".replaced")
             shutil.rmtree(aside, ignore_errors=True)
             if final.exists():
