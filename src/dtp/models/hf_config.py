@@ -154,7 +154,10 @@ def check_weight_files(path: str | os.PathLike[str]) -> None:
 
     Raises: ``ValueError`` naming the directory or the file (:func:`weight_files`).
     """
-    for file in sorted(set(weight_files(path).values())):
+    where = weight_files(path)  # without an index, this read (and checked) every file's header
+    if not (Path(path) / INDEX).is_file():
+        return
+    for file in sorted(set(where.values())):  # the files the index names, unread so far
         if not file.is_file():
             raise ValueError(f"from_hf: {file} is missing (named by {Path(path) / INDEX})")
         _header(file)
