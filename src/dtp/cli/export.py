@@ -126,6 +126,26 @@ _TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 _GENERATION = "generation_config.json"
 
 
+def _carry_generation(source: str | None, out: Path) -> None:
+    """An ``--init-from`` run's export keeps its source's special-token ids and generation
+    config, when the source directory is still there: without them transformers falls back
+    to its defaults (bos 1, eos 2), and ``generate`` of a fine-tuned Llama 3 would not stop
+    at its end of text. A run of a preset has none to keep."""
+    if not source or not (Path(source) / "config.json").is_file():
+        return
+    import json
+    import shutil
+
+    try:
+        ids = {k: v for k, v in json.loads((Path(source) / "config.json").read_text()).items() if k in _TOKEN_IDS}
+    except (ValueError, AttributeError):  # not a JSON object any more: nothing to carry
+        return
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, **ids}, indent=2) + "\n")
+    if (Path(source) / _GENERATION).is_file():
+        shutil.copyfile(Path(source) / _GENERATION, out / _GENERATION)
+
+
 # What AutoTokenizer.from_pretrained reads from a model directory.
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
 
@@ -156,23 +176,3 @@ def _carry_tokenizer(tokenizer: str | None, source: str | None, out: Path) -> No
         for name in _TOKENIZER_FILES:
             if (Path(source) / name).is_file():
                 shutil.copyfile(Path(source) / name, out / name)
-
-
-def _carry_generation(source: str | None, out: Path) -> None:
-    """An ``--init-from`` run's export keeps its source's special-token ids and generation
-    config, when the source directory is still there: without them transformers falls back
-    to its defaults (bos 1, eos 2), and ``generate`` of a fine-tuned Llama 3 would not stop
-    at its end of text. A run of a preset has none to keep."""
-    if not source or not (Path(source) / "config.json").is_file():
-        return
-    import json
-    import shutil
-
-    try:
-        ids = {k: v for k, v in json.loads((Path(source) / "config.json").read_text()).items() if k in _TOKEN_IDS}
-    except (ValueError, AttributeError):  # not a JSON object any more: nothing to carry
-        return
-    config = json.loads((out / "config.json").read_text())
-    (out / "config.json").write_text(json.dumps({**config, **ids}, indent=2) + "\n")
-    if (Path(source) / _GENERATION).is_file():
-        shutil.copyfile(Path(source) / _GENERATION, out / _GENERATION)
