@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
+from importlib import resources
 from pathlib import Path
 
 import pytest
@@ -111,6 +112,7 @@ def test_checkpoint_flag_combinations(flags, match) -> None:
 # A run of 4 one-rank steps with checkpoints at 2 and 4, trained in this process (no ranks
 # to start): what the resume tests below continue, each in a copy of it.
 _SMALL = ("--model", "tiny", "--batch", "2", "--seq", "16", "--save-every", "2", "--log-every", "4")
+_CORPUS = (resources.files("dtp") / "assets" / "corpus.txt").read_bytes()  # the bundled corpus: byte tokens
 
 
 @pytest.fixture(scope="module")
@@ -171,8 +173,12 @@ def _refuses_before_the_ranks(monkeypatch) -> None:
      "position is one of that split's batches; resume without --eval-every"),
     (["--steps", "4", "--data", "TOKENS"], "tokens, this run's --data TOKENS has 4000: resume with "
      "the --data it was trained on (the bundled corpus)"),
+    # as many tokens, other ids (the bundled corpus backwards): before, it resumed at a
+    # position of the corpus's batches in text it never saw
+    (["--steps", "4", "--data", "REVERSED"], "trained on the bundled corpus, this run's --data REVERSED holds as many "
+     "tokens but other ids (another fingerprint): its data position means nothing there; resume without --data"),
 ], ids=["dtype", "model", "moe model", "seed", "steps with check", "lr with check", "document mask with check",
-        "eval split", "other data", "nothing to train"])
+        "nothing to train", "eval split", "other data", "other data of the same length"])
 def test_a_resume_that_cannot_work_is_refused_before_any_rank(small_run, tmp_path, monkeypatch, capsys,
                                                               flags, message) -> None:
     run = tmp_path / "run"
@@ -180,15 +186,68 @@ def test_a_resume_that_cannot_work_is_refused_before_any_rank(small_run, tmp_pat
     tokens = tmp_path / "tokens.npy"
     np = pytest.importorskip("numpy")
     np.save(tokens, np.arange(4000, dtype=np.int64) % 256)
+    reversed_text = tmp_path / "reversed.txt"
+    reversed_text.write_bytes(_CORPUS[::-1])
+    paths = {"TOKENS": str(tokens), "REVERSED": str(reversed_text)}
     before = _contents(run)
     _refuses_before_the_ranks(monkeypatch)
     capsys.readouterr()
-    assert cli.main(["train", *_SMALL, "--resume", "--out", str(run), *[str(tokens) if f == "TOKENS" else f
-                                                                        for f in flags]]) == 2
+    assert cli.main(["train", *_SMALL, "--resume", "--out", str(run), *[paths.get(f, f) for f in flags]]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("dtp train: error: --resume"), err
-    assert message.replace("RUN", str(run)).replace("TOKENS", str(tokens)) in err
+    assert message.replace("RUN", str(run)).replace("TOKENS", str(tokens)).replace("REVERSED", str(reversed_text)) \
+        in err
     assert _contents(run) == before
+
+
+def test_a_checkpoint_without_a_fingerprint_resumes_on_data_of_its_length(small_run, tmp_path, monkeypatch,
+                                                                          capsys) -> None:
+    """A checkpoint from before the loader recorded its tokens' fingerprint: only the count
+    is checked, as then (the preflight passes and the rank starts)."""
+    run = tmp_path / "run"
+    shutil.copytree(small_run, run)
+    manifest = run / "checkpoints" / "step_00000004" / "manifest.json"
+    record = json.loads(manifest.read_text())
+    del record["extra"]["loader"]["fingerprint"]
+    manifest.write_text(json.dumps(record))
+    (tmp_path / "reversed.txt").write_bytes(_CORPUS[::-1])
+    _refuses_before_the_ranks(monkeypatch)
+    capsys.readouterr()
+    assert cli.main(["train", *_SMALL, "--steps", "6", "--resume", "--data", str(tmp_path / "reversed.txt"),
+                     "--out", str(run)]) == 1
+    err = capsys.readouterr().err
+    assert "rank 0 failed: AssertionError: a rank started" in err, err
+
+
+@pytest.mark.parametrize("eval_every", [0, 2])
+def test_the_fingerprint_is_of_the_ids_the_checkpoint_trained_on(tmp_path, eval_every) -> None:
+    """The loader's fingerprint is of its training split: under --eval-every, ids changed in
+    the held-out tail resume, ids changed in what trained are refused (the same path: the
+    line asks whether the file changed); without it, both are refused."""
+    from dtp._token_files import open_tokens, training_split
+    from dtp.cli.resume import UsageError, _check_split
+
+    np = pytest.importorskip("numpy")
+    ids = np.arange(4000, dtype=np.uint16) % 256
+    data = tmp_path / "tokens.npy"
+    np.save(data, ids)
+    train = training_split(open_tokens(data), bool(eval_every))[0]
+    loader = {"num_tokens": len(train), "fingerprint": train.fingerprint()}
+    args = argparse.Namespace(data=str(data), data_dtype=None, eos_id=None, tokenizer=None, eval_every=eval_every)
+    saved_run = {"data": str(data), "tokenizer": None, "data_dtype": None}
+    for where in (len(ids) - 1, 0):  # the last id (held out under --eval-every), the first (trained)
+        changed = ids.copy()
+        changed[where] += 1
+        np.save(data, changed)
+        if eval_every and where == len(ids) - 1:
+            _check_split(args, saved_run, loader, len(ids), "--resume: RUN")
+            continue
+        with pytest.raises(UsageError) as e:
+            _check_split(args, saved_run, loader, len(ids), "--resume: RUN")
+        assert str(e.value) == (f"--resume: RUN trained on other ids than this run's --data {data}"
+                                f"{' (its training split)' if eval_every else ''} holds now (as many, but another "
+                                f"fingerprint): has it changed since? resume with the data it was trained on")
+    _check_split(args, saved_run, {"num_tokens": len(train)}, len(ids), "--resume: RUN")  # no record: unchecked
 
 
 def test_a_resume_that_would_drop_the_router_biases_is_refused(tmp_path, monkeypatch, capsys) -> None:

@@ -145,6 +145,29 @@ def test_mapped_loader_resumes_where_it_stopped(tmp_path):
     assert len(train) == 7000 and held_out.read(0, 3).tolist() == [2000, 2001, 2002]
     with pytest.raises(ValueError, match="num_tokens: saved 8000, loader has 7000"):
         TokenLoader(train, batch_size=3, seq_len=32, seed=2).load_state_dict(first.state_dict())
+    # As many tokens, other ids: a position there means nothing (before: resumed, silently).
+    other = Tokens([np.arange(5000, dtype=np.uint32) + 1, np.arange(3000, dtype=np.uint32)])
+    with pytest.raises(ValueError, match="fingerprint: saved [0-9a-f]{16}, loader has [0-9a-f]{16}"):
+        TokenLoader(other, batch_size=3, seq_len=32, seed=2).load_state_dict(first.state_dict())
+
+
+def test_the_fingerprint_reads_a_bounded_sample_and_not_the_storage(tmp_path, monkeypatch):
+    """Tokens.fingerprint reads 16 runs of 128 ids, whatever the file's size (a --resume
+    checks it before any rank starts), and the same ids give the same fingerprint in one
+    file or in shards, as .bin or .npy, in any integer dtype."""
+    ids = (np.arange(1 << 20) * 7919) % 50000
+    one = tmp_path / "one.bin"
+    ids.astype(np.uint16).tofile(one)
+    shards = _shards(tmp_path / "d", [ids[:300_000], ids[300_000:]], sidecar={"dtype": "uint32"})
+    np.save(tmp_path / "wide.npy", ids.astype(np.int64))
+    read = []
+    real = Tokens.read
+    monkeypatch.setattr(Tokens, "read", lambda self, a, b: read.append(b - a) or real(self, a, b))
+    prints = {open_tokens(p).fingerprint() for p in (one, shards, tmp_path / "wide.npy")}
+    assert len(prints) == 1 and read == [128] * 16 * 3, read
+    changed = ids.copy()
+    changed[-1] += 1  # the last id is always read
+    assert Tokens([changed]).fingerprint() not in prints and Tokens([ids[:-1]]).fingerprint() not in prints
 
 
 TEXT = "the cat sat on the mat\nthe dog sat on the log\na cat and a dog\n" * 3

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any, Iterator, NamedTuple, Sequence
 
 __all__ = ["Tokens", "open_tokens", "document_eos", "token_stats", "TokenStats", "held_out_start", "HELD_OUT_FRACTION",
-           "DTYPES", "SIDECAR", "SAMPLE_TOKENS", "sidecar_path", "past_vocab"]
+           "training_split", "DTYPES", "SIDECAR", "SAMPLE_TOKENS", "sidecar_path", "past_vocab"]
 
 # The held-out split (``dtp train --eval-every``): the corpus's last tenth. The end of the
 # file, not a random sample: windows that straddle the cut would leak training text.
@@ -49,6 +49,10 @@ _SUFFIXES = (".bin", ".npy")
 # else SAMPLE_CHUNKS evenly spaced runs adding up to this many ids (2-4 MiB at most).
 SAMPLE_TOKENS = 1 << 20
 SAMPLE_CHUNKS = 64
+# Tokens.fingerprint's read: this many evenly spaced runs of FINGERPRINT_RUN ids (16 KiB
+# of a memory-mapped file, whatever its size: a --resume checks it before any rank starts).
+FINGERPRINT_RUNS = 16
+FINGERPRINT_RUN = 128
 
 
 class Tokens:
@@ -123,15 +127,44 @@ class Tokens:
             holds = holds or (token_id is not None and bool((ids == token_id).any()))
         return lo, hi, holds
 
+    def fingerprint(self) -> str:
+        """A cheap fingerprint of these ids: a hash of their count and of
+        :data:`FINGERPRINT_RUNS` evenly spaced runs of :data:`FINGERPRINT_RUN` ids (first
+        and last included; every id when there are no more), read as int64 values. The
+        same ids give the same fingerprint whatever holds them (a ``.bin``, ``.npy``, shards,
+        text): the storage dtype is not hashed, since ids re-written in another dtype train
+        the same batches, and a file read with the wrong one has other ids (or another
+        count) anyway. Ids outside the runs are not read, so a change there goes unseen.
+
+        >>> import numpy as np
+        >>> a = Tokens([np.arange(5000, dtype=np.uint16)])
+        >>> b = Tokens([np.arange(2000, dtype=np.int64), np.arange(2000, 5000, dtype=np.uint32)])
+        >>> a.fingerprint() == b.fingerprint(), a.fingerprint() == a.split(4999)[0].fingerprint()
+        (True, False)
+        """
+        import hashlib
+
+        digest = hashlib.sha256(str(len(self)).encode())
+        for a, b in _runs(len(self), FINGERPRINT_RUNS * FINGERPRINT_RUN, FINGERPRINT_RUNS):
+            digest.update(self.read(a, b).astype("<i8").tobytes())
+        return digest.hexdigest()[:16]
+
     def _sample(self) -> Iterator[Any]:
-        n = len(self)
-        if n <= SAMPLE_TOKENS:
-            runs = [(0, n)]
-        else:
-            size = SAMPLE_TOKENS // SAMPLE_CHUNKS
-            runs = [(s, s + size) for s in ((n - size) * i // (SAMPLE_CHUNKS - 1) for i in range(SAMPLE_CHUNKS))]
-        for a, b in runs:
+        for a, b in _runs(len(self), SAMPLE_TOKENS, SAMPLE_CHUNKS):
             yield self.read(a, b)
+
+
+def _runs(n: int, total: int, count: int) -> list[tuple[int, int]]:
+    """``[start, stop)`` of ``count`` evenly spaced runs adding up to ``total`` of ``n`` ids,
+    the first and last included; all of them as one run when ``n <= total``.
+
+    >>> _runs(10, 20, 4), _runs(100, 8, 4)
+    ([(0, 10)], [(0, 2), (32, 34), (65, 67), (98, 100)])
+    """
+    if n <= total:
+        return [(0, n)]
+    size = total // count
+    return [(s, s + size) for s in ((n - size) * i // (count - 1) for i in range(count))]
 
 
 def sidecar_path(path: str | os.PathLike[str]) -> Path:
@@ -375,6 +408,18 @@ def held_out_start(n_tokens: int) -> int:
     900
     """
     return n_tokens - int(n_tokens * HELD_OUT_FRACTION)
+
+
+def training_split(tokens: Tokens, held_out: bool) -> tuple[Tokens, Tokens | None]:
+    """The tokens a run trains on and, when it holds some out (``dtp train --eval-every``),
+    the held-out ones (:func:`held_out_start`): views, nothing is read.
+
+    >>> import numpy as np
+    >>> train, held = training_split(Tokens([np.arange(1000, dtype=np.uint16)]), True)
+    >>> len(train), len(held), training_split(train, False)[1]
+    (900, 100, None)
+    """
+    return tokens.split(held_out_start(len(tokens))) if held_out else (tokens, None)
 
 
 #: Byte text has no EOS token: with ``--document-mask`` its documents are lines.

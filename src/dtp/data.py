@@ -18,6 +18,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any, Sequence
 
@@ -248,13 +249,21 @@ class TokenLoader:
             "batch_size": self.batch_size,
             "seq_len": self.seq_len,
             "num_tokens": self.num_tokens,
+            "fingerprint": self.fingerprint,
         }
+
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        """:meth:`Tokens.fingerprint` of the tokens this loader serves (read once, when
+        first asked): a position means nothing in other tokens of the same count."""
+        return (self._source if self._source is not None else Tokens([self.tokens.cpu().numpy()])).fingerprint()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume from :meth:`state_dict`: the next batch is the one that followed it.
 
         Raises ``ValueError`` if the state was saved by a loader with a
-        different seed, batch size, sequence length or corpus length, since
+        different seed, batch size, sequence length, corpus length or corpus
+        (:attr:`fingerprint`), since
         resuming it would silently yield a different data order.
 
         Example::
@@ -269,8 +278,8 @@ class TokenLoader:
         mine = self.state_dict()
         mismatched = {
             k: (state[k], mine[k])
-            for k in ("seed", "batch_size", "seq_len", "num_tokens")
-            if k in state and state[k] != mine[k]
+            for k in ("seed", "batch_size", "seq_len", "num_tokens", "fingerprint")
+            if k in state and state[k] != mine[k]  # a state from before a key: unchecked
         }
         if mismatched:
             details = ", ".join(f"{k}: saved {s}, loader has {m}" for k, (s, m) in mismatched.items())

@@ -27,7 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .. import CompileOptions, Layout, TrainState, checkpoint, optim, shard_batch, strategies, train_step, wait
 from .._rules import TRAIN_ADAMW
-from .._token_files import SAMPLE_TOKENS, held_out_start, past_vocab, sidecar_path
+from .._token_files import SAMPLE_TOKENS, past_vocab, sidecar_path, training_split
 from ..buffers import lay_out as lay_out_buffers
 from ..guard import ID_KEYS, id_range
 from ..data import TokenLoader, Tokens, document_eos, open_tokens
@@ -69,10 +69,7 @@ def _splits(args: Mapping[str, Any]) -> tuple[Tokens, Tokens | None]:
     """The training tokens and, with ``--eval-every``, the held-out ones (the corpus's last
     tenth, :func:`dtp._token_files.held_out_start`): the same split on every rank and in
     the 1-process reference. Views of the mapped file: nothing is read here."""
-    tokens = _load_data(args)
-    if not args.get("eval_every"):  # run directories from before the flag: no split
-        return tokens, None
-    return tokens.split(held_out_start(len(tokens)))
+    return training_split(_load_data(args), bool(args.get("eval_every")))  # before the flag: no split
 
 
 def _documents(args: Mapping[str, Any], tokens: Tokens) -> int | None:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from .._checkpoint_dirs import checkpoints, latest, read_manifest
-from .._token_files import held_out_start
+from .._token_files import held_out_start, open_tokens, training_split
 from ..config import MODEL_FIELDS, flag_of, master_weights
 from ..models import config as model_config
 from .parser import UsageError
@@ -56,7 +56,8 @@ def check_resume(args: Any, path: Path, cfg: model_config.LlamaConfig, *, n_toke
       ``--data``); router biases are there if ``--router-bias-update`` needs them;
     - ``--seed``, ``--batch``, ``--seq`` are the ones its data position belongs to, and
       the training split has the checkpoint's tokens (``n_tokens``, the corpus's: the
-      same ``--data``, held out alike by ``--eval-every``);
+      same ``--data``, held out alike by ``--eval-every``), the same ids by their
+      fingerprint when the checkpoint records one;
     - with ``--check``, the lr schedule, clipping, precision and MoE hyperparameters are
       the ones the steps already trained ran with: the reference retrains every step
       with this run's flags.
@@ -120,7 +121,7 @@ def check_resume(args: Any, path: Path, cfg: model_config.LlamaConfig, *, n_toke
         raise UsageError(f"{here} holds router biases (trained with --router-bias-update {rate}), which this run "
                          f"would drop; resume with --router-bias-update {rate}")
     _check_precision(args, saved_run, here)
-    _check_split(args, saved_run, (extra.get("loader") or {}).get("num_tokens"), n_tokens, here)
+    _check_split(args, saved_run, extra.get("loader") or {}, n_tokens, here)
     for k in _DATA_ORDER:
         if k in saved_run and saved_run[k] != getattr(args, k):
             raise UsageError(f"{here} was trained with {flag_of(k)} {saved_run[k]}, this run asks for {flag_of(k)} "
@@ -172,13 +173,17 @@ def _check_reference(args: Any, manifest: dict[str, Any], cfg: model_config.Llam
                          f"or drop --check")
 
 
-def _check_split(args: Any, saved_run: dict[str, Any], saved: int | None, n_tokens: int | None, here: str) -> None:
-    """The training split this run reads has the checkpoint's token count (its loader
-    refuses another, but only once the ranks have started, in its own words)."""
+def _check_split(args: Any, saved_run: dict[str, Any], loader: dict[str, Any], n_tokens: int | None,
+                 here: str) -> None:
+    """The training split this run reads has the checkpoint's token count and, of the same
+    count, its ids (``loader``: the checkpoint's loader record; its loader refuses either,
+    but only once the ranks have started, in its own words)."""
+    saved = loader.get("num_tokens")
     if saved is None or n_tokens is None:
         return
     mine = held_out_start(n_tokens) if args.eval_every else n_tokens
     if int(saved) == mine:
+        _check_tokens(args, saved_run, loader.get("fingerprint"), here)
         return
     held_then = saved == held_out_start(n_tokens) if not args.eval_every else saved == n_tokens
     if held_then:  # the same corpus, split otherwise
@@ -189,6 +194,26 @@ def _check_split(args: Any, saved_run: dict[str, Any], saved: int | None, n_toke
     raise UsageError(f"{here} trained on {saved} tokens, this run's --data {args.data or '(the bundled corpus)'} has "
                      f"{mine}{' in its training split' if args.eval_every else ''}: resume with the --data it "
                      f"was trained on ({saved_run.get('data') or 'the bundled corpus'})")
+
+
+def _check_tokens(args: Any, saved_run: dict[str, Any], saved: str | None, here: str) -> None:
+    """This run's training split has the ids the checkpoint trained on (as many: its count
+    is checked), by their fingerprint (:meth:`dtp.data.Tokens.fingerprint`, the loader's
+    record; a checkpoint from before it has none, and is not checked): another ``--data``
+    of the same length would go on at a position that means nothing there."""
+    if saved is None:
+        return
+    tokens = open_tokens(args.data, dtype=args.data_dtype, eos_id=args.eos_id, tokenizer=args.tokenizer)
+    if training_split(tokens, bool(args.eval_every))[0].fingerprint() == saved:
+        return
+    changed = [k for k in ("data", "tokenizer", "data_dtype") if k in saved_run and saved_run[k] != getattr(args, k)]
+    what = f"{args.data or '(the bundled corpus)'}{' (its training split)' if args.eval_every else ''}"
+    if not changed:  # the same flags, other ids: the file was rewritten
+        raise UsageError(f"{here} trained on other ids than this run's --data {what} holds now (as many, but "
+                         f"another fingerprint): has it changed since? resume with the data it was trained on")
+    raise UsageError(f"{here} trained on {saved_run.get('data') or 'the bundled corpus'}, this run's --data {what} "
+                     f"holds as many tokens but other ids (another fingerprint): its data position means nothing "
+                     f"there; resume {_spell(saved_run, changed, remedy=True)}")
 
 
 def _check_precision(args: Any, saved_run: dict[str, Any], here: str) -> None:
