@@ -339,6 +339,16 @@ def test_check_of_a_run_stopped_early_retrains_the_steps_it_trained(small_run, t
     assert "retraining 3 steps of 4 (the run stopped after step 3)" in out and "check: 3 steps" in out, out
 
 
+def test_a_resume_removes_the_check_of_the_steps_before_it(small_run, tmp_path, capsys) -> None:
+    """A run checked (--check, or dtp check) then resumed without --check: before, its
+    check.json stayed, comparing only steps 1-4 of a run of 6 as if it were the run's."""
+    run = tmp_path / "run"
+    shutil.copytree(small_run, run)
+    assert cli.main(["check", str(run)]) == 0 and json.loads((run / "check.json").read_text())["steps"] == 4
+    assert cli.main(["train", *_SMALL, "--resume", "--steps", "6", "--out", str(run)]) == 0
+    assert not (run / "check.json").exists() and len(_losses(run)) == 6
+
+
 def test_check_refuses_a_run_whose_steps_ran_under_other_steps(small_run, tmp_path, monkeypatch, capsys) -> None:
     """--steps may change on resume (4 -> 6: steps 5-6 train); --check then cannot retrain
     steps 1-4 and 5-6 with one set of flags, and says so before any rank starts."""

@@ -389,6 +389,10 @@ def train_rank(args: argparse.Namespace, *, stream: TextIO | None = None) -> int
             if rank != 0:
                 return
             out.mkdir(parents=True, exist_ok=True)
+            # An earlier segment's --check compared only the steps before this one: removed, so
+            # the directory never shows a check of less than the run (this run's --check, or
+            # dtp check, writes one of all its steps; renamed aside, --overwrite would miss it).
+            (out / "check.json").unlink(missing_ok=True)
             # With the flags each earlier segment of a resumed run trained under: dtp check
             # refuses a run no one set of flags retrains (resume.segments_mixed).
             write_json(out / "config.json", {**run_cfg, "layout": layout.name,

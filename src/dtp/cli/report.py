@@ -14,8 +14,10 @@ files, the summary and the loss plot.
 ``loss.png``       the loss curve (matplotlib when installed, a built-in writer if not)
 ``tensorboard/``   with ``--tensorboard``: the same scalars as TensorBoard events
 ``logs/``          ``rank<N>.txt``: the traceback of a rank that crashed
-``check.json``     with ``--check``: per-step losses of the 1-process reference and
-                   the largest absolute / relative difference
+``check.json``     with ``--check`` (or after ``dtp check``): per-step losses of the
+                   1-process reference and the largest absolute / relative difference,
+                   of every step in ``metrics.jsonl``; a ``--resume`` removes it once its
+                   checkpoint has loaded (it would cover only the earlier steps)
 =================  =============================================================
 
 Every file but ``metrics.jsonl`` is written whole to a temporary name and renamed, so a
