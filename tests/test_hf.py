@@ -297,6 +297,43 @@ def test_dtp_train_init_from_then_export_loads_in_transformers(root: Path, tmp_p
     assert json.loads((out / "tokenizer_config.json").read_text()) == {"model_max_length": 16}  # carried too
 
 
+def test_a_resume_of_an_init_from_run_reads_no_weight_file(root: Path, tmp_path: Path, monkeypatch, capsys) -> None:
+    """``--resume`` of an ``--init-from`` run takes the parameters from its checkpoint: with
+    the weight files damaged it continues the uninterrupted run's curve exactly (fp64,
+    resumed under dp2 ZeRO-1, whose state is cut from the file's blocks). Before, the
+    preflight refused the file and every rank read its blocks, only to replace them.
+    ``--check`` still needs them (its reference retrains from them), and says so."""
+    import shutil
+
+    import cli_pool
+    from dtp import cli
+
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(k, raising=False)
+    src, whole, cut = tmp_path / "gqa", tmp_path / "whole", tmp_path / "cut"
+    shutil.copytree(_saved("gqa", root), src)
+    data = tmp_path / "tokens.npy"
+    np = pytest.importorskip("numpy")
+    np.save(data, torch.randint(0, V, (4096,), generator=torch.Generator().manual_seed(1)).numpy())
+    flags = ["--init-from", str(src), "--data", str(data), "--steps", "4", "--batch", "4", "--seq", "16",
+             "--dtype", "float64", "--save-every", "2", "--log-every", "4"]
+    assert cli.main(["train", *flags, "--out", str(whole)]) == 0
+    shutil.copytree(whole, cut)
+    shutil.rmtree(cut / "checkpoints" / "step_00000004")
+    (cut / "metrics.jsonl").write_text("".join((whole / "metrics.jsonl").read_text().splitlines(True)[:2]))
+    weights = src / "model.safetensors"
+    weights.write_bytes(b"\0" * weights.stat().st_size)  # not a safetensors file any more
+    capsys.readouterr()
+    assert cli.main(["train", *flags, "--resume", "--check", "--out", str(cut)]) == 2
+    assert capsys.readouterr().err.startswith(f"dtp train: error: --init-from {src}: {weights} is not a whole")
+    proc = cli_pool.train(monkeypatch, *flags, "--nproc", "2", "--dp", "2", "--zero", "1", "--resume",
+                          "--out", str(cut))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    losses = [[json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+              for run in (cut, whole)]
+    assert len(losses[0]) == 4 and losses[0] == pytest.approx(losses[1], rel=1e-10, abs=0)
+
+
 def test_a_sequence_past_a_mistrals_window_is_refused(root: Path, tmp_path: Path, capsys) -> None:
     """dtp's attention has no sliding window: within it a Mistral is plain causal, past it
     the run would train another model, so ``--seq`` past the window is a usage error."""

@@ -102,11 +102,14 @@ def _zero_parts(cfg: LlamaConfig, paths: list[str], specs: list[P], shapes: list
 
 
 def state_from_hf(path: str | os.PathLike[str], optimizer: GradientTransformation, *, mesh: DeviceMesh,
-                  layout: Layout, dtype: torch.dtype = torch.float32, vocab_multiple: int = 1) -> TrainState:
+                  layout: Layout, dtype: torch.dtype = torch.float32, vocab_multiple: int = 1,
+                  weights: bool = True) -> TrainState:
     """``TrainState.from_hf``: the state ``TrainState.create(from_hf(path)[1], ...)`` builds
     (under ZeRO: the state after step one's bucketing, at step 0), each rank reading only
     its part (module docstring). The model's config is
-    ``dtp.models.hf.config_from_hf(path, vocab_multiple)``.
+    ``dtp.models.hf.config_from_hf(path, vocab_multiple)``. ``weights=False``: its parts
+    are zeros, no weight file is opened (only ``config.json``), for a state a checkpoint
+    loads into (``dtp train --resume`` of an ``--init-from`` run).
 
     Collectives: one small all-gather (the ranks agree on the directory and options, and
     raise any rank's error on all); under ZeRO stage 1/2 one all-gather per bucket.
@@ -144,7 +147,12 @@ def state_from_hf(path: str | os.PathLike[str], optimizer: GradientTransformatio
                     return []  # another stage's: nothing read
                 return None if home is None else _box(spec_of_path[name], home, shape)
 
-        local = hf.read_blocks(path, cfg, dtype, block)
+        if weights:
+            local = hf.read_blocks(path, cfg, dtype, block)
+        else:  # the parts read_blocks would read, as zeros: the same shapes, dtypes and tree
+            structure = optree.tree_structure(shape_tree, is_leaf=lambda x: isinstance(x, tuple))
+            local = optree.tree_unflatten(structure, [_zeros(block(p, shape), shape, d)
+                                                      for p, shape, d in zip(paths, shapes, dtypes)])
         pieces = optree.tree_leaves(local)
         if opts is not None:
             zero_state = _zero_state(opts, metas, local, pieces, plan, mesh)
@@ -182,6 +190,23 @@ def _zero_state(opts: Any, metas: list[zero_plan.Leaf], local: Any, pieces: list
         master.append(wrap_local(flat, mesh, b.spec, zero_plan.flat_global(b, mesh)))
     skeleton = optree.tree_unflatten(optree.tree_structure(local), list(range(len(metas))))
     return zero.ZeroState(opts, tuple(metas), skeleton, plan, tuple(master))
+
+
+def _zeros(want: hf.Box | list[hf.Box] | None, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Zeros of the part :func:`dtp.models.hf.read_blocks` returns for ``want`` (a
+    :data:`~dtp.models.hf.BlockFn`'s answer) of a ``shape`` parameter."""
+    if want is None:
+        return torch.zeros(shape, dtype=dtype)
+    if isinstance(want, list):  # elements of the boxes, flattened and joined
+        return torch.zeros(sum(_numel(box) for box in want), dtype=dtype)
+    return torch.zeros(tuple(b - a for a, b in want), dtype=dtype)
+
+
+def _numel(box: hf.Box) -> int:
+    n = 1
+    for a, b in box:
+        n *= b - a
+    return n
 
 
 def _leaf(tree: Any, name: str) -> Any:

@@ -114,13 +114,16 @@ class TrainState:
 
     @classmethod
     def from_hf(cls, path: str, optimizer: GradientTransformation, *, mesh: DeviceMesh, layout: Layout,
-                dtype: torch.dtype = torch.float32, vocab_multiple: int = 1) -> "TrainState":
+                dtype: torch.dtype = torch.float32, vocab_multiple: int = 1, weights: bool = True) -> "TrainState":
         """The state of a Hugging Face directory's model, each rank reading only what it
         holds (blocks, ZeRO slices, stages: :func:`dtp.hf_state.state_from_hf`); it trains
-        as ``create(models.hf.from_hf(path, dtype, vocab_multiple)[1], ...)`` does."""
+        as ``create(models.hf.from_hf(path, dtype, vocab_multiple)[1], ...)`` does.
+        ``weights=False``: zeros in its place, only ``config.json`` read (a state that
+        :func:`dtp.checkpoint.load` then fills, ``like=`` it)."""
         from .hf_state import state_from_hf  # it builds on this module
 
-        return state_from_hf(path, optimizer, mesh=mesh, layout=layout, dtype=dtype, vocab_multiple=vocab_multiple)
+        return state_from_hf(path, optimizer, mesh=mesh, layout=layout, dtype=dtype, vocab_multiple=vocab_multiple,
+                             weights=weights)
 
     def replace(self, **changes: Any) -> "TrainState":
         if "params" in changes and "zero" not in changes and strategies.owns_params(self.zero):

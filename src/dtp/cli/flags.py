@@ -257,7 +257,8 @@ def preflight(args: argparse.Namespace, *, check_out: bool = True) -> Layout:
     layout's presets, the model against the layout on the mesh's shape (heads, kv heads,
     vocabulary, experts divisible by their splits), the pipeline's layers and
     microbatches, the sequence against context parallel, the corpus against a batch,
-    ``--init-from``'s weight files (there and whole: their headers against their sizes),
+    ``--init-from``'s weight files (there and whole: their headers against their sizes;
+    with ``--resume``, only for ``--check``),
     with ``--resume`` the checkpoint against the flags (:func:`check_resume`), and the
     run directory (``check_out``: writable; not an earlier run's unless ``--resume`` or
     ``--overwrite``). Returns the layout.
@@ -267,7 +268,9 @@ def preflight(args: argparse.Namespace, *, check_out: bool = True) -> Layout:
     are the ones ``train_step`` checks again on every rank, before any collective.
     """
     layout, cfg, n_tokens = _check_run(args)
-    if args.init_from is not None:  # its weights too (dtp plan reads only its config.json)
+    # Its weights too (dtp plan reads only its config.json); not for a --resume, whose
+    # checkpoint holds them (the ranks read none), unless --check's reference retrains from them.
+    if args.init_from is not None and (not args.resume or args.check):
         try:
             check_weight_files(args.init_from)
         except (OSError, ValueError) as e:

@@ -146,9 +146,12 @@ def train_loop(args: Mapping[str, Any], mesh: DeviceMesh, layout: Layout, *, rec
     opt = optim.adamw(schedule, **TRAIN_ADAMW)
     # axis_sizes: the layout's rules (heads per tp × Ulysses degree, kv heads per head
     # chunk, vocab per tp …) are checked here, on every rank, before any collective.
+    resuming = checkpoints is not None and checkpoints.resume_from is not None
     if args.get("init_from"):  # each rank reads only its blocks of the weight files
+        # Resuming, the checkpoint replaces them: only config.json is read (the weight files
+        # may be gone, and every rank would read its blocks for nothing).
         state = TrainState.from_hf(args["init_from"], opt, mesh=mesh, layout=layout, dtype=dtype,
-                                   vocab_multiple=hf.INIT_VOCAB_MULTIPLE)
+                                   vocab_multiple=hf.INIT_VOCAB_MULTIPLE, weights=not resuming)
         if buffers := llama.init_buffers(cfg, dtype):  # aux-loss-free balancing's router biases
             state = state.replace(buffers=lay_out_buffers(buffers, mesh), buffer_update=llama.buffer_update(cfg))
     else:
@@ -167,7 +170,7 @@ def train_loop(args: Mapping[str, Any], mesh: DeviceMesh, layout: Layout, *, rec
     flops_per_token = llama.flops_per_token(cfg, args["seq"])
     peak = _matmul_rate(dtype, mesh_device(mesh)) * mesh.size()
     first, earlier = 1, []
-    if checkpoints is not None and checkpoints.resume_from is not None:
+    if resuming:
         # The same state and data position whatever the flags it was saved under:
         # checkpoint.load reshards, the loader refuses another seed/batch/seq/corpus.
         state, extra = checkpoint.load(checkpoints.resume_from, like=state)
