@@ -23,6 +23,7 @@ never read), then wraps it as its piece of the DTensor:
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any, Callable
 
@@ -198,15 +199,8 @@ def _zeros(want: hf.Box | list[hf.Box] | None, shape: tuple[int, ...], dtype: to
     if want is None:
         return torch.zeros(shape, dtype=dtype)
     if isinstance(want, list):  # elements of the boxes, flattened and joined
-        return torch.zeros(sum(_numel(box) for box in want), dtype=dtype)
+        return torch.zeros(sum(math.prod(b - a for a, b in box) for box in want), dtype=dtype)
     return torch.zeros(tuple(b - a for a, b in want), dtype=dtype)
-
-
-def _numel(box: hf.Box) -> int:
-    n = 1
-    for a, b in box:
-        n *= b - a
-    return n
 
 
 def _leaf(tree: Any, name: str) -> Any:
