@@ -191,6 +191,18 @@ def test_a_resume_that_cannot_work_is_refused_before_any_rank(small_run, tmp_pat
     assert _contents(run) == before
 
 
+def test_a_tokenized_resume_that_toggles_the_document_mask_names_the_mask() -> None:
+    """With --tokenizer the mask decides the ids (each line ended by the EOS, or the text
+    encoded whole), so the token count differs: the line names the mask, not another --data."""
+    from dtp.cli import resume
+
+    args = parse_args(["train", "--data", "corpus.txt", "--tokenizer", "tokenizer.json", "--resume", "--out", "run"])
+    saved = {"data": "corpus.txt", "tokenizer": "tokenizer.json", "document_mask": True}
+    with pytest.raises(cli.UsageError, match=r"^--resume: RUN was trained with --document-mask, which with "
+                                             r"--tokenizer decides the ids .*; resume with --document-mask$"):
+        resume._check_split(args, saved, 2160, 2040, "--resume: RUN")
+
+
 def test_a_resume_that_would_drop_the_router_biases_is_refused(tmp_path, monkeypatch, capsys) -> None:
     """Router biases (aux-loss-free balancing) live in the checkpoint as buffers; a run
     without --router-bias-update has no place for them and would load without them."""

@@ -186,6 +186,14 @@ def _check_split(args: Any, saved_run: dict[str, Any], saved: int | None, n_toke
                 "no --eval-every, so the whole corpus trained")
         raise UsageError(f"{here} was trained with {flag}: its data position is one of that split's batches; "
                          f"resume {'with --eval-every N' if not args.eval_every else 'without --eval-every'}")
+    masked = bool(saved_run.get("document_mask"))
+    if args.tokenizer and saved_run.get("tokenizer") and masked != bool(args.document_mask):
+        # The same text and tokenizer: with --tokenizer the mask decides the ids (each line
+        # ended by the EOS, or the text encoded whole: dtp._token_files._encode).
+        said = "--document-mask" if masked else "no --document-mask"
+        raise UsageError(f"{here} was trained with {said}, which with --tokenizer decides the ids (each line ended "
+                         f"by the EOS, or the text encoded whole): its data position is one of those ids' batches; "
+                         f"resume {'with' if masked else 'without'} --document-mask")
     raise UsageError(f"{here} trained on {saved} tokens, this run's --data {args.data or '(the bundled corpus)'} has "
                      f"{mine}{' in its training split' if args.eval_every else ''}: resume with the --data it "
                      f"was trained on ({saved_run.get('data') or 'the bundled corpus'})")
