@@ -254,11 +254,10 @@ def _encode(text_path: str | None, tokenizer: str, documents: bool = False,
     The EOS ids are appended only with ``documents`` (``--document-mask``), never merely
     because the tokenizer has one. That flag is what says the text's lines are documents, as
     for byte text; without it a line break is layout (the bundled corpus is prose wrapped at
-    70 columns), and the text stays one stream encoded whole, as before: a run without the
-    mask keeps the ids it trained on (``--resume`` counts them), ``--check`` compares the
-    same ids. A masked run trains the model to emit the EOS at a line's end (its target is
-    learnt; only the EOS's own target, the next document's first token, is masked), which
-    is what ``generate`` stops at once the export's tokenizer names it.
+    72 columns), and the text stays one stream encoded whole, as before: a run without the
+    mask keeps the ids it trained on (``--resume`` counts them). A masked run trains the
+    model to emit the EOS at a line's end (that target is learnt; only the EOS's own, the
+    next document's first token, is masked): the id generation stops at.
     """
     import numpy as np
 
