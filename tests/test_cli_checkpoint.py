@@ -233,7 +233,8 @@ def test_the_fingerprint_is_of_the_ids_the_checkpoint_trained_on(tmp_path, eval_
     np.save(data, ids)
     train = training_split(open_tokens(data), bool(eval_every))[0]
     loader = {"num_tokens": len(train), "fingerprint": train.fingerprint()}
-    args = argparse.Namespace(data=str(data), data_dtype=None, eos_id=None, tokenizer=None, eval_every=eval_every)
+    args = argparse.Namespace(data=str(data), data_dtype=None, eos_id=None, tokenizer=None, eval_every=eval_every,
+                              document_mask=False)
     saved_run = {"data": str(data), "tokenizer": None, "data_dtype": None}
     for where in (len(ids) - 1, 0):  # the last id (held out under --eval-every), the first (trained)
         changed = ids.copy()
@@ -248,6 +249,18 @@ def test_the_fingerprint_is_of_the_ids_the_checkpoint_trained_on(tmp_path, eval_
                                 f"{' (its training split)' if eval_every else ''} holds now (as many, but another "
                                 f"fingerprint): has it changed since? resume with the data it was trained on")
     _check_split(args, saved_run, {"num_tokens": len(train)}, len(ids), "--resume: RUN")  # no record: unchecked
+
+
+def test_a_tokenized_resume_that_toggles_the_document_mask_names_the_mask() -> None:
+    """With --tokenizer the mask decides the ids (each line ended by the EOS, or the text
+    encoded whole), so the token count differs: the line names the mask, not another --data."""
+    from dtp.cli import resume
+
+    args = parse_args(["train", "--data", "corpus.txt", "--tokenizer", "tokenizer.json", "--resume", "--out", "run"])
+    saved = {"data": "corpus.txt", "tokenizer": "tokenizer.json", "document_mask": True}
+    with pytest.raises(cli.UsageError, match=r"^--resume: RUN was trained with --document-mask, which with "
+                                             r"--tokenizer decides the ids .*; resume with --document-mask$"):
+        resume._check_split(args, saved, {"num_tokens": 2160}, 2040, "--resume: RUN")
 
 
 def test_a_resume_that_would_drop_the_router_biases_is_refused(tmp_path, monkeypatch, capsys) -> None:

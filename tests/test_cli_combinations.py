@@ -188,6 +188,9 @@ ROWS: dict[str, list[str]] = {
     "dp2 uint32 shard directory, eval": ["--dp", "2", "--data", "{uint32_dir}", "--data-dtype", "uint32",
                                          "--eos-id", "1", "--eval-every", "3"],
     "tp2 sp text through a tokenizer.json": ["--tp", "2", "--sp", "--data", "{text}", "--tokenizer", "{tokenizer}"],
+    # each line a document, encoded alone and ended by the EOS its tokenizer_config.json names
+    "cp2 ring document-mask, text through a tokenizer.json": ["--cp", "2", "--cp-algo", "ring", "--document-mask",
+                                                              "--data", "{text}", "--tokenizer", "{tokenizer}"],
 }
 
 # The default run's sample: one row of each family, the defects of issue 20 among them.
@@ -195,7 +198,8 @@ ROWS: dict[str, list[str]] = {
 SAMPLE = ["dp4 zero3 both overlaps", "cp2 ring document-mask", "cp4 double_ring window 2", "cp4 hybrid ulysses 2",
           "pp2 1f1b", "moe dp2 m2", "moe ep2 tp2 sp sigmoid bias-update m2",
           "moe pp2 ep2 dualpipev sigmoid bias-update m4, eval", "dp2 uint32 shard directory, eval",
-          "init-from HF dir dp2 tp2 sp zero3, text through a tokenizer.json", "tp2 sp async-tp"]
+          "init-from HF dir dp2 tp2 sp zero3, text through a tokenizer.json", "tp2 sp async-tp",
+          "cp2 ring document-mask, text through a tokenizer.json"]
 
 # Flags no row sets, and why.
 NOT_ROWS = {
@@ -216,7 +220,8 @@ def _data_files() -> dict[str, str]:
     """The files the data rows name, made once per session: a directory of three uint32
     shards (ids past the bundled corpus's bytes, below 512) with its sidecar, one of ids below
     300 for the HF rows, and a text
-    with a word-level tokenizer.json trained on it here (tests/test_token_files.py)."""
+    with a word-level tokenizer.json trained on it here (tests/test_token_files.py) and a
+    tokenizer_config.json beside it that names its EOS (the Hugging Face layout)."""
     import numpy as np
 
     from test_token_files import TEXT, make_tokenizer
@@ -234,6 +239,7 @@ def _data_files() -> dict[str, str]:
         part.tofile(small / f"part_{i}.bin")
     (small / "tokens.json").write_text(json.dumps({"dtype": "uint32", "eos_id": 1}))
     (root / "corpus.txt").write_text(TEXT * 40)
+    (root / "tokenizer_config.json").write_text(json.dumps({"eos_token": "[EOS]"}))
     return {"uint32_dir": str(shards), "uint32_dir_300": str(small), "text": str(root / "corpus.txt"),
             "tokenizer": str(make_tokenizer(root / "tokenizer.json"))}
 
@@ -254,6 +260,8 @@ def _needs(name: str) -> None:
     """Skip a row whose optional package is missing (CI installs the test extra, which has them)."""
     if "--init-from" in ROWS[name]:
         pytest.importorskip("safetensors")
+    if "--tokenizer" in ROWS[name]:
+        pytest.importorskip("tokenizers")
 
 
 def _flags(name: str) -> list[str]:

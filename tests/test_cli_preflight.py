@@ -439,6 +439,28 @@ def test_document_mask_reads_the_sample_once_and_its_note_names_the_command(tmp_
                                        f"of 64 of the 10000 tokens of --data; check the id\n")
 
 
+def test_document_mask_through_a_tokenizer_that_names_no_eos_is_one_line(tmp_path, capsys) -> None:
+    """``--document-mask`` on text through a tokenizer.json with no tokenizer_config.json
+    beside it and none of the usual end-of-text tokens: one line naming --eos-id, exit 2,
+    before any rank; with --eos-id the same run passes the preflight."""
+    pytest.importorskip("tokenizers")
+    from test_token_files import TEXT, make_tokenizer
+
+    from dtp.cli import flags
+
+    tokenizer = make_tokenizer(tmp_path / "tokenizer.json")
+    (tmp_path / "corpus.txt").write_text(TEXT * 4)
+    argv = ["train", "--document-mask", "--data", str(tmp_path / "corpus.txt"), "--tokenizer", str(tokenizer),
+            "--batch", "2", "--seq", "16", "--out", str(tmp_path / "run")]
+    assert cli.main(argv) == 2
+    assert capsys.readouterr().err == (
+        f"dtp train: error: --document-mask: --tokenizer {tokenizer} names no end-of-text token to end each line (no "
+        f"eos_token in a tokenizer_config.json beside it, none of </s> <|end_of_text|> <|endoftext|> <eos> "
+        f"<\uff5cend\u2581of\u2581sentence\uff5c> in its vocabulary); pass --eos-id\n")
+    assert not (tmp_path / "run").exists()
+    flags.check_config(flags.parse_args([*argv, "--eos-id", "1"]))  # [EOS]: the run is checked, nothing refused
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float64"])
 def test_the_lr_refused_is_the_lr_torch_refuses(dtype) -> None:
     """The preflight refuses an ``--lr`` exactly when the rank's AdamW (``dtp.cli.loop``'s

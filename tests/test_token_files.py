@@ -173,13 +173,15 @@ def test_the_fingerprint_reads_a_bounded_sample_and_not_the_storage(tmp_path, mo
 TEXT = "the cat sat on the mat\nthe dog sat on the log\na cat and a dog\n" * 3
 
 
-def make_tokenizer(path: Path) -> Path:
-    """A tiny word-level tokenizer trained here on :data:`TEXT`."""
+def make_tokenizer(path: Path, specials: tuple[str, ...] = ("[UNK]", "[EOS]")) -> Path:
+    """A tiny word-level tokenizer trained here on :data:`TEXT`, with ``specials`` (the
+    default's [EOS] is none of the usual end-of-text spellings, dtp's EOS_TOKENS)."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
+    path.parent.mkdir(parents=True, exist_ok=True)
     tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.train_from_iterator(TEXT.splitlines(), trainers.WordLevelTrainer(special_tokens=["[UNK]", "[EOS]"]))
+    tok.train_from_iterator(TEXT.splitlines(), trainers.WordLevelTrainer(special_tokens=list(specials)))
     tok.save(str(path))
     return path
 
@@ -198,6 +200,75 @@ def test_tokenizer_tokenizes_text(tmp_path):
     assert token_stats(text, tokenizer=tokenizer) == (51, vocab - 1, None, None)  # the tokenizer's vocabulary
     with pytest.raises(ValueError, match="not a tokenizer.json"):
         open_tokens(text, tokenizer=text)
+
+
+def test_document_mask_encodes_each_line_and_ends_it_with_the_tokenizers_eos(tmp_path):
+    """With ``documents`` (``--document-mask``) tokenized text is its lines, each encoded on its
+    own and followed by the EOS (a blank line is no document, a final newline opens none);
+    without it the ids are the whole text's encoding, as before (no EOS)."""
+    pytest.importorskip("tokenizers")
+    from tokenizers import Tokenizer
+
+    tokenizer = make_tokenizer(tmp_path / "tokenizer.json", ("[UNK]", "<|endoftext|>"))
+    tok = Tokenizer.from_file(str(tokenizer))
+    eos = tok.token_to_id("<|endoftext|>")
+    lines = ["the cat sat on the mat", "", "a dog", "the log"]
+    text = tmp_path / "corpus.txt"
+    text.write_text("\n".join(lines) + "\n")
+    expected = [i for line in lines if line for i in (*tok.encode(line, add_special_tokens=False).ids, eos)]
+    tokens = open_tokens(text, tokenizer=tokenizer, documents=True)
+    assert tokens.read(0, len(tokens)).tolist() == expected and tokens.eos_id == eos
+    assert expected.count(eos) == 3 and expected[-1] == eos
+    assert token_stats(text, tokenizer=tokenizer, documents=True) == (len(expected), tok.get_vocab_size() - 1, eos, True)
+    plain = open_tokens(text, tokenizer=tokenizer)
+    assert plain.read(0, len(plain)).tolist() == tok.encode(text.read_text(), add_special_tokens=False).ids
+    assert eos not in plain.read(0, len(plain)).tolist() and plain.eos_id is None
+
+
+def test_the_eos_is_eos_id_then_a_tokenizer_config_then_a_usual_token_of_the_vocabulary(tmp_path):
+    """Where the EOS comes from, first found first: ``--eos-id``; the ``eos_token`` of a
+    tokenizer_config.json beside the tokenizer.json (a string, or an AddedToken's object),
+    else of a special_tokens_map.json; else the first usual end-of-text token the vocabulary
+    holds. A named eos_token the vocabulary lacks, or an --eos-id past it, is refused."""
+    pytest.importorskip("tokenizers")
+    from tokenizers import Tokenizer
+
+    text = tmp_path / "corpus.txt"
+    text.write_text("a cat\na dog\n")
+
+    def eos(case: str, sidecar: tuple[str, dict] | None = None, eos_id: int | None = None) -> int:
+        tokenizer = make_tokenizer(tmp_path / case / "tokenizer.json", ("[UNK]", "[EOS]", "</s>", "<eos>"))
+        if sidecar:
+            (tokenizer.parent / sidecar[0]).write_text(json.dumps(sidecar[1]))
+        return open_tokens(text, tokenizer=tokenizer, eos_id=eos_id, documents=True).eos_id
+
+    vocab = Tokenizer.from_file(str(make_tokenizer(tmp_path / "tokenizer.json", ("[UNK]", "[EOS]", "</s>", "<eos>"))))
+    assert eos("vocabulary") == vocab.token_to_id("</s>")  # "</s>" comes before "<eos>"
+    assert eos("config", ("tokenizer_config.json", {"eos_token": "[EOS]"})) == vocab.token_to_id("[EOS]")
+    added = {"eos_token": {"__type": "AddedToken", "content": "<eos>", "special": True}}
+    assert eos("added token", ("tokenizer_config.json", added)) == vocab.token_to_id("<eos>")
+    assert eos("map", ("special_tokens_map.json", {"eos_token": "[EOS]"})) == vocab.token_to_id("[EOS]")
+    assert eos("flag", ("tokenizer_config.json", {"eos_token": "[EOS]"}), eos_id=5) == 5
+    with pytest.raises(ValueError, match=r"tokenizer_config\.json: eos_token '<\|im_end\|>' is not in the "
+                                         r"vocabulary of .*; pass --eos-id$"):
+        eos("another's", ("tokenizer_config.json", {"eos_token": "<|im_end|>"}))
+    with pytest.raises(ValueError, match=r"^--eos-id 99: outside the vocabulary of --tokenizer .* \(ids 0 to 12\)$"):
+        eos("past", eos_id=99)
+
+
+def test_document_mask_with_a_tokenizer_of_no_eos_is_refused(tmp_path):
+    """No --eos-id, no tokenizer_config.json, none of the usual end-of-text tokens (the test
+    tokenizer's [EOS] is not one): nothing ends a line, refused in one line naming --eos-id;
+    without the mask the text still tokenizes."""
+    pytest.importorskip("tokenizers")
+    tokenizer = make_tokenizer(tmp_path / "tokenizer.json")
+    text = tmp_path / "corpus.txt"
+    text.write_text(TEXT)
+    with pytest.raises(ValueError, match=r"^--document-mask: --tokenizer .*tokenizer\.json names no end-of-text "
+                                         r"token to end each line \(no eos_token in a tokenizer_config\.json beside "
+                                         r"it, none of </s> <\|end_of_text\|> .* in its vocabulary\); pass --eos-id$"):
+        token_stats(text, tokenizer=tokenizer, documents=True)
+    assert len(open_tokens(text, tokenizer=tokenizer)) == 51
 
 
 def test_token_stats_sample_is_bounded(monkeypatch):

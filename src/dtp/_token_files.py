@@ -9,7 +9,9 @@ corpus must fill a batch, the vocabulary must hold every id).
   ``--data-dtype`` says ``uint32``;
 * a ``.npy`` file: a 1-D integer array (its header read by ``np.load(mmap_mode="r")``);
 * a directory of ``.bin`` or ``.npy`` shards: read as one stream, shards in name order;
-* any other file: text, byte tokens, or ``--tokenizer``'s (Hugging Face ``tokenizers``).
+* any other file: text, byte tokens, or ``--tokenizer``'s (Hugging Face ``tokenizers``);
+  with ``--document-mask`` its lines are documents (a byte text's end at its newlines, a
+  tokenized text's lines are encoded one by one, each followed by the tokenizer's EOS).
 
 The sidecar is a small JSON object beside a file (``train.bin.json``) or in a shard
 directory (``tokens.json``): ``{"dtype": "uint32", "eos_id": 2, "vocab_size": 32000}``, every
@@ -35,8 +37,9 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Iterator, NamedTuple, Sequence
 
-__all__ = ["Tokens", "open_tokens", "document_eos", "token_stats", "TokenStats", "held_out_start", "HELD_OUT_FRACTION",
-           "training_split", "DTYPES", "SIDECAR", "SAMPLE_TOKENS", "sidecar_path", "past_vocab"]
+__all__ = ["Tokens", "open_tokens", "document_eos", "tokenizer_eos", "EOS_TOKENS", "token_stats", "TokenStats",
+           "held_out_start", "HELD_OUT_FRACTION", "training_split", "DTYPES", "SIDECAR", "SAMPLE_TOKENS",
+           "sidecar_path", "past_vocab"]
 
 # The held-out split (``dtp train --eval-every``): the corpus's last tenth. The end of the
 # file, not a random sample: windows that straddle the cut would leak training text.
@@ -264,10 +267,32 @@ def _map(path: Path, dtype: str | None) -> tuple[Any, str]:
     return (_mapped(path, np.dtype(dtype).newbyteorder("<"), 0, nbytes // size) if nbytes else None), dtype
 
 
+# The end-of-text tokens of the usual tokenizer families, tried in this order when neither
+# --eos-id nor a tokenizer_config.json names one: Llama 2 / Mistral / T5, Llama 3, GPT-2 /
+# Qwen / Phi, Gemma, DeepSeek (whose bars are full-width).
+EOS_TOKENS = ("</s>", "<|end_of_text|>", "<|endoftext|>", "<eos>", "<\uff5cend\u2581of\u2581sentence\uff5c>")
+# What names a tokenizer's special tokens beside its tokenizer.json (the Hugging Face layout).
+_TOKENIZER_CONFIGS = ("tokenizer_config.json", "special_tokens_map.json")
+_LINES_AT_ONCE = 8192  # lines encoded per encode_batch call: bounds the Encoding objects alive at once
+
+
 @functools.lru_cache(maxsize=4)
-def _encode(text_path: str, tokenizer: str) -> tuple[Any, int]:
-    """Text tokenized by a ``tokenizer.json`` (cached: the preflight, rank 0 and the
-    reference all ask); returns the ids (numpy) and the tokenizer's vocabulary size."""
+def _encode(text_path: str | None, tokenizer: str, documents: bool = False,
+            eos_id: int | None = None) -> tuple[Any, int, int | None]:
+    """Text tokenized by a ``tokenizer.json``: the ids (numpy), the tokenizer's vocabulary
+    size and, with ``documents``, the EOS id that ends each line (:func:`tokenizer_eos`).
+
+    Cached, and keyed by ``documents``: the preflight, rank 0's loader and ``--check``'s
+    reference all ask, and must all get the same ids.
+
+    The EOS ids are appended only with ``documents`` (``--document-mask``), never merely
+    because the tokenizer has one. That flag is what says the text's lines are documents, as
+    for byte text; without it a line break is layout (the bundled corpus is prose wrapped at
+    72 columns), and the text stays one stream encoded whole, as before: a run without the
+    mask keeps the ids it trained on (``--resume`` counts them). A masked run trains the
+    model to emit the EOS at a line's end (that target is learnt; only the EOS's own, the
+    next document's first token, is masked): the id generation stops at.
+    """
     import numpy as np
 
     try:
@@ -278,10 +303,54 @@ def _encode(text_path: str, tokenizer: str) -> tuple[Any, int]:
         tok = Tokenizer.from_file(tokenizer)
     except Exception as e:  # the library raises its own Exception subclass for a bad file
         raise ValueError(f"--tokenizer {tokenizer}: not a tokenizer.json ({' '.join(str(e).split())[:120]})") from None
+    vocab = tok.get_vocab_size()
+    dtype = np.uint16 if vocab <= 1 << 16 else np.uint32
     text = _text(text_path)
-    ids = tok.encode(text, add_special_tokens=False).ids
-    dtype = np.uint16 if tok.get_vocab_size() <= 1 << 16 else np.uint32
-    return np.asarray(ids, dtype=dtype), tok.get_vocab_size()
+    if not documents:
+        return np.asarray(tok.encode(text, add_special_tokens=False).ids, dtype=dtype), vocab, None
+    if eos_id is not None and eos_id >= vocab:
+        raise ValueError(f"--eos-id {eos_id}: outside the vocabulary of --tokenizer {tokenizer} (ids 0 to {vocab - 1})")
+    eos = eos_id if eos_id is not None else tokenizer_eos(tok, tokenizer)
+    if eos is None:
+        raise ValueError(f"--document-mask: --tokenizer {tokenizer} names no end-of-text token to end each line "
+                         f"(no eos_token in a tokenizer_config.json beside it, none of {' '.join(EOS_TOKENS)} in "
+                         f"its vocabulary); pass --eos-id")
+    # Lines end at "\n" alone, as byte text's documents do; a final line break opens no
+    # document. Each line is encoded alone (no merge across its end) and followed by the
+    # EOS, the last one too (Megatron's --append-eod); a line of no ids is no document.
+    lines = text.split("\n")
+    if lines[-1] == "":
+        lines.pop()
+    pieces = []
+    for start in range(0, len(lines), _LINES_AT_ONCE):
+        batch = tok.encode_batch(lines[start:start + _LINES_AT_ONCE], add_special_tokens=False)
+        pieces.append(np.asarray([i for e in batch if e.ids for i in (*e.ids, eos)], dtype=dtype))
+    return (np.concatenate(pieces) if pieces else np.empty(0, dtype)), vocab, eos
+
+
+def tokenizer_eos(tok: Any, path: str | os.PathLike[str]) -> int | None:
+    """The end-of-text id of ``tok`` (a ``tokenizers.Tokenizer`` read from ``path``): the
+    ``eos_token`` of a ``tokenizer_config.json`` (else ``special_tokens_map.json``) beside
+    ``path``, else the first of :data:`EOS_TOKENS` in its vocabulary; ``None`` when none is.
+    A named ``eos_token`` the vocabulary lacks is a ``ValueError`` (another tokenizer's file).
+
+    >>> class Vocab(dict):  # a Tokenizer's one method used here
+    ...     token_to_id = dict.get
+    >>> tokenizer_eos(Vocab({"a": 0, "<|endoftext|>": 1}), "/none/tokenizer.json")
+    1
+    """
+    for name in _TOKENIZER_CONFIGS:
+        side = Path(path).parent / name
+        try:
+            named = json.loads(side.read_text()).get("eos_token")
+        except (OSError, ValueError, AttributeError):  # absent, unreadable, or not a JSON object
+            continue
+        named = named.get("content") if isinstance(named, dict) else named  # an AddedToken's form
+        if isinstance(named, str):
+            if tok.token_to_id(named) is None:
+                raise ValueError(f"{side}: eos_token {named!r} is not in the vocabulary of {path}; pass --eos-id")
+            return tok.token_to_id(named)
+    return next((tok.token_to_id(t) for t in EOS_TOKENS if tok.token_to_id(t) is not None), None)
 
 
 def _text(path: str | None) -> str:
@@ -290,9 +359,11 @@ def _text(path: str | None) -> str:
 
 
 def open_tokens(path: str | os.PathLike[str] | None, *, dtype: str | None = None, eos_id: int | None = None,
-                tokenizer: str | os.PathLike[str] | None = None) -> Tokens:
+                tokenizer: str | os.PathLike[str] | None = None, documents: bool = False) -> Tokens:
     """The token ids ``--data`` names (formats: this module's docstring); token files are
-    memory-mapped, text is tokenized in memory.
+    memory-mapped, text is tokenized in memory. With ``documents`` (``--document-mask``)
+    text through ``tokenizer`` is its lines, each encoded alone and followed by the
+    tokenizer's EOS (``eos_id``, else :func:`tokenizer_eos`), which is the result's ``eos_id``.
 
     Raises ``FileNotFoundError`` for a missing path and ``ValueError`` for a file that holds
     no tokens, a wrong shape, dtype or size, a bad sidecar, or a flag that does not apply.
@@ -314,7 +385,9 @@ def open_tokens(path: str | os.PathLike[str] | None, *, dtype: str | None = None
         if dtype is not None:
             raise ValueError(f"{p or 'the bundled corpus'}: --data-dtype is for .bin token files, not text")
         if tokenizer is not None:
-            ids, vocab = _encode(None if p is None else str(p), str(tokenizer))
+            ids, vocab, found = _encode(None if p is None else str(p), str(tokenizer), documents,
+                                        eos_id if documents else None)
+            eos_id = found if documents else eos_id
         else:  # byte tokens
             raw = (resources.files("dtp") / "assets" / "corpus.txt").read_bytes() if p is None else p.read_bytes()
             ids, vocab = np.frombuffer(raw, dtype=np.uint8), None
@@ -373,7 +446,7 @@ def token_stats(path: str | os.PathLike[str] | None, *, dtype: str | None = None
     >>> token_stats(None, documents=True)[2:]       # the bundled corpus: lines of bytes
     (10, True)
     """
-    tokens = open_tokens(path, dtype=dtype, eos_id=eos_id, tokenizer=tokenizer)
+    tokens = open_tokens(path, dtype=dtype, eos_id=eos_id, tokenizer=tokenizer, documents=documents)
     end = document_eos(tokens) if documents else None
     if tokenizer is not None and end is None:  # nothing to read: a tokenizer's ids are all below its vocabulary
         return TokenStats(len(tokens), tokens.vocab_size - 1)
@@ -427,8 +500,9 @@ NEWLINE = 10
 
 
 def document_eos(tokens: Tokens) -> int:
-    """The id that ends a document in ``tokens``: its EOS id (``--eos-id`` or the
-    sidecar's), or for byte text the newline byte; ``ValueError`` when it has none.
+    """The id that ends a document in ``tokens``: its EOS id (``--eos-id``, the sidecar's, or
+    the tokenizer's that ended each line: ``open_tokens(documents=True)``), or for byte
+    text the newline byte; ``ValueError`` when it has none.
 
     >>> import numpy as np
     >>> document_eos(Tokens([np.frombuffer(b"one\\ntwo", dtype=np.uint8)]))

@@ -137,7 +137,7 @@ class RunConfig:
     seed: int = 0
     data: str | None = None  # a token file, a directory of shards, or text; None: the bundled corpus
     data_dtype: str | None = None  # a .bin file's ids, uint16 or uint32; None: its sidecar's, else uint16
-    eos_id: int | None = None  # the id that ends a document; None: the token sidecar's
+    eos_id: int | None = None  # the id that ends a document; None: the token sidecar's, or --tokenizer's EOS
     tokenizer: str | None = None  # a Hugging Face tokenizer.json for text data; None: byte tokens
     document_mask: bool = False  # packed documents: attention and RoPE positions per document (ops.documents)
     max_skipped: int = DEFAULT_MAX_SKIPPED  # 0: never abort

@@ -52,17 +52,20 @@ def _torch_dtype(name: str) -> torch.dtype:
 
 
 @functools.lru_cache(maxsize=2)  # rank 0 opens it for the run config, then trains with it
-def _open_data(path: str | None, dtype: str | None, eos_id: int | None, tokenizer: str | None) -> Tokens:
+def _open_data(path: str | None, dtype: str | None, eos_id: int | None, tokenizer: str | None,
+               documents: bool) -> Tokens:
     try:
-        return open_tokens(path, dtype=dtype, eos_id=eos_id, tokenizer=tokenizer)
+        return open_tokens(path, dtype=dtype, eos_id=eos_id, tokenizer=tokenizer, documents=documents)
     except (FileNotFoundError, IsADirectoryError, PermissionError) as e:
         raise UsageError(f"--data: {e}") from None
 
 
 def _load_data(args: Mapping[str, Any] | argparse.Namespace) -> Tokens:
-    """``--data`` as the run's flags describe it: memory-mapped token files, or text in memory."""
+    """``--data`` as the run's flags describe it: memory-mapped token files, or text in memory
+    (through ``--tokenizer``, with ``--document-mask`` a line at a time, each ended by the EOS:
+    the ids the preflight counted)."""
     get = args.get if isinstance(args, Mapping) else lambda k: getattr(args, k, None)
-    return _open_data(get("data"), get("data_dtype"), get("eos_id"), get("tokenizer"))
+    return _open_data(get("data"), get("data_dtype"), get("eos_id"), get("tokenizer"), bool(get("document_mask")))
 
 
 def _splits(args: Mapping[str, Any]) -> tuple[Tokens, Tokens | None]:

@@ -201,10 +201,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--data-dtype", choices=TOKEN_DTYPES, default=RUN_DEFAULTS["data_dtype"],
                    help="the ids of --data's .bin files (default: the sidecar's dtype, else uint16)")
     g.add_argument("--eos-id", type=_non_negative_int, default=RUN_DEFAULTS["eos_id"], metavar="ID",
-                   help="the id that ends a document in --data (default: the sidecar's eos_id)")
+                   help="the id that ends a document in --data (default: the sidecar's eos_id; with --tokenizer "
+                        "the eos_token of a tokenizer_config.json beside it, else </s>, <|endoftext|>, … in its "
+                        "vocabulary)")
     g.add_argument("--document-mask", action=_Switch,
-                   help="pack documents (ended by --eos-id; lines of byte text): attention within each document, "
-                        "positions restarting in each, the target at each document end masked")
+                   help="pack documents (ended by --eos-id; in text, its lines: byte text's end at the newline, "
+                        "--tokenizer's are encoded one by one, each followed by the EOS id): attention within each "
+                        "document, positions restarting in each, the target at each document end masked")
     g.add_argument("--tokenizer", default=RUN_DEFAULTS["tokenizer"], metavar="TOKENIZER_JSON",
                    help="a Hugging Face tokenizer.json that tokenizes --data's text (pip install 'dtp[hf]')")
     # Non-finite steps: train_step skips them (state unchanged); the loop counts them.

@@ -191,6 +191,14 @@ def _check_split(args: Any, saved_run: dict[str, Any], loader: dict[str, Any], n
                 "no --eval-every, so the whole corpus trained")
         raise UsageError(f"{here} was trained with {flag}: its data position is one of that split's batches; "
                          f"resume {'with --eval-every N' if not args.eval_every else 'without --eval-every'}")
+    masked = bool(saved_run.get("document_mask"))
+    if args.tokenizer and saved_run.get("tokenizer") and masked != bool(args.document_mask):
+        # The same text and tokenizer: with --tokenizer the mask decides the ids (each line
+        # ended by the EOS, or the text encoded whole: dtp._token_files._encode).
+        said = "--document-mask" if masked else "no --document-mask"
+        raise UsageError(f"{here} was trained with {said}, which with --tokenizer decides the ids (each line ended "
+                         f"by the EOS, or the text encoded whole): its data position is one of those ids' batches; "
+                         f"resume {'with' if masked else 'without'} --document-mask")
     raise UsageError(f"{here} trained on {saved} tokens, this run's --data {args.data or '(the bundled corpus)'} has "
                      f"{mine}{' in its training split' if args.eval_every else ''}: resume with the --data it "
                      f"was trained on ({saved_run.get('data') or 'the bundled corpus'})")
@@ -203,7 +211,8 @@ def _check_tokens(args: Any, saved_run: dict[str, Any], saved: str | None, here:
     of the same length would go on at a position that means nothing there."""
     if saved is None:
         return
-    tokens = open_tokens(args.data, dtype=args.data_dtype, eos_id=args.eos_id, tokenizer=args.tokenizer)
+    tokens = open_tokens(args.data, dtype=args.data_dtype, eos_id=args.eos_id, tokenizer=args.tokenizer,
+                         documents=bool(args.document_mask))  # with --tokenizer the mask decides the ids
     if training_split(tokens, bool(args.eval_every))[0].fingerprint() == saved:
         return
     changed = [k for k in ("data", "tokenizer", "data_dtype") if k in saved_run and saved_run[k] != getattr(args, k)]
