@@ -381,8 +381,9 @@ def test_sharded_load_reads_only_each_ranks_blocks(root: Path) -> None:
         assert r["read"] == r["local"] and r["read"] < 0.6 * total, (r["read"], total)
 
 
-def _checkpointed_run(run: Path) -> tuple[llama.LlamaConfig, dict]:
-    """A run directory holding one checkpoint of a tiny MoE model (as dtp train saves it)."""
+def _checkpointed_run(run: Path, **record) -> tuple[llama.LlamaConfig, dict]:
+    """A run directory holding one checkpoint of a tiny MoE model (as dtp train saves it;
+    ``record``: more of the run's flags than its dtype)."""
     import dataclasses as dc
 
     import dtp
@@ -393,7 +394,7 @@ def _checkpointed_run(run: Path) -> tuple[llama.LlamaConfig, dict]:
     with single_process_world() as mesh:  # leaves no process group behind
         state = dtp.TrainState.create(params, dtp.optim.adamw(1e-3), mesh=mesh, layout=dtp.layouts.data(),
                                       axes=llama.param_axes(cfg))
-        dtp.checkpoint.save(state, run / "checkpoints", extra={"model": dc.asdict(cfg), "run": {"dtype": "float64"}})
+        dtp.checkpoint.save(state, run / "checkpoints", extra={"model": dc.asdict(cfg), "run": {"dtype": "float64", **record}})
     return cfg, params
 
 
@@ -458,3 +459,34 @@ def test_export_streams_parameters_and_writes_what_to_hf_writes(tmp_path: Path) 
     hf.to_hf(cfg, params, tmp_path / "whole")
     for name in ("config.json", "model.safetensors"):
         assert (tmp_path / "out" / name).read_bytes() == (tmp_path / "whole" / name).read_bytes(), name
+
+
+def test_the_export_of_a_packed_run_names_the_eos_it_learnt_to_end_documents_with(tmp_path: Path) -> None:
+    """A --document-mask run learnt to end each document with its EOS: the export's
+    config.json says eos_token_id, so generate stops there (before, none: transformers'
+    default 2), and a --tokenizer's tokenizer_config.json comes along with it. Without
+    the mask the run learnt no end, and nothing is named."""
+    from dtp import cli
+
+    tokenizers = pytest.importorskip("tokenizers")
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({"[UNK]": 0, "a": 1, "<|endoftext|>": 2, "<eos>": 3},
+                                                           unk_token="[UNK]"))
+    tok.save(str(tmp_path / "tokenizer.json"))
+    np = pytest.importorskip("numpy")
+    data = tmp_path / "t.bin"
+    np.zeros(64, dtype=np.uint16).tofile(data)
+    (tmp_path / "t.bin.json").write_text(json.dumps({"eos_id": 7}))
+    cases = [({"document_mask": True, "data": None}, 10),  # the bundled corpus: lines of bytes
+             ({"document_mask": True, "data": str(data)}, 7),  # the sidecar's
+             ({"document_mask": True, "data": str(data), "eos_id": 5}, 5),  # --eos-id's
+             ({"document_mask": True, "data": "corpus.txt", "tokenizer": str(tmp_path / "tokenizer.json")}, 2),
+             ({"document_mask": False, "data": None}, None)]
+    for i, (record, eos) in enumerate(cases):
+        run, out = tmp_path / f"run{i}", tmp_path / f"out{i}"
+        _checkpointed_run(run, **record)
+        assert cli.main(["export", "--hf", str(out), "--run", str(run)]) == 0
+        assert json.loads((out / "config.json").read_text()).get("eos_token_id") == eos, record
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<eos>"}))
+    assert cli.main(["export", "--hf", str(tmp_path / "out"), "--run", str(tmp_path / "run3")]) == 0
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["eos_token_id"] == 3
+    assert json.loads((tmp_path / "out" / "tokenizer_config.json").read_text()) == {"eos_token": "<eos>"}

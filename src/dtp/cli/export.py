@@ -97,6 +97,7 @@ def cmd_export(args: argparse.Namespace) -> int:
                      max_shard_bytes=int(args.max_shard_gb * 2**30))
     _carry_generation(extra["run"].get("init_from"), Path(args.hf))
     _carry_tokenizer(extra["run"].get("tokenizer"), extra["run"].get("init_from"), Path(args.hf))
+    _carry_eos(extra["run"], Path(args.hf))
     print(f"dtp export: step {reader.manifest['step']} of {run} -> {args.hf} "
           f"({len(files)} file{'s' * (len(files) > 1)})", file=sys.stdout)
     return 0
@@ -171,8 +172,46 @@ def _carry_tokenizer(tokenizer: str | None, source: str | None, out: Path) -> No
 
     if tokenizer and Path(tokenizer).is_file():
         shutil.copyfile(tokenizer, out / "tokenizer.json")
+        for name in _TOKENIZER_FILES[1:3]:  # what names its special tokens, when it lies beside it
+            if (Path(tokenizer).parent / name).is_file():
+                shutil.copyfile(Path(tokenizer).parent / name, out / name)
         return
     if source and Path(source).is_dir():
         for name in _TOKENIZER_FILES:
             if (Path(source) / name).is_file():
                 shutil.copyfile(Path(source) / name, out / name)
+
+
+def _carry_eos(run: dict, out: Path) -> None:
+    """A run that packed documents (``--document-mask``) trained its model to end each with
+    the id that ends a document there; the export's ``config.json`` names it as
+    ``eos_token_id`` (unless an ``--init-from`` source named one), so that ``generate``
+    stops where the model learnt to. That id is ``--eos-id``, else the tokenizer's
+    (:func:`dtp._token_files.tokenizer_eos`), else the data's (its sidecar's; byte text's
+    newline); when the data or tokenizer has gone since, nothing is written.
+
+    >>> import json, tempfile
+    >>> out = Path(tempfile.mkdtemp()); _ = (out / "config.json").write_text("{}")
+    >>> _carry_eos({"document_mask": True, "data": None}, out)   # the bundled corpus: lines of bytes
+    >>> json.loads((out / "config.json").read_text())
+    {'eos_token_id': 10}
+    """
+    import json
+
+    from .._token_files import document_eos, open_tokens, tokenizer_eos
+
+    config = json.loads((out / "config.json").read_text())
+    if not run.get("document_mask") or config.get("eos_token_id") is not None:
+        return
+    eos, tokenizer = run.get("eos_id"), run.get("tokenizer")
+    try:
+        if eos is None and tokenizer:
+            from tokenizers import Tokenizer
+
+            eos = tokenizer_eos(Tokenizer.from_file(tokenizer), tokenizer)
+        elif eos is None:  # token files are mapped, not read; byte text is read once
+            eos = document_eos(open_tokens(run.get("data"), dtype=run.get("data_dtype")))
+    except Exception:  # gone or changed since the run (the tokenizers library raises its own kind): say nothing
+        return
+    if eos is not None:
+        (out / "config.json").write_text(json.dumps({**config, "eos_token_id": int(eos)}, indent=2) + "\n")
