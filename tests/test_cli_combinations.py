@@ -180,6 +180,8 @@ ROWS: dict[str, list[str]] = {
         "--data-dtype", "uint32", "--eos-id", "1"],
     "init-from HF dir pp2 interleaved v2": ["--init-from", "HF_DIR", "--pp", "2", "--pp-schedule", "interleaved",
                                             "--virtual-stages", "2", "--microbatches", "2"],
+    # a Qwen2 (q/k/v biases, split over tp as their weights' output features)
+    "init-from Qwen2 dir dp2 tp2 sp": ["--init-from", "QWEN2_DIR", "--dp", "2", "--tp", "2", "--sp"],
     # ---- the run's other flags: evaluation, checkpoints, skip budget, memory check, timeouts
     "dp2 eval, checkpoints, async save": ["--dp", "2", "--eval-every", "2", "--save-every", "2", "--keep", "1",
                                           "--async-save", "--max-skipped", "2",
@@ -245,14 +247,20 @@ def _data_files() -> dict[str, str]:
 
 
 @functools.cache
-def _hf_dir() -> str:
-    """A tiny Hugging Face Llama directory (dtp's own to_hf: no transformers needed) whose
-    300 token ids do not split over tp until padded."""
+def _hf_dir(kind: str = "llama") -> str:
+    """A tiny Hugging Face Llama (or Qwen2) directory (dtp's own to_hf: no transformers
+    needed) whose 300 token ids do not split over tp until padded; Qwen2's biases drawn
+    away from their zero init, so that a bias added twice shows."""
     from dtp.models import hf, llama
 
-    cfg = llama.config("tiny", vocab_size=300)
-    path = Path(tempfile.mkdtemp(prefix="dtp-hf-")) / "tiny-300"
-    hf.to_hf(cfg, llama.init(cfg, seed=1, dtype=torch.float64), path)
+    cfg = llama.config("tiny", vocab_size=300, **({"qkv_bias": True, "rope_theta": 1e6} if kind == "qwen2" else {}))
+    params = llama.init(cfg, seed=1, dtype=torch.float64)
+    gen = torch.Generator().manual_seed(2)
+    for layer in params["layers"]:
+        layer.update({n: torch.randn(p.shape, generator=gen, dtype=p.dtype) for n, p in layer.items()
+                      if n.endswith("bias")})
+    path = Path(tempfile.mkdtemp(prefix="dtp-hf-")) / f"tiny-300-{kind}"
+    hf.to_hf(cfg, params, path)
     return str(path)
 
 
@@ -268,7 +276,8 @@ def _flags(name: str) -> list[str]:
     row = ROWS[name]
     if any("{" in f for f in row):
         row = [f.format(**_data_files()) for f in row]
-    return [_hf_dir() if f == "HF_DIR" else f for f in [*BASE, *row]]
+    dirs = {"HF_DIR": "llama", "QWEN2_DIR": "qwen2"}
+    return [_hf_dir(dirs[f]) if f in dirs else f for f in [*BASE, *row]]
 
 
 def _ranks(flags: list[str]) -> int:

@@ -2,7 +2,8 @@
 transformers (nothing downloaded) give the same logits under dtp as under transformers
 (fp64 models; transformers computes RoPE in fp32, hence 1e-6), for Llama with and without
 Llama 3.1 rope scaling, tied and untied, GQA, an explicit head_dim, a transformers-4
-config.json, Mistral and Mixtral; ``to_hf`` writes what transformers loads to the same logits and
+config.json, Mistral, Mixtral, Qwen2, Qwen3 and Llama's attention_bias (biases and q/k
+norms drawn away from their 0 / 1 init); ``to_hf`` writes what transformers loads to the same logits and
 ``from_hf`` reads back bit-exactly; a greedy continuation equals ``generate``; a padded
 vocabulary changes neither the loss nor its gradients, under vocab-parallel tp too.
 """
@@ -36,20 +37,33 @@ CASES = {
     "head_dim": dict(num_key_value_heads=2, head_dim=16),
     "mixtral": dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2),
     "mistral": dict(num_key_value_heads=2, sliding_window=64),  # longer than TOKENS: plain causal
+    # Qwen2's defaults: rope_theta 1e6, a sliding_window that use_sliding_window=False turns off
+    "qwen2": dict(num_key_value_heads=2, rope_theta=1e6, sliding_window=8, use_sliding_window=False,
+                  max_window_layers=1),
+    "qwen2_tied": dict(num_key_value_heads=1, tie_word_embeddings=True),
+    "qwen3": dict(num_key_value_heads=2, head_dim=16),
+    "qwen3_bias": dict(num_key_value_heads=2, head_dim=8, attention_bias=True),
+    "llama_bias": dict(num_key_value_heads=2, attention_bias=True),
 }
+_CLASSES = {"qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+            "mistral": ("MistralConfig", "MistralForCausalLM")}
 
 
 def _hf_model(case: str) -> torch.nn.Module:
     kw = dict(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-              rope_theta=500.0, **CASES[case])
+              **{"rope_theta": 500.0, **CASES[case]})
     torch.manual_seed(sum(map(ord, case)))
     if case == "mixtral":
         cfg = transformers.MixtralConfig(**kw)
         cfg._experts_implementation = "eager"  # the grouped-mm kernel has no fp64
         return transformers.MixtralForCausalLM(cfg).double().eval()
-    if case == "mistral":
-        return transformers.MistralForCausalLM(transformers.MistralConfig(**kw)).double().eval()
-    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**kw)).double().eval()
+    config, model = _CLASSES.get(case.split("_")[0], ("LlamaConfig", "LlamaForCausalLM"))
+    model = getattr(transformers, model)(getattr(transformers, config)(**kw))
+    with torch.no_grad():  # transformers starts biases at 0 and q/k norms at 1: draw them, so they count
+        for name, p in model.named_parameters():  # (in fp32, as the weights: fp32 round trips stay exact)
+            if name.endswith("bias") or "_norm." in name:
+                p.add_(0.3 * torch.randn_like(p))
+    return model.double().eval()
 
 
 @functools.cache
@@ -95,7 +109,7 @@ def test_transformers_4_config_form_reads_the_same(root: Path, tmp_path: Path) -
     assert hf.from_hf(tmp_path)[0] == hf.from_hf(src)[0]
 
 
-@pytest.mark.parametrize("case", ["llama3_rope_tied", "gqa", "mixtral"])
+@pytest.mark.parametrize("case", ["llama3_rope_tied", "gqa", "mixtral", "qwen2", "qwen3_bias", "llama_bias"])
 def test_to_hf_loads_in_transformers_and_round_trips_bit_exactly(case: str, root: Path, tmp_path: Path) -> None:
     src = _saved(case, root)
     cfg, params = hf.from_hf(src, dtype=torch.float32, vocab_multiple=64)  # pad 100 -> 128, stripped again
@@ -111,6 +125,30 @@ def test_to_hf_loads_in_transformers_and_round_trips_bit_exactly(case: str, root
         for name in a.keys():
             with safetensors.safe_open(str(out / index[name]), "pt") as b:
                 assert torch.equal(a.get_tensor(name), b.get_tensor(name)), name
+
+
+def test_qwen2_export_says_qwen2_with_its_fields(root: Path, tmp_path: Path) -> None:
+    """The export's config.json names Qwen2 (before, every dense model was written as a
+    Llama, which has no biases) with Qwen2's rope_theta, tied head and full attention."""
+    for case in ("qwen2", "qwen2_tied"):
+        cfg, params = hf.from_hf(_saved(case, root))
+        hf.to_hf(cfg, params, tmp_path / case)
+        src, out = (json.loads((p / "config.json").read_text()) for p in (_saved(case, root), tmp_path / case))
+        assert (out["model_type"], out["architectures"]) == ("qwen2", ["Qwen2ForCausalLM"])
+        assert out["use_sliding_window"] is False and out["max_window_layers"] == 2
+        assert {k: out[k] for k in ("rope_theta", "tie_word_embeddings")} == {
+            "rope_theta": src["rope_parameters"]["rope_theta"], "tie_word_embeddings": src["tie_word_embeddings"]}
+        assert "attention_bias" not in out  # Qwen2's biases are its architecture's, not a flag
+
+
+@pytest.mark.parametrize("change, match", [(dict(o_bias=True), "qkv_bias=False, o_bias=True"),
+                                           (dict(qk_norm=True, qkv_bias=True), "qkv_bias=True, o_bias=False"),
+                                           (dict(num_experts=4, qkv_bias=True), "Mixtral's attention has no biases")])
+def test_to_hf_refuses_attention_extras_no_architecture_has(tmp_path: Path, change: dict, match: str) -> None:
+    cfg = llama.config("tiny", **change)
+    with pytest.raises(ValueError, match=match):
+        hf.to_hf(cfg, llama.init(cfg), tmp_path / "out")
+    assert not (tmp_path / "out").exists()  # refused before anything is written
 
 
 def _greedy(params: dict, cfg: llama.LlamaConfig, tokens: torch.Tensor, n: int) -> torch.Tensor:
@@ -168,7 +206,8 @@ def test_padded_vocabulary_under_vocab_parallel_tp4(root: Path) -> None:
 
 @pytest.mark.parametrize("change, match", [
     ({"model_type": "gpt2"}, "model_type 'gpt2' is not supported"),
-    ({"attention_bias": True}, "attention_bias=true is not supported"),
+    ({"mlp_bias": True}, "mlp_bias=true is not supported"),
+    ({"model_type": "mistral", "attention_bias": True}, "attention_bias=true is not supported for 'mistral'"),
     ({"hidden_act": "gelu"}, "hidden_act must be 'silu'"),
     ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}, "rope type 'yarn'"),
     ({"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5 is not supported"),
@@ -261,7 +300,9 @@ def test_to_hf_refuses_what_mixtral_cannot_express(tmp_path: Path, change: dict)
     assert hf.hf_config(llama.config("tiny-moe", routed_scaling_factor=1.0))["model_type"] == "mixtral"
 
 
-def test_dtp_train_init_from_then_export_loads_in_transformers(root: Path, tmp_path: Path, monkeypatch) -> None:
+@pytest.mark.parametrize("case", ["gqa", "qwen2"])
+def test_dtp_train_init_from_then_export_loads_in_transformers(root: Path, tmp_path: Path, monkeypatch,
+                                                               case: str) -> None:
     """Fine-tune a transformers-made model for a step on one process, save, ``dtp export
     --hf``: transformers loads the export, and its logits are the trained parameters'; the
     source's special-token ids and generation config come along (before, the export's
@@ -273,8 +314,8 @@ def test_dtp_train_init_from_then_export_loads_in_transformers(root: Path, tmp_p
 
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(k, raising=False)
-    src, run, out = tmp_path / "gqa", tmp_path / "run", tmp_path / "gqa-ft"
-    shutil.copytree(_saved("gqa", root), src)
+    src, run, out = tmp_path / case, tmp_path / "run", tmp_path / f"{case}-ft"
+    shutil.copytree(_saved(case, root), src)
     ids = {"bos_token_id": 4, "eos_token_id": [5, 6], "pad_token_id": 0}
     (src / "config.json").write_text(json.dumps({**json.loads((src / "config.json").read_text()), **ids}))
     (src / "generation_config.json").write_text(json.dumps({**ids, "max_new_tokens": 7}))

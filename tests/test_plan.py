@@ -436,3 +436,23 @@ def test_the_printed_plan_says_what_a_moe_pipeline_sends_beyond_its_rows():
     moe = format_plan(dtp.plan("tiny-moe", batch=8, seq=16, pp=2, microbatches=2))
     dense = format_plan(dtp.plan("tiny", batch=8, seq=16, pp=2, microbatches=2))
     assert "not counted: the MoE carry's structure" in moe and "not counted" not in dense
+
+
+# Qwen-style attention extras (q/k/v and output biases, per-head q/k norms: every one at
+# once): the biases split over tp as their weights' outputs reduce nothing over tp; the
+# output bias, on the residual stream, reduces over tp like the block norms (under SP
+# only); the q/k norms, applied to heads split over tp, reduce over tp with or without SP.
+EXTRAS = dict(qkv_bias=True, o_bias=True, qk_norm=True)
+EXTRAS_2 = {"tp2 no sp": (dict(tp=2), "tiny", 8, 16), "tp2 sp": (dict(tp=2, sp=True), "tiny", 8, 16),
+            "dp2 zero3 small buckets": (dict(dp=2, zero=3, bucket_mb=0.05), "tiny", 8, 16)}
+
+
+def _extras_bytes(cases) -> list[dict]:
+    return [second_step_comm(*c, **EXTRAS) for c in cases]
+
+
+def test_attention_extras_bytes_equal_the_comm_log():
+    measured = run(_extras_bytes, list(EXTRAS_2.values()), world_size=2)[0]
+    for name, got in zip(EXTRAS_2, measured):
+        kw, model, batch, seq = EXTRAS_2[name]
+        assert dtp.plan(llama.config(model, **EXTRAS), batch=batch, seq=seq, **kw).bytes == got, name

@@ -90,6 +90,12 @@ class LlamaConfig:
     # bias moves by rate·sign(mean load − load). The bias is state no gradient trains: it
     # lives in TrainState.buffers (init_buffers), not among the parameters. 0: no bias.
     router_bias_update: float = 0.0
+    # Attention extras of the Hugging Face families (dtp.models.hf): biases on the q/k/v
+    # projections (Qwen2), on the output projection too (Llama's attention_bias), and an
+    # RMSNorm over each head's q and k before RoPE (Qwen3). Biases start at zero.
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: bool = False
 
     @property
     def expert_dim(self) -> int:
@@ -200,15 +206,27 @@ def is_moe(cfg: LlamaConfig, i: int) -> bool:
     return cfg.num_experts > 0 and i % cfg.moe_every == cfg.moe_every - 1
 
 
-def _layer_axes(cfg: LlamaConfig, i: int) -> dict[str, tuple[str, ...]]:
+def _attention_axes(cfg: LlamaConfig) -> dict[str, tuple[str, ...]]:
+    """A block's attention parameters (and its norms), in the order the block reads them."""
     axes: dict[str, tuple[str, ...]] = {
         "attn_norm": ("embed",),
         "wq": ("embed", "heads"),  # column parallel: output features are heads × head_dim
         "wk": ("embed", "kv_heads"),
         "wv": ("embed", "kv_heads"),
-        "wo": ("heads", "embed"),  # row parallel
-        "mlp_norm": ("embed",),
     }
+    if cfg.qkv_bias:  # a bias is split as its weight's output features: each rank adds its heads'
+        axes.update(q_bias=("heads",), k_bias=("kv_heads",), v_bias=("kv_heads",))
+    if cfg.qk_norm:  # over head_dim, which no layout splits
+        axes.update(q_norm=("head_dim",), k_norm=("head_dim",))
+    axes["wo"] = ("heads", "embed")  # row parallel
+    if cfg.o_bias:  # added to the reduced output: laid out as the residual stream's features
+        axes["o_bias"] = ("embed",)
+    axes["mlp_norm"] = ("embed",)
+    return axes
+
+
+def _layer_axes(cfg: LlamaConfig, i: int) -> dict[str, tuple[str, ...]]:
+    axes = _attention_axes(cfg)
     if not is_moe(cfg, i):
         return {**axes, "w_gate": ("embed", "mlp"), "w_up": ("embed", "mlp"), "w_down": ("mlp", "embed")}
     # The router's expert dim has its own logical axis, left replicated: every rank scores
@@ -253,10 +271,10 @@ def block_shapes(cfg: LlamaConfig, i: int) -> dict[str, tuple[int, ...]]:
     (64, 64)
     """
     hd = cfg.head_dim
-    shapes = {
-        "attn_norm": (cfg.dim,), "wq": (cfg.dim, cfg.n_heads * hd), "wk": (cfg.dim, cfg.n_kv_heads * hd),
-        "wv": (cfg.dim, cfg.n_kv_heads * hd), "wo": (cfg.n_heads * hd, cfg.dim), "mlp_norm": (cfg.dim,),
-    }
+    # Each size of a logical axis; a matrix is (in, out). The names and their order are
+    # _attention_axes' (so the plan, init and the checkpoints list the same leaves).
+    size = {"embed": cfg.dim, "heads": cfg.n_heads * hd, "kv_heads": cfg.n_kv_heads * hd, "head_dim": hd}
+    shapes = {name: tuple(size[a] for a in axes) for name, axes in _attention_axes(cfg).items()}
     if not is_moe(cfg, i):
         return {**shapes, "w_gate": (cfg.dim, cfg.ffn_dim), "w_up": (cfg.dim, cfg.ffn_dim),
                 "w_down": (cfg.ffn_dim, cfg.dim)}
@@ -285,15 +303,19 @@ def param_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _count(cfg: LlamaConfig, active: bool) -> int:
-    # active: an MoE block's experts count top_k / num_experts of theirs (what a token uses)
+def _count(cfg: LlamaConfig, active: bool, matmul: bool = False) -> int:
+    # active: an MoE block's experts count top_k / num_experts of theirs (what a token uses);
+    # matmul: only the matrices a token's activations multiply (the head, tied or not), not
+    # the embedding lookup, the norms or the biases
     per_layer = 0
     for i in range(cfg.n_layers):
         for name, shape in block_shapes(cfg, i).items():
+            if matmul and len(shape) < 2:
+                continue
             n = math.prod(shape)
             per_layer += n * cfg.top_k // cfg.num_experts if active and len(shape) == 3 else n
-    head = 0 if cfg.tie_embeddings else cfg.dim * cfg.vocab_size
-    return cfg.vocab_size * cfg.dim + per_layer + cfg.dim + head
+    head = 0 if cfg.tie_embeddings and not matmul else cfg.dim * cfg.vocab_size
+    return per_layer + head if matmul else cfg.vocab_size * cfg.dim + per_layer + cfg.dim + head
 
 
 def param_count(cfg: LlamaConfig) -> int:
@@ -312,7 +334,7 @@ def flops_per_token(cfg: LlamaConfig, seq_len: int) -> float:
     >>> flops_per_token(config("tiny"), seq_len=128)  # 6 × 90,112 matmul parameters + 6·L·d·s
     638976
     """
-    matmul = _count(cfg, active=True) - cfg.vocab_size * cfg.dim * (0 if cfg.tie_embeddings else 1) - (2 * cfg.n_layers + 1) * cfg.dim
+    matmul = _count(cfg, active=True, matmul=True)
     attn = 6 * cfg.n_layers * cfg.dim * seq_len  # 12·L·d·s / 2 for the causal half
     return 6 * matmul + attn
 

@@ -1,10 +1,13 @@
-"""Hugging Face Llama and Mixtral checkpoints in and out: :func:`from_hf`, :func:`to_hf`.
+"""Hugging Face Llama, Mistral, Mixtral, Qwen2 and Qwen3 checkpoints in and out:
+:func:`from_hf`, :func:`to_hf`.
 
 dtp's Llama is Hugging Face's ``LlamaForCausalLM`` (RMSNorm, rotate-half RoPE, GQA,
 SwiGLU) and, with ``num_experts``, ``MixtralForCausalLM`` (Mixtral's router takes a
 softmax over all experts, the top k, and renormalises: the same weights as dtp's top-k
-of the logits then a softmax over the k). The weights differ only in orientation: a
-``torch.nn.Linear`` stores (out, in), dtp's :func:`dtp.ops.linear` takes (in, out).
+of the logits then a softmax over the k). With ``qkv_bias`` it is ``Qwen2ForCausalLM``,
+with ``qk_norm`` ``Qwen3ForCausalLM`` (:func:`~dtp.models.hf_config.hf_model_type`). The
+weights differ only in orientation: a ``torch.nn.Linear`` stores (out, in), dtp's
+:func:`dtp.ops.linear` takes (in, out).
 
 =====================================================  ==========================
 Hugging Face (``model.layers.{i}.`` omitted)            dtp (``layers[i]``)
@@ -12,6 +15,8 @@ Hugging Face (``model.layers.{i}.`` omitted)            dtp (``layers[i]``)
 ``model.embed_tokens.weight`` (V, D)                    ``embed`` (V, D)
 ``input_layernorm`` / ``post_attention_layernorm``      ``attn_norm`` / ``mlp_norm``
 ``self_attn.{q,k,v,o}_proj.weight``                     ``wq``, ``wk``, ``wv``, ``wo`` transposed
+``self_attn.{q,k,v,o}_proj.bias``                       ``q_bias``, ``k_bias``, ``v_bias``, ``o_bias``
+``self_attn.{q,k}_norm.weight`` (head_dim,)             ``q_norm``, ``k_norm``
 ``mlp.{gate,up,down}_proj.weight``                      ``w_gate``, ``w_up``, ``w_down`` transposed
 ``block_sparse_moe.gate.weight`` (E, D)                 ``router`` (D, E)
 ``block_sparse_moe.experts.{e}.{w1,w3,w2}.weight``      ``w_gate[e]``, ``w_up[e]``, ``w_down[e]`` transposed
@@ -44,14 +49,19 @@ from torch.distributed.tensor import DTensor
 from .._rules import accum_dtype
 from ._safetensors_files import Entry, bytes_read, open_weights, write_sharded
 from .config import LlamaConfig, block_shapes, is_moe
-from .hf_config import INIT_VOCAB_MULTIPLE, check_mixtral, config_from_hf, hf_config, padded_vocab
+from .hf_config import INIT_VOCAB_MULTIPLE, config_from_hf, hf_config, hf_model_type, padded_vocab
 
 __all__ = ["from_hf", "to_hf", "read_blocks", "bytes_read", "config_from_hf", "hf_config", "padded_vocab",
            "INIT_VOCAB_MULTIPLE", "Box"]
 
+# (file key, dtp's name, transposed); a block holds the rows whose name block_shapes lists
+# (the biases and q/k norms only where the config has them).
 _ATTN = (("input_layernorm.weight", "attn_norm", False), ("self_attn.q_proj.weight", "wq", True),
          ("self_attn.k_proj.weight", "wk", True), ("self_attn.v_proj.weight", "wv", True),
-         ("self_attn.o_proj.weight", "wo", True), ("post_attention_layernorm.weight", "mlp_norm", False))
+         ("self_attn.q_proj.bias", "q_bias", False), ("self_attn.k_proj.bias", "k_bias", False),
+         ("self_attn.v_proj.bias", "v_bias", False), ("self_attn.q_norm.weight", "q_norm", False),
+         ("self_attn.k_norm.weight", "k_norm", False), ("self_attn.o_proj.weight", "wo", True),
+         ("self_attn.o_proj.bias", "o_bias", False), ("post_attention_layernorm.weight", "mlp_norm", False))
 _MLP = (("mlp.gate_proj.weight", "w_gate"), ("mlp.up_proj.weight", "w_up"), ("mlp.down_proj.weight", "w_down"))
 _EXPERT = (("w1", "w_gate"), ("w3", "w_up"), ("w2", "w_down"))
 _DTYPE_NAMES = {torch.float64: "float64", torch.float32: "float32", torch.float16: "float16",
@@ -66,8 +76,8 @@ BlockFn = Callable[[str, tuple[int, ...]], "Box | list[Box] | None"]
 
 def from_hf(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32,
             vocab_multiple: int = 1) -> tuple[LlamaConfig, dict[str, Any]]:
-    """``(cfg, params)`` of a local Hugging Face Llama / Mistral / Mixtral directory
-    (``config.json``; ``*.safetensors`` with or without ``model.safetensors.index.json``):
+    """``(cfg, params)`` of a local Hugging Face Llama / Mistral / Mixtral / Qwen2 / Qwen3
+    directory (``config.json``; ``*.safetensors`` with or without ``model.safetensors.index.json``):
     global tensors in ``dtype`` (an MoE router in fp32, fp64 in fp64), ready for
     ``TrainState.create``. Reads one tensor at a time, memory-mapped
     (``TrainState.from_hf`` reads only each rank's blocks).
@@ -145,6 +155,8 @@ def read_blocks(path: str | os.PathLike[str], cfg: LlamaConfig, dtype: torch.dty
             layer = {}
             dense_mlp = () if is_moe(cfg, i) else tuple((key, ours, True) for key, ours in _MLP)
             for key, ours, t in _ATTN + dense_mlp:
+                if ours not in shapes:
+                    continue
                 shape = shapes[ours]
                 layer[ours] = leaf(f"layers.{i}.{ours}", shape, read(pre + key, shape[::-1] if t else shape, t))
             if is_moe(cfg, i):
@@ -185,7 +197,7 @@ def to_hf(cfg: LlamaConfig, params: dict[str, Any] | Callable[[tuple], torch.Ten
     - `max_shard_bytes`: the most bytes per file (transformers' default, 5 GiB).
 
     Raises: ``TypeError`` for DTensor leaves (or a function without ``dtype``); ``ValueError``
-    for an MoE model Mixtral cannot express.
+    for a model no transformers architecture computes (:func:`hf_model_type`).
 
     >>> import tempfile
     >>> from dtp.models import llama
@@ -193,7 +205,7 @@ def to_hf(cfg: LlamaConfig, params: dict[str, Any] | Callable[[tuple], torch.Ten
     >>> [f.name for f in to_hf(cfg, llama.init(cfg), tempfile.mkdtemp())]
     ['model.safetensors']
     """
-    check_mixtral(cfg)
+    hf_model_type(cfg)  # before anything is written
     if dtype is None and callable(params):
         raise TypeError("to_hf: with params given as a function, pass dtype")
     dtype = dtype or _plain("embed", params["embed"]).dtype
@@ -218,8 +230,8 @@ def to_hf(cfg: LlamaConfig, params: dict[str, Any] | Callable[[tuple], torch.Ten
     entries = [entry("model.embed_tokens.weight", lambda: leaf("embed")()[:vocab], False, (vocab, cfg.dim))]
     for i in range(cfg.n_layers):
         shapes, pre = block_shapes(cfg, i), f"model.layers.{i}."
-        for hf, ours, t in _ATTN:
-            entries.append(entry(pre + hf, leaf("layers", i, ours), t, shapes[ours][::-1] if t else shapes[ours]))
+        entries += [entry(pre + hf, leaf("layers", i, ours), t, shapes[ours][::-1] if t else shapes[ours])
+                    for hf, ours, t in _ATTN if ours in shapes]
         if not is_moe(cfg, i):
             entries += [entry(pre + hf, leaf("layers", i, ours), True, shapes[ours][::-1]) for hf, ours in _MLP]
             continue

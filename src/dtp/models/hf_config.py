@@ -15,13 +15,15 @@ from typing import Any
 
 from .config import LlamaConfig, RopeScaling
 
-__all__ = ["config_from_hf", "hf_config", "padded_vocab", "check_mixtral", "weight_files", "check_weight_files",
-           "INIT_VOCAB_MULTIPLE", "INDEX", "SINGLE"]
+__all__ = ["config_from_hf", "hf_config", "hf_model_type", "padded_vocab", "check_mixtral", "weight_files",
+           "check_weight_files", "INIT_VOCAB_MULTIPLE", "INDEX", "SINGLE"]
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 
-_MODEL_TYPES = ("llama", "mistral", "mixtral")
+_MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen3")
+# The families whose sliding_window counts only with use_sliding_window (Mistral's always does).
+_OPT_IN_WINDOW = ("qwen2", "qwen3")
 _DTYPES = ("float64", "float32", "float16", "bfloat16")
 # dtp train --init-from pads the vocabulary to a multiple of this (Megatron's default
 # --make-vocab-size-divisible-by), whatever tp is: runs under different layouts then share
@@ -65,15 +67,27 @@ def _rope(hf: dict[str, Any]) -> tuple[float, RopeScaling | None]:
 
 def config_from_hf(hf: dict[str, Any] | str | os.PathLike[str], vocab_multiple: int = 1) -> LlamaConfig:
     """The :class:`LlamaConfig` of a Hugging Face ``config.json`` (a dict, the file, or
-    its directory): Llama, Mistral (a ``sliding_window`` caps ``max_seq_len``: within it
-    attention is plain causal) or Mixtral.
+    its directory), by ``model_type``:
 
-    Raises: ``ValueError`` for what dtp's Llama does not compute (biases, another
-    activation, another rope type).
+    - ``llama``: ``attention_bias`` biases q/k/v and the output projection (``qkv_bias``,
+      ``o_bias``); ``mlp_bias`` is refused.
+    - ``mistral``: a ``sliding_window`` caps ``max_seq_len`` (within it attention is plain
+      causal); ``mixtral``: its experts and router.
+    - ``qwen2`` (Qwen2, Qwen2.5): Llama with q/k/v biases (``qkv_bias``).
+    - ``qwen3``: Llama with an RMSNorm over each head's q and k before RoPE (``qk_norm``),
+      ``attention_bias`` as Llama's.
+
+    Qwen's ``sliding_window`` caps ``max_seq_len`` only with ``use_sliding_window``.
+
+    Raises: ``ValueError`` for what dtp's Llama does not compute (MLP biases, biases in
+    Mistral/Mixtral, another activation, another rope type).
 
     >>> config_from_hf({"model_type": "llama", "vocab_size": 300, "hidden_size": 64, "intermediate_size": 128,
     ...     "num_hidden_layers": 2, "num_attention_heads": 4}, vocab_multiple=128).vocab_pad
     84
+    >>> config_from_hf({"model_type": "qwen2", "vocab_size": 300, "hidden_size": 64, "intermediate_size": 128,
+    ...     "num_hidden_layers": 2, "num_attention_heads": 4, "sliding_window": 32}).qkv_bias
+    True
     """
     if not isinstance(hf, dict):
         file = Path(hf)
@@ -81,15 +95,17 @@ def config_from_hf(hf: dict[str, Any] | str | os.PathLike[str], vocab_multiple: 
     kind = hf.get("model_type")
     if kind not in _MODEL_TYPES:
         raise ValueError(f"from_hf: model_type {kind!r} is not supported; choose one of {_MODEL_TYPES}")
-    for flag in ("attention_bias", "mlp_bias"):
-        if hf.get(flag):
-            raise ValueError(f"from_hf: {flag}=true is not supported (dtp's Llama has no biases)")
+    if hf.get("mlp_bias"):
+        raise ValueError("from_hf: mlp_bias=true is not supported (dtp's MLP has no biases)")
+    attention_bias = bool(hf.get("attention_bias"))
+    if attention_bias and kind not in ("llama", "qwen3"):
+        raise ValueError(f"from_hf: attention_bias=true is not supported for {kind!r} (only llama and qwen3 read it)")
     if hf.get("hidden_act", "silu") != "silu":
         raise ValueError(f"from_hf: hidden_act must be 'silu', got {hf['hidden_act']!r}")
     theta, scaling = _rope(hf)
     vocab = int(hf["vocab_size"])
     max_len = int(hf.get("max_position_embeddings", 2048))
-    if hf.get("sliding_window"):
+    if hf.get("sliding_window") and (kind not in _OPT_IN_WINDOW or hf.get("use_sliding_window")):
         max_len = min(max_len, int(hf["sliding_window"]))
     heads = int(hf["num_attention_heads"])
     fields: dict[str, Any] = dict(
@@ -97,7 +113,10 @@ def config_from_hf(hf: dict[str, Any] | str | os.PathLike[str], vocab_multiple: 
         dim=int(hf["hidden_size"]), n_layers=int(hf["num_hidden_layers"]), n_heads=heads,
         n_kv_heads=int(hf.get("num_key_value_heads") or heads), ffn_dim=int(hf["intermediate_size"]),
         max_seq_len=max_len, rope_theta=theta, rope_scaling=scaling, norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)), head_dim=hf.get("head_dim"))
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        # Qwen3Config's head_dim defaults to 128, not hidden_size // heads
+        head_dim=hf.get("head_dim", 128 if kind == "qwen3" else None),
+        qkv_bias=attention_bias or kind == "qwen2", o_bias=attention_bias, qk_norm=kind == "qwen3")
     if kind == "mixtral":
         fields.update(num_experts=int(hf["num_local_experts"]), top_k=int(hf["num_experts_per_tok"]),
                       aux_loss_coeff=float(hf.get("router_aux_loss_coef", 0.01)))
@@ -186,17 +205,44 @@ def check_mixtral(cfg: LlamaConfig) -> None:
                          f"sets {odd}")
 
 
-def hf_config(cfg: LlamaConfig, dtype: str = "float32") -> dict[str, Any]:
-    """The ``config.json`` of ``cfg`` for transformers (``LlamaForCausalLM``, or
-    ``MixtralForCausalLM`` with experts), padding stripped; the rope in both forms
-    (transformers 5's ``rope_parameters``, transformers 4's ``rope_theta`` +
-    ``rope_scaling``).
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                  "qwen3": "Qwen3ForCausalLM"}
+
+
+def hf_model_type(cfg: LlamaConfig) -> str:
+    """The transformers ``model_type`` that computes ``cfg``: ``mixtral`` with experts,
+    ``qwen3`` with ``qk_norm``, ``qwen2`` with q/k/v biases alone, else ``llama`` (its
+    ``attention_bias``: q/k/v and output biases).
+
+    Raises: ``ValueError`` for a model none of them computes (an output bias without q/k/v
+    ones; biases or q/k norms beside experts; MoE options Mixtral lacks).
 
     >>> from dtp.models.config import config
-    >>> hf_config(config("tiny"))["architectures"]
-    ['LlamaForCausalLM']
+    >>> hf_model_type(config("tiny", qkv_bias=True)), hf_model_type(config("tiny", qkv_bias=True, o_bias=True))
+    ('qwen2', 'llama')
     """
     check_mixtral(cfg)
+    extras = {name: True for name in ("qkv_bias", "o_bias", "qk_norm") if getattr(cfg, name)}
+    if cfg.num_experts and extras:
+        raise ValueError(f"to_hf: Mixtral's attention has no biases and no q/k norms; this model sets {extras}")
+    if cfg.o_bias != cfg.qkv_bias and (cfg.qk_norm or cfg.o_bias):
+        raise ValueError(f"to_hf: transformers' Llama and Qwen3 bias q, k, v and the output projection together "
+                         f"(attention_bias), Qwen2 q, k and v alone; this model sets qkv_bias={cfg.qkv_bias}, "
+                         f"o_bias={cfg.o_bias}")
+    return "mixtral" if cfg.num_experts else "qwen3" if cfg.qk_norm else "qwen2" if cfg.qkv_bias and not cfg.o_bias \
+        else "llama"
+
+
+def hf_config(cfg: LlamaConfig, dtype: str = "float32") -> dict[str, Any]:
+    """The ``config.json`` of ``cfg`` for transformers (the architecture of
+    :func:`hf_model_type`), padding stripped; the rope in both forms (transformers 5's
+    ``rope_parameters``, transformers 4's ``rope_theta`` + ``rope_scaling``).
+
+    >>> from dtp.models.config import config
+    >>> hf_config(config("tiny"))["architectures"], hf_config(config("tiny", qk_norm=True))["model_type"]
+    (['LlamaForCausalLM'], 'qwen3')
+    """
+    kind = hf_model_type(cfg)
     if dtype not in _DTYPES:
         raise ValueError(f"hf_config: dtype must be one of {_DTYPES}, got {dtype!r}")
     scaling = None
@@ -205,10 +251,8 @@ def hf_config(cfg: LlamaConfig, dtype: str = "float32") -> dict[str, Any]:
         scaling = {"rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
                    "high_freq_factor": s.high_freq_factor,
                    "original_max_position_embeddings": s.original_max_position_embeddings}
-    moe = cfg.num_experts > 0
     out: dict[str, Any] = {
-        "architectures": ["MixtralForCausalLM" if moe else "LlamaForCausalLM"],
-        "model_type": "mixtral" if moe else "llama",
+        "architectures": [_ARCHITECTURES[kind]], "model_type": kind,
         "vocab_size": cfg.vocab_size - cfg.vocab_pad, "hidden_size": cfg.dim, "intermediate_size": cfg.ffn_dim,
         "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
         "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim, "hidden_act": "silu",
@@ -217,11 +261,15 @@ def hf_config(cfg: LlamaConfig, dtype: str = "float32") -> dict[str, Any]:
         "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta, **(scaling or {})},
         "rope_theta": cfg.rope_theta, "rope_scaling": scaling, "dtype": dtype, "torch_dtype": dtype,
     }
-    if moe:
+    if kind == "mixtral":
         out.update(num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.top_k,
                    router_aux_loss_coef=cfg.aux_loss_coeff, sliding_window=None, output_router_logits=False)
-    else:
-        out.update(attention_bias=False, mlp_bias=False)
+    elif kind == "llama":
+        out.update(attention_bias=cfg.o_bias, mlp_bias=False)
+    else:  # Qwen: full attention in every layer (dtp has no sliding window)
+        out.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.n_layers)
+        if kind == "qwen3":
+            out["attention_bias"] = cfg.o_bias
     return out
 
 

@@ -36,7 +36,7 @@ from ..layouts import constrain
 from torch.distributed.tensor import DTensor
 
 from ..ops.attention import Docs
-from ..ops import attention, cross_entropy, embedding, linear, mask_padded_vocab, remat, rms_norm, rotary
+from ..ops import add_bias, attention, cross_entropy, embedding, linear, mask_padded_vocab, remat, rms_norm, rotary
 from ..ops.moe import moe_ffn, update_bias
 from ..ops.local_batch import batch_local
 from .._rules import accum_dtype
@@ -54,7 +54,7 @@ def init(cfg: LlamaConfig, seed: int = 0, dtype: torch.dtype = torch.float32,
     """Global parameters from ``seed`` alone: the same values under every layout.
 
     Normal(0, 0.02) weights, output projections scaled by 1/√(2·n_layers) (GPT-2 /
-    Megatron), norms at one. An MoE router is kept in fp32 (fp64 stays fp64).
+    Megatron), norms at one, biases at zero (Megatron, transformers). An MoE router is kept in fp32 (fp64 stays fp64).
 
     >>> params = init(config("tiny"), seed=0)
     >>> params["embed"].shape, sorted(params["layers"][0])[:4], torch.equal(params["embed"], init(config("tiny"))["embed"])
@@ -69,11 +69,15 @@ def init(cfg: LlamaConfig, seed: int = 0, dtype: torch.dtype = torch.float32,
     def ones(shape: tuple[int, ...]) -> torch.Tensor:
         return torch.ones(shape, dtype=dtype, device=device)
 
+    def zeros(shape: tuple[int, ...]) -> torch.Tensor:
+        return torch.zeros(shape, dtype=dtype, device=device)
+
     params: dict[str, Any] = {"embed": normal((cfg.vocab_size, cfg.dim), std), "layers": []}
     for i in range(cfg.n_layers):
         layer = {}
         for name, shape in block_shapes(cfg, i).items():
-            layer[name] = ones(shape) if name.endswith("norm") else normal(
+            # (a bias draws nothing: the weights are the same with and without biases)
+            layer[name] = ones(shape) if name.endswith("norm") else zeros(shape) if name.endswith("bias") else normal(
                 shape, out_std if name in ("wo", "w_down", "shared_down") else std)
         if "router" in layer:
             layer["router"] = layer["router"].to(accum_dtype(dtype))
@@ -136,14 +140,19 @@ def _attention(layer: dict[str, torch.Tensor], x: torch.Tensor, cfg: LlamaConfig
     b, s, hd = x.shape[0], x.shape[1], cfg.head_dim
     scaling = cfg.rope_scaling.as_tuple() if cfg.rope_scaling else None
     pos = None if docs is None else docs[1]
-    q = rotary(linear(x, layer["wq"]).view(b, s, cfg.n_heads, hd), cfg.rope_theta, scaling, pos).transpose(1, 2)
-    k = rotary(linear(x, layer["wk"]).view(b, s, cfg.n_kv_heads, hd), cfg.rope_theta, scaling, pos).transpose(1, 2)
-    v = linear(x, layer["wv"]).view(b, s, cfg.n_kv_heads, hd).transpose(1, 2)
+
+    def project(name: str, heads: int) -> torch.Tensor:  # (b, s, heads, hd); Qwen3 normalizes each q and k head
+        y = linear(x, layer[f"w{name}"], layer[f"{name}_bias"] if cfg.qkv_bias else None).view(b, s, heads, hd)
+        return rms_norm(y, layer[f"{name}_norm"], cfg.norm_eps) if cfg.qk_norm and name != "v" else y
+
+    q = rotary(project("q", cfg.n_heads), cfg.rope_theta, scaling, pos).transpose(1, 2)
+    k = rotary(project("k", cfg.n_kv_heads), cfg.rope_theta, scaling, pos).transpose(1, 2)
+    v = project("v", cfg.n_kv_heads).transpose(1, 2)
     q = constrain(q, ("batch", "heads", "seq", "head_dim"), name="q")
     k = constrain(k, ("batch", "kv_heads", "seq", "head_dim"), name="k")
     v = constrain(v, ("batch", "kv_heads", "seq", "head_dim"), name="v")
     o = attention(q, k, v, causal=True, docs=docs).transpose(1, 2).reshape(b, s, cfg.n_heads * hd)
-    return linear(o, layer["wo"])  # row parallel: a pending sum over the heads' axes
+    return linear(o, layer["wo"])  # row parallel: a pending sum over the heads' axes (o_bias: after it, _block)
 
 
 def _mlp(layer: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
@@ -156,7 +165,8 @@ def _block(layer: dict[str, torch.Tensor], h: torch.Tensor, cfg: LlamaConfig, do
     # Entering a block: the residual stream (split on sequence under SP) is gathered;
     # leaving it: the row-parallel pending sum is reduced back onto the residual layout.
     x = constrain(rms_norm(h, layer["attn_norm"], cfg.norm_eps), ("batch", "seq", "embed"), name="attn_in")
-    h = h + constrain(_attention(layer, x, cfg, docs), ("batch", "res_seq", "embed"), name="attn_out")
+    a = constrain(_attention(layer, x, cfg, docs), ("batch", "res_seq", "embed"), name="attn_out")
+    h = h + (add_bias(a, layer["o_bias"]) if cfg.o_bias else a)  # once, on the resolved sum
     x = constrain(rms_norm(h, layer["mlp_norm"], cfg.norm_eps), ("batch", "seq", "embed"), name="mlp_in")
     if "router" not in layer:
         return h + constrain(_mlp(layer, x), ("batch", "res_seq", "embed"), name="mlp_out")

@@ -31,7 +31,8 @@ from ..redistribute import local_map, reshard
 from ..mesh import axis_names, block_index
 from ..spec import P, spec_of
 
-__all__ = ["linear", "embedding", "cross_entropy", "count_targets", "mean_over", "mean_over_here", "IGNORE_INDEX"]
+__all__ = ["linear", "add_bias", "embedding", "cross_entropy", "count_targets", "mean_over", "mean_over_here",
+           "IGNORE_INDEX"]
 
 _divisor = threading.local()  # mean_over's divisor in this thread (the loss runs in the step's thread)
 
@@ -45,8 +46,9 @@ def _ordered(mesh, axes) -> tuple[str, ...]:
     return tuple(a for a in names if a in set(axes))
 
 
-def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``x @ w`` for ``x`` (..., in) and ``w`` (in, out), column or row parallel by layout.
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ w`` (``+ b``) for ``x`` (..., in), ``w`` (in, out) and a bias ``b`` (out,),
+    column or row parallel by layout; the bias as :func:`add_bias` adds it.
 
     The shards multiply locally and the output's layout is stated, not searched for:
     ``x``'s leading dims keep their split, the last dim takes ``w``'s output split
@@ -58,6 +60,33 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     >>> linear(torch.ones(2, 3), torch.ones(3, 4)).shape
     torch.Size([2, 4])
     """
+    return _matmul(x, w) if b is None else add_bias(_matmul(x, w), b)
+
+
+def add_bias(y: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``y + b`` for ``y`` (..., out) and ``b`` (out,): on DTensors each rank adds its block
+    of ``b`` (reshards ``b`` to ``y``'s split of the last dim when it differs) to its
+    shard of ``y``; ``b``'s gradient is a pending sum over the axes that split ``y``'s
+    other dims. No collective when ``b`` is laid out as ``y``'s last dim (a column-parallel
+    weight's bias split as its output features).
+
+    Raises: ``ValueError`` when ``y`` holds a pending sum (a row-parallel output): each
+    term would add ``b`` once; add it after the sum is resolved (``constrain``).
+
+    >>> add_bias(torch.zeros(2, 3), torch.arange(3.0)).tolist()
+    [[0.0, 1.0, 2.0], [0.0, 1.0, 2.0]]
+    """
+    if not isinstance(y, DTensor):
+        return y + b
+    ys = spec_of(y)
+    if ys.partial:  # (so is an async-tp row-parallel output, not computed yet)
+        raise ValueError(f"add_bias: the output holds a pending sum over {ys.partial} (spec {ys}), so each term "
+                         f"would add the bias once; add it after constrain resolves the sum")
+    bias_spec = P(ys.axes_of(y.dim() - 1) or None)
+    return local_map(torch.add, (None, bias_spec), ys, check_shapes=False)(y, b)
+
+
+def _matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     if not isinstance(x, DTensor):
         return x @ w
     x = collective_matmul.materialized(x)  # a deferred row-parallel output read here: computed

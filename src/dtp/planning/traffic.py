@@ -79,6 +79,9 @@ class Traffic:
 
 # An MoE block's routed parameters (not the shared expert's, split over tp like a dense MLP).
 _ROUTED = ("router", "w_gate", "w_up", "w_down")
+# The parameters applied to the residual stream's features (the norms around the blocks
+# and the attention output's bias).
+_RESIDUAL = ("attn_norm", "mlp_norm", "final_norm", "o_bias")
 
 # The comm log's formulas and rounding, per record (bytes of local input, ranks).
 _ag, _rs, _ar, _a2a = (partial(ring_bytes, kind) for kind in ("all_gather", "reduce_scatter", "all_reduce",
@@ -144,14 +147,16 @@ def traffic(s: Setup, rank_leaves: list[Leaf], stage: int = 0) -> list[Traffic]:
         n = axes.get(axis, 1)
         per: dict[int, int] = defaultdict(int)
         for leaf in rank_leaves:
-            # A norm's weight under tp without SP: ops.rms_norm takes the whole (reduced)
-            # gradient of its output, so its weight's gradient is already whole on every rank.
+            # A weight on the residual stream's features (a block norm, the output bias)
+            # under tp without SP: the whole (reduced) gradient of its output reaches every
+            # rank, so its gradient is already whole there. (Not the q/k norms: they apply
+            # to heads split over tp, so theirs is a pending sum.)
             # Experts whole on every tp rank route the same tokens: their and the router's
             # gradients are whole there too (split over tp, the router's is a pending sum).
             whole_on_tp = (axis == "tp" and leaf.path.rsplit(".", 1)[-1] in _ROUTED
                            and not (expert_tp and leaf.path.endswith("router")))
             if not leaf.splits(axis) and not whole_on_tp and not (axis == "tp" and not s.sp and
-                                                                  leaf.path.endswith("norm")):
+                                                                  leaf.path.rsplit(".", 1)[-1] in _RESIDUAL):
                 per[_ar(leaf.nbytes * (widen if leaf.dtype == s.torch_dtype else 1), n)] += 1
         for each, times in sorted(per.items()):
             add(axis, "all_reduce", "grad", times * grad_times, each)
