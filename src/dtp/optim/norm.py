@@ -121,7 +121,16 @@ _measure: contextvars.ContextVar[Any] = contextvars.ContextVar("measure", defaul
 @contextlib.contextmanager
 def measured_by(norm: Callable[[PyTree], torch.Tensor]) -> Iterator[None]:
     """Inside, :func:`clip` (:func:`clip_by_global_norm` without ``norm``) measures the
-    gradients with ``norm`` instead of :func:`global_norm` (called on every rank)."""
+    gradients with ``norm`` instead of :func:`global_norm` (called on every rank):
+    ``train_step`` runs the optimizer inside the norm of the whole model, where a pipeline
+    stage's own :func:`global_norm` would see only its stage's gradients.
+
+    >>> g = {"w": torch.full((4,), 3.0)}       # norm 6; say the whole model's is 12
+    >>> with measured_by(lambda grads: torch.tensor(12.0)):
+    ...     clipped, norm = clip_by_global_norm(g, 6.0)
+    >>> float(norm), [round(x, 4) for x in clipped["w"].tolist()]   # scaled by 6 / 12, not 6 / 6
+    (12.0, [1.5, 1.5, 1.5, 1.5])
+    """
     token = _measure.set(norm)
     try:
         yield
