@@ -263,6 +263,32 @@ def test_a_tokenized_resume_that_toggles_the_document_mask_names_the_mask() -> N
         resume._check_split(args, saved, {"num_tokens": 2160}, 2040, "--resume: RUN")
 
 
+def test_a_tokenized_resume_of_as_many_ids_names_the_eos_or_mask_that_changed_them(tmp_path) -> None:
+    """With --tokenizer and --document-mask the EOS that ends each line is part of the ids:
+    another --eos-id keeps the count (one EOS a line) but not the ids, and a toggled mask can
+    keep the count too (a tokenizer whose newline is one token). The line names that flag;
+    before, it asked whether the unchanged file had changed since."""
+    pytest.importorskip("tokenizers")
+    from test_token_files import TEXT, make_tokenizer
+
+    from dtp._token_files import open_tokens
+    from dtp.cli.resume import _check_split
+
+    tokenizer = make_tokenizer(tmp_path / "tokenizer.json", ("[UNK]", "[EOS]", "<|endoftext|>"))
+    text = tmp_path / "corpus.txt"
+    text.write_text(TEXT)
+    trained = open_tokens(text, tokenizer=tokenizer, documents=True)  # ended by <|endoftext|>, the usual one
+    loader = {"num_tokens": len(trained), "fingerprint": trained.fingerprint()}
+    saved = {"data": str(text), "tokenizer": str(tokenizer), "data_dtype": None, "document_mask": True,
+             "eos_id": None}
+    flags = ["train", "--data", str(text), "--tokenizer", str(tokenizer), "--resume", "--out", "run"]
+    with pytest.raises(cli.UsageError, match=r"; resume without --eos-id$"):
+        _check_split(parse_args([*flags, "--document-mask", "--eos-id", "1"]), saved, loader, len(trained), "RUN")
+    # as many ids unmasked as masked (as the saved count says): the mask is named
+    with pytest.raises(cli.UsageError, match=r"; resume with --document-mask$"):
+        _check_split(parse_args(flags), saved, loader, len(trained), "RUN")
+
+
 def test_a_resume_that_would_drop_the_router_biases_is_refused(tmp_path, monkeypatch, capsys) -> None:
     """Router biases (aux-loss-free balancing) live in the checkpoint as buffers; a run
     without --router-bias-update has no place for them and would load without them."""

@@ -215,7 +215,11 @@ def _check_tokens(args: Any, saved_run: dict[str, Any], saved: str | None, here:
                          documents=bool(args.document_mask))  # with --tokenizer the mask decides the ids
     if training_split(tokens, bool(args.eval_every))[0].fingerprint() == saved:
         return
-    changed = [k for k in ("data", "tokenizer", "data_dtype") if k in saved_run and saved_run[k] != getattr(args, k)]
+    # Through --tokenizer the mask decides the ids too, and with it the EOS that ends each
+    # line: either can change them and keep the count (dtp._token_files._encode).
+    keys = ("data", "tokenizer", "data_dtype", *(("document_mask",) if args.tokenizer else ()),
+            *(("eos_id",) if args.tokenizer and args.document_mask else ()))
+    changed = [k for k in keys if k in saved_run and saved_run[k] != getattr(args, k)]
     what = f"{args.data or '(the bundled corpus)'}{' (its training split)' if args.eval_every else ''}"
     if not changed:  # the same flags, other ids: the file was rewritten
         raise UsageError(f"{here} trained on other ids than this run's --data {what} holds now (as many, but "
