@@ -37,9 +37,9 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Iterator, NamedTuple, Sequence
 
-__all__ = ["Tokens", "open_tokens", "document_eos", "tokenizer_eos", "EOS_TOKENS", "token_stats", "TokenStats",
-           "held_out_start", "HELD_OUT_FRACTION", "training_split", "DTYPES", "SIDECAR", "SAMPLE_TOKENS",
-           "sidecar_path", "past_vocab"]
+__all__ = ["Tokens", "open_tokens", "document_eos", "tokenizer_eos", "EOS_TOKENS", "TOKENIZER_CONFIGS",
+           "token_stats", "TokenStats", "held_out_start", "HELD_OUT_FRACTION", "training_split", "DTYPES", "SIDECAR",
+           "SAMPLE_TOKENS", "sidecar_path", "past_vocab"]
 
 # The held-out split (``dtp train --eval-every``): the corpus's last tenth. The end of the
 # file, not a random sample: windows that straddle the cut would leak training text.
@@ -272,7 +272,7 @@ def _map(path: Path, dtype: str | None) -> tuple[Any, str]:
 # Qwen / Phi, Gemma, DeepSeek (whose bars are full-width).
 EOS_TOKENS = ("</s>", "<|end_of_text|>", "<|endoftext|>", "<eos>", "<\uff5cend\u2581of\u2581sentence\uff5c>")
 # What names a tokenizer's special tokens beside its tokenizer.json (the Hugging Face layout).
-_TOKENIZER_CONFIGS = ("tokenizer_config.json", "special_tokens_map.json")
+TOKENIZER_CONFIGS = ("tokenizer_config.json", "special_tokens_map.json")
 _LINES_AT_ONCE = 8192  # lines encoded per encode_batch call: bounds the Encoding objects alive at once
 
 
@@ -339,7 +339,7 @@ def tokenizer_eos(tok: Any, path: str | os.PathLike[str]) -> int | None:
     >>> tokenizer_eos(Vocab({"a": 0, "<|endoftext|>": 1}), "/none/tokenizer.json")
     1
     """
-    for name in _TOKENIZER_CONFIGS:
+    for name in TOKENIZER_CONFIGS:
         side = Path(path).parent / name
         try:
             named = json.loads(side.read_text()).get("eos_token")

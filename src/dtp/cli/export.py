@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 from .._checkpoint_dirs import MANIFEST, latest
+from .._token_files import TOKENIZER_CONFIGS
 from ..config import DTYPES
 from .flags import UsageError
 from .parser import RUN_FILES, positive_float
@@ -148,14 +149,15 @@ def _carry_generation(source: str | None, out: Path) -> None:
 
 
 # What AutoTokenizer.from_pretrained reads from a model directory.
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
+_TOKENIZER_FILES = ("tokenizer.json", *TOKENIZER_CONFIGS, "tokenizer.model")
 
 
 def _carry_tokenizer(tokenizer: str | None, source: str | None, out: Path) -> None:
     """The tokenizer the run's ids came from, beside the weights, so that the export loads
     with ``AutoTokenizer`` as with ``AutoModelForCausalLM``: the run's ``--tokenizer`` file
-    (as tokenizer.json: those were its ids), else an ``--init-from`` source's tokenizer
-    files, when still there. A preset on token files has none to carry.
+    (as tokenizer.json: those were its ids) with the tokenizer_config.json and
+    special_tokens_map.json beside it (which name its EOS), else an ``--init-from``
+    source's tokenizer files, when still there. A preset on token files has none to carry.
 
     >>> import tempfile
     >>> src, out = Path(tempfile.mkdtemp()), Path(tempfile.mkdtemp())
@@ -172,7 +174,7 @@ def _carry_tokenizer(tokenizer: str | None, source: str | None, out: Path) -> No
 
     if tokenizer and Path(tokenizer).is_file():
         shutil.copyfile(tokenizer, out / "tokenizer.json")
-        for name in _TOKENIZER_FILES[1:3]:  # what names its special tokens, when it lies beside it
+        for name in TOKENIZER_CONFIGS:  # what names its special tokens (its EOS), when beside it
             if (Path(tokenizer).parent / name).is_file():
                 shutil.copyfile(Path(tokenizer).parent / name, out / name)
         return
