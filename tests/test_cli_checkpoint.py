@@ -257,7 +257,7 @@ def test_a_tokenized_resume_that_toggles_the_document_mask_names_the_mask() -> N
     from dtp.cli import resume
 
     args = parse_args(["train", "--data", "corpus.txt", "--tokenizer", "tokenizer.json", "--resume", "--out", "run"])
-    saved = {"data": "corpus.txt", "tokenizer": "tokenizer.json", "document_mask": True}
+    saved = {"data": args.data, "tokenizer": args.tokenizer, "document_mask": True}  # recorded resolved, as parsed
     with pytest.raises(cli.UsageError, match=r"^--resume: RUN was trained with --document-mask, which with "
                                              r"--tokenizer decides the ids .*; resume with --document-mask$"):
         resume._check_split(args, saved, {"num_tokens": 2160}, 2040, "--resume: RUN")
@@ -287,6 +287,22 @@ def test_a_tokenized_resume_of_as_many_ids_names_the_eos_or_mask_that_changed_th
     # as many ids unmasked as masked (as the saved count says): the mask is named
     with pytest.raises(cli.UsageError, match=r"; resume with --document-mask$"):
         _check_split(parse_args(flags), saved, loader, len(trained), "RUN")
+
+
+@pytest.mark.parametrize("change, remedy", [
+    (["--tokenizer", "/t/b.json", "--document-mask"], "resume with --tokenizer /t/a.json"),  # a vocabulary as large
+    (["--tokenizer", "/t/b.json"], "resume with --tokenizer /t/a.json --document-mask")])
+def test_a_resume_of_other_token_count_names_the_tokenizer_that_changed_it(change, remedy) -> None:
+    """The same --data through another tokenizer.json of the same vocabulary size: another
+    token count. The line names the tokenizer (and a toggled mask with it); before, it said
+    to resume with the --data the run already names, or named the mask alone."""
+    from dtp.cli import resume
+
+    args = parse_args(["train", "--data", "/t/corpus.txt", *change, "--resume", "--out", "run"])
+    saved = {"data": "/t/corpus.txt", "tokenizer": "/t/a.json", "data_dtype": None, "document_mask": True}
+    with pytest.raises(cli.UsageError) as e:
+        resume._check_split(args, saved, {"num_tokens": 2160}, 2040, "--resume: RUN")
+    assert str(e.value).endswith(remedy), str(e.value)
 
 
 def test_a_resume_that_would_drop_the_router_biases_is_refused(tmp_path, monkeypatch, capsys) -> None:

@@ -191,17 +191,36 @@ def _check_split(args: Any, saved_run: dict[str, Any], loader: dict[str, Any], n
                 "no --eval-every, so the whole corpus trained")
         raise UsageError(f"{here} was trained with {flag}: its data position is one of that split's batches; "
                          f"resume {'with --eval-every N' if not args.eval_every else 'without --eval-every'}")
-    masked = bool(saved_run.get("document_mask"))
-    if args.tokenizer and saved_run.get("tokenizer") and masked != bool(args.document_mask):
+    changed = _id_flags_changed(args, saved_run)
+    if changed == ["document_mask"]:
         # The same text and tokenizer: with --tokenizer the mask decides the ids (each line
         # ended by the EOS, or the text encoded whole: dtp._token_files._encode).
+        masked = bool(saved_run.get("document_mask"))
         said = "--document-mask" if masked else "no --document-mask"
         raise UsageError(f"{here} was trained with {said}, which with --tokenizer decides the ids (each line ended "
                          f"by the EOS, or the text encoded whole): its data position is one of those ids' batches; "
                          f"resume {'with' if masked else 'without'} --document-mask")
-    raise UsageError(f"{here} trained on {saved} tokens, this run's --data {args.data or '(the bundled corpus)'} has "
-                     f"{mine}{' in its training split' if args.eval_every else ''}: resume with the --data it "
+    theirs = f"{args.data or '(the bundled corpus)'} has {mine}{' in its training split' if args.eval_every else ''}"
+    if set(changed) - {"data"}:  # another tokenizer (dtype, mask) of the same --data: not the --data to change
+        raise UsageError(f"{here} trained on {saved} tokens, this run's --data {theirs}: resume "
+                         f"{_spell(saved_run, changed, remedy=True)}")
+    raise UsageError(f"{here} trained on {saved} tokens, this run's --data {theirs}: resume with the --data it "
                      f"was trained on ({saved_run.get('data') or 'the bundled corpus'})")
+
+
+def _id_flags_changed(args: Any, saved_run: dict[str, Any]) -> list[str]:
+    """The flags that decide the ids of ``--data`` whose value this run changes: the data,
+    its dtype, its tokenizer and, through a tokenizer, the mask (each line encoded alone
+    and ended by the EOS, or the text whole) and with the mask the EOS (``--eos-id``).
+
+    >>> import argparse
+    >>> now = argparse.Namespace(data="t.txt", data_dtype=None, tokenizer="b.json", document_mask=False, eos_id=None)
+    >>> _id_flags_changed(now, {"data": "t.txt", "tokenizer": "a.json", "document_mask": True})
+    ['tokenizer', 'document_mask']
+    """
+    keys = ("data", "data_dtype", "tokenizer", *(("document_mask",) if args.tokenizer else ()),
+            *(("eos_id",) if args.tokenizer and args.document_mask else ()))
+    return [k for k in keys if k in saved_run and saved_run[k] != getattr(args, k)]
 
 
 def _check_tokens(args: Any, saved_run: dict[str, Any], saved: str | None, here: str) -> None:
@@ -215,11 +234,8 @@ def _check_tokens(args: Any, saved_run: dict[str, Any], saved: str | None, here:
                          documents=bool(args.document_mask))  # with --tokenizer the mask decides the ids
     if training_split(tokens, bool(args.eval_every))[0].fingerprint() == saved:
         return
-    # Through --tokenizer the mask decides the ids too, and with it the EOS that ends each
-    # line: either can change them and keep the count (dtp._token_files._encode).
-    keys = ("data", "tokenizer", "data_dtype", *(("document_mask",) if args.tokenizer else ()),
-            *(("eos_id",) if args.tokenizer and args.document_mask else ()))
-    changed = [k for k in keys if k in saved_run and saved_run[k] != getattr(args, k)]
+    # (another --eos-id, a toggled mask through a tokenizer: other ids, as many of them)
+    changed = _id_flags_changed(args, saved_run)
     what = f"{args.data or '(the bundled corpus)'}{' (its training split)' if args.eval_every else ''}"
     if not changed:  # the same flags, other ids: the file was rewritten
         raise UsageError(f"{here} trained on other ids than this run's --data {what} holds now (as many, but "
