@@ -2,9 +2,9 @@
 ``o_bias``, ``qk_norm``) need no layout of their own: their logical axes place them (a
 q bias split over tp as ``wq``'s output features, k/v over tp as ``wk``/``wv``'s, the
 output bias and the per-head q/k norms replicated), so three fp64 AdamW steps (weight
-decay, clipping) under tp2 + sp, tp2 without sp, async tp, dp2 with ZeRO 1 and 3, and a
-pp2 pipeline equal the one-device run to 1e-10, biases and norms drawn away from their
-zero / one init so that a bias added twice, or not at all, shows. A checkpoint saved
+decay, clipping) under tp2 + sp, tp2 without sp, async tp, dp2 with ZeRO 1 and 3, a
+pp2 pipeline and cp2 (ring, Ulysses; slow) equal the one-device run to 1e-10, biases and
+norms drawn away from their zero / one init so that a bias added twice, or not at all, shows. A checkpoint saved
 under tp2 + sp loads under dp2 × ZeRO 3 to the same parameters; fresh biases are zeros.
 """
 
@@ -34,6 +34,9 @@ CASES = {
     "qwen3 dp2xtp2+sp zero1": ("qwen3", dict(dp=2, tp=2), dict(sp=True, zero=1), 1),
     "qwen3 pp2": ("qwen3", dict(pp=2), dict(pp="1f1b"), 2),
     "qwen2 pp2xtp2+sp": ("qwen2", dict(pp=2, tp=2), dict(sp=True, pp="1f1b"), 2),
+    # the sequence split: q/k norms and biases per token, Ulysses moving heads after them
+    "qwen3 cp2 ring": ("qwen3", dict(cp=2), dict(cp="ring"), 1),
+    "qwen3 cp2 ulysses": ("qwen3", dict(cp=2), dict(cp="ulysses"), 1),
 }
 STEPS = 3
 
@@ -69,6 +72,8 @@ def _layout(pieces: dict) -> dtp.Layout:
         layout = layout + dtp.layouts.zero(pieces["zero"], bucket_mb=0.01)  # several buckets
     if "pp" in pieces:
         layout = layout + dtp.layouts.pipeline(pieces["pp"])
+    if "cp" in pieces:
+        layout = layout + dtp.layouts.context(pieces["cp"])
     return layout
 
 
@@ -101,7 +106,8 @@ def _reference(model: str) -> dict:
     return params
 
 
-SLOW = {"qwen3 dp2xtp2+sp zero1", "qwen2 pp2xtp2+sp"}  # worlds of 4; the default run keeps one of each kind
+# worlds of 4, and cp (the default run keeps one of each kind; run -m slow with ops, layouts or the model)
+SLOW = {"qwen3 dp2xtp2+sp zero1", "qwen2 pp2xtp2+sp", "qwen3 cp2 ring", "qwen3 cp2 ulysses"}
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in CASES])
