@@ -261,6 +261,9 @@ def test_a_tokenized_resume_that_toggles_the_document_mask_names_the_mask() -> N
     with pytest.raises(cli.UsageError, match=r"^--resume: RUN was trained with --document-mask, which with "
                                              r"--tokenizer decides the ids .*; resume with --document-mask$"):
         resume._check_split(args, saved, {"num_tokens": 2160}, 2040, "--resume: RUN")
+    moved = {**saved, "data": "/elsewhere/corpus.txt"}  # the text moved since: the mask is still what to change
+    with pytest.raises(cli.UsageError, match=r"; resume with --document-mask$"):
+        resume._check_split(args, moved, {"num_tokens": 2160}, 2040, "--resume: RUN")
 
 
 def test_a_tokenized_resume_of_as_many_ids_names_the_eos_or_mask_that_changed_them(tmp_path) -> None:

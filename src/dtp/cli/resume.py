@@ -192,9 +192,9 @@ def _check_split(args: Any, saved_run: dict[str, Any], loader: dict[str, Any], n
         raise UsageError(f"{here} was trained with {flag}: its data position is one of that split's batches; "
                          f"resume {'with --eval-every N' if not args.eval_every else 'without --eval-every'}")
     changed = _id_flags_changed(args, saved_run)
-    if changed == ["document_mask"]:
-        # The same text and tokenizer: with --tokenizer the mask decides the ids (each line
-        # ended by the EOS, or the text encoded whole: dtp._token_files._encode).
+    if [k for k in changed if k != "data"] == ["document_mask"]:
+        # The same tokenizer (the text perhaps moved): with --tokenizer the mask decides the
+        # ids (each line ended by the EOS, or the text encoded whole: dtp._token_files._encode).
         masked = bool(saved_run.get("document_mask"))
         said = "--document-mask" if masked else "no --document-mask"
         raise UsageError(f"{here} was trained with {said}, which with --tokenizer decides the ids (each line ended "
