@@ -531,3 +531,28 @@ def test_the_export_of_a_packed_run_names_the_eos_it_learnt_to_end_documents_wit
     assert cli.main(["export", "--hf", str(tmp_path / "out"), "--run", str(tmp_path / "run3")]) == 0
     assert json.loads((tmp_path / "out" / "config.json").read_text())["eos_token_id"] == 3
     assert json.loads((tmp_path / "out" / "tokenizer_config.json").read_text()) == {"eos_token": "<eos>"}
+
+
+def test_the_export_adds_the_trained_eos_beside_the_ids_a_source_named(tmp_path: Path) -> None:
+    """An --init-from source's eos_token_id (config.json and generation_config.json, which
+    generate reads first) was kept alone even when the run ended its documents with another
+    id (--eos-id): generate then never stopped where the model learnt to."""
+    from dtp.cli.export import _carry_eos
+
+    def write(config: dict, generation: dict) -> None:
+        (tmp_path / "config.json").write_text(json.dumps(config))
+        (tmp_path / "generation_config.json").write_text(json.dumps(generation))
+
+    def read() -> tuple:
+        return tuple(json.loads((tmp_path / n).read_text()).get("eos_token_id")
+                     for n in ("config.json", "generation_config.json"))
+
+    write({"eos_token_id": 5}, {"eos_token_id": [5, 6], "max_new_tokens": 7})
+    _carry_eos({"document_mask": True, "eos_id": 2}, tmp_path)
+    assert read() == ([5, 2], [5, 6, 2])
+    assert json.loads((tmp_path / "generation_config.json").read_text())["max_new_tokens"] == 7
+    write({"eos_token_id": 5}, {"eos_token_id": [5, 6]})
+    _carry_eos({"document_mask": True, "eos_id": 6}, tmp_path)  # named already in one: the other gains it
+    assert read() == ([5, 6], [5, 6])
+    _carry_eos({"document_mask": False, "eos_id": 2}, tmp_path)  # no documents: nothing learnt to end them
+    assert read() == ([5, 6], [5, 6])

@@ -186,8 +186,9 @@ def _carry_tokenizer(tokenizer: str | None, source: str | None, out: Path) -> No
 
 def _carry_eos(run: dict, out: Path) -> None:
     """A run that packed documents (``--document-mask``) trained its model to end each with
-    the id that ends a document there; the export's ``config.json`` names it as
-    ``eos_token_id`` (unless an ``--init-from`` source named one), so that ``generate``
+    the id that ends a document there; the export's ``config.json`` (and a carried
+    ``generation_config.json``, which ``generate`` reads first) names it as ``eos_token_id``,
+    beside the ids an ``--init-from`` source named (a list then), so that ``generate``
     stops where the model learnt to. That id is ``--eos-id``, else the tokenizer's
     (:func:`dtp._token_files.tokenizer_eos`), else the data's (its sidecar's; byte text's
     newline); when the data or tokenizer has gone since, nothing is written.
@@ -202,8 +203,7 @@ def _carry_eos(run: dict, out: Path) -> None:
 
     from .._token_files import document_eos, open_tokens, tokenizer_eos
 
-    config = json.loads((out / "config.json").read_text())
-    if not run.get("document_mask") or config.get("eos_token_id") is not None:
+    if not run.get("document_mask"):
         return
     eos, tokenizer = run.get("eos_id"), run.get("tokenizer")
     try:
@@ -215,5 +215,15 @@ def _carry_eos(run: dict, out: Path) -> None:
             eos = document_eos(open_tokens(run.get("data"), dtype=run.get("data_dtype")))
     except Exception:  # gone or changed since the run (the tokenizers library raises its own kind): say nothing
         return
-    if eos is not None:
-        (out / "config.json").write_text(json.dumps({**config, "eos_token_id": int(eos)}, indent=2) + "\n")
+    if eos is None:
+        return
+    for name in ("config.json", _GENERATION):  # the generation config only where the source's was carried
+        if not (out / name).is_file():
+            continue
+        config = json.loads((out / name).read_text())
+        named = config.get("eos_token_id")
+        named = [] if named is None else named if isinstance(named, list) else [named]
+        if int(eos) not in named:  # one id stays an int (transformers' own form), more are a list
+            ids = [*named, int(eos)]
+            (out / name).write_text(json.dumps({**config, "eos_token_id": ids if len(ids) > 1 else ids[0]},
+                                               indent=2) + "\n")
