@@ -182,6 +182,9 @@ ROWS: dict[str, list[str]] = {
                                             "--virtual-stages", "2", "--microbatches", "2"],
     # a Qwen2 (q/k/v biases, split over tp as their weights' output features)
     "init-from Qwen2 dir dp2 tp2 sp": ["--init-from", "QWEN2_DIR", "--dp", "2", "--tp", "2", "--sp"],
+    # a Qwen3-MoE (q/k norms; MoE in blocks 1 and 3, not renormalised, narrower experts): its
+    # experts over ep, everything else over tp
+    "init-from Qwen3-MoE dir ep2 tp2 sp": ["--init-from", "QWEN3_MOE_DIR", "--ep", "2", "--tp", "2", "--sp"],
     # ---- the run's other flags: evaluation, checkpoints, skip budget, memory check, timeouts
     "dp2 eval, checkpoints, async save": ["--dp", "2", "--eval-every", "2", "--save-every", "2", "--keep", "1",
                                           "--async-save", "--max-skipped", "2",
@@ -248,17 +251,22 @@ def _data_files() -> dict[str, str]:
 
 @functools.cache
 def _hf_dir(kind: str = "llama") -> str:
-    """A tiny Hugging Face Llama (or Qwen2) directory (dtp's own to_hf: no transformers
-    needed) whose 300 token ids do not split over tp until padded; Qwen2's biases drawn
-    away from their zero init, so that a bias added twice shows."""
+    """A tiny Hugging Face Llama (or Qwen2, Qwen3-MoE) directory (dtp's own to_hf: no
+    transformers needed) whose 300 token ids do not split over tp until padded; Qwen2's
+    biases and Qwen3-MoE's q/k norms drawn away from their zero / one init, so that a bias
+    added twice or a norm skipped shows."""
     from dtp.models import hf, llama
 
-    cfg = llama.config("tiny", vocab_size=300, **({"qkv_bias": True, "rope_theta": 1e6} if kind == "qwen2" else {}))
+    kinds = {"llama": ("tiny", {}), "qwen2": ("tiny", {"qkv_bias": True, "rope_theta": 1e6}),
+             "qwen3_moe": ("tiny-moe", {"qk_norm": True, "n_layers": 4, "moe_every": 2, "moe_ffn_dim": 64,
+                                        "pre_softmax": True})}
+    model, fields = kinds[kind]
+    cfg = llama.config(model, vocab_size=300, **fields)
     params = llama.init(cfg, seed=1, dtype=torch.float64)
     gen = torch.Generator().manual_seed(2)
     for layer in params["layers"]:
         layer.update({n: torch.randn(p.shape, generator=gen, dtype=p.dtype) for n, p in layer.items()
-                      if n.endswith("bias")})
+                      if n.endswith("bias") or n in ("q_norm", "k_norm")})
     path = Path(tempfile.mkdtemp(prefix="dtp-hf-")) / f"tiny-300-{kind}"
     hf.to_hf(cfg, params, path)
     return str(path)
@@ -276,7 +284,7 @@ def _flags(name: str) -> list[str]:
     row = ROWS[name]
     if any("{" in f for f in row):
         row = [f.format(**_data_files()) for f in row]
-    dirs = {"HF_DIR": "llama", "QWEN2_DIR": "qwen2"}
+    dirs = {"HF_DIR": "llama", "QWEN2_DIR": "qwen2", "QWEN3_MOE_DIR": "qwen3_moe"}
     return [_hf_dir(dirs[f]) if f in dirs else f for f in [*BASE, *row]]
 
 

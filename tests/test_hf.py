@@ -2,8 +2,9 @@
 transformers (nothing downloaded) give the same logits under dtp as under transformers
 (fp64 models; transformers computes RoPE in fp32, hence 1e-6), for Llama with and without
 Llama 3.1 rope scaling, tied and untied, GQA, an explicit head_dim, a transformers-4
-config.json, Mistral, Mixtral, Qwen2, Qwen3 and Llama's attention_bias (biases and q/k
-norms drawn away from their 0 / 1 init); ``to_hf`` writes what transformers loads to the same logits and
+config.json, Mistral, Mixtral, Qwen2, Qwen3, Qwen3-MoE (MoE in every layer and
+renormalised, or every second layer, not renormalised, with biases) and Llama's
+attention_bias (biases and q/k norms drawn away from their 0 / 1 init); ``to_hf`` writes what transformers loads to the same logits and
 ``from_hf`` reads back bit-exactly; a greedy continuation equals ``generate``; a padded
 vocabulary changes neither the loss nor its gradients, under vocab-parallel tp too.
 """
@@ -44,21 +45,28 @@ CASES = {
     "qwen3": dict(num_key_value_heads=2, head_dim=16),
     "qwen3_bias": dict(num_key_value_heads=2, head_dim=8, attention_bias=True),
     "llama_bias": dict(num_key_value_heads=2, attention_bias=True),
+    # Qwen3-MoE: experts narrower than the dense MLP; sparse2: MoE in layers 1 and 3 of 4
+    "qwen3moe": dict(num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
+                     moe_intermediate_size=24, norm_topk_prob=True),
+    "qwen3moe_sparse2": dict(num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
+                             moe_intermediate_size=24, norm_topk_prob=False, decoder_sparse_step=2,
+                             num_hidden_layers=4, attention_bias=True),
 }
 _CLASSES = {"qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
-            "mistral": ("MistralConfig", "MistralForCausalLM")}
+            "mistral": ("MistralConfig", "MistralForCausalLM"), "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+            "qwen3moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM")}
 
 
 def _hf_model(case: str) -> torch.nn.Module:
     kw = dict(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-              **{"rope_theta": 500.0, **CASES[case]})
+              rope_theta=500.0)
+    kw.update(CASES[case])
     torch.manual_seed(sum(map(ord, case)))
-    if case == "mixtral":
-        cfg = transformers.MixtralConfig(**kw)
-        cfg._experts_implementation = "eager"  # the grouped-mm kernel has no fp64
-        return transformers.MixtralForCausalLM(cfg).double().eval()
     config, model = _CLASSES.get(case.split("_")[0], ("LlamaConfig", "LlamaForCausalLM"))
-    model = getattr(transformers, model)(getattr(transformers, config)(**kw))
+    cfg = getattr(transformers, config)(**kw)
+    if "num_experts_per_tok" in kw:
+        cfg._experts_implementation = "eager"  # the grouped-mm kernel has no fp64
+    model = getattr(transformers, model)(cfg)
     with torch.no_grad():  # transformers starts biases at 0 and q/k norms at 1: draw them, so they count
         for name, p in model.named_parameters():  # (in fp32, as the weights: fp32 round trips stay exact)
             if name.endswith("bias") or "_norm." in name:
@@ -80,7 +88,7 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _load(path: Path) -> torch.nn.Module:
     cls = transformers.AutoModelForCausalLM
-    kw = {"experts_implementation": "eager"} if "mixtral" in path.name else {}
+    kw = {"experts_implementation": "eager"} if "mixtral" in path.name or "moe" in path.name else {}
     return cls.from_pretrained(path, dtype=torch.float64, **kw).eval()
 
 
@@ -97,6 +105,9 @@ def test_from_hf_logits_equal_transformers(case: str, root: Path) -> None:
     if "llama3" in case:  # the scaling is really applied: without it the logits differ
         plain = llama.apply(params, TOKENS, dataclasses.replace(cfg, rope_scaling=None))
         assert (plain - expected).abs().max() > 100 * ATOL
+    if cfg.pre_softmax:  # Qwen3-MoE's norm_topk_prob=false counts: renormalised, the logits differ
+        renormalised = llama.apply(params, TOKENS, dataclasses.replace(cfg, pre_softmax=False))
+        assert (renormalised - expected).abs().max() > 100 * ATOL
 
 
 def test_transformers_4_config_form_reads_the_same(root: Path, tmp_path: Path) -> None:
@@ -109,7 +120,8 @@ def test_transformers_4_config_form_reads_the_same(root: Path, tmp_path: Path) -
     assert hf.from_hf(tmp_path)[0] == hf.from_hf(src)[0]
 
 
-@pytest.mark.parametrize("case", ["llama3_rope_tied", "gqa", "mixtral", "qwen2", "qwen3_bias", "llama_bias"])
+@pytest.mark.parametrize("case", ["llama3_rope_tied", "gqa", "mixtral", "qwen2", "qwen3_bias", "llama_bias",
+                                  "qwen3moe_sparse2"])
 def test_to_hf_loads_in_transformers_and_round_trips_bit_exactly(case: str, root: Path, tmp_path: Path) -> None:
     src = _saved(case, root)
     cfg, params = hf.from_hf(src, dtype=torch.float32, vocab_multiple=64)  # pad 100 -> 128, stripped again
@@ -300,7 +312,7 @@ def test_to_hf_refuses_what_mixtral_cannot_express(tmp_path: Path, change: dict)
     assert hf.hf_config(llama.config("tiny-moe", routed_scaling_factor=1.0))["model_type"] == "mixtral"
 
 
-@pytest.mark.parametrize("case", ["gqa", "qwen2"])
+@pytest.mark.parametrize("case", ["gqa", "qwen2", "qwen3moe_sparse2"])
 def test_dtp_train_init_from_then_export_loads_in_transformers(root: Path, tmp_path: Path, monkeypatch,
                                                                case: str) -> None:
     """Fine-tune a transformers-made model for a step on one process, save, ``dtp export

@@ -173,8 +173,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = t.add_argument_group("model and training")
     g.add_argument("--model", default=RUN_DEFAULTS["model"], help="llama preset: tiny, small, 1b, llama2-7b, llama3-8b, ...")
     g.add_argument("--init-from", default=RUN_DEFAULTS["init_from"], metavar="HF_DIR",
-                   help="fine-tune a Hugging Face Llama / Mistral / Mixtral: the model from HF_DIR's config.json "
-                        "(instead of --model), its weights from HF_DIR's *.safetensors; the vocabulary padded "
+                   help="fine-tune a Hugging Face Llama / Mistral / Mixtral / Qwen2 / Qwen3 / Qwen3-MoE: the model "
+                        "from HF_DIR's config.json (instead of --model), its weights from HF_DIR's *.safetensors; the vocabulary padded "
                         "to a multiple of 128 so tp splits it (pip install 'dtp[hf]')")
     g.add_argument("--steps", type=_positive, default=RUN_DEFAULTS["steps"], help="optimizer steps")
     g.add_argument("--batch", type=_positive, default=RUN_DEFAULTS["batch"], help="global batch size (sequences)")

@@ -1,11 +1,14 @@
-"""Hugging Face Llama, Mistral, Mixtral, Qwen2 and Qwen3 checkpoints in and out:
+"""Hugging Face Llama, Mistral, Mixtral, Qwen2, Qwen3 and Qwen3-MoE checkpoints in and out:
 :func:`from_hf`, :func:`to_hf`.
 
 dtp's Llama is Hugging Face's ``LlamaForCausalLM`` (RMSNorm, rotate-half RoPE, GQA,
 SwiGLU) and, with ``num_experts``, ``MixtralForCausalLM`` (Mixtral's router takes a
 softmax over all experts, the top k, and renormalises: the same weights as dtp's top-k
 of the logits then a softmax over the k). With ``qkv_bias`` it is ``Qwen2ForCausalLM``,
-with ``qk_norm`` ``Qwen3ForCausalLM`` (:func:`~dtp.models.hf_config.hf_model_type`). The
+with ``qk_norm`` ``Qwen3ForCausalLM``, with both experts and ``qk_norm``
+``Qwen3MoeForCausalLM`` (Mixtral's router, or without renormalisation ``pre_softmax``;
+MoE every ``moe_every``-th layer, experts ``moe_ffn_dim`` wide)
+(:func:`~dtp.models.hf_config.hf_model_type`). The
 weights differ only in orientation: a ``torch.nn.Linear`` stores (out, in), dtp's
 :func:`dtp.ops.linear` takes (in, out).
 
@@ -20,11 +23,14 @@ Hugging Face (``model.layers.{i}.`` omitted)            dtp (``layers[i]``)
 ``mlp.{gate,up,down}_proj.weight``                      ``w_gate``, ``w_up``, ``w_down`` transposed
 ``block_sparse_moe.gate.weight`` (E, D)                 ``router`` (D, E)
 ``block_sparse_moe.experts.{e}.{w1,w3,w2}.weight``      ``w_gate[e]``, ``w_up[e]``, ``w_down[e]`` transposed
+Qwen3-MoE: ``mlp.gate.weight`` (E, D)                   ``router`` (D, E)
+``mlp.experts.{e}.{gate,up,down}_proj.weight``          ``w_gate[e]``, ``w_up[e]``, ``w_down[e]`` transposed
 ``model.norm.weight``, ``lm_head.weight`` (V, D)        ``final_norm``, ``lm_head`` (D, V)
 =====================================================  ==========================
 
-Mixtral's experts are read and written per expert, as they are stored on disk
-(transformers 5 fuses them into ``gate_up_proj`` only after loading).
+Mixtral's and Qwen3-MoE's experts are read and written per expert, as they are stored on
+disk (transformers 5 fuses them into ``gate_up_proj`` only after loading, and splits them
+again in ``save_pretrained``).
 
 **Vocabulary padding.** ``vocab_multiple=m`` pads the vocabulary to a multiple of ``m``
 (Megatron's ``--make-vocab-size-divisible-by``, which pads to a multiple of itself × tp)
@@ -49,7 +55,7 @@ from torch.distributed.tensor import DTensor
 from .._rules import accum_dtype
 from ._safetensors_files import Entry, bytes_read, open_weights, write_sharded
 from .config import LlamaConfig, block_shapes, is_moe
-from .hf_config import INIT_VOCAB_MULTIPLE, config_from_hf, hf_config, hf_model_type, padded_vocab
+from .hf_config import INIT_VOCAB_MULTIPLE, config_from_hf, hf_config, hf_model_type, moe_model_type, padded_vocab
 
 __all__ = ["from_hf", "to_hf", "read_blocks", "bytes_read", "config_from_hf", "hf_config", "padded_vocab",
            "INIT_VOCAB_MULTIPLE", "Box"]
@@ -63,7 +69,10 @@ _ATTN = (("input_layernorm.weight", "attn_norm", False), ("self_attn.q_proj.weig
          ("self_attn.k_norm.weight", "k_norm", False), ("self_attn.o_proj.weight", "wo", True),
          ("self_attn.o_proj.bias", "o_bias", False), ("post_attention_layernorm.weight", "mlp_norm", False))
 _MLP = (("mlp.gate_proj.weight", "w_gate"), ("mlp.up_proj.weight", "w_up"), ("mlp.down_proj.weight", "w_down"))
-_EXPERT = (("w1", "w_gate"), ("w3", "w_up"), ("w2", "w_down"))
+# An MoE block's keys by family (hf_config.moe_model_type): the block's prefix (its router is
+# "gate.weight" in it) and (file name, dtp's name) of each expert's matrices.
+_MOE_KEYS = {"mixtral": ("block_sparse_moe.", (("w1", "w_gate"), ("w3", "w_up"), ("w2", "w_down"))),
+             "qwen3_moe": ("mlp.", (("gate_proj", "w_gate"), ("up_proj", "w_up"), ("down_proj", "w_down")))}
 _DTYPE_NAMES = {torch.float64: "float64", torch.float32: "float32", torch.float16: "float16",
                 torch.bfloat16: "bfloat16"}
 
@@ -76,8 +85,8 @@ BlockFn = Callable[[str, tuple[int, ...]], "Box | list[Box] | None"]
 
 def from_hf(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32,
             vocab_multiple: int = 1) -> tuple[LlamaConfig, dict[str, Any]]:
-    """``(cfg, params)`` of a local Hugging Face Llama / Mistral / Mixtral / Qwen2 / Qwen3
-    directory (``config.json``; ``*.safetensors`` with or without ``model.safetensors.index.json``):
+    """``(cfg, params)`` of a local Hugging Face Llama / Mistral / Mixtral / Qwen2 / Qwen3 /
+    Qwen3-MoE directory (``config.json``; ``*.safetensors`` with or without ``model.safetensors.index.json``):
     global tensors in ``dtype`` (an MoE router in fp32, fp64 in fp64), ready for
     ``TrainState.create``. Reads one tensor at a time, memory-mapped
     (``TrainState.from_hf`` reads only each rank's blocks).
@@ -112,6 +121,7 @@ def read_blocks(path: str | os.PathLike[str], cfg: LlamaConfig, dtype: torch.dty
     Raises: as :func:`from_hf`.
     """
     vocab = cfg.vocab_size - cfg.vocab_pad
+    moe_prefix, expert_keys = _MOE_KEYS[moe_model_type(cfg)]
 
     with open_weights(path) as get:
         def leaf(name: str, shape: tuple[int, ...], read_box: Callable[[Box], torch.Tensor]) -> torch.Tensor:
@@ -160,10 +170,10 @@ def read_blocks(path: str | os.PathLike[str], cfg: LlamaConfig, dtype: torch.dty
                 shape = shapes[ours]
                 layer[ours] = leaf(f"layers.{i}.{ours}", shape, read(pre + key, shape[::-1] if t else shape, t))
             if is_moe(cfg, i):
-                moe = pre + "block_sparse_moe."
+                moe = pre + moe_prefix
                 layer["router"] = leaf(f"layers.{i}.router", shapes["router"],
                                        read(moe + "gate.weight", shapes["router"][::-1], True, accum_dtype(dtype)))
-                for key, ours in _EXPERT:
+                for key, ours in expert_keys:
                     keys = [f"{moe}experts.{e}.{key}.weight" for e in range(cfg.num_experts)]
                     layer[ours] = leaf(f"layers.{i}.{ours}", shapes[ours], experts(keys, shapes[ours]))
             params["layers"].append(layer)
@@ -210,6 +220,7 @@ def to_hf(cfg: LlamaConfig, params: dict[str, Any] | Callable[[tuple], torch.Ten
         raise TypeError("to_hf: with params given as a function, pass dtype")
     dtype = dtype or _plain("embed", params["embed"]).dtype
     vocab = cfg.vocab_size - cfg.vocab_pad
+    moe_prefix, expert_keys = _MOE_KEYS[moe_model_type(cfg)]
 
     def entry(name: str, get: Any, transpose: bool, shape: tuple[int, ...]) -> Entry:
         def make() -> torch.Tensor:
@@ -235,9 +246,9 @@ def to_hf(cfg: LlamaConfig, params: dict[str, Any] | Callable[[tuple], torch.Ten
         if not is_moe(cfg, i):
             entries += [entry(pre + hf, leaf("layers", i, ours), True, shapes[ours][::-1]) for hf, ours in _MLP]
             continue
-        moe = pre + "block_sparse_moe."
+        moe = pre + moe_prefix
         entries.append(entry(moe + "gate.weight", leaf("layers", i, "router"), True, shapes["router"][::-1]))
-        for hf, ours in _EXPERT:  # one stacked parameter's experts after another (a reader caches one)
+        for hf, ours in expert_keys:  # one stacked parameter's experts after another (a reader caches one)
             entries += [entry(f"{moe}experts.{e}.{hf}.weight", leaf("layers", i, ours, e), True,
                               shapes[ours][1:][::-1]) for e in range(cfg.num_experts)]
     entries.append(entry("model.norm.weight", leaf("final_norm"), False, (cfg.dim,)))

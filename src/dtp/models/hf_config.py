@@ -15,15 +15,19 @@ from typing import Any
 
 from .config import LlamaConfig, RopeScaling
 
-__all__ = ["config_from_hf", "hf_config", "hf_model_type", "padded_vocab", "check_mixtral", "weight_files",
-           "check_weight_files", "INIT_VOCAB_MULTIPLE", "INDEX", "SINGLE"]
+__all__ = ["config_from_hf", "hf_config", "hf_model_type", "moe_model_type", "padded_vocab", "check_moe",
+           "weight_files", "check_weight_files", "INIT_VOCAB_MULTIPLE", "INDEX", "SINGLE"]
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 
-_MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen3")
+_MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe")
 # The families whose sliding_window counts only with use_sliding_window (Mistral's always does).
-_OPT_IN_WINDOW = ("qwen2", "qwen3")
+_OPT_IN_WINDOW = ("qwen2", "qwen3", "qwen3_moe")
+# The families with an RMSNorm over each head's q and k, and those whose attention_bias
+# biases q, k, v and the output projection.
+_QK_NORM = ("qwen3", "qwen3_moe")
+_ATTENTION_BIAS = ("llama", "qwen3", "qwen3_moe")
 _DTYPES = ("float64", "float32", "float16", "bfloat16")
 # dtp train --init-from pads the vocabulary to a multiple of this (Megatron's default
 # --make-vocab-size-divisible-by), whatever tp is: runs under different layouts then share
@@ -76,11 +80,14 @@ def config_from_hf(hf: dict[str, Any] | str | os.PathLike[str], vocab_multiple: 
     - ``qwen2`` (Qwen2, Qwen2.5): Llama with q/k/v biases (``qkv_bias``).
     - ``qwen3``: Llama with an RMSNorm over each head's q and k before RoPE (``qk_norm``),
       ``attention_bias`` as Llama's.
+    - ``qwen3_moe``: Qwen3 with experts (:func:`_qwen3_moe`: ``moe_intermediate_size``,
+      ``decoder_sparse_step`` as ``moe_every``, ``norm_topk_prob: false`` as ``pre_softmax``).
 
     Qwen's ``sliding_window`` caps ``max_seq_len`` only with ``use_sliding_window``.
 
     Raises: ``ValueError`` for what dtp's Llama does not compute (MLP biases, biases in
-    Mistral/Mixtral, another activation, another rope type).
+    Mistral/Mixtral, another activation, another rope type, Qwen3-MoE's MoE blocks at
+    layers no ``moe_every`` picks).
 
     >>> config_from_hf({"model_type": "llama", "vocab_size": 300, "hidden_size": 64, "intermediate_size": 128,
     ...     "num_hidden_layers": 2, "num_attention_heads": 4}, vocab_multiple=128).vocab_pad
@@ -98,8 +105,9 @@ def config_from_hf(hf: dict[str, Any] | str | os.PathLike[str], vocab_multiple: 
     if hf.get("mlp_bias"):
         raise ValueError("from_hf: mlp_bias=true is not supported (dtp's MLP has no biases)")
     attention_bias = bool(hf.get("attention_bias"))
-    if attention_bias and kind not in ("llama", "qwen3"):
-        raise ValueError(f"from_hf: attention_bias=true is not supported for {kind!r} (only llama and qwen3 read it)")
+    if attention_bias and kind not in _ATTENTION_BIAS:
+        raise ValueError(f"from_hf: attention_bias=true is not supported for {kind!r} (only "
+                         f"{', '.join(_ATTENTION_BIAS)} read it)")
     if hf.get("hidden_act", "silu") != "silu":
         raise ValueError(f"from_hf: hidden_act must be 'silu', got {hf['hidden_act']!r}")
     theta, scaling = _rope(hf)
@@ -114,13 +122,45 @@ def config_from_hf(hf: dict[str, Any] | str | os.PathLike[str], vocab_multiple: 
         n_kv_heads=int(hf.get("num_key_value_heads") or heads), ffn_dim=int(hf["intermediate_size"]),
         max_seq_len=max_len, rope_theta=theta, rope_scaling=scaling, norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        # Qwen3Config's head_dim defaults to 128, not hidden_size // heads
+        # Qwen3Config's head_dim defaults to 128, not hidden_size // heads (Qwen3MoeConfig's does not)
         head_dim=hf.get("head_dim", 128 if kind == "qwen3" else None),
-        qkv_bias=attention_bias or kind == "qwen2", o_bias=attention_bias, qk_norm=kind == "qwen3")
+        qkv_bias=attention_bias or kind == "qwen2", o_bias=attention_bias, qk_norm=kind in _QK_NORM)
     if kind == "mixtral":
         fields.update(num_experts=int(hf["num_local_experts"]), top_k=int(hf["num_experts_per_tok"]),
                       aux_loss_coeff=float(hf.get("router_aux_loss_coef", 0.01)))
+    elif kind == "qwen3_moe":
+        fields.update(_qwen3_moe(hf, fields["n_layers"]))
     return LlamaConfig(**fields)
+
+
+def _qwen3_moe(hf: dict[str, Any], n_layers: int) -> dict[str, Any]:
+    """:class:`LlamaConfig`'s MoE fields of a Qwen3-MoE ``config.json`` (transformers'
+    defaults for a missing key). Its router (softmax over all experts, top k, renormalised
+    over the k with ``norm_topk_prob``) is dtp's top-k-then-softmax, and without
+    renormalisation dtp's ``pre_softmax``. Layer ``i`` is MoE iff ``(i + 1) %
+    decoder_sparse_step == 0`` and ``i`` is not in ``mlp_only_layers``: dtp's ``moe_every``
+    picks ``i % moe_every == moe_every - 1``, the same layers, so any MoE layers every
+    ``m``-th from layer ``m - 1`` are read (none: the dense model); another set is refused.
+
+    >>> _qwen3_moe({"num_experts": 4, "num_experts_per_tok": 2, "decoder_sparse_step": 1,
+    ...             "mlp_only_layers": [0, 2]}, 4)["moe_every"]
+    2
+    """
+    experts = int(hf.get("num_experts", hf.get("num_local_experts", 128)))  # transformers saves the latter
+    step = hf.get("decoder_sparse_step", 1)
+    if not (isinstance(step, int) and step >= 1):
+        raise ValueError(f"from_hf: decoder_sparse_step must be an int >= 1, got {step!r}")
+    dense = set(hf.get("mlp_only_layers") or ())
+    moe = [i for i in range(n_layers) if experts > 0 and (i + 1) % step == 0 and i not in dense]
+    if not moe:  # no MoE block: transformers builds every layer as a dense MLP
+        return {}
+    every = moe[0] + 1
+    if moe != list(range(every - 1, n_layers, every)):
+        raise ValueError(f"from_hf: decoder_sparse_step={step} and mlp_only_layers={sorted(dense)} make layers {moe} "
+                         f"MoE; dtp's MoE layers are every moe_every-th (i % moe_every == moe_every - 1)")
+    return dict(num_experts=experts, top_k=int(hf.get("num_experts_per_tok", 8)), moe_every=every,
+                moe_ffn_dim=int(hf.get("moe_intermediate_size", 768)), pre_softmax=not hf.get("norm_topk_prob", False),
+                aux_loss_coeff=float(hf.get("router_aux_loss_coef", 0.001)))
 
 
 def weight_files(path: str | os.PathLike[str]) -> dict[str, Path]:
@@ -182,55 +222,78 @@ def check_weight_files(path: str | os.PathLike[str]) -> None:
         _header(file)
 
 
-def check_mixtral(cfg: LlamaConfig) -> None:
-    """Raise ``ValueError`` if ``cfg`` has MoE options ``MixtralForCausalLM`` cannot express.
+def moe_model_type(cfg: LlamaConfig) -> str:
+    """The family whose MoE blocks a model with experts is read and written as:
+    ``qwen3_moe`` with q/k norms (Mixtral's attention has none), else ``mixtral``. Names
+    only (``--init-from`` with MoE flags on top still reads); :func:`check_moe` checks.
 
     >>> from dtp.models.config import config
-    >>> check_mixtral(config("tiny-moe"))
+    >>> moe_model_type(config("tiny-moe")), moe_model_type(config("tiny-moe", qk_norm=True))
+    ('mixtral', 'qwen3_moe')
+    """
+    return "qwen3_moe" if cfg.qk_norm else "mixtral"
+
+
+# What each family's router and blocks are (softmax scores, top-k, nothing added, dropless,
+# no shared experts); any other value routes tokens otherwise, so an export would load as
+# another model. Qwen3-MoE also writes MoE every n-th layer (decoder_sparse_step), an
+# expert width of its own (moe_intermediate_size) and weights not renormalised over the k
+# (norm_topk_prob: false, dtp's pre_softmax); Mixtral none of these.
+_MOE_PLAIN = (("shared_experts", 0), ("capacity_factor", None), ("router_score", "softmax"), ("n_groups", None),
+              ("topk_group", None), ("routed_scaling_factor", None), ("router_bias_update", 0.0))
+_MIXTRAL_ONLY = (("moe_every", 1), ("pre_softmax", False), ("moe_ffn_dim", None))
+
+
+def check_moe(cfg: LlamaConfig) -> str | None:
+    """``cfg``'s MoE family (:func:`moe_model_type`; ``None`` for a dense model), checked.
+
+    Raises: ``ValueError`` naming the MoE options that family cannot express.
+
+    >>> from dtp.models.config import config
+    >>> check_moe(config("tiny-moe")), check_moe(config("tiny-moe", qk_norm=True, moe_every=2, pre_softmax=True))
+    ('mixtral', 'qwen3_moe')
     """
     if not cfg.num_experts:
-        return
-    # What Mixtral's router is (softmax scores, top-k, renormalised, nothing added): any of
-    # these set routes tokens otherwise, so an export would load as another model.
-    odd = {name: value for name, value, mixtral in [
-        ("moe_every", cfg.moe_every, 1), ("shared_experts", cfg.shared_experts, 0),
-        ("pre_softmax", cfg.pre_softmax, False), ("capacity_factor", cfg.capacity_factor, None),
-        ("moe_ffn_dim", cfg.moe_ffn_dim, None), ("router_score", cfg.router_score, "softmax"),
-        ("n_groups", cfg.n_groups, None), ("topk_group", cfg.topk_group, None),
-        ("routed_scaling_factor", cfg.routed_scaling_factor, None), ("router_bias_update", cfg.router_bias_update, 0.0)]
-        if value != mixtral and not (name == "routed_scaling_factor" and value == 1.0)}
-    if odd:
+        return None
+    kind = moe_model_type(cfg)
+    odd = {name: getattr(cfg, name) for name, plain in _MOE_PLAIN + (_MIXTRAL_ONLY if kind == "mixtral" else ())
+           if getattr(cfg, name) != plain and not (name == "routed_scaling_factor" and getattr(cfg, name) == 1.0)}
+    if odd and kind == "mixtral":
         raise ValueError(f"to_hf: Mixtral has MoE in every block, no shared experts, top-k-then-softmax routing "
                          f"(softmax scores, no groups, no scaling, no bias), no capacity and one FFN width; this model "
                          f"sets {odd}")
+    if odd:
+        raise ValueError(f"to_hf: Qwen3-MoE has no shared experts, softmax routing (top k, renormalised or not), no "
+                         f"groups, no scaling, no bias and no capacity; this model sets {odd}")
+    return kind
 
 
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                  "qwen3": "Qwen3ForCausalLM"}
+                  "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 
 
 def hf_model_type(cfg: LlamaConfig) -> str:
-    """The transformers ``model_type`` that computes ``cfg``: ``mixtral`` with experts,
-    ``qwen3`` with ``qk_norm``, ``qwen2`` with q/k/v biases alone, else ``llama`` (its
-    ``attention_bias``: q/k/v and output biases).
+    """The transformers ``model_type`` that computes ``cfg``: with experts ``qwen3_moe``
+    (with ``qk_norm``) or ``mixtral``; ``qwen3`` with ``qk_norm``, ``qwen2`` with q/k/v
+    biases alone, else ``llama`` (its ``attention_bias``: q/k/v and output biases).
 
     Raises: ``ValueError`` for a model none of them computes (an output bias without q/k/v
-    ones; biases or q/k norms beside experts; MoE options Mixtral lacks).
+    ones; biases beside experts without q/k norms; MoE options the family lacks).
 
     >>> from dtp.models.config import config
     >>> hf_model_type(config("tiny", qkv_bias=True)), hf_model_type(config("tiny", qkv_bias=True, o_bias=True))
     ('qwen2', 'llama')
     """
-    check_mixtral(cfg)
-    extras = {name: True for name in ("qkv_bias", "o_bias", "qk_norm") if getattr(cfg, name)}
-    if cfg.num_experts and extras:
-        raise ValueError(f"to_hf: Mixtral's attention has no biases and no q/k norms; this model sets {extras}")
+    moe = check_moe(cfg)
+    biases = {name: True for name in ("qkv_bias", "o_bias") if getattr(cfg, name)}
+    if moe == "mixtral" and biases:
+        raise ValueError(f"to_hf: Mixtral's attention has no biases (Qwen3-MoE's has, beside q/k norms); this model "
+                         f"sets {biases}")
     if cfg.o_bias != cfg.qkv_bias and (cfg.qk_norm or cfg.o_bias):
         raise ValueError(f"to_hf: transformers' Llama and Qwen3 bias q, k, v and the output projection together "
                          f"(attention_bias), Qwen2 q, k and v alone; this model sets qkv_bias={cfg.qkv_bias}, "
                          f"o_bias={cfg.o_bias}")
-    return "mixtral" if cfg.num_experts else "qwen3" if cfg.qk_norm else "qwen2" if cfg.qkv_bias and not cfg.o_bias \
-        else "llama"
+    return moe or ("qwen3" if cfg.qk_norm else "qwen2" if cfg.qkv_bias and not cfg.o_bias else "llama")
 
 
 def hf_config(cfg: LlamaConfig, dtype: str = "float32") -> dict[str, Any]:
@@ -267,9 +330,15 @@ def hf_config(cfg: LlamaConfig, dtype: str = "float32") -> dict[str, Any]:
     elif kind == "llama":
         out.update(attention_bias=cfg.o_bias, mlp_bias=False)
     else:  # Qwen: full attention in every layer (dtp has no sliding window)
-        out.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.n_layers)
-        if kind == "qwen3":
+        out.update(use_sliding_window=False, sliding_window=None)
+        if kind != "qwen3_moe":
+            out["max_window_layers"] = cfg.n_layers
+        if kind != "qwen2":
             out["attention_bias"] = cfg.o_bias
+    if kind == "qwen3_moe":  # num_experts as Qwen's own config.json files spell it (transformers reads both)
+        out.update(num_experts=cfg.num_experts, num_experts_per_tok=cfg.top_k, moe_intermediate_size=cfg.expert_dim,
+                   decoder_sparse_step=cfg.moe_every, mlp_only_layers=[], norm_topk_prob=not cfg.pre_softmax,
+                   router_aux_loss_coef=cfg.aux_loss_coeff, output_router_logits=False)
     return out
 
 
