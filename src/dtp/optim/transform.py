@@ -71,9 +71,15 @@ class AdamWState(NamedTuple):
 # --------------------------------------------------------------------------- counts
 
 
-def _next_count(count: torch.Tensor) -> tuple[torch.Tensor, int]:
+def _next_count(name: str, count: torch.Tensor, schedule: Schedule, decays: bool, apply: bool,
+                params: PyTree | None) -> tuple[torch.Tensor, int, float]:
+    """The next step's count, its number (1-based) and learning rate; ``params`` are
+    needed to decay or to apply (``name``: the optimizer, for the error)."""
+    if (decays or apply) and params is None:
+        raise ValueError(f"{name}: {'weight_decay' if decays else 'apply'} needs the params; "
+                         f"call {'apply' if apply else 'update'}(grads, state, params)")
     step = int(count) + 1
-    return torch.tensor(step, dtype=torch.int64), step
+    return torch.tensor(step, dtype=torch.int64), step, float(schedule(step - 1))
 
 
 # --------------------------------------------------------------------------- optimizers
@@ -103,11 +109,7 @@ def sgd(lr: ScalarOrSchedule, momentum: float = 0.0, nesterov: bool = False,
         return SGDState(torch.zeros((), dtype=torch.int64), buf)
 
     def run(grads: PyTree, state: SGDState, params: PyTree | None, apply: bool) -> tuple[PyTree, SGDState]:
-        if (weight_decay or apply) and params is None:
-            raise ValueError(f"sgd: {'weight_decay' if weight_decay else 'apply'} needs the params; "
-                             f"call {'apply' if apply else 'update'}(grads, state, params)")
-        count, step = _next_count(state.count)
-        rate = float(schedule(step - 1))
+        count, step, rate = _next_count("sgd", state.count, schedule, bool(weight_decay), apply, params)
 
         def kernel(gs, bufs, ps):
             # torch.optim.SGD's ops (its foreach path is its single-tensor one, op for op):
@@ -167,11 +169,7 @@ def adamw(lr: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, eps: float =
         return AdamWState(torch.zeros((), dtype=torch.int64), zeros_like_tree(params), zeros_like_tree(params))
 
     def run(grads: PyTree, state: AdamWState, params: PyTree | None, apply: bool) -> tuple[PyTree, AdamWState]:
-        if (weight_decay or apply) and params is None:
-            raise ValueError(f"adamw: {'weight_decay' if weight_decay else 'apply'} needs the params; "
-                             f"call {'apply' if apply else 'update'}(grads, state, params)")
-        count, step = _next_count(state.count)
-        rate = float(schedule(step - 1))
+        count, step, rate = _next_count("adamw", state.count, schedule, bool(weight_decay), apply, params)
         # The same scalar algebra as torch's single-tensor AdamW, so trajectories agree to
         # rounding: step_size = lr / bc1, denom = sqrt(v) / sqrt(bc2) + eps.
         step_size = rate / (1.0 - b1**step)
