@@ -24,7 +24,7 @@ import math
 import sys
 import time
 import warnings
-from typing import Any, Callable, Mapping, Union
+from typing import Any, Callable, Mapping, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -39,6 +39,7 @@ from .compiled import CompileOptions, compiling, options_of
 from .layouts import check_divisible, use_layout
 from .mesh import mesh_device
 from .optim import GradientTransformation, clip_by_global_norm, measured_by, state_join, state_part
+from .optim.transform import mask_flags_by
 from .optim import step as optimizer_step
 from .ops.documents import PLACED, check_placed, document_order, reorder
 from .ops.parallel import DeviceDivisor, mean_over, target_count
@@ -462,13 +463,15 @@ def _update(run: strategies.StepRun, optimizer: GradientTransformation, opt_stat
     opt_state = run.opt_state(optimizer, opt_state, targets)  # ZeRO's first step makes or cuts it
     n = len(targets)
     grads: list[PyTree] = [None] * n
+    masks: dict[int, list[Any] | None] = {}  # an optimizer's masks on the targets (_flags_of)
     if run.grouped and clip_norm is None and optimizer.elementwise:
         parts: list[PyTree] = [None] * n
         new: list[PyTree | None] = [None] * n
 
         def update(i: int) -> None:
-            (new[i],), parts[i] = optimizer_step(optimizer, [grads[i]], state_part(opt_state, targets, i),
-                                                 [targets[i]])
+            with mask_flags_by(_flags_of(run, [i], masks)):
+                (new[i],), parts[i] = optimizer_step(optimizer, [grads[i]], state_part(opt_state, targets, i),
+                                                     [targets[i]])
 
         for i, g in run.gradients():
             grads[i] = g
@@ -491,9 +494,23 @@ def _update(run: strategies.StepRun, optimizer: GradientTransformation, opt_stat
     values = _read(loss, norm, count)
     if bad := _non_finite(*values[:2]):  # as Megatron: the optimizer does not run at all
         return targets, opt_state, values, bad
-    with measured_by(run.norm):  # an optimizer's own clip() measures every stage, as one device
+    with measured_by(run.norm), mask_flags_by(_flags_of(run, range(n), masks) if run.grouped else None):
+        # an optimizer's own clip() measures every stage, as one device
         new, opt_state = optimizer_step(optimizer, tree, opt_state, params)
     return (new if run.grouped else [new]), opt_state, values, None
+
+
+def _flags_of(run: strategies.StepRun, chosen: Sequence[int],
+              cache: dict[int, list[Any] | None]) -> Callable[[Any], list[Any] | None]:
+    """How an optimizer's per-parameter mask (weight decay's) falls on the targets
+    ``chosen`` (ZeRO's bucket slices; ``None`` from the run: the targets are parameters,
+    whose mask the optimizer reads itself), worked out once a step per mask (``cache``)."""
+    def flags(mask: Any) -> list[Any] | None:
+        if id(mask) not in cache:
+            cache[id(mask)] = run.mask_flags(mask)
+        every = cache[id(mask)]
+        return None if every is None else [every[i] for i in chosen]
+    return flags
 
 
 def _metrics(state: TrainState, batch: Mapping[str, torch.Tensor], loss: float, aux: Any, norm: float,

@@ -19,7 +19,7 @@ in :func:`global_norm`, goes through :func:`dtp.reshard` and is therefore record
 :func:`dtp.comm_log`.
 
 >>> params = {"w": torch.ones(3)}
->>> opt = chain(clip(1.0), adamw(warmup_cosine(1e-3, 10, 100), weight_decay=0.1))
+>>> opt = chain(clip(1.0), adamw(warmup_cosine(1e-3, 10, 100), weight_decay=0.1, mask=decay_matrices))
 >>> state = opt.init(params)
 >>> updates, state = opt.update({"w": torch.full((3,), 2.0)}, state, params)
 >>> params = apply_updates(params, updates)
@@ -41,9 +41,9 @@ from __future__ import annotations
 from .norm import clip_by_global_norm, global_norm, measured_by
 from .schedules import ScalarOrSchedule, Schedule, constant, warmup_cosine
 from .state_trees import map_param_trees, state_join, state_part
-from .transform import (AdamWState, GradientTransformation, SGDState, adamw, apply_updates, chain, clip, sgd,
-                        step)
+from .transform import (AdamWState, GradientTransformation, SGDState, adamw, apply_updates, chain, clip,
+                        decay_matrices, sgd, step)
 
 __all__ = ["state_part", "state_join", "GradientTransformation", "Schedule", "ScalarOrSchedule", "SGDState",
            "AdamWState", "sgd", "adamw", "clip", "chain", "constant", "warmup_cosine", "apply_updates", "step",
-           "global_norm", "clip_by_global_norm", "map_param_trees", "measured_by"]
+           "global_norm", "clip_by_global_norm", "map_param_trees", "measured_by", "decay_matrices"]

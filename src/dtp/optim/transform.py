@@ -8,7 +8,9 @@ state) is laid out exactly like the parameter, so an update never communicates; 
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+import contextlib
+import contextvars
+from typing import Any, Callable, Iterator, NamedTuple, Union
 
 import optree
 import torch
@@ -18,9 +20,15 @@ from .norm import clip_by_global_norm
 from .schedules import ScalarOrSchedule, Schedule, _as_schedule
 
 __all__ = ["GradientTransformation", "SGDState", "AdamWState", "sgd", "adamw", "clip", "chain", "apply_updates",
-           "step"]
+           "step", "decay_matrices", "mask_flags_by"]
 
 PyTree = Any
+# Which parameters weight decay applies to: a tree of bools shaped like the params (True:
+# decay), or a function of the params that gives one (optax's ``mask``).
+Mask = Union[PyTree, Callable[[PyTree], PyTree]]
+# A mask as one leaf sees it: decay all of it, none of it, or the ``(start, stop)`` ranges
+# of its flat local tensor (a ZeRO bucket slice holds several parameters).
+Flag = Union[bool, tuple[tuple[int, int], ...]]
 
 
 class GradientTransformation(NamedTuple):
@@ -82,14 +90,108 @@ def _next_count(name: str, count: torch.Tensor, schedule: Schedule, decays: bool
     return torch.tensor(step, dtype=torch.int64), step, float(schedule(step - 1))
 
 
+# --------------------------------------------------------------------------- decay masks
+
+
+def decay_matrices(params: PyTree) -> PyTree:
+    """The mask of Megatron's default ``no_weight_decay_cond`` (and nanoGPT's, and the
+    Hugging Face Trainer's in effect): decay the parameters of two or more dimensions
+    (weight matrices, embeddings, expert stacks), not the 1-D ones (norm scales, biases,
+    per-head q/k norms). Pass it as ``mask`` to :func:`adamw` or :func:`sgd`.
+
+    >>> decay_matrices({"w": torch.ones(2, 3), "norm": torch.ones(3)})
+    {'w': True, 'norm': False}
+    """
+    return optree.tree_map(lambda p: p.ndim >= 2, params)
+
+
+# Set by train_step around each optimizer call whose params are not the parameters
+# themselves (ZeRO's flat bucket slices): how the optimizer's mask falls on them.
+_FLAGS_BY: contextvars.ContextVar[Callable[[Mask], list[Flag]] | None] = contextvars.ContextVar(
+    "dtp_mask_flags", default=None)
+
+
+@contextlib.contextmanager
+def mask_flags_by(flags: Callable[[Mask], list[Flag]] | None) -> Iterator[None]:
+    """Inside, an optimizer's ``mask`` is turned into per-leaf flags by ``flags(mask)``
+    (one per leaf of the params it is called with) instead of being read off the params:
+    ``train_step`` sets it where the params are ZeRO's bucket slices, each holding
+    several parameters, which the mask (a function of the parameters) cannot see.
+    ``None`` leaves the mask as it is.
+
+    >>> opt = sgd(1.0, weight_decay=0.5, mask={"w": True})
+    >>> with mask_flags_by(lambda mask: [((1, 2),)]):  # decay only the 2nd element
+    ...     u, _ = opt.update({"w": torch.zeros(2)}, opt.init({"w": torch.ones(2)}), {"w": torch.ones(2)})
+    >>> u["w"]
+    tensor([-0.0000, -0.5000])
+    """
+    token = _FLAGS_BY.set(flags)
+    try:
+        yield
+    finally:
+        _FLAGS_BY.reset(token)
+
+
+def mask_leaves(name: str, mask: Mask, params: PyTree) -> list[bool]:
+    """``mask`` (a tree or a function of ``params``) as one bool per leaf of ``params``
+    (``name``: the optimizer, for the error).
+
+    >>> mask_leaves("adamw", decay_matrices, {"w": torch.ones(2, 2), "b": torch.ones(2)})
+    [False, True]
+    """
+    tree = mask(params) if callable(mask) else mask
+    try:
+        leaves = optree.tree_structure(params).flatten_up_to(tree)
+    except ValueError as e:
+        raise ValueError(f"{name}: the weight-decay mask is not shaped like the params: {e}") from None
+    if bad := next((x for x in leaves if not isinstance(x, bool)), None):
+        raise TypeError(f"{name}: a weight-decay mask's leaves are bools (True: decay the parameter), got "
+                        f"{type(bad).__name__}")
+    return leaves
+
+
+def _flags(name: str, mask: Mask | None, params: PyTree) -> list[Flag] | None:
+    """The mask as one flag per leaf of ``params`` (``None``: no mask, decay every leaf)."""
+    if mask is None:
+        return None
+    by = _FLAGS_BY.get()
+    flags = by(mask) if by is not None else None
+    return mask_leaves(name, mask, params) if flags is None else flags
+
+
+def _scaled(ps: list[torch.Tensor], flags: list[Flag], factor: float, other: float) -> list[torch.Tensor]:
+    """Each ``p·factor`` where its flag decays it and ``p·other`` elsewhere, as new tensors."""
+    out = torch._foreach_mul(ps, [factor if f is True else other for f in flags])
+    for o, p, f in zip(out, ps, flags):
+        for a, b in () if isinstance(f, bool) else f:  # a bucket slice's decayed ranges
+            torch.mul(p.view(-1)[a:b], factor, out=o.view(-1)[a:b])
+    return out
+
+
+def _plus_decay(gs: list[torch.Tensor], ps: list[torch.Tensor], flags: list[Flag], wd: float) -> list[torch.Tensor]:
+    """``g + wd·p`` where the flag decays (``torch.add(g, p, alpha=wd)``, as torch's SGD), ``g`` elsewhere."""
+    whole = [j for j, f in enumerate(flags) if f is True]
+    out = list(gs)
+    if whole:
+        for j, d in zip(whole, torch._foreach_add([gs[j] for j in whole], [ps[j] for j in whole], alpha=wd)):
+            out[j] = d
+    for j, f in enumerate(flags):
+        if not isinstance(f, bool):
+            out[j] = d = gs[j].clone()
+            for a, b in f:
+                d.view(-1)[a:b].add_(ps[j].view(-1)[a:b], alpha=wd)
+    return out
+
+
 # --------------------------------------------------------------------------- optimizers
 
 
 def sgd(lr: ScalarOrSchedule, momentum: float = 0.0, nesterov: bool = False,
-        weight_decay: float = 0.0) -> GradientTransformation:
+        weight_decay: float = 0.0, mask: Mask | None = None) -> GradientTransformation:
     """Stochastic gradient descent with ``torch.optim.SGD`` semantics (no dampening).
 
-    ``d = g + wd·p``; with momentum ``b = μ·b + d`` (``b = d`` on the first step) and
+    ``d = g + wd·p`` (only where ``mask`` says, e.g. :func:`decay_matrices`; ``None``:
+    every parameter, as torch); with momentum ``b = μ·b + d`` (``b = d`` on the first step) and
     ``d = b`` or, Nesterov, ``d = d + μ·b``; the update is ``-lr·d``.
 
     >>> opt = sgd(0.1, momentum=0.9, nesterov=True)
@@ -110,11 +212,15 @@ def sgd(lr: ScalarOrSchedule, momentum: float = 0.0, nesterov: bool = False,
 
     def run(grads: PyTree, state: SGDState, params: PyTree | None, apply: bool) -> tuple[PyTree, SGDState]:
         count, step, rate = _next_count("sgd", state.count, schedule, bool(weight_decay), apply, params)
+        flags = _flags("sgd", mask, params) if weight_decay else None
 
         def kernel(gs, bufs, ps):
             # torch.optim.SGD's ops (its foreach path is its single-tensor one, op for op):
             # one call per op for every leaf instead of one per leaf.
-            ds = torch._foreach_add(gs, ps, alpha=weight_decay) if weight_decay else gs
+            if flags is not None:
+                ds = _plus_decay(gs, ps, flags, weight_decay)
+            else:
+                ds = torch._foreach_add(gs, ps, alpha=weight_decay) if weight_decay else gs
             if momentum:
                 # A zero buffer makes the first step buf = d, as torch's lazy clone does.
                 bufs = torch._foreach_mul(bufs, momentum)
@@ -142,12 +248,14 @@ def sgd(lr: ScalarOrSchedule, momentum: float = 0.0, nesterov: bool = False,
 
 
 def adamw(lr: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
-          weight_decay: float = 0.0) -> GradientTransformation:
+          weight_decay: float = 0.0, mask: Mask | None = None) -> GradientTransformation:
     """Adam with decoupled weight decay, step for step ``torch.optim.AdamW``.
 
     At step ``t`` (1-based): ``m = lerp(m, g, 1-b1)``, ``v = b2·v + (1-b2)·g²``,
     ``p ← p·(1 - lr·wd) - lr/(1-b1^t) · m / (√v / √(1-b2^t) + eps)``; the update returned
-    is the difference to ``p``. State ``mu``/``nu`` has the params' dtype and placements,
+    is the difference to ``p``. ``mask`` (a tree of bools or a function of the params,
+    e.g. :func:`decay_matrices`, Megatron's choice) says which parameters decay; ``None``:
+    all, as torch's AdamW (one param group). State ``mu``/``nu`` has the params' dtype and placements,
     so float16 parameters are refused at ``init`` (their moments underflow: keep fp32 ones
     with ``layouts.mixed_precision()``), and so is an eps that rounds to 0 in that dtype.
 
@@ -170,6 +278,7 @@ def adamw(lr: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, eps: float =
 
     def run(grads: PyTree, state: AdamWState, params: PyTree | None, apply: bool) -> tuple[PyTree, AdamWState]:
         count, step, rate = _next_count("adamw", state.count, schedule, bool(weight_decay), apply, params)
+        flags = _flags("adamw", mask, params) if weight_decay else None
         # The same scalar algebra as torch's single-tensor AdamW, so trajectories agree to
         # rounding: step_size = lr / bc1, denom = sqrt(v) / sqrt(bc2) + eps.
         step_size = rate / (1.0 - b1**step)
@@ -185,13 +294,16 @@ def adamw(lr: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, eps: float =
             torch._foreach_add_(denom, eps)
             if apply:  # torch's p.mul_(1 - lr·wd); p.addcdiv_(m, denom, value=-step_size)
                 if weight_decay:
-                    out = torch._foreach_mul(ps, 1.0 - rate * weight_decay)
+                    # Undecayed leaves: p·1 is p, so they match a run without decay bit for bit.
+                    out = (torch._foreach_mul(ps, 1.0 - rate * weight_decay) if flags is None
+                           else _scaled(ps, flags, 1.0 - rate * weight_decay, 1.0))
                     torch._foreach_addcdiv_(out, ms, denom, value=-step_size)
                 else:
                     out = torch._foreach_addcdiv(ps, ms, denom, value=-step_size)
             elif weight_decay:
                 # p·(1 - lr·wd) - p = -lr·wd·p: decoupled decay, not added to the gradient.
-                out = torch._foreach_mul(ps, -rate * weight_decay)
+                out = (torch._foreach_mul(ps, -rate * weight_decay) if flags is None
+                       else _scaled(ps, flags, -rate * weight_decay, 0.0))
                 torch._foreach_addcdiv_(out, ms, denom, value=-step_size)
             else:
                 out = torch._foreach_div(ms, denom)

@@ -111,6 +111,10 @@ class Run:
     def in_flight(self) -> bool:
         return self.inner.in_flight()
 
+    def mask_flags(self, mask: Any) -> None:
+        """``None``: the targets are the master weights, one per parameter."""
+        return None
+
     def updated(self, i: int, target: PyTree) -> None:
         """Nothing yet: the parameters are the master weights rounded, at :meth:`finish`."""
 

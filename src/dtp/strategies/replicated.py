@@ -147,6 +147,10 @@ class Run:
     def norm(self, grads: PyTree) -> torch.Tensor:
         return global_norm(grads)
 
+    def mask_flags(self, mask: Any) -> None:
+        """``None``: the targets are the parameters, so an optimizer reads its mask off them."""
+        return None
+
     def in_flight(self) -> bool:
         return False  # gradients() has waited for every reduction
 

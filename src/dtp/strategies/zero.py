@@ -48,11 +48,11 @@ from ..layouts.zero import ZeroOptions
 from ..ops.local_batch import LocalBatch
 from .._torch import local_tensor
 from ..optim import global_norm, map_param_trees
+from ..optim.transform import mask_leaves
 from ..redistribute import reshard
 from ..spec import P, wrap_local, wrap_placed, spec_of
 from .zero_plan import (Bucket, Leaf, ZeroPlan, check_same_plan, flat_global, gather_bucket, leaf, local_parts,
-                        make_plan,
-                        param_slice, slice_of)
+                        make_plan, param_slice, slice_flags, slice_of)
 from .zero_gathers import InflightGathers
 from .zero_views import LazyMapping, LazySequence, ParamView, in_backward
 
@@ -465,6 +465,16 @@ class Run:
 
     def norm(self, grads: PyTree) -> torch.Tensor:
         return global_norm(grads)
+
+    def mask_flags(self, mask: Any) -> list[Any]:
+        """An optimizer's per-parameter mask (weight decay's) as it falls on this rank's
+        bucket slices, one flag per bucket (:func:`.zero_plan.slice_flags`); the mask is
+        read off the parameters' shapes and dtypes (meta tensors: stage 3 holds no whole
+        parameter)."""
+        z = self.z
+        metas = optree.tree_map(lambda i: torch.empty(z.leaves[i].shape, dtype=z.leaves[i].dtype, device="meta"),
+                                z.skeleton)
+        return slice_flags(z.plan, z.leaves, mask_leaves("the optimizer", mask, metas))
 
     def in_flight(self) -> bool:
         """Some bucket's reduce-scatter that :meth:`gradients` has not yielded is still on

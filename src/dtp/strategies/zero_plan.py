@@ -147,6 +147,26 @@ def local_parts(p: ZeroPlan, leaves: Sequence[Leaf]) -> list[tuple[int, int, int
     return out
 
 
+def slice_flags(p: ZeroPlan, leaves: Sequence[Leaf], chosen: Sequence[bool]) -> list[bool | tuple[tuple[int, int], ...]]:
+    """Per bucket, where this rank's slice holds the parameters ``chosen`` (one bool per
+    leaf; a weight-decay mask): ``True`` when every member of the bucket is chosen,
+    ``False`` when none is, else the ``(start, stop)`` element ranges of the slice that
+    hold chosen ones (neighbours merged), which may be none on this rank."""
+    ranges: list[list[tuple[int, int]]] = [[] for _ in p.buckets]
+    for i, (b, first, start, stop) in enumerate(local_parts(p, leaves)):
+        if chosen[i] and stop > start:
+            here = ranges[b]
+            if here and here[-1][1] == first:
+                here[-1] = (here[-1][0], first + stop - start)
+            else:
+                here.append((first, first + stop - start))
+    out: list[bool | tuple[tuple[int, int], ...]] = []
+    for b in p.buckets:
+        picked = {bool(chosen[i]) for i in b.members}
+        out.append(picked.pop() if len(picked) == 1 else tuple(sorted(ranges[b.index])))
+    return out
+
+
 def flat_global(b: Bucket, mesh: DeviceMesh) -> tuple[int]:
     """The global shape of bucket ``b``'s flat slices as one DTensor (every rank's slice)."""
     sizes = axis_sizes(mesh)
