@@ -91,6 +91,24 @@ def test_check_of_a_run_resumed_under_another_lr_is_one_line(tmp_path, capsys) -
                    f"so it cannot check this run"], err
 
 
+def test_check_of_an_older_run_resumed_under_the_matrices_only_decay_is_one_line(tmp_path, capsys) -> None:
+    """A run recorded before --weight-decay decayed every parameter; resumed by this dtp,
+    its later steps decay only the matrices: dtp check names the change instead of a
+    numeric FAILED against a reference that trains one rule."""
+    from dtp.cli import main
+
+    run = {"first": 1, "run": {"lr": 0.003, "steps": 4, "warmup_from_step_one": True}, "model": {}}
+    later = {"first": 3, "run": {**run["run"], "weight_decay": 0.1}, "model": {}}
+    (tmp_path / "config.json").write_text(json.dumps({"dtype": "float64", "steps": 4, "segments": [run, later]}))
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": i, "loss": 5.0}) + "\n" for i in range(1, 5)))
+    assert main(["check", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"dtp check: error: {tmp_path}: steps 1-2 decayed every parameter (dtp's weight decay before "
+                   f"--weight-decay, which exempts norms and biases as Megatron does), later steps only the "
+                   f"matrices; --check's one-process reference trains all steps with one rule, so it cannot check "
+                   f"this run"], err
+
+
 def test_resume_without_a_checkpoint_is_one_line(tmp_path) -> None:
     proc = _dtp_train("--resume", "--out", str(tmp_path / "empty"))
     assert proc.returncode == 2

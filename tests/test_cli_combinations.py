@@ -48,7 +48,9 @@ ROWS: dict[str, list[str]] = {
     "dp2 zero1": ["--dp", "2", "--zero", "1"],
     "dp2 zero1 overlap-param-gather": ["--dp", "2", "--zero", "1", "--overlap-param-gather"],
     "dp2 zero2 overlap-grad-reduce m2": ["--dp", "2", "--zero", "2", "--overlap-grad-reduce", "--microbatches", "2"],
-    "dp4 zero3 both overlaps": ["--dp", "4", "--zero", "3", "--overlap-grad-reduce", "--overlap-param-gather"],
+    # weight decay on the matrices only: ZeRO's bucket slices mix them with norms
+    "dp4 zero3 both overlaps weight-decay 0.3": ["--dp", "4", "--zero", "3", "--overlap-grad-reduce",
+                                                 "--overlap-param-gather", "--weight-decay", "0.3"],
     "dp2 zero3 no-reshard prefetch small buckets": ["--dp", "2", "--zero", "3", "--no-reshard-after-forward",
                                                     "--zero-prefetch", "2", "--bucket-mb", "0.05"],
     "dp8 zero1": ["--dp", "8", "--zero", "1"],
@@ -200,7 +202,7 @@ ROWS: dict[str, list[str]] = {
 
 # The default run's sample: one row of each family, the defects of issue 20 among them.
 # (pp4 gpipe, issue 20's other pipeline defect, is in the slow table: pp2 1f1b covers it by default.)
-SAMPLE = ["dp4 zero3 both overlaps", "cp2 ring document-mask", "cp4 double_ring window 2", "cp4 hybrid ulysses 2",
+SAMPLE = ["dp4 zero3 both overlaps weight-decay 0.3", "cp2 ring document-mask", "cp4 double_ring window 2", "cp4 hybrid ulysses 2",
           "pp2 1f1b", "moe dp2 m2", "moe ep2 tp2 sp sigmoid bias-update m2",
           "moe pp2 ep2 dualpipev sigmoid bias-update m4, eval", "dp2 uint32 shard directory, eval",
           "init-from HF dir dp2 tp2 sp zero3, text through a tokenizer.json", "tp2 sp async-tp",

@@ -25,7 +25,7 @@ SCORE_FUNCTIONS = ("softmax", "sigmoid")
 
 #: ``dtp train``'s optimizer: :func:`dtp.optim.adamw`'s options (the rank builds it, the
 #: preflight checks its step size; b1 sets the bias correction, up to 1 / (1 - b1) = 10×).
-TRAIN_ADAMW = {"b1": 0.9, "b2": 0.999, "weight_decay": 0.1}
+TRAIN_ADAMW = {"b1": 0.9, "b2": 0.999}
 
 #: float32's largest finite number (torch.finfo(torch.float32).max), for checks made without torch.
 FLOAT32_MAX = (2 - 2.0**-23) * 2.0**127

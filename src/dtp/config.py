@@ -129,6 +129,7 @@ class RunConfig:
     dtype: str = "float32"
     precision: str | None = None  # "pure" | "mixed" (fp32 master weights); None: mixed for bfloat16
     lr: float = 3e-3
+    weight_decay: float = 0.1  # AdamW's, on the weight matrices and embeddings only (Megatron's rule)
     warmup: int | None = None  # None: min(DEFAULT_WARMUP, steps)
     microbatches: int = 1
     recompute: str = "none"
@@ -254,7 +255,7 @@ class RunConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 fail(f"{n(name)} must be >= 1, got {value}")
-        for name in ("lr", "clip", "max_skipped", "num_experts", "eval_every", "save_every",
+        for name in ("lr", "weight_decay", "clip", "max_skipped", "num_experts", "eval_every", "save_every",
                      "max_restarts", "router_bias_update", "aux_loss_coeff", "eos_id"):
             value = getattr(self, name)
             if value is not None and value < 0:

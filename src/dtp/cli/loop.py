@@ -146,7 +146,7 @@ def train_loop(args: Mapping[str, Any], mesh: DeviceMesh, layout: Layout, *, rec
         schedule = _lr_schedule(args["lr"], args["warmup"], args["steps"])
     else:  # a run directory from before: the schedule it ran (lr 0 at step 1), so dtp check agrees
         schedule = optim.warmup_cosine(args["lr"], args["warmup"], args["steps"])
-    opt = optim.adamw(schedule, **TRAIN_ADAMW)
+    opt = optim.adamw(schedule, **TRAIN_ADAMW, **_weight_decay(args))
     # axis_sizes: the layout's rules (heads per tp × Ulysses degree, kv heads per head
     # chunk, vocab per tp …) are checked here, on every rank, before any collective.
     resuming = checkpoints is not None and checkpoints.resume_from is not None
@@ -345,6 +345,20 @@ class SkipCounter:
                 f"training aborted at step {step}: {self.in_a_row} steps in a row skipped (non-finite loss or "
                 f"gradient norm; parameters unchanged since step {step - self.in_a_row}) — --max-skipped "
                 f"{self.max_skipped} (0: never abort)")
+
+
+def _weight_decay(args: dict[str, Any]) -> dict[str, Any]:
+    """AdamW's weight decay of a run: ``--weight-decay`` on the matrices only
+    (:func:`dtp.optim.decay_matrices`, Megatron's rule); a run directory from before the
+    flag, whose config has no ``weight_decay``, decayed every parameter by 0.1, and its
+    ``dtp check`` retrains it so.
+
+    >>> _weight_decay({"weight_decay": 0.05})["weight_decay"], _weight_decay({})
+    (0.05, {'weight_decay': 0.1, 'mask': None})
+    """
+    if "weight_decay" not in args:
+        return {"weight_decay": 0.1, "mask": None}
+    return {"weight_decay": args["weight_decay"], "mask": optim.decay_matrices}
 
 
 def _run_config(args: argparse.Namespace, world_size: int) -> dict[str, Any]:

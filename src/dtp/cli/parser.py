@@ -184,6 +184,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --dtype bfloat16: mixed keeps fp32 master weights, Adam moments and gradient "
                         "accumulation (Megatron's), pure updates in bf16 (not with --zero) (default: mixed)")
     g.add_argument("--lr", type=_non_negative_float, default=RUN_DEFAULTS["lr"], help="peak learning rate (AdamW, cosine)")
+    g.add_argument("--weight-decay", type=_non_negative_float, default=RUN_DEFAULTS["weight_decay"],
+                   help="AdamW's decoupled weight decay, on the weight matrices and embeddings; norms and biases "
+                        "are not decayed (Megatron's rule)")
     g.add_argument("--warmup", type=int, default=RUN_DEFAULTS["warmup"],
                    help=f"linear warm-up steps (default: min({DEFAULT_WARMUP}, --steps))")
     g.add_argument("--microbatches", type=_positive, default=RUN_DEFAULTS["microbatches"],

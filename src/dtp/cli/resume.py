@@ -34,7 +34,7 @@ _DATA_ORDER = ("seed", "batch", "seq")
 # tolerance and may change; so does --microbatches, but for a model with experts, whose
 # load-balancing loss is taken per microbatch (measured: tiny-moe m2 vs m4 on one process,
 # 1.7e-5 apart at step 1 in fp64).
-_REFERENCE_FIELDS = ("steps", "lr", "warmup", "clip", "precision", "document_mask")
+_REFERENCE_FIELDS = ("steps", "lr", "weight_decay", "warmup", "clip", "precision", "document_mask")
 
 
 def resume_checkpoint(out: str | os.PathLike[str]) -> Path:
@@ -327,6 +327,11 @@ def _mixed(spans: list[str], trained: list[dict[str, Any]]) -> str | None:
         if not values["warmup_from_step_one"]:
             return (f"{span} trained under dtp's earlier lr schedule (lr 0 at step 1), which --check's reference no "
                     f"longer trains")
+    before = [span for span, values in zip(spans, trained) if "weight_decay" not in values]
+    if before and len(before) < len(spans):  # a record from before --weight-decay (loop._weight_decay)
+        return (f"{before[0]} decayed every parameter (dtp's weight decay before --weight-decay, which exempts norms "
+                f"and biases as Megatron does), later steps only the matrices; --check's one-process reference "
+                f"trains all steps with one rule, so it cannot check this run")
     for i in range(1, len(trained)):
         names = [k for k in trained[0] if trained[i].get(k) != trained[0].get(k)]
         if names:  # no one set of flags retrains both
