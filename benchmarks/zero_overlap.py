@@ -31,7 +31,18 @@ shows medians of ``--repeats`` steps. The ideal overlapped step is ``max(compute
 
 * ``ratio`` = overlapped / max(compute, comm) — the issue's goal is ≤ 1.15;
 * ``exposed`` = (overlapped − compute) / comm — the fraction of communication not hidden
-  (1 = nothing hidden, 0 = all hidden).
+  (1 = nothing hidden, 0 = all hidden);
+* ``floor`` = ``max(F, Lf) + max(B, Lb)``: what any schedule of these collectives can
+  reach when the parameter gathers start only after the last reduce-scatter has landed
+  (dtp's, Megatron's ``--overlap-param-gather``: the update waits for the global norm,
+  which needs every gradient bucket), so the gathers' link time ``Lf`` overlaps only the
+  forward's compute ``F`` and the reduce-scatters' (+ stage 3's re-gathers) ``Lb`` only
+  the backward's ``B``; the update's compute is left out, so it is a lower bound. ``F``
+  and ``B`` are ``compute`` split as one no-link step's ``forward`` / ``backward`` spans
+  split it; a collective counts in ``Lb`` when it was posted in a backward span.
+  ``vs floor`` = overlapped / floor. With forward ≈ ⅓ of the compute and comm = compute
+  the floor is about ½ + ⅔ = 1.17 × max(compute, comm): a goal below it needs the
+  gathers to start before backward ends.
 
 Afterwards one overlapped stage-``--timeline-stage`` pair of steps is recorded with
 ``dtp.comm_log()`` on rank 0 and printed as ``log.timeline()``: a row per compute span
@@ -70,6 +81,32 @@ def link_idle(log, bandwidth: float, latency: float) -> list[tuple[str, float, f
     busy = union([(r.completed - latency - r.bytes / bandwidth, r.completed) for r in log.records
                   if r.axis == "dp" and r.completed is not None and r.bytes])
     return [(sp.name, 1e3 * (sp.end - sp.start), 1e3 * uncovered((sp.start, sp.end), busy)) for sp in log.spans]
+
+
+def phases(log) -> dict:
+    """One step's compute per ``train_step`` span (s) and its dp collectives split by
+    whether they were posted in a backward span (``Lb``'s) or not (``Lf``'s: the forward's
+    gathers and, stage 1/2, the next forward's, posted in the update) as [bytes, count]."""
+    compute = {name: sum(sp.end - sp.start for sp in log.spans if sp.name == name)
+               for name in ("forward", "backward", "update")}
+    backward = [(sp.start, sp.end) for sp in log.spans if sp.name == "backward"]
+    link = {"forward": [0, 0], "backward": [0, 0]}
+    for r in log.filter(axis="dp"):
+        phase = "backward" if any(a <= r.issued <= b for a, b in backward) else "forward"
+        link[phase][0] += r.bytes
+        link[phase][1] += 1
+    return {"compute": compute, "link": link}
+
+
+def floor_of(ph: dict, compute: float, bandwidth: float, latency: float) -> float:
+    """``max(F, Lf) + max(B, Lb)`` (s) of a step whose compute is ``compute``, split as
+    the phases ``ph`` (:func:`phases`) split theirs (the module docstring's ``floor``)."""
+    total = sum(ph["compute"].values())
+    out = 0.0
+    for phase in ("forward", "backward"):
+        nbytes, count = ph["link"][phase]
+        out += max(compute * ph["compute"][phase] / total, count * latency + nbytes / bandwidth)
+    return out
 
 
 def _bench(cfg, batch: dict, stages: list[str], bucket_mb: float, warmup: int, repeats: int,
@@ -124,6 +161,7 @@ def _bench(cfg, batch: dict, stages: list[str], bucket_mb: float, warmup: int, r
             block(boxes[True], 1, None)
         recs = log.filter(axis="dp")
         nbytes, ncoll = sum(r.bytes for r in recs), len(recs)
+        ph = phases(log)
         kinds: dict[str, list[int]] = {}
         for r in recs:
             kinds.setdefault(r.kind, [0, 0])
@@ -151,6 +189,7 @@ def _bench(cfg, batch: dict, stages: list[str], bucket_mb: float, warmup: int, r
         res = dict(free=free, linked=linked, compute=compute, bytes=nbytes, ncoll=ncoll, kinds=kinds,
                    bandwidth=bandwidth, comm=ncoll * latency + nbytes / bandwidth,
                    buckets=len(boxes[True]["state"].zero.plan.buckets),
+                   floor=floor_of(ph, compute, bandwidth, latency),
                    loss=[boxes[False]["m"]["loss"], boxes[True]["m"]["loss"]])
         if stage == timeline_stage:
             box = boxes[True]
@@ -220,15 +259,18 @@ def main() -> None:
           f"batch {args.batch}, seq {args.seq}, bucket_mb {args.bucket_mb}, link latency {args.latency}s; "
           f"median of {args.repeats} back-to-back steps after {args.warmup} warm-up, slower rank")
     print(f"{'stage':<6}{'buckets':>8}{'bytes/step':>12}{'compute ms':>11}{'comm ms':>9}{'no-overlap':>11}"
-          f"{'overlap':>9}{'ratio':>7}{'exposed':>9}{'serial':>8}")
+          f"{'overlap':>9}{'ratio':>7}{'exposed':>9}{'serial':>8}{'floor ms':>9}{'floor/max':>10}{'vs floor':>9}")
     for stage in args.stages:
         s = r0[stage]
         c, comm = 1e3 * med("free", stage, True), 1e3 * s["comm"]
         no, ov = 1e3 * med("linked", stage, False), 1e3 * med("linked", stage, True)
+        fl = 1e3 * max(rk["stages"][stage]["floor"] for rk in res)  # the slower rank's, as the steps
         print(f"{stage:<6}{s['buckets']:>8}{s['bytes']:>12}{c:>11.1f}{comm:>9.1f}{no:>11.1f}{ov:>9.1f}"
-              f"{ov / max(c, comm):>7.2f}{(ov - c) / comm:>9.2f}{no / (c + comm):>8.2f}")
+              f"{ov / max(c, comm):>7.2f}{(ov - c) / comm:>9.2f}{no / (c + comm):>8.2f}{fl:>9.1f}"
+              f"{fl / max(c, comm):>10.2f}{ov / fl:>9.2f}")
     print("ratio = overlap / max(compute, comm) (goal <= 1.15); exposed = (overlap - compute) / comm; "
-          "serial = no-overlap / (compute + comm)")
+          "serial = no-overlap / (compute + comm); floor = max(F, Lf) + max(B, Lb), gathers after the last "
+          "reduce-scatter (docstring); vs floor = overlap / floor")
     ts = args.timeline_stage
     if ts in r0 and "timeline" in r0[ts]:
         print()
