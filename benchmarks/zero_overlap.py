@@ -40,9 +40,10 @@ shows medians of ``--repeats`` steps. The ideal overlapped step is ``max(compute
   the backward's ``B``; the update's compute is left out, so it is a lower bound. ``F``
   and ``B`` are ``compute`` split as one no-link step's ``forward`` / ``backward`` spans
   split it; a collective counts in ``Lb`` when it was posted in a backward span.
-  ``vs floor`` = overlapped / floor. With forward ≈ ⅓ of the compute and comm = compute
-  the floor is about ½ + ⅔ = 1.17 × max(compute, comm): a goal below it needs the
-  gathers to start before backward ends.
+  ``vs floor`` = overlapped / floor. Were the update's compute nil, forward ⅓ and
+  backward ⅔ of the rest and comm = compute, the floor would be ½ + ⅔ = 1.17 ×
+  max(compute, comm); the update (AdamW over the slices, whose compute can run under the
+  link) brings it down: the stage lines print the split.
 
 Afterwards one overlapped stage-``--timeline-stage`` pair of steps is recorded with
 ``dtp.comm_log()`` on rank 0 and printed as ``log.timeline()``: a row per compute span
@@ -189,7 +190,7 @@ def _bench(cfg, batch: dict, stages: list[str], bucket_mb: float, warmup: int, r
         res = dict(free=free, linked=linked, compute=compute, bytes=nbytes, ncoll=ncoll, kinds=kinds,
                    bandwidth=bandwidth, comm=ncoll * latency + nbytes / bandwidth,
                    buckets=len(boxes[True]["state"].zero.plan.buckets),
-                   floor=floor_of(ph, compute, bandwidth, latency),
+                   floor=floor_of(ph, compute, bandwidth, latency), phases=ph["compute"],
                    loss=[boxes[False]["m"]["loss"], boxes[True]["m"]["loss"]])
         if stage == timeline_stage:
             box = boxes[True]
@@ -251,9 +252,10 @@ def main() -> None:
     for stage in args.stages:
         s = r0[stage]
         kinds = ", ".join(f"{k} {c}× {b}" for k, (c, b) in sorted(s["kinds"].items()))
+        split = " / ".join(f"{v / sum(s['phases'].values()):.2f}" for v in s["phases"].values())
         print(f"[stage {stage}] {s['buckets']} buckets; dp collectives per step: {kinds} bytes; "
               f"link B = {s['bandwidth'] / 1e6:.1f} MB/s; last losses no-overlap {s['loss'][0]:.6f}, "
-              f"overlap {s['loss'][1]:.6f}")
+              f"overlap {s['loss'][1]:.6f}; compute split forward / backward / update {split}")
     print()
     print(f"llama {args.config} ({llama.param_count(cfg)} params), fp32, AdamW, dp=2 gloo ranks (1 thread each), "
           f"batch {args.batch}, seq {args.seq}, bucket_mb {args.bucket_mb}, link latency {args.latency}s; "
