@@ -25,16 +25,28 @@ def _batch(step: int, b: int = 8) -> dict[str, torch.Tensor]:
     return {"tokens": tok[:, :-1].contiguous(), "targets": tok[:, 1:].contiguous()}
 
 
-def _adamw(masked: bool = True) -> dtp.optim.GradientTransformation:
+def _no_embed(params):  # OLMo's choice: a mask function that names a parameter
+    return {**dtp.optim.decay_matrices(params), "embed": False}
+
+
+MASKS = {
+    "matrices": dtp.optim.decay_matrices,
+    # optax's other form, a tree of bools for the whole model: a pipeline stage holds part of it
+    "tree": dtp.optim.decay_matrices(llama.init(CFG, seed=0)),
+    "no embed": _no_embed,
+    "none": None,
+}
+
+
+def _adamw(mask: str = "matrices") -> dtp.optim.GradientTransformation:
     # A large decay, so that decaying a norm or not moves it by far more than the tolerance.
-    return dtp.optim.adamw(dtp.optim.warmup_cosine(1e-2, 1, 10), weight_decay=0.5,
-                           mask=dtp.optim.decay_matrices if masked else None)
+    return dtp.optim.adamw(dtp.optim.warmup_cosine(1e-2, 1, 10), weight_decay=0.5, mask=MASKS[mask])
 
 
 def _train(axes: dict, layout: dtp.Layout, m: int = 1, clip: float | None = None,
-           masked: bool = True) -> dict:
+           mask: str = "matrices") -> dict:
     mesh = dtp.make_mesh(**axes)
-    state = dtp.TrainState.create(llama.init(CFG, seed=0, dtype=torch.float64), _adamw(masked), mesh=mesh,
+    state = dtp.TrainState.create(llama.init(CFG, seed=0, dtype=torch.float64), _adamw(mask), mesh=mesh,
                                   layout=layout, axes=llama.param_axes(CFG), axis_sizes=llama.axis_sizes(CFG))
     model = llama.sequential(CFG)
     for step in range(STEPS):
@@ -52,8 +64,8 @@ def _zero(stage: int, overlap: bool = True) -> dtp.Layout:
     return dtp.layouts.zero(stage=stage, bucket_mb=BUCKET, overlap_grad_reduce=overlap, overlap_param_gather=overlap)
 
 
-def _reference(clip: float | None = None, masked: bool = True) -> dict:
-    return run(_train, {"dp": 1}, layouts.data(), 1, clip, masked, world_size=1)[0]
+def _reference(clip: float | None = None, mask: str = "matrices") -> dict:
+    return run(_train, {"dp": 1}, layouts.data(), 1, clip, mask, world_size=1)[0]
 
 
 def _check(got: dict, want: dict, name: str) -> None:
@@ -96,9 +108,10 @@ def test_a_mask_not_shaped_like_the_params_is_refused():
     opt = dtp.optim.adamw(0.1, weight_decay=0.1, mask={"w": True})
     with pytest.raises(ValueError, match="adamw: the weight-decay mask is not shaped like the params"):
         opt.update(params, opt.init(params), params)
-    opt = dtp.optim.sgd(0.1, weight_decay=0.1, mask=lambda p: {"w": torch.tensor(True), "b": False})
-    with pytest.raises(TypeError, match="sgd: a weight-decay mask's leaves are bools .* got Tensor"):
-        opt.update(params, opt.init(params), params)
+    for leaf in (torch.tensor(True), torch.tensor(False), 0, None):  # falsy ones too
+        opt = dtp.optim.sgd(0.1, weight_decay=0.1, mask=lambda p: {"w": leaf, "b": False})
+        with pytest.raises(TypeError, match="sgd: a weight-decay mask's leaves are bools .* got "):
+            opt.update(params, opt.init(params), params)
 
 
 DP2 = {
@@ -108,20 +121,31 @@ DP2 = {
     "dp2 zero3 m2": ({"dp": 2}, layouts.data() + _zero(3), 2),
     "tp2 sp": ({"tp": 2}, layouts.data() + layouts.megatron(sequence_parallel=True)),
     "pp2 1f1b m2": ({"pp": 2}, layouts.pipeline("1f1b"), 2),
+    "pp2 tree mask": ({"pp": 2}, layouts.pipeline("1f1b"), 2, None, "tree"),
+    "pp2 no-embed mask": ({"pp": 2}, layouts.pipeline("1f1b"), 2, None, "no embed"),
+    "dp2 zero3 no-embed mask": ({"dp": 2}, layouts.data() + _zero(3), 1, None, "no embed"),
 }
 WORLD4 = {
     "dp2 tp2 sp zero3": ({"dp": 2, "tp": 2}, layouts.data() + layouts.megatron(sequence_parallel=True) + _zero(3), 2),
     "pp2 dp2 zero1": ({"pp": 2, "dp": 2}, layouts.data() + layouts.pipeline("1f1b") + _zero(1, overlap=False), 2),
+    "pp2 dp2 zero1 no-embed mask": ({"pp": 2, "dp": 2}, layouts.data() + layouts.pipeline("1f1b") +
+                                    _zero(1, overlap=False), 2, None, "no embed"),
 }
 
 
 @pytest.mark.parametrize("world, cases", [(2, DP2), (4, WORLD4)], ids=["world2", "world4"])
 def test_masked_decay_on_every_layout_equals_one_device(world, cases):
     got = run(_cases, world, cases, world_size=world)[0]
-    want = {clip: _reference(clip) for clip in (None, 0.5)}
+    want = {}
     for name, case in cases.items():
-        clip = case[3] if len(case) > 3 else None
-        _check(got[name], want[clip], name)
-    # The mask is applied, not ignored: decaying every leaf moves the norms elsewhere.
-    unmasked = run(_train, {"dp": 1}, layouts.data(), 1, None, False, world_size=1)[0]
-    assert not torch.allclose(unmasked["layers"][0]["attn_norm"], want[None]["layers"][0]["attn_norm"], rtol=1e-6)
+        clip, mask = (case[3] if len(case) > 3 else None), (case[4] if len(case) > 4 else "matrices")
+        mask = "matrices" if mask == "tree" else mask  # the same bools
+        if (clip, mask) not in want:
+            want[clip, mask] = _reference(clip, mask)
+        _check(got[name], want[clip, mask], name)
+    # The mask is applied, not ignored: decaying every leaf moves the norms elsewhere, and
+    # the embedding differs where the mask leaves it out.
+    unmasked = _reference(None, "none")
+    matrices = want[None, "matrices"]
+    assert not torch.allclose(unmasked["layers"][0]["attn_norm"], matrices["layers"][0]["attn_norm"], rtol=1e-6)
+    assert not torch.allclose(want[None, "no embed"]["embed"], matrices["embed"], rtol=1e-6)

@@ -501,13 +501,13 @@ def _update(run: strategies.StepRun, optimizer: GradientTransformation, opt_stat
 
 
 def _flags_of(run: strategies.StepRun, chosen: Sequence[int],
-              cache: dict[int, list[Any] | None]) -> Callable[[Any], list[Any] | None]:
+              cache: dict[int, list[Any] | None]) -> Callable[[str, Any], list[Any] | None]:
     """How an optimizer's per-parameter mask (weight decay's) falls on the targets
     ``chosen`` (ZeRO's bucket slices; ``None`` from the run: the targets are parameters,
     whose mask the optimizer reads itself), worked out once a step per mask (``cache``)."""
-    def flags(mask: Any) -> list[Any] | None:
+    def flags(name: str, mask: Any) -> list[Any] | None:
         if id(mask) not in cache:
-            cache[id(mask)] = run.mask_flags(mask)
+            cache[id(mask)] = run.mask_flags(mask, name)
         every = cache[id(mask)]
         return None if every is None else [every[i] for i in chosen]
     return flags

@@ -361,6 +361,20 @@ def _weight_decay(args: dict[str, Any]) -> dict[str, Any]:
     return {"weight_decay": args["weight_decay"], "mask": optim.decay_matrices}
 
 
+def _decay_changes(out: Path, done: int) -> str | None:
+    """A note for a resume of a run recorded before ``--weight-decay`` (:func:`_weight_decay`):
+    its steps decayed every parameter, the ones from here decay only the matrices."""
+    try:
+        saved = json.loads((out / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if "weight_decay" in saved:
+        return None
+    return (f"{PROG} train: note: steps 1-{done} decayed every parameter (dtp before --weight-decay); from step "
+            f"{done + 1} only the weight matrices and embeddings are decayed (Megatron's rule), so dtp check cannot "
+            f"check this run")
+
+
 def _run_config(args: argparse.Namespace, world_size: int) -> dict[str, Any]:
     # The run (dtp.RunConfig's fields), and what the ranks found: vocabulary, world, mesh.
     cfg = args.run_config.to_dict()
@@ -399,6 +413,8 @@ def train_rank(args: argparse.Namespace, *, stream: TextIO | None = None) -> int
             if checkpoints.resume_from is not None:
                 print(f"{PROG} train: resuming from step {len(earlier)} ({checkpoints.resume_from})",
                       file=stream, flush=True)
+                if note := _decay_changes(out, len(earlier)):
+                    print(note, file=stream, flush=True)
 
         def on_start(first: int, segments: list[dict[str, Any]]) -> None:
             # Nothing in the run directory changes before this: a resume whose checkpoint

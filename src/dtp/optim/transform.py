@@ -107,20 +107,20 @@ def decay_matrices(params: PyTree) -> PyTree:
 
 # Set by train_step around each optimizer call whose params are not the parameters
 # themselves (ZeRO's flat bucket slices): how the optimizer's mask falls on them.
-_FLAGS_BY: contextvars.ContextVar[Callable[[Mask], list[Flag]] | None] = contextvars.ContextVar(
+_FLAGS_BY: contextvars.ContextVar[Callable[[str, Mask], list[Flag] | None] | None] = contextvars.ContextVar(
     "dtp_mask_flags", default=None)
 
 
 @contextlib.contextmanager
-def mask_flags_by(flags: Callable[[Mask], list[Flag]] | None) -> Iterator[None]:
-    """Inside, an optimizer's ``mask`` is turned into per-leaf flags by ``flags(mask)``
-    (one per leaf of the params it is called with) instead of being read off the params:
-    ``train_step`` sets it where the params are ZeRO's bucket slices, each holding
-    several parameters, which the mask (a function of the parameters) cannot see.
-    ``None`` leaves the mask as it is.
+def mask_flags_by(flags: Callable[[str, Mask], list[Flag] | None] | None) -> Iterator[None]:
+    """Inside, an optimizer's ``mask`` is turned into per-leaf flags by ``flags(name,
+    mask)`` (one per leaf of the params it is called with; ``name``: the optimizer's, for
+    errors) instead of being read off the params: ``train_step`` sets it where the params
+    are ZeRO's bucket slices, each holding several parameters, which the mask (a function
+    of the parameters) cannot see. ``None`` (set, or returned) leaves the mask as it is.
 
     >>> opt = sgd(1.0, weight_decay=0.5, mask={"w": True})
-    >>> with mask_flags_by(lambda mask: [((1, 2),)]):  # decay only the 2nd element
+    >>> with mask_flags_by(lambda name, mask: [((1, 2),)]):  # decay only the 2nd element
     ...     u, _ = opt.update({"w": torch.zeros(2)}, opt.init({"w": torch.ones(2)}), {"w": torch.ones(2)})
     >>> u["w"]
     tensor([-0.0000, -0.5000])
@@ -134,20 +134,25 @@ def mask_flags_by(flags: Callable[[Mask], list[Flag]] | None) -> Iterator[None]:
 
 def mask_leaves(name: str, mask: Mask, params: PyTree) -> list[bool]:
     """``mask`` (a tree or a function of ``params``) as one bool per leaf of ``params``
-    (``name``: the optimizer, for the error).
+    (``name``: the optimizer, for the error). ``params`` may hold ``None`` where a
+    parameter lives elsewhere (a pipeline stage's tree): the mask may say anything there,
+    a bool (a tree of bools made for the whole model) or ``None`` (a function mapped over
+    the leaves) — the same on every rank, so no rank refuses a mask another takes.
 
-    >>> mask_leaves("adamw", decay_matrices, {"w": torch.ones(2, 2), "b": torch.ones(2)})
+    >>> mask_leaves("adamw", decay_matrices, {"w": torch.ones(2, 2), "b": torch.ones(2), "far": None})
     [False, True]
     """
     tree = mask(params) if callable(mask) else mask
+    leaves, treedef = optree.tree_flatten(params, none_is_leaf=True)
     try:
-        leaves = optree.tree_structure(params).flatten_up_to(tree)
+        flags = treedef.flatten_up_to(tree)
     except ValueError as e:
         raise ValueError(f"{name}: the weight-decay mask is not shaped like the params: {e}") from None
-    if bad := next((x for x in leaves if not isinstance(x, bool)), None):
+    bad = [f for f, p in zip(flags, leaves) if not (isinstance(f, bool) or (p is None and f is None))]
+    if bad:
         raise TypeError(f"{name}: a weight-decay mask's leaves are bools (True: decay the parameter), got "
-                        f"{type(bad).__name__}")
-    return leaves
+                        f"{type(bad[0]).__name__}")
+    return [f for f, p in zip(flags, leaves) if p is not None]
 
 
 def _flags(name: str, mask: Mask | None, params: PyTree) -> list[Flag] | None:
@@ -155,17 +160,38 @@ def _flags(name: str, mask: Mask | None, params: PyTree) -> list[Flag] | None:
     if mask is None:
         return None
     by = _FLAGS_BY.get()
-    flags = by(mask) if by is not None else None
+    flags = by(name, mask) if by is not None else None
     return mask_leaves(name, mask, params) if flags is None else flags
 
 
 def _scaled(ps: list[torch.Tensor], flags: list[Flag], factor: float, other: float) -> list[torch.Tensor]:
-    """Each ``p·factor`` where its flag decays it and ``p·other`` elsewhere, as new tensors."""
-    out = torch._foreach_mul(ps, [factor if f is True else other for f in flags])
+    """Each ``p·factor`` where its flag decays it and ``p·other`` elsewhere (``other`` 1
+    or 0), as new tensors. A bucket slice with ranges is scaled whole, then its few
+    undecayed ranges (norms, biases) set back: one pass over it, not two."""
+    out = torch._foreach_mul(ps, [other if f is False else factor for f in flags])
     for o, p, f in zip(out, ps, flags):
-        for a, b in () if isinstance(f, bool) else f:  # a bucket slice's decayed ranges
-            torch.mul(p.view(-1)[a:b], factor, out=o.view(-1)[a:b])
+        if isinstance(f, bool):
+            continue
+        for a, b in _gaps(f, o.numel()):
+            if other:
+                o.view(-1)[a:b].copy_(p.view(-1)[a:b])  # p·1 is p
+            else:
+                o.view(-1)[a:b].zero_()
     return out
+
+
+def _gaps(ranges: tuple[tuple[int, int], ...], n: int) -> list[tuple[int, int]]:
+    """The stretches of ``[0, n)`` that ``ranges`` (sorted, disjoint) leave out.
+
+    >>> _gaps(((1, 3), (5, 6)), 8)
+    [(0, 1), (3, 5), (6, 8)]
+    """
+    out, at = [], 0
+    for a, b in ranges:
+        if a > at:
+            out.append((at, a))
+        at = b
+    return out + [(at, n)] * (n > at)
 
 
 def _plus_decay(gs: list[torch.Tensor], ps: list[torch.Tensor], flags: list[Flag], wd: float) -> list[torch.Tensor]:
@@ -191,7 +217,7 @@ def sgd(lr: ScalarOrSchedule, momentum: float = 0.0, nesterov: bool = False,
     """Stochastic gradient descent with ``torch.optim.SGD`` semantics (no dampening).
 
     ``d = g + wd·p`` (only where ``mask`` says, e.g. :func:`decay_matrices`; ``None``:
-    every parameter, as torch); with momentum ``b = μ·b + d`` (``b = d`` on the first step) and
+    every parameter, as torch; see :func:`adamw` for what a mask may read); with momentum ``b = μ·b + d`` (``b = d`` on the first step) and
     ``d = b`` or, Nesterov, ``d = d + μ·b``; the update is ``-lr·d``.
 
     >>> opt = sgd(0.1, momentum=0.9, nesterov=True)
@@ -255,7 +281,10 @@ def adamw(lr: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, eps: float =
     ``p ← p·(1 - lr·wd) - lr/(1-b1^t) · m / (√v / √(1-b2^t) + eps)``; the update returned
     is the difference to ``p``. ``mask`` (a tree of bools or a function of the params,
     e.g. :func:`decay_matrices`, Megatron's choice) says which parameters decay; ``None``:
-    all, as torch's AdamW (one param group). State ``mu``/``nu`` has the params' dtype and placements,
+    all, as torch's AdamW (one param group). A mask function must map over the tree it
+    is given and read only paths, shapes and ``ndim``: under ZeRO it is given meta tensors
+    (no values), under a pipeline a stage's tree (``None`` for other stages' parameters),
+    under mixed precision the fp32 master weights. State ``mu``/``nu`` has the params' dtype and placements,
     so float16 parameters are refused at ``init`` (their moments underflow: keep fp32 ones
     with ``layouts.mixed_precision()``), and so is an eps that rounds to 0 in that dtype.
 

@@ -328,9 +328,9 @@ class Run:
         total = comm.all_reduce(local.reshape(1), self.ctx.mesh, self.axis, tag="pipeline grad norm")
         return torch.sqrt(total[0]).to(local.dtype)
 
-    def mask_flags(self, mask: Any) -> list[Any] | None:
+    def mask_flags(self, mask: Any, name: str) -> list[Any] | None:
         """ZeRO's bucket flags under ZeRO; else ``None`` (the targets are the stage's parameters)."""
-        return self.inner.mask_flags(mask) if self.zero else None
+        return self.inner.mask_flags(mask, name) if self.zero else None
 
     def in_flight(self) -> bool:
         return self.inner.in_flight()

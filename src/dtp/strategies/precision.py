@@ -111,7 +111,7 @@ class Run:
     def in_flight(self) -> bool:
         return self.inner.in_flight()
 
-    def mask_flags(self, mask: Any) -> None:
+    def mask_flags(self, mask: Any, name: str) -> None:
         """``None``: the targets are the master weights, one per parameter."""
         return None
 

@@ -147,7 +147,7 @@ class Run:
     def norm(self, grads: PyTree) -> torch.Tensor:
         return global_norm(grads)
 
-    def mask_flags(self, mask: Any) -> None:
+    def mask_flags(self, mask: Any, name: str) -> None:
         """``None``: the targets are the parameters, so an optimizer reads its mask off them."""
         return None
 

@@ -466,7 +466,7 @@ class Run:
     def norm(self, grads: PyTree) -> torch.Tensor:
         return global_norm(grads)
 
-    def mask_flags(self, mask: Any) -> list[Any]:
+    def mask_flags(self, mask: Any, name: str) -> list[Any]:
         """An optimizer's per-parameter mask (weight decay's) as it falls on this rank's
         bucket slices, one flag per bucket (:func:`.zero_plan.slice_flags`); the mask is
         read off the parameters' shapes and dtypes (meta tensors: stage 3 holds no whole
@@ -474,7 +474,7 @@ class Run:
         z = self.z
         metas = optree.tree_map(lambda i: torch.empty(z.leaves[i].shape, dtype=z.leaves[i].dtype, device="meta"),
                                 z.skeleton)
-        return slice_flags(z.plan, z.leaves, mask_leaves("the optimizer", mask, metas))
+        return slice_flags(z.plan, z.leaves, mask_leaves(name, mask, metas))
 
     def in_flight(self) -> bool:
         """Some bucket's reduce-scatter that :meth:`gradients` has not yielded is still on
