@@ -37,6 +37,21 @@ def test_print_schedule_shows_the_v_and_its_pairs(capsys) -> None:
     assert out[1].split()[2:5] == ["F0.0", "F0.1", "F0.2"] and "F0.3&B1.1" in out[1]
 
 
+def test_print_schedule_leaves_run_directories_alone(tmp_path, monkeypatch, capsys) -> None:
+    # It prints and exits: no runs/<timestamp> made in the working directory, and with
+    # --overwrite an earlier run's files stay (they were deleted before the schedule printed).
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "--pp", "2", "--microbatches", "2", "--print-schedule"]) == 0
+    assert list(tmp_path.iterdir()) == []
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("{}\n")
+    for flags in (["--overwrite"], []):  # not refused as a non-empty --out either
+        assert main(["train", "--pp", "2", "--microbatches", "2", "--print-schedule", "--out", str(run), *flags]) == 0
+        assert (run / "metrics.jsonl").read_text() == "{}\n"
+    assert capsys.readouterr().out.count("1f1b schedule, pp=2") == 3
+
+
 def test_too_few_layers_is_one_line(capsys) -> None:
     assert main(["train", "--pp", "4", "--pp-schedule", "interleaved", "--virtual-stages", "2",
                  "--microbatches", "4", "--print-schedule"]) == 2

@@ -282,11 +282,11 @@ def preflight(args: argparse.Namespace, *, check_out: bool = True) -> Layout:
     return layout
 
 
-def check_config(args: argparse.Namespace) -> None:
+def check_config(args: argparse.Namespace) -> Layout:
     """The run as configured: :func:`preflight` less the run directory and a resume. ``dtp
     plan`` (which has neither) refuses what ``dtp train`` refuses, with the same line, and
-    plans the model the data makes (``args.model_config``); ``--print-config`` prints only a
-    run that passes.
+    plans the model the data makes (``args.model_config``); ``--print-config`` and
+    ``--print-schedule`` print only a run that passes. Returns the layout.
 
     >>> check_config(parse_args(["plan", "--tp", "3"]))
     Traceback (most recent call last):
@@ -296,7 +296,7 @@ def check_config(args: argparse.Namespace) -> None:
     check_nproc(args, mesh_axes_of(pp=args.pp, dp=args.dp, ep=args.ep, cp=args.cp, tp=args.tp))  # as validate
     # A plan predicts one step of the model: the corpus's length is not in it (a 70B plan at
     # --batch 256 --seq 8192 was refused because the bundled corpus holds 46 such windows).
-    _check_run(args, corpus=getattr(args, "command", None) != "plan")
+    return _check_run(args, corpus=getattr(args, "command", None) != "plan")[0]
 
 
 def _check_run(args: argparse.Namespace, *, corpus: bool = True) -> tuple[Layout, model_config.LlamaConfig, int]:
