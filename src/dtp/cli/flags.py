@@ -395,8 +395,12 @@ def _check_dense(args: argparse.Namespace, cfg: model_config.LlamaConfig, model:
     given += [flag_of(k) for k in ("expert_tp", "pipe_experts", "multi_stream", "ep_overlap") if getattr(args, k, False)]
     given += ["--multi-data"] if getattr(args, "multi_data", 1) > 1 else []
     if given:
-        raise UsageError(f"{' '.join(given)}: {model} has no experts (a dense model); add --num-experts E, or train "
-                         f"--model tiny-moe" + (", or use --dp for data parallel" if args.ep > 1 else ""))
+        # An explicit --num-experts 0 is what made the model dense: advising "train --model
+        # tiny-moe" to someone training tiny-moe sent them in a circle.
+        fix = ("drop --num-experts 0 (it removes the preset's experts)" if getattr(args, "num_experts", None) == 0
+               else "add --num-experts E, or train --model tiny-moe")
+        raise UsageError(f"{' '.join(given)}: {model} has no experts (a dense model); {fix}"
+                         + (", or use --dp for data parallel" if args.ep > 1 else ""))
 
 
 def _check_sequence_split(seq: int, layout: Layout, mesh: MeshShape) -> None:
