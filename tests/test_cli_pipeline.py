@@ -21,6 +21,8 @@ def test_print_schedule_shows_each_ranks_actions(capsys) -> None:
      r"multiple of"),
     (["--pp", "2", "--virtual-stages", "2", "--microbatches", "2"], r"--virtual-stages 2 needs --pp-schedule interleaved"),
     (["--virtual-stages", "2"], r"need --pp > 1"),
+    (["--pp", "2", "--pp-schedule", "interleaved", "--microbatches", "2"],
+     r"^--pp-schedule interleaved runs --virtual-stages model chunks per pipeline rank: it needs --virtual-stages >= 2 "),
     (["--pp", "2", "--pp-schedule", "zbv", "--virtual-stages", "3", "--microbatches", "2"],
      r"'zbv' holds two chunks per rank \(a V: stages r and 2p-1-r\), got v=3"),
     (["--pp", "2", "--pp-schedule", "dualpipev", "--microbatches", "2"], r"'dualpipev' needs at least 2p=4 microbatches"),
