@@ -54,6 +54,19 @@ def test_print_schedule_leaves_run_directories_alone(tmp_path, monkeypatch, caps
     assert capsys.readouterr().out.count("1f1b schedule, pp=2") == 3
 
 
+def test_under_torchrun_rank_0_alone_prints(monkeypatch, capsys) -> None:
+    # Every rank of `torchrun ... -m dtp.cli train --print-schedule / --print-config` checks
+    # the run; one copy is printed (two ranks' TOML in one file repeat every key).
+    for rank in ("1", "0"):
+        monkeypatch.setenv("RANK", rank)
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        monkeypatch.setenv("LOCAL_RANK", rank)
+        for flag in ("--print-schedule", "--print-config"):
+            assert main(["train", "--pp", "2", "--microbatches", "2", flag]) == 0
+        out = capsys.readouterr().out
+        assert (out.count("1f1b schedule, pp=2"), out.count("pp = 2\n")) == ((0, 0) if rank == "1" else (1, 1))
+
+
 def test_too_few_layers_is_one_line(capsys) -> None:
     assert main(["train", "--pp", "4", "--pp-schedule", "interleaved", "--virtual-stages", "2",
                  "--microbatches", "4", "--print-schedule"]) == 2

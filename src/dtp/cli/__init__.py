@@ -77,6 +77,10 @@ def _cmd_train(args: argparse.Namespace) -> int:
         from .flags import check_config
 
         layout = check_config(args)  # a run that would be refused is not printed
+        if int(os.environ.get("RANK", "0")) != 0:
+            # Under torchrun every rank checks alike, rank 0 alone prints: N interleaved copies
+            # of the TOML, redirected to a file, were a --config that refuses its repeated keys.
+            return 0
         if args.print_config:
             from ..config import to_toml
 
