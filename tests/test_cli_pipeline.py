@@ -21,6 +21,8 @@ def test_print_schedule_shows_each_ranks_actions(capsys) -> None:
      r"multiple of"),
     (["--pp", "2", "--virtual-stages", "2", "--microbatches", "2"], r"--virtual-stages 2 needs --pp-schedule interleaved"),
     (["--virtual-stages", "2"], r"need --pp > 1"),
+    (["--pp", "2", "--pp-schedule", "interleaved", "--microbatches", "2"],
+     r"^--pp-schedule interleaved runs --virtual-stages model chunks per pipeline rank: it needs --virtual-stages >= 2 "),
     (["--pp", "2", "--pp-schedule", "zbv", "--virtual-stages", "3", "--microbatches", "2"],
      r"'zbv' holds two chunks per rank \(a V: stages r and 2p-1-r\), got v=3"),
     (["--pp", "2", "--pp-schedule", "dualpipev", "--microbatches", "2"], r"'dualpipev' needs at least 2p=4 microbatches"),
@@ -35,6 +37,34 @@ def test_print_schedule_shows_the_v_and_its_pairs(capsys) -> None:
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("dualpipev schedule, pp=2, virtual stages 2, 4 microbatches")
     assert out[1].split()[2:5] == ["F0.0", "F0.1", "F0.2"] and "F0.3&B1.1" in out[1]
+
+
+def test_print_schedule_leaves_run_directories_alone(tmp_path, monkeypatch, capsys) -> None:
+    # It prints and exits: no runs/<timestamp> made in the working directory, and with
+    # --overwrite an earlier run's files stay (they were deleted before the schedule printed).
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "--pp", "2", "--microbatches", "2", "--print-schedule"]) == 0
+    assert list(tmp_path.iterdir()) == []
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("{}\n")
+    for flags in (["--overwrite"], []):  # not refused as a non-empty --out either
+        assert main(["train", "--pp", "2", "--microbatches", "2", "--print-schedule", "--out", str(run), *flags]) == 0
+        assert (run / "metrics.jsonl").read_text() == "{}\n"
+    assert capsys.readouterr().out.count("1f1b schedule, pp=2") == 3
+
+
+def test_under_torchrun_rank_0_alone_prints(monkeypatch, capsys) -> None:
+    # Every rank of `torchrun ... -m dtp.cli train --print-schedule / --print-config` checks
+    # the run; one copy is printed (two ranks' TOML in one file repeat every key).
+    for rank in ("1", "0"):
+        monkeypatch.setenv("RANK", rank)
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        monkeypatch.setenv("LOCAL_RANK", rank)
+        for flag in ("--print-schedule", "--print-config"):
+            assert main(["train", "--pp", "2", "--microbatches", "2", flag]) == 0
+        out = capsys.readouterr().out
+        assert (out.count("1f1b schedule, pp=2"), out.count("pp = 2\n")) == ((0, 0) if rank == "1" else (1, 1))
 
 
 def test_too_few_layers_is_one_line(capsys) -> None:

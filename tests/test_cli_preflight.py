@@ -78,6 +78,9 @@ BAD_RUNS = {
                                          "--n-groups 2 and --topk-group not given"),
     "expert flags on a dense model": (["--ep", "2", "--top-k", "2"], "--ep 2 --top-k: --model tiny has no experts (a "
                                       "dense model); add --num-experts E, or train --model tiny-moe, or use --dp"),
+    "expert flags on experts turned off": (["--model", "tiny-moe", "--num-experts", "0", "--ep", "2"],
+                                           "--ep 2: --model tiny-moe has no experts (a dense model); drop "
+                                           "--num-experts 0 (it removes the preset's experts), or use --dp"),
     "layers vs stages": (["--pp", "8", "--microbatches", "8"], "--pp 8 --virtual-stages 1: 8 pipeline stages, but "
                                                                "--model tiny cuts into 4 layers"),
     "corpus vs batch": (["--batch", "6000"], "the corpus has 383157 tokens, 5986 windows of 64 + 1 tokens, fewer"),

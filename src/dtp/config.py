@@ -340,6 +340,11 @@ class RunConfig:
         if self.pp > 1:
             if self.virtual_stages > 1 and self.pp_schedule not in ("interleaved", *schedules.V_SCHEDULES):
                 fail(f"{n('virtual_stages')} {self.virtual_stages} needs {n('pp_schedule')} interleaved")
+            if self.pp_schedule == "interleaved" and self.virtual_stages == 1:
+                # Said with the flag's name: the schedule's own line ("needs v >= 2 virtual
+                # chunks", after "--pp 2 --microbatches 1:") named neither the flag nor its fix.
+                fail(f"{n('pp_schedule')} interleaved runs {n('virtual_stages')} model chunks per pipeline rank: "
+                     f"it needs {n('virtual_stages')} >= 2 (1 chunk per rank is {n('pp_schedule')} 1f1b)")
             # zbv / dualpipev hold two chunks per rank (a V): the default 1 reads as 2.
             v = schedules.chunks_per_rank(self.pp_schedule, self.virtual_stages)
             try:

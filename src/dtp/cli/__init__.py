@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ..launch import in_torchrun, launched
+from ..layouts import Layout
 from .flags import (UsageError, build_layout, build_parser, mesh_axes, parse_args, preflight, train_argv,
                     validate)
 from .plan import cmd_plan, train_refusal
@@ -69,13 +70,23 @@ def __getattr__(name: str) -> Any:
 def _cmd_train(args: argparse.Namespace) -> int:
     """``dtp train``: check the run, then be one rank under torchrun, else start the ranks
     here; then ``--check``."""
-    if args.print_config:  # the run as given: no default --out invented for it
-        from ..config import to_toml
+    if args.print_config or args.print_schedule:
+        # Print and exit: the run as given, checked, but no run directory. Neither invents a
+        # default --out nor touches one (--print-schedule once created runs/<timestamp> and,
+        # with --overwrite, deleted an earlier run's files before printing).
         from .flags import check_config
 
-        check_config(args)  # a file --config would refuse is not printed
+        layout = check_config(args)  # a run that would be refused is not printed
+        if int(os.environ.get("RANK", "0")) != 0:
+            # Under torchrun every rank checks alike, rank 0 alone prints: N interleaved copies
+            # of the TOML, redirected to a file, were a --config that refuses its repeated keys.
+            return 0
+        if args.print_config:
+            from ..config import to_toml
 
-        print(to_toml(args.run_config, leave_out=getattr(args, "derived", ())), end="")
+            print(to_toml(args.run_config, leave_out=getattr(args, "derived", ())), end="")
+        else:
+            _print_schedule(args, layout)
         return 0
     if args.out is None:
         args.out = default_out()
@@ -107,18 +118,6 @@ def _cmd_train(args: argparse.Namespace) -> int:
     _refuse_unfit(args, local_ranks=args.nproc, show=True)  # then the plan (imports torch)
     if args.overwrite:
         clear_run_files(Path(args.out))
-    if layout.pipeline is not None and args.print_schedule:
-        from .. import schedules
-        from ..models import config as model_config
-
-        n_layers = model_config.n_sequential_layers(model_config.config_for(args.model, init_from=args.init_from))
-        v = layout.pipeline.virtual_stages  # a V schedule's 2 chunks per rank
-        table = schedules.format_schedule(schedules.make(args.pp_schedule, p=args.pp, v=v, m=args.microbatches),
-                                          p=args.pp)
-        print(f"{args.pp_schedule} schedule, pp={args.pp}, virtual stages {v}, "
-              f"{args.microbatches} microbatches ({n_layers} layers; F forward, B backward, I/W its input/weight "
-              f"halves, F&B a forward paired with a backward, chunk.microbatch):\n{table}")
-        return 0
     if args.nproc > 1:
         code = _launch(args)
     else:
@@ -130,6 +129,21 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
         code = check_run(args.out)
     return code
+
+
+def _print_schedule(args: argparse.Namespace, layout: Layout) -> None:
+    """``--print-schedule``: each pipeline rank's action list (``--pp > 1``, checked by
+    :func:`~dtp.cli.flags.validate`)."""
+    from .. import schedules
+    from ..models import config as model_config
+
+    n_layers = model_config.n_sequential_layers(model_config.config_for(args.model, init_from=args.init_from))
+    v = layout.pipeline.virtual_stages  # a V schedule's 2 chunks per rank
+    table = schedules.format_schedule(schedules.make(args.pp_schedule, p=args.pp, v=v, m=args.microbatches),
+                                      p=args.pp)
+    print(f"{args.pp_schedule} schedule, pp={args.pp}, virtual stages {v}, "
+          f"{args.microbatches} microbatches ({n_layers} layers; F forward, B backward, I/W its input/weight "
+          f"halves, F&B a forward paired with a backward, chunk.microbatch):\n{table}")
 
 
 def _refuse_unfit(args: argparse.Namespace, *, local_ranks: int, show: bool) -> None:

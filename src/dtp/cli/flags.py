@@ -282,11 +282,11 @@ def preflight(args: argparse.Namespace, *, check_out: bool = True) -> Layout:
     return layout
 
 
-def check_config(args: argparse.Namespace) -> None:
+def check_config(args: argparse.Namespace) -> Layout:
     """The run as configured: :func:`preflight` less the run directory and a resume. ``dtp
     plan`` (which has neither) refuses what ``dtp train`` refuses, with the same line, and
-    plans the model the data makes (``args.model_config``); ``--print-config`` prints only a
-    run that passes.
+    plans the model the data makes (``args.model_config``); ``--print-config`` and
+    ``--print-schedule`` print only a run that passes. Returns the layout.
 
     >>> check_config(parse_args(["plan", "--tp", "3"]))
     Traceback (most recent call last):
@@ -296,7 +296,7 @@ def check_config(args: argparse.Namespace) -> None:
     check_nproc(args, mesh_axes_of(pp=args.pp, dp=args.dp, ep=args.ep, cp=args.cp, tp=args.tp))  # as validate
     # A plan predicts one step of the model: the corpus's length is not in it (a 70B plan at
     # --batch 256 --seq 8192 was refused because the bundled corpus holds 46 such windows).
-    _check_run(args, corpus=getattr(args, "command", None) != "plan")
+    return _check_run(args, corpus=getattr(args, "command", None) != "plan")[0]
 
 
 def _check_run(args: argparse.Namespace, *, corpus: bool = True) -> tuple[Layout, model_config.LlamaConfig, int]:
@@ -395,8 +395,12 @@ def _check_dense(args: argparse.Namespace, cfg: model_config.LlamaConfig, model:
     given += [flag_of(k) for k in ("expert_tp", "pipe_experts", "multi_stream", "ep_overlap") if getattr(args, k, False)]
     given += ["--multi-data"] if getattr(args, "multi_data", 1) > 1 else []
     if given:
-        raise UsageError(f"{' '.join(given)}: {model} has no experts (a dense model); add --num-experts E, or train "
-                         f"--model tiny-moe" + (", or use --dp for data parallel" if args.ep > 1 else ""))
+        # An explicit --num-experts 0 is what made the model dense: advising "train --model
+        # tiny-moe" to someone training tiny-moe sent them in a circle.
+        fix = ("drop --num-experts 0 (it removes the preset's experts)" if getattr(args, "num_experts", None) == 0
+               else "add --num-experts E, or train --model tiny-moe")
+        raise UsageError(f"{' '.join(given)}: {model} has no experts (a dense model); {fix}"
+                         + (", or use --dp for data parallel" if args.ep > 1 else ""))
 
 
 def _check_sequence_split(seq: int, layout: Layout, mesh: MeshShape) -> None:
