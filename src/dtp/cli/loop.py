@@ -328,6 +328,12 @@ class SkipCounter:
     Traceback (most recent call last):
     ...
     dtp.cli.loop.TrainingAborted: training aborted at step 4: 2 steps in a row skipped ...
+    >>> one = SkipCounter(max_skipped=1)
+    >>> one.add(True)
+    >>> one.check(7)
+    Traceback (most recent call last):
+    ...
+    dtp.cli.loop.TrainingAborted: training aborted at step 7: 1 step in a row skipped ...
     """
 
     def __init__(self, max_skipped: int) -> None:
@@ -342,8 +348,8 @@ class SkipCounter:
         """Raise :class:`TrainingAborted` once ``max_skipped`` steps in a row were skipped."""
         if self.max_skipped and self.in_a_row >= self.max_skipped:
             raise TrainingAborted(
-                f"training aborted at step {step}: {self.in_a_row} steps in a row skipped (non-finite loss or "
-                f"gradient norm; parameters unchanged since step {step - self.in_a_row}) — --max-skipped "
+                f"training aborted at step {step}: {self.in_a_row} step{'s' * (self.in_a_row != 1)} in a row "
+                f"skipped (non-finite loss or gradient norm; parameters unchanged since step {step - self.in_a_row}) — --max-skipped "
                 f"{self.max_skipped} (0: never abort)")
 
 
