@@ -173,15 +173,23 @@ def test_the_fingerprint_reads_a_bounded_sample_and_not_the_storage(tmp_path, mo
 TEXT = "the cat sat on the mat\nthe dog sat on the log\na cat and a dog\n" * 3
 
 
-def make_tokenizer(path: Path, specials: tuple[str, ...] = ("[UNK]", "[EOS]")) -> Path:
-    """A tiny word-level tokenizer trained here on :data:`TEXT`, with ``specials`` (the
-    default's [EOS] is none of the usual end-of-text spellings, dtp's EOS_TOKENS)."""
+def make_tokenizer(path: Path, specials: tuple[str, ...] = ("[UNK]", "[EOS]"), *, byte_level: bool = False) -> Path:
+    r"""A tiny word-level tokenizer trained here on :data:`TEXT`, with ``specials`` (the
+    default's [EOS] is none of the usual end-of-text spellings, dtp's EOS_TOKENS); with
+    ``byte_level`` a GPT-2-style byte-level BPE instead, which makes every character a
+    token ("\r" too: the word-level one drops it as whitespace)."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.train_from_iterator(TEXT.splitlines(), trainers.WordLevelTrainer(special_tokens=list(specials)))
+    if byte_level:
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        trainer = trainers.BpeTrainer(special_tokens=list(specials), initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    else:
+        tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+        tok.pre_tokenizer = pre_tokenizers.Whitespace()
+        trainer = trainers.WordLevelTrainer(special_tokens=list(specials))
+    tok.train_from_iterator(TEXT.splitlines(), trainer)
     tok.save(str(path))
     return path
 
@@ -223,6 +231,30 @@ def test_document_mask_encodes_each_line_and_ends_it_with_the_tokenizers_eos(tmp
     plain = open_tokens(text, tokenizer=tokenizer)
     assert plain.read(0, len(plain)).tolist() == tok.encode(text.read_text(), add_special_tokens=False).ids
     assert eos not in plain.read(0, len(plain)).tolist() and plain.eos_id is None
+
+
+def test_document_mask_ends_a_line_at_crlf_and_the_unmasked_text_stays_whole(tmp_path):
+    r"""A file saved with Windows line endings has the same documents as its "\n" twin under
+    ``--document-mask`` (a line's one trailing "\r" is its line break, not content: a
+    byte-level BPE would otherwise end every document with a "\r" token); a "\r" elsewhere
+    and the other characters ``str.splitlines`` would split at stay content. Without the
+    mask the text is encoded whole, "\r\n" included: nothing there is a line's end."""
+    pytest.importorskip("tokenizers")
+    from tokenizers import Tokenizer
+
+    tokenizer = make_tokenizer(tmp_path / "tokenizer.json", ("<|endoftext|>",), byte_level=True)
+    tok = Tokenizer.from_file(str(tokenizer))
+    lines = ["the cat sat\x0con the mat", "", "a dog\rthe log\u2028a cat", "the dog\r"]
+    unix, windows = tmp_path / "unix.txt", tmp_path / "windows.txt"
+    unix.write_bytes("\n".join(lines).encode())  # no final line break: the last line is a document all the same
+    windows.write_bytes("".join(line + "\r\n" for line in lines).encode())
+    ids = [open_tokens(f, tokenizer=tokenizer, documents=True) for f in (unix, windows)]
+    eos = tok.token_to_id("<|endoftext|>")
+    expected = [i for line in lines if line for i in (*tok.encode(line, add_special_tokens=False).ids, eos)]
+    assert [t.read(0, len(t)).tolist() for t in ids] == [expected, expected] and expected.count(eos) == 3
+    assert tok.token_to_id("\u010d") in expected  # the "\r" inside line 3 and the one left of "\r\r\n"
+    whole = open_tokens(windows, tokenizer=tokenizer)
+    assert whole.read(0, len(whole)).tolist() == tok.encode(windows.read_bytes().decode(), add_special_tokens=False).ids
 
 
 def test_the_eos_is_eos_id_then_a_tokenizer_config_then_a_usual_token_of_the_vocabulary(tmp_path):

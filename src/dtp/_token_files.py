@@ -11,7 +11,8 @@ corpus must fill a batch, the vocabulary must hold every id).
 * a directory of ``.bin`` or ``.npy`` shards: read as one stream, shards in name order;
 * any other file: text, byte tokens, or ``--tokenizer``'s (Hugging Face ``tokenizers``);
   with ``--document-mask`` its lines are documents (a byte text's end at its newlines, a
-  tokenized text's lines are encoded one by one, each followed by the tokenizer's EOS).
+  tokenized text's lines, ended by ``\\n`` or ``\\r\\n``, are encoded one by one, each followed
+  by the tokenizer's EOS).
 
 The sidecar is a small JSON object beside a file (``train.bin.json``) or in a shard
 directory (``tokens.json``): ``{"dtype": "uint32", "eos_id": 2, "vocab_size": 32000}``, every
@@ -289,7 +290,8 @@ def _encode(text_path: str | None, tokenizer: str, documents: bool = False,
     because the tokenizer has one. That flag is what says the text's lines are documents, as
     for byte text; without it a line break is layout (the bundled corpus is prose wrapped at
     72 columns), and the text stays one stream encoded whole, as before: a run without the
-    mask keeps the ids it trained on (``--resume`` counts them). A masked run trains the
+    mask keeps the ids it trained on (``--resume`` counts them), and its "\\r\\n" are content
+    the tokenizer encodes as it encodes any whitespace. A masked run trains the
     model to emit the EOS at a line's end (that target is learnt; only the EOS's own, the
     next document's first token, is masked): the id generation stops at.
     """
@@ -315,10 +317,13 @@ def _encode(text_path: str | None, tokenizer: str, documents: bool = False,
         raise ValueError(f"--document-mask: --tokenizer {tokenizer} names no end-of-text token to end each line "
                          f"(no eos_token in a tokenizer_config.json beside it, none of {' '.join(EOS_TOKENS)} in "
                          f"its vocabulary); pass --eos-id")
-    # Lines end at "\n" alone, as byte text's documents do; a final line break opens no
-    # document. Each line is encoded alone (no merge across its end) and followed by the
-    # EOS, the last one too (Megatron's --append-eod); a line of no ids is no document.
-    lines = text.split("\n")
+    # Lines end at "\n" or "\r\n" (a file saved on Windows: its "\r" is the line break, not
+    # the last token of every document); not str.splitlines(), whose other breaks (\x0b,
+    # \x0c, \u2028, a lone "\r", ...) can be content. replace() returns the text itself when
+    # it holds no "\r\n". A final line break opens no document. Each line is encoded alone
+    # (no merge across its end) and followed by the EOS, the last one too (Megatron's
+    # --append-eod); a line of no ids is no document.
+    lines = text.replace("\r\n", "\n").split("\n")
     if lines[-1] == "":
         lines.pop()
     pieces = []
