@@ -464,6 +464,25 @@ def test_document_mask_through_a_tokenizer_that_names_no_eos_is_one_line(tmp_pat
     flags.check_config(flags.parse_args([*argv, "--eos-id", "1"]))  # [EOS]: the run is checked, nothing refused
 
 
+def test_document_mask_on_text_that_holds_the_eos_is_one_line_before_any_rank(tmp_path, capsys) -> None:
+    """A line of the text holding the tokenizer's EOS ("</s>" written in the data) would be
+    two documents under the mask: ``dtp train`` refuses it in one line naming the file and
+    line, exit 2, before any rank starts or the run directory is made."""
+    pytest.importorskip("tokenizers")
+    from test_token_files import TEXT, make_tokenizer
+
+    tokenizer = make_tokenizer(tmp_path / "tokenizer.json", ("[UNK]", "</s>"))
+    (tmp_path / "corpus.txt").write_text(TEXT * 4 + "the cat</s>the dog\n")
+    argv = ["train", "--document-mask", "--data", str(tmp_path / "corpus.txt"), "--tokenizer", str(tokenizer),
+            "--batch", "2", "--seq", "16", "--nproc", "2", "--dp", "2", "--out", str(tmp_path / "run")]
+    assert cli.main(argv) == 2
+    assert capsys.readouterr().err == (
+        f"dtp train: error: --document-mask: {tmp_path / 'corpus.txt'}:37 holds '</s>' (id 1), the EOS that ends each "
+        f"line: the mask would cut the line there into two documents; remove it from the data, or pass --eos-id an "
+        f"id the text never holds\n")
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float64"])
 def test_the_lr_refused_is_the_lr_torch_refuses(dtype) -> None:
     """The preflight refuses an ``--lr`` exactly when the rank's AdamW (``dtp.cli.loop``'s

@@ -257,6 +257,23 @@ def test_document_mask_ends_a_line_at_crlf_and_the_unmasked_text_stays_whole(tmp
     assert whole.read(0, len(whole)).tolist() == tok.encode(windows.read_bytes().decode(), add_special_tokens=False).ids
 
 
+def test_document_mask_refuses_a_line_that_holds_the_eos(tmp_path):
+    """A line whose own encoding holds the EOS (the literal "<|endoftext|>" in the text, which
+    the tokenizer reads as the special token) would be cut in two by the mask, silently:
+    refused in one line naming the file, the line (1-based), the token and its id, and the
+    remedies; the unmasked text, which no EOS cuts, still tokenizes."""
+    pytest.importorskip("tokenizers")
+    tokenizer = make_tokenizer(tmp_path / "tokenizer.json", ("[UNK]", "<|endoftext|>"))
+    text = tmp_path / "corpus.txt"
+    text.write_text("the cat sat\n\na dog<|endoftext|>the log\na cat <|endoftext|>\n")
+    with pytest.raises(ValueError, match=rf"^--document-mask: {text}:3 holds '<\|endoftext\|>' \(id 1\), the EOS that "
+                                         r"ends each line: the mask would cut the line there into two documents; "
+                                         r"remove it from the data, or pass --eos-id an id the text never holds$"):
+        token_stats(text, tokenizer=tokenizer, documents=True)
+    assert len(open_tokens(text, tokenizer=tokenizer)) == 11
+    assert len(open_tokens(text, tokenizer=tokenizer, documents=True, eos_id=0)) == 11 + 3  # [UNK] ends them
+
+
 def test_the_eos_is_eos_id_then_a_tokenizer_config_then_a_usual_token_of_the_vocabulary(tmp_path):
     """Where the EOS comes from, first found first: ``--eos-id``; the ``eos_token`` of a
     tokenizer_config.json beside the tokenizer.json (a string, or an AddedToken's object),
@@ -280,7 +297,7 @@ def test_the_eos_is_eos_id_then_a_tokenizer_config_then_a_usual_token_of_the_voc
     added = {"eos_token": {"__type": "AddedToken", "content": "<eos>", "special": True}}
     assert eos("added token", ("tokenizer_config.json", added)) == vocab.token_to_id("<eos>")
     assert eos("map", ("special_tokens_map.json", {"eos_token": "[EOS]"})) == vocab.token_to_id("[EOS]")
-    assert eos("flag", ("tokenizer_config.json", {"eos_token": "[EOS]"}), eos_id=5) == 5
+    assert eos("flag", ("tokenizer_config.json", {"eos_token": "[EOS]"}), eos_id=2) == 2  # "</s>", not "[EOS]"
     with pytest.raises(ValueError, match=r"tokenizer_config\.json: eos_token '<\|im_end\|>' is not in the "
                                          r"vocabulary of .*; pass --eos-id$"):
         eos("another's", ("tokenizer_config.json", {"eos_token": "<|im_end|>"}))
