@@ -350,15 +350,12 @@ def test_dtp_train_init_from_then_export_loads_in_transformers(root: Path, tmp_p
     assert json.loads((out / "tokenizer_config.json").read_text()) == {"model_max_length": 16}  # carried too
 
 
-def test_a_resume_of_an_init_from_run_reads_no_weight_file(root: Path, tmp_path: Path, monkeypatch, capsys) -> None:
-    """``--resume`` of an ``--init-from`` run takes the parameters from its checkpoint: with
-    the weight files damaged it continues the uninterrupted run's curve exactly (fp64,
-    resumed under dp2 ZeRO-1, whose state is cut from the file's blocks). Before, the
-    preflight refused the file and every rank read its blocks, only to replace them.
-    ``--check`` still needs them (its reference retrains from them), and says so."""
+def _cut_init_from_run(root: Path, tmp_path: Path, monkeypatch) -> tuple[list[str], Path, Path, Path]:
+    """An ``--init-from`` run of 4 fp64 steps saved every 2 (``whole``), a copy of it stopped
+    after step 2 (``cut``: its last checkpoint and metrics gone), and then its weight file
+    damaged: the flags, ``whole``, ``cut`` and the weight file."""
     import shutil
 
-    import cli_pool
     from dtp import cli
 
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
@@ -376,15 +373,56 @@ def test_a_resume_of_an_init_from_run_reads_no_weight_file(root: Path, tmp_path:
     (cut / "metrics.jsonl").write_text("".join((whole / "metrics.jsonl").read_text().splitlines(True)[:2]))
     weights = src / "model.safetensors"
     weights.write_bytes(b"\0" * weights.stat().st_size)  # not a safetensors file any more
+    return flags, whole, cut, weights
+
+
+def _losses(*runs: Path) -> list[list[float]]:
+    return [[json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()] for run in runs]
+
+
+def test_a_resume_of_an_init_from_run_reads_no_weight_file(root: Path, tmp_path: Path, monkeypatch, capsys) -> None:
+    """``--resume`` of an ``--init-from`` run takes the parameters from its checkpoint: with
+    the weight files damaged it continues the uninterrupted run's curve exactly (fp64,
+    resumed under dp2 ZeRO-1, whose state is cut from the file's blocks). Before, the
+    preflight refused the file and every rank read its blocks, only to replace them.
+    ``--check`` still needs them (its reference retrains from them), and says so."""
+    import cli_pool
+    from dtp import cli
+
+    flags, whole, cut, weights = _cut_init_from_run(root, tmp_path, monkeypatch)
     capsys.readouterr()
     assert cli.main(["train", *flags, "--resume", "--check", "--out", str(cut)]) == 2
-    assert capsys.readouterr().err.startswith(f"dtp train: error: --init-from {src}: {weights} is not a whole")
+    assert capsys.readouterr().err.startswith(f"dtp train: error: --init-from {weights.parent}: {weights} is not a whole")
     proc = cli_pool.train(monkeypatch, *flags, "--nproc", "2", "--dp", "2", "--zero", "1", "--resume",
                           "--out", str(cut))
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    losses = [[json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
-              for run in (cut, whole)]
+    losses = _losses(cut, whole)
     assert len(losses[0]) == 4 and losses[0] == pytest.approx(losses[1], rel=1e-10, abs=0)
+
+
+def test_a_torchrun_restart_of_an_init_from_run_reads_no_weight_file(root: Path, tmp_path: Path, monkeypatch,
+                                                                     capsys) -> None:
+    """A rank that torchrun restarted (``--max-restarts``: the same command, no ``--resume``,
+    ``TORCHELASTIC_RESTART_COUNT`` > 0) resumes from the run directory's newest checkpoint,
+    so its preflight checks no weight file either: with the file damaged it continues the
+    uninterrupted curve exactly. Before, every restarted rank refused the file (exit 2)
+    and torchrun spent its restarts on that. A restart with no checkpoint yet trains from
+    the weight files, and still checks them."""
+    from dtp import cli, testing
+
+    flags, whole, cut, weights = _cut_init_from_run(root, tmp_path, monkeypatch)
+    # What torchrun gives the one rank of a --nproc-per-node 1 run it restarted once.
+    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(testing._free_port()),
+                 "TORCHELASTIC_RESTART_COUNT": "1"}.items():
+        monkeypatch.setenv(k, v)
+    capsys.readouterr()
+    assert cli.main(["train", *flags, "--out", str(cut)]) == 0, capsys.readouterr().err
+    losses = _losses(cut, whole)
+    assert len(losses[0]) == 4 and losses[0] == pytest.approx(losses[1], rel=1e-10, abs=0)
+    capsys.readouterr()
+    assert cli.main(["train", *flags, "--out", str(tmp_path / "fresh")]) == 2
+    assert capsys.readouterr().err.startswith(f"dtp train: error: --init-from {weights.parent}: {weights} is not a whole")
 
 
 def test_a_sequence_past_a_mistrals_window_is_refused(root: Path, tmp_path: Path, capsys) -> None:

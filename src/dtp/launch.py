@@ -40,7 +40,7 @@ import threading
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
-__all__ = ["launch", "in_torchrun", "launched", "report_error", "default_omp_threads"]
+__all__ = ["launch", "in_torchrun", "launched", "restarted", "report_error", "default_omp_threads"]
 
 # Set by launch() for its ranks: where a rank leaves its one-line error message.
 ERROR_DIR_ENV = "DTP_LAUNCH_ERROR_DIR"
@@ -53,6 +53,17 @@ def in_torchrun() -> bool:
     False
     """
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+
+
+def restarted() -> bool:
+    """True inside a rank that torchrun's agent restarted (``--max-restarts``: the same
+    command again, after a rank failed), whose run directory holds what the failed attempt
+    saved.
+
+    >>> restarted()
+    False
+    """
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
 
 
 def launched() -> bool:

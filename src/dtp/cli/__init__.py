@@ -40,7 +40,7 @@ import threading
 from pathlib import Path
 from typing import Any, Sequence
 
-from ..launch import in_torchrun, launched
+from ..launch import in_torchrun, launched, restarted
 from ..layouts import Layout
 from .flags import (UsageError, build_layout, build_parser, mesh_axes, parse_args, preflight, train_argv,
                     validate)
@@ -98,13 +98,12 @@ def _cmd_train(args: argparse.Namespace) -> int:
             # Under an outside torchrun every rank checks alike (one line each, nothing
             # hangs); rank 0 alone owns the run directory, and not after a restart (its
             # checkpoints are what the restart resumes from).
-            restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
-            preflight(args, check_out=rank == 0 and not restarted)
+            preflight(args, check_out=rank == 0 and not restarted())
             # The plan's memory check too: each rank computes the same verdict from the same
             # flags (no collective), rank 0 alone prints the table. The host's RAM is shared
             # by this node's ranks (torchrun's LOCAL_WORLD_SIZE), not by the whole world.
             _refuse_unfit(args, local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", "1")), show=rank == 0)
-            if rank == 0 and args.overwrite and not restarted:
+            if rank == 0 and args.overwrite and not restarted():
                 clear_run_files(Path(args.out))
         from .check import check_in_subprocess
         from .loop import train_rank

@@ -31,7 +31,7 @@ from ..layouts import Layout, check_divisible
 from ..models import config as model_config
 from ..models.hf_config import check_weight_files
 from .parser import PROG, RUN_DEFAULTS, UsageError, build_parser
-from .resume import check_resume, resume_checkpoint
+from .resume import check_resume, resume_from
 
 
 __all__ = ["UsageError", "build_parser", "parse_args", "validate", "preflight", "build_layout", "mesh_axes",
@@ -258,7 +258,8 @@ def preflight(args: argparse.Namespace, *, check_out: bool = True) -> Layout:
     vocabulary, experts divisible by their splits), the pipeline's layers and
     microbatches, the sequence against context parallel, the corpus against a batch,
     ``--init-from``'s weight files (there and whole: their headers against their sizes;
-    with ``--resume``, only for ``--check``),
+    when the ranks resume from a checkpoint, :func:`~dtp.cli.resume.resume_from`: after
+    ``--resume`` or a torchrun restart, only for ``--check``),
     with ``--resume`` the checkpoint against the flags (:func:`check_resume`), and the
     run directory (``check_out``: writable; not an earlier run's unless ``--resume`` or
     ``--overwrite``). Returns the layout.
@@ -268,15 +269,18 @@ def preflight(args: argparse.Namespace, *, check_out: bool = True) -> Layout:
     are the ones ``train_step`` checks again on every rank, before any collective.
     """
     layout, cfg, n_tokens = _check_run(args)
-    # Its weights too (dtp plan reads only its config.json); not for a --resume, whose
-    # checkpoint holds them (the ranks read none), unless --check's reference retrains from them.
-    if args.init_from is not None and (not args.resume or args.check):
+    resume = resume_from(args)  # --resume's checkpoint, or the newest one after a torchrun restart
+    # Its weights too (dtp plan reads only its config.json); not when the ranks resume, for
+    # the checkpoint holds them (they read none: the files may be gone, and a restarted rank
+    # that refused them would spend torchrun's restarts), unless --check's reference
+    # retrains from them.
+    if args.init_from is not None and (resume is None or args.check):
         try:
             check_weight_files(args.init_from)
         except (OSError, ValueError) as e:
             raise UsageError(f"--init-from {args.init_from}: {str(e).removeprefix('from_hf: ')}") from None
     if args.resume:  # read-only: every rank of an outside torchrun may check it alike
-        check_resume(args, resume_checkpoint(args.out), cfg, n_tokens=n_tokens)
+        check_resume(args, resume, cfg, n_tokens=n_tokens)
     if check_out:
         check_out_dir(args)
     return layout

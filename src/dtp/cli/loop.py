@@ -38,7 +38,7 @@ from ..redistribute import value_of
 from .process import Terminated, sigterm_ignored, sigterm_raises, run_world, single_process_world, why
 from .parser import EVAL_BATCHES, PROG
 from .flags import UsageError, build_layout, format_mesh, mesh_axes, model_overrides, train_argv, vocab_size
-from .resume import resume_checkpoint, segment_record, trained_segments
+from .resume import resume_from, segment_record, trained_segments
 from .report import (atomic_write_text, format_summary, plot_losses, Progress, write_json, format_bytes, read_metrics,
                      note_when_output_closes,
                      print_compile_report, report_exception, summarize)
@@ -577,10 +577,7 @@ def _checkpointing(args: argparse.Namespace, out: Path) -> Checkpointing:
     """The run's checkpoint settings; with ``--resume`` (or when torchrun restarted the
     ranks after a failure) the newest complete checkpoint in ``out``, found the same way
     on every rank (the directory is shared)."""
-    root = out / "checkpoints"
-    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
-    resume_from = resume_checkpoint(out) if args.resume else checkpoint.latest(root) if restarted else None
-    return Checkpointing(root, args.save_every, args.keep, args.async_save, resume_from)
+    return Checkpointing(out / "checkpoints", args.save_every, args.keep, args.async_save, resume_from(args))
 
 
 def _records_until(out: Path, resume_from: Path | None) -> list[dict[str, Any]]:

@@ -13,12 +13,13 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from .._checkpoint_dirs import checkpoints, latest, read_manifest
+from ..launch import restarted
 from .._token_files import held_out_start, open_tokens, training_split
 from ..config import MODEL_FIELDS, flag_of, master_weights
 from ..models import config as model_config
 from .parser import UsageError
 
-__all__ = ["resume_checkpoint", "check_resume", "trained_segments", "segment_record", "segments_mixed"]
+__all__ = ["resume_checkpoint", "resume_from", "check_resume", "trained_segments", "segment_record", "segments_mixed"]
 
 
 # --------------------------------------------------------------------------- --resume
@@ -45,6 +46,21 @@ def resume_checkpoint(out: str | os.PathLike[str]) -> Path:
     if found is None:
         raise UsageError(f"--resume: no checkpoint in {root} (save some with --save-every N)")
     return found
+
+
+def resume_from(args: Any) -> Path | None:
+    """The checkpoint the ranks of ``dtp train`` start from: with ``--resume`` the newest in
+    ``--out`` (:func:`resume_checkpoint`), after torchrun restarted them (:func:`dtp.launch.restarted`)
+    the newest if there is one, else ``None`` (they train from the start). One rule for the
+    ranks, which load it, and the preflight, which then checks no ``--init-from`` weight file.
+
+    >>> import argparse
+    >>> resume_from(argparse.Namespace(resume=False, out="/nonexistent")) is None
+    True
+    """
+    if args.resume:
+        return resume_checkpoint(args.out)
+    return latest(Path(args.out) / "checkpoints") if restarted() else None
 
 
 def check_resume(args: Any, path: Path, cfg: model_config.LlamaConfig, *, n_tokens: int | None = None) -> None:
@@ -133,7 +149,7 @@ def check_resume(args: Any, path: Path, cfg: model_config.LlamaConfig, *, n_toke
     # after torchrun restarted the ranks: a rank that died once the last checkpoint was
     # written restarts onto it, and the run is then done, not wrong.
     step = int(manifest.get("step", 0))
-    if step >= args.steps and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0:
+    if step >= args.steps and not restarted():
         raise UsageError(f"{here} is at step {step}, and --steps {args.steps} leaves nothing to train: resume with "
                          f"--steps above {step} (dtp check RUN checks a finished run)")
 
