@@ -110,14 +110,14 @@ def test_check_of_an_older_run_resumed_under_the_matrices_only_decay_is_one_line
 
 
 def test_a_resume_of_an_older_run_says_its_decay_rule_changes(tmp_path) -> None:
-    from dtp.cli.loop import _decay_changes
+    from dtp.cli.optimizer import decay_changes
 
     (tmp_path / "config.json").write_text(json.dumps({"lr": 0.003}))
-    assert _decay_changes(tmp_path, 2) == (
+    assert decay_changes(tmp_path, 2) == (
         "dtp train: note: steps 1-2 decayed every parameter (dtp before --weight-decay); from step 3 only the weight "
         "matrices and embeddings are decayed (Megatron's rule), so dtp check cannot check this run")
     (tmp_path / "config.json").write_text(json.dumps({"lr": 0.003, "weight_decay": 0.1}))
-    assert _decay_changes(tmp_path, 2) is None
+    assert decay_changes(tmp_path, 2) is None
 
 
 def test_resume_without_a_checkpoint_is_one_line(tmp_path) -> None:

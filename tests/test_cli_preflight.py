@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from dtp import cli, launch
-from dtp.cli import loop, report
+from dtp.cli import loop, optimizer, report
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
@@ -504,7 +504,7 @@ def test_the_lr_refused_is_the_lr_torch_refuses(dtype) -> None:
                 refused = False
             except flags.UsageError:
                 refused = True
-            opt = optim.adamw(loop._lr_schedule(lr, warmup, 8), **TRAIN_ADAMW)
+            opt = optim.adamw(optimizer.lr_schedule(lr, warmup, 8), **TRAIN_ADAMW)
             params = {"w": torch.ones(2, dtype=getattr(torch, dtype))}
             state, failed = opt.init(params), False
             try:

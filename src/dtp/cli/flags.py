@@ -522,7 +522,7 @@ def _check_lr(config: RunConfig) -> None:
     (bfloat16 computes in float32), and torch refuses one past float32's largest number
     ("value cannot be converted to type float without overflow", on every rank, at the
     step). The largest is at the end of the warm-up (``lr_t / lr`` grows faster than the
-    correction shrinks; :func:`dtp.cli.loop._lr_schedule` reaches the peak at step
+    correction shrinks; :func:`dtp.cli.optimizer.lr_schedule` reaches the peak at step
     ``warmup``, or 1). Only that is refused: a large lr that fits diverges into skipped
     steps, which ``--max-skipped`` handles."""
     if config.dtype == "float64":  # a float64 scalar: lr is a finite float, and an infinite step is only divergence

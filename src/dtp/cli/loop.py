@@ -25,8 +25,7 @@ from typing import Any, Callable, Mapping, TextIO
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from .. import CompileOptions, Layout, TrainState, checkpoint, optim, shard_batch, strategies, train_step, wait
-from .._rules import TRAIN_ADAMW
+from .. import CompileOptions, Layout, TrainState, checkpoint, shard_batch, strategies, train_step, wait
 from .._token_files import SAMPLE_TOKENS, past_vocab, sidecar_path, training_split
 from ..buffers import lay_out as lay_out_buffers
 from ..guard import ID_KEYS, id_range
@@ -36,6 +35,7 @@ from ..planning.report import format_count
 from ..models import hf, llama
 from ..redistribute import value_of
 from .process import Terminated, sigterm_ignored, sigterm_raises, run_world, single_process_world, why
+from .optimizer import decay_changes, train_optimizer
 from .parser import EVAL_BATCHES, PROG
 from .flags import UsageError, build_layout, format_mesh, mesh_axes, model_overrides, train_argv, vocab_size
 from .resume import resume_from, segment_record, trained_segments
@@ -96,23 +96,6 @@ def _model(args: Mapping[str, Any], vocab: int | None) -> llama.LlamaConfig:
                             **model_overrides(args))
 
 
-def _lr_schedule(peak: float, warmup: int, steps: int) -> optim.Schedule:
-    """Linear warm-up to ``peak`` over ``warmup`` steps, then cosine decay, over ``steps``.
-
-    The optimizer's count is 0 at step 1, where :func:`dtp.optim.warmup_cosine` gives lr 0
-    after a warm-up: a step that moves nothing. So the schedule is read one count ahead
-    over ``steps + 1``: step 1 runs at ``peak / warmup``, step ``warmup`` at the peak, and
-    the last step still above the final lr. Without warm-up it is the cosine as it was.
-
-    >>> [round(_lr_schedule(1.0, 2, 4)(count), 3) for count in range(4)]
-    [0.5, 1.0, 0.75, 0.25]
-    """
-    if warmup == 0:
-        return optim.warmup_cosine(peak, 0, steps)
-    ahead = optim.warmup_cosine(peak, warmup, steps + 1)
-    return lambda count: ahead(count + 1)
-
-
 @dataclasses.dataclass(frozen=True)
 class Checkpointing:
     """Where and how often ``dtp train`` saves, and the checkpoint it resumes from."""
@@ -142,11 +125,7 @@ def train_loop(args: Mapping[str, Any], mesh: DeviceMesh, layout: Layout, *, rec
                          documents=_documents(args, tokens))
     cfg = _model(args, args["vocab_size"])
     dtype = _torch_dtype(args["dtype"])
-    if args.get("warmup_from_step_one"):
-        schedule = _lr_schedule(args["lr"], args["warmup"], args["steps"])
-    else:  # a run directory from before: the schedule it ran (lr 0 at step 1), so dtp check agrees
-        schedule = optim.warmup_cosine(args["lr"], args["warmup"], args["steps"])
-    opt = optim.adamw(schedule, **TRAIN_ADAMW, **_weight_decay(args))
+    opt = train_optimizer(args)
     # axis_sizes: the layout's rules (heads per tp × Ulysses degree, kv heads per head
     # chunk, vocab per tp …) are checked here, on every rank, before any collective.
     resuming = checkpoints is not None and checkpoints.resume_from is not None
@@ -353,34 +332,6 @@ class SkipCounter:
                 f"{self.max_skipped} (0: never abort)")
 
 
-def _weight_decay(args: dict[str, Any]) -> dict[str, Any]:
-    """AdamW's weight decay of a run: ``--weight-decay`` on the matrices only
-    (:func:`dtp.optim.decay_matrices`, Megatron's rule); a run directory from before the
-    flag, whose config has no ``weight_decay``, decayed every parameter by 0.1, and its
-    ``dtp check`` retrains it so.
-
-    >>> _weight_decay({"weight_decay": 0.05})["weight_decay"], _weight_decay({})
-    (0.05, {'weight_decay': 0.1, 'mask': None})
-    """
-    if "weight_decay" not in args:
-        return {"weight_decay": 0.1, "mask": None}
-    return {"weight_decay": args["weight_decay"], "mask": optim.decay_matrices}
-
-
-def _decay_changes(out: Path, done: int) -> str | None:
-    """A note for a resume of a run recorded before ``--weight-decay`` (:func:`_weight_decay`):
-    its steps decayed every parameter, the ones from here decay only the matrices."""
-    try:
-        saved = json.loads((out / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    if "weight_decay" in saved:
-        return None
-    return (f"{PROG} train: note: steps 1-{done} decayed every parameter (dtp before --weight-decay); from step "
-            f"{done + 1} only the weight matrices and embeddings are decayed (Megatron's rule), so dtp check cannot "
-            f"check this run")
-
-
 def _run_config(args: argparse.Namespace, world_size: int) -> dict[str, Any]:
     # The run (dtp.RunConfig's fields), and what the ranks found: vocabulary, world, mesh.
     cfg = args.run_config.to_dict()
@@ -419,7 +370,7 @@ def train_rank(args: argparse.Namespace, *, stream: TextIO | None = None) -> int
             if checkpoints.resume_from is not None:
                 print(f"{PROG} train: resuming from step {len(earlier)} ({checkpoints.resume_from})",
                       file=stream, flush=True)
-                if note := _decay_changes(out, len(earlier)):
+                if note := decay_changes(out, len(earlier)):
                     print(note, file=stream, flush=True)
 
         def on_start(first: int, segments: list[dict[str, Any]]) -> None:

@@ -344,7 +344,7 @@ def _mixed(spans: list[str], trained: list[dict[str, Any]]) -> str | None:
             return (f"{span} trained under dtp's earlier lr schedule (lr 0 at step 1), which --check's reference no "
                     f"longer trains")
     before = [span for span, values in zip(spans, trained) if "weight_decay" not in values]
-    if before and len(before) < len(spans):  # a record from before --weight-decay (loop._weight_decay)
+    if before and len(before) < len(spans):  # a record from before --weight-decay (optimizer.weight_decay)
         return (f"{before[0]} decayed every parameter (dtp's weight decay before --weight-decay, which exempts norms "
                 f"and biases as Megatron does), later steps only the matrices; --check's one-process reference "
                 f"trains all steps with one rule, so it cannot check this run")
