@@ -328,7 +328,8 @@ class SkipCounter:
         if self.max_skipped and self.in_a_row >= self.max_skipped:
             raise TrainingAborted(
                 f"training aborted at step {step}: {self.in_a_row} step{'s' * (self.in_a_row != 1)} in a row "
-                f"skipped (non-finite loss or gradient norm; parameters unchanged since step {step - self.in_a_row}) — --max-skipped "
+                f"skipped (non-finite loss or gradient norm; parameters unchanged since step "
+                f"{step - self.in_a_row}) — --max-skipped "
                 f"{self.max_skipped} (0: never abort)")
 
 

@@ -68,7 +68,7 @@ def decay_changes(out: Path, done: int) -> str | None:
         saved = json.loads((out / "config.json").read_text())
     except (OSError, ValueError):
         return None
-    if "weight_decay" in saved:
+    if weight_decay(saved)["mask"] is not None:  # recorded under today's rule
         return None
     return (f"{PROG} train: note: steps 1-{done} decayed every parameter (dtp before --weight-decay); from step "
             f"{done + 1} only the weight matrices and embeddings are decayed (Megatron's rule), so dtp check cannot "
