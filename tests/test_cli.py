@@ -235,6 +235,32 @@ def test_check_fails_a_run_whose_gradient_norm_differs_though_its_losses_agree(t
     assert "; gradient norm max rel 0.00e+00 (rtol 1e-09, float64): FAILED" in capsys.readouterr().out
 
 
+def test_a_failed_float32_check_says_whether_step_1_agreed(tmp_path, capsys) -> None:
+    """A long float32 run parts from its reference by rounding alone (200 steps pp2: the
+    gradient norm 3.4e-4 apart, past 1e-4, while float64 keeps 1e-13): the verdict says
+    whether step 1 was within one step's bar, which a layout error from the start is not."""
+    out = tmp_path / "run"
+    assert cli.main(["train", "--model", "tiny", "--steps", "3", "--batch", "2", "--seq", "16", "--check",
+                     "--out", str(out)]) == 0
+    assert "check: step 1" not in capsys.readouterr().out  # passed: nothing to explain
+    metrics = out / "metrics.jsonl"
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+
+    def rewrite(step: int, factor: float) -> None:
+        metrics.write_text("".join(json.dumps({**r, "loss": r["loss"] * (factor if i >= step else 1)}) + "\n"
+                                   for i, r in enumerate(records, start=1)))
+
+    rewrite(3, 1 + 1e-3)  # apart only later: drift (or an error float64 must rule out)
+    assert cli.check_run(out) == 1
+    said = capsys.readouterr().out
+    assert "check: step 1 agrees (max rel" in said and "--dtype float64" in said
+    rewrite(1, 1 + 1e-3)  # apart from step 1: not drift
+    assert cli.check_run(out) == 1
+    assert "check: step 1 already differs (max rel 1.00e-03" in capsys.readouterr().out
+    assert cli.check_run(out, rtol=1e-2) == 0  # within a looser bar: nothing to explain
+    assert "check: step 1" not in capsys.readouterr().out
+
+
 # -- the PNG writer ----------------------------------------------------------------
 
 

@@ -32,6 +32,36 @@ def test_pipeline_flag_errors(flags, match) -> None:
         parse_args(["train", *flags])
 
 
+@pytest.mark.parametrize("flags, m", [
+    ([], 1), (["--pp", "2"], 2), (["--pp", "4", "--pp-schedule", "gpipe"], 4),
+    (["--pp", "2", "--pp-schedule", "dualpipev"], 4), (["--pp", "2", "--microbatches", "8"], 8),
+])
+def test_microbatches_default_to_what_keeps_every_stage_busy(flags, m, capsys) -> None:
+    # `--pp 2` alone was refused (1f1b needs 2 microbatches in flight, the default was 1).
+    args = parse_args(["train", *flags])
+    assert args.microbatches == args.run_config.microbatches == m
+    assert main(["plan", *flags]) == 0
+    assert f"microbatches={m}" in capsys.readouterr().out
+    # --print-config leaves a derived count out: the printed run still reads with another --pp
+    assert main(["train", *flags, "--print-config"]) == 0
+    assert ("microbatches = " in capsys.readouterr().out) == ("--microbatches" in flags)
+
+
+def test_a_default_microbatch_count_the_batch_cannot_split_says_it_is_the_default() -> None:
+    with pytest.raises(ValueError, match=r"^--batch 6 must be divisible by --dp × --microbatches = 1 × 4 "
+                                         r"\(the default under --pp 4 1f1b\)"):
+        parse_args(["train", "--pp", "4", "--batch", "6"])
+
+
+def test_pp_alone_trains_as_one_device(tmp_path, monkeypatch) -> None:
+    out = tmp_path / "run"
+    result = cli_pool.train(monkeypatch, "--nproc", "2", "--pp", "2", "--steps", "2", "--dtype", "float64",
+                            "--check", "--out", str(out))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "float64, 2 microbatches, writing" in result.stdout
+    assert json.loads((out / "config.json").read_text())["microbatches"] == 2
+
+
 def test_print_schedule_shows_the_v_and_its_pairs(capsys) -> None:
     assert main(["train", "--pp", "2", "--pp-schedule", "dualpipev", "--microbatches", "4", "--print-schedule"]) == 0
     out = capsys.readouterr().out.splitlines()

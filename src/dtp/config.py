@@ -131,7 +131,7 @@ class RunConfig:
     lr: float = 3e-3
     weight_decay: float = 0.1  # AdamW's, on the weight matrices and embeddings only (Megatron's rule)
     warmup: int | None = None  # None: min(DEFAULT_WARMUP, steps)
-    microbatches: int = 1
+    microbatches: int | None = None  # None: 1, under pp the schedule's least (schedules.least_microbatches)
     recompute: str = "none"
     compile: str | None = None  # a torch.compile backend (dtp.compiled); None: eager
     clip: float = 1.0  # 0: off
@@ -181,9 +181,15 @@ class RunConfig:
             object.__setattr__(self, "warmup", min(DEFAULT_WARMUP, self.steps))
         elif not 0 <= self.warmup <= self.steps:
             fail(f"{n('warmup')} must lie in [0, {n('steps')}={self.steps}], got {self.warmup}")
+        derived = ""
+        if self.microbatches is None:  # `--pp 2` alone runs: as many microbatches as keep every stage busy
+            least = self.pp > 1 and self.pp_schedule in schedules.SCHEDULES
+            object.__setattr__(self, "microbatches", schedules.least_microbatches(self.pp_schedule, self.pp)
+                               if least else 1)
+            derived = f" (the default under {n('pp')} {self.pp} {self.pp_schedule})" if least else ""
         if self.batch % (self.dp * self.microbatches):
             fail(f"{n('batch')} {self.batch} must be divisible by {n('dp')} × {n('microbatches')} = "
-                 f"{self.dp} × {self.microbatches}: every rank gets equal microbatches")
+                 f"{self.dp} × {self.microbatches}{derived}: every rank gets equal microbatches")
         context = {k: getattr(self, k) for k in ("cp_algo", "cp_window", "ulysses_degree", "cp_head_chunks")
                    if getattr(self, k)}
         if self.cp == 1 and context:

@@ -24,14 +24,14 @@ from pathlib import Path
 from typing import Any, Sequence, TextIO
 
 from .. import layouts
-from .._rules import RUN_RTOL
+from .._rules import _STEP_TOLERANCE, RUN_RTOL
 from ..config import master_weights
 from .flags import UsageError
 from .resume import segments_mixed
 from .loop import single_process_world, train_loop
 from .report import plot_losses, write_json, read_metrics
 
-__all__ = ["check_run", "compare_losses", "tolerance_for", "check_in_subprocess"]
+__all__ = ["check_run", "compare_losses", "tolerance_for", "first_step", "check_in_subprocess"]
 
 
 def tolerance_for(dtype: str) -> float:
@@ -69,6 +69,38 @@ def compare_losses(run: Sequence[float], reference: Sequence[float], rtol: float
             result["max_rel_diff"], result["worst_step"] = rel, i
     result["ok"] = result["max_rel_diff"] <= rtol
     return result
+
+
+def first_step(result: dict[str, Any], dtype: str) -> str | None:
+    """What step 1 says of a failed low-precision check (``result``: :func:`compare_losses`'
+    with the run's and the reference's losses and, where recorded, gradient norms): within
+    one step's bar (DESIGN §4) the two runs parted over the steps, as two summation orders
+    in float32 or bf16 do; beyond it they differ from the start. None for a passed check,
+    float64 (its bar holds for hundreds of steps) or an unknown dtype.
+
+    >>> r = {"ok": False, "run_losses": [5.0, 4.0], "reference_losses": [5.0, 4.001]}
+    >>> first_step(r, "float32")[:31]
+    'step 1 agrees (max rel 0.00e+00'
+    """
+    run, ref = result.get("run_losses") or [], result.get("reference_losses") or []
+    if result.get("ok") or dtype not in _STEP_TOLERANCE or dtype == "float64":
+        return None
+    if len(run) != len(ref) or not all(math.isfinite(x) for x in (*run, *ref)):
+        return None  # another step count, a NaN: the verdict's reason says what, not drift
+    pairs = [(result.get("run_losses"), result.get("reference_losses")),
+             (result.get("run_norms"), result.get("reference_norms"))]
+    rels = [abs(a[0] - b[0]) / max(abs(b[0]), 1e-30) for a, b in pairs if a and b]
+    if not rels or not all(math.isfinite(r) for r in rels):
+        return None
+    bar, first = _STEP_TOLERANCE[dtype][0], max(rels)
+    if first > bar:
+        return (f"step 1 already differs (max rel {first:.2e} of loss and gradient norm, beyond one step's bar "
+                f"{bar:g} in {dtype}): not rounding drift")
+    # A layout error that only shows from step 2 (an optimizer state split wrongly) looks
+    # the same from here: float64, whose bar holds for hundreds of steps, tells them apart.
+    return (f"step 1 agrees (max rel {first:.2e} of loss and gradient norm, within one step's bar {bar:g}): "
+            f"the runs parted over the steps, as {dtype} rounding does in a long run; check the layout with "
+            f"--dtype float64, or a shorter run, or loosen this bar (dtp check RUN_DIR --rtol R)")
 
 
 def _read_metrics(run_dir: Path) -> list[dict[str, Any]]:
@@ -122,7 +154,9 @@ def check_run(run_dir: str | os.PathLike[str], *, rtol: float | None = None,
     result = compare_losses(run, ref, rtol)
     result.update(dtype=cfg["dtype"], run_losses=run, reference_losses=ref)
     if all("grad_norm" in r for r in records):  # a run directory from before has none
-        norms = compare_losses([r["grad_norm"] for r in records], [r["grad_norm"] for r in reference], rtol)
+        run_norms, ref_norms = [r["grad_norm"] for r in records], [r["grad_norm"] for r in reference]
+        norms = compare_losses(run_norms, ref_norms, rtol)
+        result.update(run_norms=run_norms, reference_norms=ref_norms)
         result["grad_norm"] = {k: norms[k] for k in ("ok", "max_rel_diff", "worst_step", "max_abs_diff")}
         if result["ok"] and not norms["ok"]:
             result.update(ok=False, reason=(
@@ -139,6 +173,9 @@ def check_run(run_dir: str | os.PathLike[str], *, rtol: float | None = None,
         + (f"; gradient norm max rel {result['grad_norm']['max_rel_diff']:.2e}" if "grad_norm" in result else ""))
     print(f"check: {len(run)} steps vs 1-process reference: {detail} (rtol {rtol:g}, {cfg['dtype']}): {verdict}",
           file=stream, flush=True)
+    hint = first_step(result, cfg["dtype"])
+    if hint:
+        print(f"check: {hint}", file=stream, flush=True)
     return 0 if result["ok"] else 1
 
 

@@ -104,8 +104,8 @@ def validate(args: argparse.Namespace, *, world_size: int | None = None) -> argp
     # --print-config prints the run as given: a warm-up derived from --steps stays derived,
     # so the file still reads with other --steps (a printed "warmup = 5" refused --steps 3);
     # the precision derived from --dtype likewise (a printed "mixed" refused --dtype float32).
-    args.derived = tuple(k for k in ("warmup", "precision") if getattr(args, k) is None)
-    args.run_config, args.warmup = config, config.warmup
+    args.derived = tuple(k for k in ("warmup", "precision", "microbatches") if getattr(args, k) is None)
+    args.run_config, args.warmup, args.microbatches = config, config.warmup, config.microbatches
     if args.zero and args.dp == 1:
         _note(args, f"--zero {args.zero} has no effect with --dp 1 (ZeRO shards over dp)")
     return args
@@ -298,6 +298,8 @@ def check_config(args: argparse.Namespace) -> Layout:
     dtp.cli.parser.UsageError: --model tiny on the mesh dp=1 × tp=3: heads=4 is not divisible by tp=3 (--tp splits the heads); choose heads a multiple of 3, or a smaller --tp
     """
     check_nproc(args, mesh_axes_of(pp=args.pp, dp=args.dp, ep=args.ep, cp=args.cp, tp=args.tp))  # as validate
+    if getattr(args, "microbatches", 1) is None:  # dtp plan's default, as validate resolves dtp train's
+        args.microbatches = run_config(args).microbatches
     # A plan predicts one step of the model: the corpus's length is not in it (a 70B plan at
     # --batch 256 --seq 8192 was refused because the bundled corpus holds 46 such windows).
     return _check_run(args, corpus=getattr(args, "command", None) != "plan")[0]

@@ -453,7 +453,8 @@ def _print_header(args: argparse.Namespace, run_cfg: Mapping[str, Any], layout: 
     params = llama.param_count(cfg)
     model = args.init_from if args.init_from else args.model
     print(f"{PROG} train: {model} ({format_count(params)} parameters) on mesh {format_mesh(run_cfg['mesh'])} "
-          f"({world} rank{'s' * (world > 1)}), layout {layout.name}, {args.dtype}, writing {out}",
+          f"({world} rank{'s' * (world > 1)}), layout {layout.name}, {args.dtype}"
+          f"{f', {args.microbatches} microbatches' if args.microbatches > 1 else ''}, writing {out}",
           file=stream, flush=True)
     memory = _plan_memory(args)
     if memory:

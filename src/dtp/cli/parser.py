@@ -190,7 +190,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--warmup", type=int, default=RUN_DEFAULTS["warmup"],
                    help=f"linear warm-up steps (default: min({DEFAULT_WARMUP}, --steps))")
     g.add_argument("--microbatches", type=_positive, default=RUN_DEFAULTS["microbatches"],
-                   help="gradient-accumulation microbatches per step")
+                   help="gradient-accumulation microbatches per step (default 1; under --pp the fewest that keep "
+                        "every stage busy: --pp, 2 x --pp for dualpipev)")
     g.add_argument("--recompute", choices=RECOMPUTE, default=RUN_DEFAULTS["recompute"], help="activation recomputation")
     g.add_argument("--compile", nargs="?", const=COMPILE_BACKENDS[0], choices=COMPILE_BACKENDS, default=RUN_DEFAULTS["compile"],
                    metavar="BACKEND", help="compile the local computation (each block, or each local_map body; "

@@ -5,7 +5,7 @@ from __future__ import annotations
 from . import v as v_shape
 from .actions import SCHEDULES, V_SCHEDULES, Action, Schedule, is_int, placement
 
-__all__ = ["check", "make", "forward_only", "check_counts"]
+__all__ = ["check", "make", "forward_only", "check_counts", "least_microbatches"]
 
 # Steady-state schedules keep p microbatches in flight to fill the pipe; with fewer
 # torchtitan hangs, dtp refuses up front.
@@ -20,6 +20,21 @@ def check_counts(fn: str, p: object, v: object, m: object) -> None:
                 f"{fn}: {name} must be an int >= 1 (p pipeline ranks, v virtual chunks "
                 f"per rank, m microbatches), got {name}={value!r}"
             )
+
+
+def least_microbatches(name: str, p: int) -> int:
+    """The fewest microbatches schedule ``name`` runs on ``p`` ranks with every rank busy at
+    once: ``p`` (what 1f1b, interleaved, zb-h1 and zbv need in flight; gpipe runs fewer, but
+    with idle ranks), ``2p`` for dualpipev (one per stage of its V). ``dtp train --pp``'s
+    default ``--microbatches``; the bubble shrinks as (p - 1) / m with more.
+
+    >>> least_microbatches("1f1b", 4), least_microbatches("dualpipev", 2), least_microbatches("gpipe", 2)
+    (4, 4, 2)
+    """
+    if name not in SCHEDULES:
+        raise ValueError(f"schedules: unknown schedule {name!r}; valid: {', '.join(SCHEDULES)}")
+    check_counts("schedules", p, 1, 1)
+    return 2 * p if name == "dualpipev" else p
 
 
 def check(name: str, *, p: int, v: int, m: int) -> None:
