@@ -90,7 +90,7 @@ ROWS: dict[str, list[str]] = {
                                   "--zero", "1"],
     "cp4 tp2 hybrid ulysses 2": ["--cp", "4", "--tp", "2", "--cp-algo", "hybrid", "--ulysses-degree", "2"],
     # ---- pipelines: every schedule alone, and with dp / tp / cp
-    "pp2 1f1b": ["--pp", "2", "--microbatches", "2"],
+    "pp2 1f1b": ["--pp", "2"],  # --pp alone: --microbatches defaults to 2 (every other pp row gives it)
     "pp4 gpipe": ["--pp", "4", "--pp-schedule", "gpipe", "--microbatches", "4"],
     "pp2 interleaved v2": ["--pp", "2", "--pp-schedule", "interleaved", "--virtual-stages", "2",
                            "--microbatches", "2"],
