@@ -47,10 +47,20 @@ def test_microbatches_default_to_what_keeps_every_stage_busy(flags, m, capsys) -
     assert ("microbatches = " in capsys.readouterr().out) == ("--microbatches" in flags)
 
 
-def test_a_default_microbatch_count_the_batch_cannot_split_says_it_is_the_default() -> None:
-    with pytest.raises(ValueError, match=r"^--batch 6 must be divisible by --dp × --microbatches = 1 × 4 "
+@pytest.mark.parametrize("flags, m", [
+    (["--pp", "3"], 4), (["--pp", "4", "--batch", "6"], 6), (["--pp", "2", "--dp", "2", "--batch", "12"], 2),
+    (["--pp", "3", "--pp-schedule", "interleaved", "--virtual-stages", "2", "--batch", "12"], 3),
+    (["--pp", "2", "--ep", "2", "--model", "tiny-moe", "--batch", "8"], 2),
+])
+def test_the_default_is_the_next_count_that_splits_the_batch(flags, m) -> None:
+    # --pp 3 at --batch 8: 3 microbatches cannot split 8 rows, 4 can (and keep every stage busy)
+    assert parse_args(["train", *flags]).microbatches == m
+
+
+def test_a_batch_no_default_count_splits_says_it_is_the_default() -> None:
+    with pytest.raises(ValueError, match=r"^--batch 3 must be divisible by --dp × --microbatches = 1 × 4 "
                                          r"\(the default under --pp 4 1f1b\)"):
-        parse_args(["train", "--pp", "4", "--batch", "6"])
+        parse_args(["train", "--pp", "4", "--batch", "3"])
 
 
 def test_pp_alone_trains_as_one_device(tmp_path, monkeypatch) -> None:

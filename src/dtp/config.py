@@ -183,10 +183,9 @@ class RunConfig:
             fail(f"{n('warmup')} must lie in [0, {n('steps')}={self.steps}], got {self.warmup}")
         derived = ""
         if self.microbatches is None:  # `--pp 2` alone runs: as many microbatches as keep every stage busy
-            least = self.pp > 1 and self.pp_schedule in schedules.SCHEDULES
-            object.__setattr__(self, "microbatches", schedules.least_microbatches(self.pp_schedule, self.pp)
-                               if least else 1)
-            derived = f" (the default under {n('pp')} {self.pp} {self.pp_schedule})" if least else ""
+            piped = self.pp > 1 and self.pp_schedule in schedules.SCHEDULES
+            object.__setattr__(self, "microbatches", self._least_microbatches() if piped else 1)
+            derived = f" (the default under {n('pp')} {self.pp} {self.pp_schedule})" if piped else ""
         if self.batch % (self.dp * self.microbatches):
             fail(f"{n('batch')} {self.batch} must be divisible by {n('dp')} × {n('microbatches')} = "
                  f"{self.dp} × {self.microbatches}{derived}: every rank gets equal microbatches")
@@ -249,6 +248,23 @@ class RunConfig:
             fail(f"{n('data_dtype')} must be one of {', '.join(TOKEN_DTYPES)}; got {self.data_dtype!r}")
         if self.data_dtype is not None and self.tokenizer is not None:
             fail(f"{n('data_dtype')} describes a token file and {n('tokenizer')} tokenizes text: choose one")
+
+    def _least_microbatches(self) -> int:
+        """``--microbatches``' default under a pipeline: the fewest that keep every stage
+        busy (:func:`dtp.schedules.least_microbatches`), or the next count the schedule runs
+        that splits the batch evenly over the data axes (``--pp 3`` at ``--batch 8``: 4);
+        the fewest when none does (refused then, naming the default)."""
+        least = schedules.least_microbatches(self.pp_schedule, self.pp)
+        v = schedules.chunks_per_rank(self.pp_schedule, self.virtual_stages)
+        rows = self.batch // (self.dp * self.ep) if self.batch % (self.dp * self.ep) == 0 else 0
+        for m in range(least, rows + 1):
+            try:
+                schedules.check(self.pp_schedule, p=self.pp, v=v, m=m)
+            except ValueError:
+                continue
+            if rows % m == 0:
+                return m
+        return least
 
     def _check_types(self, fail: Callable[[str], None], n: Callable[[str], str]) -> None:
         for f in fields(self):

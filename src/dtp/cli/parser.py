@@ -191,7 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"linear warm-up steps (default: min({DEFAULT_WARMUP}, --steps))")
     g.add_argument("--microbatches", type=_positive, default=RUN_DEFAULTS["microbatches"],
                    help="gradient-accumulation microbatches per step (default 1; under --pp the fewest that keep "
-                        "every stage busy: --pp, 2 x --pp for dualpipev)")
+                        "every stage busy, --pp or 2 x --pp for dualpipev, or the next count that splits --batch)")
     g.add_argument("--recompute", choices=RECOMPUTE, default=RUN_DEFAULTS["recompute"], help="activation recomputation")
     g.add_argument("--compile", nargs="?", const=COMPILE_BACKENDS[0], choices=COMPILE_BACKENDS, default=RUN_DEFAULTS["compile"],
                    metavar="BACKEND", help="compile the local computation (each block, or each local_map body; "
