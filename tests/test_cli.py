@@ -259,6 +259,9 @@ def test_a_failed_float32_check_says_whether_step_1_agreed(tmp_path, capsys) -> 
     assert "check: step 1 already differs (max rel 1.00e-03" in capsys.readouterr().out
     assert cli.check_run(out, rtol=1e-2) == 0  # within a looser bar: nothing to explain
     assert "check: step 1" not in capsys.readouterr().out
+    rewrite(1, 1 + 1e-7)  # past a bar tighter than one step's rounding: neither drift nor an error
+    assert cli.check_run(out, rtol=1e-9) == 1
+    assert "within one step's rounding bar 1e-05 in float32 but past rtol 1e-09" in capsys.readouterr().out
 
 
 # -- the PNG writer ----------------------------------------------------------------

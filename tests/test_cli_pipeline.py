@@ -57,10 +57,27 @@ def test_the_default_is_the_next_count_that_splits_the_batch(flags, m) -> None:
     assert parse_args(["train", *flags]).microbatches == m
 
 
-def test_a_batch_no_default_count_splits_says_it_is_the_default() -> None:
-    with pytest.raises(ValueError, match=r"^--batch 3 must be divisible by --dp × --microbatches = 1 × 4 "
-                                         r"\(the default under --pp 4 1f1b\)"):
-        parse_args(["train", "--pp", "4", "--batch", "3"])
+@pytest.mark.parametrize("flags, match", [
+    (["--pp", "4", "--batch", "3"], r"^--batch 3 must be divisible by --dp × --microbatches = 1 × 4 \(the default "
+                                    r"under --pp 4 1f1b\)"),
+    # up to twice the fewest: 7 rows are not cut in 7 microbatches of one row
+    (["--pp", "2", "--batch", "7"], r"^--batch 7 must be divisible by --dp × --microbatches = 1 × 2 \(the default"),
+    (["--model", "tiny-moe", "--pp", "2", "--ep", "2", "--batch", "2"],
+     r"^--batch 2 must be divisible by --dp × --ep × --microbatches = 1 × 2 × 2 \(the default under --pp 2 1f1b\)"),
+])
+def test_a_batch_no_default_count_splits_says_it_is_the_default(flags, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        parse_args(["train", *flags])
+
+
+def test_the_multi_data_refusal_offers_fewer_microbatches_only_where_there_are() -> None:
+    flags = ["train", "--model", "tiny-moe", "--pp", "2", "--ep", "2", "--pipe-experts", "--multi-data", "64",
+             "--seq", "16", "--print-config"]
+    from dtp.cli.flags import check_config
+    for extra, fewer in (([], False), (["--microbatches", "2"], False), (["--microbatches", "4"], True)):
+        with pytest.raises(ValueError, match="use --multi-data <= ") as e:
+            check_config(parse_args(flags[:-1] + extra))
+        assert ("or fewer --microbatches" in str(e.value)) == fewer
 
 
 def test_pp_alone_trains_as_one_device(tmp_path, monkeypatch) -> None:

@@ -121,7 +121,7 @@ def test_bad_combinations_are_refused_on_every_rank(axes, layout, m, match):
 
 @pytest.mark.parametrize("fields, match", [
     (dict(ep_overlap=True, microbatches=2), "ep_overlap configures the expert-parallel layout: it needs ep > 1, got ep 1"),
-    (dict(ep=2, ep_overlap=True), "at pp 1 it needs microbatches >= 2, got 1"),
+    (dict(ep=2, ep_overlap=True, microbatches=1), "at pp 1 it needs microbatches >= 2, got 1"),
     (dict(ep=2, pp=2, pp_schedule="zbv", ep_overlap=True, microbatches=4),
      "not for pp_schedule zbv"),
     (dict(ep=2, dp=2, zero=3, ep_overlap=True, microbatches=2, batch=8), "use zero 1 or 2 without"),
@@ -129,6 +129,13 @@ def test_bad_combinations_are_refused_on_every_rank(axes, layout, m, match):
 def test_run_config_states_the_rules(fields, match):
     with pytest.raises(ValueError, match=match):
         dtp.RunConfig(model="tiny-moe", **fields)
+
+
+@pytest.mark.parametrize("fields, m", [(dict(ep=2), 2), (dict(ep=2, pp=2), 4)])
+def test_microbatches_default_to_pairs_for_it(fields, m):
+    # two at pp 1 (one microbatch's all-to-all under the other's compute); under 1f1b twice
+    # the fewest, since at m = p the first rank runs no F beside a B
+    assert dtp.RunConfig(model="tiny-moe", ep_overlap=True, **fields).microbatches == m
 
 
 def test_the_plan_takes_it_and_the_layout_carries_it():

@@ -184,8 +184,11 @@ class RunConfig:
         derived = ""
         if self.microbatches is None:  # `--pp 2` alone runs: as many microbatches as keep every stage busy
             piped = self.pp > 1 and self.pp_schedule in schedules.SCHEDULES
-            object.__setattr__(self, "microbatches", self._least_microbatches() if piped else 1)
-            derived = f" (the default under {n('pp')} {self.pp} {self.pp_schedule})" if piped else ""
+            object.__setattr__(self, "microbatches", self._least_microbatches() if piped else
+                               2 if self.ep_overlap else 1)  # two to pair one's all-to-all with the other's
+            derived = (f" (the default under {n('pp')} {self.pp} {self.pp_schedule}"
+                       f"{' ' + n('ep_overlap') if self.ep_overlap else ''})" if piped else
+                       f" (the default with {n('ep_overlap')})" if self.ep_overlap else "")
         if self.batch % (self.dp * self.microbatches):
             fail(f"{n('batch')} {self.batch} must be divisible by {n('dp')} × {n('microbatches')} = "
                  f"{self.dp} × {self.microbatches}{derived}: every rank gets equal microbatches")
@@ -227,7 +230,7 @@ class RunConfig:
                  f"it needs {n('tp')} > 1 {n('sp')}")
         if self.ep > 1 and self.batch % (self.dp * self.ep * self.microbatches):
             fail(f"{n('batch')} {self.batch} must be divisible by {n('dp')} × {n('ep')} × {n('microbatches')} = "
-                 f"{self.dp} × {self.ep} × {self.microbatches}: ep is a data axis too")
+                 f"{self.dp} × {self.ep} × {self.microbatches}{derived}: ep is a data axis too")
         self._check_context(fail, n)
         self._check_experts(fail, n)
         self._check_pipeline(fail, n)
@@ -251,13 +254,15 @@ class RunConfig:
 
     def _least_microbatches(self) -> int:
         """``--microbatches``' default under a pipeline: the fewest that keep every stage
-        busy (:func:`dtp.schedules.least_microbatches`), or the next count the schedule runs
-        that splits the batch evenly over the data axes (``--pp 3`` at ``--batch 8``: 4);
-        the fewest when none does (refused then, naming the default)."""
-        least = schedules.least_microbatches(self.pp_schedule, self.pp)
+        busy (:func:`dtp.schedules.least_microbatches`; twice that with ``ep_overlap``, whose
+        pairs of one microbatch's F and another's B the first rank has none of at the
+        fewest), or the next count up to twice that which the schedule runs and which
+        splits the batch evenly over the data axes (``--pp 3`` at ``--batch 8``: 4); else
+        the fewest (refused then, naming the default: a batch of 7 rows is not cut in 7)."""
+        least = schedules.least_microbatches(self.pp_schedule, self.pp) * (2 if self.ep_overlap else 1)
         v = schedules.chunks_per_rank(self.pp_schedule, self.virtual_stages)
         rows = self.batch // (self.dp * self.ep) if self.batch % (self.dp * self.ep) == 0 else 0
-        for m in range(least, rows + 1):
+        for m in range(least, min(rows, 2 * least) + 1):
             try:
                 schedules.check(self.pp_schedule, p=self.pp, v=v, m=m)
             except ValueError:

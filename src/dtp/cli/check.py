@@ -78,7 +78,7 @@ def first_step(result: dict[str, Any], dtype: str) -> str | None:
     in float32 or bf16 do; beyond it they differ from the start. None for a passed check,
     float64 (its bar holds for hundreds of steps) or an unknown dtype.
 
-    >>> r = {"ok": False, "run_losses": [5.0, 4.0], "reference_losses": [5.0, 4.001]}
+    >>> r = {"ok": False, "rtol": 1e-4, "run_losses": [5.0, 4.0], "reference_losses": [5.0, 4.001]}
     >>> first_step(r, "float32")[:31]
     'step 1 agrees (max rel 0.00e+00'
     """
@@ -92,15 +92,20 @@ def first_step(result: dict[str, Any], dtype: str) -> str | None:
     rels = [abs(a[0] - b[0]) / max(abs(b[0]), 1e-30) for a, b in pairs if a and b]
     if not rels or not all(math.isfinite(r) for r in rels):
         return None
-    bar, first = _STEP_TOLERANCE[dtype][0], max(rels)
+    bar, first, rtol = _STEP_TOLERANCE[dtype][0], max(rels), result.get("rtol", 0.0)
     if first > bar:
-        return (f"step 1 already differs (max rel {first:.2e} of loss and gradient norm, beyond one step's bar "
-                f"{bar:g} in {dtype}): not rounding drift")
+        return (f"step 1 already differs (max rel {first:.2e} of loss and gradient norm, beyond one step's "
+                f"rounding bar {bar:g} in {dtype}): not rounding drift")
+    if first > rtol:
+        return (f"step 1 differs by max rel {first:.2e} (loss and gradient norm), within one step's rounding bar "
+                f"{bar:g} in {dtype} but past rtol {rtol:g}: a bar tighter than {dtype} rounds to; check the "
+                f"layout with --dtype float64")
     # A layout error that only shows from step 2 (an optimizer state split wrongly) looks
     # the same from here: float64, whose bar holds for hundreds of steps, tells them apart.
-    return (f"step 1 agrees (max rel {first:.2e} of loss and gradient norm, within one step's bar {bar:g}): "
-            f"the runs parted over the steps, as {dtype} rounding does in a long run; check the layout with "
-            f"--dtype float64, or a shorter run, or loosen this bar (dtp check RUN_DIR --rtol R)")
+    return (f"step 1 agrees (max rel {first:.2e} of loss and gradient norm, within one step's rounding bar "
+            f"{bar:g}): the runs parted over the steps, as {dtype} rounding does in a long run; check the layout "
+            f"with --dtype float64 or a shorter run, or give the whole run a looser rtol than {rtol:g} "
+            f"(dtp check RUN_DIR --rtol R)")
 
 
 def _read_metrics(run_dir: Path) -> list[dict[str, Any]]:

@@ -22,6 +22,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from .. import schedules
 from .._mesh_shape import MeshShape
 from .._token_files import SAMPLE_TOKENS, TokenStats, held_out_start, token_stats
 from .._rules import COMPILE_BACKENDS, FLOAT32_MAX, TRAIN_ADAMW
@@ -300,6 +301,7 @@ def check_config(args: argparse.Namespace) -> Layout:
     check_nproc(args, mesh_axes_of(pp=args.pp, dp=args.dp, ep=args.ep, cp=args.cp, tp=args.tp))  # as validate
     if getattr(args, "microbatches", 1) is None:  # dtp plan's default, as validate resolves dtp train's
         args.microbatches = run_config(args).microbatches
+        args.derived = (*getattr(args, "derived", ()), "microbatches")
     # A plan predicts one step of the model: the corpus's length is not in it (a 70B plan at
     # --batch 256 --seq 8192 was refused because the bundled corpus holds 46 such windows).
     return _check_run(args, corpus=getattr(args, "command", None) != "plan")[0]
@@ -443,7 +445,14 @@ def _check_expert_tokens(args: argparse.Namespace, layout: Layout, mesh: MeshSha
                          f"{args.multi_data} pieces, more than the {rows * seq} tokens a rank routes in a "
                          f"microbatch ({how} = {rows} row{'s' * (rows != 1)} × {of}); use --multi-data "
                          f"<= {rows * seq}, or a larger --batch or --seq"
-                         + (", or fewer --microbatches" if args.microbatches > 1 else "")) from None
+                         + (", or fewer --microbatches" if _fewer_microbatches(args) else "")) from None
+
+
+def _fewer_microbatches(args: argparse.Namespace) -> bool:
+    """Whether "fewer --microbatches" is a way out: they were given (not the default) and
+    the schedule runs fewer."""
+    least = schedules.least_microbatches(args.pp_schedule, args.pp) if args.pp > 1 else 1
+    return "microbatches" not in getattr(args, "derived", ()) and args.microbatches > least
 
 
 def _model(args: argparse.Namespace, max_id: int) -> model_config.LlamaConfig:
