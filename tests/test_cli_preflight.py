@@ -63,7 +63,7 @@ BAD_RUNS = {
     "multi-data past a pipeline microbatch's tokens": (
         ["--model", "tiny-moe", "--pp", "2", "--ep", "2", "--pipe-experts", "--multi-data", "17", "--microbatches", "2",
          "--batch", "4", "--seq", "16"], "(--batch 4 / --ep 2 / --microbatches 2 = 1 row × --seq 16); use "
-                                         "--multi-data <= 16, or a larger --batch or --seq, or fewer --microbatches\n"),
+                                         "--multi-data <= 16, or a larger --batch or --seq\n"),  # 1f1b runs no fewer than 2
     "multi-data past a dp x ep shard's tokens": (
         ["--model", "tiny-moe", "--dp", "2", "--ep", "2", "--pipe-experts", "--multi-data", "33", "--batch", "8",
          "--seq", "16"], "(--batch 8 / (--dp 2 × --ep 2) = 2 rows × --seq 16); use --multi-data <= 32, "
