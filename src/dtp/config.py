@@ -131,7 +131,7 @@ class RunConfig:
     lr: float = 3e-3
     weight_decay: float = 0.1  # AdamW's, on the weight matrices and embeddings only (Megatron's rule)
     warmup: int | None = None  # None: min(DEFAULT_WARMUP, steps)
-    microbatches: int | None = None  # None: 1, under pp the schedule's least (schedules.least_microbatches)
+    microbatches: int | None = None  # None: 1 (2 with ep_overlap); under pp, _least_microbatches
     recompute: str = "none"
     compile: str | None = None  # a torch.compile backend (dtp.compiled); None: eager
     clip: float = 1.0  # 0: off
