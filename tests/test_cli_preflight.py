@@ -334,11 +334,12 @@ def test_overwrite_trains_again_in_the_same_out(tmp_path, capsys) -> None:
 # -- help ---------------------------------------------------------------------------
 
 
-def test_help_states_each_default_once(capsys) -> None:
+@pytest.mark.parametrize("command", ["train", "plan"])
+def test_help_states_each_default_once(capsys, command: str) -> None:
     """ArgumentDefaultsHelpFormatter appended ``(default: …)`` to every flag: twice where
     the help said it already, ``(default: True)`` on ``--no-reshard-after-forward``,
-    ``(default: False)`` on every switch."""
-    assert cli.main(["train", "--help"]) == 0
+    ``(default: False)`` on every switch (``dtp plan`` shares train's flags and formatter)."""
+    assert cli.main([command, "--help"]) == 0
     text = " ".join(capsys.readouterr().out.split())
     flags = text.split(" --")
     for flag in flags:

@@ -456,3 +456,14 @@ def test_attention_extras_bytes_equal_the_comm_log():
     for name, got in zip(EXTRAS_2, measured):
         kw, model, batch, seq = EXTRAS_2[name]
         assert dtp.plan(llama.config(model, **EXTRAS), batch=batch, seq=seq, **kw).bytes == got, name
+
+
+@pytest.mark.parametrize("kw, m", [
+    (dict(pp=2), 2), (dict(pp=3), 4), (dict(pp=2, pp_schedule="dualpipev"), 4), (dict(pp=1), 1),
+])
+def test_the_keyword_plan_takes_dtp_trains_default_microbatches(kw, m):
+    # dtp.plan("tiny", pp=2) plans what `dtp train --pp 2` runs (RunConfig's default), not m=1
+    # (which 1f1b refuses); RunConfig and Setup ask schedules.default_microbatches alike.
+    assert dtp.plan("tiny", batch=8, seq=16, **kw).setup.microbatches == m
+    assert dtp.RunConfig(batch=8, seq=16, **kw).microbatches == m
+

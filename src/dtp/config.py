@@ -131,7 +131,7 @@ class RunConfig:
     lr: float = 3e-3
     weight_decay: float = 0.1  # AdamW's, on the weight matrices and embeddings only (Megatron's rule)
     warmup: int | None = None  # None: min(DEFAULT_WARMUP, steps)
-    microbatches: int | None = None  # None: 1 (2 with ep_overlap); under pp, _least_microbatches
+    microbatches: int | None = None  # None: 1 (2 with ep_overlap); under pp, schedules.default_microbatches
     recompute: str = "none"
     compile: str | None = None  # a torch.compile backend (dtp.compiled); None: eager
     clip: float = 1.0  # 0: off
@@ -184,8 +184,9 @@ class RunConfig:
         derived = ""
         if self.microbatches is None:  # `--pp 2` alone runs: as many microbatches as keep every stage busy
             piped = self.pp > 1 and self.pp_schedule in schedules.SCHEDULES
-            object.__setattr__(self, "microbatches", self._least_microbatches() if piped else
-                               2 if self.ep_overlap else 1)  # two to pair one's all-to-all with the other's
+            object.__setattr__(self, "microbatches", schedules.default_microbatches(
+                self.pp_schedule, self.pp, self.virtual_stages, self.batch, self.dp * self.ep,
+                times=2 if self.ep_overlap else 1))
             derived = (f" (the default under {n('pp')} {self.pp} {self.pp_schedule}"
                        f"{' ' + n('ep_overlap') if self.ep_overlap else ''})" if piped else
                        f" (the default with {n('ep_overlap')})" if self.ep_overlap else "")
@@ -251,25 +252,6 @@ class RunConfig:
             fail(f"{n('data_dtype')} must be one of {', '.join(TOKEN_DTYPES)}; got {self.data_dtype!r}")
         if self.data_dtype is not None and self.tokenizer is not None:
             fail(f"{n('data_dtype')} describes a token file and {n('tokenizer')} tokenizes text: choose one")
-
-    def _least_microbatches(self) -> int:
-        """``--microbatches``' default under a pipeline: the fewest that keep every stage
-        busy (:func:`dtp.schedules.least_microbatches`; twice that with ``ep_overlap``, whose
-        pairs of one microbatch's F and another's B the first rank has none of at the
-        fewest), or the next count up to twice that which the schedule runs and which
-        splits the batch evenly over the data axes (``--pp 3`` at ``--batch 8``: 4); else
-        the fewest (refused then, naming the default: a batch of 7 rows is not cut in 7)."""
-        least = schedules.least_microbatches(self.pp_schedule, self.pp) * (2 if self.ep_overlap else 1)
-        v = schedules.chunks_per_rank(self.pp_schedule, self.virtual_stages)
-        rows = self.batch // (self.dp * self.ep) if self.batch % (self.dp * self.ep) == 0 else 0
-        for m in range(least, min(rows, 2 * least) + 1):
-            try:
-                schedules.check(self.pp_schedule, p=self.pp, v=v, m=m)
-            except ValueError:
-                continue
-            if rows % m == 0:
-                return m
-        return least
 
     def _check_types(self, fail: Callable[[str], None], n: Callable[[str], str]) -> None:
         for f in fields(self):

@@ -87,8 +87,7 @@ def first_step(result: dict[str, Any], dtype: str) -> str | None:
         return None
     if len(run) != len(ref) or not all(math.isfinite(x) for x in (*run, *ref)):
         return None  # another step count, a NaN: the verdict's reason says what, not drift
-    pairs = [(result.get("run_losses"), result.get("reference_losses")),
-             (result.get("run_norms"), result.get("reference_norms"))]
+    pairs = [(run, ref), (result.get("run_norms"), result.get("reference_norms"))]
     rels = [abs(a[0] - b[0]) / max(abs(b[0]), 1e-30) for a, b in pairs if a and b]
     if not rels or not all(math.isfinite(r) for r in rels):
         return None

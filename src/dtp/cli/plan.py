@@ -37,9 +37,12 @@ def add_train_flags(train: argparse.ArgumentParser) -> None:
 def add_parser(sub: argparse._SubParsersAction, train: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The ``plan`` subcommand, sharing ``train``'s parallel, model and MoE argument groups
     (the same Action objects: one definition of each flag)."""
+    from .parser import _HelpFormatter  # parser imports this module
+
+    # train's formatter: the flags are train's, their help already says where a default is derived
     p = sub.add_parser("plan", help="predict per-rank memory, bytes per mesh axis and the pipeline bubble "
                                     "of a train configuration, allocating nothing",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       formatter_class=_HelpFormatter)
     config = next(a for a in train._actions if a.dest == "config_file")  # a run's TOML (parse_args reads it)
     p.add_argument_group("run configuration")._add_action(config)
     for group in train._action_groups:  # argparse has no public way to share a group

@@ -63,7 +63,7 @@ class Setup:
     zero: Literal[0, 1, 2, 3] = 0
     bucket_mb: float = 40.0
     reshard_after_forward: bool = True
-    microbatches: int = 1
+    microbatches: int | None = None  # None: dtp train's default (1; under pp schedules.default_microbatches)
     recompute: Literal["none", "full", "selective"] = "none"
     dtype: str = "float32"
     precision: str | None = None  # RunConfig's (None: mixed for bfloat16): fp32 master weights beside bf16
@@ -74,8 +74,13 @@ class Setup:
     def __post_init__(self) -> None:
         for name in ("batch", "seq", "dp", "tp", "cp", "pp", "virtual_stages", "ep", "microbatches"):
             value = getattr(self, name)
+            if name == "microbatches" and value is None:
+                continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"dtp.plan: {name} must be an int >= 1, got {value!r}")
+        if self.microbatches is None:  # dtp train's default, so plan("tiny", pp=2) plans what `--pp 2` runs
+            object.__setattr__(self, "microbatches", schedules.default_microbatches(
+                self.pp_schedule, self.pp, self.virtual_stages, self.batch, self.dp * self.ep))
         if self.dtype not in DTYPES:
             raise ValueError(f"dtp.plan: dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.recompute not in RECOMPUTE:

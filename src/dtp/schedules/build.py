@@ -3,14 +3,9 @@
 from __future__ import annotations
 
 from . import v as v_shape
-from .actions import SCHEDULES, V_SCHEDULES, Action, Schedule, is_int, placement
+from .actions import SCHEDULES, V_SCHEDULES, Action, Schedule, chunks_per_rank, is_int, placement
 
-__all__ = ["check", "make", "forward_only", "check_counts", "least_microbatches"]
-
-# Steady-state schedules keep p microbatches in flight to fill the pipe; with fewer
-# torchtitan hangs, dtp refuses up front.
-_NEED_P_MICROBATCHES = ("1f1b", "interleaved", "zb-h1", "zbv")
-
+__all__ = ["check", "make", "forward_only", "check_counts", "least_microbatches", "default_microbatches"]
 
 def check_counts(fn: str, p: object, v: object, m: object) -> None:
     """``ValueError`` from ``fn`` unless ``p``, ``v``, ``m`` are ints >= 1."""
@@ -35,6 +30,37 @@ def least_microbatches(name: str, p: int) -> int:
         raise ValueError(f"schedules: unknown schedule {name!r}; valid: {', '.join(SCHEDULES)}")
     check_counts("schedules", p, 1, 1)
     return 2 * p if name == "dualpipev" else p
+
+
+def default_microbatches(name: str, p: int, v: int, batch: int, data: int, *, times: int = 1) -> int:
+    """``--microbatches``' default (``dtp train`` and :func:`dtp.plan` alike) for a batch of
+    ``batch`` rows over ``data`` data-parallel ranks (dp × ep), ``times`` 2 with
+    ``--ep-overlap`` (it pairs one microbatch's all-to-all with another's compute).
+
+    Without a pipeline (``p`` 1, or a schedule name that is refused elsewhere): ``times``.
+    Under one: the fewest that keep every stage busy (:func:`least_microbatches`, ``times``
+    that: at the fewest, 1f1b's first rank runs no F beside a B for ``--ep-overlap`` to
+    pair), or the next count up to twice that which the schedule runs (``v``: its
+    ``virtual_stages``) and which splits each rank's rows evenly; else the fewest, which
+    the divisibility check then refuses by name (a batch of 7 rows is not cut in 7).
+
+    >>> default_microbatches("1f1b", 1, 1, 8, 1), default_microbatches("1f1b", 2, 1, 8, 1)
+    (1, 2)
+    >>> default_microbatches("1f1b", 3, 1, 8, 1), default_microbatches("1f1b", 2, 1, 7, 1)
+    (4, 2)
+    """
+    if p == 1 or name not in SCHEDULES:
+        return times
+    least = least_microbatches(name, p) * times
+    rows = batch // data if batch % data == 0 else 0
+    for m in range(least, min(rows, 2 * least) + 1):
+        try:
+            check(name, p=p, v=chunks_per_rank(name, v), m=m)
+        except ValueError:
+            continue
+        if rows % m == 0:
+            return m
+    return least
 
 
 def check(name: str, *, p: int, v: int, m: int) -> None:
@@ -74,15 +100,18 @@ def check(name: str, *, p: int, v: int, m: int) -> None:
             f"schedules: 'interleaved' needs v >= 2 virtual chunks per rank, got v={v}; "
             f"for one chunk per rank use '1f1b'"
         )
-    if name in _NEED_P_MICROBATCHES and m < p:
+    # Steady-state schedules keep p microbatches in flight to fill the pipe (with fewer
+    # torchtitan hangs; dtp refuses up front); gpipe runs any count, ranks idle.
+    least = 1 if name == "gpipe" else least_microbatches(name, p)
+    if m < least and name == "dualpipev":
         raise ValueError(
-            f"schedules: {name!r} needs at least p={p} microbatches in flight, got m={m}; "
-            f"use m >= {p}, or the 'gpipe' schedule"
+            f"schedules: 'dualpipev' needs at least 2p={least} microbatches (one per stage of its V), "
+            f"got m={m}; use m >= {least}, or 'zbv'"
         )
-    if name == "dualpipev" and m < 2 * p:
+    if m < least:
         raise ValueError(
-            f"schedules: 'dualpipev' needs at least 2p={2 * p} microbatches (one per stage of its V), "
-            f"got m={m}; use m >= {2 * p}, or 'zbv'"
+            f"schedules: {name!r} needs at least p={least} microbatches in flight, got m={m}; "
+            f"use m >= {least}, or the 'gpipe' schedule"
         )
     if name == "interleaved" and m % p:
         below, above = m - m % p, m - m % p + p
