@@ -7,6 +7,7 @@ from .actions import SCHEDULES, V_SCHEDULES, Action, Schedule, chunks_per_rank, 
 
 __all__ = ["check", "make", "forward_only", "check_counts", "least_microbatches", "default_microbatches"]
 
+
 def check_counts(fn: str, p: object, v: object, m: object) -> None:
     """``ValueError`` from ``fn`` unless ``p``, ``v``, ``m`` are ints >= 1."""
     for name, value in (("p", p), ("v", v), ("m", m)):
