@@ -78,6 +78,10 @@ def test_the_multi_data_refusal_offers_fewer_microbatches_only_where_there_are()
         with pytest.raises(ValueError, match="use --multi-data <= ") as e:
             check_config(parse_args(flags[:-1] + extra))
         assert ("or fewer --microbatches" in str(e.value)) == fewer
+    # gpipe runs one microbatch at any --pp: two given are one too many
+    with pytest.raises(ValueError, match="use --multi-data <= ") as e:
+        check_config(parse_args(flags[:-1] + ["--pp-schedule", "gpipe", "--microbatches", "2"]))
+    assert "or fewer --microbatches" in str(e.value)
 
 
 def test_pp_alone_trains_as_one_device(tmp_path, monkeypatch) -> None:

@@ -451,8 +451,8 @@ def _check_expert_tokens(args: argparse.Namespace, layout: Layout, mesh: MeshSha
 def _fewer_microbatches(args: argparse.Namespace) -> bool:
     """Whether "fewer --microbatches" is a way out: they were given (not the default) and
     the schedule runs fewer."""
-    least = schedules.least_microbatches(args.pp_schedule, args.pp) if args.pp > 1 else 1
-    return "microbatches" not in getattr(args, "derived", ()) and args.microbatches > least
+    fewest = schedules.fewest_microbatches(args.pp_schedule, args.pp) if args.pp > 1 else 1
+    return "microbatches" not in getattr(args, "derived", ()) and args.microbatches > fewest
 
 
 def _model(args: argparse.Namespace, max_id: int) -> model_config.LlamaConfig:

@@ -60,7 +60,7 @@ from __future__ import annotations
 
 from .actions import (PLACEMENTS, SCHEDULES, V_SCHEDULES, Action, Pair, Schedule, chunks_per_rank, global_stage,
                       placement, stage_owner)
-from .build import check, default_microbatches, forward_only, least_microbatches, make
+from .build import check, default_microbatches, fewest_microbatches, forward_only, least_microbatches, make
 from .simulate import Event, Timeline, dependencies_ok, format_schedule, lane_pairs, simulate
 
 __all__ = [
@@ -77,6 +77,7 @@ __all__ = [
     "check",
     "make",
     "least_microbatches",
+    "fewest_microbatches",
     "default_microbatches",
     "forward_only",
     "dependencies_ok",

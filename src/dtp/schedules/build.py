@@ -5,7 +5,8 @@ from __future__ import annotations
 from . import v as v_shape
 from .actions import SCHEDULES, V_SCHEDULES, Action, Schedule, chunks_per_rank, is_int, placement
 
-__all__ = ["check", "make", "forward_only", "check_counts", "least_microbatches", "default_microbatches"]
+__all__ = ["check", "make", "forward_only", "check_counts", "least_microbatches", "fewest_microbatches",
+           "default_microbatches"]
 
 
 def check_counts(fn: str, p: object, v: object, m: object) -> None:
@@ -31,6 +32,17 @@ def least_microbatches(name: str, p: int) -> int:
         raise ValueError(f"schedules: unknown schedule {name!r}; valid: {', '.join(SCHEDULES)}")
     check_counts("schedules", p, 1, 1)
     return 2 * p if name == "dualpipev" else p
+
+
+def fewest_microbatches(name: str, p: int) -> int:
+    """The fewest microbatches schedule ``name`` runs on ``p`` ranks at all (:func:`check`'s
+    minimum): :func:`least_microbatches`, but 1 for gpipe, which runs any count with ranks
+    idle.
+
+    >>> fewest_microbatches("gpipe", 4), fewest_microbatches("1f1b", 4)
+    (1, 4)
+    """
+    return 1 if name == "gpipe" else least_microbatches(name, p)
 
 
 def default_microbatches(name: str, p: int, v: int, batch: int, data: int, *, times: int = 1) -> int:
@@ -103,7 +115,7 @@ def check(name: str, *, p: int, v: int, m: int) -> None:
         )
     # Steady-state schedules keep p microbatches in flight to fill the pipe (with fewer
     # torchtitan hangs; dtp refuses up front); gpipe runs any count, ranks idle.
-    least = 1 if name == "gpipe" else least_microbatches(name, p)
+    least = fewest_microbatches(name, p)
     if m < least and name == "dualpipev":
         raise ValueError(
             f"schedules: 'dualpipev' needs at least 2p={least} microbatches (one per stage of its V), "
