@@ -185,13 +185,14 @@ def _check_inputs(batch: Mapping[str, torch.Tensor], state: TrainState, microbat
     dp = state.layout.degree("batch", state.mesh)
     param_dtype = state.checks.param_dtype
     mesh = compute_mesh(state)
+    single, device = _single_device(mesh), mesh_device(state.mesh)  # once, not per entry
     for k, v in batch.items():
         if not isinstance(v, torch.Tensor):
             raise TypeError(f"train_step: batch[{k!r}] must be a tensor, got {type(v).__name__}")
-        if not isinstance(v, DTensor) and not _single_device(mesh):
+        if not isinstance(v, DTensor) and not single:
             raise ValueError(f"train_step: batch[{k!r}] is a plain tensor; place it with dtp.shard_batch(batch, state)")
-        if not isinstance(v, DTensor) and v.device != mesh_device(state.mesh):
-            raise ValueError(f"train_step: batch[{k!r}] is on {v.device}, the state on {mesh_device(state.mesh)}; "
+        if not isinstance(v, DTensor) and v.device != device:
+            raise ValueError(f"train_step: batch[{k!r}] is on {v.device}, the state on {device}; "
                              f"place it with dtp.shard_batch(batch, state)")
         if isinstance(v, DTensor) and v.device_mesh is not mesh and v.device_mesh != mesh:
             raise ValueError(f"train_step: batch[{k!r}] is placed on another mesh ({v.device_mesh}) than the "
@@ -235,7 +236,8 @@ def _forward_backward(loss_fn: Callable, run: strategies.StepRun | strategies.Sc
     def divisor() -> DeviceDivisor:  # called by the first cross-entropy, after its forward (mean_over)
         counted.append(count())
         # max(count, 1) / m as the float it was, but on the device: no host read here.
-        return DeviceDivisor(counted[0].clamp_min(1).to(torch.float64) / m)
+        value = counted[0].clamp_min(1).to(torch.float64)
+        return DeviceDivisor(value / m if m > 1 else value)
 
     with mean_over(divisor):
         loss, aux = _run_microbatches(loss_fn, run, microbatches)
@@ -265,7 +267,8 @@ def _run_microbatches(loss_fn: Callable, run: strategies.StepRun | strategies.Sc
         # Summed on the device in fp64 — the bits a Python float sum of each value / m
         # gives — and read once with the norm at the step's end: a host read here would
         # wait for each microbatch's backward before the next forward is queued.
-        part = scalar_of(loss.detach()).to(torch.float64) / m
+        part = scalar_of(loss.detach()).to(torch.float64)
+        part = part / m if m > 1 else part  # x / 1 is x: the op skipped, as the backward's
         total = part if total is None else total + part
         auxes.append(aux)
     # One aux per microbatch: dtp cannot know whether to sum (token counts) or average

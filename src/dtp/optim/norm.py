@@ -52,7 +52,7 @@ def global_norm(grads: PyTree) -> torch.Tensor:
     leaves = optree.tree_leaves(grads)
     if not leaves:
         return torch.zeros((), dtype=torch.float32)
-    acc = accum_dtype(*(x.dtype for x in leaves))
+    acc = accum_dtype(*{x.dtype for x in leaves})  # a set, not a generator: one call, not one per leaf
     plain: list[torch.Tensor] = []
     # [(mesh, {sharded axes in mesh order: local shards})], in first-seen order so every
     # rank issues the same collectives in the same order.

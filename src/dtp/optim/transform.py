@@ -456,7 +456,11 @@ def apply_updates(params: PyTree, updates: PyTree) -> PyTree:
 
 def _as_params(new: PyTree, params: PyTree) -> PyTree:
     """``new`` with each leaf requiring grad where the parameter it replaces did."""
-    return optree.tree_map(lambda n, p: n.requires_grad_(True) if p.requires_grad else n, new, params)
+    leaves, treedef = optree.tree_flatten(new)
+    for n, p in zip(leaves, treedef.flatten_up_to(params)):  # a loop: no Python call per leaf
+        if p.requires_grad:
+            n.requires_grad_(True)  # in place: ``new`` holds these very tensors
+    return new
 
 
 def step(optimizer: GradientTransformation, grads: PyTree, state: PyTree,

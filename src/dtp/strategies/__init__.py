@@ -288,8 +288,9 @@ def begin(params: PyTree, state: Any, microbatches: int, *, loss_fn: Any = None,
         return run if master is None else precision.wrap(run, master)
     batch = None
     if not gradients_only:  # value_and_grad hands back gradients in the parameters' layout
-        specs = ([x.spec for x in state.leaves] if isinstance(state, zero.ZeroState)
-                 else [spec_of(x) if isinstance(x, DTensor) else None for x in optree.tree_leaves(params)])
+        # a generator: decide reads it only where a mesh of several devices could compute locally
+        specs = ((x.spec for x in state.leaves) if isinstance(state, zero.ZeroState)
+                 else (spec_of(x) if isinstance(x, DTensor) else None for x in optree.tree_leaves(params)))
         batch = local.decide(specs, loss_fn, layout, mesh, buffers=buffers)
     if master is not None:  # mixed precision: fp32 accumulators, the master weights updated
         run = precision.wrap(replicated.Run(params, microbatches, accumulate=True, local=batch), master)

@@ -16,7 +16,7 @@ the same collectives, the same bytes.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -32,7 +32,7 @@ __all__ = ["decide", "wrap", "pending"]
 PyTree = Any
 
 
-def decide(specs: Sequence[P | None], loss_fn: Any, layout: Layout | None, mesh: DeviceMesh | None, *,
+def decide(specs: Iterable[P | None], loss_fn: Any, layout: Layout | None, mesh: DeviceMesh | None, *,
            buffers: PyTree = None) -> LocalBatch | None:
     """The batch split a step may compute under on plain tensors (``None``: DTensors).
 

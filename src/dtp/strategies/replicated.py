@@ -119,6 +119,9 @@ class Run:
         reduced: list[Any] = []
         for g, p in zip(self.grads, self.leaves):
             g = torch.zeros_like(p, dtype=accum_dtype(p.dtype) if self.accumulate else p.dtype) if g is None else g
+            if not isinstance(g, DTensor) and not isinstance(p, DTensor):  # one device: where it goes
+                reduced.append(g)
+                continue
             src, dst = _spec(g), _spec(p)
             if src == dst:
                 reduced.append(g)
