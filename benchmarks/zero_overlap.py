@@ -29,7 +29,8 @@ loop); the block's first step (behind the block's barrier, nothing in flight) is
 shows medians of ``--repeats`` steps. The ideal overlapped step is ``max(compute, comm)``
 (= compute here), the serial one ``compute + comm``. Columns:
 
-* ``ratio`` = overlapped / max(compute, comm) — the goal is ≤ 1.10 for stages 1 and 2, ≤ 1.15 for stage 3 at ``prefetch=2``;
+* ``ratio`` = overlapped / max(compute, comm) — the goal is ≤ 1.10 for stages 1 and 2,
+  ≤ 1.15 for stage 3 at ``prefetch=2``;
 * ``exposed`` = (overlapped − compute) / comm — the fraction of communication not hidden
   (1 = nothing hidden, 0 = all hidden);
 * ``floor`` = ``max(F, Lf) + max(B, Lb)``: what any schedule of these collectives can
@@ -270,7 +271,8 @@ def main() -> None:
         print(f"{stage:<6}{s['buckets']:>8}{s['bytes']:>12}{c:>11.1f}{comm:>9.1f}{no:>11.1f}{ov:>9.1f}"
               f"{ov / max(c, comm):>7.2f}{(ov - c) / comm:>9.2f}{no / (c + comm):>8.2f}{fl:>9.1f}"
               f"{fl / max(c, comm):>10.2f}{ov / fl:>9.2f}")
-    print("ratio = overlap / max(compute, comm) (goal <= 1.10 for stages 1, 2; <= 1.15 for 3 at --prefetch 2); exposed = (overlap - compute) / comm; "
+    print("ratio = overlap / max(compute, comm) (goal <= 1.10 for stages 1, 2; <= 1.15 for 3 at --prefetch 2); "
+          "exposed = (overlap - compute) / comm; "
           "serial = no-overlap / (compute + comm); floor = max(F, Lf) + max(B, Lb), gathers after the last "
           "reduce-scatter (docstring); vs floor = overlap / floor")
     ts = args.timeline_stage
