@@ -18,6 +18,12 @@ machine is shared), steps interleaved (alternating which goes first), median of
 (``dtp.step.value_and_grad`` vs ``llama.loss`` + ``torch.autograd.grad``) is timed too, to
 show where the overhead lives. ``--profile N`` instead prints a cProfile of N dtp steps
 (dtp-side functions by cumulative time, then the top functions by own time).
+
+The ``A/A`` column is the control: a second eager step, the same code on its own copy of
+the weights, timed in the same rotation, against the first. It runs exactly what the
+first does, so its distance from 1.00 is what this run can resolve (seven runs on the
+2-core machine, 2026-11-29: tiny 0.96–1.10, small 0.91–1.02; wider than the ≤ 1.02
+goal's margin).
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from __future__ import annotations
 import statistics
 import time
 from functools import partial
+from typing import Callable
 
 import torch
 from _common import llama_step_parser
@@ -59,16 +66,18 @@ def setup(cfg, batch):
         return dtp.step.value_and_grad(loss_fn, box["state"], dtp_batch)[0]
 
     leaves, treedef = optree.tree_flatten(llama.init(cfg, seed=0))
-    leaves = [p.requires_grad_(True) for p in leaves]
-    ebox = {"leaves": leaves}
+    ebox = {"leaves": [p.requires_grad_(True) for p in leaves]}
+    control = {"leaves": [p.detach().clone().requires_grad_(True) for p in leaves]}  # the A/A twin
 
-    def eager_step() -> float:
-        ps = ebox["leaves"]
-        loss = loss_fn(optree.tree_unflatten(treedef, ps), batch)
-        grads = torch.autograd.grad(loss, ps)
-        with torch.no_grad():
-            ebox["leaves"] = [(p - LR * g).requires_grad_(True) for p, g in zip(ps, grads)]
-        return float(loss.detach())
+    def eager_on(box: dict) -> Callable[[], float]:
+        def eager_step() -> float:
+            ps = box["leaves"]
+            loss = loss_fn(optree.tree_unflatten(treedef, ps), batch)
+            grads = torch.autograd.grad(loss, ps)
+            with torch.no_grad():
+                box["leaves"] = [(p - LR * g).requires_grad_(True) for p, g in zip(ps, grads)]
+            return float(loss.detach())
+        return eager_step
 
     def eager_grad() -> float:
         ps = ebox["leaves"]
@@ -76,7 +85,8 @@ def setup(cfg, batch):
         torch.autograd.grad(loss, ps)
         return float(loss.detach())
 
-    return {"dtp": dtp_step, "eager": eager_step, "dtp_grad": dtp_grad, "eager_grad": eager_grad}
+    return {"dtp": dtp_step, "eager": eager_on(ebox), "dtp_grad": dtp_grad, "eager_grad": eager_grad,
+            "eager_aa": eager_on(control)}
 
 
 def main() -> None:
@@ -131,15 +141,17 @@ def main() -> None:
     print(f"world size 1 (make_mesh(dp=1), gloo), torch.set_num_threads(1) for both, fp32, batch {args.batch}, "
           f"seq {args.seq}; median of {args.repeats} interleaved steps (fwd+bwd+SGD) after {args.warmup} warm-up")
     print("step = train_step vs loss+grad+SGD+float(loss); fwd+bwd = dtp.step.value_and_grad vs loss+autograd.grad")
+    print("A/A = a second eager step (its own weights, the same code) / the first: the run's resolution")
     print("cpu = the main thread's CPU per step (time.thread_time; one intra-op thread, so all of the step's "
           "work): what the machine's load moves least")
     print(f"{'config':<8}{'params':>9}{'dtp ms':>9}{'eager ms':>10}{'dtp/eager':>11}{'overhead ms':>13}"
-          f"{'fwd+bwd dtp':>13}{'eager':>8}{'ratio':>7}{'cpu step':>10}{'cpu fwd+bwd':>13}")
+          f"{'fwd+bwd dtp':>13}{'eager':>8}{'ratio':>7}{'cpu step':>10}{'cpu fwd+bwd':>13}{'A/A':>6}")
     for name, cfg, t in rows:
         print(f"{name:<8}{llama.param_count(cfg):>9}{1e3 * t['dtp']:>9.1f}{1e3 * t['eager']:>10.1f}"
               f"{t['dtp'] / t['eager']:>11.2f}{1e3 * (t['dtp'] - t['eager']):>13.1f}"
               f"{1e3 * t['dtp_grad']:>13.1f}{1e3 * t['eager_grad']:>8.1f}{t['dtp_grad'] / t['eager_grad']:>7.2f}"
-              f"{t['cpu_dtp'] / t['cpu_eager']:>10.2f}{t['cpu_dtp_grad'] / t['cpu_eager_grad']:>13.2f}")
+              f"{t['cpu_dtp'] / t['cpu_eager']:>10.2f}{t['cpu_dtp_grad'] / t['cpu_eager_grad']:>13.2f}"
+              f"{t['eager_aa'] / t['eager']:>6.2f}")
 
 
 if __name__ == "__main__":
