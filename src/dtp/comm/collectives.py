@@ -128,7 +128,7 @@ def all_gather(x: torch.Tensor, mesh: DeviceMesh, axis: str, *, dim: int = 0, ou
         if n == 2 and dist.get_backend(group) == "gloo":
             work = _gloo_all_gather(x.view(-1), out.view(n, -1), group)
         else:
-            work = dist.all_gather_single(out.view(-1), x.view(-1), group=group, async_op=True)
+            work = _single("all_gather")(out.view(-1), x.view(-1), group=group, async_op=True)
 
         def finish() -> torch.Tensor:
             if dim == 0:
@@ -175,10 +175,25 @@ def reduce_scatter(x: torch.Tensor, mesh: DeviceMesh, axis: str, *, dim: int = 0
         out = x.new_empty(inp.shape[1:])
         # Flat buffers: the chunks are contiguous either way, and LocalTensorMode's
         # reduce-scatter (torch 2.13) mishandles multi-dim ones.
-        work = dist.reduce_scatter_single(out.view(-1), inp.view(-1), group=group, async_op=True)
+        work = _single("reduce_scatter")(out.view(-1), inp.view(-1), group=group, async_op=True)
         return work, (lambda: out)
 
     return _run("reduce_scatter", mesh, axis, x, lambda n: ring_bytes("reduce_scatter", _nbytes(x), n), post, async_op, tag)
+
+
+def _single(kind: str) -> Callable[..., dist.Work | None]:
+    """torch's flat-buffer ``all_gather`` / ``reduce_scatter``: ``dist.all_gather_single``
+    and ``dist.reduce_scatter_single`` from torch 2.13 on, where the older
+    ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` are deprecated aliases of
+    them; before, only the older names (the lent GPU machine's torch 2.11). Looked up
+    at each call, so a wrapper a caller puts on ``dist`` sees dtp's calls too.
+
+    >>> _single("all_gather").__name__ in ("all_gather_single", "all_gather_into_tensor")
+    True
+    """
+    new, old = {"all_gather": ("all_gather_single", "all_gather_into_tensor"),
+                "reduce_scatter": ("reduce_scatter_single", "reduce_scatter_tensor")}[kind]
+    return getattr(dist, new, None) or getattr(dist, old)
 
 
 def _gloo_reduce_scatter(inp: torch.Tensor, group: dist.ProcessGroup, n: int):
