@@ -177,7 +177,7 @@ def _rope(x: torch.Tensor, positions: torch.Tensor | None, theta: float,
         n = x.shape[1]
         if not torch.compiler.is_compiling():  # the tables' first rows: a view, no gather
             table_cos, table_sin = _rope_tables(n, half, theta, scaling, acc, x.device)
-            return _Rotate.apply(x.to(acc), table_cos[:n].unsqueeze(-2), table_sin[:n].unsqueeze(-2)).to(x.dtype)
+            return _rotate(x.to(acc), table_cos[:n].unsqueeze(-2), table_sin[:n].unsqueeze(-2)).to(x.dtype)
         positions = torch.arange(n, device=x.device)  # a traced region makes its own tables below
     if length is None or torch.compiler.is_compiling():  # a traced region makes its own
         inv = rope_frequencies(half, theta, scaling, acc, x.device)
@@ -186,12 +186,29 @@ def _rope(x: torch.Tensor, positions: torch.Tensor | None, theta: float,
         table_cos, table_sin = _rope_tables(length, half, theta, scaling, acc, x.device)
         cos, sin = table_cos.index_select(0, positions), table_sin.index_select(0, positions)
     # broadcast over heads
-    return _Rotate.apply(x.to(acc), cos.unsqueeze(-2), sin.unsqueeze(-2)).to(x.dtype)
+    return _rotate(x.to(acc), cos.unsqueeze(-2), sin.unsqueeze(-2)).to(x.dtype)
 
 
 def _swap(t: torch.Tensor) -> torch.Tensor:
     half = t.shape[-1] // 2
     return torch.cat([t[..., half:], t[..., :half]], dim=-1)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x·C + swap(x)·S``: :class:`_Rotate` in eager; plain ops in a traced region,
+    whose graph lays out its gradients itself. torch 2.11 (the lent GPU machine's) traces
+    the Function's backward wrong: ``torch.compile(backend="aot_eager")`` of it gave
+    gradients off by O(1) in fp64 on the CPU, and every compiled dtp step wrong q/k
+    gradients (``tests/test_compiled.py``: 8 failures); torch 2.13 traces it
+    exactly. The plain ops' gradient is the same sum of the same two terms.
+
+    >>> x, c, s = torch.randn(2, 3, 1, 4), torch.randn(3, 1, 4), torch.randn(3, 1, 4)
+    >>> torch.equal(_rotate(x, c, s), x * c + _swap(x) * s)
+    True
+    """
+    if torch.compiler.is_compiling():
+        return (x * cos + _swap(x) * sin).contiguous()
+    return _Rotate.apply(x, cos, sin)
 
 
 class _Rotate(torch.autograd.Function):
