@@ -121,9 +121,9 @@ def _local_gradients_seen():
 
     seen, norm = [], dtp.optim.global_norm
 
-    def spy(grads):
+    def spy(grads, **kwargs):  # kwargs: the leaves a run holds already
         seen.append(not all(bool(torch.isfinite(_local(g)).all()) for g in optree.tree_leaves(grads)))
-        return norm(grads)
+        return norm(grads, **kwargs)
 
     # The strategy's norm (run.norm), which clipping reuses: once per step either way.
     replicated.global_norm = zero.global_norm = spy

@@ -86,7 +86,10 @@ def test_wraps_and_immediately_waited_collectives_per_step() -> None:
     assert dp[1] == {"loss": 1}, dp[1]  # reduced gradients are replicated: their norm needs no collective
 
 
-def _python_calls(which: str, steps: int = 2) -> float:
+def _python_calls(which: str, steps: int = 2) -> tuple[float, float]:
+    """cProfile's count of Python calls per steady-state step, and of the walks over a
+    whole tree among them (optree's flatten and flatten_up_to, ~10 µs each on tiny's 21
+    leaves)."""
     import cProfile
     import pstats
 
@@ -109,17 +112,23 @@ def _python_calls(which: str, steps: int = 2) -> float:
     for _ in range(steps):
         state, _ = dtp.train_step(loss_fn, state, b)
     prof.disable()
-    return pstats.Stats(prof).total_calls / steps
+    stats = pstats.Stats(prof)
+    walks = sum(calls for (_, _, name), (_, calls, *_) in stats.stats.items()  # type: ignore[attr-defined]
+                if name in ("<built-in method optree._C.flatten>", "<built-in method optree.flatten_up_to>"))
+    return stats.total_calls / steps, walks / steps
 
 
 def test_python_calls_per_step() -> None:
     # World 1: the optimizer's foreach kernels, paths built only for errors, no protocol
     # isinstance, loops over the leaves (no generator per leaf). tp + SP: also the norms on
     # local shards. Before: 2,300 and 30,570; world 1 then 1,278 before the loops, 1,113 after.
-    one = run(_python_calls, "one", world_size=1)[0]
-    tp = run(_python_calls, "tp", world_size=2)[0]
+    (one, one_walks), (tp, _) = run(_python_calls, "one", world_size=1)[0], run(_python_calls, "tp", world_size=2)[0]
     assert one < 1_200, one
     assert tp < 27_500, tp
+    # The tree walks of a world-1 step: the run's flatten of the parameters and the
+    # optimizer's of the gradients plus its parameters'. Before: 7 (the step's specs,
+    # global_norm and the new parameters' requires_grad each walked the tree again).
+    assert one_walks == 3, one_walks
 
 
 def _update_passes(opt_name: str) -> dict[str, int]:

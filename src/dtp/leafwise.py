@@ -86,7 +86,7 @@ def _check(grads: PyTree, leaves: list[torch.Tensor], others: Sequence[tuple[str
 
 
 def map_local(kernel: Kernel, grads: PyTree, others: Sequence[tuple[str, PyTree | None]],
-              n_out: int) -> list[PyTree]:
+              n_out: int, *, params_of: str | None = None) -> list[PyTree]:
     """``kernel(gs, *others)`` over the local shards, all leaves at once; ``n_out`` trees
     shaped and laid out like ``grads`` come back.
 
@@ -94,6 +94,9 @@ def map_local(kernel: Kernel, grads: PyTree, others: Sequence[tuple[str, PyTree 
     (checked: a mismatch names the leaf and the tree); the kernel gets one list of local
     tensors per tree, ``None`` for a ``None`` tree, and returns ``n_out`` lists in leaf
     order. It runs under ``torch.no_grad``; a tree without leaves never calls it.
+    ``params_of`` names the tree of ``others`` the first output replaces (an optimizer's
+    new parameters): each of its leaves then requires grad where that tree's leaf does,
+    set on the leaves in hand rather than by flattening the result again.
 
     >>> g = {"w": torch.ones(2)}
     >>> doubled, = map_local(lambda gs: (torch._foreach_mul(gs, 2.0),), g, [], 1)
@@ -116,9 +119,13 @@ def map_local(kernel: Kernel, grads: PyTree, others: Sequence[tuple[str, PyTree 
         wrap = True
     if len(outs) != n_out:
         raise ValueError(f"map_local: the kernel returned {len(outs)} lists, expected {n_out}")
-    if not wrap:
-        return [treedef.unflatten(out) for out in outs]
-    return [treedef.unflatten([_like(r, g) for r, g in zip(out, leaves)]) for out in outs]
+    if wrap:
+        outs = [[_like(r, g) for r, g in zip(out, leaves)] for out in outs]
+    if params_of is not None:
+        for new, p in zip(outs[0], dict(other_leaves)[params_of]):  # a loop: no Python call per leaf
+            if p.requires_grad:
+                new.requires_grad_(True)  # a leaf made under no_grad: in place
+    return [treedef.unflatten(out) for out in outs]
 
 
 def _all_plain(leaves: list[torch.Tensor], others: Sequence[tuple[str, list[torch.Tensor] | None]]) -> bool:

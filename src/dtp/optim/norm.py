@@ -31,7 +31,7 @@ def _sum_squares(xs: list[torch.Tensor], acc: torch.dtype) -> torch.Tensor:
     return torch.sum(norms * norms)
 
 
-def global_norm(grads: PyTree) -> torch.Tensor:
+def global_norm(grads: PyTree, *, leaves: list[torch.Tensor] | None = None) -> torch.Tensor:
     """The 2-norm of all leaves together, over the *global* tensors; a plain 0-d tensor,
     identical on every rank.
 
@@ -44,12 +44,15 @@ def global_norm(grads: PyTree) -> torch.Tensor:
     is sharded). Squares are summed in fp32 (fp64 if any leaf is fp64), each group's
     leaves at once (``torch._foreach_norm``, as ``clip_grad_norm_``'s foreach path). Plain tensors
     are taken to be replicated. Leaves with pending sums (``Partial``) are refused: the
-    norm of a sum is not the sum of norms.
+    norm of a sum is not the sum of norms. ``leaves``: ``grads``' leaves in tree order,
+    where the caller holds them already (a step's run made ``grads`` from them), so the
+    tree is not flattened again.
 
     >>> global_norm({"a": torch.tensor([3.0]), "b": torch.tensor([4.0])})
     tensor(5.)
     """
-    leaves = optree.tree_leaves(grads)
+    if leaves is None:
+        leaves = optree.tree_leaves(grads)
     if not leaves:
         return torch.zeros((), dtype=torch.float32)
     acc = accum_dtype(*{x.dtype for x in leaves})  # a set, not a generator: one call, not one per leaf

@@ -258,11 +258,11 @@ def sgd(lr: ScalarOrSchedule, momentum: float = 0.0, nesterov: bool = False,
 
         others = [("momentum buffer", state.momentum), ("param", params if weight_decay or apply else None)]
         if momentum:
-            out, buf = map_local(kernel, grads, others, 2)
+            out, buf = map_local(kernel, grads, others, 2, params_of="param" if apply else None)
         else:
-            out, = map_local(kernel, grads, others, 1)
+            out, = map_local(kernel, grads, others, 1, params_of="param" if apply else None)
             buf = None
-        return (_as_params(out, params) if apply else out), SGDState(count, buf)
+        return out, SGDState(count, buf)
 
     def update(grads: PyTree, state: SGDState, params: PyTree | None = None) -> tuple[PyTree, SGDState]:
         return run(grads, state, params, apply=False)
@@ -341,8 +341,8 @@ def adamw(lr: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, eps: float =
 
         others = [("first moment", state.mu), ("second moment", state.nu),
                   ("param", params if weight_decay or apply else None)]
-        out, mu, nu = map_local(kernel, grads, others, 3)
-        return (_as_params(out, params) if apply else out), AdamWState(count, mu, nu)
+        out, mu, nu = map_local(kernel, grads, others, 3, params_of="param" if apply else None)
+        return out, AdamWState(count, mu, nu)
 
     def update(grads: PyTree, state: AdamWState, params: PyTree | None = None) -> tuple[PyTree, AdamWState]:
         return run(grads, state, params, apply=False)
@@ -450,16 +450,8 @@ def apply_updates(params: PyTree, updates: PyTree) -> PyTree:
     >>> apply_updates({"w": torch.ones(2)}, {"w": torch.full((2,), -0.5)})
     {'w': tensor([0.5000, 0.5000])}
     """
-    new, = map_local(lambda us, ps: (torch._foreach_add(ps, us),), updates, [("param", params)], 1)
-    return _as_params(new, params)
-
-
-def _as_params(new: PyTree, params: PyTree) -> PyTree:
-    """``new`` with each leaf requiring grad where the parameter it replaces did."""
-    leaves, treedef = optree.tree_flatten(new)
-    for n, p in zip(leaves, treedef.flatten_up_to(params)):  # a loop: no Python call per leaf
-        if p.requires_grad:
-            n.requires_grad_(True)  # in place: ``new`` holds these very tensors
+    new, = map_local(lambda us, ps: (torch._foreach_add(ps, us),), updates, [("param", params)], 1,
+                     params_of="param")
     return new
 
 

@@ -55,7 +55,7 @@ from ..layouts.pipeline import assign
 from ..layouts.expert import NO_PAIRS
 from ..ops.documents import check_placed
 from ..redistribute import value_of
-from ..spec import spec_of
+from ..spec import P, spec_of
 from ..models.sequential import Sequential
 from . import ep_overlap, local, pipeline, precision, replicated, zero
 
@@ -264,6 +264,20 @@ def computing(run: Any, loss_fn: Any) -> Any:
     return local.wrap(loss_fn, getattr(run, "local", None))
 
 
+def _specs(params: PyTree, state: Any) -> Iterator[P | None]:
+    """The parameters' specs (``None``: a plain tensor), lazily: :func:`.local.decide`
+    reads them only where a mesh of several devices could compute locally, so a step on
+    one device neither flattens the tree for them nor asks a spec (a generator
+    expression would flatten it at once: its first iterable is evaluated where it is
+    written)."""
+    if isinstance(state, zero.ZeroState):
+        for x in state.leaves:
+            yield x.spec
+        return
+    for x in optree.tree_leaves(params):
+        yield spec_of(x) if isinstance(x, DTensor) else None
+
+
 def begin(params: PyTree, state: Any, microbatches: int, *, loss_fn: Any = None, layout: Layout | None = None,
           mesh: DeviceMesh | None = None, gradients_only: bool = False,
           buffers: PyTree = None) -> StepRun | Scheduled:
@@ -288,10 +302,7 @@ def begin(params: PyTree, state: Any, microbatches: int, *, loss_fn: Any = None,
         return run if master is None else precision.wrap(run, master)
     batch = None
     if not gradients_only:  # value_and_grad hands back gradients in the parameters' layout
-        # a generator: decide reads it only where a mesh of several devices could compute locally
-        specs = ((x.spec for x in state.leaves) if isinstance(state, zero.ZeroState)
-                 else (spec_of(x) if isinstance(x, DTensor) else None for x in optree.tree_leaves(params)))
-        batch = local.decide(specs, loss_fn, layout, mesh, buffers=buffers)
+        batch = local.decide(_specs(params, state), loss_fn, layout, mesh, buffers=buffers)
     if master is not None:  # mixed precision: fp32 accumulators, the master weights updated
         run = precision.wrap(replicated.Run(params, microbatches, accumulate=True, local=batch), master)
     elif state is not None:

@@ -66,6 +66,7 @@ class Run:
         # place, one allocation per leaf and step instead of one per microbatch.
         self.owned = [False] * len(self.leaves)
         self.accumulate = accumulate  # accumulate (and reduce) in the accumulation dtype
+        self.reduced: tuple[PyTree, list[torch.Tensor]] | None = None  # gradients()' tree and its leaves
 
     def params(self) -> PyTree:
         return optree.tree_unflatten(self.treedef, self.inputs)
@@ -135,7 +136,8 @@ class Run:
                 reduced.append(reshard(g, dst, tag="grad reduce"))
         self.grads, self.owned = [None] * len(self.leaves), [False] * len(self.leaves)
         reduced = [wrap_local(r[0].wait(), *r[1:]) if type(r) is tuple else r for r in reduced]
-        yield 0, optree.tree_unflatten(self.treedef, reduced)
+        self.reduced = (optree.tree_unflatten(self.treedef, reduced), reduced)  # norm() reads the leaves
+        yield 0, self.reduced[0]
 
     def targets(self) -> list[PyTree]:
         return [optree.tree_unflatten(self.treedef, self.leaves)]
@@ -148,7 +150,9 @@ class Run:
         return optimizer.init(targets[0]) if opt_state is None else opt_state
 
     def norm(self, grads: PyTree) -> torch.Tensor:
-        return global_norm(grads)
+        # The tree gradients() handed out (not a clipped copy): its leaves are in hand.
+        tree, leaves = self.reduced or (None, None)
+        return global_norm(grads, leaves=leaves if grads is tree else None)
 
     def mask_flags(self, mask: Any, name: str) -> None:
         """``None``: the targets are the parameters, so an optimizer reads its mask off them."""
@@ -161,4 +165,5 @@ class Run:
         """Nothing to post: one group, its result is the parameters."""
 
     def finish(self, updated: list[PyTree]) -> tuple[PyTree, None]:
+        self.reduced = None  # the step's gradients: not kept past it
         return updated[0], None
