@@ -24,8 +24,8 @@ step move at once (``dtp.comm.simulated_link``).
 (``dtp.ops.tp_rings.one_way``), to set the bidirectional rings that ``async`` runs from
 tp 3 up against the one-way ones on the same link (at tp 2 both are one-way).
 
-Steps alternate (async, non-async[, one-way]; order reversed each round, every rank
-starting together); a step's time is the slower rank's; medians of ``--repeats``. Columns:
+Steps rotate (async, non-async[, one-way]; round i starts at the i-th, cyclically, so no
+step runs twice in a row; every rank starting together); a step's time is the slower rank's; medians of ``--repeats``. Columns:
 
 * ``step`` — median seconds; ``vs sp`` — async / non-async;
 * ``ideal`` — max(compute, comm) with ``compute`` the step without the link;
@@ -71,7 +71,9 @@ def _bench(cfg, batch: dict, tp: int, repeats: int, ratio: float, width: int, ca
         # _common's, inlined: this function runs in the rank pool's workers
         times: dict[str, list[float]] = {k: [] for k in steps}
         for i in range(n):
-            for k in (list(steps) if i % 2 == 0 else list(steps)[::-1]):
+            # round i starts at the i-th step: with three, reversing every round ran the
+            # first and last twice in a row at each turn (overhead.py measured 1–3 % from it)
+            for k in list(steps)[i % len(steps):] + list(steps)[:i % len(steps)]:
                 dist.barrier()
                 t0 = time.perf_counter()
                 steps[k]()

@@ -19,7 +19,7 @@ combine and their backwards) take as long on the link as its experts take to com
 ``expert`` = fwd+bwd of ``dtp.ops.moe.experts`` alone on the rows this rank's experts
 receive (no link, the fastest of several runs — load only adds — and the slower rank),
 ``B = bytes / (expert − 4·latency)``; ``comm`` = expert. Then every option runs, in
-round-robin order each repeat (reversed every other), once without the link (its own
+rotated order (repeat i starts at the i-th option, so none runs twice in a row), once without the link (its own
 ``compute``: chunking costs something) and once under it, each call behind a barrier.
 Columns:
 
@@ -233,7 +233,7 @@ def _sweep(batch: int, seq: int, dim: int, hidden: int, top_k: int, warmup: int,
                      "n_a2a": {}}
         rows = {label: {"free": [], "base": [], "linked": [], "exposed": [], "comm": [], "dur": []} for label in layers}
         for i in range(repeats):
-            order = list(layers) if i % 2 == 0 else list(reversed(layers))
+            order = list(layers)[i % len(layers):] + list(layers)[:i % len(layers)]  # none twice in a row
             for label in order:
                 row = rows[label]
                 dt, records = _timed(layers[label].step, None)
@@ -426,7 +426,7 @@ def _vs_titan(batch: int, seq: int, dim: int, hidden: int, top_k: int, warmup: i
             kinds["tt"][kind][1] += b
         times: dict[str, list[float]] = {k: [] for k in layers}
         for i in range(repeats):
-            for label in (list(layers) if i % 2 == 0 else list(reversed(layers))):
+            for label in list(layers)[i % len(layers):] + list(layers)[:i % len(layers)]:
                 times[label].append(_timed(layers[label].step, None)[0])
         dist.barrier()
         out[name] = {"times": times, "kinds": kinds, "err": err}

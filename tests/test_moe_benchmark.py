@@ -49,6 +49,8 @@ def test_without_torchtitan_the_comparison_prints_one_skip_line(monkeypatch, cap
     bench = _bench()
     monkeypatch.setattr(bench, "_titan_available", lambda: False)
     monkeypatch.setattr(sys, "argv", ["moe.py", "--parts", "torchtitan"])
+    # main() imports its sibling moe_ep_overlap as a script does (sys.path[0] = benchmarks/)
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
     bench.main()
     assert capsys.readouterr().out.strip() == bench.TITAN_MISSING
 
