@@ -517,6 +517,49 @@ def test_export_refuses_to_write_over_a_run_and_bad_shard_sizes(tmp_path: Path, 
     assert not (tmp_path / "out").exists()
 
 
+def test_export_writes_over_a_model_only_with_overwrite_and_only_whole(tmp_path: Path, capsys,
+                                                                      monkeypatch) -> None:
+    """Before, ``dtp export --hf DIR`` deleted DIR's weight files (all its shards), then
+    wrote config.json over the one there, with no flag and no word: exporting a fine-tune
+    into the directory it was initialised from (--init-from) lost the original weights,
+    and an export that failed midway left neither model."""
+    from dtp import cli, checkpoint
+
+    run, out = tmp_path / "run", tmp_path / "model"
+    _checkpointed_run(run)
+    out.mkdir()
+    mine = {"config.json": '{"model_type": "mistral", "user": "precious"}', "README.md": "mine",
+            "model-00001-of-00002.safetensors": "old weights", "model-00002-of-00002.safetensors": "old weights"}
+    for name, text in mine.items():
+        (out / name).write_text(text)
+    assert cli.main(["export", "--hf", str(out), "--run", str(run)]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"dtp export: error: --hf {out}: holds a model already (config.json, model-00001-of-00002.safetensors, "
+        f"model-00002-of-00002.safetensors); add --overwrite to replace it, or name another directory"]
+    assert {p.name: p.read_text() for p in out.iterdir()} == mine
+
+    read = checkpoint.ParamReader.read
+    calls = []
+
+    def failing(self, name):  # the third tensor's read fails, after two were written
+        calls.append(name)
+        if len(calls) == 3:
+            raise OSError("disk gone")
+        return read(self, name)
+
+    monkeypatch.setattr(checkpoint.ParamReader, "read", failing)
+    assert cli.main(["export", "--hf", str(out), "--run", str(run), "--overwrite"]) != 0
+    assert len(calls) == 3 and {p.name: p.read_text() for p in out.iterdir()} == mine  # as it was, no staging left
+    monkeypatch.setattr(checkpoint.ParamReader, "read", read)
+    capsys.readouterr()
+
+    assert cli.main(["export", "--hf", str(out), "--run", str(run), "--overwrite"]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "model.safetensors"]
+    assert (out / "README.md").read_text() == "mine"
+    assert json.loads((out / "config.json").read_text())["model_type"] != "mistral"
+    assert set(hf.from_hf(out)[1]) == set(_checkpointed_run(tmp_path / "again")[1])  # loads whole
+
+
 def test_export_of_a_damaged_checkpoint_names_the_file_and_writes_nothing(tmp_path: Path, capsys) -> None:
     """Before, every checkpoint error ended in "a run saves checkpoints with --save-every N",
     a hint for a run without checkpoints, misleading beside a corrupt one."""

@@ -12,6 +12,10 @@ on one process (any layout saved it: checkpoints are logical) one parameter at a
 read; the optimizer state is never read (only its files' CRC32s are checked, streamed).
 Peak memory is about one tensor — a Mixtral layer's stacked experts — twice (read, then
 transposed for writing), not the model.
+
+A directory that holds a model already (a ``config.json`` or weights: the ``--init-from``
+source a run fine-tuned, an earlier export) is written over only with ``--overwrite``, and
+then only once the new files are whole: an export that fails leaves it as it was.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from pathlib import Path
 from .._checkpoint_dirs import MANIFEST, latest
 from .._token_files import TOKENIZER_CONFIGS
 from ..config import DTYPES
+from ..models.hf_config import staged, weight_file_names
 from .flags import UsageError
 from .parser import RUN_FILES, positive_float
 
@@ -43,6 +48,9 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="a dtp train run directory (its newest checkpoint; train with --save-every N) "
                         "or one checkpoint directory (step_*)")
     e.add_argument("--dtype", choices=DTYPES, default=None, help="the dtype written (default: the run's)")
+    e.add_argument("--overwrite", action="store_true",
+                   help="write over the model already in OUT (its config.json, weights and the tokenizer and "
+                        "generation files the export carries); other files there stay")
     e.add_argument("--max-shard-gb", type=positive_float, default=5.0, metavar="GB",
                    help="the most GiB per .safetensors file (default: transformers' 5)")
     return e
@@ -64,6 +72,10 @@ def cmd_export(args: argparse.Namespace) -> int:
         raise UsageError(f"--hf {args.hf}: holds {held}, which dtp train wrote (a run or its checkpoints); the "
                          f"export's config.json and .safetensors would be written among them: name another "
                          f"directory")
+    model = _model_files(Path(args.hf))
+    if model and not args.overwrite:
+        raise UsageError(f"--hf {args.hf}: holds a model already ({', '.join(model)}); add --overwrite to "
+                         f"replace it, or name another directory")
     root = run / "checkpoints" if (run / "checkpoints").is_dir() else run
     try:
         reader = checkpoint.ParamReader(root)
@@ -94,21 +106,35 @@ def cmd_export(args: argparse.Namespace) -> int:
         del last[name]
         return t
 
-    files = hf.to_hf(cfg, read, args.hf, dtype=getattr(torch, args.dtype) if args.dtype else saved,
-                     max_shard_bytes=int(args.max_shard_gb * 2**30))
-    _carry_generation(extra["run"].get("init_from"), Path(args.hf))
-    _carry_tokenizer(extra["run"].get("tokenizer"), extra["run"].get("init_from"), Path(args.hf))
-    _carry_eos(extra["run"], Path(args.hf))
+    with staged(args.hf) as out:  # the whole export, or (an error) nothing replaced
+        files = hf.to_hf(cfg, read, out, dtype=getattr(torch, args.dtype) if args.dtype else saved,
+                         max_shard_bytes=int(args.max_shard_gb * 2**30))
+        _carry_generation(extra["run"].get("init_from"), out)
+        _carry_tokenizer(extra["run"].get("tokenizer"), extra["run"].get("init_from"), out)
+        _carry_eos(extra["run"], out)
     print(f"dtp export: step {reader.manifest['step']} of {run} -> {args.hf} "
           f"({len(files)} file{'s' * (len(files) > 1)})", file=sys.stdout)
     return 0
+
+
+def _model_files(path: Path) -> list[str]:
+    """What in ``path`` an export would write over: a model's ``config.json`` and weight
+    files (:func:`~dtp.models._safetensors_files.weight_file_names`).
+
+    >>> import tempfile
+    >>> _model_files(Path(tempfile.mkdtemp()))
+    []
+    """
+    if not path.is_dir():
+        return []
+    return ["config.json"] * (path / "config.json").is_file() + weight_file_names(path)
 
 
 def _run_files(path: Path) -> str | None:
     """The first thing in ``path`` that makes it a dtp run directory, a checkpoint or a
     checkpoints folder (None: none): an export there would replace a run's config.json,
     which records which flags trained which steps (--resume and dtp check read it).
-    An earlier export's files are not among them: exporting again over one is fine.
+    An earlier export's files are not among them (:func:`_model_files`: ``--overwrite``).
 
     >>> import tempfile
     >>> _run_files(Path(tempfile.mkdtemp())) is None

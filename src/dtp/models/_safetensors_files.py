@@ -147,12 +147,11 @@ def write_sharded(path: str | os.PathLike[str], entries: list[Entry], max_shard_
     """Write ``entries`` in order into ``model-0000i-of-0000n.safetensors`` files of at
     most ``max_shard_bytes`` each (a larger tensor gets a file of its own) plus
     ``model.safetensors.index.json``, or into one ``model.safetensors`` when they fit.
-    Returns the files written.
+    Returns the files written. Into an empty directory: :func:`~.hf_config.staged` puts them
+    where another model's files are.
     """
     root = Path(path)
     root.mkdir(parents=True, exist_ok=True)
-    for old in [root / SINGLE, root / INDEX, *root.glob("model-*-of-*.safetensors")]:
-        old.unlink(missing_ok=True)  # an earlier export's shards would shadow this one's
     shards = _shards(entries, max_shard_bytes)
     if len(shards) == 1:
         _write_file(root / SINGLE, shards[0])

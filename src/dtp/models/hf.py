@@ -55,7 +55,8 @@ from torch.distributed.tensor import DTensor
 from .._rules import accum_dtype
 from ._safetensors_files import Entry, bytes_read, open_weights, write_sharded
 from .config import LlamaConfig, block_shapes, is_moe
-from .hf_config import INIT_VOCAB_MULTIPLE, config_from_hf, hf_config, hf_model_type, moe_model_type, padded_vocab
+from .hf_config import (INIT_VOCAB_MULTIPLE, config_from_hf, hf_config, hf_model_type, moe_model_type, padded_vocab,
+                        staged)
 
 __all__ = ["from_hf", "to_hf", "read_blocks", "bytes_read", "config_from_hf", "hf_config", "padded_vocab",
            "INIT_VOCAB_MULTIPLE", "Box"]
@@ -198,7 +199,9 @@ def to_hf(cfg: LlamaConfig, params: dict[str, Any] | Callable[[tuple], torch.Ten
     """Write ``params`` (global tensors, as :func:`from_hf` returns or ``init`` builds) as
     a Hugging Face directory: ``config.json`` (:func:`hf_config`) and sharded
     ``.safetensors`` files with their index (one ``model.safetensors`` when they fit),
-    one tensor at a time, vocabulary padding stripped. Returns the weight files.
+    one tensor at a time, vocabulary padding stripped. Returns the weight files. Where
+    another model is, its files are replaced once the new ones are whole (an error leaves
+    it as it was; its shards the new index does not name are deleted).
     ``params`` may instead be a function of a leaf's path (``("layers", 0, "wq")``; an
     expert's ``("layers", 1, "w_gate", e)``) called when that tensor is written, so only
     the tensor being written is ever held (``dtp export --hf``); ``dtype`` is then needed.
@@ -254,7 +257,7 @@ def to_hf(cfg: LlamaConfig, params: dict[str, Any] | Callable[[tuple], torch.Ten
     entries.append(entry("model.norm.weight", leaf("final_norm"), False, (cfg.dim,)))
     if not cfg.tie_embeddings:
         entries.append(entry("lm_head.weight", lambda: leaf("lm_head")()[:, :vocab], True, (vocab, cfg.dim)))
-    root = Path(path)
-    root.mkdir(parents=True, exist_ok=True)
-    (root / "config.json").write_text(json.dumps(hf_config(cfg, _DTYPE_NAMES[dtype]), indent=2) + "\n")
-    return write_sharded(root, entries, max_shard_bytes)
+    with staged(path) as tmp:  # an existing model's files are replaced only once the new ones are whole
+        (tmp / "config.json").write_text(json.dumps(hf_config(cfg, _DTYPE_NAMES[dtype]), indent=2) + "\n")
+        names = [f.name for f in write_sharded(tmp, entries, max_shard_bytes)]
+    return [Path(path) / name for name in names]

@@ -10,13 +10,18 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from .config import LlamaConfig, RopeScaling
 
 __all__ = ["config_from_hf", "hf_config", "hf_model_type", "moe_model_type", "padded_vocab", "check_moe",
-           "weight_files", "check_weight_files", "INIT_VOCAB_MULTIPLE", "INDEX", "SINGLE"]
+           "weight_files", "check_weight_files", "weight_file_names", "staged", "INIT_VOCAB_MULTIPLE", "INDEX",
+           "SINGLE"]
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -342,3 +347,39 @@ def hf_config(cfg: LlamaConfig, dtype: str = "float32") -> dict[str, Any]:
     return out
 
 
+def weight_file_names(root: Path) -> list[str]:
+    """The weight files of a Hugging Face directory that a new model's would replace or
+    be shadowed by (its index, its single file, its shards)."""
+    return [p.name for p in (root / SINGLE, root / INDEX, *sorted(root.glob("model-*-of-*.safetensors")))
+            if p.is_file()]
+
+
+@contextmanager
+def staged(path: str | os.PathLike[str]) -> Iterator[Path]:
+    """A model directory written whole or not at all: inside, write into the yielded
+    (empty, hidden) directory under ``path``; on success its files replace their namesakes
+    in ``path`` and the earlier model's other weight files (:func:`weight_file_names`:
+    shards the new index does not name would shadow it) are deleted after; on an error
+    ``path`` is left as it was. Before, the old weights were deleted first and the new
+    ones streamed in for minutes: a failure there lost both.
+
+    >>> import tempfile
+    >>> root = Path(tempfile.mkdtemp()); _ = (root / "model-00001-of-00002.safetensors").write_text("old")
+    >>> with staged(root) as tmp:
+    ...     _ = (tmp / "model.safetensors").write_text("new")
+    >>> sorted(p.name for p in root.iterdir())
+    ['model.safetensors']
+    """
+    root = Path(path)
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".dtp-staging-", dir=root))  # same file system: renames are atomic
+    try:
+        yield tmp
+        new = sorted(p.name for p in tmp.iterdir())
+        for name in new:
+            os.replace(tmp / name, root / name)
+        for name in weight_file_names(root):
+            if name not in new:
+                (root / name).unlink()
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
