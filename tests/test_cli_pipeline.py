@@ -100,6 +100,18 @@ def test_print_schedule_shows_the_v_and_its_pairs(capsys) -> None:
     assert out[1].split()[2:5] == ["F0.0", "F0.1", "F0.2"] and "F0.3&B1.1" in out[1]
 
 
+def test_plan_prints_the_schedule_after_its_table(capsys) -> None:
+    """``dtp plan`` shares train's pipeline flags; its --print-schedule was accepted and
+    ignored (with --pp 1 too)."""
+    assert main(["plan", "--pp", "2", "--microbatches", "2", "--print-schedule"]) == 0
+    out = capsys.readouterr().out
+    assert "pipeline bubble" in out and out.index("pipeline bubble") < out.index("1f1b schedule, pp=2")
+    assert "rank 1: .    F0.0 B0.0 F0.1 B0.1" in out
+    assert main(["plan", "--print-schedule"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "dtp plan: error: --print-schedule prints the pipeline's schedule; pipeline options need --pp > 1"]
+
+
 def test_print_schedule_leaves_run_directories_alone(tmp_path, monkeypatch, capsys) -> None:
     # It prints and exits: no runs/<timestamp> made in the working directory, and with
     # --overwrite an earlier run's files stay (they were deleted before the schedule printed).

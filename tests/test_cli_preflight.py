@@ -129,6 +129,9 @@ BAD_RUNS = {
                                   "no *.safetensors file in"),
     "init-from a file": (["--init-from", "HF_CONFIG_FILE", "--data", "HF_IDS", "--batch", "2", "--seq", "16"],
                          "is not a directory (a Hugging Face model directory holds config.json and *.safetensors)"),
+    # not JSON: was "Expecting value: line 1 column 1 (char 0)", json's words
+    "init-from a token file": (["--init-from", "HF_IDS"],
+                               "is not a directory (a Hugging Face model directory holds config.json and *.safetensors)"),
     # packed documents in a token file with no EOS id (TOKENS: a .bin file of 200 ids the fixture makes)
     "document mask without an eos id": (["--document-mask", "--data", "TOKENS"],
                                         "--document-mask needs the id that ends a document: pass --eos-id"),
@@ -320,6 +323,19 @@ def test_overwrite_clears_only_what_dtp_wrote(tmp_path) -> None:
         (out / name).write_text("x")
     report.clear_run_files(out)
     assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+
+
+def test_overwrite_refuses_a_config_json_no_run_wrote(tmp_path, capsys) -> None:
+    """Before, ``--overwrite`` deleted any config.json in --out (one of the run files it
+    clears): a Hugging Face model directory lost its config beside its weights."""
+    out = tmp_path / "model"
+    out.mkdir()
+    (out / "config.json").write_text('{"model_type": "llama"}')
+    assert cli.main(["train", "--steps", "1", "--out", str(out), "--overwrite"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"dtp train: error: --out {out}: its config.json is not a dtp run's (a model directory?); --overwrite "
+        f"would delete it: name another --out"]
+    assert (out / "config.json").read_text() == '{"model_type": "llama"}'
 
 
 def test_overwrite_trains_again_in_the_same_out(tmp_path, capsys) -> None:

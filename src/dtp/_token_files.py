@@ -304,7 +304,7 @@ def _encode(text_path: str | None, tokenizer: str, documents: bool = False,
     try:
         tok = Tokenizer.from_file(tokenizer)
     except Exception as e:  # the library raises its own Exception subclass for a bad file
-        raise ValueError(f"--tokenizer {tokenizer}: not a tokenizer.json ({' '.join(str(e).split())[:120]})") from None
+        raise ValueError(f"--tokenizer {tokenizer}: not a tokenizer.json ({_why_not_a_tokenizer(tokenizer, e)})") from None
     vocab = tok.get_vocab_size()
     dtype = np.uint16 if vocab <= 1 << 16 else np.uint32
     text = _text(text_path)
@@ -372,6 +372,25 @@ def tokenizer_eos(tok: Any, path: str | os.PathLike[str]) -> int | None:
                 raise ValueError(f"{side}: eos_token {named!r} is not in the vocabulary of {path}; pass --eos-id")
             return tok.token_to_id(named)
     return next((tok.token_to_id(t) for t in EOS_TOKENS if tok.token_to_id(t) is not None), None)
+
+
+def _why_not_a_tokenizer(path: str, error: Exception) -> str:
+    """Why the tokenizers library refused ``path``, in words: its own message for valid
+    JSON that is no tokenizer reads like a syntax error ("expected `,` or `}` at line 1
+    column 7" for ``{"not": "a tokenizer"}``).
+
+    >>> import tempfile, os
+    >>> path = os.path.join(tempfile.mkdtemp(), "t.json"); _ = open(path, "w").write('{"vocab": {}}')
+    >>> _why_not_a_tokenizer(path, Exception("expected `,` or `}`"))
+    "JSON without a tokenizer's 'model' (a file as the tokenizers library's Tokenizer.save writes it)"
+    """
+    try:
+        record = json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        record = None
+    if isinstance(record, dict) and "model" not in record:
+        return "JSON without a tokenizer's 'model' (a file as the tokenizers library's Tokenizer.save writes it)"
+    return " ".join(str(error).split())[:120]
 
 
 def _text(path: str | None) -> str:

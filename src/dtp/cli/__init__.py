@@ -44,7 +44,7 @@ from ..launch import in_torchrun, launched, restarted
 from ..layouts import Layout
 from .flags import (UsageError, build_layout, build_parser, mesh_axes, parse_args, preflight, train_argv,
                     validate)
-from .plan import cmd_plan, train_refusal
+from .plan import cmd_plan, print_schedule, train_refusal
 from .report import (default_out, clear_run_files, format_bytes, format_step, progress_bar, report_exception,
                      summarize, survive_closed_output)
 
@@ -86,7 +86,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
             print(to_toml(args.run_config, leave_out=getattr(args, "derived", ())), end="")
         else:
-            _print_schedule(args, layout)
+            print_schedule(args, layout)
         return 0
     if args.out is None:
         args.out = default_out()
@@ -128,21 +128,6 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
         code = check_run(args.out)
     return code
-
-
-def _print_schedule(args: argparse.Namespace, layout: Layout) -> None:
-    """``--print-schedule``: each pipeline rank's action list (``--pp > 1``, checked by
-    :func:`~dtp.cli.flags.validate`)."""
-    from .. import schedules
-    from ..models import config as model_config
-
-    n_layers = model_config.n_sequential_layers(model_config.config_for(args.model, init_from=args.init_from))
-    v = layout.pipeline.virtual_stages  # a V schedule's 2 chunks per rank
-    table = schedules.format_schedule(schedules.make(args.pp_schedule, p=args.pp, v=v, m=args.microbatches),
-                                      p=args.pp)
-    print(f"{args.pp_schedule} schedule, pp={args.pp}, virtual stages {v}, "
-          f"{args.microbatches} microbatches ({n_layers} layers; F forward, B backward, I/W its input/weight "
-          f"halves, F&B a forward paired with a backward, chunk.microbatch):\n{table}")
 
 
 def _refuse_unfit(args: argparse.Namespace, *, local_ranks: int, show: bool) -> None:

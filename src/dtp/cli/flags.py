@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import math
 import os
 import re
@@ -83,8 +84,6 @@ def validate(args: argparse.Namespace, *, world_size: int | None = None) -> argp
     for name in ("data", "tokenizer", "init_from"):  # the ranks and the reference may run elsewhere
         if getattr(args, name, None) is not None:
             setattr(args, name, str(Path(getattr(args, name)).expanduser().resolve()))
-    if args.print_schedule and args.pp == 1:
-        raise UsageError("--print-schedule prints the pipeline's schedule; pipeline options need --pp > 1")
     if args.resume and args.overwrite:
         raise UsageError("--resume continues the run in --out, --overwrite deletes it: choose one")
     if args.tensorboard and importlib.util.find_spec("tensorboard") is None:
@@ -299,6 +298,8 @@ def check_config(args: argparse.Namespace) -> Layout:
     dtp.cli.parser.UsageError: --model tiny on the mesh dp=1 × tp=3: heads=4 is not divisible by tp=3 (--tp splits the heads); choose heads a multiple of 3, or a smaller --tp
     """
     check_nproc(args, mesh_axes_of(pp=args.pp, dp=args.dp, ep=args.ep, cp=args.cp, tp=args.tp))  # as validate
+    if args.print_schedule and args.pp == 1:
+        raise UsageError("--print-schedule prints the pipeline's schedule; pipeline options need --pp > 1")
     if getattr(args, "microbatches", 1) is None:  # dtp plan's default, as validate resolves dtp train's
         args.microbatches = run_config(args).microbatches
         args.derived = (*getattr(args, "derived", ()), "microbatches")
@@ -471,6 +472,9 @@ def _model(args: argparse.Namespace, max_id: int) -> model_config.LlamaConfig:
             raise UsageError(_flag_words(str(e).removeprefix("LlamaConfig: "), {f: flag_of(f) for f in MODEL_FIELDS})) from None
     if importlib.util.find_spec("safetensors") is None:
         raise UsageError("--init-from reads Hugging Face weights with safetensors: pip install 'dtp[hf]'")
+    if Path(args.init_from).is_file():  # config_from_hf reads a config.json file too, but a run needs the weights
+        raise UsageError(f"--init-from {args.init_from}: {args.init_from} is not a directory (a Hugging Face model "
+                         f"directory holds config.json and *.safetensors)")
     try:
         cfg = model_config.config_for(args.model, init_from=args.init_from, **model_overrides(args))
     except OSError as e:
@@ -565,6 +569,22 @@ def _check_corpus(args: argparse.Namespace, n_tokens: int) -> None:
                              f"{args.seq} + 1 tokens, fewer than a batch; use a smaller --batch or --seq, or more data")
 
 
+def _run_record(path: Path) -> bool:
+    """``path`` is absent or a run's ``config.json`` (what dtp train writes: a JSON object
+    with the run's ``segments``).
+
+    >>> _run_record(Path("/nonexistent/config.json"))
+    True
+    """
+    if not path.is_file():
+        return not path.exists()
+    try:
+        record = json.loads(path.read_text())
+    except (ValueError, OSError):
+        return False
+    return isinstance(record, dict) and "segments" in record
+
+
 def check_out_dir(args: argparse.Namespace) -> None:
     """The run directory: its parent creatable and writable; an earlier run's directory
     only with ``--resume`` (continue it) or ``--overwrite`` (clear dtp's files from it)."""
@@ -574,6 +594,11 @@ def check_out_dir(args: argparse.Namespace) -> None:
     if out.is_dir() and any(out.iterdir()) and not (args.resume or args.overwrite):
         raise UsageError(f"--out {out} is not empty (an earlier run?): add --resume to continue it, "
                          f"--overwrite to start again there, or name another --out")
+    if args.overwrite and not _run_record(out / "config.json"):
+        # --overwrite deletes a run's config.json; one no run wrote (a Hugging Face model's,
+        # the user's own) is not a run's to delete
+        raise UsageError(f"--out {out}: its config.json is not a dtp run's (a model directory?); --overwrite "
+                         f"would delete it: name another --out")
     try:  # create it now (rank 0 would anyway) and write into it: that is what "writable" means
         out.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=out):

@@ -17,9 +17,11 @@ import sys
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from ..layouts import Layout
     from ..planning import Plan
 
-__all__ = ["add_parser", "add_train_flags", "plan_from_args", "cmd_plan", "train_refusal", "machine_memory_gb"]
+__all__ = ["add_parser", "add_train_flags", "plan_from_args", "cmd_plan", "print_schedule", "train_refusal",
+           "machine_memory_gb"]
 
 # The train parser's groups a plan reads (titles up to their first parenthesis).
 SHARED_GROUPS = ("parallelism", "model and training", "mixture of experts")
@@ -87,12 +89,29 @@ def cmd_plan(args: argparse.Namespace) -> int:
     ``dtp train`` refuses is refused here with the same line (:func:`~dtp.cli.flags.check_config`)."""
     from .flags import check_config
 
-    check_config(args)  # before planning imports torch: a refusal takes a fraction of a second
+    layout = check_config(args)  # before planning imports torch: a refusal takes a fraction of a second
     from ..planning import format_plan
 
     p = plan_from_args(args)
     print(format_plan(p, args.memory_gb))
+    if args.print_schedule:
+        print_schedule(args, layout)
     return 0 if args.memory_gb is None or p.fits(args.memory_gb) else 1
+
+
+def print_schedule(args: argparse.Namespace, layout: Layout) -> None:
+    """``--print-schedule``: each pipeline rank's action list (``--pp > 1``, checked by
+    :func:`~dtp.cli.flags.check_config`), for ``dtp train`` and ``dtp plan``."""
+    from .. import schedules
+    from ..models import config as model_config
+
+    n_layers = model_config.n_sequential_layers(model_config.config_for(args.model, init_from=args.init_from))
+    v = layout.pipeline.virtual_stages  # a V schedule's 2 chunks per rank
+    table = schedules.format_schedule(schedules.make(args.pp_schedule, p=args.pp, v=v, m=args.microbatches),
+                                      p=args.pp)
+    print(f"{args.pp_schedule} schedule, pp={args.pp}, virtual stages {v}, "
+          f"{args.microbatches} microbatches ({n_layers} layers; F forward, B backward, I/W its input/weight "
+          f"halves, F&B a forward paired with a backward, chunk.microbatch):\n{table}")
 
 
 def machine_memory_gb(nproc: int) -> float:
