@@ -24,8 +24,8 @@ step move at once (``dtp.comm.simulated_link``).
 (``dtp.ops.tp_rings.one_way``), to set the bidirectional rings that ``async`` runs from
 tp 3 up against the one-way ones on the same link (at tp 2 both are one-way).
 
-Steps rotate (async, non-async[, one-way]; round i starts at the i-th, cyclically, so no
-step runs twice in a row; every rank starting together); a step's time is the slower rank's; medians of ``--repeats``. Columns:
+Steps rotate (async, non-async[, one-way]; round i starts at the i-th, cyclically, so each
+takes each place equally often; every rank starting together); a step's time is the slower rank's; medians of ``--repeats``. Columns:
 
 * ``step`` — median seconds; ``vs sp`` — async / non-async;
 * ``ideal`` — max(compute, comm) with ``compute`` the step without the link;

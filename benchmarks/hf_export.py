@@ -30,7 +30,8 @@ _IMPORTS = ("import sys, torch; torch.set_num_threads(1); import torch.distribut
             "dtp.models.hf; from dtp import cli\n")
 # VmHWM: this process's own peak (ru_maxrss would carry the parent's peak across fork + exec)
 _PEAK = "print([int(l.split()[1]) * 1024 for l in open('/proc/self/status') if l.startswith('VmHWM')][0])\n"
-_STREAMED = "cli.main(['export', '--hf', sys.argv[1] + '/out-s', '--run', sys.argv[1] + '/run'])\n"
+# --overwrite: every repeat writes over the last one's model (without it the export is refused, rc 2)
+_STREAMED = "assert cli.main(['export', '--hf', sys.argv[1] + '/out-s', '--run', sys.argv[1] + '/run', '--overwrite']) == 0\n"
 _WHOLE = """
 from dtp import TrainState, checkpoint, layouts, optim
 from dtp.cli.loop import single_process_world
@@ -72,7 +73,7 @@ def main() -> None:
         peaks: dict[str, list[int]] = {"imports": [], "streamed": [], "whole": []}
         bodies = {"imports": "", "streamed": _STREAMED, "whole": _WHOLE}
         for r in range(args.repeats):
-            for name in (list(bodies) if r % 2 == 0 else list(bodies)[::-1]):
+            for name in list(bodies)[r % 3:] + list(bodies)[:r % 3]:  # each takes each place equally often
                 peaks[name].append(_peak(bodies[name], path))
     base = statistics.median(peaks["imports"])
     print(f"Llama dim {args.dim}, {args.layers} layers, {llama.param_count(cfg) / 1e6:.1f} M parameters, "

@@ -19,8 +19,9 @@ combine and their backwards) take as long on the link as its experts take to com
 ``expert`` = fwd+bwd of ``dtp.ops.moe.experts`` alone on the rows this rank's experts
 receive (no link, the fastest of several runs — load only adds — and the slower rank),
 ``B = bytes / (expert − 4·latency)``; ``comm`` = expert. Then every option runs, in
-rotated order (repeat i starts at the i-th option, so none runs twice in a row), once without the link (its own
-``compute``: chunking costs something) and once under it, each call behind a barrier.
+rotated order (repeat i starts at the i-th option: each takes each place equally often),
+once without the link (its own ``compute``: chunking costs something) and once under it,
+each call behind a barrier.
 Columns:
 
 * ``a2a``: token all-to-alls per fwd+bwd (4, or 4 × local experts × multi_data);
@@ -233,7 +234,7 @@ def _sweep(batch: int, seq: int, dim: int, hidden: int, top_k: int, warmup: int,
                      "n_a2a": {}}
         rows = {label: {"free": [], "base": [], "linked": [], "exposed": [], "comm": [], "dur": []} for label in layers}
         for i in range(repeats):
-            order = list(layers)[i % len(layers):] + list(layers)[:i % len(layers)]  # none twice in a row
+            order = list(layers)[i % len(layers):] + list(layers)[:i % len(layers)]  # each option takes each place equally often
             for label in order:
                 row = rows[label]
                 dt, records = _timed(layers[label].step, None)

@@ -160,7 +160,7 @@ PLAN_CASES = ("mesh vs nproc", "lr past float32 in AdamW's step", "data missing"
               "seq vs sp", "seq vs the model", "experts vs ep", "expert flags on a dense model", "layers vs stages", "sp without tp", "pp with zero 3",
               "multi-data past a microbatch's tokens", "multi-data past a cp shard's tokens",
               "multi-data past a pipeline microbatch's tokens", "multi-data past a dp x ep shard's tokens",
-              "pp with overlapped grad reduce")
+              "pp with overlapped grad reduce", "init-from a token file")
 _HF_CONFIG = {"model_type": "llama", "vocab_size": 100, "hidden_size": 64, "intermediate_size": 128,
               "num_hidden_layers": 2, "num_attention_heads": 4}
 
@@ -250,6 +250,15 @@ def test_dtp_plan_refuses_a_shape_with_trains_line(bad_runs, case) -> None:
     code, err = bad_runs["plan: " + case]
     assert code == 2, (case, err)
     assert err == bad_runs[case][1].replace("dtp train: error: ", "dtp plan: error: ", 1), (case, err)
+
+
+def test_dtp_plan_reads_a_config_json_file(tmp_path, capsys) -> None:
+    """``dtp plan --init-from`` plans from a config.json file alone (no weights needed);
+    only a file that is no JSON is refused (above: "init-from a token file")."""
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({**_HF_CONFIG, "vocab_size": 256}))
+    assert cli.main(["plan", "--init-from", str(config)]) == 0
+    assert "peak" in capsys.readouterr().out
 
 
 def test_the_readme_plan_of_a_70b_run_needs_no_corpus_of_its_batch(capsys) -> None:

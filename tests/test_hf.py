@@ -508,7 +508,7 @@ def test_export_refuses_to_write_over_a_run_and_bad_shard_sizes(tmp_path: Path, 
     (tmp_path / "a file").write_text("kept")  # under a file: was NotADirectoryError, "rank 0 failed", exit 1
     assert cli.main(["export", "--hf", str(tmp_path / "a file" / "out"), "--run", str(run)]) == 2
     assert capsys.readouterr().err.strip().splitlines() == [
-        f"dtp export: error: --hf {tmp_path / 'a file' / 'out'}: cannot create it (Not a directory)"]
+        f"dtp export: error: --hf {tmp_path / 'a file' / 'out'}: cannot create or write it (Not a directory)"]
     for size in ("0", "-1", "nan"):
         assert cli.main(["export", "--hf", str(tmp_path / "out"), "--run", str(run), "--max-shard-gb", size]) == 2
         err = capsys.readouterr().err.strip().splitlines()
@@ -553,11 +553,22 @@ def test_export_writes_over_a_model_only_with_overwrite_and_only_whole(tmp_path:
     monkeypatch.setattr(checkpoint.ParamReader, "read", read)
     capsys.readouterr()
 
+    (out / ".dtp-staging-killed").mkdir()  # what a writer killed midway left
+    (out / "tokenizer.model").write_text("the old model's")  # this run carries no tokenizer
+    (out / "tokenizer.json").mkdir()
+    assert cli.main(["export", "--hf", str(out), "--run", str(run), "--overwrite"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"dtp export: error: --hf {out}: tokenizer.json is a directory there, where the export writes a file"]
+    (out / "tokenizer.json").rmdir()
     assert cli.main(["export", "--hf", str(out), "--run", str(run), "--overwrite"]) == 0
     assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "model.safetensors"]
     assert (out / "README.md").read_text() == "mine"
     assert json.loads((out / "config.json").read_text())["model_type"] != "mistral"
     assert set(hf.from_hf(out)[1]) == set(_checkpointed_run(tmp_path / "again")[1])  # loads whole
+    # into the run's own --init-from source: dtp check of the run would read the fine-tune
+    _checkpointed_run(tmp_path / "ft", init_from=str(out))
+    assert cli.main(["export", "--hf", str(out), "--run", str(tmp_path / "ft"), "--overwrite"]) == 2
+    assert "the run's --init-from source" in capsys.readouterr().err
 
 
 def test_export_of_a_damaged_checkpoint_names_the_file_and_writes_nothing(tmp_path: Path, capsys) -> None:

@@ -13,21 +13,23 @@ read; the optimizer state is never read (only its files' CRC32s are checked, str
 Peak memory is about one tensor — a Mixtral layer's stacked experts — twice (read, then
 transposed for writing), not the model.
 
-A directory that holds a model already (a ``config.json`` or weights: the ``--init-from``
-source a run fine-tuned, an earlier export) is written over only with ``--overwrite``, and
-then only once the new files are whole: an export that fails leaves it as it was.
+A directory that holds a model already (a ``config.json`` or weights: another model, an
+earlier export) is written over only with ``--overwrite``, and then only once the new files
+are whole (:func:`dtp.models.hf_config.staged`): an export that fails leaves it as it was.
+The run's own ``--init-from`` source is refused: ``dtp check`` reads its weights again.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 from pathlib import Path
 
 from .._checkpoint_dirs import MANIFEST, latest
 from .._token_files import TOKENIZER_CONFIGS
 from ..config import DTYPES
-from ..models.hf_config import staged, weight_file_names
+from ..models.hf_config import INDEX, SINGLE, staged, weight_file_names
 from .flags import UsageError
 from .parser import RUN_FILES, positive_float
 
@@ -74,8 +76,12 @@ def cmd_export(args: argparse.Namespace) -> int:
                          f"directory")
     model = _model_files(Path(args.hf))
     if model and not args.overwrite:
-        raise UsageError(f"--hf {args.hf}: holds a model already ({', '.join(model)}); add --overwrite to "
-                         f"replace it, or name another directory")
+        named = ", ".join(model) if len(model) <= 4 else f"config.json and {len(model) - 1} weight files" \
+            if model[0] == "config.json" else f"{len(model)} weight files"
+        raise UsageError(f"--hf {args.hf}: holds a model already ({named}); add --overwrite to replace it, or "
+                         f"name another directory")
+    if taken := [n for n in _WRITTEN if (Path(args.hf) / n).is_dir()]:
+        raise UsageError(f"--hf {args.hf}: {taken[0]} is a directory there, where the export writes a file")
     root = run / "checkpoints" if (run / "checkpoints").is_dir() else run
     try:
         reader = checkpoint.ParamReader(root)
@@ -87,10 +93,17 @@ def cmd_export(args: argparse.Namespace) -> int:
     extra = reader.manifest.get("extra") or {}
     if "model" not in extra or "run" not in extra:
         raise UsageError(f"--run {run}: the checkpoint does not record its model (not saved by dtp train)")
+    source = extra["run"].get("init_from")
+    if source and Path(source).resolve() == Path(args.hf).resolve():
+        # its weights are what dtp check and --resume --check of the run train again from
+        raise UsageError(f"--hf {args.hf}: the run's --init-from source, which dtp check and --resume --check "
+                         f"read again; export to another directory")
     try:  # once the checkpoint has opened: a refused export leaves no directory behind
         Path(args.hf).mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=args.hf):  # and writable (the staging directory goes there)
+            pass
     except OSError as e:
-        raise UsageError(f"--hf {args.hf}: cannot create it ({e.strerror or e})") from None
+        raise UsageError(f"--hf {args.hf}: cannot create or write it ({e.strerror or e})") from None
     cfg = llama.LlamaConfig(**extra["model"])
     saved = getattr(torch, extra["run"]["dtype"])
     last: dict[str, torch.Tensor] = {}  # the stacked experts being written (one tensor)
@@ -106,7 +119,9 @@ def cmd_export(args: argparse.Namespace) -> int:
         del last[name]
         return t
 
-    with staged(args.hf) as out:  # the whole export, or (an error) nothing replaced
+    # the whole export or (an error) nothing replaced; an old model's tokenizer and generation
+    # files this one does not carry go with it
+    with staged(args.hf, replaces=(*_TOKENIZER_FILES, _GENERATION)) as out:
         files = hf.to_hf(cfg, read, out, dtype=getattr(torch, args.dtype) if args.dtype else saved,
                          max_shard_bytes=int(args.max_shard_gb * 2**30))
         _carry_generation(extra["run"].get("init_from"), out)
@@ -119,7 +134,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 def _model_files(path: Path) -> list[str]:
     """What in ``path`` an export would write over: a model's ``config.json`` and weight
-    files (:func:`~dtp.models._safetensors_files.weight_file_names`).
+    files (:func:`~dtp.models.hf_config.weight_file_names`).
 
     >>> import tempfile
     >>> _model_files(Path(tempfile.mkdtemp()))
@@ -176,6 +191,8 @@ def _carry_generation(source: str | None, out: Path) -> None:
 
 # What AutoTokenizer.from_pretrained reads from a model directory.
 _TOKENIZER_FILES = ("tokenizer.json", *TOKENIZER_CONFIGS, "tokenizer.model")
+# The names an export may write (besides its shards): a directory of one of them is refused.
+_WRITTEN = ("config.json", SINGLE, INDEX, *_TOKENIZER_FILES, _GENERATION)
 
 
 def _carry_tokenizer(tokenizer: str | None, source: str | None, out: Path) -> None:

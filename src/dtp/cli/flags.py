@@ -472,9 +472,6 @@ def _model(args: argparse.Namespace, max_id: int) -> model_config.LlamaConfig:
             raise UsageError(_flag_words(str(e).removeprefix("LlamaConfig: "), {f: flag_of(f) for f in MODEL_FIELDS})) from None
     if importlib.util.find_spec("safetensors") is None:
         raise UsageError("--init-from reads Hugging Face weights with safetensors: pip install 'dtp[hf]'")
-    if Path(args.init_from).is_file():  # config_from_hf reads a config.json file too, but a run needs the weights
-        raise UsageError(f"--init-from {args.init_from}: {args.init_from} is not a directory (a Hugging Face model "
-                         f"directory holds config.json and *.safetensors)")
     try:
         cfg = model_config.config_for(args.model, init_from=args.init_from, **model_overrides(args))
     except OSError as e:
@@ -483,6 +480,11 @@ def _model(args: argparse.Namespace, max_id: int) -> model_config.LlamaConfig:
         raise UsageError(f"--init-from {args.init_from}: its config.json has no {e.args[0]!r}, which a Llama "
                          f"config needs") from None
     except ValueError as e:
+        if isinstance(e, (json.JSONDecodeError, UnicodeDecodeError)) and Path(args.init_from).is_file():
+            # a file that is no config.json (dtp plan reads one; a run needs the directory): was json's
+            # "Expecting value: line 1 column 1 (char 0)"
+            raise UsageError(f"--init-from {args.init_from}: {args.init_from} is not a directory (a Hugging Face "
+                             f"model directory holds config.json and *.safetensors)") from None
         raise UsageError(f"--init-from {args.init_from}: {e}") from None
     real = cfg.vocab_size - cfg.vocab_pad
     if max_id >= real:
@@ -569,22 +571,6 @@ def _check_corpus(args: argparse.Namespace, n_tokens: int) -> None:
                              f"{args.seq} + 1 tokens, fewer than a batch; use a smaller --batch or --seq, or more data")
 
 
-def _run_record(path: Path) -> bool:
-    """``path`` is absent or a run's ``config.json`` (what dtp train writes: a JSON object
-    with the run's ``segments``).
-
-    >>> _run_record(Path("/nonexistent/config.json"))
-    True
-    """
-    if not path.is_file():
-        return not path.exists()
-    try:
-        record = json.loads(path.read_text())
-    except (ValueError, OSError):
-        return False
-    return isinstance(record, dict) and "segments" in record
-
-
 def check_out_dir(args: argparse.Namespace) -> None:
     """The run directory: its parent creatable and writable; an earlier run's directory
     only with ``--resume`` (continue it) or ``--overwrite`` (clear dtp's files from it)."""
@@ -605,3 +591,19 @@ def check_out_dir(args: argparse.Namespace) -> None:
             pass
     except OSError as e:
         raise UsageError(f"--out {out}: cannot create or write it ({e.strerror or e})") from None
+
+
+def _run_record(path: Path) -> bool:
+    """``path`` is absent or a run's ``config.json``: a JSON object with a key every dtp
+    train wrote (``segments`` since 2026-11-27, ``command`` and ``layout`` before).
+
+    >>> _run_record(Path("/nonexistent/config.json"))
+    True
+    """
+    if not path.is_file():
+        return not path.exists()
+    try:
+        record = json.loads(path.read_text())
+    except (ValueError, OSError):
+        return False
+    return isinstance(record, dict) and not {"segments", "command", "layout"}.isdisjoint(record)

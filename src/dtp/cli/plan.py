@@ -105,7 +105,8 @@ def print_schedule(args: argparse.Namespace, layout: Layout) -> None:
     from .. import schedules
     from ..models import config as model_config
 
-    n_layers = model_config.n_sequential_layers(model_config.config_for(args.model, init_from=args.init_from))
+    cfg = getattr(args, "model_config", None) or model_config.config_for(args.model, init_from=args.init_from)
+    n_layers = model_config.n_sequential_layers(cfg)
     v = layout.pipeline.virtual_stages  # a V schedule's 2 chunks per rank
     table = schedules.format_schedule(schedules.make(args.pp_schedule, p=args.pp, v=v, m=args.microbatches),
                                       p=args.pp)

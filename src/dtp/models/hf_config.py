@@ -12,7 +12,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -354,14 +354,24 @@ def weight_file_names(root: Path) -> list[str]:
             if p.is_file()]
 
 
+_STAGING = ".dtp-staging-"
+
+
 @contextmanager
-def staged(path: str | os.PathLike[str]) -> Iterator[Path]:
+def staged(path: str | os.PathLike[str], *, replaces: Sequence[str] = ()) -> Iterator[Path]:
     """A model directory written whole or not at all: inside, write into the yielded
-    (empty, hidden) directory under ``path``; on success its files replace their namesakes
-    in ``path`` and the earlier model's other weight files (:func:`weight_file_names`:
-    shards the new index does not name would shadow it) are deleted after; on an error
-    ``path`` is left as it was. Before, the old weights were deleted first and the new
-    ones streamed in for minutes: a failure there lost both.
+    (empty, hidden) directory under ``path``; on success its files take the place of the
+    model in ``path``; on an error while writing, ``path`` is left as it was. Before, the
+    old weights were deleted first and the new ones streamed in for minutes: a failure
+    there lost both.
+
+    The old model's files the new one does not write are deleted first — its weight files
+    (:func:`weight_file_names`: an index left beside a new single file would be read
+    instead of it) and the names in ``replaces`` — then the new weights are renamed in,
+    ``config.json`` last: a crash in between leaves a directory that fails to load, never
+    one that loads the old weights under the new config. A name that is a directory in
+    ``path`` is refused before anything moves. Staging directories a killed writer left
+    are removed first (one writer per directory: ``dtp export`` runs on one process).
 
     >>> import tempfile
     >>> root = Path(tempfile.mkdtemp()); _ = (root / "model-00001-of-00002.safetensors").write_text("old")
@@ -372,14 +382,19 @@ def staged(path: str | os.PathLike[str]) -> Iterator[Path]:
     """
     root = Path(path)
     root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".dtp-staging-", dir=root))  # same file system: renames are atomic
+    for left in root.glob(_STAGING + "*"):
+        shutil.rmtree(left, ignore_errors=True)
+    tmp = Path(tempfile.mkdtemp(prefix=_STAGING, dir=root))  # same file system: renames are atomic
     try:
         yield tmp
         new = sorted(p.name for p in tmp.iterdir())
-        for name in new:
-            os.replace(tmp / name, root / name)
-        for name in weight_file_names(root):
-            if name not in new:
+        if taken := [name for name in new if (root / name).is_dir()]:
+            raise IsADirectoryError(f"{root}: {', '.join(taken)} is a directory there; the model's file of that "
+                                    f"name cannot take its place")
+        for name in [*weight_file_names(root), *replaces]:
+            if name not in new and (root / name).is_file():
                 (root / name).unlink()
+        for name in sorted(new, key=lambda n: n == "config.json"):  # the config last
+            os.replace(tmp / name, root / name)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
