@@ -164,6 +164,34 @@ def test_keep_the_last_k_partial_saves_are_ignored_and_async_save_completes(tmp_
     assert names == ["step_00000003", "step_00000004", "step_00000009.partial"]
 
 
+def _saves_after_going_back(root: str) -> tuple[list[str], list[str]]:
+    """keep= pruned the oldest steps: after a run went back to an older checkpoint, its
+    new save sat below the abandoned run's steps and was deleted at once (save returned
+    a path that was gone). And a root one rank cannot write stopped that rank alone: the
+    others waited in the save's first barrier until the timeout."""
+    state = dtp.TrainState.create({"w": torch.ones(4)}, dtp.optim.sgd(0.1), mesh=dtp.make_mesh(dp=2),
+                                  layout=layouts.data(), axes={"w": (None,)})
+    ahead = state.replace(step=3)
+    dtp.checkpoint.save(ahead, root)
+    kept = dtp.checkpoint.save(state.replace(step=1), root, keep=2)
+    first = sorted(os.listdir(root)) + [str(kept.exists())]
+    dtp.checkpoint.save(state.replace(step=2), root, keep=1)
+    second = sorted(os.listdir(root))
+    mine = root if torch.distributed.get_rank() == 0 else "/proc/no-such-mount/ckpt"
+    try:
+        dtp.checkpoint.save(state, mine)
+    except ValueError as e:
+        second.append(str(e).split(" (")[0])
+    return first, second
+
+
+def test_keep_never_deletes_the_save_it_made_and_a_rank_that_cannot_write_stops_all(tmp_path):
+    for first, second in run(_saves_after_going_back, str(tmp_path / "c"), world_size=2):
+        assert first == ["step_00000001", "step_00000003", "True"]
+        assert second[0] == "step_00000002" and len(second) == 2
+        assert second[1].startswith("checkpoint.save: cannot write to /proc/no-such-mount/ckpt"), second
+
+
 def _async_equals_sync(root: str) -> bool:
     state, _ = _steps(_state("dp2_tp2_zero2"), 0, K)
     pending = dtp.checkpoint.save(state, root + "/async", async_save=True)

@@ -153,3 +153,12 @@ def test_async_tp_takes_experts() -> None:
     # MoE ops fill the block entry's buffer before the router reads it (collective_matmul.filled)
     layout = layouts.megatron(sequence_parallel=True, async_tp=True) + layouts.expert(tp_axis="tp")
     layout.check_sizes({"heads": 4, "embed": 8, "expert": 4}, _Mesh(ep=2, tp=2))
+
+
+def test_a_rule_given_as_one_string_names_one_mesh_axis() -> None:
+    """``Layout({"embed": "dp"})`` iterated the string: axes 'd' and 'p', so the parameter
+    stayed replicated and a warning called it a typo. One string is one axis, as in P."""
+    assert dtp.Layout({"embed": "dp"}, {"batch": ["dp", "cp"]}).params == {"embed": ("dp",)}
+    assert dtp.Layout(activations={"batch": ["dp", "cp"]}).activations == {"batch": ("dp", "cp")}
+    with pytest.raises(TypeError, match=r"^Layout: the params rule for 'embed' must be a mesh axis name"):
+        dtp.Layout({"embed": 3})

@@ -390,6 +390,23 @@ def test_adamw_refuses_moments_whose_first_step_cannot_be_right():
             optim.adamw(1e-3, eps=eps).init(half)
     with pytest.raises(ValueError, match=r"eps=1e-46 rounds to 0 in float32.*give eps >= 1.4e-45"):
         optim.adamw(1e-3, eps=1e-46).init({"w": torch.ones(2)})
-    with pytest.raises(ValueError, match=r"eps must be > 0"):
+    with pytest.raises(ValueError, match=r"eps must be finite and > 0"):
         optim.adamw(1e-3, eps=0.0)
     optim.adamw(1e-3).init({"w": torch.ones(2, dtype=torch.bfloat16)})  # float32's range: the default holds
+
+
+def test_nan_and_inf_settings_and_negative_schedules_are_refused() -> None:
+    """Every range check was a comparison NaN passes: sgd(nan) was built, and its first
+    step turned every weight NaN (then every later step was skipped, forever); a schedule
+    that went negative was applied (gradient ascent)."""
+    nan, inf = float("nan"), float("inf")
+    for make in (lambda: optim.sgd(nan), lambda: optim.sgd(inf), lambda: optim.sgd(0.1, momentum=nan),
+                 lambda: optim.sgd(0.1, weight_decay=inf), lambda: optim.adamw(nan), lambda: optim.adamw(1e-3, eps=nan),
+                 lambda: optim.adamw(1e-3, weight_decay=nan), lambda: optim.adamw(1e-3, b1=nan)):
+        with pytest.raises(ValueError, match=r"finite|must lie in"):
+            make()
+    p = {"w": torch.ones(2)}
+    for lr in (lambda step: -5.0, lambda step: nan):
+        opt = optim.sgd(lr)
+        with pytest.raises(ValueError, match=r"^sgd: the lr schedule gave (-5.0|nan) at step 0; a learning rate is finite"):
+            opt.update({"w": torch.ones(2)}, opt.init(p), p)

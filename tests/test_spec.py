@@ -102,3 +102,20 @@ def test_mesh_size_must_match_world_on_gloo():
 
     with pytest.raises(dtp.testing.RankError, match=r"dp=4 = 4 devices, but the world size is 2"):
         run(bad, world_size=2)
+
+
+def test_from_local_checks_the_shape_it_is_given() -> None:
+    """``shape=`` was taken as given: a (2, 3) shard became a DTensor of shape (4,), and a
+    reshard of it failed deep in torch (or aborted gloo) later."""
+    with dtp.testing.simulate(2):
+        mesh = dtp.make_mesh(dp=2)
+        assert tuple(dtp.from_local(torch.ones(2, 3), mesh, P("dp"), shape=(4, 3)).shape) == (4, 3)
+        with pytest.raises(ValueError, match=r"^x: a local shard of shape \(2, 3\) laid out as P\('dp'\) makes a "
+                                             r"global shape \(4, 3\), not the shape=\(10, 3\) given"):
+            dtp.from_local(torch.ones(2, 3), mesh, P("dp"), shape=(10, 3), name="x")
+
+
+def test_a_partial_that_names_no_axis_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"^P: partial is an axis name or a tuple of axis names; got 5$"):
+        P("dp", partial=5)
+    assert P(partial=["dp", "tp"]).partial == ("dp", "tp")

@@ -83,6 +83,10 @@ def _create(rank, **kw):
     return lambda: _state(mesh, **kw)
 
 
+def _detached_loss(p, b):  # no collective before the check (a pending sum, not reduced)
+    return _per_token_loss(p, b).sum().detach()
+
+
 def _custom_loss(rank, loss, x_dtype=torch.float64):
     mesh = dtp.make_mesh(dp=4)
     g = torch.Generator().manual_seed(0)
@@ -325,6 +329,11 @@ CASES = {
     "parameter dtype differs between ranks": (
         lambda r: _create(r, dtype=lambda r: torch.float64 if r == 0 else torch.float32), "ValueError",
         r"disagree on param embed — rank 0: \(256, 64\) float64 axes \('vocab', 'embed'\); ranks \[1, 2, 3\]"),
+    "an integer parameter on one rank": (  # was torch's RuntimeError on rank 1 alone; the others hung
+        lambda r: lambda: dtp.TrainState.create({"w": torch.ones(4, dtype=torch.int64 if r == 1 else torch.float64)},
+                                                dtp.optim.sgd(0.1), mesh=dtp.make_mesh(dp=4),
+                                                layout=dtp.layouts.data(), axes={"w": (None,)}),
+        "TypeError", r"TrainState.create: param w is torch.int64; parameters are floating point"),
     "layout differs between ranks": (
         lambda r: _create(r, layout=lambda r: dtp.layouts.data() + dtp.layouts.megatron(r == 0)), "ValueError",
         r"TrainState.create: the ranks disagree on layout — rank 0: data \+ megatron\(sequence_parallel=True\)"),
@@ -373,6 +382,18 @@ CASES = {
     "non-scalar loss": (
         lambda r: _custom_loss(r, _per_token_loss), "ValueError",
         r"train_step: loss_fn must return a scalar loss \(the batch mean\), got shape \(8,\)"),
+    "a list given to shard": (  # was "'list' object has no attribute 'shape'"
+        lambda r: lambda: dtp.shard([1.0, 2.0], dtp.make_mesh(dp=4), P("dp"), name="x"), "TypeError",
+        r"x: dtp.shard lays out a torch.Tensor, got list"),
+    "a list given to shard_batch": (  # was "'list' object has no attribute 'items'"
+        lambda r: _shard_batch(r, lambda r: [_batch()["tokens"]]), "TypeError",
+        r"shard_batch: the batch is a mapping of names to tensors"),
+    "loss that does not depend on the parameters": (  # was autograd's "element 0 of tensors does not require grad"
+        lambda r: _custom_loss(r, _detached_loss), "ValueError",
+        r"train_step: loss_fn returned a loss that does not depend on the parameters"),
+    "loss with two things beside it": (  # was "too many values to unpack (expected 2)"
+        lambda r: _custom_loss(r, lambda p, b: (_per_token_loss(p, b).sum(), 1, 2)), "TypeError",
+        r"train_step: loss_fn must return a scalar loss or \(loss, aux\), got a tuple of 3"),
     # ---- context parallel: heads, cp, window and sequence (checked at create / on the batch)
     "heads not divisible by the Ulysses degree (ulysses, cp=4)": (
         lambda r: _create_with(r, {"cp": 4}, _context("ulysses"), n_heads=6, n_kv_heads=2, dim=96), "ValueError",

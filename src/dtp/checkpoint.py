@@ -182,8 +182,8 @@ def save(state: TrainState, root: str | os.PathLike[str], *, extra: Mapping[str,
     """Write ``state`` to ``root/step_<step>`` (a collective: call it on every rank).
 
     ``extra``: JSON-able data saved in the manifest and returned by :func:`load` (a data
-    loader's ``state_dict()``, the model config). ``keep``: afterwards, only the newest
-    ``keep`` checkpoints in ``root`` remain. ``async_save=True`` copies this rank's
+    loader's ``state_dict()``, the model config). ``keep``: afterwards, only this one and
+    the newest ``keep`` − 1 others in ``root`` remain. ``async_save=True`` copies this rank's
     tensors to staging memory and returns an :class:`AsyncSave` at once; the files are
     written while training goes on, and ``wait()`` (on every rank) completes it.
     Returns the checkpoint's path.
@@ -209,12 +209,16 @@ def save(state: TrainState, root: str | os.PathLike[str], *, extra: Mapping[str,
     final = root / f"step_{state.step:08d}"
     partial = final.with_name(final.name + ".partial")
     rank = dist.get_rank() if dist.is_initialized() else 0
-    try:  # every rank sees the same (shared) file system, so every rank fails alike
+    error = None
+    try:
         root.mkdir(parents=True, exist_ok=True)
         if not os.access(root, os.W_OK):
             raise PermissionError(f"{root} is not writable")
     except OSError as e:
-        raise ValueError(f"checkpoint.save: cannot write to {root} ({e})") from None
+        error = ValueError(f"checkpoint.save: cannot write to {root} ({e})")
+    # Every rank alike, before the first barrier: a node without the shared mount failed
+    # alone, and the others waited in that barrier until the process-group timeout.
+    guard.check_together("checkpoint.save", state.mesh, {"step": str(state.step)}, error)
     if rank == 0:
         shutil.rmtree(partial, ignore_errors=True)  # a crashed save's leftovers
         partial.mkdir()
@@ -248,7 +252,10 @@ def save(state: TrainState, root: str | os.PathLike[str], *, extra: Mapping[str,
             os.replace(partial, final)
             shutil.rmtree(aside, ignore_errors=True)
             if keep is not None:
-                for old in checkpoints(root)[:-keep]:
+                # Never the one just written: after a run went back to an older step, the
+                # newest by step were an abandoned run's, and this save was deleted at once.
+                others = [c for c in checkpoints(root) if c.name != final.name]
+                for old in others[:max(0, len(others) - (keep - 1))]:
                     shutil.rmtree(old, ignore_errors=True)
         comm.barrier(tag="checkpoint renamed")
 

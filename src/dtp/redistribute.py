@@ -230,8 +230,8 @@ def to_local(x: DTensor, grad_spec: P | None = None) -> torch.Tensor:
 def from_local(local: torch.Tensor, mesh: DeviceMesh, spec: P, shape: Sequence[int] | None = None, *,
                name: str = "tensor") -> DTensor:
     """Wrap this rank's shard as a DTensor laid out as ``spec`` (the global shape follows
-    from the shard's unless given), differentiable, with every backward collective on the
-    recorded path (unlike ``DTensor.from_local``).
+    from the shard's; ``shape``, when given, is checked against it), differentiable, with
+    every backward collective on the recorded path (unlike ``DTensor.from_local``).
 
     >>> x = from_local(torch.ones(2, 3), make_mesh(dp=1), P("dp"))
     >>> tuple(x.shape)
@@ -240,10 +240,14 @@ def from_local(local: torch.Tensor, mesh: DeviceMesh, spec: P, shape: Sequence[i
     check_spec(spec, mesh, None, name)
     if len(spec.dims) > local.dim():
         raise ValueError(f"{name}: spec {spec} has {len(spec.dims)} dims but the local tensor has shape {tuple(local.shape)}")
-    if shape is None:
-        sizes = axis_sizes(mesh)
-        shape = [s * math.prod(sizes[a] for a in spec.axes_of(d)) for d, s in enumerate(local.shape)]
-    return _FromLocal.apply(local, mesh, spec, tuple(shape))
+    sizes = axis_sizes(mesh)
+    implied = tuple(s * math.prod(sizes[a] for a in spec.axes_of(d)) for d, s in enumerate(local.shape))
+    if shape is not None and tuple(shape) != implied:
+        # even splits, as dtp.shard makes them: a shape= that the shard does not imply was taken
+        # as given (a (2, 3) shard became a tensor of shape (4,)), and failed deep in torch later
+        raise ValueError(f"{name}: a local shard of shape {tuple(local.shape)} laid out as {spec} makes a global "
+                         f"shape {implied}, not the shape={tuple(shape)} given (dtp splits evenly)")
+    return _FromLocal.apply(local, mesh, spec, implied)
 
 
 # ----------------------------------------------------------------------- local_map

@@ -56,7 +56,12 @@ class P:
         while norm and not norm[-1]:  # trailing unspecified dims are replicated anyway
             norm.pop()
         self.dims: tuple[tuple[str, ...], ...] = tuple(norm)
-        self.partial: tuple[str, ...] = (partial,) if isinstance(partial, str) else tuple(partial)
+        if isinstance(partial, str):
+            partial = (partial,)
+        elif not isinstance(partial, (tuple, list)) or not all(isinstance(a, str) for a in partial):
+            # was tuple()'s "'int' object is not iterable" (P("dp", partial=5))
+            raise ValueError(f"P: partial is an axis name or a tuple of axis names; got {partial!r}")
+        self.partial: tuple[str, ...] = tuple(partial)
 
     def axes_of(self, dim: int) -> tuple[str, ...]:
         """The mesh axes splitting ``dim`` (major → minor); ``()`` when replicated."""
@@ -216,6 +221,8 @@ def shard(tensor: torch.Tensor, mesh: DeviceMesh, spec: P, *, name: str = "tenso
     """
     if isinstance(tensor, DTensor):
         raise ValueError(f"{name}: already a DTensor with spec {spec_of(tensor)}; use dtp.reshard to move it")
+    if not isinstance(tensor, torch.Tensor):  # was "'list' object has no attribute 'shape'"
+        raise TypeError(f"{name}: dtp.shard lays out a torch.Tensor, got {type(tensor).__name__}")
     check_spec(spec, mesh, tensor.shape, name)
     local = _take_block(tensor.detach(), spec, mesh, *mesh.get_coordinate())
     device = mesh_device(mesh)

@@ -150,6 +150,9 @@ def _lay_out(paths: list[str], leaves: list[torch.Tensor], axes_leaves: list[Any
     for path, x, ax in zip(paths, leaves, axes_leaves):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"TrainState.create: param {path} must be a tensor, got {type(x).__name__}")
+        if not x.is_floating_point():  # was torch's RuntimeError, past the guard: the other ranks hung in it
+            raise TypeError(f"TrainState.create: param {path} is {x.dtype}; parameters are floating point (an "
+                            f"integer table that does not train goes in buffers=)")
         if not _is_axes(ax) or len(ax) != x.dim():
             raise ValueError(f"param {path}: logical axes {ax!r} do not match its shape {tuple(x.shape)}; give a "
                              f"tuple of {x.dim()} logical axis names (str, or None for a dim no axis splits)")

@@ -77,6 +77,9 @@ def shard_batch(batch: Mapping[str, torch.Tensor], state: TrainState) -> dict[st
     ...     dtp.spec_of(batch["tokens"]), batch["tokens"].to_local().shape  # 2 rows a rank
     (P('dp'), torch.Size([2, 16]))
     """
+    if not isinstance(batch, Mapping):  # was "'list' object has no attribute 'items'"
+        raise TypeError(f"shard_batch: the batch is a mapping of names to tensors (e.g. {{'tokens': ..., "
+                        f"'targets': ...}}), got {type(batch).__name__}")
     mesh = compute_mesh(state)
     if _single_device(mesh):
         device = mesh_device(state.mesh)

@@ -13,7 +13,7 @@ import warnings
 import math
 import threading
 from dataclasses import KW_ONLY, dataclass, field, fields
-from typing import TYPE_CHECKING, Iterator, Mapping, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence, TypeVar
 
 from .._mesh_shape import axis_names
 
@@ -47,6 +47,21 @@ PRESET_MESH_AXES = frozenset({"dp", "tp", "cp", "ep", "pp"})
 # The typed option fields, one per preset family: each is set by at most one side of ``+``.
 _FAMILIES = ("megatron", "context", "zero", "pipeline", "expert", "precision")
 _said_dropped: set[tuple[str, tuple[str, ...], tuple[str, ...]]] = set()
+
+
+def _rule(family: str, logical: str, axes: Any) -> Axes:
+    """A rule's mesh axes as a tuple: a bare string names one axis, as in ``P("dp")``
+    (iterated, ``Layout({"embed": "dp"})`` split it into axes 'd' and 'p').
+
+    >>> _rule("params", "embed", "dp"), _rule("params", "embed", ["dp", "cp"])
+    (('dp',), ('dp', 'cp'))
+    """
+    if isinstance(axes, str):
+        return (axes,)
+    if isinstance(axes, (tuple, list)) and all(isinstance(a, str) for a in axes):
+        return tuple(axes)
+    raise TypeError(f"Layout: the {family} rule for {logical!r} must be a mesh axis name or a tuple of them, "
+                    f"got {axes!r}")
 
 
 def _merge(a: Mapping[str, Axes], b: Mapping[str, Axes]) -> dict[str, Axes]:
@@ -112,6 +127,11 @@ class Layout:
     expert: ExpertOptions | None = None  # set by layouts.expert; None: experts where the rules put them
     precision: PrecisionOptions | None = None  # set by layouts.mixed_precision; None: updates in the params' dtype
     name: str = ""  # for messages: the presets it was composed from
+
+    def __post_init__(self) -> None:
+        for family in ("params", "activations"):
+            rules = getattr(self, family)
+            object.__setattr__(self, family, {k: _rule(family, k, v) for k, v in rules.items()})
 
     def __add__(self, other: Layout) -> Layout:
         if not isinstance(other, Layout):

@@ -60,6 +60,7 @@ def warmup_cosine(peak_lr: float, warmup_steps: int, total_steps: int, final_lr:
 def _as_schedule(lr: ScalarOrSchedule, name: str) -> Schedule:
     if callable(lr):
         return lr
-    if not isinstance(lr, (int, float)) or isinstance(lr, bool) or lr < 0:
-        raise ValueError(f"{name}: lr must be a non-negative number or a schedule step -> lr, got {lr!r}")
+    # not (lr >= 0): NaN passes every comparison (sgd(nan) turned every weight NaN at step one)
+    if not isinstance(lr, (int, float)) or isinstance(lr, bool) or not 0 <= lr < math.inf:
+        raise ValueError(f"{name}: lr must be a finite number >= 0 or a schedule step -> lr, got {lr!r}")
     return constant(lr)

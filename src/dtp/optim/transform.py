@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import math
 from typing import Any, Callable, Iterator, NamedTuple, Union
 
 import optree
@@ -87,7 +88,10 @@ def _next_count(name: str, count: torch.Tensor, schedule: Schedule, decays: bool
         raise ValueError(f"{name}: {'weight_decay' if decays else 'apply'} needs the params; "
                          f"call {'apply' if apply else 'update'}(grads, state, params)")
     step = int(count) + 1
-    return torch.tensor(step, dtype=torch.int64), step, float(schedule(step - 1))
+    rate = float(schedule(step - 1))
+    if not 0 <= rate < math.inf:  # a schedule's value, checked where it is read: -lr is gradient ascent
+        raise ValueError(f"{name}: the lr schedule gave {rate} at step {step - 1}; a learning rate is finite and >= 0")
+    return torch.tensor(step, dtype=torch.int64), step, rate
 
 
 # --------------------------------------------------------------------------- decay masks
@@ -227,8 +231,8 @@ def sgd(lr: ScalarOrSchedule, momentum: float = 0.0, nesterov: bool = False,
     tensor([-0.1900, -0.1900])
     """
     schedule = _as_schedule(lr, "sgd")
-    if momentum < 0 or weight_decay < 0:
-        raise ValueError(f"sgd: momentum and weight_decay must be >= 0, got {momentum}, {weight_decay}")
+    if not (0 <= momentum < math.inf and 0 <= weight_decay < math.inf):  # NaN fails both
+        raise ValueError(f"sgd: momentum and weight_decay must be finite and >= 0, got {momentum}, {weight_decay}")
     if nesterov and momentum <= 0:
         raise ValueError("sgd: nesterov momentum needs momentum > 0")
 
@@ -298,8 +302,9 @@ def adamw(lr: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, eps: float =
     schedule = _as_schedule(lr, "adamw")
     if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
         raise ValueError(f"adamw: betas must lie in [0, 1), got b1={b1}, b2={b2}")
-    if eps <= 0 or weight_decay < 0:  # eps = 0: 0 / 0 wherever a gradient is 0 (an unused embedding row)
-        raise ValueError(f"adamw: eps must be > 0 and weight_decay >= 0, got {eps}, {weight_decay}")
+    # eps = 0: 0 / 0 wherever a gradient is 0 (an unused embedding row); NaN fails both
+    if not (0 < eps < math.inf and 0 <= weight_decay < math.inf):
+        raise ValueError(f"adamw: eps must be finite and > 0, weight_decay finite and >= 0, got {eps}, {weight_decay}")
 
     def init(params: PyTree) -> AdamWState:
         _check_moments_hold(eps, b2, params)
