@@ -41,7 +41,6 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ..launch import in_torchrun, launched, restarted
-from ..layouts import Layout
 from .flags import (UsageError, build_layout, build_parser, mesh_axes, parse_args, preflight, train_argv,
                     validate)
 from .plan import cmd_plan, print_schedule, train_refusal
