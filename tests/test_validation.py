@@ -385,9 +385,14 @@ CASES = {
     "a list given to shard": (  # was "'list' object has no attribute 'shape'"
         lambda r: lambda: dtp.shard([1.0, 2.0], dtp.make_mesh(dp=4), P("dp"), name="x"), "TypeError",
         r"x: dtp.shard lays out a torch.Tensor, got list"),
+    "an empty batch given to shard_batch": (
+        lambda r: _shard_batch(r, lambda r: {}), "ValueError", r"shard_batch: the batch holds no tensors"),
     "a list given to shard_batch": (  # was "'list' object has no attribute 'items'"
         lambda r: _shard_batch(r, lambda r: [_batch()["tokens"]]), "TypeError",
         r"shard_batch: the batch is a mapping of names to tensors"),
+    "a plain per-rank loss for a DTensor batch": (  # was trained on: each rank its own loss, silently
+        lambda r: _custom_loss(r, lambda p, b: _per_token_loss(p, b).to_local().mean()), "ValueError",
+        r"train_step: loss_fn returned a plain tensor for a batch of DTensors: each rank's own value"),
     "loss that does not depend on the parameters": (  # was autograd's "element 0 of tensors does not require grad"
         lambda r: _custom_loss(r, _detached_loss), "ValueError",
         r"train_step: loss_fn returned a loss that does not depend on the parameters"),

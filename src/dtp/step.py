@@ -80,6 +80,8 @@ def shard_batch(batch: Mapping[str, torch.Tensor], state: TrainState) -> dict[st
     if not isinstance(batch, Mapping):  # was "'list' object has no attribute 'items'"
         raise TypeError(f"shard_batch: the batch is a mapping of names to tensors (e.g. {{'tokens': ..., "
                         f"'targets': ...}}), got {type(batch).__name__}")
+    if not batch:  # was {} back, and an error only at train_step
+        raise ValueError("shard_batch: the batch holds no tensors")
     mesh = compute_mesh(state)
     if _single_device(mesh):
         device = mesh_device(state.mesh)
@@ -264,6 +266,13 @@ def _run_microbatches(loss_fn: Callable, run: strategies.StepRun | strategies.Sc
         with span("forward"), run.forward():
             out = loss_fn(run.params(), mb)
         loss, aux = split_loss(out)
+        if k == 0 and not isinstance(loss, DTensor) and getattr(run, "local", None) is None and \
+                any(isinstance(v, DTensor) for v in mb.values()):
+            # each rank's own value (a to_local() inside?): every rank trained on a different
+            # loss, and reported it, with nothing said
+            raise ValueError("train_step: loss_fn returned a plain tensor for a batch of DTensors: each rank's "
+                             "own value, not the global loss; return the DTensor (e.g. dtp.reshard(loss, P())), "
+                             "or compute on local tensors with dtp.ops.local_batch")
         with span("backward"):
             # x / 1 is x bit for bit: one microbatch skips the op and its backward node.
             run.backward(loss / m if m > 1 else loss, k)
