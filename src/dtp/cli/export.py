@@ -23,14 +23,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 from pathlib import Path
 
 from .._checkpoint_dirs import MANIFEST, latest
 from .._token_files import TOKENIZER_CONFIGS
 from ..config import DTYPES
 from ..models.hf_config import INDEX, SINGLE, staged, weight_file_names
-from .flags import UsageError
+from .flags import UsageError, writable_dir
 from .parser import RUN_FILES, positive_float
 
 __all__ = ["add_parser", "cmd_export"]
@@ -98,12 +97,9 @@ def cmd_export(args: argparse.Namespace) -> int:
         # its weights are what dtp check and --resume --check of the run train again from
         raise UsageError(f"--hf {args.hf}: the run's --init-from source, which dtp check and --resume --check "
                          f"read again; export to another directory")
-    try:  # once the checkpoint has opened: a refused export leaves no directory behind
-        Path(args.hf).mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=args.hf):  # and writable (the staging directory goes there)
-            pass
-    except OSError as e:
-        raise UsageError(f"--hf {args.hf}: cannot create or write it ({e.strerror or e})") from None
+    # once the checkpoint has opened (a refused export leaves no directory behind); writable:
+    # the staging directory goes there
+    writable_dir(Path(args.hf), "--hf")
     cfg = llama.LlamaConfig(**extra["model"])
     saved = getattr(torch, extra["run"]["dtype"])
     last: dict[str, torch.Tensor] = {}  # the stacked experts being written (one tensor)

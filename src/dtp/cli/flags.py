@@ -37,7 +37,8 @@ from .resume import check_resume, resume_from
 
 
 __all__ = ["UsageError", "build_parser", "parse_args", "validate", "preflight", "build_layout", "mesh_axes",
-           "train_argv", "vocab_size", "check_shape", "check_config", "check_nproc", "run_config"]
+           "train_argv", "vocab_size", "check_shape", "check_config", "check_nproc", "run_config",
+           "writable_dir"]
 
 
 def run_config(args: Any) -> RunConfig:
@@ -585,12 +586,18 @@ def check_out_dir(args: argparse.Namespace) -> None:
         # the user's own) is not a run's to delete
         raise UsageError(f"--out {out}: its config.json is not a dtp run's (a model directory?); --overwrite "
                          f"would delete it: name another --out")
-    try:  # create it now (rank 0 would anyway) and write into it: that is what "writable" means
-        out.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=out):
+    writable_dir(out, "--out")  # create it now (rank 0 would anyway)
+
+
+def writable_dir(path: Path, flag: str) -> None:
+    """Create ``path`` (a directory a flag names) and write into it: that is what
+    "writable" means; :class:`UsageError` in the flag's words when it cannot."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
             pass
     except OSError as e:
-        raise UsageError(f"--out {out}: cannot create or write it ({e.strerror or e})") from None
+        raise UsageError(f"{flag} {path}: cannot create or write it ({e.strerror or e})") from None
 
 
 def _run_record(path: Path) -> bool:

@@ -105,8 +105,7 @@ def print_schedule(args: argparse.Namespace, layout: Layout) -> None:
     from .. import schedules
     from ..models import config as model_config
 
-    cfg = getattr(args, "model_config", None) or model_config.config_for(args.model, init_from=args.init_from)
-    n_layers = model_config.n_sequential_layers(cfg)
+    n_layers = model_config.n_sequential_layers(args.model_config)  # check_config made it
     v = layout.pipeline.virtual_stages  # a V schedule's 2 chunks per rank
     table = schedules.format_schedule(schedules.make(args.pp_schedule, p=args.pp, v=v, m=args.microbatches),
                                       p=args.pp)
