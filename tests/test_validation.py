@@ -628,3 +628,15 @@ def test_llama_loss_names_the_keys_a_batch_lacks():
     cfg = llama.config("tiny")
     with pytest.raises(KeyError, match=r"llama.loss: the batch needs 'tokens' and 'targets' .* got \['tokens'\]"):
         llama.loss(llama.init(cfg), {"tokens": torch.zeros(2, 8, dtype=torch.long)}, cfg)
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_llama_names_targets_that_are_not_one_per_token(pipelined):
+    """``targets`` of (batch, seq - 1) beside ``tokens`` (batch, seq), the off-by-one of a
+    hand-built batch: one line with both shapes, from the plain loss and from the first
+    layer a pipeline runs, not ``F.cross_entropy``'s flattened batch sizes."""
+    cfg = llama.config("tiny", n_layers=1)
+    toks = torch.zeros(2, 9, dtype=torch.long)
+    fn = llama.sequential(cfg) if pipelined else functools.partial(llama.loss, cfg=cfg)
+    with pytest.raises(ValueError, match=r"batch\['targets'\] has shape \(2, 8\), batch\['tokens'\] \(2, 9\)"):
+        fn(llama.init(cfg), {"tokens": toks, "targets": toks[:, 1:]})

@@ -208,7 +208,17 @@ def _with_aux(lm_loss: torch.Tensor, auxes: tuple[dict[str, torch.Tensor], ...])
     return lm_loss + aux_loss + z, metrics
 
 
+def _check_targets(batch: dict[str, torch.Tensor]) -> None:
+    """One line for targets that are not one per token (else a flattened batch-size
+    mismatch from inside ``F.cross_entropy``, after the forward's collectives)."""
+    tokens, targets = batch["tokens"], batch.get("targets")
+    if targets is not None and tuple(targets.shape) != tuple(tokens.shape):
+        raise ValueError(f"llama: batch['targets'] has shape {tuple(targets.shape)}, batch['tokens'] "
+                         f"{tuple(tokens.shape)}: one target (the next token) per token")
+
+
 def _embed(params: dict[str, Any], x: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    _check_targets(batch)
     return constrain(embedding(params["embed"], batch["tokens"]), ("batch", "res_seq", "embed"), name="embed_out")
 
 
@@ -257,6 +267,7 @@ def loss(params: dict[str, Any], batch: dict[str, torch.Tensor], cfg: LlamaConfi
     if "tokens" not in batch or "targets" not in batch:  # else a bare KeyError from inside the model
         raise KeyError(f"llama.loss: the batch needs 'tokens' and 'targets' (the next tokens), both (batch, seq); "
                        f"got {sorted(batch)}")
+    _check_targets(batch)
     logits, auxes = _forward(params, batch["tokens"], cfg, _docs(batch))
     return _with_aux(cross_entropy(logits, batch["targets"]), auxes)
 
