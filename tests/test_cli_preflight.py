@@ -38,7 +38,12 @@ def _no_torchrun_env(monkeypatch):
 BAD_RUNS = {
     "mesh vs nproc": (["--dp", "3", "--nproc", "4"], "--nproc 4 does not match the mesh dp=3: it needs 3 ranks"),
     "heads vs tp": (["--tp", "3"], "--model tiny on the mesh dp=1 × tp=3: heads=4 is not divisible by tp=3 (--tp "
-                                   "splits the heads); choose heads a multiple of 3, or a smaller --tp\n"),
+                                   "splits the heads); choose a model with heads a multiple of 3 (--model, --init-from), "
+                                   "or a smaller --tp\n"),
+    "heads vs ulysses × tp": (["--cp", "2", "--cp-algo", "ulysses", "--tp", "4", "--nproc", "8"],
+                             "heads=4 must be divisible by the Ulysses degree 2 × tp=4 = 8 for ulysses context "
+                             "parallel; choose a model with heads a multiple of 8 (--model, --init-from), or a "
+                             "smaller --cp or --tp, or --cp-algo ring\n"),
     "kv heads vs head chunks": (["--cp", "2", "--cp-head-chunks", "3"], "--cp-head-chunks 3 must divide the 2 kv heads"),
     "seq vs cp": (["--cp", "2", "--seq", "30"], "--seq 30: --cp 2 cuts the sequence into 4 equal chunks (2 per "
                                                "rank: zigzag load balancing of causal attention); use a --seq that "

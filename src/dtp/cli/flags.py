@@ -296,7 +296,7 @@ def check_config(args: argparse.Namespace) -> Layout:
     >>> check_config(parse_args(["plan", "--tp", "3"]))
     Traceback (most recent call last):
     ...
-    dtp.cli.parser.UsageError: --model tiny on the mesh dp=1 × tp=3: heads=4 is not divisible by tp=3 (--tp splits the heads); choose heads a multiple of 3, or a smaller --tp
+    dtp.cli.parser.UsageError: --model tiny on the mesh dp=1 × tp=3: heads=4 is not divisible by tp=3 (--tp splits the heads); choose a model with heads a multiple of 3 (--model, --init-from), or a smaller --tp
     """
     check_nproc(args, mesh_axes_of(pp=args.pp, dp=args.dp, ep=args.ep, cp=args.cp, tp=args.tp))  # as validate
     if args.print_schedule and args.pp == 1:
@@ -361,8 +361,14 @@ def check_shape(args: argparse.Namespace, layout: Layout, cfg: model_config.Llam
     try:  # the mesh axes as the flags that size them, not the layout's name (which only its API knows)
         layout.check_sizes(model_config.axis_sizes(cfg), mesh, what=what, names=_AXIS_FLAGS)
     except ValueError as e:  # the options' checks name their fields: here, the flags
-        raise UsageError(_flag_words(str(e), {**(_CONTEXT_FLAGS if layout.context is not None else {}),
-                                              "num_experts": flag_of("num_experts")})) from None
+        message = _flag_words(str(e), {**(_CONTEXT_FLAGS if layout.context is not None else {}),
+                                       "num_experts": flag_of("num_experts")})
+        message = re.sub(r"a smaller (cp|tp)(?: or (tp))?\b",  # the context options' words for the axes
+                         lambda m: f"a smaller --{m[1]}" + (f" or --{m[2]}" if m[2] else ""), message)
+        message = re.sub(r"(--cp-algo) '(\w+)'", r"\1 \2", message)  # a flag's value, not a Python string
+        # heads, kv heads, vocabulary are the model's, which no flag sets (--num-experts is a flag)
+        raise UsageError(re.sub(r"choose (\w+) a multiple of (\d+)", r"choose a model with \1 a multiple of \2 "
+                                r"(--model, --init-from)", message)) from None
     if layout.pipeline is not None:
         stages, layers = args.pp * args.virtual_stages, model_config.n_sequential_layers(cfg)
         if layers < stages and layout.pipeline.layer_split is None:  # pipeline.assign's rule, in the flags' words
