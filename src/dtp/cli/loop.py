@@ -37,7 +37,8 @@ from ..redistribute import value_of
 from .process import Terminated, sigterm_ignored, sigterm_raises, run_world, single_process_world, why
 from .optimizer import decay_changes, train_optimizer
 from .parser import EVAL_BATCHES, PROG
-from .flags import UsageError, build_layout, format_mesh, mesh_axes, model_overrides, train_argv, vocab_size
+from .flags import UsageError, build_layout, mesh_axes, model_overrides, train_argv, vocab_size
+from .shape import format_mesh
 from .resume import resume_from, segment_record, trained_segments
 from .report import (atomic_write_text, format_summary, plot_losses, Progress, write_json, format_bytes, read_metrics,
                      note_when_output_closes,
