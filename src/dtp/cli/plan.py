@@ -52,7 +52,12 @@ def add_parser(sub: argparse._SubParsersAction, train: argparse.ArgumentParser) 
             mine = p.add_argument_group(group.title, group.description)
             for action in group._group_actions:
                 mine._add_action(action)
-    _memory_flag(p.add_argument_group("verdict"), "memory per rank to check the peak against (no verdict without it)")
+    verdict = p.add_argument_group("verdict")
+    _memory_flag(verdict, "memory per rank to check the peak against (no verdict without it)")
+    verdict.add_argument("--backend", choices=("gloo", "nccl", "hccl"), default=None,
+                         help="the collectives' backend to plan memory for (default: this machine's: nccl with "
+                              "CUDA, hccl with an NPU, else gloo, whose ZeRO reduce-scatter holds whole-bucket "
+                              "receive buffers)")
     return p
 
 
@@ -78,6 +83,7 @@ def plan_from_args(args: argparse.Namespace) -> "Plan":
     from .flags import run_config
 
     cfg, batch, seq, layout, parallel = Setup.arguments_of(run_config(args))
+    parallel["backend"] = getattr(args, "backend", None) or machine_backend()
     # The model the checks built (flags.check_config / preflight): its vocabulary grown to the
     # data's ids is the run's, and may be most of its parameters.
     p = plan(getattr(args, "model_config", None) or cfg, batch=batch, seq=seq, layout=layout, **parallel)
@@ -112,6 +118,14 @@ def print_schedule(args: argparse.Namespace, layout: Layout) -> None:
     print(f"{args.pp_schedule} schedule, pp={args.pp}, virtual stages {v}, "
           f"{args.microbatches} microbatches ({n_layers} layers; F forward, B backward, I/W its input/weight "
           f"halves, F&B a forward paired with a backward, chunk.microbatch):\n{table}")
+
+
+def machine_backend() -> str:
+    """The backend a run here would use (:func:`dtp.mesh.detect_device`): what ``dtp train``
+    checks memory for, and ``dtp plan``'s default."""
+    from ..mesh import detect_device
+
+    return detect_device()[1]
 
 
 def machine_memory_gb(nproc: int) -> float:

@@ -109,7 +109,8 @@ def plan(model: str | llama.LlamaConfig | RunConfig = "tiny", *, batch: int = 8,
     - `parallel`: the fields of :class:`Setup`: ``dp, tp, sp, async_tp, cp, cp_algo, cp_window,
       ulysses_degree, cp_head_chunks, pp, pp_schedule, virtual_stages, ep, zero, bucket_mb,
       reshard_after_forward, microbatches, recompute, dtype, precision`` (``dtp train``'s flags, same
-      defaults). With a `layout`, the mesh sizes and ZeRO / pipeline fields must describe
+      defaults), and ``backend`` (default ``"gloo"``; ``"nccl"`` / ``"hccl"`` reduce-scatter in
+      place, without gloo's whole-bucket receive buffers; also beside a RunConfig). With a `layout`, the mesh sizes and ZeRO / pipeline fields must describe
       the same run; context options given here too must agree with its.
 
     Raises: ``ValueError`` for a configuration ``dtp train`` would refuse (batch not divisible,
@@ -124,10 +125,13 @@ def plan(model: str | llama.LlamaConfig | RunConfig = "tiny", *, batch: int = 8,
     ('tiny', {'dp': {'all_reduce': 427276}})
     """
     if isinstance(model, RunConfig):
+        machine = {k: parallel.pop(k) for k in ("backend",) if k in parallel}  # not the run's: where it runs
         if parallel or layout is not None:
-            raise TypeError(f"dtp.plan: a RunConfig is the whole run; got keywords {sorted(parallel)} beside it")
+            raise TypeError(f"dtp.plan: a RunConfig is the whole run (backend= may be given beside it); got "
+                            f"keywords {sorted(parallel)} beside it")
         name = model.init_from or model.model  # the preset, or the Hugging Face directory
         model, batch, seq, layout, parallel = Setup.arguments_of(model)
+        parallel.update(machine)
     else:
         name = model if isinstance(model, str) else "custom"
     cfg = llama.config(model) if isinstance(model, str) else model

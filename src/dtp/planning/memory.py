@@ -188,9 +188,9 @@ def _local_batch(s: Setup) -> bool:
 
 def _gloo(s: Setup) -> bool:
     """Whether the run's collectives are gloo's (CPU), whose all-to-all reduce-scatter and
-    all-gather staging cost whole buckets. What this package measured; a ``Setup`` that
-    names another backend (``backend="nccl"``) gets NCCL's in-place forms instead."""
-    return getattr(s, "backend", "gloo") == "gloo"
+    all-gather staging cost whole buckets. What this package measured; ``backend="nccl"``
+    (or hccl) gets their in-place forms instead."""
+    return s.backend == "gloo"
 
 
 def _data(s: Setup) -> int:

@@ -62,6 +62,7 @@ def _describe(p: "Plan") -> str:
     if s.zero:
         parts.append(f"zero={s.zero}")
     parts += [f"microbatches={s.microbatches}", f"recompute={s.recompute}", s.dtype]
+    parts += [s.backend] if s.backend != "gloo" else []
     ranks = f"{s.world} rank{'s' * (s.world > 1)}"
     return f"{s.model} ({format_count(p.params)} params), batch {s.batch} × seq {s.seq} on {ranks}: " + ", ".join(parts)
 

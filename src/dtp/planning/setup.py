@@ -36,6 +36,10 @@ __all__ = ["Setup", "Leaf", "DTYPES", "layout_for", "leaves", "stage_leaves", "r
 DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in config_dtypes}  # RunConfig's names
 
 
+#: The backends a plan models: gloo (CPU) and the in-place reduce-scatters of nccl and hccl.
+BACKENDS = ("gloo", "nccl", "hccl")
+
+
 @dataclass(frozen=True, kw_only=True)
 class Setup:
     """One training configuration, as ``dtp train``'s flags state it (global batch in sequences)."""
@@ -67,6 +71,9 @@ class Setup:
     recompute: Literal["none", "full", "selective"] = "none"
     dtype: str = "float32"
     precision: str | None = None  # RunConfig's (None: mixed for bfloat16): fp32 master weights beside bf16
+    # The collectives' backend: gloo runs ZeRO's reduce-scatter as an all-to-all whose receive
+    # buffers hold whole buckets (dtp.comm); nccl and hccl reduce-scatter in place.
+    backend: str = "gloo"
     # The layout planned (dtp.cli.flags.build_layout's); None: layout_for(self). Filled in
     # by __post_init__, so after construction it is always a Layout.
     layout: Layout | None = field(default=None, repr=False)
@@ -83,6 +90,8 @@ class Setup:
                 self.pp_schedule, self.pp, self.virtual_stages, self.batch, self.dp * self.ep))
         if self.dtype not in DTYPES:
             raise ValueError(f"dtp.plan: dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"dtp.plan: backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
         if self.recompute not in RECOMPUTE:
             raise ValueError(f"dtp.plan: recompute must be one of {', '.join(RECOMPUTE)}, got {self.recompute!r}")
         data = self.dp * self.ep * self.microbatches
