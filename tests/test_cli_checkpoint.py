@@ -365,6 +365,13 @@ def test_a_moe_resume_with_other_microbatches_refuses_check(tmp_path, monkeypatc
     assert cli.main(["train", *moe, "--microbatches", "4", "--resume", "--check", "--out", str(run)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "trained with --microbatches 2, this run asks for --microbatches 4" in err, err
+    # Without --check the resume is the user's word, and what it changes is said before any
+    # other line (here the refusal of a resume that has no step left to train).
+    assert cli.main(["train", *moe, "--microbatches", "4", "--resume", "--out", str(run)]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == (f"dtp train: note: the checkpoint in {run} trained with --microbatches 2: a model with experts "
+                      f"takes its load-balancing loss per microbatch, so --microbatches 4 goes on from there on "
+                      f"another curve"), err
 
 
 def test_a_damaged_newest_checkpoint_names_the_older_one_to_resume_from(tmp_path) -> None:
@@ -502,3 +509,18 @@ def test_a_killed_rank_restarts_from_the_last_checkpoint_and_the_curve_is_whole(
     assert "resuming from step" in stdout and ": OK" in stdout, stdout + stderr
     steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert steps == list(range(1, 17))
+
+
+def test_a_pure_resume_of_a_mixed_checkpoint_says_what_it_drops(capsys) -> None:
+    """``--precision pure`` asked of a checkpoint with fp32 master weights is allowed (the
+    user's word) but was silent: the masters were dropped and Adam's moments narrowed to
+    bf16 (measured: 1.1e-3 relative off the mixed run's loss 4 steps later)."""
+    from dtp.cli.resume import _check_precision
+
+    args = argparse.Namespace(precision="pure", dtype="bfloat16", zero=0)
+    _check_precision(args, {"dtype": "bfloat16", "zero": 0, "precision": "mixed"}, "--resume: the checkpoint in RUN")
+    assert capsys.readouterr().err == ("dtp train: note: the checkpoint in RUN kept fp32 master weights (--precision "
+                                       "mixed); --precision pure drops them and goes on from the bf16 parameters, "
+                                       "its optimizer state narrowed to bf16\n")
+    _check_precision(args, {"dtype": "bfloat16", "zero": 0, "precision": "pure"}, "--resume: the checkpoint in RUN")
+    assert capsys.readouterr().err == ""

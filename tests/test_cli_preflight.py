@@ -278,8 +278,10 @@ def test_the_readme_plan_of_a_70b_run_needs_no_corpus_of_its_batch(capsys) -> No
     argv = " ".join(line.rstrip("\\") for line in command).split()[3:]  # after "$ dtp plan"
     assert "--batch" in argv and "--memory-gb" in argv, argv
     assert cli.main(["plan", *argv]) == 0, capsys.readouterr().err
-    assert capsys.readouterr().out.splitlines()[-1].startswith("fits: peak 25.39 GiB of 80.00 GiB")
-    assert cli.main(["train", *argv, "--nproc", "256"]) == 2  # train still needs the windows
+    assert capsys.readouterr().out.splitlines()[-1].startswith("fits: peak 17.85 GiB of 80.00 GiB")
+    i = argv.index("--backend")  # dtp plan's: a run's backend is its machine's
+    assert argv[i + 1] == "nccl", argv
+    assert cli.main(["train", *argv[:i], *argv[i + 2:], "--nproc", "256"]) == 2  # train still needs the windows
     assert "46 windows of 8192 + 1 tokens, fewer than a batch" in capsys.readouterr().err
 
 
@@ -627,3 +629,14 @@ def test_a_note_is_said_once_per_run(monkeypatch, capsys, where, env, said) -> N
              "dtp train: note: --document-mask: --eos-id 0 does not occur in a sample of 1048576 of the 2000000 "
              "tokens of --data; check the id\n"]
     assert capsys.readouterr().err == ("".join(notes) if said else ""), where
+
+
+@pytest.mark.parametrize("command", ["plan", "train"])
+def test_zero_without_dp_is_noted_by_plan_too_and_once(capsys, command) -> None:
+    """``dtp plan --pp 2 --zero 3`` printed ``zero=3`` in its header with nothing said (ZeRO
+    shards over dp, here 1); ``dtp train --print-config`` checks the run twice (validate,
+    then check_config) and said the note twice."""
+    from dtp.cli import flags
+
+    flags.check_config(flags.parse_args([command, "--pp", "2", "--zero", "3"]))
+    assert capsys.readouterr().err == f"dtp {command}: note: --zero 3 has no effect with --dp 1 (ZeRO shards over dp)\n"

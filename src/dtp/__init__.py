@@ -84,3 +84,4 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the eager imports of befor
     from .planning import plan
     from .config import RunConfig
     from .buffers import with_buffers
+    from .compiled import CompileOptions

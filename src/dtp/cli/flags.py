@@ -25,11 +25,11 @@ from .._mesh_shape import MeshShape
 from .._token_files import SAMPLE_TOKENS, TokenStats, held_out_start, token_stats
 from .._rules import COMPILE_BACKENDS, FLOAT32_MAX, TRAIN_ADAMW
 from ..config import MODEL_FIELDS, RunConfig, flag_names, flag_of, mesh_axes_of, type_error
-from ..launch import in_torchrun, launched
+from ..launch import in_torchrun
 from ..layouts import Layout
 from ..models import config as model_config
 from ..models.hf_config import check_weight_files
-from .parser import PROG, RUN_DEFAULTS, UsageError, build_parser
+from .parser import RUN_DEFAULTS, UsageError, build_parser, note
 from .resume import check_resume, resume_from
 from .shape import check_shape, flag_words, format_mesh
 
@@ -96,18 +96,15 @@ def validate(args: argparse.Namespace, *, world_size: int | None = None) -> argp
     # the precision derived from --dtype likewise (a printed "mixed" refused --dtype float32).
     args.derived = tuple(k for k in ("warmup", "precision", "microbatches") if getattr(args, k) is None)
     args.run_config, args.warmup, args.microbatches = config, config.warmup, config.microbatches
-    if args.zero and args.dp == 1:
-        _note(args, f"--zero {args.zero} has no effect with --dp 1 (ZeRO shards over dp)")
+    _note_inert_zero(args)
     return args
 
 
-def _note(args: argparse.Namespace, text: str) -> None:
-    """``dtp <command>: note: text`` on stderr, once per run: not from a rank the launcher
-    started (the launcher said it; its ranks parse the run again), and under an outside
-    torchrun from rank 0 alone (every rank parses and checks the run alike)."""
-    if in_torchrun() and (launched() or os.environ.get("RANK") != "0"):
-        return
-    print(f"{PROG} {getattr(args, 'command', None) or 'train'}: note: {text}", file=sys.stderr)
+def _note_inert_zero(args: argparse.Namespace) -> None:
+    """``--zero`` at ``--dp 1`` shards over one rank: said, not refused (a run script that
+    scales dp keeps its flags), by ``dtp train`` and ``dtp plan`` alike."""
+    if getattr(args, "zero", 0) and args.dp == 1:
+        note(args, f"--zero {args.zero} has no effect with --dp 1 (ZeRO shards over dp)")
 
 
 def check_nproc(args: argparse.Namespace, axes: dict[str, int]) -> None:
@@ -288,6 +285,7 @@ def check_config(args: argparse.Namespace) -> Layout:
     dtp.cli.parser.UsageError: --model tiny on the mesh dp=1 × tp=3: heads=4 is not divisible by tp=3 (--tp splits the heads); choose a model with heads a multiple of 3 (--model, --init-from), or a smaller --tp
     """
     check_nproc(args, mesh_axes_of(pp=args.pp, dp=args.dp, ep=args.ep, cp=args.cp, tp=args.tp))  # as validate
+    _note_inert_zero(args)
     if args.print_schedule and args.pp == 1:
         raise UsageError("--print-schedule prints the pipeline's schedule; pipeline options need --pp > 1")
     if getattr(args, "microbatches", 1) is None:  # dtp plan's default, as validate resolves dtp train's
@@ -370,7 +368,7 @@ def _check_document_ends(args: argparse.Namespace, stats: TokenStats) -> None:
         raise UsageError(f"--document-mask: {source} never occurs in the {stats.count} tokens of --data, so every "
                          f"window would be one document, as without the mask; check the id")
     # dtp plan checks the run too: the note names the command that runs
-    _note(args, f"--document-mask: {source} does not occur in a sample of {SAMPLE_TOKENS} of the {stats.count} "
+    note(args, f"--document-mask: {source} does not occur in a sample of {SAMPLE_TOKENS} of the {stats.count} "
                f"tokens of --data; check the id")
 
 

@@ -8,6 +8,8 @@ that imports torch.
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 import math
 import dataclasses
 from typing import Any, Callable, NoReturn, Sequence
@@ -15,11 +17,14 @@ from typing import Any, Callable, NoReturn, Sequence
 from .. import layouts, schedules
 from .._rules import COMPILE_BACKENDS, RUN_RTOL, SCORE_FUNCTIONS
 from .._token_files import DTYPES as TOKEN_DTYPES
+from ..launch import in_torchrun, launched
 from ..config import DEFAULT_WARMUP, DTYPES, RECOMPUTE, RunConfig
 from ..layouts import CP_ALGORITHMS, ZERO_STAGES
+from ..models import config as model_config
 from . import plan as plan_cli
 
-__all__ = ["build_parser", "UsageError", "positive_float", "PROG", "EVAL_BATCHES", "RUN_FILES", "RUN_DEFAULTS"]
+__all__ = ["build_parser", "UsageError", "positive_float", "PROG", "EVAL_BATCHES", "RUN_FILES", "RUN_DEFAULTS", "note"]
+
 
 class UsageError(ValueError):
     """Invalid flags: reported as one line, exit code 2."""
@@ -28,6 +33,20 @@ class UsageError(ValueError):
 PROG = "dtp"
 # The parser's description: the first line of the package docstring (dtp.cli), as plain text.
 DESCRIPTION = "The dtp command: train the reference Llama under any parallel layout, from a shell."
+
+
+def note(args: argparse.Namespace, text: str) -> None:
+    """``dtp <command>: note: text`` on stderr, once per run: not from a rank the launcher
+    started (the launcher said it; its ranks parse the run again), and under an outside
+    torchrun from rank 0 alone (every rank parses and checks the run alike)."""
+    if in_torchrun() and (launched() or os.environ.get("RANK") != "0"):
+        return
+    said = vars(args).setdefault("notes_said", set())  # validate and check_config both check a run
+    if text in said:
+        return
+    said.add(text)
+    print(f"{PROG} {getattr(args, 'command', None) or 'train'}: note: {text}", file=sys.stderr)
+
 
 # --eval-every: the held-out split is the corpus's last tenth (dtp.data.split_held_out), and
 # each evaluation averages the loss of its first EVAL_BATCHES batches: the same tokens every
@@ -171,7 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --zero: gradient/parameter bucket size in MiB")
 
     g = t.add_argument_group("model and training")
-    g.add_argument("--model", default=RUN_DEFAULTS["model"], help="llama preset: tiny, small, 1b, llama2-7b, llama3-8b, ...")
+    g.add_argument("--model", default=RUN_DEFAULTS["model"], help=f"llama preset: {', '.join(model_config.CONFIGS)}")
     g.add_argument("--init-from", default=RUN_DEFAULTS["init_from"], metavar="HF_DIR",
                    help="fine-tune a Hugging Face Llama / Mistral / Mixtral / Qwen2 / Qwen3 / Qwen3-MoE: the model "
                         "from HF_DIR's config.json (instead of --model), its weights from HF_DIR's *.safetensors; the vocabulary padded "

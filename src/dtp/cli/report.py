@@ -42,7 +42,7 @@ from typing import Any, Mapping, Sequence, TextIO
 
 from ..launch import report_error as _report_error
 from ..plot import atomic_path, plot_loss
-from .flags import PROG
+from .parser import PROG
 
 __all__ = ["print_compile_report", "format_bytes", "format_step", "format_duration", "progress_bar", "summarize", "describe_exception",
            "clear_run_files", "read_metrics", "report_exception", "Progress", "plot_losses", "write_json",
@@ -99,10 +99,10 @@ def format_step(step: int, total: int, m: Mapping[str, Any], eta: float | None =
     tps = f"{m['tokens'] / step_time:.0f}" if step_time > 0 else "-"
     totals = _axis_totals(m.get("comm_bytes") or {})
     comm = " ".join(f"{axis}:{format_bytes(b)}" for axis, b in totals.items() if b) or "none"
-    moe = (f" aux {m['aux_loss']:.3g} load {m['expert_imbalance']:.2f}x"
+    moe = (f" aux {m['aux_loss']:#.3g} load {m['expert_imbalance']:.2f}x"
            + (f" dropped {m['dropped_fraction']:.1%}" if m.get("dropped_fraction") else "")) if "aux_loss" in m else ""
     held_out = f" eval {m['eval_loss']:.4f}" if m.get("eval_loss") is not None else ""
-    return (f"step {step:>{width}}/{total} loss {m['loss']:.4f}{held_out}{moe} gnorm {m['grad_norm']:.3g} "
+    return (f"step {step:>{width}}/{total} loss {m['loss']:.4f}{held_out}{moe} gnorm {m['grad_norm']:#.3g} "
             f"lr {m['lr']:.1e} tok/s {tps} comm {comm}" + (f" eta {format_duration(eta)}" if eta is not None else "")
             + (" SKIPPED (non-finite)" if m.get("skipped") else ""))
 

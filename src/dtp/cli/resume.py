@@ -17,7 +17,7 @@ from ..launch import restarted
 from .._token_files import held_out_start, open_tokens, training_split
 from ..config import MODEL_FIELDS, flag_of, master_weights
 from ..models import config as model_config
-from .parser import UsageError
+from .parser import UsageError, note
 
 __all__ = ["resume_checkpoint", "resume_from", "check_resume", "trained_segments", "segment_record", "segments_mixed"]
 
@@ -137,6 +137,12 @@ def check_resume(args: Any, path: Path, cfg: model_config.LlamaConfig, *, n_toke
         raise UsageError(f"{here} holds router biases (trained with --router-bias-update {rate}), which this run "
                          f"would drop; resume with --router-bias-update {rate}")
     _check_precision(args, saved_run, here)
+    trained_m = saved_run.get("microbatches")
+    if cfg.num_experts and trained_m not in (None, args.microbatches) and not getattr(args, "check", False):
+        # --check refuses it (_check_reference): its reference would retrain the first steps otherwise
+        note(args, f"{here.removeprefix('--resume: ')} trained with --microbatches {trained_m}: a model with "
+                   f"experts takes its load-balancing loss per microbatch, so --microbatches {args.microbatches} "
+                   f"goes on from there on another curve")
     _check_split(args, saved_run, extra.get("loader") or {}, n_tokens, here)
     for k in _DATA_ORDER:
         if k in saved_run and saved_run[k] != getattr(args, k):
@@ -264,8 +270,16 @@ def _check_tokens(args: Any, saved_run: dict[str, Any], saved: str | None, here:
 def _check_precision(args: Any, saved_run: dict[str, Any], here: str) -> None:
     """A bf16 run resumed under the default ``--precision`` (mixed) from a checkpoint that
     trained pure bf16 — an older dtp's default without ``--zero`` — would start fp32 master
-    weights from the bf16 parameters with nothing said: refused, naming both choices."""
-    if args.precision is not None or args.dtype != "bfloat16" or "zero" not in saved_run:
+    weights from the bf16 parameters with nothing said: refused, naming both choices. The
+    other way, ``--precision pure`` asked of a checkpoint with master weights, is the
+    user's word, but what it drops is said."""
+    if args.dtype != "bfloat16" or "zero" not in saved_run:
+        return
+    kept = master_weights(saved_run.get("precision"), int(saved_run.get("zero") or 0), saved_run.get("dtype", ""))
+    if args.precision == "pure" and kept:
+        note(args, f"{here.removeprefix('--resume: ')} kept fp32 master weights (--precision mixed); --precision "
+                   f"pure drops them and goes on from the bf16 parameters, its optimizer state narrowed to bf16")
+    if args.precision is not None:
         return
     if not master_weights(saved_run.get("precision"), int(saved_run.get("zero") or 0), saved_run.get("dtype", "")):
         how = "" if saved_run.get("precision") == "pure" else ", an older dtp's default without --zero"

@@ -63,7 +63,8 @@ def check_shape(args: argparse.Namespace, layout: Layout, cfg: model_config.Llam
                                        "num_experts": flag_of("num_experts")})
         message = re.sub(r"a smaller (cp|tp)(?: or (tp))?\b",  # the context options' words for the axes
                          lambda m: f"a smaller --{m[1]}" + (f" or --{m[2]}" if m[2] else ""), message)
-        message = re.sub(r"(--cp-algo) '(\w+)'", r"\1 \2", message)  # a flag's value, not a Python string
+        message = re.sub(r"(--cp-algo) '(\w+)'(?: or '(\w+)')?",  # a flag's values, not Python strings
+                         lambda m: f"{m[1]} {m[2]}" + (f" or {m[3]}" if m[3] else ""), message)
         # heads, kv heads, vocabulary are the model's, which no flag sets (--num-experts is a flag)
         raise UsageError(re.sub(r"choose (\w+) a multiple of (\d+)", r"choose a model with \1 a multiple of \2 "
                                 r"(--model, --init-from)", message)) from None
