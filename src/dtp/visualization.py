@@ -57,6 +57,13 @@ def visualize(x: DTensor) -> Visualization:
     ----  ----------  --------  ----
     0     dp=0        [0:2, :]
     1     dp=1        [2:4, :]
+
+    Every rank's block of a pending sum is one of its terms (a matmul's partial sums; here
+    ``dtp.shard``'s, the value and zeros):
+
+    >>> with dtp.testing.simulate(2):
+    ...     print(visualize(dtp.shard(torch.ones(2, 2), make_mesh(tp=2), P(partial="tp"))).rows)
+    [['0', 'tp=0', '[:, :]', '+partial(tp)'], ['1', 'tp=1', '[:, :]', '+partial(tp)']]
     """
     spec: P = spec_of(x)
     mesh = x.device_mesh
@@ -66,7 +73,9 @@ def visualize(x: DTensor) -> Visualization:
     rows = []
     for rank, coord in zip(mesh_ranks, all_coordinates(mesh)):
         block = ", ".join(_ranges(s, spec.axes_of(d), coord, sizes, mesh) for d, s in enumerate(x.shape))
-        note = " ".join(f"+partial({a})" if coord[a] == 0 else f"zeros({a})" for a in spec.partial)
+        # Every rank's block is a term of the pending sum: dtp.shard puts the value on
+        # coordinate 0 and zeros elsewhere, but a matmul's partial sums are all non-zero.
+        note = " ".join(f"+partial({a})" for a in spec.partial)
         rows.append([str(rank), ", ".join(f"{n}={coord[n]}" for n in names), f"[{block}]", note])
     title = f"{spec} on mesh {dict(sizes)}: global shape {tuple(x.shape)}, local {tuple(local_tensor(x).shape) if not _is_local(x) else 'per-rank'}"
     return Visualization(title, ["rank", "coordinate", "block", "note"], rows)
