@@ -44,6 +44,10 @@ BAD_RUNS = {
                              "heads=4 must be divisible by the Ulysses degree 2 × tp=4 = 8 for ulysses context "
                              "parallel; choose a model with heads a multiple of 8 (--model, --init-from), or a "
                              "smaller --cp or --tp, or --cp-algo ring\n"),
+    "heads vs hybrid ulysses × tp": (["--cp", "4", "--cp-algo", "hybrid", "--ulysses-degree", "2", "--tp", "4",
+                                     "--nproc", "16"],
+                                    "choose a model with heads a multiple of 8 (--model, --init-from), or a smaller "
+                                    "--ulysses-degree or --tp, or --cp-algo ring\n"),
     "kv heads vs head chunks": (["--cp", "2", "--cp-head-chunks", "3"], "--cp-head-chunks 3 must divide the 2 kv heads"),
     "seq vs cp": (["--cp", "2", "--seq", "30"], "--seq 30: --cp 2 cuts the sequence into 4 equal chunks (2 per "
                                                "rank: zigzag load balancing of causal attention); use a --seq that "
@@ -251,7 +255,7 @@ def _placed(err: str) -> str:
 @pytest.mark.parametrize("case", PLAN_CASES)
 def test_dtp_plan_refuses_a_shape_with_trains_line(bad_runs, case) -> None:
     """``dtp plan`` and ``dtp train`` check a run's shape with one function
-    (:func:`dtp.cli.flags.check_shape`): the same line, exit 2, before the plan is made."""
+    (:func:`dtp.cli.shape.check_shape`): the same line, exit 2, before the plan is made."""
     code, err = bad_runs["plan: " + case]
     assert code == 2, (case, err)
     assert err == bad_runs[case][1].replace("dtp train: error: ", "dtp plan: error: ", 1), (case, err)

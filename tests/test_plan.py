@@ -483,3 +483,26 @@ def test_the_backend_decides_zero_s_reduce_scatter_buffers():
     assert dtp.plan(dtp.RunConfig(model="tiny", dp=4, zero=1), backend="nccl").setup.backend == "nccl"
     with pytest.raises(ValueError, match="backend must be one of gloo, nccl, hccl, got 'mpi'"):
         dtp.plan("tiny", backend="mpi")
+
+
+def test_dtp_plan_and_the_memory_check_plan_for_this_machine_s_backend(monkeypatch, capsys):
+    """``dtp plan`` without ``--backend`` and ``dtp train``'s memory check plan for the
+    backend a run here would use (a CUDA machine: nccl's in-place reduce-scatter);
+    ``--backend`` overrides."""
+    import dtp.mesh
+    from dtp import cli
+    from dtp.cli import flags
+    from dtp.cli.plan import train_refusal
+
+    run = ["--model", "llama3-8b", "--dp", "8", "--zero", "1", "--dtype", "bfloat16", "--seq", "8192",
+           "--batch", "8", "--recompute", "full", "--memory-gb", "88"]
+    refused = {}
+    for backend in ("gloo", "nccl"):
+        monkeypatch.setattr(dtp.mesh, "detect_device", lambda device=None, b=backend: ("cpu", b))
+        assert cli.main(["plan", "--dp", "2", "--zero", "1"]) == 0
+        assert capsys.readouterr().out.splitlines()[0].endswith("float32" + (", nccl" if backend == "nccl" else ""))
+        refused[backend] = train_refusal(flags.parse_args(["train", *run]), quiet=True)
+    assert refused["gloo"] is not None and "DOES NOT FIT: peak 89.75 GiB" in refused["gloo"]
+    assert refused["nccl"] is None
+    assert cli.main(["plan", "--dp", "2", "--zero", "1", "--backend", "gloo"]) == 0  # the flag over the machine
+    assert capsys.readouterr().out.splitlines()[0].endswith("float32")

@@ -4,9 +4,9 @@ rank gets (the parser itself, every flag and its help, is :mod:`.parser`).
 Everything here runs before any rank starts, and before torch is imported: a bad
 combination is reported once, by the launcher, as one line (:class:`UsageError`, exit
 code 2), in a fraction of a second. Rules that need the model or the mesh are the
-layouts' and the model's: :func:`preflight` asks them too (:mod:`.shape`), against the mesh's
-shape, so a layout that does not fit the model is refused before any rank starts. This module imports nothing that imports torch (a test holds it
-to that); keep it so.
+layouts' and the model's: :func:`preflight` asks them too (:mod:`.shape`), against the
+mesh's shape, so a layout that does not fit the model is refused before any rank starts.
+This module imports nothing that imports torch (a test holds it to that); keep it so.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from .shape import check_shape, flag_words, format_mesh
 
 
 __all__ = ["UsageError", "build_parser", "parse_args", "validate", "preflight", "build_layout", "mesh_axes",
-           "train_argv", "vocab_size", "check_shape", "check_config", "check_nproc", "run_config",
+           "train_argv", "vocab_size", "check_config", "check_nproc", "run_config",
            "writable_dir"]
 
 

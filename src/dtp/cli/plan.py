@@ -135,8 +135,11 @@ def machine_memory_gb(nproc: int) -> float:
     from ..mesh import detect_device
 
     device, _ = detect_device()
-    if device == "cuda":
-        return torch.cuda.get_device_properties(0).total_memory / 2**30
+    if device in ("cuda", "npu"):  # torch.npu once torch_npu is imported (detect_device did)
+        try:
+            return getattr(torch, device).get_device_properties(0).total_memory / 2**30
+        except (AttributeError, RuntimeError):  # a device module without the call: the host's, below
+            pass
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return total / max(1, nproc) / 2**30
 

@@ -99,12 +99,22 @@ def format_step(step: int, total: int, m: Mapping[str, Any], eta: float | None =
     tps = f"{m['tokens'] / step_time:.0f}" if step_time > 0 else "-"
     totals = _axis_totals(m.get("comm_bytes") or {})
     comm = " ".join(f"{axis}:{format_bytes(b)}" for axis, b in totals.items() if b) or "none"
-    moe = (f" aux {m['aux_loss']:#.3g} load {m['expert_imbalance']:.2f}x"
+    moe = (f" aux {_digits(m['aux_loss'])} load {m['expert_imbalance']:.2f}x"
            + (f" dropped {m['dropped_fraction']:.1%}" if m.get("dropped_fraction") else "")) if "aux_loss" in m else ""
     held_out = f" eval {m['eval_loss']:.4f}" if m.get("eval_loss") is not None else ""
-    return (f"step {step:>{width}}/{total} loss {m['loss']:.4f}{held_out}{moe} gnorm {m['grad_norm']:#.3g} "
+    return (f"step {step:>{width}}/{total} loss {m['loss']:.4f}{held_out}{moe} gnorm {_digits(m['grad_norm'])} "
             f"lr {m['lr']:.1e} tok/s {tps} comm {comm}" + (f" eta {format_duration(eta)}" if eta is not None else "")
             + (" SKIPPED (non-finite)" if m.get("skipped") else ""))
+
+
+def _digits(value: float) -> str:
+    """Three significant digits, trailing zeros kept so a column keeps its width (``2.00``,
+    not ``2``), and no bare point (``123``, not ``123.``).
+
+    >>> [_digits(v) for v in (2.0, 2.1, 123.4, 0.0003, 12345.0)]
+    ['2.00', '2.10', '123', '0.000300', '1.23e+04']
+    """
+    return f"{value:#.3g}".rstrip(".")
 
 
 def progress_bar(step: int, total: int, width: int = 24) -> str:

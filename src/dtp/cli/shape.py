@@ -4,7 +4,8 @@ microbatches, the sequence against the context and sequence splits, ``--multi-da
 against a rank's tokens, expert flags on a dense model. The rules are the layouts' and
 the model's (:meth:`dtp.Layout.check_sizes`, the options' ``check``); this module asks them
 against the mesh's shape (:class:`dtp._mesh_shape.MeshShape`) and refuses in the flags'
-words (:class:`UsageError`). Like :mod:`.flags`, it imports nothing that imports torch.
+words (:class:`UsageError`), for :func:`dtp.cli.flags.preflight` and
+:func:`dtp.cli.flags.check_config`. Like :mod:`.flags`, it imports nothing that imports torch.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from ..config import MODEL_FIELDS, flag_of
 from ..layouts import Layout, check_divisible
 from ..models import config as model_config
 from .parser import UsageError
+
+__all__ = ["check_shape", "format_mesh", "flag_words"]
 
 
 def format_mesh(axes: dict[str, int]) -> str:
@@ -36,8 +39,9 @@ def check_shape(args: argparse.Namespace, layout: Layout, cfg: model_config.Llam
     the mesh's shape (heads, kv heads, vocabulary, experts divisible by their splits), the
     pipeline's layers and microbatches, the sequence against the model's length and the
     context and sequence splits, ``--multi-data`` against the tokens of a rank's
-    microbatch. :func:`preflight` runs it for ``dtp train``, ``dtp plan``
-    for its own flags (:func:`check_config`): both refuse a shape with the same line.
+    microbatch, on ``mesh`` (the flags' mesh). :func:`dtp.cli.flags.preflight` runs it for
+    ``dtp train``, ``dtp plan`` for its own flags (:func:`dtp.cli.flags.check_config`): both
+    refuse a shape with the same line.
     """
     model = f"--init-from {args.init_from}" if args.init_from else f"--model {args.model}"
     what = f"{model} on the mesh {format_mesh(mesh.sizes)}"
@@ -61,8 +65,8 @@ def check_shape(args: argparse.Namespace, layout: Layout, cfg: model_config.Llam
     except ValueError as e:  # the options' checks name their fields: here, the flags
         message = flag_words(str(e), {**(_CONTEXT_FLAGS if layout.context is not None else {}),
                                        "num_experts": flag_of("num_experts")})
-        message = re.sub(r"a smaller (cp|tp)(?: or (tp))?\b",  # the context options' words for the axes
-                         lambda m: f"a smaller --{m[1]}" + (f" or --{m[2]}" if m[2] else ""), message)
+        message = re.sub(r"a smaller (cp|tp|--ulysses-degree)(?: or (tp))?\b",  # the context options' axes
+                         lambda m: f"a smaller --{m[1].lstrip('-')}" + (f" or --{m[2]}" if m[2] else ""), message)
         message = re.sub(r"(--cp-algo) '(\w+)'(?: or '(\w+)')?",  # a flag's values, not Python strings
                          lambda m: f"{m[1]} {m[2]}" + (f" or {m[3]}" if m[3] else ""), message)
         # heads, kv heads, vocabulary are the model's, which no flag sets (--num-experts is a flag)
