@@ -98,7 +98,16 @@ def flag_names() -> Iterator[None]:
 @dataclass(frozen=True, kw_only=True)
 class RunConfig:
     """One training run (module docstring). Checked when built: ``ValueError`` naming the
-    field (or, under :func:`flag_names`, the flag), the values and what would be valid."""
+    field (or, under :func:`flag_names`, the flag), the values and what would be valid.
+
+    >>> run = RunConfig(dp=2, tp=2, sp=True, zero=1, steps=100)
+    >>> run.mesh_axes(), run.layout().zero.stage
+    ({'dp': 2, 'tp': 2}, 1)
+    >>> RunConfig(tp=0)
+    Traceback (most recent call last):
+    ...
+    ValueError: RunConfig: tp must be >= 1, got 0
+    """
 
     # ---- parallelism: the mesh (pp, dp, ep, cp, tp: outer to inner) and its strategies
     pp: int = 1

@@ -53,6 +53,16 @@ class TrainState:
     ``buffers`` is the non-trainable collection (:mod:`dtp.buffers`: aux-loss-free
     balancing's router bias): ``loss_fn`` reads it laid over the parameters, the
     optimizer never sees it, and ``buffer_update`` renews it after each applied step.
+
+    >>> import functools
+    >>> from dtp.models import llama
+    >>> cfg = llama.config("tiny", n_layers=1)
+    >>> with dtp.testing.simulate(2):
+    ...     mesh = dtp.make_mesh(tp=2)
+    ...     state = TrainState.create(llama.init(cfg), dtp.optim.adamw(1e-3), mesh=mesh,
+    ...                               layout=dtp.layouts.megatron(), axes=llama.param_axes(cfg))
+    ...     print(state.step, dtp.spec_of(state.params["layers"][0]["wq"]))
+    0 P(None, 'tp')
     """
 
     step: int

@@ -58,7 +58,16 @@ class Span:
 @dataclass(eq=False)  # identity: nested logs with equal records are still different logs
 class CommLog:
     """Records of collectives issued while a :func:`comm_log` block was active, and the
-    compute :class:`Span` s marked with :func:`span` (for timelines of overlap)."""
+    compute :class:`Span` s marked with :func:`span` (for timelines of overlap).
+
+    >>> import torch
+    >>> with dtp.testing.simulate(2):
+    ...     x = dtp.shard(torch.zeros(4, 4), dtp.make_mesh(dp=2), dtp.P("dp"))
+    ...     with dtp.comm_log() as log:
+    ...         _ = dtp.reshard(x, dtp.P())
+    >>> [(r.kind, r.axis, r.bytes) for r in log.records]   # one CommRecord per collective
+    [('all_gather', 'dp', 32)]
+    """
 
     records: list[CommRecord] = field(default_factory=list)
     spans: list[Span] = field(default_factory=list)

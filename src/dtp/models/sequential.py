@@ -39,7 +39,16 @@ class Layer:
 
 
 class Sequential:
-    """Layers run in order; callable as ``loss_fn(params, batch)``."""
+    """Layers run in order; callable as ``loss_fn(params, batch)``: each layer takes the
+    previous one's output (the first gets ``None``) and the batch; the last returns the loss.
+
+    >>> import torch
+    >>> from dtp import Layer, Sequential
+    >>> model = Sequential([Layer(lambda p, x, b: b["x"] @ p["w"], ("w",), "linear"),
+    ...                     Layer(lambda p, y, b: ((y - b["y"]) ** 2).mean(), (), "loss")])
+    >>> float(model({"w": torch.eye(2)}, {"x": torch.ones(3, 2), "y": torch.zeros(3, 2)}))
+    1.0
+    """
 
     def __init__(self, layers: Sequence[Layer], *, carry: str = "tensor"):
         self.layers = tuple(layers)
