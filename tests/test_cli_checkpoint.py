@@ -167,7 +167,8 @@ def test_a_resume_whose_checkpoint_fails_to_load_changes_nothing(small_run, tmp_
     data.write_bytes(data.read_bytes()[:100])
     before = _contents(run)
     capsys.readouterr()
-    assert cli.main(["train", *_SMALL, "--steps", "6", "--resume", "--out", str(run)]) == 2
+    # --warmup 4 as trained (else a note says the default's 5 first: _note_changes)
+    assert cli.main(["train", *_SMALL, "--steps", "6", "--warmup", "4", "--resume", "--out", str(run)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "truncated or replaced" in err, err
     assert _contents(run) == before
@@ -365,9 +366,10 @@ def test_a_moe_resume_with_other_microbatches_refuses_check(tmp_path, monkeypatc
     assert cli.main(["train", *moe, "--microbatches", "4", "--resume", "--check", "--out", str(run)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "trained with --microbatches 2, this run asks for --microbatches 4" in err, err
-    # Without --check the resume is the user's word, and what it changes is said before any
-    # other line (here the refusal of a resume that has no step left to train).
-    assert cli.main(["train", *moe, "--microbatches", "4", "--resume", "--out", str(run)]) == 2
+    # Without --check the resume is the user's word, and what it changes is said first.
+    monkeypatch.undo()
+    assert cli.main(["train", *moe[:-1], "3", "--warmup", "2", "--microbatches", "4", "--resume", "--out",
+                     str(run)]) == 0
     err = capsys.readouterr().err.splitlines()
     assert err[0] == (f"dtp train: note: the checkpoint in {run} trained with --microbatches 2: a model with experts "
                       f"takes its load-balancing loss per microbatch, so --microbatches 4 goes on from there on "
@@ -515,12 +517,72 @@ def test_a_pure_resume_of_a_mixed_checkpoint_says_what_it_drops(capsys) -> None:
     """``--precision pure`` asked of a checkpoint with fp32 master weights is allowed (the
     user's word) but was silent: the masters were dropped and Adam's moments narrowed to
     bf16 (measured: 1.1e-3 relative off the mixed run's loss 4 steps later)."""
-    from dtp.cli.resume import _check_precision
+    from dtp.cli.resume import _note_changes
+    from dtp.models import config as model_config
 
-    args = argparse.Namespace(precision="pure", dtype="bfloat16", zero=0)
-    _check_precision(args, {"dtype": "bfloat16", "zero": 0, "precision": "mixed"}, "--resume: the checkpoint in RUN")
+    args = argparse.Namespace(precision="pure", dtype="bfloat16", zero=0, microbatches=1)
+    tiny = model_config.config("tiny")
+    _note_changes(args, {"dtype": "bfloat16", "zero": 0, "precision": "mixed"}, tiny, "the checkpoint in RUN")
     assert capsys.readouterr().err == ("dtp train: note: the checkpoint in RUN kept fp32 master weights (--precision "
                                        "mixed); --precision pure drops them and goes on from the bf16 parameters, "
                                        "its optimizer state narrowed to bf16\n")
-    _check_precision(args, {"dtype": "bfloat16", "zero": 0, "precision": "pure"}, "--resume: the checkpoint in RUN")
+    _note_changes(args, {"dtype": "bfloat16", "zero": 0, "precision": "pure"}, tiny, "the checkpoint in RUN")
     assert capsys.readouterr().err == ""
+
+
+def test_a_resume_says_which_flags_it_takes_other_values_of(small_run, tmp_path, capsys) -> None:
+    """A resume takes its own flags: one not given again is its default. --lr 0.001 --clip
+    0.5 --warmup 2 resumed as --lr 0.003 --clip 1.0 --warmup 5 (the loss 8x off) and
+    --save-every 4 as no more checkpoints, with nothing said: now a note names them."""
+    from dtp.cli import flags
+    from dtp.cli.resume import _note_changes
+    from dtp.models import config as model_config
+
+    saved = {"lr": 0.001, "clip": 0.5, "warmup": 2, "save_every": 4, "weight_decay": 0.1, "dtype": "float32"}
+    args = flags.parse_args(["train", "--steps", "8", "--out", str(tmp_path / "run")])
+    _note_changes(args, saved, model_config.config("tiny"), "the checkpoint in RUN")
+    assert capsys.readouterr().err == ("dtp train: note: the checkpoint in RUN trained with --lr 0.001 --warmup 2 "
+                                       "--clip 0.5 --save-every 4; this run has --lr 0.003 --warmup 5 --clip 1.0 "
+                                       "--save-every 0 (a flag not given is its default): give them again to go on as "
+                                       "it did\n")
+    args = flags.parse_args(["train", "--steps", "8", "--lr", "0.001", "--clip", "0.5", "--warmup", "2",
+                             "--save-every", "4", "--out", str(tmp_path / "run")])
+    _note_changes(args, saved, model_config.config("tiny"), "the checkpoint in RUN")
+    assert capsys.readouterr().err == ""
+
+
+def test_a_resume_keeps_the_init_from_its_steps_started_from(small_run, tmp_path, monkeypatch, capsys) -> None:
+    """A run fine-tuned from --init-from H, resumed without it (the same shapes), trained on
+    but recorded no source, and --check / dtp check retrained from a random init (FAILED
+    at 0.21): refused, naming the source."""
+    run = tmp_path / "run"
+    shutil.copytree(small_run, run)
+    manifest = run / "checkpoints" / "step_00000004" / "manifest.json"
+    record = json.loads(manifest.read_text())
+    record["extra"]["run"]["init_from"] = "hf-dir"
+    manifest.write_text(json.dumps(record))
+    _refuses_before_the_ranks(monkeypatch)
+    capsys.readouterr()
+    assert cli.main(["train", *_SMALL, "--steps", "6", "--resume", "--out", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"dtp train: error: --resume: the checkpoint in {run} started from --init-from hf-dir; resume "
+                   f"with --init-from hf-dir (--check and dtp check retrain its steps from there)\n"), err
+
+
+def test_check_refuses_steps_that_dropped_tokens_per_rank(tmp_path, monkeypatch, capsys) -> None:
+    """With --capacity-factor each rank drops by its own tokens, so steps trained on a batch
+    split over ranks are not one process's: dtp check, and --resume --check on one
+    process, gave a numeric FAILED (3.3e-4) for a run that is right; now one line."""
+    run = tmp_path / "run"
+    moe = ("--model", "tiny-moe", "--batch", "4", "--seq", "16", "--capacity-factor", "1.25", "--save-every", "2")
+    assert cli.main(["train", *moe, "--ep", "2", "--steps", "2", "--out", str(run)]) == 0
+    capsys.readouterr()
+    why = ("steps 1-2 trained with --capacity-factor 1.25 on a batch split 2 ways (--dp × --ep × --cp): each rank "
+           "dropped by its own tokens (Megatron's rule), which one process does not, so --check's one-process "
+           "reference cannot check this run")
+    assert cli.main(["check", str(run)]) == 2
+    assert why in capsys.readouterr().err
+    _refuses_before_the_ranks(monkeypatch)
+    assert cli.main(["train", *moe, "--steps", "4", "--resume", "--check", "--out", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and why in err, err

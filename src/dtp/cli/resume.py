@@ -36,6 +36,11 @@ _DATA_ORDER = ("seed", "batch", "seq")
 # load-balancing loss is taken per microbatch (measured: tiny-moe m2 vs m4 on one process,
 # 1.7e-5 apart at step 1 in fp64).
 _REFERENCE_FIELDS = ("steps", "lr", "weight_decay", "warmup", "clip", "precision", "document_mask")
+# How the run trains and keeps itself, which a resume takes from its own flags like any
+# other: one not given again is its default (measured: --lr 0.001 --clip 0.5 --warmup 2
+# resumed as --lr 0.003 --clip 1.0 --warmup 5, the loss 8x off, and --save-every 4 as no
+# more checkpoints, with nothing said). Said in a note, not refused: a change may be meant.
+_CARRIED_FIELDS = ("lr", "weight_decay", "warmup", "clip", "max_skipped", "save_every", "keep", *MODEL_FIELDS)
 
 
 def resume_checkpoint(out: str | os.PathLike[str]) -> Path:
@@ -136,13 +141,15 @@ def check_resume(args: Any, path: Path, cfg: model_config.LlamaConfig, *, n_toke
         rate = saved_run.get("router_bias_update") or "RATE"
         raise UsageError(f"{here} holds router biases (trained with --router-bias-update {rate}), which this run "
                          f"would drop; resume with --router-bias-update {rate}")
+    if "init_from" in saved_run and saved_run["init_from"] != args.init_from:
+        # The same shapes (else refused above), so it would train: but config.json would then
+        # record this run's source, and --check / dtp check retrain from it (measured: a random
+        # tiny init against a fine-tune of an exported tiny, FAILED at 0.21).
+        was = saved_run["init_from"]
+        raise UsageError(f"{here} started from {f'--init-from {was}' if was else 'a random init (no --init-from)'}; "
+                         f"resume {f'with --init-from {was}' if was else 'without --init-from'} (--check and dtp "
+                         f"check retrain its steps from there)")
     _check_precision(args, saved_run, here)
-    trained_m = saved_run.get("microbatches")
-    if cfg.num_experts and trained_m not in (None, args.microbatches) and not getattr(args, "check", False):
-        # --check refuses it (_check_reference): its reference would retrain the first steps otherwise
-        note(args, f"{here.removeprefix('--resume: ')} trained with --microbatches {trained_m}: a model with "
-                   f"experts takes its load-balancing loss per microbatch, so --microbatches {args.microbatches} "
-                   f"goes on from there on another curve")
     _check_split(args, saved_run, extra.get("loader") or {}, n_tokens, here)
     for k in _DATA_ORDER:
         if k in saved_run and saved_run[k] != getattr(args, k):
@@ -158,6 +165,30 @@ def check_resume(args: Any, path: Path, cfg: model_config.LlamaConfig, *, n_toke
     if step >= args.steps and not restarted():
         raise UsageError(f"{here} is at step {step}, and --steps {args.steps} leaves nothing to train: resume with "
                          f"--steps above {step} (dtp check RUN checks a finished run)")
+    _note_changes(args, saved_run, cfg, here.removeprefix("--resume: "))  # a resume that runs: a refusal is one line
+
+
+def _note_changes(args: Any, saved_run: dict[str, Any], cfg: model_config.LlamaConfig, checkpoint: str) -> None:
+    """What a resume that runs changes, each said in a note: the :data:`_CARRIED_FIELDS` it
+    runs with other values than the checkpoint's run (a flag not given again being its
+    default); ``--precision pure`` of a checkpoint with fp32 master weights, which drops
+    them (the other way is refused: :func:`_check_precision`); another ``--microbatches``
+    for a model with experts, whose load-balancing loss is per microbatch (``--check``
+    refuses that: :func:`_check_reference`)."""
+    changed = [k for k in _CARRIED_FIELDS if k in saved_run and saved_run[k] != getattr(args, k, saved_run[k])]
+    if changed:
+        now = {k: getattr(args, k, None) for k in changed}
+        note(args, f"{checkpoint} trained with {_spell(saved_run, changed)}; this run has {_spell(now, changed)} "
+                   f"(a flag not given is its default): give them again to go on as it did")
+    kept = master_weights(saved_run.get("precision"), int(saved_run.get("zero") or 0), saved_run.get("dtype", ""))
+    if args.dtype == "bfloat16" and "zero" in saved_run and args.precision == "pure" and kept:
+        note(args, f"{checkpoint} kept fp32 master weights (--precision mixed); --precision pure drops them and "
+                   f"goes on from the bf16 parameters, its optimizer state narrowed to bf16")
+    trained_m = saved_run.get("microbatches")
+    if cfg.num_experts and trained_m not in (None, args.microbatches):
+        note(args, f"{checkpoint} trained with --microbatches {trained_m}: a model with experts takes its "
+                   f"load-balancing loss per microbatch, so --microbatches {args.microbatches} goes on from there "
+                   f"on another curve")
 
 
 def trained_segments(extra: dict[str, Any]) -> list[dict[str, Any]]:
@@ -272,14 +303,8 @@ def _check_precision(args: Any, saved_run: dict[str, Any], here: str) -> None:
     trained pure bf16 — an older dtp's default without ``--zero`` — would start fp32 master
     weights from the bf16 parameters with nothing said: refused, naming both choices. The
     other way, ``--precision pure`` asked of a checkpoint with master weights, is the
-    user's word, but what it drops is said."""
-    if args.dtype != "bfloat16" or "zero" not in saved_run:
-        return
-    kept = master_weights(saved_run.get("precision"), int(saved_run.get("zero") or 0), saved_run.get("dtype", ""))
-    if args.precision == "pure" and kept:
-        note(args, f"{here.removeprefix('--resume: ')} kept fp32 master weights (--precision mixed); --precision "
-                   f"pure drops them and goes on from the bf16 parameters, its optimizer state narrowed to bf16")
-    if args.precision is not None:
+    user's word, and noted (:func:`_note_changes`)."""
+    if args.precision is not None or args.dtype != "bfloat16" or "zero" not in saved_run:
         return
     if not master_weights(saved_run.get("precision"), int(saved_run.get("zero") or 0), saved_run.get("dtype", "")):
         how = "" if saved_run.get("precision") == "pure" else ", an older dtp's default without --zero"
@@ -297,8 +322,28 @@ def _trained_with(segments: list[dict[str, Any]], done: int) -> tuple[list[str],
         run, model = segment.get("run") or {}, segment.get("model") or {}
         last = segments[i + 1]["first"] - 1 if i + 1 < len(segments) else done
         spans.append(f"step {last}" if segment["first"] == last else f"steps {segment['first']}-{last}")
-        trained.append({**_reference_values(run, model), "warmup_from_step_one": bool(run.get("warmup_from_step_one"))})
+        split = _dropping_split(run, model)
+        trained.append({**_reference_values(run, model), "warmup_from_step_one": bool(run.get("warmup_from_step_one")),
+                        **({"dropping_split": split} if split > 1 else {})})
     return spans, trained
+
+
+def _dropping_split(run: dict[str, Any], model: dict[str, Any]) -> int:
+    """How many ways a segment split the batch it routed with a capacity factor (dp × ep ×
+    cp; 1 dropless or on one rank): each rank drops by its own tokens (Megatron's rule), so
+    a split > 1 drops other tokens than one process (:func:`dtp.cli.shape.check_shape`
+    refuses ``--check`` there). A config.json's cut record keeps it as ``dropping_split``.
+
+    >>> _dropping_split({"dp": 2, "ep": 2, "cp": 1}, {"num_experts": 4, "capacity_factor": 1.25})
+    4
+    >>> _dropping_split({"dp": 2, "ep": 2}, {"num_experts": 4, "capacity_factor": None})
+    1
+    """
+    if "dropping_split" in run:
+        return int(run["dropping_split"])
+    if not model.get("num_experts") or model.get("capacity_factor") is None:
+        return 1
+    return int(run.get("dp", 1)) * int(run.get("ep", 1)) * int(run.get("cp", 1))
 
 
 def _reference_values(run: dict[str, Any], model: dict[str, Any]) -> dict[str, Any]:
@@ -330,9 +375,11 @@ def segment_record(segment: dict[str, Any]) -> dict[str, Any]:
     """
     run, model = segment.get("run") or {}, segment.get("model") or {}
     values = _reference_values(run, model)
+    split = _dropping_split(run, model)
     return {"first": segment["first"],
             "run": {**{k: v for k, v in values.items() if k not in MODEL_FIELDS},
-                    **({"warmup_from_step_one": run["warmup_from_step_one"]} if "warmup_from_step_one" in run else {})},
+                    **({"warmup_from_step_one": run["warmup_from_step_one"]} if "warmup_from_step_one" in run else {}),
+                    **({"dropping_split": split} if split > 1 else {})},
             "model": {k: model[k] for k in MODEL_FIELDS if k in model}}
 
 
@@ -357,6 +404,11 @@ def _mixed(spans: list[str], trained: list[dict[str, Any]]) -> str | None:
         if not values["warmup_from_step_one"]:
             return (f"{span} trained under dtp's earlier lr schedule (lr 0 at step 1), which --check's reference no "
                     f"longer trains")
+        if values.get("dropping_split", 1) > 1:
+            return (f"{span} trained with --capacity-factor {values.get('capacity_factor')} on a batch split "
+                    f"{values['dropping_split']} ways (--dp × --ep × --cp): each rank dropped by its own tokens "
+                    f"(Megatron's rule), which one process does not, so --check's one-process reference cannot "
+                    f"check this run")
     before = [span for span, values in zip(spans, trained) if "weight_decay" not in values]
     if before and len(before) < len(spans):  # a record from before --weight-decay (optimizer.weight_decay)
         return (f"{before[0]} decayed every parameter (dtp's weight decay before --weight-decay, which exempts norms "
