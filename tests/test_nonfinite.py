@@ -310,3 +310,23 @@ def test_an_aborted_run_finishes_the_checkpoint_it_was_writing(tmp_path, capsys)
                          "--clip", "0", "--max-skipped", "1", "--save-every", "1", "--async-save", "--out", str(out)])
     assert code == 1 and "training aborted at step 2" in capsys.readouterr().err
     assert [p.name for p in (out / "checkpoints").iterdir()] == ["step_00000001"]
+
+
+def test_a_resume_goes_on_counting_the_skipped_steps(tmp_path, capsys):
+    """The skip counters restarted at 0 on a resume: ``skipped_steps`` went back to 0, and a
+    run aborted by --max-skipped 3 resumed for 3 more skips, saying "unchanged since" a
+    later step than the truth. The total is the iterations less the updates; the run in a
+    row travels in the checkpoint. The resumed run aborts where the run would have."""
+    out = tmp_path / "run"
+    run = ["train", "--steps", "8", "--batch", "2", "--seq", "16", "--lr", "1e20", "--warmup", "0", "--clip", "0",
+           "--max-skipped", "3", "--save-every", "1", "--out", str(out)]
+    assert dtp.cli.main(run) == 1
+    aborted = "training aborted at step 4: 3 steps in a row skipped (non-finite loss or gradient norm; parameters " \
+              "unchanged since step 1)"
+    assert aborted in capsys.readouterr().err
+    # the last checkpoint is of iteration 3 (the abort comes before step 4's save), two skipped in a row
+    assert dtp.cli.main([*run, "--resume"]) == 1
+    assert aborted in capsys.readouterr().err
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["skipped"], r["skipped_steps"]) for r in records] == \
+        [(1, False, 0), (2, True, 1), (3, True, 2), (4, True, 3)]

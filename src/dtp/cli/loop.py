@@ -160,6 +160,11 @@ def train_loop(args: Mapping[str, Any], mesh: DeviceMesh, layout: Layout, *, rec
         loader.load_state_dict((extra or {}).get("loader", {}))
         first = loader.state_dict()["step"] + 1  # iterations, skipped steps included (state.step counts updates)
         earlier = trained_segments(extra or {})
+        # The skips so far go on counting (they restarted at 0: a run aborted by --max-skipped
+        # resumed for --max-skipped more): the total is the iterations less the updates, the
+        # run in a row the checkpoint's record (0 from one written before it kept it).
+        skips.total = max(0, first - 1 - int(state.step))
+        skips.in_a_row = int(((extra or {}).get("skips") or {}).get("in_a_row", 0))
     # Which flags trained which steps: a resume may change --steps, --lr, … (not without
     # --check, whose reference trains every step with the last ones: resume.check_resume).
     segments = [*earlier, {"first": first, "run": dict(args), "model": dataclasses.asdict(cfg)}]
@@ -211,7 +216,7 @@ def train_loop(args: Mapping[str, Any], mesh: DeviceMesh, layout: Layout, *, rec
             saving = checkpoint.save(state, checkpoints.root, keep=checkpoints.keep, async_save=checkpoints.async_save,
                                      extra={"loader": loader.state_dict(), "model": dataclasses.asdict(cfg),
                                             "run": dict(args),  # the run's RunConfig and what the ranks found
-                                            "segments": segments})
+                                            "segments": segments, "skips": {"in_a_row": skips.in_a_row}})
     if isinstance(saving, checkpoint.AsyncSave):
         saving.wait()
     wait(state)  # the last step's prefetched parameter gathers (overlap_param_gather)
