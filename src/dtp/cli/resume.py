@@ -141,7 +141,7 @@ def check_resume(args: Any, path: Path, cfg: model_config.LlamaConfig, *, n_toke
         rate = saved_run.get("router_bias_update") or "RATE"
         raise UsageError(f"{here} holds router biases (trained with --router-bias-update {rate}), which this run "
                          f"would drop; resume with --router-bias-update {rate}")
-    if "init_from" in saved_run and saved_run["init_from"] != args.init_from:
+    if "init_from" in saved_run and _source(saved_run["init_from"]) != _source(args.init_from):
         # The same shapes (else refused above), so it would train: but config.json would then
         # record this run's source, and --check / dtp check retrain from it (measured: a random
         # tiny init against a fine-tune of an exported tiny, FAILED at 0.21).
@@ -166,6 +166,11 @@ def check_resume(args: Any, path: Path, cfg: model_config.LlamaConfig, *, n_toke
         raise UsageError(f"{here} is at step {step}, and --steps {args.steps} leaves nothing to train: resume with "
                          f"--steps above {step} (dtp check RUN checks a finished run)")
     _note_changes(args, saved_run, cfg, here.removeprefix("--resume: "))  # a resume that runs: a refusal is one line
+
+
+def _source(init_from: str | None) -> str | None:
+    """An ``--init-from`` directory as a resolved path (``hf`` and ``./hf`` are one source)."""
+    return None if init_from is None else str(Path(init_from).resolve())
 
 
 def _note_changes(args: Any, saved_run: dict[str, Any], cfg: model_config.LlamaConfig, checkpoint: str) -> None:
