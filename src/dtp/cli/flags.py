@@ -285,7 +285,8 @@ def check_config(args: argparse.Namespace) -> Layout:
     dtp.cli.parser.UsageError: --model tiny on the mesh dp=1 × tp=3: heads=4 is not divisible by tp=3 (--tp splits the heads); choose a model with heads a multiple of 3 (--model, --init-from), or a smaller --tp
     """
     check_nproc(args, mesh_axes_of(pp=args.pp, dp=args.dp, ep=args.ep, cp=args.cp, tp=args.tp))  # as validate
-    _note_inert_zero(args)
+    if args.command != "train":  # dtp train's validate said it (--print-config said it twice)
+        _note_inert_zero(args)
     if args.print_schedule and args.pp == 1:
         raise UsageError("--print-schedule prints the pipeline's schedule; pipeline options need --pp > 1")
     if getattr(args, "microbatches", 1) is None:  # dtp plan's default, as validate resolves dtp train's

@@ -41,10 +41,6 @@ def note(args: argparse.Namespace, text: str) -> None:
     torchrun from rank 0 alone (every rank parses and checks the run alike)."""
     if in_torchrun() and (launched() or os.environ.get("RANK") != "0"):
         return
-    said = vars(args).setdefault("notes_said", set())  # validate and check_config both check a run
-    if text in said:
-        return
-    said.add(text)
     print(f"{PROG} {getattr(args, 'command', None) or 'train'}: note: {text}", file=sys.stderr)
 
 
