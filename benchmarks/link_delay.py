@@ -56,7 +56,7 @@ def _records(bandwidth: float, stage: int, config: str, seq: int, batch: int, bu
         with dtp.comm_log() as log:
             for _ in range(steps):
                 state, _ = dtp.train_step(loss_fn, state, data)
-        state.zero.wait()
+        state.strategy.wait()
     return [(r.kind, r.issued, r.completed, r.bytes) for r in log.records if r.axis == "dp"]
 
 

@@ -145,7 +145,7 @@ def _bench(cfg, batch: dict, stages: list[str], bucket_mb: float, warmup: int, r
                 t0 = time.perf_counter()
                 box["state"], box["m"] = dtp.train_step(loss_fn, box["state"], box["batch"])
                 times.append(time.perf_counter() - t0)
-            box["state"].zero.wait()
+            box["state"].strategy.wait()
         return times
 
     out: dict = {"stages": {}}
@@ -190,7 +190,7 @@ def _bench(cfg, batch: dict, stages: list[str], bucket_mb: float, warmup: int, r
         compute = statistics.median(free[True])
         res = dict(free=free, linked=linked, compute=compute, bytes=nbytes, ncoll=ncoll, kinds=kinds,
                    bandwidth=bandwidth, comm=ncoll * latency + nbytes / bandwidth,
-                   buckets=len(boxes[True]["state"].zero.plan.buckets),
+                   buckets=len(boxes[True]["state"].strategy.plan.buckets),
                    floor=floor_of(ph, compute, bandwidth, latency), phases=ph["compute"],
                    loss=[boxes[False]["m"]["loss"], boxes[True]["m"]["loss"]])
         if stage == timeline_stage:
@@ -203,7 +203,7 @@ def _bench(cfg, batch: dict, stages: list[str], bucket_mb: float, warmup: int, r
                     for k in range(2):
                         with dtp.comm.span(f"step {k}"):
                             box["state"], _ = dtp.train_step(loss_fn, box["state"], box["batch"])
-                box["state"].zero.wait()
+                box["state"].strategy.wait()
             if rank == 0:
                 res["timeline"] = tl.timeline(width)
                 summary = []

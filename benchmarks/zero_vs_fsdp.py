@@ -156,13 +156,13 @@ def _setup(cfg, batch: dict, which: str, bucket_mb: float):
 
         def state_bytes() -> int:
             st = box["state"]
-            ts = [*st.zero.master, *[x for x in torch.utils._pytree.tree_leaves(st.opt_state)
+            ts = [*st.strategy.master, *[x for x in torch.utils._pytree.tree_leaves(st.opt_state)
                                      if isinstance(x, torch.Tensor)]]
-            if st.zero.stage < 3:
-                ts += st.zero.buffers
+            if st.strategy.stage < 3:
+                ts += st.strategy.buffers
             # Stage 3 with overlap_param_gather: the next forward's first buckets, gathered
             # during the update and held whole until that forward takes them.
-            ts += st.zero.pending.held()
+            ts += st.strategy.pending.held()
             return _storage_bytes(ts)
 
         return step, state_bytes, box
@@ -229,7 +229,7 @@ def _bench(cfg, batch: dict, bucket_mb: float, warmup: int, repeats: int) -> dic
     dist.all_reduce(tl)
     return dict(times=times, dtp_losses=losses["dtp"][:2], torch_losses=(tl / dist.get_world_size()).tolist(),
                 dtp_recs=[(r.kind, r.bytes) for r in log.records], torch_recs=counter.records,
-                buckets=len(extra["dtp"]["state"].zero.plan.buckets))
+                buckets=len(extra["dtp"]["state"].strategy.plan.buckets))
 
 
 def _memory(cfg, batch: dict, which: str, bucket_mb: float, warmup: int, steps: int) -> dict:

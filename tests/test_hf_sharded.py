@@ -84,8 +84,8 @@ def _train_both(path: str, axes: dict, pieces: dict, microbatches: int) -> dict:
     loaded = dtp.TrainState.from_hf(path, opt, mesh=mesh, layout=layout, dtype=torch.float64)
     read = hf.bytes_read() - before
     if "zero" in pieces:  # the bytes of this rank's tp blocks, and of its bucket slices
-        held = sum(leaf.numel * 8 for leaf in loaded.zero.leaves)
-        buckets = loaded.zero.plan.buckets
+        held = sum(leaf.numel * 8 for leaf in loaded.strategy.leaves)
+        buckets = loaded.strategy.plan.buckets
         held = (held, sum(b.shard_numel * 8 for b in buckets), len(buckets))
     else:
         held = sum((x.to_local() if hasattr(x, "to_local") else x).numel() * 8

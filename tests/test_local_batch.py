@@ -43,7 +43,7 @@ def _steps(cfg, zero, microbatches, loss_fn=None, recompute=None):
     loss_fn = loss_fn or functools.partial(llama.loss, cfg=cfg)
     state = dtp.TrainState.create(llama.init(cfg, seed=0, dtype=torch.float64), dtp.optim.adamw(1e-2), mesh=mesh,
                                   layout=_layout(zero), axes=llama.param_axes(cfg))
-    local = strategies.begin(state.params, state.zero, microbatches, loss_fn=loss_fn, layout=state.layout,
+    local = strategies.begin(state.params, state.strategy, microbatches, loss_fn=loss_fn, layout=state.layout,
                              mesh=mesh).local
     losses = []
     with dtp.comm_log() as log:

@@ -147,7 +147,7 @@ def _evaluate(axes: dict, layout, cfg) -> list:
                                   layout=layout, axes=llama.param_axes(cfg), axis_sizes=llama.axis_sizes(cfg),
                                   buffers=llama.init_buffers(cfg, torch.float64))
     batches = [dtp.shard_batch(_batch(cfg, 10 + k), state) for k in range(2)]
-    out = dtp.strategies.evaluate(llama.sequential(cfg), state.params, state.zero, state.layout, state.mesh,
+    out = dtp.strategies.evaluate(llama.sequential(cfg), state.params, state.strategy, state.layout, state.mesh,
                                   batches, buffers=state.buffers)
     return [(loss, None if aux is None else _whole(dict(aux))) for loss, aux in out]
 

@@ -188,7 +188,7 @@ def _rank(axes: dict, save_to: str | None) -> dict:
         loaded, _ = dtp.checkpoint.load(save_to, like=like)
         out["loaded"] = _whole(loaded.buffers)
         loaded, _ = dtp.train_step(loss_fn, loaded, dtp.shard_batch(_batch(), loaded), microbatches=M)
-        out["zero_paths"] = [leaf.path for leaf in loaded.zero.leaves]
+        out["zero_paths"] = [leaf.path for leaf in loaded.strategy.leaves]
     return out
 
 

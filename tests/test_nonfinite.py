@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import dtp
+from dtp.strategies.zero import ZeroState
 from dtp.cli.loop import SkipCounter, TrainingAborted
 from dtp.models import llama
 from dtp.ops import cross_entropy
@@ -103,7 +104,7 @@ def _snapshot(state):
     params = optree.tree_map(lambda x: x.full_tensor().detach() if isinstance(x, DTensor) else x.detach(),
                              dtp.gather_params(state))
     return {"step": state.step, "params": optree.tree_leaves(params),
-            "master": [_local(m) for m in state.zero.master] if state.zero is not None else [],
+            "master": [_local(m) for m in state.strategy.master] if isinstance(state.strategy, ZeroState) else [],
             "opt_state": [_local(x) for x in optree.tree_leaves(state.opt_state)]}
 
 
@@ -177,7 +178,7 @@ def _case(mesh_axes, zero, clip, poison, bad_rank):
     if zero:
         c_states, c_metrics, c_warned = _steps(mesh_axes, zero, clip, [None, 0, 1], bad)
         skipped = c_states[1]
-        fresh = skipped.optimizer.init(list(skipped.zero.master))
+        fresh = skipped.optimizer.init(list(skipped.strategy.master))
         facts.update({
             "c_skipped": [m["skipped"] for m in c_metrics],
             # Before the first step there are no master slices nor optimizer state to compare.

@@ -108,9 +108,9 @@ def _eval(axes: dict, layout, cfg, n_batches: int) -> list[float]:
                                   layout=layout, axes=llama.param_axes(cfg), axis_sizes=llama.axis_sizes(cfg))
     model = llama.sequential(cfg)
     held_out = [dtp.shard_batch(_batch_of(cfg, 100 + k), state) for k in range(n_batches)]
-    before = dtp.strategies.evaluate(model, state.params, state.zero, state.layout, state.mesh, held_out)
+    before = dtp.strategies.evaluate(model, state.params, state.strategy, state.layout, state.mesh, held_out)
     state, _ = dtp.train_step(model, state, dtp.shard_batch(_batch_of(cfg, 0), state), microbatches=4)
-    after = dtp.strategies.evaluate(model, state.params, state.zero, state.layout, state.mesh, held_out)
+    after = dtp.strategies.evaluate(model, state.params, state.strategy, state.layout, state.mesh, held_out)
     return [loss for loss, _ in before + after]
 
 

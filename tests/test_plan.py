@@ -341,9 +341,9 @@ def _state_at_rest(prefetch: int) -> tuple[int, int]:
     for _ in range(2):
         state, _ = dtp.train_step(llama.sequential(cfg), state, batch)
     dtp.wait(state)
-    held = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in state.zero.pending.held()}
+    held = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in state.strategy.pending.held()}
     rest = {t.to_local().untyped_storage().data_ptr(): t.to_local().untyped_storage().nbytes()
-            for t in [*state.zero.master, *torch.utils._pytree.tree_leaves(state.opt_state)]
+            for t in [*state.strategy.master, *torch.utils._pytree.tree_leaves(state.opt_state)]
             if isinstance(t, torch.Tensor) and t.dim() > 0}
     return sum(held.values()), sum(held.values()) + sum(rest.values())
 

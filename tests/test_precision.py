@@ -88,7 +88,7 @@ def _train(name: str, mixed: bool) -> dict:
             state, metrics = dtp.train_step(MODEL, state, dtp.shard_batch(_batch(), state), microbatches=m)
         losses.append(metrics["loss"])
         records.append(_records(log))
-    z = state.zero
+    z = state.strategy
     master = (_zero_master(z) if isinstance(z, ZeroState) else _held(z.master) if isinstance(z, MasterWeights)
               else _held(state.params))
     moments = {x.dtype for x in optree.tree_leaves(state.opt_state) if x is not None and x.dim() > 0}
@@ -234,7 +234,7 @@ def _save_and_resume(saved: str, loaded: str, root: str) -> tuple[list[float], l
     dtp.checkpoint.save(state, root)
     _, straight = _steps(state, 2)
     restored, _ = dtp.checkpoint.load(root, like=_ckpt_state(loaded))
-    masters = _held(restored.zero.master) if isinstance(restored.zero, MasterWeights) else {}
+    masters = _held(restored.strategy.master) if isinstance(restored.strategy, MasterWeights) else {}
     params = _held(restored.params)
     masters = {k: (m, torch.equal(m, params[k].float())) for k, m in masters.items()}  # (master, == the param)
     _, resumed = _steps(restored, 2)

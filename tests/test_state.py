@@ -41,7 +41,7 @@ def _reads(zero):
     for step in range(2):
         state, _ = dtp.train_step(LOSS, state, dtp.shard_batch(_batch(step), state))
     with dtp.comm_log() as log:
-        fields = (state.step, state.params, state.opt_state, state.zero, state.layout, repr(state))
+        fields = (state.step, state.params, state.opt_state, state.strategy, state.layout, repr(state))
         leaves = optree.tree_leaves(state, namespace="dtp")
     reads = len(log.records)
     with dtp.comm_log() as log:
@@ -78,12 +78,23 @@ def test_replace_keeps_fields_and_refuses_new_params_under_zero():
         try:
             state.replace(params=state.params)
         except ValueError as e:
-            return later.step, later.zero is state.zero, str(e)
-        return later.step, later.zero is state.zero, ""
+            return later.step, later.strategy is state.strategy, str(e)
+        return later.step, later.strategy is state.strategy, ""
 
     step, same_zero, message = run(go, world_size=2)[0]
     assert step == 7 and same_zero
     assert "new parameters need a new state" in message
+
+
+def test_state_zero_is_a_deprecated_alias_of_state_strategy():
+    with dtp.testing.simulate(2):
+        state = dtp.TrainState.create({"w": torch.ones(2)}, dtp.optim.sgd(0.1), mesh=dtp.make_mesh(dp=2),
+                                      layout=dtp.layouts.data(), axes={"w": ("embed",)})
+        with pytest.warns(DeprecationWarning, match="TrainState.strategy"):
+            alias = state.zero
+        with pytest.warns(DeprecationWarning, match="strategy="):
+            replaced = state.replace(zero=dtp.strategies.PLAIN)
+    assert alias is state.strategy is dtp.strategies.PLAIN and replaced.strategy is dtp.strategies.PLAIN
 
 
 def _aux_per_microbatch():

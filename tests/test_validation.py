@@ -155,7 +155,7 @@ def _seq(rank, s, place=False, evaluate=False):
         return lambda: dtp.shard_batch(_batch(s=s), state)
     batch = {k: dtp.shard(v, mesh, P("dp", "cp")) for k, v in _batch(s=s).items()}
     if evaluate:
-        return lambda: dtp.strategies.evaluate(LOSS, state.params, state.zero, state.layout, state.mesh, [batch])
+        return lambda: dtp.strategies.evaluate(LOSS, state.params, state.strategy, state.layout, state.mesh, [batch])
     return lambda: dtp.train_step(LOSS, state, batch)
 
 

@@ -51,7 +51,7 @@ def _three_steps(mesh_axes, zero, microbatches, dtype=torch.float64, clip=CLIP):
         state, metrics = dtp.train_step(LOSS, state, dtp.shard_batch(_batch(step), state),
                                         microbatches=microbatches, clip_norm=clip)
     if zero:
-        assert first.zero.plan is None and first.opt_state is None  # the input state is untouched
+        assert first.strategy.plan is None and first.opt_state is None  # the input state is untouched
     return optree.tree_map(_full, dtp.gather_params(state)), metrics["grad_norm"]
 
 
@@ -185,7 +185,7 @@ def _use_order():
                                   axes=llama.param_axes(CFG))
     leaf_order = [".".join(map(str, p)) for p in optree.tree_paths(state.params)]
     state, _ = dtp.train_step(LOSS, state, dtp.shard_batch(_batch(0), state))
-    plan = state.zero.plan
+    plan = state.strategy.plan
     return leaf_order, list(plan.use_order), [list(b.paths) for b in plan.buckets]
 
 
@@ -226,7 +226,7 @@ def _custom_order():
         for _ in range(3):
             state, _ = dtp.train_step(loss, state, {"x": dtp.shard(x, mesh, dtp.P("dp"))})
         results[zero is None] = optree.tree_map(_full, dtp.gather_params(state))
-        order = state.zero.plan.use_order if zero else None
+        order = state.strategy.plan.use_order if zero else None
     return results[True], results[False], order
 
 
@@ -253,7 +253,7 @@ def _bytes(stage, reshard_after_forward=True, overlap=False):
              for k in ("all_reduce", "reduce_scatter", "all_gather")}
     optimizer_bytes = sum(x.to_local().numel() * x.element_size()
                           for x in optree.tree_leaves(state.opt_state) if isinstance(x, DTensor))
-    buckets = state.zero.plan.buckets if stage else ()
+    buckets = state.strategy.plan.buckets if stage else ()
     padded = sum(b.numel for b in buckets) * 4 if stage else None
     kept = max(buckets, key=lambda b: b.last_use).numel * 4 if stage else None  # last read in forward
     return moved, optimizer_bytes, padded, kept
@@ -301,7 +301,7 @@ def _timeline(overlap):
         state, _ = dtp.train_step(LOSS, state, dtp.shard_batch(_batch(1), state))
         state, _ = dtp.train_step(LOSS, state, dtp.shard_batch(_batch(2), state))
         dtp.gather_params(state)  # the explicit call waits for their gathers
-        assert state.zero.pending.done()
+        assert state.strategy.pending.done()
     backward = [s for s in log.spans if s.name == "backward"][0]
     forward2 = [s for s in log.spans if s.name == "forward"][1]
     scatters = [r for r in log.records if r.kind == "reduce_scatter" and r.issued < forward2.start]
@@ -328,7 +328,7 @@ BF16_LR, BF16_STEPS = 3e-3, 6
 def _master_tree(state):
     """The fp32 master weights as a tree of whole tensors: every bucket's slices gathered
     and cut back into its members (dp-only mesh, so a member's local shape is global)."""
-    z = state.zero
+    z = state.strategy
     flats = [m.full_tensor() for m in z.master]
     leaves = [None] * len(z.leaves)
     for b in z.plan.buckets:
@@ -350,7 +350,7 @@ def _bf16(stages):
             losses.append(m["loss"])
         params = optree.tree_map(_full, dtp.gather_params(state))
         dtypes = {x.dtype for x in optree.tree_leaves(params)}
-        master = {x.dtype for x in state.zero.master}
+        master = {x.dtype for x in state.strategy.master}
         moments = {x.dtype for x in optree.tree_leaves(state.opt_state) if x.dim() > 0}
         out.append((losses, dtypes, master, moments, params, _master_tree(state)))
     return out
@@ -425,7 +425,7 @@ def _state_handling():
         refused = False
     except ValueError:
         refused = True
-    return text, len(log), len(leaves) > 0, refused, state.zero.plan.use_order[0]
+    return text, len(log), len(leaves) > 0, refused, state.strategy.plan.use_order[0]
 
 
 def test_state_repr_flatten_and_replace_under_zero3():

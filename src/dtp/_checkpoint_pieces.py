@@ -1,52 +1,18 @@
-"""A rank's part of a parameter as rectangles of its global shape, in the form
-torch.distributed.checkpoint writes and reads (what ZeRO's flat bucket slices hold: each
-parameter's part of a slice, cut into boxes of the parameter's layout). Used by
-:mod:`dtp.checkpoint`; one job: the geometry and DCP's ``_Checkpointable`` protocol."""
+"""DCP's save and load planners, taught one more kind of tensor: a strategy's
+:class:`~dtp.strategies.zero_pieces.Pieces` (a global tensor of which this rank holds some
+rectangles), which they write and read chunk by chunk as they do a DTensor's."""
 
 from __future__ import annotations
 
-import math
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
-from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.metadata import MetadataIndex
 
-from ._torch import StridedShard, global_offset
-from .spec import to_placements
-from .strategies import zero as zero_mod
-from .strategies.zero_plan import boxes
+from .strategies.zero_pieces import Pieces
 
-__all__ = ["Pieces", "SavePlanner", "LoadPlanner", "zero_pieces", "boxes"]
-
-
-class Pieces:
-    """A global tensor of which this rank holds some rectangles (views of its flat
-    ZeRO slices). Speaks DCP's ``_Checkpointable`` protocol, as DTensor does, so DCP
-    writes and reads each rectangle as a chunk of the one logical tensor."""
-
-    def __init__(self, shape: Sequence[int], dtype: torch.dtype, pieces: Sequence[tuple[tuple[int, ...], torch.Tensor]]):
-        self.shape, self.dtype, self.pieces = torch.Size(shape), dtype, list(pieces)
-
-    def size(self) -> torch.Size:
-        return self.shape
-
-    def __create_write_items__(self, fqn: str, obj: Any) -> list[WriteItem]:
-        return [WriteItem(index=MetadataIndex(fqn, torch.Size(o)), type=WriteItemType.SHARD,
-                          tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(torch.Size(o), t.shape),
-                                                      properties=TensorProperties.create_from_tensor(t),
-                                                      size=self.shape))
-                for o, t in self.pieces]
-
-    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
-        return [ChunkStorageMetadata(torch.Size(o), t.shape) for o, t in self.pieces]
-
-    def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
-        for o, t in self.pieces:
-            if torch.Size(o) == index.offset:
-                return t
-        raise ValueError(f"checkpoint: no piece of {index.fqn} at {tuple(index.offset or ())} on this rank")
+__all__ = ["Pieces", "SavePlanner", "LoadPlanner"]
 
 
 class SavePlanner(DefaultSavePlanner):
@@ -59,29 +25,3 @@ class LoadPlanner(DefaultLoadPlanner):
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
         obj = self.state_dict[index.fqn]
         return obj.__get_tensor_shard__(index) if isinstance(obj, Pieces) else super().lookup_tensor(index)
-
-
-def zero_pieces(z: zero_mod.ZeroState, slices: Sequence[torch.Tensor], *, as_params: bool = False
-                 ) -> list[Pieces]:
-    """Each parameter's part of this rank's flat bucket slices (local tensors), as
-    rectangles of the parameter's global shape; ``as_params``: rounded to the
-    parameters' dtype (bf16 parameters of fp32 master slices: a copy of the slice)."""
-    flats = [s.to(b.dtype) if as_params else s for s, b in zip(slices, z.plan.buckets)]
-    out = []
-    for leaf, (bucket, cursor, start, stop) in zip(z.leaves, z.local_parts()):
-        flat, base, pieces = flats[bucket], _block_offset(leaf), []
-        for o, size in boxes(leaf.local_shape, start, stop):
-            n = math.prod(size)
-            pieces.append((tuple(a + c for a, c in zip(base, o)), flat[cursor:cursor + n].view(size)))
-            cursor += n
-        out.append(Pieces(leaf.shape, flat.dtype, pieces))
-    return out
-
-
-def _block_offset(leaf: Any) -> tuple[int, ...]:
-    placements = to_placements(leaf.spec, leaf.mesh)
-    if any(isinstance(p, StridedShard) for p in placements):
-        # Its block is not one rectangle of the global tensor; no dtp layout makes one.
-        raise ValueError(f"checkpoint: param {leaf.path} is split over several axes out of mesh order "
-                         f"({leaf.spec}); ZeRO checkpoints support one rectangle per rank")
-    return global_offset(leaf.shape, leaf.mesh, placements)

@@ -60,8 +60,8 @@ from ._rules import accum_dtype
 from .optim import map_param_trees
 from .spec import spec_of, wrap_local
 from .state import TrainState, wait
-from .strategies import precision, zero as zero_mod
-from ._checkpoint_pieces import LoadPlanner, Pieces, SavePlanner, zero_pieces
+from .strategies.state import empty_like, tensor_paths
+from ._checkpoint_pieces import LoadPlanner, Pieces, SavePlanner
 from ._checkpoint_files import (FORMAT, MANIFEST, SafeReader, atomic_json, checkpoints, file_sums, latest,
                                 open_checkpoint, read_manifest, read_metadata, verify_files)
 
@@ -73,61 +73,16 @@ PyTree = Any
 # --------------------------------------------------------------------------- the logical state
 
 
-def _paths(tree: PyTree) -> list[str]:
-    return [".".join(map(str, p)) for p in optree.tree_paths(tree)]
-
-
-def _detach(x: torch.Tensor) -> torch.Tensor:
-    return x.detach()
-
-
 def _logical(state: TrainState) -> dict[str, Any]:
-    """``name -> tensor`` (DTensor, tensor or :class:`Pieces`) of what ``state`` holds."""
-    z = state.zero
+    """``name -> tensor`` (DTensor, tensor or :class:`Pieces`) of what ``state`` holds: its
+    buffers, and what its strategy says it saves (parameters, master weights, optimizer
+    state: :meth:`dtp.strategies.StrategyState.saved`)."""
     out: dict[str, Any] = {}
     if state.buffers:  # the non-trainable collection (dtp.buffers): replicated, whole
-        for path, x in zip(_paths(state.buffers), optree.tree_leaves(state.buffers)):
-            out[f"buffer/{path}"] = _detach(x)
-    if isinstance(z, zero_mod.ZeroState) and z.plan is not None:  # ZeRO after step one: all from the slices
-        paths = [leaf.path for leaf in z.leaves]
-        master = [m.to_local() for m in z.master]
-        for path, piece, leaf in zip(paths, zero_pieces(z, master), z.leaves):
-            if piece.dtype != leaf.dtype:  # fp32 master weights of lower-precision parameters
-                out[f"master/{path}"] = piece
-        for path, piece in zip(paths, zero_pieces(z, master, as_params=True)):
-            out[f"param/{path}"] = piece
-
-        def mirror(name: str, slices: list[DTensor]) -> list[DTensor]:
-            for path, piece in zip(paths, zero_pieces(z, [s.to_local() for s in slices])):
-                out[f"opt/{name}/{path}"] = piece
-            return slices
-
-        map_param_trees(state.opt_state, list(z.master), mirror, lambda name, x: _scalar(out, name, x))
-        return out
-    params = state.params
-    for path, x in zip(_paths(params), optree.tree_leaves(params)):
-        out[f"param/{path}"] = _detach(x)
-    master = z.master if isinstance(z, precision.MasterWeights) else None if z is None else z.loaded_master
-    if master is not None:  # mixed precision's master weights, or those ZeRO loaded (before step one)
-        for path, x, p in zip(_paths(params), optree.tree_leaves(master), optree.tree_leaves(params)):
-            if x.dtype != p.dtype:  # an fp32 parameter is its own master weight
-                out[f"master/{path}"] = _detach(x)
-    if state.opt_state is not None:
-        def mirror(name: str, tree: PyTree) -> PyTree:
-            for path, x in zip(_paths(params), optree.tree_leaves(tree)):
-                out[f"opt/{name}/{path}"] = _detach(x)
-            return tree
-
-        map_param_trees(state.opt_state, params, mirror, lambda name, x: _scalar(out, name, x))
+        for path, x in zip(tensor_paths(state.buffers), optree.tree_leaves(state.buffers)):
+            out[f"buffer/{path}"] = x.detach()
+    out.update(state.strategy.saved(state.params, state.opt_state))
     return out
-
-
-def _scalar(out: dict[str, Any], name: str, x: Any) -> Any:
-    if isinstance(x, torch.Tensor):
-        out[f"opt/{name}"] = _detach(x.to_local() if isinstance(x, DTensor) else x)
-        return x
-    raise TypeError(f"checkpoint: optimizer state entry {name!r} is a {type(x).__name__}; only tensors "
-                    f"(and trees of them) can be saved")
 
 
 # --------------------------------------------------------------------------- save
@@ -310,31 +265,13 @@ def _manifest(state: TrainState, extra: Mapping[str, Any] | None) -> dict[str, A
         "torch": torch.__version__,
         "mesh": dict(zip(state.mesh.mesh_dim_names or (), state.mesh.mesh.shape)),
         "layout": state.layout.name or "custom",
-        "zero_stage": state.zero.stage if isinstance(state.zero, zero_mod.ZeroState) else 0,
+        **state.strategy.manifest(),  # zero_stage
         "rng": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(),
         "extra": extra,
     }
 
 
 # --------------------------------------------------------------------------- load
-
-
-def _empty_like(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    dtype = dtype or x.dtype
-    if isinstance(x, DTensor):
-        local = torch.empty(x.to_local().shape, dtype=dtype, device=x.to_local().device)
-        return wrap_local(local, x.device_mesh, spec_of(x), tuple(x.shape))
-    return torch.empty(x.shape, dtype=dtype, device=x.device)
-
-
-def _whole_params(like: TrainState) -> PyTree:
-    """Empty parameters laid out as the layout says (ZeRO: before any bucket)."""
-    z = like.zero
-    if not isinstance(z, zero_mod.ZeroState):
-        return optree.tree_map(_empty_like, like.params)
-    leaves = [wrap_local(torch.empty(leaf.local_shape, dtype=leaf.dtype), leaf.mesh, leaf.spec, leaf.shape)
-              for leaf in z.leaves]
-    return optree.tree_map(lambda i: leaves[i], z.skeleton)
 
 
 def load(path: str | os.PathLike[str], like: TrainState, *, restore_rng: bool = True) -> tuple[TrainState, Any]:
@@ -426,28 +363,29 @@ def _targets(like: TrainState, manifest: Mapping[str, Any]) -> tuple[dict[str, t
     that makes the new state of them once DCP has filled them, and the names of the whole
     model's parameters (a pipeline rank's stepped state holds its stages' only: the
     others are ``None``, and stay so)."""
-    params = _whole_params(like)
+    strategy = like.strategy
+    params = strategy.empty_params(like.params)
     model = {f"param/{'.'.join(map(str, p))}" for p in optree.tree_paths(params, none_is_leaf=True)}
-    z = like.zero
     saved = manifest["tensors"]
     targets: dict[str, torch.Tensor] = {}
-    for p, x in zip(_paths(params), optree.tree_leaves(params)):
+    for p, x in zip(tensor_paths(params), optree.tree_leaves(params)):
         targets[f"param/{p}"] = x
-    buffers = optree.tree_map(_empty_like, like.buffers) if like.buffers else like.buffers
-    for p, x in zip(_paths(buffers), optree.tree_leaves(buffers)):
+    buffers = optree.tree_map(empty_like, like.buffers) if like.buffers else like.buffers
+    for p, x in zip(tensor_paths(buffers), optree.tree_leaves(buffers)):
         targets[f"buffer/{p}"] = x
     loaded_master = None
-    if z is not None and any(k.startswith("master/") for k in saved):
-        loaded_master = optree.tree_map(lambda x: _empty_like(x, accum_dtype(x.dtype)), params)
-        for p, x, param in zip(_paths(params), optree.tree_leaves(loaded_master), optree.tree_leaves(params)):
+    if strategy.keeps_master and any(k.startswith("master/") for k in saved):
+        loaded_master = optree.tree_map(lambda x: empty_like(x, accum_dtype(x.dtype)), params)
+        for p, x, param in zip(tensor_paths(params), optree.tree_leaves(loaded_master), optree.tree_leaves(params)):
             if x.dtype != param.dtype:  # the others are their parameters (filled in by build)
                 targets[f"master/{p}"] = x
     opt_state = None
     if any(k.startswith("opt/") for k in saved):
-        shaped = params if z is None else optree.tree_map(lambda x: _empty_like(x, accum_dtype(x.dtype)), params)
+        shaped = optree.tree_map(lambda x: empty_like(x, accum_dtype(x.dtype)), params) if strategy.keeps_master \
+            else params
 
         def mirror(name: str, tree: PyTree) -> PyTree:  # init's fresh zeros are the targets
-            for p, x in zip(_paths(params), optree.tree_leaves(tree)):
+            for p, x in zip(tensor_paths(params), optree.tree_leaves(tree)):
                 targets[f"opt/{name}/{p}"] = x
             return tree
 
@@ -461,16 +399,8 @@ def _targets(like: TrainState, manifest: Mapping[str, Any]) -> tuple[dict[str, t
         loaded = optree.tree_map(lambda x: x.requires_grad_(True), params)
         master = None if loaded_master is None else optree.tree_map(
             lambda m, p: m if m.dtype != p.dtype else p.detach(), loaded_master, loaded)
-        if z is None:
-            opt = like.optimizer.init(loaded) if opt_state is None else opt_state
-            return dataclasses.replace(like, step=step, params=loaded, opt_state=opt, buffers=buffers)
-        if isinstance(z, precision.MasterWeights):
-            # Saved without master weights (pure bf16): they start as the parameters, exactly.
-            weights = precision.create(loaded) if master is None else precision.MasterWeights(master)
-            opt = like.optimizer.init(weights.master) if opt_state is None else opt_state
-            return dataclasses.replace(like, step=step, params=loaded, opt_state=opt, zero=weights, buffers=buffers)
-        fresh = zero_mod.ZeroState(z.options, z.leaves, z.skeleton, loaded_master=master)
-        return dataclasses.replace(like, step=step, params=loaded, opt_state=opt_state, zero=fresh, buffers=buffers)
+        opt, restored = strategy.restored(loaded, master, opt_state, like.optimizer)
+        return dataclasses.replace(like, step=step, params=loaded, opt_state=opt, strategy=restored, buffers=buffers)
 
     return targets, build, model
 

@@ -34,7 +34,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from . import guard, strategies
 from ._rules import accum_dtype
 from .layouts import Layout
-from .mesh import axis_sizes, block_index, mesh_device
+from .mesh import axis_sizes, block_index
 from .models import hf, llama
 from .models.config import LlamaConfig
 from .optim import GradientTransformation
@@ -118,7 +118,7 @@ def state_from_hf(path: str | os.PathLike[str], optimizer: GradientTransformatio
     inconsistent directory, on every rank.
     """
     error, params, checks, cfg = None, None, guard.Agreements(), None
-    zero_state, plan = None, None
+    opts, plan, metas, structure, pieces = None, None, None, None, None
     try:
         cfg = hf.config_from_hf(path, vocab_multiple)
         layout.check_mesh(mesh)
@@ -156,7 +156,7 @@ def state_from_hf(path: str | os.PathLike[str], optimizer: GradientTransformatio
                                                       for p, shape, d in zip(paths, shapes, dtypes)])
         pieces = optree.tree_leaves(local)
         if opts is not None:
-            zero_state = _zero_state(opts, metas, local, pieces, plan, mesh)
+            structure = optree.tree_structure(local)
         else:
             leaves = [None if not keep(p) else x.requires_grad_(True) if home is None else
                       wrap_local(x, home, s, shape).requires_grad_(True)
@@ -169,28 +169,11 @@ def state_from_hf(path: str | os.PathLike[str], optimizer: GradientTransformatio
     guard.check_together("TrainState.from_hf", mesh, {"directory": str(path), "dtype": str(dtype),
                                                       "vocab_multiple": str(vocab_multiple),
                                                       "layout": layout.name or "custom"}, error)
-    if zero_state is not None:
-        params, zero_state = zero.at_rest(zero_state, zero_state.master)
-        opt_state = optimizer.init(list(zero_state.master))
-        return TrainState(0, params, opt_state, optimizer, mesh, layout, llama.param_axes(cfg), zero_state, checks)
+    if opts is not None:  # the state after step one's bucketing: ZeRO's, from this rank's runs
+        params, opt_state, strategy = zero.from_parts(opts, metas, structure, pieces, plan, mesh, optimizer)
+        return TrainState(0, params, opt_state, optimizer, mesh, layout, llama.param_axes(cfg), strategy, checks)
     opt_state, strategy = strategies.create(params, optimizer, layout, mesh)
     return TrainState(0, params, opt_state, optimizer, mesh, layout, llama.param_axes(cfg), strategy, checks)
-
-
-def _zero_state(opts: Any, metas: list[zero_plan.Leaf], local: Any, pieces: list[torch.Tensor],
-                plan: zero_plan.ZeroPlan, mesh: DeviceMesh) -> zero.ZeroState:
-    """ZeRO's state before its parameters are gathered: this rank's master slices, one per
-    bucket, filled from the runs read (``pieces``, in leaf order)."""
-    parts = zero_plan.local_parts(plan, metas)
-    master = []
-    for b in plan.buckets:
-        flat = torch.zeros(b.shard_numel, dtype=accum_dtype(b.dtype), device=mesh_device(mesh))
-        for i in b.members:
-            _, cursor, start, stop = parts[i]
-            flat[cursor:cursor + stop - start] = pieces[i]
-        master.append(wrap_local(flat, mesh, b.spec, zero_plan.flat_global(b, mesh)))
-    skeleton = optree.tree_unflatten(optree.tree_structure(local), list(range(len(metas))))
-    return zero.ZeroState(opts, tuple(metas), skeleton, plan, tuple(master))
 
 
 def _zeros(want: hf.Box | list[hf.Box] | None, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

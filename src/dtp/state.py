@@ -5,6 +5,7 @@ plain data that never communicates — and the two calls that reach what it hold
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
@@ -19,6 +20,7 @@ from .layouts import Layout
 from .mesh import mesh_device
 from .optim import GradientTransformation
 from .spec import P, shard, spec_of
+from .strategies import PLAIN, StrategyState
 
 __all__ = ["TrainState", "gather_params", "wait"]
 
@@ -40,8 +42,10 @@ class TrainState:
     ``mesh``; ``axes`` holds each parameter's logical axis names. Functions take a state
     and return a new one; nothing is modified in place.
 
-    Under ``layouts.zero(stage)`` (see :mod:`dtp.strategies.zero`) ``zero`` holds the
-    buckets, this rank's fp32 master-weight slices and (stage 1/2) the gathered parameter
+    ``strategy`` is what the step's strategy keeps between steps, an object that answers
+    for itself (:class:`dtp.strategies.StrategyState`: what it owns, gathers, waits for,
+    saves and loads). Under ``layouts.zero(stage)`` (see :mod:`dtp.strategies.zero`) it
+    holds the buckets, this rank's fp32 master-weight slices and (stage 1/2) the gathered parameter
     buffers; ``opt_state`` covers the master slices. Both come with the first step,
     which orders the buckets by first use: before it ``opt_state`` is ``None``
     (``optimizer.init(state.params)`` is the state it starts from), or the per-parameter
@@ -72,10 +76,21 @@ class TrainState:
     mesh: DeviceMesh
     layout: Layout
     axes: PyTree
-    zero: Any = None  # the strategy's own state (ZeRO's buckets and master slices), or None
+    strategy: StrategyState = PLAIN  # the strategy's own state: ZeRO's buckets, master weights, or PLAIN
     checks: guard.Agreements = dataclasses.field(default_factory=guard.Agreements)  # what the ranks agreed on
     buffers: PyTree = None  # state no gradient trains (dtp.buffers), or None
     buffer_update: Callable[[PyTree, Any], PyTree] | None = None  # (buffers, aux) -> buffers after each step
+
+    def __post_init__(self) -> None:
+        if self.strategy is None:  # a run's finish() with nothing to keep
+            object.__setattr__(self, "strategy", PLAIN)
+
+    @property
+    def zero(self) -> StrategyState:
+        """Deprecated alias of :attr:`strategy` (its name until dtp 0.1; removed in the next release)."""
+        warnings.warn("TrainState.zero is now TrainState.strategy (the strategy's state, ZeRO's or another's)",
+                      DeprecationWarning, stacklevel=2)
+        return self.strategy
 
     @classmethod
     def create(cls, params: PyTree, optimizer: GradientTransformation, *, mesh: DeviceMesh, layout: Layout,
@@ -136,13 +151,16 @@ class TrainState:
                              weights=weights)
 
     def replace(self, **changes: Any) -> "TrainState":
-        if "params" in changes and "zero" not in changes and strategies.owns_params(self.zero):
+        if "zero" in changes:  # the field's name until dtp 0.1 (TrainState.zero)
+            warnings.warn("TrainState.replace(zero=...) is now replace(strategy=...)", DeprecationWarning, stacklevel=2)
+            changes["strategy"] = changes.pop("zero")
+        if "params" in changes and "strategy" not in changes and self.strategy.owns_params:
             raise ValueError("TrainState.replace: the parameters derive from the master weights (ZeRO's buckets "
                              "and slices, or mixed precision's); new parameters need a new state (TrainState.create)")
         return dataclasses.replace(self, **changes)
 
     def __repr__(self) -> str:
-        extra = strategies.describe(self.zero)
+        extra = self.strategy.describe()
         return f"TrainState(step={self.step}, layout={self.layout.name or 'custom'!r}, mesh={self.mesh}{extra})"
 
     def param_specs(self) -> PyTree:
@@ -150,7 +168,7 @@ class TrainState:
         return optree.tree_map(_spec, self.params, none_is_leaf=True)
 
 
-_CHILDREN = ("params", "opt_state", "zero", "buffers")  # the tensors; the rest is static
+_CHILDREN = ("params", "opt_state", "strategy", "buffers")  # the tensors; the rest is static
 _STATIC = ("step", "optimizer", "mesh", "layout", "axes", "checks", "buffer_update")
 
 
@@ -205,7 +223,7 @@ def gather_params(state: TrainState) -> PyTree:
     >>> dtp.gather_params(state)["w"]
     tensor([1., 1.], requires_grad=True)
     """
-    return strategies.gather(state.params, state.zero, state.layout, state.mesh)
+    return strategies.gather(state.params, state.strategy, state.layout, state.mesh)
 
 
 def wait(state: TrainState) -> None:
@@ -226,7 +244,7 @@ def wait(state: TrainState) -> None:
     ...                               layout=dtp.layouts.data(), axes={"w": ("embed",)})
     >>> dtp.wait(state)                             # nothing in flight: returns at once
     """
-    strategies.wait(state.zero)
+    state.strategy.wait()
 
 
 def _single_device(mesh: DeviceMesh | None) -> bool:

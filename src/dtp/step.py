@@ -311,7 +311,7 @@ def value_and_grad(loss_fn: Callable[[PyTree, Mapping[str, torch.Tensor]], Any],
     (2.0, tensor([1., 1.]))
     """
     options = options_of(compile)  # a bad argument fails here, before any collective
-    run = strategies.begin(state.params, state.zero, microbatches, layout=state.layout, mesh=state.mesh,
+    run = strategies.begin(state.params, state.strategy, microbatches, layout=state.layout, mesh=state.mesh,
                            gradients_only=True)  # a pipeline or ZeRO refuses
     _check_inputs(batch, state, microbatches, recompute)
     with use_layout(state.layout, state.mesh), recompute_policy(recompute), compiling(options):
@@ -382,7 +382,7 @@ def train_step(loss_fn: Callable[[PyTree, Mapping[str, torch.Tensor]], Any], sta
     guard.check_step(state.checks, state.mesh, state.layout, state.step, batch,
                      {"microbatches": microbatches, "recompute": recompute, "clip_norm": clip_norm,
                       "compile": repr(options)}, error)
-    run = strategies.begin(state.params, state.zero, microbatches, loss_fn=loss_fn, layout=state.layout,
+    run = strategies.begin(state.params, state.strategy, microbatches, loss_fn=loss_fn, layout=state.layout,
                            mesh=state.mesh, buffers=state.buffers)
     with comm_log() as log:
         with use_layout(state.layout, state.mesh), recompute_policy(recompute), compiling(options) as watch:
@@ -393,7 +393,7 @@ def train_step(loss_fn: Callable[[PyTree, Mapping[str, torch.Tensor]], Any], sta
                                                                      clip_norm, loss, counted)
             # On a skip ``updated`` is the targets as they were: ZeRO still gathers them into
             # new buffers (first step: cuts them), so every step has the same collectives.
-            params, zero = run.finish(updated)
+            params, strategy = run.finish(updated)
             buffers = state.buffers
             if buffers and state.buffer_update is not None and bad is None:  # a skip keeps them too
                 buffers = apply_update(state.buffer_update, buffers, aux, state.mesh)
@@ -402,7 +402,7 @@ def train_step(loss_fn: Callable[[PyTree, Mapping[str, torch.Tensor]], Any], sta
         # not world-size copies; metrics["skipped"] is on every rank.
         warnings.warn(f"dtp.train_step: non-finite {bad} at step {state.step}: update skipped "
                       f"(parameters, optimizer state and step unchanged)", RuntimeWarning, stacklevel=2)
-    new = dataclasses.replace(state, step=state.step + (bad is None), params=params, opt_state=opt_state, zero=zero,
+    new = dataclasses.replace(state, step=state.step + (bad is None), params=params, opt_state=opt_state, strategy=strategy,
                               buffers=buffers)
     if not dynamo_before and _DYNAMO in sys.modules:
         _drop_import_frames()

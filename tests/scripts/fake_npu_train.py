@@ -41,7 +41,7 @@ npu_losses, state, placed = train("npu")
 moments = [x for x in optree.tree_leaves(state.opt_state) if x.dim() > 0]
 assert all(x.device.type == "cpu" for x in optree.tree_leaves(state.opt_state) if x.dim() == 0)
 tensors = {"params": optree.tree_leaves(state.params), "opt_state": moments,
-           "master": optree.tree_leaves(state.zero.master), "batch": list(placed.values())}
+           "master": optree.tree_leaves(state.strategy.master), "batch": list(placed.values())}
 for what, leaves in tensors.items():
     wrong = {str(x.device) for x in leaves if x.device != NPU}
     assert leaves and not wrong, f"{what}: on {wrong}, not {NPU}"

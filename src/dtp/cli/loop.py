@@ -269,7 +269,7 @@ def _evaluate(state: TrainState, cfg: llama.LlamaConfig, batches: list[dict[str,
     the same value on every rank (a global mean). Every rank calls it at the same step:
     under ZeRO-3 the parameters are all-gathered, under a pipeline the batches run through
     the stages as a forward-only schedule (:func:`dtp.strategies.evaluate`)."""
-    results = strategies.evaluate(llama.sequential(cfg), state.params, state.zero, state.layout, state.mesh,
+    results = strategies.evaluate(llama.sequential(cfg), state.params, state.strategy, state.layout, state.mesh,
                                   [shard_batch(batch, state) for batch in batches], buffers=state.buffers)
     # An MoE model returns (loss + aux terms, aux): the held-out number is the LM loss.
     total = sum(value_of(aux["lm_loss"].detach()) if aux is not None else loss for loss, aux in results)

@@ -35,32 +35,31 @@ optimizer updates fp32 master weights (ZeRO's own slices already are). Where the
 splits only the batch, the replicated and ZeRO runs compute on plain local tensors
 (:mod:`.local`; ``train_step`` calls ``loss_fn`` through :func:`computing`).
 
-Adding a strategy: options as a frozen, self-checking object in ``dtp.layouts``; the
-collectives through :mod:`dtp.comm`; a ``StepRun`` here; :func:`begin` picks it from the
-state. ``train_step`` and the model stay as they are.
+What a strategy keeps between steps is a :class:`~.state.StrategyState` (``TrainState.strategy``):
+it answers what it owns, gathers, waits for, which run a step begins, and what it saves and
+loads (:mod:`.state`). Adding a strategy: options as a frozen, self-checking object in
+``dtp.layouts``; the collectives through :mod:`dtp.comm`; a ``StepRun`` and the state that
+begins it. ``train_step``, checkpoints and the model stay as they are.
 """
 
 from __future__ import annotations
 
 from typing import Any, ContextManager, Iterator, Protocol, Sequence, runtime_checkable
 
-import optree
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 
 from ..buffers import with_buffers
 from ..layouts import Layout, use_layout
 from ..layouts.pipeline import assign
-from ..layouts.expert import NO_PAIRS
 from ..ops.documents import check_placed
 from ..redistribute import value_of
-from ..spec import P, spec_of
 from ..models.sequential import Sequential
 from . import ep_overlap, local, pipeline, precision, replicated, zero
+from .state import PLAIN, Plain, StrategyState
 
-__all__ = ["StepRun", "Scheduled", "begin", "computing", "create", "compute_mesh", "gather", "wait", "check", "evaluate",
-           "describe", "owns_params", "replicated", "zero", "pipeline", "precision", "ep_overlap", "local"]
+__all__ = ["StepRun", "Scheduled", "StrategyState", "Plain", "PLAIN", "begin", "computing", "create", "compute_mesh",
+           "gather", "check", "evaluate", "replicated", "zero", "pipeline", "precision", "ep_overlap", "local"]
 
 PyTree = Any
 
@@ -107,69 +106,25 @@ class Scheduled(_Run, Protocol):
     def schedule(self, loss_fn: Any, microbatches: list[Any]) -> tuple[float, Any]: ...
 
 
-def create(params: PyTree, optimizer: Any, layout: Layout, mesh: DeviceMesh) -> tuple[PyTree, Any]:
+def create(params: PyTree, optimizer: Any, layout: Layout, mesh: DeviceMesh) -> tuple[PyTree, StrategyState]:
     """``(opt_state, strategy state)`` of a new :class:`dtp.TrainState` over laid-out
     ``params``: ZeRO's state (buckets and the sharded optimizer state come in step one)
     when the layout shards over a data axis of more than one device; under
     ``layouts.mixed_precision`` with bf16 parameters the master weights
     (:class:`.precision.MasterWeights`) and the optimizer state over them; else the
-    optimizer's own state and ``None``."""
+    optimizer's own state and :data:`PLAIN`."""
     options = None if mesh.size() == 1 else zero.options(layout, mesh)
     if options is not None:
         return None, zero.create(params, options)
     if layout.precision is not None and precision.needed(params):
         master = precision.create(params)
         return optimizer.init(master.master), master
-    return optimizer.init(params), None
-
-
-def describe(state: Any) -> str:
-    """The strategy state in a ``TrainState``'s repr (``""``: none)."""
-    if isinstance(state, zero.ZeroState):
-        return f", zero=stage {state.stage}"
-    return f", master={state!r}" if state is not None else ""
-
-
-def owns_params(state: Any) -> bool:
-    """Whether the parameters derive from the strategy state (ZeRO's buckets after step
-    one, mixed precision's master weights): new parameters then need a new state."""
-    if isinstance(state, zero.ZeroState):
-        return state.plan is not None
-    return isinstance(state, precision.MasterWeights)
+    return optimizer.init(params), PLAIN
 
 
 def _pipeline_options(layout: Layout, mesh: DeviceMesh) -> Any:
     opts = layout.pipeline
     return opts if opts is not None and opts.active(mesh) else None
-
-
-def _ep_overlap(layout: Layout, mesh: DeviceMesh) -> bool:
-    return layout.expert is not None and layout.expert.ep_overlap
-
-
-def _check_ep_overlap(layout: Layout, mesh: DeviceMesh, microbatches: int) -> None:
-    """``layouts.expert(ep_overlap=True)``'s rules (:mod:`.ep_overlap`), every rank alike."""
-    opts = layout.expert
-    if opts.degree(mesh) == 1:
-        raise ValueError(f"train_step: layouts.expert(ep_overlap=True) hides the expert all-to-alls, but the "
-                         f"expert axis {opts.label} has size 1 on this mesh: there is none; drop ep_overlap")
-    pipe = _pipeline_options(layout, mesh)
-    if pipe is not None and pipe.schedule not in ep_overlap.PIPELINE_SCHEDULES:
-        raise ValueError(f"train_step: layouts.expert(ep_overlap=True) under layouts.pipeline runs an F and a B "
-                         f"of two microbatches side by side ({'/'.join(ep_overlap.PIPELINE_SCHEDULES)}); not for "
-                         f"{pipe.schedule!r}: {NO_PAIRS}")
-    z = zero.options(layout, mesh)
-    if z is not None and (z.stage == 3 or z.overlap_grad_reduce):
-        # ZeRO 1/2 compose: their buckets add each backward's gradients in any order and are
-        # reduce-scattered after the step's backwards; these count one microbatch at a time.
-        what = "3 gathers and frees each bucket per forward / backward" if z.stage == 3 else \
-            "with overlap_grad_reduce reduce-scatters each bucket when the last backward fills it"
-        raise ValueError(f"train_step: layouts.expert(ep_overlap=True) runs two microbatches' forwards and "
-                         f"backwards side by side, and ZeRO {what}, counting one microbatch at a time; use "
-                         f"layouts.zero(1 or 2) without overlap_grad_reduce, or drop ep_overlap")
-    if pipe is None and microbatches < 2:
-        raise ValueError(f"train_step: layouts.expert(ep_overlap=True) hides one microbatch's all-to-all under "
-                         f"another microbatch's compute: it needs microbatches >= 2, got {microbatches}")
 
 
 def compute_mesh(layout: Layout, mesh: DeviceMesh) -> DeviceMesh | None:
@@ -179,20 +134,14 @@ def compute_mesh(layout: Layout, mesh: DeviceMesh) -> DeviceMesh | None:
     return mesh if opts is None else pipeline.stage_mesh(mesh, opts.axis)
 
 
-def gather(params: PyTree, state: Any, layout: Layout, mesh: DeviceMesh) -> PyTree:
+def gather(params: PyTree, state: StrategyState, layout: Layout, mesh: DeviceMesh) -> PyTree:
     """Whole parameters on every rank (a collective under ZeRO-3 or a pipeline; see
     :func:`dtp.gather_params`)."""
     opts = _pipeline_options(layout, mesh)
     if opts is not None:
-        wait(state)  # ZeRO 1/2 under the stages: their views may still be filling
+        state.wait()  # ZeRO 1/2 under the stages: their views may still be filling
         return pipeline.gather(params, mesh, opts.axis)
-    return zero.gather(state, params) if isinstance(state, zero.ZeroState) else params
-
-
-def wait(state: Any) -> None:
-    """Wait for what a strategy state still has in flight (ZeRO's prefetched gathers)."""
-    if isinstance(state, zero.ZeroState):
-        state.wait()
+    return state.gather(params)
 
 
 def check(loss_fn: Any, layout: Layout, mesh: DeviceMesh, microbatches: int) -> None:
@@ -200,8 +149,7 @@ def check(loss_fn: Any, layout: Layout, mesh: DeviceMesh, microbatches: int) -> 
     :class:`dtp.Sequential`, its layers and microbatches, what it composes with;
     ``ep_overlap``'s: an expert axis, a schedule it pairs, ZeRO 1/2 without
     overlap_grad_reduce, microbatches >= 2 at pp 1)."""
-    if _ep_overlap(layout, mesh):
-        _check_ep_overlap(layout, mesh, microbatches)
+    ep_overlap.check(layout, mesh, microbatches)
     opts = _pipeline_options(layout, mesh)
     if opts is None:
         return
@@ -247,7 +195,7 @@ def evaluate(loss_fn: Any, params: PyTree, state: Any, layout: Layout, mesh: Dev
     # The layers and what composes (a forward-only schedule runs any number of batches).
     opts.check_composition(layout, mesh, what="evaluate")
     assign(len(loss_fn), opts.degree(mesh), opts.virtual_stages, opts.layer_split, what="evaluate")
-    wait(state)  # ZeRO 1/2 under the stages: their views may still be filling
+    state.wait()  # ZeRO 1/2 under the stages: their views may still be filling
     run = pipeline.Run(params, pipeline.Context(layout, mesh, loss_fn, len(batches), buffers=buffers),
                        forward_only=True)
     return run.evaluate(list(batches))
@@ -264,51 +212,32 @@ def computing(run: Any, loss_fn: Any) -> Any:
     return local.wrap(loss_fn, getattr(run, "local", None))
 
 
-def _specs(params: PyTree, state: Any) -> Iterator[P | None]:
-    """The parameters' specs (``None``: a plain tensor), lazily: :func:`.local.decide`
-    reads them only where a mesh of several devices could compute locally, so a step on
-    one device neither flattens the tree for them nor asks a spec (a generator
-    expression would flatten it at once: its first iterable is evaluated where it is
-    written)."""
-    if isinstance(state, zero.ZeroState):
-        for x in state.leaves:
-            yield x.spec
-        return
-    for x in optree.tree_leaves(params):
-        yield spec_of(x) if isinstance(x, DTensor) else None
-
-
-def begin(params: PyTree, state: Any, microbatches: int, *, loss_fn: Any = None, layout: Layout | None = None,
-          mesh: DeviceMesh | None = None, gradients_only: bool = False,
+def begin(params: PyTree, state: StrategyState, microbatches: int, *, loss_fn: Any = None,
+          layout: Layout | None = None, mesh: DeviceMesh | None = None, gradients_only: bool = False,
           buffers: PyTree = None) -> StepRun | Scheduled:
-    """The run of the strategy a state is laid out for: the pipeline's when the layout
-    has one on ``mesh``, ZeRO's when ``state`` is ZeRO's, else replicated.
-    ``gradients_only`` (:func:`dtp.step.value_and_grad`): a strategy whose gradients
-    never take the parameters' layout refuses. ``buffers`` (``TrainState.buffers``): the
-    pipeline's stages lay them over their parameters (elsewhere ``loss_fn`` reads them).
-    The replicated and ZeRO runs compute on plain local tensors when :func:`.local.decide`
-    allows; call ``loss_fn`` through
-    :func:`computing`."""
-    if gradients_only and layout is not None and mesh is not None and _pipeline_options(layout, mesh) is not None:
+    """The step's run: the pipeline's when the layout has one on ``mesh`` (continuing
+    from ``state.stage_state()``, wrapped by ``state.wrap_stages``), else the state's own
+    (:meth:`StrategyState.run`: replicated, mixed precision's or ZeRO's), under
+    ``layouts.expert(ep_overlap=True)`` in two lanes. ``gradients_only``
+    (:func:`dtp.step.value_and_grad`): a strategy whose gradients never take the
+    parameters' layout refuses. ``buffers`` (``TrainState.buffers``): the pipeline's
+    stages lay them over their parameters (elsewhere ``loss_fn`` reads them). The
+    replicated and ZeRO runs compute on plain local tensors when :func:`.local.decide`
+    allows; call ``loss_fn`` through :func:`computing`."""
+    piped = layout is not None and mesh is not None and _pipeline_options(layout, mesh) is not None
+    if gradients_only and piped:
         raise ValueError("value_and_grad: under layouts.pipeline a rank holds the gradients of its stages only, not "
                          "laid out like the parameters; call train_step (or drop layouts.pipeline)")
-    if gradients_only and isinstance(state, zero.ZeroState):
-        raise ValueError("value_and_grad: a ZeRO state's gradients are reduce-scattered into bucket slices "
-                         "inside dtp.train_step; call train_step (or drop layouts.zero)")
-    master = state if isinstance(state, precision.MasterWeights) else None
-    if layout is not None and mesh is not None and _pipeline_options(layout, mesh) is not None:
-        zero_state = state if master is None else None
-        run = pipeline.Run(params, pipeline.Context(layout, mesh, loss_fn, microbatches, zero_state, buffers))
-        return run if master is None else precision.wrap(run, master)
+    refusal = state.gradients_only() if gradients_only else None
+    if refusal is not None:
+        raise ValueError(refusal)
+    if piped:
+        ctx = pipeline.Context(layout, mesh, loss_fn, microbatches, state.stage_state(), buffers)
+        return state.wrap_stages(pipeline.Run(params, ctx))
     batch = None
     if not gradients_only:  # value_and_grad hands back gradients in the parameters' layout
-        batch = local.decide(_specs(params, state), loss_fn, layout, mesh, buffers=buffers)
-    if master is not None:  # mixed precision: fp32 accumulators, the master weights updated
-        run = precision.wrap(replicated.Run(params, microbatches, accumulate=True, local=batch), master)
-    elif state is not None:
-        run = zero.Run(state, params, microbatches, local=batch)
-    else:
-        run = replicated.Run(params, microbatches, local=batch)
-    if layout is not None and mesh is not None and _ep_overlap(layout, mesh) and not gradients_only:
+        batch = local.decide(state.specs(params), loss_fn, layout, mesh, buffers=buffers)
+    run = state.run(params, microbatches, local=batch)
+    if layout is not None and mesh is not None and ep_overlap.active(layout) and not gradients_only:
         return ep_overlap.Run(run)  # its microbatches in lanes (check() has refused what it cannot run)
     return run

@@ -21,12 +21,15 @@ its targets: itself, or a pipeline stage's part of it) and accumulates in fp32 w
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, Iterator, Mapping
+from typing import Any, Callable, ClassVar, ContextManager, Iterator, Mapping
 
 import optree
 import torch
 
 from .._rules import accum_dtype
+from ..ops.local_batch import LocalBatch
+from . import replicated
+from .state import StrategyState
 
 __all__ = ["MasterWeights", "needed", "create", "Run", "ScheduledRun", "wrap"]
 
@@ -34,18 +37,41 @@ PyTree = Any
 
 
 @dataclass(frozen=True)
-class MasterWeights:
-    """Mixed precision's part of a :class:`dtp.TrainState` (its ``zero`` field, the
-    strategy's state): ``master``, the master weights as a tree laid out like the
-    parameters (a pipeline rank's: its stages' after step one, ``None`` elsewhere), each
-    leaf in the accumulation dtype of its parameter. Plain data; its pytree child is
-    ``master``."""
+class MasterWeights(StrategyState):
+    """Mixed precision's part of a :class:`dtp.TrainState` (``state.strategy``):
+    ``master``, the master weights as a tree laid out like the parameters (a pipeline
+    rank's: its stages' after step one, ``None`` elsewhere), each leaf in the
+    accumulation dtype of its parameter. Plain data; its pytree child is ``master``.
+    The optimizer updates it; the parameters are it rounded."""
 
     master: PyTree
+    keeps_master: ClassVar[bool] = True
 
     def __repr__(self) -> str:
         dtypes = sorted({str(x.dtype).removeprefix("torch.") for x in optree.tree_leaves(self.master)})
         return f"MasterWeights({', '.join(dtypes)})"
+
+    def describe(self) -> str:
+        return f", master={self!r}"
+
+    @property
+    def owns_params(self) -> bool:
+        return True
+
+    def run(self, params: PyTree, microbatches: int, *, local: LocalBatch | None = None) -> "Run":
+        # fp32 accumulators, the master weights updated
+        return wrap(replicated.Run(params, microbatches, accumulate=True, local=local), self)
+
+    def wrap_stages(self, run: Any) -> "Run":
+        return wrap(run, self)
+
+    def master_tree(self) -> PyTree:
+        return self.master
+
+    def restored(self, params: PyTree, master: PyTree, opt_state: PyTree, optimizer: Any) -> tuple[PyTree, Any]:
+        # Saved without master weights (pure bf16): they start as the parameters, exactly.
+        weights = create(params) if master is None else MasterWeights(master)
+        return (optimizer.init(weights.master) if opt_state is None else opt_state), weights
 
 
 optree.register_pytree_node(MasterWeights, lambda s: ((s.master,), None, ("master",)),

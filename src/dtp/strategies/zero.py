@@ -34,7 +34,7 @@ import contextlib
 import dataclasses
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, ContextManager, Iterator, Sequence
+from typing import Any, ClassVar, ContextManager, Iterator, Sequence
 
 import optree
 import torch
@@ -45,6 +45,7 @@ from .. import comm
 from .._rules import accum_dtype  # gradients and master weights of bf16/fp16 params are fp32 (Megatron's)
 from ..layouts import Layout
 from ..layouts.zero import ZeroOptions
+from ..mesh import mesh_device
 from ..ops.local_batch import LocalBatch
 from .._torch import local_tensor
 from ..optim import global_norm, map_param_trees
@@ -53,10 +54,12 @@ from ..redistribute import reshard
 from ..spec import P, wrap_local, wrap_placed, spec_of
 from .zero_plan import (Bucket, Leaf, ZeroPlan, check_same_plan, flat_global, gather_bucket, leaf, local_parts,
                         make_plan, param_slice, slice_flags, slice_of)
+from .state import StrategyState, save_scalar, saved_tensors
 from .zero_gathers import InflightGathers
+from .zero_pieces import zero_pieces
 from .zero_views import LazyMapping, LazySequence, ParamView, in_backward
 
-__all__ = ["ZeroState", "ZeroPlan", "Bucket", "Leaf", "InflightGathers", "Run", "options", "gather", "at_rest",
+__all__ = ["ZeroState", "ZeroPlan", "Bucket", "Leaf", "InflightGathers", "Run", "options", "gather", "at_rest", "from_parts",
            "bytes_per_parameter"]
 
 PyTree = Any
@@ -83,13 +86,19 @@ def bytes_per_parameter(param_bytes: int, dp: int, *, master: bool) -> float:
 
 
 @dataclass(frozen=True)
-class ZeroState:
-    """ZeRO's part of a :class:`dtp.TrainState`: the plan, the master-weight slices and,
-    stage 1/2, the gathered parameter buffers with any gathers still in flight.
+class ZeroState(StrategyState):
+    """ZeRO's part of a :class:`dtp.TrainState` (``state.strategy``): the plan, the
+    master-weight slices and, stage 1/2, the gathered parameter buffers with any gathers
+    still in flight.
 
     Plain data: reading a field never communicates. ``pending`` is the one thing that
     changes (waiting on it); ``dtp.gather_params(state)`` waits, or under stage 3 gathers.
-    Its pytree children are the master slices (flat DTensors sharded over dp)."""
+    Its pytree children are the master slices (flat DTensors sharded over dp). It answers
+    :class:`~dtp.strategies.state.StrategyState`'s questions for ZeRO: a checkpoint gets
+    each parameter's part of the slices as rectangles (:mod:`.zero_pieces`), never a
+    gathered parameter."""
+
+    keeps_master: ClassVar[bool] = True  # fp32 master slices and moments of bf16 parameters
 
     options: ZeroOptions
     leaves: tuple[Leaf, ...]
@@ -109,6 +118,67 @@ class ZeroState:
     def wait(self) -> None:
         """Wait for every in-flight parameter all-gather (no new collective)."""
         self.pending.wait()
+
+    def describe(self) -> str:
+        return f", zero=stage {self.stage}"
+
+    @property
+    def owns_params(self) -> bool:
+        return self.plan is not None  # after step one the parameters are views of its buffers
+
+    def gather(self, params: PyTree) -> PyTree:
+        return gather(self, params)
+
+    def specs(self, params: PyTree) -> Iterator[P | None]:
+        for x in self.leaves:
+            yield x.spec
+
+    def run(self, params: PyTree, microbatches: int, *, local: LocalBatch | None = None) -> "Run":
+        return Run(self, params, microbatches, local=local)
+
+    def stage_state(self) -> "ZeroState":
+        return self
+
+    def gradients_only(self) -> str | None:
+        return ("value_and_grad: a ZeRO state's gradients are reduce-scattered into bucket slices inside "
+                "dtp.train_step; call train_step (or drop layouts.zero)")
+
+    def master_tree(self) -> PyTree:
+        return self.loaded_master  # before the plan: what a checkpoint brought, per parameter
+
+    def saved(self, params: PyTree, opt_state: PyTree) -> dict[str, Any]:
+        if self.plan is None:  # before step one: per parameter, as any state
+            return saved_tensors(params, self.loaded_master, opt_state)
+        # After step one everything comes from this rank's slices.
+        paths = [leaf.path for leaf in self.leaves]
+        master = [m.to_local() for m in self.master]
+        out: dict[str, Any] = {}
+        for path, piece, meta in zip(paths, zero_pieces(self.plan, self.leaves, master), self.leaves):
+            if piece.dtype != meta.dtype:  # fp32 master weights of lower-precision parameters
+                out[f"master/{path}"] = piece
+        for path, piece in zip(paths, zero_pieces(self.plan, self.leaves, master, as_params=True)):
+            out[f"param/{path}"] = piece
+
+        def mirror(name: str, slices: list[DTensor]) -> list[DTensor]:
+            for path, piece in zip(paths, zero_pieces(self.plan, self.leaves, [x.to_local() for x in slices])):
+                out[f"opt/{name}/{path}"] = piece
+            return slices
+
+        map_param_trees(opt_state, list(self.master), mirror, lambda name, x: save_scalar(out, name, x))
+        return out
+
+    def manifest(self) -> dict[str, Any]:
+        return {"zero_stage": self.stage}
+
+    def empty_params(self, params: PyTree) -> PyTree:
+        # From the leaves, not ``params``: stage 3 keeps none after step one.
+        leaves = [wrap_local(torch.empty(x.local_shape, dtype=x.dtype), x.mesh, x.spec, x.shape)
+                  for x in self.leaves]
+        return optree.tree_map(lambda i: leaves[i], self.skeleton)
+
+    def restored(self, params: PyTree, master: PyTree, opt_state: PyTree, optimizer: Any) -> tuple[PyTree, Any]:
+        # Per parameter, as before step one: step one cuts params, master and moments into buckets.
+        return opt_state, ZeroState(self.options, self.leaves, self.skeleton, loaded_master=master)
 
     def local_parts(self) -> list[tuple[int, int, int, int]]:
         """Where each parameter lies in this rank's bucket slices (after step one's plan):
@@ -152,6 +222,25 @@ def create(params: PyTree, opts: ZeroOptions) -> ZeroState:
              for path, x in zip(paths, leaves)]
     skeleton = optree.tree_unflatten(treedef, list(range(len(leaves))))
     return ZeroState(opts, tuple(metas), skeleton)
+
+
+def from_parts(opts: ZeroOptions, leaves: Sequence[Leaf], structure: Any, parts: Sequence[torch.Tensor],
+               plan: ZeroPlan, mesh: DeviceMesh, optimizer: Any) -> tuple[PyTree, PyTree, ZeroState]:
+    """``(params, opt_state, state)`` as after step one's bucketing, from this rank's runs
+    of each parameter in its bucket slices (``parts``, in leaf order, each the elements
+    :func:`~.zero_plan.local_parts` places here): what ``TrainState.from_hf`` reads. A
+    collective over the ZeRO axis (stage 1/2: each bucket's all-gather)."""
+    where = local_parts(plan, leaves)
+    master = []
+    for b in plan.buckets:
+        flat = torch.zeros(b.shard_numel, dtype=accum_dtype(b.dtype), device=mesh_device(mesh))
+        for i in b.members:
+            _, cursor, start, stop = where[i]
+            flat[cursor:cursor + stop - start] = parts[i]
+        master.append(wrap_local(flat, mesh, b.spec, flat_global(b, mesh)))
+    skeleton = optree.tree_unflatten(structure, list(range(len(leaves))))
+    params, state = at_rest(ZeroState(opts, tuple(leaves), skeleton, plan), master)
+    return params, optimizer.init(list(state.master)), state
 
 
 def _tree_of_views(z: ZeroState, bufs: Sequence[torch.Tensor], *, requires_grad: bool) -> PyTree:
