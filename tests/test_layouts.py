@@ -81,13 +81,22 @@ def test_composition_gives_each_family_once() -> None:
             both + other
 
 
-def test_layout_has_no_string_keyed_options() -> None:
-    assert not hasattr(dtp.Layout(), "options")
-    assert {f.name for f in dataclasses.fields(dtp.Layout)} == {
-        "params", "activations", "megatron", "context", "zero", "pipeline", "expert", "precision", "name"}
-    # every option field is a family that + gives once (one not listed would be dropped by +)
-    assert set(dtp.layouts.core._FAMILIES) == {f.name for f in dataclasses.fields(dtp.Layout)} - {
-        "params", "activations", "name"}
+def test_layout_options_are_typed_objects_it_iterates_one_per_family() -> None:
+    layout = layouts.data() + layouts.megatron(True) + layouts.zero(1) + layouts.context("ring")
+    assert [type(o).__name__ for o in layout.options] == ["ContextOptions", "MegatronOptions", "ZeroOptions"]
+    assert all(isinstance(o, dtp.layouts.Option) for o in layout.options)
+    assert layout.zero is layout.option("zero") and layout.pipeline is None and layout.option("pipeline") is None
+    assert {f.name for f in dataclasses.fields(dtp.Layout)} == {"params", "activations", "options", "name"}
+    # every preset family is registered by its option class, none named by the Layout itself
+    assert set(dtp.layouts.Option.families()) >= {"megatron", "context", "zero", "pipeline", "expert", "precision"}
+    assert dtp.Layout(zero=layout.zero).options == (layout.zero,)
+    assert dataclasses.replace(layout, name="renamed").options == layout.options  # a field like any other
+    with pytest.raises(AttributeError, match="zerro"):
+        layout.zerro  # a typo is not an absent option
+    with pytest.raises(TypeError, match="unknown option family 'zerro'"):
+        dtp.Layout(zerro=layout.zero)
+    with pytest.raises(TypeError, match="zero= takes a ZeroOptions"):
+        dtp.Layout(zero=layout.context)
 
 
 def test_zero_active_needs_a_stage_and_a_split_axis() -> None:

@@ -36,12 +36,11 @@ from .buffers import apply_update, reading
 from ._rules import is_positive_int
 from .comm import comm_log, span
 from .compiled import CompileOptions, compiling, options_of
-from .layouts import check_divisible, use_layout
+from .layouts import PlacedBatch, use_layout
 from .mesh import mesh_device
 from .optim import GradientTransformation, clip_by_global_norm, measured_by, state_join, state_part
 from .optim.transform import mask_flags_by
 from .optim import step as optimizer_step
-from .ops.documents import PLACED, check_placed, document_order, reorder
 from .ops.parallel import DeviceDivisor, mean_over, target_count
 from .ops.recompute import POLICIES, recompute as recompute_policy
 from .redistribute import local_map, scalar_of
@@ -49,7 +48,7 @@ from .spec import shard, spec_of
 from .state import TrainState, _single_device
 from .strategies.loss_out import split as split_loss
 
-__all__ = ["train_step", "value_and_grad", "shard_batch"]
+__all__ = ["train_step", "value_and_grad", "shard_batch", "PlacedBatch"]
 
 PyTree = Any
 # A step's loss before it is read: a 0-d fp64 tensor on the device, or a float (a schedule
@@ -58,7 +57,7 @@ Loss = Union[torch.Tensor, float]
 _BATCH_AXES = ("batch", "seq")
 
 
-def shard_batch(batch: Mapping[str, torch.Tensor], state: TrainState) -> dict[str, DTensor]:
+def shard_batch(batch: Mapping[str, torch.Tensor], state: TrainState) -> PlacedBatch:
     """Place global (batch, seq) tensors where the layout computes them (batch on dp …).
 
     Every rank passes the same global batch (the loader is deterministic): the ids of
@@ -86,46 +85,22 @@ def shard_batch(batch: Mapping[str, torch.Tensor], state: TrainState) -> dict[st
     if _single_device(mesh):
         device = mesh_device(state.mesh)
         return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-    out, error = {}, None
+    out, error = PlacedBatch(), None
     try:
-        order = document_order(batch, state.layout.context_degree(state.mesh))  # packed documents: balanced
         for k, v in batch.items():
             if k in guard.ID_KEYS and isinstance(v, torch.Tensor) and v.numel() and not v.is_floating_point():
                 found = guard.id_range(k, v)  # a target of -100 is masked (IGNORE_INDEX), not an id
                 if found is not None:
                     guard.check_ids(k, *found, state.checks.vocab, "shard_batch")
+            state.layout.check_batch("shard_batch", k, tuple(v.shape), state.mesh)
+        # The layout owns the sequence order (zigzag, packed documents): then a contiguous split.
+        for k, v in state.layout.arrange_batch(batch, state.mesh).items():
             spec = state.layout.activation_spec(_BATCH_AXES[: v.dim()], mesh)
-            _check_seq("shard_batch", k, v, state)
-            if v.dim() > 1:
-                # The layout owns the sequence order (zigzag: rank r's chunks r and 2·cp−1−r side by
-                # side). Every entry moves alike, so the mean loss is unchanged.
-                v = state.layout.to_cp_order(v, 1, mesh) if order is None else reorder(v, order)
             out[k] = shard(v, mesh, spec, name=f"shard_batch: batch[{k!r}]")
-            setattr(out[k], PLACED, True)  # its sequence in the layout's order (check_placed)
-            _check_pipe_experts("shard_batch", k, out[k], state)
     except (ValueError, TypeError) as e:
         error = e
     guard.check_step(state.checks, state.mesh, state.layout, state.step, batch, {}, error, what="shard_batch")
     return out
-
-
-def _check_seq(what: str, key: str, v: torch.Tensor, state: TrainState) -> None:
-    """Under context parallel a (batch, seq, …) entry's global seq must cut into the
-    layout's chunks (2·cp for zigzag): said here, naming the entry, not deep in the model."""
-    cp = state.layout.context_degree(state.mesh)
-    if cp > 1 and v.dim() > 1 and state.layout.context is not None:
-        check_divisible(v.shape[1], cp, state.layout.context.load_balance,
-                        what=f"{what}: batch[{key!r}] of shape {tuple(v.shape)}")
-
-
-def _check_pipe_experts(what: str, key: str, v: DTensor, state: TrainState, microbatches: int = 1) -> None:
-    """pipe-experts needs a rank to hold at least ``multi_data`` tokens in each microbatch:
-    said here, where every rank sees the batch alike, not in ``moe_ffn`` on the ranks, where
-    a pipeline's peers would wait for it (:meth:`~dtp.layouts.ExpertOptions.check_tokens`)."""
-    if state.layout.expert is not None and v.dim() >= 2:
-        rows, seq = v.to_local().shape[:2]
-        state.layout.expert.check_tokens(rows // microbatches * seq, f"{what}: batch[{key!r}] of shape {tuple(v.shape)}"
-                                         + (f" in {microbatches} microbatches" if microbatches > 1 else ""))
 
 
 def compute_mesh(state: TrainState) -> DeviceMesh | None:
@@ -215,10 +190,9 @@ def _check_inputs(batch: Mapping[str, torch.Tensor], state: TrainState, microbat
                 f"train_step: batch[{k!r}] has batch size {v.shape[0]}, not divisible by the batch split "
                 f"{dp} × microbatches {microbatches} = {dp * microbatches}"
             )
-        _check_seq("train_step", k, v, state)
-        if microbatches > 1 and isinstance(v, DTensor):  # a microbatch's share of each rank's tokens
-            _check_pipe_experts("train_step", k, v, state, microbatches)
-    check_placed("train_step", batch, state.layout, state.mesh)
+        if isinstance(v, DTensor):  # one device computes a plain batch whatever the layout
+            state.layout.check_batch("train_step", k, tuple(v.shape), state.mesh, microbatches=microbatches)
+    state.layout.check_arranged("train_step", batch, state.mesh)
 
 
 def _forward_backward(loss_fn: Callable, run: strategies.StepRun | strategies.Scheduled,

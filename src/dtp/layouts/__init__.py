@@ -7,10 +7,12 @@ state lives) and where **activations** are computed. Presets compose with ``+``:
 
     layout = layouts.data() + layouts.megatron(sequence_parallel=True)
 
-Each preset keeps its options in a frozen dataclass that checks itself
-(:class:`MegatronOptions`, :class:`ContextOptions`, :class:`ZeroOptions`,
-:class:`ExpertOptions`, ...); a layout holds them as ``layout.megatron``, ``layout.context``,
-``layout.zero``, ``layout.pipeline`` and ``layout.expert`` (``None`` when unset).
+Each preset keeps its options in a frozen dataclass that checks itself, its mesh and its
+batch (an :class:`Option`: :class:`MegatronOptions`, :class:`ContextOptions`,
+:class:`ZeroOptions`, :class:`ExpertOptions`, ...); a layout holds them as a collection it
+iterates, ``layout.options``, and answers each by its family: ``layout.megatron``,
+``layout.context``, ``layout.zero``, ``layout.pipeline``, ``layout.expert`` (``None`` when
+unset). A new strategy's option is a new module: subclassing :class:`Option` registers it.
 
 Composition rules:
 
@@ -72,7 +74,8 @@ from .context import (
     to_cp_order,
     zigzag_permutation,
 )
-from .core import MODEL_AXES, Axes, Layout, constrain, current, use_layout
+from .core import MODEL_AXES, Axes, Layout, PlacedBatch, constrain, current, use_layout
+from .option import Option
 from .expert import ExpertOptions, expert
 from .megatron import MegatronOptions, data, megatron
 from .pipeline import PipelineOptions, pipeline
@@ -84,5 +87,5 @@ __all__ = [
     "ExpertOptions", "mixed_precision", "PrecisionOptions", "PRECISIONS", "use_layout", "current", "constrain",
     "MegatronOptions", "ContextOptions", "ZeroOptions", "CP_ALGORITHMS", "LOAD_BALANCE", "ZERO_STAGES",
     "Axes", "MODEL_AXES", "attended_kv_heads", "check_cp", "check_divisible", "check_load_balance", "check_window",
-    "zigzag_permutation", "cp_permutation", "to_cp_order", "from_cp_order",
+    "zigzag_permutation", "cp_permutation", "to_cp_order", "from_cp_order", "Option", "PlacedBatch",
 ]

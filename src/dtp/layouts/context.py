@@ -9,7 +9,7 @@ part. :meth:`Layout.to_cp_order` applies the layout's choice.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Mapping
+from typing import Any, Literal, Mapping, Sequence
 
 from typing import TYPE_CHECKING
 
@@ -20,11 +20,12 @@ if TYPE_CHECKING:  # imported where used: the CLI checks layouts before torch is
 from .._rules import is_positive_int
 from .._mesh_shape import axis_names
 from .core import Layout, current
+from .option import Option
 
 __all__ = [
     "CP_ALGORITHMS", "LOAD_BALANCE", "ContextOptions", "context", "context_options", "attended_kv_heads",
     "zigzag_permutation", "cp_permutation", "to_cp_order", "from_cp_order", "check_cp", "check_divisible",
-    "check_load_balance", "check_window",
+    "check_load_balance", "check_window", "balanced_order", "document_order", "reorder",
 ]
 
 CpAlgorithm = Literal["ulysses", "ring", "double_ring", "hybrid"]
@@ -52,7 +53,7 @@ def attended_kv_heads(kv_local: int, degree: int) -> int:
 
 
 @dataclass(frozen=True, kw_only=True)
-class ContextOptions:
+class ContextOptions(Option):
     """How ``dtp.ops.attention`` runs when the sequence is split over ``axis``.
 
     Arguments are checked when it is built; :meth:`check` adds the rules that need the
@@ -65,6 +66,9 @@ class ContextOptions:
     ...
     ValueError: layouts.context: double_ring needs window > 1 (window=1 is the plain ring: use algo='ring')
     """
+
+    family = "context"
+    requires_axes = True
 
     algo: CpAlgorithm = "ring"  # one of CP_ALGORITHMS (table in dtp.ops.context)
     window: int = 1  # double_ring / hybrid: ranks per inner ring (--cp-window-size); 1: one ring
@@ -90,6 +94,49 @@ class ContextOptions:
         """The size of ``axis`` on ``mesh``, 1 where the mesh has no such axis."""
         names = axis_names(mesh)
         return mesh.size(names.index(self.axis)) if self.axis in names else 1
+
+    def check_sizes(self, sizes: Mapping[str, int], mesh: DeviceMesh, layout: Layout, *, what: str,
+                    names: Mapping[str, str] | None) -> None:
+        self.check(sizes, mesh, tp=layout.degree("heads", mesh), what=what)
+
+    def check_batch(self, what: str, key: str, shape: Sequence[int], layout: Layout, mesh: DeviceMesh, *,
+                    microbatches: int = 1) -> None:
+        """A (batch, seq, …) entry's global seq must cut into this layout's chunks (2·cp
+        for zigzag): said where the batch enters, naming the entry, not deep in the model."""
+        cp = self.degree(mesh)
+        if cp > 1 and len(shape) > 1:
+            check_divisible(shape[1], cp, self.load_balance, what=f"{what}: batch[{key!r}] of shape {tuple(shape)}")
+
+    def arrange_batch(self, batch: dict[str, Any], layout: Layout, mesh: DeviceMesh) -> dict[str, Any]:
+        """Each (batch, seq, …) entry's sequence in cp order: zigzag's chunks (rank r's r
+        and 2·cp−1−r side by side), or a packed-document batch's :func:`balanced_order`
+        (its ``positions`` say each token's place, so any order computes the same).
+        Every entry moves alike, so the mean loss is unchanged."""
+        cp = self.degree(mesh)
+        order = document_order(batch, cp)
+        if order is None and (cp == 1 or self.load_balance is None):
+            return batch
+        return {k: (to_cp_order(v, 1, cp, self.load_balance) if order is None else reorder(v, order))
+                if v.dim() > 1 else v for k, v in batch.items()}
+
+    def check_arranged(self, what: str, batch: Mapping[str, Any], arranged: bool, layout: Layout,
+                       mesh: DeviceMesh) -> None:
+        """``ValueError`` when, under zigzag on cp > 1, a placed (batch, seq) entry of a
+        batch ``dtp.shard_batch`` did not place: the order is in the values, not the
+        placement (a hand-placed ``dtp.shard(tokens, mesh, P(None, "cp"))`` has
+        shard_batch's spec, yet trained silently on a permuted sequence; RoPE and the
+        causal mask read the layout's order). Packed documents carry their order as data
+        (``positions``) and run in any."""
+        cp = self.degree(mesh)
+        if arranged or self.load_balance is None or cp == 1 or "positions" in batch:
+            return
+        for key, v in batch.items():
+            if hasattr(v, "device_mesh") and v.dim() > 1:  # a DTensor: placed by hand
+                raise ValueError(
+                    f"{what}: batch[{key!r}] was not placed by dtp.shard_batch: under layouts.context("
+                    f"load_balance={self.load_balance!r}) on cp={cp} the sequence must be in the layout's order "
+                    f"(rank r holds chunks r and {2 * cp - 1}-r), which no placement shows; place the global batch "
+                    f"with dtp.shard_batch(batch, state)")
 
     def check(self, sizes: Mapping[str, int], mesh: DeviceMesh, *, tp: int = 1, what: str = "model") -> None:
         """MindSpeed's context-parallel rules for a model of these logical axis ``sizes``.
@@ -328,3 +375,67 @@ def from_cp_order(x: torch.Tensor, dim: int, cp: int, load_balance: str | None =
     import torch
 
     return x if load_balance is None else x.index_select(dim, torch.argsort(perm))
+
+
+def _chunks_per_rank(local: int, most: int = 16) -> int:
+    return max(c for c in range(1, min(local, most) + 1) if local % c == 0)
+
+
+def balanced_order(positions: torch.Tensor, cp: int, chunks: int | None = None) -> torch.Tensor:
+    """Per row, the order (indices into the sequence) that deals ``cp * chunks`` equal
+    contiguous chunks to the cp ranks (rank ``r`` holds entries ``[r·s/cp, (r+1)·s/cp)``
+    of the order), each rank ``chunks`` of them, balancing the attended pairs
+    (``Σ positions + 1`` over a rank's queries): largest chunk first to the least-loaded
+    rank with room (greedy LPT). A rank's chunks keep their original order. ``chunks``
+    defaults to the largest divisor of ``s/cp`` up to 16.
+
+    >>> pos = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7]])
+    >>> balanced_order(pos, 2, chunks=2).tolist()
+    [[0, 1, 6, 7, 2, 3, 4, 5]]
+    """
+    import torch  # here: the layouts import without torch (the CLI checks a run before it loads)
+
+    b, s = positions.shape
+    if cp < 1 or s % cp:
+        raise ValueError(f"balanced_order: seq={s} must divide by cp={cp}")
+    local = s // cp
+    k = _chunks_per_rank(local) if chunks is None else chunks
+    if k < 1 or local % k:
+        raise ValueError(f"balanced_order: chunks={k} must divide the {local} tokens per rank")
+    size = local // k
+    weight = (positions.to(torch.float64) + 1).view(b, cp * k, size).sum(-1)
+    rows = []
+    for r in range(b):
+        load, owned = [0.0] * cp, [[] for _ in range(cp)]
+        for c in torch.argsort(weight[r], descending=True, stable=True).tolist():
+            dst = min((i for i in range(cp) if len(owned[i]) < k), key=lambda i: load[i])
+            owned[dst].append(c)
+            load[dst] += float(weight[r, c])
+        picked = torch.tensor([c for o in owned for c in sorted(o)], dtype=torch.int64)
+        rows.append((picked[:, None] * size + torch.arange(size)).reshape(-1))
+    return torch.stack(rows).to(positions.device)
+
+
+def document_order(batch: Mapping[str, torch.Tensor], cp: int) -> torch.Tensor | None:
+    """The sequence order ``shard_batch`` gives a packed-document batch under ``cp > 1``
+    (:func:`balanced_order` of its ``positions``); ``None`` for any other batch, which
+    keeps the layout's fixed order.
+
+    >>> document_order({"tokens": torch.zeros(1, 4)}, 2) is None
+    True
+    """
+    if cp <= 1 or "positions" not in batch:
+        return None
+    return balanced_order(batch["positions"], cp)
+
+
+def reorder(x: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """``x`` (``(batch, seq, ...)``) with each row's sequence in ``order`` (``(batch, seq)``).
+
+    >>> reorder(torch.tensor([[10, 11, 12]]), torch.tensor([[2, 0, 1]])).tolist()
+    [[12, 10, 11]]
+    """
+    import torch  # here: as above
+
+    index = order.view(*order.shape, *([1] * (x.dim() - 2))).expand(*order.shape, *x.shape[2:])
+    return torch.gather(x, 1, index.to(x.device))

@@ -1,8 +1,9 @@
 """The :class:`Layout` itself: rules, composition with ``+``, and the active layout.
 
 The presets that build layouts live one family to a module (:mod:`.megatron`,
-:mod:`.context`, :mod:`.zero`); each keeps its options in a frozen dataclass that checks
-itself, and a layout holds those objects as typed fields.
+:mod:`.context`, :mod:`.zero`, ...); each keeps its options in a frozen dataclass that
+checks itself (an :class:`~.option.Option`), and a layout holds those objects as a
+collection it iterates: this module names none of them.
 """
 
 from __future__ import annotations
@@ -12,26 +13,21 @@ import logging
 import warnings
 import math
 import threading
-from dataclasses import KW_ONLY, dataclass, field, fields
-from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence, TypeVar
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping, Sequence, TypeVar
 
 from .._mesh_shape import axis_names
+from .option import Option
 
 # torch stays out of the layouts' imports: `dtp train` builds the layout and checks the
 # model against it (on a MeshShape) before torch is imported. Only annotations name torch.
-if TYPE_CHECKING:  # and the option modules import Layout to build their presets
+if TYPE_CHECKING:
     import torch
     from torch.distributed.device_mesh import DeviceMesh
 
     from ..spec import P
-    from .context import ContextOptions
-    from .expert import ExpertOptions
-    from .megatron import MegatronOptions
-    from .pipeline import PipelineOptions
-    from .precision import PrecisionOptions
-    from .zero import ZeroOptions
 
-__all__ = ["Layout", "Axes", "MODEL_AXES", "use_layout", "current", "constrain", "split_in_words"]
+__all__ = ["Layout", "Axes", "MODEL_AXES", "PlacedBatch", "use_layout", "current", "constrain", "split_in_words"]
 
 Axes = tuple[str, ...]
 _T = TypeVar("_T")
@@ -44,8 +40,6 @@ _log = logging.getLogger("dtp")
 # The mesh axes dtp's presets name (data, megatron, context and its sub-rings, expert,
 # pipeline): a rule naming another axis the mesh lacks is worth a warning.
 PRESET_MESH_AXES = frozenset({"dp", "tp", "cp", "ep", "pp"})
-# The typed option fields, one per preset family: each is set by at most one side of ``+``.
-_FAMILIES = ("megatron", "context", "zero", "pipeline", "expert", "precision")
 _said_dropped: set[tuple[str, tuple[str, ...], tuple[str, ...]]] = set()
 
 
@@ -107,39 +101,68 @@ def split_in_words(names: Mapping[str, str], axes: Sequence[str], what: str) -> 
     return f"{' and '.join(said)} split{'s' * (len(said) == 1)} the {what}", " or ".join(said)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class Layout:
-    """Logical-axis → mesh-axes rules for parameters and activations, plus typed options.
+    """Logical-axis → mesh-axes rules for parameters and activations, plus options.
+
+    ``options`` are the presets' typed options (:class:`~dtp.layouts.option.Option`), at
+    most one per family, in family order; ``layout.<family>`` is the one of that family
+    or ``None`` (``layout.zero``, ``layout.context``, ...). Options may be given as
+    ``options=(...)`` or by family, ``Layout(zero=ZeroOptions(stage=1))``.
 
     >>> from dtp.layouts import data, megatron
     >>> layout = data() + megatron(sequence_parallel=True)
     >>> layout.activations["res_seq"], layout.megatron.sequence_parallel, layout.zero
     (('tp',), True, None)
+    >>> [o.family for o in (layout + dtp.layouts.zero(1)).options]
+    ['megatron', 'zero']
     """
 
-    params: Mapping[str, Axes] = field(default_factory=dict)  # where parameters (and optimizer state) rest
-    activations: Mapping[str, Axes] = field(default_factory=dict)  # where activations are computed
-    _: KW_ONLY
-    megatron: MegatronOptions | None = None  # set by layouts.megatron
-    context: ContextOptions | None = None  # set by layouts.context; None: no context parallel
-    zero: ZeroOptions | None = None  # set by layouts.zero (stage >= 1); None: gradients all-reduced
-    pipeline: PipelineOptions | None = None  # set by layouts.pipeline; None: no pipeline
-    expert: ExpertOptions | None = None  # set by layouts.expert; None: experts where the rules put them
-    precision: PrecisionOptions | None = None  # set by layouts.mixed_precision; None: updates in the params' dtype
-    name: str = ""  # for messages: the presets it was composed from
+    params: Mapping[str, Axes]  # where parameters (and optimizer state) rest
+    activations: Mapping[str, Axes]  # where activations are computed
+    options: tuple[Option, ...]  # the presets' typed options, one per family, sorted by family
+    name: str  # for messages: the presets it was composed from
 
-    def __post_init__(self) -> None:
-        for family in ("params", "activations"):
-            rules = getattr(self, family)
+    def __init__(self, params: Mapping[str, Any] | None = None, activations: Mapping[str, Any] | None = None, *,
+                 options: Iterable[Option] = (), name: str = "", **by_family: Option | None) -> None:
+        given = list(options)
+        for family, opts in by_family.items():
+            cls = Option.family_of(family)
+            if cls is None:
+                raise TypeError(f"Layout: unknown option family {family!r} (known: {', '.join(Option.families())})")
+            if opts is not None and not isinstance(opts, cls):
+                raise TypeError(f"Layout: {family}= takes a {cls.__name__}, got {type(opts).__name__}")
+            if opts is not None:
+                given.append(opts)
+        held: dict[str, Option] = {}
+        for opts in given:
+            if not isinstance(opts, Option) or not opts.family:
+                raise TypeError(f"Layout: options are layout options (dtp.layouts.option.Option), got {opts!r}")
+            held[opts.family] = _once(opts.family, held.get(opts.family), opts, (name, name))
+        for family, rules in (("params", params or {}), ("activations", activations or {})):
             object.__setattr__(self, family, {k: _rule(family, k, v) for k, v in rules.items()})
+        object.__setattr__(self, "options", tuple(held[f] for f in sorted(held)))
+        object.__setattr__(self, "name", name)
+
+    def __getattr__(self, family: str) -> Option | None:
+        # layout.zero, layout.context, ...: only for registered families (a typo still fails).
+        if family.startswith("_") or Option.family_of(family) is None:
+            raise AttributeError(f"'Layout' object has no attribute {family!r}")
+        return self.option(family)
+
+    def option(self, family: str) -> Option | None:
+        """The option of ``family`` (``"zero"``), or ``None`` when the layout has none."""
+        return next((o for o in self.__dict__.get("options", ()) if o.family == family), None)
 
     def __add__(self, other: Layout) -> Layout:
         if not isinstance(other, Layout):
             return NotImplemented
         names = (self.name, other.name)
+        held = {o.family: o for o in self.options}
+        for o in other.options:
+            held[o.family] = _once(o.family, held.get(o.family), o, names)
         return Layout(_merge(self.params, other.params), _merge(self.activations, other.activations),
-                      **{f: _once(f, getattr(self, f), getattr(other, f), names) for f in _FAMILIES},
-                      name=" + ".join(n for n in names if n))
+                      options=held.values(), name=" + ".join(n for n in names if n))
 
     def _spec(self, rules: Mapping[str, Axes], logical: Sequence[str | None], mesh: DeviceMesh, name: str) -> P:
         from ..spec import P  # here: see the imports (once torch is loaded, a dict lookup)
@@ -183,23 +206,16 @@ class Layout:
         return self._spec(self.activations, logical, mesh, name)
 
     def check_mesh(self, mesh: DeviceMesh, what: str = "TrainState.create") -> None:
-        """``ValueError`` when ``layouts.zero``, ``context``, ``pipeline`` or ``expert`` names
-        an axis the mesh lacks, on a mesh of more than one device: the feature would be
-        silently off. The rules of ``data``/``megatron`` (and custom rules) may name absent
-        axes — one layout serves every mesh — and those are dropped; which ones is logged
-        once (logger ``dtp``, INFO) per layout and mesh.
+        """``ValueError`` when an option that needs its mesh axes (``layouts.zero``,
+        ``context``, ``pipeline``, ``expert``: :meth:`Option.check_mesh`) names an axis the
+        mesh lacks, on a mesh of more than one device: the feature would be silently off.
+        The rules of ``data``/``megatron`` (and custom rules) may name absent axes — one
+        layout serves every mesh — and those are dropped; which ones is logged once (logger
+        ``dtp``, INFO) per layout and mesh.
         """
         names = axis_names(mesh)
-        if mesh.size() > 1:
-            for preset, opts in (("zero", self.zero), ("context", self.context), ("pipeline", self.pipeline),
-                                 ("expert", self.expert)):
-                missing = [] if opts is None else [a for a in getattr(opts, "axes", (opts.axis,)) if a not in names]
-                if missing:
-                    raise ValueError(
-                        f"{what}: layouts.{preset}(axis={opts.axis!r}) names a mesh axis this mesh lacks "
-                        f"(its axes: {', '.join(names)}), so {preset} would silently be off; build the mesh "
-                        f"with {missing[0]}=…, pass axis= one of its axes, or drop layouts.{preset}"
-                    )
+        for opts in self.options:
+            opts.check_mesh(mesh, what)
         dropped = tuple(sorted({a for rules in (self.params, self.activations) for axes in rules.values()
                                 for a in axes if a not in names}))
         key = (self.name, names, dropped)
@@ -266,20 +282,54 @@ class Layout:
         """``ValueError`` unless the model's sizes fit this layout on ``mesh``, raised
         identically on every rank, before any collective.
 
-        Each option object present checks its own rules (:meth:`ContextOptions.check`,
-        :meth:`ZeroOptions.check`); then every logical axis size must divide by its split,
+        Each option present checks its own rules (:meth:`Option.check_sizes`:
+        :meth:`ContextOptions.check`, :meth:`ExpertOptions.check`, ...); then every
+        logical axis size must divide by its split,
         e.g. ``heads=6`` on ``tp=4`` fails. ``what`` starts the messages; ``names``, what
         they call the mesh axes that split a size (``dtp train``: the flags that size them,
         ``{"tp": "--tp"}``), and then they say which of those split it, not which layout.
         """
-        if self.context is not None:
-            self.context.check(sizes, mesh, tp=self.degree("heads", mesh), what=what)
-        if self.zero is not None:
-            self.zero.check(sizes, mesh, what=what)
-        if self.expert is not None:
-            sp = self.megatron is not None and self.megatron.sequence_parallel
-            self.expert.check(sizes, mesh, sequence_parallel=sp, what=what, names=names)
+        for opts in self.options:
+            opts.check_sizes(sizes, mesh, self, what=what, names=names)
         self._check_rules(sizes, mesh, what, names)
+
+    def check_batch(self, what: str, key: str, shape: Sequence[int], mesh: DeviceMesh, *,
+                    microbatches: int = 1) -> None:
+        """``ValueError`` unless the global batch entry ``batch[key]`` of ``shape`` fits every
+        option (:meth:`Option.check_batch`: the sequence over 2·cp for zigzag, pipe-experts'
+        tokens per rank in each of ``microbatches``); ``what`` starts the message.
+
+        >>> from dtp._mesh_shape import MeshShape
+        >>> dtp.layouts.context("ring").check_batch(  # doctest: +ELLIPSIS
+        ...     "shard_batch", "tokens", (2, 6), MeshShape({"cp": 2}))
+        Traceback (most recent call last):
+        ValueError: shard_batch: batch['tokens'] of shape (2, 6): zigzag load balancing cuts the sequence into 2*cp chunks, ...
+        """
+        for opts in self.options:
+            opts.check_batch(what, key, shape, self, mesh, microbatches=microbatches)
+
+    def arrange_batch(self, batch: Mapping[str, Any], mesh: DeviceMesh) -> dict[str, Any]:
+        """The global batch (plain tensors, every rank alike) in the order the layout
+        computes it in (:meth:`Option.arrange_batch`: zigzag's cp order, packed
+        documents' balanced order); what :func:`dtp.shard_batch` then splits contiguously.
+
+        >>> with simulate(2):
+        ...     mesh = make_mesh(cp=2)
+        ...     dtp.layouts.context("ring").arrange_batch({"tokens": torch.arange(8).view(1, 8)}, mesh)["tokens"].tolist()
+        [[0, 1, 6, 7, 2, 3, 4, 5]]
+        """
+        out = dict(batch)
+        for opts in self.options:
+            out = opts.arrange_batch(out, self, mesh)
+        return out
+
+    def check_arranged(self, what: str, batch: Mapping[str, Any], mesh: DeviceMesh) -> None:
+        """``ValueError`` when a placed ``batch`` should have come through
+        :meth:`arrange_batch` and did not: it is no :class:`PlacedBatch`
+        (:meth:`Option.check_arranged`)."""
+        arranged = isinstance(batch, PlacedBatch)
+        for opts in self.options:
+            opts.check_arranged(what, batch, arranged, self, mesh)
 
     def _check_rules(self, sizes: Mapping[str, int], mesh: DeviceMesh, what: str,
                      names: Mapping[str, str] | None) -> None:
@@ -295,6 +345,19 @@ class Layout:
                         else split_in_words(names, axes, logical)
                     raise ValueError(f"{what}: {logical}={size} is not divisible by {split} ({why}); choose "
                                      f"{logical} a multiple of {n}, or a smaller {smaller}")
+
+
+class PlacedBatch(dict):
+    """What :func:`dtp.shard_batch` returns: the batch's entries placed where the layout
+    computes them, in the order it computes them in (:meth:`Layout.arrange_batch`). A
+    plain ``dict`` otherwise; its type is what says the layout arranged it (a batch placed
+    by hand under zigzag context parallel is refused: :meth:`Layout.check_arranged`).
+    Adding or replacing an entry keeps the type; ``dict(batch)`` or ``{**batch}`` make a
+    batch placed by hand.
+
+    >>> PlacedBatch(tokens=1) == {"tokens": 1}
+    True
+    """
 
 
 _active = threading.local()
@@ -362,11 +425,8 @@ def constrain(x: torch.Tensor, logical: Sequence[str | None], *, name: str = "ac
     if len(logical) != x.dim():
         raise ValueError(f"{name}: {len(logical)} logical axes {tuple(logical)} for a tensor of shape {tuple(x.shape)}")
     spec = layout.activation_spec(logical, mesh, name=name)
-    if layout.megatron is not None and layout.megatron.async_tp:
-        from ..ops.collective_matmul import materialized, ring_constrain  # async tp's rings
-
-        ring = ring_constrain(x, spec, tag=name)
-        if ring is not None:
-            return ring
-        x = materialized(x)
+    for opts in layout.options:  # an option that moves activations its own way (async TP's rings)
+        moved = opts.constrain(x, spec, name)
+        if moved is not None:
+            return moved
     return reshard(x, spec, name=name, tag=name)

@@ -48,6 +48,7 @@ if TYPE_CHECKING:  # torch-free at import: the CLI checks layouts before torch l
 
 from .._mesh_shape import axis_names
 from .core import Layout, split_in_words
+from .option import Option
 
 __all__ = ["ExpertOptions", "expert", "EP_OVERLAP_SCHEDULES", "NO_PAIRS"]
 
@@ -61,7 +62,7 @@ NO_PAIRS = ("gpipe runs every F before any B (one F beside a B at most: nothing 
 
 
 @dataclass(frozen=True, kw_only=True)
-class ExpertOptions:
+class ExpertOptions(Option):
     """What :func:`expert` was asked for; checked when built.
 
     >>> ExpertOptions().axis
@@ -70,6 +71,9 @@ class ExpertOptions:
 
     # the mesh axis experts are split over (and the batch, as a data axis); or a tuple of
     # token axes (mesh order) that ep is folded out of
+    family = "expert"
+    requires_axes = True
+
     axis: str | tuple[str, ...] = "ep"
     # MindSpeed's pipe-experts (dtp.ops.moe_pipe): the dispatched rows move and compute in
     # chunks, one per local expert (× multi_data), so a chunk's all-to-all is in flight
@@ -126,6 +130,26 @@ class ExpertOptions:
         """The expert-parallel degree on ``mesh`` (axes the mesh lacks count 1)."""
         names = axis_names(mesh)
         return math.prod(mesh.size(names.index(a)) for a in self.axes if a in names)
+
+    def check_sizes(self, sizes: Mapping[str, int], mesh: DeviceMesh, layout: Layout, *, what: str,
+                    names: Mapping[str, str] | None) -> None:
+        sp = layout.megatron is not None and layout.megatron.sequence_parallel
+        self.check(sizes, mesh, sequence_parallel=sp, what=what, names=names)
+
+    def check_batch(self, what: str, key: str, shape: Sequence[int], layout: Layout, mesh: DeviceMesh, *,
+                    microbatches: int = 1) -> None:
+        """pipe-experts needs a rank to hold at least ``multi_data`` tokens in each
+        microbatch: said where every rank sees the batch alike, not in ``moe_ffn`` on the
+        ranks, where a pipeline's peers would wait for it (:meth:`check_tokens`). A batch
+        that does not split evenly is left to its placement's own error."""
+        if not self.pipe_experts or len(shape) < 2:
+            return
+        rows, seq = layout.degree("batch", mesh), layout.degree("seq", mesh)
+        if shape[0] % rows or shape[1] % seq:
+            return
+        self.check_tokens(shape[0] // rows // microbatches * (shape[1] // seq),
+                          f"{what}: batch[{key!r}] of shape {tuple(shape)}"
+                          + (f" in {microbatches} microbatches" if microbatches > 1 else ""))
 
     def check(self, sizes: Mapping[str, int], mesh: DeviceMesh, *, sequence_parallel: bool = False,
               what: str = "model", names: Mapping[str, str] | None = None) -> None:

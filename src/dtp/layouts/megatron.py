@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from typing import Any
+
 from .core import Layout
+from .option import Option
 
 __all__ = ["MegatronOptions", "data", "megatron"]
 
@@ -19,12 +22,14 @@ def data(axis: str = "dp") -> Layout:
 
 
 @dataclass(frozen=True, kw_only=True)
-class MegatronOptions:
+class MegatronOptions(Option):
     """What :func:`megatron` was asked for; the rules it adds to the layout follow from it.
 
     >>> MegatronOptions(sequence_parallel=True)
     MegatronOptions(sequence_parallel=True, axis='tp', async_tp=False)
     """
+
+    family = "megatron"
 
     sequence_parallel: bool = False  # split the residual stream's sequence over axis too (Megatron-SP)
     axis: str = "tp"  # the mesh axis heads, kv heads, MLP width and vocab are split over
@@ -39,6 +44,19 @@ class MegatronOptions:
         if self.async_tp and not self.sequence_parallel:
             raise ValueError("layouts.megatron: async_tp overlaps sequence parallel's all-gathers and "
                              "reduce-scatters with the matmuls; it needs sequence_parallel=True")
+
+    def constrain(self, x: Any, spec: Any, name: str) -> Any:
+        """Async TP: sequence parallel's all-gather / reduce-scatter of ``x`` as a ring of
+        hops under the next matmul (:mod:`dtp.ops.collective_matmul`); ``None`` (the plain
+        reshard) without ``async_tp``."""
+        if not self.async_tp:
+            return None
+        # Here, not at the top: the ops build on the layouts (and the CLI checks layouts before torch loads).
+        from ..ops.collective_matmul import materialized, ring_constrain
+        from ..redistribute import reshard
+
+        ring = ring_constrain(x, spec, tag=name)
+        return ring if ring is not None else reshard(materialized(x), spec, name=name, tag=name)
 
 
 def megatron(sequence_parallel: bool = MegatronOptions.sequence_parallel, **options: str | bool) -> Layout:

@@ -28,17 +28,21 @@ from .. import schedules
 from .._rules import is_positive_int
 from .._mesh_shape import axis_names
 from .core import Layout
+from .option import Option
 
 __all__ = ["PipelineOptions", "pipeline", "assign"]
 
 
 @dataclass(frozen=True, kw_only=True)
-class PipelineOptions:
+class PipelineOptions(Option):
     """What the pipeline does over ``axis``; checked when built.
 
     >>> PipelineOptions(schedule="interleaved", virtual_stages=2).virtual_stages
     2
     """
+
+    family = "pipeline"
+    requires_axes = True
 
     schedule: str = "1f1b"
     virtual_stages: int = 1

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from .core import Layout
+from .option import Option
 
 __all__ = ["PRECISIONS", "PrecisionOptions", "mixed_precision"]
 
@@ -30,7 +31,7 @@ PRECISIONS: tuple[Precision, ...] = ("pure", "mixed")
 
 
 @dataclass(frozen=True, kw_only=True)
-class PrecisionOptions:
+class PrecisionOptions(Option):
     """Mixed precision as Megatron's: master weights, optimizer state and gradient
     accumulators in :func:`~dtp._rules.accum_dtype` of each parameter's dtype (fp32 for
     bf16/fp16), the parameters the master weights rounded. No choices yet: the one rule
@@ -39,6 +40,8 @@ class PrecisionOptions:
     >>> PrecisionOptions().name
     'mixed'
     """
+
+    family = "precision"
 
     @property
     def name(self) -> Precision:

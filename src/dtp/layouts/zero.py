@@ -39,6 +39,7 @@ if TYPE_CHECKING:  # torch-free at import: the CLI checks layouts before torch l
 from .._rules import is_positive_int
 from .._mesh_shape import axis_names
 from .core import Layout
+from .option import Option
 from .megatron import data
 
 __all__ = ["ZERO_STAGES", "STAGE_RULES", "ZeroOptions", "misplaced_options", "zero", "bucket_groups",
@@ -58,7 +59,7 @@ STAGE_RULES: tuple[tuple[str, tuple[int, ...], str], ...] = (
 
 
 @dataclass(frozen=True, kw_only=True)
-class ZeroOptions:
+class ZeroOptions(Option):
     """What ``dtp.zero`` does over ``axis``; checked when built, canonical afterwards
     (``bucket_mb`` a float, the flags bools).
 
@@ -69,6 +70,9 @@ class ZeroOptions:
     ...
     ValueError: layouts.zero: prefetch is a stage-3 option (stages 1/2 gather every bucket after the update), got stage=1
     """
+
+    family = "zero"
+    requires_axes = True
 
     stage: ZeroStage = 1  # 1: optimizer state sharded; 2: + gradients; 3: + parameters; 0: plain data parallel
     bucket_mb: float = 40.0  # flat bucket size in MiB, padded so each splits evenly over axis
@@ -107,6 +111,10 @@ class ZeroOptions:
         """Whether ZeRO applies on ``mesh``: a stage >= 1 and ``axis`` on the mesh with size > 1."""
         names = axis_names(mesh)
         return self.stage > 0 and self.axis in names and mesh.size(names.index(self.axis)) > 1
+
+    def check_sizes(self, sizes: Mapping[str, int], mesh: DeviceMesh, layout: Layout, *, what: str,
+                    names: Mapping[str, str] | None) -> None:
+        self.check(sizes, mesh, what=what)
 
     def check(self, sizes: Mapping[str, int], mesh: DeviceMesh, *, what: str = "model") -> None:
         """Nothing about ZeRO depends on the model's sizes: buckets are padded to split

@@ -52,7 +52,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from ..buffers import with_buffers
 from ..layouts import Layout, use_layout
 from ..layouts.pipeline import assign
-from ..ops.documents import check_placed
 from ..redistribute import value_of
 from ..models.sequential import Sequential
 from . import ep_overlap, local, pipeline, precision, replicated, zero
@@ -175,10 +174,10 @@ def evaluate(loss_fn: Any, params: PyTree, state: Any, layout: Layout, mesh: Dev
     Raises: ``TypeError`` / ``ValueError`` (before any collective) for a pipeline's
     ``loss_fn`` that is no Sequential or whose layers do not fill its stages, and for a
     batch not placed by ``shard_batch`` under zigzag context parallel
-    (:func:`dtp.ops.documents.check_placed`).
+    (:meth:`dtp.Layout.check_arranged`).
     """
     for batch in batches:  # a hand-placed batch under zigzag cp would evaluate a permuted sequence
-        check_placed("evaluate", batch, layout, mesh)
+        layout.check_arranged("evaluate", batch, mesh)
     opts = _pipeline_options(layout, mesh)
     if opts is None:
         whole = with_buffers(gather(params, state, layout, mesh), buffers)

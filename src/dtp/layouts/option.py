@@ -1,0 +1,121 @@
+"""A layout option: one strategy's typed settings, which check themselves and their batch.
+
+A :class:`~dtp.layouts.Layout` holds its options as a collection it iterates
+(``layout.options``); each is a frozen dataclass subclassing :class:`Option` and naming
+its ``family`` (the attribute the layout answers it under: ``layout.zero``,
+``layout.context``, ``None`` when absent). Subclassing registers the family, so a new
+strategy is a new module — its option, its ops, its state — and no edit here or in
+:mod:`.core`. What a layout asks each option, every rank alike and before any collective:
+
+=================================  ============================================================
+``check_mesh(mesh, what)``         its mesh axes are on a mesh of more than one device
+                                   (``requires_axes``: otherwise the feature would silently be off)
+``check_sizes(sizes, mesh,         the model's logical axis sizes fit it (heads over the Ulysses
+layout, what=, names=)``           degree, experts over ep, ...)
+``check_batch(what, key, shape,    one (batch, seq, ...) entry of a step's global batch fits it
+layout, mesh, microbatches=)``     (the sequence over 2·cp for zigzag, pipe-experts' tokens)
+``arrange_batch(batch, layout,     the global batch in the order it computes in (zigzag's
+mesh)``                            chunks, packed documents' balanced order); default: as it is
+``check_arranged(what, batch,      a placed batch came through ``arrange_batch``
+arranged, layout, mesh)``          (``arranged``: whether ``dtp.shard_batch`` placed it)
+``constrain(x, spec, name)``       an activation resharded its own way (async TP's rings), or
+                                   ``None`` for the layout's plain ``reshard``
+=================================  ============================================================
+
+Messages name the option's fields (``layouts.zero(axis='fsdp')``); ``names`` (the CLI's
+flags for the mesh axes) rephrase them where a caller asks. Torch-free at import, as
+the layouts are (``dtp train`` checks a run before torch loads).
+
+>>> from dtp.layouts.zero import ZeroOptions
+>>> ZeroOptions.family, Option.family_of("zero") is ZeroOptions
+('zero', True)
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, ClassVar, Mapping, Sequence
+
+from .._mesh_shape import axis_names
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from .core import Layout
+
+__all__ = ["Option"]
+
+
+class Option:
+    """Base of every layout option (module docstring). Subclasses set ``family``."""
+
+    family: ClassVar[str] = ""  # the layout's attribute for it: layout.<family>
+    requires_axes: ClassVar[bool] = False  # its mesh axes must be on any mesh of more than one device
+    _registry: ClassVar[dict[str, type["Option"]]] = {}
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        family = cls.__dict__.get("family", "")
+        if family:
+            if not family.isidentifier() or family in _RESERVED:
+                raise TypeError(f"layout option {cls.__name__}: family must be an identifier other than "
+                                f"{', '.join(sorted(_RESERVED))}, got {family!r}")
+            Option._registry[family] = cls
+
+    @classmethod
+    def family_of(cls, family: str) -> type["Option"] | None:
+        """The option class registered under ``family``, or ``None``."""
+        return cls._registry.get(family)
+
+    @classmethod
+    def families(cls) -> tuple[str, ...]:
+        """Every registered family, sorted."""
+        return tuple(sorted(cls._registry))
+
+    # ---- what a layout asks
+    def mesh_axes(self) -> tuple[str, ...]:
+        """The mesh axes this option works over (``axis``, or ``axes`` where it has several)."""
+        axes = getattr(self, "axes", None)
+        if axes is None:
+            axis = getattr(self, "axis", None)
+            axes = () if axis is None else (axis,) if isinstance(axis, str) else tuple(axis)
+        return tuple(axes)
+
+    def check_mesh(self, mesh: DeviceMesh, what: str) -> None:
+        """``ValueError`` when ``requires_axes`` and an axis of :meth:`mesh_axes` is not on
+        ``mesh`` (of more than one device: one device runs everything plain)."""
+        if not self.requires_axes or mesh.size() == 1:
+            return
+        names = axis_names(mesh)
+        missing = [a for a in self.mesh_axes() if a not in names]
+        if missing:
+            axis = getattr(self, "axis", missing[0])
+            raise ValueError(
+                f"{what}: layouts.{self.family}(axis={axis!r}) names a mesh axis this mesh lacks "
+                f"(its axes: {', '.join(names)}), so {self.family} would silently be off; build the mesh "
+                f"with {missing[0]}=…, pass axis= one of its axes, or drop layouts.{self.family}"
+            )
+
+    def check_sizes(self, sizes: Mapping[str, int], mesh: DeviceMesh, layout: Layout, *, what: str,
+                    names: Mapping[str, str] | None) -> None:
+        """``ValueError`` unless the model's logical axis ``sizes`` fit this option."""
+
+    def check_batch(self, what: str, key: str, shape: Sequence[int], layout: Layout, mesh: DeviceMesh, *,
+                    microbatches: int = 1) -> None:
+        """``ValueError`` unless the global batch entry ``batch[key]`` of ``shape`` fits."""
+
+    def arrange_batch(self, batch: dict[str, Any], layout: Layout, mesh: DeviceMesh) -> dict[str, Any]:
+        """The global batch (plain tensors) in the order this option computes it in."""
+        return batch
+
+    def check_arranged(self, what: str, batch: Mapping[str, Any], arranged: bool, layout: Layout,
+                       mesh: DeviceMesh) -> None:
+        """``ValueError`` when a placed ``batch`` that :meth:`arrange_batch` would reorder did
+        not come through it (``arranged``: ``dtp.shard_batch`` placed it)."""
+
+    def constrain(self, x: Any, spec: Any, name: str) -> Any:
+        """``x`` resharded to ``spec`` this option's way, or ``None``: the plain ``reshard``."""
+        return None
+
+
+# Layout's own attributes: no option family may take their names.
+_RESERVED = frozenset({"params", "activations", "options", "name", "option"})
