@@ -373,6 +373,8 @@ def _targets(like: TrainState, manifest: Mapping[str, Any]) -> tuple[dict[str, t
     buffers = optree.tree_map(empty_like, like.buffers) if like.buffers else like.buffers
     for p, x in zip(tensor_paths(buffers), optree.tree_leaves(buffers)):
         targets[f"buffer/{p}"] = x
+    own = strategy.own_targets()  # what the strategy saved of its own (names as its saved() wrote them)
+    targets.update(own)
     loaded_master = None
     if strategy.keeps_master and any(k.startswith("master/") for k in saved):
         loaded_master = optree.tree_map(lambda x: empty_like(x, accum_dtype(x.dtype)), params)
@@ -399,7 +401,7 @@ def _targets(like: TrainState, manifest: Mapping[str, Any]) -> tuple[dict[str, t
         loaded = optree.tree_map(lambda x: x.requires_grad_(True), params)
         master = None if loaded_master is None else optree.tree_map(
             lambda m, p: m if m.dtype != p.dtype else p.detach(), loaded_master, loaded)
-        opt, restored = strategy.restored(loaded, master, opt_state, like.optimizer)
+        opt, restored = strategy.restored(loaded, master, opt_state, like.optimizer, own)
         return dataclasses.replace(like, step=step, params=loaded, opt_state=opt, strategy=restored, buffers=buffers)
 
     return targets, build, model

@@ -143,6 +143,10 @@ class Layout:
             object.__setattr__(self, family, {k: _rule(family, k, v) for k, v in rules.items()})
         object.__setattr__(self, "options", tuple(held[f] for f in sorted(held)))
         object.__setattr__(self, "name", name)
+        # layout.<family> as a plain attribute for the families known now (the model's hot
+        # path reads layout.megatron per block); one registered later goes through __getattr__.
+        for family in Option.families():
+            object.__setattr__(self, family, held.get(family))
 
     def __getattr__(self, family: str) -> Option | None:
         # layout.zero, layout.context, ...: only for registered families (a typo still fails).

@@ -55,9 +55,9 @@ from ..layouts.pipeline import assign
 from ..redistribute import value_of
 from ..models.sequential import Sequential
 from . import ep_overlap, local, pipeline, precision, replicated, zero
-from .state import PLAIN, Plain, StrategyState
+from .state import PLAIN, Plain, StrategyState, register_state, state_makers
 
-__all__ = ["StepRun", "Scheduled", "StrategyState", "Plain", "PLAIN", "begin", "computing", "create", "compute_mesh",
+__all__ = ["StepRun", "Scheduled", "StrategyState", "Plain", "PLAIN", "register_state", "begin", "computing", "create", "compute_mesh",
            "gather", "check", "evaluate", "replicated", "zero", "pipeline", "precision", "ep_overlap", "local"]
 
 PyTree = Any
@@ -107,17 +107,15 @@ class Scheduled(_Run, Protocol):
 
 def create(params: PyTree, optimizer: Any, layout: Layout, mesh: DeviceMesh) -> tuple[PyTree, StrategyState]:
     """``(opt_state, strategy state)`` of a new :class:`dtp.TrainState` over laid-out
-    ``params``: ZeRO's state (buckets and the sharded optimizer state come in step one)
-    when the layout shards over a data axis of more than one device; under
-    ``layouts.mixed_precision`` with bf16 parameters the master weights
-    (:class:`.precision.MasterWeights`) and the optimizer state over them; else the
-    optimizer's own state and :data:`PLAIN`."""
-    options = None if mesh.size() == 1 else zero.options(layout, mesh)
-    if options is not None:
-        return None, zero.create(params, options)
-    if layout.precision is not None and precision.needed(params):
-        master = precision.create(params)
-        return optimizer.init(master.master), master
+    ``params``: the first registered option of the layout that makes one
+    (:func:`.state.register_state`: ZeRO's buckets when it shards over a data axis of more
+    than one device, then ``layouts.mixed_precision``'s master weights over bf16
+    parameters), else the optimizer's own state and :data:`PLAIN`."""
+    for family, make in state_makers():
+        opts = layout.option(family)
+        made = None if opts is None else make(params, optimizer, opts, layout, mesh)
+        if made is not None:
+            return made
     return optimizer.init(params), PLAIN
 
 

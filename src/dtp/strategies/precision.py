@@ -29,7 +29,7 @@ import torch
 from .._rules import accum_dtype
 from ..ops.local_batch import LocalBatch
 from . import replicated
-from .state import StrategyState
+from .state import StrategyState, register_state
 
 __all__ = ["MasterWeights", "needed", "create", "Run", "ScheduledRun", "wrap"]
 
@@ -68,7 +68,8 @@ class MasterWeights(StrategyState):
     def master_tree(self) -> PyTree:
         return self.master
 
-    def restored(self, params: PyTree, master: PyTree, opt_state: PyTree, optimizer: Any) -> tuple[PyTree, Any]:
+    def restored(self, params: PyTree, master: PyTree, opt_state: PyTree, optimizer: Any,
+                 own: Any = None) -> tuple[PyTree, Any]:
         # Saved without master weights (pure bf16): they start as the parameters, exactly.
         weights = create(params) if master is None else MasterWeights(master)
         return (optimizer.init(weights.master) if opt_state is None else opt_state), weights
@@ -101,6 +102,17 @@ def create(params: PyTree) -> MasterWeights:
     MasterWeights(float32)
     """
     return MasterWeights(optree.tree_map(_master, params))
+
+
+def _make(params: PyTree, optimizer: Any, opts: Any, layout: Any, mesh: Any) -> tuple[PyTree, MasterWeights] | None:
+    # bf16 parameters only: fp32 ones are their own master weights.
+    if not needed(params):
+        return None
+    master = create(params)
+    return optimizer.init(master.master), master
+
+
+register_state("precision", _make, order=20)
 
 
 class Run:

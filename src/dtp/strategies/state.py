@@ -18,13 +18,16 @@ A state's strategy part (``TrainState.strategy``) is an object of a subclass of
 ``saved(params, opt_state)``   the checkpoint's tensors: ``param/``, ``master/``, ``opt/`` entries
 ``manifest()``                 its fields of the checkpoint's manifest
 ``empty_params(params)``       empty parameters laid out as a load fills them
+``own_targets()``              tensors of its own a load fills (names as ``saved`` gives them)
 ``keeps_master``               whether the optimizer state and master weights are in the
                                accumulation dtype (fp32 for bf16 parameters)
-``restored(params, master,     ``(opt_state, state)`` after a checkpoint's load
-opt_state, optimizer)``
+``restored(params, master,     ``(opt_state, state)`` after a checkpoint's load (``own``: the
+opt_state, optimizer, own)``   filled ``own_targets``)
 =============================  ================================================================
 
-The base class answers for plain parameters — the replicated strategy (data parallel,
+:func:`register_state` says which options make a state of their own (ZeRO's, mixed
+precision's, a new strategy's): :func:`dtp.strategies.create` asks each registered family
+the layout has, in order. The base class answers for plain parameters — the replicated strategy (data parallel,
 DDP's all-reduce; tensor, context and expert parallel's layouts too), whose state holds
 nothing: :data:`PLAIN` is its one instance. ZeRO's buckets
 (:class:`dtp.strategies.zero.ZeroState`) and mixed precision's master weights
@@ -36,7 +39,7 @@ nothing: :data:`PLAIN` is its one instance. ZeRO's buckets
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Mapping
 
 import optree
 import torch
@@ -47,7 +50,8 @@ from ..optim import map_param_trees
 from ..spec import P, spec_of, wrap_local
 from . import replicated
 
-__all__ = ["StrategyState", "Plain", "PLAIN", "saved_tensors", "save_scalar", "tensor_paths", "empty_like"]
+__all__ = ["StrategyState", "Plain", "PLAIN", "saved_tensors", "save_scalar", "tensor_paths", "empty_like",
+           "register_state", "state_makers"]
 
 PyTree = Any
 
@@ -160,10 +164,18 @@ class StrategyState:
         """Empty parameters laid out as ``params`` (what a checkpoint's load fills)."""
         return optree.tree_map(empty_like, params)
 
-    def restored(self, params: PyTree, master: PyTree, opt_state: PyTree, optimizer: Any) -> tuple[PyTree, Any]:
+    def own_targets(self) -> dict[str, Any]:
+        """Empty tensors, laid out as this state holds them, for what a checkpoint saved
+        of its own beyond parameters, master weights and optimizer state (names as
+        :meth:`saved` writes them); a load fills them and hands them to :meth:`restored`."""
+        return {}
+
+    def restored(self, params: PyTree, master: PyTree, opt_state: PyTree, optimizer: Any,
+                 own: Mapping[str, Any]) -> tuple[PyTree, Any]:
         """``(opt_state, state)`` over loaded ``params`` (``master``: loaded master
         weights, ``None`` when the checkpoint had none or this state keeps none;
-        ``opt_state``: loaded, or ``None`` for a fresh one)."""
+        ``opt_state``: loaded, or ``None`` for a fresh one; ``own``: the filled
+        :meth:`own_targets`)."""
         return (optimizer.init(params) if opt_state is None else opt_state), self
 
 
@@ -195,5 +207,30 @@ class Plain(StrategyState):
 
 
 PLAIN = Plain()
+
+#: ``make(params, optimizer, options, layout, mesh) -> (opt_state, state) | None``
+StateMaker = Callable[[PyTree, Any, Any, Any, Any], "tuple[PyTree, StrategyState] | None"]
+_MAKERS: list[tuple[int, str, StateMaker]] = []
+
+
+def register_state(family: str, make: StateMaker, *, order: int = 50) -> None:
+    """Let the layout option of ``family`` make a new state's strategy part:
+    ``make(params, optimizer, options, layout, mesh)`` returns ``(opt_state, state)``, or
+    ``None`` where it does not apply on that mesh. Families are asked in ``order`` (lower
+    first; ZeRO 10, mixed precision 20: ZeRO's slices already are master weights); the
+    first answer wins, and without one the state is :data:`PLAIN`. Registering a family
+    again replaces its maker.
+
+    >>> [family for family, _ in state_makers()][:2]
+    ['zero', 'precision']
+    """
+    _MAKERS[:] = [m for m in _MAKERS if m[1] != family]
+    _MAKERS.append((order, family, make))
+    _MAKERS.sort(key=lambda m: m[0])
+
+
+def state_makers() -> list[tuple[str, StateMaker]]:
+    """``(family, make)`` of every registered maker, in the order they are asked."""
+    return [(family, make) for _, family, make in _MAKERS]
 
 optree.register_pytree_node(Plain, lambda s: ((), None, ()), lambda aux, children: PLAIN, namespace="dtp")

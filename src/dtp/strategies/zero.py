@@ -54,7 +54,7 @@ from ..redistribute import reshard
 from ..spec import P, wrap_local, wrap_placed, spec_of
 from .zero_plan import (Bucket, Leaf, ZeroPlan, check_same_plan, flat_global, gather_bucket, leaf, local_parts,
                         make_plan, param_slice, slice_flags, slice_of)
-from .state import StrategyState, save_scalar, saved_tensors
+from .state import StrategyState, register_state, save_scalar, saved_tensors
 from .zero_gathers import InflightGathers
 from .zero_pieces import zero_pieces
 from .zero_views import LazyMapping, LazySequence, ParamView, in_backward
@@ -176,7 +176,8 @@ class ZeroState(StrategyState):
                   for x in self.leaves]
         return optree.tree_map(lambda i: leaves[i], self.skeleton)
 
-    def restored(self, params: PyTree, master: PyTree, opt_state: PyTree, optimizer: Any) -> tuple[PyTree, Any]:
+    def restored(self, params: PyTree, master: PyTree, opt_state: PyTree, optimizer: Any,
+                 own: Any = None) -> tuple[PyTree, Any]:
         # Per parameter, as before step one: step one cuts params, master and moments into buckets.
         return opt_state, ZeroState(self.options, self.leaves, self.skeleton, loaded_master=master)
 
@@ -241,6 +242,14 @@ def from_parts(opts: ZeroOptions, leaves: Sequence[Leaf], structure: Any, parts:
     skeleton = optree.tree_unflatten(structure, list(range(len(leaves))))
     params, state = at_rest(ZeroState(opts, tuple(leaves), skeleton, plan), master)
     return params, optimizer.init(list(state.master)), state
+
+
+def _make(params: PyTree, optimizer: Any, opts: ZeroOptions, layout: Layout, mesh: DeviceMesh) -> Any:
+    # On a mesh where it applies; buckets and the sharded optimizer state come in step one.
+    return (None, create(params, opts)) if mesh.size() > 1 and opts.active(mesh) else None
+
+
+register_state("zero", _make, order=10)
 
 
 def _tree_of_views(z: ZeroState, bufs: Sequence[torch.Tensor], *, requires_grad: bool) -> PyTree:
