@@ -92,6 +92,12 @@ BAD_RUNS = {
                                            "--num-experts 0 (it removes the preset's experts), or use --dp"),
     "layers vs stages": (["--pp", "8", "--microbatches", "8"], "--pp 8 --virtual-stages 1: 8 pipeline stages, but "
                                                                "--model tiny cuts into 4 layers"),
+    # A V schedule's two chunks a rank are the schedule's, not a --virtual-stages given: said so, with 8 stages.
+    "layers vs a V schedule's stages": (["--nproc", "4", "--pp", "4", "--pp-schedule", "zbv", "--model", "small",
+                                         "--microbatches", "8"],
+                                        "--pp 4 --pp-schedule zbv: 8 pipeline stages, but --model small cuts into 6 "
+                                        "layers (the embedding, its 4 blocks, the head) and every stage needs one; "
+                                        "use fewer stages\n"),
     "corpus vs batch": (["--batch", "6000"], "the corpus has 383157 tokens, 5986 windows of 64 + 1 tokens, fewer"),
     "held-out split vs batch": (["--batch", "600", "--eval-every", "5"], "the held-out split (its last tenth"),
     "lr past float32 in AdamW's step": (["--lr", "6.47e37", "--warmup", "2"],

@@ -73,14 +73,14 @@ def check_shape(args: argparse.Namespace, layout: Layout, cfg: model_config.Llam
         raise UsageError(re.sub(r"choose (\w+) a multiple of (\d+)", r"choose a model with \1 a multiple of \2 "
                                 r"(--model, --init-from)", message)) from None
     if layout.pipeline is not None:
-        stages, layers = args.pp * args.virtual_stages, model_config.n_sequential_layers(cfg)
-        if layers < stages and layout.pipeline.layer_split is None:  # pipeline.assign's rule, in the flags' words
-            raise UsageError(f"--pp {args.pp} --virtual-stages {args.virtual_stages}: {stages} pipeline stages, but "
-                             f"{model} cuts into {layers} layers (the embedding, its {cfg.n_layers} blocks, the "
-                             f"head) and every stage needs one; use fewer stages")
-        layout.pipeline.check(n_layers=layers, mesh=mesh,
-                              microbatches=args.microbatches,
-                              what=f"--pp {args.pp} --virtual-stages {args.virtual_stages}")
+        layers = model_config.n_sequential_layers(cfg)
+        try:  # the options' own rules (layers >= stages, the schedule's microbatches), in the flags' words
+            layout.pipeline.check(n_layers=layers, mesh=mesh, microbatches=args.microbatches,
+                                  what=_stage_flags(args, layout.pipeline.virtual_stages),
+                                  layers_said=f"{model} cuts into {layers} layers (the embedding, its "
+                                              f"{cfg.n_layers} blocks, the head)")
+        except ValueError as e:
+            raise UsageError(str(e)) from None
         # The model's facts as llama.sequential(cfg) has them: the head reads the embedding when tied.
         layout.pipeline.check_composition(layout, mesh, shared=("embed",) if cfg.tie_embeddings else (),
                                           what=f"--pp {args.pp}", names=_PIPELINE_NAMES)
@@ -96,6 +96,18 @@ def check_shape(args: argparse.Namespace, layout: Layout, cfg: model_config.Llam
                              f"a multiple of {chunks}") from None
     _check_sequence_split(args.seq, layout, mesh)
     _check_expert_tokens(args, layout, mesh)
+
+
+def _stage_flags(args: argparse.Namespace, chunks: int) -> str:
+    """The flags that make a pipeline's stages: ``--pp 4 --virtual-stages 2``, or where the
+    schedule holds its chunks itself (a V: two a rank) ``--pp 4 --pp-schedule zbv``.
+
+    >>> _stage_flags(argparse.Namespace(pp=4, virtual_stages=1, pp_schedule="zbv"), 2)
+    '--pp 4 --pp-schedule zbv'
+    """
+    if args.virtual_stages == chunks:
+        return f"--pp {args.pp} --virtual-stages {args.virtual_stages}"
+    return f"--pp {args.pp} --pp-schedule {args.pp_schedule}"
 
 
 # The flags layouts.pipeline's composition rules name (its API_NAMES: layouts.zero(3), ...).

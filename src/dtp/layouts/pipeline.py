@@ -80,15 +80,17 @@ class PipelineOptions(Option):
         """Whether the pipeline applies on ``mesh``: the axis there with size > 1."""
         return self.degree(mesh) > 1
 
-    def check(self, *, n_layers: int, mesh: DeviceMesh, microbatches: int, what: str = "train_step") -> None:
+    def check(self, *, n_layers: int, mesh: DeviceMesh, microbatches: int, what: str = "train_step",
+              layers_said: str | None = None) -> None:
         """``ValueError`` (every rank alike, before any collective) when the model's layers
-        or the microbatches do not fit this pipeline on ``mesh``."""
+        (named ``layers_said`` where given: :func:`assign`) or the microbatches do not fit
+        this pipeline on ``mesh``."""
         p, v = self.degree(mesh), self.virtual_stages
+        assign(n_layers, p, v, self.layer_split, what=what, layers_said=layers_said)
         try:
             schedules.check(self.schedule, p=p, v=v, m=microbatches)
         except ValueError as e:
             raise ValueError(f"{what}: {e}") from None
-        assign(n_layers, p, v, self.layer_split, what=what)
 
     def check_composition(self, layout: Layout, mesh: DeviceMesh, *, shared: Sequence[str] = (),
                           what: str = "train_step", names: Mapping[str, str] | None = None) -> None:
@@ -137,10 +139,12 @@ API_NAMES = {"zero3": "layouts.zero(3)", "zero12": "stage 1 or 2", "zero": "layo
              "drop_overlap_grad_reduce": "overlap_grad_reduce", "pipeline": "layouts.pipeline"}
 
 
-def assign(n_layers: int, p: int, v: int, split: Sequence[int] | None = None, *, what: str = "pipeline"
-           ) -> tuple[tuple[int, int], ...]:
+def assign(n_layers: int, p: int, v: int, split: Sequence[int] | None = None, *, what: str = "pipeline",
+           layers_said: str | None = None) -> tuple[tuple[int, int], ...]:
     """``(first, stop)`` layer range of each global stage ``0 … p·v−1``: ``split`` layers
-    each, or as even as possible (the earlier stages one more).
+    each, or as even as possible (the earlier stages one more). ``ValueError`` for fewer
+    layers than stages; ``layers_said`` is how the message names them (``dtp train``: the
+    model flag and what its layers are).
 
     >>> assign(6, 2, 1)
     ((0, 3), (3, 6))
@@ -156,6 +160,9 @@ def assign(n_layers: int, p: int, v: int, split: Sequence[int] | None = None, *,
                              f"virtual_stages={v}) whose layers sum to the model's {n_layers}")
         counts = list(split)
     else:
+        if n_layers < stages and layers_said is not None:
+            raise ValueError(f"{what}: {stages} pipeline stages, but {layers_said} and every stage needs one; use "
+                             f"fewer stages")
         if n_layers < stages:
             raise ValueError(f"{what}: the model has {n_layers} layers, fewer than pp={p} × virtual_stages={v} "
                              f"= {stages} stages; use fewer stages (every stage needs a layer)")
