@@ -103,7 +103,11 @@ class EmaRun:
         return getattr(self.inner, name)
 
     def finish(self, updated: list[Any]) -> tuple[Any, EmaState]:
+        # A skipped step (non-finite loss) hands back the targets themselves: the average stays.
+        skipped = all(a is b for a, b in zip(optree.tree_leaves(updated[0]), optree.tree_leaves(self.inner.targets()[0])))
         params, _ = self.inner.finish(updated)
+        if skipped:
+            return params, self.state
         d = self.state.options.decay
 
         def move(avg: Any, p: Any) -> Any:  # this rank's rows of p: a local slice, no collective

@@ -97,6 +97,11 @@ def test_layout_options_are_typed_objects_it_iterates_one_per_family() -> None:
         dtp.Layout(zerro=layout.zero)
     with pytest.raises(TypeError, match="zero= takes a ZeroOptions"):
         dtp.Layout(zero=layout.context)
+    # dataclasses.replace names a family: it wins over the options it had (None drops it)
+    assert dataclasses.replace(layout, zero=None).zero is None
+    assert dataclasses.replace(layout, zero=dtp.layouts.ZeroOptions(stage=2)).zero.stage == 2
+    with pytest.raises(TypeError, match="no Layout attribute, got 'degree'"):
+        type("Shadow", (dtp.layouts.Option,), {"family": "degree"})  # it would hide Layout.degree
 
 
 def test_zero_active_needs_a_stage_and_a_split_axis() -> None:

@@ -145,15 +145,20 @@ def _context(algo, **options):
     return dtp.layouts.data() + dtp.layouts.context(algo, **options)
 
 
-def _seq(rank, s, place=False, evaluate=False):
+def _seq(rank, s, place=False, evaluate=False, into=False):
     """A zigzag ring on dp=2 × cp=2 and a batch of sequence length ``s``: placed by
     shard_batch (the call) or by the user with dtp.shard (the call is train_step, or
-    ``evaluate``: dtp.strategies.evaluate)."""
+    ``evaluate``: dtp.strategies.evaluate); ``into``: the user's entries put into a batch
+    shard_batch placed."""
     mesh = dtp.make_mesh(dp=2, cp=2)
     state = _state(mesh, _context("ring"))
     if not place:
         return lambda: dtp.shard_batch(_batch(s=s), state)
     batch = {k: dtp.shard(v, mesh, P("dp", "cp")) for k, v in _batch(s=s).items()}
+    if into:
+        placed = dtp.shard_batch(_batch(s=s), state)
+        placed["tokens"] = batch["tokens"]  # a PlacedBatch still, but not this entry
+        batch = placed
     if evaluate:
         return lambda: dtp.strategies.evaluate(LOSS, state.params, state.strategy, state.layout, state.mesh, [batch])
     return lambda: dtp.train_step(LOSS, state, batch)
@@ -445,6 +450,9 @@ CASES = {
         r"^train_step: batch\['tokens'\] was not placed by dtp.shard_batch: under layouts.context\("
         r"load_balance='zigzag'\) on cp=2 the sequence must be in the layout's order \(rank r holds chunks r and "
         r"3-r\), which no placement shows; place the global batch with dtp.shard_batch\(batch, state\)$"),
+    "an entry the user placed into shard_batch's batch under a zigzag ring (train_step)": (
+        lambda r: _seq(r, 16, place=True, into=True), "ValueError",
+        r"^train_step: batch\['tokens'\] was not placed by dtp.shard_batch: under layouts.context\("),
     "a batch the user placed under a zigzag ring (evaluate)": (
         lambda r: _seq(r, 16, place=True, evaluate=True), "ValueError",
         r"^evaluate: batch\['tokens'\] was not placed by dtp.shard_batch: under layouts.context\("),

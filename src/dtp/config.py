@@ -34,10 +34,10 @@ from dataclasses import dataclass, fields
 from typing import Any, Callable, Iterator, Mapping
 
 from . import layouts, schedules
+from ._mesh_shape import MeshShape
 from ._token_files import DTYPES as TOKEN_DTYPES
 from .layouts import CP_ALGORITHMS, PRECISIONS, ZERO_STAGES, Layout
 from .layouts.zero import misplaced_options
-from .layouts.expert import EP_OVERLAP_SCHEDULES, NO_PAIRS
 from ._rules import COMPILE_BACKENDS, SCORE_FUNCTIONS
 
 __all__ = ["RunConfig", "DTYPES", "RECOMPUTE", "MODEL_FIELDS", "flag_names", "flag_of", "to_toml", "mesh_axes_of",
@@ -336,18 +336,17 @@ class RunConfig:
                  f"reduce-scatters; it needs {n('tp')} > 1 {n('sp')}")
         if self.expert_tp and self.tp == 1:
             fail(f"{n('expert_tp')} splits each expert over tp; it needs {n('tp')} > 1")
-        if self.ep_overlap and self.pp > 1 and self.pp_schedule not in EP_OVERLAP_SCHEDULES:
-            fail(f"{n('ep_overlap')} under a pipeline runs an F and a B of two microbatches side by side "
-                 f"({'/'.join(EP_OVERLAP_SCHEDULES)}); not for {n('pp_schedule')} {self.pp_schedule}: {NO_PAIRS}")
-        if self.ep_overlap and (self.zero == 3 or (self.zero and self.overlap_grad_reduce)):
-            what = "3 gathers and frees each bucket per forward / backward" if self.zero == 3 else \
-                f"with {n('overlap_grad_reduce')} reduce-scatters each bucket when the last backward fills it"
-            fail(f"{n('ep_overlap')} runs two microbatches' forwards and backwards side by side, and ZeRO {what}, "
-                 f"counting one microbatch at a time; use {n('zero')} 1 or 2 without {n('overlap_grad_reduce')} "
-                 f"(reduced after the step's backwards), or drop {n('ep_overlap')}")
-        if self.ep_overlap and self.pp == 1 and self.microbatches < 2:
-            fail(f"{n('ep_overlap')} hides one microbatch's all-to-all under another microbatch's compute: at "
-                 f"{n('pp')} 1 it needs {n('microbatches')} >= 2, got {self.microbatches}")
+        if self.ep_overlap:  # layouts.expert's own rules for it, said with the fields' names
+            layout = layouts.expert(ep_overlap=True) + (self._zero_layout() if self.zero else Layout())
+            if self.pp > 1 and self.pp_schedule in schedules.SCHEDULES:
+                layout = layout + layouts.pipeline(self.pp_schedule)
+            names = {"ep_overlap": n("ep_overlap"), "pipeline": "a pipeline", "pp_schedule": n("pp_schedule"),
+                     "zero12": f"{n('zero')} 1 or 2", "overlap_grad_reduce": n("overlap_grad_reduce"),
+                     "microbatches": n("microbatches"), "pp": n("pp")}
+            try:
+                layout.expert.check_overlap(layout, MeshShape(self.mesh_axes()), self.microbatches, names=names)
+            except ValueError as e:
+                fail(str(e))
 
     def _check_pipeline(self, fail: Callable[[str], None], n: Callable[[str], str]) -> None:
         if self.pp == 1 and self.virtual_stages > 1:

@@ -118,7 +118,7 @@ def state_from_hf(path: str | os.PathLike[str], optimizer: GradientTransformatio
     inconsistent directory, on every rank.
     """
     error, params, checks, cfg = None, None, guard.Agreements(), None
-    opts, plan, metas, structure, pieces = None, None, None, None, None
+    zero_state, plan = None, None
     try:
         cfg = hf.config_from_hf(path, vocab_multiple)
         layout.check_mesh(mesh)
@@ -156,7 +156,7 @@ def state_from_hf(path: str | os.PathLike[str], optimizer: GradientTransformatio
                                                       for p, shape, d in zip(paths, shapes, dtypes)])
         pieces = optree.tree_leaves(local)
         if opts is not None:
-            structure = optree.tree_structure(local)
+            zero_state = zero.from_parts(opts, metas, optree.tree_structure(local), pieces, plan, mesh)
         else:
             leaves = [None if not keep(p) else x.requires_grad_(True) if home is None else
                       wrap_local(x, home, s, shape).requires_grad_(True)
@@ -169,9 +169,10 @@ def state_from_hf(path: str | os.PathLike[str], optimizer: GradientTransformatio
     guard.check_together("TrainState.from_hf", mesh, {"directory": str(path), "dtype": str(dtype),
                                                       "vocab_multiple": str(vocab_multiple),
                                                       "layout": layout.name or "custom"}, error)
-    if opts is not None:  # the state after step one's bucketing: ZeRO's, from this rank's runs
-        params, opt_state, strategy = zero.from_parts(opts, metas, structure, pieces, plan, mesh, optimizer)
-        return TrainState(0, params, opt_state, optimizer, mesh, layout, llama.param_axes(cfg), strategy, checks)
+    if zero_state is not None:  # the state after step one's bucketing: its parameters gathered (a collective)
+        params, zero_state = zero.at_rest(zero_state, zero_state.master)
+        opt_state = optimizer.init(list(zero_state.master))
+        return TrainState(0, params, opt_state, optimizer, mesh, layout, llama.param_axes(cfg), zero_state, checks)
     opt_state, strategy = strategies.create(params, optimizer, layout, mesh)
     return TrainState(0, params, opt_state, optimizer, mesh, layout, llama.param_axes(cfg), strategy, checks)
 

@@ -152,6 +152,8 @@ class TrainState:
 
     def replace(self, **changes: Any) -> "TrainState":
         if "zero" in changes:  # the field's name until dtp 0.1 (TrainState.zero)
+            if "strategy" in changes:
+                raise TypeError("TrainState.replace: zero= is the old name of strategy=; give one of them")
             warnings.warn("TrainState.replace(zero=...) is now replace(strategy=...)", DeprecationWarning, stacklevel=2)
             changes["strategy"] = changes.pop("zero")
         if "params" in changes and "strategy" not in changes and self.strategy.owns_params:

@@ -84,8 +84,8 @@ def shard_batch(batch: Mapping[str, torch.Tensor], state: TrainState) -> PlacedB
     mesh = compute_mesh(state)
     if _single_device(mesh):
         device = mesh_device(state.mesh)
-        return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-    out, error = PlacedBatch(), None
+        return PlacedBatch.of({k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()})
+    out, error = {}, None
     try:
         for k, v in batch.items():
             if k in guard.ID_KEYS and isinstance(v, torch.Tensor) and v.numel() and not v.is_floating_point():
@@ -100,7 +100,7 @@ def shard_batch(batch: Mapping[str, torch.Tensor], state: TrainState) -> PlacedB
     except (ValueError, TypeError) as e:
         error = e
     guard.check_step(state.checks, state.mesh, state.layout, state.step, batch, {}, error, what="shard_batch")
-    return out
+    return PlacedBatch.of(out)
 
 
 def compute_mesh(state: TrainState) -> DeviceMesh | None:

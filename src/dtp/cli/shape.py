@@ -18,6 +18,7 @@ from .. import schedules
 from .._mesh_shape import MeshShape
 from ..config import MODEL_FIELDS, flag_of
 from ..layouts import Layout, check_divisible
+from ..layouts.pipeline import assign
 from ..models import config as model_config
 from .parser import UsageError
 
@@ -73,12 +74,13 @@ def check_shape(args: argparse.Namespace, layout: Layout, cfg: model_config.Llam
         raise UsageError(re.sub(r"choose (\w+) a multiple of (\d+)", r"choose a model with \1 a multiple of \2 "
                                 r"(--model, --init-from)", message)) from None
     if layout.pipeline is not None:
-        layers = model_config.n_sequential_layers(cfg)
-        try:  # the options' own rules (layers >= stages, the schedule's microbatches), in the flags' words
-            layout.pipeline.check(n_layers=layers, mesh=mesh, microbatches=args.microbatches,
-                                  what=_stage_flags(args, layout.pipeline.virtual_stages),
-                                  layers_said=f"{model} cuts into {layers} layers (the embedding, its "
-                                              f"{cfg.n_layers} blocks, the head)")
+        opts, layers = layout.pipeline, model_config.n_sequential_layers(cfg)
+        flags = _stage_flags(args, opts.virtual_stages)
+        try:  # the options' own rules, in the flags' words: the layers first (a model too small), then all
+            assign(layers, opts.degree(mesh), opts.virtual_stages, opts.layer_split, what=flags,
+                   layers_said=f"{model} cuts into {layers} layers (the embedding, its {cfg.n_layers} blocks, "
+                               f"the head)")
+            opts.check(n_layers=layers, mesh=mesh, microbatches=args.microbatches, what=flags)
         except ValueError as e:
             raise UsageError(str(e)) from None
         # The model's facts as llama.sequential(cfg) has them: the head reads the embedding when tied.

@@ -119,8 +119,8 @@ class ContextOptions(Option):
         return {k: (to_cp_order(v, 1, cp, self.load_balance) if order is None else reorder(v, order))
                 if v.dim() > 1 else v for k, v in batch.items()}
 
-    def check_arranged(self, what: str, batch: Mapping[str, Any], arranged: bool, layout: Layout,
-                       mesh: DeviceMesh) -> None:
+    def check_arranged(self, what: str, key: str, value: Any, arranged: bool, batch: Mapping[str, Any],
+                       layout: Layout, mesh: DeviceMesh) -> None:
         """``ValueError`` when, under zigzag on cp > 1, a placed (batch, seq) entry of a
         batch ``dtp.shard_batch`` did not place: the order is in the values, not the
         placement (a hand-placed ``dtp.shard(tokens, mesh, P(None, "cp"))`` has
@@ -130,13 +130,12 @@ class ContextOptions(Option):
         cp = self.degree(mesh)
         if arranged or self.load_balance is None or cp == 1 or "positions" in batch:
             return
-        for key, v in batch.items():
-            if hasattr(v, "device_mesh") and v.dim() > 1:  # a DTensor: placed by hand
-                raise ValueError(
-                    f"{what}: batch[{key!r}] was not placed by dtp.shard_batch: under layouts.context("
-                    f"load_balance={self.load_balance!r}) on cp={cp} the sequence must be in the layout's order "
-                    f"(rank r holds chunks r and {2 * cp - 1}-r), which no placement shows; place the global batch "
-                    f"with dtp.shard_batch(batch, state)")
+        if hasattr(value, "device_mesh") and value.dim() > 1:  # a DTensor the layout did not place
+            raise ValueError(
+                f"{what}: batch[{key!r}] was not placed by dtp.shard_batch: under layouts.context("
+                f"load_balance={self.load_balance!r}) on cp={cp} the sequence must be in the layout's order "
+                f"(rank r holds chunks r and {2 * cp - 1}-r), which no placement shows; place the global batch "
+                f"with dtp.shard_batch(batch, state)")
 
     def check(self, sizes: Mapping[str, int], mesh: DeviceMesh, *, tp: int = 1, what: str = "model") -> None:
         """MindSpeed's context-parallel rules for a model of these logical axis ``sizes``.

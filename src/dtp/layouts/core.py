@@ -125,20 +125,20 @@ class Layout:
 
     def __init__(self, params: Mapping[str, Any] | None = None, activations: Mapping[str, Any] | None = None, *,
                  options: Iterable[Option] = (), name: str = "", **by_family: Option | None) -> None:
-        given = list(options)
-        for family, opts in by_family.items():
+        held: dict[str, Option] = {}
+        for opts in options:
+            if not isinstance(opts, Option) or not opts.family:
+                raise TypeError(f"Layout: options are layout options (dtp.layouts.option.Option), got {opts!r}")
+            held[opts.family] = _once(opts.family, held.get(opts.family), opts, (name, name))
+        for family, opts in by_family.items():  # by name: these win (dataclasses.replace(layout, zero=None))
             cls = Option.family_of(family)
             if cls is None:
                 raise TypeError(f"Layout: unknown option family {family!r} (known: {', '.join(Option.families())})")
             if opts is not None and not isinstance(opts, cls):
                 raise TypeError(f"Layout: {family}= takes a {cls.__name__}, got {type(opts).__name__}")
+            held.pop(family, None)
             if opts is not None:
-                given.append(opts)
-        held: dict[str, Option] = {}
-        for opts in given:
-            if not isinstance(opts, Option) or not opts.family:
-                raise TypeError(f"Layout: options are layout options (dtp.layouts.option.Option), got {opts!r}")
-            held[opts.family] = _once(opts.family, held.get(opts.family), opts, (name, name))
+                held[family] = opts
         for family, rules in (("params", params or {}), ("activations", activations or {})):
             object.__setattr__(self, family, {k: _rule(family, k, v) for k, v in rules.items()})
         object.__setattr__(self, "options", tuple(held[f] for f in sorted(held)))
@@ -328,12 +328,26 @@ class Layout:
         return out
 
     def check_arranged(self, what: str, batch: Mapping[str, Any], mesh: DeviceMesh) -> None:
-        """``ValueError`` when a placed ``batch`` should have come through
-        :meth:`arrange_batch` and did not: it is no :class:`PlacedBatch`
-        (:meth:`Option.check_arranged`)."""
-        arranged = isinstance(batch, PlacedBatch)
+        """``ValueError`` when an entry of a placed ``batch`` should have come through
+        :meth:`arrange_batch` and did not: it is not a tensor :func:`dtp.shard_batch` placed
+        there (:class:`PlacedBatch`; :meth:`Option.check_arranged`)."""
         for opts in self.options:
-            opts.check_arranged(what, batch, arranged, self, mesh)
+            for key, v in batch.items():
+                arranged = isinstance(batch, PlacedBatch) and batch.placed(key, v)
+                opts.check_arranged(what, key, v, arranged, batch, self, mesh)
+
+    def splits(self, logical: Sequence[str | None], mesh: DeviceMesh, *, activation: bool = True) -> list[int]:
+        """How many ways each dim of a tensor with these logical axes is split on ``mesh``,
+        as its spec resolves them (a mesh axis splits one dim at most: the first claim).
+
+        >>> from dtp._mesh_shape import MeshShape
+        >>> (dtp.layouts.data() + dtp.layouts.context("ring")).splits(("batch", "seq"), MeshShape({"dp": 2, "cp": 4}))
+        [2, 4]
+        """
+        names, sizes = axis_names(mesh), []
+        for axes in self._dims(self.activations if activation else self.params, logical, mesh, ""):
+            sizes.append(math.prod(mesh.size(names.index(a)) for a in axes or ()))
+        return sizes
 
     def _check_rules(self, sizes: Mapping[str, int], mesh: DeviceMesh, what: str,
                      names: Mapping[str, str] | None) -> None:
@@ -354,15 +368,33 @@ class Layout:
 class PlacedBatch(dict):
     """What :func:`dtp.shard_batch` returns: the batch's entries placed where the layout
     computes them, in the order it computes them in (:meth:`Layout.arrange_batch`). A
-    plain ``dict`` otherwise; its type is what says the layout arranged it (a batch placed
-    by hand under zigzag context parallel is refused: :meth:`Layout.check_arranged`).
-    Adding or replacing an entry keeps the type; ``dict(batch)`` or ``{**batch}`` make a
-    batch placed by hand.
+    plain ``dict`` otherwise, that knows which tensors it was given by the layout: an
+    entry replaced since (``batch["tokens"] = dtp.shard(...)``), or a copy of the batch
+    (``dict(batch)``, ``{**batch}``), is placed by hand, which zigzag context parallel
+    refuses (:meth:`Layout.check_arranged`: the order is in the values, no placement
+    shows it).
 
-    >>> PlacedBatch(tokens=1) == {"tokens": 1}
-    True
+    >>> batch = PlacedBatch.of({"tokens": torch.zeros(2)})
+    >>> batch.placed("tokens", batch["tokens"]), batch.placed("tokens", torch.zeros(2))
+    (True, False)
     """
 
+    _arranged: dict[str, int]
+
+    @classmethod
+    def of(cls, placed: Mapping[str, Any]) -> "PlacedBatch":
+        """The batch of these entries, each as the layout placed it."""
+        batch = cls(placed)
+        batch._arranged = {k: id(v) for k, v in placed.items()}  # the batch holds them: the ids stay theirs
+        return batch
+
+    def placed(self, key: str, value: Any) -> bool:
+        """Whether ``value`` is the tensor the layout placed as ``key``."""
+        return getattr(self, "_arranged", {}).get(key) == id(value) and dict.get(self, key) is value
+
+
+# No option family may take the name of a Layout attribute (it would hide it).
+Option.reserve(name for name in dir(Layout) if not name.startswith("_"))
 
 _active = threading.local()
 

@@ -50,7 +50,7 @@ from .._mesh_shape import axis_names
 from .core import Layout, split_in_words
 from .option import Option
 
-__all__ = ["ExpertOptions", "expert", "EP_OVERLAP_SCHEDULES", "NO_PAIRS"]
+__all__ = ["ExpertOptions", "expert", "EP_OVERLAP_SCHEDULES", "NO_PAIRS", "OVERLAP_NAMES"]
 
 #: The pipeline schedules ``ep_overlap`` runs under (pp > 1): an F and a B of other
 #: microbatches side by side where that cannot deadlock (dtp.schedules.lane_pairs). Not
@@ -59,6 +59,11 @@ EP_OVERLAP_SCHEDULES = ("1f1b", "interleaved", "dualpipev")
 #: Why the other schedules are refused (the refusals' text).
 NO_PAIRS = ("gpipe runs every F before any B (one F beside a B at most: nothing to hide under); zb-h1 "
             "and zbv split each B into I and W, which the lanes do not pair")
+#: How :meth:`ExpertOptions.check_overlap` names what it refuses together (``dtp.RunConfig``
+#: passes its fields' names, which the CLI shows as flags).
+OVERLAP_NAMES = {"ep_overlap": "layouts.expert(ep_overlap=True)", "pipeline": "layouts.pipeline",
+                 "pp_schedule": "schedule", "zero12": "layouts.zero(1 or 2)",
+                 "overlap_grad_reduce": "overlap_grad_reduce", "microbatches": "microbatches", "pp": "pp"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -144,12 +149,54 @@ class ExpertOptions(Option):
         that does not split evenly is left to its placement's own error."""
         if not self.pipe_experts or len(shape) < 2:
             return
-        rows, seq = layout.degree("batch", mesh), layout.degree("seq", mesh)
+        rows, seq = layout.splits(("batch", "seq"), mesh)  # as shard_batch's spec splits the entry
         if shape[0] % rows or shape[1] % seq:
-            return
+            return  # not even: the placement refuses it, naming the split
         self.check_tokens(shape[0] // rows // microbatches * (shape[1] // seq),
                           f"{what}: batch[{key!r}] of shape {tuple(shape)}"
                           + (f" in {microbatches} microbatches" if microbatches > 1 else ""))
+
+    def check_overlap(self, layout: Layout, mesh: DeviceMesh, microbatches: int, *, what: str = "",
+                      names: Mapping[str, str] | None = None) -> None:
+        """``ep_overlap``'s rules for a step on ``mesh`` (nothing without it), every rank
+        alike and before any collective: an expert axis of more than one device, a pipeline
+        schedule it pairs (:data:`EP_OVERLAP_SCHEDULES`), ZeRO 1/2 without
+        ``overlap_grad_reduce``, ``microbatches >= 2`` at pp 1. The one place they live:
+        ``train_step`` asks (``dtp.strategies.ep_overlap.check``), and so does
+        ``dtp.RunConfig`` with its fields' names (``names``: :data:`OVERLAP_NAMES`' keys).
+
+        >>> from dtp import layouts
+        >>> from dtp._mesh_shape import MeshShape
+        >>> layout = layouts.expert(ep_overlap=True)
+        >>> layout.expert.check_overlap(layout, MeshShape({"ep": 2}), 1, what="train_step")
+        Traceback (most recent call last):
+        ValueError: train_step: layouts.expert(ep_overlap=True) hides one microbatch's all-to-all under another microbatch's compute: at pp 1 it needs microbatches >= 2, got 1
+        """
+        if not self.ep_overlap:
+            return
+        n, start = {**OVERLAP_NAMES, **(names or {})}, f"{what}: " if what else ""
+        if self.degree(mesh) == 1:
+            raise ValueError(f"{start}{n['ep_overlap']} hides the expert all-to-alls, but the expert axis "
+                             f"{self.label} has size 1 on this mesh: there is none; drop ep_overlap")
+        pipe = layout.pipeline if layout.pipeline is not None and layout.pipeline.active(mesh) else None
+        if pipe is not None and pipe.schedule not in EP_OVERLAP_SCHEDULES:
+            raise ValueError(f"{start}{n['ep_overlap']} under {n['pipeline']} runs an F and a B of two microbatches "
+                             f"side by side ({'/'.join(EP_OVERLAP_SCHEDULES)}); not for {n['pp_schedule']} "
+                             f"{pipe.schedule}: {NO_PAIRS}")
+        z = layout.zero if layout.zero is not None and layout.zero.active(mesh) else None
+        if z is not None and (z.stage == 3 or z.overlap_grad_reduce):
+            # ZeRO 1/2 compose: their buckets add each backward's gradients in any order and are
+            # reduce-scattered after the step's backwards; these count one microbatch at a time.
+            why = "3 gathers and frees each bucket per forward / backward" if z.stage == 3 else \
+                f"with {n['overlap_grad_reduce']} reduce-scatters each bucket when the last backward fills it"
+            raise ValueError(f"{start}{n['ep_overlap']} runs two microbatches' forwards and backwards side by side, "
+                             f"and ZeRO {why}, counting one microbatch at a time; use {n['zero12']} without "
+                             f"{n['overlap_grad_reduce']} (reduced after the step's backwards), or drop "
+                             f"{n['ep_overlap']}")
+        if pipe is None and microbatches < 2:
+            raise ValueError(f"{start}{n['ep_overlap']} hides one microbatch's all-to-all under another "
+                             f"microbatch's compute: at {n['pp']} 1 it needs {n['microbatches']} >= 2, got "
+                             f"{microbatches}")
 
     def check(self, sizes: Mapping[str, int], mesh: DeviceMesh, *, sequence_parallel: bool = False,
               what: str = "model", names: Mapping[str, str] | None = None) -> None:

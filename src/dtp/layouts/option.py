@@ -16,8 +16,8 @@ layout, what=, names=)``           degree, experts over ep, ...)
 layout, mesh, microbatches=)``     (the sequence over 2·cp for zigzag, pipe-experts' tokens)
 ``arrange_batch(batch, layout,     the global batch in the order it computes in (zigzag's
 mesh)``                            chunks, packed documents' balanced order); default: as it is
-``check_arranged(what, batch,      a placed batch came through ``arrange_batch``
-arranged, layout, mesh)``          (``arranged``: whether ``dtp.shard_batch`` placed it)
+``check_arranged(what, key, v,     a placed entry came through ``arrange_batch`` (``arranged``:
+arranged, batch, layout, mesh)``   ``dtp.shard_batch`` placed it)
 ``constrain(x, spec, name)``       an activation resharded its own way (async TP's rings), or
                                    ``None`` for the layout's plain ``reshard``
 =================================  ============================================================
@@ -51,16 +51,27 @@ class Option:
     family: ClassVar[str] = ""  # the layout's attribute for it: layout.<family>
     requires_axes: ClassVar[bool] = False  # its mesh axes must be on any mesh of more than one device
     _registry: ClassVar[dict[str, type["Option"]]] = {}
+    _reserved: ClassVar[set[str]] = {"params", "activations", "options", "name", "option"}
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         family = cls.__dict__.get("family", "")
-        if family:
-            if not family.isidentifier() or family in _RESERVED:
-                raise TypeError(f"layout option {cls.__name__}: family must be an identifier other than "
-                                f"{', '.join(sorted(_RESERVED))}, got {family!r}")
-            Option._registry[family] = cls
+        if not family:
+            return
+        if not family.isidentifier() or family in Option._reserved:
+            raise TypeError(f"layout option {cls.__name__}: family must be an identifier that is no Layout "
+                            f"attribute, got {family!r}")
+        known = Option._registry.get(family)
+        # The same class defined again (a notebook cell re-run, a module reloaded) replaces itself.
+        if known is not None and (known.__module__, known.__qualname__) != (cls.__module__, cls.__qualname__):
+            raise TypeError(f"layout option {cls.__name__}: family {family!r} is {known.__module__}."
+                            f"{known.__qualname__}'s; choose another name")
+        Option._registry[family] = cls
 
+    @classmethod
+    def reserve(cls, names: Any) -> None:
+        """Names no family may take (``Layout``'s attributes: :mod:`.core` reserves them)."""
+        Option._reserved.update(names)
     @classmethod
     def family_of(cls, family: str) -> type["Option"] | None:
         """The option class registered under ``family``, or ``None``."""
@@ -107,15 +118,13 @@ class Option:
         """The global batch (plain tensors) in the order this option computes it in."""
         return batch
 
-    def check_arranged(self, what: str, batch: Mapping[str, Any], arranged: bool, layout: Layout,
-                       mesh: DeviceMesh) -> None:
-        """``ValueError`` when a placed ``batch`` that :meth:`arrange_batch` would reorder did
-        not come through it (``arranged``: ``dtp.shard_batch`` placed it)."""
+    def check_arranged(self, what: str, key: str, value: Any, arranged: bool, batch: Mapping[str, Any],
+                       layout: Layout, mesh: DeviceMesh) -> None:
+        """``ValueError`` when entry ``batch[key]`` (``value``), which :meth:`arrange_batch`
+        would have reordered, did not come through it (``arranged``: ``dtp.shard_batch``
+        placed it)."""
 
     def constrain(self, x: Any, spec: Any, name: str) -> Any:
         """``x`` resharded to ``spec`` this option's way, or ``None``: the plain ``reshard``."""
         return None
 
-
-# Layout's own attributes: no option family may take their names.
-_RESERVED = frozenset({"params", "activations", "options", "name", "option"})

@@ -86,11 +86,11 @@ class PipelineOptions(Option):
         (named ``layers_said`` where given: :func:`assign`) or the microbatches do not fit
         this pipeline on ``mesh``."""
         p, v = self.degree(mesh), self.virtual_stages
-        assign(n_layers, p, v, self.layer_split, what=what, layers_said=layers_said)
         try:
             schedules.check(self.schedule, p=p, v=v, m=microbatches)
         except ValueError as e:
             raise ValueError(f"{what}: {e}") from None
+        assign(n_layers, p, v, self.layer_split, what=what, layers_said=layers_said)
 
     def check_composition(self, layout: Layout, mesh: DeviceMesh, *, shared: Sequence[str] = (),
                           what: str = "train_step", names: Mapping[str, str] | None = None) -> None:

@@ -134,6 +134,7 @@ def compute_mesh(layout: Layout, mesh: DeviceMesh) -> DeviceMesh | None:
 def gather(params: PyTree, state: StrategyState, layout: Layout, mesh: DeviceMesh) -> PyTree:
     """Whole parameters on every rank (a collective under ZeRO-3 or a pipeline; see
     :func:`dtp.gather_params`)."""
+    state = PLAIN if state is None else state  # what TrainState.strategy was called before (zero=None)
     opts = _pipeline_options(layout, mesh)
     if opts is not None:
         state.wait()  # ZeRO 1/2 under the stages: their views may still be filling
@@ -174,6 +175,7 @@ def evaluate(loss_fn: Any, params: PyTree, state: Any, layout: Layout, mesh: Dev
     batch not placed by ``shard_batch`` under zigzag context parallel
     (:meth:`dtp.Layout.check_arranged`).
     """
+    state = PLAIN if state is None else state
     for batch in batches:  # a hand-placed batch under zigzag cp would evaluate a permuted sequence
         layout.check_arranged("evaluate", batch, mesh)
     opts = _pipeline_options(layout, mesh)
@@ -221,6 +223,7 @@ def begin(params: PyTree, state: StrategyState, microbatches: int, *, loss_fn: A
     stages lay them over their parameters (elsewhere ``loss_fn`` reads them). The
     replicated and ZeRO runs compute on plain local tensors when :func:`.local.decide`
     allows; call ``loss_fn`` through :func:`computing`."""
+    state = PLAIN if state is None else state  # what TrainState.strategy was called before (zero=None)
     piped = layout is not None and mesh is not None and _pipeline_options(layout, mesh) is not None
     if gradients_only and piped:
         raise ValueError("value_and_grad: under layouts.pipeline a rank holds the gradients of its stages only, not "

@@ -43,13 +43,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from .. import comm
 from ..compiled import active as compile_options, compiling
 from ..layouts import Layout, current, use_layout
-from ..layouts.expert import EP_OVERLAP_SCHEDULES, NO_PAIRS
+from ..layouts.expert import EP_OVERLAP_SCHEDULES
 from ..ops import lanes
 from ..ops.parallel import mean_over_here
 from ..ops.recompute import policy, recompute
 from ..redistribute import value_of
 from .loss_out import split as split_loss
-from .zero import options as zero_options
 
 __all__ = ["Run", "chains", "carry", "check", "active", "PIPELINE_SCHEDULES"]
 
@@ -64,32 +63,10 @@ def active(layout: Layout) -> bool:
 
 
 def check(layout: Layout, mesh: DeviceMesh, microbatches: int) -> None:
-    """``layouts.expert(ep_overlap=True)``'s rules for a step on ``mesh``, every rank alike:
-    an expert axis of more than one device, a pipeline schedule it pairs, ZeRO 1/2 without
-    ``overlap_grad_reduce``, ``microbatches >= 2`` at pp 1. Nothing without ep_overlap."""
-    if not active(layout):
-        return
-    opts = layout.expert
-    if opts.degree(mesh) == 1:
-        raise ValueError(f"train_step: layouts.expert(ep_overlap=True) hides the expert all-to-alls, but the "
-                         f"expert axis {opts.label} has size 1 on this mesh: there is none; drop ep_overlap")
-    pipe = layout.pipeline if layout.pipeline is not None and layout.pipeline.active(mesh) else None
-    if pipe is not None and pipe.schedule not in PIPELINE_SCHEDULES:
-        raise ValueError(f"train_step: layouts.expert(ep_overlap=True) under layouts.pipeline runs an F and a B "
-                         f"of two microbatches side by side ({'/'.join(PIPELINE_SCHEDULES)}); not for "
-                         f"{pipe.schedule!r}: {NO_PAIRS}")
-    z = zero_options(layout, mesh)
-    if z is not None and (z.stage == 3 or z.overlap_grad_reduce):
-        # ZeRO 1/2 compose: their buckets add each backward's gradients in any order and are
-        # reduce-scattered after the step's backwards; these count one microbatch at a time.
-        what = "3 gathers and frees each bucket per forward / backward" if z.stage == 3 else \
-            "with overlap_grad_reduce reduce-scatters each bucket when the last backward fills it"
-        raise ValueError(f"train_step: layouts.expert(ep_overlap=True) runs two microbatches' forwards and "
-                         f"backwards side by side, and ZeRO {what}, counting one microbatch at a time; use "
-                         f"layouts.zero(1 or 2) without overlap_grad_reduce, or drop ep_overlap")
-    if pipe is None and microbatches < 2:
-        raise ValueError(f"train_step: layouts.expert(ep_overlap=True) hides one microbatch's all-to-all under "
-                         f"another microbatch's compute: it needs microbatches >= 2, got {microbatches}")
+    """``layouts.expert(ep_overlap=True)``'s rules for a step on ``mesh``, every rank alike
+    (:meth:`dtp.layouts.ExpertOptions.check_overlap`). Nothing without ep_overlap."""
+    if active(layout):
+        layout.expert.check_overlap(layout, mesh, microbatches, what="train_step")
 
 
 def chains(m: int) -> list[list[tuple[str, int]]]:

@@ -226,11 +226,11 @@ def create(params: PyTree, opts: ZeroOptions) -> ZeroState:
 
 
 def from_parts(opts: ZeroOptions, leaves: Sequence[Leaf], structure: Any, parts: Sequence[torch.Tensor],
-               plan: ZeroPlan, mesh: DeviceMesh, optimizer: Any) -> tuple[PyTree, PyTree, ZeroState]:
-    """``(params, opt_state, state)`` as after step one's bucketing, from this rank's runs
-    of each parameter in its bucket slices (``parts``, in leaf order, each the elements
-    :func:`~.zero_plan.local_parts` places here): what ``TrainState.from_hf`` reads. A
-    collective over the ZeRO axis (stage 1/2: each bucket's all-gather)."""
+               plan: ZeroPlan, mesh: DeviceMesh) -> ZeroState:
+    """The state as after step one's bucketing, before its parameters are gathered, from
+    this rank's runs of each parameter in its bucket slices (``parts``, in leaf order, each
+    the elements :func:`~.zero_plan.local_parts` places here): what ``TrainState.from_hf``
+    reads. No collective: :func:`at_rest` then gathers the parameters."""
     where = local_parts(plan, leaves)
     master = []
     for b in plan.buckets:
@@ -240,8 +240,7 @@ def from_parts(opts: ZeroOptions, leaves: Sequence[Leaf], structure: Any, parts:
             flat[cursor:cursor + stop - start] = parts[i]
         master.append(wrap_local(flat, mesh, b.spec, flat_global(b, mesh)))
     skeleton = optree.tree_unflatten(structure, list(range(len(leaves))))
-    params, state = at_rest(ZeroState(opts, tuple(leaves), skeleton, plan), master)
-    return params, optimizer.init(list(state.master)), state
+    return ZeroState(opts, tuple(leaves), skeleton, plan, tuple(master))
 
 
 def _make(params: PyTree, optimizer: Any, opts: ZeroOptions, layout: Layout, mesh: DeviceMesh) -> Any:
