@@ -61,18 +61,10 @@ def check_shape(args: argparse.Namespace, layout: Layout, cfg: model_config.Llam
                          f"differs from one process by design; drop --check, or train dropless")
     _check_dense(args, cfg, model)
     layout.check_mesh(mesh, what=f"the mesh {format_mesh(mesh.sizes)}")
-    try:  # the mesh axes as the flags that size them, not the layout's name (which only its API knows)
-        layout.check_sizes(model_config.axis_sizes(cfg), mesh, what=what, names=_AXIS_FLAGS)
-    except ValueError as e:  # the options' checks name their fields: here, the flags
-        message = flag_words(str(e), {**(_CONTEXT_FLAGS if layout.context is not None else {}),
-                                       "num_experts": flag_of("num_experts")})
-        message = re.sub(r"a smaller (cp|tp|--ulysses-degree)(?: or (tp))?\b",  # the context options' axes
-                         lambda m: f"a smaller --{m[1].lstrip('-')}" + (f" or --{m[2]}" if m[2] else ""), message)
-        message = re.sub(r"(--cp-algo) '(\w+)'(?: or '(\w+)')?",  # a flag's values, not Python strings
-                         lambda m: f"{m[1]} {m[2]}" + (f" or {m[3]}" if m[3] else ""), message)
-        # heads, kv heads, vocabulary are the model's, which no flag sets (--num-experts is a flag)
-        raise UsageError(re.sub(r"choose (\w+) a multiple of (\d+)", r"choose a model with \1 a multiple of \2 "
-                                r"(--model, --init-from)", message)) from None
+    try:  # the options' checks in the flags' words: the mesh axes, the options' fields, the model
+        layout.check_sizes(model_config.axis_sizes(cfg), mesh, what=what, names=_SIZE_NAMES)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     if layout.pipeline is not None:
         opts, layers = layout.pipeline, model_config.n_sequential_layers(cfg)
         flags = _stage_flags(args, opts.virtual_stages)
@@ -202,3 +194,8 @@ _AXIS_FLAGS = {axis: f"--{axis}" for axis in ("pp", "dp", "ep", "cp", "tp")}
 #: The names layouts.context's checks use, as dtp train's flags.
 _CONTEXT_FLAGS = {"algo": "--cp-algo", "window": "--cp-window", "ulysses_degree": "--ulysses-degree",
                   "head_chunks": "--cp-head-chunks"}
+
+#: What Layout.check_sizes' messages name, in dtp train's words: the mesh axes and the
+#: options' fields as the flags that set them; heads, kv heads and vocabulary are the
+#: model's, which no flag sets (--num-experts is a flag).
+_SIZE_NAMES = {**_AXIS_FLAGS, **_CONTEXT_FLAGS, "num_experts": flag_of("num_experts"), "model": "(--model, --init-from)"}

@@ -20,7 +20,7 @@ if TYPE_CHECKING:  # imported where used: the CLI checks layouts before torch is
 from .._rules import is_positive_int
 from .._mesh_shape import axis_names
 from .core import Layout, current
-from .option import Option
+from .option import Option, choose, said, setting
 
 __all__ = [
     "CP_ALGORITHMS", "LOAD_BALANCE", "ContextOptions", "context", "context_options", "attended_kv_heads",
@@ -97,7 +97,7 @@ class ContextOptions(Option):
 
     def check_sizes(self, sizes: Mapping[str, int], mesh: DeviceMesh, layout: Layout, *, what: str,
                     names: Mapping[str, str] | None) -> None:
-        self.check(sizes, mesh, tp=layout.degree("heads", mesh), what=what)
+        self.check(sizes, mesh, tp=layout.degree("heads", mesh), what=what, names=names)
 
     def check_batch(self, what: str, key: str, shape: Sequence[int], layout: Layout, mesh: DeviceMesh, *,
                     microbatches: int = 1) -> None:
@@ -137,7 +137,8 @@ class ContextOptions(Option):
                 f"(rank r holds chunks r and {2 * cp - 1}-r), which no placement shows; place the global batch "
                 f"with dtp.shard_batch(batch, state)")
 
-    def check(self, sizes: Mapping[str, int], mesh: DeviceMesh, *, tp: int = 1, what: str = "model") -> None:
+    def check(self, sizes: Mapping[str, int], mesh: DeviceMesh, *, tp: int = 1, what: str = "model",
+              names: Mapping[str, str] | None = None) -> None:
         """MindSpeed's context-parallel rules for a model of these logical axis ``sizes``.
 
         ``tp`` is how many ways the layout splits ``heads`` besides cp. Raises:
@@ -145,6 +146,7 @@ class ContextOptions(Option):
         degree with a ring left over (hybrid), the window does not divide the ring,
         heads do not divide by Ulysses degree × tp, or ``head_chunks`` does not divide
         the kv heads a rank attends with. Nothing to check without ``axis`` on ``mesh``.
+        ``names``: the caller's words for the fields and axes (:func:`~.option.setting`).
         """
         if self.axis not in axis_names(mesh):
             return
@@ -153,27 +155,30 @@ class ContextOptions(Option):
         if algo == "hybrid":
             if cp % u or cp // u < 2:
                 valid = [d for d in range(2, cp // 2 + 1) if cp % d == 0 and cp // d > 1]
-                fix = (f"valid ulysses_degree at cp={cp}: {valid}" if valid
-                       else f"cp={cp} has no such ulysses_degree: use algo='ulysses' or 'ring'")
-                raise ValueError(f"{what}: hybrid context parallel needs cp={cp} divisible by ulysses_degree={u} "
-                                 f"with a ring degree cp/ulysses_degree > 1 (got {cp / u:g}); {fix}")
+                degree_name = said(names, "ulysses_degree")
+                fix = (f"valid {degree_name} at cp={cp}: {valid}" if valid
+                       else f"cp={cp} has no such {degree_name}: use {setting(names, 'algo', 'ulysses', 'ring')}")
+                raise ValueError(f"{what}: hybrid context parallel needs cp={cp} divisible by "
+                                 f"{setting(names, 'ulysses_degree', u)} with a ring degree cp/{degree_name} > 1 "
+                                 f"(got {cp / u:g}); {fix}")
             ring = cp // u
         else:
             ring = cp
         if algo in ("double_ring", "hybrid"):
-            check_window(window, ring, algo=algo, what=what,
-                         of="cp" if algo == "double_ring" else "the ring degree cp/ulysses_degree")
+            check_window(window, ring, algo=algo, what=what, names=names,
+                         of="cp" if algo == "double_ring" else f"the ring degree cp/{said(names, 'ulysses_degree')}")
         degree = {"ulysses": cp, "hybrid": u}.get(algo)
         if degree and heads is not None and heads % (degree * tp):
-            smaller = ("cp" if algo == "ulysses" else "ulysses_degree") + (" or tp" if tp > 1 else "")
+            smaller = said(names, "cp" if algo == "ulysses" else "ulysses_degree") + \
+                (f" or {said(names, 'tp')}" if tp > 1 else "")
             raise ValueError(f"{what}: heads={heads} must be divisible by the Ulysses degree {degree} × tp={tp} "
-                             f"= {degree * tp} for {algo} context parallel; choose heads a multiple of "
-                             f"{degree * tp}, or a smaller {smaller}, or algo='ring'")
+                             f"= {degree * tp} for {algo} context parallel; {choose(names, 'heads', degree * tp)}, "
+                             f"or a smaller {smaller}, or {setting(names, 'algo', 'ring')}")
         chunks, kv = self.head_chunks, sizes.get("kv_heads")
         if chunks is not None and kv is not None and kv % tp == 0:
             per_rank = attended_kv_heads(kv // tp, degree or 1)
             if per_rank % chunks:
-                raise ValueError(f"{what}: head_chunks={chunks} must divide the {per_rank} kv heads each rank "
+                raise ValueError(f"{what}: {setting(names, 'head_chunks', chunks)} must divide the {per_rank} kv heads each rank "
                                  f"attends with (kv_heads={kv}, tp={tp}"
                                  f"{f', Ulysses degree {degree}' if degree else ''})")
 
@@ -250,7 +255,7 @@ def check_cp(cp: int) -> None:
 
 
 def check_window(window: object, ring: int | None, *, algo: str = "double_ring", what: str = "layouts.context",
-                 of: str = "cp") -> int:
+                 of: str = "cp", names: Mapping[str, str] | None = None) -> int:
     """The one rule for a ring's ``window`` (MindSpeed's ``--cp-window-size``); returns it.
 
     * ``double_ring``: ``1 < window < cp`` and ``cp % window == 0`` — windows of one are
@@ -260,7 +265,8 @@ def check_window(window: object, ring: int | None, *, algo: str = "double_ring",
       (1: a plain ring of ``R``).
 
     ``ring`` is that degree, or ``None`` where the mesh is not known yet (then only what
-    needs no mesh is checked). ``what`` starts the message, ``of`` names the degree.
+    needs no mesh is checked). ``what`` starts the message, ``of`` names the degree,
+    ``names`` are the caller's words for the fields (:func:`~.option.setting`).
     :class:`ContextOptions` and the attention ops (:mod:`dtp.ops.context`) both check
     through here, before any collective.
 
@@ -271,20 +277,24 @@ def check_window(window: object, ring: int | None, *, algo: str = "double_ring",
     ...
     ValueError: layouts.context: double_ring needs window > 1, window < cp and cp divisible by window; cp=2 has no such window (got window=2): use algo='ring'
     """
+    w, ring_algo = said(names, "window"), setting(names, "algo", "ring")
     if not is_positive_int(window):
-        raise ValueError(f"{what}: window must be an integer >= 1, got {window!r}")
+        raise ValueError(f"{what}: {w} must be an integer >= 1, got {window!r}")
     if algo == "double_ring":
         if window == 1:
-            raise ValueError(f"{what}: double_ring needs window > 1 (window=1 is the plain ring: use algo='ring')")
+            raise ValueError(f"{what}: double_ring needs {w} > 1 ({setting(names, 'window', 1)} is the plain ring: "
+                             f"use {ring_algo})")
         if ring is not None and (window >= ring or ring % window):
-            valid = [w for w in range(2, ring) if ring % w == 0]
-            rule = f"{what}: double_ring needs window > 1, window < {of} and {of} divisible by window"
+            valid = [v for v in range(2, ring) if ring % v == 0]
+            rule = f"{what}: double_ring needs {w} > 1, {w} < {of} and {of} divisible by {w}"
             if valid:
-                raise ValueError(f"{rule}; got window={window} at {of}={ring} (valid: {valid})")
-            raise ValueError(f"{rule}; {of}={ring} has no such window (got window={window}): use algo='ring'")
+                raise ValueError(f"{rule}; got {setting(names, 'window', window)} at {of}={ring} (valid: {valid})")
+            raise ValueError(f"{rule}; {of}={ring} has no such {w} (got {setting(names, 'window', window)}): use "
+                             f"{ring_algo}")
     elif ring is not None and (window >= ring or ring % window):
-        valid = [w for w in range(1, ring) if ring % w == 0]
-        raise ValueError(f"{what}: window={window} must be in [1, {ring}) and divide {of}={ring} (valid: {valid})")
+        valid = [v for v in range(1, ring) if ring % v == 0]
+        raise ValueError(f"{what}: {setting(names, 'window', window)} must be in [1, {ring}) and divide {of}={ring} "
+                         f"(valid: {valid})")
     return window  # type: ignore[return-value]
 
 

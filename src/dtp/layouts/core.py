@@ -17,7 +17,7 @@ from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping, Sequence, TypeVar
 
 from .._mesh_shape import axis_names
-from .option import Option
+from .option import Option, choose
 
 # torch stays out of the layouts' imports: `dtp train` builds the layout and checks the
 # model against it (on a MeshShape) before torch is imported. Only annotations name torch.
@@ -361,8 +361,8 @@ class Layout:
                     split += f" = {n}" if len(axes) > 1 else ""  # "tp=3", not "tp=3 = 3"
                     why, smaller = (f"layout {self.name or 'custom'}", "/".join(axes)) if names is None \
                         else split_in_words(names, axes, logical)
-                    raise ValueError(f"{what}: {logical}={size} is not divisible by {split} ({why}); choose "
-                                     f"{logical} a multiple of {n}, or a smaller {smaller}")
+                    raise ValueError(f"{what}: {logical}={size} is not divisible by {split} ({why}); "
+                                     f"{choose(names, logical, n)}, or a smaller {smaller}")
 
 
 class PlacedBatch(dict):

@@ -48,7 +48,7 @@ if TYPE_CHECKING:  # torch-free at import: the CLI checks layouts before torch l
 
 from .._mesh_shape import axis_names
 from .core import Layout, split_in_words
-from .option import Option
+from .option import Option, said, setting
 
 __all__ = ["ExpertOptions", "expert", "EP_OVERLAP_SCHEDULES", "NO_PAIRS", "OVERLAP_NAMES"]
 
@@ -209,7 +209,7 @@ class ExpertOptions(Option):
         for option, on in (("pipe_experts=True", self.pipe_experts), (f"tp_axis={self.tp_axis!r}", self.tp_axis)):
             if on and not experts:
                 raise ValueError(f"{what}: layouts.expert({option}) needs a mixture-of-experts model "
-                                 f"(num_experts > 0); this one has no experts")
+                                 f"({said(names, 'num_experts')} > 0); this one has no experts")
         if self.multi_stream and not sequence_parallel:
             raise ValueError(f"{what}: layouts.expert(multi_stream=True) orders the ep all-to-alls against the "
                              f"tp all-gathers / reduce-scatters of sequence parallel; it needs "
@@ -217,8 +217,8 @@ class ExpertOptions(Option):
         if experts is not None and experts % ep:
             why, smaller = (f"layouts.expert puts experts Shard(0) on {self.axis!r}", self.label) if names is None \
                 else split_in_words(names, self.axes, "experts")
-            raise ValueError(f"{what}: num_experts={experts} is not divisible by {self.label}={ep} ({why}); choose "
-                             f"num_experts a multiple of {ep}, or a smaller {smaller}")
+            raise ValueError(f"{what}: {setting(names, 'num_experts', experts)} is not divisible by {self.label}={ep} "
+                             f"({why}); choose {said(names, 'num_experts')} a multiple of {ep}, or a smaller {smaller}")
 
 
 def expert(axis: str | Sequence[str] = ExpertOptions.axis, *, pipe_experts: bool = ExpertOptions.pipe_experts,

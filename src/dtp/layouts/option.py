@@ -22,8 +22,10 @@ arranged, batch, layout, mesh)``   ``dtp.shard_batch`` placed it)
                                    ``None`` for the layout's plain ``reshard``
 =================================  ============================================================
 
-Messages name the option's fields (``layouts.zero(axis='fsdp')``); ``names`` (the CLI's
-flags for the mesh axes) rephrase them where a caller asks. Torch-free at import, as
+Messages name the option's fields (``window=2``, ``algo='ring'``); where a caller passes
+``names`` (``dtp train``: field and mesh axis → flag, and ``"model"``: how to choose
+another model) they say them in its words instead (:func:`said`, :func:`setting`,
+:func:`choose`), so no caller rewrites a message. Torch-free at import, as
 the layouts are (``dtp train`` checks a run before torch loads).
 
 >>> from dtp.layouts.zero import ZeroOptions
@@ -42,7 +44,39 @@ if TYPE_CHECKING:
 
     from .core import Layout
 
-__all__ = ["Option"]
+__all__ = ["Option", "said", "setting", "choose"]
+
+
+def said(names: Mapping[str, str] | None, key: str) -> str:
+    """A field or mesh axis as a message names it: in the caller's words where it has them.
+
+    >>> said(None, "window"), said({"window": "--cp-window"}, "window")
+    ('window', '--cp-window')
+    """
+    return (names or {}).get(key, key)
+
+
+def setting(names: Mapping[str, str] | None, field: str, *values: object) -> str:
+    """A field set to a value (or to one of several), as the API shows it or in the caller's
+    words (``None``: a flag not given).
+
+    >>> setting(None, "algo", "ulysses", "ring"), setting({"algo": "--cp-algo"}, "algo", "ring")
+    ("algo='ulysses' or 'ring'", '--cp-algo ring')
+    """
+    if names and field in names:
+        return f"{names[field]} " + " or ".join("not given" if v is None else str(v) for v in values)
+    return f"{field}=" + " or ".join(repr(v) for v in values)
+
+
+def choose(names: Mapping[str, str] | None, size: str, n: int) -> str:
+    """What to choose when a model's ``size`` does not divide: a multiple of ``n`` (the
+    caller's ``"model"`` entry says how to get another model).
+
+    >>> choose(None, "heads", 8), choose({"model": "(--model)"}, "heads", 8)
+    ('choose heads a multiple of 8', 'choose a model with heads a multiple of 8 (--model)')
+    """
+    model = (names or {}).get("model")
+    return f"choose {size} a multiple of {n}" if model is None else f"choose a model with {size} a multiple of {n} {model}"
 
 
 class Option:
