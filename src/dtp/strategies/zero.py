@@ -45,18 +45,17 @@ from .. import comm
 from .._rules import accum_dtype  # gradients and master weights of bf16/fp16 params are fp32 (Megatron's)
 from ..layouts import Layout
 from ..layouts.zero import ZeroOptions
-from ..mesh import mesh_device
 from ..ops.local_batch import LocalBatch
 from .._torch import local_tensor
 from ..optim import global_norm, map_param_trees
 from ..optim.transform import mask_leaves
 from ..redistribute import reshard
 from ..spec import P, wrap_local, wrap_placed, spec_of
-from .zero_plan import (Bucket, Leaf, ZeroPlan, check_same_plan, flat_global, gather_bucket, leaf, local_parts,
-                        make_plan, param_slice, slice_flags, slice_of)
-from .state import StrategyState, register_state, save_scalar, saved_tensors
+from .zero_plan import (Bucket, Leaf, ZeroPlan, bytes_per_parameter, check_same_plan, flat_global, gather_bucket,
+                        leaf, make_plan, param_slice, slice_flags, slice_of)
+from .state import StrategyState, register_state, saved_tensors
 from .zero_gathers import InflightGathers
-from .zero_pieces import zero_pieces
+from .zero_pieces import saved_slices, slices_of
 from .zero_views import LazyMapping, LazySequence, ParamView, in_backward
 
 __all__ = ["ZeroState", "ZeroPlan", "Bucket", "Leaf", "InflightGathers", "Run", "options", "gather", "at_rest", "from_parts",
@@ -68,21 +67,6 @@ PyTree = Any
 def options(layout: Layout, mesh: DeviceMesh) -> ZeroOptions | None:
     """The layout's ZeRO options when they apply on ``mesh`` (axis present, size > 1)."""
     return layout.zero if layout.zero is not None and layout.zero.active(mesh) else None
-
-
-def bytes_per_parameter(param_bytes: int, dp: int, *, master: bool) -> float:
-    """Megatron's distributed-optimizer memory per parameter with Adam (bytes): the
-    parameter and its gradient buffer stay whole, fp32 master weights and both moments
-    are split over ``dp`` — 6 + 12/dp for bf16 parameters with fp32 master weights.
-
-    >>> bytes_per_parameter(2, 8, master=True)
-    7.5
-    """
-    if master:  # low-precision params: fp32 gradient buffer, fp32 master + two fp32 moments
-        grad, sharded = 4, 4 + 8
-    else:  # fp32/fp64 params are their own master weights; moments in the params' dtype
-        grad, sharded = param_bytes, 2 * param_bytes
-    return param_bytes + grad + sharded / dp
 
 
 @dataclass(frozen=True)
@@ -149,23 +133,7 @@ class ZeroState(StrategyState):
     def saved(self, params: PyTree, opt_state: PyTree) -> dict[str, Any]:
         if self.plan is None:  # before step one: per parameter, as any state
             return saved_tensors(params, self.loaded_master, opt_state)
-        # After step one everything comes from this rank's slices.
-        paths = [leaf.path for leaf in self.leaves]
-        master = [m.to_local() for m in self.master]
-        out: dict[str, Any] = {}
-        for path, piece, meta in zip(paths, zero_pieces(self.plan, self.leaves, master), self.leaves):
-            if piece.dtype != meta.dtype:  # fp32 master weights of lower-precision parameters
-                out[f"master/{path}"] = piece
-        for path, piece in zip(paths, zero_pieces(self.plan, self.leaves, master, as_params=True)):
-            out[f"param/{path}"] = piece
-
-        def mirror(name: str, slices: list[DTensor]) -> list[DTensor]:
-            for path, piece in zip(paths, zero_pieces(self.plan, self.leaves, [x.to_local() for x in slices])):
-                out[f"opt/{name}/{path}"] = piece
-            return slices
-
-        map_param_trees(opt_state, list(self.master), mirror, lambda name, x: save_scalar(out, name, x))
-        return out
+        return saved_slices(self.plan, self.leaves, self.master, opt_state)  # after step one: the slices
 
     def manifest(self) -> dict[str, Any]:
         return {"zero_stage": self.stage}
@@ -181,13 +149,6 @@ class ZeroState(StrategyState):
         # Per parameter, as before step one: step one cuts params, master and moments into buckets.
         return opt_state, ZeroState(self.options, self.leaves, self.skeleton, loaded_master=master)
 
-    def local_parts(self) -> list[tuple[int, int, int, int]]:
-        """Where each parameter lies in this rank's bucket slices (after step one's plan):
-        per leaf ``(bucket, first element in the slice, first and stop element in the
-        parameter's flat local shard)``; an empty range when none of it is here. What a
-        checkpoint needs of the bucket geometry, without reading the plan's internals."""
-        assert self.plan is not None, "ZeroState.local_parts: no bucket plan before step one"
-        return local_parts(self.plan, self.leaves)
 
 
 optree.register_pytree_node(
@@ -227,20 +188,11 @@ def create(params: PyTree, opts: ZeroOptions) -> ZeroState:
 
 def from_parts(opts: ZeroOptions, leaves: Sequence[Leaf], structure: Any, parts: Sequence[torch.Tensor],
                plan: ZeroPlan, mesh: DeviceMesh) -> ZeroState:
-    """The state as after step one's bucketing, before its parameters are gathered, from
-    this rank's runs of each parameter in its bucket slices (``parts``, in leaf order, each
-    the elements :func:`~.zero_plan.local_parts` places here): what ``TrainState.from_hf``
-    reads. No collective: :func:`at_rest` then gathers the parameters."""
-    where = local_parts(plan, leaves)
-    master = []
-    for b in plan.buckets:
-        flat = torch.zeros(b.shard_numel, dtype=accum_dtype(b.dtype), device=mesh_device(mesh))
-        for i in b.members:
-            _, cursor, start, stop = where[i]
-            flat[cursor:cursor + stop - start] = parts[i]
-        master.append(wrap_local(flat, mesh, b.spec, flat_global(b, mesh)))
+    """The state as after step one's bucketing, parameters not gathered yet (no collective:
+    :func:`at_rest` gathers them), from this rank's runs of each parameter in its slices
+    (``parts``: :func:`.zero_pieces.slices_of`): what ``TrainState.from_hf`` reads."""
     skeleton = optree.tree_unflatten(structure, list(range(len(leaves))))
-    return ZeroState(opts, tuple(leaves), skeleton, plan, tuple(master))
+    return ZeroState(opts, tuple(leaves), skeleton, plan, slices_of(plan, leaves, parts, mesh))
 
 
 def _make(params: PyTree, optimizer: Any, opts: ZeroOptions, layout: Layout, mesh: DeviceMesh) -> Any:

@@ -1,8 +1,10 @@
 """A rank's part of a parameter as rectangles of its global shape, in the form
 torch.distributed.checkpoint writes and reads: what ZeRO's flat bucket slices hold, each
 parameter's part of a slice cut into boxes of the parameter's layout. What
-:meth:`dtp.strategies.zero.ZeroState.saved` hands a checkpoint, so no rank gathers a
-parameter or a moment to save it (Megatron's "flattened range", made rectangular)."""
+:meth:`dtp.strategies.zero.ZeroState.saved` hands a checkpoint (:func:`saved_slices`), so
+no rank gathers a parameter or a moment to save it (Megatron's "flattened range", made
+rectangular); and the way back, the slices of each parameter's runs (:func:`slices_of`:
+``TrainState.from_hf``)."""
 
 from __future__ import annotations
 
@@ -13,11 +15,18 @@ import torch
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-from .._torch import StridedShard, global_offset
-from ..spec import to_placements
-from .zero_plan import Leaf, ZeroPlan, boxes, local_parts
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
-__all__ = ["Pieces", "zero_pieces"]
+from .._rules import accum_dtype
+from .._torch import StridedShard, global_offset
+from ..mesh import mesh_device
+from ..optim import map_param_trees
+from ..spec import to_placements, wrap_local
+from .state import save_scalar
+from .zero_plan import Leaf, ZeroPlan, boxes, flat_global, local_parts
+
+__all__ = ["Pieces", "zero_pieces", "saved_slices", "slices_of"]
 
 
 class Pieces:
@@ -63,6 +72,44 @@ def zero_pieces(plan: ZeroPlan, leaves: Sequence[Leaf], slices: Sequence[torch.T
             cursor += n
         out.append(Pieces(leaf.shape, flat.dtype, pieces))
     return out
+
+
+def saved_slices(plan: ZeroPlan, leaves: Sequence[Leaf], master: Sequence[DTensor], opt_state: Any
+                 ) -> dict[str, Any]:
+    """A checkpoint's tensors from this rank's master slices and the optimizer state over
+    them: every parameter (``param/``, rounded to its dtype), the master weights where
+    they differ (``master/``), the moments (``opt/<field>/``) and scalars (``opt/<field>``)."""
+    paths = [leaf.path for leaf in leaves]
+    local = [m.to_local() for m in master]
+    out: dict[str, Any] = {}
+    for path, piece, meta in zip(paths, zero_pieces(plan, leaves, local), leaves):
+        if piece.dtype != meta.dtype:  # fp32 master weights of lower-precision parameters
+            out[f"master/{path}"] = piece
+    for path, piece in zip(paths, zero_pieces(plan, leaves, local, as_params=True)):
+        out[f"param/{path}"] = piece
+
+    def mirror(name: str, slices: list[DTensor]) -> list[DTensor]:
+        for path, piece in zip(paths, zero_pieces(plan, leaves, [x.to_local() for x in slices])):
+            out[f"opt/{name}/{path}"] = piece
+        return slices
+
+    map_param_trees(opt_state, list(master), mirror, lambda name, x: save_scalar(out, name, x))
+    return out
+
+
+def slices_of(plan: ZeroPlan, leaves: Sequence[Leaf], parts: Sequence[torch.Tensor], mesh: DeviceMesh
+              ) -> tuple[DTensor, ...]:
+    """This rank's master slices, one per bucket, filled from each parameter's run of
+    elements in them (``parts``, in leaf order: what :func:`~.zero_plan.local_parts`
+    places here). No collective."""
+    where, master = local_parts(plan, leaves), []
+    for b in plan.buckets:
+        flat = torch.zeros(b.shard_numel, dtype=accum_dtype(b.dtype), device=mesh_device(mesh))
+        for i in b.members:
+            _, cursor, start, stop = where[i]
+            flat[cursor:cursor + stop - start] = parts[i]
+        master.append(wrap_local(flat, mesh, b.spec, flat_global(b, mesh)))
+    return tuple(master)
 
 
 def _block_offset(leaf: Leaf) -> tuple[int, ...]:

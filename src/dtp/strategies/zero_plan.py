@@ -26,7 +26,7 @@ from ..mesh import axis_names, axis_sizes, coordinates
 from ..spec import P
 
 __all__ = ["Leaf", "Bucket", "ZeroPlan", "leaf", "make_plan", "check_same_plan", "local_parts", "flat_global", "slice_of",
-           "param_slice", "gather_bucket", "boxes"]
+           "param_slice", "gather_bucket", "boxes", "bytes_per_parameter"]
 
 
 @dataclass(frozen=True)
@@ -253,3 +253,18 @@ def check_same_plan(plan: ZeroPlan, device: torch.device) -> None:
             f"ZeRO: ranks on {plan.axis!r} read the parameters in different orders in the first step "
             f"(this rank: {list(plan.use_order)[:6]}…), so their buckets would not line up; the forward "
             f"must read every parameter in the same order on every rank")
+
+
+def bytes_per_parameter(param_bytes: int, dp: int, *, master: bool) -> float:
+    """Megatron's distributed-optimizer memory per parameter with Adam (bytes): the
+    parameter and its gradient buffer stay whole, fp32 master weights and both moments
+    are split over ``dp`` — 6 + 12/dp for bf16 parameters with fp32 master weights.
+
+    >>> bytes_per_parameter(2, 8, master=True)
+    7.5
+    """
+    if master:  # low-precision params: fp32 gradient buffer, fp32 master + two fp32 moments
+        grad, sharded = 4, 4 + 8
+    else:  # fp32/fp64 params are their own master weights; moments in the params' dtype
+        grad, sharded = param_bytes, 2 * param_bytes
+    return param_bytes + grad + sharded / dp
