@@ -112,12 +112,9 @@ class ContextOptions(Option):
         and 2·cp−1−r side by side), or a packed-document batch's :func:`balanced_order`
         (its ``positions`` say each token's place, so any order computes the same).
         Every entry moves alike, so the mean loss is unchanged."""
-        cp = self.degree(mesh)
-        order = document_order(batch, cp)
-        if order is None and (cp == 1 or self.load_balance is None):
-            return batch
-        return {k: (to_cp_order(v, 1, cp, self.load_balance) if order is None else reorder(v, order))
-                if v.dim() > 1 else v for k, v in batch.items()}
+        order = document_order(batch, self.degree(mesh))
+        return {k: (self.to_cp_order(v, 1, mesh) if order is None else reorder(v, order)) if v.dim() > 1 else v
+                for k, v in batch.items()}
 
     def check_arranged(self, what: str, key: str, value: Any, arranged: bool, batch: Mapping[str, Any],
                        layout: Layout, mesh: DeviceMesh) -> None:

@@ -331,9 +331,10 @@ class Layout:
         """``ValueError`` when an entry of a placed ``batch`` should have come through
         :meth:`arrange_batch` and did not: it is not a tensor :func:`dtp.shard_batch` placed
         there (:class:`PlacedBatch`; :meth:`Option.check_arranged`)."""
-        for opts in self.options:
-            for key, v in batch.items():
-                arranged = isinstance(batch, PlacedBatch) and batch.placed(key, v)
+        placed = isinstance(batch, PlacedBatch)
+        for key, v in batch.items():
+            arranged = placed and batch.placed(key, v)
+            for opts in self.options:
                 opts.check_arranged(what, key, v, arranged, batch, self, mesh)
 
     def splits(self, logical: Sequence[str | None], mesh: DeviceMesh, *, activation: bool = True) -> list[int]:

@@ -71,18 +71,14 @@ def save_scalar(out: dict[str, Any], name: str, x: Any) -> Any:
                     f"(and trees of them) can be saved")
 
 
-def saved_tensors(params: PyTree, master: PyTree, opt_state: PyTree,
-                  entries: Callable[[PyTree], list[Any]] | None = None) -> dict[str, Any]:
+def saved_tensors(params: PyTree, master: PyTree, opt_state: PyTree) -> dict[str, Any]:
     """``name -> tensor`` of per-parameter trees: every parameter (``param/<path>``), the
     master weights where they differ from the parameters' dtype (``master/<path>``), the
-    optimizer state (``opt/<field>/<path>``, and its scalars ``opt/<field>``). ``entries``
-    turns one tree of ``opt_state`` laid out over ``params`` into what is written for it,
-    leaf by leaf (default: the leaves detached).
+    optimizer state (``opt/<field>/<path>``, and its scalars ``opt/<field>``).
 
     >>> saved_tensors({"w": torch.ones(2)}, None, None)
     {'param/w': tensor([1., 1.])}
     """
-    entries = entries or (lambda tree: [x.detach() for x in optree.tree_leaves(tree)])
     paths = tensor_paths(params)
     out: dict[str, Any] = {f"param/{p}": x.detach() for p, x in zip(paths, optree.tree_leaves(params))}
     if master is not None:
@@ -91,8 +87,8 @@ def saved_tensors(params: PyTree, master: PyTree, opt_state: PyTree,
                 out[f"master/{p}"] = x.detach()
     if opt_state is not None:
         def mirror(name: str, tree: PyTree) -> PyTree:
-            for p, x in zip(paths, entries(tree)):
-                out[f"opt/{name}/{p}"] = x
+            for p, x in zip(paths, optree.tree_leaves(tree)):
+                out[f"opt/{name}/{p}"] = x.detach()
             return tree
 
         map_param_trees(opt_state, params, mirror, lambda name, x: save_scalar(out, name, x))

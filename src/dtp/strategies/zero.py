@@ -53,7 +53,7 @@ from ..redistribute import reshard
 from ..spec import P, wrap_local, wrap_placed, spec_of
 from .zero_plan import (Bucket, Leaf, ZeroPlan, bytes_per_parameter, check_same_plan, flat_global, gather_bucket,
                         leaf, make_plan, param_slice, slice_flags, slice_of)
-from .state import StrategyState, register_state, saved_tensors
+from .state import StrategyState, register_state
 from .zero_gathers import InflightGathers
 from .zero_pieces import saved_slices, slices_of
 from .zero_views import LazyMapping, LazySequence, ParamView, in_backward
@@ -131,8 +131,8 @@ class ZeroState(StrategyState):
         return self.loaded_master  # before the plan: what a checkpoint brought, per parameter
 
     def saved(self, params: PyTree, opt_state: PyTree) -> dict[str, Any]:
-        if self.plan is None:  # before step one: per parameter, as any state
-            return saved_tensors(params, self.loaded_master, opt_state)
+        if self.plan is None:  # before step one: per parameter (master_tree: what a checkpoint brought)
+            return super().saved(params, opt_state)
         return saved_slices(self.plan, self.leaves, self.master, opt_state)  # after step one: the slices
 
     def manifest(self) -> dict[str, Any]:
