@@ -48,8 +48,8 @@ def test_toml_round_trip_and_flags_override_it(tmp_path, capsys) -> None:
     path = tmp_path / "run.toml"
     path.write_text(to_toml(rc))
     assert RunConfig.from_dict(read_config_file(str(path))) == rc
-    # Tables group keys as a reader likes; flags beside --config win.
-    path.write_text('model = "tiny"\n[parallel]\ndp = 2\ntp = 2\nsp = true\n[training]\nsteps = 9\n')
+    # A table per section (or keys at the top level, as files before sections); flags beside --config win.
+    path.write_text('model = "tiny"\n[parallelism]\ndp = 2\ntp = 2\nsp = true\n[training]\nsteps = 9\n')
     args = cli.parse_args(["train", "--config", str(path), "--steps", "4"])
     assert (args.run_config.dp, args.run_config.tp, args.run_config.sp, args.run_config.steps) == (2, 2, True, 4)
     assert args.nproc == 4
@@ -80,8 +80,12 @@ def test_toml_round_trip_and_flags_override_it(tmp_path, capsys) -> None:
     ("dpp = 2\n", r"--config .*run.toml: unknown key 'dpp'"),
     ("dp = \n", r"--config .*run.toml: not valid TOML"),
     ('dp = "two"\n', r"--config .*run.toml: dp must be an integer, got 'two'"),
-    ("[parallel]\ndp = 2\n[more]\ndp = 4\n", r"--config .*run.toml: dp is given twice \(2 and 4\); keep one"),
-    ("[a.b]\ndp = 2\n", r"--config .*run.toml: \[a.b\] is a table in a table; the fields sit at the top level"),
+    ("dp = 2\n[parallelism]\ndp = 4\n", r"--config .*run.toml: dp is given twice \(2 and 4\); keep one"),
+    ("[parallelism.b]\ndp = 2\n", r"--config .*run.toml: \[parallelism.b\] is a table in a table; the fields sit in "
+                                  r"their section's table \(\[parallelism\]\) or at the top level"),
+    ("[parallel]\ndp = 2\n", r"--config .*run.toml: \[parallel\] is not a section of a run; the tables are "
+                             r"\[parallelism\], \[model\], \[training\], \[data\], \[moe\], \[checkpoint\], \[run\]"),
+    ("[training]\nep = 2\n", r"--config .*run.toml: ep is a moe field: it goes in \[moe\], not \[training\]"),
 ])
 def test_a_bad_config_file_is_one_line(tmp_path, capsys, text, match) -> None:
     import re
@@ -107,8 +111,8 @@ def test_dtp_plan_reads_a_config_file_as_train_does(tmp_path, capsys) -> None:
     """``dtp plan --config run.toml`` plans the run ``dtp train --config run.toml`` trains,
     its fields beyond plan's flags included; flags beside it override it."""
     path = tmp_path / "run.toml"
-    path.write_text('model = "small"\n[parallel]\ndp = 2\ntp = 2\nsp = true\n[training]\nbatch = 8\nseq = 256\n'
-                    'steps = 100\n[checkpoints]\nsave_every = 10\n')
+    path.write_text('model = "small"\n[parallelism]\ndp = 2\ntp = 2\nsp = true\n[training]\nbatch = 8\n'
+                    'seq = 256\nsteps = 100\n[checkpoint]\nsave_every = 10\n')
     plans = []
     for argv in (["--config", str(path)], ["--model", "small", "--dp", "2", "--tp", "2", "--sp", "--batch", "8",
                                           "--seq", "256"]):
@@ -171,3 +175,73 @@ def test_a_seed_torch_cannot_take_is_refused_before_any_rank_starts() -> None:
         with pytest.raises(ValueError, match=rf"^--seed must lie in \[-2\*\*63, 2\*\*63\), got {seed}"):
             cli.parse_args(["train", "--seed", str(seed)])
     assert RunConfig(seed=2**63 - 1).seed == 2**63 - 1 and RunConfig(seed=-1).seed == -1  # torch takes both
+
+
+# Every flag dtp train and dtp plan took before their flags were made from RunConfig's
+# fields (main at ad09ee5, 2026-12-01): each still parses, to the same field.
+TRAIN_FLAGS_BEFORE = """
+--async-save --async-tp --aux-loss-coeff --batch --bucket-mb --capacity-factor --check --clip --compile --config
+--cp --cp-algo --cp-head-chunks --cp-window --data --data-dtype --debug --document-mask --dp --dtype --eos-id --ep
+--ep-overlap --eval-every --expert-tp --ignore-memory-check --init-from --keep --log-every --lr --max-restarts
+--max-skipped --memory-gb --microbatches --model --multi-data --multi-stream --n-groups --no-async-save
+--no-async-tp --no-debug --no-document-mask --no-ep-overlap --no-expert-tp --no-multi-stream
+--no-overlap-grad-reduce --no-overlap-param-gather --no-pipe-experts --no-reshard-after-forward --no-resume --no-sp
+--no-tensorboard --nproc --num-experts --out --overlap-grad-reduce --overlap-param-gather --overwrite
+--pipe-experts --pp --pp-schedule --precision --print-config --print-schedule --recompute --reshard-after-forward
+--resume --routed-scaling-factor --router-bias-update --router-score --save-every --seed --seq --sp --steps
+--tensorboard --timeout --tokenizer --top-k --topk-group --tp --ulysses-degree --virtual-stages --warmup
+--weight-decay --zero --zero-prefetch
+""".split()
+PLAN_FLAGS_BEFORE = [f for f in TRAIN_FLAGS_BEFORE if f not in (
+    "--async-save --no-async-save --check --debug --no-debug --eval-every --ignore-memory-check --keep --log-every "
+    "--max-restarts --out --overwrite --print-config --resume --no-resume --save-every --tensorboard "
+    "--no-tensorboard --timeout").split()] + ["--backend"]
+
+
+def _options(command: str) -> dict[str, str]:
+    import argparse
+
+    sub = next(a for a in cli.build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return {o: a.dest for a in sub.choices[command]._actions for o in a.option_strings if o not in ("-h", "--help")}
+
+
+@pytest.mark.parametrize("command, before", [("train", TRAIN_FLAGS_BEFORE), ("plan", PLAN_FLAGS_BEFORE)])
+def test_every_flag_of_before_sets_the_field_it_set(command, before) -> None:
+    def field(flag: str) -> str:  # the field a flag set before: its name with '_', less a --no-
+        return "config_file" if flag == "--config" else flag[2:].removeprefix("no-").replace("-", "_")
+
+    assert _options(command) == {flag: field(flag) for flag in before}
+    # And each field's flag is made from it: a field's flags set it, on / off alike.
+    args = cli.build_parser().parse_args([command, "--dp", "3", "--no-reshard-after-forward", "--compile",
+                                          "--cp-window", "2", "--capacity-factor", "1.5"])
+    assert (args.dp, args.reshard_after_forward, args.compile, args.cp_window, args.capacity_factor) == \
+        (3, False, "inductor", 2, 1.5)
+
+
+def test_flags_are_not_abbreviated(capsys) -> None:
+    # argparse's allow_abbrev took --micro for --microbatches: a flag added later that shares
+    # the prefix would silently change what an old command line means.
+    assert cli.main(["train", "--micro", "2"]) == 2
+    assert "unrecognized arguments: --micro 2" in capsys.readouterr().err
+    assert cli.main(["plan", "--dp", "2", "--zero-pre", "2"]) == 2
+
+
+def test_train_help_lists_the_fields_by_section_with_their_docs(capsys) -> None:
+    import dataclasses
+    import re
+
+    from dtp.config import SECTIONS
+
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["train", "--help"])
+    text = capsys.readouterr().out
+    titles = [line[:-1] for line in text.splitlines() if line and not line[0].isspace() and line.endswith(":")]
+    assert titles == ["options", *SECTIONS.values(), "memory check (dtp plan runs first)"]
+    flat = " ".join(text.split())
+    # Compared without whitespace: argparse wraps lines, and at a hyphen too.
+    by_section = {title: "".join(part.split()) for title, part in
+                  zip(titles, re.split(r"^\S.*:$", text, flags=re.M)[1:])}
+    for f in dataclasses.fields(RunConfig):
+        doc = "".join(f.metadata["doc"].split())
+        assert doc in by_section[SECTIONS[f.metadata["section"]]], f.name
+        assert flat.count(f"--{f.name.replace('_', '-')} ") >= 1

@@ -23,8 +23,8 @@ from typing import Any, Sequence
 
 from .._mesh_shape import MeshShape
 from .._token_files import SAMPLE_TOKENS, TokenStats, held_out_start, token_stats
-from .._rules import COMPILE_BACKENDS, FLOAT32_MAX, TRAIN_ADAMW
-from ..config import MODEL_FIELDS, RunConfig, flag_names, flag_of, mesh_axes_of, type_error
+from .._rules import FLOAT32_MAX, TRAIN_ADAMW
+from ..config import MODEL_FIELDS, RunConfig, flag_names, flag_of, mesh_axes_of, toml_fields
 from ..launch import in_torchrun
 from ..layouts import Layout
 from ..models import config as model_config
@@ -155,12 +155,13 @@ def _subparser(parser: argparse.ArgumentParser, command: str) -> argparse.Argume
 
 def read_config_file(path: str) -> dict[str, Any]:
     """A run's fields from a TOML file (``dtp train --config``): :class:`dtp.RunConfig`'s
-    field names as keys, at the top level or in tables (``[parallel]``, ``[training]``, …,
-    as a reader likes to group them). An unknown key or a bad file is one line.
+    field names as keys, each in its section's table (``[parallelism]``, ``[training]``, …:
+    :data:`dtp.config.SECTIONS`, what ``--print-config`` writes) or at the top level
+    (:func:`dtp.config.toml_fields`). A bad file is one line.
 
     >>> import tempfile, pathlib
     >>> f = pathlib.Path(tempfile.mkdtemp()) / "run.toml"
-    >>> _ = f.write_text('model = "small"\\n[parallel]\\ndp = 2\\ntp = 2\\nsp = true\\n')
+    >>> _ = f.write_text('model = "small"\\n[parallelism]\\ndp = 2\\ntp = 2\\nsp = true\\n')
     >>> read_config_file(str(f))
     {'model': 'small', 'dp': 2, 'tp': 2, 'sp': True}
     """
@@ -173,24 +174,10 @@ def read_config_file(path: str) -> dict[str, Any]:
         raise UsageError(f"--config {path}: {e.strerror or e}") from None
     except tomllib.TOMLDecodeError as e:
         raise UsageError(f"--config {path}: not valid TOML ({e})") from None
-    values: dict[str, Any] = {}
-    for key, value in document.items():
-        for k, v in (value.items() if isinstance(value, dict) else [(key, value)]):
-            if isinstance(v, dict):
-                raise UsageError(f"--config {path}: [{key}.{k}] is a table in a table; the fields sit at the top "
-                                 f"level or in tables one level deep ([{key}])")
-            if k == "compile" and isinstance(v, bool):  # `compile = true` reads as the bare --compile
-                v = COMPILE_BACKENDS[0] if v else None
-            if k not in RUN_DEFAULTS:
-                raise UsageError(f"--config {path}: unknown key {k!r}; the keys are dtp.RunConfig's fields, "
-                                 f"the train flags' names with '_' ({', '.join(list(RUN_DEFAULTS)[:6])}, ...)")
-            wrong = type_error(k, v)
-            if wrong:  # here, not in argparse: it would parse a string default with the flag's type
-                raise UsageError(f"--config {path}: {k} {wrong}")
-            if k in values:  # [a] dp = 2 and [b] dp = 4: TOML allows it, and one would win silently
-                raise UsageError(f"--config {path}: {k} is given twice ({values[k]!r} and {v!r}); keep one")
-            values[k] = v
-    return values
+    try:
+        return toml_fields(document)
+    except ValueError as e:
+        raise UsageError(f"--config {path}: {e}") from None
 
 
 def train_argv(args: argparse.Namespace) -> list[str]:

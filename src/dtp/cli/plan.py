@@ -23,8 +23,8 @@ if TYPE_CHECKING:
 __all__ = ["add_parser", "add_train_flags", "plan_from_args", "cmd_plan", "print_schedule", "train_refusal",
            "machine_memory_gb"]
 
-# The train parser's groups a plan reads (titles up to their first parenthesis).
-SHARED_GROUPS = ("parallelism", "model and training", "mixture of experts")
+# The sections of a run a plan reads (dtp.config.SECTIONS): not the checkpoints, not the run's output.
+PLAN_SECTIONS = ("parallelism", "model", "training", "data", "moe")
 
 
 def add_train_flags(train: argparse.ArgumentParser) -> None:
@@ -36,22 +36,19 @@ def add_train_flags(train: argparse.ArgumentParser) -> None:
                    help="train even when the plan's predicted peak exceeds --memory-gb")
 
 
-def add_parser(sub: argparse._SubParsersAction, train: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """The ``plan`` subcommand, sharing ``train``'s parallel, model and MoE argument groups
-    (the same Action objects: one definition of each flag)."""
-    from .parser import _HelpFormatter  # parser imports this module
+def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """The ``plan`` subcommand: the flags of :data:`PLAN_SECTIONS` of a run (made from
+    :class:`dtp.RunConfig`'s fields, as ``dtp train``'s), ``--config`` (a whole run) and the verdict's."""
+    from .parser import _HelpFormatter, add_config_flag, add_nproc, add_print_schedule, add_run_flags  # parser imports this module
 
     # train's formatter: the flags are train's, their help already says where a default is derived
     p = sub.add_parser("plan", help="predict per-rank memory, bytes per mesh axis and the pipeline bubble "
                                     "of a train configuration, allocating nothing",
-                       formatter_class=_HelpFormatter)
-    config = next(a for a in train._actions if a.dest == "config_file")  # a run's TOML (parse_args reads it)
-    p.add_argument_group("run configuration")._add_action(config)
-    for group in train._action_groups:  # argparse has no public way to share a group
-        if group.title and group.title.split(" (")[0] in SHARED_GROUPS:
-            mine = p.add_argument_group(group.title, group.description)
-            for action in group._group_actions:
-                mine._add_action(action)
+                       formatter_class=_HelpFormatter, allow_abbrev=False)
+    groups = add_run_flags(p, PLAN_SECTIONS)
+    add_nproc(groups["parallelism"])
+    add_print_schedule(groups["parallelism"])
+    add_config_flag(p.add_argument_group("run"))
     verdict = p.add_argument_group("verdict")
     _memory_flag(verdict, "memory per rank to check the peak against (no verdict without it)")
     verdict.add_argument("--backend", choices=("gloo", "nccl", "hccl"), default=None,

@@ -1,98 +1,26 @@
-"""``dtp.RunConfig``: one typed, frozen, torch-free description of a training run.
-
-The model, the mesh, every strategy option, the data, the output: what ``dtp train``'s
-flags say, once. The CLI fills it (flags, or ``--config run.toml`` with flags on top), the
-launcher ships it to the ranks as JSON (not re-spelled as argv), the plan reads it
-(``dtp.plan(config)``), the run directory and every checkpoint record it, and the layout
-and the mesh derive from it here, in one place (:meth:`RunConfig.layout`,
-:meth:`RunConfig.mesh_axes`).
-
-A field is named like its flag (``cp_window`` is ``--cp-window``), so one table serves
-both: :func:`flag_names` makes the checks below say ``--cp-window`` to a shell user and
-``cp_window`` to a Python one. Rules that need the model or the mesh are the layouts' and
-the model's (``dtp.cli.flags.preflight`` asks them before any rank starts).
-
->>> cfg = RunConfig(dp=2, tp=2, sp=True, steps=10)
->>> cfg.mesh_axes(), cfg.world_size, cfg.warmup
-({'dp': 2, 'tp': 2}, 4, 5)
->>> cfg.layout().name
-'data + megatron(sequence_parallel=True)'
->>> RunConfig(batch=6, dp=4)
-Traceback (most recent call last):
-...
-ValueError: RunConfig: batch 6 must be divisible by dp × microbatches = 4 × 1: every rank gets equal microbatches
-"""
+"""``dtp.RunConfig``: the run's fields (:mod:`.fields` says what each is made of) and the
+checks of their combinations, the layout and the mesh derived from them, and the run as a
+dict, JSON and argv."""
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 import json
 import math
 from dataclasses import dataclass, fields
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Mapping
 
-from . import layouts, schedules
-from ._mesh_shape import MeshShape
-from ._token_files import DTYPES as TOKEN_DTYPES
-from .layouts import CP_ALGORITHMS, PRECISIONS, ZERO_STAGES, Layout
-from .layouts.zero import misplaced_options
-from ._rules import COMPILE_BACKENDS, SCORE_FUNCTIONS
+from .. import layouts, schedules
+from .._mesh_shape import MeshShape
+from .._token_files import DTYPES as TOKEN_DTYPES
+from .._rules import COMPILE_BACKENDS, SCORE_FUNCTIONS
+from ..layouts import CP_ALGORITHMS, PRECISIONS, ZERO_STAGES, Layout
+from ..layouts.zero import misplaced_options
+from ..models import config as model_config
+from .fields import (_NAMES, _WHO, DEFAULT_MAX_SKIPPED, DEFAULT_TIMEOUT, DEFAULT_WARMUP, DTYPES, EVAL_BATCHES,
+                     MODEL_FIELDS, RECOMPUTE, _field, flag_of, mesh_axes_of)
 
-__all__ = ["RunConfig", "DTYPES", "RECOMPUTE", "MODEL_FIELDS", "flag_names", "flag_of", "to_toml", "mesh_axes_of",
-           "master_weights", "type_error"]
-
-DTYPES = ("float32", "float64", "bfloat16")
-RECOMPUTE = ("none", "full", "selective")
-DEFAULT_WARMUP = 5
-# The fields that override the model preset's (dtp.models.llama.LlamaConfig fields of the same name).
-MODEL_FIELDS = ("num_experts", "top_k", "capacity_factor", "aux_loss_coeff", "router_score", "n_groups", "topk_group",
-                "routed_scaling_factor", "router_bias_update")
-# Ten in a row is no bad batch any more but a diverged run: stop it rather than burn the
-# remaining steps on updates that are all skipped.
-DEFAULT_MAX_SKIPPED = 10
-# timeout: torch's gloo default (30 min) leaves a stalled job hanging half an hour. A
-# collective waits only for its slowest peer to post it, not for a whole step: the longest
-# wait in any collective of `dtp train --nproc 4 --dp 2 --tp 2 --sp --model small --seq 256`
-# (20 steps, 4 ranks on 2 loaded cores) was 0.25 s, the first one (model init skew) 0.20 s.
-# 300 s leaves three orders of magnitude for larger models and slower machines, and still
-# turns a hang into an error within 5 minutes. A dead peer is noticed at once regardless.
-DEFAULT_TIMEOUT = 300.0
-
-# How a check names a field: the field itself (Python), or its flag (dtp train).
-_NAMES: contextvars.ContextVar[Callable[[str], str]] = contextvars.ContextVar("dtp_config_names",
-                                                                              default=lambda name: name)
-_WHO: contextvars.ContextVar[str] = contextvars.ContextVar("dtp_config_who", default="RunConfig: ")
-
-
-def flag_of(name: str) -> str:
-    """The ``dtp train`` flag of a field (the one on/off flag that turns a default off is ``--no-…``).
-
-    >>> flag_of("cp_window"), flag_of("reshard_after_forward")
-    ('--cp-window', '--no-reshard-after-forward')
-    """
-    flag = "--" + name.replace("_", "-")
-    return "--no-reshard-after-forward" if name == "reshard_after_forward" else flag
-
-
-@contextlib.contextmanager
-def flag_names() -> Iterator[None]:
-    """Within, :class:`RunConfig`'s errors name flags (``--cp-window``) instead of fields,
-    with no prefix: the CLI's one-line errors.
-
-    >>> with flag_names():
-    ...     RunConfig(sp=True)
-    Traceback (most recent call last):
-    ...
-    ValueError: --sp (sequence parallel) splits the sequence over the tp group: it needs --tp > 1, got --tp 1
-    """
-    names, who = _NAMES.set(flag_of), _WHO.set("")
-    try:
-        yield
-    finally:
-        _NAMES.reset(names)
-        _WHO.reset(who)
+__all__ = ["RunConfig", "type_error"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -110,74 +38,148 @@ class RunConfig:
     """
 
     # ---- parallelism: the mesh (pp, dp, ep, cp, tp: outer to inner) and its strategies
-    pp: int = 1
-    pp_schedule: str = "1f1b"
-    virtual_stages: int = 1
-    dp: int = 1
-    ep: int = 1
-    cp: int = 1
-    tp: int = 1
-    sp: bool = False
-    async_tp: bool = False  # SP's all-gathers / reduce-scatters as rings under the matmuls (needs sp)
-    cp_algo: str | None = None
-    cp_window: int | None = None
-    ulysses_degree: int | None = None
-    cp_head_chunks: int | None = None
-    zero: int = 0
-    overlap_grad_reduce: bool = False
-    overlap_param_gather: bool = False
-    reshard_after_forward: bool = True
-    zero_prefetch: int = 1
-    bucket_mb: float = 40.0
+    pp: int = _field(1, "pipeline-parallel degree (outermost mesh axis)", "parallelism", low=1)
+    pp_schedule: str = _field("1f1b", "pipeline schedule (with --pp > 1; interleaved needs --virtual-stages >= 2; "
+                              "zbv and dualpipev hold two chunks per rank in a V: rank r stages r and 2pp-1-r)",
+                              "parallelism", choices=schedules.SCHEDULES)
+    virtual_stages: int = _field(1, "model chunks per pipeline rank (interleaved schedule; zbv and dualpipev: 2)",
+                                 "parallelism", low=1, metavar="V")
+    dp: int = _field(1, "data-parallel degree", "parallelism", low=1)
+    ep: int = _field(1, "expert-parallel degree: experts split over an ep mesh axis (after dp; also a data axis)",
+                     "moe", low=1)
+    cp: int = _field(1, "context-parallel degree", "parallelism", low=1)
+    tp: int = _field(1, "tensor-parallel degree", "parallelism", low=1)
+    sp: bool = _field(False, "Megatron sequence parallel (needs --tp > 1)", "parallelism")
+    async_tp: bool = _field(False, "with --sp: the block's all-gathers / reduce-scatters as rings of send/recv hops "
+                            "under the matmuls (collective matmul)", "parallelism")
+    cp_algo: str | None = _field(None, "context-parallel algorithm (with --cp > 1)", "parallelism",
+                                 choices=CP_ALGORITHMS)
+    cp_window: int | None = _field(None, "double-ring window: cp ranks per inner ring (MindSpeed --cp-window-size; "
+                                   "with --cp > 1)", "parallelism", low=1)
+    ulysses_degree: int | None = _field(None, "Ulysses part of hybrid context parallel (with --cp > 1)",
+                                        "parallelism", low=1)
+    cp_head_chunks: int | None = _field(None, "context-parallel attention in this many head chunks (default: the "
+                                        "fewest with chunks × cp >= 16 keeping each chunk's K+V >= 1 MiB; 1: "
+                                        "Megatron's schedule, fewer and larger transfers, more memory; with --cp > 1)",
+                                        "parallelism", low=1)
+    zero: int = _field(0, "ZeRO stage over dp: 1 optimizer state, 2 + gradients, 3 + parameters (0: plain DP)",
+                       "parallelism", choices=ZERO_STAGES)
+    overlap_grad_reduce: bool = _field(False, "with --zero: reduce-scatter each gradient bucket during backward",
+                                       "parallelism")
+    overlap_param_gather: bool = _field(False, "with --zero: leave the update's parameter all-gathers in flight "
+                                        "until the next forward (--zero 3: those of its first --zero-prefetch + 1 "
+                                        "buckets)", "parallelism")
+    reshard_after_forward: bool = _field(True, "with --zero 3 (on unless --no-…): free gathered buckets after "
+                                         "forward and gather them again in backward; --no-reshard-after-forward "
+                                         "keeps them until backward is done with them (2Ψ traffic instead of 3Ψ; "
+                                         "parameters whole during a step)", "parallelism")
+    zero_prefetch: int = _field(1, "with --zero 3: buckets gathered ahead of the one in use", "parallelism", low=1,
+                                metavar="N")
+    bucket_mb: float = _field(40.0, "with --zero: gradient/parameter bucket size in MiB", "parallelism", above=0)
     # ---- model and training
-    model: str = "tiny"
-    init_from: str | None = None  # a Hugging Face directory: the model (its config.json) and its weights
-    steps: int = 50
-    batch: int = 8
-    seq: int = 64
-    dtype: str = "float32"
-    precision: str | None = None  # "pure" | "mixed" (fp32 master weights); None: mixed for bfloat16
-    lr: float = 3e-3
-    weight_decay: float = 0.1  # AdamW's, on the weight matrices and embeddings only (Megatron's rule)
-    warmup: int | None = None  # None: min(DEFAULT_WARMUP, steps)
-    microbatches: int | None = None  # None: 1 (2 with ep_overlap); under pp, schedules.default_microbatches
-    recompute: str = "none"
-    compile: str | None = None  # a torch.compile backend (dtp.compiled); None: eager
-    clip: float = 1.0  # 0: off
-    seed: int = 0
-    data: str | None = None  # a token file, a directory of shards, or text; None: the bundled corpus
-    data_dtype: str | None = None  # a .bin file's ids, uint16 or uint32; None: its sidecar's, else uint16
-    eos_id: int | None = None  # the id that ends a document; None: the token sidecar's, or --tokenizer's EOS
-    tokenizer: str | None = None  # a Hugging Face tokenizer.json for text data; None: byte tokens
-    document_mask: bool = False  # packed documents: attention and RoPE positions per document (ops.documents)
-    max_skipped: int = DEFAULT_MAX_SKIPPED  # 0: never abort
+    model: str = _field("tiny", f"llama preset: {', '.join(model_config.CONFIGS)}", "model")
+    init_from: str | None = _field(None, "fine-tune a Hugging Face Llama / Mistral / Mixtral / Qwen2 / Qwen3 / "
+                                   "Qwen3-MoE: the model from HF_DIR's config.json (instead of --model), its weights "
+                                   "from HF_DIR's *.safetensors; the vocabulary padded to a multiple of 128 so tp "
+                                   "splits it (pip install 'dtp[hf]')", "model", metavar="HF_DIR")
+    steps: int = _field(50, "optimizer steps", "training", low=1)
+    batch: int = _field(8, "global batch size (sequences)", "training", low=1)
+    seq: int = _field(64, "sequence length (tokens)", "training", low=1)
+    dtype: str = _field("float32", "parameter and compute dtype", "model", choices=DTYPES)
+    # None: mixed for bfloat16 (resolved when built)
+    precision: str | None = _field(None, "with --dtype bfloat16: mixed keeps fp32 master weights, Adam moments and "
+                                   "gradient accumulation (Megatron's), pure updates in bf16 (not with --zero) "
+                                   "(default: mixed)", "model", choices=PRECISIONS)
+    lr: float = _field(3e-3, "peak learning rate (AdamW, cosine)", "training", low=0)
+    weight_decay: float = _field(0.1, "AdamW's decoupled weight decay, on the weight matrices and embeddings; norms "
+                                 "and biases are not decayed (Megatron's rule)", "training", low=0)
+    # None: min(DEFAULT_WARMUP, steps), resolved when built
+    warmup: int | None = _field(None, f"linear warm-up steps (default: min({DEFAULT_WARMUP}, --steps))", "training")
+    # None: 1 (2 with ep_overlap); under pp, schedules.default_microbatches; resolved when built
+    microbatches: int | None = _field(None, "gradient-accumulation microbatches per step (default 1; under --pp the "
+                                      "fewest that keep every stage busy, --pp or 2 x --pp for dualpipev, or the "
+                                      "next count that splits --batch)", "training", low=1)
+    recompute: str = _field("none", "activation recomputation", "training", choices=RECOMPUTE)
+    compile: str | None = _field(None, "compile the local computation (each block, or each local_map body; dtp's "
+                                 "collectives run between): torch.compile's inductor, or aot_eager / eager (with "
+                                 "--debug: prints the graph breaks and recompiles)", "training",
+                                 choices=COMPILE_BACKENDS, metavar="BACKEND", bare=COMPILE_BACKENDS[0])
+    clip: float = _field(1.0, "global-norm gradient clip (0: off)", "training", low=0)
+    seed: int = _field(0, "seed of the model init and the data order", "training")
+    data: str | None = _field(None, "token file (.npy; .bin: uint16 ids unless --data-dtype or its sidecar says "
+                              "uint32) or a directory of them, memory-mapped; or text (bytes, or --tokenizer's); "
+                              "default: bundled corpus", "data")
+    data_dtype: str | None = _field(None, "the ids of --data's .bin files (default: the sidecar's dtype, else "
+                                    "uint16)", "data", choices=TOKEN_DTYPES)
+    eos_id: int | None = _field(None, "the id that ends a document in --data (default: the sidecar's eos_id; with "
+                                "--tokenizer the eos_token of a tokenizer_config.json beside it, else </s>, "
+                                "<|endoftext|>, … in its vocabulary)", "data", low=0, metavar="ID")
+    tokenizer: str | None = _field(None, "a Hugging Face tokenizer.json that tokenizes --data's text (pip install "
+                                   "'dtp[hf]')", "data", metavar="TOKENIZER_JSON")
+    document_mask: bool = _field(False, "pack documents (ended by --eos-id; in text, its lines: byte text's end at "
+                                 "the newline, --tokenizer's are encoded one by one, each followed by the EOS id): "
+                                 "attention within each document, positions restarting in each, the target at each "
+                                 "document end masked", "data")
+    # Non-finite steps: train_step skips them (state unchanged); the loop counts them.
+    max_skipped: int = _field(DEFAULT_MAX_SKIPPED, "abort after N steps in a row skipped for a non-finite loss or "
+                              "gradient norm (0: never)", "training", low=0, metavar="N")
     # ---- mixture of experts (None: the model preset's)
-    num_experts: int | None = None
-    top_k: int | None = None
-    capacity_factor: float | None = None
-    aux_loss_coeff: float | None = None  # the load-balancing loss's weight (0: aux-loss-free runs)
-    router_score: str | None = None  # softmax (Megatron) | sigmoid (DeepSeek-V3)
-    n_groups: int | None = None  # group-limited routing: groups of experts …
-    topk_group: int | None = None  # … of which each token picks this many
-    routed_scaling_factor: float | None = None  # the k combine weights times it
-    router_bias_update: float | None = None  # aux-loss-free balancing's bias step (0: off)
-    expert_tp: bool = False
-    pipe_experts: bool = False
-    multi_data: int = 1
-    multi_stream: bool = False
-    ep_overlap: bool = False  # one microbatch's expert all-to-alls under another's compute
+    num_experts: int | None = _field(None, "experts per MoE block (0: dense; default: the preset's)", "moe", low=0,
+                                     metavar="E")
+    top_k: int | None = _field(None, "experts each token is routed to (default: the preset's)", "moe", low=1,
+                               metavar="K")
+    capacity_factor: float | None = _field(None, "each expert keeps its ceil(T·k/E · C) highest-probability tokens "
+                                           "(default: dropless)", "moe", above=0, metavar="C")
+    aux_loss_coeff: float | None = _field(None, "weight of the switch load-balancing loss (default: the preset's, "
+                                          "1e-2; 0: none)", "moe", low=0, metavar="C")
+    router_score: str | None = _field(None, "router scores: softmax (Megatron) or sigmoid with the k chosen "
+                                      "normalised (DeepSeek-V3); default: the preset's", "moe",
+                                      choices=SCORE_FUNCTIONS)
+    n_groups: int | None = _field(None, "group-limited routing: the experts form G groups (with --topk-group)",
+                                  "moe", low=1, metavar="G")
+    topk_group: int | None = _field(None, "group-limited routing: each token picks its K best groups, then its "
+                                    "top-k in them", "moe", low=1, metavar="K")
+    routed_scaling_factor: float | None = _field(None, "multiply the k combine weights by S (DeepSeek-V3: 2.5)",
+                                                 "moe", above=0, metavar="S")
+    router_bias_update: float | None = _field(None, "aux-loss-free balancing: after each step each expert's "
+                                              "selection bias moves by RATE·sign(mean load − load) (DeepSeek-V3: "
+                                              "1e-3; 0: off)", "moe", low=0, metavar="RATE")
+    expert_tp: bool = _field(False, "split each expert's hidden width over tp (Megatron's expert tensor parallel; "
+                             "needs --tp > 1, any --ep; without it every tp rank holds its experts whole and "
+                             "computes them on the same tokens)", "moe")
+    pipe_experts: bool = _field(False, "MindSpeed pipe-experts: move and compute the dispatched tokens per local "
+                                "expert, each chunk's all-to-all in flight while another computes", "moe")
+    multi_data: int = _field(1, "with --pipe-experts: split each local expert's tokens into N chunks (for 1 local "
+                             "expert)", "moe", low=1, metavar="N")
+    multi_stream: bool = _field(False, "with --pipe-experts and --sp: one communication stream for the ep "
+                                "all-to-alls and the tp all-gathers / reduce-scatters, so they never run at the "
+                                "same time", "moe")
+    ep_overlap: bool = _field(False, "hide one microbatch's expert all-to-alls under another microbatch's compute "
+                              "(needs --ep; at pp 1 --microbatches >= 2; under --pp 1f1b, interleaved or "
+                              "dualpipev)", "moe")
     # ---- output, checkpoints, failures
-    out: str | None = None
-    log_every: int = 1
-    eval_every: int = 0
-    tensorboard: bool = False
-    debug: bool = False
-    save_every: int = 0
-    keep: int = 3
-    async_save: bool = False
-    resume: bool = False
-    timeout: float = DEFAULT_TIMEOUT
-    max_restarts: int = 0
+    out: str | None = _field(None, "run directory (default: runs/<timestamp>)", "run")
+    log_every: int = _field(1, "print a line every N steps", "run", low=1)
+    eval_every: int = _field(0, f"every N steps (and after the last) the loss on a held-out tenth of the corpus, "
+                             f"forward only, mean of {EVAL_BATCHES} batches (0: never; the held-out tenth then "
+                             f"trains too)", "run", low=0, metavar="N")
+    tensorboard: bool = _field(False, "also write TensorBoard events to <out>/tensorboard (needs the tensorboard "
+                               "package)", "run")
+    debug: bool = _field(False, "full Python tracebacks on the console (otherwise one line per failing rank; the "
+                         "tracebacks are in <out>/logs)", "run")
+    save_every: int = _field(0, "save a checkpoint every N steps and after the last (0: never)", "checkpoint",
+                             low=0, metavar="N")
+    keep: int = _field(3, "keep the newest K checkpoints", "checkpoint", low=1, metavar="K")
+    async_save: bool = _field(False, "write checkpoints while training goes on (each waits for the one before)",
+                              "checkpoint")
+    resume: bool = _field(False, "continue from the newest checkpoint in --out (metrics.jsonl and loss.png "
+                          "continue)", "checkpoint")
+    timeout: float = _field(DEFAULT_TIMEOUT, "a collective that waits this long for a peer fails, and every rank "
+                            "exits with its last collectives (a dead peer is noticed at once)", "run", above=0,
+                            metavar="SECONDS")
+    max_restarts: int = _field(0, "when a rank dies, stop the others and start all again from the newest "
+                               "checkpoint, up to R times (torchrun's elastic agent; needs --save-every)", "run",
+                               low=0, metavar="R")
 
     def __post_init__(self) -> None:
         n, who = _NAMES.get(), _WHO.get()
@@ -257,8 +259,6 @@ class RunConfig:
             fail(f"{n('max_restarts')} needs {n('save_every')} N: a restart resumes from the newest checkpoint")
         if self.resume and self.out is None:
             fail(f"{n('resume')} continues the run in {n('out')}; name it ({n('out')} runs/…)")
-        if self.data_dtype is not None and self.data_dtype not in TOKEN_DTYPES:
-            fail(f"{n('data_dtype')} must be one of {', '.join(TOKEN_DTYPES)}; got {self.data_dtype!r}")
         if self.data_dtype is not None and self.tokenizer is not None:
             fail(f"{n('data_dtype')} describes a token file and {n('tokenizer')} tokenizes text: choose one")
 
@@ -267,37 +267,21 @@ class RunConfig:
             wrong = type_error(f.name, getattr(self, f.name))
             if wrong:
                 fail(f"{n(f.name)} {wrong}")
-        for name in ("pp", "virtual_stages", "dp", "ep", "cp", "tp", "cp_window", "ulysses_degree", "cp_head_chunks",
-                     "zero_prefetch", "steps", "batch", "seq", "microbatches", "top_k", "multi_data", "log_every",
-                     "keep", "n_groups", "topk_group"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                fail(f"{n(name)} must be >= 1, got {value}")
-        for name in ("lr", "weight_decay", "clip", "max_skipped", "num_experts", "eval_every", "save_every",
-                     "max_restarts", "router_bias_update", "aux_loss_coeff", "eos_id"):
-            value = getattr(self, name)
-            if value is not None and value < 0:
-                fail(f"{n(name)} must be >= 0, got {value}")
+        for f in fields(self):  # the bounds and choices each field states (its flag's parser checks them too)
+            value, low, above, choices = (getattr(self, f.name), f.metadata.get("low"), f.metadata.get("above"),
+                                          f.metadata.get("choices"))
+            if value is None:
+                continue
+            if low is not None and value < low:
+                fail(f"{n(f.name)} must be >= {low}, got {value}")
+            if above is not None and not value > above:
+                fail(f"{n(f.name)} must be > {above}, got {value}")
+            if choices is not None and value not in choices:
+                fail(f"{n(f.name)} must be one of {', '.join(map(str, choices))}; got {value!r}")
         # torch's generators take seeds in [-2**63, 2**64); the data loader seeds epoch e with
         # seed + e, so a seed below 2**63 leaves room for any number of epochs.
         if not -(2**63) <= self.seed < 2**63:
             fail(f"{n('seed')} must lie in [-2**63, 2**63), got {self.seed}")
-        for name in ("bucket_mb", "capacity_factor", "timeout", "routed_scaling_factor"):
-            value = getattr(self, name)
-            if value is not None and not value > 0:
-                fail(f"{n(name)} must be > 0, got {value}")
-        for name, choices in (("dtype", DTYPES), ("recompute", RECOMPUTE), ("pp_schedule", schedules.SCHEDULES),
-                              ("zero", ZERO_STAGES)):
-            if getattr(self, name) not in choices:
-                fail(f"{n(name)} must be one of {', '.join(map(str, choices))}; got {getattr(self, name)!r}")
-        if self.router_score is not None and self.router_score not in SCORE_FUNCTIONS:
-            fail(f"{n('router_score')} must be one of {', '.join(SCORE_FUNCTIONS)}; got {self.router_score!r}")
-        if self.compile is not None and self.compile not in COMPILE_BACKENDS:
-            fail(f"{n('compile')} must be one of {', '.join(COMPILE_BACKENDS)}; got {self.compile!r}")
-        if self.precision is not None and self.precision not in PRECISIONS:
-            fail(f"{n('precision')} must be one of {', '.join(PRECISIONS)}; got {self.precision!r}")
-        if self.cp_algo is not None and self.cp_algo not in CP_ALGORITHMS:
-            fail(f"{n('cp_algo')} must be one of {', '.join(CP_ALGORITHMS)}; got {self.cp_algo!r}")
 
     def _check_context(self, fail: Callable[[str], None], n: Callable[[str], str]) -> None:
         # layouts.context's own rules, said with the fields' names (a shell user reads
@@ -472,18 +456,6 @@ class RunConfig:
         return out
 
 
-def master_weights(precision: str | None, zero: int, dtype: str) -> bool:
-    """Whether a run's record says it kept fp32 master weights beside bf16 parameters:
-    ``precision`` mixed, or unset under ZeRO. Runs record the resolved value now
-    (:class:`RunConfig`: unset is mixed for bfloat16); an unset one is an older record's,
-    whose default was mixed under ZeRO only.
-
-    >>> master_weights(None, 1, "bfloat16"), master_weights(None, 0, "bfloat16"), master_weights("mixed", 0, "bfloat16")
-    (True, False, True)
-    """
-    return dtype == "bfloat16" and (precision == "mixed" or (precision is None and zero > 0))
-
-
 def type_error(name: str, value: Any) -> str | None:
     """What is wrong with ``value``'s type for field ``name`` (``None``: nothing).
 
@@ -507,35 +479,3 @@ def type_error(name: str, value: Any) -> str | None:
 
 
 _FIELDS = {f.name: f for f in fields(RunConfig)}
-
-
-def mesh_axes_of(*, pp: int, dp: int, ep: int, cp: int, tp: int, keep_ep: bool = False) -> dict[str, int]:
-    """The mesh of these degrees: the non-trivial axes in order pp, dp, ep, cp, tp, dp always;
-    ``keep_ep``: ep even at 1 (``--expert-tp`` at ``--ep 1``: ``layouts.expert`` names it).
-
-    >>> mesh_axes_of(pp=2, dp=1, ep=1, cp=1, tp=2)
-    {'pp': 2, 'dp': 1, 'tp': 2}
-    >>> mesh_axes_of(pp=1, dp=2, ep=1, cp=1, tp=2, keep_ep=True)
-    {'dp': 2, 'ep': 1, 'tp': 2}
-    """
-    axes = {"pp": pp} if pp > 1 else {}
-    axes["dp"] = dp
-    axes.update({name: n for name, n in (("ep", ep), ("cp", cp), ("tp", tp)) if n > 1 or (name == "ep" and keep_ep)})
-    return axes
-
-
-def to_toml(config: RunConfig, *, leave_out: tuple[str, ...] = ()) -> str:
-    """``config`` as a TOML document ``dtp train --config`` reads back (``None`` fields and
-    those named in ``leave_out`` left out).
-
-    >>> print(to_toml(RunConfig(dp=2, sp=False)).splitlines()[3])
-    dp = 2
-    >>> "warmup" in to_toml(RunConfig(steps=3), leave_out=("warmup",))
-    False
-    """
-    lines = []
-    for key, value in config.to_dict().items():
-        if value is None or key in leave_out:
-            continue
-        lines.append(f"{key} = {json.dumps(value)}")  # JSON's scalars are TOML's: true, 1.5, "s"
-    return "\n".join(lines) + "\n"
