@@ -9,12 +9,12 @@ ZeRO all accumulate; every layer checks counts).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Mapping
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["accum_dtype", "is_positive_int", "STEP_TOLERANCE", "RUN_RTOL", "SCORE_FUNCTIONS", "COMPILE_BACKENDS", "check_groups",
+__all__ = ["accum_dtype", "is_positive_int", "STEP_TOLERANCE", "RUN_RTOL", "SCORE_FUNCTIONS", "COMPILE_BACKENDS", "check_groups", "said", "setting",
            "IGNORE_INDEX", "TRAIN_ADAMW", "FLOAT32_MAX"]
 
 #: torch.compile's backends a compiled step (dtp.compiled, ``dtp train --compile``) runs with.
@@ -75,29 +75,54 @@ def is_positive_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
+def said(names: Mapping[str, str] | None, key: str) -> str:
+    """A field or mesh axis as a message names it: in the caller's words where it has them.
+
+    >>> said(None, "window"), said({"window": "--cp-window"}, "window")
+    ('window', '--cp-window')
+    """
+    return (names or {}).get(key, key)
+
+
+def setting(names: Mapping[str, str] | None, field: str, *values: object) -> str:
+    """A field set to a value (or to one of several), as the API shows it or in the caller's
+    words (``None``: a flag not given).
+
+    >>> setting(None, "algo", "ulysses", "ring"), setting({"algo": "--cp-algo"}, "algo", "ring")
+    ("algo='ulysses' or 'ring'", '--cp-algo ring')
+    """
+    if names and field in names:
+        return f"{names[field]} " + " or ".join("not given" if v is None else str(v) for v in values)
+    return f"{field}=" + " or ".join(repr(v) for v in values)
+
+
 def check_groups(num_experts: int, top_k: int, n_groups: int | None, topk_group: int | None,
-                 what: str = "route") -> None:
-    """Group-limited routing's rules (``ValueError`` naming the option): both or neither
-    given, ``n_groups`` divides the experts, ``topk_group`` in [1, n_groups] and dividing
-    ``top_k``, and the picked groups hold at least ``top_k`` experts.
+                 what: str = "route", names: Mapping[str, str] | None = None) -> None:
+    """Group-limited routing's rules (``ValueError`` naming the option, in ``names``' words
+    where given: :func:`said`): both or neither given, ``n_groups`` divides the experts,
+    ``topk_group`` in [1, n_groups] and dividing ``top_k``, and the picked groups hold at
+    least ``top_k`` experts.
 
     >>> check_groups(8, 4, 4, 3)
     Traceback (most recent call last):
     ...
     ValueError: route: topk_group=3 must divide top_k=4 (a group scores its top top_k // topk_group)
     """
+    n = names
     if (n_groups is None) != (topk_group is None):
-        raise ValueError(f"{what}: n_groups and topk_group go together (group-limited routing), got "
-                         f"n_groups={n_groups} and topk_group={topk_group}")
+        raise ValueError(f"{what}: {said(n, 'n_groups')} and {said(n, 'topk_group')} go together (group-limited "
+                         f"routing), got {setting(n, 'n_groups', n_groups)} and {setting(n, 'topk_group', topk_group)}")
     if n_groups is None or topk_group is None:
         return
     if n_groups < 1 or num_experts % n_groups:
-        raise ValueError(f"{what}: n_groups={n_groups} must be >= 1 and divide the {num_experts} experts")
+        raise ValueError(f"{what}: {setting(n, 'n_groups', n_groups)} must be >= 1 and divide the {num_experts} "
+                         f"experts")
     if not 1 <= topk_group <= n_groups:
-        raise ValueError(f"{what}: topk_group must be in [1, n_groups={n_groups}], got {topk_group}")
+        raise ValueError(f"{what}: {said(n, 'topk_group')} must be in [1, {setting(n, 'n_groups', n_groups)}], got "
+                         f"{topk_group}")
     if top_k % topk_group:
-        raise ValueError(f"{what}: topk_group={topk_group} must divide top_k={top_k} (a group scores its top "
-                         f"top_k // topk_group)")
+        raise ValueError(f"{what}: {setting(n, 'topk_group', topk_group)} must divide {setting(n, 'top_k', top_k)} "
+                         f"(a group scores its top {said(n, 'top_k')} // {said(n, 'topk_group')})")
     if topk_group * (num_experts // n_groups) < top_k:
-        raise ValueError(f"{what}: topk_group={topk_group} groups of {num_experts // n_groups} experts hold fewer "
-                         f"than top_k={top_k}")
+        raise ValueError(f"{what}: {setting(n, 'topk_group', topk_group)} groups of {num_experts // n_groups} experts "
+                         f"hold fewer than {setting(n, 'top_k', top_k)}")

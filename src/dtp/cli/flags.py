@@ -31,7 +31,7 @@ from ..models import config as model_config
 from ..models.hf_config import check_weight_files
 from .parser import RUN_DEFAULTS, UsageError, build_parser, note
 from .resume import check_resume, resume_from
-from .shape import check_shape, flag_words, format_mesh
+from .shape import check_shape, format_mesh
 
 
 __all__ = ["UsageError", "build_parser", "parse_args", "validate", "preflight", "build_layout", "mesh_axes",
@@ -317,10 +317,12 @@ def _model(args: argparse.Namespace, max_id: int) -> model_config.LlamaConfig:
         raise UsageError(f"--data holds token id {max_id}, past the {MAX_VOCAB} ids any tokenizer has: is "
                          f"--data-dtype {args.data_dtype or 'the default'} the dtype the file was written in?")
     if args.init_from is None:
-        try:
-            return model_config.config(args.model, vocab_size=vocab_size(args.model, max_id), **model_overrides(args))
-        except ValueError as e:  # LlamaConfig's checks of the MoE fields, in the flags' words
-            raise UsageError(flag_words(str(e).removeprefix("LlamaConfig: "), {f: flag_of(f) for f in MODEL_FIELDS})) from None
+        try:  # LlamaConfig's checks of the MoE fields, in the flags' words
+            with model_config.named({f: flag_of(f) for f in MODEL_FIELDS}):
+                return model_config.config(args.model, vocab_size=vocab_size(args.model, max_id),
+                                           **model_overrides(args))
+        except ValueError as e:
+            raise UsageError(str(e).removeprefix("LlamaConfig: ")) from None
     if importlib.util.find_spec("safetensors") is None:
         raise UsageError("--init-from reads Hugging Face weights with safetensors: pip install 'dtp[hf]'")
     try:

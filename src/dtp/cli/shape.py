@@ -11,8 +11,6 @@ words (:class:`UsageError`), for :func:`dtp.cli.flags.preflight` and
 from __future__ import annotations
 
 import argparse
-import re
-from typing import Mapping
 
 from .. import schedules
 from .._mesh_shape import MeshShape
@@ -22,7 +20,7 @@ from ..layouts.pipeline import assign
 from ..models import config as model_config
 from .parser import UsageError
 
-__all__ = ["check_shape", "format_mesh", "flag_words"]
+__all__ = ["check_shape", "format_mesh"]
 
 
 def format_mesh(axes: dict[str, int]) -> str:
@@ -170,22 +168,6 @@ def _fewer_microbatches(args: argparse.Namespace) -> bool:
     the schedule runs fewer."""
     fewest = schedules.fewest_microbatches(args.pp_schedule, args.pp) if args.pp > 1 else 1
     return "microbatches" not in getattr(args, "derived", ()) and args.microbatches > fewest
-
-
-def flag_words(message: str, flags: Mapping[str, str]) -> str:
-    """``message`` with each API name of ``flags`` (name → flag) named as its flag; an
-    option the API shows as ``None`` is a flag not given.
-
-    >>> flag_words("top_k must be in [1, num_experts=4], got 5", {"top_k": "--top-k", "num_experts": "--num-experts"})
-    '--top-k must be in [1, --num-experts 4], got 5'
-    >>> flag_words("got n_groups=2 and topk_group=None", {"n_groups": "--n-groups", "topk_group": "--topk-group"})
-    'got --n-groups 2 and --topk-group not given'
-    """
-    for name in sorted(flags, key=len, reverse=True):  # topk_group before top_k's own words
-        message = re.sub(rf"(?<![\w-]){name}=None\b", flags[name] + " not given", message)
-        message = re.sub(rf"(?<![\w-]){name}=", flags[name] + " ", message)
-        message = re.sub(rf"(?<![\w-]){name}\b", flags[name], message)
-    return message
 
 
 #: The mesh axes, as the flags that size them (Layout.check_sizes' names).

@@ -38,6 +38,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, ClassVar, Mapping, Sequence
 
 from .._mesh_shape import axis_names
+from .._rules import said, setting  # the caller's words for a field: also the model config's
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -45,27 +46,6 @@ if TYPE_CHECKING:
     from .core import Layout
 
 __all__ = ["Option", "said", "setting", "choose"]
-
-
-def said(names: Mapping[str, str] | None, key: str) -> str:
-    """A field or mesh axis as a message names it: in the caller's words where it has them.
-
-    >>> said(None, "window"), said({"window": "--cp-window"}, "window")
-    ('window', '--cp-window')
-    """
-    return (names or {}).get(key, key)
-
-
-def setting(names: Mapping[str, str] | None, field: str, *values: object) -> str:
-    """A field set to a value (or to one of several), as the API shows it or in the caller's
-    words (``None``: a flag not given).
-
-    >>> setting(None, "algo", "ulysses", "ring"), setting({"algo": "--cp-algo"}, "algo", "ring")
-    ("algo='ulysses' or 'ring'", '--cp-algo ring')
-    """
-    if names and field in names:
-        return f"{names[field]} " + " or ".join("not given" if v is None else str(v) for v in values)
-    return f"{field}=" + " or ".join(repr(v) for v in values)
 
 
 def choose(names: Mapping[str, str] | None, size: str, n: int) -> str:

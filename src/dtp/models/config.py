@@ -10,15 +10,39 @@ counts) — no torch, so ``dtp train`` checks a model against a layout before im
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator, Mapping
 
-from .._rules import SCORE_FUNCTIONS, check_groups
+from .._rules import SCORE_FUNCTIONS, check_groups, said, setting
 
 __all__ = ["LlamaConfig", "RopeScaling", "CONFIGS", "config", "config_for", "block_shapes", "param_shapes",
-           "param_axes", "axis_sizes", "param_count", "flops_per_token", "is_moe", "n_sequential_layers"]
+           "param_axes", "axis_sizes", "param_count", "flops_per_token", "is_moe", "n_sequential_layers",
+           "named"]
+
+# How LlamaConfig's checks name its fields: as themselves, or in a caller's words (named()).
+_NAMES: contextvars.ContextVar[Mapping[str, str] | None] = contextvars.ContextVar("dtp_model_names", default=None)
+
+
+@contextlib.contextmanager
+def named(names: Mapping[str, str]) -> Iterator[None]:
+    """Within, :class:`LlamaConfig`'s checks name the fields of ``names`` in its words
+    (``dtp train``'s flags for the ones it sets: ``--top-k``, not ``top_k``).
+
+    >>> with named({"top_k": "--top-k", "num_experts": "--num-experts"}):
+    ...     config("tiny-moe", top_k=5)
+    Traceback (most recent call last):
+    ...
+    ValueError: LlamaConfig: --top-k must be in [1, --num-experts 4], got 5
+    """
+    token = _NAMES.set(names)
+    try:
+        yield
+    finally:
+        _NAMES.reset(token)
 
 
 @dataclass(frozen=True)
@@ -119,32 +143,37 @@ class LlamaConfig:
             raise ValueError(f"LlamaConfig: n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
         if self.head_dim % 2:
             raise ValueError(f"LlamaConfig: head_dim={self.head_dim} must be even for rotary embeddings")
+        n = _NAMES.get()
         if self.num_experts < 0:
-            raise ValueError(f"LlamaConfig: num_experts must be >= 0 (0: dense), got {self.num_experts}")
+            raise ValueError(f"LlamaConfig: {said(n, 'num_experts')} must be >= 0 (0: dense), got {self.num_experts}")
         if self.num_experts:
             if not 1 <= self.top_k <= self.num_experts:
-                raise ValueError(f"LlamaConfig: top_k must be in [1, num_experts={self.num_experts}], got {self.top_k}")
+                raise ValueError(f"LlamaConfig: {said(n, 'top_k')} must be in [1, "
+                                 f"{setting(n, 'num_experts', self.num_experts)}], got {self.top_k}")
             if self.moe_every < 1:
                 raise ValueError(f"LlamaConfig: moe_every must be >= 1, got {self.moe_every}")
             if self.expert_dim < 1 or self.shared_experts < 0:
                 raise ValueError(f"LlamaConfig: moe_ffn_dim must be >= 1 and shared_experts >= 0, got "
                                  f"{self.moe_ffn_dim} and {self.shared_experts}")
             if self.capacity_factor is not None and not self.capacity_factor > 0:
-                raise ValueError(f"LlamaConfig: capacity_factor must be None (dropless) or > 0, "
+                raise ValueError(f"LlamaConfig: {said(n, 'capacity_factor')} must be None (dropless) or > 0, "
                                  f"got {self.capacity_factor}")
             if self.router_score not in SCORE_FUNCTIONS:
-                raise ValueError(f"LlamaConfig: router_score must be one of {SCORE_FUNCTIONS}, got {self.router_score!r}")
+                raise ValueError(f"LlamaConfig: {said(n, 'router_score')} must be one of {SCORE_FUNCTIONS}, got "
+                                 f"{self.router_score!r}")
             if self.pre_softmax and self.router_score != "softmax":
-                raise ValueError(f"LlamaConfig: pre_softmax is a softmax option; router_score={self.router_score!r}")
-            check_groups(self.num_experts, self.top_k, self.n_groups, self.topk_group, what="LlamaConfig")
+                raise ValueError(f"LlamaConfig: pre_softmax is a softmax option; "
+                                 f"{setting(n, 'router_score', self.router_score)}")
+            check_groups(self.num_experts, self.top_k, self.n_groups, self.topk_group, what="LlamaConfig", names=n)
             if self.routed_scaling_factor is not None and not self.routed_scaling_factor > 0:
-                raise ValueError(f"LlamaConfig: routed_scaling_factor must be None or > 0, "
+                raise ValueError(f"LlamaConfig: {said(n, 'routed_scaling_factor')} must be None or > 0, "
                                  f"got {self.routed_scaling_factor}")
         if not self.router_bias_update >= 0:
-            raise ValueError(f"LlamaConfig: router_bias_update must be >= 0 (0: no bias), got {self.router_bias_update}")
+            raise ValueError(f"LlamaConfig: {said(n, 'router_bias_update')} must be >= 0 (0: no bias), got "
+                             f"{self.router_bias_update}")
         if self.router_bias_update and not self.num_experts:
-            raise ValueError(f"LlamaConfig: router_bias_update={self.router_bias_update} balances MoE experts; "
-                             f"the model has num_experts=0")
+            raise ValueError(f"LlamaConfig: {setting(n, 'router_bias_update', self.router_bias_update)} balances MoE "
+                             f"experts; the model has {setting(n, 'num_experts', 0)}")
 
 
 # Shapes of the published models (for planning); "tiny" and "small" run on a laptop CPU.
