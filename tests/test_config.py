@@ -128,7 +128,7 @@ def test_dtp_plan_reads_a_config_file_as_train_does(tmp_path, capsys) -> None:
 def test_plan_reads_a_run_config() -> None:
     rc = RunConfig(dp=2, tp=2, sp=True, cp=2, cp_algo="ulysses", batch=8, seq=32)
     p = dtp.plan(rc)
-    assert p.setup.layout == rc.layout() and p.setup.context.algo == "ulysses"
+    assert p.target.layout == rc.layout() and p.target.context.algo == "ulysses" and p.run is rc
     assert p.bytes == dtp.plan("tiny", batch=8, seq=32, dp=2, tp=2, sp=True, cp=2, cp_algo="ulysses").bytes
     with pytest.raises(TypeError, match="a RunConfig is the whole run"):
         dtp.plan(rc, dp=4)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import re
 import time
 from typing import Iterator
 
@@ -19,7 +20,7 @@ import torch
 
 import dtp
 from dtp.models import llama
-from dtp.planning import Setup, check_fits, layout_for
+from dtp.planning import check_fits
 from dtp.testing import run
 from measured_step import second_step_comm
 
@@ -118,7 +119,7 @@ def _all(cases, memory: bool = True):
     return [_peak_and_bytes(*c, memory=memory) for c in cases]
 
 
-# name -> (Setup fields, model, batch, seq). Short sequences where the update's new tree
+# name -> (RunConfig fields, model, batch, seq). Short sequences where the update's new tree
 # (or, at dp4 ZeRO-1, the gather of the new buckets) sets the peak, seq 128/256 where the
 # loss and the saved activations do.
 CASES_2 = {
@@ -238,15 +239,15 @@ def _pipeline_bytes(cases) -> list[tuple[int, dict]]:
     out = []
     for kw, model, batch, seq in cases:
         cfg = llama.config(model)
-        s = Setup(model=model, cfg=cfg, batch=batch, seq=seq, **kw)
-        mesh = dtp.make_mesh(**s.axes)
+        run_ = dtp.RunConfig(model=model, batch=batch, seq=seq, **kw)
+        mesh = dtp.make_mesh(**run_.mesh_axes())
         tok = torch.randint(0, cfg.vocab_size, (batch, seq + 1), generator=torch.Generator().manual_seed(0))
         state = dtp.TrainState.create(llama.init(cfg, seed=0), dtp.optim.adamw(1e-3), mesh=mesh,
-                                      layout=layout_for(s), axes=llama.param_axes(cfg))
+                                      layout=run_.layout(), axes=llama.param_axes(cfg))
         batch_ = dtp.shard_batch({"tokens": tok[:, :-1].contiguous(), "targets": tok[:, 1:].contiguous()}, state)
         with dtp.comm_log() as log:
             state, _ = dtp.train_step(llama.sequential(cfg), state, batch_, clip_norm=1.0,
-                                      microbatches=s.microbatches)
+                                      microbatches=run_.microbatches)
             dtp.wait(state)
         logged = {axis: {k: b for k, b in kinds.items() if b} for axis, kinds in log.summary().items()}
         out.append((mesh.get_local_rank("pp"), logged))
@@ -297,7 +298,7 @@ def _pipeline_peaks(cases) -> list[tuple[int, int]]:
     """Per case, this rank's pipeline rank and its allocator peak in the second step."""
     out = []
     for kw, model, batch, seq in cases:
-        mesh = dtp.make_mesh(**Setup(model=model, cfg=llama.config(model), batch=batch, seq=seq, **kw).axes)
+        mesh = dtp.make_mesh(**dtp.RunConfig(model=model, batch=batch, seq=seq, **kw).mesh_axes())
         out.append((mesh.get_local_rank("pp"), _peak_and_bytes(kw, model, batch, seq)[1]))
     return out
 
@@ -396,8 +397,8 @@ def test_plan_layout_is_the_cli_layout():
     argv = ["train", "--dp", "2", "--cp", "2", "--tp", "2", "--sp", "--zero", "2", "--pp", "2", "--microbatches", "2",
             "--batch", "8"]
     args = validate(build_parser().parse_args(argv))
-    s = Setup(cfg=llama.config("tiny"), batch=8, dp=2, cp=2, tp=2, sp=True, zero=2, pp=2, microbatches=2)
-    assert layout_for(s) == build_layout(args)
+    p = dtp.plan("tiny", batch=8, dp=2, cp=2, tp=2, sp=True, zero=2, pp=2, microbatches=2)
+    assert p.target.layout == p.run.layout() == build_layout(args)
 
 
 def test_megatron_distributed_optimizer_bytes_per_parameter():
@@ -463,8 +464,8 @@ def test_attention_extras_bytes_equal_the_comm_log():
 ])
 def test_the_keyword_plan_takes_dtp_trains_default_microbatches(kw, m):
     # dtp.plan("tiny", pp=2) plans what `dtp train --pp 2` runs (RunConfig's default), not m=1
-    # (which 1f1b refuses); RunConfig and Setup ask schedules.default_microbatches alike.
-    assert dtp.plan("tiny", batch=8, seq=16, **kw).setup.microbatches == m
+    # (which 1f1b refuses): the keywords are a RunConfig's, and so is its default.
+    assert dtp.plan("tiny", batch=8, seq=16, **kw).run.microbatches == m
     assert dtp.RunConfig(batch=8, seq=16, **kw).microbatches == m
 
 
@@ -480,7 +481,7 @@ def test_the_backend_decides_zero_s_reduce_scatter_buffers():
     grads = nccl.worst.grads
     assert gloo.peak - nccl.peak == pytest.approx(grads, rel=0.02), (gloo.peak, nccl.peak, grads)
     assert "bfloat16, nccl" in dtp.planning.format_plan(nccl).splitlines()[0]
-    assert dtp.plan(dtp.RunConfig(model="tiny", dp=4, zero=1), backend="nccl").setup.backend == "nccl"
+    assert dtp.plan(dtp.RunConfig(model="tiny", dp=4, zero=1), backend="nccl").target.backend == "nccl"
     with pytest.raises(ValueError, match="backend must be one of gloo, nccl, hccl, got 'mpi'"):
         dtp.plan("tiny", backend="mpi")
 
@@ -506,3 +507,28 @@ def test_dtp_plan_and_the_memory_check_plan_for_this_machine_s_backend(monkeypat
     assert refused["nccl"] is None
     assert cli.main(["plan", "--dp", "2", "--zero", "1", "--backend", "gloo"]) == 0  # the flag over the machine
     assert capsys.readouterr().out.splitlines()[0].endswith("float32")
+
+
+def test_a_plan_is_of_a_run_config():
+    """The keywords are a RunConfig's (its checks, said as the plan's), a plan's target holds
+    that run, and a target plans again as it is; Setup and layout_for say what replaced them."""
+    run_ = dtp.RunConfig(model="tiny", batch=8, seq=16, dp=2, zero=1)
+    p = dtp.plan(run_, backend="nccl")
+    assert p.run is run_ and p.target.backend == "nccl" and p.target.layout == run_.layout()
+    assert dtp.plan(p.target).memory == p.memory
+    assert dtp.plan("tiny", batch=8, seq=16, dp=2, zero=1, backend="nccl").memory == p.memory
+    with pytest.raises(TypeError, match=r"a RunConfig is the whole run .*\['batch'\]"):
+        dtp.plan(run_, batch=16)
+    with pytest.raises(TypeError, match="a Target is the whole plan"):
+        dtp.plan(p.target, backend="gloo")
+    with pytest.raises(ValueError, match=r"^dtp\.plan: sp \(sequence parallel\) .* it needs tp > 1"):
+        dtp.plan("tiny", sp=True)
+    # MoE fields beside a LlamaConfig set its own, as beside a preset
+    moe = dtp.plan(llama.config("tiny-moe"), batch=8, seq=16, num_experts=8)
+    assert moe.target.cfg.num_experts == 8
+    assert moe.params == dtp.plan("tiny-moe", batch=8, seq=16, num_experts=8).params
+    for name, says in (("Setup", "plan a dtp.RunConfig"), ("layout_for", "RunConfig(...).layout()")):
+        assert name not in dtp.planning.__all__
+        match = re.escape(f"dtp.planning.{name} was removed: ") + ".*" + re.escape(says)
+        with pytest.raises(AttributeError, match=match):
+            getattr(dtp.planning, name)

@@ -17,11 +17,10 @@ import pytest
 import dtp
 from dtp.cli import build_layout, main, parse_args
 from dtp.cli.plan import plan_from_args, train_refusal
-from dtp.planning import Setup, layout_for
 from dtp.testing import run
 from test_plan import _all
 
-# name -> (Setup fields, model, batch, seq): tiny model, 4 ranks of cp, a few tokens each.
+# name -> (RunConfig fields, model, batch, seq): tiny model, 4 ranks of cp, a few tokens each.
 CASES = {
     "double_ring w2": (dict(cp=4, cp_algo="double_ring", cp_window=2), "tiny", 2, 16),
     "hybrid u2": (dict(cp=4, cp_algo="hybrid", ulysses_degree=2), "tiny", 2, 16),
@@ -89,16 +88,16 @@ def test_the_plan_reads_the_layout_the_cli_builds():
     args = parse_args(["train", "--cp", "4", "--cp-algo", "hybrid", "--ulysses-degree", "2", "--cp-head-chunks", "1",
                        "--dp", "2", "--zero", "1", "--seq", "64"])
     p = plan_from_args(args)
-    assert p.setup.layout == build_layout(args)
-    assert (p.setup.context.algo, p.setup.context.ulysses_degree, p.setup.context.head_chunks) == ("hybrid", 2, 1)
-    # dtp.plan's keywords build the same layout (layout_for is build_layout on these fields).
-    s = Setup(batch=8, seq=64, dp=2, zero=1, cp=4, cp_algo="hybrid", ulysses_degree=2, cp_head_chunks=1)
-    assert layout_for(s) == build_layout(args) == s.layout
+    assert p.target.layout == build_layout(args)
+    assert (p.target.context.algo, p.target.context.ulysses_degree, p.target.context.head_chunks) == ("hybrid", 2, 1)
+    # dtp.plan's keywords are a RunConfig's, whose layout is the one build_layout makes of the flags.
+    kw = dict(batch=8, seq=64, dp=2, zero=1, cp=4, cp_algo="hybrid", ulysses_degree=2, cp_head_chunks=1)
+    assert dtp.plan("tiny", **kw).target.layout == dtp.RunConfig(**kw).layout() == build_layout(args)
 
 
 def test_context_keywords_must_agree_with_a_given_layout():
     layout = build_layout(parse_args(DOUBLE_RING))
-    assert dtp.plan("tiny", seq=128, cp=4, layout=layout).setup.context.window == 2
+    assert dtp.plan("tiny", seq=128, cp=4, layout=layout).target.context.window == 2
     assert dtp.plan("tiny", seq=128, cp=4, layout=layout, cp_algo="double_ring", cp_window=2).bytes
     with pytest.raises(ValueError, match="disagree"):
         dtp.plan("tiny", seq=128, cp=4, layout=layout, cp_algo="ring")

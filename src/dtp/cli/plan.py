@@ -67,24 +67,21 @@ def _memory_flag(group: argparse._ArgumentGroup, help: str) -> None:
 
 def plan_from_args(args: argparse.Namespace) -> "Plan":
     """:func:`dtp.plan` of the run the flags describe (their :class:`dtp.RunConfig`: the plan
-    sees the layout the run builds, every context and expert option included).
+    sees the layout the run builds, every context and expert option included), on
+    ``--backend`` (default: this machine's), of the model the checks built.
 
     >>> from dtp.cli import build_parser
     >>> plan_from_args(build_parser().parse_args(["plan", "--cp", "4", "--cp-algo", "double_ring",
-    ...     "--cp-window", "2", "--seq", "128"])).setup.context.window
+    ...     "--cp-window", "2", "--seq", "128"])).target.context.window
     2
     """
-    import dataclasses
-
-    from ..planning import Setup, plan
+    from ..planning import Target, plan
     from .flags import run_config
 
-    cfg, batch, seq, layout, parallel = Setup.arguments_of(run_config(args))
-    parallel["backend"] = getattr(args, "backend", None) or machine_backend()
     # The model the checks built (flags.check_config / preflight): its vocabulary grown to the
-    # data's ids is the run's, and may be most of its parameters.
-    p = plan(getattr(args, "model_config", None) or cfg, batch=batch, seq=seq, layout=layout, **parallel)
-    return dataclasses.replace(p, setup=dataclasses.replace(p.setup, model=args.init_from or args.model))
+    # data's ids is the run's, and may be most of its parameters. Without them, the run's preset.
+    return plan(Target.of(run_config(args), cfg=getattr(args, "model_config", None),
+                          backend=getattr(args, "backend", None) or machine_backend()))
 
 
 def cmd_plan(args: argparse.Namespace) -> int:

@@ -6,8 +6,9 @@ and their placements from the same :class:`~dtp.Layout` ``dtp train`` builds, re
 a stand-in mesh of names and sizes; bytes follow :mod:`dtp.comm`'s formulas; the bubble
 is :func:`dtp.schedules.simulate`'s. A 70B model plans in milliseconds.
 
-Modules: :mod:`.setup` (the configuration, per-rank shapes), :mod:`.traffic` (collectives),
-:mod:`.memory` (rest, backward and update peaks), :mod:`.report` (the table, the verdict).
+Modules: :mod:`.target` (what is planned: a :class:`dtp.RunConfig`, its model, backend and
+layout; per-rank shapes), :mod:`.traffic` (collectives), :mod:`.memory` (rest, backward and
+update peaks), :mod:`.report` (the table, the verdict).
 
 >>> p = plan("tiny", batch=8, seq=16, dp=2)
 >>> p.bytes
@@ -24,8 +25,9 @@ rings and all-to-alls run on (here USP: Ulysses over pairs, a ring over the rest
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from .. import schedules
 from ..config import RunConfig
@@ -33,30 +35,64 @@ from ..layouts import Layout
 from ..models import llama
 from .memory import Memory, memory
 from .report import check_fits, format_plan
-from .setup import Setup, layout_for, leaves, stage_leaves
+from .target import Target, leaves, stage_leaves
 from .traffic import Traffic, summary, traffic
 
-__all__ = ["Plan", "Setup", "plan", "check_fits", "format_plan", "Memory", "Traffic", "layout_for"]
+__all__ = ["Plan", "Target", "plan", "check_fits", "format_plan", "Memory", "Traffic"]
 
 GIB = 2**30
+
+# Names this package had, and what replaced them: said instead of a bare AttributeError
+# (no alias: a second way to describe a run is what they were).
+_REMOVED = {
+    "Setup": "dtp.planning.Setup was removed: plan a dtp.RunConfig (dtp.plan(RunConfig(...), backend=...)); a "
+             "plan's target is Plan.target (a dtp.planning.Target: the run, its model, backend and layout)",
+    "layout_for": "dtp.planning.layout_for was removed: a run's layout is its RunConfig's (RunConfig(...).layout()); "
+                  "the layout a plan planned is Plan.target.layout",
+    "setup": "dtp.planning.setup was renamed dtp.planning.target (Setup is gone: plan a dtp.RunConfig)",
+}
+
+
+# Hidden from type checkers, which would otherwise take any name as found here.
+if not TYPE_CHECKING:
+    def __getattr__(name: str) -> NoReturn:
+        """What replaced a removed name (module ``__getattr__``: only names not found).
+
+        >>> dtp.planning.Setup
+        Traceback (most recent call last):
+        ...
+        AttributeError: dtp.planning.Setup was removed: plan a dtp.RunConfig (dtp.plan(RunConfig(...), ...
+        """
+        if name in _REMOVED:
+            raise AttributeError(_REMOVED[name])
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclass(frozen=True)
 class Plan:
     """What one step costs each rank (pipeline ranks listed; the others are alike).
 
-    - `setup`: the configuration planned.
+    - `target`: what was planned (:class:`Target`: the run, the model, the backend, the layout).
     - `params`: total parameter count of the model.
     - `memory`: one :class:`Memory` per pipeline rank.
     - `traffic`: per pipeline rank, the :class:`Traffic` rows of a step.
     - `bubble`: the schedule's idle fraction (0 without a pipeline), ``1 - busy / (p·makespan)``.
     """
 
-    setup: Setup
+    target: Target
     params: int
     memory: tuple[Memory, ...]
     traffic: tuple[tuple[Traffic, ...], ...]
     bubble: float
+
+    @property
+    def run(self) -> RunConfig:
+        """The run planned (``target.run``).
+
+        >>> plan("tiny", batch=8, seq=16, pp=2).run.microbatches   # RunConfig's default under pp 2
+        2
+        """
+        return self.target.run
 
     @property
     def worst(self) -> Memory:
@@ -94,24 +130,24 @@ class Plan:
         return format_plan(self)
 
 
-def plan(model: str | llama.LlamaConfig | RunConfig = "tiny", *, batch: int = 8, seq: int = 64,
-         layout: Layout | None = None, **parallel: Any) -> Plan:
+def plan(model: str | llama.LlamaConfig | RunConfig | Target = "tiny", *, batch: int | None = None,
+         seq: int | None = None, layout: Layout | None = None, **parallel: Any) -> Plan:
     """Predict one training step of ``model`` per rank, allocating nothing.
 
     - `model`: a :class:`dtp.RunConfig` (the whole run: model, batch, mesh, strategies,
-      its layout; nothing else may be given), or a preset name (``llama.CONFIGS``) or a
-      :class:`~dtp.models.llama.LlamaConfig` described by the keywords below.
-    - `batch`, `seq`: global batch in sequences, sequence length.
-    - `layout`: the :class:`~dtp.Layout` to plan (``dtp train``'s is
-      :func:`dtp.cli.flags.build_layout` of its flags); the plan reads how attention runs
-      over cp from it. Default: :func:`layout_for` the keywords, the one ``dtp train``
-      builds from the same flags.
-    - `parallel`: the fields of :class:`Setup`: ``dp, tp, sp, async_tp, cp, cp_algo, cp_window,
-      ulysses_degree, cp_head_chunks, pp, pp_schedule, virtual_stages, ep, zero, bucket_mb,
-      reshard_after_forward, microbatches, recompute, dtype, precision`` (``dtp train``'s flags, same
-      defaults), and ``backend`` (default ``"gloo"``; ``"nccl"`` / ``"hccl"`` reduce-scatter in
-      place, without gloo's whole-bucket receive buffers; also beside a RunConfig). With a `layout`, the mesh sizes and ZeRO / pipeline fields must describe
-      the same run; context options given here too must agree with its.
+      its layout; only ``backend`` may be given beside it), a :class:`Target` (planned as
+      it is, nothing beside it), or a preset name (``llama.CONFIGS``) or a
+      :class:`~dtp.models.llama.LlamaConfig` run as the keywords below describe.
+    - `batch`, `seq`: global batch in sequences (default 8), sequence length (default 64).
+    - `layout`: the :class:`~dtp.Layout` to plan; the plan reads how attention runs over cp
+      from it. Default: the run's (:meth:`dtp.RunConfig.layout`, the one ``dtp train``
+      builds from the same flags). With a `layout`, the mesh sizes and ZeRO / pipeline
+      fields must describe the same run; context options given too must agree with its.
+    - `parallel`: the fields of a :class:`dtp.RunConfig` (``dp, tp, sp, cp, cp_algo, pp,
+      pp_schedule, ep, zero, microbatches, recompute, dtype, precision, ...``: ``dtp train``'s
+      flags, same defaults, same checks; MoE fields such as ``num_experts`` set the model's),
+      and ``backend`` (default ``"gloo"``; ``"nccl"`` / ``"hccl"`` reduce-scatter in
+      place, without gloo's whole-bucket receive buffers; also beside a RunConfig).
 
     Raises: ``ValueError`` for a configuration ``dtp train`` would refuse (batch not divisible,
     a schedule that cannot run, a dimension that does not split).
@@ -121,26 +157,40 @@ def plan(model: str | llama.LlamaConfig | RunConfig = "tiny", *, batch: int = 8,
     >>> round(p.bubble, 3), p.params // 10**9
     (0.158, 70)
     >>> p = plan(RunConfig(model="tiny", batch=8, seq=16, dp=2))
-    >>> p.setup.model, p.bytes
+    >>> p.target.name, p.bytes
     ('tiny', {'dp': {'all_reduce': 427276}})
+    >>> plan("tiny", batch=6, dp=4)
+    Traceback (most recent call last):
+    ...
+    ValueError: dtp.plan: batch 6 must be divisible by dp × microbatches = 4 × 1: every rank gets equal microbatches
     """
-    if isinstance(model, RunConfig):
-        machine = {k: parallel.pop(k) for k in ("backend",) if k in parallel}  # not the run's: where it runs
-        if parallel or layout is not None:
-            raise TypeError(f"dtp.plan: a RunConfig is the whole run (backend= may be given beside it); got "
-                            f"keywords {sorted(parallel)} beside it")
-        name = model.init_from or model.model  # the preset, or the Hugging Face directory
-        model, batch, seq, layout, parallel = Setup.arguments_of(model)
-        parallel.update(machine)
+    if isinstance(model, (RunConfig, Target)):
+        # A RunConfig is the whole run, a Target the whole plan; a RunConfig's machine is not its.
+        allowed = ("backend",) if isinstance(model, RunConfig) else ()
+        extra = sorted([k for k in parallel if k not in allowed] +
+                       [k for k, v in (("batch", batch), ("seq", seq), ("layout", layout)) if v is not None])
+        if extra:
+            what = "a RunConfig is the whole run (backend= may be given beside it)" if allowed else \
+                "a Target is the whole plan"
+            raise TypeError(f"dtp.plan: {what}; got keywords {extra} beside it")
+        s = model if isinstance(model, Target) else Target.of(model, **parallel)
     else:
-        name = model if isinstance(model, str) else "custom"
-    cfg = llama.config(model) if isinstance(model, str) else model
-    s = Setup(model=name, cfg=cfg, batch=batch, seq=seq, layout=layout, **parallel)
+        backend = parallel.pop("backend", "gloo")  # not the run's: where it runs
+        fields = {"model": model} if isinstance(model, str) else {}  # a LlamaConfig: RunConfig's default preset
+        try:
+            run = RunConfig(**fields, batch=8 if batch is None else batch, seq=64 if seq is None else seq, **parallel)
+        except ValueError as e:  # the run's own checks, said as the plan's
+            raise ValueError(f"dtp.plan: {str(e).removeprefix('RunConfig: ')}") from None
+        if isinstance(model, str):
+            s = Target.of(run, backend=backend, layout=layout)
+        else:  # the model given, with the MoE fields given beside it on top (as a preset takes them)
+            cfg = dataclasses.replace(model, **run.model_overrides()) if run.model_overrides() else model
+            s = Target.of(run, cfg=cfg, backend=backend, layout=layout, name="custom")
     per_stage = stage_leaves(s, leaves(s))
     mems = tuple(memory(s, lv, stage) for stage, lv in enumerate(per_stage))
     rows = tuple(tuple(traffic(s, lv, stage)) for stage, lv in enumerate(per_stage))
     bubble = 0.0
-    if s.pp > 1:
-        sched = schedules.make(s.pp_schedule, p=s.pp, v=s.virtual_stages, m=s.microbatches)
-        bubble = schedules.simulate(sched, p=s.pp, v=s.virtual_stages, m=s.microbatches).bubble_fraction
-    return Plan(s, llama.param_count(cfg), mems, rows, bubble)
+    if s.run.pp > 1:
+        p, v, m = s.run.pp, s.virtual_stages, s.run.microbatches
+        bubble = schedules.simulate(schedules.make(s.run.pp_schedule, p=p, v=v, m=m), p=p, v=v, m=m).bubble_fraction
+    return Plan(s, llama.param_count(s.cfg), mems, rows, bubble)

@@ -1,6 +1,6 @@
 """Per-rank memory of one training step: what rests between steps, and the peak.
 
-Everything is arithmetic on the :class:`~dtp.planning.setup.Leaf` shapes and the batch.
+Everything is arithmetic on the :class:`~dtp.planning.target.Leaf` shapes and the batch.
 The terms follow what dtp's code holds, not an idealised trainer; each was found in the
 allocations live at the peak of real steps (torch 2.13, CPU, gloo: ``tests/test_plan.py``
 measures them, and the plan may be under by at most 3 % and over by at most 1.25×; on
@@ -65,7 +65,7 @@ from ..schedules.actions import flat
 from .._rules import accum_dtype
 from ..models import llama
 from ..models.config import n_sequential_layers
-from .setup import Leaf, Setup, rank_chunks
+from .target import Leaf, Target, rank_chunks
 from .traffic import zero_buckets
 
 __all__ = ["Memory", "memory", "block_activations", "phases", "held_gathers"]
@@ -108,7 +108,7 @@ class Memory:
         return max(self.backward_peak, self.update_peak)
 
 
-def _norm(s: Setup) -> int:
+def _norm(s: Target) -> int:
     """What one RMSNorm and the linear after it save: its input in the accumulation dtype
     (the fp32 copy ``pow`` and the scaling keep: the input itself when it is fp32), the
     normalised tensor, the linear's (gathered) input, the rsqrt per token."""
@@ -117,32 +117,32 @@ def _norm(s: Setup) -> int:
     return tr * s.cfg.dim * (acc + e) + s.tokens * s.cfg.dim * e + tr * acc
 
 
-def block_activations(s: Setup, moe: bool = False) -> int:
+def block_activations(s: Target, moe: bool = False) -> int:
     """Bytes one transformer block saves for backward per microbatch (module docstring).
 
-    >>> block_activations(Setup(cfg=llama.config("tiny"), batch=8, seq=256))
+    >>> block_activations(Target.of(dtp.RunConfig(batch=8, seq=256)))
     9519104
     """
     return _attention_saved(s) + _mlp_saved(s, moe)
 
 
-def _attention_saved(s: Setup) -> int:
+def _attention_saved(s: Target) -> int:
     """A block's saved tensors but the MLP's: both norms, attention, the rotary tables."""
     cfg, e = s.cfg, s.torch_dtype.itemsize
     acc = accum_dtype(s.torch_dtype).itemsize
     t = s.tokens
     # rotated q, k; v; SDPA's output and wo's copy of it; the log-sum-exp (fp32)
-    attn = t * (3 * cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim // s.tp * e + t * cfg.n_heads // s.tp * acc
-    rotary = 4 * (s.seq // s.cp) * (cfg.head_dim // 2) * acc  # cos and sin, for q and k
+    attn = t * (3 * cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim // s.run.tp * e + t * cfg.n_heads // s.run.tp * acc
+    rotary = 4 * (s.run.seq // s.run.cp) * (cfg.head_dim // 2) * acc  # cos and sin, for q and k
     return 2 * _norm(s) + attn + rotary
 
 
-def _mlp_saved(s: Setup, moe: bool) -> int:
+def _mlp_saved(s: Target, moe: bool) -> int:
     cfg, e = s.cfg, s.torch_dtype.itemsize
     acc = accum_dtype(s.torch_dtype).itemsize
     t = s.tokens
     if not moe:
-        return 4 * t * cfg.ffn_dim // s.tp * e
+        return 4 * t * cfg.ffn_dim // s.run.tp * e
     # routed rows (balanced) through each local expert's SwiGLU, the router's scores
     rows = t * cfg.top_k
     mlp = 4 * rows * cfg.expert_dim * e + 3 * rows * cfg.dim * e + t * cfg.num_experts * acc
@@ -161,11 +161,11 @@ class _Head:
     loss_saved: int  # of ``saved``, the two logits-sized fp32 tensors the loss keeps
 
 
-def _head(s: Setup) -> _Head:
+def _head(s: Target) -> _Head:
     cfg, e = s.cfg, s.torch_dtype.itemsize
     acc = accum_dtype(s.torch_dtype).itemsize
     t, tr = s.tokens, s.residual_tokens
-    logits = t * cfg.vocab_size // s.tp
+    logits = t * cfg.vocab_size // s.run.tp
     # shifted logits and their exponentials, fp32; on plain tensors the log-softmax only
     loss_saved = (1 if _local_batch(s) else 2) * logits * acc
     # norm: input, normalised, the head's (gathered) input, rsqrt; the loss: target index
@@ -180,41 +180,41 @@ def _head(s: Setup) -> _Head:
     return _Head(saved, forward, logits * acc, logits * e + 3 * t * cfg.dim * e, loss_saved)
 
 
-def _local_batch(s: Setup) -> bool:
+def _local_batch(s: Target) -> bool:
     """Whether the step computes on plain local tensors (:mod:`dtp.strategies.local`:
     the layout splits only the batch, over more than one rank; ``llama``'s loss may)."""
-    return s.dp > 1 and s.tp == s.cp == s.ep == s.pp == 1
+    return s.run.dp > 1 and s.run.tp == s.run.cp == s.run.ep == s.run.pp == 1
 
 
-def _gloo(s: Setup) -> bool:
+def _gloo(s: Target) -> bool:
     """Whether the run's collectives are gloo's (CPU), whose all-to-all reduce-scatter and
     all-gather staging cost whole buckets. What this package measured; ``backend="nccl"``
     (or hccl) gets their in-place forms instead."""
     return s.backend == "gloo"
 
 
-def _data(s: Setup) -> int:
+def _data(s: Target) -> int:
     """Token ids and targets of the whole step (int64, sharded like the batch; microbatches
     are strided rows, cut as copies of all of it), and the step's scalars (loss, norms,
     step count: 20-190 B measured beyond the other terms)."""
-    ids = 2 * (s.batch // (s.dp * s.ep)) * (s.seq // s.cp) * 8
-    return ids * (2 if s.microbatches > 1 else 1) + 256
+    ids = 2 * (s.run.batch // (s.run.dp * s.run.ep)) * (s.run.seq // s.run.cp) * 8
+    return ids * (2 if s.run.microbatches > 1 else 1) + 256
 
 
-def _in_flight(s: Setup, stage: int) -> int:
+def _in_flight(s: Target, stage: int) -> int:
     """(chunk, microbatch) pairs pipeline rank ``stage`` holds activations of at once."""
-    if s.pp == 1:
+    if s.run.pp == 1:
         return 1
-    sched = schedules.make(s.pp_schedule, p=s.pp, v=s.virtual_stages, m=s.microbatches)
-    return schedules.simulate(sched, p=s.pp, v=s.virtual_stages, m=s.microbatches).peak_in_flight[stage]
+    sched = schedules.make(s.run.pp_schedule, p=s.run.pp, v=s.virtual_stages, m=s.run.microbatches)
+    return schedules.simulate(sched, p=s.run.pp, v=s.virtual_stages, m=s.run.microbatches).peak_in_flight[stage]
 
 
-def rank_actions(s: Setup, stage: int) -> list[schedules.Action]:
+def rank_actions(s: Target, stage: int) -> list[schedules.Action]:
     """Pipeline rank ``stage``'s own actions in order (:func:`dtp.schedules.make`, pairs
     flattened); without a pipeline each microbatch's ``F`` then ``B``."""
-    if s.pp == 1:
+    if s.run.pp == 1:
         return [schedules.Action(k, 0, 0) for k in "FB"]
-    sched = schedules.make(s.pp_schedule, p=s.pp, v=s.virtual_stages, m=s.microbatches)
+    sched = schedules.make(s.run.pp_schedule, p=s.run.pp, v=s.virtual_stages, m=s.run.microbatches)
     return [a for item in sched[stage] for a in flat(item)]
 
 
@@ -227,7 +227,7 @@ def held_over_schedule(actions: list[schedules.Action], saved: list[int],
     after it ran; an ``I`` keeps the graph (``W`` differentiates it) and adds ``for_w[c]``,
     the gradients it kept at the weights' nodes, all freed after ``W``.
 
-    >>> s = Setup(cfg=llama.config("tiny"), pp=2, pp_schedule="zb-h1", microbatches=4, seq=32)
+    >>> s = Target.of(dtp.RunConfig(pp=2, pp_schedule="zb-h1", microbatches=4, seq=32))
     >>> held_over_schedule(rank_actions(s, 1), [10], [1])  # F0 I0 F1 I1 W0: I0's graph lives until W0
     {('F', 0): 21, ('I', 0): 21, ('W', 0): 22, ('I+', 0): 21, ('W+', 0): 22}
     """
@@ -250,19 +250,19 @@ def held_over_schedule(actions: list[schedules.Action], saved: list[int],
     return out
 
 
-def phases(s: Setup, rank_leaves: list[Leaf], stage: int = 0) -> dict[str, tuple[int, int, int]]:
+def phases(s: Target, rank_leaves: list[Leaf], stage: int = 0) -> dict[str, tuple[int, int, int]]:
     """The moments of forward and backward the peak may be at, each as ``(gradients held,
     activations saved, working set)`` bytes on top of the rest (module docstring).
 
-    >>> from dtp.planning.setup import leaves
-    >>> s = Setup(cfg=llama.config("tiny"), dp=2, batch=8, seq=256)
+    >>> from dtp.planning.target import leaves
+    >>> s = Target.of(dtp.RunConfig(dp=2, batch=8, seq=256))
     >>> {k: sum(v) for k, v in phases(s, leaves(s)).items()}      # doctest: +NORMALIZE_WHITESPACE
     {'loss forward': 12498176, 'loss backward': 12489984, 'below the loss': 12655104,
      'gradient reduction': 871168}
     """
     cfg, e = s.cfg, s.torch_dtype.itemsize
     acc = accum_dtype(s.torch_dtype).itemsize
-    zero = s.zero if s.dp > 1 else 0
+    zero = s.run.zero if s.run.dp > 1 else 0
     w = sum(l.nbytes for l in rank_leaves)
     data = _data(s)
     gathered_fwd = gathered_bwd = 0
@@ -274,22 +274,22 @@ def phases(s: Setup, rank_leaves: list[Leaf], stage: int = 0) -> dict[str, tuple
         # (dtp.comm): a receive buffer each, the peers' chunks ((dp-1)/dp of the bucket)
         # at the dp axis' ends, the whole bucket on a middle rank, then the slices;
         # elsewhere the slices only.
-        recv = (grads * (s.dp - 1) // s.dp if s.dp == 2 else grads) if _gloo(s) else 0
-        reduction = grads // s.dp + recv
+        recv = (grads * (s.run.dp - 1) // s.run.dp if s.run.dp == 2 else grads) if _gloo(s) else 0
+        reduction = grads // s.run.dp + recv
         if zero == 3:  # gathered buckets: at the loss those not freed after forward (all
             # without resharding); in backward the one in use and the one prefetched
             sizes = [b[0] * b[1] for b in buckets]
-            gathered_fwd = sum(z for z, b in zip(sizes, buckets) if not (b[3] and s.reshard_after_forward))
+            gathered_fwd = sum(z for z, b in zip(sizes, buckets) if not (b[3] and s.run.reshard_after_forward))
             gathered_bwd = sum(sorted(sizes)[-2:])
     else:
         grads = _grad_bytes(s, w)
-        reduction = grads if s.dp > 1 else 0  # DDP's all-reduce works on a copy of each gradient
+        reduction = grads if s.run.dp > 1 else 0  # DDP's all-reduce works on a copy of each gradient
     # Which blocks, head and embedding each chunk of this rank runs, per microbatch.
     n_seq = n_sequential_layers(cfg)
     layers = [r for _, r in rank_chunks(s, stage)]
     head_chunk = next((c for c, r in enumerate(layers) if n_seq - 1 in r), None)
     head = _head(s) if head_chunk is not None else _Head(0, 0, 0, 0, 0)
-    full = s.recompute == "full"
+    full = s.run.recompute == "full"
     tr = s.residual_tokens
 
     def block(i: int) -> int:  # full recompute keeps each block's input only
@@ -317,7 +317,7 @@ def phases(s: Setup, rank_leaves: list[Leaf], stage: int = 0) -> dict[str, tuple
 
     # Gradients before the first one of this step exists (one microbatch), or accumulated
     # over the earlier microbatches (or the pipeline's earlier backwards).
-    early = grads if s.microbatches > 1 else 0
+    early = grads if s.run.microbatches > 1 else 0
     out = {}
     if head_chunk is not None:
         at_loss = most("B I B+ I+", (head_chunk,))
@@ -335,17 +335,17 @@ def phases(s: Setup, rank_leaves: list[Leaf], stage: int = 0) -> dict[str, tuple
     if others:  # a chunk without the head: its backward starts at its last block
         work = 3 * tr * cfg.dim * e + gathered_bwd + data
         out["backward"] = (grads, max(most("B I I+", others), most("W")), work)
-        later = [(most("B+ W+", (c,)), chunk_w[c]) for c in others if not zero and s.microbatches > 1]
+        later = [(most("B+ W+", (c,)), chunk_w[c]) for c in others if not zero and s.run.microbatches > 1]
         if later:
             live, fresh = max(later, key=sum)
             out["later backward"] = (grads + fresh, live, work)
     if full and per_block:
         # One block rebuilt in backward (its input counted twice: kept, and in the rebuilt
         # block, for the gradient arriving at it) at its MLP: gate and up gradients.
-        block_work = 2 * s.tokens * cfg.ffn_dim // s.tp * e + gathered_bwd + data
+        block_work = 2 * s.tokens * cfg.ffn_dim // s.run.tp * e + gathered_bwd + data
         # Without ZeRO a later microbatch's gradients are new tensors until backward ends,
         # added to the sums after: near the first block, a second set (measured, tp2 m=2).
-        fresh = w if not zero and s.microbatches > 1 else 0
+        fresh = w if not zero and s.run.microbatches > 1 else 0
         # Blocks are rebuilt below the head, whose backward has freed what it saved.
         rebuilding = max(most("B I W B+ I+ W+", (c,)) - (head.saved if c == head_chunk else 0)
                          for c in range(len(layers)))
@@ -369,7 +369,7 @@ def _layer_of(path: str, n_seq: int) -> int:
     return 0 if path == "embed" else n_seq - 1
 
 
-def _boundary_grads(s: Setup, layer: int, n_seq: int) -> int:
+def _boundary_grads(s: Target, layer: int, n_seq: int) -> int:
     """Bytes of the gradients zero bubble's ``I`` keeps for ``W`` in sequential ``layer``:
     the output gradient of each op that reads a weight (:mod:`dtp.strategies.pipeline_split`'s
     boundary nodes). A block: q, k, v, the attention output's projection, gate, up, down,
@@ -377,7 +377,7 @@ def _boundary_grads(s: Setup, layer: int, n_seq: int) -> int:
     embedding (no input gradient: ``I`` does nothing, ``W`` the whole backward) the
     gradient it received, counted as one residual.
 
-    >>> s = Setup(cfg=llama.config("tiny"), pp=2, tp=2, sp=True, pp_schedule="zbv", microbatches=4, seq=32)
+    >>> s = Target.of(dtp.RunConfig(pp=2, tp=2, sp=True, pp_schedule="zbv", microbatches=4, seq=32))
     >>> [_boundary_grads(s, i, 4) for i in range(4)]
     [8192, 98304, 98304, 40960]
     """
@@ -386,42 +386,43 @@ def _boundary_grads(s: Setup, layer: int, n_seq: int) -> int:
     if layer == 0:
         return tr * cfg.dim * e
     if layer == n_seq - 1:
-        return t * cfg.vocab_size // s.tp * e + tr * cfg.dim * e
-    qkv = t * (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim // s.tp
-    return (qkv + 2 * t * cfg.dim + 2 * t * cfg.ffn_dim // s.tp + 2 * tr * cfg.dim) * e
+        return t * cfg.vocab_size // s.run.tp * e + tr * cfg.dim * e
+    qkv = t * (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim // s.run.tp
+    return (qkv + 2 * t * cfg.dim + 2 * t * cfg.ffn_dim // s.run.tp + 2 * tr * cfg.dim) * e
 
 
-def _grad_bytes(s: Setup, w: int) -> int:
+def _grad_bytes(s: Target, w: int) -> int:
     """Gradient bytes of ``w`` parameter bytes without ZeRO: the parameters' own, or under
     ``layouts.mixed_precision`` of bf16 parameters their fp32 accumulators (as big as the
     master weights and each moment).
 
-    >>> _grad_bytes(Setup(dtype="bfloat16"), 100), _grad_bytes(Setup(dtype="bfloat16", precision="pure"), 100)
+    >>> mixed, pure = (Target.of(dtp.RunConfig(dtype="bfloat16", precision=p)) for p in ("mixed", "pure"))
+    >>> _grad_bytes(mixed, 100), _grad_bytes(pure, 100)
     (200, 100)
     """
     e, acc = s.torch_dtype.itemsize, accum_dtype(s.torch_dtype).itemsize
     return w * acc // e if s.layout.precision is not None else w
 
 
-def memory(s: Setup, rank_leaves: list[Leaf], stage: int = 0) -> Memory:
+def memory(s: Target, rank_leaves: list[Leaf], stage: int = 0) -> Memory:
     """The memory of pipeline rank ``stage`` holding ``rank_leaves``.
 
-    >>> from dtp.planning.setup import leaves
-    >>> s = Setup(cfg=llama.config("tiny"), dp=2, batch=8, seq=16)
+    >>> from dtp.planning.target import leaves
+    >>> s = Target.of(dtp.RunConfig(dp=2, batch=8, seq=16))
     >>> m = memory(s, leaves(s))
     >>> m.rest // 427264, m.update // 427264     # 3 × params at rest, 6 × more to update
     (3, 6)
     """
     acc = accum_dtype(s.torch_dtype).itemsize
     w = sum(l.nbytes for l in rank_leaves)
-    zero = s.zero if s.dp > 1 else 0
+    zero = s.run.zero if s.run.dp > 1 else 0
     data = _data(s)
     held = 0
     if zero:
         buckets = zero_buckets(s, rank_leaves)
         padded = sum(b[0] for b in buckets)
         buf, grads = sum(b[0] * b[1] for b in buckets), sum(b[0] * b[2] for b in buckets)
-        slice_ = padded // s.dp
+        slice_ = padded // s.run.dp
         if zero < 3:  # the gathered buckets; an fp32 master slice (a copy even for fp32 params)
             params, optimizer = buf, 3 * slice_ * acc
         else:  # the master slice is the parameters (gathers cast it on the fly)
@@ -430,12 +431,12 @@ def memory(s: Setup, rank_leaves: list[Leaf], stage: int = 0) -> Memory:
         # The new tree over the slices, and one slice-sized temporary of AdamW's (a bucket's
         # slice is one tensor: measured 6 slices at ZeRO-3's update peak since optim.step,
         # 7 before it, torch 2.13)
-        update = 5 * slice_ * acc + max(b[0] for b in buckets) // s.dp * acc
+        update = 5 * slice_ * acc + max(b[0] for b in buckets) // s.run.dp * acc
         if zero < 3:  # then the new slices gathered into new buckets, on gloo over more
             # than 2 ranks through a staging buffer of a whole bucket (measured, torch 2.13:
             # dp4 ZeRO-1's peak, 3 slices + 2 buckets); at dp=2 dtp.comm gathers straight
             # into the bucket (an all-to-all)
-            staging = max(b[0] * b[1] for b in buckets) if _gloo(s) and s.dp > 2 else 0
+            staging = max(b[0] * b[1] for b in buckets) if _gloo(s) and s.run.dp > 2 else 0
             update = max(update, 3 * slice_ * acc + buf + staging)
         update += data
     else:
@@ -449,19 +450,18 @@ def memory(s: Setup, rank_leaves: list[Leaf], stage: int = 0) -> Memory:
                   moment, params + optimizer + sum(moments[moment]), held)
 
 
-def held_gathers(s: Setup, buckets: list[tuple[int, int, int, bool]]) -> int:
+def held_gathers(s: Target, buckets: list[tuple[int, int, int, bool]]) -> int:
     """Bytes of the whole buckets ZeRO-3 holds between steps: under
     ``overlap_param_gather`` the update gathers the next forward's first ``prefetch`` + 1
     buckets (what that forward holds at its first read) and the state keeps them until
     it takes them (:class:`dtp.strategies.zero_gathers.InflightGathers`); none otherwise.
 
-    >>> from dtp.planning.setup import leaves
-    >>> s = Setup(cfg=llama.config("tiny"), dp=2, zero=3, bucket_mb=0.05,
-    ...           layout=dtp.layouts.data() + dtp.layouts.zero(3, bucket_mb=0.05, overlap_param_gather=True))
+    >>> from dtp.planning.target import leaves
+    >>> s = Target.of(dtp.RunConfig(dp=2, zero=3, bucket_mb=0.05, overlap_param_gather=True))
     >>> held_gathers(s, zero_buckets(s, leaves(s)))     # prefetch 1: buckets 0 and 1, whole, fp32
     147968
     """
     opts = s.layout.zero if s.layout is not None else None
-    if s.zero != 3 or s.dp == 1 or opts is None or not opts.overlap_param_gather:
+    if s.run.zero != 3 or s.run.dp == 1 or opts is None or not opts.overlap_param_gather:
         return 0
     return sum(b[0] * b[1] for b in buckets[:opts.prefetch + 1])

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .setup import rank_stages
+from .target import rank_stages
 
 if TYPE_CHECKING:
     from . import Plan
@@ -46,10 +46,10 @@ def format_bytes(n: float) -> str:
 
 
 def _describe(p: "Plan") -> str:
-    s = p.setup
+    s = p.target
     parts = [f"{a}={n}" for a, n in s.axes.items() if n > 1]
-    if s.sp and s.tp > 1:
-        parts.append("sp async_tp" if s.async_tp else "sp")
+    if s.run.sp:  # RunConfig: only with tp > 1
+        parts.append("sp async_tp" if s.run.async_tp else "sp")
     ctx = s.context  # the layout's: what the plan modelled, not the keywords
     if ctx is not None:
         parts.append(f"cp_algo={ctx.algo}")
@@ -57,14 +57,15 @@ def _describe(p: "Plan") -> str:
             parts.append(f"ulysses_degree={ctx.ulysses_degree}")
         if ctx.window > 1:
             parts.append(f"cp_window={ctx.window}")
-    if s.pp > 1:
-        parts.append(f"{s.pp_schedule}" + (f" v={s.virtual_stages}" if s.virtual_stages > 1 else ""))
-    if s.zero:
-        parts.append(f"zero={s.zero}")
-    parts += [f"microbatches={s.microbatches}", f"recompute={s.recompute}", s.dtype]
+    if s.run.pp > 1:
+        parts.append(f"{s.run.pp_schedule}" + (f" v={s.virtual_stages}" if s.virtual_stages > 1 else ""))
+    if s.run.zero:
+        parts.append(f"zero={s.run.zero}")
+    parts += [f"microbatches={s.run.microbatches}", f"recompute={s.run.recompute}", s.run.dtype]
     parts += [s.backend] if s.backend != "gloo" else []
     ranks = f"{s.world} rank{'s' * (s.world > 1)}"
-    return f"{s.model} ({format_count(p.params)} params), batch {s.batch} × seq {s.seq} on {ranks}: " + ", ".join(parts)
+    shape = f"batch {s.run.batch} × seq {s.run.seq} on {ranks}"
+    return f"{s.name} ({format_count(p.params)} params), {shape}: " + ", ".join(parts)
 
 
 def format_plan(p: "Plan", memory_gb: float | None = None) -> str:
@@ -78,22 +79,22 @@ def format_plan(p: "Plan", memory_gb: float | None = None) -> str:
     ...
     fits: peak 3.67 MiB of 1.00 GiB (0.4 %)
     """
-    m, s = p.worst, p.setup
+    m, s = p.worst, p.target
     rows = [("parameters", m.params), ("optimizer state", m.optimizer), ("gradients", m.grads),
             (f"activations ({m.in_flight} microbatch{'es' if m.in_flight > 1 else ''} in flight)",
              m.activations), ("working set", m.working)]
     if m.held:  # ZeRO-3's next-forward gathers (overlap_param_gather), held between steps
         rows.insert(2, ("gathered for the next forward", m.held))
-    if s.pp == 1:
+    if s.run.pp == 1:
         lines = [_describe(p), "memory per rank (pipeline rank 0)"]
     else:  # the fullest pipeline rank; which stages it holds depends on the schedule's map
-        lines = [_describe(p), f"memory per rank (the fullest: pipeline rank {m.stage} of {s.pp}, "
+        lines = [_describe(p), f"memory per rank (the fullest: pipeline rank {m.stage} of {s.run.pp}, "
                                f"{rank_stages(s, m.stage)})"]
     lines += [f"  {name:<36}{format_bytes(v):>12}" for name, v in rows]
     lines.append(f"  {'peak in backward':<36}{format_bytes(m.backward_peak):>12}")
     lines.append(f"  {'peak in update':<36}{format_bytes(m.update_peak):>12}   (new tree beside the old)")
     lines.append(f"  {'peak':<36}{format_bytes(m.peak):>12}")
-    if s.pp > 1:
+    if s.run.pp > 1:
         lines.append("  peak per pipeline rank: " + ", ".join(f"{x.stage}: {format_bytes(x.peak)}" for x in p.memory))
     # Pipeline ranks send different bytes where they hold different stages (the head's
     # cross-entropy, a V schedule's rank 0 with no block): one table per distinct rank,
@@ -102,22 +103,22 @@ def format_plan(p: "Plan", memory_gb: float | None = None) -> str:
     for r, rows_r in enumerate(p.traffic):
         groups.setdefault(tuple(sorted((x.axis, x.kind, x.what, x.times, x.each) for x in rows_r)), []).append(r)
     for ranks in groups.values():
-        if s.pp == 1:
+        if s.run.pp == 1:
             lines.append("bytes sent per step (this rank)")
-        elif len(ranks) == s.pp:
+        elif len(ranks) == s.run.pp:
             lines.append("bytes sent per step (every pipeline rank)")
         else:
             where = "; ".join(f"{r} ({rank_stages(s, r)})" for r in ranks)
             logged = ": what dtp train's metrics log" if 0 in ranks else ""
             lines.append(f"bytes sent per step, pipeline rank{'s' * (len(ranks) > 1)} {where}{logged}")
         lines += _bytes_table(p.traffic[ranks[0]])
-    if s.pp > 1 and s.cfg.num_experts:
+    if s.run.pp > 1 and s.cfg.num_experts:
         # Measured (tiny-moe, pp2, m 2): 504 B of all-reduce and ~1 kB of sends a step beyond the rows.
         lines.append("  (not counted: the MoE carry's structure, a pickled tree sent beside its first microbatch "
                      "and all-reduced once for the aux: about a kB a step)")
-    if p.setup.pp > 1:
-        lines.append(f"pipeline bubble {100 * p.bubble:.1f} % of rank time ({p.setup.pp_schedule}, "
-                     f"p={p.setup.pp}, v={p.setup.virtual_stages}, m={p.setup.microbatches})")
+    if p.run.pp > 1:
+        lines.append(f"pipeline bubble {100 * p.bubble:.1f} % of rank time ({p.run.pp_schedule}, "
+                     f"p={p.run.pp}, v={p.target.virtual_stages}, m={p.run.microbatches})")
     if memory_gb is not None:
         lines.append(verdict(p, memory_gb))
     return "\n".join(lines)

@@ -57,7 +57,7 @@ from ..layouts.pipeline import assign
 from ..models import llama
 from ..ops.context import default_chunks
 from ..strategies.pipeline_wire import HEADER
-from .setup import Leaf, Setup
+from .target import Leaf, Target
 
 __all__ = ["Traffic", "traffic", "attention", "summary"]
 
@@ -88,7 +88,7 @@ _ag, _rs, _ar, _a2a = (partial(ring_bytes, kind) for kind in ("all_gather", "red
                                                                "all_to_all"))
 
 
-def zero_buckets(s: Setup, rank_leaves: list[Leaf]) -> list[tuple[int, int, int, bool]]:
+def zero_buckets(s: Target, rank_leaves: list[Leaf]) -> list[tuple[int, int, int, bool]]:
     """ZeRO's buckets as :func:`dtp.strategies.zero` builds them: ``(padded numel, param
     bytes per element, grad bytes per element, released after forward)`` in bucket order.
 
@@ -99,34 +99,34 @@ def zero_buckets(s: Setup, rank_leaves: list[Leaf]) -> list[tuple[int, int, int,
     names = list(s.axes)
     groups = [members for _, members in bucket_groups(
         [(leaf.dtype, tuple(a for a in names if a in set(leaf.spec.used_axes()))) for leaf in rank_leaves],
-        [leaf.numel for leaf in rank_leaves], [leaf.dtype.itemsize for leaf in rank_leaves], s.bucket_mb)]
+        [leaf.numel for leaf in rank_leaves], [leaf.dtype.itemsize for leaf in rank_leaves], s.run.bucket_mb)]
     # Reads in forward: every leaf once, a tied embedding again at the head.
     last_read = len(rank_leaves) - 1
     tied = s.cfg.tie_embeddings and any(l.path == "final_norm" for l in rank_leaves)
     out = []
     for members in groups:
         total = sum(rank_leaves[j].numel for j in members)
-        padded = padded_numel(total, s.dp)
+        padded = padded_numel(total, s.run.dp)
         dtype = rank_leaves[members[0]].dtype
         last = max(last_read if (tied and rank_leaves[j].path == "embed") else j for j in members)
         out.append((padded, dtype.itemsize, accum_dtype(dtype).itemsize, last < last_read))
     return out
 
 
-def traffic(s: Setup, rank_leaves: list[Leaf], stage: int = 0) -> list[Traffic]:
+def traffic(s: Target, rank_leaves: list[Leaf], stage: int = 0) -> list[Traffic]:
     """Every collective pattern of one optimizer step on pipeline rank ``stage``.
 
-    >>> from dtp.planning.setup import leaves
-    >>> s = Setup(cfg=llama.config("tiny"), dp=2, batch=8, seq=16)
+    >>> from dtp.planning.target import leaves
+    >>> s = Target.of(dtp.RunConfig(dp=2, batch=8, seq=16))
     >>> summary(traffic(s, leaves(s)))
     {'dp': {'all_reduce': 427276}}
     """
     out: list[Traffic] = []
-    cfg, axes, m = s.cfg, s.axes, s.microbatches
+    cfg, axes, m = s.cfg, s.axes, s.run.microbatches
     e = s.torch_dtype.itemsize
     acc = accum_dtype(s.torch_dtype).itemsize
     paths = {l.path for l in rank_leaves}
-    has_embed = "embed" in paths and (s.pp == 1 or stage == 0)
+    has_embed = "embed" in paths and (s.run.pp == 1 or stage == 0)
     has_head = "final_norm" in paths
     blocks = sorted({int(l.path.split(".")[1]) for l in rank_leaves if l.path.startswith("layers.")})
     moe_blocks = [i for i in blocks if llama.is_moe(cfg, i)]
@@ -136,7 +136,7 @@ def traffic(s: Setup, rank_leaves: list[Leaf], stage: int = 0) -> list[Traffic]:
             out.append(Traffic(axis, kind, what, times, each))
 
     # --- gradients: one all-reduce per parameter and axis it is replicated over
-    zero_dp = s.zero >= 1 and s.dp > 1
+    zero_dp = s.run.zero >= 1 and s.run.dp > 1
     # Without ZeRO pending sums accumulate over microbatches and reduce once; ZeRO adds each
     # microbatch's gradient into its bucket, so the other axes reduce it every microbatch.
     grad_times = m if zero_dp else 1
@@ -155,7 +155,7 @@ def traffic(s: Setup, rank_leaves: list[Leaf], stage: int = 0) -> list[Traffic]:
             # gradients are whole there too (split over tp, the router's is a pending sum).
             whole_on_tp = (axis == "tp" and leaf.path.rsplit(".", 1)[-1] in _ROUTED
                            and not (expert_tp and leaf.path.endswith("router")))
-            if not leaf.splits(axis) and not whole_on_tp and not (axis == "tp" and not s.sp and
+            if not leaf.splits(axis) and not whole_on_tp and not (axis == "tp" and not s.run.sp and
                                                                   leaf.path.rsplit(".", 1)[-1] in _RESIDUAL):
                 per[_ar(leaf.nbytes * (widen if leaf.dtype == s.torch_dtype else 1), n)] += 1
         for each, times in sorted(per.items()):
@@ -163,18 +163,18 @@ def traffic(s: Setup, rank_leaves: list[Leaf], stage: int = 0) -> list[Traffic]:
     if zero_dp:
         buckets = zero_buckets(s, rank_leaves)
         for index, (padded, pe, ge, released) in enumerate(buckets):
-            add("dp", "reduce_scatter", "zero grad", 1, _rs(padded * ge, s.dp))
-            shard = padded // s.dp * pe
-            if s.zero < 3:
-                add("dp", "all_gather", "zero param", 1, _ag(shard, s.dp))
+            add("dp", "reduce_scatter", "zero grad", 1, _rs(padded * ge, s.run.dp))
+            shard = padded // s.run.dp * pe
+            if s.run.zero < 3:
+                add("dp", "all_gather", "zero param", 1, _ag(shard, s.run.dp))
             else:  # every microbatch gathers in forward and re-gathers what forward freed
-                regather = released and s.reshard_after_forward
+                regather = released and s.run.reshard_after_forward
                 # The first bucket, re-gathered last in backward, is still held when the
                 # next microbatch's forward reads it (measured on the comm log).
                 again = m * (1 + regather) - ((m - 1) if index == 0 and regather else 0)
-                add("dp", "all_gather", "zero3 param", again, _ag(shard, s.dp))
+                add("dp", "all_gather", "zero3 param", again, _ag(shard, s.run.dp))
     # --- the loss over the data axes (per microbatch), the norm over the split axes
-    if s.pp == 1 or has_head:
+    if s.run.pp == 1 or has_head:
         for axis in ("cp", "ep", "dp"):  # the loss is a scalar in the accumulation dtype (measured)
             add(axis, "all_reduce", "loss", m, _ar(acc, axes.get(axis, 1)))
             # and the valid targets of the step's batch, counted once at the first loss (int64)
@@ -185,7 +185,7 @@ def traffic(s: Setup, rank_leaves: list[Leaf], stage: int = 0) -> list[Traffic]:
         add(axis, "all_reduce", "grad norm", 1, _ar(acc, axes.get(axis, 1)))
 
     # --- tensor parallel activations, per microbatch
-    L, full = len(blocks), s.recompute == "full"
+    L, full = len(blocks), s.run.recompute == "full"
     # MoE blocks with experts whole on every tp rank and no shared expert: the MoE output
     # is whole on each (its exit a slice forward, an all-gather backward) and so is its
     # input's gradient (no move). With experts split over tp, or a shared expert (a dense
@@ -196,7 +196,7 @@ def traffic(s: Setup, rank_leaves: list[Leaf], stage: int = 0) -> list[Traffic]:
     if tp > 1:
         whole = s.tokens * cfg.dim * e  # (b, s/cp, h): what a row-parallel output is
         ends = has_embed + has_head
-        if s.sp and s.async_tp:
+        if s.run.sp and s.run.async_tp:
             # Rings of tp-1 shards per rank (dtp.ops.collective_matmul; counted in shards: from
             # tp 3 up the rings are bidirectional, two hops a step and the opposite shard in
             # halves, so more records of the same bytes in all): per block, the two
@@ -211,7 +211,7 @@ def traffic(s: Setup, rank_leaves: list[Leaf], stage: int = 0) -> list[Traffic]:
             add("tp", "send_recv", "async tp", m * rings * (tp - 1), whole // tp)
             add("tp", "all_gather", "sp", m * (has_embed + moe_exits), _ag(whole // tp, tp))
             add("tp", "reduce_scatter", "sp", m * (has_embed + moe_exits - W), _rs(whole, tp))
-        elif s.sp:
+        elif s.run.sp:
             add("tp", "all_gather", "sp", m * (4 * L + ends + 2 * L * full), _ag(whole // tp, tp))
             add("tp", "reduce_scatter", "sp", m * (4 * L - 2 * W + ends + L * full), _rs(whole, tp))
         else:
@@ -236,10 +236,10 @@ def traffic(s: Setup, rank_leaves: list[Leaf], stage: int = 0) -> list[Traffic]:
                                                                       axes.get(axis, 1)))
 
     # --- pipeline: activations forward, their gradients back, per microbatch and chunk
-    if s.pp > 1:
-        p, v = s.pp, s.virtual_stages
+    if s.run.pp > 1:
+        p, v = s.run.pp, s.virtual_stages
         act = s.residual_tokens * cfg.dim * e
-        pl = placement(s.pp_schedule)
+        pl = placement(s.run.pp_schedule)
         held = [global_stage(c, stage, p, pl) for c in range(v)]  # this rank's global stages
 
         def remote(a: int, b: int) -> bool:  # the V's turn (stage p-1 to p) stays on its rank
@@ -287,7 +287,7 @@ def _ring(n: int, w: int, inner: str, outer: str | None, block: int, partial: in
     return rows
 
 
-def attention(s: Setup) -> list[Traffic]:
+def attention(s: Target) -> list[Traffic]:
     """The collectives of one context-parallel attention (one layer, one microbatch,
     forward and backward) on each rank, read off the layout's options and the sub-axes
     the comm log names (:mod:`dtp.ops.context`: double ring ``cp_outer`` × ``cp_inner``,
@@ -300,7 +300,7 @@ def attention(s: Setup) -> list[Traffic]:
     A double ring of 4 in windows of 2, K/V blocks of 8 KiB: 2 hops a pass inside windows
     and 1 across, dK/dV partials 4 inside and 2 across:
 
-    >>> s = Setup(cfg=llama.config("tiny"), batch=8, seq=16, cp=4, cp_algo="double_ring", cp_window=2)
+    >>> s = Target.of(dtp.RunConfig(batch=8, seq=16, cp=4, cp_algo="double_ring", cp_window=2))
     >>> [(r.axis, r.what, r.times, r.each) for r in attention(s)]  # doctest: +NORMALIZE_WHITESPACE
     [('cp_inner', 'ring K/V', 4, 8192), ('cp_inner', 'ring dK/dV', 4, 8192),
      ('cp_outer', 'ring K/V outer', 2, 8192), ('cp_outer', 'ring dK/dV outer', 2, 8192)]
@@ -310,30 +310,30 @@ def attention(s: Setup) -> list[Traffic]:
         return []
     e = s.torch_dtype.itemsize
     acc = accum_dtype(s.torch_dtype).itemsize
-    passes = 2 if s.recompute == "full" else 1  # forward runs: full recompute runs it again
-    local = s.microbatch * (s.seq // s.cp) * cfg.head_dim * e  # one head's (b, s/cp, hd)
-    kv_heads = cfg.n_kv_heads // s.tp
-    q = local * cfg.n_heads // s.tp
+    passes = 2 if s.run.recompute == "full" else 1  # forward runs: full recompute runs it again
+    local = s.microbatch * (s.run.seq // s.run.cp) * cfg.head_dim * e  # one head's (b, s/cp, hd)
+    kv_heads = cfg.n_kv_heads // s.run.tp
+    q = local * cfg.n_heads // s.run.tp
     rows: list[Traffic] = []
     if ctx.algo in ("ulysses", "hybrid"):
-        u = s.cp if ctx.algo == "ulysses" else ctx.ulysses_degree
+        u = s.run.cp if ctx.algo == "ulysses" else ctx.ulysses_degree
         uly = ctx.axis if ctx.algo == "ulysses" else f"{ctx.axis}_uly"
         # GQA: fewer kv heads than u are repeated up to u before the all-to-all (and the
         # ring behind it moves the repeated copies).
         attended = attended_kv_heads(kv_heads, u)
         kv = local * attended * u
-        chunks = ctx.head_chunks or default_chunks(attended, s.cp, 2 * kv)
+        chunks = ctx.head_chunks or default_chunks(attended, s.run.cp, 2 * kv)
         # q and the output forward, dout and dq backward; k, v forward, dk, dv backward.
         for what, size in (("ulysses q/out", q), ("ulysses k/v", kv)):
             rows.append(Traffic(uly, "all_to_all", what, 2 * (passes + 1) * chunks, _a2a(size // chunks, u)))
         if ctx.algo == "ulysses":
             return rows
-        n = s.cp // u
+        n = s.run.cp // u
         names = (f"{ctx.axis}_ring", None) if ctx.window == 1 else (f"{ctx.axis}_inner", f"{ctx.axis}_outer")
         w = n if ctx.window == 1 else ctx.window
     else:
-        n, kv = s.cp, local * kv_heads
-        chunks = ctx.head_chunks or default_chunks(kv_heads, s.cp, 2 * kv)
+        n, kv = s.run.cp, local * kv_heads
+        chunks = ctx.head_chunks or default_chunks(kv_heads, s.run.cp, 2 * kv)
         names = (ctx.axis, None) if ctx.algo == "ring" else (f"{ctx.axis}_inner", f"{ctx.axis}_outer")
         w = n if ctx.algo == "ring" else ctx.window
     # A K/V block is K and V stacked in the compute dtype; dK/dV partials accumulate in
