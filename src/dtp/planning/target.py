@@ -24,7 +24,7 @@ import torch
 from .. import schedules
 from .._mesh_shape import MeshShape
 from ..config import DTYPES as config_dtypes
-from ..config import RunConfig, mesh_axes_of
+from ..config import RunConfig
 from ..models.config import n_sequential_layers, param_shapes
 from .._rules import accum_dtype
 from ..layouts import ContextOptions, Layout, check_divisible
@@ -130,17 +130,12 @@ class Target:
 
     @property
     def axes(self) -> dict[str, int]:
-        """The mesh's non-trivial axes (:func:`dtp.config.mesh_axes_of` of the run's degrees).
-
-        Not quite ``run.mesh_axes()``, which keeps ep at 1 under ``expert_tp`` (the mesh
-        ``dtp train`` builds): there ZeRO buckets the experts apart from the other
-        tp-split parameters (split on ep too), here with them. Known to be off: tiny-moe
-        dp2 × tp2 ``expert_tp`` ZeRO-3 at ``bucket_mb=0.05`` plans 494,848 B of dp
-        all-gather against 482,560 measured, which ``run.mesh_axes()`` plans exactly. The
-        two differ only there (ZeRO with ``expert_tp`` at ep 1); kept, so that no plan's
-        figures changed when the plan came to read a RunConfig."""
-        run = self.run
-        return mesh_axes_of(pp=run.pp, dp=run.dp, ep=run.ep, cp=run.cp, tp=run.tp)
+        """The mesh ``dtp train`` builds (:meth:`dtp.RunConfig.mesh_axes`): ep kept at 1
+        under ``expert_tp``, where ZeRO buckets the experts apart from the other tp-split
+        parameters. (Before the plan read a RunConfig it dropped that axis: tiny-moe dp2 ×
+        tp2 ``expert_tp`` ZeRO-3 at ``bucket_mb=0.05`` planned 494,848 B of dp all-gather
+        against 482,560 measured; it now plans 482,560.)"""
+        return self.run.mesh_axes()
 
     @property
     def world(self) -> int:
