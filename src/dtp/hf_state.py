@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import optree
 import torch
@@ -39,8 +39,10 @@ from .models import hf, llama
 from .models.config import LlamaConfig
 from .optim import GradientTransformation
 from .spec import P, check_spec, wrap_local
-from .state import TrainState
 from .strategies import pipeline, zero, zero_plan
+
+if TYPE_CHECKING:
+    from .state import TrainState  # TrainState.from_hf calls in here with its class
 
 __all__ = ["state_from_hf"]
 
@@ -102,8 +104,8 @@ def _zero_parts(cfg: LlamaConfig, paths: list[str], specs: list[P], shapes: list
     return plan, leaves, block
 
 
-def state_from_hf(path: str | os.PathLike[str], optimizer: GradientTransformation, *, mesh: DeviceMesh,
-                  layout: Layout, dtype: torch.dtype = torch.float32, vocab_multiple: int = 1,
+def state_from_hf(cls: type[TrainState], path: str | os.PathLike[str], optimizer: GradientTransformation, *,
+                  mesh: DeviceMesh, layout: Layout, dtype: torch.dtype = torch.float32, vocab_multiple: int = 1,
                   weights: bool = True) -> TrainState:
     """``TrainState.from_hf``: the state ``TrainState.create(from_hf(path)[1], ...)`` builds
     (under ZeRO: the state after step one's bucketing, at step 0), each rank reading only
@@ -172,9 +174,9 @@ def state_from_hf(path: str | os.PathLike[str], optimizer: GradientTransformatio
     if zero_state is not None:  # the state after step one's bucketing: its parameters gathered (a collective)
         params, zero_state = zero.at_rest(zero_state, zero_state.master)
         opt_state = optimizer.init(list(zero_state.master))
-        return TrainState(0, params, opt_state, optimizer, mesh, layout, llama.param_axes(cfg), zero_state, checks)
+        return cls(0, params, opt_state, optimizer, mesh, layout, llama.param_axes(cfg), zero_state, checks)
     opt_state, strategy = strategies.create(params, optimizer, layout, mesh)
-    return TrainState(0, params, opt_state, optimizer, mesh, layout, llama.param_axes(cfg), strategy, checks)
+    return cls(0, params, opt_state, optimizer, mesh, layout, llama.param_axes(cfg), strategy, checks)
 
 
 def _zeros(want: hf.Box | list[hf.Box] | None, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -145,9 +145,10 @@ class TrainState:
         as ``create(models.hf.from_hf(path, dtype, vocab_multiple)[1], ...)`` does.
         ``weights=False``: zeros in its place, only ``config.json`` read (a state that
         :func:`dtp.checkpoint.load` then fills, ``like=`` it)."""
-        from .hf_state import state_from_hf  # it builds on this module
+        # Here, not at the top: only a from_hf pays for the Hugging Face readers (models.hf).
+        from .hf_state import state_from_hf
 
-        return state_from_hf(path, optimizer, mesh=mesh, layout=layout, dtype=dtype, vocab_multiple=vocab_multiple,
+        return state_from_hf(cls, path, optimizer, mesh=mesh, layout=layout, dtype=dtype, vocab_multiple=vocab_multiple,
                              weights=weights)
 
     def replace(self, **changes: Any) -> "TrainState":

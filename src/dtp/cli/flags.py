@@ -28,7 +28,7 @@ from ..config import MODEL_FIELDS, RunConfig, flag_names, flag_of, mesh_axes_of,
 from ..launch import in_torchrun
 from ..layouts import Layout
 from ..models import config as model_config
-from ..models.hf_config import check_weight_files
+from ..models.hf_config import check_weight_files, config_for
 from .parser import RUN_DEFAULTS, UsageError, build_parser, note
 from .resume import check_resume, resume_from
 from .shape import check_shape, format_mesh
@@ -326,7 +326,7 @@ def _model(args: argparse.Namespace, max_id: int) -> model_config.LlamaConfig:
     if importlib.util.find_spec("safetensors") is None:
         raise UsageError("--init-from reads Hugging Face weights with safetensors: pip install 'dtp[hf]'")
     try:
-        cfg = model_config.config_for(args.model, init_from=args.init_from, **model_overrides(args))
+        cfg = config_for(args.model, init_from=args.init_from, **model_overrides(args))
     except OSError as e:
         raise UsageError(f"--init-from {args.init_from}: {e.strerror or e} ({e.filename})") from None
     except KeyError as e:  # str(KeyError) is the bare key, quoted

@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping
 
 from .._rules import SCORE_FUNCTIONS, check_groups, said, setting
 
-__all__ = ["LlamaConfig", "RopeScaling", "CONFIGS", "config", "config_for", "block_shapes", "param_shapes",
+__all__ = ["LlamaConfig", "RopeScaling", "CONFIGS", "config", "block_shapes", "param_shapes",
            "param_axes", "axis_sizes", "param_count", "flops_per_token", "is_moe", "n_sequential_layers",
            "named"]
 
@@ -206,24 +205,6 @@ def config(name: str = "tiny", **overrides: Any) -> LlamaConfig:
     if name not in CONFIGS:
         raise ValueError(f"unknown model {name!r}; choose one of {sorted(CONFIGS)}")
     return LlamaConfig(**{**CONFIGS[name], **overrides})
-
-
-def config_for(model: str, *, init_from: str | None = None, vocab_size: int | None = None,
-               **overrides: Any) -> LlamaConfig:
-    """A run's model: the preset ``model`` (its vocabulary ``vocab_size`` when given), or,
-    with ``init_from``, the Hugging Face directory's (its vocabulary padded to a multiple
-    of :data:`dtp.models.hf.INIT_VOCAB_MULTIPLE`; ``vocab_size`` then unused), with the
-    field ``overrides`` on top.
-
-    >>> config_for("tiny", vocab_size=384).vocab_size
-    384
-    """
-    if init_from is None:
-        return config(model, **({} if vocab_size is None else {"vocab_size": vocab_size}), **overrides)
-    from .hf_config import INIT_VOCAB_MULTIPLE, config_from_hf  # it builds on this module
-
-    cfg = config_from_hf(init_from, vocab_multiple=INIT_VOCAB_MULTIPLE)
-    return dataclasses.replace(cfg, **overrides) if overrides else cfg
 
 
 def is_moe(cfg: LlamaConfig, i: int) -> bool:

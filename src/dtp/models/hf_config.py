@@ -11,15 +11,16 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import dataclasses
 import tempfile
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from .config import LlamaConfig, RopeScaling
+from .config import LlamaConfig, RopeScaling, config
 
-__all__ = ["config_from_hf", "hf_config", "hf_model_type", "moe_model_type", "padded_vocab", "check_moe",
+__all__ = ["config_for", "config_from_hf", "hf_config", "hf_model_type", "moe_model_type", "padded_vocab", "check_moe",
            "weight_files", "check_weight_files", "weight_file_names", "staged", "INIT_VOCAB_MULTIPLE", "INDEX",
            "SINGLE"]
 
@@ -398,3 +399,19 @@ def staged(path: str | os.PathLike[str], *, replaces: Sequence[str] = ()) -> Ite
             os.replace(tmp / name, root / name)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def config_for(model: str, *, init_from: str | None = None, vocab_size: int | None = None,
+               **overrides: Any) -> LlamaConfig:
+    """A run's model: the preset ``model`` (its vocabulary ``vocab_size`` when given), or,
+    with ``init_from``, the Hugging Face directory's (its vocabulary padded to a multiple
+    of :data:`dtp.models.hf.INIT_VOCAB_MULTIPLE`; ``vocab_size`` then unused), with the
+    field ``overrides`` on top.
+
+    >>> config_for("tiny", vocab_size=384).vocab_size
+    384
+    """
+    if init_from is None:
+        return config(model, **({} if vocab_size is None else {"vocab_size": vocab_size}), **overrides)
+    cfg = config_from_hf(init_from, vocab_multiple=INIT_VOCAB_MULTIPLE)
+    return dataclasses.replace(cfg, **overrides) if overrides else cfg

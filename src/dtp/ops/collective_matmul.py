@@ -97,7 +97,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from .._torch import is_local_tensor, local_tensor
-from ..layouts import current
+from ..layouts.core import current  # the core alone: layouts.megatron calls in here
 from ..mesh import axis_sizes, coordinates
 from ..redistribute import local_map, plan, reshard
 from ..spec import P, spec_of, wrap_local
