@@ -9,7 +9,6 @@ rank 0 shows progress and writes the run directory (:mod:`dtp.cli.report`).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import functools
@@ -37,7 +36,7 @@ from ..redistribute import value_of
 from .process import Terminated, sigterm_ignored, sigterm_raises, run_world, single_process_world, why
 from .optimizer import OptimizerRules, decay_changes, train_optimizer
 from .parser import EVAL_BATCHES, PROG
-from .flags import UsageError, build_layout, train_argv, vocab_size
+from .flags import UsageError, build_layout, vocab_size
 from .shape import format_mesh
 from .resume import resume_from, segment_record, trained_segments
 from .report import (atomic_write_text, format_summary, plot_losses, Progress, write_json, format_bytes, read_metrics,
@@ -363,8 +362,9 @@ class SkipCounter:
                 f"{self.max_skipped} (0: never abort)")
 
 
-def train_rank(args: argparse.Namespace, *, stream: TextIO | None = None) -> int:
-    """Train as one rank of the current world (torchrun's, or a world of one).
+def train_rank(config: RunConfig, *, stream: TextIO | None = None) -> int:
+    """Train the run ``config`` (its ``out`` resolved: the ranks and the reference agree on
+    it) as one rank of the current world (torchrun's, or a world of one).
 
     Rank 0 writes the run directory: ``metrics.jsonl`` a line per step, and
     ``summary.json`` and ``loss.png`` at the end, also when the run ends early (Ctrl-C,
@@ -372,16 +372,15 @@ def train_rank(args: argparse.Namespace, *, stream: TextIO | None = None) -> int
     """
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    out = Path(args.out)
-    config = args.run_config
+    out = Path(config.out)
     vocab = _vocab_size(config, _load_data(config))
     run_cfg = run_record(config, vocab_size=vocab, world_size=world)
-    layout = build_layout(args)
-    progress = Progress(args.steps, args.log_every, stream) if rank == 0 else None
+    layout = config.layout()
+    progress = Progress(config.steps, config.log_every, stream) if rank == 0 else None
     if rank == 0:
         note_when_output_closes(f"{PROG} train: standard output was closed; training goes on, "
                                 f"each step in {out / 'metrics.jsonl'}")
-    checkpoints = _checkpointing(args, out)
+    checkpoints = _checkpointing(config, out)
     # Resuming: the steps up to the checkpoint stay in metrics.jsonl (the ones after it
     # are run again), so the file, the summary and the loss plot cover the whole run.
     earlier = _records_until(out, checkpoints.resume_from)
@@ -391,7 +390,7 @@ def train_rank(args: argparse.Namespace, *, stream: TextIO | None = None) -> int
     with contextlib.ExitStack() as files:
         metrics = board = None
         if rank == 0:
-            _print_header(args, run_cfg, layout, world, out, stream)
+            _print_header(config, _model(config, vocab), layout, world, out, stream)
             if checkpoints.resume_from is not None:
                 print(f"{PROG} train: resuming from step {len(earlier)} ({checkpoints.resume_from})",
                       file=stream, flush=True)
@@ -414,7 +413,7 @@ def train_rank(args: argparse.Namespace, *, stream: TextIO | None = None) -> int
             # With the flags each earlier segment of a resumed run trained under: dtp check
             # refuses a run no one set of flags retrains (resume.segments_mixed).
             write_json(out / "config.json", {**run_cfg, "layout": layout.name,
-                                              "command": shlex.join([PROG, *train_argv(args)]),
+                                              "command": shlex.join([PROG, *config.argv()]),
                                               "segments": [segment_record(s) for s in segments]})
             # The kept steps once (whole, atomically), then one line appended per step. A
             # fresh run's file appears with its first step (readers take it as "training").
@@ -423,7 +422,7 @@ def train_rank(args: argparse.Namespace, *, stream: TextIO | None = None) -> int
             else:
                 (out / "metrics.jsonl").unlink(missing_ok=True)
             metrics = files.enter_context(_AppendOnFirstWrite(out / "metrics.jsonl"))
-            if args.tensorboard:
+            if config.tensorboard:
                 board = files.enter_context(_TensorBoard(out / "tensorboard"))
 
         def on_step(step: int, record: dict[str, Any]) -> None:
@@ -439,17 +438,17 @@ def train_rank(args: argparse.Namespace, *, stream: TextIO | None = None) -> int
 
         interrupted = None
         try:
-            with sigterm_raises(), run_world(args) as mesh:
-                train_loop(config, mesh, layout, vocab_size=vocab, recompute=_recompute(args), on_step=on_step,
+            with sigterm_raises(), run_world(config) as mesh:
+                train_loop(config, mesh, layout, vocab_size=vocab, recompute=_recompute(config), on_step=on_step,
                            checkpoints=checkpoints, on_start=on_start)
                 del mesh  # the last reference: destroy_process_group then really ends the group
         except BaseException as e:
             interrupted = why(e)
-            if isinstance(e, Exception) and not args.debug:
+            if isinstance(e, Exception) and not config.debug:
                 # Say what happened now, not after the summary and plot below: once one rank
                 # has exited the launcher stops the others, and a rank stopped before it
                 # spoke would leave only its flight record.
-                report_exception(e, "train", args.out)
+                report_exception(e, "train", config.out)
             raise
         finally:
             if rank == 0 and started and records:
@@ -469,29 +468,31 @@ def _finish(out: Path, records: list[dict[str, Any]], run_cfg: Mapping[str, Any]
     print(format_summary(summary), file=stream, flush=True)
 
 
-def _print_header(args: argparse.Namespace, run_cfg: Mapping[str, Any], layout: Layout, world: int, out: Path,
+def _print_header(config: RunConfig, cfg: llama.LlamaConfig, layout: Layout, world: int, out: Path,
                   stream: TextIO | None) -> None:
-    """The run's first line: model and its parameter count, mesh, layout, dtype, directory;
-    then the plan's per-rank memory, when :mod:`dtp.plan` provides it (:func:`_plan_memory`)."""
-    cfg = _model(args.run_config, run_cfg["vocab_size"])
+    """The run's first line: model (``cfg``, the one the ranks train) and its parameter
+    count, mesh, layout, dtype, directory; then the plan's per-rank memory, when
+    :mod:`dtp.plan` provides it (:func:`_plan_memory`)."""
     params = llama.param_count(cfg)
-    model = args.init_from if args.init_from else args.model
-    print(f"{PROG} train: {model} ({format_count(params)} parameters) on mesh {format_mesh(run_cfg['mesh'])} "
-          f"({world} rank{'s' * (world > 1)}), layout {layout.name}, {args.dtype}"
-          f"{f', {args.microbatches} microbatches' if args.microbatches > 1 else ''}, writing {out}",
+    model = config.init_from if config.init_from else config.model
+    print(f"{PROG} train: {model} ({format_count(params)} parameters) on mesh {format_mesh(config.mesh_axes())} "
+          f"({world} rank{'s' * (world > 1)}), layout {layout.name}, {config.dtype}"
+          f"{f', {config.microbatches} microbatches' if config.microbatches > 1 else ''}, writing {out}",
           file=stream, flush=True)
-    memory = _plan_memory(args)
+    memory = _plan_memory(config, cfg)
     if memory:
         print(f"{PROG} train: {memory}", file=stream, flush=True)
 
 
-def _plan_memory(args: argparse.Namespace) -> str | None:
-    """One line with :func:`dtp.plan`'s predicted peak memory per rank, for the header;
-    ``None`` if the plan cannot be made (a prediction must never stop a run)."""
-    from .plan import plan_from_args
+def _plan_memory(config: RunConfig, cfg: llama.LlamaConfig) -> str | None:
+    """One line with :func:`dtp.plan`'s predicted peak memory per rank of the run with the
+    model ``cfg`` (the ranks': its vocabulary grown to the data's ids, as the preflight's
+    memory check planned it), for the header; ``None`` if the plan cannot be made (a
+    prediction must never stop a run)."""
+    from .plan import plan_of
 
     try:
-        p = plan_from_args(args)
+        p = plan_of(config, model=cfg)
     except Exception:  # noqa: BLE001 -- e.g. a configuration the plan does not model (double ring)
         return None
     worst = p.worst
@@ -546,15 +547,15 @@ class _TensorBoard:
         self.writer.close()
 
 
-def _recompute(args: argparse.Namespace) -> str | None:
-    return None if args.recompute == "none" else args.recompute
+def _recompute(config: RunConfig) -> str | None:
+    return None if config.recompute == "none" else config.recompute
 
 
-def _checkpointing(args: argparse.Namespace, out: Path) -> Checkpointing:
+def _checkpointing(config: RunConfig, out: Path) -> Checkpointing:
     """The run's checkpoint settings; with ``--resume`` (or when torchrun restarted the
     ranks after a failure) the newest complete checkpoint in ``out``, found the same way
     on every rank (the directory is shared)."""
-    return Checkpointing(out / "checkpoints", args.save_every, args.keep, args.async_save, resume_from(args))
+    return Checkpointing(out / "checkpoints", config.save_every, config.keep, config.async_save, resume_from(config))
 
 
 def _records_until(out: Path, resume_from: Path | None) -> list[dict[str, Any]]:
