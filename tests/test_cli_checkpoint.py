@@ -120,6 +120,31 @@ def test_a_resume_of_an_older_run_says_its_decay_rule_changes(tmp_path) -> None:
     assert decay_changes(tmp_path, 2) is None
 
 
+@pytest.mark.parametrize("dropped", [("weight_decay",), ("warmup_from_step_one",),
+                                     ("weight_decay", "warmup_from_step_one", "max_skipped")])
+def test_check_of_an_older_run_retrains_it_under_its_rules(tmp_path, capsys, dropped) -> None:
+    """A config.json an older dtp wrote lacks the fields of the rules that came later (the
+    lr schedule from step one, decay on the matrices only, --max-skipped): dtp check
+    retrains it under the rules it ran (check.run_of_record), which train other losses than
+    today's, so a check under today's would fail."""
+    from dtp import RunConfig, layouts
+    from dtp.cli.optimizer import OptimizerRules
+
+    config = RunConfig(model="tiny", steps=3, batch=4, seq=16, dtype="float64", out=str(tmp_path))
+    older = OptimizerRules(warmup_from_step_one="warmup_from_step_one" not in dropped,
+                           decay_matrices_only="weight_decay" not in dropped)
+    vocab = loop._vocab_size(config, loop._load_data(config))
+    with loop.single_process_world() as mesh:
+        then, now = [loop.train_loop(config, mesh, layouts.data(), vocab_size=vocab, recompute=None, rules=rules)
+                     for rules in (older, OptimizerRules())]
+    assert [r["loss"] for r in then] != [r["loss"] for r in now]  # the rules differ where the record is silent
+    record = {k: v for k, v in loop.run_record(config, vocab_size=vocab, world_size=1).items() if k not in dropped}
+    (tmp_path / "config.json").write_text(json.dumps(record))
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in then))
+    assert cli.main(["check", str(tmp_path)]) == 0, capsys.readouterr().out
+    assert json.loads((tmp_path / "check.json").read_text())["max_rel_diff"] <= 1e-9
+
+
 def test_resume_without_a_checkpoint_is_one_line(tmp_path) -> None:
     proc = _dtp_train("--resume", "--out", str(tmp_path / "empty"))
     assert proc.returncode == 2
@@ -130,12 +155,21 @@ def test_resume_without_a_checkpoint_is_one_line(tmp_path) -> None:
 
 @pytest.mark.parametrize("flags, match", [
     (["--async-save"], "--async-save needs --save-every N"),
-    (["--save-every", "-1"], "--save-every must be >= 0"),
     (["--resume"], "--resume continues the run in --out"),
 ])
 def test_checkpoint_flag_combinations(flags, match) -> None:
     with pytest.raises(ValueError, match=match):
         parse_args(["train", *flags])
+
+
+def test_a_negative_save_every_is_refused_by_its_field(capsys) -> None:
+    # The bound is the field's (RunConfig's check), and so its flag's type check too.
+    from dtp.config import RunConfig
+
+    with pytest.raises(ValueError, match=r"^RunConfig: save_every must be >= 0, got -1$"):
+        RunConfig(save_every=-1)
+    assert cli.main(["train", "--save-every", "-1"]) == 2
+    assert "argument --save-every: expected an integer >= 0, got -1" in capsys.readouterr().err
 
 
 # A run of 4 one-rank steps with checkpoints at 2 and 4, trained in this process (no ranks

@@ -66,6 +66,27 @@ def test_header_and_progress_line(tmp_path, capsys) -> None:
     assert " eta " not in lines[4]  # the last step: nothing left
 
 
+def test_a_launched_ranks_header_plans_the_model_it_trains(tmp_path, monkeypatch, capsys) -> None:
+    """The header's plan line plans the model the ranks train, its vocabulary grown to the
+    data's ids (1000 here, the preset's 256): before, a launched rank (which runs no
+    preflight) planned the preset's, a quarter of the embedding, beside the model line's
+    parameter count; one rank (the launcher's process) planned the grown one."""
+    import numpy as np
+
+    data = tmp_path / "tokens.bin"
+    (np.arange(4000) % 1000).astype(np.uint16).tofile(data)
+    flags = ["--steps", "1", *SMALL, "--data", str(data)]
+    assert cli.main(["train", *flags, "--out", str(tmp_path / "one")]) == 0
+    one = capsys.readouterr().out
+    proc = cli_pool.train(monkeypatch, *flags, "--dp", "2", "--out", str(tmp_path / "two"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+    def planned(out: str) -> str:  # the plan's parameter bytes per rank (dp replicates them all)
+        return next(line for line in out.splitlines() if "plan: peak" in line).split("(parameters ")[1].split(",")[0]
+
+    assert planned(proc.stdout) == planned(one) == "1.6MB"  # 205.1k parameters in fp64
+
+
 def test_eval_loss_is_forward_only_and_layout_independent(tmp_path, monkeypatch) -> None:
     """--eval-every 2 over 3 steps evaluates at steps 2 and 3 (the last), on the corpus's
     held-out tenth; 2 ranks under ZeRO-3 (parameters gathered for it) give the 1-process

@@ -9,15 +9,14 @@ import pytest
 import cli_pool
 
 from dtp.cli import parse_args, train_argv
-from dtp.cli.flags import model_overrides
 
 
 def test_moe_flags_override_the_preset_and_travel_to_the_ranks() -> None:
     args = parse_args(["train", "--num-experts", "8", "--top-k", "1", "--capacity-factor", "1.5"])
-    assert model_overrides(args) == {"num_experts": 8, "top_k": 1, "capacity_factor": 1.5}
+    assert args.run_config.model_overrides() == {"num_experts": 8, "top_k": 1, "capacity_factor": 1.5}
     argv = train_argv(args)
     assert argv[argv.index("--num-experts") + 1] == "8" and argv[argv.index("--capacity-factor") + 1] == "1.5"
-    assert model_overrides(parse_args(["train"])) == {}
+    assert parse_args(["train"]).run_config.model_overrides() == {}
 
 
 @pytest.mark.parametrize("flags", [["--top-k", "0"], ["--capacity-factor", "0"], ["--num-experts", "-1"]])

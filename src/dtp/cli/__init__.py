@@ -107,7 +107,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
         from .check import check_in_subprocess
         from .loop import train_rank
 
-        code = train_rank(args)
+        code = train_rank(args.run_config)
         if code == 0 and args.check and rank == 0:
             code = check_in_subprocess(args.out)
         return code
@@ -121,7 +121,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     else:
         from .loop import train_rank
 
-        code = train_rank(args)
+        code = train_rank(args.run_config)
     if code == 0 and args.check:
         from .check import check_run
 

@@ -15,23 +15,42 @@ which AdamW's update all but cancels.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Sequence, TextIO
+from typing import Any, Mapping, Sequence, TextIO
 
 from .. import layouts
 from .._rules import _STEP_TOLERANCE, RUN_RTOL
-from ..config import master_weights
+from ..config import RunConfig, master_weights
 from .flags import UsageError
+from .optimizer import OptimizerRules
 from .resume import segments_mixed
 from .loop import single_process_world, train_loop
 from .report import plot_losses, write_json, read_metrics
 
-__all__ = ["check_run", "compare_losses", "tolerance_for", "first_step", "check_in_subprocess"]
+__all__ = ["check_run", "run_of_record", "compare_losses", "tolerance_for", "first_step", "check_in_subprocess"]
+
+
+def run_of_record(record: Mapping[str, Any]) -> tuple[RunConfig, OptimizerRules]:
+    """The run a run directory's ``config.json`` records, and the optimizer rules it trained
+    under: what its ``dtp check`` retrains. A record an older dtp wrote may lack fields: a
+    missing ``max_skipped`` never aborted (0), a missing ``weight_decay`` or
+    ``warmup_from_step_one`` is an older rule (:meth:`OptimizerRules.of_record`); the rest
+    are :class:`dtp.RunConfig`'s defaults. The keys that are no field (the vocabulary, the
+    mesh, the command, the segments) are the record's, not the run's.
+
+    >>> run, rules = run_of_record({"lr": 0.01, "steps": 4, "dtype": "float64", "mesh": {"dp": 1}})
+    >>> run.lr, run.max_skipped, run.weight_decay, rules
+    (0.01, 0, 0.1, OptimizerRules(warmup_from_step_one=False, decay_matrices_only=False))
+    >>> run_of_record({"steps": 4, "max_skipped": 3, "weight_decay": 0.0, "warmup_from_step_one": True})[1]
+    OptimizerRules(warmup_from_step_one=True, decay_matrices_only=True)
+    """
+    return RunConfig.from_dict({"max_skipped": 0, **record}, strict=False), OptimizerRules.of_record(record)
 
 
 def tolerance_for(dtype: str) -> float:
@@ -139,6 +158,10 @@ def check_run(run_dir: str | os.PathLike[str], *, rtol: float | None = None,
     run = [float(r["loss"]) for r in records]
     if not run:
         raise UsageError(f"{run_dir}: no step in metrics.jsonl: nothing to check")
+    try:
+        config, rules = run_of_record(cfg)
+    except ValueError as e:  # a record no RunConfig holds (edited by hand, a dtp that allowed more)
+        raise UsageError(f"{cfg_path}: {e}") from None
     rtol = tolerance_for(cfg["dtype"]) if rtol is None else rtol
     # A run stopped early (Ctrl-C, a stall) is checked on the steps it trained, under its
     # whole run's lr schedule: retraining all of --steps would take as long as the run
@@ -153,7 +176,8 @@ def check_run(run_dir: str | os.PathLike[str], *, rtol: float | None = None,
         # without ZeRO, would otherwise update bf16 parameters in place).
         mixed = master_weights(cfg.get("precision"), cfg.get("zero", 0), cfg["dtype"])
         layout = layouts.data() + (layouts.mixed_precision() if mixed else layouts.Layout())
-        reference = train_loop({**cfg, "compile": None}, mesh, layout, recompute=None, last=last)  # eager
+        reference = train_loop(dataclasses.replace(config, compile=None), mesh, layout,  # eager
+                               vocab_size=cfg["vocab_size"], recompute=None, last=last, rules=rules)
     ref = [r["loss"] for r in reference]
     result = compare_losses(run, ref, rtol)
     result.update(dtype=cfg["dtype"], run_losses=run, reference_losses=ref)

@@ -191,16 +191,6 @@ def train_argv(args: argparse.Namespace) -> list[str]:
     return run_config(args).argv()
 
 
-def model_overrides(args: Any) -> dict[str, Any]:
-    """The model-config fields the MoE flags set (``args`` a Namespace or the run config).
-
-    >>> model_overrides({"num_experts": 4, "top_k": None, "capacity_factor": None})
-    {'num_experts': 4}
-    """
-    get = args.get if isinstance(args, dict) else lambda k: getattr(args, k, None)
-    return {k: get(k) for k in MODEL_FIELDS if get(k) is not None}
-
-
 def build_layout(args: argparse.Namespace) -> Layout:
     """The run's layout (:meth:`dtp.RunConfig.layout`, where the flags meet the presets).
 
@@ -320,13 +310,13 @@ def _model(args: argparse.Namespace, max_id: int) -> model_config.LlamaConfig:
         try:  # LlamaConfig's checks of the MoE fields, in the flags' words
             with model_config.named({f: flag_of(f) for f in MODEL_FIELDS}):
                 return model_config.config(args.model, vocab_size=vocab_size(args.model, max_id),
-                                           **model_overrides(args))
+                                           **run_config(args).model_overrides())
         except ValueError as e:
             raise UsageError(str(e).removeprefix("LlamaConfig: ")) from None
     if importlib.util.find_spec("safetensors") is None:
         raise UsageError("--init-from reads Hugging Face weights with safetensors: pip install 'dtp[hf]'")
     try:
-        cfg = config_for(args.model, init_from=args.init_from, **model_overrides(args))
+        cfg = config_for(args.model, init_from=args.init_from, **run_config(args).model_overrides())
     except OSError as e:
         raise UsageError(f"--init-from {args.init_from}: {e.strerror or e} ({e.filename})") from None
     except KeyError as e:  # str(KeyError) is the bare key, quoted

@@ -1,5 +1,5 @@
-"""The training loop of ``dtp train``: the layout, mesh and state built from the flags,
-and the per-rank worker that trains and reports.
+"""The training loop of ``dtp train``: the layout, mesh and state built from the run's
+:class:`dtp.RunConfig`, and the per-rank worker that trains and reports.
 
 ``dtp train`` outside torchrun starts the ranks itself through torchrun's machinery
 (:func:`dtp.launch.launch`); inside torchrun it joins the world it finds, so multi-node
@@ -9,7 +9,6 @@ rank 0 shows progress and writes the run directory (:mod:`dtp.cli.report`).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import functools
@@ -25,7 +24,7 @@ from typing import Any, Callable, Mapping, TextIO
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from .. import CompileOptions, Layout, TrainState, checkpoint, shard_batch, strategies, train_step, wait
+from .. import CompileOptions, Layout, RunConfig, TrainState, checkpoint, shard_batch, strategies, train_step, wait
 from .._token_files import SAMPLE_TOKENS, past_vocab, sidecar_path, training_split
 from ..buffers import lay_out as lay_out_buffers
 from ..guard import ID_KEYS, id_range
@@ -35,9 +34,9 @@ from ..planning.report import format_count
 from ..models import hf, llama
 from ..redistribute import value_of
 from .process import Terminated, sigterm_ignored, sigterm_raises, run_world, single_process_world, why
-from .optimizer import decay_changes, train_optimizer
+from .optimizer import OptimizerRules, decay_changes, train_optimizer
 from .parser import EVAL_BATCHES, PROG
-from .flags import UsageError, build_layout, mesh_axes, model_overrides, train_argv, vocab_size
+from .flags import UsageError, build_layout, vocab_size
 from .shape import format_mesh
 from .resume import resume_from, segment_record, trained_segments
 from .report import (atomic_write_text, format_summary, plot_losses, Progress, write_json, format_bytes, read_metrics,
@@ -61,40 +60,59 @@ def _open_data(path: str | None, dtype: str | None, eos_id: int | None, tokenize
         raise UsageError(f"--data: {e}") from None
 
 
-def _load_data(args: Mapping[str, Any] | argparse.Namespace) -> Tokens:
-    """``--data`` as the run's flags describe it: memory-mapped token files, or text in memory
+def _load_data(config: RunConfig) -> Tokens:
+    """``--data`` as the run describes it: memory-mapped token files, or text in memory
     (through ``--tokenizer``, with ``--document-mask`` a line at a time, each ended by the EOS:
     the ids the preflight counted)."""
-    get = args.get if isinstance(args, Mapping) else lambda k: getattr(args, k, None)
-    return _open_data(get("data"), get("data_dtype"), get("eos_id"), get("tokenizer"), bool(get("document_mask")))
+    return _open_data(config.data, config.data_dtype, config.eos_id, config.tokenizer, config.document_mask)
 
 
-def _splits(args: Mapping[str, Any]) -> tuple[Tokens, Tokens | None]:
+def _splits(config: RunConfig) -> tuple[Tokens, Tokens | None]:
     """The training tokens and, with ``--eval-every``, the held-out ones (the corpus's last
     tenth, :func:`dtp._token_files.held_out_start`): the same split on every rank and in
     the 1-process reference. Views of the mapped file: nothing is read here."""
-    return training_split(_load_data(args), bool(args.get("eval_every")))  # before the flag: no split
+    return training_split(_load_data(config), bool(config.eval_every))  # before the flag: no split
 
 
-def _documents(args: Mapping[str, Any], tokens: Tokens) -> int | None:
+def _documents(config: RunConfig, tokens: Tokens) -> int | None:
     """The EOS id that packs ``--document-mask`` batches (None: plain windows)."""
-    return document_eos(tokens) if args.get("document_mask") else None
+    return document_eos(tokens) if config.document_mask else None
 
 
-def _vocab_size(args: Any, tokens: Tokens) -> int:
+def _vocab_size(config: RunConfig, tokens: Tokens) -> int:
     """:func:`dtp.cli.flags.vocab_size` for the tokens: the preflight's rule
     (:func:`dtp._token_files.token_stats`: the stated vocabulary, else a bounded sample);
     ``--init-from``'s own (padded)."""
-    if getattr(args, "init_from", None):
-        return _model(vars(args), None).vocab_size
-    return vocab_size(args.model, tokens.vocab_size - 1 if tokens.vocab_size is not None else tokens.sample_range()[1])
+    if config.init_from:
+        return _model(config, None).vocab_size
+    return vocab_size(config.model,
+                      tokens.vocab_size - 1 if tokens.vocab_size is not None else tokens.sample_range()[1])
 
 
-def _model(args: Mapping[str, Any], vocab: int | None) -> llama.LlamaConfig:
-    """The run's model (``args``: the run config as a mapping): the preset with the run's
-    vocabulary, or ``--init-from``'s."""
-    return llama.config_for(args["model"], init_from=args.get("init_from"), vocab_size=vocab,
-                            **model_overrides(args))
+def _model(config: RunConfig, vocab: int | None) -> llama.LlamaConfig:
+    """The run's model: the preset with the run's vocabulary, or ``--init-from``'s."""
+    return llama.config_for(config.model, init_from=config.init_from, vocab_size=vocab, **config.model_overrides())
+
+
+def run_record(config: RunConfig, *, vocab_size: int, world_size: int,
+               rules: OptimizerRules = OptimizerRules()) -> dict[str, Any]:
+    """What a run records of itself (its directory's ``config.json``, each checkpoint's
+    ``run`` and segments): the run's fields and what the ranks found (vocabulary, world,
+    mesh), and under which optimizer rules it trains, in the words
+    :meth:`OptimizerRules.of_record` reads back (today's: ``warmup_from_step_one``).
+
+    >>> record = run_record(RunConfig(dp=2, tp=2), vocab_size=256, world_size=4)
+    >>> record["mesh"], record["world_size"], record["warmup_from_step_one"], record["weight_decay"]
+    ({'dp': 2, 'tp': 2}, 4, True, 0.1)
+    >>> older = OptimizerRules(warmup_from_step_one=False, decay_matrices_only=False)
+    >>> OptimizerRules.of_record(run_record(RunConfig(), vocab_size=256, world_size=1, rules=older)) == older
+    True
+    """
+    record = {**config.to_dict(), "vocab_size": vocab_size, "world_size": world_size, "mesh": config.mesh_axes(),
+              "warmup_from_step_one": rules.warmup_from_step_one}
+    if not rules.decay_matrices_only:  # a record from before --weight-decay had none
+        del record["weight_decay"]
+    return record
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,49 +126,54 @@ class Checkpointing:
     resume_from: Path | None = None
 
 
-def train_loop(args: Mapping[str, Any], mesh: DeviceMesh, layout: Layout, *, recompute: str | None,
-           on_step: Callable[[int, dict[str, Any]], None] | None = None,
-           checkpoints: Checkpointing | None = None,
-           on_start: Callable[[int, list[dict[str, Any]]], None] | None = None,
-           last: int | None = None) -> list[dict[str, Any]]:
-    """The training loop every rank runs (and the 1-process reference); returns the
-    metrics of the steps it ran (after the resumed one, when resuming), up to step
-    ``last`` (default ``args["steps"]``; the lr schedule is the whole run's). ``on_start(first,
+def train_loop(config: RunConfig, mesh: DeviceMesh, layout: Layout, *, vocab_size: int, recompute: str | None,
+               on_step: Callable[[int, dict[str, Any]], None] | None = None,
+               checkpoints: Checkpointing | None = None,
+               on_start: Callable[[int, list[dict[str, Any]]], None] | None = None,
+               last: int | None = None, rules: OptimizerRules = OptimizerRules()) -> list[dict[str, Any]]:
+    """The training loop every rank runs (and the 1-process reference) for the run
+    ``config`` on ``mesh`` under ``layout``, its model's vocabulary ``vocab_size`` (what
+    the ranks found in the data, :func:`_vocab_size`); returns the metrics of the steps it
+    ran (after the resumed one, when resuming), up to step ``last`` (default
+    ``config.steps``; the lr schedule is the whole run's). ``rules``: the optimizer's,
+    today's unless ``dtp check`` retrains an older run directory. ``on_start(first,
     segments)`` runs once the state is built and a resumed checkpoint and data position
     have loaded, before step ``first``: what a run writes before that is lost if the load
     fails. ``segments``: which flags trained which steps (:func:`resume.trained_segments`),
     this run's last."""
-    torch.manual_seed(args["seed"])
-    tokens, held_out = _splits(args)
-    loader = TokenLoader(tokens, batch_size=args["batch"], seq_len=args["seq"], seed=args["seed"],
-                         documents=_documents(args, tokens))
-    cfg = _model(args, args["vocab_size"])
-    dtype = _torch_dtype(args["dtype"])
-    opt = train_optimizer(args)
+    torch.manual_seed(config.seed)
+    tokens, held_out = _splits(config)
+    loader = TokenLoader(tokens, batch_size=config.batch, seq_len=config.seq, seed=config.seed,
+                         documents=_documents(config, tokens))
+    cfg = _model(config, vocab_size)
+    dtype = _torch_dtype(config.dtype)
+    opt = train_optimizer(config, rules)
+    # The run's and what the ranks found, as train_rank records it (mesh.size(): its world).
+    run_cfg = run_record(config, vocab_size=vocab_size, world_size=mesh.size(), rules=rules)
     # axis_sizes: the layout's rules (heads per tp × Ulysses degree, kv heads per head
     # chunk, vocab per tp …) are checked here, on every rank, before any collective.
     resuming = checkpoints is not None and checkpoints.resume_from is not None
-    if args.get("init_from"):  # each rank reads only its blocks of the weight files
+    if config.init_from:  # each rank reads only its blocks of the weight files
         # Resuming, the checkpoint replaces them: only config.json is read (the weight files
         # may be gone, and every rank would read its blocks for nothing).
-        state = TrainState.from_hf(args["init_from"], opt, mesh=mesh, layout=layout, dtype=dtype,
+        state = TrainState.from_hf(config.init_from, opt, mesh=mesh, layout=layout, dtype=dtype,
                                    vocab_multiple=hf.INIT_VOCAB_MULTIPLE, weights=not resuming)
         if buffers := llama.init_buffers(cfg, dtype):  # aux-loss-free balancing's router biases
             state = state.replace(buffers=lay_out_buffers(buffers, mesh), buffer_update=llama.buffer_update(cfg))
     else:
         # buffers: aux-loss-free balancing's router biases (none without --router-bias-update)
-        state = TrainState.create(llama.init(cfg, seed=args["seed"], dtype=dtype), opt, mesh=mesh, layout=layout,
+        state = TrainState.create(llama.init(cfg, seed=config.seed, dtype=dtype), opt, mesh=mesh, layout=layout,
                                   axes=llama.param_axes(cfg), axis_sizes=llama.axis_sizes(cfg),
                                   buffers=llama.init_buffers(cfg, dtype), buffer_update=llama.buffer_update(cfg))
     loss_fn = llama.sequential(cfg)  # the model as layers: a pipeline cuts it into stages; else llama.loss
-    clip = args["clip"] if args["clip"] > 0 else None
-    skips = SkipCounter(args.get("max_skipped", 0))  # run directories from before the flag: never abort
-    eval_every = args.get("eval_every", 0)
-    eval_batches = [_check_ids(b, cfg, args, held_out, "a held-out batch (--eval-every)")
-                    for b in (_eval_batches(held_out, args) if held_out is not None else [])]
+    clip = config.clip if config.clip > 0 else None
+    skips = SkipCounter(config.max_skipped)  # 0 for a run directory from before the flag (check.run_of_record)
+    eval_every = config.eval_every
+    eval_batches = [_check_ids(b, cfg, config, held_out, "a held-out batch (--eval-every)")
+                    for b in (_eval_batches(held_out, config) if held_out is not None else [])]
     # MFU: the model's training FLOPs per token (PaLM's count) against a matmul's measured
     # rate on this rank (a CPU has no datasheet peak dtp could look up): an estimate.
-    flops_per_token = llama.flops_per_token(cfg, args["seq"])
+    flops_per_token = llama.flops_per_token(cfg, config.seq)
     peak = _matmul_rate(dtype, mesh_device(mesh)) * mesh.size()
     first, earlier = 1, []
     if resuming:
@@ -167,19 +190,19 @@ def train_loop(args: Mapping[str, Any], mesh: DeviceMesh, layout: Layout, *, rec
         skips.in_a_row = int(((extra or {}).get("skips") or {}).get("in_a_row", 0))
     # Which flags trained which steps: a resume may change --steps, --lr, … (not without
     # --check, whose reference trains every step with the last ones: resume.check_resume).
-    segments = [*earlier, {"first": first, "run": dict(args), "model": dataclasses.asdict(cfg)}]
+    segments = [*earlier, {"first": first, "run": run_cfg, "model": dataclasses.asdict(cfg)}]
     if on_start is not None:
         on_start(first, segments)
     records, saving = [], None
     # Dropless MoE changes its expert batches' shapes every step: dynamic from the start.
-    compiling = args.get("compile") and CompileOptions(backend=args["compile"], dynamic=cfg.num_experts > 0 or None)
-    for step in range(first, min(args["steps"], last or args["steps"]) + 1):
-        batch = shard_batch(_check_ids(loader.next_batch(), cfg, args, tokens, f"step {step}'s batch"), state)
+    compiling = config.compile and CompileOptions(backend=config.compile, dynamic=cfg.num_experts > 0 or None)
+    for step in range(first, min(config.steps, last or config.steps) + 1):
+        batch = shard_batch(_check_ids(loader.next_batch(), cfg, config, tokens, f"step {step}'s batch"), state)
         with warnings.catch_warnings():
             # The step's line says SKIPPED, in the run's numbering; train_step's warning would
             # add two lines (the source line under it) counting state.step, the updates made.
             warnings.filterwarnings("ignore", "dtp.train_step: non-finite", RuntimeWarning)
-            state, m = train_step(loss_fn, state, batch, microbatches=args["microbatches"],
+            state, m = train_step(loss_fn, state, batch, microbatches=config.microbatches,
                                   recompute=recompute, clip_norm=clip, compile=compiling)
         step_time = float(m["step_time"])
         skips.add(bool(m["skipped"]))
@@ -192,9 +215,9 @@ def train_loop(args: Mapping[str, Any], mesh: DeviceMesh, layout: Layout, *, rec
                                  for a, kinds in (m.get("comm_bytes") or {}).items()},
                   "skipped": bool(m["skipped"]), "skipped_steps": skips.total, **_moe_metrics(m.get("aux")),
                   **{k: m[k] for k in ("compile_graphs", "compile_breaks") if k in m}}
-        if compiling and args.get("debug") and (step == first or step == args["steps"]):
+        if compiling and config.debug and (step == first or step == config.steps):
             print_compile_report(step, [r.get("compile_graphs", 0) for r in [*records, record]])
-        if eval_every and (step % eval_every == 0 or step == args["steps"]):
+        if eval_every and (step % eval_every == 0 or step == config.steps):
             t0 = time.perf_counter()
             record["eval_loss"] = _evaluate(state, cfg, eval_batches)
             record["eval_time"] = time.perf_counter() - t0
@@ -210,12 +233,12 @@ def train_loop(args: Mapping[str, Any], mesh: DeviceMesh, layout: Layout, *, rec
             if isinstance(saving, checkpoint.AsyncSave):
                 saving.wait()
             raise
-        if checkpoints is not None and checkpoints.every and (step % checkpoints.every == 0 or step == args["steps"]):
+        if checkpoints is not None and checkpoints.every and (step % checkpoints.every == 0 or step == config.steps):
             if isinstance(saving, checkpoint.AsyncSave):
                 saving.wait()  # one save in flight at a time
             saving = checkpoint.save(state, checkpoints.root, keep=checkpoints.keep, async_save=checkpoints.async_save,
                                      extra={"loader": loader.state_dict(), "model": dataclasses.asdict(cfg),
-                                            "run": dict(args),  # the run's RunConfig and what the ranks found
+                                            "run": run_cfg,  # the run's RunConfig and what the ranks found
                                             "segments": segments, "skips": {"in_a_row": skips.in_a_row}})
     if isinstance(saving, checkpoint.AsyncSave):
         saving.wait()
@@ -223,7 +246,7 @@ def train_loop(args: Mapping[str, Any], mesh: DeviceMesh, layout: Layout, *, rec
     return records
 
 
-def _check_ids(batch: dict[str, torch.Tensor], cfg: llama.LlamaConfig, args: Mapping[str, Any], tokens: Tokens,
+def _check_ids(batch: dict[str, torch.Tensor], cfg: llama.LlamaConfig, config: RunConfig, tokens: Tokens,
                where: str) -> dict[str, torch.Tensor]:
     """``batch``, its ids checked against the model's vocabulary, or a :class:`UsageError`
     that says what to do about it in the flags' words. The preflight sized the vocabulary
@@ -245,8 +268,8 @@ def _check_ids(batch: dict[str, torch.Tensor], cfg: llama.LlamaConfig, args: Map
     data = f"--data {tokens.name}: {where} holds token id"
     if lo < 0:
         raise UsageError(f"{data} {lo}, and token ids are >= 0; fix the data")
-    if hi >= vocab and args.get("init_from"):  # the preflight's rule, for an id its sample missed
-        raise UsageError(f"{data} {hi}, but the model of --init-from {args['init_from']} has {vocab} token ids; "
+    if hi >= vocab and config.init_from:  # the preflight's rule, for an id its sample missed
+        raise UsageError(f"{data} {hi}, but the model of --init-from {config.init_from} has {vocab} token ids; "
                          f"tokenize the data with its tokenizer")
     if stated is not None:  # the model's vocabulary is at least the sidecar's: past it either way
         raise UsageError(f"--data {tokens.name}: {where} holds {past_vocab(tokens, hi)}")
@@ -256,11 +279,11 @@ def _check_ids(batch: dict[str, torch.Tensor], cfg: llama.LlamaConfig, args: Map
                      f"sidecar {side}: {{\"vocab_size\": N}}, N above the largest id")
 
 
-def _eval_batches(held_out: Tokens, args: Mapping[str, Any]) -> list[dict[str, torch.Tensor]]:
+def _eval_batches(held_out: Tokens, config: RunConfig) -> list[dict[str, torch.Tensor]]:
     """The held-out batches every evaluation uses: the first :data:`EVAL_BATCHES` of a
     loader over the held-out split (fewer if it holds fewer), the same ones each time."""
-    loader = TokenLoader(held_out, batch_size=args["batch"], seq_len=args["seq"], seed=args["seed"],
-                         documents=_documents(args, held_out))
+    loader = TokenLoader(held_out, batch_size=config.batch, seq_len=config.seq, seed=config.seed,
+                         documents=_documents(config, held_out))
     return [loader.next_batch() for _ in range(min(EVAL_BATCHES, loader.batches_per_epoch))]
 
 
@@ -339,16 +362,9 @@ class SkipCounter:
                 f"{self.max_skipped} (0: never abort)")
 
 
-def _run_config(args: argparse.Namespace, world_size: int) -> dict[str, Any]:
-    # The run (dtp.RunConfig's fields), and what the ranks found: vocabulary, world, mesh.
-    cfg = args.run_config.to_dict()
-    cfg.update(vocab_size=_vocab_size(args, _load_data(args)), world_size=world_size,
-               mesh=mesh_axes(args), warmup_from_step_one=True)
-    return cfg
-
-
-def train_rank(args: argparse.Namespace, *, stream: TextIO | None = None) -> int:
-    """Train as one rank of the current world (torchrun's, or a world of one).
+def train_rank(config: RunConfig, *, stream: TextIO | None = None) -> int:
+    """Train the run ``config`` (its ``out`` resolved: the ranks and the reference agree on
+    it) as one rank of the current world (torchrun's, or a world of one).
 
     Rank 0 writes the run directory: ``metrics.jsonl`` a line per step, and
     ``summary.json`` and ``loss.png`` at the end, also when the run ends early (Ctrl-C,
@@ -356,14 +372,15 @@ def train_rank(args: argparse.Namespace, *, stream: TextIO | None = None) -> int
     """
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    out = Path(args.out)
-    run_cfg = _run_config(args, world)
-    layout = build_layout(args)
-    progress = Progress(args.steps, args.log_every, stream) if rank == 0 else None
+    out = Path(config.out)
+    vocab = _vocab_size(config, _load_data(config))
+    run_cfg = run_record(config, vocab_size=vocab, world_size=world)
+    layout = config.layout()
+    progress = Progress(config.steps, config.log_every, stream) if rank == 0 else None
     if rank == 0:
         note_when_output_closes(f"{PROG} train: standard output was closed; training goes on, "
                                 f"each step in {out / 'metrics.jsonl'}")
-    checkpoints = _checkpointing(args, out)
+    checkpoints = _checkpointing(config, out)
     # Resuming: the steps up to the checkpoint stay in metrics.jsonl (the ones after it
     # are run again), so the file, the summary and the loss plot cover the whole run.
     earlier = _records_until(out, checkpoints.resume_from)
@@ -373,7 +390,7 @@ def train_rank(args: argparse.Namespace, *, stream: TextIO | None = None) -> int
     with contextlib.ExitStack() as files:
         metrics = board = None
         if rank == 0:
-            _print_header(args, run_cfg, layout, world, out, stream)
+            _print_header(config, _model(config, vocab), layout, world, out, stream)
             if checkpoints.resume_from is not None:
                 print(f"{PROG} train: resuming from step {len(earlier)} ({checkpoints.resume_from})",
                       file=stream, flush=True)
@@ -396,7 +413,7 @@ def train_rank(args: argparse.Namespace, *, stream: TextIO | None = None) -> int
             # With the flags each earlier segment of a resumed run trained under: dtp check
             # refuses a run no one set of flags retrains (resume.segments_mixed).
             write_json(out / "config.json", {**run_cfg, "layout": layout.name,
-                                              "command": shlex.join([PROG, *train_argv(args)]),
+                                              "command": shlex.join([PROG, *config.argv()]),
                                               "segments": [segment_record(s) for s in segments]})
             # The kept steps once (whole, atomically), then one line appended per step. A
             # fresh run's file appears with its first step (readers take it as "training").
@@ -405,7 +422,7 @@ def train_rank(args: argparse.Namespace, *, stream: TextIO | None = None) -> int
             else:
                 (out / "metrics.jsonl").unlink(missing_ok=True)
             metrics = files.enter_context(_AppendOnFirstWrite(out / "metrics.jsonl"))
-            if args.tensorboard:
+            if config.tensorboard:
                 board = files.enter_context(_TensorBoard(out / "tensorboard"))
 
         def on_step(step: int, record: dict[str, Any]) -> None:
@@ -421,17 +438,17 @@ def train_rank(args: argparse.Namespace, *, stream: TextIO | None = None) -> int
 
         interrupted = None
         try:
-            with sigterm_raises(), run_world(args) as mesh:
-                train_loop(run_cfg, mesh, layout, recompute=_recompute(args), on_step=on_step, checkpoints=checkpoints,
-                           on_start=on_start)
+            with sigterm_raises(), run_world(config) as mesh:
+                train_loop(config, mesh, layout, vocab_size=vocab, recompute=_recompute(config), on_step=on_step,
+                           checkpoints=checkpoints, on_start=on_start)
                 del mesh  # the last reference: destroy_process_group then really ends the group
         except BaseException as e:
             interrupted = why(e)
-            if isinstance(e, Exception) and not args.debug:
+            if isinstance(e, Exception) and not config.debug:
                 # Say what happened now, not after the summary and plot below: once one rank
                 # has exited the launcher stops the others, and a rank stopped before it
                 # spoke would leave only its flight record.
-                report_exception(e, "train", args.out)
+                report_exception(e, "train", config.out)
             raise
         finally:
             if rank == 0 and started and records:
@@ -451,29 +468,31 @@ def _finish(out: Path, records: list[dict[str, Any]], run_cfg: Mapping[str, Any]
     print(format_summary(summary), file=stream, flush=True)
 
 
-def _print_header(args: argparse.Namespace, run_cfg: Mapping[str, Any], layout: Layout, world: int, out: Path,
+def _print_header(config: RunConfig, cfg: llama.LlamaConfig, layout: Layout, world: int, out: Path,
                   stream: TextIO | None) -> None:
-    """The run's first line: model and its parameter count, mesh, layout, dtype, directory;
-    then the plan's per-rank memory, when :mod:`dtp.plan` provides it (:func:`_plan_memory`)."""
-    cfg = _model(vars(args), run_cfg["vocab_size"])
+    """The run's first line: model (``cfg``, the one the ranks train) and its parameter
+    count, mesh, layout, dtype, directory; then the plan's per-rank memory, when
+    :mod:`dtp.plan` provides it (:func:`_plan_memory`)."""
     params = llama.param_count(cfg)
-    model = args.init_from if args.init_from else args.model
-    print(f"{PROG} train: {model} ({format_count(params)} parameters) on mesh {format_mesh(run_cfg['mesh'])} "
-          f"({world} rank{'s' * (world > 1)}), layout {layout.name}, {args.dtype}"
-          f"{f', {args.microbatches} microbatches' if args.microbatches > 1 else ''}, writing {out}",
+    model = config.init_from if config.init_from else config.model
+    print(f"{PROG} train: {model} ({format_count(params)} parameters) on mesh {format_mesh(config.mesh_axes())} "
+          f"({world} rank{'s' * (world > 1)}), layout {layout.name}, {config.dtype}"
+          f"{f', {config.microbatches} microbatches' if config.microbatches > 1 else ''}, writing {out}",
           file=stream, flush=True)
-    memory = _plan_memory(args)
+    memory = _plan_memory(config, cfg)
     if memory:
         print(f"{PROG} train: {memory}", file=stream, flush=True)
 
 
-def _plan_memory(args: argparse.Namespace) -> str | None:
-    """One line with :func:`dtp.plan`'s predicted peak memory per rank, for the header;
-    ``None`` if the plan cannot be made (a prediction must never stop a run)."""
-    from .plan import plan_from_args
+def _plan_memory(config: RunConfig, cfg: llama.LlamaConfig) -> str | None:
+    """One line with :func:`dtp.plan`'s predicted peak memory per rank of the run with the
+    model ``cfg`` (the ranks': its vocabulary grown to the data's ids, as the preflight's
+    memory check planned it), for the header; ``None`` if the plan cannot be made (a
+    prediction must never stop a run)."""
+    from .plan import plan_of
 
     try:
-        p = plan_from_args(args)
+        p = plan_of(config, model=cfg)
     except Exception:  # noqa: BLE001 -- e.g. a configuration the plan does not model (double ring)
         return None
     worst = p.worst
@@ -528,15 +547,15 @@ class _TensorBoard:
         self.writer.close()
 
 
-def _recompute(args: argparse.Namespace) -> str | None:
-    return None if args.recompute == "none" else args.recompute
+def _recompute(config: RunConfig) -> str | None:
+    return None if config.recompute == "none" else config.recompute
 
 
-def _checkpointing(args: argparse.Namespace, out: Path) -> Checkpointing:
+def _checkpointing(config: RunConfig, out: Path) -> Checkpointing:
     """The run's checkpoint settings; with ``--resume`` (or when torchrun restarted the
     ranks after a failure) the newest complete checkpoint in ``out``, found the same way
     on every rank (the directory is shared)."""
-    return Checkpointing(out / "checkpoints", args.save_every, args.keep, args.async_save, resume_from(args))
+    return Checkpointing(out / "checkpoints", config.save_every, config.keep, config.async_save, resume_from(config))
 
 
 def _records_until(out: Path, resume_from: Path | None) -> list[dict[str, Any]]:

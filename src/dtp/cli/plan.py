@@ -17,10 +17,12 @@ import sys
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from ..config import RunConfig
     from ..layouts import Layout
+    from ..models.config import LlamaConfig
     from ..planning import Plan
 
-__all__ = ["add_parser", "add_train_flags", "plan_from_args", "cmd_plan", "print_schedule", "train_refusal",
+__all__ = ["add_parser", "add_train_flags", "plan_from_args", "plan_of", "cmd_plan", "print_schedule", "train_refusal",
            "machine_memory_gb"]
 
 # The sections of a run a plan reads (dtp.config.SECTIONS): not the checkpoints, not the run's output.
@@ -75,13 +77,26 @@ def plan_from_args(args: argparse.Namespace) -> "Plan":
     ...     "--cp-window", "2", "--seq", "128"])).target.context.window
     2
     """
-    from ..planning import Target, plan
     from .flags import run_config
 
     # The model the checks built (flags.check_config / preflight): its vocabulary grown to the
-    # data's ids is the run's, and may be most of its parameters. Without them, the run's preset.
-    return plan(Target.of(run_config(args), cfg=getattr(args, "model_config", None),
-                          backend=getattr(args, "backend", None) or machine_backend()))
+    # data's ids is the run's, and may be most of its parameters.
+    return plan_of(run_config(args), model=getattr(args, "model_config", None), backend=getattr(args, "backend", None))
+
+
+def plan_of(config: RunConfig, *, model: LlamaConfig | None = None, backend: str | None = None) -> "Plan":
+    """:func:`dtp.plan` of the run ``config`` with the model ``model`` (default: the preset's,
+    or ``--init-from``'s, with the run's MoE options; a run's vocabulary grown to its data's
+    ids is not in ``config``) for the collectives' ``backend`` (default: this machine's).
+
+    >>> from dtp import RunConfig
+    >>> p = plan_of(RunConfig(dp=2, steps=4), backend="gloo")
+    >>> p.target.name, p.run.dp
+    ('tiny', 2)
+    """
+    from ..planning import Target, plan
+
+    return plan(Target.of(config, cfg=model, backend=backend or machine_backend()))
 
 
 def cmd_plan(args: argparse.Namespace) -> int:

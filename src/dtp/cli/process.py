@@ -3,7 +3,6 @@ process), a clean shutdown of the process group, and what ``SIGTERM`` does meanw
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import signal
 import threading
@@ -12,10 +11,9 @@ from typing import Any, Iterator
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from .. import comm, make_mesh
+from .. import RunConfig, comm, make_mesh
 from ..launch import in_torchrun
 from ..mesh import clear_mesh_cache
-from .flags import mesh_axes
 
 __all__ = ["Terminated", "single_process_world", "run_world", "sigterm_raises", "sigterm_ignored", "why"]
 
@@ -34,15 +32,16 @@ def single_process_world() -> Iterator[DeviceMesh]:
 
 
 @contextlib.contextmanager
-def run_world(args: argparse.Namespace) -> Iterator[DeviceMesh]:
-    """The run's mesh: from torchrun's environment in a rank, else a world of one here."""
+def run_world(config: RunConfig) -> Iterator[DeviceMesh]:
+    """The run's mesh (:meth:`dtp.RunConfig.mesh_axes`, collectives timing out after its
+    ``timeout``): from torchrun's environment in a rank, else a world of one here."""
     if not in_torchrun():
         with single_process_world() as mesh:
             yield mesh
         return
     created = not dist.is_initialized()
     try:
-        yield make_mesh(**mesh_axes(args), timeout=args.timeout)
+        yield make_mesh(**config.mesh_axes(), timeout=config.timeout)
         _quiesce()
     finally:
         # A clean shutdown: torch warns about process groups left to the interpreter exit.

@@ -7,6 +7,7 @@ Runs before any rank starts and imports nothing that imports torch (as :mod:`.fl
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import os
 from pathlib import Path
@@ -15,7 +16,7 @@ from typing import Any, Sequence
 from .._checkpoint_dirs import checkpoints, latest, read_manifest
 from ..launch import restarted
 from .._token_files import held_out_start, open_tokens, training_split
-from ..config import MODEL_FIELDS, flag_of, master_weights
+from ..config import MODEL_FIELDS, RunConfig, flag_of, master_weights
 from ..models import config as model_config
 from .parser import UsageError, note
 
@@ -53,19 +54,20 @@ def resume_checkpoint(out: str | os.PathLike[str]) -> Path:
     return found
 
 
-def resume_from(args: Any) -> Path | None:
+def resume_from(run: RunConfig | argparse.Namespace) -> Path | None:
     """The checkpoint the ranks of ``dtp train`` start from: with ``--resume`` the newest in
     ``--out`` (:func:`resume_checkpoint`), after torchrun restarted them (:func:`dtp.launch.restarted`)
     the newest if there is one, else ``None`` (they train from the start). One rule for the
-    ranks, which load it, and the preflight, which then checks no ``--init-from`` weight file.
+    ranks, which load it (``run``: their :class:`dtp.RunConfig`), and the preflight, which
+    then checks no ``--init-from`` weight file (``run``: its flags; only ``resume`` and
+    ``out`` are read, which both name alike).
 
-    >>> import argparse
-    >>> resume_from(argparse.Namespace(resume=False, out="/nonexistent")) is None
+    >>> resume_from(RunConfig(resume=False, out="/nonexistent")) is None
     True
     """
-    if args.resume:
-        return resume_checkpoint(args.out)
-    return latest(Path(args.out) / "checkpoints") if restarted() else None
+    if run.resume:
+        return resume_checkpoint(run.out)
+    return latest(Path(run.out) / "checkpoints") if restarted() else None
 
 
 def check_resume(args: Any, path: Path, cfg: model_config.LlamaConfig, *, n_tokens: int | None = None) -> None:
