@@ -132,7 +132,7 @@ def _ring(seq: int, heads: int, dim: int, repeats: int, head_chunks: int | None)
 
     import dtp
     from dtp import P
-    from dtp._torch import cpu_flash_attention, cpu_flash_attention_backward
+    from dtp.core._torch import cpu_flash_attention, cpu_flash_attention_backward
     from dtp.ops import context as C
     from dtp.ops.blockwise import to_cp_order
     from dtp.redistribute import to_local

@@ -18,7 +18,7 @@ import statistics
 import torch
 import torch.nn.functional as F
 
-from dtp import _torch
+from dtp.core import _torch
 from dtp.ops import moe
 
 

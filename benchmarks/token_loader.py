@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dtp._token_files import SAMPLE_TOKENS, Tokens, token_stats
+from dtp.data.token_files import SAMPLE_TOKENS, Tokens, token_stats
 from dtp.data import TokenLoader, open_tokens
 
 

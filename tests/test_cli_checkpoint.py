@@ -175,7 +175,7 @@ def test_a_negative_save_every_is_refused_by_its_field(capsys) -> None:
 # A run of 4 one-rank steps with checkpoints at 2 and 4, trained in this process (no ranks
 # to start): what the resume tests below continue, each in a copy of it.
 _SMALL = ("--model", "tiny", "--batch", "2", "--seq", "16", "--save-every", "2", "--log-every", "4")
-_CORPUS = (resources.files("dtp") / "assets" / "corpus.txt").read_bytes()  # the bundled corpus: byte tokens
+_CORPUS = (resources.files("dtp.data") / "assets" / "corpus.txt").read_bytes()  # the bundled corpus: byte tokens
 
 
 @pytest.fixture(scope="module")
@@ -288,7 +288,7 @@ def test_the_fingerprint_is_of_the_ids_the_checkpoint_trained_on(tmp_path, eval_
     """The loader's fingerprint is of its training split: under --eval-every, ids changed in
     the held-out tail resume, ids changed in what trained are refused (the same path: the
     line asks whether the file changed); without it, both are refused."""
-    from dtp._token_files import open_tokens, training_split
+    from dtp.data.token_files import open_tokens, training_split
     from dtp.cli.resume import UsageError, _check_split
 
     np = pytest.importorskip("numpy")
@@ -338,7 +338,7 @@ def test_a_tokenized_resume_of_as_many_ids_names_the_eos_or_mask_that_changed_th
     pytest.importorskip("tokenizers")
     from test_token_files import TEXT, make_tokenizer
 
-    from dtp._token_files import open_tokens
+    from dtp.data.token_files import open_tokens
     from dtp.cli.resume import _check_split
 
     tokenizer = make_tokenizer(tmp_path / "tokenizer.json", ("[UNK]", "[EOS]", "<|endoftext|>"))
@@ -573,13 +573,13 @@ def test_a_resume_says_which_flags_it_takes_other_values_of(small_run, tmp_path,
     from dtp.models import config as model_config
 
     saved = {"lr": 0.001, "clip": 0.5, "warmup": 2, "save_every": 4, "weight_decay": 0.1, "dtype": "float32"}
-    args = flags.parse_args(["train", "--steps", "8", "--out", str(tmp_path / "run")])
+    args = cli.parse_args(["train", "--steps", "8", "--out", str(tmp_path / "run")])
     _note_changes(args, saved, model_config.config("tiny"), "the checkpoint in RUN")
     assert capsys.readouterr().err == ("dtp train: note: the checkpoint in RUN trained with --lr 0.001 --warmup 2 "
                                        "--clip 0.5 --save-every 4; this run has --lr 0.003 --warmup 5 --clip 1.0 "
                                        "--save-every 0 (a flag not given is its default): give them again to go on as "
                                        "it did\n")
-    args = flags.parse_args(["train", "--steps", "8", "--lr", "0.001", "--clip", "0.5", "--warmup", "2",
+    args = cli.parse_args(["train", "--steps", "8", "--lr", "0.001", "--clip", "0.5", "--warmup", "2",
                              "--save-every", "4", "--out", str(tmp_path / "run")])
     _note_changes(args, saved, model_config.config("tiny"), "the checkpoint in RUN")
     assert capsys.readouterr().err == ""

@@ -463,7 +463,7 @@ def test_document_mask_reads_the_sample_once_and_its_note_names_the_command(tmp_
     together, nothing opened twice) and its note names the command that checks the run."""
     import numpy as np
 
-    from dtp import _token_files
+    from dtp.data import token_files as _token_files
     from dtp.cli import flags
 
     monkeypatch.setattr(_token_files, "SAMPLE_TOKENS", 64)
@@ -479,7 +479,7 @@ def test_document_mask_reads_the_sample_once_and_its_note_names_the_command(tmp_
     monkeypatch.setattr(flags, "open_tokens", counted_open, raising=False)  # flags opened it by its own name
     monkeypatch.setattr(_token_files.Tokens, "read", lambda self, a, b: read.append(b - a) or real_read(self, a, b))
     argv = [command, "--document-mask", "--eos-id", "250", "--data", str(data), "--batch", "4", "--seq", "16"]
-    flags.check_config(flags.parse_args(argv))
+    flags.check_config(cli.parse_args(argv))
     assert len(opened) == 1 and sum(read) == 64, (opened, read)
     assert capsys.readouterr().err == (f"dtp {command}: note: --document-mask: --eos-id 250 does not occur in a sample "
                                        f"of 64 of the 10000 tokens of --data; check the id\n")
@@ -504,7 +504,7 @@ def test_document_mask_through_a_tokenizer_that_names_no_eos_is_one_line(tmp_pat
         f"eos_token in a tokenizer_config.json beside it, none of </s> <|end_of_text|> <|endoftext|> <eos> "
         f"<\uff5cend\u2581of\u2581sentence\uff5c> in its vocabulary); pass --eos-id\n")
     assert not (tmp_path / "run").exists()
-    flags.check_config(flags.parse_args([*argv, "--eos-id", "1"]))  # [EOS]: the run is checked, nothing refused
+    flags.check_config(cli.parse_args([*argv, "--eos-id", "1"]))  # [EOS]: the run is checked, nothing refused
 
 
 def test_document_mask_on_text_that_holds_the_eos_is_one_line_before_any_rank(tmp_path, capsys) -> None:
@@ -534,13 +534,13 @@ def test_the_lr_refused_is_the_lr_torch_refuses(dtype) -> None:
     import torch
 
     from dtp import optim
-    from dtp._rules import TRAIN_ADAMW
+    from dtp.core._rules import TRAIN_ADAMW
     from dtp.cli import flags
 
     for warmup in (0, 1, 2, 5):
         most = flags.FLOAT32_MAX * (1 - TRAIN_ADAMW["b1"] ** max(warmup, 1))
         for lr in (most * (1 - 1e-6), most * (1 + 1e-6), 10 * most):
-            args = flags.parse_args(["train", "--lr", repr(lr), "--warmup", str(warmup), "--steps", "8",
+            args = cli.parse_args(["train", "--lr", repr(lr), "--warmup", str(warmup), "--steps", "8",
                                      "--dtype", dtype])
             try:
                 flags._check_lr(flags.run_config(args))
@@ -567,7 +567,7 @@ def test_an_id_past_the_sampled_vocabulary_names_the_sidecar_and_the_sidecar_fix
     IndexError, a crash), and with that sidecar the run trains."""
     import numpy as np
 
-    from dtp import _token_files
+    from dtp.data import token_files as _token_files
 
     monkeypatch.setattr(_token_files, "SAMPLE_TOKENS", 64)
     monkeypatch.setattr(loop, "SAMPLE_TOKENS", 64)
@@ -596,7 +596,7 @@ def test_an_id_past_the_sidecars_vocab_size_is_refused_in_the_batch_that_holds_i
     bug such as another tokenizer's ids); with ids below 300 the run trains."""
     import numpy as np
 
-    from dtp import _token_files
+    from dtp.data import token_files as _token_files
 
     monkeypatch.setattr(_token_files, "SAMPLE_TOKENS", 64)
     n = 10_000
@@ -626,14 +626,14 @@ def test_a_note_is_said_once_per_run(monkeypatch, capsys, where, env, said) -> N
     """A note (--zero without dp, --document-mask's end id missing from the sample) comes
     from the process that speaks for the run: under an outside torchrun every rank parses
     and checks the run, and each printed it; the launcher's ranks parse it again too."""
-    from dtp._token_files import TokenStats
+    from dtp.data.token_files import TokenStats
     from dtp.cli import flags
 
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     if env:
         monkeypatch.setenv("WORLD_SIZE", "2")
-    args = flags.parse_args(["train", "--zero", "1", "--tp", "2", "--document-mask", "--eos-id", "0"])
+    args = cli.parse_args(["train", "--zero", "1", "--tp", "2", "--document-mask", "--eos-id", "0"])
     flags._check_document_ends(args, TokenStats(count=2_000_000, largest=255, end=0, end_seen=False))
     notes = ["dtp train: note: --zero 1 has no effect with --dp 1 (ZeRO shards over dp)\n",
              "dtp train: note: --document-mask: --eos-id 0 does not occur in a sample of 1048576 of the 2000000 "
@@ -648,5 +648,5 @@ def test_zero_without_dp_is_noted_by_plan_too_and_once(capsys, command) -> None:
     then check_config) and said the note twice."""
     from dtp.cli import flags
 
-    flags.check_config(flags.parse_args([command, "--pp", "2", "--zero", "3"]))
+    flags.check_config(cli.parse_args([command, "--pp", "2", "--zero", "3"]))
     assert capsys.readouterr().err == f"dtp {command}: note: --zero 3 has no effect with --dp 1 (ZeRO shards over dp)\n"

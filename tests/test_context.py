@@ -46,7 +46,7 @@ def _attend(case: dict) -> dict:
 
     import dtp
     from dtp import P
-    from dtp._torch import local_tensor
+    from dtp.core._torch import local_tensor
     from dtp.ops import context as C
     from dtp.ops.blockwise import from_cp_order, to_cp_order
     from dtp.redistribute import to_local

@@ -151,7 +151,7 @@ def test_zero_overlap_needs_a_stage() -> None:
 def test_a_rule_naming_an_axis_no_preset_uses_warns_once() -> None:
     """A custom rule's mesh axis the mesh lacks is dropped (one layout serves every mesh);
     when no dtp preset uses that axis either it is likely a typo, said once as a warning."""
-    from dtp._mesh_shape import MeshShape
+    from dtp.core.mesh.shape import MeshShape
 
     layout = dtp.layouts.data() + dtp.Layout({"vocab": ("tpp",)}, name="typo test")
     with pytest.warns(UserWarning, match=r"the rules for 'vocab' name mesh axis 'tpp', which no dtp preset uses "

@@ -87,7 +87,7 @@ def test_dualpipev_posts_a_pairs_receives_ahead():
     # Rank 0 (stages 0 and 3) at p=2, m=4 runs ... F1.2&B0.0 B1.2 F1.3&B0.1 ...: the pair
     # F1.3&B0.1 needs stage 3's activation of mb 3 and stage 0's gradient of mb 1, both
     # posted before B1.2 computes (the runner posts pipeline_plan.AHEAD items ahead).
-    _, steps = pipeline_plan.plan("dualpipev", 2, 2, 4, 0)
+    _, steps = pipeline_plan.rank_steps("dualpipev", 2, 2, 4, 0)
     k = next(k for k, s in enumerate(steps) if str(s.item) == "F1.3&B0.1")
     assert str(steps[k - 1].item) == "B1.2"
     assert {("act", 3, 3), ("grad", 0, 1)} <= {r for s in steps[:k - 1] for r in s.posts}

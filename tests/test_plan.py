@@ -506,7 +506,7 @@ def test_dtp_plan_and_the_memory_check_plan_for_this_machine_s_backend(monkeypat
         monkeypatch.setattr(dtp.mesh, "detect_device", lambda device=None, b=backend: ("cpu", b))
         assert cli.main(["plan", "--dp", "2", "--zero", "1"]) == 0
         assert capsys.readouterr().out.splitlines()[0].endswith("float32" + (", nccl" if backend == "nccl" else ""))
-        refused[backend] = train_refusal(flags.parse_args(["train", *run]), quiet=True)
+        refused[backend] = train_refusal(dtp.cli.parse_args(["train", *run]), quiet=True)
     assert refused["gloo"] is not None and "DOES NOT FIT: peak 89.75 GiB" in refused["gloo"]
     assert refused["nccl"] is None
     assert cli.main(["plan", "--dp", "2", "--zero", "1", "--backend", "gloo"]) == 0  # the flag over the machine

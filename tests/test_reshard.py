@@ -8,8 +8,8 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 import dtp
 from dtp import P
-from dtp._torch import StridedShard
-from dtp.redistribute import plan
+from dtp.core._torch import StridedShard
+from dtp.redistribute import reshard_steps
 from dtp.spec import to_placements
 from dtp.testing import run, simulate
 from spec_cases import all_specs, covering_pairs, spec_pairs
@@ -108,17 +108,17 @@ def test_shard_to_shard_is_one_all_to_all_of_the_right_volume(axes, axis, src, d
 
 
 def test_plans_use_the_cheapest_collective():
-    assert plan(P("tp"), P(None, "tp"), 2) == [dtp.redistribute.Step("all_to_all", "tp", 0, 1)]
-    assert [s.kind for s in plan(P(partial="tp"), P("tp"), 1)] == ["reduce_scatter"]
-    assert [s.kind for s in plan(P(partial="tp"), P(), 1)] == ["all_reduce"]
-    assert [s.kind for s in plan(P("tp"), P(), 1)] == ["all_gather"]
-    assert [s.kind for s in plan(P(), P("tp"), 1)] == ["slice"]
-    assert [s.kind for s in plan(P(), P(partial="tp"), 1)] == ["zero"]
+    assert reshard_steps(P("tp"), P(None, "tp"), 2) == [dtp.redistribute.Step("all_to_all", "tp", 0, 1)]
+    assert [s.kind for s in reshard_steps(P(partial="tp"), P("tp"), 1)] == ["reduce_scatter"]
+    assert [s.kind for s in reshard_steps(P(partial="tp"), P(), 1)] == ["all_reduce"]
+    assert [s.kind for s in reshard_steps(P("tp"), P(), 1)] == ["all_gather"]
+    assert [s.kind for s in reshard_steps(P(), P("tp"), 1)] == ["slice"]
+    assert [s.kind for s in reshard_steps(P(), P(partial="tp"), 1)] == ["zero"]
     # reduce before gathering: the all-reduce runs on the smaller shard
     sizes = {"dp": 2, "tp": 2}
-    assert [s.kind for s in plan(P("dp", partial="tp"), P(), 1, sizes)] == ["all_reduce", "all_gather"]
+    assert [s.kind for s in reshard_steps(P("dp", partial="tp"), P(), 1, sizes)] == ["all_reduce", "all_gather"]
     # removing a major axis of a tuple goes through the minor one first
-    assert [s.kind for s in plan(P(("dp", "tp")), P("tp"), 1)] == ["all_gather", "all_gather", "slice"]
+    assert [s.kind for s in reshard_steps(P(("dp", "tp")), P("tp"), 1)] == ["all_gather", "all_gather", "slice"]
 
 
 def _log_and_async(axes):

@@ -13,12 +13,12 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "dtp"
 # (file under src/dtp, what pyflakes says): why it is no defect.
 FALSE_POSITIVES = {
     # the docstring examples run in the module's namespace and use these
-    ("_oracles.py", "'torch.nn.functional as F' imported but unused"): "a doctest uses it",
-    ("_oracles.py", "'.ops.blockwise.from_cp_order' imported but unused"): "a doctest uses it",
-    ("_oracles.py", "'.ops.blockwise.to_cp_order' imported but unused"): "a doctest uses it",
+    ("testing/oracles.py", "'torch.nn.functional as F' imported but unused"): "a doctest uses it",
+    ("testing/oracles.py", "'..ops.blockwise.from_cp_order' imported but unused"): "a doctest uses it",
+    ("testing/oracles.py", "'..ops.blockwise.to_cp_order' imported but unused"): "a doctest uses it",
     ("schedules/simulate.py", "'.build.make' imported but unused"): "the doctests use it",
     # built on first use by the module's __getattr__ (PEP 562)
-    ("_rules.py", "undefined name 'STEP_TOLERANCE' in __all__"): "PEP 562",
+    ("core/_rules.py", "undefined name 'STEP_TOLERANCE' in __all__"): "PEP 562",
     # read by a closure that only runs before the `del` below it, in the loop
     ("ops/context/ulysses.py", "undefined name 'kr'"): "closure called before the del",
     ("ops/context/ulysses.py", "undefined name 'vr'"): "closure called before the del",

@@ -211,7 +211,7 @@ def test_simulate_leaves_no_per_rank_tensors_in_dtps_caches():
     # run in the same process, whose loss then became a LocalTensor.
     import sys
 
-    from dtp._torch import is_local_tensor
+    from dtp.core._torch import is_local_tensor
 
     attention = sys.modules["dtp.ops.attention"]  # the module (dtp.ops.attention the attribute is the function)
 

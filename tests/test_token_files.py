@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from dtp import _token_files
-from dtp._token_files import SAMPLE_TOKENS, Tokens, open_tokens, token_stats
+from dtp.data import token_files as _token_files
+from dtp.data.token_files import SAMPLE_TOKENS, Tokens, open_tokens, token_stats
 from dtp.data import TokenLoader
 
 

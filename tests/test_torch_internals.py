@@ -1,4 +1,4 @@
-"""Every private torch API behind dtp._torch still exists with the shape dtp calls it
+"""Every private torch API behind dtp.core._torch still exists with the shape dtp calls it
 with: a torch upgrade that moves one fails here, by name."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 import dtp
-from dtp import _torch
+from dtp.core import _torch
 from dtp.testing import rank_values, simulate
 
 

@@ -17,8 +17,11 @@ argument answers at once instead of after torch's start-up.
 from __future__ import annotations
 
 import importlib
+import importlib.abc
+import importlib.machinery
 import importlib.util
-from typing import TYPE_CHECKING, Any
+import sys
+from typing import TYPE_CHECKING, Any, Sequence
 
 __version__ = "0.1.0"
 
@@ -34,20 +37,73 @@ __all__ = [
 # Public names that are submodules. (``dtp.visualize`` is a function: its module is
 # ``visualization``, so that importing it, as unpickling a reference to it in a rank does,
 # cannot shadow the function with a module of the same name.)
-_SUBMODULES = ("comm", "layouts", "ops", "optim", "schedules", "strategies", "checkpoint")
+_SUBMODULES = {"comm": ".core.comm", "layouts": ".layouts", "ops": ".ops", "optim": ".training.optim",
+               "schedules": ".schedules", "strategies": ".strategies", "checkpoint": ".checkpoint"}
 # Public name -> the module that defines it (a submodule itself when the name is one).
 _SOURCES: dict[str, str] = {
-    **{m: f".{m}" for m in _SUBMODULES},
-    "CommLog": ".comm", "CommRecord": ".comm", "comm_log": ".comm",
+    **_SUBMODULES,
+    "CommLog": ".core.comm", "CommRecord": ".core.comm", "comm_log": ".core.comm",
     "Layout": ".layouts", "constrain": ".layouts", "use_layout": ".layouts",
-    "detect_device": ".mesh", "flatten_axes": ".mesh", "make_mesh": ".mesh",
+    "detect_device": ".core.mesh.devices", "flatten_axes": ".core.mesh.devices", "make_mesh": ".core.mesh.devices",
     "Layer": ".models.sequential", "Sequential": ".models.sequential",
-    "from_local": ".redistribute", "local_map": ".redistribute", "reshard": ".redistribute",
-    "P": ".spec", "shard": ".spec", "spec_of": ".spec",
-    "TrainState": ".state", "gather_params": ".state", "wait": ".state", "shard_batch": ".step", "train_step": ".step",
-    "zero": ".strategies", "visualize": ".visualization", "plan": ".planning", "RunConfig": ".config",
-    "with_buffers": ".buffers", "CompileOptions": ".compiled",
+    "from_local": ".core.redistribute", "local_map": ".core.redistribute", "reshard": ".core.redistribute",
+    "P": ".core.spec", "shard": ".core.spec", "spec_of": ".core.spec",
+    "TrainState": ".training.state", "gather_params": ".training.state", "wait": ".training.state",
+    "shard_batch": ".training.step", "train_step": ".training.step",
+    "zero": ".strategies", "visualize": ".core.visualization", "plan": ".planning", "RunConfig": ".config",
+    "with_buffers": ".training.buffers", "CompileOptions": ".training.compiled",
 }
+
+# Where the modules of dtp 0.1's flat tree live now (dtp.mesh is dtp.core.mesh.devices):
+# ``import dtp.mesh`` and ``from dtp.step import ...`` go on working, and give the module
+# itself, not a copy (one module object: a monkeypatch or an isinstance sees the same).
+# A package moved whole takes its submodules along (dtp.comm.link).
+MOVED = {
+    "dtp.comm": "dtp.core.comm", "dtp.optim": "dtp.training.optim",
+    "dtp.spec": "dtp.core.spec", "dtp.redistribute": "dtp.core.redistribute",
+    "dtp.visualization": "dtp.core.visualization", "dtp.mesh": "dtp.core.mesh.devices",
+    "dtp.launch": "dtp.core.mesh.launch", "dtp.state": "dtp.training.state", "dtp.step": "dtp.training.step",
+    "dtp.buffers": "dtp.training.buffers", "dtp.guard": "dtp.training.guard",
+    "dtp.compiled": "dtp.training.compiled", "dtp.leafwise": "dtp.training.leafwise",
+    "dtp.plot": "dtp.training.plot", "dtp.hf_state": "dtp.models.hf.state",
+    "dtp.models.hf_config": "dtp.models.hf.config",
+}
+
+
+def moved_to(name: str) -> str | None:
+    """Where the module ``name`` of the flat tree lives now (``None``: it did not move).
+
+    >>> moved_to("dtp.mesh"), moved_to("dtp.comm.link"), moved_to("dtp.layouts")
+    ('dtp.core.mesh.devices', 'dtp.core.comm.link', None)
+    """
+    for old, new in MOVED.items():
+        if name == old or name.startswith(old + "."):
+            return new + name[len(old):]
+    return None
+
+
+class _Moved(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Finds a moved module under its old name and hands back the module itself."""
+
+    def find_spec(self, name: str, path: Sequence[str] | None, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+        return importlib.util.spec_from_loader(name, self) if moved_to(name) is not None else None
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> Any:
+        module = importlib.import_module(moved_to(spec.name))  # type: ignore[arg-type]
+        spec.loader_state = module.__spec__  # its own, which importlib is about to overwrite
+        return module
+
+    def exec_module(self, module: Any) -> None:
+        # It ran under its own name already; importlib has just set its __spec__ to the old
+        # name's, which would make it another module to reload or run with -m: put it back.
+        module.__spec__ = module.__spec__.loader_state
+
+
+if not any(isinstance(f, _Moved) for f in sys.meta_path):
+    # First: after `import dtp.comm` (the package dtp.core.comm under its old name), the path
+    # finder would find dtp.comm.link in that package's folder and run link.py a second time,
+    # as another module. No old name exists as a module of its own, so nothing else is shadowed.
+    sys.meta_path.insert(0, _Moved())
 
 
 def __getattr__(name: str) -> Any:
@@ -70,18 +126,21 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # what type checkers and IDEs see: the eager imports of before
-    from . import checkpoint, comm, layouts, ops, optim, schedules, strategies
-    from .comm import CommLog, CommRecord, comm_log
+    from .checkpoint import store as checkpoint
+    from .core import comm
+    from . import layouts, ops, schedules, strategies
+    from .training import optim
+    from .core.comm import CommLog, CommRecord, comm_log
     from .layouts import Layout, constrain, use_layout
-    from .mesh import detect_device, flatten_axes, make_mesh
+    from .core.mesh.devices import detect_device, flatten_axes, make_mesh
     from .models.sequential import Layer, Sequential
-    from .redistribute import from_local, local_map, reshard
-    from .spec import P, shard, spec_of
-    from .state import TrainState, gather_params, wait
-    from .step import shard_batch, train_step
+    from .core.redistribute import from_local, local_map, reshard
+    from .core.spec import P, shard, spec_of
+    from .training.state import TrainState, gather_params, wait
+    from .training.step import shard_batch, train_step
     from .strategies import zero
-    from .visualization import visualize
+    from .core.visualization import visualize
     from .planning import plan
     from .config import RunConfig
-    from .buffers import with_buffers
-    from .compiled import CompileOptions
+    from .training.buffers import with_buffers
+    from .training.compiled import CompileOptions

@@ -40,9 +40,11 @@ import threading
 from pathlib import Path
 from typing import Any, Sequence
 
-from ..launch import in_torchrun, launched, restarted
-from .flags import (UsageError, build_layout, build_parser, mesh_axes, parse_args, preflight, train_argv,
-                    validate)
+from ..config import to_toml
+from ..core.mesh import launch as launcher  # called as launcher.launch: a test pool stands in for it
+from ..core.mesh.launch import in_torchrun, launched, restarted
+from .commands import build_parser, parse_args
+from .flags import UsageError, build_layout, check_config, mesh_axes, preflight, train_argv, validate
 from .plan import cmd_plan, print_schedule, train_refusal
 from .report import (default_out, clear_run_files, format_bytes, format_step, progress_bar, report_exception,
                      summarize, survive_closed_output)
@@ -73,16 +75,12 @@ def _cmd_train(args: argparse.Namespace) -> int:
         # Print and exit: the run as given, checked, but no run directory. Neither invents a
         # default --out nor touches one (--print-schedule once created runs/<timestamp> and,
         # with --overwrite, deleted an earlier run's files before printing).
-        from .flags import check_config
-
         layout = check_config(args)  # a run that would be refused is not printed
         if int(os.environ.get("RANK", "0")) != 0:
             # Under torchrun every rank checks alike, rank 0 alone prints: N interleaved copies
             # of the TOML, redirected to a file, were a --config that refuses its repeated keys.
             return 0
         if args.print_config:
-            from ..config import to_toml
-
             print(to_toml(args.run_config, leave_out=getattr(args, "derived", ())), end="")
         else:
             print_schedule(args, layout)
@@ -104,7 +102,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
             _refuse_unfit(args, local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", "1")), show=rank == 0)
             if rank == 0 and args.overwrite and not restarted():
                 clear_run_files(Path(args.out))
-        from .check import check_in_subprocess
+        from .check import check_in_subprocess  # here and below: the ranks' modules import torch
         from .loop import train_rank
 
         code = train_rank(args.run_config)
@@ -119,11 +117,11 @@ def _cmd_train(args: argparse.Namespace) -> int:
     if args.nproc > 1:
         code = _launch(args)
     else:
-        from .loop import train_rank
+        from .loop import train_rank  # torch, once the flags have passed
 
         code = train_rank(args.run_config)
     if code == 0 and args.check:
-        from .check import check_run
+        from .check import check_run  # torch, once the run is done
 
         code = check_run(args.out)
     return code
@@ -145,13 +143,10 @@ def _launch(args: argparse.Namespace) -> int:
     once here, not re-spelled as flags (``--out`` stays visible on their command lines)."""
     import tempfile
 
-    from ..config import to_toml
-    from ..launch import launch
-
     with tempfile.TemporaryDirectory(prefix="dtp-run-") as tmp:
         path = Path(tmp) / "run.toml"
         path.write_text(to_toml(args.run_config))
-        return launch(args.nproc, ["train", "--config", str(path), "--out", args.out],
+        return launcher.launch(args.nproc, ["train", "--config", str(path), "--out", args.out],
                       max_restarts=args.max_restarts)
 
 
@@ -216,11 +211,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "plan":
             return cmd_plan(args)
         if args.command == "check":
-            from .check import check_run
+            from .check import check_run  # torch: dtp check retrains
 
             return check_run(args.run_dir, rtol=args.rtol)
         if args.command == "export":
-            from .export import cmd_export
+            from .export import cmd_export  # its parser is torch-free, its command is not: cmd_export imports as it runs
 
             return cmd_export(args)
         parser.print_help(sys.stderr)

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence, TextIO
 
 from .. import layouts
-from .._rules import _STEP_TOLERANCE, RUN_RTOL
+from ..core._rules import _STEP_TOLERANCE, RUN_RTOL
 from ..config import RunConfig, master_weights
 from .flags import UsageError
 from .optimizer import OptimizerRules
@@ -59,7 +59,7 @@ def tolerance_for(dtype: str) -> float:
     >>> tolerance_for("float64")
     1e-09
     """
-    return RUN_RTOL[dtype]  # beside the one-step bar in dtp._rules; low precision drifts with the steps
+    return RUN_RTOL[dtype]  # beside the one-step bar in dtp.core._rules; low precision drifts with the steps
 
 
 def compare_losses(run: Sequence[float], reference: Sequence[float], rtol: float) -> dict[str, Any]:

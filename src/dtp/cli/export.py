@@ -25,10 +25,10 @@ import argparse
 import sys
 from pathlib import Path
 
-from .._checkpoint_dirs import MANIFEST, latest
-from .._token_files import TOKENIZER_CONFIGS
+from ..checkpoint.dirs import MANIFEST, latest
+from ..data.token_files import TOKENIZER_CONFIGS, document_eos, open_tokens, tokenizer_eos
 from ..config import DTYPES
-from ..models.hf_config import INDEX, SINGLE, staged, weight_file_names
+from ..models.hf.config import INDEX, SINGLE, staged, weight_file_names
 from .flags import UsageError, writable_dir
 from .parser import RUN_FILES, positive_float
 
@@ -61,8 +61,10 @@ def cmd_export(args: argparse.Namespace) -> int:
     """``dtp export --hf OUT --run RUN``; returns the exit code (bad input: :class:`UsageError`)."""
     import torch
 
-    from .. import checkpoint
-    from ..models import hf, llama
+    # Here, not at the top: `dtp export --help` and the CLI's other commands load this parser without torch.
+    from ..checkpoint import store as checkpoint
+    from ..models.hf import convert as hf
+    from ..models import llama
 
     run = Path(args.run)
     if Path(args.hf).exists() and not Path(args.hf).is_dir():
@@ -229,7 +231,7 @@ def _carry_eos(run: dict, out: Path) -> None:
     ``generation_config.json``, which ``generate`` reads first) names it as ``eos_token_id``,
     beside the ids an ``--init-from`` source named (a list then), so that ``generate``
     stops where the model learnt to. That id is ``--eos-id``, else the tokenizer's
-    (:func:`dtp._token_files.tokenizer_eos`), else the data's (its sidecar's; byte text's
+    (:func:`dtp.data.token_files.tokenizer_eos`), else the data's (its sidecar's; byte text's
     newline); when the data or tokenizer has gone since, nothing is written.
 
     >>> import json, tempfile
@@ -239,8 +241,6 @@ def _carry_eos(run: dict, out: Path) -> None:
     {'eos_token_id': 10}
     """
     import json
-
-    from .._token_files import document_eos, open_tokens, tokenizer_eos
 
     if not run.get("document_mask"):
         return

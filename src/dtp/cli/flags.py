@@ -15,26 +15,23 @@ import argparse
 import importlib.util
 import json
 import math
-import os
-import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
-from .._mesh_shape import MeshShape
-from .._token_files import SAMPLE_TOKENS, TokenStats, held_out_start, token_stats
-from .._rules import FLOAT32_MAX, TRAIN_ADAMW
+from ..core.mesh.shape import MeshShape
+from ..data.token_files import SAMPLE_TOKENS, TokenStats, held_out_start, token_stats
+from ..core._rules import FLOAT32_MAX, TRAIN_ADAMW
 from ..config import MODEL_FIELDS, RunConfig, flag_names, flag_of, mesh_axes_of, toml_fields
-from ..launch import in_torchrun
 from ..layouts import Layout
 from ..models import config as model_config
-from ..models.hf_config import check_weight_files, config_for
-from .parser import RUN_DEFAULTS, UsageError, build_parser, note
+from ..models.hf.config import check_weight_files, config_for
+from .parser import RUN_DEFAULTS, UsageError, note
 from .resume import check_resume, resume_from
 from .shape import check_shape, format_mesh
 
 
-__all__ = ["UsageError", "build_parser", "parse_args", "validate", "preflight", "build_layout", "mesh_axes",
+__all__ = ["UsageError", "validate", "preflight", "build_layout", "mesh_axes",
            "train_argv", "vocab_size", "check_config", "check_nproc", "run_config",
            "writable_dir"]
 
@@ -55,6 +52,7 @@ def mesh_axes(args: argparse.Namespace) -> dict[str, int]:
     """The mesh to build (:meth:`dtp.RunConfig.mesh_axes`): the non-trivial axes in order
     pp, dp, ep, cp, tp (dp always present).
 
+    >>> from dtp.cli import parse_args
     >>> mesh_axes(parse_args(["train", "--dp", "2", "--tp", "4"]))
     {'dp': 2, 'tp': 4}
     """
@@ -68,6 +66,7 @@ def validate(args: argparse.Namespace, *, world_size: int | None = None) -> argp
     ``world_size`` is torchrun's ``WORLD_SIZE`` when joining an existing world. Raises
     :class:`UsageError` (a ``ValueError``) with a one-line message.
 
+    >>> from dtp.cli import build_parser, parse_args
     >>> validate(build_parser().parse_args(["train", "--dp", "2", "--tp", "2"])).nproc
     4
     """
@@ -115,44 +114,6 @@ def check_nproc(args: argparse.Namespace, axes: dict[str, int]) -> None:
                          f"rank{'s' * (n > 1)}; use --nproc {n} or leave --nproc out")
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """Parse and validate ``dtp`` arguments (argparse errors exit with code 2). ``train
-    --config run.toml`` (and ``plan --config``) reads a run first; the flags given beside it
-    override its fields.
-
-    >>> parse_args(["train", "--nproc", "2", "--dp", "2"]).warmup
-    5
-    """
-    argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
-    if argv[:1] in (["train"], ["plan"]):
-        path = _config_path(argv)
-        if path is not None:  # a plan takes the whole run too: its fields beyond plan's flags included
-            _subparser(parser, argv[0]).set_defaults(**read_config_file(path))
-    args, extra = parser.parse_known_args(argv)
-    if extra:  # said by the subcommand's parser: "dtp plan: error: ... (see dtp plan --help)", not "dtp: ..."
-        command = args.command and _subparser(parser, args.command)
-        (command or parser).error(f"unrecognized arguments: {' '.join(extra)}")
-    if args.command == "train":
-        validate(args, world_size=int(os.environ["WORLD_SIZE"]) if in_torchrun() else None)
-    return args
-
-
-def _config_path(argv: Sequence[str]) -> str | None:
-    """``--config PATH`` (or ``--config=PATH``) in ``argv``, before argparse sees it."""
-    for i, arg in enumerate(argv):
-        if arg == "--config" and i + 1 < len(argv):
-            return argv[i + 1]
-        if arg.startswith("--config="):
-            return arg.split("=", 1)[1]
-    return None
-
-
-def _subparser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
-    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))  # no public accessor
-    return sub.choices[command]
-
-
 def read_config_file(path: str) -> dict[str, Any]:
     """A run's fields from a TOML file (``dtp train --config``): :class:`dtp.RunConfig`'s
     field names as keys, each in its section's table (``[parallelism]``, ``[training]``, …:
@@ -185,6 +146,7 @@ def train_argv(args: argparse.Namespace) -> list[str]:
     spelled out; no ``--nproc``, ``--check`` or ``--overwrite``, which are about this
     invocation): the command a run directory records.
 
+    >>> from dtp.cli import parse_args
     >>> train_argv(parse_args(["train", "--dp", "2", "--out", "r"]))[:9]
     ['train', '--pp', '1', '--pp-schedule', '1f1b', '--virtual-stages', '1', '--dp', '2']
     """
@@ -194,6 +156,7 @@ def train_argv(args: argparse.Namespace) -> list[str]:
 def build_layout(args: argparse.Namespace) -> Layout:
     """The run's layout (:meth:`dtp.RunConfig.layout`, where the flags meet the presets).
 
+    >>> from dtp.cli import parse_args
     >>> build_layout(parse_args(["train", "--dp", "2", "--tp", "2", "--sp"])).megatron.sequence_parallel
     True
     """
@@ -256,6 +219,7 @@ def check_config(args: argparse.Namespace) -> Layout:
     plans the model the data makes (``args.model_config``); ``--print-config`` and
     ``--print-schedule`` print only a run that passes. Returns the layout.
 
+    >>> from dtp.cli import parse_args
     >>> check_config(parse_args(["plan", "--tp", "3"]))
     Traceback (most recent call last):
     ...
@@ -338,7 +302,7 @@ def _model(args: argparse.Namespace, max_id: int) -> model_config.LlamaConfig:
 
 def _check_document_ends(args: argparse.Namespace, stats: TokenStats) -> None:
     """``--document-mask``'s id that ends a document occurs in the data (``stats``: what
-    :func:`~dtp._token_files.token_stats` read with ``documents=True``): an id that never
+    :func:`~dtp.data.token_files.token_stats` read with ``documents=True``): an id that never
     occurs masks nothing (every window one document), which is the run without the mask
     under another name. Refused when the whole corpus was read; a note when only a sample was."""
     if stats.end_seen:

@@ -24,18 +24,21 @@ from typing import Any, Callable, Mapping, TextIO
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from .. import CompileOptions, Layout, RunConfig, TrainState, checkpoint, shard_batch, strategies, train_step, wait
-from .._token_files import SAMPLE_TOKENS, past_vocab, sidecar_path, training_split
-from ..buffers import lay_out as lay_out_buffers
-from ..guard import ID_KEYS, id_range
-from ..data import TokenLoader, Tokens, document_eos, open_tokens
-from ..mesh import mesh_device
+from .. import CompileOptions, Layout, RunConfig, TrainState, shard_batch, strategies, train_step, wait
+from ..checkpoint import store as checkpoint
+from ..data.token_files import SAMPLE_TOKENS, past_vocab, sidecar_path, training_split
+from ..training.buffers import lay_out as lay_out_buffers
+from ..training.guard import ID_KEYS, id_range
+from ..data.loader import TokenLoader, Tokens, document_eos, open_tokens
+from ..core.mesh.devices import mesh_device
 from ..planning.report import format_count
-from ..models import hf, llama
-from ..redistribute import value_of
+from ..models.hf import convert as hf
+from ..models import llama
+from ..core.redistribute import value_of
 from .process import Terminated, sigterm_ignored, sigterm_raises, run_world, single_process_world, why
 from .optimizer import OptimizerRules, decay_changes, train_optimizer
 from .parser import EVAL_BATCHES, PROG
+from .plan import plan_of
 from .flags import UsageError, build_layout, vocab_size
 from .shape import format_mesh
 from .resume import resume_from, segment_record, trained_segments
@@ -69,7 +72,7 @@ def _load_data(config: RunConfig) -> Tokens:
 
 def _splits(config: RunConfig) -> tuple[Tokens, Tokens | None]:
     """The training tokens and, with ``--eval-every``, the held-out ones (the corpus's last
-    tenth, :func:`dtp._token_files.held_out_start`): the same split on every rank and in
+    tenth, :func:`dtp.data.token_files.held_out_start`): the same split on every rank and in
     the 1-process reference. Views of the mapped file: nothing is read here."""
     return training_split(_load_data(config), bool(config.eval_every))  # before the flag: no split
 
@@ -81,7 +84,7 @@ def _documents(config: RunConfig, tokens: Tokens) -> int | None:
 
 def _vocab_size(config: RunConfig, tokens: Tokens) -> int:
     """:func:`dtp.cli.flags.vocab_size` for the tokens: the preflight's rule
-    (:func:`dtp._token_files.token_stats`: the stated vocabulary, else a bounded sample);
+    (:func:`dtp.data.token_files.token_stats`: the stated vocabulary, else a bounded sample);
     ``--init-from``'s own (padded)."""
     if config.init_from:
         return _model(config, None).vocab_size
@@ -489,8 +492,6 @@ def _plan_memory(config: RunConfig, cfg: llama.LlamaConfig) -> str | None:
     model ``cfg`` (the ranks': its vocabulary grown to the data's ids, as the preflight's
     memory check planned it), for the header; ``None`` if the plan cannot be made (a
     prediction must never stop a run)."""
-    from .plan import plan_of
-
     try:
         p = plan_of(config, model=cfg)
     except Exception:  # noqa: BLE001 -- e.g. a configuration the plan does not model (double ring)

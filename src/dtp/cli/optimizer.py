@@ -1,4 +1,4 @@
-"""``dtp train``'s optimizer: AdamW (:data:`dtp._rules.TRAIN_ADAMW`) on a warm-up + cosine
+"""``dtp train``'s optimizer: AdamW (:data:`dtp.core._rules.TRAIN_ADAMW`) on a warm-up + cosine
 schedule, with ``--weight-decay`` on the weight matrices only; and what a run directory
 recorded before either rule changed keeps (its ``dtp check`` retrains it as it ran)."""
 
@@ -9,8 +9,8 @@ import json
 from pathlib import Path
 from typing import Any, Mapping
 
-from .. import optim
-from .._rules import TRAIN_ADAMW
+from ..training import optim
+from ..core._rules import TRAIN_ADAMW
 from ..config import RunConfig
 from .parser import PROG
 

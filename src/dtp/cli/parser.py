@@ -1,4 +1,4 @@
-"""The argument parser of the ``dtp`` command.
+"""What the ``dtp`` command's parsers are made of (:mod:`.commands` puts them together).
 
 A run's flags are made from :class:`dtp.RunConfig`'s fields (:func:`add_run_flags`): the
 name, the doc as help, the bounds and choices as type checks, the default, the section as
@@ -17,12 +17,11 @@ import math
 import dataclasses
 from typing import Any, Callable, Iterable, NoReturn, Sequence
 
-from .._rules import RUN_RTOL
-from ..launch import in_torchrun, launched
-from ..config import EVAL_BATCHES, SECTIONS, RunConfig
-from . import plan as plan_cli
 
-__all__ = ["build_parser", "add_run_flags", "add_config_flag", "add_nproc", "add_print_schedule", "UsageError", "positive_float",
+from ..core.mesh.launch import in_torchrun, launched
+from ..config import EVAL_BATCHES, SECTIONS, RunConfig
+
+__all__ = ["add_run_flags", "add_config_flag", "add_nproc", "add_print_schedule", "UsageError", "positive_float",
            "PROG", "EVAL_BATCHES", "RUN_FILES", "RUN_DEFAULTS", "note"]
 
 
@@ -177,45 +176,3 @@ def add_print_schedule(group: argparse._ArgumentGroup) -> None:
     """``--print-schedule``, for ``dtp train`` and ``dtp plan``."""
     group.add_argument("--print-schedule", action="store_true",
                        help="print each pipeline rank's action list (F/B/I/W, chunk.microbatch) and exit")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of the ``dtp`` command (subcommands ``train``, ``plan``, ``check`` and ``export``).
-
-    >>> args = build_parser().parse_args(["train", "--dp", "2", "--tp", "2", "--sp"])
-    >>> args.dp, args.tp, args.sp, args.dtype
-    (2, 2, True, 'float32')
-    """
-    parser = _Parser(prog=PROG, description=DESCRIPTION, allow_abbrev=False)
-    # More subcommands (dtp plan, ...) add themselves with sub.add_parser(...): the
-    # metavar lists whatever is there.
-    sub = parser.add_subparsers(dest="command")
-
-    t = sub.add_parser("train", help="train the reference Llama on N ranks under a parallel layout",
-                       formatter_class=_HelpFormatter, allow_abbrev=False)
-    groups = add_run_flags(t, SECTIONS)
-    add_nproc(groups["parallelism"])
-    add_print_schedule(groups["parallelism"])
-    g = groups["run"]
-    add_config_flag(g)
-    g.add_argument("--print-config", action="store_true",
-                   help="print the resolved run as TOML (what --config reads) and exit")
-    g.add_argument("--check", action="store_true",
-                   help="compare every step's loss and gradient norm with a 1-process reference run; exit 1 on mismatch")
-    g.add_argument("--overwrite", action="store_true",
-                   help="reuse a non-empty --out: delete the files an earlier run wrote there "
-                        f"({', '.join(RUN_FILES)}) first")
-
-    plan_cli.add_train_flags(t)
-    plan_cli.add_parser(sub)  # dtp plan: train's sections of a run but checkpoints and run
-    from .export import add_parser as add_export  # it reports with this module's UsageError
-
-    add_export(sub)
-
-    c = sub.add_parser("check", help="compare a finished run's losses and gradient norms with a 1-process reference",
-                       formatter_class=_HelpFormatter, allow_abbrev=False)
-    c.add_argument("run_dir", help="the run directory (with config.json and metrics.jsonl)")
-    c.add_argument("--rtol", type=_non_negative_float, default=None,
-                   help="relative tolerance (default: by dtype, " +
-                        ", ".join(f"{k} {v:g}" for k, v in RUN_RTOL.items()) + ")")
-    return parser

@@ -16,6 +16,11 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
+from .. import schedules
+from ..models import config as model_config
+from .flags import check_config, run_config
+from .parser import _HelpFormatter, add_config_flag, add_nproc, add_print_schedule, add_run_flags, positive_float
+
 if TYPE_CHECKING:
     from ..config import RunConfig
     from ..layouts import Layout
@@ -41,7 +46,6 @@ def add_train_flags(train: argparse.ArgumentParser) -> None:
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """The ``plan`` subcommand: the flags of :data:`PLAN_SECTIONS` of a run (made from
     :class:`dtp.RunConfig`'s fields, as ``dtp train``'s), ``--config`` (a whole run) and the verdict's."""
-    from .parser import _HelpFormatter, add_config_flag, add_nproc, add_print_schedule, add_run_flags  # parser imports this module
 
     # train's formatter: the flags are train's, their help already says where a default is derived
     p = sub.add_parser("plan", help="predict per-rank memory, bytes per mesh axis and the pipeline bubble "
@@ -62,8 +66,6 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 def _memory_flag(group: argparse._ArgumentGroup, help: str) -> None:
     """``--memory-gb``, the budget both commands check the plan's peak against."""
-    from .parser import positive_float  # parser imports this module
-
     group.add_argument("--memory-gb", type=positive_float, default=None, metavar="GIB", help=help)
 
 
@@ -77,8 +79,6 @@ def plan_from_args(args: argparse.Namespace) -> "Plan":
     ...     "--cp-window", "2", "--seq", "128"])).target.context.window
     2
     """
-    from .flags import run_config
-
     # The model the checks built (flags.check_config / preflight): its vocabulary grown to the
     # data's ids is the run's, and may be most of its parameters.
     return plan_of(run_config(args), model=getattr(args, "model_config", None), backend=getattr(args, "backend", None))
@@ -94,7 +94,7 @@ def plan_of(config: RunConfig, *, model: LlamaConfig | None = None, backend: str
     >>> p.target.name, p.run.dp
     ('tiny', 2)
     """
-    from ..planning import Target, plan
+    from ..planning import Target, plan  # here: the plan imports torch, which dtp plan's checks run without
 
     return plan(Target.of(config, cfg=model, backend=backend or machine_backend()))
 
@@ -102,10 +102,8 @@ def plan_of(config: RunConfig, *, model: LlamaConfig | None = None, backend: str
 def cmd_plan(args: argparse.Namespace) -> int:
     """``dtp plan``: print the table; exit 1 when a given ``--memory-gb`` is exceeded. A shape
     ``dtp train`` refuses is refused here with the same line (:func:`~dtp.cli.flags.check_config`)."""
-    from .flags import check_config
-
     layout = check_config(args)  # before planning imports torch: a refusal takes a fraction of a second
-    from ..planning import format_plan
+    from ..planning import format_plan  # only now: the plan imports torch
 
     p = plan_from_args(args)
     print(format_plan(p, args.memory_gb))
@@ -117,9 +115,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def print_schedule(args: argparse.Namespace, layout: Layout) -> None:
     """``--print-schedule``: each pipeline rank's action list (``--pp > 1``, checked by
     :func:`~dtp.cli.flags.check_config`), for ``dtp train`` and ``dtp plan``."""
-    from .. import schedules
-    from ..models import config as model_config
-
     n_layers = model_config.n_sequential_layers(args.model_config)  # check_config made it
     v = layout.pipeline.virtual_stages  # a V schedule's 2 chunks per rank
     table = schedules.format_schedule(schedules.make(args.pp_schedule, p=args.pp, v=v, m=args.microbatches),
@@ -132,7 +127,7 @@ def print_schedule(args: argparse.Namespace, layout: Layout) -> None:
 def machine_backend() -> str:
     """The backend a run here would use (:func:`dtp.mesh.detect_device`): what ``dtp train``
     checks memory for, and ``dtp plan``'s default."""
-    from ..mesh import detect_device
+    from ..core.mesh.devices import detect_device  # here: it imports torch, which the flags' checks run without
 
     return detect_device()[1]
 
@@ -141,7 +136,7 @@ def machine_memory_gb(nproc: int) -> float:
     """Memory one local rank may use: the accelerator's, else the host's RAM / ``nproc``."""
     import torch
 
-    from ..mesh import detect_device
+    from ..core.mesh.devices import detect_device  # here: it imports torch, as this function does
 
     device, _ = detect_device()
     if device in ("cuda", "npu"):  # torch.npu once torch_npu is imported (detect_device did)
@@ -162,7 +157,7 @@ def train_refusal(args: argparse.Namespace, *, local_ranks: int | None = None, q
     (the flags and the layouts have checked the run already). One line on stderr says the
     memory goes unchecked, unless ``quiet``.
     """
-    from ..planning import check_fits
+    from ..planning import check_fits  # here: the plan imports torch, which dtp train's checks run without
 
     try:
         p = plan_from_args(args)

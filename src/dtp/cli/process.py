@@ -11,9 +11,10 @@ from typing import Any, Iterator
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from .. import RunConfig, comm, make_mesh
-from ..launch import in_torchrun
-from ..mesh import clear_mesh_cache
+from .. import RunConfig, make_mesh
+from ..core import comm
+from ..core.mesh.launch import in_torchrun
+from ..core.mesh.devices import clear_mesh_cache
 
 __all__ = ["Terminated", "single_process_world", "run_world", "sigterm_raises", "sigterm_ignored", "why"]
 

@@ -40,9 +40,9 @@ import traceback
 from pathlib import Path
 from typing import Any, Mapping, Sequence, TextIO
 
-from ..launch import report_error as _report_error
-from ..plot import atomic_path, plot_loss
-from .parser import PROG
+from ..core.mesh.launch import report_error as _report_error
+from ..training.plot import atomic_path, plot_loss
+from .parser import PROG, RUN_FILES
 
 __all__ = ["print_compile_report", "format_bytes", "format_step", "format_duration", "progress_bar", "summarize", "describe_exception",
            "clear_run_files", "read_metrics", "report_exception", "Progress", "plot_losses", "write_json",
@@ -251,8 +251,6 @@ def default_out() -> str:
 def clear_run_files(out: Path) -> None:
     """``--overwrite``: delete what an earlier run wrote in ``out`` (:data:`~dtp.cli.parser.RUN_FILES`,
     their temporary files too), and nothing else that is there."""
-    from .parser import RUN_FILES
-
     for name in RUN_FILES:
         path = out / name
         if path.is_dir() and not path.is_symlink():
@@ -313,7 +311,7 @@ def print_compile_report(step: int, graphs_per_step: Sequence[int]) -> None:
     graph breaks met and the recompiles (graphs compiled after the first step)."""
     import torch.distributed as dist  # here: the launcher reads this module before torch
 
-    from .. import compiled
+    from ..training import compiled  # torch, as the import above
 
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(f"compile after step {step}: " + compiled.report(recompiles=sum(graphs_per_step[1:])), flush=True)
@@ -421,7 +419,7 @@ def report_exception(e: Exception, command: str, out: str | None) -> int:
 def _report(e: Exception, command: str, out: str | None) -> int:
     # The exception's module is imported by now if it was raised; none of them is imported here.
     loop = sys.modules.get("dtp.cli.loop")  # imported once a run started; nothing to sort before
-    comm = sys.modules.get("dtp.comm")
+    comm = sys.modules.get("dtp.core.comm")
     if loop is not None and isinstance(e, loop.TrainingAborted):
         # Raised on every rank alike: the launcher prints it once.
         _report_error(f"{PROG} {command}: {e}")

@@ -13,9 +13,9 @@ import os
 from pathlib import Path
 from typing import Any, Sequence
 
-from .._checkpoint_dirs import checkpoints, latest, read_manifest
-from ..launch import restarted
-from .._token_files import held_out_start, open_tokens, training_split
+from ..checkpoint.dirs import checkpoints, latest, read_manifest
+from ..core.mesh.launch import restarted
+from ..data.token_files import held_out_start, open_tokens, training_split
 from ..config import MODEL_FIELDS, RunConfig, flag_of, master_weights
 from ..models import config as model_config
 from .parser import UsageError, note
@@ -254,7 +254,7 @@ def _check_split(args: Any, saved_run: dict[str, Any], loader: dict[str, Any], n
     changed = _id_flags_changed(args, saved_run)
     if [k for k in changed if k != "data"] == ["document_mask"]:
         # The same tokenizer (the text perhaps moved): with --tokenizer the mask decides the
-        # ids (each line ended by the EOS, or the text encoded whole: dtp._token_files._encode).
+        # ids (each line ended by the EOS, or the text encoded whole: dtp.data.token_files._encode).
         masked = bool(saved_run.get("document_mask"))
         said = "--document-mask" if masked else "no --document-mask"
         raise UsageError(f"{here} was trained with {said}, which with --tokenizer decides the ids (each line ended "

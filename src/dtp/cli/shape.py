@@ -3,7 +3,7 @@ vocabulary and experts against their splits on the mesh, the pipeline's layers a
 microbatches, the sequence against the context and sequence splits, ``--multi-data``
 against a rank's tokens, expert flags on a dense model. The rules are the layouts' and
 the model's (:meth:`dtp.Layout.check_sizes`, the options' ``check``); this module asks them
-against the mesh's shape (:class:`dtp._mesh_shape.MeshShape`) and refuses in the flags'
+against the mesh's shape (:class:`dtp.core.mesh.shape.MeshShape`) and refuses in the flags'
 words (:class:`UsageError`), for :func:`dtp.cli.flags.preflight` and
 :func:`dtp.cli.flags.check_config`. Like :mod:`.flags`, it imports nothing that imports torch.
 """
@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 
 from .. import schedules
-from .._mesh_shape import MeshShape
+from ..core.mesh.shape import MeshShape
 from ..config import MODEL_FIELDS, flag_of
 from ..layouts import Layout, check_divisible
 from ..layouts.pipeline import assign

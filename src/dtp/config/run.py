@@ -11,9 +11,9 @@ from dataclasses import dataclass, fields
 from typing import Any, Callable, Mapping
 
 from .. import layouts, schedules
-from .._mesh_shape import MeshShape
-from .._token_files import DTYPES as TOKEN_DTYPES
-from .._rules import COMPILE_BACKENDS, SCORE_FUNCTIONS
+from ..core.mesh.shape import MeshShape
+from ..data.token_files import DTYPES as TOKEN_DTYPES
+from ..core._rules import COMPILE_BACKENDS, SCORE_FUNCTIONS
 from ..layouts import CP_ALGORITHMS, PRECISIONS, ZERO_STAGES, Layout
 from ..layouts.zero import misplaced_options
 from ..models import config as model_config

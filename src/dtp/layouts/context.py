@@ -17,8 +17,8 @@ if TYPE_CHECKING:  # imported where used: the CLI checks layouts before torch is
     import torch
     from torch.distributed.device_mesh import DeviceMesh
 
-from .._rules import is_positive_int
-from .._mesh_shape import axis_names
+from ..core._rules import is_positive_int
+from ..core.mesh.shape import axis_names
 from .core import Layout, current
 from .option import Option, choose, said, setting
 

@@ -16,7 +16,7 @@ import threading
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping, Sequence, TypeVar
 
-from .._mesh_shape import axis_names
+from ..core.mesh.shape import axis_names
 from .option import Option, choose
 
 # torch stays out of the layouts' imports: `dtp train` builds the layout and checks the
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     import torch
     from torch.distributed.device_mesh import DeviceMesh
 
-    from ..spec import P
+    from ..core.spec import P
 
 __all__ = ["Layout", "Axes", "MODEL_AXES", "PlacedBatch", "use_layout", "current", "constrain", "split_in_words"]
 
@@ -169,7 +169,7 @@ class Layout:
                       options=held.values(), name=" + ".join(n for n in names if n))
 
     def _spec(self, rules: Mapping[str, Axes], logical: Sequence[str | None], mesh: DeviceMesh, name: str) -> P:
-        from ..spec import P  # here: see the imports (once torch is loaded, a dict lookup)
+        from ..core.spec import P  # here: see the imports (once torch is loaded, a dict lookup)
 
         return P(*self._dims(rules, logical, mesh, name))
 
@@ -303,7 +303,7 @@ class Layout:
         option (:meth:`Option.check_batch`: the sequence over 2·cp for zigzag, pipe-experts'
         tokens per rank in each of ``microbatches``); ``what`` starts the message.
 
-        >>> from dtp._mesh_shape import MeshShape
+        >>> from dtp.core.mesh.shape import MeshShape
         >>> dtp.layouts.context("ring").check_batch(  # doctest: +ELLIPSIS
         ...     "shard_batch", "tokens", (2, 6), MeshShape({"cp": 2}))
         Traceback (most recent call last):
@@ -341,7 +341,7 @@ class Layout:
         """How many ways each dim of a tensor with these logical axes is split on ``mesh``,
         as its spec resolves them (a mesh axis splits one dim at most: the first claim).
 
-        >>> from dtp._mesh_shape import MeshShape
+        >>> from dtp.core.mesh.shape import MeshShape
         >>> (dtp.layouts.data() + dtp.layouts.context("ring")).splits(("batch", "seq"), MeshShape({"dp": 2, "cp": 4}))
         [2, 4]
         """
@@ -456,7 +456,7 @@ def constrain(x: torch.Tensor, logical: Sequence[str | None], *, name: str = "ac
     active = current()
     if active is None or not _is_dtensor(x):
         return x  # before the import below: one device calls this per block, every step
-    from ..redistribute import reshard
+    from ..core.redistribute import reshard  # torch: the layouts are read before torch loads (the CLI's checks)
 
     layout, mesh = active
     if len(logical) != x.dim():

@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # torch-free at import: the CLI checks layouts before torch loads (core.py)
     from torch.distributed.device_mesh import DeviceMesh
 
-from .._mesh_shape import axis_names
+from ..core.mesh.shape import axis_names
 from .core import Layout, split_in_words
 from .option import Option, said, setting
 
@@ -166,7 +166,7 @@ class ExpertOptions(Option):
         ``dtp.RunConfig`` with its fields' names (``names``: :data:`OVERLAP_NAMES`' keys).
 
         >>> from dtp import layouts
-        >>> from dtp._mesh_shape import MeshShape
+        >>> from dtp.core.mesh.shape import MeshShape
         >>> layout = layouts.expert(ep_overlap=True)
         >>> layout.expert.check_overlap(layout, MeshShape({"ep": 2}), 1, what="train_step")
         Traceback (most recent call last):

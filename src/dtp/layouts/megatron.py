@@ -53,7 +53,7 @@ class MegatronOptions(Option):
             return None
         # Here, not at the top: the ops build on the layouts (and the CLI checks layouts before torch loads).
         from ..ops.collective_matmul import materialized, ring_constrain
-        from ..redistribute import reshard
+        from ..core.redistribute import reshard
 
         ring = ring_constrain(x, spec, tag=name)
         return ring if ring is not None else reshard(materialized(x), spec, name=name, tag=name)

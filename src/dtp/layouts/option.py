@@ -37,8 +37,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, ClassVar, Mapping, Sequence
 
-from .._mesh_shape import axis_names
-from .._rules import said, setting  # the caller's words for a field: also the model config's
+from ..core.mesh.shape import axis_names
+from ..core._rules import said, setting  # the caller's words for a field: also the model config's
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh

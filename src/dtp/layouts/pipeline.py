@@ -25,8 +25,8 @@ if TYPE_CHECKING:  # torch-free at import: the CLI checks layouts before torch l
     from torch.distributed.device_mesh import DeviceMesh
 
 from .. import schedules
-from .._rules import is_positive_int
-from .._mesh_shape import axis_names
+from ..core._rules import is_positive_int
+from ..core.mesh.shape import axis_names
 from .core import Layout
 from .option import Option
 
@@ -103,7 +103,7 @@ class PipelineOptions(Option):
           passes its flags).
 
         >>> from dtp import layouts
-        >>> from dtp._mesh_shape import MeshShape
+        >>> from dtp.core.mesh.shape import MeshShape
         >>> opts = layouts.pipeline().pipeline
         >>> opts.check_composition(layouts.zero(3), MeshShape({"pp": 2, "dp": 2}), what="--pp 2")
         Traceback (most recent call last):

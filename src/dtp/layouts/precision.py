@@ -2,7 +2,7 @@
 
 ``layouts.mixed_precision()`` keeps, beside low-precision (bf16/fp16) parameters that
 forward and backward compute in, **master weights** in the accumulation dtype
-(:func:`dtp._rules.accum_dtype`: fp32) that the optimizer updates, with its moments in
+(:func:`dtp.core._rules.accum_dtype`: fp32) that the optimizer updates, with its moments in
 the same dtype; each microbatch's gradient is added into a gradient accumulator of that
 dtype, and the accumulated gradient is reduced in it (Megatron forces
 ``--accumulate-allreduce-grads-in-fp32`` for bf16). After the update the parameters are
@@ -33,7 +33,7 @@ PRECISIONS: tuple[Precision, ...] = ("pure", "mixed")
 @dataclass(frozen=True, kw_only=True)
 class PrecisionOptions(Option):
     """Mixed precision as Megatron's: master weights, optimizer state and gradient
-    accumulators in :func:`~dtp._rules.accum_dtype` of each parameter's dtype (fp32 for
+    accumulators in :func:`~dtp.core._rules.accum_dtype` of each parameter's dtype (fp32 for
     bf16/fp16), the parameters the master weights rounded. No choices yet: the one rule
     ZeRO's master slices follow too.
 

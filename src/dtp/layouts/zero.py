@@ -36,8 +36,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # torch-free at import: the CLI checks layouts before torch loads (core.py)
     from torch.distributed.device_mesh import DeviceMesh
 
-from .._rules import is_positive_int
-from .._mesh_shape import axis_names
+from ..core._rules import is_positive_int
+from ..core.mesh.shape import axis_names
 from .core import Layout
 from .option import Option
 from .megatron import data

@@ -27,5 +27,6 @@ def __getattr__(name: str) -> Any:
 
 
 if TYPE_CHECKING:
-    from . import config, hf, llama, sequential
+    from . import config, llama, sequential
+    from .hf import convert as hf
     from .sequential import Layer, Sequential

@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping
 
-from .._rules import SCORE_FUNCTIONS, check_groups, said, setting
+from ..core._rules import SCORE_FUNCTIONS, check_groups, said, setting
 
 __all__ = ["LlamaConfig", "RopeScaling", "CONFIGS", "config", "block_shapes", "param_shapes",
            "param_axes", "axis_sizes", "param_count", "flops_per_token", "is_moe", "n_sequential_layers",

@@ -39,10 +39,10 @@ from ..ops.attention import Docs
 from ..ops import add_bias, attention, cross_entropy, embedding, linear, mask_padded_vocab, remat, rms_norm, rotary
 from ..ops.moe import moe_ffn, update_bias
 from ..ops.local_batch import batch_local
-from .._rules import accum_dtype
+from ..core._rules import accum_dtype
 from .config import (CONFIGS, LlamaConfig, RopeScaling, block_shapes, axis_sizes, config, flops_per_token,
                      is_moe, n_sequential_layers, param_axes, param_count)
-from .hf_config import config_for
+from .hf.config import config_for
 from .sequential import Layer, Sequential
 
 __all__ = ["LlamaConfig", "RopeScaling", "CONFIGS", "config", "config_for", "block_shapes", "init", "init_buffers",

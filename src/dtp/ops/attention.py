@@ -7,17 +7,20 @@ context-parallel axis selects the layout's context-parallel algorithm.
 
 from __future__ import annotations
 
-from .._rules import accum_dtype
-from .._torch import is_local_tensor
+from ..core._rules import accum_dtype
+from ..core._torch import is_local_tensor
 import math
 
 import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from ..mesh import axis_sizes, block_index
-from ..redistribute import local_map
-from ..spec import P, spec_of
+from ..core.mesh.devices import axis_sizes, block_index
+from ..core.redistribute import local_map
+from ..core.spec import P, spec_of
+from ..layouts import context_options
+from .blockwise import cp_permutation
+from .context import context_attention
 from .documents import document_keep
 from .recompute import remat
 
@@ -82,9 +85,6 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
 def _context(q: DTensor, k: DTensor, v: DTensor, causal: bool, scale: float | None,
              docs: Docs | None = None) -> DTensor:
     """Sequence split over a context-parallel axis: run the active layout's algorithm."""
-    from ..layouts import context_options
-    from .context import context_attention
-
     opts = context_options()
     seq_axes = spec_of(q).axes_of(2)
     if len(seq_axes) != 1:
@@ -102,9 +102,6 @@ def _context(q: DTensor, k: DTensor, v: DTensor, causal: bool, scale: float | No
 
 def _positions(x: DTensor, seq_dim: int) -> torch.Tensor:
     """Global positions of the sequence rows this rank holds (cp order under zigzag)."""
-    from ..layouts import context_options
-    from .blockwise import cp_permutation
-
     mesh, axes = x.device_mesh, spec_of(x).axes_of(seq_dim)
     sizes = axis_sizes(mesh)
     n, idx = math.prod(sizes[a] for a in axes), block_index(mesh, axes)

@@ -61,8 +61,8 @@ import torch
 
 # The sequence-order helpers live with the layout, which owns the permutation
 # (``Layout.to_cp_order``); re-exported here for the block-level code and its tests.
-from .._rules import accum_dtype  # re-exported: the block kernels' accumulation dtype
-from .._torch import cpu_flash_attention, cpu_flash_attention_backward, cuda_efficient_attention
+from ..core._rules import accum_dtype  # re-exported: the block kernels' accumulation dtype
+from ..core._torch import cpu_flash_attention, cpu_flash_attention_backward, cuda_efficient_attention
 from ..layouts import (
     check_cp,
     check_load_balance,

@@ -96,11 +96,11 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from .._torch import is_local_tensor, local_tensor
+from ..core._torch import is_local_tensor, local_tensor
 from ..layouts.core import current  # the core alone: layouts.megatron calls in here
-from ..mesh import axis_sizes, coordinates
-from ..redistribute import local_map, plan, reshard
-from ..spec import P, spec_of, wrap_local
+from ..core.mesh.devices import axis_sizes, coordinates
+from ..core.redistribute import local_map, reshard, reshard_steps
+from ..core.spec import P, spec_of, wrap_local
 from .tp_rings import both_ways, gather_ring, piece, scatter_ring
 
 __all__ = ["ring_constrain", "ring_linear", "filled", "defers", "deferred", "materialized", "async_axis",
@@ -344,7 +344,7 @@ def _matmul_scatter(x: torch.Tensor, w: torch.Tensor, mesh: DeviceMesh, axis: st
 def _single(x: DTensor, dst: P, kind: str, axis: str) -> int | None:
     """The tensor dim of the one ``kind`` step over ``axis`` that takes ``x`` to ``dst``
     (a leading dim, not the last), or ``None`` when the plan is anything else."""
-    steps = plan(spec_of(x), dst, x.dim())
+    steps = reshard_steps(spec_of(x), dst, x.dim())
     if len(steps) == 1 and steps[0].kind == kind and steps[0].axis == axis and 0 <= steps[0].dim < x.dim() - 1:
         return steps[0].dim
     return None

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from .._rules import IGNORE_INDEX
+from ..core._rules import IGNORE_INDEX
 # The sequence orders are the context layout's (it arranges a batch: dtp.shard_batch); here
 # for what builds on them.
 from ..layouts.context import balanced_order, document_order, reorder

@@ -45,8 +45,8 @@ from typing import Any, Callable, Iterator, TypeVar
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from .. import comm
-from ..mesh import axis_sizes
+from ..core import comm
+from ..core.mesh.devices import axis_sizes
 
 __all__ = ["LocalBatch", "local_batch", "active", "batch_sum", "batch_split", "batch_local", "is_batch_local"]
 

@@ -35,16 +35,17 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from .._torch import grouped_mm, grouped_mm_usable
+from ..core._torch import grouped_mm, grouped_mm_usable
 from ..layouts import current
 from ..layouts.expert import ExpertOptions
-from ..mesh import axis_names, flatten_axes
-from ..redistribute import local_map
-from ..spec import P, spec_of
+from ..core.mesh.devices import axis_names, flatten_axes
+from ..core.redistribute import local_map
+from ..core.spec import P, spec_of
 from . import collective_matmul, moe_dispatch, moe_pipe
 from .moe_router import SCORE_FUNCTIONS, Routing, balance, load_balancing_loss, route, update_bias, z_loss
 from .local_batch import batch_split
 from .moe_stats import Aux, PendingStats
+from .parallel import linear  # the shared expert is a dense MLP: tensor parallel like one
 
 __all__ = ["Routing", "SCORE_FUNCTIONS", "route", "load_balancing_loss", "z_loss", "update_bias", "experts",
            "padded_experts", "moe_ffn", "AUX_KEYS"]
@@ -247,7 +248,6 @@ def moe_ffn(params: Mapping[str, torch.Tensor], x: torch.Tensor, *, top_k: int, 
         y, stats = local(x, *weights, bias)
     posted = PendingStats(stats)  # in flight until the aux is read (the loss, at the head)
     if "shared_gate" in params:
-        from .parallel import linear  # the shared expert is a dense MLP: tensor parallel like one
         shared = linear(F.silu(linear(x, params["shared_gate"])) * linear(x, params["shared_up"]),
                         params["shared_down"])
         # Async tp defers a row-parallel output to the exit's ring; this sum reads it first.

@@ -36,11 +36,11 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from .. import comm
-from ..mesh import axis_size
+from ..core import comm
+from ..core.mesh.devices import axis_size
 from . import lanes
 
-__all__ = ["DispatchPlan", "plan", "dispatch", "combine"]
+__all__ = ["DispatchPlan", "plan_dispatch", "dispatch", "combine"]
 
 
 @dataclass(frozen=True)
@@ -122,7 +122,7 @@ def _bad_ids(fn: str, x: torch.Tensor, expert_ids: torch.Tensor, num_experts: in
     return None, torch.bincount(ids, minlength=num_experts)
 
 
-def plan(x: torch.Tensor, expert_ids: torch.Tensor, num_experts: int, mesh: DeviceMesh,
+def plan_dispatch(x: torch.Tensor, expert_ids: torch.Tensor, num_experts: int, mesh: DeviceMesh,
          axis: str = "ep", *, fn: str = "moe dispatch") -> DispatchPlan:
     """Where each row of ``x`` goes and what arrives, before any row moves: the counts
     exchange (:func:`dtp.comm.exchange_counts`) and its one host sync, with the checks
@@ -167,7 +167,7 @@ def dispatch(x: torch.Tensor, expert_ids: torch.Tensor, num_experts: int, mesh: 
     Raises: ``ValueError`` for experts not divisible by the axis, or bad ``expert_ids`` on
     any rank (on every rank alike, before the token all-to-all).
     """
-    p = plan(x, expert_ids, num_experts, mesh, axis)
+    p = plan_dispatch(x, expert_ids, num_experts, mesh, axis)
     arrived = _AllToAllV.apply(x[p.order], mesh, axis, p.send_splits, p.recv_splits, "moe dispatch")
     return arrived[p.regroup], p
 

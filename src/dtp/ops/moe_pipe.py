@@ -57,8 +57,8 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
-from .. import comm
-from ..mesh import axis_names, axis_size, flatten_axes, twin
+from ..core import comm
+from ..core.mesh.devices import axis_names, axis_size, flatten_axes, twin
 from . import lanes, moe_dispatch
 
 __all__ = ["Chunks", "chunks", "expert_path", "Stream"]
@@ -420,11 +420,11 @@ def expert_path(rows: torch.Tensor, expert_ids: torch.Tensor, num_experts: int, 
     Differentiable; one counts exchange (and its host sync), then per chunk one
     all-to-all each way (and one tp all-gather and reduce-scatter), forward and backward.
 
-    Raises: as :func:`dtp.ops.moe_dispatch.plan` (every rank alike).
+    Raises: as :func:`dtp.ops.moe_dispatch.plan_dispatch` (every rank alike).
     """
     ep_mesh = flatten_axes(mesh, ep_axes)
     ep = _Group(ep_mesh, axis_names(ep_mesh)[0])
-    p = moe_dispatch.plan(rows, expert_ids, num_experts, ep.mesh, ep.axis, fn="moe expert path")
+    p = moe_dispatch.plan_dispatch(rows, expert_ids, num_experts, ep.mesh, ep.axis, fn="moe expert path")
     tp_size = axis_size(mesh, tp_axis) if tp_axis is not None else 1
     tp_rank = mesh.get_local_rank(tp_axis) if tp_size > 1 else 0
     c = chunks(p, multi_data, tp_size, tp_rank)

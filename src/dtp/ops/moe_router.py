@@ -32,7 +32,7 @@ from typing import NamedTuple
 
 import torch
 
-from .._rules import SCORE_FUNCTIONS, check_groups
+from ..core._rules import SCORE_FUNCTIONS, check_groups
 
 __all__ = ["Routing", "SCORE_FUNCTIONS", "route", "group_limited_topk", "balance", "load_balancing_loss", "z_loss",
            "update_bias", "check_groups"]

@@ -27,10 +27,10 @@ from typing import Callable, Iterator
 import torch
 from torch.distributed.tensor import DTensor
 
-from .. import comm
-from .._torch import current_graph_task_id, local_tensor
-from ..redistribute import reshard
-from ..spec import P, spec_of, wrap_local
+from ..core import comm
+from ..core._torch import current_graph_task_id, local_tensor
+from ..core.redistribute import reshard
+from ..core.spec import P, spec_of, wrap_local
 from .local_batch import active
 
 __all__ = ["PendingStats", "Aux"]

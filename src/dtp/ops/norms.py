@@ -12,9 +12,9 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
-from .._rules import accum_dtype
-from ..redistribute import local_map
-from ..spec import spec_of
+from ..core._rules import accum_dtype
+from ..core.redistribute import local_map
+from ..core.spec import spec_of
 
 __all__ = ["rms_norm"]
 

@@ -23,13 +23,13 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 from torch.distributed.tensor import DTensor
 
-from .. import comm
+from ..core import comm
 from . import collective_matmul
 from .local_batch import batch_sum
-from .._rules import IGNORE_INDEX, accum_dtype
-from ..redistribute import local_map, reshard
-from ..mesh import axis_names, block_index
-from ..spec import P, spec_of
+from ..core._rules import IGNORE_INDEX, accum_dtype
+from ..core.redistribute import local_map, reshard
+from ..core.mesh.devices import axis_names, block_index
+from ..core.spec import P, spec_of
 
 __all__ = ["linear", "add_bias", "embedding", "cross_entropy", "count_targets", "mean_over", "mean_over_here",
            "IGNORE_INDEX"]

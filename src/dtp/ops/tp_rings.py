@@ -37,7 +37,7 @@ from typing import Callable, Iterator
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from .. import comm
+from ..core import comm
 
 __all__ = ["both_ways", "one_way", "piece", "gather_ring", "scatter_ring"]
 

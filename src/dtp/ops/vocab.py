@@ -14,9 +14,9 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
-from ..mesh import block_index
-from ..redistribute import local_map
-from ..spec import spec_of
+from ..core.mesh.devices import block_index
+from ..core.redistribute import local_map
+from ..core.spec import spec_of
 
 __all__ = ["mask_padded_vocab"]
 

@@ -62,7 +62,7 @@ from dataclasses import dataclass
 
 from .. import schedules
 from ..schedules.actions import flat
-from .._rules import accum_dtype
+from ..core._rules import accum_dtype
 from ..models import llama
 from ..models.config import n_sequential_layers
 from .target import Leaf, Target, rank_chunks

@@ -22,15 +22,15 @@ from dataclasses import dataclass
 import torch
 
 from .. import schedules
-from .._mesh_shape import MeshShape
+from ..core.mesh.shape import MeshShape
 from ..config import DTYPES as config_dtypes
 from ..config import RunConfig
 from ..models.config import n_sequential_layers, param_shapes
-from .._rules import accum_dtype
+from ..core._rules import accum_dtype
 from ..layouts import ContextOptions, Layout, check_divisible
 from ..layouts.pipeline import assign
 from ..models import llama
-from ..spec import P
+from ..core.spec import P
 
 __all__ = ["Target", "Leaf", "DTYPES", "BACKENDS", "leaves", "stage_leaves", "rank_chunks", "rank_stages"]
 

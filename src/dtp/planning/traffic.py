@@ -48,8 +48,8 @@ from collections import defaultdict
 from dataclasses import dataclass
 from functools import partial
 
-from .._rules import accum_dtype
-from ..comm import ring_bytes
+from ..core._rules import accum_dtype
+from ..core.comm import ring_bytes
 from ..schedules import global_stage, placement, stage_owner
 from ..layouts.zero import bucket_groups, padded_numel
 from ..layouts import attended_kv_heads

@@ -49,10 +49,10 @@ from typing import Any, ContextManager, Iterator, Protocol, Sequence, runtime_ch
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..buffers import with_buffers
+from ..training.buffers import with_buffers
 from ..layouts import Layout, use_layout
 from ..layouts.pipeline import assign
-from ..redistribute import value_of
+from ..core.redistribute import value_of
 from ..models.sequential import Sequential
 from . import ep_overlap, local, pipeline, precision, replicated, zero
 from .state import PLAIN, Plain, StrategyState, register_state, state_makers

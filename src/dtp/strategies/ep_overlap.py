@@ -2,7 +2,7 @@
 another microbatch's compute (Megatron-core's ``--overlap-moe-expert-parallel-comm``,
 DeepSeek's two-microbatch overlap). At pp = 1 this module's :class:`Run`; under a pipeline
 (1f1b, interleaved, dualpipev) the runner puts the pairs of its lanes' plan
-(:func:`dtp.strategies.pipeline_plan.plan` with ``lanes=True``) on the same lanes
+(:func:`dtp.strategies.pipeline_plan.rank_steps` with ``lanes=True``) on the same lanes
 (``dtp.strategies.pipeline.Run._in_lanes``, :data:`PIPELINE_SCHEDULES`).
 
 A :class:`Run` wraps the step's own run (replicated or mixed precision): the same
@@ -40,14 +40,14 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from .. import comm
-from ..compiled import active as compile_options, compiling
+from ..core import comm
+from ..training.compiled import active as compile_options, compiling
 from ..layouts import Layout, current, use_layout
 from ..layouts.expert import EP_OVERLAP_SCHEDULES
 from ..ops import lanes
 from ..ops.parallel import mean_over_here
 from ..ops.recompute import policy, recompute
-from ..redistribute import value_of
+from ..core.redistribute import value_of
 from .loss_out import split as split_loss
 
 __all__ = ["Run", "chains", "carry", "check", "active", "PIPELINE_SCHEDULES"]

@@ -24,8 +24,8 @@ from torch.distributed.tensor import DTensor
 
 from ..layouts import Layout
 from ..ops.local_batch import LocalBatch, is_batch_local, local_batch
-from ..redistribute import reshard
-from ..spec import P, spec_of, wrap_local
+from ..core.redistribute import reshard
+from ..core.spec import P, spec_of, wrap_local
 
 __all__ = ["decide", "wrap", "pending"]
 

@@ -64,21 +64,22 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from .. import comm, schedules
-from .._rules import accum_dtype
+from ..core import comm
+from .. import schedules
+from ..core._rules import accum_dtype
 from ..layouts import Layout, use_layout
 from ..layouts.pipeline import assign
-from ..mesh import axis_names, axis_sizes, coordinates, mesh_device, sub_mesh
-from ..buffers import with_buffers
-from ..compiled import retaining_graph
+from ..core.mesh.devices import axis_names, axis_sizes, coordinates, mesh_device, sub_mesh
+from ..training.buffers import with_buffers
+from ..training.compiled import retaining_graph
 from ..models.sequential import Sequential
 from ..ops import collective_matmul
-from ..optim import global_norm, map_param_trees
-from ..redistribute import reshard, value_of
-from ..spec import P, spec_of, wrap_local
+from ..training.optim import global_norm, map_param_trees
+from ..core.redistribute import reshard, value_of
+from ..core.spec import P, spec_of, wrap_local
 from ..ops import lanes
 from . import ep_overlap, pipeline_split, pipeline_wire as wire, replicated
-from .pipeline_plan import plan as plan_of, receive_of
+from .pipeline_plan import rank_steps, receive_of
 from . import zero as zero_mod
 
 __all__ = ["Context", "Run", "stage_mesh", "gather", "held"]
@@ -161,7 +162,7 @@ class Run:
         self._lanes = expert is not None and expert.ep_overlap and not forward_only  # ep_overlap: pairs on lanes
         # The schedule (under ep_overlap its lanes' plan) and this rank's walk of it
         # (receives to post ahead): cached per config.
-        self.plan, self.steps = plan_of(opts.schedule, self.p, self.v, ctx.microbatches, self.rank, forward_only,
+        self.plan, self.steps = rank_steps(opts.schedule, self.p, self.v, ctx.microbatches, self.rank, forward_only,
                                         lanes=self._lanes)
         self.placement = self.plan.placement  # the stage-to-rank map: the schedule's
         # Zero bubble's I / W: async tp's entry rings must not route input gradients

@@ -11,7 +11,7 @@ the peer's send in 1F1B's steady state (the previous stage's next forward runs b
 this stage's forward); three items ahead posts before it, at the price of up to three
 receive buffers allocated early.
 
->>> steps = plan("1f1b", 2, 1, 4, 1)[1]
+>>> steps = rank_steps("1f1b", 2, 1, 4, 1)[1]
 >>> [(str(s.item), s.posts) for s in steps[:3]]
 [('F0.0', (('act', 1, 0), ('act', 1, 1))), ('B0.0', (('act', 1, 2),)), ('F0.1', ())]
 """
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from .. import schedules
 from ..schedules.actions import flat
 
-__all__ = ["AHEAD", "Step", "plan", "receive_of"]
+__all__ = ["AHEAD", "Step", "rank_steps", "receive_of"]
 
 #: How many items ahead of the action that reads it a receive is posted.
 AHEAD = 3
@@ -63,17 +63,17 @@ def receive_of(action: "schedules.Action", rank: int, p: int, placement: str, n_
 
 
 @functools.lru_cache(maxsize=64)
-def plan(name: str, p: int, v: int, m: int, rank: int, forward_only: bool = False,
+def rank_steps(name: str, p: int, v: int, m: int, rank: int, forward_only: bool = False,
          ahead: int = AHEAD, lanes: bool = False) -> tuple["schedules.Schedule", tuple[Step, ...]]:
     """``(the schedule, rank's steps)`` for schedule ``name`` (``forward_only``: the
     evaluation's, :func:`dtp.schedules.forward_only`; ``lanes``: ep_overlap's, whose
     :class:`dtp.schedules.Pair` items run on two lanes, :func:`dtp.schedules.lane_pairs`).
     Cached: the same tuple each step.
 
-    >>> s, steps = plan("zbv", 2, 2, 2, 0)
+    >>> s, steps = rank_steps("zbv", 2, 2, 2, 0)
     >>> s.placement, len(steps) == len(s[0])
     ('v', True)
-    >>> [" ".join(map(str, rank)) for rank in plan("1f1b", 2, 1, 3, 0, lanes=True)[0]]
+    >>> [" ".join(map(str, rank)) for rank in rank_steps("1f1b", 2, 1, 3, 0, lanes=True)[0]]
     ['F0.0 F0.1 F0.2&B0.0 B0.1 B0.2', 'F0.0 F0.1&B0.0 F0.2&B0.1 B0.2']
     """
     schedule = (schedules.forward_only if forward_only else schedules.make)(name, p=p, v=v, m=m)

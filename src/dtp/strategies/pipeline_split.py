@@ -30,7 +30,7 @@ from typing import Any, Sequence
 import torch
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
-from .._torch import run_backward
+from ..core._torch import run_backward
 
 __all__ = ["WeightGrad", "backward_input", "grads_for", "differentiate"]
 
@@ -46,7 +46,7 @@ def grads_for(outs: Sequence[torch.Tensor], grad: Any) -> list[torch.Tensor]:
 def differentiate(outs: Sequence[torch.Tensor], grad: Any, inputs: Sequence[Any], *,
                   retain_graph: bool = False) -> tuple[torch.Tensor | None, ...]:
     """``torch.autograd.grad(outs, inputs, grad, allow_unused=True)`` through the engine
-    directly (:func:`dtp._torch.run_backward`): a backward action calls it one to three
+    directly (:func:`dtp.core._torch.run_backward`): a backward action calls it one to three
     times, and ``autograd.grad``'s Python checks cost about as much as the engine's own
     setup (35 of 65 µs a call, measured on a 1-layer graph)."""
     if not outs:

@@ -5,7 +5,7 @@ fp32 gradient buckets already are the same thing, so a ZeRO state is never wrapp
 
 * forward and backward compute in the parameters' dtype (bf16);
 * each microbatch's gradient is added into an accumulator in the accumulation dtype
-  (:func:`dtp._rules.accum_dtype`: fp32), and the accumulated gradient is reduced in it
+  (:func:`dtp.core._rules.accum_dtype`: fp32), and the accumulated gradient is reduced in it
   (``grad reduce`` moves fp32: 4 bytes per parameter, as ZeRO's reduce-scatter and
   Megatron's ``--accumulate-allreduce-grads-in-fp32``, which it forces for bf16);
 * the optimizer updates the **master weights** (:class:`MasterWeights`, laid out like
@@ -26,7 +26,7 @@ from typing import Any, Callable, ClassVar, ContextManager, Iterator, Mapping
 import optree
 import torch
 
-from .._rules import accum_dtype
+from ..core._rules import accum_dtype
 from ..ops.local_batch import LocalBatch
 from . import replicated
 from .state import StrategyState, register_state

@@ -20,13 +20,13 @@ import optree
 import torch
 from torch.distributed.tensor import DTensor
 
-from .. import comm
-from .._rules import accum_dtype
-from .._torch import local_tensor
-from ..optim import global_norm
-from ..redistribute import plan, reshard
+from ..core import comm
+from ..core._rules import accum_dtype
+from ..core._torch import local_tensor
+from ..training.optim import global_norm
+from ..core.redistribute import reshard, reshard_steps
 from ..ops.local_batch import LocalBatch
-from ..spec import P, spec_of, wrap_local
+from ..core.spec import P, spec_of, wrap_local
 from .local import pending
 
 __all__ = ["Run"]
@@ -127,7 +127,7 @@ class Run:
             if src == dst:
                 reduced.append(g)
                 continue
-            steps = plan(src, dst, g.dim())
+            steps = reshard_steps(src, dst, g.dim())
             if len(steps) == 1 and steps[0].kind == "all_reduce":
                 handle = comm.all_reduce(local_tensor(g), g.device_mesh, steps[0].axis, async_op=True,
                                          tag="grad reduce")

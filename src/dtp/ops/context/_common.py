@@ -14,10 +14,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from ...layouts import attended_kv_heads, check_load_balance
-from ...redistribute import to_local
-from ..._torch import unflatten_mesh
-from ...mesh import axis_sizes, bounded
-from ...spec import P, spec_of
+from ...core.redistribute import to_local
+from ...core._torch import unflatten_mesh
+from ...core.mesh.devices import axis_sizes, bounded
+from ...core.spec import P, spec_of
 
 __all__ = ["trace_compute", "default_chunks", "CHUNK_TARGET", "MIN_CHUNK_BYTES"]
 

@@ -8,7 +8,7 @@ from typing import Sequence
 from torch.distributed.tensor import DTensor
 
 from ...layouts import check_window
-from ...mesh import axis_coordinate, axis_sizes, block_index
+from ...core.mesh.devices import axis_coordinate, axis_sizes, block_index
 from ..blockwise import softmax_scale
 from ._common import _check_heads, _check_inputs, _check_ulysses_chunks, _unflatten
 from .ring import _Ring

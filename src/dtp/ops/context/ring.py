@@ -12,11 +12,11 @@ from torch.autograd.function import once_differentiable
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from ... import comm
+from ...core import comm
 from ...layouts import check_window
-from ...mesh import axis_coordinate, block_index
-from ...redistribute import local_map
-from ...spec import P
+from ...core.mesh.devices import axis_coordinate, block_index
+from ...core.redistribute import local_map
+from ...core.spec import P
 from ..blockwise import accum_dtype, block_backward, block_forward, merge_into, ring_block_plan, softmax_scale
 from ._docs import Docs
 from ._common import (

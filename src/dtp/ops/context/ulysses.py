@@ -12,11 +12,11 @@ from torch.autograd.function import once_differentiable
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from ... import comm
-from ..._torch import make_saved_tensor, unpack_saved
-from ...redistribute import local_map
+from ...core import comm
+from ...core._torch import make_saved_tensor, unpack_saved
+from ...core.redistribute import local_map
 from ..blockwise import accum_dtype, block_backward, block_forward, select_impl, softmax_scale
-from ...spec import P
+from ...core.spec import P
 from ._docs import Docs, gathered
 from ._common import _check_axis_name, _check_heads, _check_inputs, _check_ulysses_chunks, _Layout
 from .ring import _Ring, _ring_backward, _ring_forward
