@@ -1,7 +1,7 @@
 """README's "Adding a strategy", proven: a strategy written in this file alone — a layout
 option and the state it keeps — trains, checkpoints and resumes through dtp's own
-``train_step`` and ``dtp.checkpoint``, with no edit to ``step.py``, ``layouts/core.py``,
-``strategies/__init__.py`` or ``checkpoint.py``.
+``train_step`` and ``dtp.checkpoint``, with no edit to ``training/step.py``, ``layouts/core.py``,
+``training/strategies/__init__.py`` or ``checkpoint/``.
 
 The toy is an exponential moving average of the parameters (Polyak averaging, what many
 recipes evaluate with), kept **sharded over dp**: each rank holds 1/dp of every

@@ -85,7 +85,7 @@ def test_toml_round_trip_and_flags_override_it(tmp_path, capsys) -> None:
                                   r"their section's table \(\[parallelism\]\) or at the top level"),
     ("[parallel]\ndp = 2\n", r"--config .*run.toml: \[parallel\] is not a section of a run; the tables are "
                              r"\[parallelism\], \[model\], \[training\], \[data\], \[moe\], \[checkpoint\], \[run\]"),
-    ("[training]\nep = 2\n", r"--config .*run.toml: ep is a moe field: it goes in \[moe\], not \[training\]"),
+    ("[training]\ntop_k = 2\n", r"--config .*run.toml: top_k is a moe field: it goes in \[moe\], not \[training\]"),
 ])
 def test_a_bad_config_file_is_one_line(tmp_path, capsys, text, match) -> None:
     import re
@@ -223,7 +223,13 @@ def test_flags_are_not_abbreviated(capsys) -> None:
     # the prefix would silently change what an old command line means.
     assert cli.main(["train", "--micro", "2"]) == 2
     assert "unrecognized arguments: --micro 2" in capsys.readouterr().err
-    assert cli.main(["plan", "--dp", "2", "--zero-pre", "2"]) == 2
+    assert cli.main(["plan", "--dp", "2", "--zero", "3", "--zero-pre", "2"]) == 2  # a valid run, abbreviated
+    assert "unrecognized arguments: --zero-pre 2" in capsys.readouterr().err
+    import argparse
+
+    sub = next(a for a in cli.build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    assert sorted(sub.choices) == ["check", "export", "plan", "train"]
+    assert all(p.allow_abbrev is False for p in [cli.build_parser(), *sub.choices.values()])
 
 
 def test_train_help_lists_the_fields_by_section_with_their_docs(capsys) -> None:

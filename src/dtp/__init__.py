@@ -38,7 +38,7 @@ __all__ = [
 # ``visualization``, so that importing it, as unpickling a reference to it in a rank does,
 # cannot shadow the function with a module of the same name.)
 _SUBMODULES = {"comm": ".core.comm", "layouts": ".layouts", "ops": ".ops", "optim": ".training.optim",
-               "schedules": ".schedules", "strategies": ".strategies", "checkpoint": ".checkpoint"}
+               "schedules": ".schedules", "strategies": ".training.strategies", "checkpoint": ".checkpoint"}
 # Public name -> the module that defines it (a submodule itself when the name is one).
 _SOURCES: dict[str, str] = {
     **_SUBMODULES,
@@ -50,8 +50,8 @@ _SOURCES: dict[str, str] = {
     "P": ".core.spec", "shard": ".core.spec", "spec_of": ".core.spec",
     "TrainState": ".training.state", "gather_params": ".training.state", "wait": ".training.state",
     "shard_batch": ".training.step", "train_step": ".training.step",
-    "zero": ".strategies", "visualize": ".core.visualization", "plan": ".planning", "RunConfig": ".config",
-    "with_buffers": ".training.buffers", "CompileOptions": ".training.compiled",
+    "zero": ".training.strategies", "visualize": ".core.visualization", "plan": ".planning", "RunConfig": ".config",
+    "with_buffers": ".training.buffers", "CompileOptions": ".core.compiled",
 }
 
 # Where the modules of dtp 0.1's flat tree live now (dtp.mesh is dtp.core.mesh.devices):
@@ -64,8 +64,8 @@ MOVED = {
     "dtp.visualization": "dtp.core.visualization", "dtp.mesh": "dtp.core.mesh.devices",
     "dtp.launch": "dtp.core.mesh.launch", "dtp.state": "dtp.training.state", "dtp.step": "dtp.training.step",
     "dtp.buffers": "dtp.training.buffers", "dtp.guard": "dtp.training.guard",
-    "dtp.compiled": "dtp.training.compiled", "dtp.leafwise": "dtp.training.leafwise",
-    "dtp.plot": "dtp.training.plot", "dtp.hf_state": "dtp.models.hf.state",
+    "dtp.compiled": "dtp.core.compiled", "dtp.leafwise": "dtp.training.leafwise",
+    "dtp.plot": "dtp.training.plot", "dtp.hf_state": "dtp.training.hf_state", "dtp.strategies": "dtp.training.strategies",
     "dtp.models.hf_config": "dtp.models.hf.config",
 }
 
@@ -82,11 +82,16 @@ def moved_to(name: str) -> str | None:
     return None
 
 
-class _Moved(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+class _Moved(importlib.abc.MetaPathFinder, importlib.abc.InspectLoader):
     """Finds a moved module under its old name and hands back the module itself."""
 
     def find_spec(self, name: str, path: Sequence[str] | None, target: Any = None) -> importlib.machinery.ModuleSpec | None:
-        return importlib.util.spec_from_loader(name, self) if moved_to(name) is not None else None
+        if not name.startswith("dtp."):  # every import of the process asks: the cheap answer first
+            return None
+        new = moved_to(name)
+        if new is None or importlib.util.find_spec(new) is None:  # dtp.optim.nope stays not found
+            return None
+        return importlib.util.spec_from_loader(name, self)
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> Any:
         module = importlib.import_module(moved_to(spec.name))  # type: ignore[arg-type]
@@ -97,6 +102,11 @@ class _Moved(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         # It ran under its own name already; importlib has just set its __spec__ to the old
         # name's, which would make it another module to reload or run with -m: put it back.
         module.__spec__ = module.__spec__.loader_state
+
+    def get_source(self, fullname: str) -> str | None:  # python -m <old name> runs the module's code
+        spec = importlib.util.find_spec(moved_to(fullname))  # type: ignore[arg-type]
+        loader = spec.loader if spec is not None else None
+        return loader.get_source(spec.name) if isinstance(loader, importlib.abc.InspectLoader) else None
 
 
 if not any(isinstance(f, _Moved) for f in sys.meta_path):
@@ -126,9 +136,9 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # what type checkers and IDEs see: the eager imports of before
-    from .checkpoint import store as checkpoint
+    from . import checkpoint, layouts, ops, schedules
     from .core import comm
-    from . import layouts, ops, schedules, strategies
+    from .training import strategies
     from .training import optim
     from .core.comm import CommLog, CommRecord, comm_log
     from .layouts import Layout, constrain, use_layout
@@ -138,9 +148,9 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the eager imports of befor
     from .core.spec import P, shard, spec_of
     from .training.state import TrainState, gather_params, wait
     from .training.step import shard_batch, train_step
-    from .strategies import zero
+    from .training.strategies import zero
     from .core.visualization import visualize
     from .planning import plan
     from .config import RunConfig
     from .training.buffers import with_buffers
-    from .training.compiled import CompileOptions
+    from .core.compiled import CompileOptions

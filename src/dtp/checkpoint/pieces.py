@@ -10,7 +10,7 @@ import torch
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
-from ..strategies.zero_pieces import Pieces
+from ..training.strategies.zero_pieces import Pieces
 
 __all__ = ["Pieces", "SavePlanner", "LoadPlanner"]
 

@@ -62,7 +62,7 @@ from ..core._rules import accum_dtype
 from ..training.optim import map_param_trees
 from ..core.spec import spec_of, wrap_local
 from ..training.state import TrainState, wait
-from ..strategies.state import empty_like, tensor_paths
+from ..training.strategies.state import empty_like, tensor_paths
 from .pieces import LoadPlanner, Pieces, SavePlanner
 from .files import (FORMAT, MANIFEST, SafeReader, atomic_json, checkpoints, file_sums, latest, open_checkpoint,
                     read_manifest, read_metadata, verify_files)

@@ -8,8 +8,8 @@
     dtp train --init-from llama-dir --tp 2 --save-every 50 --out runs/ft   # fine-tune a Hugging Face model
     dtp export --hf ft-hf --run runs/ft                 # its newest checkpoint as Hugging Face
 
-The package reads in the order a run goes: :mod:`~dtp.cli.flags` (parser, flag checks,
-the run configuration), :mod:`~dtp.cli.loop` (layout, mesh, the per-rank training loop),
+The package reads in the order a run goes: :mod:`~dtp.cli.commands` (the parser, put together
+from :mod:`~dtp.cli.parser`'s pieces), :mod:`~dtp.cli.flags` (flag checks, the run configuration), :mod:`~dtp.cli.loop` (layout, mesh, the per-rank training loop),
 :mod:`~dtp.cli.resume` (``--resume`` against its checkpoint, which flags trained which steps),
 :mod:`~dtp.cli.report` (console lines, run-directory files, summary, plot),
 :mod:`~dtp.cli.check` (the 1-process reference) and :mod:`~dtp.cli.export` (``dtp export``). What one module uses of another is in
@@ -145,7 +145,7 @@ def _launch(args: argparse.Namespace) -> int:
 
     with tempfile.TemporaryDirectory(prefix="dtp-run-") as tmp:
         path = Path(tmp) / "run.toml"
-        path.write_text(to_toml(args.run_config))
+        path.write_text(to_toml(args.run_config), encoding="utf-8")  # what tomllib reads
         return launcher.launch(args.nproc, ["train", "--config", str(path), "--out", args.out],
                       max_restarts=args.max_restarts)
 

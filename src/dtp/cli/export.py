@@ -42,7 +42,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     >>> add_parser(p).parse_args(["--hf", "out", "--run", "runs/r"]).dtype is None
     True
     """
-    e = sub.add_parser("export", help="write a run's newest checkpoint as a Hugging Face model directory")
+    e = sub.add_parser("export", help="write a run's newest checkpoint as a Hugging Face model directory",
+                       allow_abbrev=False)
     e.add_argument("--hf", required=True, metavar="OUT",
                    help="the Hugging Face directory to write (config.json, *.safetensors and their index)")
     e.add_argument("--run", required=True, metavar="RUN",

@@ -24,7 +24,8 @@ from typing import Any, Callable, Mapping, TextIO
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from .. import CompileOptions, Layout, RunConfig, TrainState, shard_batch, strategies, train_step, wait
+from .. import CompileOptions, Layout, RunConfig, TrainState, shard_batch, train_step, wait
+from ..training import strategies
 from ..checkpoint import store as checkpoint
 from ..data.token_files import SAMPLE_TOKENS, past_vocab, sidecar_path, training_split
 from ..training.buffers import lay_out as lay_out_buffers

@@ -2,10 +2,10 @@
 
 A run's flags are made from :class:`dtp.RunConfig`'s fields (:func:`add_run_flags`): the
 name, the doc as help, the bounds and choices as type checks, the default, the section as
-the help group. Written by hand here are only the flags about an invocation (``--nproc``,
-``--check``, ``--overwrite``, ``--config``, ``--print-config``, ``--print-schedule``) and the
-other subcommands'. How combinations are checked is :mod:`.flags`'. Like that module it
-imports nothing that imports torch.
+the help group. The flags about an invocation (``--nproc``, ``--config``,
+``--print-schedule``) are written here too, as functions a command adds to its parser;
+:mod:`.commands` puts each command's parser together. How combinations are checked is
+:mod:`.flags`'. Like that module it imports nothing that imports torch.
 """
 
 from __future__ import annotations
@@ -160,7 +160,7 @@ def _flag_of_field(f: dataclasses.Field) -> dict[str, Any]:
 
 
 def add_config_flag(group: argparse._ArgumentGroup) -> None:
-    """``--config TOML``, which :func:`dtp.cli.flags.parse_args` reads before the flags."""
+    """``--config TOML``, which :func:`dtp.cli.commands.parse_args` reads before the flags."""
     group.add_argument("--config", dest="config_file", default=None, metavar="TOML",
                        help="read the run from a TOML file of dtp.RunConfig fields, each section a table ([parallelism], "
                             "[training], ...; or all at the top level); flags given beside it override its values")

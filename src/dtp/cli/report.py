@@ -311,7 +311,7 @@ def print_compile_report(step: int, graphs_per_step: Sequence[int]) -> None:
     graph breaks met and the recompiles (graphs compiled after the first step)."""
     import torch.distributed as dist  # here: the launcher reads this module before torch
 
-    from ..training import compiled  # torch, as the import above
+    from ..core import compiled  # torch, as the import above
 
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(f"compile after step {step}: " + compiled.report(recompiles=sum(graphs_per_step[1:])), flush=True)

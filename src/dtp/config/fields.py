@@ -29,7 +29,7 @@ DEFAULT_MAX_SKIPPED = 10
 # turns a hang into an error within 5 minutes. A dead peer is noticed at once regardless.
 DEFAULT_TIMEOUT = 300.0
 
-# --eval-every: the held-out split is the corpus's last tenth (dtp.data.split_held_out), and
+# --eval-every: the held-out split is the corpus's last tenth (dtp.data.token_files.training_split), and
 # each evaluation averages the loss of its first EVAL_BATCHES batches: the same tokens every
 # time, so the curve compares step with step.
 EVAL_BATCHES = 4

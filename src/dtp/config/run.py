@@ -46,7 +46,7 @@ class RunConfig:
                                  "parallelism", low=1, metavar="V")
     dp: int = _field(1, "data-parallel degree", "parallelism", low=1)
     ep: int = _field(1, "expert-parallel degree: experts split over an ep mesh axis (after dp; also a data axis)",
-                     "moe", low=1)
+                     "parallelism", low=1)
     cp: int = _field(1, "context-parallel degree", "parallelism", low=1)
     tp: int = _field(1, "tensor-parallel degree", "parallelism", low=1)
     sp: bool = _field(False, "Megatron sequence parallel (needs --tp > 1)", "parallelism")
@@ -435,7 +435,7 @@ class RunConfig:
         return cls(**{k: v for k, v in values.items() if k in names})
 
     def to_json(self) -> str:
-        """One line of JSON (how the launcher ships the configuration to its ranks)."""
+        """One line of JSON (the run as a record: the launcher ships it as TOML, :func:`dtp.config.to_toml`)."""
         return json.dumps(self.to_dict(), sort_keys=False)
 
     def argv(self) -> list[str]:

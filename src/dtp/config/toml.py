@@ -17,7 +17,7 @@ def section_of(name: str) -> str:
     """The section a field is in (:data:`SECTIONS`: its group in ``dtp train --help``, its
     table in a TOML file).
 
-    >>> section_of("dp"), section_of("ep"), section_of("save_every")
+    >>> section_of("dp"), section_of("num_experts"), section_of("save_every")
     ('parallelism', 'moe', 'checkpoint')
     """
     return _FIELDS[name].metadata["section"]
@@ -35,7 +35,9 @@ def to_toml(config: RunConfig, *, leave_out: tuple[str, ...] = ()) -> str:
     tables: dict[str, list[str]] = {section: [] for section in SECTIONS}
     for key, value in config.to_dict().items():
         if value is not None and key not in leave_out:
-            tables[section_of(key)].append(f"{key} = {json.dumps(value)}")  # JSON's scalars are TOML's: true, 1.5, "s"
+            # JSON's scalars are TOML's (true, 1.5, "s"), but for characters past the BMP, which JSON
+            # escapes as surrogate pairs and TOML refuses: written as themselves (UTF-8, as TOML is).
+            tables[section_of(key)].append(f"{key} = {json.dumps(value, ensure_ascii=False)}")
     return "\n".join(f"[{section}]\n" + "".join(line + "\n" for line in lines)
                      for section, lines in tables.items() if lines)
 

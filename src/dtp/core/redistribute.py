@@ -33,7 +33,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial
 
 from . import comm
-from ..training.compiled import region
+from .compiled import region
 from ._torch import local_tensor, maybe_run_for_local_tensor
 from .mesh.devices import axis_names, axis_sizes, coordinates
 from .spec import P, wrap_local, check_spec, spec_of

@@ -91,7 +91,7 @@ def load_tokens(path: str | os.PathLike[str] | None = None) -> torch.Tensor:
     :func:`open_tokens` maps the file and :class:`TokenLoader` reads only its windows).
 
     * ``None``: the bundled corpus (Bierce's *The Devil's Dictionary*, about
-      383 KB, see ``dtp/assets/SOURCE.md``) as byte tokens.
+      383 KB, see ``dtp/data/assets/SOURCE.md``) as byte tokens.
     * ``*.npy``: a 1-D integer array of token ids.
     * ``*.bin``: raw little-endian uint16 token ids (the nanoGPT convention; a sidecar
       may say uint32, :mod:`dtp.data.token_files`).

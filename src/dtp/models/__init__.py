@@ -27,6 +27,5 @@ def __getattr__(name: str) -> Any:
 
 
 if TYPE_CHECKING:
-    from . import config, llama, sequential
-    from .hf import convert as hf
+    from . import config, hf, llama, sequential
     from .sequential import Layer, Sequential

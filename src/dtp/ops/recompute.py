@@ -17,7 +17,7 @@ import optree
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
-from ..training.compiled import active, region
+from ..core.compiled import active, region
 
 __all__ = ["policy", "recompute", "remat", "POLICIES"]
 

@@ -2,7 +2,7 @@
 backend it runs on and its layout, checked against the model; and the per-rank parameter
 shapes derived from the real model code and the real layout.
 
-Nothing here allocates a parameter: shapes come from :func:`dtp.models.llama.param_shapes`-like
+Nothing here allocates a parameter: shapes come from :func:`dtp.models.config.param_shapes`
 arithmetic on the config (the same ``_shapes`` the model's ``init`` uses) and placements
 from :meth:`dtp.Layout.param_spec` on a stand-in mesh that has only names and sizes.
 

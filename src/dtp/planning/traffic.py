@@ -56,7 +56,7 @@ from ..layouts import attended_kv_heads
 from ..layouts.pipeline import assign
 from ..models import llama
 from ..ops.context import default_chunks
-from ..strategies.pipeline_wire import HEADER
+from ..training.strategies.pipeline_wire import HEADER
 from .target import Leaf, Target
 
 __all__ = ["Traffic", "traffic", "attention", "summary"]

@@ -15,13 +15,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from . import guard
-from .. import strategies
+from . import strategies
 from .buffers import lay_out as lay_out_buffers
 from ..layouts import Layout
 from ..core.mesh.devices import mesh_device
 from .optim import GradientTransformation
 from ..core.spec import P, shard, spec_of
-from ..strategies import PLAIN, StrategyState
+from .strategies import PLAIN, StrategyState
 
 __all__ = ["TrainState", "gather_params", "wait"]
 
@@ -147,7 +147,7 @@ class TrainState:
         ``weights=False``: zeros in its place, only ``config.json`` read (a state that
         :func:`dtp.checkpoint.load` then fills, ``like=`` it)."""
         # Here, not at the top: only a from_hf pays for the Hugging Face readers (models.hf).
-        from ..models.hf.state import state_from_hf
+        from .hf_state import state_from_hf
 
         return state_from_hf(cls, path, optimizer, mesh=mesh, layout=layout, dtype=dtype, vocab_multiple=vocab_multiple,
                              weights=weights)

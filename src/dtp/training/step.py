@@ -32,11 +32,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from . import guard
-from .. import strategies
+from . import strategies
 from .buffers import apply_update, reading
 from ..core._rules import is_positive_int
 from ..core.comm import comm_log, span
-from .compiled import CompileOptions, compiling, options_of
+from ..core.compiled import CompileOptions, compiling, options_of
 from ..layouts import PlacedBatch, use_layout
 from ..core.mesh.devices import mesh_device
 from .optim import GradientTransformation, clip_by_global_norm, measured_by, state_join, state_part
@@ -47,7 +47,7 @@ from ..ops.recompute import POLICIES, recompute as recompute_policy
 from ..core.redistribute import local_map, scalar_of
 from ..core.spec import shard, spec_of
 from .state import TrainState, _single_device
-from ..strategies.loss_out import split as split_loss
+from .strategies.loss_out import split as split_loss
 
 __all__ = ["train_step", "value_and_grad", "shard_batch", "PlacedBatch"]
 

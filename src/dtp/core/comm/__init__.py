@@ -34,6 +34,8 @@ One module per job; each imports only from those above it:
 
 from __future__ import annotations
 
+import sys
+
 from .collectives import (all_gather, all_reduce, all_to_all, all_to_all_v, barrier, exchange_counts,
                           reduce_scatter, ring_bytes, send_recv, send_recv_batch)
 from .flight import FLIGHT_DIR_ENV, FLIGHT_SLOTS, CollectiveError, FlightEntry, flight_record, format_flight_record
@@ -74,3 +76,8 @@ __all__ = [
     "FLIGHT_SLOTS",
     "FLIGHT_DIR_ENV",
 ]
+
+# CollectiveError is named dtp.comm.CollectiveError (the line a failed rank prints, flight.py):
+# that module name is this package, also before anyone imports it by its old name, so a
+# pickled CollectiveError travels by reference and is the same class in another process.
+sys.modules.setdefault("dtp.comm", sys.modules[__name__])

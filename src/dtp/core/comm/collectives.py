@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from ...training.compiled import eager as _eager
+from ..compiled import eager as _eager
 from ..mesh.devices import mesh_device
 from .flight import _failure, _record
 from .handles import CommHandle

@@ -27,7 +27,7 @@ from typing import Callable
 
 import torch
 
-from ...training.compiled import eager
+from ..compiled import eager
 from .flight import _failure, _flight_mirror
 from .link import _link_deadline
 from .records import CommRecord

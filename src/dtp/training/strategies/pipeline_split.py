@@ -30,7 +30,7 @@ from typing import Any, Sequence
 import torch
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
-from ..core._torch import run_backward
+from ...core._torch import run_backward
 
 __all__ = ["WeightGrad", "backward_input", "grads_for", "differentiate"]
 

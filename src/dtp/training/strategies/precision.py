@@ -26,8 +26,8 @@ from typing import Any, Callable, ClassVar, ContextManager, Iterator, Mapping
 import optree
 import torch
 
-from ..core._rules import accum_dtype
-from ..ops.local_batch import LocalBatch
+from ...core._rules import accum_dtype
+from ...ops.local_batch import LocalBatch
 from . import replicated
 from .state import StrategyState, register_state
 

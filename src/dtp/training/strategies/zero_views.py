@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
-from ..core._torch import current_graph_task_id
-from ..core.spec import wrap_local
+from ...core._torch import current_graph_task_id
+from ...core.spec import wrap_local
 
 if TYPE_CHECKING:
     from .zero import Run

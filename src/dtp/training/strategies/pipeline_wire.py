@@ -27,11 +27,11 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from ..core import comm
-from ..core._torch import local_shape
-from ..core.mesh.devices import axis_names
-from ..core.redistribute import reshard
-from ..core.spec import P, spec_of
+from ...core import comm
+from ...core._torch import local_shape
+from ...core.mesh.devices import axis_names
+from ...core.redistribute import reshard
+from ...core.spec import P, spec_of
 
 __all__ = ["HEADER", "Meta", "flatten", "header", "read_header", "tree_words", "read_tree_words", "sendable",
            "scatter", "Local", "Incoming", "share"]

@@ -31,20 +31,20 @@ import optree
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from ...training import guard
-from ... import strategies
-from ...core._rules import accum_dtype
-from ...layouts import Layout
-from ...core.mesh.devices import axis_sizes, block_index
-from . import convert as hf
-from .. import llama
-from ..config import LlamaConfig
-from ...training.optim import GradientTransformation
-from ...core.spec import P, check_spec, wrap_local
-from ...strategies import pipeline, zero, zero_plan
+from . import guard
+from . import strategies
+from ..core._rules import accum_dtype
+from ..layouts import Layout
+from ..core.mesh.devices import axis_sizes, block_index
+from ..models.hf import convert as hf
+from ..models import llama
+from ..models.config import LlamaConfig
+from .optim import GradientTransformation
+from ..core.spec import P, check_spec, wrap_local
+from .strategies import pipeline, zero, zero_plan
 
 if TYPE_CHECKING:
-    from ...training.state import TrainState  # TrainState.from_hf calls in here with its class
+    from .state import TrainState  # TrainState.from_hf calls in here with its class
 
 __all__ = ["state_from_hf"]
 

@@ -45,9 +45,9 @@ import optree
 import torch
 from torch.distributed.tensor import DTensor
 
-from ..ops.local_batch import LocalBatch
-from ..training.optim import map_param_trees
-from ..core.spec import P, spec_of, wrap_local
+from ...ops.local_batch import LocalBatch
+from ..optim import map_param_trees
+from ...core.spec import P, spec_of, wrap_local
 from . import replicated
 
 __all__ = ["StrategyState", "Plain", "PLAIN", "saved_tensors", "save_scalar", "tensor_paths", "empty_like",

@@ -40,14 +40,14 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..core import comm
-from ..training.compiled import active as compile_options, compiling
-from ..layouts import Layout, current, use_layout
-from ..layouts.expert import EP_OVERLAP_SCHEDULES
-from ..ops import lanes
-from ..ops.parallel import mean_over_here
-from ..ops.recompute import policy, recompute
-from ..core.redistribute import value_of
+from ...core import comm
+from ...core.compiled import active as compile_options, compiling
+from ...layouts import Layout, current, use_layout
+from ...layouts.expert import EP_OVERLAP_SCHEDULES
+from ...ops import lanes
+from ...ops.parallel import mean_over_here
+from ...ops.recompute import policy, recompute
+from ...core.redistribute import value_of
 from .loss_out import split as split_loss
 
 __all__ = ["Run", "chains", "carry", "check", "active", "PIPELINE_SCHEDULES"]

@@ -67,8 +67,8 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from ..core._rules import COMPILE_BACKENDS as BACKENDS
-from ..core._torch import disable_dynamo_lazily, dynamo_counters, no_donated_buffers
+from ._rules import COMPILE_BACKENDS as BACKENDS
+from ._torch import disable_dynamo_lazily, dynamo_counters, no_donated_buffers
 
 __all__ = ["BACKENDS", "CompileOptions", "options_of", "compiling", "active", "region", "retaining_graph", "Watch",
            "report", "eager"]

@@ -49,11 +49,11 @@ from typing import Any, ContextManager, Iterator, Protocol, Sequence, runtime_ch
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..training.buffers import with_buffers
-from ..layouts import Layout, use_layout
-from ..layouts.pipeline import assign
-from ..core.redistribute import value_of
-from ..models.sequential import Sequential
+from ..buffers import with_buffers
+from ...layouts import Layout, use_layout
+from ...layouts.pipeline import assign
+from ...core.redistribute import value_of
+from ...models.sequential import Sequential
 from . import ep_overlap, local, pipeline, precision, replicated, zero
 from .state import PLAIN, Plain, StrategyState, register_state, state_makers
 

@@ -18,11 +18,11 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from ..core._rules import accum_dtype
-from ..core._torch import StridedShard, global_offset
-from ..core.mesh.devices import mesh_device
-from ..training.optim import map_param_trees
-from ..core.spec import to_placements, wrap_local
+from ...core._rules import accum_dtype
+from ...core._torch import StridedShard, global_offset
+from ...core.mesh.devices import mesh_device
+from ..optim import map_param_trees
+from ...core.spec import to_placements, wrap_local
 from .state import save_scalar
 from .zero_plan import Leaf, ZeroPlan, boxes, flat_global, local_parts
 

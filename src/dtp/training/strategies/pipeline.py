@@ -64,20 +64,20 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from ..core import comm
-from .. import schedules
-from ..core._rules import accum_dtype
-from ..layouts import Layout, use_layout
-from ..layouts.pipeline import assign
-from ..core.mesh.devices import axis_names, axis_sizes, coordinates, mesh_device, sub_mesh
-from ..training.buffers import with_buffers
-from ..training.compiled import retaining_graph
-from ..models.sequential import Sequential
-from ..ops import collective_matmul
-from ..training.optim import global_norm, map_param_trees
-from ..core.redistribute import reshard, value_of
-from ..core.spec import P, spec_of, wrap_local
-from ..ops import lanes
+from ...core import comm
+from ... import schedules
+from ...core._rules import accum_dtype
+from ...layouts import Layout, use_layout
+from ...layouts.pipeline import assign
+from ...core.mesh.devices import axis_names, axis_sizes, coordinates, mesh_device, sub_mesh
+from ..buffers import with_buffers
+from ...core.compiled import retaining_graph
+from ...models.sequential import Sequential
+from ...ops import collective_matmul
+from ..optim import global_norm, map_param_trees
+from ...core.redistribute import reshard, value_of
+from ...core.spec import P, spec_of, wrap_local
+from ...ops import lanes
 from . import ep_overlap, pipeline_split, pipeline_wire as wire, replicated
 from .pipeline_plan import rank_steps, receive_of
 from . import zero as zero_mod

@@ -21,8 +21,8 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from .. import schedules
-from ..schedules.actions import flat
+from ... import schedules
+from ...schedules.actions import flat
 
 __all__ = ["AHEAD", "Step", "rank_steps", "receive_of"]
 

@@ -20,13 +20,13 @@ import optree
 import torch
 from torch.distributed.tensor import DTensor
 
-from ..core import comm
-from ..core._rules import accum_dtype
-from ..core._torch import local_tensor
-from ..training.optim import global_norm
-from ..core.redistribute import reshard, reshard_steps
-from ..ops.local_batch import LocalBatch
-from ..core.spec import P, spec_of, wrap_local
+from ...core import comm
+from ...core._rules import accum_dtype
+from ...core._torch import local_tensor
+from ..optim import global_norm
+from ...core.redistribute import reshard, reshard_steps
+from ...ops.local_batch import LocalBatch
+from ...core.spec import P, spec_of, wrap_local
 from .local import pending
 
 __all__ = ["Run"]

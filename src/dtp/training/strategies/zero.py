@@ -41,16 +41,16 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from ..core import comm
-from ..core._rules import accum_dtype  # gradients and master weights of bf16/fp16 params are fp32 (Megatron's)
-from ..layouts import Layout
-from ..layouts.zero import ZeroOptions
-from ..ops.local_batch import LocalBatch
-from ..core._torch import local_tensor
-from ..training.optim import global_norm, map_param_trees
-from ..training.optim.transform import mask_leaves
-from ..core.redistribute import reshard
-from ..core.spec import P, wrap_local, wrap_placed, spec_of
+from ...core import comm
+from ...core._rules import accum_dtype  # gradients and master weights of bf16/fp16 params are fp32 (Megatron's)
+from ...layouts import Layout
+from ...layouts.zero import ZeroOptions
+from ...ops.local_batch import LocalBatch
+from ...core._torch import local_tensor
+from ..optim import global_norm, map_param_trees
+from ..optim.transform import mask_leaves
+from ...core.redistribute import reshard
+from ...core.spec import P, wrap_local, wrap_placed, spec_of
 from .zero_plan import (Bucket, Leaf, ZeroPlan, bytes_per_parameter, check_same_plan, flat_global, gather_bucket,
                         leaf, make_plan, param_slice, slice_flags, slice_of)
 from .state import StrategyState, register_state

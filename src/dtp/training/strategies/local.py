@@ -22,10 +22,10 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from ..layouts import Layout
-from ..ops.local_batch import LocalBatch, is_batch_local, local_batch
-from ..core.redistribute import reshard
-from ..core.spec import P, spec_of, wrap_local
+from ...layouts import Layout
+from ...ops.local_batch import LocalBatch, is_batch_local, local_batch
+from ...core.redistribute import reshard
+from ...core.spec import P, spec_of, wrap_local
 
 __all__ = ["decide", "wrap", "pending"]
 

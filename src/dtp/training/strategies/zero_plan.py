@@ -20,10 +20,10 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from ..core import comm
-from ..layouts.zero import ZeroOptions, bucket_groups, padded_numel
-from ..core.mesh.devices import axis_names, axis_sizes, coordinates
-from ..core.spec import P
+from ...core import comm
+from ...layouts.zero import ZeroOptions, bucket_groups, padded_numel
+from ...core.mesh.devices import axis_names, axis_sizes, coordinates
+from ...core.spec import P
 
 __all__ = ["Leaf", "Bucket", "ZeroPlan", "leaf", "make_plan", "check_same_plan", "local_parts", "flat_global", "slice_of",
            "param_slice", "gather_bucket", "boxes", "bytes_per_parameter"]

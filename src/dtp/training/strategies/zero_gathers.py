@@ -14,7 +14,7 @@ from typing import Sequence
 
 import torch
 
-from ..core import comm
+from ...core import comm
 
 __all__ = ["InflightGathers"]
 
