@@ -50,9 +50,8 @@ def _lazy(modules: dict[str, Path]) -> dict[str, dict[str, str]]:
                 for k, v in zip(node.keys, node.values):
                     if isinstance(k, ast.Constant) and isinstance(v, ast.Constant) and str(v.value).startswith("."):
                         table[str(k.value)] = name + str(v.value)
-            if (isinstance(node, ast.Call) and ast.unparse(node.func).endswith("import_module") and node.args
-                    and isinstance(node.args[0], ast.Constant)):
-                table["*"] = name + str(node.args[0].value)
+            if isinstance(node, ast.Call) and ast.unparse(node.func).endswith("names_of"):  # core.lazy
+                table["*"] = name + str(node.args[1].value)  # type: ignore[attr-defined]
         if table:
             out[name] = table
     return out

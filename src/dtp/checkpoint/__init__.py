@@ -7,20 +7,14 @@ DCP's planners taught a strategy's own tensors (:mod:`.pieces`).
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from ..core.lazy import names_of
 
 __all__ = ['save', 'load', 'latest', 'read_manifest', 'AsyncSave', 'ParamReader', 'FORMAT']
 
 
-def __getattr__(name: str) -> Any:
-    """A name of :mod:`dtp.checkpoint.store`, imported on first use (PEP 562): the package stays light for
-    the torch-free callers of its other modules (the CLI's checks)."""
-    if name.startswith("__"):
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(".store", __name__), name)
-    globals()[name] = value
-    return value
+__getattr__ = names_of(__name__, ".store")  # the torch-free modules beside it stay light
 
 
 if TYPE_CHECKING:

@@ -6,20 +6,14 @@ accepts, checked before any rank starts). The bundled corpus is in ``assets/``.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from ..core.lazy import names_of
 
 __all__ = ['ByteTokenizer', 'load_tokens', 'open_tokens', 'Tokens', 'TokenLoader', 'document_eos']
 
 
-def __getattr__(name: str) -> Any:
-    """A name of :mod:`dtp.data.loader`, imported on first use (PEP 562): the package stays light for
-    the torch-free callers of its other modules (the CLI's checks)."""
-    if name.startswith("__"):
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(".loader", __name__), name)
-    globals()[name] = value
-    return value
+__getattr__ = names_of(__name__, ".loader")  # the torch-free modules beside it stay light
 
 
 if TYPE_CHECKING:

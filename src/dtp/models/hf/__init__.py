@@ -7,20 +7,14 @@ built straight from a directory, each rank reading only what it holds (:mod:`.st
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from ...core.lazy import names_of
 
 __all__ = ['from_hf', 'to_hf', 'read_blocks', 'bytes_read', 'config_from_hf', 'hf_config', 'padded_vocab', 'INIT_VOCAB_MULTIPLE', 'Box']
 
 
-def __getattr__(name: str) -> Any:
-    """A name of :mod:`dtp.models.hf.convert`, imported on first use (PEP 562): the package stays light for
-    the torch-free callers of its other modules (the CLI's checks)."""
-    if name.startswith("__"):
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(".convert", __name__), name)
-    globals()[name] = value
-    return value
+__getattr__ = names_of(__name__, ".convert")  # the torch-free modules beside it stay light
 
 
 if TYPE_CHECKING:
