@@ -14,7 +14,7 @@ import argparse
 
 from .. import schedules
 from ..core.mesh.shape import MeshShape
-from ..config import MODEL_FIELDS, flag_of
+from ..config import CONTEXT_FIELDS, MODEL_FIELDS, flag_of
 from ..layouts import Layout, check_divisible
 from ..layouts.pipeline import assign
 from ..models import config as model_config
@@ -174,8 +174,7 @@ def _fewer_microbatches(args: argparse.Namespace) -> bool:
 _AXIS_FLAGS = {axis: f"--{axis}" for axis in ("pp", "dp", "ep", "cp", "tp")}
 
 #: The names layouts.context's checks use, as dtp train's flags.
-_CONTEXT_FLAGS = {"algo": "--cp-algo", "window": "--cp-window", "ulysses_degree": "--ulysses-degree",
-                  "head_chunks": "--cp-head-chunks"}
+_CONTEXT_FLAGS = {option: flag_of(f) for option, f in CONTEXT_FIELDS.items()}
 
 #: What Layout.check_sizes' messages name, in dtp train's words: the mesh axes and the
 #: options' fields as the flags that set them; heads, kv heads and vocabulary are the

@@ -29,11 +29,11 @@ messages), :mod:`.run` (:class:`RunConfig`: its fields, checks and derived layou
 
 from __future__ import annotations
 
-from .fields import (DEFAULT_MAX_SKIPPED, DEFAULT_TIMEOUT, DEFAULT_WARMUP, DTYPES, EVAL_BATCHES, MODEL_FIELDS,
+from .fields import (CONTEXT_FIELDS, DEFAULT_MAX_SKIPPED, DEFAULT_TIMEOUT, DEFAULT_WARMUP, DTYPES, EVAL_BATCHES, MODEL_FIELDS,
                      RECOMPUTE, SECTIONS, flag_names, flag_of, master_weights, mesh_axes_of)
 from .run import RunConfig, type_error
 from .toml import section_of, to_toml, toml_fields
 
-__all__ = ["RunConfig", "DTYPES", "RECOMPUTE", "MODEL_FIELDS", "SECTIONS", "EVAL_BATCHES", "DEFAULT_WARMUP",
+__all__ = ["RunConfig", "DTYPES", "RECOMPUTE", "CONTEXT_FIELDS", "MODEL_FIELDS", "SECTIONS", "EVAL_BATCHES", "DEFAULT_WARMUP",
            "DEFAULT_MAX_SKIPPED", "DEFAULT_TIMEOUT", "flag_names", "flag_of", "section_of", "to_toml",
            "toml_fields", "mesh_axes_of", "master_weights", "type_error"]

@@ -9,13 +9,16 @@ import contextvars
 import dataclasses
 from typing import Any, Callable, Iterator
 
-__all__ = ["DTYPES", "RECOMPUTE", "MODEL_FIELDS", "SECTIONS", "EVAL_BATCHES", "DEFAULT_WARMUP", "DEFAULT_MAX_SKIPPED",
-           "DEFAULT_TIMEOUT", "flag_names", "flag_of", "mesh_axes_of", "master_weights"]
+__all__ = ["DTYPES", "RECOMPUTE", "CONTEXT_FIELDS", "MODEL_FIELDS", "SECTIONS", "EVAL_BATCHES", "DEFAULT_WARMUP",
+           "DEFAULT_MAX_SKIPPED", "DEFAULT_TIMEOUT", "flag_names", "flag_of", "mesh_axes_of", "master_weights"]
 
 DTYPES = ("float32", "float64", "bfloat16")
 RECOMPUTE = ("none", "full", "selective")
 DEFAULT_WARMUP = 5
 # The fields that override the model preset's (dtp.models.llama.LlamaConfig fields of the same name).
+# layouts.context's options and the RunConfig fields that set them (--cp-window is window).
+CONTEXT_FIELDS = {"algo": "cp_algo", "window": "cp_window", "ulysses_degree": "ulysses_degree",
+                  "head_chunks": "cp_head_chunks"}
 MODEL_FIELDS = ("num_experts", "top_k", "capacity_factor", "aux_loss_coeff", "router_score", "n_groups", "topk_group",
                 "routed_scaling_factor", "router_bias_update")
 # Ten in a row is no bad batch any more but a diverged run: stop it rather than burn the

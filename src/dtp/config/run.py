@@ -17,8 +17,8 @@ from ..core._rules import COMPILE_BACKENDS, SCORE_FUNCTIONS
 from ..layouts import CP_ALGORITHMS, PRECISIONS, ZERO_STAGES, Layout
 from ..layouts.zero import misplaced_options
 from ..models import config as model_config
-from .fields import (_NAMES, _WHO, DEFAULT_MAX_SKIPPED, DEFAULT_TIMEOUT, DEFAULT_WARMUP, DTYPES, EVAL_BATCHES,
-                     MODEL_FIELDS, RECOMPUTE, _field, flag_of, mesh_axes_of)
+from .fields import (_NAMES, _WHO, CONTEXT_FIELDS, DEFAULT_MAX_SKIPPED, DEFAULT_TIMEOUT, DEFAULT_WARMUP, DTYPES,
+                     EVAL_BATCHES, MODEL_FIELDS, RECOMPUTE, _field, flag_of, mesh_axes_of)
 
 __all__ = ["RunConfig", "type_error"]
 
@@ -204,7 +204,7 @@ class RunConfig:
         if self.batch % (self.dp * self.microbatches):
             fail(f"{n('batch')} {self.batch} must be divisible by {n('dp')} × {n('microbatches')} = "
                  f"{self.dp} × {self.microbatches}{derived}: every rank gets equal microbatches")
-        context = {k: getattr(self, k) for k in ("cp_algo", "cp_window", "ulysses_degree", "cp_head_chunks")
+        context = {k: getattr(self, k) for k in CONTEXT_FIELDS.values()
                    if getattr(self, k)}
         if self.cp == 1 and context:
             names = [n(k) for k in context]
@@ -385,9 +385,7 @@ class RunConfig:
         """
         layout = layouts.data() + layouts.megatron(sequence_parallel=self.sp, async_tp=self.async_tp)
         if self.cp > 1:
-            options = {k: v for k, v in (("algo", self.cp_algo), ("window", self.cp_window),
-                                         ("ulysses_degree", self.ulysses_degree),
-                                         ("head_chunks", self.cp_head_chunks)) if v is not None}
+            options = {option: getattr(self, f) for option, f in CONTEXT_FIELDS.items() if getattr(self, f) is not None}
             layout = layout + layouts.context(**options)
         if self.zero:  # zero 0 is plain data parallel, which the layout already is
             layout = layout + self._zero_layout()

@@ -178,7 +178,8 @@ def plan(model: str | llama.LlamaConfig | RunConfig | Target = "tiny", *, batch:
         backend = parallel.pop("backend", "gloo")  # not the run's: where it runs
         fields = {"model": model} if isinstance(model, str) else {}  # a LlamaConfig: RunConfig's default preset
         try:
-            run = RunConfig(**fields, batch=8 if batch is None else batch, seq=64 if seq is None else seq, **parallel)
+            given = {k: v for k, v in (("batch", batch), ("seq", seq)) if v is not None}  # else RunConfig's defaults
+            run = RunConfig(**fields, **given, **parallel)
         except ValueError as e:  # the run's own checks, said as the plan's
             raise ValueError(f"dtp.plan: {str(e).removeprefix('RunConfig: ')}") from None
         if isinstance(model, str):

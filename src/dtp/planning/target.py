@@ -24,7 +24,7 @@ import torch
 from .. import schedules
 from ..core.mesh.shape import MeshShape
 from ..config import DTYPES as config_dtypes
-from ..config import RunConfig
+from ..config import CONTEXT_FIELDS, RunConfig
 from ..models.config import n_sequential_layers, param_shapes
 from ..core._rules import accum_dtype
 from ..layouts import ContextOptions, Layout, check_divisible
@@ -39,10 +39,6 @@ DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in config_
 
 #: The backends a plan models: gloo (CPU) and the in-place reduce-scatters of nccl and hccl.
 BACKENDS = ("gloo", "nccl", "hccl")
-
-# The RunConfig fields that choose the context preset's options (RunConfig.layout's).
-_CONTEXT_FIELDS = ("cp_algo", "cp_window", "ulysses_degree", "cp_head_chunks")
-
 
 @dataclass(frozen=True, kw_only=True)
 class Target:
@@ -97,7 +93,7 @@ class Target:
         # model's activations take are checked here.
         if run.seq % (run.cp * (run.tp if run.sp else 1)):
             raise ValueError(f"dtp.plan: seq {run.seq} must be divisible by cp{' × tp' if run.sp else ''}")
-        context = {k: getattr(run, k) for k in _CONTEXT_FIELDS if getattr(run, k) is not None}
+        context = {k: getattr(run, k) for k in CONTEXT_FIELDS.values() if getattr(run, k) is not None}
         # A layout given beside context fields (dtp.plan("tiny", cp=4, layout=..., cp_algo=...)):
         # the two must not say different things about how attention runs.
         if context and run.cp > 1 and run.layout().context != self.layout.context:
