@@ -47,11 +47,14 @@ def _rank(argv: list[str], error_dir: str) -> tuple[int, str, str]:
         del os.environ[launch.ERROR_DIR_ENV]
 
 
-def pool_launch(nproc: int, argv: list[str], *, max_restarts: int = 0) -> int:
+def pool_launch(nproc: int, argv: list[str], *, max_restarts: int = 0, save_on_signal: str | None = None,
+                shutdown_timeout: int = 30) -> int:
     """:func:`dtp.launch.launch`'s stand-in: ``argv`` on ``nproc`` pooled ranks; rank 0's
     output is printed here. Unlike the launcher it returns the largest exit code of the
     ranks (not the first failing rank's), prints no per-rank error reports and cannot
-    restart (a restart test needs real processes: test_cli_checkpoint.py)."""
+    restart (a restart test needs real processes: test_cli_checkpoint.py) nor pass on a
+    signal (``save_on_signal``, ``shutdown_timeout``: the ranks' own handler is what is
+    tested here; the agent's part, test_cli_faults.py's real processes)."""
     assert max_restarts == 0, "pooled ranks cannot be restarted; start real processes"
     error_dir = Path(argv[argv.index("--out") + 1]) / "launch-errors"
     error_dir.mkdir(parents=True, exist_ok=True)

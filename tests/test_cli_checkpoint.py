@@ -411,8 +411,10 @@ def test_a_moe_resume_with_other_microbatches_refuses_check(tmp_path, monkeypatc
 
 
 def test_a_damaged_newest_checkpoint_names_the_older_one_to_resume_from(tmp_path) -> None:
-    """--resume takes the newest checkpoint; one whose manifest is damaged is refused, and the
-    line says which older one is complete (before: only that the newest was unreadable)."""
+    """--resume takes the newest checkpoint; under --keep 1 one whose manifest is damaged is
+    refused, and the line says which older one is complete (before: only that the newest
+    was unreadable). With more kept the flags are checked against the older one, which the
+    ranks fall back to (test_cli_faults.py)."""
     from dtp.cli.resume import UsageError, check_resume, resume_checkpoint
     from dtp.models import config as model_config
 
@@ -420,12 +422,15 @@ def test_a_damaged_newest_checkpoint_names_the_older_one_to_resume_from(tmp_path
     for step, text in ((2, json.dumps({"format": 1, "tensors": {}, "extra": {}})), (4, "{cut sh")):
         (root / f"step_{step:08d}").mkdir(parents=True)
         (root / f"step_{step:08d}" / "manifest.json").write_text(text)
-    args = argparse.Namespace(out=str(tmp_path))
+    args = argparse.Namespace(out=str(tmp_path), keep=1)
     with pytest.raises(UsageError) as e:
         check_resume(args, resume_checkpoint(tmp_path), model_config.config("tiny"))
     assert str(e.value).startswith(f"--resume: checkpoint: {root / 'step_00000004' / 'manifest.json'} is unreadable")
     assert str(e.value).endswith(f"; step_00000002 before it is complete: move step_00000004 out of {root} to resume "
-                                 "from step_00000002"), e.value
+                                 "from step_00000002 (--keep 1 trusts only the newest)"), e.value
+    args.keep = 3  # step_00000002 is checked: its (empty) record holds another model
+    with pytest.raises(UsageError, match="holds another model"):
+        check_resume(args, resume_checkpoint(tmp_path), model_config.config("tiny"))
 
 
 _PURE_REFUSED = ("trained pure bf16 (--precision pure, an older dtp's default without --zero); this run's default, "

@@ -191,6 +191,10 @@ ROWS: dict[str, list[str]] = {
     "dp2 eval, checkpoints, async save": ["--dp", "2", "--eval-every", "2", "--save-every", "2", "--keep", "1",
                                           "--async-save", "--max-skipped", "2",
                                           "--memory-gb", "64", "--ignore-memory-check", "--max-restarts", "0"],
+    # a signal handler and a step-boundary all-reduce that no signal sets: the curve is the
+    # one without them (the signal itself: tests/test_cli_faults.py)
+    "dp2 tp2 zero1 save on signal": ["--dp", "2", "--tp", "2", "--zero", "1", "--save-every", "2",
+                                     "--save-on-signal", "SIGUSR1", "--shutdown-timeout", "60"],
     # ---- data: {name} is a file :func:`_data_files` makes (token files memory-mapped)
     "dp2 uint32 shard directory, eval": ["--dp", "2", "--data", "{uint32_dir}", "--data-dtype", "uint32",
                                          "--eos-id", "1", "--eval-every", "3"],

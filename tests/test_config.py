@@ -196,6 +196,8 @@ PLAN_FLAGS_BEFORE = [f for f in TRAIN_FLAGS_BEFORE if f not in (
     "--async-save --no-async-save --check --debug --no-debug --eval-every --ignore-memory-check --keep --log-every "
     "--max-restarts --out --overwrite --print-config --resume --no-resume --save-every --tensorboard "
     "--no-tensorboard --timeout").split()] + ["--backend"]
+# Flags added since, each a RunConfig field: train only (how a run ends, not what it plans).
+TRAIN_FLAGS_SINCE = ["--save-on-signal", "--shutdown-timeout"]
 
 
 def _options(command: str) -> dict[str, str]:
@@ -205,7 +207,8 @@ def _options(command: str) -> dict[str, str]:
     return {o: a.dest for a in sub.choices[command]._actions for o in a.option_strings if o not in ("-h", "--help")}
 
 
-@pytest.mark.parametrize("command, before", [("train", TRAIN_FLAGS_BEFORE), ("plan", PLAN_FLAGS_BEFORE)])
+@pytest.mark.parametrize("command, before", [("train", TRAIN_FLAGS_BEFORE + TRAIN_FLAGS_SINCE),
+                                             ("plan", PLAN_FLAGS_BEFORE)])
 def test_every_flag_of_before_sets_the_field_it_set(command, before) -> None:
     def field(flag: str) -> str:  # the field a flag set before: its name with '_', less a --no-
         return "config_file" if flag == "--config" else flag[2:].removeprefix("no-").replace("-", "_")

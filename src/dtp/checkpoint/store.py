@@ -45,29 +45,31 @@ import os
 import shutil
 import warnings
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import optree
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
 from .. import __version__
-from ..core import comm
 from ..training import guard
 from ..core._rules import accum_dtype
 from ..training.optim import map_param_trees
 from ..core.spec import spec_of, wrap_local
 from ..training.state import TrainState, wait
 from ..training.strategies.state import empty_like, tensor_paths
+from .commit import Commit, SaveFailed, complete, first_line, prune
+from .fallback import newest_sound, warn_skip
 from .pieces import LoadPlanner, Pieces, SavePlanner
-from .files import (FORMAT, MANIFEST, SafeReader, atomic_json, checkpoints, file_sums, latest, open_checkpoint,
+from .files import (FORMAT, MANIFEST, SafeReader, atomic_json, file_sums, latest, open_checkpoint,
                     read_manifest, read_metadata, verify_files)
 
-__all__ = ["save", "load", "latest", "read_manifest", "AsyncSave", "ParamReader", "FORMAT"]
+__all__ = ["save", "load", "latest", "read_manifest", "AsyncSave", "SaveFailed", "ParamReader", "FORMAT"]
 
 PyTree = Any
 
@@ -106,11 +108,17 @@ class AsyncSave:
     path: Path
     _future: Any
     _finish: Any
+    _failed: Any
 
     def wait(self) -> Path:
+        """The checkpoint's path once it is complete; :class:`SaveFailed` on every rank if
+        any rank's write failed (the directory is removed, the checkpoints before it kept)."""
         if self._future is not None:
-            self._future.result()
-            self._future = None
+            future, self._future = self._future, None
+            try:
+                future.result()
+            except CheckpointException as e:  # DCP's, on every rank: each rank's result is gathered
+                self._failed(e)
             self._finish()
         return self.path
 
@@ -176,52 +184,46 @@ def save(state: TrainState, root: str | os.PathLike[str], *, extra: Mapping[str,
     # Every rank alike, before the first barrier: a node without the shared mount failed
     # alone, and the others waited in that barrier until the process-group timeout.
     guard.check_together("checkpoint.save", state.mesh, {"step": str(state.step)}, error)
+    error = None
     if rank == 0:
         shutil.rmtree(partial, ignore_errors=True)  # a crashed save's leftovers
-        partial.mkdir()
-    comm.barrier(tag="checkpoint mkdir")
+        try:
+            partial.mkdir()
+        except OSError as e:
+            error = e
+    failed = Commit(state, root, final, partial, rank)
+    failed.together("checkpoint mkdir", error)
     tensors = _logical(state)
     manifest = _manifest(state, extra)
 
     def finish() -> None:
         # Each rank checksums the files it wrote (read back from the page cache): DCP
         # reads a flipped byte silently (measured on torch 2.13), so load checks them.
-        atomic_json(partial / f".files_rank{rank}.json", file_sums(partial, f"__{rank}_"))
-        comm.barrier(tag="checkpoint written")  # every rank's files are in partial/
+        error = None
+        try:
+            atomic_json(partial / f".files_rank{rank}.json", file_sums(partial, f"__{rank}_"))
+        except OSError as e:  # a disk that filled after DCP's files
+            error = e
+        failed.together("checkpoint written", error)  # every rank's files are in partial/
         if rank == 0:
-            manifest["files"] = {}
-            for part in sorted(partial.glob(".files_rank*.json")):
-                manifest["files"].update(json.loads(part.read_text()))
-                part.unlink()
-            manifest["files"][".metadata"] = file_sums(partial, ".metadata")[".metadata"]
-            # Every rank's tensors (a pipeline rank holds only its stages'): from DCP's plan.
-            manifest["tensors"] = {name: {"shape": list(md.size), "dtype": str(md.properties.dtype).removeprefix("torch.")}
-                                   for name, md in sorted(read_metadata(partial).state_dict_metadata.items())
-                                   if isinstance(md, TensorStorageMetadata)}
-            atomic_json(partial / MANIFEST, manifest)
-            # A checkpoint of this step already there (a save after a skipped step reuses
-            # the name: names count updates) is renamed aside, not deleted first: deleting
-            # a large one takes seconds, during which a crash left neither.
-            aside = final.with_name(final.name + ".replaced")
-            shutil.rmtree(aside, ignore_errors=True)
-            if final.exists():
-                os.replace(final, aside)
-            os.replace(partial, final)
-            shutil.rmtree(aside, ignore_errors=True)
-            if keep is not None:
-                # Never the one just written: after a run went back to an older step, the
-                # newest by step were an abandoned run's, and this save was deleted at once.
-                others = [c for c in checkpoints(root) if c.name != final.name]
-                for old in others[:max(0, len(others) - (keep - 1))]:
-                    shutil.rmtree(old, ignore_errors=True)
-        comm.barrier(tag="checkpoint renamed")
+            try:
+                complete(partial, final, manifest)
+            except OSError as e:
+                error = e
+            else:
+                if keep is not None:
+                    prune(root, final, keep)
+        failed.together("checkpoint renamed", error)
 
     writer = FileSystemWriter(partial, thread_count=1, sync_files=True)
     if async_save:
         future = dcp.async_save(_staged(tensors), storage_writer=writer, planner=SavePlanner(),
                                 process_group=_save_group(), async_stager=_Staged())
-        return AsyncSave(final, future, finish)
-    dcp.save(tensors, storage_writer=writer, planner=SavePlanner(), process_group=_save_group())
+        return AsyncSave(final, future, finish, failed.dcp)
+    try:
+        dcp.save(tensors, storage_writer=writer, planner=SavePlanner(), process_group=_save_group())
+    except CheckpointException as e:  # on every rank (DCP gathers each rank's write result)
+        failed.dcp(e)
     finish()
     return final
 
@@ -274,7 +276,8 @@ def _manifest(state: TrainState, extra: Mapping[str, Any] | None) -> dict[str, A
 # --------------------------------------------------------------------------- load
 
 
-def load(path: str | os.PathLike[str], like: TrainState, *, restore_rng: bool = True) -> tuple[TrainState, Any]:
+def load(path: str | os.PathLike[str], like: TrainState, *, restore_rng: bool = True, fallback: bool = False,
+         on_skip: Callable[[Path, str, Path | None], None] | None = None) -> tuple[TrainState, Any]:
     """Load the checkpoint at ``path`` (or the newest under it) into the layout of ``like``;
     returns ``(state, extra)``. A collective: call it on every rank.
 
@@ -287,12 +290,40 @@ def load(path: str | os.PathLike[str], like: TrainState, *, restore_rng: bool = 
     is never modified. Under ZeRO the loaded state is per parameter, as before step
     one; step one cuts it into buckets. ``restore_rng`` sets torch's CPU RNG to the
     saved one (bit-exact resume).
+
+    ``fallback=True`` with ``path`` a root of checkpoints (not one checkpoint, which is
+    never fallen back from): the newest that verifies loads. A damaged newer one (a file
+    missing, truncated or corrupt, an unreadable manifest or metadata: what a crash or a
+    lost node mid-save leaves) is renamed ``step_N.corrupt`` (kept, out of ``latest``'s
+    and ``keep``'s way), and ``on_skip(path, why, renamed_to)`` is called on every rank
+    (``renamed_to``: rank 0's rename, ``None`` on the others; default: a ``RuntimeWarning`` on
+    the first). When none verifies nothing is moved, and the newest one's error is raised. A checkpoint of another model is no
+    damage: it is refused, as without ``fallback``.
+
+    >>> import tempfile, warnings
+    >>> root = Path(tempfile.mkdtemp())
+    >>> state = dtp.TrainState.create({"w": torch.ones(2)}, dtp.optim.sgd(0.1), mesh=make_mesh(dp=1),
+    ...                               layout=dtp.layouts.data(), axes={"w": (None,)})
+    >>> older = save(state, root)
+    >>> state, _ = dtp.train_step(lambda p, b: (p["w"] * b["x"]).sum(), state, {"x": torch.ones(2)})
+    >>> newer = save(state, root)
+    >>> _ = (newer / ".metadata").write_bytes(b"cut sh")             # damaged after it was saved
+    >>> with warnings.catch_warnings(record=True) as seen:
+    ...     loaded, _ = load(root, like=state, fallback=True)
+    >>> loaded.step, sorted(p.name for p in root.iterdir())
+    (0, ['step_00000000', 'step_00000001.corrupt'])
+    >>> print(seen[0].message)
+    checkpoint: skipped step_00000001 (file .metadata has 6 bytes, ... were written (truncated or replaced)), renamed step_00000001.corrupt
     """
     error, found = None, Path(path)
+    verified = False
+    if fallback and not (found / MANIFEST).is_file():
+        found, verified = newest_sound(found, like, on_skip or warn_skip), True
     try:
         found, manifest = open_checkpoint(found)
         rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-        verify_files(found, manifest, rank, world)
+        if not verified:
+            verify_files(found, manifest, rank, world)
         metadata = read_metadata(found)
         targets, build, model = _targets(like, manifest)
         _check(found, manifest["tensors"], targets, metadata, model)
@@ -304,7 +335,7 @@ def load(path: str | os.PathLike[str], like: TrainState, *, restore_rng: bool = 
     except BaseException as e:  # DCP wraps rank failures in CheckpointException, a BaseException
         if isinstance(e, (KeyboardInterrupt, SystemExit)):
             raise
-        raise ValueError(f"checkpoint: reading {found} failed: {_first_line(e)}") from None
+        raise ValueError(f"checkpoint: reading {found} failed: {first_line(e)}") from None
     new = build(int(manifest["step"]))
     if restore_rng and manifest.get("rng"):
         torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(manifest["rng"])), dtype=torch.uint8))
@@ -354,7 +385,7 @@ class ParamReader:
         except BaseException as e:  # DCP wraps failures in CheckpointException, a BaseException
             if isinstance(e, (KeyboardInterrupt, SystemExit)):
                 raise
-            raise ValueError(f"checkpoint: reading {name} from {self.path} failed: {_first_line(e)}") from None
+            raise ValueError(f"checkpoint: reading {name} from {self.path} failed: {first_line(e)}") from None
         return target[f"param/{name}"]
 
 
@@ -405,11 +436,6 @@ def _targets(like: TrainState, manifest: Mapping[str, Any]) -> tuple[dict[str, t
         return dataclasses.replace(like, step=step, params=loaded, opt_state=opt, strategy=restored, buffers=buffers)
 
     return targets, build, model
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0] if text else ''}"
 
 
 def _check(path: Path, saved: Mapping[str, Any], targets: Mapping[str, torch.Tensor], metadata: Metadata,

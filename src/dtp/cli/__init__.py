@@ -147,7 +147,8 @@ def _launch(args: argparse.Namespace) -> int:
         path = Path(tmp) / "run.toml"
         path.write_text(to_toml(args.run_config), encoding="utf-8")  # what tomllib reads
         return launcher.launch(args.nproc, ["train", "--config", str(path), "--out", args.out],
-                      max_restarts=args.max_restarts)
+                               max_restarts=args.max_restarts, save_on_signal=args.save_on_signal,
+                               shutdown_timeout=args.shutdown_timeout)
 
 
 def _debug(args: argparse.Namespace | None) -> bool:

@@ -15,6 +15,7 @@ import functools
 import json
 import math
 import os
+import sys
 import time
 import shlex
 import warnings
@@ -32,18 +33,21 @@ from ..training.buffers import lay_out as lay_out_buffers
 from ..training.guard import ID_KEYS, id_range
 from ..data.loader import TokenLoader, Tokens, document_eos, open_tokens
 from ..core.mesh.devices import mesh_device
+from ..core.mesh.launch import report_preempted
 from ..planning.report import format_count
 from ..models.hf import convert as hf
 from ..models import llama
 from ..core.redistribute import value_of
-from .process import Terminated, sigterm_ignored, sigterm_raises, run_world, single_process_world, why
+from .process import PREEMPTED, Preempted, SaveOnSignal, Terminated, sigterm_ignored, stop_signals, run_world, \
+    single_process_world, why
+from .saving import Checkpointing, Saver, checkpointing, records_until, skipped_line
 from .optimizer import OptimizerRules, decay_changes, train_optimizer
 from .parser import EVAL_BATCHES, PROG
 from .plan import plan_of
 from .flags import UsageError, build_layout, vocab_size
 from .shape import format_mesh
-from .resume import resume_from, segment_record, trained_segments
-from .report import (atomic_write_text, format_summary, plot_losses, Progress, write_json, format_bytes, read_metrics,
+from .resume import segment_record, trained_segments
+from .report import (atomic_write_text, format_summary, plot_losses, Progress, write_json, format_bytes,
                      note_when_output_closes,
                      print_compile_report, report_exception, summarize)
 
@@ -119,22 +123,12 @@ def run_record(config: RunConfig, *, vocab_size: int, world_size: int,
     return record
 
 
-@dataclasses.dataclass(frozen=True)
-class Checkpointing:
-    """Where and how often ``dtp train`` saves, and the checkpoint it resumes from."""
-
-    root: Path
-    every: int = 0  # 0: never
-    keep: int = 3
-    async_save: bool = False
-    resume_from: Path | None = None
-
-
 def train_loop(config: RunConfig, mesh: DeviceMesh, layout: Layout, *, vocab_size: int, recompute: str | None,
                on_step: Callable[[int, dict[str, Any]], None] | None = None,
                checkpoints: Checkpointing | None = None,
                on_start: Callable[[int, list[dict[str, Any]]], None] | None = None,
-               last: int | None = None, rules: OptimizerRules = OptimizerRules()) -> list[dict[str, Any]]:
+               last: int | None = None, rules: OptimizerRules = OptimizerRules(), stop: SaveOnSignal | None = None,
+               on_note: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
     """The training loop every rank runs (and the 1-process reference) for the run
     ``config`` on ``mesh`` under ``layout``, its model's vocabulary ``vocab_size`` (what
     the ranks found in the data, :func:`_vocab_size`); returns the metrics of the steps it
@@ -144,7 +138,9 @@ def train_loop(config: RunConfig, mesh: DeviceMesh, layout: Layout, *, vocab_siz
     segments)`` runs once the state is built and a resumed checkpoint and data position
     have loaded, before step ``first``: what a run writes before that is lost if the load
     fails. ``segments``: which flags trained which steps (:func:`resume.trained_segments`),
-    this run's last."""
+    this run's last. ``stop``: ``--save-on-signal``'s flag (:class:`dtp.cli.saving.Saver`
+    saves and stops on it); ``on_note(line)``: what the run says on the way that is no
+    metric (a damaged checkpoint skipped, a save that failed)."""
     torch.manual_seed(config.seed)
     tokens, held_out = _splits(config)
     loader = TokenLoader(tokens, batch_size=config.batch, seq_len=config.seq, seed=config.seed,
@@ -183,7 +179,10 @@ def train_loop(config: RunConfig, mesh: DeviceMesh, layout: Layout, *, vocab_siz
     if resuming:
         # The same state and data position whatever the flags it was saved under:
         # checkpoint.load reshards, the loader refuses another seed/batch/seq/corpus.
-        state, extra = checkpoint.load(checkpoints.resume_from, like=state)
+        # The newest that verifies (a damaged one set aside, said); a path of its own is never fallen back from.
+        state, extra = checkpoint.load(checkpoints.root if checkpoints.fallback else checkpoints.resume_from,
+                                       like=state, fallback=checkpoints.fallback,
+                                       on_skip=lambda path, why, moved: on_note and on_note(skipped_line(path, why, moved)))
         loader.load_state_dict((extra or {}).get("loader", {}))
         first = loader.state_dict()["step"] + 1  # iterations, skipped steps included (state.step counts updates)
         earlier = trained_segments(extra or {})
@@ -196,11 +195,16 @@ def train_loop(config: RunConfig, mesh: DeviceMesh, layout: Layout, *, vocab_siz
     # --check, whose reference trains every step with the last ones: resume.check_resume).
     segments = [*earlier, {"first": first, "run": run_cfg, "model": dataclasses.asdict(cfg)}]
     if on_start is not None:
-        on_start(first, segments)
-    records, saving = [], None
+        on_start(first, segments, checkpoints.root / f"step_{state.step:08d}" if resuming else None)
+    records = []
+    final = min(config.steps, last or config.steps)
+    saver = Saver(checkpoints, stop, mesh, last=final, note=on_note or (lambda line: None),
+                  extra=lambda: {"loader": loader.state_dict(), "model": dataclasses.asdict(cfg),
+                                 "run": run_cfg,  # the run's RunConfig and what the ranks found
+                                 "segments": segments, "skips": {"in_a_row": skips.in_a_row}})
     # Dropless MoE changes its expert batches' shapes every step: dynamic from the start.
     compiling = config.compile and CompileOptions(backend=config.compile, dynamic=cfg.num_experts > 0 or None)
-    for step in range(first, min(config.steps, last or config.steps) + 1):
+    for step in range(first, final + 1):
         batch = shard_batch(_check_ids(loader.next_batch(), cfg, config, tokens, f"step {step}'s batch"), state)
         with warnings.catch_warnings():
             # The step's line says SKIPPED, in the run's numbering; train_step's warning would
@@ -234,18 +238,10 @@ def train_loop(config: RunConfig, mesh: DeviceMesh, layout: Layout, *, vocab_siz
             # Every rank aborts at this step (the skip is decided on the reduced gradient
             # norm), so all can finish the save in flight: else the newest checkpoint stays
             # .partial and --resume finds none.
-            if isinstance(saving, checkpoint.AsyncSave):
-                saving.wait()
+            saver.wait()
             raise
-        if checkpoints is not None and checkpoints.every and (step % checkpoints.every == 0 or step == config.steps):
-            if isinstance(saving, checkpoint.AsyncSave):
-                saving.wait()  # one save in flight at a time
-            saving = checkpoint.save(state, checkpoints.root, keep=checkpoints.keep, async_save=checkpoints.async_save,
-                                     extra={"loader": loader.state_dict(), "model": dataclasses.asdict(cfg),
-                                            "run": run_cfg,  # the run's RunConfig and what the ranks found
-                                            "segments": segments, "skips": {"in_a_row": skips.in_a_row}})
-    if isinstance(saving, checkpoint.AsyncSave):
-        saving.wait()
+        saver.after_step(state, step)
+    saver.wait()
     wait(state)  # the last step's prefetched parameter gathers (overlap_param_gather)
     return records
 
@@ -384,31 +380,33 @@ def train_rank(config: RunConfig, *, stream: TextIO | None = None) -> int:
     if rank == 0:
         note_when_output_closes(f"{PROG} train: standard output was closed; training goes on, "
                                 f"each step in {out / 'metrics.jsonl'}")
-    checkpoints = _checkpointing(config, out)
-    # Resuming: the steps up to the checkpoint stay in metrics.jsonl (the ones after it
-    # are run again), so the file, the summary and the loss plot cover the whole run.
-    earlier = _records_until(out, checkpoints.resume_from)
-    records: list[dict[str, Any]] = list(earlier)
+    checkpoints = checkpointing(config, out)
+    records: list[dict[str, Any]] = []
     started = False  # the run directory is this run's: the state (and checkpoint) loaded
 
     with contextlib.ExitStack() as files:
         metrics = board = None
         if rank == 0:
             _print_header(config, _model(config, vocab), layout, world, out, stream)
-            if checkpoints.resume_from is not None:
-                print(f"{PROG} train: resuming from step {len(earlier)} ({checkpoints.resume_from})",
-                      file=stream, flush=True)
-                if note := decay_changes(out, len(earlier)):
-                    print(note, file=stream, flush=True)
 
-        def on_start(first: int, segments: list[dict[str, Any]]) -> None:
+        def on_start(first: int, segments: list[dict[str, Any]], resumed: Path | None) -> None:
             # Nothing in the run directory changes before this: a resume whose checkpoint
             # does not load (another dtype, model, a corrupt file) leaves the earlier run's
             # config, metrics, summary and plot as they were.
             nonlocal metrics, board, started
+            # Resuming: the steps up to the checkpoint stay in metrics.jsonl (the ones after
+            # it are run again), so the file, the summary and the loss plot cover the whole
+            # run. Read on every rank (a refusal is every rank's), of the checkpoint that
+            # loaded: after a fallback, an older one than the preflight saw.
+            earlier = records_until(out, first - 1, resumed) if resumed is not None else []
+            records[:0] = earlier
             started = True
             if rank != 0:
                 return
+            if resumed is not None:
+                print(f"{PROG} train: resuming from step {len(earlier)} ({resumed})", file=stream, flush=True)
+                if note := decay_changes(out, len(earlier)):
+                    print(note, file=stream, flush=True)
             out.mkdir(parents=True, exist_ok=True)
             # An earlier segment's --check compared only the steps before this one: removed, so
             # the directory never shows a check of less than the run (this run's --check, or
@@ -440,11 +438,21 @@ def train_rank(config: RunConfig, *, stream: TextIO | None = None) -> int:
                 board.add(step, record)
             progress.update(step, record)
 
-        interrupted = None
+        def on_note(line: str) -> None:
+            if rank == 0:
+                print(f"{PROG} train: {line}", file=sys.stderr, flush=True)
+
+        interrupted, code = None, 0
         try:
-            with sigterm_raises(), run_world(config) as mesh:
-                train_loop(config, mesh, layout, vocab_size=vocab, recompute=_recompute(config), on_step=on_step,
-                           checkpoints=checkpoints, on_start=on_start)
+            with stop_signals(config.save_on_signal) as stop, run_world(config) as mesh:
+                try:
+                    train_loop(config, mesh, layout, vocab_size=vocab, recompute=_recompute(config), on_step=on_step,
+                               checkpoints=checkpoints, on_start=on_start, stop=stop, on_note=on_note)
+                except Preempted as e:  # every rank saved the same step: a clean end, said once
+                    interrupted, code = why(e), PREEMPTED
+                    on_note(str(e))
+                    if rank == 0:
+                        report_preempted(str(e))  # for the launcher: this run's exit code is PREEMPTED
                 del mesh  # the last reference: destroy_process_group then really ends the group
         except BaseException as e:
             interrupted = why(e)
@@ -458,7 +466,7 @@ def train_rank(config: RunConfig, *, stream: TextIO | None = None) -> int:
             if rank == 0 and started and records:
                 with sigterm_ignored():  # a stop during the last writes would leave no plot
                     _finish(out, records, run_cfg, interrupted, stream)
-    return 0
+    return code
 
 
 def _finish(out: Path, records: list[dict[str, Any]], run_cfg: Mapping[str, Any], interrupted: str | None,
@@ -551,27 +559,6 @@ class _TensorBoard:
 
 def _recompute(config: RunConfig) -> str | None:
     return None if config.recompute == "none" else config.recompute
-
-
-def _checkpointing(config: RunConfig, out: Path) -> Checkpointing:
-    """The run's checkpoint settings; with ``--resume`` (or when torchrun restarted the
-    ranks after a failure) the newest complete checkpoint in ``out``, found the same way
-    on every rank (the directory is shared)."""
-    return Checkpointing(out / "checkpoints", config.save_every, config.keep, config.async_save, resume_from(config))
-
-
-def _records_until(out: Path, resume_from: Path | None) -> list[dict[str, Any]]:
-    """The metrics of the steps a resumed checkpoint already holds (none when not resuming)."""
-    if resume_from is None:
-        return []
-    step = int(checkpoint.read_manifest(resume_from)["extra"]["loader"]["step"])  # iterations, skips included
-    path = out / "metrics.jsonl"
-    records = read_metrics(path) if path.exists() else []
-    kept = [r for r in records if r.get("step", 0) <= step]
-    if len(kept) != step:
-        raise UsageError(f"--resume: {path} holds {len(kept)} of the {step} steps before {resume_from.name}; "
-                         f"the run directory is not the one the checkpoint was saved in")
-    return kept
 
 
 def _moe_metrics(aux: Any) -> dict[str, Any]:

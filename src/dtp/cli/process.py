@@ -1,5 +1,7 @@
 """A rank's life around the training loop of ``dtp train``: its world (torchrun's, or one
-process), a clean shutdown of the process group, and what ``SIGTERM`` does meanwhile."""
+process), a clean shutdown of the process group, and what a signal does meanwhile:
+``SIGTERM`` raises where the rank is (:func:`sigterm_raises`), unless ``--save-on-signal``
+names it, whose signal only sets a flag the loop reads between steps (:class:`SaveOnSignal`)."""
 
 from __future__ import annotations
 
@@ -16,7 +18,12 @@ from ..core import comm
 from ..core.mesh.launch import in_torchrun
 from ..core.mesh.devices import clear_mesh_cache
 
-__all__ = ["Terminated", "single_process_world", "run_world", "sigterm_raises", "sigterm_ignored", "why"]
+__all__ = ["Terminated", "Preempted", "PREEMPTED", "SaveOnSignal", "single_process_world", "run_world",
+           "stop_signals", "sigterm_raises", "sigterm_ignored", "why"]
+
+#: The exit code of a run stopped by its ``--save-on-signal`` signal after the save completed:
+#: EX_TEMPFAIL (sysexits.h), "try again later", which a scheduler's requeue rule can match.
+PREEMPTED = 75
 
 
 @contextlib.contextmanager
@@ -75,6 +82,64 @@ class Terminated(KeyboardInterrupt):
     signum = signal.SIGTERM
 
 
+class Preempted(Exception):
+    """The run stopped after its ``--save-on-signal`` save: every rank finished the same
+    step and the checkpoint of it is complete. Exit code :data:`PREEMPTED`."""
+
+    def __init__(self, signal_name: str, step: int, path: str) -> None:
+        super().__init__(f"stopped by {signal_name} after step {step}: saved {path}; continue with --resume")
+        self.signal_name, self.step, self.path = signal_name, step, path
+
+
+class SaveOnSignal:
+    """``--save-on-signal SIGNAL``: the signal's handler only notes it (any number of times,
+    during a save too); :meth:`requested`, called by every rank at each step boundary, says
+    whether any rank has seen it. Raising where the signal lands, as ``SIGTERM`` does
+    otherwise, could stop a rank inside a collective its peers then wait in; a flag read
+    between steps lets every rank finish the step it is in, and the ranks agree on which
+    step to save although the signal reached each at its own moment.
+
+    >>> import os
+    >>> stop = SaveOnSignal("SIGUSR1")
+    >>> with stop:
+    ...     os.kill(os.getpid(), signal.SIGUSR1)
+    >>> stop.seen, stop.requested(make_mesh(dp=1))
+    (True, True)
+    """
+
+    def __init__(self, name: str) -> None:
+        self.name, self.signum, self.seen = name, getattr(signal, name), False
+        self._previous: Any = None
+
+    def _note(self, signum: int, frame: Any) -> None:
+        self.seen = True
+
+    def __enter__(self) -> "SaveOnSignal":
+        if threading.current_thread() is threading.main_thread():  # only there can Python install handlers
+            self._previous = signal.signal(self.signum, self._note)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._previous is not None:
+            signal.signal(self.signum, self._previous)
+            self._previous = None
+
+    def requested(self, mesh: DeviceMesh) -> bool:
+        """Has any rank seen the signal? A collective (:func:`dtp.comm.any_rank`): every rank
+        calls it at the same step boundary."""
+        return comm.any_rank(self.seen, mesh, tag="save on signal")
+
+
+@contextlib.contextmanager
+def stop_signals(save_on: str | None) -> Iterator[SaveOnSignal | None]:
+    """While training: ``save_on``'s signal (``--save-on-signal``) sets the flag yielded;
+    ``SIGTERM``, unless it is that signal, raises :class:`Terminated`."""
+    with contextlib.ExitStack() as stack:
+        if save_on != "SIGTERM":
+            stack.enter_context(sigterm_raises())
+        yield stack.enter_context(SaveOnSignal(save_on)) if save_on else None
+
+
 @contextlib.contextmanager
 def sigterm_raises() -> Iterator[None]:
     """While training, ``SIGTERM`` raises :class:`Terminated` (Python's default would end
@@ -112,6 +177,8 @@ def why(e: BaseException) -> str:
     """What ended a run early, for ``summary.json``'s ``interrupted``."""
     if isinstance(e, Terminated):
         return "SIGTERM"
+    if isinstance(e, Preempted):
+        return f"{e.signal_name}, saved {e.path}"
     if isinstance(e, KeyboardInterrupt):
         return "Ctrl-C"
     return f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"

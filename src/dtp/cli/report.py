@@ -424,6 +424,11 @@ def _report(e: Exception, command: str, out: str | None) -> int:
         # Raised on every rank alike: the launcher prints it once.
         _report_error(f"{PROG} {command}: {e}")
         return 1
+    saving = sys.modules.get("dtp.checkpoint.commit")
+    if saving is not None and isinstance(e, saving.SaveFailed):
+        # The run's last save failed (a full disk), on every rank alike: said once, code 1.
+        _report_error(f"{PROG} {command}: {e}")
+        return 1
     if comm is not None and isinstance(e, comm.CollectiveError):
         # A peer died or stalled: this rank's one line (where it was) for the launcher to
         # print beside the others', not a traceback per rank.

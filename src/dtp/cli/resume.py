@@ -93,8 +93,12 @@ def check_resume(args: Any, path: Path, cfg: model_config.LlamaConfig, *, n_toke
         manifest = read_manifest(path)
     except ValueError as e:
         older = [p for p in checkpoints(path.parent) if p.name < path.name]
+        if older and getattr(args, "keep", 1) > 1:
+            # The ranks skip it too (dtp.checkpoint.load's fallback: they rename it aside and
+            # say so): the flags must fit the one they will resume from.
+            return check_resume(args, older[-1], cfg, n_tokens=n_tokens)
         hint = (f"; {older[-1].name} before it is complete: move {path.name} out of {path.parent} to resume "
-                f"from {older[-1].name}") if older else ""
+                f"from {older[-1].name} (--keep 1 trusts only the newest)") if older else ""
         raise UsageError(f"--resume: {e}{hint}") from None
     extra = manifest.get("extra") if isinstance(manifest.get("extra"), dict) else {}
     saved_run = extra.get("run") if isinstance(extra.get("run"), dict) else {}  # {}: not saved by dtp train

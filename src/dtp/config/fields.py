@@ -9,11 +9,14 @@ import contextvars
 import dataclasses
 from typing import Any, Callable, Iterator
 
-__all__ = ["DTYPES", "RECOMPUTE", "CONTEXT_FIELDS", "MODEL_FIELDS", "SECTIONS", "EVAL_BATCHES", "DEFAULT_WARMUP",
+__all__ = ["DTYPES", "RECOMPUTE", "SAVE_SIGNALS", "CONTEXT_FIELDS", "MODEL_FIELDS", "SECTIONS", "EVAL_BATCHES", "DEFAULT_WARMUP",
            "DEFAULT_MAX_SKIPPED", "DEFAULT_TIMEOUT", "flag_names", "flag_of", "mesh_axes_of", "master_weights"]
 
 DTYPES = ("float32", "float64", "bfloat16")
 RECOMPUTE = ("none", "full", "selective")
+# --save-on-signal: what schedulers send before they kill (SLURM's --signal, Kubernetes' and
+# SLURM's SIGTERM at the end, Ctrl-C's SIGINT). Not SIGQUIT (a core dump's) nor SIGKILL (uncatchable).
+SAVE_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGHUP", "SIGINT")
 DEFAULT_WARMUP = 5
 # The fields that override the model preset's (dtp.models.llama.LlamaConfig fields of the same name).
 # layouts.context's options and the RunConfig fields that set them (--cp-window is window).

@@ -18,7 +18,7 @@ from ..layouts import CP_ALGORITHMS, PRECISIONS, ZERO_STAGES, Layout
 from ..layouts.zero import misplaced_options
 from ..models import config as model_config
 from .fields import (_NAMES, _WHO, CONTEXT_FIELDS, DEFAULT_MAX_SKIPPED, DEFAULT_TIMEOUT, DEFAULT_WARMUP, DTYPES,
-                     EVAL_BATCHES, MODEL_FIELDS, RECOMPUTE, _field, flag_of, mesh_axes_of)
+                     EVAL_BATCHES, MODEL_FIELDS, RECOMPUTE, SAVE_SIGNALS, _field, flag_of, mesh_axes_of)
 
 __all__ = ["RunConfig", "type_error"]
 
@@ -167,13 +167,24 @@ class RunConfig:
                                "package)", "run")
     debug: bool = _field(False, "full Python tracebacks on the console (otherwise one line per failing rank; the "
                          "tracebacks are in <out>/logs)", "run")
-    save_every: int = _field(0, "save a checkpoint every N steps and after the last (0: never)", "checkpoint",
-                             low=0, metavar="N")
+    save_every: int = _field(0, "save a checkpoint every N steps and after the last (0: never). A save that "
+                             "fails (a full disk) is said in one line, the checkpoint before it kept, and training "
+                             "goes on; the last save failing ends the run with code 1", "checkpoint", low=0,
+                             metavar="N")
     keep: int = _field(3, "keep the newest K checkpoints", "checkpoint", low=1, metavar="K")
     async_save: bool = _field(False, "write checkpoints while training goes on (each waits for the one before)",
                               "checkpoint")
-    resume: bool = _field(False, "continue from the newest checkpoint in --out (metrics.jsonl and loss.png "
-                          "continue)", "checkpoint")
+    resume: bool = _field(False, "continue from the newest checkpoint in --out that verifies (a damaged newer "
+                          "one is renamed step_N.corrupt and named; with --keep 1 it is refused instead), "
+                          "metrics.jsonl and loss.png continuing", "checkpoint")
+    save_on_signal: str | None = _field(None, "on this signal (alone: SIGTERM; SIGUSR1 for schedulers that warn "
+                                        "first) every rank finishes its step, they save that step and exit 75 "
+                                        "(EX_TEMPFAIL: resume with --resume); 143 if the save failed",
+                                        "checkpoint", choices=SAVE_SIGNALS, metavar="SIGNAL",
+                                        bare="SIGTERM")
+    shutdown_timeout: int = _field(30, "after the launcher is signalled, how long its ranks may take to finish "
+                                   "(a --save-on-signal save) before they are killed (torchrun's shutdown "
+                                   "timeout)", "run", low=1, metavar="SECONDS")
     timeout: float = _field(DEFAULT_TIMEOUT, "a collective that waits this long for a peer fails, and every rank "
                             "exits with its last collectives (a dead peer is noticed at once)", "run", above=0,
                             metavar="SECONDS")

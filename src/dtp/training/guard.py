@@ -57,7 +57,7 @@ from ..core.mesh.devices import all_coordinates, axis_names, axis_sizes, flatten
 from ..core.spec import spec_of
 
 __all__ = ["ENV", "ID_KEYS", "WIDTH", "Agreements", "Fingerprint", "mode", "log", "agree", "check_state",
-           "check_step", "check_ids", "id_range", "checksum"]
+           "check_step", "check_ids", "id_range", "checksum", "fail_together", "active"]
 
 ENV = "DTP_CHECKS"
 ID_KEYS = ("tokens", "targets")  # batch entries that hold vocabulary ids
@@ -106,6 +106,12 @@ def mode() -> int:
                           stacklevel=3)
         return 0
     return 2 if value in ("2", "always", "every") else 1
+
+
+def active(mesh: DeviceMesh) -> bool:
+    """Whether the guard's exchanges run on ``mesh``: more than one rank, and a group that
+    communicates (not torch's fake one)."""
+    return _active(mesh)
 
 
 def _active(mesh: DeviceMesh) -> bool:
@@ -227,6 +233,23 @@ def check_together(what: str, mesh: DeviceMesh, fields: Mapping[str, str], error
     agree(what, mesh, Fingerprint(dict(fields), error=_error(error)))
     if error is not None:
         raise error
+
+
+def fail_together(what: str, mesh: DeviceMesh, error: BaseException | None,
+                  raise_as: type[Exception] = RuntimeError) -> None:
+    """A barrier that carries a failure: when any rank passes an ``error`` (a disk full on
+    one rank's write), every rank raises ``raise_as`` with its message; else all go on.
+    Unlike :func:`check_together` also under ``DTP_CHECKS=0``: this is no consistency check
+    but what keeps the peers of a failed rank from waiting for it until the timeout. One
+    small all-gather; collective: call on every rank."""
+    if not _active(mesh):
+        if error is not None:
+            raise error
+        return
+    try:
+        agree(what, mesh, Fingerprint({}, error=_error(error)))
+    except (ValueError, TypeError, RuntimeError) as e:  # agree() words it alike on every rank
+        raise raise_as(str(e)) from None
 
 
 def signature(batch: Mapping[str, object], options: Mapping[str, object]) -> tuple:

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import sys
 
-from .collectives import (all_gather, all_reduce, all_to_all, all_to_all_v, barrier, exchange_counts,
+from .collectives import (all_gather, all_reduce, all_to_all, all_to_all_v, any_rank, barrier, exchange_counts,
                           reduce_scatter, ring_bytes, send_recv, send_recv_batch)
 from .flight import FLIGHT_DIR_ENV, FLIGHT_SLOTS, CollectiveError, FlightEntry, flight_record, format_flight_record
 from .handles import CommHandle, drain
@@ -65,6 +65,7 @@ __all__ = [
     "recv",
     "Peer",
     "barrier",
+    "any_rank",
     "drain",
     "Span",
     "span",

@@ -38,7 +38,7 @@ from .link import _link_applies, _link_board
 # process, measured; once dynamo is loaded, its disabled twin: 0.55 µs).
 
 __all__ = ["ring_bytes", "all_gather", "reduce_scatter", "all_reduce", "all_to_all", "all_to_all_v",
-           "exchange_counts", "send_recv", "send_recv_batch", "barrier"]
+           "exchange_counts", "send_recv", "send_recv_batch", "barrier", "any_rank"]
 
 
 def _group(mesh: DeviceMesh, axis: str) -> tuple[dist.ProcessGroup, int]:
@@ -476,3 +476,26 @@ def barrier(*, tag: str = "") -> None:
     record = _record("barrier", "world", 0, dist.get_world_size(), torch.empty(0), False, tag)
     dist.barrier()
     record.completed = time.perf_counter()
+
+
+@_eager
+def any_rank(flag: bool, mesh: DeviceMesh, *, tag: str = "") -> bool:
+    """``True`` on every rank if ``flag`` is on any rank of the default group: one
+    1-element max all-reduce on ``mesh``'s device (recorded on the ``world`` axis, 4 bytes).
+    So ranks that each saw an event at their own moment (a signal) act on it at the same
+    step. A world of one returns ``flag``.
+
+    >>> any_rank(True, make_mesh(dp=1))
+    True
+    """
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return bool(flag)
+    x = torch.tensor([int(flag)], dtype=torch.int32, device=mesh_device(mesh))
+    n = dist.get_world_size()
+    record = _record("all_reduce", "world", ring_bytes("all_reduce", _nbytes(x), n), n, x, False, tag)
+    try:
+        dist.all_reduce(x, op=dist.ReduceOp.MAX)
+    except RuntimeError as e:  # a peer already gone
+        raise _failure(record, e) from e
+    record.completed = time.perf_counter()
+    return bool(x.item())

@@ -40,7 +40,7 @@ import threading
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
-__all__ = ["launch", "in_torchrun", "launched", "restarted", "report_error", "default_omp_threads"]
+__all__ = ["launch", "in_torchrun", "launched", "restarted", "report_error", "report_preempted", "default_omp_threads"]
 
 # Set by launch() for its ranks: where a rank leaves its one-line error message.
 ERROR_DIR_ENV = "DTP_LAUNCH_ERROR_DIR"
@@ -109,6 +109,21 @@ def report_error(message: str) -> None:
             return
     prefix = "" if rank == 0 or _names_rank(message, rank) else f"[rank {rank}] "
     print(f"{prefix}{message}", file=sys.stderr, flush=True)
+
+
+def report_preempted(message: str) -> None:
+    """Rank 0 of a run stopped by ``--save-on-signal`` after its save completed: the launcher
+    then exits with the ranks' code (75), not a signal's (:func:`launch`). Outside it: nothing
+    (torchrun's agent has the ranks' own exit codes)."""
+    directory = os.environ.get(ERROR_DIR_ENV)
+    if directory and Path(directory).is_dir():
+        with contextlib.suppress(OSError):
+            (Path(directory) / _PREEMPTED).write_text(message)
+
+
+_PREEMPTED = "preempted.txt"
+#: A rank's exit code after its ``--save-on-signal`` save (dtp.cli.process.PREEMPTED, EX_TEMPFAIL).
+PREEMPTED_CODE = 75
 
 
 def _names_rank(message: str, rank: int) -> bool:
@@ -200,7 +215,7 @@ _AGENT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
 
 
 @contextlib.contextmanager
-def _signal_handlers_kept() -> Iterator[None]:
+def _signal_handlers_kept(extra: str | None = None) -> Iterator[None]:
     """The launcher's signal handlers as they were before torchrun's agent ran. Measured on
     torch 2.13: ``PContext.start`` installs its own (raising ``SignalException``) and leaves
     them; Ctrl-C during ``--check``'s reference, after the ranks were done, then read
@@ -208,7 +223,8 @@ def _signal_handlers_kept() -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():  # as the agent: only there
         yield
         return
-    kept = {name: signal.getsignal(getattr(signal, name)) for name in _AGENT_SIGNALS if hasattr(signal, name)}
+    names = [*_AGENT_SIGNALS, *([extra] if extra and extra not in _AGENT_SIGNALS else [])]
+    kept = {name: signal.getsignal(getattr(signal, name)) for name in names if hasattr(signal, name)}
     try:
         yield
     finally:
@@ -217,7 +233,8 @@ def _signal_handlers_kept() -> Iterator[None]:
                 signal.signal(getattr(signal, name), handler)
 
 
-def launch(nproc: int, argv: Sequence[str], *, module: str = "dtp.cli", max_restarts: int = 0) -> int:
+def launch(nproc: int, argv: Sequence[str], *, module: str = "dtp.cli", max_restarts: int = 0,
+           save_on_signal: str | None = None, shutdown_timeout: int = 30) -> int:
     """Run ``python -m <module> <argv>`` on ``nproc`` local ranks through torchrun's machinery.
 
     Returns 0 when every rank succeeded, otherwise the exit code of the first rank to
@@ -225,6 +242,12 @@ def launch(nproc: int, argv: Sequence[str], *, module: str = "dtp.cli", max_rest
     :func:`report_error` are printed once to stderr. ``OMP_NUM_THREADS`` defaults to the
     cores per rank (see :func:`default_omp_threads`); a value already set is kept.
     ``max_restarts``: how often torchrun's agent starts every rank again after one died.
+
+    ``save_on_signal`` (``--save-on-signal``): torchrun's agent handles that signal too
+    (``SIGUSR1``'s default action would end the agent and leave the ranks orphaned) and
+    passes it on; the ranks save and exit 75, which is then this launcher's code (a
+    signal's, 128 + N, if their save did not complete). ``shutdown_timeout``: how long
+    the agent lets the ranks finish after a signal before it kills them.
 
     Not run as a doctest: it starts ranks (tests/test_cli.py launches them).
 
@@ -247,16 +270,21 @@ def launch(nproc: int, argv: Sequence[str], *, module: str = "dtp.cli", max_rest
         # agent stops every rank when one dies and starts them all again (new rendezvous,
         # TORCHELASTIC_RESTART_COUNT set), and dtp train resumes from its newest checkpoint.
         "--max-restarts", str(max_restarts),
+        "--signals-to-handle", ",".join(dict.fromkeys([*_AGENT_SIGNALS, *([save_on_signal] if save_on_signal else [])])),
+        "--shutdown-timeout", str(shutdown_timeout),
         "--module", module,
         *argv,
     ]
     threads = os.environ.get("OMP_NUM_THREADS") or str(default_omp_threads(nproc))
-    with tempfile.TemporaryDirectory(prefix="dtp-launch-") as errors, _signal_handlers_kept(), \
+    with tempfile.TemporaryDirectory(prefix="dtp-launch-") as errors, _signal_handlers_kept(save_on_signal), \
             _env(OMP_NUM_THREADS=threads, **{ERROR_DIR_ENV: errors, FLIGHT_DIR_ENV: errors}), _quiet_elastic():
+        preempted = Path(errors) / _PREEMPTED
         try:
             run(parse_args(torchrun_args))
         except ChildFailedError as e:
             root, first = e.get_first_failure()
+            if preempted.exists() and all(f.exitcode in (PREEMPTED_CODE, -signal.SIGTERM) for f in e.failures.values()):
+                return PREEMPTED_CODE  # the signal reached the ranks alone; they saved and said so
             messages = _collect_errors(errors)
             others = _unreported_ranks(errors, nproc, e.failures)
             for msg in messages + others:
@@ -273,6 +301,6 @@ def launch(nproc: int, argv: Sequence[str], *, module: str = "dtp.cli", max_rest
             from torch.distributed.elastic.multiprocessing.api import SignalException
 
             if isinstance(e, SignalException):
-                return 128 + int(e.sigval)
+                return PREEMPTED_CODE if preempted.exists() else 128 + int(e.sigval)
             raise
     return 0
