@@ -14,11 +14,13 @@ which runs every row of the combination table as a process tree.
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import os
+import shutil
 import sys
 from pathlib import Path
-from typing import NamedTuple
+from typing import Callable, ContextManager, NamedTuple
 
 import pytest
 
@@ -34,13 +36,17 @@ class Result(NamedTuple):
     stderr: str
 
 
-def _rank(argv: list[str], error_dir: str) -> tuple[int, str, str]:
+def _rank(argv: list[str], error_dir: str, in_ranks: Callable[[], ContextManager[object]] | None = None
+          ) -> tuple[int, str, str]:
     """One rank of a launched run, in a pool worker: the launcher checked the run already,
-    so the rank goes straight to training (as under torchrun)."""
+    so the rank goes straight to training (as under torchrun). ``in_ranks()``: a context
+    the rank trains in (a fault a test injects into torch: a pool worker outlives the test,
+    so what it changes is undone on the way out)."""
     os.environ[launch.ERROR_DIR_ENV] = error_dir
     out, err = io.StringIO(), io.StringIO()
     try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), \
+                (in_ranks() if in_ranks is not None else contextlib.nullcontext()):
             code = cli.main(argv)
         return code, out.getvalue(), err.getvalue()
     finally:
@@ -48,30 +54,36 @@ def _rank(argv: list[str], error_dir: str) -> tuple[int, str, str]:
 
 
 def pool_launch(nproc: int, argv: list[str], *, max_restarts: int = 0, save_on_signal: str | None = None,
-                shutdown_timeout: int = 30) -> int:
+                shutdown_timeout: int = 30, in_ranks: Callable[[], ContextManager[object]] | None = None) -> int:
     """:func:`dtp.launch.launch`'s stand-in: ``argv`` on ``nproc`` pooled ranks; rank 0's
     output is printed here. Unlike the launcher it returns the largest exit code of the
-    ranks (not the first failing rank's), prints no per-rank error reports and cannot
+    ranks (not the first failing rank's), prints each distinct error the ranks reported
+    (as the launcher) but no account of unreported ranks, and cannot
     restart (a restart test needs real processes: test_cli_checkpoint.py) nor pass on a
     signal (``save_on_signal``, ``shutdown_timeout``: the ranks' own handler is what is
     tested here; the agent's part, test_cli_faults.py's real processes)."""
     assert max_restarts == 0, "pooled ranks cannot be restarted; start real processes"
     error_dir = Path(argv[argv.index("--out") + 1]) / "launch-errors"
-    error_dir.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(error_dir, ignore_errors=True)  # an earlier run's in the same directory (the launcher's: a temporary one)
+    error_dir.mkdir(parents=True)
     # A rank that failed returns at once; its peers wait in a collective until --timeout
     # and then fail too, well inside the pool's own limit.
-    results = testing.run(_rank, list(argv), str(error_dir), world_size=nproc, timeout=120)
+    results = testing.run(_rank, list(argv), str(error_dir), in_ranks, world_size=nproc, timeout=120)
     code, out, err = results[0]
     sys.stdout.write(out)
     sys.stderr.write(err)
+    for message in launch._collect_errors(str(error_dir)):  # the ranks' one-line errors, as the launcher prints them
+        print(message, file=sys.stderr)
     return max(code for code, _, _ in results)
 
 
-def train(monkeypatch: pytest.MonkeyPatch, *flags: str) -> Result:
-    """``dtp train <flags>`` with pooled ranks (``monkeypatch`` undoes the stand-in)."""
+def train(monkeypatch: pytest.MonkeyPatch, *flags: str,
+          in_ranks: Callable[[], ContextManager[object]] | None = None) -> Result:
+    """``dtp train <flags>`` with pooled ranks (``monkeypatch`` undoes the stand-in);
+    ``in_ranks``: see :func:`_rank` (a module-level function: it travels to the workers)."""
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", launch.ERROR_DIR_ENV):
         monkeypatch.delenv(k, raising=False)
-    monkeypatch.setattr(launch, "launch", pool_launch)
+    monkeypatch.setattr(launch, "launch", functools.partial(pool_launch, in_ranks=in_ranks))
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         code = cli.main(["train", *flags])

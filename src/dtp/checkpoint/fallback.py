@@ -54,8 +54,7 @@ def _damage(message: str, path: Path) -> str:
         if message.startswith(prefix):
             message = message[len("checkpoint "):] if prefix.startswith("checkpoint: ") else message[len(prefix):]
             break
-    head, sep, _ = message.partition(" [")  # guard's note of which ranks found it: the line names the file
-    return head if sep else message
+    return message
 
 
 def _aside_name(path: Path) -> Path:

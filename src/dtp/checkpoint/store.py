@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import functools
 import json
 import os
 import shutil
@@ -51,7 +52,6 @@ import optree
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.tensor import DTensor
@@ -63,7 +63,7 @@ from ..training.optim import map_param_trees
 from ..core.spec import spec_of, wrap_local
 from ..training.state import TrainState, wait
 from ..training.strategies.state import empty_like, tensor_paths
-from .commit import Commit, SaveFailed, complete, first_line, prune
+from .commit import Commit, SaveFailed, Writer, complete, first_line, prune
 from .fallback import newest_sound, warn_skip
 from .pieces import LoadPlanner, Pieces, SavePlanner
 from .files import (FORMAT, MANIFEST, SafeReader, atomic_json, file_sums, latest, open_checkpoint,
@@ -215,15 +215,15 @@ def save(state: TrainState, root: str | os.PathLike[str], *, extra: Mapping[str,
                     prune(root, final, keep)
         failed.together("checkpoint renamed", error)
 
-    writer = FileSystemWriter(partial, thread_count=1, sync_files=True)
+    writer = Writer(partial)
     if async_save:
         future = dcp.async_save(_staged(tensors), storage_writer=writer, planner=SavePlanner(),
                                 process_group=_save_group(), async_stager=_Staged())
-        return AsyncSave(final, future, finish, failed.dcp)
+        return AsyncSave(final, future, finish, functools.partial(failed.dcp, writer=writer))
     try:
         dcp.save(tensors, storage_writer=writer, planner=SavePlanner(), process_group=_save_group())
     except CheckpointException as e:  # on every rank (DCP gathers each rank's write result)
-        failed.dcp(e)
+        failed.dcp(e, writer)
     finish()
     return final
 

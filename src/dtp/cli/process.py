@@ -92,52 +92,63 @@ class Preempted(Exception):
 
 
 class SaveOnSignal:
-    """``--save-on-signal SIGNAL``: the signal's handler only notes it (any number of times,
-    during a save too); :meth:`requested`, called by every rank at each step boundary, says
-    whether any rank has seen it. Raising where the signal lands, as ``SIGTERM`` does
-    otherwise, could stop a rank inside a collective its peers then wait in; a flag read
-    between steps lets every rank finish the step it is in, and the ranks agree on which
-    step to save although the signal reached each at its own moment.
+    """``--save-on-signal SIGNAL``: that signal's handler, and ``SIGTERM``'s, only note it
+    (any number of times, during the save too); :meth:`requested`, called by every rank at
+    each step boundary, says whether any rank has seen one. Raising where the signal lands,
+    as ``SIGTERM`` does otherwise, could stop a rank inside a collective its peers then wait
+    in; a flag read between steps lets every rank finish the step it is in, and the ranks
+    agree on which step to save although the signal reached each at its own moment.
+    ``SIGTERM`` too: torchrun's agent, signalled a second time while the ranks save, stops
+    them with ``SIGTERM`` (measured on torch 2.13: its ``run`` calls ``_shutdown`` again
+    from its ``finally``), which must not cut the save short.
 
     >>> import os
     >>> stop = SaveOnSignal("SIGUSR1")
     >>> with stop:
     ...     os.kill(os.getpid(), signal.SIGUSR1)
-    >>> stop.seen, stop.requested(make_mesh(dp=1))
-    (True, True)
+    >>> stop.name, stop.requested(make_mesh(dp=1))
+    ('SIGUSR1', True)
     """
 
     def __init__(self, name: str) -> None:
-        self.name, self.signum, self.seen = name, getattr(signal, name), False
-        self._previous: Any = None
+        self.asked, self.name, self.seen = name, name, False  # name: the first signal seen
+        self._previous: dict[int, Any] = {}
 
     def _note(self, signum: int, frame: Any) -> None:
-        self.seen = True
+        if not self.seen:
+            self.seen, self.name = True, signal.Signals(signum).name
 
     def __enter__(self) -> "SaveOnSignal":
         if threading.current_thread() is threading.main_thread():  # only there can Python install handlers
-            self._previous = signal.signal(self.signum, self._note)
+            for signum in dict.fromkeys((getattr(signal, self.asked), signal.SIGTERM)):
+                self._previous[signum] = signal.signal(signum, self._note)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self._previous is not None:
-            signal.signal(self.signum, self._previous)
-            self._previous = None
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous)
+        self._previous.clear()
 
     def requested(self, mesh: DeviceMesh) -> bool:
         """Has any rank seen the signal? A collective (:func:`dtp.comm.any_rank`): every rank
         calls it at the same step boundary."""
         return comm.any_rank(self.seen, mesh, tag="save on signal")
 
+    @property
+    def signum(self) -> int:
+        return int(getattr(signal, self.name))
+
 
 @contextlib.contextmanager
 def stop_signals(save_on: str | None) -> Iterator[SaveOnSignal | None]:
-    """While training: ``save_on``'s signal (``--save-on-signal``) sets the flag yielded;
-    ``SIGTERM``, unless it is that signal, raises :class:`Terminated`."""
-    with contextlib.ExitStack() as stack:
-        if save_on != "SIGTERM":
-            stack.enter_context(sigterm_raises())
-        yield stack.enter_context(SaveOnSignal(save_on)) if save_on else None
+    """While training: ``save_on``'s signal (``--save-on-signal``) and ``SIGTERM`` set the
+    flag yielded; without it ``SIGTERM`` raises :class:`Terminated`."""
+    if save_on is None:
+        with sigterm_raises():
+            yield None
+        return
+    with SaveOnSignal(save_on) as stop:
+        yield stop
 
 
 @contextlib.contextmanager

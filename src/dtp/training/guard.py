@@ -41,6 +41,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
@@ -249,7 +250,8 @@ def fail_together(what: str, mesh: DeviceMesh, error: BaseException | None,
     try:
         agree(what, mesh, Fingerprint({}, error=_error(error)))
     except (ValueError, TypeError, RuntimeError) as e:  # agree() words it alike on every rank
-        raise raise_as(str(e)) from None
+        # Less agree()'s note of which ranks failed "this check": a failure's message names its rank.
+        raise raise_as(re.sub(r" \[[^\[]*; every rank raises this error\]$", "", str(e))) from None
 
 
 def signature(batch: Mapping[str, object], options: Mapping[str, object]) -> tuple:
