@@ -94,14 +94,14 @@ def test_a_signal_saves_the_step_in_flight_and_the_resume_is_bit_identical(tmp_p
     """One process: SIGTERM lands mid-run; the step in flight finishes, it is saved, the run
     exits 75 with one line saying so; --resume then trains the rest, and the whole curve
     and the last parameters equal the uninterrupted run's exactly."""
-    steps = ("--steps", "300", "--save-every", "300")
+    steps = ("--steps", "100", "--save-every", "100")
     out = tmp_path / "run"
     with pytest.MonkeyPatch.context() as mp, _when(lambda: _steps(out) >= 3, lambda: os.kill(os.getpid(),
                                                                                            signal.SIGTERM)):
         stopped = cli_pool.train(mp, *_FLAGS, *steps, "--save-on-signal", "--out", str(out))
     assert stopped.returncode == 75, stopped.stdout + stopped.stderr
     k = _steps(out)
-    assert 3 <= k < 300 and _names(out) == [f"step_{k:08d}"]  # the step it was in, and only it
+    assert 3 <= k < 100 and _names(out) == [f"step_{k:08d}"]  # the step it was in, and only it
     assert stopped.stderr == (f"dtp train: stopped by SIGTERM after step {k}: saved step_{k:08d}; continue with "
                               f"--resume\n"), stopped.stderr
     assert json.loads((out / "summary.json").read_text())["interrupted"] == f"SIGTERM, saved step_{k:08d}"
@@ -135,13 +135,13 @@ def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step(tmp_path, mon
     """dp 2 (pooled ranks): SIGTERM reaches rank 1 alone; rank 0 never sees it, yet both
     finish the same step, save it and exit 75 (they agree at each step boundary); the
     resume continues the uninterrupted curve exactly."""
-    steps = ("--nproc", "2", "--dp", "2", "--steps", "60", "--save-every", "60")
+    steps = ("--nproc", "2", "--dp", "2", "--steps", "40", "--save-every", "40")
     out = tmp_path / "run"
     stopped = cli_pool.train(monkeypatch, *_FLAGS, *steps, "--save-on-signal", "--out", str(out),
                              in_ranks=functools.partial(signal_after, str(out), 3, 1, "SIGTERM"))
     assert stopped.returncode == 75, stopped.stdout + stopped.stderr
     k = _steps(out)
-    assert 3 <= k < 60 and _names(out) == [f"step_{k:08d}"], (k, _names(out))
+    assert 3 <= k < 40 and _names(out) == [f"step_{k:08d}"], (k, _names(out))
     assert f"dtp train: stopped by SIGTERM after step {k}: saved step_{k:08d}" in stopped.stderr, stopped.stderr
     resumed = cli_pool.train(monkeypatch, *_FLAGS, *steps, "--resume", "--out", str(out))
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
@@ -154,7 +154,7 @@ def test_the_launcher_signalled_twice_passes_it_on_and_the_save_completes(tmp_pa
     the ranks) and passes it on; the second one, during the save, does not cut it short
     (the agent then stops the ranks with SIGTERM, which --save-on-signal also only notes).
     The launcher exits 75 and the checkpoint resumes bit-identically."""
-    steps = ("--nproc", "2", "--dp", "2", "--steps", "60", "--save-every", "60")
+    steps = ("--nproc", "2", "--dp", "2", "--steps", "40", "--save-every", "40")
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "dtp.cli", "train", *_FLAGS, *steps, "--save-on-signal", "SIGUSR1",
            "--out", str(out)]
@@ -173,7 +173,7 @@ def test_the_launcher_signalled_twice_passes_it_on_and_the_save_completes(tmp_pa
             proc.kill()
     assert proc.returncode == 75, stdout + stderr
     k = _steps(out)
-    assert k < 60 and _names(out) == [f"step_{k:08d}"], (k, _names(out))
+    assert k < 40 and _names(out) == [f"step_{k:08d}"], (k, _names(out))
     assert f"dtp train: stopped by SIGUSR1 after step {k}: saved step_{k:08d}" in stderr, stderr
     with pytest.MonkeyPatch.context() as mp:
         resumed = cli_pool.train(mp, *_FLAGS, *steps, "--resume", "--out", str(out))
@@ -284,3 +284,37 @@ def test_a_full_disk_fails_the_save_on_every_rank_and_keeps_the_one_before(at, f
         assert _names(out) == ["step_00000002", "step_00000004"]
     got = _params(out / "checkpoints" / f"step_{at - 2:08d}")
     assert set(got) == set(params) and all(got[k].dtype == params[k].dtype for k in params)
+
+
+@pytest.mark.slow
+def test_a_real_full_disk_keeps_the_checkpoint_before(tmp_path) -> None:
+    """A 4 MB tmpfs (a mount namespace of its own: needs root) holds one checkpoint of the
+    tiny fp64 model (2.5 MB) and not two: with --keep 1 the step-4 save finds the disk full
+    — the step-2 checkpoint is not deleted to make room — so the run says so and goes on,
+    and the last save failing ends it with code 1; step 2 still loads."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    out = disk / "run"
+    train = [sys.executable, "-m", "dtp.cli", "train", *_FLAGS, "--steps", "6", "--save-every", "2", "--keep", "1",
+             "--out", str(out)]
+    script = f"mount -t tmpfs -o size=4m tmpfs {disk} && cd {disk} && {' '.join(train)}; code=$?; " \
+             f"cp -r {out} {tmp_path}/kept; exit $code"
+    if os.geteuid() != 0 or subprocess.run(["unshare", "--mount", "true"], capture_output=True).returncode != 0:
+        pytest.skip("needs root for a mount namespace and a size-limited tmpfs")
+    proc = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", script], env=_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    lines = proc.stderr.splitlines()
+    assert lines == [f"dtp train: step 4: checkpoint.save: {out}/checkpoints/step_00000004 was not saved (rank 0: No "
+                     f"space left on device); step_00000002 before it is intact; training goes on",
+                     f"dtp train: checkpoint.save: {out}/checkpoints/step_00000006 was not saved (rank 0: No space "
+                     f"left on device); step_00000002 before it is intact"], proc.stderr
+    kept = tmp_path / "kept"
+    assert _names(kept) == ["step_00000002"]
+    assert set(_params(kept / "checkpoints" / "step_00000002")) == set(_reference_names())
+
+
+def _reference_names() -> list[str]:
+    from dtp.models import config as model_config
+
+    return list(model_config.param_shapes(model_config.config("tiny")))

@@ -126,7 +126,7 @@ def run_record(config: RunConfig, *, vocab_size: int, world_size: int,
 def train_loop(config: RunConfig, mesh: DeviceMesh, layout: Layout, *, vocab_size: int, recompute: str | None,
                on_step: Callable[[int, dict[str, Any]], None] | None = None,
                checkpoints: Checkpointing | None = None,
-               on_start: Callable[[int, list[dict[str, Any]]], None] | None = None,
+               on_start: Callable[[int, list[dict[str, Any]], Path | None], None] | None = None,
                last: int | None = None, rules: OptimizerRules = OptimizerRules(), stop: SaveOnSignal | None = None,
                on_note: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
     """The training loop every rank runs (and the 1-process reference) for the run
@@ -135,7 +135,8 @@ def train_loop(config: RunConfig, mesh: DeviceMesh, layout: Layout, *, vocab_siz
     ran (after the resumed one, when resuming), up to step ``last`` (default
     ``config.steps``; the lr schedule is the whole run's). ``rules``: the optimizer's,
     today's unless ``dtp check`` retrains an older run directory. ``on_start(first,
-    segments)`` runs once the state is built and a resumed checkpoint and data position
+    segments, resumed)`` runs once the state is built and a resumed checkpoint (``resumed``,
+    its path: after a fallback, not the newest) and data position
     have loaded, before step ``first``: what a run writes before that is lost if the load
     fails. ``segments``: which flags trained which steps (:func:`resume.trained_segments`),
     this run's last. ``stop``: ``--save-on-signal``'s flag (:class:`dtp.cli.saving.Saver`
