@@ -204,7 +204,8 @@ def lan() -> Iterator[_Lan]:
         lan.close()
 
 
-def _torchrun(host: _Host, out: Path, layout: tuple[str, ...], *flags: str, run_id: str) -> list[str]:
+def _torchrun(host: _Host, out: Path, layout: tuple[str, ...], *flags: str, run_id: str,
+              restarts: int = 1) -> list[str]:
     """The command host ``host`` runs: one rank of a 2-host job, c10d rendezvous on host 1."""
     return [sys.executable, "-m", "torch.distributed.run",
             "--nnodes", "2", "--nproc-per-node", "1",
@@ -215,7 +216,7 @@ def _torchrun(host: _Host, out: Path, layout: tuple[str, ...], *flags: str, run_
             # Host 1 serves the rendezvous store: told, for torch's guess (the endpoint among the
             # addresses the machine's hostname resolves to) is false on both hosts here.
             "--rdzv-conf", f"is_host={int(host.i == 1)},join_timeout=120",
-            "--max-restarts", "1",
+            "--max-restarts", str(restarts),
             "-m", "dtp.cli", "train", *_FLAGS, *layout, *flags, "--timeout", "60", "--out", str(out)]
 
 
@@ -235,7 +236,8 @@ def _one_host(out: Path, layout: tuple[str, ...], *flags: str) -> list[float]:
     return _losses(out)
 
 
-def _start(host: _Host, out: Path, layout: tuple[str, ...], *flags: str, log: Path) -> subprocess.Popen:
+def _start(host: _Host, out: Path, layout: tuple[str, ...], *flags: str, log: Path,
+           restarts: int = 1) -> subprocess.Popen:
     """Host ``host``'s share of the job (:func:`_torchrun`), gloo on its veth."""
     # TORCH_DISABLE_SHARE_RDZV_TCP_STORE: the ranks' store is rank 0's own, made anew each
     # rendezvous round, not the one node 0's agent keeps from round 0. Measured on torch
@@ -244,7 +246,7 @@ def _start(host: _Host, out: Path, layout: tuple[str, ...], *flags: str, log: Pa
     # (node 0, its store made in round 0) never writes again, and the survivor waits for the
     # newcomer's role_info: both agents fail after the 60 s store timeout.
     env = _env(GLOO_SOCKET_IFNAME=host.ifname, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
-    return host.start(_torchrun(host, out, layout, *flags, run_id=out.name), log, env)
+    return host.start(_torchrun(host, out, layout, *flags, run_id=out.name, restarts=restarts), log, env)
 
 
 def _wait(procs: list[subprocess.Popen], logs: list[Path], timeout: float) -> list[int]:
@@ -289,11 +291,13 @@ _KILL_FLAGS = ("--steps", "20", "--save-every", "2")
 _KILL_AFTER = 7
 
 
-def _kill_host_2_and_bring_it_back(lan: _Lan, tmp_path: Path, *again: str) -> tuple[Path, list[int], list[Path], int]:
+def _kill_host_2_and_bring_it_back(lan: _Lan, tmp_path: Path, *again: str,
+                                   restarts: int = 1) -> tuple[Path, list[int], list[Path], int]:
     """The dp run of :data:`_KILL_FLAGS` on hosts 1 and 2; host 2 killed whole once the
     checkpoint before step :data:`_KILL_AFTER` is written and that step logged; once host
     1's rank has failed, its agent is seen to wait, and host 2 comes back (new namespaces,
-    the same address and veth name) with the same command plus ``again``. Returns the run
+    the same address and veth name) with the same command plus ``again`` (its torchrun with
+    ``--max-restarts restarts``). Returns the run
     directory, the exit codes of both hosts' torchrun (host 1's, host 2's second), their
     logs, and the steps metrics.jsonl held when host 2 was killed."""
     out = tmp_path / "killed"
@@ -318,7 +322,7 @@ def _kill_host_2_and_bring_it_back(lan: _Lan, tmp_path: Path, *again: str) -> tu
     time.sleep(2)
     assert agent.poll() is None and not host1.ranks(), "host 1's agent did not wait for host 2\n" + _log(logs[0])
     host2 = lan.host(2)
-    again_proc = _start(host2, out, _LAYOUTS["dp"], *_KILL_FLAGS, *again, log=logs[2])
+    again_proc = _start(host2, out, _LAYOUTS["dp"], *_KILL_FLAGS, *again, log=logs[2], restarts=restarts)
     return out, _wait([agent, again_proc], [logs[0], logs[2]], timeout=240), logs, trained
 
 
@@ -352,13 +356,20 @@ def test_a_killed_host_comes_back_and_the_job_resumes_from_its_last_checkpoint(l
 
 
 def test_a_host_that_comes_back_without_resume_is_refused_not_trained_from_scratch(lan, tmp_path) -> None:
-    """As above, but host 2 comes back with the very same command: its fresh agent's rank
+    """As above, but host 2 comes back without ``--resume``: its fresh agent's rank
     (TORCHELASTIC_RESTART_COUNT=0) would start from step 0 while the survivor's resumes.
     dtp's check that the ranks pass the same checkpoint refuses it, on both hosts, and the
     job ends with an error instead of training a world of two different states (measured
     on torch 2.13: "the ranks disagree on checkpoint — rank 0: .../step_00000006; rank 1:
-    <absent>", each host's rank exits 2 and both agents 1, some 17 s after host 2 is back)."""
-    _, codes, logs, _ = _kill_host_2_and_bring_it_back(lan, tmp_path)
+    <absent>"; each host's rank exits 2 and both agents fail, some 17 s after host 2 is back).
+
+    Host 2's torchrun comes back with ``--max-restarts 0``: with a restart left, its agent
+    could restart its rank at once and rejoin while the survivor's rank is still exiting;
+    the survivor's agent would then see a node waiting and start the world again without
+    counting a restart, and the new rank, now TORCHELASTIC_RESTART_COUNT=1, resumes too
+    (measured: so a returning rank 0 that refused a non-empty --out in its preflight went
+    on). That rescue depends on which rank exits first; this test is of the refusal."""
+    _, codes, logs, _ = _kill_host_2_and_bring_it_back(lan, tmp_path, restarts=0)
     assert codes[0] != 0 and codes[1] != 0, "\n".join(map(_log, logs))
     for log in (logs[0], logs[2]):
         text = log.read_text()
