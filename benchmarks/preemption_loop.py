@@ -85,7 +85,7 @@ def main() -> None:
     sig = getattr(signal, args.signal)
     rng = random.Random(args.seed)
     # Each stop a random number of steps past where the last one saved (at least one: a resume trains).
-    gap = max(1, (args.steps - 2) // (args.preemptions + 1))
+    gap = max(1, (args.steps - 2) // (2 * (args.preemptions + 1)))  # half the room: a stop lands a step or two late
     with tempfile.TemporaryDirectory(prefix="dtp-preempt-") as tmp:
         reference, run = Path(tmp) / "reference", Path(tmp) / "run"
         t0 = time.perf_counter()
