@@ -318,3 +318,27 @@ def _reference_names() -> list[str]:
     from dtp.models import config as model_config
 
     return list(model_config.param_shapes(model_config.config("tiny")))
+
+
+# --------------------------------------------------------------------------- a host that comes back
+
+
+def test_a_rank_of_the_same_torchrun_job_rejoins_its_run(tmp_path, monkeypatch) -> None:
+    """A host that comes back into a job (a fresh torchrun agent: restart count 0), or a
+    SLURM requeue of it, runs the same command; its ranks resume as the survivors' do when
+    the run directory's config.json records the job's --rdzv-id. Another id, torchrun's
+    default "none" or --standalone's uuid (dtp train --nproc) names no job: a new run.
+    (The two hosts for real: tests/test_two_hosts.py, -m slow.)"""
+    from dtp import launch
+
+    for k, v in {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "TORCHELASTIC_RESTART_COUNT": "0"}.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-7")
+    assert not launch.rejoined(tmp_path)  # no run there yet
+    (tmp_path / "config.json").write_text(json.dumps({launch.JOB_KEY: "job-7", "segments": []}))
+    assert launch.rejoined(tmp_path) and launch.job_id() == "job-7"
+    for other in ("job-8", "none", "3f2b8c1e-9a4d-4e0f-8b7a-1c2d3e4f5a6b"):
+        monkeypatch.setenv("TORCHELASTIC_RUN_ID", other)
+        assert not launch.rejoined(tmp_path), other
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # restarted by its own agent: always
+    assert launch.rejoined(tmp_path)

@@ -340,11 +340,12 @@ def test_a_killed_host_comes_back_and_the_job_resumes_from_its_last_checkpoint(l
     again (``--resume``). torchrun cannot move the store.
 
     The host that comes back runs a fresh agent, whose ranks see TORCHELASTIC_RESTART_COUNT=0
-    and so do not know the run is a restart (the survivor's see 1): it is given ``--resume``
-    (dtp.cli.resume.resume_from: the newest checkpoint), which the survivor's ranks take by
-    themselves; without it the ranks disagree on the checkpoint and the job stops (the test
-    below)."""
-    out, codes, logs, trained = _kill_host_2_and_bring_it_back(lan, tmp_path, "--resume")
+    (the survivor's see 1), yet the same command, no ``--resume``: its ranks find the job's
+    --rdzv-id in the run's config.json (dtp.launch.rejoined) and resume from the newest
+    checkpoint as the survivor's do. (Before that rule they started from step 0, the ranks
+    disagreed on the checkpoint and the job stopped: "the ranks disagree on checkpoint —
+    rank 0: .../step_00000006; rank 1: <absent>".)"""
+    out, codes, logs, trained = _kill_host_2_and_bring_it_back(lan, tmp_path)
     assert codes == [0, 0], "\n".join(map(_log, logs))
     resumed = [line for line in logs[0].read_text().splitlines() if "resuming from step" in line]
     assert len(resumed) == 1, _log(logs[0])
@@ -353,24 +354,3 @@ def test_a_killed_host_comes_back_and_the_job_resumes_from_its_last_checkpoint(l
     steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert steps == list(range(1, 21))
     assert _losses(out) == _one_host(tmp_path / "one-host", _LAYOUTS["dp"], *_KILL_FLAGS)
-
-
-def test_a_host_that_comes_back_without_resume_is_refused_not_trained_from_scratch(lan, tmp_path) -> None:
-    """As above, but host 2 comes back without ``--resume``: its fresh agent's rank
-    (TORCHELASTIC_RESTART_COUNT=0) would start from step 0 while the survivor's resumes.
-    dtp's check that the ranks pass the same checkpoint refuses it, on both hosts, and the
-    job ends with an error instead of training a world of two different states (measured
-    on torch 2.13: "the ranks disagree on checkpoint — rank 0: .../step_00000006; rank 1:
-    <absent>"; each host's rank exits 2 and both agents fail, some 17 s after host 2 is back).
-
-    Host 2's torchrun comes back with ``--max-restarts 0``: with a restart left, its agent
-    could restart its rank at once and rejoin while the survivor's rank is still exiting;
-    the survivor's agent would then see a node waiting and start the world again without
-    counting a restart, and the new rank, now TORCHELASTIC_RESTART_COUNT=1, resumes too
-    (measured: so a returning rank 0 that refused a non-empty --out in its preflight went
-    on). That rescue depends on which rank exits first; this test is of the refusal."""
-    _, codes, logs, _ = _kill_host_2_and_bring_it_back(lan, tmp_path, restarts=0)
-    assert codes[0] != 0 and codes[1] != 0, "\n".join(map(_log, logs))
-    for log in (logs[0], logs[2]):
-        text = log.read_text()
-        assert "the ranks disagree on checkpoint" in text and "rank 1: <absent>" in text, _log(log)

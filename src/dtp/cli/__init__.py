@@ -42,7 +42,7 @@ from typing import Any, Sequence
 
 from ..config import to_toml
 from ..core.mesh import launch as launcher  # called as launcher.launch: a test pool stands in for it
-from ..core.mesh.launch import in_torchrun, launched, restarted
+from ..core.mesh.launch import in_torchrun, launched, rejoined
 from .commands import build_parser, parse_args
 from .flags import UsageError, build_layout, check_config, mesh_axes, preflight, train_argv, validate
 from .plan import cmd_plan, print_schedule, train_refusal
@@ -93,14 +93,14 @@ def _cmd_train(args: argparse.Namespace) -> int:
     if in_torchrun():
         if not launched():
             # Under an outside torchrun every rank checks alike (one line each, nothing
-            # hangs); rank 0 alone owns the run directory, and not after a restart (its
-            # checkpoints are what the restart resumes from).
-            preflight(args, check_out=rank == 0 and not restarted())
+            # hangs); rank 0 alone owns the run directory, and not after a restart or on a
+            # host that came back into the job (its checkpoints are what they resume from).
+            preflight(args, check_out=rank == 0 and not rejoined(args.out))
             # The plan's memory check too: each rank computes the same verdict from the same
             # flags (no collective), rank 0 alone prints the table. The host's RAM is shared
             # by this node's ranks (torchrun's LOCAL_WORLD_SIZE), not by the whole world.
             _refuse_unfit(args, local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", "1")), show=rank == 0)
-            if rank == 0 and args.overwrite and not restarted():
+            if rank == 0 and args.overwrite and not rejoined(args.out):
                 clear_run_files(Path(args.out))
         from .check import check_in_subprocess  # here and below: the ranks' modules import torch
         from .loop import train_rank

@@ -33,7 +33,7 @@ from ..training.buffers import lay_out as lay_out_buffers
 from ..training.guard import ID_KEYS, id_range
 from ..data.loader import TokenLoader, Tokens, document_eos, open_tokens
 from ..core.mesh.devices import mesh_device
-from ..core.mesh.launch import report_preempted
+from ..core.mesh.launch import JOB_KEY, job_id, report_preempted
 from ..planning.report import format_count
 from ..models.hf import convert as hf
 from ..models import llama
@@ -415,9 +415,12 @@ def train_rank(config: RunConfig, *, stream: TextIO | None = None) -> int:
             (out / "check.json").unlink(missing_ok=True)
             # With the flags each earlier segment of a resumed run trained under: dtp check
             # refuses a run no one set of flags retrains (resume.segments_mixed).
+            # The torchrun job (--rdzv-id) it trains in: a host that comes back into it, or a
+            # requeue of the same job, resumes (dtp.launch.rejoined).
+            job = {JOB_KEY: job_id()} if job_id() is not None else {}
             write_json(out / "config.json", {**run_cfg, "layout": layout.name,
                                               "command": shlex.join([PROG, *config.argv()]),
-                                              "segments": [segment_record(s) for s in segments]})
+                                              "segments": [segment_record(s) for s in segments], **job})
             # The kept steps once (whole, atomically), then one line appended per step. A
             # fresh run's file appears with its first step (readers take it as "training").
             if earlier:

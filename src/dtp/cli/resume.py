@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ..checkpoint.dirs import checkpoints, latest, read_manifest
-from ..core.mesh.launch import restarted
+from ..core.mesh.launch import rejoined
 from ..data.token_files import held_out_start, open_tokens, training_split
 from ..config import MODEL_FIELDS, RunConfig, flag_of, master_weights
 from ..models import config as model_config
@@ -56,8 +56,8 @@ def resume_checkpoint(out: str | os.PathLike[str]) -> Path:
 
 def resume_from(run: RunConfig | argparse.Namespace) -> Path | None:
     """The checkpoint the ranks of ``dtp train`` start from: with ``--resume`` the newest in
-    ``--out`` (:func:`resume_checkpoint`), after torchrun restarted them (:func:`dtp.launch.restarted`)
-    the newest if there is one, else ``None`` (they train from the start). One rule for the
+    ``--out`` (:func:`resume_checkpoint`), after torchrun restarted them or their host came
+    back into the job (:func:`dtp.launch.rejoined`) the newest if there is one, else ``None`` (they train from the start). One rule for the
     ranks, which load it (``run``: their :class:`dtp.RunConfig`), and the preflight, which
     then checks no ``--init-from`` weight file (``run``: its flags; only ``resume`` and
     ``out`` are read, which both name alike).
@@ -67,7 +67,7 @@ def resume_from(run: RunConfig | argparse.Namespace) -> Path | None:
     """
     if run.resume:
         return resume_checkpoint(run.out)
-    return latest(Path(run.out) / "checkpoints") if restarted() else None
+    return latest(Path(run.out) / "checkpoints") if rejoined(run.out) else None
 
 
 def check_resume(args: Any, path: Path, cfg: model_config.LlamaConfig, *, n_tokens: int | None = None) -> None:
@@ -168,7 +168,7 @@ def check_resume(args: Any, path: Path, cfg: model_config.LlamaConfig, *, n_toke
     # after torchrun restarted the ranks: a rank that died once the last checkpoint was
     # written restarts onto it, and the run is then done, not wrong.
     step = int(manifest.get("step", 0))
-    if step >= args.steps and not restarted():
+    if step >= args.steps and not rejoined(args.out):
         raise UsageError(f"{here} is at step {step}, and --steps {args.steps} leaves nothing to train: resume with "
                          f"--steps above {step} (dtp check RUN checks a finished run)")
     _note_changes(args, saved_run, cfg, here.removeprefix("--resume: "))  # a resume that runs: a refusal is one line

@@ -29,6 +29,7 @@ shutdown timeout; measured: 2 ranks of ``dtp train`` are gone 0.5 s after either
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import re
@@ -40,7 +41,7 @@ import threading
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
-__all__ = ["launch", "in_torchrun", "launched", "restarted", "report_error", "report_preempted", "default_omp_threads"]
+__all__ = ["launch", "in_torchrun", "launched", "restarted", "rejoined", "job_id", "JOB_KEY", "report_error", "report_preempted", "default_omp_threads"]
 
 # Set by launch() for its ranks: where a rank leaves its one-line error message.
 ERROR_DIR_ENV = "DTP_LAUNCH_ERROR_DIR"
@@ -64,6 +65,52 @@ def restarted() -> bool:
     False
     """
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+
+
+#: The key of a run's ``config.json`` that holds the torchrun job it belongs to (:func:`job_id`).
+JOB_KEY = "torchrun_job"
+
+
+def job_id() -> str | None:
+    """The torchrun job this rank belongs to: its rendezvous id (``--rdzv-id``, the same on
+    every host and for every restart, e.g. SLURM's job id), or ``None`` outside torchrun or
+    under an id that names no job: torchrun's default ``none``, and ``--standalone``'s (a
+    new uuid each launch: ``dtp train --nproc``'s).
+
+    >>> job_id() is None                   # in a plain Python session
+    True
+    """
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    if not in_torchrun() or run_id in ("", "none") or _is_uuid(run_id):
+        return None
+    return run_id
+
+
+def _is_uuid(text: str) -> bool:
+    return re.fullmatch(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}", text) is not None
+
+
+def rejoined(out: str | os.PathLike[str]) -> bool:
+    """True inside a rank of the torchrun job that trains in ``out``, started again: restarted
+    by its agent (:func:`restarted`), or on a host that came back into the job (a fresh
+    agent, its restart count 0) under the same ``--rdzv-id`` that ``out/config.json``
+    records (:data:`JOB_KEY`). Either way its ranks resume from the newest checkpoint, as
+    its peers' do: a returning host, or a SLURM requeue of the same job, runs the same
+    command. Reads only ``config.json`` (every rank alike: the directory is shared).
+
+    >>> rejoined("/nonexistent")
+    False
+    """
+    if restarted():
+        return True
+    job = job_id()
+    if job is None:
+        return False
+    try:
+        record = json.loads((Path(out) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(record, dict) and record.get(JOB_KEY) == job
 
 
 def launched() -> bool:
