@@ -175,9 +175,12 @@ def test_the_launcher_signalled_twice_passes_it_on_and_the_save_completes(tmp_pa
     k = _steps(out)
     assert k < 40 and _names(out) == [f"step_{k:08d}"], (k, _names(out))
     assert f"dtp train: stopped by SIGUSR1 after step {k}: saved step_{k:08d}" in stderr, stderr
-    with pytest.MonkeyPatch.context() as mp:
+    with pytest.MonkeyPatch.context() as mp:  # without the flag this time: the note says so
         resumed = cli_pool.train(mp, *_FLAGS, *steps, "--resume", "--out", str(out))
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert resumed.stderr == (f"dtp train: note: the checkpoint in {out} trained with --save-on-signal SIGUSR1; this "
+                              f"run has no --save-on-signal (a flag not given is its default): give them again to go "
+                              f"on as it did\n"), resumed.stderr
     assert _losses(out) == _reference(reference_dir, *steps)[0]
 
 

@@ -41,7 +41,8 @@ _REFERENCE_FIELDS = ("steps", "lr", "weight_decay", "warmup", "clip", "precision
 # other: one not given again is its default (measured: --lr 0.001 --clip 0.5 --warmup 2
 # resumed as --lr 0.003 --clip 1.0 --warmup 5, the loss 8x off, and --save-every 4 as no
 # more checkpoints, with nothing said). Said in a note, not refused: a change may be meant.
-_CARRIED_FIELDS = ("lr", "weight_decay", "warmup", "clip", "max_skipped", "save_every", "keep", *MODEL_FIELDS)
+_CARRIED_FIELDS = ("lr", "weight_decay", "warmup", "clip", "max_skipped", "save_every", "keep", "save_on_signal",
+                   *MODEL_FIELDS)
 
 
 def resume_checkpoint(out: str | os.PathLike[str]) -> Path:
