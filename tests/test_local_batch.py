@@ -95,8 +95,9 @@ DP4 = [(CFG, None, 1), (CFG, 3, 2)]
 
 
 # The slow run's: dp 4 runs dp 2's two cases (replicated, ZeRO-3 on two microbatches) with
-# each rank's rows and slices halved again; ZeRO-3's quarter slices are test_zero.py's dp4
-# (1.0 s on warm ranks, measured on torch 2.13, 2 cores).
+# each rank's rows and slices halved again; test_zero.py's dp4 trains llama.loss (batch
+# local) in local mode at dp 4 too, ZeRO 1/2/3 and plain, against one device (this test:
+# 1.0 s on warm ranks, measured on torch 2.13, 2 cores).
 @pytest.mark.slow
 def test_local_mode_matches_single_device_dp4():
     _check(DP4, run(_cases, DP4, world_size=4)[0])
