@@ -176,7 +176,11 @@ def _train_save_resume(root: str, dp: int) -> dict[str, Any]:
             "repr": repr(straight)}
 
 
-@pytest.mark.parametrize("dp", [2, 4])
+# dp 4 is the slow run's (~8 s of the default run's 13, measured on torch 2.13, 2 cores): the
+# same option, state and checkpoint path as dp 2, each rank's slice a quarter instead of a
+# half; dp 2 (below) still trains, checkpoints and resumes it against one device, and a
+# dp-4 sharded checkpoint loads in test_checkpoint.py (dp4_zero1->dp2_zero3).
+@pytest.mark.parametrize("dp", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_a_strategy_from_one_file_trains_checkpoints_and_resumes_bit_identically(tmp_path, dp) -> None:
     out = run(_train_save_resume, str(tmp_path), dp, world_size=dp)[0]
     assert out["specs"] == ["P('dp')"] and out["sharded"]  # every parameter's average split over dp

@@ -399,13 +399,15 @@ def test_train_checks_model_sizes_before_any_collective(tmp_path) -> None:
 
 def test_readme_main_job_loss_goes_down(tmp_path, monkeypatch) -> None:
     """The README's main command, shortened: dp=2 × tp=2 + sequence parallel on 4 ranks
-    (pooled: tests/cli_pool.py; the process tree itself is the two-rank test's above)."""
+    (pooled: tests/cli_pool.py; the process tree itself is the two-rank test's above).
+    16 steps: the last four's mean is 1.75 under the first loss (24 steps: 2.24; 12: 1.44;
+    measured on torch 2.13), past the 1.0 asked; 4.1 s on warm ranks against 24's 5.0 s."""
     out = tmp_path / "run"
-    proc = cli_pool.train(monkeypatch, "--nproc", "4", "--dp", "2", "--tp", "2", "--sp", "--steps", "24", "--batch",
+    proc = cli_pool.train(monkeypatch, "--nproc", "4", "--dp", "2", "--tp", "2", "--sp", "--steps", "16", "--batch",
                           "8", "--seq", "32", "--out", str(out))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     losses = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert len(losses) == 24
+    assert len(losses) == 16
     assert sum(losses[-4:]) / 4 < losses[0] - 1.0, losses  # tiny model on the bundled corpus learns
     comm = json.loads((out / "summary.json").read_text())["comm_bytes"]
     assert comm["tp"]["all_gather"] == comm["tp"]["reduce_scatter"] > 0  # Megatron-SP

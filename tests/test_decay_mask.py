@@ -4,6 +4,8 @@ for bit on one device, and every layout — ZeRO 1/2/3 (whose flat bucket slices
 decayed and undecayed parameters), tp + sp, pipeline stages, pp × ZeRO — equals the
 single-device run in fp64 after three steps."""
 
+import functools
+
 import optree
 import pytest
 import torch
@@ -64,7 +66,9 @@ def _zero(stage: int, overlap: bool = True) -> dtp.Layout:
     return dtp.layouts.zero(stage=stage, bucket_mb=BUCKET, overlap_grad_reduce=overlap, overlap_param_gather=overlap)
 
 
+@functools.lru_cache(maxsize=None)
 def _reference(clip: float | None = None, mask: str = "matrices") -> dict:
+    """The one-device run, once per (clip, mask): both worlds' cases ask for the same ones."""
     return run(_train, {"dp": 1}, layouts.data(), 1, clip, mask, world_size=1)[0]
 
 
@@ -128,12 +132,20 @@ DP2 = {
 WORLD4 = {
     "dp2 tp2 sp zero3": ({"dp": 2, "tp": 2}, layouts.data() + layouts.megatron(sequence_parallel=True) + _zero(3), 2),
     "pp2 dp2 zero1": ({"pp": 2, "dp": 2}, layouts.data() + layouts.pipeline("1f1b") + _zero(1, overlap=False), 2),
+}
+# The slow run's: pp2 × dp2 ZeRO-1 with the mask function that names the embedding. The
+# same stages and buckets as "pp2 dp2 zero1" (a mask function there too); the named
+# parameter left out on a stage is "pp2 no-embed mask"'s, in ZeRO's slices "dp2 zero3
+# no-embed mask"'s (0.85 s of world4's 3.5 on warm ranks, measured on torch 2.13, 2 cores).
+WORLD4_SLOW = {
     "pp2 dp2 zero1 no-embed mask": ({"pp": 2, "dp": 2}, layouts.data() + layouts.pipeline("1f1b") +
                                     _zero(1, overlap=False), 2, None, "no embed"),
 }
 
 
-@pytest.mark.parametrize("world, cases", [(2, DP2), (4, WORLD4)], ids=["world2", "world4"])
+@pytest.mark.parametrize("world, cases", [(2, DP2), (4, WORLD4),
+                                          pytest.param(4, WORLD4_SLOW, marks=pytest.mark.slow)],
+                         ids=["world2", "world4", "world4 no-embed mask"])
 def test_masked_decay_on_every_layout_equals_one_device(world, cases):
     got = run(_cases, world, cases, world_size=world)[0]
     want = {}
@@ -146,6 +158,6 @@ def test_masked_decay_on_every_layout_equals_one_device(world, cases):
     # The mask is applied, not ignored: decaying every leaf moves the norms elsewhere, and
     # the embedding differs where the mask leaves it out.
     unmasked = _reference(None, "none")
-    matrices = want[None, "matrices"]
+    matrices = _reference(None, "matrices")
     assert not torch.allclose(unmasked["layers"][0]["attn_norm"], matrices["layers"][0]["attn_norm"], rtol=1e-6)
-    assert not torch.allclose(want[None, "no embed"]["embed"], matrices["embed"], rtol=1e-6)
+    assert not torch.allclose(_reference(None, "no embed")["embed"], matrices["embed"], rtol=1e-6)

@@ -44,9 +44,16 @@ def _load_and_continue(axes: dict, root: str) -> list[float]:
     return losses
 
 
+@pytest.fixture(scope="module")
+def ep2_checkpoint(tmp_path_factory) -> tuple[str, list[float]]:
+    """The dp2 × ep2 run's checkpoint after step 1 and its losses after it: one for both
+    loads below, which only read it (it was trained once per load)."""
+    root = str(tmp_path_factory.mktemp("moe-checkpoint") / "ckpt")
+    return root, run(_save_and_continue, {"dp": 2, "ep": 2}, root, world_size=4)[0]
+
+
 @pytest.mark.parametrize("into", [{"ep": 4}, {"dp": 1}])
-def test_an_ep2_checkpoint_loads_under_ep4_and_one_process(into, tmp_path):
-    root = str(tmp_path / "ckpt")
-    want = run(_save_and_continue, {"dp": 2, "ep": 2}, root, world_size=4)[0]
+def test_an_ep2_checkpoint_loads_under_ep4_and_one_process(into, ep2_checkpoint):
+    root, want = ep2_checkpoint
     got = run(_load_and_continue, into, root, world_size=4 if "ep" in into else 1)[0]
     torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-10, atol=0)

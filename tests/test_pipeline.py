@@ -1,6 +1,8 @@
 """Pipeline parallel: every schedule, alone and with dp / tp (+sp) / cp / tied embeddings,
 equals the single-device run (fp64, 1e-10 on every loss and the final parameters)."""
 
+import functools
+
 import optree
 import pytest
 import torch
@@ -41,7 +43,10 @@ def _train(axes: dict, layout, cfg, m: int, clip=None, recompute=None, opt=None)
     return losses, full
 
 
+@functools.lru_cache(maxsize=None)
 def _reference(cfg, m: int, clip=None):
+    """The one-device run, once per (config, microbatches, clip): the default run's 23
+    calls here and in test_pipeline_v.py ask for 9 (deterministic: seeded init and batches)."""
     return run(_train, {"dp": 1}, layouts.data(), cfg, m, clip, world_size=1)[0]
 
 
@@ -91,14 +96,17 @@ MORE = {
     "pp4 interleaved v=2 m=8": ({"pp": 4}, layouts.pipeline("interleaved", virtual_stages=2), {"n_layers": 6}, 8,
                                 None),
     "pp2 zb-h1 m=4": ({"pp": 2}, layouts.pipeline("zb-h1"), {}, 4, 1.0),
-    "pp4 zb-h1 m=4": ({"pp": 4}, layouts.pipeline("zb-h1"), {}, 4, None),
     "pp2 x tp2 zb-h1": ({"pp": 2, "tp": 2}, layouts.data() + layouts.megatron(True) + layouts.pipeline("zb-h1"), {},
                         2, None),
 }
-CASES.update(MORE)
+# The slow run's: zb-h1 on 4 stages. Its split backward is "pp2 zb-h1 m=4"'s (the same
+# microbatches), the middle stages' receive-compute-send "pp4 1f1b m=4"'s and "pp4
+# interleaved v=2 m=8"'s, and its action lists at p=4 test_schedules.py's (0.6-1.1 s).
+MORE_SLOW = {"pp4 zb-h1 m=4": ({"pp": 4}, layouts.pipeline("zb-h1"), {}, 4, None)}
+CASES.update(MORE, **MORE_SLOW)
 
 
-@pytest.mark.parametrize("name", list(MORE))
+@pytest.mark.parametrize("name", [*MORE, *(pytest.param(n, marks=pytest.mark.slow) for n in MORE_SLOW)])
 def test_interleaved_and_zero_bubble_equal_one_device(name):
     test_pipeline_composes_and_equals_one_device(name)
 
@@ -172,10 +180,17 @@ def _load_pp(axes, layout, cfg, root, m):
     return losses
 
 
+@pytest.fixture(scope="module")
+def pp2_checkpoint(tmp_path_factory) -> tuple[str, list[float]]:
+    """The tied pp2 1f1b run's checkpoint after step 1 and its losses: one for both loads
+    below, which only read it (it was trained once per load)."""
+    root = str(tmp_path_factory.mktemp("pp2") / "ckpt")
+    return root, run(_save_pp, {"pp": 2}, layouts.pipeline("1f1b"), _cfg(tie=True), root, 4, world_size=2)[0]
+
+
 @pytest.mark.parametrize("into", ["pp1", "pp4"])
-def test_a_pp2_checkpoint_loads_under_pp1_and_pp4(into, tmp_path):
-    cfg, root = _cfg(tie=True), str(tmp_path / "ckpt")
-    want = run(_save_pp, {"pp": 2}, layouts.pipeline("1f1b"), cfg, root, 4, world_size=2)[0]
+def test_a_pp2_checkpoint_loads_under_pp1_and_pp4(into, pp2_checkpoint):
+    cfg, (root, want) = _cfg(tie=True), pp2_checkpoint
     axes, layout, world = ({"dp": 2}, layouts.data(), 2) if into == "pp1" else \
         ({"pp": 4}, layouts.pipeline("1f1b"), 4)
     got = run(_load_pp, axes, layout, cfg, root, 4, world_size=world)[0]
