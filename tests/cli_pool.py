@@ -88,3 +88,12 @@ def train(monkeypatch: pytest.MonkeyPatch, *flags: str,
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         code = cli.main(["train", *flags])
     return Result(code, out.getvalue(), err.getvalue())
+
+
+def process_env() -> dict[str, str]:
+    """The environment of a ``dtp train`` process tree a test starts for real: this one's,
+    one thread a rank, and none of torchrun's variables (a pooled rank may have left them)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    return env

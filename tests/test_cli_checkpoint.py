@@ -20,11 +20,7 @@ from dtp import cli
 from dtp.cli import loop, parse_args
 
 
-def _env() -> dict[str, str]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
-    return env
+_env = cli_pool.process_env
 
 
 _FLAGS = ("--model", "tiny", "--steps", "6", "--batch", "4", "--seq", "16", "--dtype", "float64", "--log-every", "3")

@@ -114,11 +114,7 @@ def test_a_signal_saves_the_step_in_flight_and_the_resume_is_bit_identical(tmp_p
     assert all(bool((got[k] == params[k]).all()) for k in params)
 
 
-def _env() -> dict[str, str]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
-    return env
+_env = cli_pool.process_env
 
 
 @contextlib.contextmanager

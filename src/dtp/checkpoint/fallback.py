@@ -49,12 +49,9 @@ def newest_sound(root: Path, like: TrainState, on_skip: Callable[[Path, str, Pat
 
 
 def _damage(message: str, path: Path) -> str:
-    """What is wrong with ``path``, from the agreed message (the rank that found it named)."""
-    for prefix in (f"checkpoint {path}: ", f"checkpoint: {path / MANIFEST} ", f"checkpoint: {path / '.metadata'} "):
-        if message.startswith(prefix):
-            message = message[len("checkpoint "):] if prefix.startswith("checkpoint: ") else message[len(prefix):]
-            break
-    return message
+    """What is wrong with ``path``, from the agreed message: less the ``checkpoint <path>: ``
+    or ``checkpoint: `` it starts with (the line it goes into names the checkpoint)."""
+    return message.removeprefix(f"checkpoint {path}: ").removeprefix("checkpoint: ")
 
 
 def _aside_name(path: Path) -> Path:

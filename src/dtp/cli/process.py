@@ -15,15 +15,15 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .. import RunConfig, make_mesh
 from ..core import comm
-from ..core.mesh.launch import in_torchrun
+from ..core.mesh.launch import PREEMPTED_CODE, in_torchrun
 from ..core.mesh.devices import clear_mesh_cache
 
 __all__ = ["Terminated", "Preempted", "PREEMPTED", "SaveOnSignal", "single_process_world", "run_world",
            "stop_signals", "sigterm_raises", "sigterm_ignored", "why"]
 
-#: The exit code of a run stopped by its ``--save-on-signal`` signal after the save completed:
-#: EX_TEMPFAIL (sysexits.h), "try again later", which a scheduler's requeue rule can match.
-PREEMPTED = 75
+#: The exit code of a run stopped by its ``--save-on-signal`` signal after the save completed
+#: (the launcher's, which returns it too: one constant).
+PREEMPTED = PREEMPTED_CODE
 
 
 @contextlib.contextmanager

@@ -51,6 +51,8 @@ class Saver:
 
     def __init__(self, checkpoints: Checkpointing | None, stop: SaveOnSignal | None, mesh: DeviceMesh, *,
                  extra: Callable[[], dict[str, Any]], last: int, note: Callable[[str], None]) -> None:
+        if stop is not None and checkpoints is None:
+            raise ValueError("Saver: a stop on a signal saves, and needs the run's checkpoints")
         self.checkpoints, self.stop, self.mesh = checkpoints, stop, mesh
         self.extra, self.last, self.note = extra, last, note
         self.pending: tuple[int, checkpoint.AsyncSave] | None = None  # (step, save in flight)
@@ -93,7 +95,8 @@ class Saver:
 
     def _save(self, state: TrainState, step: int, *, async_save: bool) -> Path | checkpoint.AsyncSave | None:
         """Save ``state`` at ``step``; ``None`` if it failed (said, or raised at the last step)."""
-        c = self.checkpoints or Checkpointing(root=Path("checkpoints"))
+        c = self.checkpoints
+        assert c is not None  # __init__: a stop comes with checkpoints, and saves are due only with them
         self.wait()  # one save in flight at a time
         try:
             saved = checkpoint.save(state, c.root, keep=c.keep, async_save=async_save, extra=self.extra())

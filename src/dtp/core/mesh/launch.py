@@ -169,7 +169,8 @@ def report_preempted(message: str) -> None:
 
 
 _PREEMPTED = "preempted.txt"
-#: A rank's exit code after its ``--save-on-signal`` save (dtp.cli.process.PREEMPTED, EX_TEMPFAIL).
+#: A rank's exit code after its ``--save-on-signal`` save (``dtp.cli.process.PREEMPTED``):
+#: EX_TEMPFAIL (sysexits.h), "try again later", which a scheduler's requeue rule can match.
 PREEMPTED_CODE = 75
 
 
