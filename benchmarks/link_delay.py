@@ -14,7 +14,7 @@ stretch two transfers wait through counted once), a step.
 
 Until the posting board (:mod:`dtp.comm.board`), ``simulated_link`` started a transfer
 once the real loopback one had finished, and this measured 36–45 ms a step of such delay
-(stage 1, five runs; ``benchmarks/README.md``). Now a transfer starts when the last rank
+(stage 1, five runs; ``benchmarks/notes/2026-11-zero.md``). Now a transfer starts when the last rank
 posted it, so what is left is where the real loopback transfer outlasts the modelled one
 (completion is the later of the two): the one-element all-reduces (loss, norm: modelled
 ≈ 0 at latency 0), and any loopback transfer slowed by two busy cores past its model.

@@ -1,4 +1,4 @@
-"""README's "Adding a strategy", proven: a strategy written in this file alone — a layout
+"""docs/architecture.md's "Adding a strategy", proven: a strategy written in this file alone — a layout
 option and the state it keeps — trains, checkpoints and resumes through dtp's own
 ``train_step`` and ``dtp.checkpoint``, with no edit to ``training/step.py``, ``layouts/core.py``,
 ``training/strategies/__init__.py`` or ``checkpoint/``.

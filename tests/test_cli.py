@@ -663,3 +663,15 @@ def test_the_launcher_keeps_its_signal_handlers_after_the_ranks() -> None:
     before = {n: signal.getsignal(getattr(signal, n)) for n in names}
     assert launch(1, [], module="this") == 0  # a rank that prints the Zen of Python and exits
     assert {n: signal.getsignal(getattr(signal, n)) for n in names} == before
+
+
+def test_version_is_the_installed_distributions(capsys: pytest.CaptureFixture[str]) -> None:
+    """``dtp --version`` and ``dtp.__version__``: pyproject.toml's version, read from the
+    installed metadata (one source; it was written twice before)."""
+    from importlib.metadata import version
+
+    import dtp
+    assert cli.main(["--version"]) == 0
+    assert capsys.readouterr().out == f"dtp {version('dtp')}\n"
+    assert dtp.__version__ == version("dtp")
+    assert "__version__ =" not in (Path(dtp.__file__)).read_text()

@@ -23,7 +23,7 @@ import importlib.util
 import sys
 from typing import TYPE_CHECKING, Any, Sequence
 
-__version__ = "0.1.0"
+
 
 __all__ = [
     "P", "make_mesh", "detect_device", "flatten_axes",
@@ -118,6 +118,17 @@ if not any(isinstance(f, _Moved) for f in sys.meta_path):
 
 def __getattr__(name: str) -> Any:
     """Import a public name's module on first use (PEP 562) and cache the name here."""
+    if name == "__version__":
+        # pyproject.toml is its one source, read from the installed distribution's metadata
+        # (on first use: the lookup scans sys.path). A source tree on PYTHONPATH that was
+        # never installed has no metadata.
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            globals()[name] = version("dtp")
+        except PackageNotFoundError:
+            globals()[name] = "0+unknown"
+        return globals()[name]
     source = _SOURCES.get(name)
     if source is None:
         # Any other submodule (dtp.mesh, dtp.step, dtp.testing, ...): the eager imports of

@@ -25,6 +25,21 @@ from .parser import (DESCRIPTION, PROG, RUN_FILES, _HelpFormatter, _non_negative
 __all__ = ["build_parser", "parse_args"]
 
 
+class _Version(argparse.Action):
+    """``dtp --version``: ``dtp.__version__`` (the installed metadata's), looked up only
+    when asked, so that parsing any other command does not scan sys.path for it."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kwargs: object) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS,
+                         help="print dtp's version and exit")
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: object, **kwargs: object) -> None:
+        import dtp  # the package, for its lazy __version__: commands.py is imported by dtp.cli
+
+        print(f"{PROG} {dtp.__version__}")
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``dtp`` command (subcommands ``train``, ``plan``, ``check`` and ``export``).
 
@@ -33,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     (2, 2, True, 'float32')
     """
     parser = _Parser(prog=PROG, description=DESCRIPTION, allow_abbrev=False)
+    parser.add_argument("--version", action=_Version)
     # More subcommands (dtp plan, ...) add themselves with sub.add_parser(...): the
     # metavar lists whatever is there.
     sub = parser.add_subparsers(dest="command")

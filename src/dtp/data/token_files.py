@@ -230,7 +230,7 @@ def _mapped(path: Path, dtype: Any, offset: int, count: int) -> Any:
     """``count`` ids of ``dtype`` from byte ``offset`` of ``path``: a read-only numpy view of
     a memory map advised ``MADV_RANDOM``. The loader reads windows at random places, and
     the kernel's default read-ahead around each page fault made a window cost ~100× more
-    (np.memmap: 5.3 ms per 4 KiB window on a VM, 0.05 ms advised; benchmarks/README.md)."""
+    (np.memmap: 5.3 ms per 4 KiB window on a VM, 0.05 ms advised; docs/benchmarks/token_loader.md)."""
     import mmap
 
     import numpy as np
