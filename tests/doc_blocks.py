@@ -6,7 +6,7 @@ line just before the fence as an HTML comment (invisible on the site and on GitH
 - a ```` ```python ```` block runs by default, in the test's process, the blocks of a page in
   order and in one namespace (as a doctest file runs);
 - ``<!-- doc-run: ranks=4 -->``: the block runs as a whole on 4 gloo ranks of
-  :mod:`dtp.testing`'s pool (it imports what it needs);
+  :mod:`dtp.testing`'s pool, in the page's directory (it imports what it needs);
 - ``<!-- doc-run: raises -->``: the block must raise; its output is ``Type: message``;
 - ``<!-- doc-run: skip: REASON -->``: not run; the reason is required;
 - ``<!-- doc-run: slow -->``: runs only under ``pytest -m slow``;
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
 import re
 import shlex
 from dataclasses import dataclass
@@ -141,9 +142,15 @@ def exec_python(source: str, namespace: dict[str, object], raises: bool = False)
     return out.getvalue()
 
 
-def on_ranks(source: str, name: str) -> str:
-    """A rank's run of a ``ranks=N`` block (module level: it travels to the pool's workers)."""
-    return exec_python(source, {"__name__": "__doc__", "__file__": name})
+def on_ranks(source: str, name: str, cwd: str) -> str:
+    """A rank's run of a ``ranks=N`` block, in the page's directory ``cwd`` (module level: it
+    travels to the pool's workers, which outlive it, so their directory is put back)."""
+    here = os.getcwd()
+    os.chdir(cwd)
+    try:
+        return exec_python(source, {"__name__": "__doc__", "__file__": name})
+    finally:
+        os.chdir(here)
 
 
 def missing_lines(expected: str, output: str) -> list[str]:
