@@ -64,7 +64,7 @@ class Block:
 
 def pages() -> list[Path]:
     """Every Markdown page whose blocks run: the site's and the README."""
-    return sorted((ROOT / "docs").rglob("*.md"))
+    return [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 
 
 def blocks(path: Path) -> list[Block]:

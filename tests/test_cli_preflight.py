@@ -276,16 +276,16 @@ def test_dtp_plan_reads_a_config_json_file(tmp_path, capsys) -> None:
     assert "peak" in capsys.readouterr().out
 
 
-def test_the_readme_plan_of_a_70b_run_needs_no_corpus_of_its_batch(capsys) -> None:
-    """README's ``dtp plan`` of Llama 3 70B at --batch 256 --seq 8192: the bundled corpus holds
+def test_the_docs_plan_of_a_70b_run_needs_no_corpus_of_its_batch(capsys) -> None:
+    """docs/planning.md's ``dtp plan`` of Llama 3 70B at --batch 256 --seq 8192: the bundled corpus holds
     46 such windows, which ``dtp train`` refuses, but a plan predicts a step, not the data (it
     was refused with the corpus's line)."""
-    readme = (Path(__file__).parents[1] / "README.md").read_text()
-    lines = iter(readme[readme.index("$ dtp plan --model llama3-70b"):].splitlines())
+    page = (Path(__file__).parents[1] / "docs" / "planning.md").read_text()
+    lines = iter(page[page.index("dtp plan --model llama3-70b"):].splitlines())
     command = [next(lines)]
     while command[-1].endswith("\\"):  # the command's continuation lines
         command.append(next(lines))
-    argv = " ".join(line.rstrip("\\") for line in command).split()[3:]  # after "$ dtp plan"
+    argv = " ".join(line.rstrip("\\") for line in command).split()[2:]  # after "dtp plan"
     assert "--batch" in argv and "--memory-gb" in argv, argv
     assert cli.main(["plan", *argv]) == 0, capsys.readouterr().err
     assert capsys.readouterr().out.splitlines()[-1].startswith("fits: peak 17.85 GiB of 80.00 GiB")

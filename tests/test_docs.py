@@ -164,3 +164,17 @@ def test_site_builds_strict(tmp_path: Path) -> None:
     r = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-q", "-d", str(tmp_path / "site")],
                        cwd=ROOT, capture_output=True, text=True, env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_the_readmes_benchmark_figures_are_the_benchmark_tables() -> None:
+    """The README's headline figures are a copy of ``benchmarks/README.md``'s current ones:
+    each must stand in that table's row of the same benchmark, so a new figure there that
+    is not carried to the README fails here rather than leaving two figures apart."""
+    readme = (ROOT / "README.md").read_text()
+    table = (ROOT / "benchmarks" / "README.md").read_text().splitlines()
+    rows = re.findall(r"^\| \[[^]]+\]\(docs/benchmarks/(\w+)\.md\) \| ([^|]+) \|", readme, re.M)
+    assert len(rows) >= 5, rows
+    for name, figure in rows:
+        mine = [line for line in table if f"](../docs/benchmarks/{name}.md)" in line]
+        assert mine, f"README links docs/benchmarks/{name}.md, which benchmarks/README.md's table has no row for"
+        assert figure.strip() in mine[0], f"README's {name} figure {figure.strip()!r} is not the table's:\n{mine[0]}"

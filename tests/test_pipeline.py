@@ -198,7 +198,7 @@ def test_a_pp2_checkpoint_loads_under_pp1_and_pp4(into, pp2_checkpoint):
 
 
 def _mlp():
-    """The README's own (non-Llama) model: four tanh layers and an MSE loss, as layers."""
+    """docs/pipeline-parallel.md's own (non-Llama) model: four tanh layers and an MSE loss, as layers."""
     model = dtp.Sequential([
         *(dtp.Layer(lambda p, x, b, k=k: torch.tanh((b["x"] if x is None else x) @ p[f"w{k}"]), (f"w{k}",))
           for k in range(4)),
