@@ -110,3 +110,12 @@ def expand(markdown: str) -> str:
 
 def on_page_markdown(markdown: str, **kwargs: object) -> str:
     return expand(markdown)
+
+
+ROLE = re.compile(r":(?:py:)?(?:func|class|mod|meth|attr|data|exc|obj|const):(<code>)~?")
+
+
+def on_page_content(html: str, **kwargs: object) -> str:
+    """The docstrings are reST-flavoured (``:func:`x` ``, read by Python's help and by
+    doctest); mkdocstrings renders the role's name as text before the code: drop it."""
+    return ROLE.sub(r"\1", html)
