@@ -82,3 +82,21 @@ def test_axis_helpers_and_block_index():
         assert dtp.mesh.block_index(mesh, ("tp", "dp"), {"dp": 1, "tp": 2}) == 2 * 2 + 1
         assert dtp.mesh.block_index(mesh, (), {"dp": 1, "tp": 2}) == 0
         assert set(dtp.mesh.coordinates(mesh)) == {"dp", "tp"}
+
+
+def test_twins_and_sub_meshes_are_cached_per_mesh_object():
+    # twin(mesh) == mesh (DeviceMesh equality ignores process groups): cached by equality,
+    # twin(twin(mesh)) was the twin itself, sub_mesh(twin(mesh), names) mesh's sub-mesh,
+    # and a DTensor wrapped on the twin landed on mesh.
+    from dtp.core.mesh.devices import sub_mesh, twin
+
+    with dtp.testing.simulate(4):
+        mesh = dtp.make_mesh(dp=2, tp=2)
+        other = twin(mesh)
+        assert other == mesh and other is not mesh and twin(mesh) is other
+        assert twin(other) is not other
+        assert sub_mesh(other, ("tp",)) is not sub_mesh(mesh, ("tp",))
+        assert sub_mesh(other, ("tp",)) is sub_mesh(other, ("tp",))
+        x = dtp.shard(torch.zeros(4, 2), mesh, dtp.P("dp"))
+        assert dtp.spec.wrap_like(x.to_local(), x).device_mesh is mesh
+        assert dtp.spec.wrap_local(x.to_local(), other, dtp.P("dp"), (4, 2)).device_mesh is other

@@ -205,6 +205,24 @@ def test_one_process_simulation():
         assert all(torch.equal(v, torch.arange(8.0)) for v in rank_values(y.to_local()))
 
 
+def test_a_second_simulation_gets_dtensors_on_its_own_mesh():
+    # DeviceMesh equality ignores process groups, so session 2's mesh equals session 1's:
+    # dtp's shared DTensor specs (keyed by mesh equality) and DTensor's sharding-propagation
+    # caches handed session 2 DTensors on session 1's mesh, and local_map refused to mix
+    # them with DTensors on the current one ("every DTensor argument must live on the same
+    # device mesh").
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    for _ in range(2):
+        with simulate(4):
+            mesh = dtp.make_mesh(dp=2, tp=2)
+            x = dtp.shard(torch.arange(8.0).reshape(4, 2), mesh, P("dp"))
+            w = distribute_tensor(torch.ones(4, 2), mesh, [Shard(0), Replicate()])  # torch's own: on ``mesh``
+            assert x.device_mesh is mesh and (w * 2).device_mesh is mesh and dtp.reshard(x, P()).device_mesh is mesh
+            y = dtp.local_map(lambda a, b: a * b, (P("dp"), P("dp")), P("dp"))(x, w * 2)
+            assert y.device_mesh is mesh and torch.equal(y.full_tensor(), 2 * torch.arange(8.0).reshape(4, 2))
+
+
 def test_simulate_leaves_no_per_rank_tensors_in_dtps_caches():
     # RoPE's tables are cached per (head_dim, theta, dtype, device); made under
     # simulate (LocalTensorMode: arange is per-rank), a cached pair reached a later plain

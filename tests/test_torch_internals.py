@@ -100,6 +100,20 @@ def test_simulated_ranks_expose_local_tensors():
         assert [t.tolist() for t in rank_values(x)] == [[0.0, 1.0], [2.0, 3.0]]
 
 
+def test_forget_meshes_clears_the_sharding_propagation_caches():
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    assert callable(_clear_sharding_prop_cache)
+    with simulate(2):
+        x = dtp.shard(torch.ones(4, 3), dtp.make_mesh(dp=2), dtp.P("dp"))
+        x * 2, x * 2
+        assert torch._C._get_DTensor_sharding_propagator_cache_stats() != (0, 0)  # the C++ fast path's
+        _torch.forget_meshes()
+        assert not _torch._SPECS
+        assert DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_info().currsize == 0
+        assert torch._C._get_DTensor_sharding_propagator_cache_stats() == (0, 0)
+
+
 def test_grouped_mm_exists_and_is_used_only_where_it_runs():
     assert callable(torch._grouped_mm)  # CUDA-only kernel; its numbers are checked on a GPU (benchmarks/moe_grouped_gemm.py)
     x, w = torch.ones(4, 8, dtype=torch.bfloat16), torch.ones(2, 8, 8, dtype=torch.bfloat16)

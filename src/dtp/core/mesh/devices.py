@@ -21,7 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from .._rules import is_positive_int
 from .shape import axis_names  # torch-free: the layouts check against a MeshShape too
-from .._torch import flatten_mesh, group_timeout, set_group_timeout
+from .._torch import flatten_mesh, forget_meshes, group_timeout, set_group_timeout
 
 __all__ = ["make_mesh", "detect_device", "mesh_device", "axis_names", "axis_sizes", "axis_size", "coordinates", "all_coordinates", "axis_coordinate",
            "block_index", "flatten_axes", "clear_mesh_cache"]
@@ -231,13 +231,20 @@ def mesh_device(mesh: DeviceMesh) -> torch.device:
 
 def clear_mesh_cache() -> None:
     """Forget the meshes :func:`make_mesh` built; call it when their process group is
-    destroyed, so the next ``make_mesh`` builds on the new one."""
+    destroyed, so the next ``make_mesh`` builds on the new one (and DTensors wrapped
+    afterwards, or made by DTensor ops, get the new meshes, not equal old ones:
+    :func:`dtp.core._torch.forget_meshes`)."""
     _MESH_CACHE.clear()
     _SUB_MESHES.clear()
     _TWINS.clear()
+    forget_meshes()
 
 
-_TWINS: dict[DeviceMesh, DeviceMesh] = {}
+# Keyed by the mesh's id (the entry holds the mesh, so the id stays its own), not by the
+# mesh: DeviceMesh equality ignores process groups, and twin(mesh) == mesh (measured,
+# torch 2.13). Keyed by the mesh, twin(twin(mesh)) was the twin itself and
+# sub_mesh(twin(mesh), names) was mesh's sub-mesh, over mesh's groups.
+_TWINS: dict[int, tuple[DeviceMesh, DeviceMesh]] = {}
 
 
 def twin(mesh: DeviceMesh) -> DeviceMesh:
@@ -253,8 +260,9 @@ def twin(mesh: DeviceMesh) -> DeviceMesh:
     >>> twin(make_mesh(dp=1)).mesh_dim_names
     ('dp',)
     """
-    if mesh in _TWINS:
-        return _TWINS[mesh]
+    hit = _TWINS.get(id(mesh))
+    if hit is not None:
+        return hit[1]
     grid = mesh.mesh
     if grid.numel() != dist.get_world_size():
         raise ValueError(f"twin: needs a mesh over the whole world ({dist.get_world_size()} ranks), got "
@@ -267,12 +275,13 @@ def twin(mesh: DeviceMesh) -> DeviceMesh:
             if me in row:
                 mine = group
         groups.append(mine)
-    _TWINS[mesh] = bounded(DeviceMesh.from_group(groups, mesh.device_type, mesh=grid,
-                                                 mesh_dim_names=mesh.mesh_dim_names))
-    return _TWINS[mesh]
+    made = bounded(DeviceMesh.from_group(groups, mesh.device_type, mesh=grid, mesh_dim_names=mesh.mesh_dim_names))
+    _TWINS[id(mesh)] = (mesh, made)
+    return made
 
 
-_SUB_MESHES: dict[tuple[DeviceMesh, tuple[str, ...]], DeviceMesh] = {}
+# By the mesh's id, as _TWINS (and for the same reason).
+_SUB_MESHES: dict[tuple[int, tuple[str, ...]], tuple[DeviceMesh, DeviceMesh]] = {}
 
 
 def sub_mesh(mesh: DeviceMesh, names: tuple[str, ...]) -> DeviceMesh:
@@ -282,10 +291,11 @@ def sub_mesh(mesh: DeviceMesh, names: tuple[str, ...]) -> DeviceMesh:
     >>> sub_mesh(make_mesh(dp=1, tp=1), ("tp",)) is sub_mesh(make_mesh(dp=1, tp=1), ("tp",))
     True
     """
-    key = (mesh, tuple(names))
-    if key not in _SUB_MESHES:
-        _SUB_MESHES[key] = mesh[tuple(names)]
-    return _SUB_MESHES[key]
+    key = (id(mesh), tuple(names))
+    hit = _SUB_MESHES.get(key)
+    if hit is None:
+        hit = _SUB_MESHES[key] = (mesh, mesh[tuple(names)])
+    return hit[1]
 
 
 def axis_sizes(mesh: DeviceMesh) -> dict[str, int]:
