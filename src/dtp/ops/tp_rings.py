@@ -47,7 +47,7 @@ _one_way_depth = 0  # > 0 inside one_way()
 @contextlib.contextmanager
 def one_way() -> Iterator[None]:
     """Rings made inside run one-way whatever their size (their backward too: the choice
-    is taken in forward); what ``benchmarks/async_tp.py --variants`` compares against.
+    is taken in forward); what ``benchmarks/async_tp.py --one-way`` compares against.
 
     >>> with one_way():
     ...     both_ways(4, 8)
