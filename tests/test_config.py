@@ -198,6 +198,9 @@ PLAN_FLAGS_BEFORE = [f for f in TRAIN_FLAGS_BEFORE if f not in (
     "--no-tensorboard --timeout").split()] + ["--backend"]
 # Flags added since, each a RunConfig field: train only (how a run ends, not what it plans).
 TRAIN_FLAGS_SINCE = ["--save-on-signal", "--shutdown-timeout"]
+# Plan-only flags added since, none a RunConfig field (the machine the step runs on, not the
+# run), by the attribute each sets.
+PLAN_FLAGS_SINCE = {"--hardware": "hardware_spec", "--calibrate": "calibrate"}
 
 
 def _options(command: str) -> dict[str, str]:
@@ -213,7 +216,8 @@ def test_every_flag_of_before_sets_the_field_it_set(command, before) -> None:
     def field(flag: str) -> str:  # the field a flag set before: its name with '_', less a --no-
         return "config_file" if flag == "--config" else flag[2:].removeprefix("no-").replace("-", "_")
 
-    assert _options(command) == {flag: field(flag) for flag in before}
+    since = PLAN_FLAGS_SINCE if command == "plan" else {}
+    assert _options(command) == {flag: field(flag) for flag in before} | since
     # And each field's flag is made from it: a field's flags set it, on / off alike.
     args = cli.build_parser().parse_args([command, "--dp", "3", "--no-reshard-after-forward", "--compile",
                                           "--cp-window", "2", "--capacity-factor", "1.5"])

@@ -26,9 +26,10 @@ if TYPE_CHECKING:
     from ..layouts import Layout
     from ..models.config import LlamaConfig
     from ..planning import Plan
+    from ..planning.hardware import Hardware
 
-__all__ = ["add_parser", "add_train_flags", "plan_from_args", "plan_of", "cmd_plan", "print_schedule", "train_refusal",
-           "machine_memory_gb"]
+__all__ = ["add_parser", "add_train_flags", "plan_from_args", "plan_of", "cmd_plan", "cmd_calibrate", "print_schedule",
+           "train_refusal", "machine_memory_gb"]
 
 # The sections of a run a plan reads (dtp.config.SECTIONS): not the checkpoints, not the run's output.
 PLAN_SECTIONS = ("parallelism", "model", "training", "data", "moe")
@@ -61,7 +62,43 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                          help="the collectives' backend to plan memory for (default: this machine's: nccl with "
                               "CUDA, hccl with an NPU, else gloo, whose ZeRO reduce-scatter holds whole-bucket "
                               "receive buffers)")
+    step = p.add_argument_group("step time")
+    step.add_argument("--hardware", dest="hardware_spec", type=_hardware, default=None, metavar="NAME|FILE",
+                      help="the system to predict the step's time on: a preset (a100-80gb, h100-sxm, h200, b200, "
+                           "ascend-910b, mi300x) or a TOML file such as --calibrate writes")
+    step.add_argument("--calibrate", nargs="?", const="-", default=None, metavar="FILE",
+                      help="measure this machine (matmul FLOP/s by shape and dtype, memory bandwidth, the gloo "
+                           "link by message size; under a minute) and write it as hardware TOML to FILE (default: "
+                           "print it), then exit")
     return p
+
+
+def _hardware(text: str) -> "Hardware":
+    """``--hardware``'s value as a :class:`~dtp.planning.hardware.Hardware` (argparse's
+    type: a bad name or file is its one-line error)."""
+    # here: dtp.planning's package imports torch, which the parser is built without
+    from ..planning.hardware import hardware
+
+    try:
+        return hardware(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def cmd_calibrate(target: str) -> int:
+    """``--calibrate [FILE]``: write this machine's hardware TOML to ``target`` (``-``: stdout)."""
+    # here: calibration runs torch and a rank pool, which only --calibrate needs
+    from ..planning.calibrate import calibrate
+    from ..planning.hardware import to_toml
+
+    text = to_toml(calibrate())
+    if target == "-":
+        print(text, end="")
+    else:
+        with open(target, "w") as f:
+            f.write(text)
+        print(f"dtp plan: wrote {target}", file=sys.stderr)
+    return 0
 
 
 def _memory_flag(group: argparse._ArgumentGroup, help: str) -> None:
@@ -102,6 +139,8 @@ def plan_of(config: RunConfig, *, model: LlamaConfig | None = None, backend: str
 def cmd_plan(args: argparse.Namespace) -> int:
     """``dtp plan``: print the table; exit 1 when a given ``--memory-gb`` is exceeded. A shape
     ``dtp train`` refuses is refused here with the same line (:func:`~dtp.cli.flags.check_config`)."""
+    if getattr(args, "calibrate", None) is not None:
+        return cmd_calibrate(args.calibrate)
     layout = check_config(args)  # before planning imports torch: a refusal takes a fraction of a second
     from ..planning import format_plan  # only now: the plan imports torch
 
