@@ -145,10 +145,42 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from ..planning import format_plan  # only now: the plan imports torch
 
     p = plan_from_args(args)
-    print(format_plan(p, args.memory_gb))
+    print(format_plan(p, args.memory_gb, time=time_lines(p, args.hardware_spec)))
     if args.print_schedule:
         print_schedule(args, layout)
     return 0 if args.memory_gb is None or p.fits(args.memory_gb) else 1
+
+
+def time_lines(p: "Plan", hw: "Hardware | None") -> list[str]:
+    """The plan's step-time lines on ``hw``, else on the accelerator this machine has when it
+    is a preset's; else one line saying how to get them."""
+    from ..planning.hardware import PRESETS, preset_of_device  # here: dtp.planning imports torch
+
+    if hw is None:
+        name = _device_name()
+        hw = PRESETS[preset_of_device(name)] if name and preset_of_device(name) else None
+    if hw is None:
+        return [f"step time: add --hardware NAME ({', '.join(PRESETS)}) or --hardware FILE "
+                "(dtp plan --calibrate FILE measures this machine)"]
+    try:
+        return p.time(hw).lines()
+    except ValueError as e:  # a dtype the chip lists no peak for: the plan stands without its time
+        return [f"step time: {str(e).removeprefix('dtp.plan: ')}"]
+
+
+def _device_name() -> str | None:
+    """The name of this machine's first accelerator, if it has one."""
+    import torch
+
+    from ..core.mesh.devices import detect_device  # here: it imports torch, as this function does
+
+    device, _ = detect_device()
+    if device in ("cuda", "npu"):  # torch.npu once torch_npu is imported (detect_device did)
+        try:
+            return getattr(torch, device).get_device_name(0)
+        except (AttributeError, RuntimeError):
+            return None
+    return None
 
 
 def print_schedule(args: argparse.Namespace, layout: Layout) -> None:

@@ -36,9 +36,13 @@ from ..models import llama
 from .memory import Memory, memory
 from .report import check_fits, format_plan
 from .target import Target, leaves, stage_leaves
+from .time import StepTime, step_time
 from .traffic import Traffic, summary, traffic
 
-__all__ = ["Plan", "Target", "plan", "check_fits", "format_plan", "Memory", "Traffic"]
+if TYPE_CHECKING:
+    from .hardware import Hardware
+
+__all__ = ["Plan", "Target", "plan", "check_fits", "format_plan", "Memory", "Traffic", "StepTime"]
 
 GIB = 2**30
 
@@ -121,6 +125,21 @@ class Plan:
         (65536, 262144, 1)
         """
         return summary(list(self.traffic[pipeline_rank]))
+
+    def time(self, hardware: "Hardware | str") -> StepTime:
+        """The step's predicted time on ``hardware`` (a :class:`~.hardware.Hardware`, or a
+        preset name or TOML path :func:`.hardware.hardware` reads): :mod:`.time`'s model.
+
+        >>> t = plan("llama3-8b", batch=64, seq=8192, dp=8, tp=8, sp=True, zero=1, recompute="full",
+        ...          dtype="bfloat16", backend="nccl").time("h100-sxm")
+        >>> t.total > t.compute > 0, 0 < t.mfu < 1, sorted(t.exposed)
+        (True, True, ['dp', 'tp'])
+        """
+        if isinstance(hardware, str):
+            from .hardware import hardware as read_hardware  # torch-free, as this module
+
+            hardware = read_hardware(hardware)
+        return step_time(self.target, stage_leaves(self.target, leaves(self.target)), self.traffic, hardware)
 
     def fits(self, memory_gb: float) -> bool:
         """Whether the fullest rank's peak fits ``memory_gb`` GiB."""

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Link", "Chip", "Hardware", "PRESETS", "DTYPES", "hardware", "to_toml", "from_toml"]
+__all__ = ["Link", "Chip", "Hardware", "PRESETS", "DTYPES", "hardware", "preset_of_device", "to_toml", "from_toml"]
 
 # The dtype names a chip's peak may be given for: torch's names, and tfloat32 for float32
 # matmuls run on tensor cores (torch.backends.cuda.matmul.allow_tf32; off by default).
@@ -344,6 +344,24 @@ PRESETS: dict[str, Hardware] = {
     "ascend-910b": _ascend_910b(),
     "mi300x": _mi300x(),
 }
+
+
+# What a device calls itself (torch.cuda.get_device_name, torch.npu's) -> the preset of its
+# node. Checked in order: "H100" before a bare "100"; an A100 of 40 GB is no preset.
+_DEVICE_NAMES = (("H200", "h200"), ("H100", "h100-sxm"), ("B200", "b200"), ("A100-SXM4-80GB", "a100-80gb"),
+                 ("A100 80GB", "a100-80gb"), ("MI300X", "mi300x"), ("910B", "ascend-910b"))
+
+
+def preset_of_device(device_name: str) -> str | None:
+    """The preset for an accelerator by the name its runtime reports, or ``None``.
+
+    >>> preset_of_device("NVIDIA H100 80GB HBM3"), preset_of_device("NVIDIA A100-SXM4-40GB")
+    ('h100-sxm', None)
+    """
+    for part, preset in _DEVICE_NAMES:
+        if part.lower() in device_name.lower():
+            return preset
+    return None
 
 
 def hardware(name_or_path: str) -> Hardware:

@@ -8,7 +8,7 @@ the verdict.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
 from .target import rank_stages
 
@@ -68,8 +68,9 @@ def _describe(p: "Plan") -> str:
     return f"{s.name} ({format_count(p.params)} params), {shape}: " + ", ".join(parts)
 
 
-def format_plan(p: "Plan", memory_gb: float | None = None) -> str:
-    """The plan as a plain-text table (and the verdict when ``memory_gb`` is given).
+def format_plan(p: "Plan", memory_gb: float | None = None, time: Sequence[str] = ()) -> str:
+    """The plan as a plain-text table, ``time``'s lines (:meth:`~dtp.planning.StepTime.lines`)
+    after it, and the verdict last when ``memory_gb`` is given.
 
     >>> from dtp.planning import plan
     >>> print(format_plan(plan("tiny", batch=8, seq=16, dp=2), memory_gb=1))  # doctest: +ELLIPSIS
@@ -119,6 +120,7 @@ def format_plan(p: "Plan", memory_gb: float | None = None) -> str:
     if p.run.pp > 1:
         lines.append(f"pipeline bubble {100 * p.bubble:.1f} % of rank time ({p.run.pp_schedule}, "
                      f"p={p.run.pp}, v={p.target.virtual_stages}, m={p.run.microbatches})")
+    lines += time
     if memory_gb is not None:
         lines.append(verdict(p, memory_gb))
     return "\n".join(lines)
