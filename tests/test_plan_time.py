@@ -81,13 +81,13 @@ def test_the_overlaps_hide_what_their_code_hides() -> None:
 
 def test_the_bubble_of_1f1b_is_the_schedules_own() -> None:
     """1F1B's idle time on a rank is (p − 1)(F + B) with uniform stages, the schedule
-    simulator's; 70B's 80 blocks, embedding and head over 4 stages differ by a block
+    simulator's, F and B holding the block's own collectives (a stage waits on them); 70B's 80 blocks, embedding and head over 4 stages differ by a block
     (21 against 20, the embedding's and the head's), hence the 10 %."""
     hw = _hw()
     p, m = 4, 8
     plan = _plan(pp=p, microbatches=m, batch=8, seq=2048, model="llama3-70b", tp=8, sp=True)
     t = plan.time(hw)
-    f_plus_b = t.compute / m  # the busiest rank's F + B per microbatch
+    f_plus_b = (t.compute + t.exposed["tp"]) / m  # the busiest rank's F + B per microbatch, its tp collectives in
     line = schedules.simulate(schedules.make("1f1b", p=p, m=m), p=p, v=1, m=m, f=1.0, b=2.0)
     assert line.makespan == (m + p - 1) * 3.0
     assert t.bubble == pytest.approx((p - 1) * f_plus_b, rel=0.1)

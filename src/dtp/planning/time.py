@@ -29,8 +29,10 @@ count) and its pipeline schedule — and costs them:
   under the other chunks' experts with ``pipe_experts``. What is not hidden is exposed.
   Hidden traffic is assumed not to slow the compute under it.
 - **the pipeline**: :func:`dtp.schedules.simulate` of the run's own schedule, fed with
-  each stage's modelled F, B and W and a hand-over's time as its ``hop``; the bubble is
-  its makespan less the busiest rank's compute.
+  each stage's modelled F, B and W — their exposed tp, cp and ep collectives included, a
+  stage waits on them — and a hand-over's time as its ``hop``; the bubble is its makespan
+  less the busiest rank's busy time. The step's own collectives (gradients, ZeRO's, the
+  norm) follow the makespan.
 - **the optimizer step**: AdamW is memory-bound — each updated parameter's bytes read and
   written (parameter, gradient, two moments, master weights where kept).
 
@@ -273,8 +275,10 @@ def _optimizer(s: Target, rank_leaves: list[Leaf], hw: Hardware) -> float:
 # ---------------------------------------------------------------------- collectives
 
 
-def _exposed(s: Target, rows: list[Traffic], w: _Work, hw: Hardware) -> tuple[dict[str, float], float]:
-    """Exposed seconds per axis, and the time of one pipeline hand-over (for the schedule)."""
+def _exposed(s: Target, rows: list[Traffic], w: _Work, hw: Hardware) -> tuple[dict[str, float], float, float]:
+    """Exposed seconds per axis; of them, those inside the microbatches' forward and
+    backward (a block's tp, cp and ep collectives, which a pipeline's stages wait on, so
+    the schedule is fed them); and the time of one pipeline hand-over."""
     run, m = s.run, s.run.microbatches
     sizes = axis_sizes(s)
     cost: dict[tuple[str, str], float] = {}
@@ -290,10 +294,14 @@ def _exposed(s: Target, rows: list[Traffic], w: _Work, hw: Hardware) -> tuple[di
         cost[(r.axis, group)] = cost.get((r.axis, group), 0.0) + t
     fwd, bwd = m * w.forward, m * w.backward
     exposed: dict[str, float] = {}
+    in_step = 0.0
 
     def add(axis: str, seconds: float) -> None:
-        exposed[axis.split("_")[0] if axis.startswith("cp_") else axis] = \
-            exposed.get(axis.split("_")[0] if axis.startswith("cp_") else axis, 0.0) + max(seconds, 0.0)
+        nonlocal in_step
+        name = axis.split("_")[0] if axis.startswith("cp_") else axis
+        exposed[name] = exposed.get(name, 0.0) + max(seconds, 0.0)
+        if group in _IN_STEP:
+            in_step += max(seconds, 0.0)
 
     for (axis, group), t in cost.items():
         if group == "zero grad" and run.overlap_grad_reduce:
@@ -311,7 +319,11 @@ def _exposed(s: Target, rows: list[Traffic], w: _Work, hw: Hardware) -> tuple[di
             add(axis, max(t - 3 * m * w.expert_fwd, t / chunks))
         else:
             add(axis, t)
-    return exposed, hop
+    return exposed, in_step, hop
+
+
+# The groups of collectives inside a microbatch's forward and backward.
+_IN_STEP = ("tp block", "cp ring", "cp ulysses", "ep dispatch", "per microbatch")
 
 
 def _group(r: Traffic) -> str:
@@ -321,8 +333,12 @@ def _group(r: Traffic) -> str:
         return "tp block"
     if r.axis.startswith("cp") and r.kind == "send_recv":
         return "cp ring"
+    if r.axis.startswith("cp") and r.kind == "all_to_all":
+        return "cp ulysses"
     if r.axis == "ep" and r.kind == "all_to_all_v":
         return "ep dispatch"
+    if r.what in ("cross_entropy", "moe counts"):
+        return "per microbatch"
     return "other"
 
 
@@ -339,19 +355,23 @@ def step_time(s: Target, per_stage: list[list[Leaf]], traffic: tuple[tuple[Traff
     run, m = s.run, s.run.microbatches
     works = [_work(s, lv, hw) for lv in per_stage]
     recomputes = [_recompute(s, w) for w in works]
-    exposed_by_rank, hops = zip(*(_exposed(s, list(rows), w, hw) for rows, w in zip(traffic, works)))
+    exposed_by_rank, in_steps, hops = zip(*(_exposed(s, list(rows), w, hw) for rows, w in zip(traffic, works)))
     if run.pp > 1:
         p, v = run.pp, s.virtual_stages
         sched = schedules.make(run.pp_schedule, p=p, v=v, m=m)
         where = schedules.placement(run.pp_schedule)
         costs: dict[tuple[int, str], float] = {}
-        for rank, (w, rc) in enumerate(zip(works, recomputes)):
+        # A stage's F and B wait on their own tp / cp / ep collectives: a third of a
+        # microbatch's in forward, two thirds in backward (backward moves the same
+        # activations' gradients twice: dgrad and the re-gathers).
+        fs = [(w.forward + c / m / 3) / v for w, c in zip(works, in_steps)]
+        bs = [(w.backward + rc + 2 * c / m / 3) / v for w, rc, c in zip(works, recomputes, in_steps)]
+        for rank in range(p):
             for c in range(v):
                 g = schedules.global_stage(c, rank, p, where)
-                f, b = w.forward / v, (w.backward + rc) / v
-                costs.update({(g, "F"): f, (g, "B"): b, (g, "I"): b / 2, (g, "W"): b / 2})
-        mean_f = sum(w.forward for w in works) / len(works) / v
-        mean_b = sum(w.backward + rc for w, rc in zip(works, recomputes)) / len(works) / v
+                costs.update({(g, "F"): fs[rank], (g, "B"): bs[rank], (g, "I"): bs[rank] / 2,
+                              (g, "W"): bs[rank] / 2})
+        mean_f, mean_b = sum(fs) / p, sum(bs) / p
         runs = _kinds(sched, p)
         line = schedules.simulate(sched, p=p, v=v, m=m, f=mean_f, b=mean_b, hop=max(hops),
                                   stage_costs={k: c for k, c in costs.items() if k in runs})
@@ -364,7 +384,11 @@ def step_time(s: Target, per_stage: list[list[Leaf]], traffic: tuple[tuple[Traff
     w = works[busiest]
     optimizer = max(_optimizer(s, lv, hw) for lv in per_stage)
     exposed = exposed_by_rank[busiest]
-    total = pipeline + sum(exposed.values()) + optimizer
+    # The makespan holds the microbatches' own collectives; the step's (gradients,
+    # ZeRO's, the norm) come after it.
+    total = pipeline + sum(exposed.values()) - (in_steps[busiest] if run.pp > 1 else 0.0) + optimizer
+    if run.pp == 1:
+        bubble = 0.0
     tokens = run.batch * run.seq
     per_token = llama.flops_per_token(s.cfg, run.seq)
     tokens_per_s = tokens / total / s.world
