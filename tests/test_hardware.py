@@ -108,3 +108,20 @@ def test_plan_calibrate_writes_what_hardware_reads(tmp_path: Path) -> None:
     assert hw.name == "cpu-calibrated" and hw.devices_per_node == 2 and hw.chip.matmul_efficiency == 1.0
     assert hw.chip.flops["float32"] > 1e8 and hw.intra.bandwidth > 1e6 and hw.chip.matmul_curve
     assert build_parser().parse_args(["plan", "--hardware", str(out)]).hardware_spec == hw
+
+
+def test_calibrate_shared_measures_every_rank_at_once() -> None:
+    """More ranks than cores (or ``shared=True``): the chip and the link measured on all the
+    ranks at once, an odd rank out keeping the count; the figures are per rank."""
+    from dtp import testing
+    from dtp.planning.calibrate import calibrate
+
+    try:
+        hw = calibrate(3, repeats=3, shared=True)
+    finally:
+        testing.shutdown()
+    assert hw.devices_per_node == 3 and "all 3 ranks at once" in hw.source
+    assert hw.chip.flops["float32"] > 1e8 and hw.chip.memory_bandwidth > 1e7
+    assert hw.intra.bandwidth > 1e6 and hw.intra.latency >= 0 and len(hw.chip.matmul_curve) == 4
+    with pytest.raises(ValueError, match="shared measurement needs ranks >= 2"):
+        calibrate(1, shared=True)

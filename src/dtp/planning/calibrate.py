@@ -5,7 +5,13 @@ and the gloo link between two local ranks by message size.
 Each figure is the median of repeats after a warm-up. Each device is one rank of
 ``ranks`` sharing this host, so it is measured with its share of the cores
 (``cpu_count // ranks`` threads, what ``dtp train --nproc`` gives a rank) and its share
-of the RAM.
+of the RAM. With more ranks than cores (``shared``, the default then) that share is a
+fraction of a core, which one process alone cannot measure: the matmuls and the
+bandwidth then run on all ``ranks`` processes at once, each figure the rank's throughput
+while every rank runs the same work (the slowest rank's, barrier to barrier), and the
+link is timed with every pair of ranks (0↔1, 2↔3, …) sending at once — what the cores'
+time-sharing does to each rank's compute and each message, measured, as it is during
+``dtp train --nproc ranks``.
 
 What a CPU has no datasheet for is said as measured: the peak per dtype is the best
 FLOP/s any measured shape reached, so ``matmul_efficiency`` is 1.0 by construction, and
@@ -140,18 +146,92 @@ def link_times(repeats: int = 7) -> dict[int, float]:
     return run(_ping_pong, LINK_BYTES, repeats, world_size=2)[0]
 
 
-def calibrate(ranks: int = 2, *, repeats: int = 5) -> Hardware:
+def _shared_seconds(fn: Callable[[], object], repeats: int, budget: float) -> float:
+    """On every rank of the pool at once: seconds per call of ``fn`` while all ranks run
+    it, the same count of calls each (``repeats``, or as many as fill ``budget`` seconds
+    by the warm-up's time, at least 3), over the span from the first rank's start to the
+    last rank's end (``perf_counter`` is the host's monotonic clock, one for every
+    process), so a rank the scheduler let run alone does not count as faster."""
+    import torch.distributed as dist
+
+    fn()
+    dist.barrier()
+    start = time.perf_counter()
+    fn()
+    first = torch.tensor([time.perf_counter() - start])
+    dist.all_reduce(first, op=dist.ReduceOp.MAX)  # the same count on every rank
+    n = max(3, repeats, int(budget / max(float(first), 1e-9)))
+    dist.barrier()
+    span = torch.tensor([-time.perf_counter(), 0.0], dtype=torch.float64)
+    for _ in range(n):
+        fn()
+    span[1] = time.perf_counter()
+    dist.all_reduce(span, op=dist.ReduceOp.MAX)  # -(earliest start), latest end
+    return float(span[0] + span[1]) / n
+
+
+def _shared_measure(threads: int, repeats: int) -> tuple[dict[str, dict[int, float]], float, dict[int, float]]:
+    """On every rank of the pool: matmul FLOP/s and a+b bandwidth with all ranks running
+    them at once, and the one-way send/recv seconds with every pair of ranks at once."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    flops: dict[str, dict[int, float]] = {}
+    for name, sizes in DTYPE_SIZES.items():
+        if name == "bfloat16" and not _bf16_supported():
+            continue
+        dtype = getattr(torch, name)
+        flops[name] = {}
+        for n in sizes:
+            a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+            flops[name][n] = 2 * n**3 / _shared_seconds(lambda: torch.mm(a, b), repeats, budget=1.0)
+    count = ELEMENTWISE_BYTES // 4
+    x, y, z = torch.rand(count), torch.rand(count), torch.empty(count)
+    bandwidth = 3 * ELEMENTWISE_BYTES / _shared_seconds(lambda: torch.add(x, y, out=z), repeats, budget=1.0)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    peer = rank ^ 1
+    link: dict[int, float] = {}
+    for size in LINK_BYTES:
+        buf = torch.zeros(size, dtype=torch.uint8)
+
+        def trip() -> None:
+            if peer >= world:  # an odd rank out keeps the count of barriers, sends nothing
+                return
+            if rank % 2 == 0:
+                dist.send(buf, peer)
+                dist.recv(buf, peer)
+            else:
+                dist.recv(buf, peer)
+                dist.send(buf, peer)
+
+        link[size] = _shared_seconds(trip, repeats + 2, budget=0.5) / 2
+    return flops, bandwidth, link
+
+
+def calibrate(ranks: int = 2, *, repeats: int = 5, shared: bool | None = None) -> Hardware:
     """This machine measured as a system of ``ranks`` devices on one node (the CPU ranks of
-    ``dtp train --nproc ranks``). About 30–60 s on 2 cores, most of it the link's rank pool."""
+    ``dtp train --nproc ranks``). About 30–60 s on 2 cores, most of it the link's rank pool.
+
+    ``shared`` (default: when ``ranks`` exceeds the cores) measures every figure on
+    ``ranks`` processes at once (the module's docstring); else one process measures the
+    chip with its share of the cores and two ranks the link."""
     cores = os.cpu_count() or 1
     threads = max(1, cores // ranks)
+    shared = ranks > cores if shared is None else shared
+    if shared and ranks < 2:
+        raise ValueError(f"calibrate: shared measurement needs ranks >= 2, got {ranks}")
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         started = time.perf_counter()
-        flops = matmul_flops(repeats)
-        bandwidth = elementwise_bandwidth(repeats)
-        times = link_times(repeats + 2)  # its ranks set their own threads (one each)
+        if shared:
+            from ..testing import run  # here: the rank pool, only calibration needs it
+
+            flops, bandwidth, times = run(_shared_measure, threads, repeats, world_size=ranks, timeout=600)[0]
+        else:
+            flops = matmul_flops(repeats)
+            bandwidth = elementwise_bandwidth(repeats)
+            times = link_times(repeats + 2)  # its ranks set their own threads (one each)
     finally:
         torch.set_num_threads(before)
     alpha, beta = fit_alpha_beta(times)
@@ -171,7 +251,8 @@ def calibrate(ranks: int = 2, *, repeats: int = 5) -> Hardware:
         intra=link,
         inter=link,  # no second node was measured: the local gloo link stands for it
         host=Link(bandwidth=bandwidth, latency=0.0),  # a CPU rank's "host" is its own memory
-        source=(f"dtp plan --calibrate on {platform.node()} ({elapsed:.0f} s): matmul GFLOP/s by n³ [{detail}]; "
+        source=(f"dtp plan --calibrate on {platform.node()} ({elapsed:.0f} s"
+                + (f", all {ranks} ranks at once" if shared else "") + f"): matmul GFLOP/s by n³ [{detail}]; "
                 f"float32 a+b {bandwidth / 1e9:.1f} GB/s; gloo send/recv one-way "
                 + ", ".join(f"{s} B {t * 1e6:.0f} us" for s, t in times.items())
                 + "; peak = best measured, efficiency 1.0; link α, β fitted over those sizes"),
