@@ -158,7 +158,8 @@ def time_lines(p: "Plan", hw: "Hardware | None") -> list[str]:
 
     if hw is None:
         name = _device_name()
-        hw = PRESETS[preset_of_device(name)] if name and preset_of_device(name) else None
+        preset = preset_of_device(name) if name else None
+        hw = PRESETS[preset] if preset else None
     if hw is None:
         return [f"step time: add --hardware NAME ({', '.join(PRESETS)}) or --hardware FILE "
                 "(dtp plan --calibrate FILE measures this machine)"]

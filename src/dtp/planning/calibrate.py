@@ -31,6 +31,7 @@ True
 
 from __future__ import annotations
 
+import functools
 import os
 import platform
 import statistics
@@ -77,8 +78,12 @@ def _bf16_supported() -> bool:
         return False
 
 
-def matmul_flops(repeats: int = 5) -> dict[str, dict[int, float]]:
-    """``{dtype: {n: FLOP/s}}`` of ``n × n`` by ``n × n`` products (2n³ FLOPs each)."""
+_Timer = Callable[[Callable[[], object], int], float]
+
+
+def matmul_flops(repeats: int = 5, seconds: _Timer = _median_seconds) -> dict[str, dict[int, float]]:
+    """``{dtype: {n: FLOP/s}}`` of ``n × n`` by ``n × n`` products (2n³ FLOPs each), each
+    timed by ``seconds(fn, repeats)`` (this process alone, or every rank at once)."""
     out: dict[str, dict[int, float]] = {}
     for name, sizes in DTYPE_SIZES.items():
         if name == "bfloat16" and not _bf16_supported():
@@ -87,15 +92,15 @@ def matmul_flops(repeats: int = 5) -> dict[str, dict[int, float]]:
         out[name] = {}
         for n in sizes:
             a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
-            out[name][n] = 2 * n**3 / _median_seconds(lambda: torch.mm(a, b), repeats)
+            out[name][n] = 2 * n**3 / seconds(lambda: torch.mm(a, b), repeats)
     return out
 
 
-def elementwise_bandwidth(repeats: int = 5) -> float:
+def elementwise_bandwidth(repeats: int = 5, seconds: _Timer = _median_seconds) -> float:
     """Bytes/s of a large float32 ``a + b`` into ``c``: two operands read, one written."""
     n = ELEMENTWISE_BYTES // 4
     a, b, c = torch.rand(n), torch.rand(n), torch.empty(n)
-    return 3 * ELEMENTWISE_BYTES / _median_seconds(lambda: torch.add(a, b, out=c), repeats)
+    return 3 * ELEMENTWISE_BYTES / seconds(lambda: torch.add(a, b, out=c), repeats)
 
 
 def _ping_pong(sizes: tuple[int, ...], repeats: int) -> dict[int, float]:
@@ -176,18 +181,9 @@ def _shared_measure(threads: int, repeats: int) -> tuple[dict[str, dict[int, flo
     import torch.distributed as dist
 
     torch.set_num_threads(threads)
-    flops: dict[str, dict[int, float]] = {}
-    for name, sizes in DTYPE_SIZES.items():
-        if name == "bfloat16" and not _bf16_supported():
-            continue
-        dtype = getattr(torch, name)
-        flops[name] = {}
-        for n in sizes:
-            a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
-            flops[name][n] = 2 * n**3 / _shared_seconds(lambda: torch.mm(a, b), repeats, budget=1.0)
-    count = ELEMENTWISE_BYTES // 4
-    x, y, z = torch.rand(count), torch.rand(count), torch.empty(count)
-    bandwidth = 3 * ELEMENTWISE_BYTES / _shared_seconds(lambda: torch.add(x, y, out=z), repeats, budget=1.0)
+    timer = functools.partial(_shared_seconds, budget=1.0)
+    flops = matmul_flops(repeats, timer)
+    bandwidth = elementwise_bandwidth(repeats, timer)
     rank, world = dist.get_rank(), dist.get_world_size()
     peer = rank ^ 1
     link: dict[int, float] = {}
