@@ -28,7 +28,8 @@ if TYPE_CHECKING:
     from ..planning import Plan
     from ..planning.hardware import Hardware
 
-__all__ = ["add_parser", "add_train_flags", "plan_from_args", "plan_of", "cmd_plan", "cmd_calibrate", "print_schedule",
+__all__ = ["add_parser", "add_train_flags", "plan_from_args", "plan_of", "cmd_plan", "cmd_calibrate", "cmd_search",
+           "print_schedule",
            "train_refusal", "machine_memory_gb"]
 
 # The sections of a run a plan reads (dtp.config.SECTIONS): not the checkpoints, not the run's output.
@@ -70,7 +71,65 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                       help="measure this machine (matmul FLOP/s by shape and dtype, memory bandwidth, the gloo "
                            "link by message size; under a minute) and write it as hardware TOML to FILE (default: "
                            "print it), then exit")
+    find = p.add_argument_group("search (the fastest layouts by the step-time model)")
+    find.add_argument("--search", action="store_true",
+                      help="rank every layout of --devices devices (mesh, ZeRO and its overlaps, SP and async TP, "
+                           "cp algorithms, pipeline schedules and virtual stages, microbatches, recompute) that "
+                           "fits --memory-gb (default: the chip's) by its predicted step on --hardware; layout "
+                           "flags given beside it are held")
+    find.add_argument("--devices", type=_positive_int, default=None, metavar="N",
+                      help="with --search: the devices to lay the run out on")
+    find.add_argument("--show", type=_positive_int, default=10, metavar="K",
+                      help="with --search: how many of the fastest layouts to print (default 10)")
     return p
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def cmd_search(args: argparse.Namespace) -> int:
+    """``dtp plan --search``: the ``--show`` fastest layouts (:func:`dtp.planning.search`)."""
+    from ..config import RunConfig
+    from ..config.fields import flag_of
+    from .parser import UsageError
+
+    if args.devices is None:
+        raise UsageError("--search lays the run out on --devices N devices: give --devices")
+    hw = args.hardware_spec
+    if hw is None:
+        from ..planning.hardware import PRESETS, preset_of_device  # here: dtp.planning imports torch
+
+        name = _device_name()
+        preset = preset_of_device(name) if name else None
+        if preset is None:
+            raise UsageError(f"--search ranks layouts by their step time: add --hardware NAME ({', '.join(PRESETS)})"
+                             " or --hardware FILE (dtp plan --calibrate FILE measures this machine)")
+        hw = PRESETS[preset]
+    from ..planning.search import LAYOUT_FIELDS, search  # here: the plan imports torch
+
+    run, default = run_config(args), RunConfig()
+    # A field at its default is the search's (dtype: bfloat16); one given is held.
+    given = {k: v for k, v in run.to_dict().items()
+             if v is not None and v != getattr(default, k) and k not in ("model", "batch", "seq")}
+    if given.get("microbatches") == 1 and run.pp == 1:
+        given.pop("microbatches")
+    held = [flag_of(k) for k in given if k in LAYOUT_FIELDS]
+    if held:
+        print(f"dtp plan --search: holding {', '.join(held)} as given", file=sys.stderr)
+    try:
+        found = search(run.model, devices=args.devices, batch=run.batch, seq=run.seq, hardware=hw,
+                       memory_gb=args.memory_gb, show=args.show, backend=args.backend or "nccl", **given)
+    except ValueError as e:
+        raise UsageError(str(e).removeprefix("dtp.planning.search: ")) from None
+    print("\n".join(found.lines()))
+    return 0 if found.top else 1
 
 
 def _hardware(text: str) -> "Hardware":
@@ -141,6 +200,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     ``dtp train`` refuses is refused here with the same line (:func:`~dtp.cli.flags.check_config`)."""
     if getattr(args, "calibrate", None) is not None:
         return cmd_calibrate(args.calibrate)
+    if getattr(args, "search", False):
+        return cmd_search(args)
     layout = check_config(args)  # before planning imports torch: a refusal takes a fraction of a second
     from ..planning import format_plan  # only now: the plan imports torch
 

@@ -16,6 +16,7 @@ when built. The layout is the run's own (:meth:`dtp.RunConfig.layout`, the funct
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -32,7 +33,8 @@ from ..layouts.pipeline import assign
 from ..models import llama
 from ..core.spec import P
 
-__all__ = ["Target", "Leaf", "DTYPES", "BACKENDS", "leaves", "stage_leaves", "rank_chunks", "rank_stages"]
+__all__ = ["Target", "Leaf", "DTYPES", "BACKENDS", "leaves", "stage_leaves", "rank_chunks", "rank_stages",
+           "pipeline_schedule", "unit_timeline"]
 
 DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in config_dtypes}  # RunConfig's names
 
@@ -124,7 +126,7 @@ class Target:
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.run.dtype]
 
-    @property
+    @functools.cached_property
     def axes(self) -> dict[str, int]:
         """The mesh ``dtp train`` builds (:meth:`dtp.RunConfig.mesh_axes`): ep kept at 1
         under ``expert_tp``, where ZeRO buckets the experts apart from the other tp-split
@@ -159,6 +161,29 @@ class Target:
         return self.tokens // (self.run.tp if self.run.sp else 1)
 
 
+@functools.lru_cache(maxsize=512)
+def pipeline_schedule(name: str, p: int, v: int, m: int) -> schedules.Schedule:
+    """:func:`dtp.schedules.make`, once per schedule: the memory plan, the step-time model
+    and :func:`dtp.planning.search` (thousands of layouts on a few schedules) read it
+    without changing it.
+
+    >>> pipeline_schedule("1f1b", 2, 1, 4) is pipeline_schedule("1f1b", 2, 1, 4)
+    True
+    """
+    return schedules.make(name, p=p, v=v, m=m)
+
+
+@functools.lru_cache(maxsize=512)
+def unit_timeline(name: str, p: int, v: int, m: int) -> schedules.Timeline:
+    """:func:`dtp.schedules.simulate` of a schedule at its default costs (F 1, B 2): its
+    bubble fraction and in-flight microbatches, which depend on the schedule alone.
+
+    >>> unit_timeline("1f1b", 2, 1, 4).peak_in_flight
+    (2, 1)
+    """
+    return schedules.simulate(pipeline_schedule(name, p, v, m), p=p, v=v, m=m)
+
+
 @dataclass(frozen=True)
 class Leaf:
     """One parameter as a rank holds it."""
@@ -177,8 +202,13 @@ class Leaf:
     def nbytes(self) -> int:
         return self.numel * self.dtype.itemsize
 
+    @functools.cached_property
+    def used_axes(self) -> frozenset[str]:
+        """The mesh axes this parameter is split on (its spec's; read once: the plan asks per collective)."""
+        return frozenset(self.spec.used_axes())
+
     def splits(self, axis: str) -> bool:
-        return axis in self.spec.used_axes()
+        return axis in self.used_axes
 
 
 def leaves(s: Target, layout: Layout | None = None) -> list[Leaf]:

@@ -50,10 +50,10 @@ from dataclasses import dataclass
 from .. import schedules
 from ..models import llama
 from .hardware import Hardware, Link
-from .target import Leaf, Target
+from .target import Leaf, Target, pipeline_schedule
 from .traffic import Traffic
 
-__all__ = ["StepTime", "step_time", "matmul_seconds", "collective_seconds", "axis_link", "axis_sizes"]
+__all__ = ["StepTime", "step_time", "busy_bound", "compute_seconds", "optimizer_seconds", "matmul_seconds", "collective_seconds", "axis_link", "axis_sizes"]
 
 # The mesh's order, outer to inner (dtp.config.mesh_axes_of): an axis's ranks sit
 # "stride" apart, stride the product of the sizes inside it.
@@ -263,13 +263,37 @@ def _recompute(s: Target, w: _Work) -> float:
 
 
 def _optimizer(s: Target, rank_leaves: list[Leaf], hw: Hardware) -> float:
-    """AdamW over the parameters this rank updates (its ZeRO slice): read the parameter,
-    its gradient and two fp32 moments, write the parameter and the moments; master
-    weights (fp32, kept under mixed precision) read and written too."""
     n = sum(leaf.numel for leaf in rank_leaves) / (s.run.dp if s.run.zero else 1)
-    item = s.torch_dtype.itemsize
-    master = 2 * 4 if item < 4 else 0
-    return n * (2 * item + item + 4 * 4 + master) / hw.chip.memory_bandwidth
+    return optimizer_seconds(n, s.torch_dtype.itemsize, hw)
+
+
+def optimizer_seconds(n: float, itemsize: int, hw: Hardware) -> float:
+    """AdamW over ``n`` parameters of ``itemsize`` bytes (a rank's ZeRO slice, or all it
+    holds): memory-bound, it reads the parameter, its gradient and two fp32 moments and
+    writes the parameter and the moments; master weights (fp32, kept under mixed
+    precision) are read and written too.
+
+    >>> from dtp.planning.hardware import hardware
+    >>> round(optimizer_seconds(1e9, 2, hardware("h100-sxm")) * 1e3, 2)   # 1B bf16 parameters: 30 B each
+    8.96
+    """
+    master = 2 * 4 if itemsize < 4 else 0
+    return n * (2 * itemsize + itemsize + 4 * 4 + master) / hw.chip.memory_bandwidth
+
+
+def compute_seconds(s: Target, rank_leaves: list[Leaf], hw: Hardware) -> float:
+    """One microbatch's forward and backward on a rank holding ``rank_leaves`` (no
+    communication, no recompute): what :func:`step_time` costs its compute by.
+
+    >>> from dtp import RunConfig
+    >>> from dtp.planning.target import leaves
+    >>> from dtp.planning.hardware import hardware
+    >>> s = Target.of(RunConfig(model="llama3-8b", batch=8, seq=4096, dtype="bfloat16"))
+    >>> round(compute_seconds(s, leaves(s), hardware("h100-sxm")), 2)
+    2.25
+    """
+    w = _work(s, rank_leaves, hw)
+    return w.forward + w.backward
 
 
 # ---------------------------------------------------------------------- collectives
@@ -283,8 +307,11 @@ def _exposed(s: Target, rows: list[Traffic], w: _Work, hw: Hardware) -> tuple[di
     sizes = axis_sizes(s)
     cost: dict[tuple[str, str], float] = {}
     hop = 0.0
+    links: dict[str, Link] = {}
     for r in rows:
-        link = axis_link(s, r.axis, hw)
+        if r.axis not in links:
+            links[r.axis] = axis_link(s, r.axis, hw)
+        link = links[r.axis]
         t = r.times * collective_seconds(r.kind, r.each, sizes.get(r.axis, 1), link)
         if r.axis == "pp" and r.kind == "send":
             if r.what == "activations":
@@ -358,7 +385,7 @@ def step_time(s: Target, per_stage: list[list[Leaf]], traffic: tuple[tuple[Traff
     exposed_by_rank, in_steps, hops = zip(*(_exposed(s, list(rows), w, hw) for rows, w in zip(traffic, works)))
     if run.pp > 1:
         p, v = run.pp, s.virtual_stages
-        sched = schedules.make(run.pp_schedule, p=p, v=v, m=m)
+        sched = pipeline_schedule(run.pp_schedule, p, v, m)
         where = schedules.placement(run.pp_schedule)
         costs: dict[tuple[int, str], float] = {}
         # A stage's F and B wait on their own tp / cp / ep collectives: a third of a
@@ -395,6 +422,37 @@ def step_time(s: Target, per_stage: list[list[Leaf]], traffic: tuple[tuple[Traff
     mfu = tokens_per_s * per_token / hw.chip.flops[dtype]
     return StepTime(hw.name, m * (w.forward + w.backward), m * recomputes[busiest], optimizer, exposed, bubble,
                     total, tokens_per_s, mfu, per_token)
+
+
+def busy_bound(s: Target, per_stage: list[list[Leaf]], traffic: tuple[tuple[Traffic, ...], ...],
+               hw: Hardware) -> float:
+    """A bound :func:`step_time` never beats, without simulating the schedule: the
+    pipeline's makespan replaced by the busiest rank's busy time (no schedule runs a rank's
+    actions in less than their sum), the rest of the step as :func:`step_time` costs it.
+    Equal to it without a pipeline. :func:`dtp.planning.search` orders layouts by it.
+
+    >>> from dtp import RunConfig
+    >>> from dtp.planning.target import leaves, stage_leaves
+    >>> from dtp.planning.hardware import hardware
+    >>> from dtp.planning.traffic import traffic
+    >>> s = Target.of(RunConfig(pp=2, dp=2, microbatches=4, seq=32), backend="nccl")
+    >>> per, hw = stage_leaves(s, leaves(s)), hardware("h100-sxm")
+    >>> rows = tuple(tuple(traffic(s, lv, i)) for i, lv in enumerate(per))
+    >>> busy_bound(s, per, rows, hw) <= step_time(s, per, rows, hw).total
+    True
+    """
+    m = s.run.microbatches
+    works = [_work(s, lv, hw) for lv in per_stage]
+    exposed, in_steps, _ = zip(*(_exposed(s, list(rows), w, hw) for rows, w in zip(traffic, works)))
+    optimizer = max(_optimizer(s, lv, hw) for lv in per_stage)
+    if s.run.pp == 1:
+        return m * (works[0].forward + works[0].backward + _recompute(s, works[0])) + sum(exposed[0].values()) + \
+            optimizer
+    # step_time feeds the schedule each rank's F and B with its in-step collectives: m·v
+    # actions of each kind whose costs sum to m·(F + B + recompute) + those collectives.
+    busy = [m * (w.forward + w.backward + _recompute(s, w)) + c for w, c in zip(works, in_steps)]
+    after = min(sum(e.values()) - c for e, c in zip(exposed, in_steps))
+    return max(busy) + after + optimizer
 
 
 def _kinds(schedule: schedules.Schedule, p: int) -> set[tuple[int, str]]:

@@ -98,7 +98,7 @@ def zero_buckets(s: Target, rank_leaves: list[Leaf]) -> list[tuple[int, int, int
     """
     names = list(s.axes)
     groups = [members for _, members in bucket_groups(
-        [(leaf.dtype, tuple(a for a in names if a in set(leaf.spec.used_axes()))) for leaf in rank_leaves],
+        [(leaf.dtype, tuple(a for a in names if a in leaf.used_axes)) for leaf in rank_leaves],
         [leaf.numel for leaf in rank_leaves], [leaf.dtype.itemsize for leaf in rank_leaves], s.run.bucket_mb)]
     # Reads in forward: every leaf once, a tied embedding again at the head.
     last_read = len(rank_leaves) - 1
@@ -143,21 +143,29 @@ def traffic(s: Target, rank_leaves: list[Leaf], stage: int = 0) -> list[Traffic]
     # Mixed precision (without ZeRO) accumulates and reduces the gradients in fp32.
     widen = 1 if zero_dp or s.layout.precision is None else acc // e
     expert_tp = s.layout.expert is not None and s.layout.expert.tp_axis == "tp"
+    # Each leaf's name and gradient bytes, read once: the loop below asks them per axis, and
+    # a plan of thousands of layouts (dtp.planning.search) asks for millions.
+    grad_bytes = [(leaf, leaf.path.rsplit(".", 1)[-1], leaf.nbytes * (widen if leaf.dtype == s.torch_dtype else 1))
+                  for leaf in rank_leaves]
     for axis in ("cp", "ep", "tp") + (() if zero_dp else ("dp",)):
         n = axes.get(axis, 1)
-        per: dict[int, int] = defaultdict(int)
-        for leaf in rank_leaves:
+        if n == 1:  # add() keeps nothing of an axis of one rank
+            continue
+        sizes: dict[int, int] = defaultdict(int)  # gradient bytes -> parameters of that size
+        for leaf, name, nbytes in grad_bytes:
             # A weight on the residual stream's features (a block norm, the output bias)
             # under tp without SP: the whole (reduced) gradient of its output reaches every
             # rank, so its gradient is already whole there. (Not the q/k norms: they apply
             # to heads split over tp, so theirs is a pending sum.)
             # Experts whole on every tp rank route the same tokens: their and the router's
             # gradients are whole there too (split over tp, the router's is a pending sum).
-            whole_on_tp = (axis == "tp" and leaf.path.rsplit(".", 1)[-1] in _ROUTED
-                           and not (expert_tp and leaf.path.endswith("router")))
+            whole_on_tp = (axis == "tp" and name in _ROUTED and not (expert_tp and leaf.path.endswith("router")))
             if not leaf.splits(axis) and not whole_on_tp and not (axis == "tp" and not s.run.sp and
-                                                                  leaf.path.rsplit(".", 1)[-1] in _RESIDUAL):
-                per[_ar(leaf.nbytes * (widen if leaf.dtype == s.torch_dtype else 1), n)] += 1
+                                                                  name in _RESIDUAL):
+                sizes[nbytes] += 1
+        per: dict[int, int] = defaultdict(int)
+        for nbytes, count in sizes.items():
+            per[_ar(nbytes, n)] += count
         for each, times in sorted(per.items()):
             add(axis, "all_reduce", "grad", times * grad_times, each)
     if zero_dp:

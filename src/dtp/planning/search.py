@@ -1,0 +1,512 @@
+"""The fastest layout for a model on ``N`` devices: :func:`search` (``dtp plan --search``).
+
+The space is every layout ``dtp train`` can run on ``N`` devices: the mesh ``pp × dp × ep ×
+cp × tp = N`` (ep only for an MoE model); tp with or without sequence parallel and async
+TP; cp with each algorithm (double-ring at each window, hybrid at each Ulysses degree);
+each pipeline schedule with its virtual stages; ZeRO 0-3 with each of its overlaps;
+every microbatch count that splits a data rank's rows; each recompute policy; under ep,
+EP overlap. Each layout is a :class:`dtp.RunConfig`, checked by the run's own checks and
+``dtp train``'s preflight (:func:`dtp.cli.shape.check_shape`), planned by :func:`dtp.plan`
+and timed by :meth:`dtp.planning.Plan.time`: the search ranks what the plan predicts and
+nothing else.
+
+It is exact with respect to that model, and fast by three rules that hold in it:
+
+- **lower bounds, best first.** A group of layouts that share a mesh, its strategies and
+  the microbatch count has a bound no member beats: the busiest pipeline rank's compute
+  on the schedule with no communication, no recompute and no hand-over latency, plus the
+  smallest optimizer step a member has (:func:`dtp.planning.time.lower_bound`). Groups are
+  planned in the order of their bounds and the search stops when the next bound is above
+  the ``show``-th best time found.
+- **dominance within a group.** Recompute only adds time, and ZeRO's overlaps only hide
+  it: of the variants that fit, one with less recompute and a superset of the overlaps
+  is never slower, so the others are not timed (they are counted as dominated).
+- **memoised stages.** A group's parameters per pipeline rank (the expensive part of a
+  plan: 723 leaves for a 70B) are computed once per mesh and reused by its variants.
+
+A layout whose fullest rank does not fit ``memory_gb`` is pruned after its memory plan
+(counted as ``memory``); one a check refuses is counted by the flag the refusal names.
+
+>>> r = search("tiny", devices=4, batch=8, seq=64, hardware="h100-sxm", show=3)
+>>> len(r.top), r.top[0].time.total <= r.top[-1].time.total, r.space >= r.planned
+(3, True, True)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import heapq
+import math
+import re
+import time as clock
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+from .. import schedules
+from ..config import RunConfig, flag_names
+from ..core.mesh.shape import MeshShape
+from ..models import llama
+from .hardware import Hardware, hardware as read_hardware
+from .memory import memory
+from .target import DTYPES, Leaf, Target, leaves, stage_leaves
+from .time import StepTime, busy_bound, compute_seconds, optimizer_seconds, step_time
+from .traffic import traffic
+
+__all__ = ["Candidate", "SearchResult", "search", "command", "describe", "LAYOUT_FIELDS"]
+
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One planned layout: the run, its predicted step and its fullest rank's peak (bytes)."""
+
+    run: RunConfig
+    time: StepTime
+    peak: int
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    """What :func:`search` found.
+
+    - `top`: the fastest layouts that fit, fastest first.
+    - `space`: layouts in the space before any pruning.
+    - `planned`: layouts whose memory was planned; `timed`: of them, those timed in full.
+    - `pruned`: layouts not planned or not kept, by reason (``memory``, ``dominated``,
+      ``bound``, or ``refused: <flag>``).
+    - `seconds`: the search's wall time.
+    """
+
+    top: tuple[Candidate, ...]
+    space: int
+    planned: int
+    timed: int
+    pruned: dict[str, int]
+    seconds: float
+    devices: int
+    hardware: str
+    memory_gb: float
+
+    def lines(self) -> list[str]:
+        """What ``dtp plan --search`` prints."""
+        out = [f"search: {self.space:,} layouts of {self.devices} devices on {self.hardware} "
+               f"({self.memory_gb:g} GiB each); {self.planned:,} planned, {self.timed:,} timed in full, "
+               f"{self.seconds:.1f} s",
+               "  pruned: " + ", ".join(f"{k} {v:,}" for k, v in sorted(self.pruned.items(), key=lambda kv: -kv[1]))]
+        for i, c in enumerate(self.top, 1):
+            t = c.time
+            out.append(f"{i:>2}. {_ms(t.total)}  MFU {100 * t.mfu:.1f} %  peak {c.peak / GIB:.1f} GiB  "
+                       f"{describe(c.run)}")
+            out += ["      " + line.strip() for line in t.lines()[1:]]
+            out.append(f"      {command(c.run)}")
+        if not self.top:
+            out.append("no layout fits: raise --memory-gb, or add devices")
+        return out
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:,.1f} ms"
+
+
+#: The fields a layout sets (the search's); the rest of the run is the caller's.
+LAYOUT_FIELDS = ("pp", "pp_schedule", "virtual_stages", "dp", "ep", "cp", "tp", "sp", "async_tp", "cp_algo",
+                  "cp_window", "ulysses_degree", "zero", "overlap_grad_reduce", "overlap_param_gather",
+                  "microbatches", "recompute", "ep_overlap")
+
+
+def describe(run: RunConfig) -> str:
+    """A layout in a few words.
+
+    >>> describe(RunConfig(dp=2, tp=2, sp=True, zero=1, overlap_grad_reduce=True, microbatches=2))
+    'dp2 tp2 sp zero1 ogr mb2'
+    """
+    parts = [f"{a}{getattr(run, a)}" for a in ("pp", "dp", "ep", "cp", "tp") if getattr(run, a) > 1]
+    if run.pp > 1:
+        parts.append(run.pp_schedule + (f" v{run.virtual_stages}" if run.pp_schedule == "interleaved" else ""))
+    if run.cp > 1:
+        parts.append(run.cp_algo or "ring")
+        if run.cp_window:
+            parts.append(f"w{run.cp_window}")
+        if run.ulysses_degree:
+            parts.append(f"u{run.ulysses_degree}")
+    parts += [name for name in ("sp", "async_tp", "ep_overlap") if getattr(run, name)]
+    if run.zero:
+        parts.append(f"zero{run.zero}")
+        parts += [short for name, short in (("overlap_grad_reduce", "ogr"), ("overlap_param_gather", "opg"))
+                  if getattr(run, name)]
+    if run.microbatches > 1:
+        parts.append(f"mb{run.microbatches}")
+    if run.recompute != "none":
+        parts.append(f"recompute {run.recompute}")
+    return " ".join(parts) or "one device"
+
+
+def command(run: RunConfig) -> str:
+    """The ``dtp train`` command of ``run``: the flags of the fields it sets away from their
+    defaults (under torchrun, as ``python -m dtp train ...`` on every node).
+
+    >>> command(RunConfig(model="llama3-8b", dp=2, tp=4, sp=True, batch=16, seq=2048))
+    'dtp train --dp 2 --tp 4 --sp --model llama3-8b --batch 16 --seq 2048'
+    """
+    from ..config import flag_of  # the flags are the fields' (dtp.config.fields)
+
+    default = RunConfig()
+    out = ["dtp train"]
+    for f in dataclasses.fields(run):
+        value = getattr(run, f.name)
+        if value == getattr(default, f.name) and f.name != "microbatches" or value is None:
+            continue
+        if f.name == "microbatches" and value == 1:
+            continue
+        if isinstance(value, bool):
+            out.append(flag_of(f.name) if value else f"--no-{flag_of(f.name)[2:]}")
+        else:
+            out += [flag_of(f.name), str(value)]
+    return " ".join(out)
+
+
+# ----------------------------------------------------------------------------- the space
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _meshes(n: int, moe: bool) -> Iterator[dict[str, int]]:
+    for pp in _divisors(n):
+        for cp in _divisors(n // pp):
+            for tp in _divisors(n // (pp * cp)):
+                rest = n // (pp * cp * tp)
+                for ep in (_divisors(rest) if moe else [1]):
+                    yield {"pp": pp, "dp": rest // ep, "ep": ep, "cp": cp, "tp": tp}
+
+
+def _tp_options(tp: int) -> list[dict[str, Any]]:
+    if tp == 1:
+        return [{}]
+    return [{"sp": False}, {"sp": True}, {"sp": True, "async_tp": True}]
+
+
+def _cp_options(cp: int) -> list[dict[str, Any]]:
+    if cp == 1:
+        return [{}]
+    inner = [d for d in _divisors(cp) if 1 < d < cp]
+    return ([{"cp_algo": "ring"}, {"cp_algo": "ulysses"}] + [{"cp_algo": "double_ring", "cp_window": w} for w in inner]
+            + [{"cp_algo": "hybrid", "ulysses_degree": u} for u in inner])
+
+
+def _pp_options(pp: int, n_layers: int) -> list[dict[str, Any]]:
+    if pp == 1:
+        return [{}]
+    out: list[dict[str, Any]] = []
+    for name in schedules.SCHEDULES:
+        if name == "interleaved":  # every chunk count the layers allow (embedding and head are layers)
+            out += [{"pp_schedule": name, "virtual_stages": v} for v in range(2, (n_layers + 2) // pp + 1)]
+        else:
+            out.append({"pp_schedule": name})
+    return out
+
+
+def _ep_options(ep: int) -> list[dict[str, Any]]:
+    return [{}] if ep == 1 else [{}, {"ep_overlap": True}]
+
+
+# The variants a group is timed over: ZeRO stages with their overlaps (most hidden first,
+# the order dominance is checked in), and the recompute policies, least recompute first.
+_RECOMPUTE = ("none", "selective", "full")
+
+
+def _zero_options(dp: int) -> list[dict[str, Any]]:
+    if dp == 1:
+        return [{"zero": 0}]
+    out = [{"zero": 0}]
+    for stage in (1, 2, 3):
+        for ogr, opg in ((True, True), (True, False), (False, True), (False, False)):
+            out.append({"zero": stage, "overlap_grad_reduce": ogr, "overlap_param_gather": opg})
+    return out
+
+
+def _hides_more(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Whether ZeRO variant ``a`` is ``b`` with at least its overlaps."""
+    return a["zero"] == b["zero"] and all(a.get(k, False) >= b.get(k, False)
+                                          for k in ("overlap_grad_reduce", "overlap_param_gather"))
+
+
+# ----------------------------------------------------------------------------- the search
+
+
+_FLAG = re.compile(r"--[a-z][a-z0-9-]*")
+
+
+def _reason(error: Exception) -> str:
+    """The constraint a refusal names: a flag its reason names, else the last its subject
+    names (``--pp 2 --microbatches 3: schedules: ...`` is about ``--microbatches``), else
+    its first words.
+
+    >>> _reason(ValueError("--model tiny on the mesh tp=3: heads=4 is not divisible by tp=3 (--tp splits)"))
+    'refused: --tp'
+    >>> _reason(ValueError("--pp 2 --microbatches 3: schedules: 'interleaved' needs m a multiple of p=2"))
+    'refused: --microbatches'
+    """
+    text = str(error)
+    subject, _, why = text.partition(": ")
+    found = _FLAG.findall(why) or _FLAG.findall(subject)[-1:]
+    return f"refused: {found[0]}" if found else f"refused: {' '.join(text.split()[:3])}"
+
+
+class _Search:
+    """One search's state: the bests so far, the counts, the memoised stages and bounds."""
+
+    def __init__(self, cfg: llama.LlamaConfig, name: str, hw: Hardware, budget: float, show: int,
+                 backend: str, base: dict[str, Any], held: dict[str, Any]) -> None:
+        self.cfg, self.name, self.hw, self.budget, self.show, self.backend = cfg, name, hw, budget, show, backend
+        self.base, self.held = base, held
+        self.pruned: dict[str, int] = {}
+        self.space = self.planned = self.timed = 0
+        self.best: list[tuple[float, int, Candidate]] = []  # the show best as a max-heap (by -time)
+        self.stages: dict[tuple, list[list[Leaf]]] = {}
+        self.works: dict[tuple, tuple[float, int] | Exception] = {}
+        self.itemsize = DTYPES[base.get("dtype", "bfloat16")].itemsize
+
+    def prune(self, reason: str, n: int) -> None:
+        self.pruned[reason] = self.pruned.get(reason, 0) + n
+
+    def holds(self, fields_: dict[str, Any]) -> bool:
+        """Whether ``fields_`` keep the fields the caller fixed."""
+        return all(self.held.get(k, v) == v for k, v in fields_.items())
+
+    @property
+    def worst_kept(self) -> float:
+        return -self.best[0][0] if len(self.best) == self.show else math.inf
+
+    # ---- the coarse bound: a mesh, its tp and cp options and the microbatch count
+
+    def coarse(self, axes: dict[str, int], opts: dict[str, Any], m: int) -> float | Exception:
+        """A bound on every pipeline option of ``axes`` and ``opts`` at ``m`` microbatches:
+        the whole model's compute per microbatch (the stages' compute sums to it) over the
+        pipeline ranks, and the optimizer step of the parameters over them."""
+        rows = self.base["batch"] // (axes["dp"] * axes["ep"] * m)
+        key = (axes["ep"], axes["cp"], axes["tp"], opts.get("sp", False), rows)
+        if key not in self.works:
+            try:  # the pipeline folded away: one rank's compute is the whole model's
+                with flag_names():
+                    run = RunConfig(**{**self.base, **axes, **opts, "pp": 1, "microbatches": m})
+                s = Target.of(run, cfg=self.cfg, backend=self.backend, name=self.name)
+                _preflight(run, s, self.cfg)
+                every = leaves(s)
+                self.works[key] = (compute_seconds(s, every, self.hw), sum(x.numel for x in every))
+            except ValueError as e:
+                self.works[key] = e
+        work = self.works[key]
+        if isinstance(work, Exception):
+            return work
+        seconds, n_params = work
+        # the optimizer's largest rank holds at least the mean of the stages' parameters
+        shards = axes["pp"] * (axes["dp"] if axes["dp"] > 1 else 1)
+        return m * seconds / axes["pp"] + optimizer_seconds(n_params / shards, self.itemsize, self.hw)
+
+    # ---- the fine bound: one pipeline option
+
+    def group(self, axes: dict[str, int], opts: dict[str, Any], m: int) -> tuple[float, Target, list] | Exception:
+        fields_ = {**self.base, **axes, **opts, "microbatches": m}
+        try:
+            with flag_names():
+                run = RunConfig(**fields_)
+            s = Target.of(run, cfg=self.cfg, backend=self.backend, name=self.name)
+            _preflight(run, s, self.cfg)
+        except ValueError as e:
+            return e
+        key = (axes["ep"], axes["cp"], axes["tp"], opts.get("sp", False), run.pp, s.virtual_stages,
+               run.pp_schedule if run.pp > 1 else None)
+        if key not in self.stages:
+            self.stages[key] = stage_leaves(s, leaves(s))
+        per_stage = self.stages[key]
+        return self.bound(s, per_stage), s, per_stage
+
+    def bound(self, s: Target, per_stage: list[list[Leaf]]) -> float:
+        """No variant of group ``s`` is faster: the fastest of its ZeRO variants without
+        recompute (recompute only adds), each ZeRO stage's with the most overlaps it may
+        have (overlaps only hide: a variant another accepted one hides more than is
+        skipped), by :func:`.time.busy_bound` and without a memory plan (the expensive
+        part, left to the groups this does not prune)."""
+        best, accepted = math.inf, []
+        for zopts in _zero_options(s.run.dp):
+            if any(_hides_more(z, zopts) for z in accepted):
+                continue
+            try:
+                with flag_names():
+                    run = dataclasses.replace(s.run, **zopts, recompute="none")
+                t = dataclasses.replace(s, run=run, layout=run.layout())
+                _preflight(run, t, self.cfg)
+            except ValueError:  # refused: not a member (the variants count it)
+                continue
+            accepted.append(zopts)
+            rows = tuple(tuple(traffic(t, lv, i)) for i, lv in enumerate(per_stage))
+            best = min(best, busy_bound(t, per_stage, rows, self.hw))
+        return best
+
+    # ---- the variants of a group: ZeRO's and recompute
+
+    def variants(self, s: Target, per_stage: list[list[Leaf]]) -> None:
+        """Plan and time the ZeRO and recompute variants of group ``s`` that fit and that
+        no other variant that fits dominates."""
+        plans: dict[tuple, tuple[Target, int] | Exception] = {}
+
+        def planned(zopts: dict[str, Any], rc: str) -> tuple[Target, int] | Exception:
+            key = (*sorted(zopts.items()), rc)
+            if key not in plans:
+                try:
+                    with flag_names():
+                        run = dataclasses.replace(s.run, **zopts, recompute=rc)
+                    t = dataclasses.replace(s, run=run, layout=run.layout())
+                    _preflight(run, t, self.cfg)  # ZeRO's options against the others (a pipeline's rules)
+                    self.planned += 1
+                    plans[key] = (t, max(memory(t, lv, i).peak for i, lv in enumerate(per_stage)))
+                except ValueError as e:
+                    plans[key] = e
+            return plans[key]
+
+        # The most frugal variants first (full recompute, each ZeRO stage without the
+        # overlaps, which only hold more): where none fits, no variant does.
+        stages = sorted({z["zero"] for z in _zero_options(s.run.dp)})
+        frugal = [planned({"zero": z, **({"overlap_grad_reduce": False, "overlap_param_gather": False} if z else {})},
+                          "full") for z in stages]
+        if all(isinstance(p, Exception) or p[1] > self.budget for p in frugal):
+            self.prune("memory", len(_zero_options(s.run.dp)) * len(_RECOMPUTE))
+            return
+        kept: list[tuple[dict[str, Any], int]] = []  # (ZeRO variant, recompute index) timed
+        for zopts in _zero_options(s.run.dp):
+            if not self.holds(zopts):
+                continue
+            for ri, rc in enumerate(_RECOMPUTE):
+                if not self.holds({"recompute": rc}):
+                    continue
+                if any(_hides_more(z, zopts) and r <= ri for z, r in kept):
+                    self.prune("dominated", len(_RECOMPUTE) - ri)
+                    break
+                got = planned(zopts, rc)
+                if isinstance(got, Exception):
+                    self.prune(_reason(got), 1)
+                    continue
+                t, peak = got
+                if peak > self.budget:
+                    self.prune("memory", 1)
+                    continue
+                rows = tuple(tuple(traffic(t, lv, i)) for i, lv in enumerate(per_stage))
+                step = step_time(t, per_stage, rows, self.hw)
+                self.timed += 1
+                kept.append((zopts, ri))
+                entry = (-step.total, -self.timed, Candidate(t.run, step, peak))
+                if len(self.best) < self.show:
+                    heapq.heappush(self.best, entry)
+                elif step.total < self.worst_kept:
+                    heapq.heapreplace(self.best, entry)
+                self.prune("dominated", len(_RECOMPUTE) - ri - 1)  # more recompute than a fit: never faster
+                break
+
+
+def search(model: str | llama.LlamaConfig = "llama3-8b", *, devices: int, batch: int, seq: int,
+           hardware: Hardware | str, memory_gb: float | None = None, show: int = 10, backend: str = "nccl",
+           **fixed: Any) -> SearchResult:
+    """The ``show`` fastest layouts of ``model`` on ``devices`` devices of ``hardware`` that
+    fit ``memory_gb`` GiB a device (default: the chip's memory), by :meth:`Plan.time`
+    (module docstring: the space, and why the search is exact and fast).
+
+    - `model`: a preset name or a :class:`~dtp.models.llama.LlamaConfig`.
+    - `batch`, `seq`: the global batch (sequences) and sequence length.
+    - `fixed`: other :class:`dtp.RunConfig` fields every layout keeps (``dtype`` defaults to
+      ``"bfloat16"``); a layout field given here is held, not searched.
+
+    >>> r = search("tiny", devices=2, batch=4, seq=32, hardware="a100-80gb", show=2)
+    >>> [describe(c.run) for c in r.top]      # tiny: two pipeline stages send less than dp's all-reduce
+    ['pp2 zb-h1 mb2', 'pp2 gpipe mb2']
+    >>> search("tiny", devices=0, batch=4, seq=32, hardware="a100-80gb")
+    Traceback (most recent call last):
+    ...
+    ValueError: dtp.planning.search: devices must be >= 1, got 0
+    """
+    start = clock.perf_counter()
+    if devices < 1:
+        raise ValueError(f"dtp.planning.search: devices must be >= 1, got {devices}")
+    if show < 1:
+        raise ValueError(f"dtp.planning.search: show must be >= 1, got {show}")
+    hw = read_hardware(hardware) if isinstance(hardware, str) else hardware
+    budget = (hw.chip.memory / GIB if memory_gb is None else memory_gb) * GIB
+    fixed = {"dtype": "bfloat16", **fixed}
+    cfg = llama.config(model) if isinstance(model, str) else model
+    base = {k: v for k, v in fixed.items() if k not in LAYOUT_FIELDS}
+    base.update(batch=batch, seq=seq, **({"model": model} if isinstance(model, str) else {}))
+    st = _Search(cfg, model if isinstance(model, str) else "custom", hw, budget, show, backend, base,
+                 {k: fixed[k] for k in LAYOUT_FIELDS if k in fixed})
+    n_layers = llama.n_sequential_layers(cfg) - 2
+    per_group = lambda dp: len(_zero_options(dp)) * len(_RECOMPUTE)  # noqa: E731
+    # The heap: (bound, order, coarse entry or a group). A coarse entry stands for its
+    # pipeline options, each a group of ZeRO and recompute variants.
+    heap: list[tuple[float, int, tuple]] = []
+    for axes in _meshes(devices, bool(cfg.num_experts)):
+        if not st.holds(axes):
+            continue
+        data = axes["dp"] * axes["ep"]
+        counts = _divisors(batch // data) if batch % data == 0 else []
+        pp_opts = [o for o in _pp_options(axes["pp"], n_layers) if st.holds(o)]
+        for opts in _options(axes):
+            if not st.holds(opts):
+                continue
+            n = len(pp_opts) * per_group(axes["dp"])
+            if not counts:
+                st.space += n
+                st.prune("refused: --batch", n)
+            for m in counts:
+                st.space += n
+                if not st.holds({"microbatches": m}):
+                    continue
+                bound = st.coarse(axes, {k: v for k, v in opts.items() if k != "ep_overlap"}, m)
+                if isinstance(bound, Exception):
+                    st.prune(_reason(bound), n)
+                    continue
+                heap.append((bound, len(heap), ("coarse", axes, opts, m, pp_opts)))
+    heapq.heapify(heap)
+    order = len(heap)
+    while heap:
+        bound, _, entry = heapq.heappop(heap)
+        if bound >= st.worst_kept:
+            for _, _, rest in [(bound, 0, entry), *heap]:
+                st.prune("bound", len(rest[4]) * per_group(rest[1]["dp"]) if rest[0] == "coarse"
+                         else per_group(rest[1].run.dp))
+            break
+        if entry[0] == "coarse":
+            _, axes, opts, m, pp_opts = entry
+            for p_opts in pp_opts:
+                got = st.group(axes, {**opts, **p_opts}, m)
+                if isinstance(got, Exception):
+                    st.prune(_reason(got), per_group(axes["dp"]))
+                    continue
+                order += 1
+                heapq.heappush(heap, (got[0], order, ("group", got[1], got[2])))
+        else:
+            st.variants(entry[1], entry[2])
+    top = tuple(c for _, _, c in sorted(st.best, key=lambda b: (-b[0], -b[1])))
+    return SearchResult(top, st.space, st.planned, st.timed, st.pruned, clock.perf_counter() - start, devices,
+                        hw.name, budget / GIB)
+
+
+def _options(axes: dict[str, int]) -> Iterator[dict[str, Any]]:
+    """The tp, cp and ep options of a mesh (its pipeline's are a group's)."""
+    for t in _tp_options(axes["tp"]):
+        for c in _cp_options(axes["cp"]):
+            for e in _ep_options(axes["ep"]):
+                yield {**t, **c, **e}
+
+
+def _preflight(run: RunConfig, s: Target, cfg: llama.LlamaConfig) -> None:
+    """``dtp train``'s checks of the run's shape (:func:`dtp.cli.shape.check_shape`), which
+    need no data: a layout the search returns is one ``dtp train`` starts."""
+    from ..cli.parser import UsageError
+    from ..cli.shape import check_shape
+
+    try:
+        check_shape(argparse.Namespace(**run.to_dict(), check=False), s.layout, cfg, MeshShape(s.axes))
+    except UsageError as e:
+        raise ValueError(str(e)) from None
