@@ -88,7 +88,7 @@ def test_the_search_finds_what_planning_every_layout_finds(tight):
 def test_every_layout_found_runs_and_fits():
     """Each pick is one ``dtp train`` accepts (its shape checks, through its own flags) and
     whose plan fits the budget."""
-    found = search("llama3-8b", devices=4, batch=8, seq=4096, hardware="h100-sxm", memory_gb=60, show=6)
+    found = search("llama3-8b", devices=8, batch=8, seq=2048, hardware="h100-sxm", memory_gb=60, show=6)
     assert found.top
     for c in found.top:
         argv = command(c.run).split()[2:]  # "dtp train ..."
