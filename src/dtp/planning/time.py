@@ -10,7 +10,7 @@ count) and its pipeline schedule — and costs them:
   kernel's FLOPs (forward ``4 · q · k̄ · head_dim`` per head, ``k̄`` the mean keys a query
   sees, half the sequence; backward 2.5 × forward, FlashAttention-2's count, which
   recomputes the scores); the elementwise work (norms, residual adds, rotary, the SwiGLU
-  gate, the loss) by the bytes it moves. Backward's matmuls are twice forward's.
+  gate or the GELU, the loss) by the bytes it moves. Backward's matmuls are twice forward's.
 - **recompute**: ``full`` runs each block's forward again in backward, ``selective`` its
   attention core (:mod:`dtp.ops.recompute`'s policies).
 - **collectives**, each by α–β on the link its mesh axis's ranks use: the axes are laid
@@ -243,11 +243,13 @@ def _work(s: Target, rank_leaves: list[Leaf], hw: Hardware) -> _Work:
     attn_flops = 4.0 * tokens * (run.seq + 1) / 2 * head_dim * heads * len(blocks)
     attention = attn_flops / (hw.chip.flops[dtype] * hw.chip.matmul_efficiency)
     # Elementwise bytes a block moves per token in forward: two norms (read, write),
-    # two residual adds (two reads, a write), rotary on q and k, the SwiGLU gate (two
-    # reads, a write); the loss reads the logits and writes their gradient, in fp32.
+    # two residual adds (two reads, a write), rotary on q and k, the MLP's activation:
+    # SwiGLU's gate two reads and a write, GELU's one of each; the loss reads the logits
+    # and writes their gradient, in fp32.
     q_dim, kv_dim = heads * head_dim, max(cfg.n_kv_heads // run.tp, 1) * head_dim  # kv heads repeat below tp
     ffn = (cfg.moe_ffn_dim or cfg.ffn_dim) * (cfg.top_k if cfg.num_experts else 1) // run.tp
-    per_block = (2 * 2 * cfg.dim + 2 * 3 * cfg.dim + 2 * (q_dim + kv_dim) + 3 * ffn) * item
+    act = 3 if cfg.mlp == "swiglu" else 2
+    per_block = (2 * 2 * cfg.dim + 2 * 3 * cfg.dim + 2 * (q_dim + kv_dim) + act * ffn) * item
     elementwise = tokens * per_block * len(blocks)
     if has_head:
         elementwise += tokens * (cfg.vocab_size // run.tp) * 4 * 4
