@@ -65,7 +65,7 @@ from ..schedules.actions import flat
 from ..core._rules import accum_dtype
 from ..models import llama
 from ..models.config import n_sequential_layers
-from .target import Leaf, Target, rank_chunks
+from .target import Leaf, Target, rank_chunks, schedule
 from .traffic import zero_buckets
 
 __all__ = ["Memory", "memory", "block_activations", "phases", "held_gathers"]
@@ -212,8 +212,7 @@ def _in_flight(s: Target, stage: int) -> int:
     """(chunk, microbatch) pairs pipeline rank ``stage`` holds activations of at once."""
     if s.run.pp == 1:
         return 1
-    sched = schedules.make(s.run.pp_schedule, p=s.run.pp, v=s.virtual_stages, m=s.run.microbatches)
-    return schedules.simulate(sched, p=s.run.pp, v=s.virtual_stages, m=s.run.microbatches).peak_in_flight[stage]
+    return schedule(s)[1].peak_in_flight[stage]
 
 
 def rank_actions(s: Target, stage: int) -> list[schedules.Action]:
@@ -221,8 +220,7 @@ def rank_actions(s: Target, stage: int) -> list[schedules.Action]:
     flattened); without a pipeline each microbatch's ``F`` then ``B``."""
     if s.run.pp == 1:
         return [schedules.Action(k, 0, 0) for k in "FB"]
-    sched = schedules.make(s.run.pp_schedule, p=s.run.pp, v=s.virtual_stages, m=s.run.microbatches)
-    return [a for item in sched[stage] for a in flat(item)]
+    return [a for item in schedule(s)[0][stage] for a in flat(item)]
 
 
 def held_over_schedule(actions: list[schedules.Action], saved: list[int],

@@ -50,7 +50,7 @@ from dataclasses import dataclass
 from .. import schedules
 from ..models import llama
 from .hardware import Hardware, Link
-from .target import Leaf, Target
+from .target import Leaf, Target, schedule
 from .traffic import Traffic
 
 __all__ = ["StepTime", "step_time", "matmul_seconds", "collective_seconds", "axis_link", "axis_sizes"]
@@ -360,7 +360,7 @@ def step_time(s: Target, per_stage: list[list[Leaf]], traffic: tuple[tuple[Traff
     exposed_by_rank, in_steps, hops = zip(*(_exposed(s, list(rows), w, hw) for rows, w in zip(traffic, works)))
     if run.pp > 1:
         p, v = run.pp, s.virtual_stages
-        sched = schedules.make(run.pp_schedule, p=p, v=v, m=m)
+        sched = schedule(s)[0]
         where = schedules.placement(run.pp_schedule)
         costs: dict[tuple[int, str], float] = {}
         # A stage's F and B wait on their own tp / cp / ep collectives: a third of a
