@@ -430,6 +430,38 @@ def test_70b_plans_in_well_under_a_second_without_allocating():
     assert p.bubble == pytest.approx(3 / 35)
 
 
+def _split_peaks(kw, batch, seq, split) -> tuple[int, dict, int]:
+    """This rank's pipeline rank, its second step's comm log and allocator peak under
+    ``layout`` = the run's with ``layer_split``."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    run_cfg = dtp.RunConfig(model="tiny", batch=batch, seq=seq, **kw)
+    layout = dtp.layouts.data() + dtp.layouts.megatron() + dtp.layouts.pipeline(layer_split=split)
+    mesh = dtp.make_mesh(**run_cfg.mesh_axes())
+    gc.collect()
+    with _collective_buffers_freed_here(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        summary = second_step_comm(kw, "tiny", batch, seq, layout=layout,
+                                   step_context=lambda step: record_function(f"plan step {step}"))
+        gc.collect()
+    logged = {axis: {k: b for k, b in kinds.items() if b} for axis, kinds in summary.items()}  # receives: 0 B sent
+    return mesh.get_local_rank("pp"), logged, _allocator_peak(prof, "plan step 1")
+
+
+def test_a_layer_split_is_planned_as_it_trains():
+    """The layout's layer_split (here the embedding alone on pipeline rank 0, both blocks
+    and the head on rank 1) decides which rank holds what in the plan, as in training:
+    each rank's bytes equal its comm log, its peak within the bounds."""
+    kw, split = dict(pp=2, microbatches=2), (1, 3)
+    layout = dtp.layouts.data() + dtp.layouts.megatron() + dtp.layouts.pipeline(layer_split=split)
+    plan = dtp.plan("tiny", batch=8, seq=64, layout=layout, **kw)
+    assert [len(lv) for lv in dtp.planning.target.stage_leaves(plan.target, dtp.planning.target.leaves(
+        plan.target))] == [1, 2 * len(llama.block_shapes(llama.config("tiny"), 0)) + 2]
+    for pp_rank, got, peak in run(_split_peaks, kw, 8, 64, split, world_size=2):
+        assert plan.rank_bytes(pp_rank) == got, pp_rank
+        m = plan.memory[pp_rank]
+        assert peak * (1 - MEMORY_UNDER) <= m.peak <= peak * MEMORY_OVER, (pp_rank, m.peak, peak)
+
+
 def test_plan_layout_is_the_cli_layout():
     from dtp.cli import build_parser, validate
     from dtp.cli.loop import build_layout

@@ -18,9 +18,12 @@ from typing import Any, Iterator, Mapping
 
 from ..core._rules import SCORE_FUNCTIONS, check_groups, said, setting
 
-__all__ = ["LlamaConfig", "RopeScaling", "CONFIGS", "config", "block_shapes", "param_shapes",
+__all__ = ["LlamaConfig", "RopeScaling", "MLPS", "CONFIGS", "config", "block_shapes", "param_shapes",
            "param_axes", "axis_sizes", "param_count", "flops_per_token", "is_moe", "n_sequential_layers",
            "named"]
+
+#: The dense MLPs a block may have (LlamaConfig.mlp).
+MLPS = ("swiglu", "gelu")
 
 # How LlamaConfig's checks name its fields: as themselves, or in a caller's words (named()).
 _NAMES: contextvars.ContextVar[Mapping[str, str] | None] = contextvars.ContextVar("dtp_model_names", default=None)
@@ -119,6 +122,9 @@ class LlamaConfig:
     qkv_bias: bool = False
     o_bias: bool = False
     qk_norm: bool = False
+    # The dense MLP: "swiglu" (Llama's three matrices w_gate, w_up, w_down) or "gelu"
+    # (GPT's two: w_up dim -> ffn_dim, GELU, w_down ffn_dim -> dim; GPT's ffn_dim is 4·dim).
+    mlp: str = "swiglu"
 
     @property
     def expert_dim(self) -> int:
@@ -143,6 +149,11 @@ class LlamaConfig:
         if self.head_dim % 2:
             raise ValueError(f"LlamaConfig: head_dim={self.head_dim} must be even for rotary embeddings")
         n = _NAMES.get()
+        if self.mlp not in MLPS:
+            raise ValueError(f"LlamaConfig: {said(n, 'mlp')} must be one of {MLPS}, got {self.mlp!r}")
+        if self.mlp != "swiglu" and self.num_experts:  # the experts' kernels (dtp.ops.moe) are SwiGLU's
+            raise ValueError(f"LlamaConfig: {setting(n, 'mlp', self.mlp)} is a dense MLP; MoE experts are SwiGLU "
+                             f"({setting(n, 'num_experts', self.num_experts)})")
         if self.num_experts < 0:
             raise ValueError(f"LlamaConfig: {said(n, 'num_experts')} must be >= 0 (0: dense), got {self.num_experts}")
         if self.num_experts:
@@ -238,7 +249,8 @@ def _attention_axes(cfg: LlamaConfig) -> dict[str, tuple[str, ...]]:
 def _layer_axes(cfg: LlamaConfig, i: int) -> dict[str, tuple[str, ...]]:
     axes = _attention_axes(cfg)
     if not is_moe(cfg, i):
-        return {**axes, "w_gate": ("embed", "mlp"), "w_up": ("embed", "mlp"), "w_down": ("mlp", "embed")}
+        gate = {"w_gate": ("embed", "mlp")} if cfg.mlp == "swiglu" else {}  # GELU has no gate
+        return {**axes, **gate, "w_up": ("embed", "mlp"), "w_down": ("mlp", "embed")}
     # The router's expert dim has its own logical axis, left replicated: every rank scores
     # every expert for its tokens, wherever the experts themselves live.
     axes.update(router=("embed", "router"), w_gate=("expert", "embed", "expert_mlp"),
@@ -279,6 +291,8 @@ def block_shapes(cfg: LlamaConfig, i: int) -> dict[str, tuple[int, ...]]:
 
     >>> block_shapes(config("tiny"), 0)["wq"]
     (64, 64)
+    >>> {k: v for k, v in block_shapes(config("tiny", mlp="gelu", ffn_dim=256), 0).items() if k.startswith("w_")}
+    {'w_up': (64, 256), 'w_down': (256, 64)}
     """
     hd = cfg.head_dim
     # Each size of a logical axis; a matrix is (in, out). The names and their order are
@@ -286,8 +300,8 @@ def block_shapes(cfg: LlamaConfig, i: int) -> dict[str, tuple[int, ...]]:
     size = {"embed": cfg.dim, "heads": cfg.n_heads * hd, "kv_heads": cfg.n_kv_heads * hd, "head_dim": hd}
     shapes = {name: tuple(size[a] for a in axes) for name, axes in _attention_axes(cfg).items()}
     if not is_moe(cfg, i):
-        return {**shapes, "w_gate": (cfg.dim, cfg.ffn_dim), "w_up": (cfg.dim, cfg.ffn_dim),
-                "w_down": (cfg.ffn_dim, cfg.dim)}
+        gate = {"w_gate": (cfg.dim, cfg.ffn_dim)} if cfg.mlp == "swiglu" else {}
+        return {**shapes, **gate, "w_up": (cfg.dim, cfg.ffn_dim), "w_down": (cfg.ffn_dim, cfg.dim)}
     e, f = cfg.num_experts, cfg.expert_dim
     shapes.update(router=(cfg.dim, e), w_gate=(e, cfg.dim, f), w_up=(e, cfg.dim, f), w_down=(e, f, cfg.dim))
     if cfg.shared_experts:
@@ -333,6 +347,8 @@ def param_count(cfg: LlamaConfig) -> int:
 
     >>> param_count(config("tiny")), param_count(config("small"))
     (106816, 3279104)
+    >>> param_count(config("tiny")) - param_count(config("tiny", mlp="gelu"))   # GELU: no w_gate (64 × 128, 2 blocks)
+    16384
     """
     return _count(cfg, active=False)
 
@@ -343,6 +359,8 @@ def flops_per_token(cfg: LlamaConfig, seq_len: int) -> float:
 
     >>> flops_per_token(config("tiny"), seq_len=128)  # 6 × 90,112 matmul parameters + 6·L·d·s
     638976
+    >>> flops_per_token(config("tiny", mlp="gelu"), seq_len=128)  # w_gate's 2 × 8,192 fewer
+    540672
     """
     matmul = _count(cfg, active=True, matmul=True)
     attn = 6 * cfg.n_layers * cfg.dim * seq_len  # 12·L·d·s / 2 for the causal half

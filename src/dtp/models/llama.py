@@ -1,4 +1,5 @@
 """A functional Llama (RMSNorm, RoPE, grouped-query attention, SwiGLU), written once.
+``mlp="gelu"`` gives a block GPT's two-matrix GELU MLP instead (:class:`LlamaConfig`).
 
 ``init(cfg, seed)`` builds the *global* parameters from the seed alone, so every layout
 starts from the same values; :func:`param_axes` names each parameter's logical axes; a
@@ -156,7 +157,9 @@ def _attention(layer: dict[str, torch.Tensor], x: torch.Tensor, cfg: LlamaConfig
     return linear(o, layer["wo"])  # row parallel: a pending sum over the heads' axes (o_bias: after it, _block)
 
 
-def _mlp(layer: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+def _mlp(layer: dict[str, torch.Tensor], x: torch.Tensor, cfg: LlamaConfig) -> torch.Tensor:
+    if cfg.mlp == "gelu":  # GPT's: column-parallel w_up, GELU on each rank's features, row-parallel w_down
+        return linear(F.gelu(linear(x, layer["w_up"])), layer["w_down"])
     return linear(F.silu(linear(x, layer["w_gate"])) * linear(x, layer["w_up"]), layer["w_down"])
 
 
@@ -170,7 +173,7 @@ def _block(layer: dict[str, torch.Tensor], h: torch.Tensor, cfg: LlamaConfig, do
     h = h + (add_bias(a, layer["o_bias"]) if cfg.o_bias else a)  # once, on the resolved sum
     x = constrain(rms_norm(h, layer["mlp_norm"], cfg.norm_eps), ("batch", "seq", "embed"), name="mlp_in")
     if "router" not in layer:
-        return h + constrain(_mlp(layer, x), ("batch", "res_seq", "embed"), name="mlp_out")
+        return h + constrain(_mlp(layer, x, cfg), ("batch", "res_seq", "embed"), name="mlp_out")
     if cfg.router_bias_update and "router_bias" not in layer:
         raise ValueError("llama: router_bias_update needs each MoE block's router_bias among the parameters it "
                          "reads: create the state with buffers=llama.init_buffers(cfg) (dtp.with_buffers)")

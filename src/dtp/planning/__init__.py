@@ -34,7 +34,7 @@ from ..layouts import Layout
 from ..models import llama
 from .memory import Memory, memory
 from .report import check_fits, format_plan
-from .target import Target, leaves, stage_leaves, unit_timeline
+from .target import Target, leaves, schedule, stage_leaves
 from .time import StepTime, step_time
 from .traffic import Traffic, summary, traffic
 
@@ -208,8 +208,5 @@ def plan(model: str | llama.LlamaConfig | RunConfig | Target = "tiny", *, batch:
     per_stage = stage_leaves(s, leaves(s))
     mems = tuple(memory(s, lv, stage) for stage, lv in enumerate(per_stage))
     rows = tuple(tuple(traffic(s, lv, stage)) for stage, lv in enumerate(per_stage))
-    bubble = 0.0
-    if s.run.pp > 1:
-        p, v, m = s.run.pp, s.virtual_stages, s.run.microbatches
-        bubble = unit_timeline(s.run.pp_schedule, p, v, m).bubble_fraction
+    bubble = schedule(s)[1].bubble_fraction if s.run.pp > 1 else 0.0
     return Plan(s, llama.param_count(s.cfg), mems, rows, bubble)

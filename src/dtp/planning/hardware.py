@@ -188,6 +188,9 @@ T = 1e12
 #   NCCL-412  https://github.com/NVIDIA/nccl/issues/412, sjeaugey: an 8 × A800 node should
 #             show "~160GB/s intra-node and 24GB/s inter-node" busbw at 8 GB (A800: NVLink3 at
 #             200 GB/s each way; one HDR 200 Gb/s NIC). [measured]
+#   NCCL-1048 https://github.com/NVIDIA/nccl/issues/1048: two A100 nodes, all-reduce over one
+#             HDR NIC "reach[es] the theoretical value(24GB/s)"; over 4 dual-port HDR NICs
+#             86 GB/s of a theoretical 96 (NCCL runs a ring per NIC). [measured]
 #   NCCL-290  https://github.com/NVIDIA/nccl-tests/issues/290, AddyLaddy (NCCL): "For NDR @
 #             400Gbps you should see 46-48GB/s per NIC"; nccl-tests#267: "up to 48-49GB/s per
 #             NIC". [measured]
@@ -198,17 +201,22 @@ T = 1e12
 #             NVLink-SHARP node takes 5.45 µs (nccl-tests' output) — the order of one NVLink
 #             message's α; used as such, not as a per-generation figure.
 #   DGX-A100 Selene's DGX A100 nodes as PTD-P describes them (Narayanan et al. 2021,
-#             arXiv:2104.04473 §5.1: eight 200 Gb/s HDR InfiniBand HCAs per node, one per GPU);
-#             the same in NVIDIA's DGX SuperPOD reference architecture RA-09950-001. [datasheet;
-#             the paper's sentence was not re-read for this file]
+#             arXiv:2104.04473 §5, checked: "Each node has eight NVIDIA Mellanox 200Gbps HDR
+#             Infiniband HCAs for application communication"; "The peak device throughput of
+#             an A100 GPU with 16-bit precision is 312 teraFLOP/s"); the same in NVIDIA's DGX
+#             SuperPOD reference architecture RA-09950-001. [datasheet]
+#   NCCL-150 https://github.com/NVIDIA/nccl-tests/issues/150: two A100 80GB nodes on HDR
+#             InfiniBand, one GPU each, an 8 B all_reduce_perf takes 19-20 µs: two ring steps,
+#             ~10 µs a step. [measured; the issue reports a failure at larger sizes]
 #   DGX-H100 DGX H100 / H200: 8 single-port ConnectX-7 NDR 400 Gb/s
 #             (https://fibermall.com/ru/blog/how-to-build-cluster-with-128-dgx-h100.htm). [datasheet]
 #
-# The inter-node latency has no source here: 10 µs is an order of magnitude for a NCCL/RCCL
-# message over one switch hop, [UNSOURCED]; the time model's α terms are that uncertain.
+# The inter-node latency: 10 µs is an order of magnitude for a NCCL/RCCL message over one
+# switch hop; measured for A100s on HDR (NCCL-150), [UNSOURCED] for the other presets' NICs.
+# The time model's α terms are that uncertain.
 
 _NV_INTRA_LATENCY = 5e-6   # MSCCLPP (order of magnitude)
-_INTER_LATENCY = 10e-6     # [UNSOURCED], see above
+_INTER_LATENCY = 10e-6     # NCCL-150 for A100 + HDR; [UNSOURCED] elsewhere, see above
 
 
 def _a100() -> Hardware:
@@ -227,7 +235,8 @@ def _a100() -> Hardware:
         # NVLink3: 600 GB/s per GPU both ways together, 300 GB/s each way [datasheet, NV-A100];
         # NCCL realises ~80% (NCCL-412: A800's NVLink3 160 of 200 GB/s; NCCL-212: ~20% overhead)
         intra=Link(bandwidth=300 * GB, latency=_NV_INTRA_LATENCY, efficiency=0.80),
-        # 8 × HDR 200 Gb/s per node (DGX-A100) = 25 GB/s per GPU; NCCL-412: 24 GB/s busbw per NIC
+        # 8 × HDR 200 Gb/s per node (DGX-A100) = 25 GB/s per GPU; NCCL-412 and NCCL-1048: 24 GB/s
+        # busbw per NIC; α: NCCL-150
         inter=Link(bandwidth=_node(8, 200e9, 8), latency=_INTER_LATENCY, efficiency=0.96),
         # PCIe Gen4 x16: 32 GB/s each way [datasheet, NV-A100 "32+32 GB/s"]; no realised figure found
         host=Link(bandwidth=32 * GB, latency=0.0),

@@ -34,7 +34,7 @@ from ..models import llama
 from ..core.spec import P
 
 __all__ = ["Target", "Leaf", "DTYPES", "BACKENDS", "leaves", "stage_leaves", "rank_chunks", "rank_stages",
-           "pipeline_schedule", "unit_timeline"]
+           "schedule", "stage_ranges"]
 
 DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in config_dtypes}  # RunConfig's names
 
@@ -161,29 +161,6 @@ class Target:
         return self.tokens // (self.run.tp if self.run.sp else 1)
 
 
-@functools.lru_cache(maxsize=512)
-def pipeline_schedule(name: str, p: int, v: int, m: int) -> schedules.Schedule:
-    """:func:`dtp.schedules.make`, once per schedule: the memory plan, the step-time model
-    and :func:`dtp.planning.search` (thousands of layouts on a few schedules) read it
-    without changing it.
-
-    >>> pipeline_schedule("1f1b", 2, 1, 4) is pipeline_schedule("1f1b", 2, 1, 4)
-    True
-    """
-    return schedules.make(name, p=p, v=v, m=m)
-
-
-@functools.lru_cache(maxsize=512)
-def unit_timeline(name: str, p: int, v: int, m: int) -> schedules.Timeline:
-    """:func:`dtp.schedules.simulate` of a schedule at its default costs (F 1, B 2): its
-    bubble fraction and in-flight microbatches, which depend on the schedule alone.
-
-    >>> unit_timeline("1f1b", 2, 1, 4).peak_in_flight
-    (2, 1)
-    """
-    return schedules.simulate(pipeline_schedule(name, p, v, m), p=p, v=v, m=m)
-
-
 @dataclass(frozen=True)
 class Leaf:
     """One parameter as a rank holds it."""
@@ -238,6 +215,43 @@ def leaves(s: Target, layout: Layout | None = None) -> list[Leaf]:
     return out
 
 
+def schedule(s: Target) -> tuple[schedules.Schedule, schedules.Timeline]:
+    """The run's pipeline schedule (:func:`dtp.schedules.make`) and its unit-cost timeline
+    (:func:`dtp.schedules.simulate`, F 1 and B 2), made once per (schedule, p, v, m): every
+    pipeline rank's memory reads them, and at pp 64, m 512 one make and simulate take
+    about a second.
+
+    >>> sched, line = schedule(Target.of(RunConfig(pp=2, microbatches=4, seq=32)))
+    >>> len(sched), line.peak_in_flight
+    (2, (2, 1))
+    """
+    return _schedule(s.run.pp_schedule, s.run.pp, s.virtual_stages, s.run.microbatches)
+
+
+# 512: dtp.planning.search plans thousands of layouts over a few hundred schedules
+@functools.lru_cache(maxsize=512)
+def _schedule(name: str, p: int, v: int, m: int) -> tuple[schedules.Schedule, schedules.Timeline]:
+    sched = schedules.make(name, p=p, v=v, m=m)  # a tuple of tuples, the timeline frozen: safe to share
+    return sched, schedules.simulate(sched, p=p, v=v, m=m)
+
+
+def stage_ranges(s: Target) -> tuple[tuple[int, int], ...]:
+    """``(first, stop)`` of each global stage's layers of :func:`dtp.models.llama.sequential`
+    (embedding, blocks, head): the layout's ``layer_split`` where it gives one (what
+    training runs: :func:`dtp.layouts.pipeline.assign`), else as even as possible.
+
+    >>> from dtp import layouts
+    >>> run = RunConfig(pp=2, microbatches=2, seq=32)
+    >>> uneven = layouts.data() + layouts.megatron() + layouts.pipeline(layer_split=(1, 3))
+    >>> stage_ranges(Target.of(run)), stage_ranges(Target.of(run, layout=uneven))
+    (((0, 2), (2, 4)), ((0, 1), (1, 4)))
+    """
+    opts = s.layout.pipeline
+    split = opts.layer_split if opts is not None else None
+    return assign(n_sequential_layers(s.cfg), s.run.pp, s.virtual_stages, split,
+                  what=f"dtp.plan: pp={s.run.pp} virtual_stages={s.virtual_stages}")
+
+
 def rank_chunks(s: Target, rank: int) -> list[tuple[int, range]]:
     """Per chunk of pipeline ``rank`` (chunk order): its global stage and the layers of
     :func:`dtp.models.llama.sequential` (embedding, blocks, head) it runs, by the
@@ -249,7 +263,7 @@ def rank_chunks(s: Target, rank: int) -> list[tuple[int, range]]:
     ([(0, range(0, 1)), (3, range(3, 4))], [(1, range(1, 2)), (2, range(2, 3))])
     """
     pp = s.run.pp
-    ranges = assign(n_sequential_layers(s.cfg), pp, s.virtual_stages)
+    ranges = stage_ranges(s)
     where = schedules.placement(s.run.pp_schedule)
     stages = [schedules.global_stage(c, rank, pp, where) for c in range(s.virtual_stages)]
     return [(g, range(*ranges[g])) for g in stages]
@@ -286,7 +300,7 @@ def stage_leaves(s: Target, all_leaves: list[Leaf]) -> list[list[Leaf]]:
     if pp == 1:
         return [all_leaves]
     n_seq = n_sequential_layers(s.cfg)  # embed | blocks | head (llama.sequential)
-    ranges = assign(n_seq, pp, s.virtual_stages, what=f"dtp.plan: pp={pp} virtual_stages={s.virtual_stages}")
+    ranges = stage_ranges(s)
     out: list[list[Leaf]] = [[] for _ in range(pp)]
     for stage, (first, stop) in enumerate(ranges):
         rank = schedules.stage_owner(stage, pp, schedules.placement(s.run.pp_schedule))[0]

@@ -10,7 +10,7 @@ count) and its pipeline schedule — and costs them:
   kernel's FLOPs (forward ``4 · q · k̄ · head_dim`` per head, ``k̄`` the mean keys a query
   sees, half the sequence; backward 2.5 × forward, FlashAttention-2's count, which
   recomputes the scores); the elementwise work (norms, residual adds, rotary, the SwiGLU
-  gate, the loss) by the bytes it moves. Backward's matmuls are twice forward's.
+  gate or the GELU, the loss) by the bytes it moves. Backward's matmuls are twice forward's.
 - **recompute**: ``full`` runs each block's forward again in backward, ``selective`` its
   attention core (:mod:`dtp.ops.recompute`'s policies).
 - **collectives**, each by α–β on the link its mesh axis's ranks use: the axes are laid
@@ -50,7 +50,7 @@ from dataclasses import dataclass
 from .. import schedules
 from ..models import llama
 from .hardware import Hardware, Link
-from .target import Leaf, Target, pipeline_schedule
+from .target import Leaf, Target, schedule
 from .traffic import Traffic
 
 __all__ = ["StepTime", "step_time", "busy_bound", "compute_seconds", "optimizer_seconds", "matmul_seconds", "collective_seconds", "axis_link", "axis_sizes"]
@@ -243,11 +243,13 @@ def _work(s: Target, rank_leaves: list[Leaf], hw: Hardware) -> _Work:
     attn_flops = 4.0 * tokens * (run.seq + 1) / 2 * head_dim * heads * len(blocks)
     attention = attn_flops / (hw.chip.flops[dtype] * hw.chip.matmul_efficiency)
     # Elementwise bytes a block moves per token in forward: two norms (read, write),
-    # two residual adds (two reads, a write), rotary on q and k, the SwiGLU gate (two
-    # reads, a write); the loss reads the logits and writes their gradient, in fp32.
+    # two residual adds (two reads, a write), rotary on q and k, the MLP's activation:
+    # SwiGLU's gate two reads and a write, GELU's one of each; the loss reads the logits
+    # and writes their gradient, in fp32.
     q_dim, kv_dim = heads * head_dim, max(cfg.n_kv_heads // run.tp, 1) * head_dim  # kv heads repeat below tp
     ffn = (cfg.moe_ffn_dim or cfg.ffn_dim) * (cfg.top_k if cfg.num_experts else 1) // run.tp
-    per_block = (2 * 2 * cfg.dim + 2 * 3 * cfg.dim + 2 * (q_dim + kv_dim) + 3 * ffn) * item
+    act = 3 if cfg.mlp == "swiglu" else 2
+    per_block = (2 * 2 * cfg.dim + 2 * 3 * cfg.dim + 2 * (q_dim + kv_dim) + act * ffn) * item
     elementwise = tokens * per_block * len(blocks)
     if has_head:
         elementwise += tokens * (cfg.vocab_size // run.tp) * 4 * 4
@@ -385,7 +387,7 @@ def step_time(s: Target, per_stage: list[list[Leaf]], traffic: tuple[tuple[Traff
     exposed_by_rank, in_steps, hops = zip(*(_exposed(s, list(rows), w, hw) for rows, w in zip(traffic, works)))
     if run.pp > 1:
         p, v = run.pp, s.virtual_stages
-        sched = pipeline_schedule(run.pp_schedule, p, v, m)
+        sched = schedule(s)[0]
         where = schedules.placement(run.pp_schedule)
         costs: dict[tuple[int, str], float] = {}
         # A stage's F and B wait on their own tp / cp / ep collectives: a third of a

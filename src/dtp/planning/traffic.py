@@ -53,11 +53,10 @@ from ..core.comm import ring_bytes
 from ..schedules import global_stage, placement, stage_owner
 from ..layouts.zero import bucket_groups, padded_numel
 from ..layouts import attended_kv_heads
-from ..layouts.pipeline import assign
 from ..models import llama
 from ..ops.context import default_chunks
 from ..training.strategies.pipeline_wire import HEADER
-from .target import Leaf, Target
+from .target import Leaf, Target, stage_ranges
 
 __all__ = ["Traffic", "traffic", "attention", "summary"]
 
@@ -264,7 +263,7 @@ def traffic(s: Target, rank_leaves: list[Leaf], stage: int = 0) -> list[Traffic]
         # (aux, z, dropped, E counts) forward, the two losses' gradients back; the head's
         # aux reaches every pp rank as float64 (headers and the tree's structure not counted).
         if cfg.num_experts:
-            ranges = assign(llama.n_sequential_layers(cfg), p, v)  # layer 1 + i is block i
+            ranges = stage_ranges(s)  # layer 1 + i is block i
 
             def moe_before(g: int) -> int:  # the MoE blocks global stage g receives the aux of
                 return sum(llama.is_moe(cfg, i) for i in range(cfg.n_layers) if 1 + i < ranges[g][0])

@@ -284,12 +284,14 @@ def hf_model_type(cfg: LlamaConfig) -> str:
     biases alone, else ``llama`` (its ``attention_bias``: q/k/v and output biases).
 
     Raises: ``ValueError`` for a model none of them computes (an output bias without q/k/v
-    ones; biases beside experts without q/k norms; MoE options the family lacks).
+    ones; biases beside experts without q/k norms; MoE options the family lacks; a GELU MLP).
 
     >>> from dtp.models.config import config
     >>> hf_model_type(config("tiny", qkv_bias=True)), hf_model_type(config("tiny", qkv_bias=True, o_bias=True))
     ('qwen2', 'llama')
     """
+    if cfg.mlp != "swiglu":  # these families' MLP is SwiGLU (gate_proj, up_proj, down_proj)
+        raise ValueError(f"to_hf: transformers' Llama, Qwen and Mixtral MLPs are SwiGLU; this model has mlp={cfg.mlp!r}")
     moe = check_moe(cfg)
     biases = {name: True for name in ("qkv_bias", "o_bias") if getattr(cfg, name)}
     if moe == "mixtral" and biases:
