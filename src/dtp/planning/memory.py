@@ -314,11 +314,20 @@ def phases(s: Target, rank_leaves: list[Leaf], stage: int = 0) -> dict[str, tupl
     held = held_over_schedule(actions, saved, for_w)
     # Weight gradients of a later microbatch's backward are new tensors beside the sums
     # until that backward ends (without ZeRO; measured, interleaved rank 1's peak).
-    chunk_w = [sum(l.nbytes for l in rank_leaves if _layer_of(l.path, n_seq) in r) for r in layers]
+    by_layer: dict[int, int] = {}
+    for leaf in rank_leaves:  # each leaf's layer found once: interleaved ranks hold many chunks
+        layer = _layer_of(leaf.path, n_seq)
+        by_layer[layer] = by_layer.get(layer, 0) + leaf.nbytes
+    chunk_w = [sum(by_layer.get(i, 0) for i in r) for r in layers]
+    # The most held per (kind, chunk), and per kind over every chunk: most() asks per chunk.
+    per_kind: dict[str, int] = {}
+    for (k, c), v in held.items():
+        per_kind[k] = max(per_kind.get(k, 0), v)
 
     def most(kinds: str, chunks: object = None) -> int:
-        return max((v for (k, c), v in held.items() if k in kinds.split() and (chunks is None or c in chunks)),
-                   default=0)
+        if chunks is None:
+            return max((per_kind.get(k, 0) for k in kinds.split()), default=0)
+        return max((held.get((k, c), 0) for k in kinds.split() for c in chunks), default=0)
 
     # Gradients before the first one of this step exists (one microbatch), or accumulated
     # over the earlier microbatches (or the pipeline's earlier backwards).

@@ -267,6 +267,7 @@ class _Search:
         self.space = self.planned = self.timed = 0
         self.best: list[tuple[float, int, Candidate]] = []  # the show best as a max-heap (by -time)
         self.stages: dict[tuple, list[list[Leaf]]] = {}
+        self.leaves: dict[tuple, list[Leaf]] = {}
         self.works: dict[tuple, tuple[float, int] | Exception] = {}
         self.itemsize = DTYPES[base.get("dtype", "bfloat16")].itemsize
 
@@ -286,7 +287,8 @@ class _Search:
     def coarse(self, axes: dict[str, int], opts: dict[str, Any], m: int) -> float | Exception:
         """A bound on every pipeline option of ``axes`` and ``opts`` at ``m`` microbatches:
         the whole model's compute per microbatch (the stages' compute sums to it) over the
-        pipeline ranks, and the optimizer step of the parameters over them."""
+        pipeline ranks, and the optimizer step of the parameters over them. A refusal, or
+        a ``MemoryError`` where even the parameters' state cannot fit."""
         rows = self.base["batch"] // (axes["dp"] * axes["ep"] * m)
         key = (axes["ep"], axes["cp"], axes["tp"], opts.get("sp", False), rows)
         if key not in self.works:
@@ -296,16 +298,50 @@ class _Search:
                 s = Target.of(run, cfg=self.cfg, backend=self.backend, name=self.name)
                 _preflight(run, s, self.cfg)
                 every = leaves(s)
-                self.works[key] = (compute_seconds(s, every, self.hw), sum(x.numel for x in every))
+                self.works[key] = (compute_seconds(s, every, self.hw), sum(x.numel for x in every),
+                                   self.state_bytes(s, every))
             except ValueError as e:
                 self.works[key] = e
         work = self.works[key]
         if isinstance(work, Exception):
             return work
-        seconds, n_params = work
+        seconds, n_params, state = work
+        # The fullest pipeline rank holds at least the mean of the stages' parameters and
+        # their optimizer state (ZeRO pads each bucket to dp: 10 % of slack for it).
+        if 0.9 * state / axes["pp"] > self.budget:
+            return MemoryError()
         # the optimizer's largest rank holds at least the mean of the stages' parameters
         shards = axes["pp"] * (axes["dp"] if axes["dp"] > 1 else 1)
         return m * seconds / axes["pp"] + optimizer_seconds(n_params / shards, self.itemsize, self.hw)
+
+    def state_bytes(self, s: Target, every: list[Leaf]) -> float:
+        """The fewest bytes of parameters and optimizer state any ZeRO stage leaves a rank
+        holding ``every`` (a memory plan's ``params + optimizer``, which its peak holds)."""
+        least = math.inf
+        for z in sorted({z["zero"] for z in _zero_options(s.run.dp)}):
+            with flag_names():
+                run = dataclasses.replace(s.run, zero=z, recompute="full")
+            mem = memory(dataclasses.replace(s, run=run, layout=run.layout()), every)
+            least = min(least, mem.params + mem.optimizer)
+        return least
+
+    def fits_somehow(self, s: Target, per_stage: list[list[Leaf]]) -> bool:
+        """Whether the most frugal variants (full recompute, each ZeRO stage without the
+        overlaps, which only hold more) fit on the pipeline rank with the most parameters:
+        where none does, no variant of the group fits."""
+        rank = max(range(len(per_stage)), key=lambda i: sum(leaf.numel for leaf in per_stage[i]))
+        for z in sorted({z["zero"] for z in _zero_options(s.run.dp)}):
+            try:
+                with flag_names():
+                    run = dataclasses.replace(s.run, zero=z, recompute="full")
+                t = dataclasses.replace(s, run=run, layout=run.layout())
+                _preflight(run, t, self.cfg)
+            except ValueError:
+                continue
+            self.planned += 1
+            if memory(t, per_stage[rank], rank).peak <= self.budget:
+                return True
+        return False
 
     # ---- the fine bound: one pipeline option
 
@@ -319,10 +355,15 @@ class _Search:
         except ValueError as e:
             return e
         key = (axes["ep"], axes["cp"], axes["tp"], opts.get("sp", False), run.pp, s.virtual_stages,
-               run.pp_schedule if run.pp > 1 else None)
+               schedules.placement(run.pp_schedule) if run.pp > 1 else None)
         if key not in self.stages:
-            self.stages[key] = stage_leaves(s, leaves(s))
+            # A leaf's local shape is the tp, cp, ep and SP split's (the pipeline cuts the list)
+            if key[:4] not in self.leaves:
+                self.leaves[key[:4]] = leaves(s)
+            self.stages[key] = stage_leaves(s, self.leaves[key[:4]])
         per_stage = self.stages[key]
+        if not self.fits_somehow(s, per_stage):
+            return MemoryError()
         return self.bound(s, per_stage), s, per_stage
 
     def bound(self, s: Target, per_stage: list[list[Leaf]]) -> float:
@@ -464,7 +505,7 @@ def search(model: str | llama.LlamaConfig = "llama3-8b", *, devices: int, batch:
                     continue
                 bound = st.coarse(axes, {k: v for k, v in opts.items() if k != "ep_overlap"}, m)
                 if isinstance(bound, Exception):
-                    st.prune(_reason(bound), n)
+                    st.prune("memory" if isinstance(bound, MemoryError) else _reason(bound), n)
                     continue
                 heap.append((bound, len(heap), ("coarse", axes, opts, m, pp_opts)))
     heapq.heapify(heap)
@@ -481,7 +522,7 @@ def search(model: str | llama.LlamaConfig = "llama3-8b", *, devices: int, batch:
             for p_opts in pp_opts:
                 got = st.group(axes, {**opts, **p_opts}, m)
                 if isinstance(got, Exception):
-                    st.prune(_reason(got), per_group(axes["dp"]))
+                    st.prune("memory" if isinstance(got, MemoryError) else _reason(got), per_group(axes["dp"]))
                     continue
                 order += 1
                 heapq.heappush(heap, (got[0], order, ("group", got[1], got[2])))

@@ -300,20 +300,23 @@ def stage_leaves(s: Target, all_leaves: list[Leaf]) -> list[list[Leaf]]:
     if pp == 1:
         return [all_leaves]
     n_seq = n_sequential_layers(s.cfg)  # embed | blocks | head (llama.sequential)
-    ranges = stage_ranges(s)
+    # Each layer's leaves in use order, found once (a 70B has 723 leaves in 82 layers).
+    head = {"final_norm", "embed" if s.cfg.tie_embeddings else "lm_head"}
+    by_layer: list[list[int]] = [[] for _ in range(n_seq)]
+    for i, leaf in enumerate(all_leaves):
+        if leaf.path.startswith("layers."):
+            by_layer[int(leaf.path.split(".")[1]) + 1].append(i)
+        for layer, names in ((0, {"embed"}), (n_seq - 1, head)):
+            if leaf.path in names:
+                by_layer[layer].append(i)
     out: list[list[Leaf]] = [[] for _ in range(pp)]
-    for stage, (first, stop) in enumerate(ranges):
-        rank = schedules.stage_owner(stage, pp, schedules.placement(s.run.pp_schedule))[0]
+    held: list[set[int]] = [set() for _ in range(pp)]
+    where = schedules.placement(s.run.pp_schedule)
+    for stage, (first, stop) in enumerate(stage_ranges(s)):
+        rank = schedules.stage_owner(stage, pp, where)[0]
         for layer in range(first, stop):
-            if layer == 0:
-                names = {"embed"}
-            elif layer == n_seq - 1:
-                names = {"final_norm", "embed" if s.cfg.tie_embeddings else "lm_head"}
-            else:
-                names = None
-            for leaf in all_leaves:
-                if (names is not None and leaf.path in names) or \
-                        (names is None and leaf.path.startswith(f"layers.{layer - 1}.")):
-                    if leaf not in out[rank]:
-                        out[rank].append(leaf)
+            for i in by_layer[layer]:
+                if i not in held[rank]:  # a tied embedding: read again by the head
+                    held[rank].add(i)
+                    out[rank].append(all_leaves[i])
     return out
