@@ -174,16 +174,16 @@ def _collective_seconds(repeats: int, seconds: _Timer) -> list[tuple[str, int, f
     from .. import comm, make_mesh
 
     world = dist.get_world_size()
-    x = torch.zeros(COLLECTIVE_BYTES // 4)
-    calls = {"all_reduce": lambda m: comm.all_reduce(x, m, "tp"),
-             "all_gather": lambda m: comm.all_gather(x, m, "tp"),
-             "reduce_scatter": lambda m: comm.reduce_scatter(x, m, "tp"),
-             "all_to_all": lambda m: comm.all_to_all(x, m, "tp", split_dim=0, concat_dim=0)}
+    calls = {"all_reduce": lambda x, m: comm.all_reduce(x, m, "tp"),
+             "all_gather": lambda x, m: comm.all_gather(x, m, "tp"),
+             "reduce_scatter": lambda x, m: comm.reduce_scatter(x, m, "tp"),
+             "all_to_all": lambda x, m: comm.all_to_all(x, m, "tp", split_dim=0, concat_dim=0)}
     out = []
     for n in (g for g in range(2, world + 1) if world % g == 0):
         mesh = make_mesh(dp=world // n, tp=n)  # tp's groups: n consecutive ranks
+        x = torch.zeros(n * max(1, COLLECTIVE_BYTES // 4 // n))  # splits into n (reduce_scatter, all_to_all)
         for kind in COLLECTIVES:
-            out.append((kind, n, seconds(functools.partial(calls[kind], mesh), repeats)))
+            out.append((kind, n, seconds(functools.partial(calls[kind], x, mesh), repeats)))
     return out
 
 
