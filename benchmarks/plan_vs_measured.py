@@ -216,9 +216,13 @@ def print_summary(label: str, s: dict) -> None:
 
 
 def _hw_line(n: int, hw) -> str:
+    fixed = hw.intra.fixed("all_reduce", n)
     return (f"{n} ranks on {os.cpu_count()} cores: float32 peak {hw.chip.flops['float32'] / 1e9:.1f} GFLOP/s a rank, "
             f"a+b {hw.chip.memory_bandwidth / 1e9:.2f} GB/s, link α {hw.intra.latency * 1e6:.0f} µs "
-            f"β {hw.intra.bandwidth / 1e9:.2f} GB/s")
+            f"β {hw.intra.bandwidth / 1e9:.2f} GB/s"
+            + (f", all-reduce of {n} fixed {fixed * 1e3:.2f} ms" if fixed is not None else "")
+            + f", attention {hw.chip.attention_fraction(256, 32):.2f} of peak at 256 × 32"
+            + f", an op {hw.chip.op_overhead * 1e6:.1f} µs")
 
 
 def print_table(rows: list[dict]) -> None:

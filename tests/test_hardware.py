@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from dtp.cli import build_parser
-from dtp.planning.hardware import PRESETS, Chip, Hardware, Link, from_toml, hardware, to_toml
+from dtp.planning.hardware import COLLECTIVES, PRESETS, Chip, Hardware, Link, from_toml, hardware, to_toml
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
@@ -75,6 +75,30 @@ def test_a_missing_field_and_a_file(tmp_path: Path) -> None:
         hardware(str(path))
 
 
+def test_measured_terms_round_trip_and_check_themselves() -> None:
+    """The attention curve, an op's fixed cost and a link's collective fixed costs are
+    written only where given (a preset's TOML is as before), read back equal, and a bad
+    one is named."""
+    h100 = PRESETS["h100-sxm"]
+    assert "attention_curve" not in to_toml(h100) and "collective_latency" not in to_toml(h100)
+    mine = dataclasses.replace(
+        h100, chip=dataclasses.replace(h100.chip, attention_curve=((8192.0, 0.3), (131072.0, 0.65)), op_overhead=4e-6),
+        intra=dataclasses.replace(h100.intra, collective_latency=(("all_reduce", 2, 1e-3), ("all_to_all", 8, 5e-3))))
+    assert from_toml(to_toml(mine)) == mine
+    text = to_toml(mine)
+    for edit, field in ((('["all_to_all", 8', '["all_to_all_v", 8'), "intra.collective_latency[1] kind"),
+                        (('["all_reduce", 2', '["all_reduce", 1'), "intra.collective_latency[0] ranks"),
+                        (('["all_to_all", 8', '["all_reduce", 2'), "collective_latency names a (kind, ranks) twice"),
+                        (("op_overhead = 4e-06", "op_overhead = -1.0"), "chip.op_overhead"),
+                        (("[131072.0, 0.65]", "[131072.0, 1.5]"), "chip.attention_curve[1].fraction")):
+        with pytest.raises(ValueError, match=re.escape(field)):
+            from_toml(text.replace(*edit))
+    with pytest.raises(ValueError, match="collective_latency rows"):
+        Link(bandwidth=1.0, latency=0.0, collective_latency=(("all_reduce", 2, -1.0),))
+    with pytest.raises(ValueError, match="attention_curve"):
+        dataclasses.replace(h100.chip, attention_curve=((10.0, 0.5), (1.0, 0.9)))
+
+
 def test_the_types_check_themselves() -> None:
     with pytest.raises(ValueError, match="efficiency must be in"):
         Link(bandwidth=1.0, latency=0.0, efficiency=0.0)
@@ -107,6 +131,7 @@ def test_plan_calibrate_writes_what_hardware_reads(tmp_path: Path) -> None:
     hw = hardware(str(out))
     assert hw.name == "cpu-calibrated" and hw.devices_per_node == 2 and hw.chip.matmul_efficiency == 1.0
     assert hw.chip.flops["float32"] > 1e8 and hw.intra.bandwidth > 1e6 and hw.chip.matmul_curve
+    assert hw.chip.attention_curve and hw.chip.op_overhead > 0 and hw.intra.fixed("all_to_all", 2) > 0
     assert build_parser().parse_args(["plan", "--hardware", str(out)]).hardware_spec == hw
 
 
@@ -123,5 +148,9 @@ def test_calibrate_shared_measures_every_rank_at_once() -> None:
     assert hw.devices_per_node == 3 and "all 3 ranks at once" in hw.source
     assert hw.chip.flops["float32"] > 1e8 and hw.chip.memory_bandwidth > 1e7
     assert hw.intra.bandwidth > 1e6 and hw.intra.latency >= 0 and len(hw.chip.matmul_curve) == 4
+    assert len(hw.chip.attention_curve) == 3 and 0 < hw.chip.op_overhead < 1e-3
+    # every collective among the one group size dividing 3 ranks: 3
+    assert sorted(k for k, n, _ in hw.intra.collective_latency) == sorted(COLLECTIVES)
+    assert {n for _, n, _ in hw.intra.collective_latency} == {3} and hw.intra.fixed("all_reduce", 3) > 0
     with pytest.raises(ValueError, match="shared measurement needs ranks >= 2"):
         calibrate(1, shared=True)

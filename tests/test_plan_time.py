@@ -4,6 +4,7 @@ runs live in benchmarks/, not here: these are the terms' arithmetic."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import pytest
@@ -108,3 +109,142 @@ def test_a_dtype_the_chip_has_no_peak_for_is_refused() -> None:
     hw = dataclasses.replace(_hw(), chip=dataclasses.replace(_hw().chip, flops={"bfloat16": 1e15}))
     with pytest.raises(ValueError, match="toy has no float32 peak"):
         _plan(dtype="float32").time(hw)
+
+
+def test_a_measured_collective_costs_its_fixed_time_not_the_rings_latency() -> None:
+    """Where the link holds a collective's measured fixed cost, that replaces its ring's
+    steps of α; a group size not measured scales the nearest one by the ring's steps; an
+    all-to-all-v reads the all-to-all's; a send keeps the message's α."""
+    link = Link(bandwidth=1e9, latency=1e-4, collective_latency=(("all_reduce", 2, 1e-3), ("all_reduce", 4, 6e-3),
+                                                                  ("all_to_all", 4, 3e-3)))
+    assert collective_seconds("all_reduce", 10**6, 4, link) == pytest.approx(6e-3 + 1e-3)
+    assert collective_seconds("all_reduce", 0, 8, link) == pytest.approx(6e-3 * 7 / 3)  # from 4's, 7 steps of 3
+    assert collective_seconds("all_to_all_v", 10**6, 4, link) == pytest.approx(3e-3 + 1e-3)
+    assert collective_seconds("all_gather", 10**6, 4, link) == pytest.approx(3 * 1e-4 + 1e-3)  # not measured
+    assert collective_seconds("send", 10**6, 2, link) == pytest.approx(1e-4 + 1e-3)
+
+
+def _small(**kw: object) -> dtp.planning.Plan:
+    return dtp.plan(dtp.RunConfig(**{**dict(model="small", batch=4, seq=256, dtype="float32"), **kw}), backend="gloo")
+
+
+def test_attention_runs_at_the_chips_attention_figure() -> None:
+    """The small model's attention on one rank: 4 blocks of 8 heads of 32, 1024 tokens of
+    which each sees 128.5 keys on average — 4 · 1024 · 128.5 · 32 · 8 · 4 FLOPs forward,
+    3.5 × that with backward — at the attention curve's fraction of peak at 256 × 32
+    instead of the GEMM figure."""
+    flops = 4 * 1024 * 128.5 * 32 * 8 * 4 * 3.5
+    base = _hw(matmul_efficiency=1.0)
+    slow = dataclasses.replace(base, chip=dataclasses.replace(base.chip, attention_curve=((8192.0, 0.25),)))
+    t0, t1 = _small().time(base), _small().time(slow)
+    assert t1.compute - t0.compute == pytest.approx(flops / 1e14 / 0.25 - flops / 1e14)
+    assert base.chip.attention_fraction(256, 32) == base.chip.matmul_efficiency  # no curve: the GEMM figure
+
+
+def _counted(model: str, microbatches: int) -> int:
+    """The non-view ops (a TorchDispatchMode's count) of a real step of ``model`` on one
+    device, after two warm-up steps."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from dtp.core.mesh.devices import clear_mesh_cache
+    from dtp.models import llama
+
+    class Count(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+            Count.ops += not func.is_view
+            return func(*args, **(kwargs or {}))
+
+    cfg = llama.config(model)
+    batch = 2 * microbatches
+    tok = torch.randint(0, cfg.vocab_size, (batch, 17), generator=torch.Generator().manual_seed(0))
+    data = {"tokens": tok[:, :-1].contiguous(), "targets": tok[:, 1:].contiguous()}
+    run = dtp.RunConfig(model=model, batch=batch, seq=16, microbatches=microbatches)
+    # dtp train --nproc 1's path: a mesh of one (a group of one, plain tensors; simulate's
+    # ranks would run DTensors), ended as that process would end it.
+    assert not torch.distributed.is_initialized()
+    try:
+        state = dtp.TrainState.create(llama.init(cfg, seed=0), dtp.optim.adamw(1e-3, weight_decay=0.1),
+                                      mesh=dtp.make_mesh(dp=1), layout=run.layout(), axes=llama.param_axes(cfg))
+        loss_fn = llama.sequential(cfg)
+        for step in range(3):
+            with Count() if step == 2 else contextlib.nullcontext():
+                state, _ = dtp.train_step(loss_fn, state, dtp.shard_batch(data, state), clip_norm=1.0,
+                                          microbatches=microbatches)
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+            clear_mesh_cache()
+    return Count.ops
+
+
+@pytest.mark.parametrize("microbatches", [1, 2])
+def test_the_ops_counted_are_the_ops_the_step_runs(microbatches: int) -> None:
+    """With each op costing 1 s and nothing else costing anything, the step's compute and
+    optimizer terms are its op count: the tiny model's real step, op for op (two dense
+    blocks of 39 + 59, the head's 46 and the embedding's 2 per microbatch; 13 a step, one
+    per parameter for the clip and one per parameter per further microbatch)."""
+    free = Link(bandwidth=1e30, latency=0.0)
+    hw = Hardware(name="ops", chip=Chip(name="ops", flops={"float32": 1e30}, memory=1e12, memory_bandwidth=1e30,
+                                        matmul_efficiency=1.0, op_overhead=1.0),
+                  devices_per_node=1, intra=free, inter=free, host=free)
+    t = dtp.plan(dtp.RunConfig(model="tiny", batch=2 * microbatches, seq=16, microbatches=microbatches)).time(hw)
+    assert t.compute + t.optimizer == pytest.approx(_counted("tiny", microbatches))
+
+
+def _block_counts(model: str) -> tuple[int, int, int, int]:
+    """One block's (second: the rotary table is cached by then) non-view ops forward and
+    backward, and the bytes its elementwise ops move (each op's tensors in and out, an
+    in-place op's operand written too), of batch 2 × 16 tokens."""
+    import torch
+    from torch.utils._pytree import tree_leaves
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from dtp.models import llama
+
+    class Count(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops = self.bytes = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+            out = func(*args, **(kwargs or {}))
+            name = func._schema.name
+            if not func.is_view:
+                self.ops += 1
+                if not any(k in name for k in ("mm", "scaled_dot_product", "_unsafe_view")):  # (a view to autograd)
+                    tensors = [t for t in tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
+                    written = [t for t in tree_leaves(args[0]) if isinstance(t, torch.Tensor)] \
+                        if func._schema.is_mutable else []
+                    self.bytes += sum(t.numel() * t.element_size() for t in tensors + written)
+            return out
+
+    cfg = llama.config(model)
+    params = llama.init(cfg)
+    for i in range(2):
+        h = torch.randn(2, 16, cfg.dim, requires_grad=True)
+        layer = {k: v.requires_grad_() for k, v in params["layers"][i].items()}
+        fwd, bwd = Count(), Count()
+        with fwd:
+            y = llama._block(layer, h, cfg)
+        outs = (y[0], y[1]["aux_loss"], y[1]["z_loss"]) if isinstance(y, tuple) else (y,)
+        seeds = tuple(torch.ones_like(o) for o in outs)
+        with bwd:
+            torch.autograd.backward(outs, seeds)
+    return fwd.ops, bwd.ops, fwd.bytes, bwd.bytes
+
+
+def test_a_blocks_unfused_ops_and_bytes_are_the_codes() -> None:
+    """A dense block's op counts exactly, and its elementwise bytes within 3 % (the model
+    counts widths per token; the rms's one column and the weights' rows are left out);
+    an MoE block's op counts."""
+    from dtp.planning import time as model
+
+    ops_f, ops_b, bytes_f, bytes_b = _block_counts("tiny")
+    assert (ops_f, ops_b) == model._OPS_BLOCK
+    t = dtp.planning.Target.of(dtp.RunConfig(model="tiny", batch=2, seq=16))
+    fwd, bwd, _, _ = model._unfused(t, 64, 32, 128, 1, 0, False, False)  # 4 q heads and 2 kv heads of 16, ffn 128
+    assert fwd == pytest.approx(bytes_f, rel=0.03) and bwd == pytest.approx(bytes_b, rel=0.03)
+    assert _block_counts("tiny-moe")[:2] == model._OPS_MOE

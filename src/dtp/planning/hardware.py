@@ -4,7 +4,11 @@ Every figure is per device: a chip's dense peak FLOP/s per dtype, its memory and
 memory's bandwidth, how many devices share a node, the link between two devices of one node
 (NVLink, HCCS, Infinity Fabric) and the one between nodes (InfiniBand / RoCE, per device:
 a node's NICs divided by its devices), and the host link (PCIe). A link is α–β: ``latency``
-seconds per message plus bytes / (``bandwidth`` · ``efficiency``).
+seconds per message plus bytes / (``bandwidth`` · ``efficiency``); where measured, a
+collective's own fixed cost by kind and group size (``collective_latency``) stands in for
+its ring's steps of α. A chip may also carry what a measurement found beside its GEMM
+figure: causal attention's fraction of peak (``attention_curve``) and each op's fixed
+dispatch cost (``op_overhead``); the presets leave them at the GEMM figure and 0.
 
 :data:`PRESETS` are six 8-device nodes, each figure with its source beside it; a system of
 one's own is a TOML file (:func:`to_toml`, :func:`from_toml`), and ``dtp plan --calibrate``
@@ -22,11 +26,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Link", "Chip", "Hardware", "PRESETS", "DTYPES", "hardware", "preset_of_device", "to_toml", "from_toml"]
+__all__ = ["Link", "Chip", "Hardware", "PRESETS", "DTYPES", "COLLECTIVES", "hardware", "preset_of_device", "to_toml",
+           "from_toml"]
 
 # The dtype names a chip's peak may be given for: torch's names, and tfloat32 for float32
 # matmuls run on tensor cores (torch.backends.cuda.matmul.allow_tf32; off by default).
 DTYPES = ("float64", "float32", "tfloat32", "bfloat16", "float16", "float8")
+# The collectives a link's measured fixed costs may name (dtp.comm's kinds; an uneven
+# all_to_all_v is costed as an all_to_all).
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -35,6 +43,11 @@ class Link:
     seconds per message, and ``efficiency``: the fraction of the line rate a collective
     library realises on it (nccl-tests' bus bandwidth over the line rate, or this machine's
     measurement; 1.0 when the bandwidth is itself measured).
+
+    ``collective_latency``, where measured, holds ``(kind, ranks, seconds)``: the time a
+    small collective of that kind (:data:`COLLECTIVES`) takes among that many ranks with
+    every group running one at once — its fixed cost, which on a host whose ranks share
+    cores is far more than its ring's steps of one message's α. :meth:`fixed` reads it.
 
     >>> Link(bandwidth=25e9, latency=5e-6).seconds(25e6)
     0.001005
@@ -45,12 +58,38 @@ class Link:
     bandwidth: float
     latency: float
     efficiency: float = 1.0
+    collective_latency: tuple[tuple[str, int, float], ...] = ()
 
     def __post_init__(self) -> None:
         if not self.bandwidth > 0 or not self.latency >= 0 or not math.isfinite(self.bandwidth + self.latency):
             raise ValueError(f"Link: bandwidth must be > 0 and latency >= 0, got {self.bandwidth}, {self.latency}")
         if not 0 < self.efficiency <= 1:
             raise ValueError(f"Link: efficiency must be in (0, 1], got {self.efficiency}")
+        seen = set()
+        for row in self.collective_latency:
+            ok = (len(row) == 3 and row[0] in COLLECTIVES and isinstance(row[1], int) and not isinstance(row[1], bool)
+                  and row[1] >= 2 and isinstance(row[2], (int, float)) and math.isfinite(row[2]) and row[2] >= 0
+                  and (row[0], row[1]) not in seen)
+            if not ok:
+                raise ValueError(f"Link: collective_latency rows must be (kind in {', '.join(COLLECTIVES)}, "
+                                 f"ranks >= 2, seconds >= 0), each (kind, ranks) once; got {row!r}")
+            seen.add((row[0], row[1]))
+
+    def fixed(self, kind: str, ranks: int) -> float | None:
+        """The measured fixed cost of a ``kind`` collective among ``ranks``: the row for that
+        group size, else the nearest measured size's scaled by the ring's steps (which grow
+        as ``n − 1`` for every kind); ``None`` where the kind was not measured.
+
+        >>> link = Link(bandwidth=1e9, latency=1e-5, collective_latency=(("all_reduce", 2, 1e-3),
+        ...                                                             ("all_reduce", 4, 6e-3)))
+        >>> link.fixed("all_reduce", 4), link.fixed("all_reduce", 8), link.fixed("all_gather", 4)
+        (0.006, 0.014, None)
+        """
+        rows = [(n, t) for k, n, t in self.collective_latency if k == kind]
+        if not rows:
+            return None
+        n, t = min(rows, key=lambda r: (abs(math.log(r[0] / ranks)), -r[0]))
+        return t if n == ranks else t * (ranks - 1) / (n - 1)
 
     @property
     def realised(self) -> float:
@@ -74,12 +113,21 @@ class Chip:
     interpolates them in log size and holds the end values beyond them. Empty: every GEMM
     gets ``matmul_efficiency``.
 
+    ``attention_curve``, where measured, is causal attention's (SDPA forward and backward)
+    fraction of peak, ``(seq · head_dim, fraction)`` points read the same way
+    (:meth:`attention_fraction`); empty: attention runs at ``matmul_efficiency`` (the
+    GEMMs of a FlashAttention-style kernel). ``op_overhead``: the seconds each unfused op
+    costs beyond its bytes and FLOPs (dispatch, autograd bookkeeping), measured on tiny
+    tensors; 0 where not measured (a GPU's launches run ahead of its kernels).
+
     >>> c = Chip(name="x", flops={"float32": 1e12}, memory=1e9, memory_bandwidth=1e10,
     ...          matmul_efficiency=0.9, matmul_curve=((1e6, 0.3), (1e9, 0.9)))
     >>> round(c.matmul_fraction(1000, 1000, 1000), 3), c.matmul_fraction(10, 10, 10)
     (0.9, 0.3)
     >>> round(c.matmul_fraction(10**3, 10**3, 10**1.5), 3)   # half way in log size
     0.6
+    >>> c.attention_fraction(512, 64)                         # no attention curve: the GEMM figure
+    0.9
     """
 
     name: str
@@ -88,6 +136,8 @@ class Chip:
     memory_bandwidth: float
     matmul_efficiency: float
     matmul_curve: tuple[tuple[float, float], ...] = ()
+    attention_curve: tuple[tuple[float, float], ...] = ()
+    op_overhead: float = 0.0
 
     def __post_init__(self) -> None:
         where = f"Chip {self.name}"
@@ -101,24 +151,39 @@ class Chip:
         _positive(f"{where}: memory_bandwidth", self.memory_bandwidth)
         if not 0 < self.matmul_efficiency <= 1:
             raise ValueError(f"{where}: matmul_efficiency must be in (0, 1], got {self.matmul_efficiency}")
-        sizes = [s for s, _ in self.matmul_curve]
-        if any(not (s > 0 and 0 < f <= 1) for s, f in self.matmul_curve) or sizes != sorted(set(sizes)):
-            raise ValueError(f"{where}: matmul_curve must be (size > 0, fraction in (0, 1]) points of "
-                             f"increasing size, got {self.matmul_curve}")
+        for key in ("matmul_curve", "attention_curve"):
+            curve = getattr(self, key)
+            sizes = [s for s, _ in curve]
+            if any(not (s > 0 and 0 < f <= 1) for s, f in curve) or sizes != sorted(set(sizes)):
+                raise ValueError(f"{where}: {key} must be (size > 0, fraction in (0, 1]) points of "
+                                 f"increasing size, got {curve}")
+        if isinstance(self.op_overhead, bool) or not isinstance(self.op_overhead, (int, float)) \
+                or not (math.isfinite(self.op_overhead) and self.op_overhead >= 0):
+            raise ValueError(f"{where}: op_overhead must be a finite number >= 0, got {self.op_overhead!r}")
 
     def matmul_fraction(self, m: float, n: float, k: float) -> float:
         """The fraction of peak an ``m × k`` by ``k × n`` GEMM reaches (see the class)."""
-        curve = self.matmul_curve
-        if not curve:
-            return self.matmul_efficiency
-        size = math.log(max(m * n * k, 1.0))
-        logs = [math.log(s) for s, _ in curve]
-        if size <= logs[0]:
-            return curve[0][1]
-        for (x0, (_, f0)), (x1, (_, f1)) in zip(zip(logs, curve), zip(logs[1:], curve[1:])):
-            if size <= x1:
-                return f0 + (f1 - f0) * (size - x0) / (x1 - x0)
-        return curve[-1][1]
+        return _interpolate(self.matmul_curve, m * n * k, self.matmul_efficiency)
+
+    def attention_fraction(self, seq: float, head_dim: float) -> float:
+        """The fraction of peak causal attention over ``seq`` keys of ``head_dim`` reaches
+        (see the class)."""
+        return _interpolate(self.attention_curve, seq * head_dim, self.matmul_efficiency)
+
+
+def _interpolate(curve: tuple[tuple[float, float], ...], size: float, default: float) -> float:
+    """``curve``'s fraction at ``size``, linear in log size between its points and held
+    beyond its ends; ``default`` for an empty curve."""
+    if not curve:
+        return default
+    x = math.log(max(size, 1.0))
+    logs = [math.log(s) for s, _ in curve]
+    if x <= logs[0]:
+        return curve[0][1]
+    for (x0, (_, f0)), (x1, (_, f1)) in zip(zip(logs, curve), zip(logs[1:], curve[1:])):
+        if x <= x1:
+            return f0 + (f1 - f0) * (x - x0) / (x1 - x0)
+    return curve[-1][1]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -410,8 +475,9 @@ def _value(v: Any) -> str:
 
 
 _LINKS = ("intra", "inter", "host")
-_LINK_FIELDS = ("bandwidth", "latency", "efficiency")
-_CHIP_FIELDS = ("name", "memory", "memory_bandwidth", "matmul_efficiency", "matmul_curve", "flops")
+_LINK_FIELDS = ("bandwidth", "latency", "efficiency", "collective_latency")
+_CHIP_FIELDS = ("name", "memory", "memory_bandwidth", "matmul_efficiency", "matmul_curve", "attention_curve",
+                "op_overhead", "flops")
 _TOP_FIELDS = ("name", "devices_per_node", "source", "chip", *_LINKS)
 
 
@@ -432,12 +498,21 @@ def to_toml(hw: Hardware) -> str:
     if c.matmul_curve:
         lines.append("# (m*n*k, fraction of peak) of GEMMs of growing size")
         lines.append(f"matmul_curve = {_value([[float(s), float(f)] for s, f in c.matmul_curve])}")
+    if c.attention_curve:
+        lines.append("# (seq*head_dim, fraction of peak) of causal attention, forward and backward")
+        lines.append(f"attention_curve = {_value([[float(s), float(f)] for s, f in c.attention_curve])}")
+    if c.op_overhead:
+        lines.append(f"op_overhead = {_value(float(c.op_overhead))}  # seconds per op, beyond its bytes and FLOPs")
     lines += ["", "[chip.flops]"] + [f"{k} = {_value(float(v))}" for k, v in c.flops.items()]
     for key in _LINKS:
         link: Link = getattr(hw, key)
         lines += ["", f"[{key}]  # bytes/s each way, seconds per message, realised fraction of the bandwidth",
                   f"bandwidth = {_value(float(link.bandwidth))}", f"latency = {_value(float(link.latency))}",
                   f"efficiency = {_value(float(link.efficiency))}"]
+        if link.collective_latency:
+            lines.append("# [kind, ranks, seconds] of a small collective, every group at once")
+            rows = ", ".join(f"[{_value(k)}, {n}, {_value(float(t))}]" for k, n, t in link.collective_latency)
+            lines.append(f"collective_latency = [{rows}]")
     return "\n".join(lines) + "\n"
 
 
@@ -474,6 +549,39 @@ def _sub(data: dict[str, Any], key: str) -> dict[str, Any]:
     return data[key]
 
 
+def _curve(chip: dict[str, Any], key: str) -> tuple[tuple[float, float], ...]:
+    """``chip[key]``'s ``[size, fraction]`` points, each checked (none: empty)."""
+    raw = chip.get(key, [])
+    if not isinstance(raw, list) or any(not isinstance(p, list) or len(p) != 2 for p in raw):
+        raise ValueError(f"hardware TOML: chip.{key} must be a list of [size, fraction] pairs, got {raw!r}")
+    out = []
+    for i, p in enumerate(raw):
+        point = {"size": p[0], "fraction": p[1]}
+        out.append((_number(point, "size", f"chip.{key}[{i}]."),
+                    _number(point, "fraction", f"chip.{key}[{i}].", high=1.0)))
+    return tuple(out)
+
+
+def _collectives(link: dict[str, Any], key: str) -> tuple[tuple[str, int, float], ...]:
+    """``link``'s ``collective_latency`` rows ``[kind, ranks, seconds]``, each checked."""
+    raw = link.get("collective_latency", [])
+    where = f"{key}.collective_latency"
+    if not isinstance(raw, list) or any(not isinstance(r, list) or len(r) != 3 for r in raw):
+        raise ValueError(f"hardware TOML: {where} must be a list of [kind, ranks, seconds], got {raw!r}")
+    out = []
+    for i, (kind, ranks, seconds) in enumerate(raw):
+        if kind not in COLLECTIVES:
+            raise ValueError(f"hardware TOML: {where}[{i}] kind must be one of {', '.join(COLLECTIVES)}, got {kind!r}")
+        if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 2:
+            raise ValueError(f"hardware TOML: {where}[{i}] ranks must be an integer >= 2, got {ranks!r}")
+        out.append((kind, ranks, _number({"seconds": seconds}, "seconds", f"{where}[{i}].", strict=False)))
+    try:
+        Link(bandwidth=1.0, latency=0.0, collective_latency=tuple(out))
+    except ValueError:  # a (kind, ranks) twice
+        raise ValueError(f"hardware TOML: {where} names a (kind, ranks) twice: {raw!r}") from None
+    return tuple(out)
+
+
 def from_toml(text: str) -> Hardware:
     """The system a TOML text describes (:func:`to_toml`'s layout). Every field is checked;
     an error names the field.
@@ -485,7 +593,7 @@ def from_toml(text: str) -> Hardware:
     >>> from_toml(to_toml(PRESETS["h200"]).replace("[inter]", "[inter]\\nbandwith = 1.0"))
     Traceback (most recent call last):
     ...
-    ValueError: hardware TOML: unknown field inter.bandwith (known: bandwidth, latency, efficiency)
+    ValueError: hardware TOML: unknown field inter.bandwith (known: bandwidth, latency, efficiency, collective_latency)
     """
     try:
         data = tomllib.loads(text)
@@ -500,25 +608,21 @@ def from_toml(text: str) -> Hardware:
     flops = _table(_sub(chip, "flops"), "chip.flops.", DTYPES, ())
     if not flops:
         raise ValueError(f"hardware TOML: chip.flops must name at least one dtype of {', '.join(DTYPES)}")
-    curve_raw = chip.get("matmul_curve", [])
-    if not isinstance(curve_raw, list) or any(not isinstance(p, list) or len(p) != 2 for p in curve_raw):
-        raise ValueError(f"hardware TOML: chip.matmul_curve must be a list of [size, fraction] pairs, got {curve_raw!r}")
-    curve = []
-    for i, p in enumerate(curve_raw):
-        point = {"size": p[0], "fraction": p[1]}
-        curve.append((_number(point, "size", f"chip.matmul_curve[{i}]."),
-                      _number(point, "fraction", f"chip.matmul_curve[{i}].", high=1.0)))
+    curves = {key: _curve(chip, key) for key in ("matmul_curve", "attention_curve")}
     links = {}
     for key in _LINKS:
         link = _table(_sub(data, key), f"{key}.", _LINK_FIELDS, ("bandwidth", "latency"))
         links[key] = Link(bandwidth=_number(link, "bandwidth", f"{key}."),
                           latency=_number(link, "latency", f"{key}.", strict=False),
-                          efficiency=_number(link, "efficiency", f"{key}.", high=1.0) if "efficiency" in link else 1.0)
+                          efficiency=_number(link, "efficiency", f"{key}.", high=1.0) if "efficiency" in link else 1.0,
+                          collective_latency=_collectives(link, key))
     try:
         c = Chip(name=_string(chip, "name", "chip."),
                  flops={k: _number(flops, k, "chip.flops.") for k in flops},
                  memory=_number(chip, "memory", "chip."), memory_bandwidth=_number(chip, "memory_bandwidth", "chip."),
-                 matmul_efficiency=_number(chip, "matmul_efficiency", "chip.", high=1.0), matmul_curve=tuple(curve))
+                 matmul_efficiency=_number(chip, "matmul_efficiency", "chip.", high=1.0),
+                 op_overhead=_number(chip, "op_overhead", "chip.", strict=False) if "op_overhead" in chip else 0.0,
+                 **curves)
     except ValueError as e:  # Chip's own checks (a curve out of order): they name the field
         if str(e).startswith("hardware TOML"):
             raise

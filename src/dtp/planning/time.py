@@ -9,17 +9,26 @@ count) and its pipeline schedule — and costs them:
   shape dependence: small or thin GEMMs are memory-bound); causal attention by its
   kernel's FLOPs (forward ``4 · q · k̄ · head_dim`` per head, ``k̄`` the mean keys a query
   sees, half the sequence; backward 2.5 × forward, FlashAttention-2's count, which
-  recomputes the scores); the elementwise work (norms, residual adds, rotary, the SwiGLU
-  gate or the GELU, the loss) by the bytes it moves. Backward's matmuls are twice forward's.
+  recomputes the scores) at the chip's attention figure for the keys one call sees and
+  its head width (:meth:`~.hardware.Chip.attention_fraction`: measured, else the GEMM
+  figure); the elementwise work (norms, residual adds, rotary, the SwiGLU gate or a GELU MLP's GELU, the loss,
+  the embedding) by the bytes its unfused ops move as the eager code runs them — each op
+  reads its operands and writes its result, forward and backward counted op by op
+  (:data:`_RES_F` and the table beside it); each op's fixed cost, the chip's
+  ``op_overhead`` times the ops counted the same way (:data:`_OPS_BLOCK`); from the second
+  microbatch on, each gradient added into the step's. Backward's matmuls are twice
+  forward's.
 - **recompute**: ``full`` runs each block's forward again in backward, ``selective`` its
   attention core (:mod:`dtp.ops.recompute`'s policies).
 - **collectives**, each by α–β on the link its mesh axis's ranks use: the axes are laid
   out outer to inner (``pp, dp, ep, cp, tp``); an axis whose span (its size times the
   sizes inside it) fits in a node is on the intra-node link, else on the inter-node one.
-  A collective of ``n`` ranks takes ``steps · latency + bytes sent / realised bandwidth``
-  (the link's line rate times its measured efficiency, :class:`~.hardware.Link`) with the
-  ring's steps (``2(n−1)`` for an all-reduce, ``n−1`` for the others, 1 for a send); the
-  bytes sent are the comm log's own (:func:`dtp.comm.ring_bytes`).
+  A collective of ``n`` ranks takes its fixed cost ``+ bytes sent / realised bandwidth``
+  (the link's line rate times its measured efficiency, :class:`~.hardware.Link`); the
+  fixed cost is the link's measured one for that kind among ``n`` ranks where it has one
+  (``collective_latency``), else the ring's steps of latency (``2(n−1)`` for an
+  all-reduce, ``n−1`` for the others, 1 for a send); the bytes sent are the comm log's
+  own (:func:`dtp.comm.ring_bytes`).
 - **what each strategy hides**, by the rule its code follows: ZeRO's
   ``overlap_grad_reduce`` puts the reduce-scatters under backward and
   ``overlap_param_gather`` the all-gathers under the next forward (stage 3 always
@@ -33,14 +42,21 @@ count) and its pipeline schedule — and costs them:
   stage waits on them — and a hand-over's time as its ``hop``; the bubble is its makespan
   less the busiest rank's busy time. The step's own collectives (gradients, ZeRO's, the
   norm) follow the makespan.
-- **the optimizer step**: AdamW is memory-bound — each updated parameter's bytes read and
-  written (parameter, gradient, two moments, master weights where kept).
+- **the optimizer step**: the gradient clip and AdamW are memory-bound — their foreach
+  ops' passes over each updated parameter (:data:`_ADAMW_PASSES`, in fp32 over master
+  weights where kept), and the step's own ops' fixed costs.
 
 MFU is the model's FLOPs per token (``6N + 6·L·d·s``, PaLM's count:
 :func:`dtp.models.llama.flops_per_token`; recompute not counted) times tokens per second,
 over the devices' dense peak. Not modelled: document masks (attention is taken as plainly
-causal), contention between hidden traffic and compute, stragglers, the allocator,
-kernel launch latency, the data loader.
+causal), contention between hidden traffic and compute, stragglers and the wait for the
+last rank of a collective beyond its measured fixed cost, the allocator, the data loader;
+ops' fixed costs above the plain tensors' (a DTensor op's sharding propagation, tp's
+redistributions in Python, views), an MoE block's router and dispatch bytes (its ops are
+counted), biases and qk-norm's bytes, the fp32 insides of a half-precision norm, fusion
+by ``torch.compile``; a GPU preset has no ``op_overhead`` (its launches run ahead of the
+kernels) and runs attention at its GEMM figure (FlashAttention-2 reaches 50–73 % of an
+A100's peak, arXiv:2307.08691, by shape: no one figure).
 """
 
 from __future__ import annotations
@@ -48,6 +64,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .. import schedules
+from ..core._rules import accum_dtype
 from ..models import llama
 from .hardware import Hardware, Link
 from .target import Leaf, Target, schedule
@@ -122,16 +139,23 @@ _STEPS = {"all_reduce": lambda n: 2 * (n - 1), "all_gather": lambda n: n - 1, "r
 
 
 def collective_seconds(kind: str, sent: int, ranks: int, link: Link) -> float:
-    """One collective of ``ranks`` on ``link``: the ring's steps of latency (``2(n−1)`` for
-    an all-reduce, ``n−1`` for the others, one for a point-to-point message) plus the bytes
-    this rank sends (the comm log's count) over the link's realised bandwidth.
+    """One collective of ``ranks`` on ``link``: its fixed cost plus the bytes this rank
+    sends (the comm log's count) over the link's realised bandwidth. The fixed cost is the
+    link's measured one for that kind and group size (:meth:`~.hardware.Link.fixed`; an
+    all-to-all-v as an all-to-all), else the ring's steps of latency (``2(n−1)`` for an
+    all-reduce, ``n−1`` for the others, one for a point-to-point message).
 
     >>> link = Link(bandwidth=1e9, latency=1e-5)
     >>> collective_seconds("all_reduce", 1_500_000, 4, link)  # 1 MB ring all-reduce: 6 α + 1.5 MB / β
     0.00156
+    >>> measured = Link(bandwidth=1e9, latency=1e-5, collective_latency=(("all_reduce", 4, 2e-3),))
+    >>> collective_seconds("all_reduce", 1_500_000, 4, measured)  # 2 ms measured + 1.5 MB / β
+    0.0035
     """
-    steps = _STEPS[kind](ranks) if kind in _STEPS else 1
-    return steps * link.latency + sent / link.realised
+    fixed = link.fixed("all_to_all" if kind == "all_to_all_v" else kind, ranks) if kind in _STEPS else None
+    if fixed is None:
+        fixed = (_STEPS[kind](ranks) if kind in _STEPS else 1) * link.latency
+    return fixed + sent / link.realised
 
 
 def axis_sizes(s: Target) -> dict[str, int]:
@@ -195,9 +219,10 @@ class _Work:
 
     matmul_fwd: float
     attention_fwd: float
-    elementwise_fwd: float
+    elementwise_fwd: float  # the unfused ops' bytes and fixed costs
     blocks: int  # transformer blocks on the rank (recompute and hiding rules count them)
     expert_fwd: float  # the routed experts' share of matmul_fwd
+    elementwise_bwd: float  # backward's, the gradients' accumulation over microbatches in
 
     @property
     def forward(self) -> float:
@@ -205,7 +230,7 @@ class _Work:
 
     @property
     def backward(self) -> float:
-        return 2 * self.matmul_fwd + ATTENTION_BACKWARD * self.attention_fwd + 2 * self.elementwise_fwd
+        return 2 * self.matmul_fwd + ATTENTION_BACKWARD * self.attention_fwd + self.elementwise_bwd
 
 
 def _is_matmul(leaf: Leaf, has_head: bool, s: Target) -> bool:
@@ -237,23 +262,79 @@ def _work(s: Target, rank_leaves: list[Leaf], hw: Hardware) -> _Work:
             k_in, n_out = leaf.local[1], leaf.local[0]
         matmul += matmul_seconds(tokens, k_in, n_out, item, hw, dtype)
     # Causal attention: each query sees (seq + 1) / 2 keys on average; cp's zigzag
-    # balances that work across ranks, Ulysses trades the sequence for heads.
+    # balances that work across ranks, Ulysses trades the sequence for heads. Its rate is
+    # the chip's attention figure at the keys one SDPA call sees (a ring's block).
     heads = cfg.n_heads // run.tp
     head_dim = cfg.head_dim or cfg.dim // cfg.n_heads
     attn_flops = 4.0 * tokens * (run.seq + 1) / 2 * head_dim * heads * len(blocks)
-    attention = attn_flops / (hw.chip.flops[dtype] * hw.chip.matmul_efficiency)
-    # Elementwise bytes a block moves per token in forward: two norms (read, write),
-    # two residual adds (two reads, a write), rotary on q and k, the MLP's activation:
-    # SwiGLU's gate two reads and a write, GELU's one of each; the loss reads the logits
-    # and writes their gradient, in fp32.
+    ring = run.cp // (run.ulysses_degree if run.cp_algo == "hybrid" else run.cp if run.cp_algo == "ulysses" else 1)
+    attention = attn_flops / (hw.chip.flops[dtype] * hw.chip.attention_fraction(run.seq // ring, head_dim))
     q_dim, kv_dim = heads * head_dim, max(cfg.n_kv_heads // run.tp, 1) * head_dim  # kv heads repeat below tp
     ffn = (cfg.moe_ffn_dim or cfg.ffn_dim) * (cfg.top_k if cfg.num_experts else 1) // run.tp
-    act = 3 if cfg.mlp == "swiglu" else 2
-    per_block = (2 * 2 * cfg.dim + 2 * 3 * cfg.dim + 2 * (q_dim + kv_dim) + act * ffn) * item
-    elementwise = tokens * per_block * len(blocks)
-    if has_head:
-        elementwise += tokens * (cfg.vocab_size // run.tp) * 4 * 4
-    return _Work(matmul, attention, elementwise / hw.chip.memory_bandwidth, len(blocks), expert)
+    moe = sum(llama.is_moe(cfg, i) for i in blocks)
+    fwd, bwd, ops_f, ops_b = _unfused(s, q_dim, kv_dim, ffn, len(blocks), moe, has_head,
+                                      any(leaf.path == "embed" for leaf in rank_leaves))
+    # From the second microbatch on, each gradient is added into the step's (read two, write one).
+    grads = sum(leaf.numel for leaf in rank_leaves)
+    extra = (run.microbatches - 1) / run.microbatches
+    bwd += extra * 3 * grads * accum_dtype(s.torch_dtype).itemsize
+    ops_b += extra * len(rank_leaves)
+    bw, op = hw.chip.memory_bandwidth, hw.chip.op_overhead
+    return _Work(matmul, attention, fwd / bw + op * ops_f, len(blocks), expert, bwd / bw + op * ops_b)
+
+
+# What eager code moves and runs outside the matmuls and attention, counted from the code
+# (a TorchDispatchMode over the tiny model's step: tests/test_plan_time.py checks these).
+# Each unfused op reads its operands and writes its result, so a block's elementwise bytes
+# per token are sums of its tensors' widths: d (dim) on the residual stream's tokens, the
+# local q, kv and ffn widths on the gathered ones.
+# - forward, a block: two RMSNorms of 7d (pow 2d, mean d, x·r 2d, ·w 2d), two residual
+#   adds of 3d; rotary 9 widths on q and on k (x·cos 2, the halves' cat 2, ·sin 2, add 3);
+#   SwiGLU silu 2f and the product 3f.
+# - backward, a block: two norms of 24d (w's gradient 3d + 1d sum, ·w 2d, r's 3d + 1d,
+#   ·r 2d, the mean's div, pow and two muls 9d, the two paths' add 3d) and the residual's
+#   gradient add 3d each; on the gathered tokens the gradients x gets from q, k, v and from
+#   gate, up summed (3 adds of 3d); rotary 9 widths again (two muls, cat, add); SwiGLU's
+#   two products' gradients 6f and silu's 3f.
+_RES_F, _RES_B, _GATHERED_B, _ROPE_F, _ROPE_B, _MLP_F, _MLP_B = 20, 54, 9, 9, 9, 5, 9
+# The head: its norm (7d forward, 24d backward, on the residual tokens) and the loss in
+# fp32 over the local vocabulary: log-softmax 2V and the pick V forward, their gradients
+# 2V and 4V backward. The embedding: its rows read and written (2d), their gradient read
+# (d) into a dense (vocab, d) gradient written once per microbatch.
+_HEAD_F, _HEAD_B, _LOSS_F, _LOSS_B = 7, 24, 3, 6
+# Non-view ops (TorchDispatchMode's count): a dense block's forward 39 (two norms of 6,
+# 7 linears of 2 — mm and its view back, rotary's 4 twice, SDPA, two residual adds, silu
+# and a product), backward 59 (two norms of 14 and their residual adds, 7 linears of 2,
+# SDPA's, rotary's 4 twice, SwiGLU's 3, the 3 gradient adds); an MoE block's 80 and 92
+# (its router, dispatch and grouped experts); the head 14 and 32, the embedding 1 and 1;
+# a step's own 13 (AdamW's 8 foreach ops, the clip's scalars) and the clip's one per
+# parameter (one more per parameter for each microbatch after the first, the adds above).
+_OPS_BLOCK, _OPS_MOE, _OPS_HEAD, _OPS_EMBED, _OPS_STEP = (39, 59), (80, 92), (14, 32), (1, 1), 13
+
+
+def _unfused(s: Target, q_dim: int, kv_dim: int, ffn: int, blocks: int, moe: int, head: bool,
+             embed: bool) -> tuple[float, float, float, float]:
+    """One microbatch's unfused elementwise bytes forward and backward on the rank, and its
+    op counts (the tables above)."""
+    cfg, item = s.cfg, s.torch_dtype.itemsize
+    d, res, tokens = cfg.dim, s.residual_tokens, s.tokens
+    # GELU (mlp="gelu"): its op reads one ffn width and writes one, its gradient reads two
+    # and writes one (op counts stay SwiGLU's: the GELU MLP's were not counted)
+    mlp_f, mlp_b = (_MLP_F, _MLP_B) if cfg.mlp == "swiglu" else (2, 3)
+    fwd = blocks * (res * _RES_F * d + tokens * (_ROPE_F * (q_dim + kv_dim) + mlp_f * ffn)) * item
+    bwd = blocks * (res * _RES_B * d + tokens * (_GATHERED_B * d + _ROPE_B * (q_dim + kv_dim) + mlp_b * ffn)) * item
+    dense = blocks - moe
+    ops_f, ops_b = dense * _OPS_BLOCK[0] + moe * _OPS_MOE[0], dense * _OPS_BLOCK[1] + moe * _OPS_MOE[1]
+    if head:
+        vocab = cfg.vocab_size // s.run.tp
+        fwd += res * _HEAD_F * d * item + tokens * _LOSS_F * vocab * 4
+        bwd += res * _HEAD_B * d * item + tokens * _LOSS_B * vocab * 4
+        ops_f, ops_b = ops_f + _OPS_HEAD[0], ops_b + _OPS_HEAD[1]
+    if embed:
+        fwd += tokens * 2 * d * item
+        bwd += (tokens + cfg.vocab_size // s.run.tp) * d * item
+        ops_f, ops_b = ops_f + _OPS_EMBED[0], ops_b + _OPS_EMBED[1]
+    return fwd, bwd, ops_f, ops_b
 
 
 def _recompute(s: Target, w: _Work) -> float:
@@ -264,23 +345,33 @@ def _recompute(s: Target, w: _Work) -> float:
     return 0.0
 
 
+# AdamW's foreach ops, each a pass over every parameter it updates (dtp.optim.adamw's
+# kernel): lerp m (read m, g; write m) 3, v·b2 2, addcmul v (v, g, g; v) 4, sqrt 2, its
+# div and add 2 each, p·(1 − lr·wd) 2, addcdiv (p, m, denom; p) 4; the gradient clip
+# reads each gradient (the norm) and scales it (read, write).
+_ADAMW_PASSES, _CLIP_PASSES = 21, 3
+
+
 def _optimizer(s: Target, rank_leaves: list[Leaf], hw: Hardware) -> float:
+    """The gradient clip and AdamW over the parameters this rank updates (its ZeRO slice):
+    :func:`optimizer_seconds`, and the step's own ops' fixed costs (the clip's one per
+    parameter)."""
     n = sum(leaf.numel for leaf in rank_leaves) / (s.run.dp if s.run.zero else 1)
-    return optimizer_seconds(n, s.torch_dtype.itemsize, hw)
+    return optimizer_seconds(n, s.torch_dtype.itemsize, hw) + hw.chip.op_overhead * (_OPS_STEP + len(rank_leaves))
 
 
 def optimizer_seconds(n: float, itemsize: int, hw: Hardware) -> float:
-    """AdamW over ``n`` parameters of ``itemsize`` bytes (a rank's ZeRO slice, or all it
-    holds): memory-bound, it reads the parameter, its gradient and two fp32 moments and
-    writes the parameter and the moments; master weights (fp32, kept under mixed
-    precision) are read and written too.
+    """The clip and AdamW over ``n`` parameters of ``itemsize`` bytes, memory-bound, pass by
+    pass (:data:`_ADAMW_PASSES`), in fp32 where master weights are kept (mixed precision),
+    which are then written back in the model's dtype; no op's fixed cost.
 
     >>> from dtp.planning.hardware import hardware
-    >>> round(optimizer_seconds(1e9, 2, hardware("h100-sxm")) * 1e3, 2)   # 1B bf16 parameters: 30 B each
-    8.96
+    >>> round(optimizer_seconds(1e9, 2, hardware("h100-sxm")) * 1e3, 2)   # 1B bf16 parameters
+    30.45
     """
-    master = 2 * 4 if itemsize < 4 else 0
-    return n * (2 * itemsize + itemsize + 4 * 4 + master) / hw.chip.memory_bandwidth
+    opt, grad = (4, 4) if itemsize < 4 else (itemsize, itemsize)  # the accumulation dtype: fp32 below it
+    moved = n * (_ADAMW_PASSES * opt + _CLIP_PASSES * grad + (opt + itemsize if itemsize < 4 else 0))
+    return moved / hw.chip.memory_bandwidth
 
 
 def compute_seconds(s: Target, rank_leaves: list[Leaf], hw: Hardware) -> float:
@@ -292,7 +383,7 @@ def compute_seconds(s: Target, rank_leaves: list[Leaf], hw: Hardware) -> float:
     >>> from dtp.planning.hardware import hardware
     >>> s = Target.of(RunConfig(model="llama3-8b", batch=8, seq=4096, dtype="bfloat16"))
     >>> round(compute_seconds(s, leaves(s), hardware("h100-sxm")), 2)
-    2.25
+    2.46
     """
     w = _work(s, rank_leaves, hw)
     return w.forward + w.backward
