@@ -267,7 +267,8 @@ def main() -> int:
         ap.error("--steps - --warmup must leave at least 5 measured steps")
 
     from dtp.planning.calibrate import calibrate
-    from dtp.planning.hardware import from_toml, hardware, to_toml
+    from dtp.planning.hardware import from_toml, hardware
+    from dtp.planning.hardware_toml import to_toml
 
     layouts = [row for row in LAYOUTS if row[1] in args.only and (args.layouts is None or row[0] in args.layouts)]
     for name, _, flags in layouts:  # every layout planned before anything is measured: a bad one fails here

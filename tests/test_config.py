@@ -200,7 +200,8 @@ PLAN_FLAGS_BEFORE = [f for f in TRAIN_FLAGS_BEFORE if f not in (
 TRAIN_FLAGS_SINCE = ["--save-on-signal", "--shutdown-timeout"]
 # Plan-only flags added since, none a RunConfig field (the machine the step runs on, not the
 # run), by the attribute each sets.
-PLAN_FLAGS_SINCE = {"--hardware": "hardware_spec", "--calibrate": "calibrate"}
+PLAN_FLAGS_SINCE = {"--hardware": "hardware_spec", "--calibrate": "calibrate", "--search": "search",
+                    "--devices": "devices", "--show": "show"}
 
 
 def _options(command: str) -> dict[str, str]:

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from dtp.cli import build_parser
-from dtp.planning.hardware import COLLECTIVES, PRESETS, Chip, Hardware, Link, from_toml, hardware, to_toml
+from dtp.planning.hardware import COLLECTIVES, PRESETS, Chip, Hardware, Link, from_toml, hardware
+from dtp.planning.hardware_toml import to_toml
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))

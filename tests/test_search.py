@@ -15,7 +15,8 @@ from dtp.cli import main, parse_args
 from dtp.cli.flags import check_config
 from dtp.planning import plan
 from dtp.planning.hardware import Chip, Hardware, Link, hardware
-from dtp.planning.search import (_cp_options, _preflight, _meshes, _pp_options, _tp_options, _zero_options, command, describe,
+from dtp.cli.plan import preflight as _preflight
+from dtp.planning.search import (_cp_options, _meshes, _pp_options, _tp_options, _zero_options, command, describe,
                                  search)
 from dtp.models import llama
 
@@ -72,7 +73,7 @@ def test_the_search_finds_what_planning_every_layout_finds(tight):
     the search's top times are the brute force's (over the same space, on 4 devices)."""
     hw, budget = tight
     brute = _brute("small", 4, 8, 64, hw, budget)
-    found = search("small", devices=4, batch=8, seq=64, hardware=hw, memory_gb=budget, show=8)
+    found = search("small", preflight=_preflight, devices=4, batch=8, seq=64, hardware=hw, memory_gb=budget, show=8)
     assert len(brute) > 50 and found.pruned.get("memory", 0) > 0
     assert math.isclose(found.top[0].time.total, brute[0][0])
     kept = {c.run for c in found.top}
@@ -88,7 +89,7 @@ def test_the_search_finds_what_planning_every_layout_finds(tight):
 def test_every_layout_found_runs_and_fits():
     """Each pick is one ``dtp train`` accepts (its shape checks, through its own flags) and
     whose plan fits the budget."""
-    found = search("llama3-8b", devices=8, batch=8, seq=2048, hardware="h100-sxm", memory_gb=60, show=6)
+    found = search("llama3-8b", preflight=_preflight, devices=8, batch=8, seq=2048, hardware="h100-sxm", memory_gb=60, show=6)
     assert found.top
     for c in found.top:
         argv = command(c.run).split()[2:]  # "dtp train ..."
@@ -120,8 +121,8 @@ def test_a_one_percent_change_moves_the_pick_by_about_one_percent(what):
     order changes only among layouts within 2 % of each other."""
     hw = hardware("h100-sxm")
     kw = dict(devices=8, batch=16, seq=2048, memory_gb=40, show=6)
-    before = search("1b", hardware=hw, **kw)
-    after = search("1b", hardware=_scaled(hw, what, 1.01), **kw)
+    before = search("1b", preflight=_preflight, hardware=hw, **kw)
+    after = search("1b", preflight=_preflight, hardware=_scaled(hw, what, 1.01), **kw)
     assert abs(after.top[0].time.total / before.top[0].time.total - 1) <= 0.011
     rank = {describe(c.run): c.time.total for c in before.top}
     for a, b in itertools.combinations([describe(c.run) for c in after.top if describe(c.run) in rank], 2):
@@ -130,13 +131,13 @@ def test_a_one_percent_change_moves_the_pick_by_about_one_percent(what):
 
 
 def test_no_layout_fits():
-    found = search("llama3-8b", devices=2, batch=8, seq=4096, hardware="h100-sxm", memory_gb=1, show=3)
+    found = search("llama3-8b", preflight=_preflight, devices=2, batch=8, seq=4096, hardware="h100-sxm", memory_gb=1, show=3)
     assert found.top == () and found.pruned["memory"] > 0
     assert found.lines()[-1] == "no layout fits: raise --memory-gb, or add devices"
 
 
 def test_held_fields_are_kept():
-    found = search("small", devices=4, batch=8, seq=64, hardware="h100-sxm", show=4, tp=2, zero=1)
+    found = search("small", preflight=_preflight, devices=4, batch=8, seq=64, hardware="h100-sxm", show=4, tp=2, zero=1)
     assert found.top and all(c.run.tp == 2 and c.run.zero == 1 for c in found.top)
 
 
@@ -162,7 +163,7 @@ def test_tiny_hardware_toy_link():
     nv = Link(bandwidth=3e11, latency=3e-6)
     hw = Hardware(name="toy", chip=Chip(name="toy", flops={"bfloat16": 1e15}, memory=8e10, memory_bandwidth=2e12,
                                         matmul_efficiency=0.8), devices_per_node=8, intra=nv, inter=nv, host=nv)
-    found = search("tiny", devices=2, batch=4, seq=32, hardware=hw, show=1)
+    found = search("tiny", preflight=_preflight, devices=2, batch=4, seq=32, hardware=hw, show=1)
     assert found.hardware == "toy" and found.top
 
 

@@ -19,17 +19,19 @@ from typing import TYPE_CHECKING
 from .. import schedules
 from ..models import config as model_config
 from .flags import check_config, run_config
-from .parser import _HelpFormatter, add_config_flag, add_nproc, add_print_schedule, add_run_flags, positive_float
+from .parser import (UsageError, _HelpFormatter, add_config_flag, add_nproc, add_print_schedule, add_run_flags,
+                     positive_float)
+from .shape import check_shape
 
 if TYPE_CHECKING:
     from ..config import RunConfig
     from ..layouts import Layout
     from ..models.config import LlamaConfig
-    from ..planning import Plan
+    from ..planning import Plan, Target
     from ..planning.hardware import Hardware
 
 __all__ = ["add_parser", "add_train_flags", "plan_from_args", "plan_of", "cmd_plan", "cmd_calibrate", "cmd_search",
-           "print_schedule",
+           "preflight", "print_schedule",
            "train_refusal", "machine_memory_gb"]
 
 # The sections of a run a plan reads (dtp.config.SECTIONS): not the checkpoints, not the run's output.
@@ -96,9 +98,8 @@ def _positive_int(text: str) -> int:
 
 def cmd_search(args: argparse.Namespace) -> int:
     """``dtp plan --search``: the ``--show`` fastest layouts (:func:`dtp.planning.search`)."""
-    from ..config import RunConfig
-    from ..config.fields import flag_of
-    from .parser import UsageError
+    from ..config import RunConfig  # here: the run's fields, which the parser is built without
+    from ..config.fields import flag_of  # here: as RunConfig
 
     if args.devices is None:
         raise UsageError("--search lays the run out on --devices N devices: give --devices")
@@ -125,11 +126,24 @@ def cmd_search(args: argparse.Namespace) -> int:
         print(f"dtp plan --search: holding {', '.join(held)} as given", file=sys.stderr)
     try:
         found = search(run.model, devices=args.devices, batch=run.batch, seq=run.seq, hardware=hw,
-                       memory_gb=args.memory_gb, show=args.show, backend=args.backend or "nccl", **given)
+                       memory_gb=args.memory_gb, show=args.show, backend=args.backend or "nccl",
+                       preflight=preflight, **given)
     except ValueError as e:
         raise UsageError(str(e).removeprefix("dtp.planning.search: ")) from None
     print("\n".join(found.lines()))
     return 0 if found.top else 1
+
+
+def preflight(run: "RunConfig", target: "Target", cfg: "LlamaConfig") -> None:
+    """``dtp train``'s checks of a run's shape (:func:`~dtp.cli.shape.check_shape`, which
+    need no data), raising ``ValueError`` with its line: :func:`dtp.planning.search.search`'s
+    ``preflight``, so that a layout it returns is one ``dtp train`` starts."""
+    from ..core.mesh.shape import MeshShape  # here: as check_shape, torch-free but only the search's
+
+    try:
+        check_shape(argparse.Namespace(**run.to_dict(), check=False), target.layout, cfg, MeshShape(target.axes))
+    except UsageError as e:
+        raise ValueError(str(e)) from None
 
 
 def _hardware(text: str) -> "Hardware":
@@ -148,7 +162,7 @@ def cmd_calibrate(target: str) -> int:
     """``--calibrate [FILE]``: write this machine's hardware TOML to ``target`` (``-``: stdout)."""
     # here: calibration runs torch and a rank pool, which only --calibrate needs
     from ..planning.calibrate import calibrate
-    from ..planning.hardware import to_toml
+    from ..planning.hardware_toml import to_toml
 
     text = to_toml(calibrate())
     if target == "-":

@@ -171,7 +171,7 @@ def _collective_seconds(repeats: int, seconds: _Timer) -> list[tuple[str, int, f
     through :mod:`dtp.comm` among groups of each size dividing the world, every group at once."""
     import torch.distributed as dist
 
-    from .. import comm, make_mesh
+    from .. import comm, make_mesh  # here: runs on the calibration's ranks only (dtp's package imports this module)
 
     world = dist.get_world_size()
     calls = {"all_reduce": lambda x, m: comm.all_reduce(x, m, "tp"),
@@ -334,7 +334,7 @@ def calibrate(ranks: int = 2, *, repeats: int = 5, shared: bool | None = None) -
             times = link_times(repeats + 2)  # its ranks set their own threads (one each)
             collectives = []
             if ranks >= 2:
-                from ..testing import run
+                from ..testing import run  # here: the rank pool, which only a calibration with ranks needs
 
                 collectives = run(_pool_collectives, threads, repeats, world_size=ranks, timeout=600)[0]
     finally:

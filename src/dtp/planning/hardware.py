@@ -11,7 +11,7 @@ figure: causal attention's fraction of peak (``attention_curve``) and each op's 
 dispatch cost (``op_overhead``); the presets leave them at the GEMM figure and 0.
 
 :data:`PRESETS` are six 8-device nodes, each figure with its source beside it; a system of
-one's own is a TOML file (:func:`to_toml`, :func:`from_toml`), and ``dtp plan --calibrate``
+one's own is a TOML file (:func:`.hardware_toml.to_toml`, :func:`from_toml`), and ``dtp plan --calibrate``
 writes one for this machine (:mod:`.calibrate`). :func:`hardware` reads either.
 
 Torch-free: ``dtp plan`` reads hardware before torch is imported.
@@ -19,14 +19,13 @@ Torch-free: ``dtp plan`` reads hardware before torch is imported.
 
 from __future__ import annotations
 
-import json
 import math
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Link", "Chip", "Hardware", "PRESETS", "DTYPES", "COLLECTIVES", "hardware", "preset_of_device", "to_toml",
+__all__ = ["Link", "Chip", "Hardware", "PRESETS", "DTYPES", "COLLECTIVES", "hardware", "preset_of_device",
            "from_toml"]
 
 # The dtype names a chip's peak may be given for: torch's names, and tfloat32 for float32
@@ -460,60 +459,11 @@ def hardware(name_or_path: str) -> Hardware:
         raise ValueError(f"{path}: {e}") from None
 
 
-def _value(v: Any) -> str:
-    """One TOML value: floats by ``repr`` (exact round trip), strings JSON-escaped (a JSON
-    string is a TOML basic string), tuples as arrays."""
-    if isinstance(v, str):
-        return json.dumps(v, ensure_ascii=False)
-    if isinstance(v, bool):
-        raise TypeError("no booleans in hardware")
-    if isinstance(v, int):
-        return str(v)
-    if isinstance(v, float):
-        return repr(v)  # 'inf'/'nan' cannot occur: every figure was checked finite
-    return "[" + ", ".join(_value(x) for x in v) + "]"
-
-
 _LINKS = ("intra", "inter", "host")
 _LINK_FIELDS = ("bandwidth", "latency", "efficiency", "collective_latency")
 _CHIP_FIELDS = ("name", "memory", "memory_bandwidth", "matmul_efficiency", "matmul_curve", "attention_curve",
                 "op_overhead", "flops")
 _TOP_FIELDS = ("name", "devices_per_node", "source", "chip", *_LINKS)
-
-
-def to_toml(hw: Hardware) -> str:
-    """``hw`` as TOML (:func:`from_toml` reads it back equal).
-
-    >>> text = to_toml(PRESETS["a100-80gb"])
-    >>> print(text.splitlines()[0]); from_toml(text) == PRESETS["a100-80gb"]
-    name = "a100-80gb"
-    True
-    """
-    c = hw.chip
-    lines = [f"name = {_value(hw.name)}", f"devices_per_node = {hw.devices_per_node}",
-             f"source = {_value(hw.source)}", "",
-             "# one device; bytes, bytes/s, FLOP/s", "[chip]", f"name = {_value(c.name)}",
-             f"memory = {_value(float(c.memory))}", f"memory_bandwidth = {_value(float(c.memory_bandwidth))}",
-             f"matmul_efficiency = {_value(float(c.matmul_efficiency))}"]
-    if c.matmul_curve:
-        lines.append("# (m*n*k, fraction of peak) of GEMMs of growing size")
-        lines.append(f"matmul_curve = {_value([[float(s), float(f)] for s, f in c.matmul_curve])}")
-    if c.attention_curve:
-        lines.append("# (seq*head_dim, fraction of peak) of causal attention, forward and backward")
-        lines.append(f"attention_curve = {_value([[float(s), float(f)] for s, f in c.attention_curve])}")
-    if c.op_overhead:
-        lines.append(f"op_overhead = {_value(float(c.op_overhead))}  # seconds per op, beyond its bytes and FLOPs")
-    lines += ["", "[chip.flops]"] + [f"{k} = {_value(float(v))}" for k, v in c.flops.items()]
-    for key in _LINKS:
-        link: Link = getattr(hw, key)
-        lines += ["", f"[{key}]  # bytes/s each way, seconds per message, realised fraction of the bandwidth",
-                  f"bandwidth = {_value(float(link.bandwidth))}", f"latency = {_value(float(link.latency))}",
-                  f"efficiency = {_value(float(link.efficiency))}"]
-        if link.collective_latency:
-            lines.append("# [kind, ranks, seconds] of a small collective, every group at once")
-            rows = ", ".join(f"[{_value(k)}, {n}, {_value(float(t))}]" for k, n, t in link.collective_latency)
-            lines.append(f"collective_latency = [{rows}]")
-    return "\n".join(lines) + "\n"
 
 
 def _table(data: dict[str, Any], where: str, fields: tuple[str, ...], required: tuple[str, ...]) -> dict[str, Any]:
@@ -586,6 +536,7 @@ def from_toml(text: str) -> Hardware:
     """The system a TOML text describes (:func:`to_toml`'s layout). Every field is checked;
     an error names the field.
 
+    >>> from dtp.planning.hardware_toml import to_toml
     >>> from_toml(to_toml(PRESETS["h200"]).replace("devices_per_node = 8", "devices_per_node = 0"))
     Traceback (most recent call last):
     ...

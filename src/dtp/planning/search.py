@@ -6,7 +6,7 @@ TP; cp with each algorithm (double-ring at each window, hybrid at each Ulysses d
 each pipeline schedule with its virtual stages; ZeRO 0-3 with each of its overlaps;
 every microbatch count that splits a data rank's rows; each recompute policy; under ep,
 EP overlap. Each layout is a :class:`dtp.RunConfig`, checked by the run's own checks and
-``dtp train``'s preflight (:func:`dtp.cli.shape.check_shape`), planned by :func:`dtp.plan`
+``dtp train``'s preflight (:func:`dtp.cli.plan.preflight`, given as ``preflight``), planned by :func:`dtp.plan`
 and timed by :meth:`dtp.planning.Plan.time`: the search ranks what the plan predicts and
 nothing else.
 
@@ -34,18 +34,16 @@ A layout whose fullest rank does not fit ``memory_gb`` is pruned after its memor
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import heapq
 import math
 import re
 import time as clock
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from .. import schedules
 from ..config import RunConfig, flag_names
-from ..core.mesh.shape import MeshShape
 from ..models import llama
 from .hardware import Hardware, hardware as read_hardware
 from .memory import memory
@@ -56,6 +54,9 @@ from .traffic import traffic
 __all__ = ["Candidate", "SearchResult", "search", "command", "describe", "LAYOUT_FIELDS"]
 
 GIB = 2**30
+
+#: A check of one layout (the run, its plan's target, the model) that raises ValueError.
+Preflight = Callable[[RunConfig, Target, llama.LlamaConfig], None]
 
 
 @dataclass(frozen=True)
@@ -260,8 +261,9 @@ class _Search:
     """One search's state: the bests so far, the counts, the memoised stages and bounds."""
 
     def __init__(self, cfg: llama.LlamaConfig, name: str, hw: Hardware, budget: float, show: int,
-                 backend: str, base: dict[str, Any], held: dict[str, Any]) -> None:
+                 backend: str, base: dict[str, Any], held: dict[str, Any], preflight: Preflight | None) -> None:
         self.cfg, self.name, self.hw, self.budget, self.show, self.backend = cfg, name, hw, budget, show, backend
+        self.preflight: Preflight = preflight or (lambda run, target, cfg: None)
         self.base, self.held = base, held
         self.pruned: dict[str, int] = {}
         self.space = self.planned = self.timed = 0
@@ -296,7 +298,7 @@ class _Search:
                 with flag_names():
                     run = RunConfig(**{**self.base, **axes, **opts, "pp": 1, "microbatches": m})
                 s = Target.of(run, cfg=self.cfg, backend=self.backend, name=self.name)
-                _preflight(run, s, self.cfg)
+                self.preflight(run, s, self.cfg)
                 every = leaves(s)
                 self.works[key] = (compute_seconds(s, every, self.hw), sum(x.numel for x in every),
                                    self.state_bytes(s, every))
@@ -335,7 +337,7 @@ class _Search:
                 with flag_names():
                     run = dataclasses.replace(s.run, zero=z, recompute="full")
                 t = dataclasses.replace(s, run=run, layout=run.layout())
-                _preflight(run, t, self.cfg)
+                self.preflight(run, t, self.cfg)
             except ValueError:
                 continue
             self.planned += 1
@@ -351,16 +353,19 @@ class _Search:
             with flag_names():
                 run = RunConfig(**fields_)
             s = Target.of(run, cfg=self.cfg, backend=self.backend, name=self.name)
-            _preflight(run, s, self.cfg)
+            self.preflight(run, s, self.cfg)
         except ValueError as e:
             return e
         key = (axes["ep"], axes["cp"], axes["tp"], opts.get("sp", False), run.pp, s.virtual_stages,
                schedules.placement(run.pp_schedule) if run.pp > 1 else None)
         if key not in self.stages:
             # A leaf's local shape is the tp, cp, ep and SP split's (the pipeline cuts the list)
-            if key[:4] not in self.leaves:
-                self.leaves[key[:4]] = leaves(s)
-            self.stages[key] = stage_leaves(s, self.leaves[key[:4]])
+            try:  # the plan's own refusals (a stage without a layer), where no preflight said them
+                if key[:4] not in self.leaves:
+                    self.leaves[key[:4]] = leaves(s)
+                self.stages[key] = stage_leaves(s, self.leaves[key[:4]])
+            except ValueError as e:
+                return e
         per_stage = self.stages[key]
         if not self.fits_somehow(s, per_stage):
             return MemoryError()
@@ -380,7 +385,7 @@ class _Search:
                 with flag_names():
                     run = dataclasses.replace(s.run, **zopts, recompute="none")
                 t = dataclasses.replace(s, run=run, layout=run.layout())
-                _preflight(run, t, self.cfg)
+                self.preflight(run, t, self.cfg)
             except ValueError:  # refused: not a member (the variants count it)
                 continue
             accepted.append(zopts)
@@ -402,7 +407,7 @@ class _Search:
                     with flag_names():
                         run = dataclasses.replace(s.run, **zopts, recompute=rc)
                     t = dataclasses.replace(s, run=run, layout=run.layout())
-                    _preflight(run, t, self.cfg)  # ZeRO's options against the others (a pipeline's rules)
+                    self.preflight(run, t, self.cfg)  # ZeRO's options against the others (a pipeline's rules)
                     self.planned += 1
                     plans[key] = (t, max(memory(t, lv, i).peak for i, lv in enumerate(per_stage)))
                 except ValueError as e:
@@ -450,13 +455,16 @@ class _Search:
 
 def search(model: str | llama.LlamaConfig = "llama3-8b", *, devices: int, batch: int, seq: int,
            hardware: Hardware | str, memory_gb: float | None = None, show: int = 10, backend: str = "nccl",
-           **fixed: Any) -> SearchResult:
+           preflight: Preflight | None = None, **fixed: Any) -> SearchResult:
     """The ``show`` fastest layouts of ``model`` on ``devices`` devices of ``hardware`` that
     fit ``memory_gb`` GiB a device (default: the chip's memory), by :meth:`Plan.time`
     (module docstring: the space, and why the search is exact and fast).
 
     - `model`: a preset name or a :class:`~dtp.models.llama.LlamaConfig`.
     - `batch`, `seq`: the global batch (sequences) and sequence length.
+    - `preflight`: a check every layout must pass beyond the run's and the plan's own,
+      raising ``ValueError`` (``dtp plan --search`` passes ``dtp train``'s shape checks,
+      :func:`dtp.cli.plan.preflight`, so that each pick is one ``dtp train`` starts).
     - `fixed`: other :class:`dtp.RunConfig` fields every layout keeps (``dtype`` defaults to
       ``"bfloat16"``); a layout field given here is held, not searched.
 
@@ -480,7 +488,7 @@ def search(model: str | llama.LlamaConfig = "llama3-8b", *, devices: int, batch:
     base = {k: v for k, v in fixed.items() if k not in LAYOUT_FIELDS}
     base.update(batch=batch, seq=seq, **({"model": model} if isinstance(model, str) else {}))
     st = _Search(cfg, model if isinstance(model, str) else "custom", hw, budget, show, backend, base,
-                 {k: fixed[k] for k in LAYOUT_FIELDS if k in fixed})
+                 {k: fixed[k] for k in LAYOUT_FIELDS if k in fixed}, preflight)
     n_layers = llama.n_sequential_layers(cfg) - 2
     per_group = lambda dp: len(_zero_options(dp)) * len(_RECOMPUTE)  # noqa: E731
     # The heap: (bound, order, coarse entry or a group). A coarse entry stands for its
@@ -539,15 +547,3 @@ def _options(axes: dict[str, int]) -> Iterator[dict[str, Any]]:
         for c in _cp_options(axes["cp"]):
             for e in _ep_options(axes["ep"]):
                 yield {**t, **c, **e}
-
-
-def _preflight(run: RunConfig, s: Target, cfg: llama.LlamaConfig) -> None:
-    """``dtp train``'s checks of the run's shape (:func:`dtp.cli.shape.check_shape`), which
-    need no data: a layout the search returns is one ``dtp train`` starts."""
-    from ..cli.parser import UsageError
-    from ..cli.shape import check_shape
-
-    try:
-        check_shape(argparse.Namespace(**run.to_dict(), check=False), s.layout, cfg, MeshShape(s.axes))
-    except UsageError as e:
-        raise ValueError(str(e)) from None
