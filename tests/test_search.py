@@ -167,3 +167,20 @@ def test_tiny_hardware_toy_link():
     assert found.hardware == "toy" and found.top
 
 
+
+
+@pytest.mark.parametrize("model,axes", [("tiny", {"dp": 4}), ("tiny", {"dp": 2, "tp": 2}), ("llama3-8b", {"dp": 8, "tp": 2}),
+                                        ("tiny-moe", {"dp": 2, "ep": 2})])
+def test_zero3_holds_the_least_state_of_the_stages(model, axes):
+    """The search's memory prune of a mesh (``_Search.state_bytes``) plans ZeRO-3 only: it
+    must hold no more parameters and optimizer state than any other stage."""
+    from dtp.planning.memory import memory
+    from dtp.planning.target import Target, leaves
+
+    held = {}
+    for z in (0, 1, 2, 3):
+        s = Target.of(RunConfig(model=model, batch=8, seq=64, dtype="bfloat16", zero=z, recompute="full", **axes),
+                      backend="nccl")
+        mem = memory(s, leaves(s))
+        held[z] = mem.params + mem.optimizer
+    assert held[3] == min(held.values()), held

@@ -48,7 +48,7 @@ from ..models import llama
 from .hardware import Hardware, hardware as read_hardware
 from .memory import memory
 from .target import DTYPES, Leaf, Target, leaves, stage_leaves
-from .time import StepTime, busy_bound, compute_seconds, optimizer_seconds, step_time
+from .time import StepTime, busy_bound, compute_seconds, optimizer_seconds, stage_works, step_time
 from .traffic import traffic
 
 __all__ = ["Candidate", "SearchResult", "search", "command", "describe", "LAYOUT_FIELDS"]
@@ -257,8 +257,25 @@ def _reason(error: Exception) -> str:
     return f"refused: {found[0]}" if found else f"refused: {' '.join(text.split()[:3])}"
 
 
+def _key(run: RunConfig, *drop: str) -> tuple:
+    """A layout's fields (the rest of a search's runs are the same) less ``drop``."""
+    return tuple(getattr(run, f) for f in LAYOUT_FIELDS if f not in drop)
+
+
+def _split(s: Target) -> tuple:
+    """What the pipeline's schedule changes in a plan's stages, traffic and compute: its
+    chunks per rank and their placement (gpipe, 1f1b and zb-h1 plan alike)."""
+    return (s.virtual_stages, schedules.placement(s.run.pp_schedule) if s.run.pp > 1 else None)
+
+
+# A variant's ZeRO fields and recompute: what the per-split memos below leave out of their
+# keys where the memoised figure does not depend on them.
+_VARIANT = ("zero", "overlap_grad_reduce", "overlap_param_gather", "recompute")
+
+
 class _Search:
-    """One search's state: the bests so far, the counts, the memoised stages and bounds."""
+    """One search's state: the bests so far, the counts, and the memoised stages, traffic,
+    compute and bounds (a schedule's groups share them with the others of its split)."""
 
     def __init__(self, cfg: llama.LlamaConfig, name: str, hw: Hardware, budget: float, show: int,
                  backend: str, base: dict[str, Any], held: dict[str, Any], preflight: Preflight | None) -> None:
@@ -268,10 +285,15 @@ class _Search:
         self.pruned: dict[str, int] = {}
         self.space = self.planned = self.timed = 0
         self.best: list[tuple[float, int, Candidate]] = []  # the show best as a max-heap (by -time)
-        self.stages: dict[tuple, list[list[Leaf]]] = {}
-        self.leaves: dict[tuple, list[Leaf]] = {}
-        self.works: dict[tuple, tuple[float, int] | Exception] = {}
         self.itemsize = DTYPES[base.get("dtype", "bfloat16")].itemsize
+        # the memos, each keyed by what its figure depends on (the comments at their uses)
+        self.leaves: dict[tuple, list[Leaf]] = {}
+        self.stages: dict[tuple, list[list[Leaf]]] = {}
+        self.works: dict[tuple, tuple[float, int] | Exception] = {}
+        self.states: dict[tuple, float] = {}
+        self.rows_: dict[tuple, tuple] = {}
+        self.works_: dict[tuple, list] = {}
+        self.bounds: dict[tuple, float] = {}
 
     def prune(self, reason: str, n: int) -> None:
         self.pruned[reason] = self.pruned.get(reason, 0) + n
@@ -284,6 +306,30 @@ class _Search:
     def worst_kept(self) -> float:
         return -self.best[0][0] if len(self.best) == self.show else math.inf
 
+    def variant(self, s: Target, check: bool = True, **fields_: Any) -> Target:
+        """``s`` with ``fields_`` changed, checked by the run (and, with ``check``, by the
+        preflight: ZeRO's options against a pipeline's rules); ``ValueError`` if refused."""
+        with flag_names():
+            run = dataclasses.replace(s.run, **fields_)
+        t = dataclasses.replace(s, run=run, layout=run.layout())
+        if check:
+            self.preflight(run, t, self.cfg)
+        return t
+
+    def rows(self, t: Target, per_stage: list[list[Leaf]]) -> tuple:
+        """The stages' traffic: the same for each schedule of a split."""
+        key = (_key(t.run, "pp_schedule", "virtual_stages"), _split(t))
+        if key not in self.rows_:
+            self.rows_[key] = tuple(tuple(traffic(t, lv, i)) for i, lv in enumerate(per_stage))
+        return self.rows_[key]
+
+    def computes(self, t: Target, per_stage: list[list[Leaf]]) -> list:
+        """The stages' compute: a split's, whatever its ZeRO and recompute."""
+        key = (_key(t.run, "pp_schedule", "virtual_stages", *_VARIANT), _split(t))
+        if key not in self.works_:
+            self.works_[key] = stage_works(t, per_stage, self.hw)
+        return self.works_[key]
+
     # ---- the coarse bound: a mesh, its tp and cp options and the microbatch count
 
     def coarse(self, axes: dict[str, int], opts: dict[str, Any], m: int) -> float | Exception:
@@ -292,62 +338,55 @@ class _Search:
         pipeline ranks, and the optimizer step of the parameters over them. A refusal, or
         a ``MemoryError`` where even the parameters' state cannot fit."""
         rows = self.base["batch"] // (axes["dp"] * axes["ep"] * m)
-        key = (axes["ep"], axes["cp"], axes["tp"], opts.get("sp", False), rows)
+        # the compute's key: the leaves' (ep, cp, tp, sp), the tokens and the gradient
+        # accumulation's (rows, m) and attention's blocks (the cp algorithm's ring)
+        key = (axes["ep"], axes["cp"], axes["tp"], opts.get("sp", False), rows, m,
+               *(opts.get(k) for k in ("cp_algo", "cp_window", "ulysses_degree")))
         if key not in self.works:
             try:  # the pipeline folded away: one rank's compute is the whole model's
                 with flag_names():
                     run = RunConfig(**{**self.base, **axes, **opts, "pp": 1, "microbatches": m})
                 s = Target.of(run, cfg=self.cfg, backend=self.backend, name=self.name)
                 self.preflight(run, s, self.cfg)
-                every = leaves(s)
-                self.works[key] = (compute_seconds(s, every, self.hw), sum(x.numel for x in every),
-                                   self.state_bytes(s, every))
+                if key[:4] not in self.leaves:
+                    self.leaves[key[:4]] = leaves(s)
+                every = self.leaves[key[:4]]
+                self.works[key] = (compute_seconds(s, every, self.hw), sum(x.numel for x in every))
             except ValueError as e:
                 self.works[key] = e
         work = self.works[key]
         if isinstance(work, Exception):
             return work
-        seconds, n_params, state = work
+        seconds, n_params = work
         # The fullest pipeline rank holds at least the mean of the stages' parameters and
         # their optimizer state (ZeRO pads each bucket to dp: 10 % of slack for it).
-        if 0.9 * state / axes["pp"] > self.budget:
+        if 0.9 * self.state_bytes(axes, opts) / axes["pp"] > self.budget:
             return MemoryError()
         # the optimizer's largest rank holds at least the mean of the stages' parameters
         shards = axes["pp"] * (axes["dp"] if axes["dp"] > 1 else 1)
         return m * seconds / axes["pp"] + optimizer_seconds(n_params / shards, self.itemsize, self.hw)
 
-    def state_bytes(self, s: Target, every: list[Leaf]) -> float:
+    def state_bytes(self, axes: dict[str, int], opts: dict[str, Any]) -> float:
         """The fewest bytes of parameters and optimizer state any ZeRO stage leaves a rank
-        holding ``every`` (a memory plan's ``params + optimizer``, which its peak holds)."""
-        least = math.inf
-        for z in sorted({z["zero"] for z in _zero_options(s.run.dp)}):
+        holding every parameter of the mesh without its pipeline (a memory plan's
+        ``params + optimizer``, which its peak holds): a function of the leaves' local
+        shapes (tp's and ep's: cp and SP split no weight) and dp. Of the stages, ZeRO-3
+        (dp > 1: it shards all three) and no ZeRO (dp = 1) hold the least
+        (tests/test_search.py checks it against every stage)."""
+        key = (axes["ep"], axes["tp"], axes["dp"])
+        if key not in self.states:
+            every = self.leaves[(axes["ep"], axes["cp"], axes["tp"], opts.get("sp", False))]
             with flag_names():
-                run = dataclasses.replace(s.run, zero=z, recompute="full")
-            mem = memory(dataclasses.replace(s, run=run, layout=run.layout()), every)
-            least = min(least, mem.params + mem.optimizer)
-        return least
-
-    def fits_somehow(self, s: Target, per_stage: list[list[Leaf]]) -> bool:
-        """Whether the most frugal variants (full recompute, each ZeRO stage without the
-        overlaps, which only hold more) fit on the pipeline rank with the most parameters:
-        where none does, no variant of the group fits."""
-        rank = max(range(len(per_stage)), key=lambda i: sum(leaf.numel for leaf in per_stage[i]))
-        for z in sorted({z["zero"] for z in _zero_options(s.run.dp)}):
-            try:
-                with flag_names():
-                    run = dataclasses.replace(s.run, zero=z, recompute="full")
-                t = dataclasses.replace(s, run=run, layout=run.layout())
-                self.preflight(run, t, self.cfg)
-            except ValueError:
-                continue
-            self.planned += 1
-            if memory(t, per_stage[rank], rank).peak <= self.budget:
-                return True
-        return False
+                run = RunConfig(**{**self.base, **axes, **opts, "pp": 1, "recompute": "full"})
+            s = Target.of(run, cfg=self.cfg, backend=self.backend, name=self.name)
+            mem = memory(self.variant(s, check=False, zero=3 if run.dp > 1 else 0), every)
+            self.states[key] = mem.params + mem.optimizer
+        return self.states[key]
 
     # ---- the fine bound: one pipeline option
 
     def group(self, axes: dict[str, int], opts: dict[str, Any], m: int) -> tuple[float, Target, list] | Exception:
+        """One schedule's group: its bound (:meth:`bound`), its target and its stages."""
         fields_ = {**self.base, **axes, **opts, "microbatches": m}
         try:
             with flag_names():
@@ -356,42 +395,41 @@ class _Search:
             self.preflight(run, s, self.cfg)
         except ValueError as e:
             return e
-        key = (axes["ep"], axes["cp"], axes["tp"], opts.get("sp", False), run.pp, s.virtual_stages,
-               schedules.placement(run.pp_schedule) if run.pp > 1 else None)
+        key = (axes["ep"], axes["cp"], axes["tp"], opts.get("sp", False), run.pp, *_split(s))
         if key not in self.stages:
             # A leaf's local shape is the tp, cp, ep and SP split's (the pipeline cuts the list)
             try:  # the plan's own refusals (a stage without a layer), where no preflight said them
                 if key[:4] not in self.leaves:
                     self.leaves[key[:4]] = leaves(s)
-                self.stages[key] = stage_leaves(s, self.leaves[key[:4]])
+                # tuples: the ZeRO buckets of a tuple of leaves are memoised (traffic.zero_buckets)
+                self.stages[key] = [tuple(lv) for lv in stage_leaves(s, self.leaves[key[:4]])]
             except ValueError as e:
-                return e
+                self.stages[key] = e  # type: ignore[assignment]
         per_stage = self.stages[key]
-        if not self.fits_somehow(s, per_stage):
-            return MemoryError()
+        if isinstance(per_stage, Exception):
+            return per_stage
         return self.bound(s, per_stage), s, per_stage
 
     def bound(self, s: Target, per_stage: list[list[Leaf]]) -> float:
-        """No variant of group ``s`` is faster: the fastest of its ZeRO variants without
-        recompute (recompute only adds), each ZeRO stage's with the most overlaps it may
-        have (overlaps only hide: a variant another accepted one hides more than is
-        skipped), by :func:`.time.busy_bound` and without a memory plan (the expensive
-        part, left to the groups this does not prune)."""
-        best, accepted = math.inf, []
-        for zopts in _zero_options(s.run.dp):
-            if any(_hides_more(z, zopts) for z in accepted):
-                continue
-            try:
-                with flag_names():
-                    run = dataclasses.replace(s.run, **zopts, recompute="none")
-                t = dataclasses.replace(s, run=run, layout=run.layout())
-                self.preflight(run, t, self.cfg)
-            except ValueError:  # refused: not a member (the variants count it)
-                continue
-            accepted.append(zopts)
-            rows = tuple(tuple(traffic(t, lv, i)) for i, lv in enumerate(per_stage))
-            best = min(best, busy_bound(t, per_stage, rows, self.hw))
-        return best
+        """No variant of group ``s`` is faster: the fastest of its ZeRO stages without
+        recompute (recompute only adds) and with every overlap (overlaps only hide), by
+        :func:`.time.busy_bound`, which does not simulate the schedule: the same for each
+        schedule of a split. Over every variant the run accepts, not only those the
+        preflight does (a bound over more layouts is still a bound), and without a memory
+        plan (the expensive part, left to the groups this does not prune)."""
+        key = (_key(s.run, "pp_schedule", "virtual_stages", *_VARIANT), _split(s))
+        if key not in self.bounds:
+            best = math.inf
+            for z in sorted({z["zero"] for z in _zero_options(s.run.dp)}):
+                try:
+                    t = self.variant(s, check=False, zero=z, recompute="none",
+                                     **({"overlap_grad_reduce": True, "overlap_param_gather": True} if z else {}))
+                except ValueError:
+                    continue
+                best = min(best, busy_bound(t, per_stage, self.rows(t, per_stage), self.hw,
+                                            self.computes(t, per_stage)))
+            self.bounds[key] = best
+        return self.bounds[key]
 
     # ---- the variants of a group: ZeRO's and recompute
 
@@ -404,10 +442,7 @@ class _Search:
             key = (*sorted(zopts.items()), rc)
             if key not in plans:
                 try:
-                    with flag_names():
-                        run = dataclasses.replace(s.run, **zopts, recompute=rc)
-                    t = dataclasses.replace(s, run=run, layout=run.layout())
-                    self.preflight(run, t, self.cfg)  # ZeRO's options against the others (a pipeline's rules)
+                    t = self.variant(s, **zopts, recompute=rc)
                     self.planned += 1
                     plans[key] = (t, max(memory(t, lv, i).peak for i, lv in enumerate(per_stage)))
                 except ValueError as e:
@@ -440,8 +475,7 @@ class _Search:
                 if peak > self.budget:
                     self.prune("memory", 1)
                     continue
-                rows = tuple(tuple(traffic(t, lv, i)) for i, lv in enumerate(per_stage))
-                step = step_time(t, per_stage, rows, self.hw)
+                step = step_time(t, per_stage, self.rows(t, per_stage), self.hw, self.computes(t, per_stage))
                 self.timed += 1
                 kept.append((zopts, ri))
                 entry = (-step.total, -self.timed, Candidate(t.run, step, peak))

@@ -70,7 +70,7 @@ from .hardware import Hardware, Link
 from .target import Leaf, Target, schedule
 from .traffic import Traffic
 
-__all__ = ["StepTime", "step_time", "busy_bound", "compute_seconds", "optimizer_seconds", "matmul_seconds", "collective_seconds", "axis_link", "axis_sizes"]
+__all__ = ["StepTime", "step_time", "stage_works", "busy_bound", "compute_seconds", "optimizer_seconds", "matmul_seconds", "collective_seconds", "axis_link", "axis_sizes"]
 
 # The mesh's order, outer to inner (dtp.config.mesh_axes_of): an axis's ranks sit
 # "stride" apart, stride the product of the sizes inside it.
@@ -465,15 +465,24 @@ def _group(r: Traffic) -> str:
 # ----------------------------------------------------------------------------- step
 
 
+def stage_works(s: Target, per_stage: list[list[Leaf]], hw: Hardware) -> list[_Work]:
+    """Each pipeline rank's compute per microbatch, as :func:`step_time` costs it: a
+    function of the run's mesh, sequence and microbatches, not of its ZeRO stage,
+    recompute or schedule, so a caller timing many such variants
+    (:func:`dtp.planning.search`) computes it once and passes it as ``works``."""
+    return [_work(s, lv, hw) for lv in per_stage]
+
+
 def step_time(s: Target, per_stage: list[list[Leaf]], traffic: tuple[tuple[Traffic, ...], ...],
-              hw: Hardware) -> StepTime:
+              hw: Hardware, works: list[_Work] | None = None) -> StepTime:
     """The step's time (:class:`StepTime`) of target ``s`` on ``hw``, from the plan's
-    per-rank leaves and traffic (:meth:`dtp.planning.Plan.time` calls it)."""
+    per-rank leaves and traffic (:meth:`dtp.planning.Plan.time` calls it); ``works``:
+    :func:`stage_works`'s, where the caller has them."""
     dtype = s.run.dtype
     if dtype not in hw.chip.flops:
         raise ValueError(f"dtp.plan: {hw.name} has no {dtype} peak (it lists {', '.join(sorted(hw.chip.flops))})")
     run, m = s.run, s.run.microbatches
-    works = [_work(s, lv, hw) for lv in per_stage]
+    works = works or stage_works(s, per_stage, hw)
     recomputes = [_recompute(s, w) for w in works]
     exposed_by_rank, in_steps, hops = zip(*(_exposed(s, list(rows), w, hw) for rows, w in zip(traffic, works)))
     if run.pp > 1:
@@ -518,7 +527,7 @@ def step_time(s: Target, per_stage: list[list[Leaf]], traffic: tuple[tuple[Traff
 
 
 def busy_bound(s: Target, per_stage: list[list[Leaf]], traffic: tuple[tuple[Traffic, ...], ...],
-               hw: Hardware) -> float:
+               hw: Hardware, works: list[_Work] | None = None) -> float:
     """A bound :func:`step_time` never beats, without simulating the schedule: the
     pipeline's makespan replaced by the busiest rank's busy time (no schedule runs a rank's
     actions in less than their sum), the rest of the step as :func:`step_time` costs it.
@@ -535,7 +544,7 @@ def busy_bound(s: Target, per_stage: list[list[Leaf]], traffic: tuple[tuple[Traf
     True
     """
     m = s.run.microbatches
-    works = [_work(s, lv, hw) for lv in per_stage]
+    works = works or stage_works(s, per_stage, hw)
     exposed, in_steps, _ = zip(*(_exposed(s, list(rows), w, hw) for rows, w in zip(traffic, works)))
     optimizer = max(_optimizer(s, lv, hw) for lv in per_stage)
     if s.run.pp == 1:

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
+from typing import Sequence
 from functools import partial
 
 from ..core._rules import accum_dtype
@@ -87,7 +88,15 @@ _ag, _rs, _ar, _a2a = (partial(ring_bytes, kind) for kind in ("all_gather", "red
                                                                "all_to_all"))
 
 
-def zero_buckets(s: Target, rank_leaves: list[Leaf]) -> list[tuple[int, int, int, bool]]:
+# zero_buckets of one tuple of leaves, by (its identity, what else the buckets depend on):
+# a search asks it of each ZeRO variant's memory plan (twice) and traffic, thousands of
+# times for one stage's leaves. A tuple of frozen leaves cannot change, and the tuple is
+# held here, so its id is not reused while its entry lives. Lists are not memoised.
+_BUCKETS: dict[tuple, tuple[tuple[Leaf, ...], list[tuple[int, int, int, bool]]]] = {}
+_BUCKETS_KEPT = 4096
+
+
+def zero_buckets(s: Target, rank_leaves: Sequence[Leaf]) -> list[tuple[int, int, int, bool]]:
     """ZeRO's buckets as :func:`dtp.strategies.zero` builds them: ``(padded numel, param
     bytes per element, grad bytes per element, released after forward)`` in bucket order.
 
@@ -95,6 +104,18 @@ def zero_buckets(s: Target, rank_leaves: list[Leaf]) -> list[tuple[int, int, int
     and closed once it holds ``bucket_mb``; padded to a multiple of dp. Stage 3 frees a
     bucket in forward once a later read follows its last one: all but the last read's.
     """
+    if not isinstance(rank_leaves, tuple):
+        return _zero_buckets(s, rank_leaves)
+    key = (id(rank_leaves), tuple(s.axes.items()), s.run.bucket_mb, s.cfg.tie_embeddings)
+    hit = _BUCKETS.get(key)
+    if hit is None or hit[0] is not rank_leaves:
+        if len(_BUCKETS) >= _BUCKETS_KEPT:
+            _BUCKETS.clear()
+        hit = _BUCKETS[key] = (rank_leaves, _zero_buckets(s, rank_leaves))
+    return hit[1]
+
+
+def _zero_buckets(s: Target, rank_leaves: Sequence[Leaf]) -> list[tuple[int, int, int, bool]]:
     names = list(s.axes)
     groups = [members for _, members in bucket_groups(
         [(leaf.dtype, tuple(a for a in names if a in leaf.used_axes)) for leaf in rank_leaves],
