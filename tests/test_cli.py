@@ -585,13 +585,16 @@ def test_dead_peer_ends_the_run_at_once_with_each_ranks_last_collectives(tmp_pat
     assert re.search(r"^dtp: rank 1 was killed by SIGKILL; last collectives: (#\d+ \w+ dp '[^']*' [\d.]+ k?B \w[\w ]*(, )?){3}$",
                      err, re.M), err
     # Rank 0 says itself where it was, in one line; should the agent stop it first (its
-    # collective fails in ~10 ms, the agent looks every 100 ms), the launcher says it. The
+    # collective fails in ~10 ms, the agent looks every 100 ms), the launcher says it, as
+    # "killed by SIGKILL" where rank 0 outlived the SIGTERM's grace (seen with a search
+    # benchmark sharing the 2 cores). The
     # failed one is listed even when later ones were posted before it was waited for (a
     # step's gradient all-reduces: strategies.replicated).
     own = re.search(r"^dtp train: rank 0: \w+ over 'dp' \(#(\d+) '[^']*'\) failed [\d.]+ s after it was posted: "
                     r".*by peer.* \(a peer's process has ended\)\. Last collectives here: (.*, )?#\1 \w+ dp [^,]* failed(, .*)?$",
                     err, re.M)
-    assert own or re.search(r"^dtp: rank 0 was stopped by the launcher; last collectives: #\d+", err, re.M), err
+    assert own or re.search(r"^dtp: rank 0 was (stopped by the launcher|killed by SIGKILL); last collectives: #\d+",
+                            err, re.M), err
     assert "Traceback" not in err
 
 

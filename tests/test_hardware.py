@@ -136,6 +136,10 @@ def test_plan_calibrate_writes_what_hardware_reads(tmp_path: Path) -> None:
     assert build_parser().parse_args(["plan", "--hardware", str(out)]).hardware_spec == hw
 
 
+# Slow: 80 s of the default run's ~11 min on 2 cores (three ranks time every figure at
+# once); test_plan_calibrate_writes_what_hardware_reads covers the calibration in the
+# default run, and benchmarks/plan_vs_measured.py runs this path at 8 ranks.
+@pytest.mark.slow
 def test_calibrate_shared_measures_every_rank_at_once() -> None:
     """More ranks than cores (or ``shared=True``): the chip and the link measured on all the
     ranks at once, an odd rank out keeping the count; the figures are per rank."""
