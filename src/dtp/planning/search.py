@@ -48,7 +48,7 @@ from ..models import llama
 from .hardware import Hardware, hardware as read_hardware
 from .memory import memory
 from .target import DTYPES, Leaf, Target, leaves, stage_leaves
-from .time import StepTime, busy_bound, compute_seconds, optimizer_seconds, stage_works, step_time
+from .time import StepTime, busy_bound, optimizer_seconds, stage_works, step_time
 from .traffic import traffic
 
 __all__ = ["Candidate", "SearchResult", "search", "command", "describe", "LAYOUT_FIELDS"]
@@ -335,7 +335,8 @@ class _Search:
     def coarse(self, axes: dict[str, int], opts: dict[str, Any], m: int) -> float | Exception:
         """A bound on every pipeline option of ``axes`` and ``opts`` at ``m`` microbatches:
         the whole model's compute per microbatch (the stages' compute sums to it) over the
-        pipeline ranks, and the optimizer step of the parameters over them. A refusal, or
+        pipeline ranks or one microbatch's way through them, whichever is longer, and the
+        optimizer step of the parameters over them. A refusal, or
         a ``MemoryError`` where even the parameters' state cannot fit."""
         rows = self.base["batch"] // (axes["dp"] * axes["ep"] * m)
         # the compute's key: the leaves' (ep, cp, tp, sp), the tokens and the gradient
@@ -351,20 +352,27 @@ class _Search:
                 if key[:4] not in self.leaves:
                     self.leaves[key[:4]] = leaves(s)
                 every = self.leaves[key[:4]]
-                self.works[key] = (compute_seconds(s, every, self.hw), sum(x.numel for x in every))
+                w = stage_works(s, [every], self.hw)[0]
+                self.works[key] = (w.forward, w.backward, sum(x.numel for x in every))
             except ValueError as e:
                 self.works[key] = e
         work = self.works[key]
         if isinstance(work, Exception):
             return work
-        seconds, n_params = work
+        forward, backward, n_params = work
         # The fullest pipeline rank holds at least the mean of the stages' parameters and
         # their optimizer state (ZeRO pads each bucket to dp: 10 % of slack for it).
         if 0.9 * self.state_bytes(axes, opts) / axes["pp"] > self.budget:
             return MemoryError()
         # the optimizer's largest rank holds at least the mean of the stages' parameters
         shards = axes["pp"] * (axes["dp"] if axes["dp"] > 1 else 1)
-        return m * seconds / axes["pp"] + optimizer_seconds(n_params / shards, self.itemsize, self.hw)
+        # Busy: the pipeline ranks share m microbatches of the model's compute. A chain: no
+        # schedule ends before microbatch 0 went forward through every stage and its input
+        # gradient back (a backward's I is half of its B in the model; a B without the split).
+        pipeline = m * (forward + backward) / axes["pp"]
+        if axes["pp"] > 1:
+            pipeline = max(pipeline, forward + backward / 2)
+        return pipeline + optimizer_seconds(n_params / shards, self.itemsize, self.hw)
 
     def state_bytes(self, axes: dict[str, int], opts: dict[str, Any]) -> float:
         """The fewest bytes of parameters and optimizer state any ZeRO stage leaves a rank
@@ -412,20 +420,23 @@ class _Search:
 
     def bound(self, s: Target, per_stage: list[list[Leaf]]) -> float:
         """No variant of group ``s`` is faster: the fastest of its ZeRO stages without
-        recompute (recompute only adds) and with every overlap (overlaps only hide), by
+        recompute (recompute only adds), each with the most overlaps the plan accepts
+        (overlaps only hide: one another accepted variant hides more than is skipped), by
         :func:`.time.busy_bound`, which does not simulate the schedule: the same for each
         schedule of a split. Over every variant the run accepts, not only those the
         preflight does (a bound over more layouts is still a bound), and without a memory
         plan (the expensive part, left to the groups this does not prune)."""
         key = (_key(s.run, "pp_schedule", "virtual_stages", *_VARIANT), _split(s))
         if key not in self.bounds:
-            best = math.inf
-            for z in sorted({z["zero"] for z in _zero_options(s.run.dp)}):
-                try:
-                    t = self.variant(s, check=False, zero=z, recompute="none",
-                                     **({"overlap_grad_reduce": True, "overlap_param_gather": True} if z else {}))
-                except ValueError:
+            best, accepted = math.inf, []
+            for zopts in _zero_options(s.run.dp):  # each stage's most hidden first
+                if any(_hides_more(z, zopts) for z in accepted):
                     continue
+                try:
+                    t = self.variant(s, check=False, **zopts, recompute="none")
+                except ValueError:  # refused (the plan's pipeline rules): not a member
+                    continue
+                accepted.append(zopts)
                 best = min(best, busy_bound(t, per_stage, self.rows(t, per_stage), self.hw,
                                             self.computes(t, per_stage)))
             self.bounds[key] = best

@@ -102,6 +102,9 @@ class Target:
             raise ValueError(f"dtp.plan: the context keywords {context} disagree with "
                              f"layout={self.layout.name}'s {self.layout.context}; give them in one place")
         self._check_context()
+        if self.layout.pipeline is not None:  # what a pipeline does not compose with: the rules train_step applies
+            self.layout.pipeline.check_composition(self.layout, MeshShape(self.axes), what=f"dtp.plan: pp={run.pp}",
+                                                   shared=("embed",) if self.cfg.tie_embeddings else ())
 
     def _check_context(self) -> None:
         """What ``dtp train``'s preflight checks of context parallel, on the stand-in mesh:
@@ -171,9 +174,15 @@ class Leaf:
     spec: P
     dtype: torch.dtype
 
-    @property
+    # cached: a search asks each leaf's size and block millions of times
+    @functools.cached_property
     def numel(self) -> int:
         return math.prod(self.local)
+
+    @functools.cached_property
+    def block(self) -> int | None:
+        """The transformer block it belongs to (``layers.<i>.…``), else ``None``."""
+        return int(self.path.split(".")[1]) if self.path.startswith("layers.") else None
 
     @property
     def nbytes(self) -> int:

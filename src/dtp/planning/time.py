@@ -244,23 +244,27 @@ def _work(s: Target, rank_leaves: list[Leaf], hw: Hardware) -> _Work:
     item = s.torch_dtype.itemsize
     tokens = s.tokens  # per microbatch, the sequence over cp (SP gathers it for the matmuls)
     has_head = any(leaf.path == "final_norm" for leaf in rank_leaves)
-    blocks = sorted({int(leaf.path.split(".")[1]) for leaf in rank_leaves if leaf.path.startswith("layers.")})
-    matmul = expert = 0.0
+    blocks = sorted({leaf.block for leaf in rank_leaves if leaf.block is not None})
+    # The matmuls by shape: a model's blocks repeat a handful of them (a search times a 70B's
+    # 723 leaves thousands of times)
+    dense: dict[tuple[int, int], int] = {}
+    routed: dict[tuple[int, int, int], int] = {}
     for leaf in rank_leaves:
         if not _is_matmul(leaf, has_head, s):
             continue
-        if len(leaf.local) == 3:  # routed experts (E_local, in, out): top_k of them per token, balanced
-            e_local, k_in, n_out = leaf.local
-            # Each of the ep group's experts gets tokens·ep·top_k / E of its tokens:
-            # tokens·top_k / e_local per local expert.
-            t = matmul_seconds(max(tokens * cfg.top_k // e_local, 1), k_in, n_out, item, hw, dtype) * e_local
-            matmul += t
-            expert += t
+        if len(leaf.local) == 3:  # routed experts (E_local, in, out)
+            routed[leaf.local] = routed.get(leaf.local, 0) + 1
             continue
         k_in, n_out = leaf.local[-2], leaf.local[-1]
         if leaf.path in ("embed", "lm_head") and leaf.local[0] > leaf.local[1]:  # (vocab, dim): logits = x @ Wᵀ
             k_in, n_out = leaf.local[1], leaf.local[0]
-        matmul += matmul_seconds(tokens, k_in, n_out, item, hw, dtype)
+        dense[(k_in, n_out)] = dense.get((k_in, n_out), 0) + 1
+    matmul = sum(n * matmul_seconds(tokens, k_in, n_out, item, hw, dtype) for (k_in, n_out), n in dense.items())
+    # Routed experts, top_k of them per token, balanced: each of the ep group's experts
+    # gets tokens·ep·top_k / E of its tokens, tokens·top_k / e_local per local expert.
+    expert = sum(n * e_local * matmul_seconds(max(tokens * cfg.top_k // e_local, 1), k_in, n_out, item, hw, dtype)
+                 for (e_local, k_in, n_out), n in routed.items())
+    matmul += expert
     # Causal attention: each query sees (seq + 1) / 2 keys on average; cp's zigzag
     # balances that work across ranks, Ulysses trades the sequence for heads. Its rate is
     # the chip's attention figure at the keys one SDPA call sees (a ring's block).
