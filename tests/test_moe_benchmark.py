@@ -7,28 +7,18 @@ prints its one-line skip when torchtitan is not installed."""
 
 from __future__ import annotations
 
-import importlib.util
 import sys
-from pathlib import Path
 
-import cloudpickle
 import pytest
 
+import benchmark_module
 from dtp.testing import run
 
 pytestmark = pytest.mark.slow
 
 
 def _bench():
-    name = "benchmarks_moe"
-    if name not in sys.modules:
-        path = Path(__file__).resolve().parents[1] / "benchmarks" / "moe.py"
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-        cloudpickle.register_pickle_by_value(module)  # the ranks cannot import it by name
-    return sys.modules[name]
+    return benchmark_module.load("moe", by_value=True)
 
 
 def test_sweep_runs_every_accepted_option_with_its_chunks() -> None:
@@ -50,7 +40,7 @@ def test_without_torchtitan_the_comparison_prints_one_skip_line(monkeypatch, cap
     monkeypatch.setattr(bench, "_titan_available", lambda: False)
     monkeypatch.setattr(sys, "argv", ["moe.py", "--parts", "torchtitan"])
     # main() imports its sibling moe_ep_overlap as a script does (sys.path[0] = benchmarks/)
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    monkeypatch.syspath_prepend(str(benchmark_module.BENCHMARKS))
     bench.main()
     assert capsys.readouterr().out.strip() == bench.TITAN_MISSING
 
@@ -59,12 +49,7 @@ def test_ep_overlap_part_times_both_runs_with_and_without_the_link() -> None:
     """``benchmarks/moe.py --ep-overlap`` (benchmarks/moe_ep_overlap.py) on tiny sizes: the
     four runs come back, the same MoE all-to-alls in each (4 per layer and microbatch, and
     the counts exchange), and the report prints its two targets."""
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "moe_ep_overlap.py"
-    spec = importlib.util.spec_from_file_location("benchmarks_moe_ep_overlap", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    cloudpickle.register_pickle_by_value(module)
+    module = benchmark_module.load("moe_ep_overlap", by_value=True)
     # dim 32, hidden 32, 1 layer, per rank 1×8 tokens per microbatch, m 2; no warm-up, one repeat
     res = run(module._bench, 32, 32, 1, 1, 8, 2, 0, 1, world_size=2)
     for out in res:

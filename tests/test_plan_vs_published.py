@@ -6,25 +6,16 @@ Megatron's stage split (the embedding on the first stage, the head on the last).
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
+
+import benchmark_module
 
 from dtp.models.config import param_count
 from dtp.planning.target import leaves, stage_leaves
 
 
 def _bench():
-    name = "benchmarks_plan_vs_published"
-    if name not in sys.modules:
-        path = Path(__file__).resolve().parents[1] / "benchmarks" / "plan_vs_published.py"
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+    return benchmark_module.load("plan_vs_published")
 
 
 def test_the_table_parses_into_ten_rows():
