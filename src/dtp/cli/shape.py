@@ -16,7 +16,7 @@ from .. import schedules
 from ..core.mesh.shape import MeshShape
 from ..config import CONTEXT_FIELDS, MODEL_FIELDS, flag_of
 from ..layouts import Layout, check_divisible
-from ..layouts.pipeline import assign
+from ..layouts.pipeline import FLAG_NAMES, assign
 from ..models import config as model_config
 from .parser import UsageError
 
@@ -75,7 +75,7 @@ def check_shape(args: argparse.Namespace, layout: Layout, cfg: model_config.Llam
             raise UsageError(str(e)) from None
         # The model's facts as llama.sequential(cfg) has them: the head reads the embedding when tied.
         layout.pipeline.check_composition(layout, mesh, shared=("embed",) if cfg.tie_embeddings else (),
-                                          what=f"--pp {args.pp}", names=_PIPELINE_NAMES)
+                                          what=f"--pp {args.pp}", names=FLAG_NAMES)
     if layout.context is not None:
         # layouts.check_divisible's rule, refused in the flags' words (the CLI always balances by zigzag).
         cp = layout.context_degree(mesh)
@@ -101,11 +101,6 @@ def _stage_flags(args: argparse.Namespace, chunks: int) -> str:
         return f"--pp {args.pp} --virtual-stages {args.virtual_stages}"
     return f"--pp {args.pp} --pp-schedule {args.pp_schedule}"
 
-
-# The flags layouts.pipeline's composition rules name (its API_NAMES: layouts.zero(3), ...).
-_PIPELINE_NAMES = {"zero3": "--zero 3", "zero12": "--zero 1 or 2", "zero": "--zero",
-                   "overlap_grad_reduce": "--overlap-grad-reduce", "drop_overlap_grad_reduce": "--overlap-grad-reduce",
-                   "pipeline": "a pipeline"}
 
 
 def _check_dense(args: argparse.Namespace, cfg: model_config.LlamaConfig, model: str) -> None:

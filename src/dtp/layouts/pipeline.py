@@ -137,6 +137,10 @@ class PipelineOptions(Option):
 API_NAMES = {"zero3": "layouts.zero(3)", "zero12": "stage 1 or 2", "zero": "layouts.zero",
              "overlap_grad_reduce": "layouts.zero(overlap_grad_reduce=True)",
              "drop_overlap_grad_reduce": "overlap_grad_reduce", "pipeline": "layouts.pipeline"}
+#: The same in a run's flags (``dtp train``'s preflight and :func:`dtp.plan` of a RunConfig).
+FLAG_NAMES = {"zero3": "--zero 3", "zero12": "--zero 1 or 2", "zero": "--zero",
+              "overlap_grad_reduce": "--overlap-grad-reduce", "drop_overlap_grad_reduce": "--overlap-grad-reduce",
+              "pipeline": "a pipeline"}
 
 
 def assign(n_layers: int, p: int, v: int, split: Sequence[int] | None = None, *, what: str = "pipeline",

@@ -29,7 +29,7 @@ from ..config import CONTEXT_FIELDS, RunConfig
 from ..models.config import n_sequential_layers, param_shapes
 from ..core._rules import accum_dtype
 from ..layouts import ContextOptions, Layout, check_divisible
-from ..layouts.pipeline import assign
+from ..layouts.pipeline import FLAG_NAMES, assign
 from ..models import llama
 from ..core.spec import P
 
@@ -103,8 +103,9 @@ class Target:
                              f"layout={self.layout.name}'s {self.layout.context}; give them in one place")
         self._check_context()
         if self.layout.pipeline is not None:  # what a pipeline does not compose with: the rules train_step applies
-            self.layout.pipeline.check_composition(self.layout, MeshShape(self.axes), what=f"dtp.plan: pp={run.pp}",
-                                                   shared=("embed",) if self.cfg.tie_embeddings else ())
+            self.layout.pipeline.check_composition(self.layout, MeshShape(self.axes), what=f"--pp {run.pp}",
+                                                   shared=("embed",) if self.cfg.tie_embeddings else (),
+                                                   names=FLAG_NAMES)
 
     def _check_context(self) -> None:
         """What ``dtp train``'s preflight checks of context parallel, on the stand-in mesh:
