@@ -294,6 +294,7 @@ class _Search:
         self.rows_: dict[tuple, tuple] = {}
         self.works_: dict[tuple, list] = {}
         self.bounds: dict[tuple, float] = {}
+        self.layouts: dict[RunConfig, Any] = {}
 
     def prune(self, reason: str, n: int) -> None:
         self.pruned[reason] = self.pruned.get(reason, 0) + n
@@ -311,7 +312,9 @@ class _Search:
         preflight: ZeRO's options against a pipeline's rules); ``ValueError`` if refused."""
         with flag_names():
             run = dataclasses.replace(s.run, **fields_)
-        t = dataclasses.replace(s, run=run, layout=run.layout())
+        if run not in self.layouts:  # a layout costs ~0.5 ms to build; runs repeat across a split's schedules
+            self.layouts[run] = run.layout()
+        t = dataclasses.replace(s, run=run, layout=self.layouts[run])
         if check:
             self.preflight(run, t, self.cfg)
         return t
