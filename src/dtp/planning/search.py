@@ -10,19 +10,23 @@ EP overlap. Each layout is a :class:`dtp.RunConfig`, checked by the run's own ch
 and timed by :meth:`dtp.planning.Plan.time`: the search ranks what the plan predicts and
 nothing else.
 
-It is exact with respect to that model, and fast by three rules that hold in it:
+It is exact with respect to that model, and fast by rules that hold in it:
 
-- **lower bounds, best first.** A group of layouts that share a mesh, its strategies and
-  the microbatch count has a bound no member beats: the busiest pipeline rank's compute
-  on the schedule with no communication, no recompute and no hand-over latency, plus the
-  smallest optimizer step a member has (:func:`dtp.planning.time.lower_bound`). Groups are
-  planned in the order of their bounds and the search stops when the next bound is above
-  the ``show``-th best time found.
+- **lower bounds, best first.** A mesh with its tp and cp options and a microbatch count
+  has a bound no pipeline option beats: the model's compute over the pipeline ranks, or
+  one microbatch's way forward through every stage and its input gradient back, whichever
+  is longer, plus the smallest optimizer step. A schedule's group has a tighter one: its
+  busiest rank's busy time and the step's communication (:func:`.time.busy_bound`, no
+  simulation, no memory plan). Entries are opened in the order of their bounds and the
+  search stops when the next bound is above the ``show``-th best time found.
 - **dominance within a group.** Recompute only adds time, and ZeRO's overlaps only hide
   it: of the variants that fit, one with less recompute and a superset of the overlaps
   is never slower, so the others are not timed (they are counted as dominated).
-- **memoised stages.** A group's parameters per pipeline rank (the expensive part of a
-  plan: 723 leaves for a 70B) are computed once per mesh and reused by its variants.
+- **memory last.** A group's memory is planned only when it is opened; a mesh whose
+  parameters' state alone cannot fit is pruned before.
+- **memoised splits.** Schedules with the same chunks per rank and placement (gpipe, 1f1b,
+  zb-h1; zbv, dualpipev) hold the same layers on the same ranks: their stages, traffic,
+  compute and bound are computed once, and a stage's ZeRO buckets once for every variant.
 
 A layout whose fullest rank does not fit ``memory_gb`` is pruned after its memory plan
 (counted as ``memory``); one a check refuses is counted by the flag the refusal names.
