@@ -16,7 +16,8 @@ from dtp.cli.flags import check_config
 from dtp.planning import plan
 from dtp.planning.hardware import Chip, Hardware, Link, hardware
 from dtp.cli.plan import preflight as _preflight
-from dtp.planning.search import (_cp_options, _meshes, _pp_options, _tp_options, _zero_options, command, describe,
+from dtp.planning.space import _cp_options, _meshes, _pp_options, _tp_options, _zero_options
+from dtp.planning.search import (command, describe,
                                  search)
 from dtp.models import llama
 
