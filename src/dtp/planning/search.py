@@ -55,7 +55,7 @@ from .target import DTYPES, Leaf, Target, leaves, stage_leaves
 from .time import StepTime, busy_bound, optimizer_seconds, stage_works, step_time
 from .space import (_RECOMPUTE, LAYOUT_FIELDS, _divisors, _hides_more, _meshes, _options, _pp_options,
                     _zero_options, command, describe)
-from .traffic import traffic
+from .traffic import Traffic, traffic
 
 __all__ = ["Candidate", "SearchResult", "search", "command", "describe", "LAYOUT_FIELDS"]
 
@@ -150,6 +150,17 @@ def _split(s: Target) -> tuple:
     return (s.virtual_stages, schedules.placement(s.run.pp_schedule) if s.run.pp > 1 else None)
 
 
+def _merged(rows: list[Traffic]) -> tuple[Traffic, ...]:
+    """``rows`` with the records of one collective (axis, kind, purpose, bytes) summed into
+    one: the time model costs each record as ``times`` of the same collective, and a 70B
+    stage's full ZeRO buckets are dozens of equal records."""
+    times: dict[tuple[str, str, str, int], int] = {}
+    for r in rows:
+        key = (r.axis, r.kind, r.what, r.each)
+        times[key] = times.get(key, 0) + r.times
+    return tuple(Traffic(axis, kind, what, n, each) for (axis, kind, what, each), n in times.items())
+
+
 # A variant's ZeRO fields and recompute: what the per-split memos below leave out of their
 # keys where the memoised figure does not depend on them.
 _VARIANT = ("zero", "overlap_grad_reduce", "overlap_param_gather", "recompute")
@@ -205,7 +216,7 @@ class _Search:
         """The stages' traffic: the same for each schedule of a split."""
         key = (_key(t.run, "pp_schedule", "virtual_stages"), _split(t))
         if key not in self.rows_:
-            self.rows_[key] = tuple(tuple(traffic(t, lv, i)) for i, lv in enumerate(per_stage))
+            self.rows_[key] = tuple(_merged(traffic(t, lv, i)) for i, lv in enumerate(per_stage))
         return self.rows_[key]
 
     def computes(self, t: Target, per_stage: list[list[Leaf]]) -> list:
