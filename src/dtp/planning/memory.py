@@ -316,7 +316,7 @@ def phases(s: Target, rank_leaves: list[Leaf], stage: int = 0) -> dict[str, tupl
     # until that backward ends (without ZeRO; measured, interleaved rank 1's peak).
     by_layer: dict[int, int] = {}
     for leaf in rank_leaves:  # each leaf's layer found once: interleaved ranks hold many chunks
-        layer = _layer_of(leaf.path, n_seq)
+        layer = _layer_of(leaf, n_seq)
         by_layer[layer] = by_layer.get(layer, 0) + leaf.nbytes
     chunk_w = [sum(by_layer.get(i, 0) for i in r) for r in layers]
     # The most held per (kind, chunk), and per kind over every chunk: most() asks per chunk.
@@ -377,12 +377,12 @@ def phases(s: Target, rank_leaves: list[Leaf], stage: int = 0) -> dict[str, tupl
     return out
 
 
-def _layer_of(path: str, n_seq: int) -> int:
-    """The layer of :func:`dtp.models.llama.sequential` a parameter path belongs to (a
-    tied embedding counts as the embedding's)."""
-    if path.startswith("layers."):
-        return int(path.split(".")[1]) + 1
-    return 0 if path == "embed" else n_seq - 1
+def _layer_of(leaf: Leaf, n_seq: int) -> int:
+    """The layer of :func:`dtp.models.llama.sequential` a parameter belongs to (a tied
+    embedding counts as the embedding's)."""
+    if leaf.block is not None:
+        return leaf.block + 1
+    return 0 if leaf.path == "embed" else n_seq - 1
 
 
 def _boundary_grads(s: Target, layer: int, n_seq: int) -> int:

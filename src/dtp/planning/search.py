@@ -182,10 +182,10 @@ class _Search:
         # the memos, each keyed by what its figure depends on (the comments at their uses)
         self.leaves: dict[tuple, list[Leaf]] = {}
         self.stages: dict[tuple, list[list[Leaf]]] = {}
-        self.works: dict[tuple, tuple[float, int] | Exception] = {}
+        self.mesh_works: dict[tuple, tuple[float, float, int] | Exception] = {}
         self.states: dict[tuple, float] = {}
-        self.rows_: dict[tuple, tuple] = {}
-        self.works_: dict[tuple, list] = {}
+        self.split_rows: dict[tuple, tuple] = {}
+        self.split_works: dict[tuple, list] = {}
         self.bounds: dict[tuple, float] = {}
         self.layouts: dict[RunConfig, Any] = {}
 
@@ -215,16 +215,16 @@ class _Search:
     def rows(self, t: Target, per_stage: list[list[Leaf]]) -> tuple:
         """The stages' traffic: the same for each schedule of a split."""
         key = (_key(t.run, "pp_schedule", "virtual_stages"), _split(t))
-        if key not in self.rows_:
-            self.rows_[key] = tuple(_merged(traffic(t, lv, i)) for i, lv in enumerate(per_stage))
-        return self.rows_[key]
+        if key not in self.split_rows:
+            self.split_rows[key] = tuple(_merged(traffic(t, lv, i)) for i, lv in enumerate(per_stage))
+        return self.split_rows[key]
 
     def computes(self, t: Target, per_stage: list[list[Leaf]]) -> list:
         """The stages' compute: a split's, whatever its ZeRO and recompute."""
         key = (_key(t.run, "pp_schedule", "virtual_stages", *_VARIANT), _split(t))
-        if key not in self.works_:
-            self.works_[key] = stage_works(t, per_stage, self.hw)
-        return self.works_[key]
+        if key not in self.split_works:
+            self.split_works[key] = stage_works(t, per_stage, self.hw)
+        return self.split_works[key]
 
     # ---- the coarse bound: a mesh, its tp and cp options and the microbatch count
 
@@ -239,7 +239,7 @@ class _Search:
         # accumulation's (rows, m) and attention's blocks (the cp algorithm's ring)
         key = (axes["ep"], axes["cp"], axes["tp"], opts.get("sp", False), rows, m,
                *(opts.get(k) for k in ("cp_algo", "cp_window", "ulysses_degree")))
-        if key not in self.works:
+        if key not in self.mesh_works:
             try:  # the pipeline folded away: one rank's compute is the whole model's
                 with flag_names():
                     run = RunConfig(**{**self.base, **axes, **opts, "pp": 1, "microbatches": m})
@@ -249,10 +249,10 @@ class _Search:
                     self.leaves[key[:4]] = leaves(s)
                 every = self.leaves[key[:4]]
                 w = stage_works(s, [every], self.hw)[0]
-                self.works[key] = (w.forward, w.backward, sum(x.numel for x in every))
+                self.mesh_works[key] = (w.forward, w.backward, sum(x.numel for x in every))
             except ValueError as e:
-                self.works[key] = e
-        work = self.works[key]
+                self.mesh_works[key] = e
+        work = self.mesh_works[key]
         if isinstance(work, Exception):
             return work
         forward, backward, n_params = work
@@ -281,9 +281,9 @@ class _Search:
         if key not in self.states:
             every = self.leaves[(axes["ep"], axes["cp"], axes["tp"], opts.get("sp", False))]
             with flag_names():
-                run = RunConfig(**{**self.base, **axes, **opts, "pp": 1, "recompute": "full"})
-            s = Target.of(run, cfg=self.cfg, backend=self.backend, name=self.name)
-            mem = memory(self.variant(s, check=False, zero=3 if run.dp > 1 else 0), every)
+                run = RunConfig(**{**self.base, **axes, **opts, "pp": 1, "recompute": "full",
+                                   "zero": 3 if axes["dp"] > 1 else 0})
+            mem = memory(Target.of(run, cfg=self.cfg, backend=self.backend, name=self.name), every)
             self.states[key] = mem.params + mem.optimizer
         return self.states[key]
 

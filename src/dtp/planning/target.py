@@ -314,8 +314,8 @@ def stage_leaves(s: Target, all_leaves: list[Leaf]) -> list[list[Leaf]]:
     head = {"final_norm", "embed" if s.cfg.tie_embeddings else "lm_head"}
     by_layer: list[list[int]] = [[] for _ in range(n_seq)]
     for i, leaf in enumerate(all_leaves):
-        if leaf.path.startswith("layers."):
-            by_layer[int(leaf.path.split(".")[1]) + 1].append(i)
+        if leaf.block is not None:
+            by_layer[leaf.block + 1].append(i)
         for layer, names in ((0, {"embed"}), (n_seq - 1, head)):
             if leaf.path in names:
                 by_layer[layer].append(i)

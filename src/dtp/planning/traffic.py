@@ -148,7 +148,7 @@ def traffic(s: Target, rank_leaves: list[Leaf], stage: int = 0) -> list[Traffic]
     paths = {l.path for l in rank_leaves}
     has_embed = "embed" in paths and (s.run.pp == 1 or stage == 0)
     has_head = "final_norm" in paths
-    blocks = sorted({int(l.path.split(".")[1]) for l in rank_leaves if l.path.startswith("layers.")})
+    blocks = sorted({l.block for l in rank_leaves if l.block is not None})
     moe_blocks = [i for i in blocks if llama.is_moe(cfg, i)]
 
     def add(axis: str, kind: str, what: str, times: int, each: int) -> None:
