@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
+from typing import Callable, Sequence, TypeVar
 
 import torch
 
@@ -32,6 +33,8 @@ from ..layouts import ContextOptions, Layout, check_divisible
 from ..layouts.pipeline import FLAG_NAMES, assign
 from ..models import llama
 from ..core.spec import P
+
+T = TypeVar("T")
 
 __all__ = ["Target", "Leaf", "DTYPES", "BACKENDS", "leaves", "stage_leaves", "rank_chunks", "rank_stages",
            "schedule", "stage_ranges"]
@@ -196,6 +199,33 @@ class Leaf:
 
     def splits(self, axis: str) -> bool:
         return axis in self.used_axes
+
+
+# Figures of one tuple of leaves, memoised by (its identity, what else they depend on): a
+# search asks them of each stage's leaves thousands of times (each ZeRO variant's memory
+# plan, traffic and compute). A tuple of frozen leaves cannot change, and the tuple is held
+# in its entry, so its id is not reused while the entry lives. Lists are not memoised.
+_BY_LEAVES: dict[tuple, tuple[tuple[Leaf, ...], object]] = {}
+_BY_LEAVES_KEPT = 8192
+
+
+def by_leaves(what: str, rank_leaves: Sequence[Leaf], key: tuple, make: Callable[[], T]) -> T:
+    """``make()``, memoised for ``rank_leaves`` when it is a tuple, under ``(what, key)``:
+    ``key`` holds what else ``make``'s figure depends on.
+
+    >>> lv = (Leaf("w", (2, 2), (2, 2), P(), torch.float32),)
+    >>> by_leaves("numel", lv, (), lambda: sum(l.numel for l in lv)), by_leaves("numel", lv, (), lambda: 0)
+    (4, 4)
+    """
+    if not isinstance(rank_leaves, tuple):
+        return make()
+    full = (what, id(rank_leaves), key)
+    hit = _BY_LEAVES.get(full)
+    if hit is None or hit[0] is not rank_leaves:
+        if len(_BY_LEAVES) >= _BY_LEAVES_KEPT:
+            _BY_LEAVES.clear()
+        hit = _BY_LEAVES[full] = (rank_leaves, make())
+    return hit[1]  # type: ignore[return-value]
 
 
 def leaves(s: Target, layout: Layout | None = None) -> list[Leaf]:

@@ -62,12 +62,13 @@ A100's peak, arXiv:2307.08691, by shape: no one figure).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 from .. import schedules
 from ..core._rules import accum_dtype
 from ..models import llama
 from .hardware import Hardware, Link
-from .target import Leaf, Target, schedule
+from .target import Leaf, Target, by_leaves, schedule
 from .traffic import Traffic
 
 __all__ = ["StepTime", "step_time", "stage_works", "busy_bound", "compute_seconds", "optimizer_seconds", "matmul_seconds", "collective_seconds", "axis_link", "axis_sizes"]
@@ -239,31 +240,56 @@ def _is_matmul(leaf: Leaf, has_head: bool, s: Target) -> bool:
     return len(leaf.local) >= 2
 
 
-def _work(s: Target, rank_leaves: list[Leaf], hw: Hardware) -> _Work:
-    cfg, run, dtype = s.cfg, s.run, s.run.dtype
-    item = s.torch_dtype.itemsize
-    tokens = s.tokens  # per microbatch, the sequence over cp (SP gathers it for the matmuls)
+@dataclass(frozen=True)
+class _Held:
+    """What a rank's compute reads of its leaves: its matmuls by shape (a model's blocks
+    repeat a handful: a search times a 70B's 723 leaves thousands of times), its blocks,
+    whether it holds the embedding and the head, and its gradients' elements."""
+
+    dense: tuple[tuple[tuple[int, int], int], ...]  # ((k_in, n_out), count)
+    routed: tuple[tuple[tuple[int, int, int], int], ...]  # ((E_local, in, out), count)
+    blocks: tuple[int, ...]
+    has_head: bool
+    has_embed: bool
+    grads: int
+    count: int
+
+
+def _held(s: Target, rank_leaves: Sequence[Leaf]) -> _Held:
+    return by_leaves("held", rank_leaves, (s.cfg.tie_embeddings,), lambda: _read_held(s, rank_leaves))
+
+
+def _read_held(s: Target, rank_leaves: Sequence[Leaf]) -> _Held:
     has_head = any(leaf.path == "final_norm" for leaf in rank_leaves)
-    blocks = sorted({leaf.block for leaf in rank_leaves if leaf.block is not None})
-    # The matmuls by shape: a model's blocks repeat a handful of them (a search times a 70B's
-    # 723 leaves thousands of times)
     dense: dict[tuple[int, int], int] = {}
     routed: dict[tuple[int, int, int], int] = {}
     for leaf in rank_leaves:
         if not _is_matmul(leaf, has_head, s):
             continue
         if len(leaf.local) == 3:  # routed experts (E_local, in, out)
-            routed[leaf.local] = routed.get(leaf.local, 0) + 1
+            routed[leaf.local] = routed.get(leaf.local, 0) + 1  # type: ignore[index]
             continue
         k_in, n_out = leaf.local[-2], leaf.local[-1]
         if leaf.path in ("embed", "lm_head") and leaf.local[0] > leaf.local[1]:  # (vocab, dim): logits = x @ Wᵀ
             k_in, n_out = leaf.local[1], leaf.local[0]
         dense[(k_in, n_out)] = dense.get((k_in, n_out), 0) + 1
-    matmul = sum(n * matmul_seconds(tokens, k_in, n_out, item, hw, dtype) for (k_in, n_out), n in dense.items())
+    return _Held(tuple(dense.items()), tuple(routed.items()),
+                 tuple(sorted({leaf.block for leaf in rank_leaves if leaf.block is not None})), has_head,
+                 any(leaf.path == "embed" for leaf in rank_leaves), sum(leaf.numel for leaf in rank_leaves),
+                 len(rank_leaves))
+
+
+def _work(s: Target, rank_leaves: Sequence[Leaf], hw: Hardware) -> _Work:
+    cfg, run, dtype = s.cfg, s.run, s.run.dtype
+    item = s.torch_dtype.itemsize
+    tokens = s.tokens  # per microbatch, the sequence over cp (SP gathers it for the matmuls)
+    held = _held(s, rank_leaves)
+    blocks = held.blocks
+    matmul = sum(n * matmul_seconds(tokens, k_in, n_out, item, hw, dtype) for (k_in, n_out), n in held.dense)
     # Routed experts, top_k of them per token, balanced: each of the ep group's experts
     # gets tokens·ep·top_k / E of its tokens, tokens·top_k / e_local per local expert.
     expert = sum(n * e_local * matmul_seconds(max(tokens * cfg.top_k // e_local, 1), k_in, n_out, item, hw, dtype)
-                 for (e_local, k_in, n_out), n in routed.items())
+                 for (e_local, k_in, n_out), n in held.routed)
     matmul += expert
     # Causal attention: each query sees (seq + 1) / 2 keys on average; cp's zigzag
     # balances that work across ranks, Ulysses trades the sequence for heads. Its rate is
@@ -276,13 +302,11 @@ def _work(s: Target, rank_leaves: list[Leaf], hw: Hardware) -> _Work:
     q_dim, kv_dim = heads * head_dim, max(cfg.n_kv_heads // run.tp, 1) * head_dim  # kv heads repeat below tp
     ffn = (cfg.moe_ffn_dim or cfg.ffn_dim) * (cfg.top_k if cfg.num_experts else 1) // run.tp
     moe = sum(llama.is_moe(cfg, i) for i in blocks)
-    fwd, bwd, ops_f, ops_b = _unfused(s, q_dim, kv_dim, ffn, len(blocks), moe, has_head,
-                                      any(leaf.path == "embed" for leaf in rank_leaves))
+    fwd, bwd, ops_f, ops_b = _unfused(s, q_dim, kv_dim, ffn, len(blocks), moe, held.has_head, held.has_embed)
     # From the second microbatch on, each gradient is added into the step's (read two, write one).
-    grads = sum(leaf.numel for leaf in rank_leaves)
     extra = (run.microbatches - 1) / run.microbatches
-    bwd += extra * 3 * grads * accum_dtype(s.torch_dtype).itemsize
-    ops_b += extra * len(rank_leaves)
+    bwd += extra * 3 * held.grads * accum_dtype(s.torch_dtype).itemsize
+    ops_b += extra * held.count
     bw, op = hw.chip.memory_bandwidth, hw.chip.op_overhead
     return _Work(matmul, attention, fwd / bw + op * ops_f, len(blocks), expert, bwd / bw + op * ops_b)
 

@@ -57,9 +57,9 @@ from ..layouts import attended_kv_heads
 from ..models import llama
 from ..ops.context import default_chunks
 from ..training.strategies.pipeline_wire import HEADER
-from .target import Leaf, Target, stage_ranges
+from .target import Leaf, Target, by_leaves, stage_ranges
 
-__all__ = ["Traffic", "traffic", "attention", "summary"]
+__all__ = ["Traffic", "traffic", "activations", "attention", "summary"]
 
 
 @dataclass(frozen=True)
@@ -88,14 +88,6 @@ _ag, _rs, _ar, _a2a = (partial(ring_bytes, kind) for kind in ("all_gather", "red
                                                                "all_to_all"))
 
 
-# zero_buckets of one tuple of leaves, by (its identity, what else the buckets depend on):
-# a search asks it of each ZeRO variant's memory plan (twice) and traffic, thousands of
-# times for one stage's leaves. A tuple of frozen leaves cannot change, and the tuple is
-# held here, so its id is not reused while its entry lives. Lists are not memoised.
-_BUCKETS: dict[tuple, tuple[tuple[Leaf, ...], list[tuple[int, int, int, bool]]]] = {}
-_BUCKETS_KEPT = 4096
-
-
 def zero_buckets(s: Target, rank_leaves: Sequence[Leaf]) -> list[tuple[int, int, int, bool]]:
     """ZeRO's buckets as :func:`dtp.strategies.zero` builds them: ``(padded numel, param
     bytes per element, grad bytes per element, released after forward)`` in bucket order.
@@ -104,15 +96,8 @@ def zero_buckets(s: Target, rank_leaves: Sequence[Leaf]) -> list[tuple[int, int,
     and closed once it holds ``bucket_mb``; padded to a multiple of dp. Stage 3 frees a
     bucket in forward once a later read follows its last one: all but the last read's.
     """
-    if not isinstance(rank_leaves, tuple):
-        return _zero_buckets(s, rank_leaves)
-    key = (id(rank_leaves), tuple(s.axes.items()), s.run.bucket_mb, s.cfg.tie_embeddings)
-    hit = _BUCKETS.get(key)
-    if hit is None or hit[0] is not rank_leaves:
-        if len(_BUCKETS) >= _BUCKETS_KEPT:
-            _BUCKETS.clear()
-        hit = _BUCKETS[key] = (rank_leaves, _zero_buckets(s, rank_leaves))
-    return hit[1]
+    return by_leaves("zero buckets", rank_leaves, (tuple(s.axes.items()), s.run.bucket_mb, s.cfg.tie_embeddings),
+                     lambda: _zero_buckets(s, rank_leaves))
 
 
 def _zero_buckets(s: Target, rank_leaves: Sequence[Leaf]) -> list[tuple[int, int, int, bool]]:
@@ -212,6 +197,67 @@ def traffic(s: Target, rank_leaves: list[Leaf], stage: int = 0) -> list[Traffic]
     for axis in norm_axes:
         add(axis, "all_reduce", "grad norm", 1, _ar(acc, axes.get(axis, 1)))
 
+    out += activations(s, blocks, moe_blocks, has_embed, has_head)
+    # the routing statistics, summed over the token axes (and tp where each tp rank holds a share)
+    for axis in ("ep", "dp", "cp") + (("tp",) if expert_tp else ()):
+        add(axis, "all_reduce", "moe stats", m * len(moe_blocks), _ar((2 * cfg.num_experts + 2) * acc,
+                                                                      axes.get(axis, 1)))
+
+    # --- pipeline: activations forward, their gradients back, per microbatch and chunk
+    if s.run.pp > 1:
+        p, v = s.run.pp, s.virtual_stages
+        act = s.residual_tokens * cfg.dim * e
+        pl = placement(s.run.pp_schedule)
+        held = [global_stage(c, stage, p, pl) for c in range(v)]  # this rank's global stages
+
+        def remote(a: int, b: int) -> bool:  # the V's turn (stage p-1 to p) stays on its rank
+            return 0 <= b < p * v and stage_owner(a, p, pl)[0] != stage_owner(b, p, pl)[0]
+
+        sends = sum(remote(g, g + 1) + remote(g, g - 1) for g in held)
+        add("pp", "send", "activations", m * sends, act)
+        # Microbatch 0 of each channel this rank sends on carries its leaf-0 header first
+        # (int64 words: strategies.pipeline_wire; a tree carry's structure message beside
+        # it is not counted), and the step's loss reaches every pp rank as one float64.
+        add("pp", "send", "headers", sends, HEADER * 8)
+        add("pp", "all_reduce", "loss", 1, _ar(8, p))
+        # MoE: the carry also holds each earlier MoE block's aux losses and statistics
+        # (aux, z, dropped, E counts) forward, the two losses' gradients back; the head's
+        # aux reaches every pp rank as float64 (headers and the tree's structure not counted).
+        if cfg.num_experts:
+            ranges = stage_ranges(s)  # layer 1 + i is block i
+
+            def moe_before(g: int) -> int:  # the MoE blocks global stage g receives the aux of
+                return sum(llama.is_moe(cfg, i) for i in range(cfg.n_layers) if 1 + i < ranges[g][0])
+
+            carried = sum(moe_before(g + 1) * (3 + cfg.num_experts) for g in held if remote(g, g + 1)) + \
+                sum(moe_before(g) * 2 for g in held if remote(g, g - 1))
+            add("pp", "send", "moe aux carry", m, carried * acc)
+            n_moe = sum(llama.is_moe(cfg, i) for i in range(cfg.n_layers))
+            add("pp", "all_reduce", "moe aux to every stage", 1, _ar(m * (3 + n_moe * (cfg.num_experts + 1)) * 8, p))
+    return out
+
+
+def activations(s: Target, blocks: Sequence[int], moe_blocks: Sequence[int], has_embed: bool,
+                has_head: bool) -> list[Traffic]:
+    """The collectives inside a rank's microbatches (tp's on the activations, cp's
+    attention, ep's dispatch) for its ``blocks`` (of them ``moe_blocks``) and its ends: a
+    function of those alone, so a bound over pipeline splits (:func:`dtp.planning.search`)
+    costs the whole model's at once.
+
+    >>> s = Target.of(dtp.RunConfig(tp=2, sp=True, batch=8, seq=16))
+    >>> summary(activations(s, range(2), [], True, True))
+    {'tp': {'all_gather': 163840, 'reduce_scatter': 163840, 'all_reduce': 1536}}
+    """
+    out: list[Traffic] = []
+    cfg, axes, m = s.cfg, s.axes, s.run.microbatches
+    e = s.torch_dtype.itemsize
+    acc = accum_dtype(s.torch_dtype).itemsize
+    expert_tp = s.layout.expert is not None and s.layout.expert.tp_axis == "tp"
+
+    def add(axis: str, kind: str, what: str, times: int, each: int) -> None:
+        if axes.get(axis, 1) > 1 and times and each:
+            out.append(Traffic(axis, kind, what, times, each))
+
     # --- tensor parallel activations, per microbatch
     L, full = len(blocks), s.run.recompute == "full"
     # MoE blocks with experts whole on every tp rank and no shared expert: the MoE output
@@ -258,42 +304,6 @@ def traffic(s: Target, rank_leaves: list[Leaf], stage: int = 0) -> list[Traffic]
         rows = s.tokens * cfg.top_k * (ep - 1) // ep
         add("ep", "all_to_all_v", "moe dispatch/combine", m * len(moe_blocks) * (4 + 2 * full), rows * cfg.dim * e)
         add("ep", "all_to_all", "moe counts", m * len(moe_blocks) * (1 + full), (ep - 1) * cfg.num_experts // ep * 8)
-    # the routing statistics, summed over the token axes (and tp where each tp rank holds a share)
-    for axis in ("ep", "dp", "cp") + (("tp",) if expert_tp else ()):
-        add(axis, "all_reduce", "moe stats", m * len(moe_blocks), _ar((2 * cfg.num_experts + 2) * acc,
-                                                                      axes.get(axis, 1)))
-
-    # --- pipeline: activations forward, their gradients back, per microbatch and chunk
-    if s.run.pp > 1:
-        p, v = s.run.pp, s.virtual_stages
-        act = s.residual_tokens * cfg.dim * e
-        pl = placement(s.run.pp_schedule)
-        held = [global_stage(c, stage, p, pl) for c in range(v)]  # this rank's global stages
-
-        def remote(a: int, b: int) -> bool:  # the V's turn (stage p-1 to p) stays on its rank
-            return 0 <= b < p * v and stage_owner(a, p, pl)[0] != stage_owner(b, p, pl)[0]
-
-        sends = sum(remote(g, g + 1) + remote(g, g - 1) for g in held)
-        add("pp", "send", "activations", m * sends, act)
-        # Microbatch 0 of each channel this rank sends on carries its leaf-0 header first
-        # (int64 words: strategies.pipeline_wire; a tree carry's structure message beside
-        # it is not counted), and the step's loss reaches every pp rank as one float64.
-        add("pp", "send", "headers", sends, HEADER * 8)
-        add("pp", "all_reduce", "loss", 1, _ar(8, p))
-        # MoE: the carry also holds each earlier MoE block's aux losses and statistics
-        # (aux, z, dropped, E counts) forward, the two losses' gradients back; the head's
-        # aux reaches every pp rank as float64 (headers and the tree's structure not counted).
-        if cfg.num_experts:
-            ranges = stage_ranges(s)  # layer 1 + i is block i
-
-            def moe_before(g: int) -> int:  # the MoE blocks global stage g receives the aux of
-                return sum(llama.is_moe(cfg, i) for i in range(cfg.n_layers) if 1 + i < ranges[g][0])
-
-            carried = sum(moe_before(g + 1) * (3 + cfg.num_experts) for g in held if remote(g, g + 1)) + \
-                sum(moe_before(g) * 2 for g in held if remote(g, g - 1))
-            add("pp", "send", "moe aux carry", m, carried * acc)
-            n_moe = sum(llama.is_moe(cfg, i) for i in range(cfg.n_layers))
-            add("pp", "all_reduce", "moe aux to every stage", 1, _ar(m * (3 + n_moe * (cfg.num_experts + 1)) * 8, p))
     return out
 
 
