@@ -248,3 +248,23 @@ def test_a_blocks_unfused_ops_and_bytes_are_the_codes() -> None:
     fwd, bwd, _, _ = model._unfused(t, 64, 32, 128, 1, 0, False, False)  # 4 q heads and 2 kv heads of 16, ffn 128
     assert fwd == pytest.approx(bytes_f, rel=0.03) and bwd == pytest.approx(bytes_b, rel=0.03)
     assert _block_counts("tiny-moe")[:2] == model._OPS_MOE
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "zb-h1", "zbv", "dualpipev"])
+@pytest.mark.parametrize("m", [4, 8])
+def test_busy_bound_is_a_bound_of_every_schedule(schedule, m):
+    """The search prunes by busy_bound (each rank's work after the forwards it waits for
+    before its first action): never above the simulated step, whatever the schedule."""
+    from dtp.planning.target import leaves, stage_leaves
+    from dtp.planning.time import busy_bound, step_time
+    from dtp.planning.traffic import traffic
+    from dtp.planning.hardware import hardware
+    from dtp.planning.target import Target
+
+    hw = hardware("h100-sxm")
+    run = dtp.RunConfig(model="small", pp=2, dp=2, microbatches=m, pp_schedule=schedule, batch=16, seq=64,
+                    **({"virtual_stages": 2} if schedule == "interleaved" else {}))
+    s = Target.of(run, backend="nccl")
+    per = stage_leaves(s, leaves(s))
+    rows = tuple(tuple(traffic(s, lv, i)) for i, lv in enumerate(per))
+    assert busy_bound(s, per, rows, hw) <= step_time(s, per, rows, hw).total * (1 + 1e-12)

@@ -581,8 +581,15 @@ def busy_bound(s: Target, per_stage: list[list[Leaf]], traffic: tuple[tuple[Traf
     # step_time feeds the schedule each rank's F and B with its in-step collectives: m·v
     # actions of each kind whose costs sum to m·(F + B + recompute) + those collectives.
     busy = [m * (w.forward + w.backward + _recompute(s, w)) + c for w, c in zip(works, in_steps)]
+    # And no rank starts before a microbatch went forward through every stage before its
+    # first (its first action is a forward of its lowest stage): their F, as fed.
+    p, v, where = s.run.pp, s.virtual_stages, schedules.placement(s.run.pp_schedule)
+    f = [(w.forward + c / m / 3) / v for w, c in zip(works, in_steps)]
+    owner = [schedules.stage_owner(g, p, where)[0] for g in range(p * v)]
+    start = [sum(f[owner[g]] for g in range(min(schedules.global_stage(c, r, p, where) for c in range(v))))
+             for r in range(p)]
     after = min(sum(e.values()) - c for e, c in zip(exposed, in_steps))
-    return max(busy) + after + optimizer
+    return max(b + a for b, a in zip(busy, start)) + after + optimizer
 
 
 def _kinds(schedule: schedules.Schedule, p: int) -> set[tuple[int, str]]:
