@@ -242,9 +242,7 @@ def _is_matmul(leaf: Leaf, has_head: bool, s: Target) -> bool:
 
 @dataclass(frozen=True)
 class _Held:
-    """What a rank's compute reads of its leaves: its matmuls by shape (a model's blocks
-    repeat a handful: a search times a 70B's 723 leaves thousands of times), its blocks,
-    whether it holds the embedding and the head, and its gradients' elements."""
+    """A rank's leaves as its compute reads them (matmuls by shape: a 70B's 723 leaves hold a handful)."""
 
     dense: tuple[tuple[tuple[int, int], int], ...]  # ((k_in, n_out), count)
     routed: tuple[tuple[tuple[int, int, int], int], ...]  # ((E_local, in, out), count)
