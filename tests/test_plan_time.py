@@ -255,15 +255,14 @@ def test_a_blocks_unfused_ops_and_bytes_are_the_codes() -> None:
 def test_busy_bound_is_a_bound_of_every_schedule(schedule, m):
     """The search prunes by busy_bound (each rank's work after the forwards it waits for
     before its first action): never above the simulated step, whatever the schedule."""
-    from dtp.planning.target import leaves, stage_leaves
+    from dtp.planning.hardware import hardware
+    from dtp.planning.target import Target, leaves, stage_leaves
     from dtp.planning.time import busy_bound, step_time
     from dtp.planning.traffic import traffic
-    from dtp.planning.hardware import hardware
-    from dtp.planning.target import Target
 
     hw = hardware("h100-sxm")
     run = dtp.RunConfig(model="small", pp=2, dp=2, microbatches=m, pp_schedule=schedule, batch=16, seq=64,
-                    **({"virtual_stages": 2} if schedule == "interleaved" else {}))
+                        **({"virtual_stages": 2} if schedule == "interleaved" else {}))
     s = Target.of(run, backend="nccl")
     per = stage_leaves(s, leaves(s))
     rows = tuple(tuple(traffic(s, lv, i)) for i, lv in enumerate(per))

@@ -16,8 +16,8 @@ It is exact with respect to that model, and fast by rules that hold in it:
   has a bound no pipeline option beats: the model's compute over the pipeline ranks, or
   one microbatch's way forward through every stage and its input gradient back, whichever
   is longer, plus the smallest optimizer step. A schedule's group has a tighter one: its
-  busiest rank's busy time and the step's communication (:func:`.time.busy_bound`, no
-  simulation, no memory plan). Entries are opened in the order of their bounds and the
+  ranks' busy time after the forwards each waits for, and the step's communication
+  (:func:`.time.busy_bound`, no simulation, no memory plan). Entries are opened in the order of their bounds and the
   search stops when the next bound is above the ``show``-th best time found.
 - **dominance within a group.** Recompute only adds time, and ZeRO's overlaps only hide
   it: of the variants that fit, one with less recompute and a superset of the overlaps

@@ -254,10 +254,6 @@ class _Held:
 
 
 def _held(s: Target, rank_leaves: Sequence[Leaf]) -> _Held:
-    return by_leaves("held", rank_leaves, (s.cfg.tie_embeddings,), lambda: _read_held(s, rank_leaves))
-
-
-def _read_held(s: Target, rank_leaves: Sequence[Leaf]) -> _Held:
     has_head = any(leaf.path == "final_norm" for leaf in rank_leaves)
     dense: dict[tuple[int, int], int] = {}
     routed: dict[tuple[int, int, int], int] = {}
@@ -281,8 +277,7 @@ def _work(s: Target, rank_leaves: Sequence[Leaf], hw: Hardware) -> _Work:
     cfg, run, dtype = s.cfg, s.run, s.run.dtype
     item = s.torch_dtype.itemsize
     tokens = s.tokens  # per microbatch, the sequence over cp (SP gathers it for the matmuls)
-    held = _held(s, rank_leaves)
-    blocks = held.blocks
+    held = by_leaves("held", rank_leaves, (s.cfg.tie_embeddings,), lambda: _held(s, rank_leaves))
     matmul = sum(n * matmul_seconds(tokens, k_in, n_out, item, hw, dtype) for (k_in, n_out), n in held.dense)
     # Routed experts, top_k of them per token, balanced: each of the ep group's experts
     # gets tokens·ep·top_k / E of its tokens, tokens·top_k / e_local per local expert.
@@ -294,19 +289,19 @@ def _work(s: Target, rank_leaves: Sequence[Leaf], hw: Hardware) -> _Work:
     # the chip's attention figure at the keys one SDPA call sees (a ring's block).
     heads = cfg.n_heads // run.tp
     head_dim = cfg.head_dim or cfg.dim // cfg.n_heads
-    attn_flops = 4.0 * tokens * (run.seq + 1) / 2 * head_dim * heads * len(blocks)
+    attn_flops = 4.0 * tokens * (run.seq + 1) / 2 * head_dim * heads * len(held.blocks)
     ring = run.cp // (run.ulysses_degree if run.cp_algo == "hybrid" else run.cp if run.cp_algo == "ulysses" else 1)
     attention = attn_flops / (hw.chip.flops[dtype] * hw.chip.attention_fraction(run.seq // ring, head_dim))
     q_dim, kv_dim = heads * head_dim, max(cfg.n_kv_heads // run.tp, 1) * head_dim  # kv heads repeat below tp
     ffn = (cfg.moe_ffn_dim or cfg.ffn_dim) * (cfg.top_k if cfg.num_experts else 1) // run.tp
-    moe = sum(llama.is_moe(cfg, i) for i in blocks)
-    fwd, bwd, ops_f, ops_b = _unfused(s, q_dim, kv_dim, ffn, len(blocks), moe, held.has_head, held.has_embed)
+    moe = sum(llama.is_moe(cfg, i) for i in held.blocks)
+    fwd, bwd, ops_f, ops_b = _unfused(s, q_dim, kv_dim, ffn, len(held.blocks), moe, held.has_head, held.has_embed)
     # From the second microbatch on, each gradient is added into the step's (read two, write one).
     extra = (run.microbatches - 1) / run.microbatches
     bwd += extra * 3 * held.grads * accum_dtype(s.torch_dtype).itemsize
     ops_b += extra * held.count
     bw, op = hw.chip.memory_bandwidth, hw.chip.op_overhead
-    return _Work(matmul, attention, fwd / bw + op * ops_f, len(blocks), expert, bwd / bw + op * ops_b)
+    return _Work(matmul, attention, fwd / bw + op * ops_f, len(held.blocks), expert, bwd / bw + op * ops_b)
 
 
 # What eager code moves and runs outside the matmuls and attention, counted from the code
@@ -516,11 +511,7 @@ def step_time(s: Target, per_stage: list[list[Leaf]], traffic: tuple[tuple[Traff
         sched = schedule(s)[0]
         where = schedules.placement(run.pp_schedule)
         costs: dict[tuple[int, str], float] = {}
-        # A stage's F and B wait on their own tp / cp / ep collectives: a third of a
-        # microbatch's in forward, two thirds in backward (backward moves the same
-        # activations' gradients twice: dgrad and the re-gathers).
-        fs = [(w.forward + c / m / 3) / v for w, c in zip(works, in_steps)]
-        bs = [(w.backward + rc + 2 * c / m / 3) / v for w, rc, c in zip(works, recomputes, in_steps)]
+        fs, bs = _fed(works, recomputes, in_steps, m, v)
         for rank in range(p):
             for c in range(v):
                 g = schedules.global_stage(c, rank, p, where)
@@ -552,6 +543,15 @@ def step_time(s: Target, per_stage: list[list[Leaf]], traffic: tuple[tuple[Traff
                     total, tokens_per_s, mfu, per_token)
 
 
+def _fed(works: list[_Work], recomputes: list[float], in_steps: tuple[float, ...], m: int,
+         v: int) -> tuple[list[float], list[float]]:
+    """Each rank's F and B of one chunk as the schedule is fed them: each waits on its own
+    tp / cp / ep collectives, a third of a microbatch's in forward, two thirds in backward
+    (backward moves the same activations' gradients twice: dgrad and the re-gathers)."""
+    return ([(w.forward + c / m / 3) / v for w, c in zip(works, in_steps)],
+            [(w.backward + rc + 2 * c / m / 3) / v for w, rc, c in zip(works, recomputes, in_steps)])
+
+
 def busy_bound(s: Target, per_stage: list[list[Leaf]], traffic: tuple[tuple[Traffic, ...], ...],
                hw: Hardware, works: list[_Work] | None = None) -> float:
     """A bound :func:`step_time` never beats, without simulating the schedule: the
@@ -577,12 +577,12 @@ def busy_bound(s: Target, per_stage: list[list[Leaf]], traffic: tuple[tuple[Traf
         return m * (works[0].forward + works[0].backward + _recompute(s, works[0])) + sum(exposed[0].values()) + \
             optimizer
     # step_time feeds the schedule each rank's F and B with its in-step collectives: m·v
-    # actions of each kind whose costs sum to m·(F + B + recompute) + those collectives.
-    busy = [m * (w.forward + w.backward + _recompute(s, w)) + c for w, c in zip(works, in_steps)]
+    # actions of each kind, m·(F + B + recompute) + those collectives in all.
+    p, v, where = s.run.pp, s.virtual_stages, schedules.placement(s.run.pp_schedule)
+    f, b = _fed(works, [_recompute(s, w) for w in works], in_steps, m, v)
+    busy = [m * v * (fr + br) for fr, br in zip(f, b)]
     # And no rank starts before a microbatch went forward through every stage before its
     # first (its first action is a forward of its lowest stage): their F, as fed.
-    p, v, where = s.run.pp, s.virtual_stages, schedules.placement(s.run.pp_schedule)
-    f = [(w.forward + c / m / 3) / v for w, c in zip(works, in_steps)]
     owner = [schedules.stage_owner(g, p, where)[0] for g in range(p * v)]
     start = [sum(f[owner[g]] for g in range(min(schedules.global_stage(c, r, p, where) for c in range(v))))
              for r in range(p)]
